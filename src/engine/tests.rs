@@ -1,0 +1,365 @@
+use super::*;
+use crate::policy::Policy;
+use crate::response;
+use crate::testing::{FakeHost, SharedStore};
+
+const S: u64 = 1_000_000_000;
+const T0: u64 = 1_796_000_000 * S;
+
+fn policy(extra: &str) -> Policy {
+    let json = format!(
+        r#"{{
+        "version": "test-1",
+        "identity": {{"header": "x-tenant-id"}},
+        "plans": {{
+            "free": {{"limits": [{{"rate": 10, "per": "1s", "burst": 5}}]}},
+            "paid": {{"limits": [{{"rate": 1000, "per": "1s"}}]}},
+            "anon": {{"limits": [{{"rate": 2, "per": "1s", "burst": 5}}]}},
+            "combo": {{"limits": [
+                {{"name": "per_second", "rate": 10, "per": "1s"}},
+                {{"name": "per_minute", "rate": 15, "per": "1m"}}
+            ]}}
+        }},
+        "tenants": [
+            {{"id": "acme", "plan": "free"}},
+            {{"id": "bigco", "plan": "paid"}},
+            {{"id": "combo", "plan": "combo"}}
+        ],
+        "default_plan": "free",
+        "anonymous": {{"plan": "anon"}},
+        "routes": {{
+            "api": {{"action": "api"}},
+            "orders": {{"action": "orders"}},
+            "search": {{"action": "search", "cost": 5}}
+        }}
+        {extra}
+    }}"#
+    );
+    match Policy::from_json(json.as_bytes()) {
+        Ok(p) => p,
+        Err(e) => panic!("test policy invalid: {e}"),
+    }
+}
+
+fn req(store: &std::rc::Rc<std::cell::RefCell<SharedStore>>, class: &str, tenant: &str) -> FakeHost {
+    FakeHost::new(store.clone()).route_class(class).header("x-tenant-id", tenant).source("10.1.2.3:5555")
+}
+
+fn run(p: &Policy, host: &FakeHost, now: u64) -> Decision {
+    decide(p, host, now, &mut Vec::new())
+}
+
+fn admitted(p: &Policy, host: &FakeHost, now: u64, n: usize) -> usize {
+    (0..n).filter(|_| run(p, host, now).reason == Reason::Allowed).count()
+}
+
+#[test]
+fn a_tenant_gets_its_burst_then_429_with_exact_retry_after_and_headers() {
+    let p = policy("");
+    let store = SharedStore::new();
+    let h = req(&store, "api", "acme");
+    assert_eq!(admitted(&p, &h, T0, 5), 5);
+    let d = run(&p, &h, T0);
+    assert_eq!(d.reason, Reason::RateLimited);
+    assert_eq!(d.deny_status(), Some(429));
+    assert_eq!(d.limit.as_deref(), Some("free"));
+    // 10/s: the next token is 100 ms away; Retry-After rounds up to 1 s.
+    assert_eq!(d.retry_after_secs, 1);
+    let headers = d.headers.clone().unwrap();
+    assert_eq!(headers.policy, r#""free";q=10;w=1"#);
+    assert_eq!(headers.ratelimit, r#""free";r=0;t=1"#);
+    // Exactly when one token is back, one request is admitted.
+    assert_eq!(run(&p, &h, T0 + 100_000_000 - 1).reason, Reason::RateLimited);
+    assert_eq!(run(&p, &h, T0 + 100_000_000).reason, Reason::Allowed);
+}
+
+#[test]
+fn allowed_responses_carry_remaining_and_reset() {
+    let p = policy("");
+    let store = SharedStore::new();
+    let d = run(&p, &req(&store, "api", "acme"), T0);
+    assert_eq!(d.reason, Reason::Allowed);
+    let h = d.headers.unwrap();
+    assert_eq!(h.policy, r#""free";q=10;w=1"#);
+    assert_eq!(h.ratelimit, r#""free";r=4;t=1"#);
+}
+
+#[test]
+fn tenants_and_actions_never_share_a_bucket() {
+    let p = policy("");
+    let store = SharedStore::new();
+    assert_eq!(admitted(&p, &req(&store, "api", "acme"), T0, 20), 5);
+    // Another tenant on the same plan, and the same tenant on another action.
+    assert_eq!(admitted(&p, &req(&store, "api", "other"), T0, 20), 5);
+    assert_eq!(admitted(&p, &req(&store, "orders", "acme"), T0, 20), 5);
+    assert_eq!(admitted(&p, &req(&store, "api", "bigco"), T0, 2000), 1000);
+    assert_eq!(store.borrow().len(), 4);
+}
+
+#[test]
+fn route_class_comes_from_metadata_then_route_name_never_headers() {
+    let p = policy(r#", "default_route": "api""#);
+    let store = SharedStore::new();
+    // Route name fallback: a route named "search" costs 5.
+    let by_name = FakeHost::new(store.clone())
+        .property(&ROUTE_NAME_PROPERTY, "search")
+        .header("x-tenant-id", "acme");
+    assert_eq!(admitted(&p, &by_name, T0, 3), 1);
+    // Client headers naming a class or plan change nothing.
+    let forged = req(&store, "api", "acme")
+        .header("x-tenantgate-class", "orders")
+        .header("x-tenant-plan", "paid")
+        .header("x-priority", "critical");
+    assert_eq!(admitted(&p, &forged, T0, 20), 5);
+    // An unknown class falls back to the default route.
+    let unknown = req(&store, "no-such-class", "zed");
+    assert_eq!(admitted(&p, &unknown, T0, 20), 5);
+    assert_eq!(store.borrow().get("tg1|api|t|zed").is_some(), true);
+}
+
+#[test]
+fn without_a_default_route_unclassified_requests_pass_and_are_labelled() {
+    let p = policy("");
+    let store = SharedStore::new();
+    let h = FakeHost::new(store.clone()).header("x-tenant-id", "acme");
+    let d = run(&p, &h, T0);
+    assert_eq!(d.reason, Reason::Unclassified);
+    assert!(store.borrow().is_empty());
+}
+
+#[test]
+fn cost_is_charged_and_must_fit() {
+    let p = policy("");
+    let store = SharedStore::new();
+    let h = req(&store, "search", "acme");
+    assert_eq!(run(&p, &h, T0).reason, Reason::Allowed); // 5 of 5
+    let d = run(&p, &h, T0);
+    assert_eq!(d.reason, Reason::RateLimited);
+    assert_eq!(d.retry_after_secs, 1); // 5 tokens × 100 ms = 500 ms → 1 s
+}
+
+#[test]
+fn missing_or_invalid_identity_is_anonymous_by_client_address() {
+    let p = policy("");
+    let store = SharedStore::new();
+    let none = FakeHost::new(store.clone()).route_class("api").source("192.0.2.7:40000");
+    let d = run(&p, &none, T0);
+    assert_eq!(d.subject, Subject::Anonymous { address: "192.0.2.7".into(), invalid_identity: false });
+    assert_eq!(admitted(&p, &none, T0, 10), 4); // anon: burst 5, one used above
+    // Oversized and non-UTF-8 ids count as invalid, grouped with the address.
+    for bad in [vec![b'a'; 65_536], vec![0xff, 0xfe, 0x00], b"has space".to_vec(), b"\x07bell".to_vec()] {
+        let h = FakeHost::new(store.clone()).route_class("api").header("x-tenant-id", bad).source("192.0.2.7:1");
+        let d = run(&p, &h, T0);
+        assert_eq!(d.reason, Reason::RateLimited);
+        assert_eq!(d.subject, Subject::Anonymous { address: "192.0.2.7".into(), invalid_identity: true });
+    }
+    let v6 = FakeHost::new(store.clone()).route_class("api").source("[2001:db8::1]:443");
+    assert!(matches!(run(&p, &v6, T0).subject, Subject::Anonymous { ref address, .. } if address == "2001:db8::1"));
+}
+
+#[test]
+fn jwt_claim_identity_reads_dynamic_metadata_not_headers() {
+    let p = {
+        let mut json = String::from(
+            r#"{"version":"v","identity":{"jwt":{"payload_in_metadata":"jwt_payload","claim":"tenant"}},
+            "plans":{"free":{"limits":[{"rate":1,"per":"1s"}]},"paid":{"limits":[{"rate":100,"per":"1s"}]}},
+            "tenants":[{"id":"good","plan":"paid"}],"default_plan":"free","anonymous":{"plan":"free"},
+            "routes":{"api":{}}}"#,
+        );
+        json.retain(|c| c != '\n');
+        Policy::from_json(json.as_bytes()).unwrap()
+    };
+    let store = SharedStore::new();
+    let claim = ["metadata", "filter_metadata", "envoy.filters.http.jwt_authn", "jwt_payload", "tenant"];
+    let h = FakeHost::new(store.clone()).route_class("api").property(&claim, "good").header("x-tenant-id", "forged");
+    let d = run(&p, &h, T0);
+    assert_eq!(d.subject, Subject::Tenant("good".into()));
+    assert_eq!(admitted(&p, &h, T0, 200), 99);
+}
+
+#[test]
+fn several_limits_are_all_or_nothing() {
+    let p = policy("");
+    let store = SharedStore::new();
+    let h = req(&store, "api", "combo");
+    // 10/s burst 10 and 15/min: the minute limit binds after 15.
+    assert_eq!(admitted(&p, &h, T0, 10), 10);
+    assert_eq!(run(&p, &h, T0).limit.as_deref(), Some("per_second"));
+    assert_eq!(admitted(&p, &h, T0 + S, 10), 5);
+    let d = run(&p, &h, T0 + 2 * S);
+    assert_eq!(d.reason, Reason::RateLimited);
+    assert_eq!(d.limit.as_deref(), Some("per_minute"));
+    // 15/min is 4 s a token; the minute bucket is full at T0+60s, so the
+    // next token is back at T0+4s: 2 s from now.
+    assert_eq!(d.retry_after_secs, 2);
+    // Denied requests charged nothing: per_second still has its tokens.
+    let stored = crate::state::decode(store.borrow().get("tg1|api|t|combo").unwrap()).unwrap();
+    assert_eq!(p.plans()[1].limits.len(), 2);
+    let per_second = p.plans().iter().find(|pl| pl.name == "combo").unwrap();
+    let (tat, _) = crate::state::tat_for(&per_second.limits[0], &stored, T0 + 2 * S);
+    assert_eq!(per_second.limits[0].gcra.available(tat, T0 + 2 * S), 10);
+}
+
+#[test]
+fn shadow_mode_never_denies_but_reports() {
+    let p = policy(r#", "mode": "shadow""#);
+    let store = SharedStore::new();
+    let h = req(&store, "api", "acme");
+    let reasons: Vec<Reason> = (0..8).map(|_| run(&p, &h, T0).reason).collect();
+    assert_eq!(reasons.iter().filter(|r| **r == Reason::Allowed).count(), 5);
+    assert_eq!(reasons.iter().filter(|r| **r == Reason::ShadowLimited).count(), 3);
+    assert!(reasons.iter().all(|r| r.deny_status().is_none()));
+}
+
+#[test]
+fn mode_off_touches_nothing() {
+    let p = policy(r#", "mode": "off""#);
+    let store = SharedStore::new();
+    assert_eq!(run(&p, &req(&store, "api", "acme"), T0).reason, Reason::Disabled);
+    assert!(store.borrow().is_empty());
+}
+
+#[test]
+fn cas_conflicts_are_retried_and_exhaustion_denies_with_503() {
+    let p = policy("");
+    let store = SharedStore::new();
+    let h = req(&store, "api", "acme");
+    *h.forced_conflicts.borrow_mut() = 3;
+    let d = run(&p, &h, T0);
+    assert_eq!(d.reason, Reason::Allowed);
+    assert_eq!(d.cas_retries, 3);
+    *h.forced_conflicts.borrow_mut() = MAX_CAS_ATTEMPTS;
+    let d = run(&p, &h, T0);
+    assert_eq!(d.reason, Reason::Contention);
+    assert_eq!(d.deny_status(), Some(503));
+    // The exhausted request charged nothing: 4 tokens remain.
+    assert_eq!(admitted(&p, &h, T0, 10), 4);
+}
+
+#[test]
+fn a_broken_host_store_denies_and_says_so() {
+    let p = policy("");
+    let mut h = req(&SharedStore::new(), "api", "acme");
+    h.fail_shared = true;
+    let d = run(&p, &h, T0);
+    assert_eq!(d.reason, Reason::StateUnavailable);
+    assert_eq!(d.deny_status(), Some(503));
+}
+
+#[test]
+fn interleaved_workers_never_admit_more_than_the_bucket_allows() {
+    // Two "workers" share the store; each reads, then the other writes in
+    // between (a forced interleaving), for a thousand requests.
+    let p = policy("");
+    let store = SharedStore::new();
+    let a = req(&store, "api", "acme");
+    let b = req(&store, "api", "acme");
+    let mut admitted = 0;
+    let mut now = T0;
+    for i in 0..1000u64 {
+        now += 37_000_000; // 37 ms apart: 10/s refills 0.37 tokens per step
+        let h = if i % 2 == 0 { &a } else { &b };
+        if i % 3 == 0 {
+            *h.forced_conflicts.borrow_mut() = 2;
+        }
+        if run(&p, h, now).reason == Reason::Allowed {
+            admitted += 1;
+        }
+    }
+    let elapsed = now - T0;
+    assert!(admitted <= 5 + elapsed / 100_000_000, "admitted {admitted}");
+    assert!(admitted >= elapsed / 100_000_000 - 1, "admitted {admitted}");
+}
+
+#[test]
+fn a_reload_with_changed_limits_keeps_the_bucket_level() {
+    let store = SharedStore::new();
+    let before = policy("");
+    let h = req(&store, "api", "acme");
+    assert_eq!(admitted(&before, &h, T0, 10), 5);
+    // Same plan, raised 10× (burst 50): the empty bucket stays empty.
+    let mut after = Policy::from_json(
+        br#"{"version":"test-2","identity":{"header":"x-tenant-id"},
+        "plans":{"free":{"limits":[{"rate":100,"per":"1s","burst":50}]},"anon":{"limits":[{"rate":2,"per":"1s","burst":5}]}},
+        "default_plan":"free","anonymous":{"plan":"anon"},"routes":{"api":{}}}"#,
+    )
+    .unwrap();
+    after.effective_from_ns = T0;
+    assert_eq!(run(&after, &h, T0).reason, Reason::RateLimited);
+    // And refills at the new rate: 10 ms per token.
+    assert_eq!(admitted(&after, &h, T0 + 100_000_000, 100), 10);
+}
+
+#[test]
+fn denial_replies_are_problem_json_with_every_header() {
+    let p = policy("");
+    let store = SharedStore::new();
+    let h = req(&store, "api", "acme");
+    admitted(&p, &h, T0, 5);
+    let d = run(&p, &h, T0);
+    let reply = response::local_reply(&d, &p.version, true, response::request_id(Some(b"req-1"))).unwrap();
+    assert_eq!(reply.status, 429);
+    let get = |n: &str| reply.headers.iter().find(|(k, _)| *k == n).map(|(_, v)| v.as_str());
+    assert_eq!(get("content-type"), Some("application/problem+json"));
+    assert_eq!(get("retry-after"), Some("1"));
+    assert_eq!(get("x-tenantgate-reason"), Some("rate_limited"));
+    assert_eq!(get("ratelimit-policy"), Some(r#""free";q=10;w=1"#));
+    assert_eq!(get("ratelimit"), Some(r#""free";r=0;t=1"#));
+    assert_eq!(get("x-request-id"), Some("req-1"));
+    let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+    assert_eq!(body["status"], 429);
+    assert_eq!(body["reason"], "rate_limited");
+    assert_eq!(body["limit"], "free");
+    assert_eq!(body["retry_after"], 1);
+    assert_eq!(body["policy_version"], "test-1");
+    assert_eq!(body["request_id"], "req-1");
+    assert_eq!(body["type"], "urn:tenantgate:problem:rate_limited");
+    // Hostile request ids are dropped, not echoed.
+    assert_eq!(response::request_id(Some(b"a\r\nset-cookie: x")), None);
+    assert_eq!(response::request_id(Some(&[b'x'; 129])), None);
+    assert_eq!(response::request_id(Some(&[0xff])), None);
+}
+
+#[test]
+fn client_addresses_are_parsed_defensively() {
+    assert_eq!(client_ip(b"127.0.0.1:80"), Some("127.0.0.1"));
+    assert_eq!(client_ip(b"[::1]:80"), Some("::1"));
+    assert_eq!(client_ip(b"::1"), Some("::1"));
+    assert_eq!(client_ip(b"10.0.0.1"), Some("10.0.0.1"));
+    assert_eq!(client_ip(b"pipe:/tmp/x"), None);
+    assert_eq!(client_ip(&[0xff, b':', b'1']), None);
+    assert_eq!(client_ip(b""), None);
+}
+
+#[test]
+fn a_wall_clock_step_backwards_costs_at_most_one_refill() {
+    let p = policy("");
+    let store = SharedStore::new();
+    let h = req(&store, "api", "acme");
+    assert_eq!(admitted(&p, &h, T0, 5), 5);
+    let back = T0 - 3600 * S;
+    let d = run(&p, &h, back);
+    assert_eq!(d.reason, Reason::RateLimited);
+    assert_eq!(d.retry_after_secs, 1);
+    // 100 ms after the step one token is back, not an hour later.
+    assert_eq!(run(&p, &h, back + 100_000_000).reason, Reason::Allowed);
+}
+
+#[test]
+fn a_reload_takes_effect_from_its_load_time_even_for_untouched_keys() {
+    // Regression: migration used to apply the old rate until the key's first
+    // write after the reload.
+    let store = SharedStore::new();
+    let before = policy("");
+    let h = req(&store, "api", "acme");
+    assert_eq!(admitted(&before, &h, T0, 5), 5); // empty at T0, 100 ms/token
+    let mut after = Policy::from_json(
+        br#"{"version":"test-2","identity":{"header":"x-tenant-id"},
+        "plans":{"free":{"limits":[{"rate":1,"per":"1s","burst":5}]},"anon":{"limits":[{"rate":2,"per":"1s","burst":5}]}},
+        "default_plan":"free","anonymous":{"plan":"anon"},"routes":{"api":{}}}"#,
+    )
+    .unwrap();
+    after.effective_from_ns = T0 + 200_000_000; // 2 old tokens accrued by then
+    // At T0+1s: 2 tokens carried over + 0.8 s at the new 1/s = 2 tokens.
+    assert_eq!(admitted(&after, &h, T0 + S, 10), 2);
+}

@@ -1,0 +1,74 @@
+//! The filter's Envoy stats: a fixed, small set of counters with bounded
+//! names (never one per tenant). Envoy shows them as
+//! `wasmcustom.tenantgate.*` in `/stats` and `tenantgate_*` in
+//! `/stats/prometheus`; every worker VM defining the same name shares one
+//! counter.
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::MetricType;
+
+use crate::engine::{Decision, Reason, Subject};
+
+pub struct Metrics {
+    decisions: [Option<u32>; Reason::ALL.len()],
+    cas_retries: Option<u32>,
+    anonymous: Option<u32>,
+    invalid_identity: Option<u32>,
+    config_loads: Option<u32>,
+    config_rejections: Option<u32>,
+    reply_failures: Option<u32>,
+}
+
+fn counter(name: &str) -> Option<u32> {
+    match hostcalls::define_metric(MetricType::Counter, name) {
+        Ok(id) => Some(id),
+        Err(status) => {
+            log::warn!("tenantgate: cannot define metric {name}: {status:?}");
+            None
+        }
+    }
+}
+
+fn add(id: Option<u32>, n: u32) {
+    if let (Some(id), true) = (id, n > 0) {
+        // A failed stat update must never fail the request.
+        let _ = hostcalls::increment_metric(id, i64::from(n));
+    }
+}
+
+impl Metrics {
+    pub fn define() -> Metrics {
+        Metrics {
+            decisions: Reason::ALL.map(|r| counter(&format!("tenantgate.decisions.{}", r.as_str()))),
+            cas_retries: counter("tenantgate.cas.retries"),
+            anonymous: counter("tenantgate.identity.anonymous"),
+            invalid_identity: counter("tenantgate.identity.invalid"),
+            config_loads: counter("tenantgate.config.loads"),
+            config_rejections: counter("tenantgate.config.rejections"),
+            reply_failures: counter("tenantgate.reply_failures"),
+        }
+    }
+
+    pub fn record(&self, d: &Decision) {
+        if let Some(i) = Reason::ALL.iter().position(|r| *r == d.reason) {
+            add(self.decisions.get(i).copied().flatten(), 1);
+        }
+        add(self.cas_retries, d.cas_retries);
+        if let Subject::Anonymous { invalid_identity, .. } = d.subject {
+            add(self.anonymous, 1);
+            add(self.invalid_identity, u32::from(invalid_identity));
+        }
+    }
+
+    pub fn config_loaded(&self) {
+        add(self.config_loads, 1);
+    }
+
+    pub fn config_rejected(&self) {
+        add(self.config_rejections, 1);
+    }
+
+    pub fn reply_failed(&self) {
+        add(self.reply_failures, 1);
+    }
+}

@@ -1,0 +1,30 @@
+//! What the core needs from the proxy, as a trait: the glue implements it
+//! with proxy-wasm hostcalls, tests with an in-memory fake. Every method is
+//! infallible or returns a `Result` the core handles; none may trap.
+
+/// The outcome of a compare-and-swap write to shared data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CasResult {
+    Written,
+    /// Another worker wrote the key since it was read.
+    Conflict,
+}
+
+/// The host could not perform a shared-data operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostError;
+
+pub trait Host {
+    /// A request header's raw bytes (names are matched case-insensitively).
+    fn request_header(&self, name: &str) -> Option<Vec<u8>>;
+
+    /// A property's raw bytes, e.g. `["xds", "route_name"]`.
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
+
+    /// Reads a shared-data value and its CAS token (`None` if absent).
+    fn shared_get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError>;
+
+    /// Writes a shared-data value if its CAS token still is `cas`. A `None`
+    /// token writes unconditionally (the key did not exist when read).
+    fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<CasResult, HostError>;
+}

@@ -1,0 +1,23 @@
+//! tenantgate: multi-tenant rate limiting for Envoy, as a proxy-wasm filter.
+//!
+//! The crate is split in two:
+//! * the **core** ([`policy`], [`limiter`], [`engine`], [`state`],
+//!   [`response`]): pure Rust that never reads a clock or calls the proxy;
+//!   everything it needs from Envoy comes through the [`host::Host`] trait
+//!   and time comes in as an argument. It builds and is tested natively.
+//! * the **glue** (`glue`, wasm32 only): the only code that names
+//!   `proxy_wasm`. It implements [`host::Host`] with hostcalls, compiles the
+//!   policy in `on_configure`, and turns decisions into Envoy actions.
+
+pub mod engine;
+pub mod host;
+pub mod limiter;
+pub mod policy;
+pub mod response;
+pub mod state;
+
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
+
+#[cfg(target_arch = "wasm32")]
+mod glue;

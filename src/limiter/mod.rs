@@ -1,0 +1,8 @@
+//! Rate-limit algorithms. Pure arithmetic on explicit time: no clock, no host.
+
+pub mod token_bucket;
+
+pub use token_bucket::{Check, Gcra};
+
+/// Nanoseconds per second.
+pub const NANOS_PER_SEC: u64 = 1_000_000_000;

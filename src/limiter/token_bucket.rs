@@ -1,0 +1,322 @@
+//! Token bucket in GCRA form (the generic cell rate algorithm).
+//!
+//! # Semantics
+//! A limit of `rate` per `per` with capacity `burst` refills one token every
+//! emission interval `T = ceil(per / rate)` and holds at most `burst`
+//! tokens. The whole state is one `u64`, the *theoretical arrival time*
+//! (TAT): the instant at which the bucket is full again. With tolerance
+//! `τ = burst × T`, at time `now`:
+//!
+//! * available tokens = `floor((now + τ − max(TAT, now)) / T)`, always in
+//!   `[0, burst]`;
+//! * a request of cost `c` is admitted iff `max(TAT, now) + c·T ≤ now + τ`,
+//!   and then `TAT := max(TAT, now) + c·T`;
+//! * a denied request changes nothing, and may retry after
+//!   `max(TAT, now) + c·T − τ − now` nanoseconds: the exact instant `c`
+//!   tokens are available.
+//!
+//! An idle period accrues at most `burst` tokens (`max(TAT, now)` forgets
+//! idle time beyond a full bucket). A clock that steps backwards is
+//! saturated: the stored TAT is clamped to `now + τ`, so a bucket is at worst
+//! empty and never owes more than one full refill.
+//!
+//! # Error and over-admission bound
+//! `T` is rounded *up* to whole nanoseconds, so the limiter admits at most
+//! `rate` per `per` plus `burst`: in any interval of length `d`, at most
+//! `burst + floor(d / T)` tokens are consumed, never more. The rounding
+//! under-admits by less than one token per `T` nanoseconds of error: for
+//! `7/day`, `T` is 1 ns longer than exact, i.e. one token in 10^13.
+
+/// The immutable parameters of one token-bucket limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gcra {
+    /// `T`: nanoseconds per token.
+    interval_ns: u64,
+    /// `τ = burst × T`: how far the TAT may run ahead of now.
+    tolerance_ns: u64,
+    burst: u64,
+}
+
+/// The outcome of [`Gcra::check`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Check {
+    /// Admitted; store `new_tat`. `remaining` tokens are left.
+    Admit { new_tat: u64, remaining: u64 },
+    /// Denied; nothing changes. `wait_ns` until the cost is available.
+    Deny { wait_ns: u64 },
+}
+
+impl Gcra {
+    /// `rate` tokens per `per_ns` nanoseconds, holding at most `burst`.
+    ///
+    /// Returns `None` unless `rate`, `per_ns` and `burst` are positive and
+    /// `burst × T` fits in a `u64` (policy validation reports these).
+    pub fn new(rate: u64, per_ns: u64, burst: u64) -> Option<Gcra> {
+        if rate == 0 || per_ns == 0 || burst == 0 {
+            return None;
+        }
+        let interval_ns = per_ns.div_ceil(rate);
+        let tolerance_ns = burst.checked_mul(interval_ns)?;
+        Some(Gcra { interval_ns, tolerance_ns, burst })
+    }
+
+    /// Rebuilds parameters stored by an earlier configuration.
+    pub fn from_stored(interval_ns: u64, tolerance_ns: u64) -> Option<Gcra> {
+        if interval_ns == 0 || tolerance_ns == 0 || tolerance_ns % interval_ns != 0 {
+            return None;
+        }
+        Some(Gcra { interval_ns, tolerance_ns, burst: tolerance_ns / interval_ns })
+    }
+
+    pub fn interval_ns(&self) -> u64 {
+        self.interval_ns
+    }
+
+    pub fn tolerance_ns(&self) -> u64 {
+        self.tolerance_ns
+    }
+
+    pub fn burst(&self) -> u64 {
+        self.burst
+    }
+
+    /// The TAT as it stands at `now`: idle time beyond a full bucket is
+    /// forgotten and a TAT left ahead by a clock step backwards is clamped.
+    fn effective_tat(&self, tat: u64, now: u64) -> u64 {
+        tat.clamp(now, now.saturating_add(self.tolerance_ns))
+    }
+
+    /// `tat` with any debt beyond one full refill forgiven: after a clock
+    /// step backwards the stored TAT can be far ahead of `now`. Callers
+    /// persist this on a denial when it differs from `tat`, so the bucket
+    /// refills from `now` instead of waiting for the old clock.
+    pub fn saturate(&self, tat: u64, now: u64) -> u64 {
+        tat.min(now.saturating_add(self.tolerance_ns))
+    }
+
+    /// Whole tokens available at `now`.
+    pub fn available(&self, tat: u64, now: u64) -> u64 {
+        let base = self.effective_tat(tat, now);
+        let slack = now.saturating_add(self.tolerance_ns) - base;
+        (slack / self.interval_ns).min(self.burst)
+    }
+
+    /// Nanoseconds until the bucket is full again.
+    pub fn time_to_full_ns(&self, tat: u64, now: u64) -> u64 {
+        self.effective_tat(tat, now) - now
+    }
+
+    /// Whether a request of `cost` tokens is admitted at `now`.
+    pub fn check(&self, tat: u64, now: u64, cost: u64) -> Check {
+        let base = self.effective_tat(tat, now);
+        let new_tat = base.saturating_add(cost.saturating_mul(self.interval_ns));
+        let horizon = now.saturating_add(self.tolerance_ns);
+        if new_tat <= horizon {
+            let remaining = ((horizon - new_tat) / self.interval_ns).min(self.burst);
+            Check::Admit { new_tat, remaining }
+        } else {
+            Check::Deny { wait_ns: new_tat - horizon }
+        }
+    }
+
+    /// The TAT under `self` that leaves a bucket no fuller than it was under
+    /// `old` at `now`: used when a policy reload changes a live limit, so a
+    /// reload never hands out tokens (in particular, never a fresh burst).
+    /// The bucket keeps its fill level in tokens, capped at the new burst,
+    /// and refills at the new rate from `now`.
+    pub fn migrate_tat(&self, old: &Gcra, tat: u64, now: u64) -> u64 {
+        if old == self {
+            return tat;
+        }
+        let old_base = old.effective_tat(tat, now);
+        let old_slack = u128::from(now.saturating_add(old.tolerance_ns) - old_base);
+        // Tokens (as a fraction) = old_slack / old.T; in new nanoseconds:
+        let new_slack = old_slack * u128::from(self.interval_ns) / u128::from(old.interval_ns);
+        let new_slack = u64::try_from(new_slack).unwrap_or(u64::MAX).min(self.tolerance_ns);
+        now.saturating_add(self.tolerance_ns) - new_slack
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+    const MIN: u64 = 60 * S;
+    /// An arbitrary, realistic wall-clock start (2026-11-30).
+    const T0: u64 = 1_796_000_000 * S;
+
+    fn limit(rate: u64, per: u64, burst: u64) -> Gcra {
+        Gcra::new(rate, per, burst).unwrap()
+    }
+
+    /// Admits `cost` at `now`, updating `tat`; true if admitted.
+    fn take(g: &Gcra, tat: &mut u64, now: u64, cost: u64) -> bool {
+        match g.check(*tat, now, cost) {
+            Check::Admit { new_tat, .. } => {
+                *tat = new_tat;
+                true
+            }
+            Check::Deny { .. } => false,
+        }
+    }
+
+    #[test]
+    fn a_full_bucket_admits_exactly_its_burst() {
+        let g = limit(100, MIN, 20);
+        let mut tat = 0;
+        let admitted = (0..50).filter(|_| take(&g, &mut tat, T0, 1)).count();
+        assert_eq!(admitted, 20);
+        assert_eq!(g.available(tat, T0), 0);
+    }
+
+    #[test]
+    fn refill_is_exact_after_long_idle_and_capped_at_burst() {
+        let g = limit(100, MIN, 100);
+        let mut tat = 0;
+        for _ in 0..100 {
+            assert!(take(&g, &mut tat, T0, 1));
+        }
+        // 600 ms per token: 30 s later exactly 50 tokens are back.
+        assert_eq!(g.available(tat, T0 + 30 * S), 50);
+        assert_eq!(g.available(tat, T0 + 30 * S - 1), 49);
+        // A week idle accrues no more than the burst.
+        assert_eq!(g.available(tat, T0 + 7 * 86_400 * S), 100);
+        let mut later = tat;
+        let n = (0..1000).filter(|_| take(&g, &mut later, T0 + 7 * 86_400 * S, 1)).count();
+        assert_eq!(n, 100);
+    }
+
+    #[test]
+    fn retry_after_is_the_exact_time_to_the_next_token() {
+        let g = limit(10, S, 10); // T = 100 ms
+        let mut tat = 0;
+        for _ in 0..10 {
+            assert!(take(&g, &mut tat, T0, 1));
+        }
+        let now = T0 + 30_000_000; // 30 ms later: next token at +100 ms
+        assert_eq!(g.check(tat, now, 1), Check::Deny { wait_ns: 70_000_000 });
+        assert!(!take(&g, &mut tat, now + 70_000_000 - 1, 1));
+        assert!(take(&g, &mut tat, now + 70_000_000, 1));
+    }
+
+    #[test]
+    fn costs_above_one_consume_and_wait_proportionally() {
+        let g = limit(10, S, 10);
+        let mut tat = 0;
+        assert!(take(&g, &mut tat, T0, 5));
+        assert_eq!(g.available(tat, T0), 5);
+        assert!(take(&g, &mut tat, T0, 5));
+        assert_eq!(g.check(tat, T0, 5), Check::Deny { wait_ns: 500_000_000 });
+        // Four tokens back is not enough for cost 5.
+        assert!(!take(&g, &mut tat, T0 + 400_000_000, 5));
+        assert!(take(&g, &mut tat, T0 + 500_000_000, 5));
+    }
+
+    #[test]
+    fn a_clock_step_backwards_saturates_instead_of_blocking() {
+        let g = limit(10, S, 10);
+        let mut tat = 0;
+        for _ in 0..10 {
+            assert!(take(&g, &mut tat, T0, 1));
+        }
+        let back = T0 - 3600 * S; // the wall clock jumps back an hour
+        assert_eq!(g.available(tat, back), 0);
+        match g.check(tat, back, 1) {
+            Check::Deny { wait_ns } => assert_eq!(wait_ns, g.interval_ns()),
+            other => panic!("expected a denial, got {other:?}"),
+        }
+        assert_eq!(g.time_to_full_ns(tat, back), g.tolerance_ns());
+        // The caller persists the saturated TAT with the denial...
+        tat = g.saturate(tat, back);
+        // ...so exactly one interval later a token is back.
+        assert!(!take(&g, &mut tat, back + g.interval_ns() - 1, 1));
+        assert!(take(&g, &mut tat, back + g.interval_ns(), 1));
+    }
+
+    #[test]
+    fn tokens_stay_within_zero_and_capacity_under_random_traffic() {
+        // A small deterministic xorshift so the test needs no dependency.
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..200 {
+            let rate = next() % 1000 + 1;
+            let burst = next() % 500 + 1;
+            let per = (next() % 3600 + 1) * S;
+            let g = limit(rate, per, burst);
+            let (mut tat, mut now) = (0u64, T0);
+            for _ in 0..500 {
+                // Mostly forward, sometimes backwards, sometimes idle long.
+                match next() % 10 {
+                    0 => now = now.saturating_sub(next() % (10 * S)),
+                    1 => now += next() % (per * 2),
+                    _ => now += next() % (g.interval_ns() * 2),
+                }
+                let cost = next() % burst.min(5) + 1;
+                let available = g.available(tat, now);
+                assert!(available <= burst);
+                if take(&g, &mut tat, now, cost) {
+                    assert!(cost <= available, "admitted {cost} with {available} available");
+                }
+                assert!(g.available(tat, now) <= burst);
+            }
+        }
+    }
+
+    #[test]
+    fn admitted_never_exceeds_burst_plus_rate_times_elapsed() {
+        let g = limit(7, 86_400 * S, 3);
+        let mut tat = 0;
+        let mut admitted = 0u64;
+        let mut now = T0;
+        for step in 0..100_000u64 {
+            now = T0 + step * 3_600 * S / 7; // every ~8.6 minutes
+            if take(&g, &mut tat, now, 1) {
+                admitted += 1;
+            }
+        }
+        let elapsed = now - T0;
+        assert!(admitted <= 3 + elapsed / g.interval_ns());
+        assert!(admitted >= elapsed / g.interval_ns()); // and it is not starved
+    }
+
+    #[test]
+    fn migrating_to_new_parameters_never_adds_tokens() {
+        let old = limit(10, S, 10);
+        let mut tat = 0;
+        for _ in 0..10 {
+            assert!(take(&old, &mut tat, T0, 1));
+        }
+        // Raise the limit: an empty bucket stays empty.
+        let raised = limit(1000, S, 1000);
+        let new_tat = raised.migrate_tat(&old, tat, T0);
+        assert_eq!(raised.available(new_tat, T0), 0);
+        // Half full, then lower the burst below the fill level: capped.
+        let mut tat = 0;
+        for _ in 0..5 {
+            assert!(take(&old, &mut tat, T0, 1));
+        }
+        let lowered = limit(2, S, 3);
+        let new_tat = lowered.migrate_tat(&old, tat, T0);
+        assert_eq!(lowered.available(new_tat, T0), 3);
+        // Same parameters: untouched.
+        assert_eq!(old.migrate_tat(&old, tat, T0), tat);
+        // Half full, raise: still 5 tokens, refilling at the new rate.
+        let new_tat = raised.migrate_tat(&old, tat, T0);
+        assert_eq!(raised.available(new_tat, T0), 5);
+        assert_eq!(raised.available(new_tat, T0 + 10_000_000), 15);
+    }
+
+    #[test]
+    fn invalid_parameters_are_refused() {
+        assert!(Gcra::new(0, S, 1).is_none());
+        assert!(Gcra::new(1, 0, 1).is_none());
+        assert!(Gcra::new(1, S, 0).is_none());
+        assert!(Gcra::new(1, u64::MAX, u64::MAX).is_none());
+    }
+}

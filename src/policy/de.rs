@@ -1,0 +1,207 @@
+//! Reads typed policy structs from a [`Node`] tree, naming the path of the
+//! first error (`plans.free.limits[0].rate: invalid type: …`).
+//!
+//! serde's derived code reports *what* is wrong ("unknown field `foo`") but
+//! not *where*. This deserializer wraps every map value, map key and list
+//! element, and prefixes the error with the key or index it was reading as
+//! the error travels back up. It also rejects duplicate keys, which the
+//! [`Node`] tree preserves on purpose.
+//!
+//! Numbers: a float with an integral value is accepted where an integer is
+//! expected, because istiod turns a `WasmPlugin`'s `pluginConfig` (a
+//! `google.protobuf.Struct`) into JSON with every number as a double, and may
+//! print `1000000` as `1e+06`.
+
+use core::fmt;
+
+use hashbrown::HashSet;
+use serde::de::{self, DeserializeSeed, IntoDeserializer, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+
+use super::doc::Node;
+use super::error::{FieldPath, PolicyError, Segment};
+
+/// Deserializes `T` from `node`; the error names the offending path.
+pub fn from_node<'de, T: Deserialize<'de>>(node: &'de Node) -> Result<T, PolicyError> {
+    T::deserialize(NodeDe(node)).map_err(|e| {
+        let mut segments = e.reversed_path;
+        segments.reverse();
+        PolicyError::new(FieldPath::from_segments(segments), e.message)
+    })
+}
+
+/// The deserializer's error: a message plus the path collected so far,
+/// innermost segment first.
+#[derive(Debug)]
+pub struct DeError {
+    reversed_path: Vec<Segment>,
+    message: String,
+}
+
+impl DeError {
+    fn at(mut self, segment: Segment) -> Self {
+        self.reversed_path.push(segment);
+        self
+    }
+}
+
+impl fmt::Display for DeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for DeError {}
+
+impl de::Error for DeError {
+    fn custom<T: fmt::Display>(msg: T) -> Self {
+        DeError { reversed_path: Vec::new(), message: msg.to_string() }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct NodeDe<'de>(&'de Node);
+
+impl<'de> NodeDe<'de> {
+    /// An integral float (istiod's doubles) as an integer node, if exact.
+    fn integral(self) -> Option<Node> {
+        match *self.0 {
+            Node::F64(f) if f.fract() == 0.0 && f >= 0.0 && f < 18_446_744_073_709_551_616.0 => {
+                Some(Node::U64(f as u64))
+            }
+            Node::F64(f) if f.fract() == 0.0 && f < 0.0 && f >= -9_223_372_036_854_775_808.0 => {
+                Some(Node::I64(f as i64))
+            }
+            _ => None,
+        }
+    }
+
+    fn any_integer<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, DeError> {
+        match self.integral() {
+            Some(Node::U64(n)) => visitor.visit_u64(n),
+            Some(Node::I64(n)) => visitor.visit_i64(n),
+            _ => de::Deserializer::deserialize_any(self, visitor),
+        }
+    }
+}
+
+macro_rules! integer_methods {
+    ($($method:ident)*) => {
+        $(fn $method<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, DeError> {
+            self.any_integer(visitor)
+        })*
+    };
+}
+
+impl<'de> de::Deserializer<'de> for NodeDe<'de> {
+    type Error = DeError;
+
+    fn deserialize_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, DeError> {
+        match self.0 {
+            Node::Null => visitor.visit_unit(),
+            Node::Bool(b) => visitor.visit_bool(*b),
+            Node::U64(n) => visitor.visit_u64(*n),
+            Node::I64(n) => visitor.visit_i64(*n),
+            Node::F64(n) => visitor.visit_f64(*n),
+            Node::Str(s) => visitor.visit_borrowed_str(s),
+            Node::Seq(items) => visitor.visit_seq(SeqDe { items: items.iter(), index: 0 }),
+            Node::Map(entries) => visitor.visit_map(MapDe {
+                entries: entries.iter(),
+                pending: None,
+                seen: HashSet::with_capacity(entries.len()),
+            }),
+        }
+    }
+
+    integer_methods!(deserialize_u8 deserialize_u16 deserialize_u32 deserialize_u64
+                     deserialize_i8 deserialize_i16 deserialize_i32 deserialize_i64);
+
+    fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, DeError> {
+        match self.0 {
+            Node::Null => visitor.visit_none(),
+            _ => visitor.visit_some(self),
+        }
+    }
+
+    fn deserialize_enum<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        _variants: &'static [&'static str],
+        visitor: V,
+    ) -> Result<V::Value, DeError> {
+        // The schema only uses unit variants (`mode: shadow`).
+        match self.0 {
+            Node::Str(s) => visitor.visit_enum(s.as_str().into_deserializer()),
+            other => Err(de::Error::custom(format_args!("expected a string, found {}", other.kind()))),
+        }
+    }
+
+    fn deserialize_newtype_struct<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        visitor: V,
+    ) -> Result<V::Value, DeError> {
+        visitor.visit_newtype_struct(self)
+    }
+
+    serde::forward_to_deserialize_any! {
+        bool i128 u128 f32 f64 char str string bytes byte_buf unit unit_struct
+        seq tuple tuple_struct map struct identifier ignored_any
+    }
+}
+
+struct SeqDe<'de> {
+    items: core::slice::Iter<'de, Node>,
+    index: usize,
+}
+
+impl<'de> SeqAccess<'de> for SeqDe<'de> {
+    type Error = DeError;
+
+    fn next_element_seed<T: DeserializeSeed<'de>>(
+        &mut self,
+        seed: T,
+    ) -> Result<Option<T::Value>, DeError> {
+        let Some(item) = self.items.next() else { return Ok(None) };
+        let index = self.index;
+        self.index += 1;
+        seed.deserialize(NodeDe(item)).map(Some).map_err(|e| e.at(Segment::Index(index)))
+    }
+
+    fn size_hint(&self) -> Option<usize> {
+        Some(self.items.len())
+    }
+}
+
+struct MapDe<'de> {
+    entries: core::slice::Iter<'de, (String, Node)>,
+    pending: Option<&'de (String, Node)>,
+    seen: HashSet<&'de str>,
+}
+
+impl<'de> MapAccess<'de> for MapDe<'de> {
+    type Error = DeError;
+
+    fn next_key_seed<K: DeserializeSeed<'de>>(&mut self, seed: K) -> Result<Option<K::Value>, DeError> {
+        let Some(entry) = self.entries.next() else { return Ok(None) };
+        let key = entry.0.as_str();
+        if !self.seen.insert(key) {
+            return Err(<DeError as de::Error>::custom("duplicate key").at(Segment::Key(key.to_owned())));
+        }
+        self.pending = Some(entry);
+        seed.deserialize(de::value::BorrowedStrDeserializer::<DeError>::new(key))
+            .map(Some)
+            .map_err(|e| e.at(Segment::Key(key.to_owned())))
+    }
+
+    fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value, DeError> {
+        let Some(entry) = self.pending.take() else {
+            return Err(de::Error::custom("value requested before its key"));
+        };
+        seed.deserialize(NodeDe(&entry.1)).map_err(|e| e.at(Segment::Key(entry.0.clone())))
+    }
+
+    fn size_hint(&self) -> Option<usize> {
+        Some(self.entries.len())
+    }
+}

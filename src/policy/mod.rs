@@ -1,0 +1,179 @@
+//! Policies: the schema users write, its validation, and the compiled,
+//! immutable form the filter decides with.
+//!
+//! The flow is `bytes → Node → spec (serde) → compile (validate) → Policy`.
+//! YAML and JSON share every step after the first, so the CLI and the filter
+//! accept and reject exactly the same policies with the same messages.
+
+mod compile;
+pub mod de;
+pub mod doc;
+pub mod duration;
+pub mod error;
+pub mod spec;
+
+use hashbrown::HashMap;
+
+use crate::limiter::Gcra;
+pub use doc::Node;
+pub use error::{FieldPath, PolicyError, PolicyErrors};
+pub use spec::Mode;
+
+/// Longest accepted tenant id, in bytes. Longer identities are treated as
+/// missing (the request is grouped as anonymous) and counted.
+pub const MAX_TENANT_ID_LEN: usize = 128;
+/// Most limits one plan may combine (they share one state entry).
+pub const MAX_LIMITS_PER_PLAN: usize = 8;
+/// The `filter_metadata` namespace routes carry their class under.
+pub const ROUTE_METADATA_NAMESPACE: &str = "tenantgate";
+/// The field of that namespace that names the route class.
+pub const ROUTE_METADATA_CLASS_FIELD: &str = "class";
+/// Envoy's jwt_authn filter name: the default dynamic-metadata namespace.
+pub const JWT_AUTHN_FILTER: &str = "envoy.filters.http.jwt_authn";
+
+/// A validated, compiled policy. Built once per configuration; shared by
+/// every request of a worker.
+#[derive(Debug)]
+pub struct Policy {
+    pub version: String,
+    pub mode: Mode,
+    pub identity: Identity,
+    plans: Vec<Plan>,
+    tenants: HashMap<String, usize>,
+    default_plan: usize,
+    anonymous_plan: usize,
+    routes: HashMap<String, RouteClass>,
+    default_route: Option<String>,
+    pub ratelimit_headers: bool,
+    /// When this policy took effect on this worker (ns since the epoch).
+    /// The glue sets it in `on_configure`; limits that a reload changed
+    /// carry their buckets' fill level over as of this instant.
+    pub effective_from_ns: u64,
+}
+
+/// Where the tenant id comes from: always a source a trusted filter set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Identity {
+    /// A request header (lower-cased) that an earlier trusted filter sets.
+    Header(String),
+    /// A claim of the payload jwt_authn wrote to dynamic metadata.
+    JwtClaim { filter: String, payload_in_metadata: String, claim: String },
+}
+
+impl Identity {
+    /// The property path of a [`Identity::JwtClaim`].
+    pub fn property_path(&self) -> Option<[&str; 5]> {
+        match self {
+            Identity::Header(_) => None,
+            Identity::JwtClaim { filter, payload_in_metadata, claim } => {
+                Some(["metadata", "filter_metadata", filter, payload_in_metadata, claim])
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Plan {
+    pub name: String,
+    pub limits: Vec<Limit>,
+    /// The precomputed `RateLimit-Policy` value for all of the plan's limits.
+    pub ratelimit_policy: String,
+}
+
+#[derive(Debug)]
+pub struct Limit {
+    /// The policy name shown in `RateLimit` / `RateLimit-Policy`.
+    pub name: String,
+    /// Identifies the limit's state across reloads (FNV-1a of the name).
+    pub name_hash: u32,
+    pub rate: u64,
+    pub per_secs: u64,
+    pub burst: u64,
+    pub gcra: Gcra,
+}
+
+#[derive(Debug, Clone)]
+pub struct RouteClass {
+    pub name: String,
+    pub action: String,
+    pub cost: u64,
+}
+
+impl Policy {
+    /// Reads a policy from the filter's JSON plugin configuration.
+    pub fn from_json(bytes: &[u8]) -> Result<Policy, PolicyErrors> {
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Err(PolicyErrors::one(FieldPath::root(), "the policy is empty"));
+        }
+        let node = Node::from_json(bytes).map_err(|m| PolicyErrors::one(FieldPath::root(), m))?;
+        Policy::from_node(&node)
+    }
+
+    /// Validates and compiles a parsed document (YAML or JSON).
+    pub fn from_node(node: &Node) -> Result<Policy, PolicyErrors> {
+        match node {
+            Node::Map(_) => {}
+            Node::Null => return Err(PolicyErrors::one(FieldPath::root(), "the policy is empty")),
+            other => {
+                return Err(PolicyErrors::one(
+                    FieldPath::root(),
+                    format!("expected a mapping, found {}", other.kind()),
+                ))
+            }
+        }
+        let spec: spec::PolicySpec = de::from_node(node).map_err(|e| PolicyErrors(vec![e]))?;
+        compile::compile(spec)
+    }
+
+    pub fn plan(&self, index: usize) -> Option<&Plan> {
+        self.plans.get(index)
+    }
+
+    /// The plan of an identified tenant: its directory entry or the default.
+    pub fn plan_of_tenant(&self, tenant: &str) -> usize {
+        self.tenants.get(tenant).copied().unwrap_or(self.default_plan)
+    }
+
+    pub fn anonymous_plan(&self) -> usize {
+        self.anonymous_plan
+    }
+
+    /// The class of a route, by name, or the default class.
+    pub fn route_class(&self, name: Option<&str>) -> Option<&RouteClass> {
+        name.and_then(|n| self.routes.get(n))
+            .or_else(|| self.default_route.as_deref().and_then(|d| self.routes.get(d)))
+    }
+
+    pub fn plans(&self) -> &[Plan] {
+        &self.plans
+    }
+}
+
+/// A tenant id as the filter accepts it: 1 to [`MAX_TENANT_ID_LEN`] bytes of
+/// UTF-8 with no whitespace and no control characters. Anything else from
+/// the identity source is treated as no identity.
+pub fn tenant_id(bytes: &[u8]) -> Option<&str> {
+    if bytes.is_empty() || bytes.len() > MAX_TENANT_ID_LEN {
+        return None;
+    }
+    let id = core::str::from_utf8(bytes).ok()?;
+    if id.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return None;
+    }
+    Some(id)
+}
+
+/// Names of plans, limits, route classes and actions: they appear in
+/// headers and shared-data keys, so they are kept to a safe alphabet.
+pub(crate) fn is_name(s: &str) -> bool {
+    (1..=64).contains(&s.len())
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+}
+
+/// FNV-1a, 32 bits: a stable id for a limit's name inside its state entry.
+pub(crate) fn fnv1a32(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(*b)).wrapping_mul(0x0100_0193))
+}
+
+#[cfg(test)]
+mod tests;

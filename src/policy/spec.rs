@@ -1,0 +1,112 @@
+//! The policy schema as users write it (YAML) and as the filter reads it
+//! (JSON): raw, unvalidated structs. Every struct denies unknown fields.
+//! [`super::compile`] validates them and builds the immutable [`super::Policy`].
+//!
+//! Integers are read as `i64` so that a negative or zero value gets the
+//! schema's own message (`must be > 0`) rather than serde's type error.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+/// `mode:` what the filter does with a decision.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Deny requests over their limits (the default).
+    #[default]
+    Enforce,
+    /// Count, add headers and stats as if enforcing, but never deny.
+    Shadow,
+    /// Pass every request; no state is touched.
+    Off,
+}
+
+/// `plans.<plan>.limits[i].algorithm:`
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    #[default]
+    TokenBucket,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicySpec {
+    pub version: String,
+    #[serde(default)]
+    pub mode: Mode,
+    pub identity: IdentitySpec,
+    pub plans: BTreeMap<String, PlanSpec>,
+    #[serde(default)]
+    pub tenants: Vec<TenantSpec>,
+    pub default_plan: String,
+    pub anonymous: AnonymousSpec,
+    pub routes: BTreeMap<String, RouteSpec>,
+    #[serde(default)]
+    pub default_route: Option<String>,
+    #[serde(default)]
+    pub ratelimit_headers: Option<bool>,
+}
+
+/// Exactly one of `header` or `jwt`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdentitySpec {
+    #[serde(default)]
+    pub header: Option<String>,
+    #[serde(default)]
+    pub jwt: Option<JwtSpec>,
+}
+
+/// A claim of the JWT payload that Envoy's `jwt_authn` filter verified and
+/// wrote to dynamic metadata (`payload_in_metadata`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JwtSpec {
+    pub payload_in_metadata: String,
+    pub claim: String,
+    #[serde(default)]
+    pub filter: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanSpec {
+    pub limits: Vec<LimitSpec>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitSpec {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub algorithm: Algorithm,
+    pub rate: i64,
+    pub per: String,
+    #[serde(default)]
+    pub burst: Option<i64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantSpec {
+    pub id: String,
+    pub plan: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AnonymousSpec {
+    pub plan: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteSpec {
+    #[serde(default)]
+    pub action: Option<String>,
+    #[serde(default)]
+    pub cost: Option<i64>,
+}

@@ -1,0 +1,98 @@
+//! What a denied request receives: status, headers and an RFC 9457
+//! `application/problem+json` body. Built from a [`Decision`]; nothing the
+//! client sent reaches the output unless it passed [`request_id`].
+
+use serde::Serialize;
+
+use crate::engine::{Decision, Reason};
+
+/// The header naming the stable reason of a denial.
+pub const REASON_HEADER: &str = "x-tenantgate-reason";
+
+/// A local reply, ready for the host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalReply {
+    pub status: u32,
+    pub headers: Vec<(&'static str, String)>,
+    pub body: String,
+}
+
+#[derive(Serialize)]
+struct Problem<'a> {
+    #[serde(rename = "type")]
+    kind: String,
+    title: &'static str,
+    status: u32,
+    detail: String,
+    reason: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    limit: Option<&'a str>,
+    retry_after: u64,
+    policy_version: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    request_id: Option<&'a str>,
+}
+
+/// A request id as echoed back: 1 to 128 visible ASCII characters, else
+/// dropped (a client can send its own `x-request-id`).
+pub fn request_id(raw: Option<&[u8]>) -> Option<&str> {
+    let raw = raw?;
+    let ok = !raw.is_empty() && raw.len() <= 128 && raw.iter().all(|b| (0x21..0x7f).contains(b));
+    if ok {
+        core::str::from_utf8(raw).ok()
+    } else {
+        None
+    }
+}
+
+/// The reply for a denied decision; `None` if the request is not denied.
+pub fn local_reply(
+    decision: &Decision,
+    policy_version: &str,
+    headers_enabled: bool,
+    request_id: Option<&str>,
+) -> Option<LocalReply> {
+    let status = decision.deny_status()?;
+    let reason = decision.reason;
+    let retry_after = decision.retry_after_secs.max(1);
+    let (title, detail) = match reason {
+        Reason::RateLimited => (
+            "Too Many Requests",
+            format!(
+                "The rate limit \"{}\" is exhausted; retry in {retry_after} s.",
+                decision.limit.as_deref().unwrap_or("")
+            ),
+        ),
+        _ => (
+            "Service Unavailable",
+            format!("The rate limiter could not record this request ({}); retry shortly.", reason.as_str()),
+        ),
+    };
+    let problem = Problem {
+        kind: format!("urn:tenantgate:problem:{}", reason.as_str()),
+        title,
+        status,
+        detail,
+        reason: reason.as_str(),
+        limit: decision.limit.as_deref(),
+        retry_after,
+        policy_version,
+        request_id,
+    };
+    let body = serde_json::to_string(&problem).unwrap_or_default();
+
+    let mut headers = vec![
+        ("content-type", String::from("application/problem+json")),
+        ("cache-control", String::from("no-store")),
+        ("retry-after", retry_after.to_string()),
+        (REASON_HEADER, reason.as_str().to_owned()),
+    ];
+    if let (true, Some(h)) = (headers_enabled, &decision.headers) {
+        headers.push(("ratelimit-policy", h.policy.clone()));
+        headers.push(("ratelimit", h.ratelimit.clone()));
+    }
+    if let Some(id) = request_id {
+        headers.push(("x-request-id", id.to_owned()));
+    }
+    Some(LocalReply { status, headers, body })
+}

@@ -1,0 +1,128 @@
+//! An in-memory [`Host`] for tests: headers, properties and a shared-data
+//! store with Envoy's CAS semantics. Several fakes can share one store, like
+//! the worker VMs of one Envoy share its shared data.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use crate::host::{CasResult, Host, HostError};
+
+/// Envoy's shared data: value + CAS token per key; tokens never repeat.
+#[derive(Debug, Default)]
+pub struct SharedStore {
+    entries: HashMap<String, (Vec<u8>, u32)>,
+    next_cas: u32,
+    /// Writes that failed their CAS check.
+    pub conflicts: u64,
+}
+
+impl SharedStore {
+    pub fn new() -> Rc<RefCell<SharedStore>> {
+        Rc::new(RefCell::new(SharedStore::default()))
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn get(&self, key: &str) -> Option<&[u8]> {
+        self.entries.get(key).map(|(v, _)| v.as_slice())
+    }
+}
+
+/// One request's view of the host.
+#[derive(Debug, Clone)]
+pub struct FakeHost {
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub properties: Vec<(Vec<String>, Vec<u8>)>,
+    pub store: Rc<RefCell<SharedStore>>,
+    /// Makes every shared-data call fail, like a broken host.
+    pub fail_shared: bool,
+    /// Makes the next N writes conflict, like racing workers.
+    pub forced_conflicts: Rc<RefCell<u32>>,
+}
+
+impl FakeHost {
+    pub fn new(store: Rc<RefCell<SharedStore>>) -> FakeHost {
+        FakeHost {
+            headers: Vec::new(),
+            properties: Vec::new(),
+            store,
+            fail_shared: false,
+            forced_conflicts: Rc::new(RefCell::new(0)),
+        }
+    }
+
+    pub fn header(mut self, name: &str, value: impl Into<Vec<u8>>) -> Self {
+        self.headers.push((name.to_ascii_lowercase(), value.into()));
+        self
+    }
+
+    pub fn property(mut self, path: &[&str], value: impl Into<Vec<u8>>) -> Self {
+        self.properties.push((path.iter().map(|s| s.to_string()).collect(), value.into()));
+        self
+    }
+
+    /// A request on a route whose `filter_metadata.tenantgate.class` is `class`.
+    pub fn route_class(self, class: &str) -> Self {
+        self.property(&crate::engine::ROUTE_CLASS_PROPERTY, class)
+    }
+
+    pub fn source(self, address: &str) -> Self {
+        self.property(&crate::engine::SOURCE_ADDRESS_PROPERTY, address)
+    }
+}
+
+impl Host for FakeHost {
+    fn request_header(&self, name: &str) -> Option<Vec<u8>> {
+        let name = name.to_ascii_lowercase();
+        self.headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.clone())
+    }
+
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        self.properties.iter().find(|(p, _)| p.iter().map(String::as_str).eq(path.iter().copied())).map(|(_, v)| v.clone())
+    }
+
+    fn shared_get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
+        if self.fail_shared {
+            return Err(HostError);
+        }
+        let store = self.store.borrow();
+        Ok(match store.entries.get(key) {
+            Some((v, cas)) => (Some(v.clone()), Some(*cas)),
+            None => (None, None),
+        })
+    }
+
+    fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<CasResult, HostError> {
+        if self.fail_shared {
+            return Err(HostError);
+        }
+        let mut store = self.store.borrow_mut();
+        {
+            let mut forced = self.forced_conflicts.borrow_mut();
+            if *forced > 0 {
+                *forced -= 1;
+                store.conflicts += 1;
+                return Ok(CasResult::Conflict);
+            }
+        }
+        // Envoy: a non-zero CAS must match an existing entry's token; a
+        // zero CAS (None) or a missing key writes unconditionally.
+        if let (Some(cas), Some((_, current))) = (cas, store.entries.get(key)) {
+            if cas != *current {
+                store.conflicts += 1;
+                return Ok(CasResult::Conflict);
+            }
+        }
+        store.next_cas = store.next_cas.wrapping_add(1).max(1);
+        let token = store.next_cas;
+        store.entries.insert(key.to_owned(), (value.to_vec(), token));
+        Ok(CasResult::Written)
+    }
+}
