@@ -76,7 +76,10 @@ pub enum Subject {
     None,
     Tenant(String),
     /// No usable identity: grouped by client address.
-    Anonymous { address: String, invalid_identity: bool },
+    Anonymous {
+        address: String,
+        invalid_identity: bool,
+    },
 }
 
 /// The `RateLimit` / `RateLimit-Policy` field values (draft-10 syntax).
@@ -101,12 +104,22 @@ pub struct Decision {
 
 impl Decision {
     fn pass(reason: Reason, subject: Subject) -> Decision {
-        Decision { reason, subject, limit: None, retry_after_secs: 0, headers: None, cas_retries: 0 }
+        Decision {
+            reason,
+            subject,
+            limit: None,
+            retry_after_secs: 0,
+            headers: None,
+            cas_retries: 0,
+        }
     }
 
     /// The host could not give the time or state needed to decide: 503.
     pub fn unavailable() -> Decision {
-        Decision { retry_after_secs: 1, ..Decision::pass(Reason::StateUnavailable, Subject::None) }
+        Decision {
+            retry_after_secs: 1,
+            ..Decision::pass(Reason::StateUnavailable, Subject::None)
+        }
     }
 
     /// The status of the local reply, if the request is denied.
@@ -116,8 +129,13 @@ impl Decision {
 }
 
 /// Property path of the route's class in its `filter_metadata`.
-pub const ROUTE_CLASS_PROPERTY: [&str; 5] =
-    ["xds", "route_metadata", "filter_metadata", ROUTE_METADATA_NAMESPACE, ROUTE_METADATA_CLASS_FIELD];
+pub const ROUTE_CLASS_PROPERTY: [&str; 5] = [
+    "xds",
+    "route_metadata",
+    "filter_metadata",
+    ROUTE_METADATA_NAMESPACE,
+    ROUTE_METADATA_CLASS_FIELD,
+];
 /// Property path of the route's name (what Istio users can set).
 pub const ROUTE_NAME_PROPERTY: [&str; 2] = ["xds", "route_name"];
 /// Property path of the downstream address (`ip:port`).
@@ -148,7 +166,9 @@ pub fn decide<H: Host>(policy: &Policy, host: &H, now: u64, scratch: &mut Vec<u8
 /// The route class from trusted route metadata, else the route name, else
 /// the policy's default class. Nothing the client sends is consulted.
 fn classify<'p, H: Host>(policy: &'p Policy, host: &H) -> Option<&'p RouteClass> {
-    let name = host.property(&ROUTE_CLASS_PROPERTY).or_else(|| host.property(&ROUTE_NAME_PROPERTY));
+    let name = host
+        .property(&ROUTE_CLASS_PROPERTY)
+        .or_else(|| host.property(&ROUTE_NAME_PROPERTY));
     policy.route_class(name.as_deref().and_then(|b| core::str::from_utf8(b).ok()))
 }
 
@@ -165,7 +185,13 @@ fn identify<H: Host>(policy: &Policy, host: &H) -> (Subject, usize) {
         .property(&SOURCE_ADDRESS_PROPERTY)
         .and_then(|a| client_ip(&a).map(str::to_owned))
         .unwrap_or_else(|| String::from("unknown"));
-    (Subject::Anonymous { address, invalid_identity }, policy.anonymous_plan())
+    (
+        Subject::Anonymous {
+            address,
+            invalid_identity,
+        },
+        policy.anonymous_plan(),
+    )
 }
 
 /// The IP part of Envoy's `ip:port` / `[v6]:port` address text.
@@ -180,7 +206,9 @@ pub fn client_ip(address: &[u8]) -> Option<&str> {
     };
     let plausible = !ip.is_empty()
         && ip.len() <= 64
-        && ip.bytes().all(|b| b.is_ascii_hexdigit() || b == b'.' || b == b':');
+        && ip
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() || b == b'.' || b == b':');
     plausible.then_some(ip)
 }
 
@@ -235,7 +263,10 @@ fn limit<H: Host>(
             let tat = l.gcra.saturate(stored_tat, now);
             changed |= migrated || tat != stored_tat;
             match l.gcra.check(tat, now, cost) {
-                Check::Admit { new_tat, remaining: r } => {
+                Check::Admit {
+                    new_tat,
+                    remaining: r,
+                } => {
                     new_tats[i] = new_tat;
                     remaining[i] = r;
                 }
@@ -251,7 +282,11 @@ fn limit<H: Host>(
 
         if let Some((i, wait_ns)) = binding {
             let l = &limits[i];
-            outcome.reason = if shadow { Reason::ShadowLimited } else { Reason::RateLimited };
+            outcome.reason = if shadow {
+                Reason::ShadowLimited
+            } else {
+                Reason::RateLimited
+            };
             outcome.limit = Some(l.name.clone());
             outcome.retry_after_secs = ceil_secs(wait_ns).max(1);
             outcome.headers = Some(RateLimitHeaders {

@@ -5,8 +5,8 @@
 //!   [`response`]): pure Rust that never reads a clock or calls the proxy;
 //!   everything it needs from Envoy comes through the [`host::Host`] trait
 //!   and time comes in as an argument. It builds and is tested natively.
-//! * the **glue** (`glue`, wasm32 only): the only code that names
-//!   `proxy_wasm`. It implements [`host::Host`] with hostcalls, compiles the
+//! * the **glue** (`glue`, wasm32 only): the only code that uses
+//!   the proxy-wasm SDK. It implements [`host::Host`] with hostcalls, compiles the
 //!   policy in `on_configure`, and turns decisions into Envoy actions.
 
 pub mod engine;

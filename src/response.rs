@@ -65,7 +65,10 @@ pub fn local_reply(
         ),
         _ => (
             "Service Unavailable",
-            format!("The rate limiter could not record this request ({}); retry shortly.", reason.as_str()),
+            format!(
+                "The rate limiter could not record this request ({}); retry shortly.",
+                reason.as_str()
+            ),
         ),
     };
     let problem = Problem {
@@ -94,5 +97,9 @@ pub fn local_reply(
     if let Some(id) = request_id {
         headers.push(("x-request-id", id.to_owned()));
     }
-    Some(LocalReply { status, headers, body })
+    Some(LocalReply {
+        status,
+        headers,
+        body,
+    })
 }

@@ -76,7 +76,9 @@ pub fn encode(limits: &[Limit], tats: &[u64], out: &mut Vec<u8>) {
 /// rate applies before it, the new rate after. Returns the TAT and whether
 /// it differs from what is stored (so a denial can persist the migration).
 pub fn tat_for(limit: &Limit, stored: &[Entry], effective_from: u64) -> (u64, bool) {
-    let Some(e) = stored.iter().find(|e| e.name_hash == limit.name_hash) else { return (0, false) };
+    let Some(e) = stored.iter().find(|e| e.name_hash == limit.name_hash) else {
+        return (0, false);
+    };
     if e.interval_ns == limit.gcra.interval_ns() && e.tolerance_ns == limit.gcra.tolerance_ns() {
         return (e.tat, false);
     }

@@ -64,7 +64,8 @@ impl FakeHost {
     }
 
     pub fn property(mut self, path: &[&str], value: impl Into<Vec<u8>>) -> Self {
-        self.properties.push((path.iter().map(|s| s.to_string()).collect(), value.into()));
+        self.properties
+            .push((path.iter().map(|s| s.to_string()).collect(), value.into()));
         self
     }
 
@@ -81,11 +82,17 @@ impl FakeHost {
 impl Host for FakeHost {
     fn request_header(&self, name: &str) -> Option<Vec<u8>> {
         let name = name.to_ascii_lowercase();
-        self.headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.clone())
+        self.headers
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.clone())
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
-        self.properties.iter().find(|(p, _)| p.iter().map(String::as_str).eq(path.iter().copied())).map(|(_, v)| v.clone())
+        self.properties
+            .iter()
+            .find(|(p, _)| p.iter().map(String::as_str).eq(path.iter().copied()))
+            .map(|(_, v)| v.clone())
     }
 
     fn shared_get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {

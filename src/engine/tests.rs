@@ -42,7 +42,10 @@ fn policy(extra: &str) -> Policy {
 }
 
 fn req(store: &std::rc::Rc<std::cell::RefCell<SharedStore>>, class: &str, tenant: &str) -> FakeHost {
-    FakeHost::new(store.clone()).route_class(class).header("x-tenant-id", tenant).source("10.1.2.3:5555")
+    FakeHost::new(store.clone())
+        .route_class(class)
+        .header("x-tenant-id", tenant)
+        .source("10.1.2.3:5555")
 }
 
 fn run(p: &Policy, host: &FakeHost, now: u64) -> Decision {
@@ -50,7 +53,9 @@ fn run(p: &Policy, host: &FakeHost, now: u64) -> Decision {
 }
 
 fn admitted(p: &Policy, host: &FakeHost, now: u64, n: usize) -> usize {
-    (0..n).filter(|_| run(p, host, now).reason == Reason::Allowed).count()
+    (0..n)
+        .filter(|_| run(p, host, now).reason == Reason::Allowed)
+        .count()
 }
 
 #[test]
@@ -114,7 +119,7 @@ fn route_class_comes_from_metadata_then_route_name_never_headers() {
     // An unknown class falls back to the default route.
     let unknown = req(&store, "no-such-class", "zed");
     assert_eq!(admitted(&p, &unknown, T0, 20), 5);
-    assert_eq!(store.borrow().get("tg1|api|t|zed").is_some(), true);
+    assert!(store.borrow().get("tg1|api|t|zed").is_some());
 }
 
 #[test]
@@ -142,19 +147,45 @@ fn cost_is_charged_and_must_fit() {
 fn missing_or_invalid_identity_is_anonymous_by_client_address() {
     let p = policy("");
     let store = SharedStore::new();
-    let none = FakeHost::new(store.clone()).route_class("api").source("192.0.2.7:40000");
+    let none = FakeHost::new(store.clone())
+        .route_class("api")
+        .source("192.0.2.7:40000");
     let d = run(&p, &none, T0);
-    assert_eq!(d.subject, Subject::Anonymous { address: "192.0.2.7".into(), invalid_identity: false });
+    assert_eq!(
+        d.subject,
+        Subject::Anonymous {
+            address: "192.0.2.7".into(),
+            invalid_identity: false
+        }
+    );
     assert_eq!(admitted(&p, &none, T0, 10), 4); // anon: burst 5, one used above
-    // Oversized and non-UTF-8 ids count as invalid, grouped with the address.
-    for bad in [vec![b'a'; 65_536], vec![0xff, 0xfe, 0x00], b"has space".to_vec(), b"\x07bell".to_vec()] {
-        let h = FakeHost::new(store.clone()).route_class("api").header("x-tenant-id", bad).source("192.0.2.7:1");
+                                                // Oversized and non-UTF-8 ids count as invalid, grouped with the address.
+    for bad in [
+        vec![b'a'; 65_536],
+        vec![0xff, 0xfe, 0x00],
+        b"has space".to_vec(),
+        b"\x07bell".to_vec(),
+    ] {
+        let h = FakeHost::new(store.clone())
+            .route_class("api")
+            .header("x-tenant-id", bad)
+            .source("192.0.2.7:1");
         let d = run(&p, &h, T0);
         assert_eq!(d.reason, Reason::RateLimited);
-        assert_eq!(d.subject, Subject::Anonymous { address: "192.0.2.7".into(), invalid_identity: true });
+        assert_eq!(
+            d.subject,
+            Subject::Anonymous {
+                address: "192.0.2.7".into(),
+                invalid_identity: true
+            }
+        );
     }
-    let v6 = FakeHost::new(store.clone()).route_class("api").source("[2001:db8::1]:443");
-    assert!(matches!(run(&p, &v6, T0).subject, Subject::Anonymous { ref address, .. } if address == "2001:db8::1"));
+    let v6 = FakeHost::new(store.clone())
+        .route_class("api")
+        .source("[2001:db8::1]:443");
+    assert!(
+        matches!(run(&p, &v6, T0).subject, Subject::Anonymous { ref address, .. } if address == "2001:db8::1")
+    );
 }
 
 #[test]
@@ -170,8 +201,17 @@ fn jwt_claim_identity_reads_dynamic_metadata_not_headers() {
         Policy::from_json(json.as_bytes()).unwrap()
     };
     let store = SharedStore::new();
-    let claim = ["metadata", "filter_metadata", "envoy.filters.http.jwt_authn", "jwt_payload", "tenant"];
-    let h = FakeHost::new(store.clone()).route_class("api").property(&claim, "good").header("x-tenant-id", "forged");
+    let claim = [
+        "metadata",
+        "filter_metadata",
+        "envoy.filters.http.jwt_authn",
+        "jwt_payload",
+        "tenant",
+    ];
+    let h = FakeHost::new(store.clone())
+        .route_class("api")
+        .property(&claim, "good")
+        .header("x-tenant-id", "forged");
     let d = run(&p, &h, T0);
     assert_eq!(d.subject, Subject::Tenant("good".into()));
     assert_eq!(admitted(&p, &h, T0, 200), 99);
@@ -299,7 +339,13 @@ fn denial_replies_are_problem_json_with_every_header() {
     let d = run(&p, &h, T0);
     let reply = response::local_reply(&d, &p.version, true, response::request_id(Some(b"req-1"))).unwrap();
     assert_eq!(reply.status, 429);
-    let get = |n: &str| reply.headers.iter().find(|(k, _)| *k == n).map(|(_, v)| v.as_str());
+    let get = |n: &str| {
+        reply
+            .headers
+            .iter()
+            .find(|(k, _)| *k == n)
+            .map(|(_, v)| v.as_str())
+    };
     assert_eq!(get("content-type"), Some("application/problem+json"));
     assert_eq!(get("retry-after"), Some("1"));
     assert_eq!(get("x-tenantgate-reason"), Some("rate_limited"));
@@ -360,6 +406,6 @@ fn a_reload_takes_effect_from_its_load_time_even_for_untouched_keys() {
     )
     .unwrap();
     after.effective_from_ns = T0 + 200_000_000; // 2 old tokens accrued by then
-    // At T0+1s: 2 tokens carried over + 0.8 s at the new 1/s = 2 tokens.
+                                                // At T0+1s: 2 tokens carried over + 0.8 s at the new 1/s = 2 tokens.
     assert_eq!(admitted(&after, &h, T0 + S, 10), 2);
 }

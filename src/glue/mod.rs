@@ -39,7 +39,9 @@ impl Host for ProxyHost {
     fn request_header(&self, name: &str) -> Option<Vec<u8>> {
         // The bytes variant: the String one unwraps UTF-8 and would trap on
         // a client's non-UTF-8 header value.
-        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten()
+        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+            .ok()
+            .flatten()
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
@@ -67,7 +69,10 @@ struct Root {
 
 impl Root {
     fn new() -> Root {
-        Root { policy: None, metrics: Rc::new(Metrics::define()) }
+        Root {
+            policy: None,
+            metrics: Rc::new(Metrics::define()),
+        }
     }
 }
 
@@ -140,13 +145,16 @@ impl Request {
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
-        let Some(policy) = self.policy.clone() else { return Action::Continue };
+        let Some(policy) = self.policy.clone() else {
+            return Action::Continue;
+        };
         let decision = self.decide(&policy);
         self.metrics.record(&decision);
 
         let request_id = ProxyHost.request_header("x-request-id");
         let request_id = response::request_id(request_id.as_deref());
-        if let Some(reply) = response::local_reply(&decision, &policy.version, policy.ratelimit_headers, request_id)
+        if let Some(reply) =
+            response::local_reply(&decision, &policy.version, policy.ratelimit_headers, request_id)
         {
             let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
             match hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes())) {

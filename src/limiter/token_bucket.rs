@@ -57,7 +57,11 @@ impl Gcra {
         }
         let interval_ns = per_ns.div_ceil(rate);
         let tolerance_ns = burst.checked_mul(interval_ns)?;
-        Some(Gcra { interval_ns, tolerance_ns, burst })
+        Some(Gcra {
+            interval_ns,
+            tolerance_ns,
+            burst,
+        })
     }
 
     /// Rebuilds parameters stored by an earlier configuration.
@@ -65,7 +69,11 @@ impl Gcra {
         if interval_ns == 0 || tolerance_ns == 0 || tolerance_ns % interval_ns != 0 {
             return None;
         }
-        Some(Gcra { interval_ns, tolerance_ns, burst: tolerance_ns / interval_ns })
+        Some(Gcra {
+            interval_ns,
+            tolerance_ns,
+            burst: tolerance_ns / interval_ns,
+        })
     }
 
     pub fn interval_ns(&self) -> u64 {
@@ -115,7 +123,9 @@ impl Gcra {
             let remaining = ((horizon - new_tat) / self.interval_ns).min(self.burst);
             Check::Admit { new_tat, remaining }
         } else {
-            Check::Deny { wait_ns: new_tat - horizon }
+            Check::Deny {
+                wait_ns: new_tat - horizon,
+            }
         }
     }
 
@@ -132,7 +142,9 @@ impl Gcra {
         let old_slack = u128::from(now.saturating_add(old.tolerance_ns) - old_base);
         // Tokens (as a fraction) = old_slack / old.T; in new nanoseconds:
         let new_slack = old_slack * u128::from(self.interval_ns) / u128::from(old.interval_ns);
-        let new_slack = u64::try_from(new_slack).unwrap_or(u64::MAX).min(self.tolerance_ns);
+        let new_slack = u64::try_from(new_slack)
+            .unwrap_or(u64::MAX)
+            .min(self.tolerance_ns);
         now.saturating_add(self.tolerance_ns) - new_slack
     }
 }
@@ -183,7 +195,9 @@ mod tests {
         // A week idle accrues no more than the burst.
         assert_eq!(g.available(tat, T0 + 7 * 86_400 * S), 100);
         let mut later = tat;
-        let n = (0..1000).filter(|_| take(&g, &mut later, T0 + 7 * 86_400 * S, 1)).count();
+        let n = (0..1000)
+            .filter(|_| take(&g, &mut later, T0 + 7 * 86_400 * S, 1))
+            .count();
         assert_eq!(n, 100);
     }
 

@@ -32,8 +32,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
     let mut errors = Errors(Vec::new());
 
     let version = spec.version.trim().to_owned();
-    if version.is_empty() || version.len() > 64 || !version.bytes().all(|b| (0x20..0x7f).contains(&b))
-    {
+    if version.is_empty() || version.len() > 64 || !version.bytes().all(|b| (0x20..0x7f).contains(&b)) {
         errors.add(root.key("version"), "must be 1 to 64 printable ASCII characters");
     }
 
@@ -49,7 +48,10 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
     for (name, plan) in &spec.plans {
         let path = plans_path.key(name);
         if !is_name(name) {
-            errors.add(path.clone(), "plan names are 1 to 64 characters of A-Z a-z 0-9 _ - .");
+            errors.add(
+                path.clone(),
+                "plan names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
+            );
         }
         let limits = compile_limits(name, &plan.limits, &path.key("limits"), &mut errors);
         let ratelimit_policy = limits
@@ -58,13 +60,20 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
             .collect::<Vec<_>>()
             .join(", ");
         plan_index.insert(name.clone(), plans.len());
-        plans.push(Plan { name: name.clone(), limits, ratelimit_policy });
+        plans.push(Plan {
+            name: name.clone(),
+            limits,
+            ratelimit_policy,
+        });
     }
     let plan_ref = |name: &str, path: FieldPath, errors: &mut Errors| -> usize {
         match plan_index.get(name) {
             Some(i) => *i,
             None => {
-                errors.add(path, format!("unknown plan `{name}` (plans: {})", known(spec.plans.keys())));
+                errors.add(
+                    path,
+                    format!("unknown plan `{name}` (plans: {})", known(spec.plans.keys())),
+                );
                 0
             }
         }
@@ -81,13 +90,20 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
             );
         }
         if let Some(first) = first_seen.insert(&t.id, i) {
-            errors.add(path.key("id"), format!("duplicate tenant `{}` (also at tenants[{first}])", t.id));
+            errors.add(
+                path.key("id"),
+                format!("duplicate tenant `{}` (also at tenants[{first}])", t.id),
+            );
         }
         let plan = plan_ref(&t.plan, path.key("plan"), &mut errors);
         tenants.insert(t.id.clone(), plan);
     }
     let default_plan = plan_ref(&spec.default_plan, root.key("default_plan"), &mut errors);
-    let anonymous_plan = plan_ref(&spec.anonymous.plan, root.key("anonymous").key("plan"), &mut errors);
+    let anonymous_plan = plan_ref(
+        &spec.anonymous.plan,
+        root.key("anonymous").key("plan"),
+        &mut errors,
+    );
 
     // Route classes.
     let routes_path = root.key("routes");
@@ -98,11 +114,17 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
     for (name, r) in &spec.routes {
         let path = routes_path.key(name);
         if !is_name(name) {
-            errors.add(path.clone(), "route class names are 1 to 64 characters of A-Z a-z 0-9 _ - .");
+            errors.add(
+                path.clone(),
+                "route class names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
+            );
         }
         let action = r.action.clone().unwrap_or_else(|| name.clone());
         if r.action.is_some() && !is_name(&action) {
-            errors.add(path.key("action"), "actions are 1 to 64 characters of A-Z a-z 0-9 _ - .");
+            errors.add(
+                path.key("action"),
+                "actions are 1 to 64 characters of A-Z a-z 0-9 _ - .",
+            );
         }
         let cost = r.cost.unwrap_or(1);
         if cost <= 0 {
@@ -125,13 +147,23 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
                 }
             }
         }
-        routes.insert(name.clone(), RouteClass { name: name.clone(), action, cost: cost.max(1) as u64 });
+        routes.insert(
+            name.clone(),
+            RouteClass {
+                name: name.clone(),
+                action,
+                cost: cost.max(1) as u64,
+            },
+        );
     }
     if let Some(d) = &spec.default_route {
         if !spec.routes.contains_key(d) {
             errors.add(
                 root.key("default_route"),
-                format!("unknown route class `{d}` (routes: {})", known(spec.routes.keys())),
+                format!(
+                    "unknown route class `{d}` (routes: {})",
+                    known(spec.routes.keys())
+                ),
             );
         }
     }
@@ -168,15 +200,23 @@ fn compile_identity(spec: &IdentitySpec, path: &FieldPath, errors: &mut Errors) 
         (Some(header), None) => {
             let valid = !header.is_empty()
                 && header.len() <= 128
-                && header.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+                && header
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
             if !valid {
-                errors.add(path.key("header"), "must be an HTTP header name (letters, digits, - _ .)");
+                errors.add(
+                    path.key("header"),
+                    "must be an HTTP header name (letters, digits, - _ .)",
+                );
             }
             Identity::Header(header.to_ascii_lowercase())
         }
         (None, Some(jwt)) => {
             let jwt_path = path.key("jwt");
-            for (field, value) in [("payload_in_metadata", &jwt.payload_in_metadata), ("claim", &jwt.claim)] {
+            for (field, value) in [
+                ("payload_in_metadata", &jwt.payload_in_metadata),
+                ("claim", &jwt.claim),
+            ] {
                 if value.is_empty() {
                     errors.add(jwt_path.key(field), "must not be empty");
                 }
@@ -202,7 +242,10 @@ fn compile_limits(plan: &str, specs: &[LimitSpec], path: &FieldPath, errors: &mu
         errors.add(path.clone(), "at least one limit is required");
     }
     if specs.len() > MAX_LIMITS_PER_PLAN {
-        errors.add(path.clone(), format!("at most {MAX_LIMITS_PER_PLAN} limits per plan"));
+        errors.add(
+            path.clone(),
+            format!("at most {MAX_LIMITS_PER_PLAN} limits per plan"),
+        );
     }
     let mut limits: Vec<Limit> = Vec::with_capacity(specs.len());
     for (i, spec) in specs.iter().enumerate() {
@@ -216,11 +259,17 @@ fn compile_limits(plan: &str, specs: &[LimitSpec], path: &FieldPath, errors: &mu
             }
         };
         if !is_name(&name) {
-            errors.add(path.key("name"), "limit names are 1 to 64 characters of A-Z a-z 0-9 _ - .");
+            errors.add(
+                path.key("name"),
+                "limit names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
+            );
         }
         let name_hash = fnv1a32(name.as_bytes());
         if limits.iter().any(|l| l.name == name || l.name_hash == name_hash) {
-            errors.add(path.key("name"), format!("duplicate limit name `{name}` in this plan"));
+            errors.add(
+                path.key("name"),
+                format!("duplicate limit name `{name}` in this plan"),
+            );
         }
 
         let rate = count(spec.rate, &path.key("rate"), errors);
@@ -246,18 +295,30 @@ fn compile_limits(plan: &str, specs: &[LimitSpec], path: &FieldPath, errors: &mu
             }
             Ok(ns) => Some(ns / NANOS_PER_SEC),
         };
-        let (Some(rate), Some(burst), Some(per_secs)) = (rate, burst, per_secs) else { continue };
+        let (Some(rate), Some(burst), Some(per_secs)) = (rate, burst, per_secs) else {
+            continue;
+        };
         let gcra = match Gcra::new(rate, per_secs * NANOS_PER_SEC, burst) {
             Some(g) if g.tolerance_ns() / NANOS_PER_SEC <= MAX_WINDOW_SECS => g,
             _ => {
                 errors.add(
                     path.key("burst"),
-                    format!("a burst of {burst} at {rate} per {}s takes longer than 366d to refill", per_secs),
+                    format!(
+                        "a burst of {burst} at {rate} per {}s takes longer than 366d to refill",
+                        per_secs
+                    ),
                 );
                 continue;
             }
         };
-        limits.push(Limit { name, name_hash, rate, per_secs, burst, gcra });
+        limits.push(Limit {
+            name,
+            name_hash,
+            rate,
+            per_secs,
+            burst,
+            gcra,
+        });
     }
     limits
 }

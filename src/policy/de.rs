@@ -55,7 +55,10 @@ impl std::error::Error for DeError {}
 
 impl de::Error for DeError {
     fn custom<T: fmt::Display>(msg: T) -> Self {
-        DeError { reversed_path: Vec::new(), message: msg.to_string() }
+        DeError {
+            reversed_path: Vec::new(),
+            message: msg.to_string(),
+        }
     }
 }
 
@@ -66,10 +69,10 @@ impl<'de> NodeDe<'de> {
     /// An integral float (istiod's doubles) as an integer node, if exact.
     fn integral(self) -> Option<Node> {
         match *self.0 {
-            Node::F64(f) if f.fract() == 0.0 && f >= 0.0 && f < 18_446_744_073_709_551_616.0 => {
+            Node::F64(f) if f.fract() == 0.0 && (0.0..18_446_744_073_709_551_616.0).contains(&f) => {
                 Some(Node::U64(f as u64))
             }
-            Node::F64(f) if f.fract() == 0.0 && f < 0.0 && f >= -9_223_372_036_854_775_808.0 => {
+            Node::F64(f) if f.fract() == 0.0 && (-9_223_372_036_854_775_808.0..0.0).contains(&f) => {
                 Some(Node::I64(f as i64))
             }
             _ => None,
@@ -104,7 +107,10 @@ impl<'de> de::Deserializer<'de> for NodeDe<'de> {
             Node::I64(n) => visitor.visit_i64(*n),
             Node::F64(n) => visitor.visit_f64(*n),
             Node::Str(s) => visitor.visit_borrowed_str(s),
-            Node::Seq(items) => visitor.visit_seq(SeqDe { items: items.iter(), index: 0 }),
+            Node::Seq(items) => visitor.visit_seq(SeqDe {
+                items: items.iter(),
+                index: 0,
+            }),
             Node::Map(entries) => visitor.visit_map(MapDe {
                 entries: entries.iter(),
                 pending: None,
@@ -132,7 +138,10 @@ impl<'de> de::Deserializer<'de> for NodeDe<'de> {
         // The schema only uses unit variants (`mode: shadow`).
         match self.0 {
             Node::Str(s) => visitor.visit_enum(s.as_str().into_deserializer()),
-            other => Err(de::Error::custom(format_args!("expected a string, found {}", other.kind()))),
+            other => Err(de::Error::custom(format_args!(
+                "expected a string, found {}",
+                other.kind()
+            ))),
         }
     }
 
@@ -158,14 +167,15 @@ struct SeqDe<'de> {
 impl<'de> SeqAccess<'de> for SeqDe<'de> {
     type Error = DeError;
 
-    fn next_element_seed<T: DeserializeSeed<'de>>(
-        &mut self,
-        seed: T,
-    ) -> Result<Option<T::Value>, DeError> {
-        let Some(item) = self.items.next() else { return Ok(None) };
+    fn next_element_seed<T: DeserializeSeed<'de>>(&mut self, seed: T) -> Result<Option<T::Value>, DeError> {
+        let Some(item) = self.items.next() else {
+            return Ok(None);
+        };
         let index = self.index;
         self.index += 1;
-        seed.deserialize(NodeDe(item)).map(Some).map_err(|e| e.at(Segment::Index(index)))
+        seed.deserialize(NodeDe(item))
+            .map(Some)
+            .map_err(|e| e.at(Segment::Index(index)))
     }
 
     fn size_hint(&self) -> Option<usize> {
@@ -183,7 +193,9 @@ impl<'de> MapAccess<'de> for MapDe<'de> {
     type Error = DeError;
 
     fn next_key_seed<K: DeserializeSeed<'de>>(&mut self, seed: K) -> Result<Option<K::Value>, DeError> {
-        let Some(entry) = self.entries.next() else { return Ok(None) };
+        let Some(entry) = self.entries.next() else {
+            return Ok(None);
+        };
         let key = entry.0.as_str();
         if !self.seen.insert(key) {
             return Err(<DeError as de::Error>::custom("duplicate key").at(Segment::Key(key.to_owned())));
@@ -198,7 +210,8 @@ impl<'de> MapAccess<'de> for MapDe<'de> {
         let Some(entry) = self.pending.take() else {
             return Err(de::Error::custom("value requested before its key"));
         };
-        seed.deserialize(NodeDe(&entry.1)).map_err(|e| e.at(Segment::Key(entry.0.clone())))
+        seed.deserialize(NodeDe(&entry.1))
+            .map_err(|e| e.at(Segment::Key(entry.0.clone())))
     }
 
     fn size_hint(&self) -> Option<usize> {

@@ -23,7 +23,9 @@ pub fn parse_duration_ns(text: &str) -> Result<u64, String> {
         return Err(bad());
     }
     let value: u64 = digits.parse().map_err(|_| bad())?;
-    value.checked_mul(unit).ok_or_else(|| format!("duration {text:?} is too long"))
+    value
+        .checked_mul(unit)
+        .ok_or_else(|| format!("duration {text:?} is too long"))
 }
 
 #[cfg(test)]

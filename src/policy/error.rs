@@ -40,7 +40,10 @@ impl FieldPath {
 /// Keys that are plain names print bare (`plans.free`); anything else is
 /// quoted (`plans["my plan"]`) so the path stays unambiguous.
 fn is_bare_key(key: &str) -> bool {
-    !key.is_empty() && key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    !key.is_empty()
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 impl fmt::Display for FieldPath {
@@ -73,7 +76,10 @@ pub struct PolicyError {
 
 impl PolicyError {
     pub fn new(path: FieldPath, message: impl Into<String>) -> Self {
-        PolicyError { path, message: message.into() }
+        PolicyError {
+            path,
+            message: message.into(),
+        }
     }
 }
 
@@ -113,7 +119,12 @@ mod tests {
 
     #[test]
     fn paths_print_like_field_accessors() {
-        let p = FieldPath::root().key("plans").key("free").key("limits").index(0).key("rate");
+        let p = FieldPath::root()
+            .key("plans")
+            .key("free")
+            .key("limits")
+            .index(0)
+            .key("rate");
         assert_eq!(p.to_string(), "plans.free.limits[0].rate");
         let q = FieldPath::root().key("plans").key("my plan");
         assert_eq!(q.to_string(), r#"plans["my plan"]"#);

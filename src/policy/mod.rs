@@ -57,7 +57,11 @@ pub enum Identity {
     /// A request header (lower-cased) that an earlier trusted filter sets.
     Header(String),
     /// A claim of the payload jwt_authn wrote to dynamic metadata.
-    JwtClaim { filter: String, payload_in_metadata: String, claim: String },
+    JwtClaim {
+        filter: String,
+        payload_in_metadata: String,
+        claim: String,
+    },
 }
 
 impl Identity {
@@ -65,9 +69,11 @@ impl Identity {
     pub fn property_path(&self) -> Option<[&str; 5]> {
         match self {
             Identity::Header(_) => None,
-            Identity::JwtClaim { filter, payload_in_metadata, claim } => {
-                Some(["metadata", "filter_metadata", filter, payload_in_metadata, claim])
-            }
+            Identity::JwtClaim {
+                filter,
+                payload_in_metadata,
+                claim,
+            } => Some(["metadata", "filter_metadata", filter, payload_in_metadata, claim]),
         }
     }
 }
@@ -167,12 +173,15 @@ pub fn tenant_id(bytes: &[u8]) -> Option<&str> {
 /// headers and shared-data keys, so they are kept to a safe alphabet.
 pub(crate) fn is_name(s: &str) -> bool {
     (1..=64).contains(&s.len())
-        && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
 }
 
 /// FNV-1a, 32 bits: a stable id for a limit's name inside its state entry.
 pub(crate) fn fnv1a32(bytes: &[u8]) -> u32 {
-    bytes.iter().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(*b)).wrapping_mul(0x0100_0193))
+    bytes.iter().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ u32::from(*b)).wrapping_mul(0x0100_0193)
+    })
 }
 
 #[cfg(test)]

@@ -65,7 +65,10 @@ fn errors_name_their_field_path() {
         [r#"plans.free.limits[0].rate: invalid type: string "100", expected i64"#]
     );
     assert_eq!(
-        errors(&with(r#"{"id": "demo-paid", "plan": "paid"}"#, r#"{"id": "demo-free", "plan": "gold"}"#)),
+        errors(&with(
+            r#"{"id": "demo-paid", "plan": "paid"}"#,
+            r#"{"id": "demo-free", "plan": "gold"}"#
+        )),
         [
             "tenants[1].id: duplicate tenant `demo-free` (also at tenants[0])",
             "tenants[1].plan: unknown plan `gold` (plans: free, paid)",
@@ -73,12 +76,18 @@ fn errors_name_their_field_path() {
     );
     assert_eq!(errors(""), ["(policy): the policy is empty"]);
     assert_eq!(errors("[]"), ["(policy): expected a mapping, found a list"]);
-    assert!(errors("{").first().unwrap().starts_with("(policy): invalid JSON:"));
+    assert!(errors("{")
+        .first()
+        .unwrap()
+        .starts_with("(policy): invalid JSON:"));
 }
 
 #[test]
 fn duplicate_json_keys_are_rejected_not_overwritten() {
-    let dup = with(r#""default_plan": "free","#, r#""default_plan": "free", "default_plan": "paid","#);
+    let dup = with(
+        r#""default_plan": "free","#,
+        r#""default_plan": "free", "default_plan": "paid","#,
+    );
     assert_eq!(errors(&dup), ["default_plan: duplicate key"]);
 }
 
@@ -86,8 +95,11 @@ fn duplicate_json_keys_are_rejected_not_overwritten() {
 fn istiod_doubles_are_accepted_as_integers() {
     // istiod renders a protobuf Struct's numbers as doubles.
     let p = Policy::from_json(
-        with(r#""rate": 10000, "per": "1m", "burst": 500"#, r#""rate": 1e+04, "per": "1m", "burst": 500.0"#)
-            .as_bytes(),
+        with(
+            r#""rate": 10000, "per": "1m", "burst": 500"#,
+            r#""rate": 1e+04, "per": "1m", "burst": 500.0"#,
+        )
+        .as_bytes(),
     )
     .unwrap();
     assert_eq!(p.plans()[1].limits[0].rate, 10_000);

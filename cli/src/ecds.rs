@@ -1,0 +1,119 @@
+//! The Envoy ECDS resource file that carries the filter and its policy.
+//!
+//! Envoy watches the file given as `path_config_source.path` and reloads it
+//! when a new file is *moved* onto that path. So the file is written whole
+//! to a temporary sibling, flushed, and renamed over the old one: Envoy
+//! never reads a half-written policy.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde_json::json;
+
+pub const DEFAULT_RESOURCE_NAME: &str = "tenantgate";
+pub const DEFAULT_VM_ID: &str = "tenantgate";
+
+pub struct Resource<'a> {
+    pub name: &'a str,
+    pub vm_id: &'a str,
+    pub wasm: &'a Path,
+}
+
+impl Resource<'_> {
+    /// The ECDS discovery file (JSON, which Envoy also reads as YAML).
+    pub fn render(&self, policy_json: &str, wasm: &Path) -> String {
+        let doc = json!({
+            "resources": [{
+                "@type": "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig",
+                "name": self.name,
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                    "config": {
+                        "name": "tenantgate",
+                        "root_id": "tenantgate",
+                        "vm_config": {
+                            "vm_id": self.vm_id,
+                            "runtime": "envoy.wasm.runtime.v8",
+                            "code": {"local": {"filename": wasm.display().to_string()}}
+                        },
+                        // A StringValue: a Struct arrives empty on Envoy 1.40.
+                        "configuration": {
+                            "@type": "type.googleapis.com/google.protobuf.StringValue",
+                            "value": policy_json
+                        }
+                    }
+                }
+            }]
+        });
+        format!("{doc:#}\n")
+    }
+
+    pub fn write(&self, policy_json: &str, target: &Path) -> std::io::Result<()> {
+        let wasm = std::fs::canonicalize(self.wasm).map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!(
+                    "wasm file {}: {e} (build it with `make wasm`, or pass --wasm)",
+                    self.wasm.display()
+                ),
+            )
+        })?;
+        let text = self.render(policy_json, &wasm);
+        write_atomically(target, text.as_bytes())
+    }
+}
+
+/// Writes `bytes` to `target` by a rename from a temporary sibling.
+pub fn write_atomically(target: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = match target.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&dir)?;
+    let file_name = target
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{file_name}.tmp-{}", std::process::id()));
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, target)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_resource_carries_the_policy_as_a_string_value() {
+        let r = Resource {
+            name: "tenantgate",
+            vm_id: "tg",
+            wasm: Path::new("x.wasm"),
+        };
+        let text = r.render(r#"{"version":"1"}"#, Path::new("/abs/x.wasm"));
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let config = &v["resources"][0]["typed_config"]["config"];
+        assert_eq!(config["configuration"]["value"], r#"{"version":"1"}"#);
+        assert_eq!(config["vm_config"]["vm_id"], "tg");
+        assert_eq!(config["vm_config"]["code"]["local"]["filename"], "/abs/x.wasm");
+    }
+
+    #[test]
+    fn writes_replace_the_file_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("ecds.yaml");
+        write_atomically(&target, b"one").unwrap();
+        write_atomically(&target, b"two").unwrap();
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "two");
+        let leftovers = std::fs::read_dir(dir.path()).unwrap().count();
+        assert_eq!(leftovers, 1, "no temporary file left behind");
+    }
+}

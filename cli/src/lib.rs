@@ -1,0 +1,5 @@
+//! The `tenantgate` command's library: policy files and ECDS resources.
+//! The binary (`main.rs`) is a thin argument parser over these.
+
+pub mod ecds;
+pub mod policy_file;

@@ -1,0 +1,240 @@
+//! Policy golden tests: every policy in `policies/` (and the Istio
+//! example's `pluginConfig`) validates; every fixture in
+//! `tests/fixtures/invalid/` fails with the message on its first line
+//! (`# expect: …`), in the CLI and in the filter's own JSON validation.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use tenantgate::policy::{Node, Policy};
+use tenantgate_cli::policy_file;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn yaml_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.sort();
+    files
+}
+
+/// What the filter receives: the document as JSON, via the plugin config.
+fn filter_validation(document: &Node) -> Result<Policy, String> {
+    Policy::from_json(document.to_json().as_bytes()).map_err(|e| e.to_string())
+}
+
+fn cli_check(file: &Path) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tenantgate"))
+        .args(["policy", "check"])
+        .arg(file)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+#[test]
+fn every_policy_in_policies_validates_in_the_cli_and_the_filter() {
+    let files = yaml_files(&repo().join("policies"));
+    assert!(
+        files.len() >= 2,
+        "policies/ should hold the demo and the examples"
+    );
+    for file in files {
+        let loaded = policy_file::load(&file).unwrap_or_else(|e| panic!("{e}"));
+        filter_validation(&loaded.document).unwrap_or_else(|e| panic!("{}: filter: {e}", file.display()));
+        let (ok, stdout, stderr) = cli_check(&file);
+        assert!(ok, "{}: {stderr}", file.display());
+        assert!(stdout.starts_with("ok: "), "{stdout}");
+    }
+}
+
+#[test]
+fn every_invalid_fixture_fails_with_its_expected_message() {
+    let files = yaml_files(&repo().join("tests/fixtures/invalid"));
+    assert!(
+        files.len() >= 25,
+        "expected at least 25 invalid fixtures, found {}",
+        files.len()
+    );
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        let expected = text
+            .lines()
+            .next()
+            .and_then(|l| l.strip_prefix("# expect: "))
+            .unwrap_or_else(|| panic!("{}: first line must be `# expect: <message>`", file.display()));
+
+        // The CLI binary: exit 1, the message on stderr, prefixed by the file.
+        let (ok, _, stderr) = cli_check(&file);
+        assert!(!ok, "{}: the CLI accepted it", file.display());
+        let first = stderr.lines().next().unwrap_or_default();
+        assert_eq!(
+            first,
+            format!("{}: {expected}", file.display()),
+            "CLI message for {}",
+            file.display()
+        );
+
+        // The filter: the same document as JSON gets the same first message.
+        let document = policy_file::parse_yaml(&text).unwrap();
+        let filter = filter_validation(&document)
+            .err()
+            .unwrap_or_else(|| panic!("{}: filter accepted", file.display()));
+        assert_eq!(
+            filter.lines().next(),
+            Some(expected),
+            "filter message for {}",
+            file.display()
+        );
+    }
+}
+
+#[test]
+fn the_cli_reports_every_error_and_checks_every_file() {
+    let dir = repo().join("tests/fixtures/invalid");
+    let out = Command::new(env!("CARGO_BIN_EXE_tenantgate"))
+        .args(["policy", "check"])
+        .arg(repo().join("policies/demo.yaml"))
+        .arg(dir.join("zero-rate.yaml"))
+        .arg(dir.join("bad-mode.yaml"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("zero-rate.yaml: plans.free.limits[0].rate: must be > 0"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("bad-mode.yaml: mode: unknown variant"),
+        "{stderr}"
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("ok: "));
+}
+
+#[test]
+fn compile_prints_the_json_the_filter_reads() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tenantgate"))
+        .args(["policy", "compile"])
+        .arg(repo().join("policies/demo.yaml"))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let policy = Policy::from_json(&out.stdout).unwrap();
+    assert_eq!(policy.version, "demo-2026-11-30");
+}
+
+#[test]
+fn apply_refuses_an_invalid_policy_and_leaves_the_file_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let ecds = dir.path().join("ecds.yaml");
+    std::fs::write(&ecds, "previous").unwrap();
+    let wasm = dir.path().join("f.wasm");
+    std::fs::write(&wasm, b"\0asm").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tenantgate"))
+        .args(["policy", "apply"])
+        .arg(repo().join("tests/fixtures/invalid/zero-rate.yaml"))
+        .arg("--ecds")
+        .arg(&ecds)
+        .arg("--wasm")
+        .arg(&wasm)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(std::fs::read_to_string(&ecds).unwrap(), "previous");
+
+    let ok = Command::new(env!("CARGO_BIN_EXE_tenantgate"))
+        .args(["policy", "apply"])
+        .arg(repo().join("policies/demo.yaml"))
+        .arg("--ecds")
+        .arg(&ecds)
+        .arg("--wasm")
+        .arg(&wasm)
+        .output()
+        .unwrap();
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let resource: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&ecds).unwrap()).unwrap();
+    let config = &resource["resources"][0]["typed_config"]["config"]["configuration"]["value"];
+    Policy::from_json(config.as_str().unwrap().as_bytes()).unwrap();
+}
+
+/// istiod hands a WasmPlugin's `pluginConfig` (a protobuf Struct) to Envoy as
+/// JSON: every number becomes a double. Render the example that way.
+fn as_istiod_json(node: &Node) -> String {
+    match node {
+        Node::Null => "null".into(),
+        Node::Bool(b) => b.to_string(),
+        Node::U64(n) => render_double(*n as f64),
+        Node::I64(n) => render_double(*n as f64),
+        Node::F64(n) => render_double(*n),
+        Node::Str(s) => serde_json::Value::from(s.as_str()).to_string(),
+        Node::Seq(items) => format!(
+            "[{}]",
+            items.iter().map(as_istiod_json).collect::<Vec<_>>().join(",")
+        ),
+        Node::Map(entries) => format!(
+            "{{{}}}",
+            entries
+                .iter()
+                .map(|(k, v)| format!("{}:{}", serde_json::Value::from(k.as_str()), as_istiod_json(v)))
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
+    }
+}
+
+/// The least friendly rendering a double may get: exponent form from 1e6.
+fn render_double(f: f64) -> String {
+    if f.abs() >= 1e6 {
+        format!("{f:e}").replace('e', "e+")
+    } else {
+        format!("{f:?}") // 100.0
+    }
+}
+
+#[test]
+fn the_istio_wasmplugin_example_validates_as_istiod_delivers_it() {
+    let text = std::fs::read_to_string(repo().join("envoy/istio/wasmplugin.yaml")).unwrap();
+    let mut plugin_configs = Vec::new();
+    for doc in text.split("\n---") {
+        let node = policy_file::parse_yaml(doc).unwrap();
+        let Node::Map(entries) = &node else { continue };
+        let kind = entries.iter().find(|(k, _)| k == "kind").map(|(_, v)| v.clone());
+        if kind != Some(Node::Str("WasmPlugin".into())) {
+            continue;
+        }
+        let spec = entries.iter().find(|(k, _)| k == "spec").map(|(_, v)| v).unwrap();
+        let Node::Map(spec) = spec else {
+            panic!("spec is not a mapping")
+        };
+        let config = spec
+            .iter()
+            .find(|(k, _)| k == "pluginConfig")
+            .map(|(_, v)| v)
+            .unwrap();
+        plugin_configs.push(config.clone());
+    }
+    assert_eq!(plugin_configs.len(), 1, "one WasmPlugin in the example");
+    let json = as_istiod_json(&plugin_configs[0]);
+    assert!(
+        json.contains(".0") || json.contains("e+"),
+        "numbers are doubles: {json}"
+    );
+    let policy = Policy::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e}\n{json}"));
+    // And it is the same policy as the demo's.
+    let demo = policy_file::load(&repo().join("policies/demo.yaml")).unwrap();
+    assert_eq!(policy.version, demo.policy.version);
+    assert_eq!(
+        format!("{:?}", policy.plans()),
+        format!("{:?}", demo.policy.plans())
+    );
+}
