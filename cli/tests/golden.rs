@@ -3,6 +3,8 @@
 //! `tests/fixtures/invalid/` fails with the message on its first line
 //! (`# expect: …`), in the CLI and in the filter's own JSON validation.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a test crate
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
