@@ -1,7 +1,7 @@
 //! `tenantgate`: the command-line tool. Policy tools today; the central
 //! service (`tenantgate serve`) joins it later.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
@@ -91,7 +91,7 @@ fn check(files: &[PathBuf]) -> ExitCode {
     }
 }
 
-fn compile(file: &PathBuf, pretty: bool) -> ExitCode {
+fn compile(file: &Path, pretty: bool) -> ExitCode {
     match policy_file::load(file) {
         Ok(loaded) => {
             if pretty {
