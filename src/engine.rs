@@ -3,10 +3,13 @@
 //! Pure: everything from the proxy comes through [`Host`], time comes in as
 //! `now` (nanoseconds since the Unix epoch, from the host's wall clock).
 
-use crate::host::{CasResult, Host};
-use crate::limiter::{Check, NANOS_PER_SEC};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use crate::host::{CasResult, Host, HostError};
+use crate::limiter::algo::{record_is_idle, Algo, Outcome};
+use crate::limiter::NANOS_PER_SEC;
 use crate::policy::{
-    self, Mode, Plan, Policy, RouteClass, MAX_LIMITS_PER_PLAN, ROUTE_METADATA_CLASS_FIELD,
+    self, Limit, Mode, Policy, RouteClass, MAX_LIMITS_PER_PLAN, ROUTE_METADATA_CLASS_FIELD,
     ROUTE_METADATA_NAMESPACE,
 };
 use crate::state;
@@ -24,8 +27,10 @@ pub enum Reason {
     Allowed,
     /// Over a limit: 429.
     RateLimited,
-    /// Over a limit in shadow mode: allowed, counted.
+    /// Over a limit in shadow mode (or over a shadow limit): allowed, counted.
     ShadowLimited,
+    /// Over a global guard (an aggregate limit per node): 503.
+    GlobalGuard,
     /// The route has no class and the policy has no `default_route`.
     Unclassified,
     /// `mode: off`.
@@ -37,10 +42,11 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 7] = [
+    pub const ALL: [Reason; 8] = [
         Reason::Allowed,
         Reason::RateLimited,
         Reason::ShadowLimited,
+        Reason::GlobalGuard,
         Reason::Unclassified,
         Reason::Disabled,
         Reason::Contention,
@@ -52,6 +58,7 @@ impl Reason {
             Reason::Allowed => "allowed",
             Reason::RateLimited => "rate_limited",
             Reason::ShadowLimited => "shadow_limited",
+            Reason::GlobalGuard => "global_guard",
             Reason::Unclassified => "unclassified",
             Reason::Disabled => "disabled",
             Reason::Contention => "contention",
@@ -63,7 +70,7 @@ impl Reason {
     pub fn deny_status(self) -> Option<u32> {
         match self {
             Reason::RateLimited => Some(429),
-            Reason::Contention | Reason::StateUnavailable => Some(503),
+            Reason::GlobalGuard | Reason::Contention | Reason::StateUnavailable => Some(503),
             _ => None,
         }
     }
@@ -100,6 +107,12 @@ pub struct Decision {
     pub headers: Option<RateLimitHeaders>,
     /// CAS conflicts this request retried through.
     pub cas_retries: u32,
+    /// Exact nanoseconds until the request would be admitted (denials).
+    pub wait_ns: u64,
+    /// What the key table did for this request.
+    pub table: TableEvent,
+    /// A guard denied after the tenant was charged: the charge was given back.
+    pub refunded: bool,
 }
 
 impl Decision {
@@ -111,6 +124,9 @@ impl Decision {
             retry_after_secs: 0,
             headers: None,
             cas_retries: 0,
+            wait_ns: 0,
+            table: TableEvent::None,
+            refunded: false,
         }
     }
 
@@ -141,26 +157,509 @@ pub const ROUTE_NAME_PROPERTY: [&str; 2] = ["xds", "route_name"];
 /// Property path of the downstream address (`ip:port`).
 pub const SOURCE_ADDRESS_PROPERTY: [&str; 2] = ["source", "address"];
 
+/// A request classified and identified: everything needed to charge it,
+/// again if it is queued and retried.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prepared {
+    pub class: RouteClass,
+    pub subject: Subject,
+    pub plan: usize,
+}
+
 /// Decides one request. `scratch` is reused for the encoded state.
 pub fn decide<H: Host>(policy: &Policy, host: &H, now: u64, scratch: &mut Vec<u8>) -> Decision {
+    match prepare(policy, host) {
+        Ok(prepared) => charge(policy, &prepared, host, now, scratch),
+        Err(reason) => Decision::pass(reason, Subject::None),
+    }
+}
+
+/// Classifies and identifies a request; `Err` is the reason of a final
+/// decision that needs no state (mode off, unclassified): the request goes on.
+pub fn prepare<H: Host>(policy: &Policy, host: &H) -> Result<Prepared, Reason> {
     if policy.mode == Mode::Off {
-        return Decision::pass(Reason::Disabled, Subject::None);
+        return Err(Reason::Disabled);
     }
     let Some(class) = classify(policy, host) else {
-        return Decision::pass(Reason::Unclassified, Subject::None);
+        return Err(Reason::Unclassified);
     };
-    let (subject, plan_index) = identify(policy, host);
-    let Some(plan) = policy.plan(plan_index) else {
-        // Unreachable by construction (compile checks every reference);
-        // pass rather than trap if it ever were.
-        return Decision::pass(Reason::Unclassified, subject);
+    let (subject, plan) = identify(policy, host);
+    Ok(Prepared {
+        class: class.clone(),
+        subject,
+        plan,
+    })
+}
+
+/// Checks and charges a prepared request against its plan's limits, then
+/// against its class's global guard.
+pub fn charge<H: Host>(
+    policy: &Policy,
+    req: &Prepared,
+    host: &H,
+    now: u64,
+    scratch: &mut Vec<u8>,
+) -> Decision {
+    let Some(plan) = policy.plan(req.plan) else {
+        // Unreachable by construction (compile checks every reference).
+        return Decision::pass(Reason::Unclassified, req.subject.clone());
     };
-    let key = state_key(&class.action, &subject);
-    let shadow = policy.mode == Mode::Shadow;
-    let effective_from = policy.effective_from_ns.min(now);
-    let mut decision = limit(plan, class.cost, &key, host, now, effective_from, scratch, shadow);
-    decision.subject = subject;
+    let ctx = Ctx {
+        now,
+        effective_from: policy.effective_from_ns.min(now),
+        shadow_mode: policy.mode == Mode::Shadow,
+        cost: req.class.cost,
+    };
+    let logical = logical_key(&req.class.action, &req.subject);
+    let tenant_place = Place::Table {
+        logical: logical.as_bytes(),
+        entries: policy.key_table_entries,
+        overflow: state::overflow_key(&req.class.action, &plan.name),
+    };
+    let tenant = apply(host, &tenant_place, &plan.limits, &ctx, scratch);
+    let mut decision = tenant.decision(&plan.limits, &plan.ratelimit_policy, Reason::RateLimited, &ctx);
+    decision.subject = req.subject.clone();
+    if decision.deny_status().is_some() {
+        return decision;
+    }
+    let Some(guard) = req.class.guard.and_then(|g| policy.guard(g)) else {
+        return decision;
+    };
+    let guarded = apply(
+        host,
+        &Place::Fixed {
+            key: state::guard_key(&guard.name),
+        },
+        &guard.limits,
+        &ctx,
+        scratch,
+    );
+    let mut guard_decision =
+        guarded.decision(&guard.limits, &guard.ratelimit_policy, Reason::GlobalGuard, &ctx);
+    decision.cas_retries += guard_decision.cas_retries;
+    if guard_decision.deny_status().is_some() {
+        // The guard refused: give the tenant its tokens back.
+        decision.refunded = refund(host, &tenant_place, &plan.limits, tenant.charged, &ctx, scratch);
+        guard_decision.subject = decision.subject;
+        guard_decision.table = decision.table;
+        guard_decision.refunded = decision.refunded;
+        guard_decision.cas_retries = decision.cas_retries;
+        return guard_decision;
+    }
+    if guard_decision.reason == Reason::ShadowLimited && decision.reason == Reason::Allowed {
+        decision.reason = Reason::ShadowLimited;
+        decision.limit = guard_decision.limit;
+    }
     decision
+}
+
+/// The request-independent inputs of one charge.
+struct Ctx {
+    now: u64,
+    effective_from: u64,
+    shadow_mode: bool,
+    cost: u64,
+}
+
+/// Where a set of limits keeps its state.
+enum Place<'a> {
+    /// A dynamic key in the key table (falling back to `overflow`).
+    Table {
+        logical: &'a [u8],
+        entries: u64,
+        overflow: String,
+    },
+    /// A fixed shared-data key with a single slot (guards, overflow).
+    Fixed { key: String },
+}
+
+/// The slot of a fixed entry.
+const FIXED_SLOT: &[u8] = b"*";
+
+/// Where a key's state is (or will be), as read.
+struct Target {
+    key: String,
+    value: Vec<u8>,
+    cas: Option<u32>,
+    slot_key: Vec<u8>,
+    slot: SlotChoice,
+    event: TableEvent,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotChoice {
+    Existing(usize),
+    Free,
+    Reclaim(usize),
+}
+
+/// What happened to the key table for this request (for stats).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TableEvent {
+    #[default]
+    None,
+    /// The key took a free slot.
+    Inserted,
+    /// The key took an idle slot from another key.
+    Reclaimed,
+    /// Every probed slot was busy: charged to the overflow entry.
+    Overflow,
+}
+
+fn read<H: Host>(host: &H, key: String) -> Result<(String, Vec<u8>, Option<u32>), HostError> {
+    let (value, cas) = host.shared_get(&key)?;
+    Ok((key, value.unwrap_or_default(), cas))
+}
+
+fn slot_is_idle(slot: &state::Slot<'_>, now: u64) -> bool {
+    state::decode_records(slot.records).is_none_or(|records| records.iter().all(|r| record_is_idle(r, now)))
+}
+
+/// Finds the key's slot: its own, else a free or idle one in its home
+/// entry or the next, else the overflow entry.
+fn locate<H: Host>(host: &H, place: &Place<'_>, now: u64) -> Result<Target, HostError> {
+    let (logical, entries, overflow) = match place {
+        Place::Fixed { key } => {
+            let (key, value, cas) = read(host, key.clone())?;
+            let exists = state::decode_entry(&value).is_some_and(|s| s.len() == 1);
+            let slot = if exists {
+                SlotChoice::Existing(0)
+            } else {
+                SlotChoice::Free
+            };
+            return Ok(Target {
+                key,
+                value: if exists { value } else { Vec::new() },
+                cas,
+                slot_key: FIXED_SLOT.to_vec(),
+                slot,
+                event: TableEvent::None,
+            });
+        }
+        Place::Table {
+            logical,
+            entries,
+            overflow,
+        } => (*logical, (*entries).max(1), overflow),
+    };
+    let home = state::fnv1a64(logical);
+    let mut candidate: Option<Target> = None;
+    for probe in 0..state::PROBES.min(entries) {
+        let (key, value, cas) = read(host, state::entry_key(home.wrapping_add(probe) % entries))?;
+        let slots = state::decode_entry(&value).unwrap_or_default();
+        if let Some(i) = slots.iter().position(|s| s.key == logical) {
+            return Ok(Target {
+                key,
+                value,
+                cas,
+                slot_key: logical.to_vec(),
+                slot: SlotChoice::Existing(i),
+                event: TableEvent::None,
+            });
+        }
+        if candidate.is_some() {
+            continue;
+        }
+        let choice = if slots.len() < state::SLOTS_PER_ENTRY {
+            Some((SlotChoice::Free, TableEvent::Inserted))
+        } else {
+            slots
+                .iter()
+                .position(|s| slot_is_idle(s, now))
+                .map(|i| (SlotChoice::Reclaim(i), TableEvent::Reclaimed))
+        };
+        if let Some((slot, event)) = choice {
+            // An unreadable entry is rebuilt from scratch.
+            let value = if state::decode_entry(&value).is_some() {
+                value
+            } else {
+                Vec::new()
+            };
+            candidate = Some(Target {
+                key,
+                value,
+                cas,
+                slot_key: logical.to_vec(),
+                slot,
+                event,
+            });
+        }
+    }
+    if let Some(target) = candidate {
+        return Ok(target);
+    }
+    let mut target = locate(
+        host,
+        &Place::Fixed {
+            key: overflow.clone(),
+        },
+        now,
+    )?;
+    target.event = TableEvent::Overflow;
+    Ok(target)
+}
+
+/// The result of checking (and maybe charging) one set of limits.
+struct Applied {
+    /// Why nothing could be decided (contention, host failure).
+    failure: Option<Reason>,
+    /// Some enforced limit denies; with the shadow mode the request goes on.
+    denied: bool,
+    /// Some limit would deny but does not enforce (shadow limit or mode).
+    shadow_denied: bool,
+    /// The limit whose wait is longest among the denying ones.
+    binding: Option<(usize, u64)>,
+    /// Per limit: (remaining, reset_ns) after this request.
+    report: Vec<(u64, u64)>,
+    /// Bit i set: limit i was charged.
+    charged: u32,
+    cas_retries: u32,
+    table: TableEvent,
+}
+
+impl Applied {
+    fn failed(reason: Reason, cas_retries: u32) -> Applied {
+        Applied {
+            failure: Some(reason),
+            denied: false,
+            shadow_denied: false,
+            binding: None,
+            report: Vec::new(),
+            charged: 0,
+            cas_retries,
+            table: TableEvent::None,
+        }
+    }
+
+    fn decision(&self, limits: &[Limit], policy_header: &str, deny_reason: Reason, ctx: &Ctx) -> Decision {
+        let mut d = Decision::pass(Reason::Allowed, Subject::None);
+        d.cas_retries = self.cas_retries;
+        d.table = self.table;
+        if let Some(reason) = self.failure {
+            d.reason = reason;
+            d.retry_after_secs = 1;
+            return d;
+        }
+        let header_item = |i: usize| -> (String, String) {
+            let l = &limits[i];
+            let (remaining, reset_ns) = self.report.get(i).copied().unwrap_or_default();
+            (
+                format!("\"{}\";q={};w={}", l.name, l.rate, l.per_secs),
+                format!("\"{}\";r={};t={}", l.name, remaining, ceil_secs(reset_ns)),
+            )
+        };
+        match self.binding {
+            Some((i, wait_ns)) if self.denied || self.shadow_denied => {
+                let (policy, ratelimit) = header_item(i);
+                d.headers = Some(RateLimitHeaders { policy, ratelimit });
+                d.limit = limits.get(i).map(|l| l.name.clone());
+                d.wait_ns = wait_ns;
+                d.retry_after_secs = ceil_secs(wait_ns).max(1);
+                d.reason = if self.denied && !ctx.shadow_mode {
+                    deny_reason
+                } else {
+                    Reason::ShadowLimited
+                };
+            }
+            _ => {
+                let ratelimit = (0..limits.len())
+                    .map(|i| header_item(i).1)
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                d.headers = Some(RateLimitHeaders {
+                    policy: policy_header.to_owned(),
+                    ratelimit,
+                });
+            }
+        }
+        d
+    }
+}
+
+/// Checks `limits` for the key at `place` and charges them all if every
+/// enforced limit admits: one compare-and-swap, retried on conflict.
+fn apply<H: Host>(
+    host: &H,
+    place: &Place<'_>,
+    limits: &[Limit],
+    ctx: &Ctx,
+    scratch: &mut Vec<u8>,
+) -> Applied {
+    let limits = &limits[..limits.len().min(MAX_LIMITS_PER_PLAN)];
+    for attempt in 0..MAX_CAS_ATTEMPTS {
+        let Ok(target) = locate(host, place, ctx.now) else {
+            return Applied::failed(Reason::StateUnavailable, attempt);
+        };
+        let slots = state::decode_entry(&target.value).unwrap_or_default();
+        let records = match target.slot {
+            SlotChoice::Existing(i) => slots
+                .get(i)
+                .and_then(|s| state::decode_records(s.records))
+                .unwrap_or_default(),
+            _ => Vec::new(),
+        };
+
+        let mut out = Applied::failed(Reason::Allowed, attempt);
+        out.failure = None;
+        out.table = target.event;
+        let mut changed = false;
+        let mut new_states = Vec::with_capacity(limits.len());
+        for (i, l) in limits.iter().enumerate() {
+            let record = records.iter().find(|r| r.name_hash == l.name_hash);
+            let (current, migrated) = l.algo.load(record, ctx.effective_from, ctx.now);
+            changed |= migrated;
+            match l.algo.check(&current, ctx.now, ctx.cost) {
+                Outcome::Admit {
+                    state,
+                    remaining,
+                    reset_ns,
+                } => {
+                    out.report.push((remaining, reset_ns));
+                    new_states.push((state, true));
+                }
+                Outcome::Deny {
+                    wait_ns,
+                    remaining,
+                    reset_ns,
+                } => {
+                    out.report.push((remaining, reset_ns));
+                    if l.shadow {
+                        out.shadow_denied = true;
+                    } else {
+                        out.denied = true;
+                    }
+                    // The binding limit: enforced ones first, then the longest wait.
+                    let rank = (!l.shadow, wait_ns);
+                    if out.binding.is_none_or(|(b, w)| rank > (!limits[b].shadow, w)) {
+                        out.binding = Some((i, wait_ns));
+                    }
+                    new_states.push((current, false));
+                }
+            }
+        }
+
+        let write = !out.denied || changed;
+        if out.denied && ctx.shadow_mode {
+            // Shadow mode: as if enforcing (nothing charged), but go on.
+            out.shadow_denied = true;
+        }
+        if !write {
+            return out;
+        }
+        // Encode this key's records: charged states, or (denied) the
+        // migrated/normalised states, persisted best effort.
+        let mut records_bytes = vec![limits.len() as u8];
+        let mut state_bytes = Vec::new();
+        for (i, (l, (st, admitted))) in limits.iter().zip(&new_states).enumerate() {
+            if *admitted && !out.denied {
+                out.charged |= 1 << i;
+            }
+            state_bytes.clear();
+            let (current, _) = if out.denied || !admitted {
+                let record = records.iter().find(|r| r.name_hash == l.name_hash);
+                l.algo.load(record, ctx.effective_from, ctx.now)
+            } else {
+                (st.clone(), false)
+            };
+            Algo::encode(&current, &mut state_bytes);
+            let (p1, p2) = l.algo.params();
+            state::push_record(
+                &mut records_bytes,
+                l.name_hash,
+                l.algo.kind(),
+                p1,
+                p2,
+                &state_bytes,
+            );
+        }
+        let new_slot = state::Slot {
+            key: &target.slot_key,
+            records: &records_bytes,
+        };
+        let slots_out = match target.slot {
+            SlotChoice::Existing(i) | SlotChoice::Reclaim(i) => slots
+                .iter()
+                .enumerate()
+                .map(|(j, s)| if j == i { new_slot } else { *s })
+                .collect::<Vec<_>>(),
+            SlotChoice::Free => slots.iter().copied().chain(core::iter::once(new_slot)).collect(),
+        };
+        state::encode_entry(slots_out, scratch);
+        match host.shared_set(&target.key, scratch, target.cas) {
+            Ok(CasResult::Written) => return out,
+            // A denial's write is only a best-effort normalisation.
+            Ok(CasResult::Conflict) if out.denied => return out,
+            Ok(CasResult::Conflict) => continue,
+            Err(_) if out.denied => return out,
+            Err(_) => return Applied::failed(Reason::StateUnavailable, attempt),
+        }
+    }
+    Applied::failed(Reason::Contention, MAX_CAS_ATTEMPTS)
+}
+
+/// Gives back the charge of the limits in `charged` (a later check denied
+/// the request). Best effort: returns whether it was written.
+fn refund<H: Host>(
+    host: &H,
+    place: &Place<'_>,
+    limits: &[Limit],
+    charged: u32,
+    ctx: &Ctx,
+    scratch: &mut Vec<u8>,
+) -> bool {
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        let Ok(target) = locate(host, place, ctx.now) else {
+            return false;
+        };
+        let SlotChoice::Existing(slot) = target.slot else {
+            return false;
+        };
+        let slots = state::decode_entry(&target.value).unwrap_or_default();
+        let Some(records) = slots.get(slot).and_then(|s| state::decode_records(s.records)) else {
+            return false;
+        };
+        let mut records_bytes = vec![records.len() as u8];
+        let mut state_bytes = Vec::new();
+        for r in &records {
+            let limit = limits
+                .iter()
+                .enumerate()
+                .find(|(_, l)| l.name_hash == r.name_hash);
+            state_bytes.clear();
+            match limit {
+                Some((i, l)) if charged & (1 << i) != 0 => {
+                    let (current, _) = l.algo.load(Some(r), ctx.effective_from, ctx.now);
+                    Algo::encode(&l.algo.refund(&current, ctx.cost, ctx.now), &mut state_bytes);
+                    let (p1, p2) = l.algo.params();
+                    state::push_record(
+                        &mut records_bytes,
+                        r.name_hash,
+                        l.algo.kind(),
+                        p1,
+                        p2,
+                        &state_bytes,
+                    );
+                }
+                _ => state::push_record(&mut records_bytes, r.name_hash, r.kind, r.p1, r.p2, r.state),
+            }
+        }
+        let new_slot = state::Slot {
+            key: &target.slot_key,
+            records: &records_bytes,
+        };
+        let out = slots
+            .iter()
+            .enumerate()
+            .map(|(j, s)| if j == slot { new_slot } else { *s })
+            .collect::<Vec<_>>();
+        state::encode_entry(out, scratch);
+        match host.shared_set(&target.key, scratch, target.cas) {
+            Ok(CasResult::Written) => return true,
+            Ok(CasResult::Conflict) => continue,
+            Err(_) => return false,
+        }
+    }
+    false
 }
 
 /// The route class from trusted route metadata, else the route name, else
@@ -181,10 +680,7 @@ fn identify<H: Host>(policy: &Policy, host: &H) -> (Subject, usize) {
         return (Subject::Tenant(id.to_owned()), policy.plan_of_tenant(id));
     }
     let invalid_identity = raw.is_some_and(|r| !r.is_empty());
-    let address = host
-        .property(&SOURCE_ADDRESS_PROPERTY)
-        .and_then(|a| client_ip(&a).map(str::to_owned))
-        .unwrap_or_else(|| String::from("unknown"));
+    let address = client_address(&policy.anonymous, host).unwrap_or_else(|| String::from("unknown"));
     (
         Subject::Anonymous {
             address,
@@ -192,6 +688,51 @@ fn identify<H: Host>(policy: &Policy, host: &H) -> (Subject, usize) {
         },
         policy.anonymous_plan(),
     )
+}
+
+/// The anonymous client's address, grouped by the configured prefix: the
+/// N-th address from the right of `X-Forwarded-For` with N trusted hops,
+/// else (and when XFF is shorter than N) the connection's address.
+pub fn client_address<H: Host>(config: &policy::Anonymous, host: &H) -> Option<String> {
+    let from_xff = (config.xff_trusted_hops > 0)
+        .then(|| host.request_header("x-forwarded-for"))
+        .flatten()
+        .and_then(|xff| nth_from_right(&xff, config.xff_trusted_hops));
+    let ip = match from_xff {
+        Some(ip) => ip,
+        None => host
+            .property(&SOURCE_ADDRESS_PROPERTY)
+            .and_then(|a| client_ip(&a)?.parse().ok())?,
+    };
+    Some(group(ip, config.ipv4_prefix, config.ipv6_prefix))
+}
+
+fn nth_from_right(xff: &[u8], n: u32) -> Option<IpAddr> {
+    let text = core::str::from_utf8(xff).ok()?;
+    let entry = text.rsplit(',').nth((n as usize).checked_sub(1)?)?.trim();
+    // Accept `ip`, `[v6]` and `[v6]:port`; anything else is not an address.
+    let entry = entry
+        .strip_prefix('[')
+        .and_then(|e| e.split(']').next())
+        .unwrap_or(entry);
+    entry.parse().ok()
+}
+
+/// The address as text, masked to its group (`203.0.113.0/24`,
+/// `2001:db8:1:2::/64`); a full-length prefix prints the bare address.
+fn group(ip: IpAddr, v4_prefix: u8, v6_prefix: u8) -> String {
+    match ip {
+        IpAddr::V4(v4) if v4_prefix >= 32 => v4.to_string(),
+        IpAddr::V4(v4) => {
+            let mask = u32::MAX.checked_shl(32 - u32::from(v4_prefix)).unwrap_or(0);
+            format!("{}/{v4_prefix}", Ipv4Addr::from(u32::from(v4) & mask))
+        }
+        IpAddr::V6(v6) if v6_prefix >= 128 => v6.to_string(),
+        IpAddr::V6(v6) => {
+            let mask = u128::MAX.checked_shl(128 - u32::from(v6_prefix)).unwrap_or(0);
+            format!("{}/{v6_prefix}", Ipv6Addr::from(u128::from(v6) & mask))
+        }
+    }
 }
 
 /// The IP part of Envoy's `ip:port` / `[v6]:port` address text.
@@ -212,135 +753,19 @@ pub fn client_ip(address: &[u8]) -> Option<&str> {
     plausible.then_some(ip)
 }
 
-/// The shared-data key of one (subject × action). Actions are names (no
-/// `|`), tenant ids have no whitespace, addresses are hex, dots and colons.
-pub fn state_key(action: &str, subject: &Subject) -> String {
+/// The logical key of one (subject × action): what a key-table slot holds.
+/// Actions are names (no `|`), tenant ids have no whitespace, addresses
+/// are hex, dots, colons and a `/prefix`.
+pub fn logical_key(action: &str, subject: &Subject) -> String {
     match subject {
-        Subject::Tenant(id) => format!("tg1|{action}|t|{id}"),
-        Subject::Anonymous { address, .. } => format!("tg1|{action}|a|{address}"),
-        Subject::None => format!("tg1|{action}|-"),
+        Subject::Tenant(id) => format!("{action}|t|{id}"),
+        Subject::Anonymous { address, .. } => format!("{action}|a|{address}"),
+        Subject::None => format!("{action}|-"),
     }
 }
 
 fn ceil_secs(ns: u64) -> u64 {
     ns.div_ceil(NANOS_PER_SEC)
-}
-
-/// Checks and charges every limit of `plan` at once: admitted only if all
-/// admit, and then all are charged with one compare-and-swap.
-#[allow(clippy::too_many_arguments)]
-fn limit<H: Host>(
-    plan: &Plan,
-    cost: u64,
-    key: &str,
-    host: &H,
-    now: u64,
-    effective_from: u64,
-    scratch: &mut Vec<u8>,
-    shadow: bool,
-) -> Decision {
-    let n = plan.limits.len().min(MAX_LIMITS_PER_PLAN);
-    let limits = &plan.limits[..n];
-    let mut outcome = Decision::pass(Reason::Allowed, Subject::None);
-    for attempt in 0..MAX_CAS_ATTEMPTS {
-        outcome.cas_retries = attempt;
-        let Ok((value, cas)) = host.shared_get(key) else {
-            outcome.reason = Reason::StateUnavailable;
-            outcome.retry_after_secs = 1;
-            return outcome;
-        };
-        let stored = value.as_deref().and_then(state::decode).unwrap_or_default();
-
-        let mut new_tats = [0u64; MAX_LIMITS_PER_PLAN];
-        let mut remaining = [0u64; MAX_LIMITS_PER_PLAN];
-        // The limit that needs the longest wait binds the denial.
-        let mut binding: Option<(usize, u64)> = None;
-        // Whether the state read differs from the state stored: a clock
-        // step backwards was forgiven or a reload migrated a limit.
-        let mut changed = false;
-        for (i, l) in limits.iter().enumerate() {
-            let (stored_tat, migrated) = state::tat_for(l, &stored, effective_from);
-            let tat = l.gcra.saturate(stored_tat, now);
-            changed |= migrated || tat != stored_tat;
-            match l.gcra.check(tat, now, cost) {
-                Check::Admit {
-                    new_tat,
-                    remaining: r,
-                } => {
-                    new_tats[i] = new_tat;
-                    remaining[i] = r;
-                }
-                Check::Deny { wait_ns } => {
-                    if binding.is_none_or(|(_, w)| wait_ns > w) {
-                        binding = Some((i, wait_ns));
-                    }
-                    new_tats[i] = tat;
-                    remaining[i] = l.gcra.available(tat, now);
-                }
-            }
-        }
-
-        if let Some((i, wait_ns)) = binding {
-            let l = &limits[i];
-            outcome.reason = if shadow {
-                Reason::ShadowLimited
-            } else {
-                Reason::RateLimited
-            };
-            outcome.limit = Some(l.name.clone());
-            outcome.retry_after_secs = ceil_secs(wait_ns).max(1);
-            outcome.headers = Some(RateLimitHeaders {
-                policy: format!("\"{}\";q={};w={}", l.name, l.rate, l.per_secs),
-                ratelimit: format!(
-                    "\"{}\";r={};t={}",
-                    l.name,
-                    remaining[i],
-                    ceil_secs(l.gcra.time_to_full_ns(new_tats[i], now))
-                ),
-            });
-            // Nothing is charged for a denied request. A migrated or
-            // forgiven state is persisted (best effort: a conflict means
-            // another worker wrote a fresher state).
-            if changed {
-                state::encode(limits, &new_tats[..n], scratch);
-                let _ = host.shared_set(key, scratch, cas);
-            }
-            return outcome;
-        }
-
-        state::encode(limits, &new_tats[..n], scratch);
-        match host.shared_set(key, scratch, cas) {
-            Ok(CasResult::Written) => {
-                outcome.headers = Some(RateLimitHeaders {
-                    policy: plan.ratelimit_policy.clone(),
-                    ratelimit: limits
-                        .iter()
-                        .enumerate()
-                        .map(|(i, l)| {
-                            format!(
-                                "\"{}\";r={};t={}",
-                                l.name,
-                                remaining[i],
-                                ceil_secs(l.gcra.time_to_full_ns(new_tats[i], now))
-                            )
-                        })
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                });
-                return outcome;
-            }
-            Ok(CasResult::Conflict) => continue,
-            Err(_) => {
-                outcome.reason = Reason::StateUnavailable;
-                outcome.retry_after_secs = 1;
-                return outcome;
-            }
-        }
-    }
-    outcome.reason = Reason::Contention;
-    outcome.cas_retries = MAX_CAS_ATTEMPTS;
-    outcome.retry_after_secs = 1;
-    outcome
 }
 
 #[cfg(test)]

@@ -1,93 +1,174 @@
-//! The binary encoding of one limit key's state in Envoy shared data.
+//! How limit state is laid out in Envoy shared data.
 //!
-//! One shared-data entry per key (tenant × API action) holds the state of
-//! every limit of the tenant's plan, so a request is checked and charged
-//! against all of them with a single compare-and-swap: all or nothing.
+//! Shared data has no delete: a key lives until Envoy exits. So dynamic keys
+//! (tenants, client addresses) never become shared-data keys of their own.
+//! They live in a **key table** of fixed size, chosen by the policy
+//! (`key_table.max_keys`): [`SLOTS_PER_ENTRY`] slots packed into each
+//! shared-data entry `tg2|k|<index>`, so Envoy's per-key overhead (≈100–130
+//! bytes) is paid once per entry, not once per tenant.
 //!
-//! Layout (little-endian), version 1:
+//! A logical key (`action|t|tenant` or `action|a|address`) hashes to an
+//! entry; it may also live in the next one ([`PROBES`] entries in all). A
+//! slot holds the logical key itself (so two keys never share a bucket by a
+//! hash collision) and one record per limit of the plan. A new key takes a
+//! free slot, or reclaims an *idle* slot: one whose every limit is back to
+//! its fresh state, so reclaiming it loses nothing. When every probed slot
+//! is busy, the request is charged against an **overflow** entry shared by
+//! all overflowing keys of the same action and plan (`tg2|o|…`): memory stays
+//! bounded and nobody is silently allowed.
+//!
+//! Entry layout (little-endian), format version 2:
 //! ```text
-//! [0]      format version (1)
-//! [1]      n, the number of limits
-//! [2..]    n × 28 bytes: name_hash u32 | interval_ns u64 | tolerance_ns u64 | tat u64
+//! [0] version (2)   [1] n, slots in use (≤ SLOTS_PER_ENTRY)
+//! n × slot:  [key_len u8][key][records_len u16][records]
+//! records:   [count u8] count × ([name_hash u32][kind u8][p1 u64][p2 u64][state_len u16][state])
 //! ```
-//! Each limit's GCRA parameters are stored beside its TAT so that a policy
-//! reload that changes a live limit can carry the bucket's fill level over
-//! ([`crate::limiter::Gcra::migrate_tat`]) instead of resetting it.
+//! `p1`/`p2` are the limit's parameters when the state was written, so a
+//! reload that changes a live limit can carry its state over instead of
+//! resetting it (see [`crate::limiter::algo`]).
 
-use crate::limiter::Gcra;
-use crate::policy::Limit;
+pub const FORMAT_VERSION: u8 = 2;
+/// Slots per shared-data entry.
+pub const SLOTS_PER_ENTRY: usize = 8;
+/// Entries a key may live in: its home entry and the next one.
+pub const PROBES: u64 = 2;
+/// Longest logical key stored in a slot.
+pub const MAX_KEY_LEN: usize = 255;
 
-pub const FORMAT_VERSION: u8 = 1;
-const HEADER_LEN: usize = 2;
-const ENTRY_LEN: usize = 28;
-
-/// One limit's stored state.
+/// One slot of a decoded entry, borrowing from the shared-data value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Entry {
+pub struct Slot<'a> {
+    pub key: &'a [u8],
+    pub records: &'a [u8],
+}
+
+/// One limit's stored record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Record<'a> {
     pub name_hash: u32,
-    pub interval_ns: u64,
-    pub tolerance_ns: u64,
-    pub tat: u64,
+    pub kind: u8,
+    pub p1: u64,
+    pub p2: u64,
+    pub state: &'a [u8],
 }
 
-fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
-    let raw: [u8; 8] = bytes.get(at..at + 8)?.try_into().ok()?;
-    Some(u64::from_le_bytes(raw))
+/// A little-endian reader that never panics.
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        Some(head)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+    fn u16(&mut self) -> Option<u16> {
+        Some(u16::from_le_bytes(self.take(2)?.try_into().ok()?))
+    }
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
+    }
 }
 
-/// Decodes a stored value. `None` for anything that is not a well-formed
-/// version-1 value (the caller treats the key as new and counts it).
-pub fn decode(bytes: &[u8]) -> Option<Vec<Entry>> {
-    let (&version, rest) = bytes.split_first()?;
-    let (&n, body) = rest.split_first()?;
-    if version != FORMAT_VERSION || body.len() != usize::from(n) * ENTRY_LEN {
+/// Decodes an entry. `None` for anything that is not a well-formed
+/// version-2 entry (the caller treats it as empty and counts it).
+pub fn decode_entry(bytes: &[u8]) -> Option<Vec<Slot<'_>>> {
+    let mut r = Reader(bytes);
+    if r.u8()? != FORMAT_VERSION {
         return None;
     }
-    body.chunks_exact(ENTRY_LEN)
-        .map(|c| {
-            Some(Entry {
-                name_hash: u32::from_le_bytes(c.get(0..4)?.try_into().ok()?),
-                interval_ns: u64_at(c, 4)?,
-                tolerance_ns: u64_at(c, 12)?,
-                tat: u64_at(c, 20)?,
-            })
-        })
-        .collect()
+    let n = usize::from(r.u8()?);
+    if n > SLOTS_PER_ENTRY {
+        return None;
+    }
+    let mut slots = Vec::with_capacity(n);
+    for _ in 0..n {
+        let key_len = usize::from(r.u8()?);
+        let key = r.take(key_len)?;
+        let records_len = usize::from(r.u16()?);
+        let records = r.take(records_len)?;
+        slots.push(Slot { key, records });
+    }
+    r.0.is_empty().then_some(slots)
 }
 
-/// Encodes the state of `limits` with the given TATs (same order).
-pub fn encode(limits: &[Limit], tats: &[u64], out: &mut Vec<u8>) {
+/// Encodes an entry from its slots.
+pub fn encode_entry<'a>(slots: impl IntoIterator<Item = Slot<'a>>, out: &mut Vec<u8>) {
     out.clear();
-    out.reserve(HEADER_LEN + limits.len() * ENTRY_LEN);
     out.push(FORMAT_VERSION);
-    out.push(limits.len() as u8); // at most MAX_LIMITS_PER_PLAN
-    for (limit, tat) in limits.iter().zip(tats) {
-        out.extend_from_slice(&limit.name_hash.to_le_bytes());
-        out.extend_from_slice(&limit.gcra.interval_ns().to_le_bytes());
-        out.extend_from_slice(&limit.gcra.tolerance_ns().to_le_bytes());
-        out.extend_from_slice(&tat.to_le_bytes());
+    out.push(0);
+    let mut n = 0u8;
+    for s in slots {
+        out.push(s.key.len() as u8); // keys are at most MAX_KEY_LEN
+        out.extend_from_slice(s.key);
+        out.extend_from_slice(&(s.records.len() as u16).to_le_bytes());
+        out.extend_from_slice(s.records);
+        n += 1;
     }
+    out[1] = n;
 }
 
-/// The TAT of `limit` given the stored entries: carried over by name, full
-/// (0) if the limit is new. If the stored parameters differ (a reload
-/// changed the limit), the bucket's fill level is carried over as of
-/// `effective_from`, the instant the current policy took effect: the old
-/// rate applies before it, the new rate after. Returns the TAT and whether
-/// it differs from what is stored (so a denial can persist the migration).
-pub fn tat_for(limit: &Limit, stored: &[Entry], effective_from: u64) -> (u64, bool) {
-    let Some(e) = stored.iter().find(|e| e.name_hash == limit.name_hash) else {
-        return (0, false);
-    };
-    if e.interval_ns == limit.gcra.interval_ns() && e.tolerance_ns == limit.gcra.tolerance_ns() {
-        return (e.tat, false);
+/// Decodes a slot's records.
+pub fn decode_records(bytes: &[u8]) -> Option<Vec<Record<'_>>> {
+    let mut r = Reader(bytes);
+    let n = usize::from(r.u8()?);
+    let mut records = Vec::with_capacity(n);
+    for _ in 0..n {
+        let name_hash = r.u32()?;
+        let kind = r.u8()?;
+        let p1 = r.u64()?;
+        let p2 = r.u64()?;
+        let len = usize::from(r.u16()?);
+        let state = r.take(len)?;
+        records.push(Record {
+            name_hash,
+            kind,
+            p1,
+            p2,
+            state,
+        });
     }
-    let tat = match Gcra::from_stored(e.interval_ns, e.tolerance_ns) {
-        Some(old) => limit.gcra.migrate_tat(&old, e.tat, effective_from),
-        // Unusable stored parameters: be conservative, start empty.
-        None => effective_from.saturating_add(limit.gcra.tolerance_ns()),
-    };
-    (tat, true)
+    r.0.is_empty().then_some(records)
+}
+
+/// Appends one record; `state` is the algorithm's encoded state.
+pub fn push_record(out: &mut Vec<u8>, name_hash: u32, kind: u8, p1: u64, p2: u64, state: &[u8]) {
+    out.extend_from_slice(&name_hash.to_le_bytes());
+    out.push(kind);
+    out.extend_from_slice(&p1.to_le_bytes());
+    out.extend_from_slice(&p2.to_le_bytes());
+    out.extend_from_slice(&(state.len() as u16).to_le_bytes());
+    out.extend_from_slice(state);
+}
+
+/// FNV-1a, 64 bits: where a logical key's home entry is.
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// The shared-data key of key-table entry `index`.
+pub fn entry_key(index: u64) -> String {
+    format!("tg2|k|{index}")
+}
+
+/// The shared-data key of the overflow entry of `action` × `plan`.
+pub fn overflow_key(action: &str, plan: &str) -> String {
+    format!("tg2|o|{action}|{plan}")
+}
+
+/// The shared-data key of a global guard.
+pub fn guard_key(guard: &str) -> String {
+    format!("tg2|g|{guard}")
 }
 
 #[cfg(test)]
@@ -95,12 +176,73 @@ mod tests {
     use super::*;
 
     #[test]
-    fn garbage_never_decodes() {
-        assert_eq!(decode(&[]), None);
-        assert_eq!(decode(&[1]), None);
-        assert_eq!(decode(&[2, 0]), None);
-        assert_eq!(decode(&[1, 1, 0, 0]), None);
-        assert_eq!(decode(&[1, 0]), Some(vec![]));
-        assert_eq!(decode(&[1, 0, 9]), None);
+    fn entries_round_trip() {
+        let mut records = vec![2u8];
+        push_record(&mut records, 7, 1, 10, 20, &[1, 2, 3]);
+        push_record(&mut records, 8, 2, 30, 40, &[]);
+        let slots = [
+            Slot {
+                key: b"api|t|acme",
+                records: &records,
+            },
+            Slot {
+                key: b"x",
+                records: &[0],
+            },
+        ];
+        let mut out = Vec::new();
+        encode_entry(slots, &mut out);
+        let decoded = decode_entry(&out).unwrap();
+        assert_eq!(decoded, slots);
+        let recs = decode_records(decoded[0].records).unwrap();
+        assert_eq!(recs.len(), 2);
+        assert_eq!(
+            recs[0],
+            Record {
+                name_hash: 7,
+                kind: 1,
+                p1: 10,
+                p2: 20,
+                state: &[1, 2, 3]
+            }
+        );
+        assert_eq!(recs[1].state, &[] as &[u8]);
+    }
+
+    #[test]
+    fn garbage_never_decodes_and_never_panics() {
+        assert_eq!(decode_entry(&[]), None);
+        assert_eq!(decode_entry(&[1, 0]), None); // version 1
+        assert_eq!(decode_entry(&[2, 9]), None); // too many slots
+        assert_eq!(decode_entry(&[2, 1, 5, b'a']), None); // truncated
+        assert_eq!(decode_entry(&[2, 0, 0]), None); // trailing bytes
+        assert_eq!(decode_entry(&[2, 0]), Some(vec![]));
+        assert_eq!(decode_records(&[1, 0, 0]), None);
+        // Every prefix and every single-byte corruption of a valid entry.
+        let mut records = vec![1u8];
+        push_record(&mut records, 7, 1, 10, 20, &[9; 8]);
+        let mut out = Vec::new();
+        encode_entry(
+            [Slot {
+                key: b"k",
+                records: &records,
+            }],
+            &mut out,
+        );
+        let decode_all = |bytes: &[u8]| {
+            for slot in decode_entry(bytes).unwrap_or_default() {
+                let _ = decode_records(slot.records);
+            }
+        };
+        for cut in 0..out.len() {
+            decode_all(&out[..cut]);
+        }
+        for i in 0..out.len() {
+            for b in [0u8, 1, 0x7f, 0xff] {
+                let mut bad = out.clone();
+                bad[i] = b;
+                decode_all(&bad);
+            }
+        }
     }
 }

@@ -30,6 +30,10 @@ impl SharedStore {
         self.entries.is_empty()
     }
 
+    pub fn keys(&self) -> impl Iterator<Item = &String> {
+        self.entries.keys()
+    }
+
     pub fn get(&self, key: &str) -> Option<&[u8]> {
         self.entries.get(key).map(|(v, _)| v.as_slice())
     }

@@ -48,6 +48,24 @@ fn req(store: &std::rc::Rc<std::cell::RefCell<SharedStore>>, class: &str, tenant
         .source("10.1.2.3:5555")
 }
 
+/// Every logical key held in the store's key-table entries.
+fn table_keys(store: &std::rc::Rc<std::cell::RefCell<SharedStore>>) -> Vec<String> {
+    let store = store.borrow();
+    let mut keys: Vec<String> = store
+        .keys()
+        .filter(|k| k.starts_with("tg2|k|"))
+        .flat_map(|k| {
+            crate::state::decode_entry(store.get(k).unwrap())
+                .unwrap()
+                .iter()
+                .map(|s| String::from_utf8_lossy(s.key).into_owned())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    keys.sort();
+    keys
+}
+
 fn run(p: &Policy, host: &FakeHost, now: u64) -> Decision {
     decide(p, host, now, &mut Vec::new())
 }
@@ -98,7 +116,10 @@ fn tenants_and_actions_never_share_a_bucket() {
     assert_eq!(admitted(&p, &req(&store, "api", "other"), T0, 20), 5);
     assert_eq!(admitted(&p, &req(&store, "orders", "acme"), T0, 20), 5);
     assert_eq!(admitted(&p, &req(&store, "api", "bigco"), T0, 2000), 1000);
-    assert_eq!(store.borrow().len(), 4);
+    assert_eq!(
+        table_keys(&store),
+        ["api|t|acme", "api|t|bigco", "api|t|other", "orders|t|acme"]
+    );
 }
 
 #[test]
@@ -119,7 +140,7 @@ fn route_class_comes_from_metadata_then_route_name_never_headers() {
     // An unknown class falls back to the default route.
     let unknown = req(&store, "no-such-class", "zed");
     assert_eq!(admitted(&p, &unknown, T0, 20), 5);
-    assert!(store.borrow().get("tg1|api|t|zed").is_some());
+    assert!(table_keys(&store).contains(&"api|t|zed".to_owned()));
 }
 
 #[test]
@@ -184,7 +205,7 @@ fn missing_or_invalid_identity_is_anonymous_by_client_address() {
         .route_class("api")
         .source("[2001:db8::1]:443");
     assert!(
-        matches!(run(&p, &v6, T0).subject, Subject::Anonymous { ref address, .. } if address == "2001:db8::1")
+        matches!(run(&p, &v6, T0).subject, Subject::Anonymous { ref address, .. } if address == "2001:db8::/64")
     );
 }
 
@@ -232,12 +253,14 @@ fn several_limits_are_all_or_nothing() {
     // 15/min is 4 s a token; the minute bucket is full at T0+60s, so the
     // next token is back at T0+4s: 2 s from now.
     assert_eq!(d.retry_after_secs, 2);
-    // Denied requests charged nothing: per_second still has its tokens.
-    let stored = crate::state::decode(store.borrow().get("tg1|api|t|combo").unwrap()).unwrap();
-    assert_eq!(p.plans()[1].limits.len(), 2);
-    let per_second = p.plans().iter().find(|pl| pl.name == "combo").unwrap();
-    let (tat, _) = crate::state::tat_for(&per_second.limits[0], &stored, T0 + 2 * S);
-    assert_eq!(per_second.limits[0].gcra.available(tat, T0 + 2 * S), 10);
+    // Denied requests charged nothing: when the minute limit has a token
+    // again (T0+4s), the second limit still has all but this one.
+    let d = run(&p, &h, T0 + 4 * S);
+    assert_eq!(d.reason, Reason::Allowed);
+    assert_eq!(
+        d.headers.unwrap().ratelimit,
+        r#""per_second";r=9;t=1, "per_minute";r=0;t=60"#
+    );
 }
 
 #[test]
@@ -408,4 +431,199 @@ fn a_reload_takes_effect_from_its_load_time_even_for_untouched_keys() {
     after.effective_from_ns = T0 + 200_000_000; // 2 old tokens accrued by then
                                                 // At T0+1s: 2 tokens carried over + 0.8 s at the new 1/s = 2 tokens.
     assert_eq!(admitted(&after, &h, T0 + S, 10), 2);
+}
+
+/// A policy with free = 10/s burst 5, the given routes and extra fields.
+fn policy_with(routes: &str, tail: &str) -> Policy {
+    let json = format!(
+        r#"{{"version":"t","identity":{{"header":"x-tenant-id"}},
+        "plans":{{"free":{{"limits":[{{"rate":10,"per":"1s","burst":5}}]}}}},
+        "default_plan":"free","anonymous":{{"plan":"free"}},"routes":{routes},"default_route":"api"{tail}}}"#
+    );
+    Policy::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn the_key_table_never_grows_past_max_keys_and_reclaims_idle_slots() {
+    // 64 keys: 8 entries of 8 slots.
+    let p = policy_with(r#"{"api":{}}"#, r#","key_table":{"max_keys":64}"#);
+    let store = SharedStore::new();
+    let mut events = std::collections::HashMap::new();
+    for i in 0..2_000u64 {
+        // One request per tenant, 2 ms apart: a bucket (10/s, one token
+        // used) is idle again 100 ms after its request.
+        let h = req(&store, "api", &format!("tenant-{i}"));
+        let d = run(&p, &h, T0 + i * 2_000_000);
+        assert!(
+            d.reason == Reason::Allowed || d.reason == Reason::RateLimited,
+            "{d:?}"
+        );
+        *events.entry(format!("{:?}", d.table)).or_insert(0) += 1;
+    }
+    let entries = store.borrow().keys().filter(|k| k.starts_with("tg2|k|")).count();
+    assert!(entries <= 8, "{entries} entries");
+    assert!(table_keys(&store).len() <= 64);
+    assert_eq!(events.get("Inserted"), Some(&64), "{events:?}");
+    assert!(
+        events.get("Reclaimed").copied().unwrap_or(0) > 1_000,
+        "{events:?}"
+    );
+}
+
+#[test]
+fn a_full_table_charges_the_overflow_bucket_never_a_silent_allow() {
+    let p = policy_with(r#"{"api":{}}"#, r#","key_table":{"max_keys":8}"#);
+    let store = SharedStore::new();
+    // Eight busy tenants fill the table (two probes of one entry).
+    for i in 0..8 {
+        assert_eq!(
+            run(&p, &req(&store, "api", &format!("busy-{i}")), T0).table,
+            TableEvent::Inserted
+        );
+    }
+    // Newcomers share the overflow bucket of (api, free): 5 in all.
+    let overflowed: Vec<Decision> = (0..20)
+        .map(|i| run(&p, &req(&store, "api", &format!("new-{i}")), T0))
+        .collect();
+    assert!(overflowed.iter().all(|d| d.table == TableEvent::Overflow));
+    assert_eq!(
+        overflowed.iter().filter(|d| d.reason == Reason::Allowed).count(),
+        5
+    );
+    assert!(store.borrow().get("tg2|o|api|free").is_some());
+    // Once the busy tenants are idle, a newcomer gets its own slot again.
+    assert_eq!(
+        run(&p, &req(&store, "api", "later"), T0 + S).table,
+        TableEvent::Reclaimed
+    );
+}
+
+#[test]
+fn a_key_keeps_its_slot_when_its_home_entry_fills_up() {
+    let p = policy_with(r#"{"api":{}}"#, r#","key_table":{"max_keys":16}"#);
+    let store = SharedStore::new();
+    let h = req(&store, "api", "sticky");
+    assert_eq!(admitted(&p, &h, T0, 3), 3);
+    for i in 0..40 {
+        run(&p, &req(&store, "api", &format!("filler-{i}")), T0);
+    }
+    // Still its own bucket: two tokens left, not a fresh one or the overflow.
+    assert_eq!(admitted(&p, &h, T0, 10), 2);
+    assert_eq!(
+        table_keys(&store).iter().filter(|k| *k == "api|t|sticky").count(),
+        1
+    );
+}
+
+#[test]
+fn the_global_guard_limits_all_tenants_together_and_refunds_the_tenant() {
+    let p = policy_with(
+        r#"{"api":{"guard":"db"},"free":{}}"#,
+        r#","guards":{"db":{"limits":[{"rate":4,"per":"1s"}]}}"#,
+    );
+    let store = SharedStore::new();
+    let reasons: Vec<Reason> = (0..6)
+        .map(|i| run(&p, &req(&store, "api", &format!("t{i}")), T0).reason)
+        .collect();
+    assert_eq!(reasons.iter().filter(|r| **r == Reason::Allowed).count(), 4);
+    let d = run(&p, &req(&store, "api", "t9"), T0);
+    assert_eq!(d.reason, Reason::GlobalGuard);
+    assert_eq!(d.deny_status(), Some(503));
+    assert_eq!(d.limit.as_deref(), Some("db"));
+    assert!(d.refunded);
+    // t9 was refunded: its own bucket is still full (5) once the guard allows.
+    let later = T0 + S;
+    let d = run(&p, &req(&store, "api", "t9"), later);
+    assert_eq!(d.reason, Reason::Allowed);
+    assert_eq!(d.headers.unwrap().ratelimit, r#""free";r=4;t=1"#);
+    // Classes without the guard are not affected by it.
+    assert_eq!(admitted(&p, &req(&store, "free", "t9"), T0, 10), 5);
+}
+
+#[test]
+fn a_shadow_limit_reports_but_never_denies() {
+    let p = Policy::from_json(
+        br#"{"version":"t","identity":{"header":"x-tenant-id"},
+        "plans":{"free":{"limits":[{"name":"enforced","rate":10,"per":"1s"},{"name":"trial","rate":3,"per":"1s","shadow":true}]}},
+        "default_plan":"free","anonymous":{"plan":"free"},"routes":{"api":{}},"default_route":"api"}"#,
+    )
+    .unwrap();
+    let store = SharedStore::new();
+    let h = req(&store, "api", "acme");
+    let reasons: Vec<Reason> = (0..12).map(|_| run(&p, &h, T0).reason).collect();
+    assert_eq!(&reasons[..3], &[Reason::Allowed; 3]);
+    assert_eq!(&reasons[3..10], &[Reason::ShadowLimited; 7]);
+    assert_eq!(reasons[10], Reason::RateLimited); // the enforced limit still binds
+    let d = run(&p, &h, T0);
+    assert_eq!(d.limit.as_deref(), Some("enforced"));
+}
+
+fn anon(
+    p: &Policy,
+    store: &std::rc::Rc<std::cell::RefCell<SharedStore>>,
+    source: &str,
+    xff: Option<&str>,
+) -> Subject {
+    let mut h = FakeHost::new(store.clone()).route_class("api").source(source);
+    if let Some(x) = xff {
+        h = h.header("x-forwarded-for", x);
+    }
+    run(p, &h, T0).subject
+}
+
+fn address(s: Subject) -> String {
+    match s {
+        Subject::Anonymous { address, .. } => address,
+        other => panic!("not anonymous: {other:?}"),
+    }
+}
+
+#[test]
+fn anonymous_clients_by_trusted_xff_hops_and_prefix() {
+    let store = SharedStore::new();
+    let direct = policy_with(r#"{"api":{}}"#, "");
+    // No trusted hops: XFF is ignored, the connection's address counts.
+    assert_eq!(
+        address(anon(&direct, &store, "192.0.2.1:5", Some("203.0.113.9"))),
+        "192.0.2.1"
+    );
+    let p = Policy::from_json(
+        br#"{"version":"t","identity":{"header":"x-tenant-id"},
+        "plans":{"free":{"limits":[{"rate":10,"per":"1s"}]}},"default_plan":"free",
+        "anonymous":{"plan":"free","xff_trusted_hops":2,"ipv4_prefix":24,"ipv6_prefix":48},
+        "routes":{"api":{}},"default_route":"api"}"#,
+    )
+    .unwrap();
+    // Two trusted hops: the second address from the right.
+    assert_eq!(
+        address(anon(
+            &p,
+            &store,
+            "10.0.0.1:1",
+            Some("1.1.1.1, 198.51.100.77, 10.9.9.9")
+        )),
+        "198.51.100.0/24"
+    );
+    assert_eq!(
+        address(anon(
+            &p,
+            &store,
+            "10.0.0.1:1",
+            Some("[2001:db8:aa:bb::1]:443, 10.9.9.9")
+        )),
+        "2001:db8:aa::/48"
+    );
+    // Too short, or garbage: the connection's address.
+    assert_eq!(
+        address(anon(&p, &store, "10.0.0.1:1", Some("10.9.9.9"))),
+        "10.0.0.0/24"
+    );
+    assert_eq!(
+        address(anon(&p, &store, "10.0.0.1:1", Some("nonsense, \u{7f}"))),
+        "10.0.0.0/24"
+    );
+    // Clients in one /24 share one bucket.
+    let a = address(anon(&p, &store, "10.0.0.1:1", Some("198.51.100.1, x")));
+    let b = address(anon(&p, &store, "10.0.0.1:1", Some("198.51.100.200, y")));
+    assert_eq!(a, b);
 }

@@ -7,7 +7,7 @@
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
-use crate::engine::{Decision, Reason, Subject};
+use crate::engine::{Decision, Reason, Subject, TableEvent};
 
 pub struct Metrics {
     decisions: [Option<u32>; Reason::ALL.len()],
@@ -17,6 +17,10 @@ pub struct Metrics {
     config_loads: Option<u32>,
     config_rejections: Option<u32>,
     reply_failures: Option<u32>,
+    table_inserts: Option<u32>,
+    table_reclaims: Option<u32>,
+    table_overflows: Option<u32>,
+    refunds: Option<u32>,
 }
 
 fn counter(name: &str) -> Option<u32> {
@@ -46,6 +50,10 @@ impl Metrics {
             config_loads: counter("tenantgate.config.loads"),
             config_rejections: counter("tenantgate.config.rejections"),
             reply_failures: counter("tenantgate.reply_failures"),
+            table_inserts: counter("tenantgate.key_table.inserts"),
+            table_reclaims: counter("tenantgate.key_table.reclaims"),
+            table_overflows: counter("tenantgate.key_table.overflows"),
+            refunds: counter("tenantgate.guard.refunds"),
         }
     }
 
@@ -54,6 +62,13 @@ impl Metrics {
             add(self.decisions.get(i).copied().flatten(), 1);
         }
         add(self.cas_retries, d.cas_retries);
+        match d.table {
+            TableEvent::None => {}
+            TableEvent::Inserted => add(self.table_inserts, 1),
+            TableEvent::Reclaimed => add(self.table_reclaims, 1),
+            TableEvent::Overflow => add(self.table_overflows, 1),
+        }
+        add(self.refunds, u32::from(d.refunded));
         if let Subject::Anonymous { invalid_identity, .. } = d.subject {
             add(self.anonymous, 1);
             add(self.invalid_identity, u32::from(invalid_identity));

@@ -1,5 +1,6 @@
 //! Rate-limit algorithms. Pure arithmetic on explicit time: no clock, no host.
 
+pub mod algo;
 pub mod token_bucket;
 
 pub use token_bucket::{Check, Gcra};

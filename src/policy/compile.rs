@@ -7,12 +7,19 @@ use hashbrown::HashMap;
 
 use super::duration::parse_duration_ns;
 use super::error::{FieldPath, PolicyError, PolicyErrors};
-use super::spec::{IdentitySpec, LimitSpec, PolicySpec};
+use super::spec::{self, IdentitySpec, LimitSpec, PolicySpec};
 use super::{
-    fnv1a32, is_name, tenant_id, Identity, Limit, Plan, Policy, RouteClass, JWT_AUTHN_FILTER,
-    MAX_LIMITS_PER_PLAN,
+    fnv1a32, is_name, tenant_id, Anonymous, Guard, Identity, Limit, OnLimit, Plan, Policy, RouteClass,
+    DEFAULT_MAX_KEYS, JWT_AUTHN_FILTER, MAX_LIMITS_PER_PLAN, MAX_MAX_KEYS,
 };
+use crate::limiter::algo::Algo;
 use crate::limiter::{Gcra, NANOS_PER_SEC};
+use crate::state::SLOTS_PER_ENTRY;
+
+/// Longest `max_wait` of a queueing route class.
+pub const MAX_QUEUE_WAIT_NS: u64 = 30 * NANOS_PER_SEC;
+/// Default `max_queue`: requests held per worker per class.
+pub const DEFAULT_MAX_QUEUE: i64 = 100;
 
 /// Largest `rate`, `burst` and `cost` accepted.
 pub const MAX_COUNT: i64 = 1_000_000_000;
@@ -54,11 +61,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
             );
         }
         let limits = compile_limits(name, &plan.limits, &path.key("limits"), &mut errors);
-        let ratelimit_policy = limits
-            .iter()
-            .map(|l| format!("\"{}\";q={};w={}", l.name, l.rate, l.per_secs))
-            .collect::<Vec<_>>()
-            .join(", ");
+        let ratelimit_policy = ratelimit_policy(&limits);
         plan_index.insert(name.clone(), plans.len());
         plans.push(Plan {
             name: name.clone(),
@@ -99,11 +102,39 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         tenants.insert(t.id.clone(), plan);
     }
     let default_plan = plan_ref(&spec.default_plan, root.key("default_plan"), &mut errors);
-    let anonymous_plan = plan_ref(
-        &spec.anonymous.plan,
-        root.key("anonymous").key("plan"),
-        &mut errors,
-    );
+    let anonymous = compile_anonymous(&spec.anonymous, &root.key("anonymous"), &mut errors, plan_ref);
+
+    // Global guards, indexed in name order.
+    let mut guards = Vec::with_capacity(spec.guards.len());
+    for (name, g) in &spec.guards {
+        let path = root.key("guards").key(name);
+        if !is_name(name) {
+            errors.add(
+                path.clone(),
+                "guard names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
+            );
+        }
+        let limits = compile_limits(name, &g.limits, &path.key("limits"), &mut errors);
+        let ratelimit_policy = ratelimit_policy(&limits);
+        guards.push(Guard {
+            name: name.clone(),
+            limits,
+            ratelimit_policy,
+        });
+    }
+
+    let key_table_entries = match spec.key_table.as_ref().and_then(|k| k.max_keys) {
+        None => DEFAULT_MAX_KEYS,
+        Some(n) if n >= SLOTS_PER_ENTRY as i64 && n as u64 <= MAX_MAX_KEYS => n as u64,
+        Some(_) => {
+            errors.add(
+                root.key("key_table").key("max_keys"),
+                format!("must be between {SLOTS_PER_ENTRY} and {MAX_MAX_KEYS}"),
+            );
+            DEFAULT_MAX_KEYS
+        }
+    }
+    .div_ceil(SLOTS_PER_ENTRY as u64);
 
     // Route classes.
     let routes_path = root.key("routes");
@@ -126,33 +157,53 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
                 "actions are 1 to 64 characters of A-Z a-z 0-9 _ - .",
             );
         }
+        let guard = r
+            .guard
+            .as_ref()
+            .and_then(|g| match guards.iter().position(|x| &x.name == g) {
+                Some(i) => Some(i),
+                None => {
+                    errors.add(
+                        path.key("guard"),
+                        format!("unknown guard `{g}` (guards: {})", known(spec.guards.keys())),
+                    );
+                    None
+                }
+            });
         let cost = r.cost.unwrap_or(1);
         if cost <= 0 {
             errors.add(path.key("cost"), "must be > 0");
         } else if cost > MAX_COUNT {
             errors.add(path.key("cost"), format!("must be at most {MAX_COUNT}"));
         } else {
-            // A cost above some plan's burst could never be admitted.
-            for plan in &plans {
-                for (i, l) in plan.limits.iter().enumerate() {
+            // A cost above some plan's or the guard's burst could never be admitted.
+            let plan_limits = plans.iter().map(|p| (format!("plans.{}", p.name), &p.limits));
+            let guard_limits = guard
+                .and_then(|i| guards.get(i))
+                .map(|g| (format!("guards.{}", g.name), &g.limits));
+            for (owner, limits) in plan_limits.chain(guard_limits) {
+                for (i, l) in limits.iter().enumerate() {
                     if cost as u64 > l.burst {
                         errors.add(
                             path.key("cost"),
                             format!(
-                                "{cost} exceeds the burst of plans.{}.limits[{i}] ({}): such requests could never be admitted",
-                                plan.name, l.burst
+                                "{cost} exceeds the burst of {owner}.limits[{i}] ({}): such requests could never be admitted",
+                                l.burst
                             ),
                         );
                     }
                 }
             }
         }
+        let on_limit = compile_on_limit(r, &path, &mut errors);
         routes.insert(
             name.clone(),
             RouteClass {
                 name: name.clone(),
                 action,
                 cost: cost.max(1) as u64,
+                guard,
+                on_limit,
             },
         );
     }
@@ -178,9 +229,11 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         plans,
         tenants,
         default_plan,
-        anonymous_plan,
+        anonymous,
         routes,
         default_route: spec.default_route,
+        guards,
+        key_table_entries,
         ratelimit_headers: spec.ratelimit_headers.unwrap_or(true),
         effective_from_ns: 0,
     })
@@ -192,6 +245,83 @@ fn known<'a>(names: impl Iterator<Item = &'a String>) -> String {
         String::from("none defined")
     } else {
         names.join(", ")
+    }
+}
+
+fn ratelimit_policy(limits: &[Limit]) -> String {
+    limits
+        .iter()
+        .map(|l| format!("\"{}\";q={};w={}", l.name, l.rate, l.per_secs))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn compile_anonymous(
+    spec: &spec::AnonymousSpec,
+    path: &FieldPath,
+    errors: &mut Errors,
+    plan_ref: impl Fn(&str, FieldPath, &mut Errors) -> usize,
+) -> Anonymous {
+    let plan = plan_ref(&spec.plan, path.key("plan"), errors);
+    let mut bounded = |field: &str, value: Option<i64>, default: i64, min: i64, max: i64| -> i64 {
+        match value {
+            None => default,
+            Some(v) if (min..=max).contains(&v) => v,
+            Some(_) => {
+                errors.add(path.key(field), format!("must be between {min} and {max}"));
+                default
+            }
+        }
+    };
+    Anonymous {
+        plan,
+        xff_trusted_hops: bounded("xff_trusted_hops", spec.xff_trusted_hops, 0, 0, 10) as u32,
+        ipv4_prefix: bounded("ipv4_prefix", spec.ipv4_prefix, 32, 8, 32) as u8,
+        ipv6_prefix: bounded("ipv6_prefix", spec.ipv6_prefix, 64, 16, 128) as u8,
+    }
+}
+
+fn compile_on_limit(r: &spec::RouteSpec, path: &FieldPath, errors: &mut Errors) -> OnLimit {
+    match r.on_limit {
+        spec::OnLimit::Reject => {
+            for (field, set) in [
+                ("max_wait", r.max_wait.is_some()),
+                ("max_queue", r.max_queue.is_some()),
+            ] {
+                if set {
+                    errors.add(path.key(field), "only applies with `on_limit: queue`");
+                }
+            }
+            OnLimit::Reject
+        }
+        spec::OnLimit::Queue => {
+            let max_wait_ns = match r.max_wait.as_deref().map(parse_duration_ns) {
+                None => {
+                    errors.add(path.key("max_wait"), "required with `on_limit: queue`");
+                    0
+                }
+                Some(Err(message)) => {
+                    errors.add(path.key("max_wait"), message);
+                    0
+                }
+                Some(Ok(ns)) if ns == 0 || ns > MAX_QUEUE_WAIT_NS => {
+                    errors.add(path.key("max_wait"), "must be more than 0 and at most 30s");
+                    0
+                }
+                Some(Ok(ns)) => ns,
+            };
+            let max_queue = match r.max_queue.unwrap_or(DEFAULT_MAX_QUEUE) {
+                n @ 1..=10_000 => n as u32,
+                _ => {
+                    errors.add(path.key("max_queue"), "must be between 1 and 10000");
+                    1
+                }
+            };
+            OnLimit::Queue {
+                max_wait_ns,
+                max_queue,
+            }
+        }
     }
 }
 
@@ -298,26 +428,29 @@ fn compile_limits(plan: &str, specs: &[LimitSpec], path: &FieldPath, errors: &mu
         let (Some(rate), Some(burst), Some(per_secs)) = (rate, burst, per_secs) else {
             continue;
         };
-        let gcra = match Gcra::new(rate, per_secs * NANOS_PER_SEC, burst) {
-            Some(g) if g.tolerance_ns() / NANOS_PER_SEC <= MAX_WINDOW_SECS => g,
-            _ => {
-                errors.add(
-                    path.key("burst"),
-                    format!(
-                        "a burst of {burst} at {rate} per {}s takes longer than 366d to refill",
-                        per_secs
-                    ),
-                );
-                continue;
+        let algo = match spec.algorithm {
+            spec::Algorithm::TokenBucket => {
+                match Gcra::new(rate, per_secs * NANOS_PER_SEC, burst) {
+                    Some(g) if g.tolerance_ns() / NANOS_PER_SEC <= MAX_WINDOW_SECS => Algo::TokenBucket(g),
+                    _ => {
+                        errors.add(
+                        path.key("burst"),
+                        format!("a burst of {burst} at {rate} per {per_secs}s takes longer than 366d to refill"),
+                    );
+                        continue;
+                    }
+                }
             }
         };
+        let shadow = spec.shadow.unwrap_or(false);
         limits.push(Limit {
             name,
             name_hash,
             rate,
             per_secs,
             burst,
-            gcra,
+            algo,
+            shadow,
         });
     }
     limits

@@ -14,7 +14,7 @@ pub mod spec;
 
 use hashbrown::HashMap;
 
-use crate::limiter::Gcra;
+use crate::limiter::algo::Algo;
 pub use doc::Node;
 pub use error::{FieldPath, PolicyError, PolicyErrors};
 pub use spec::Mode;
@@ -24,6 +24,9 @@ pub use spec::Mode;
 pub const MAX_TENANT_ID_LEN: usize = 128;
 /// Most limits one plan may combine (they share one state entry).
 pub const MAX_LIMITS_PER_PLAN: usize = 8;
+/// Default and bounds of `key_table.max_keys`.
+pub const DEFAULT_MAX_KEYS: u64 = 100_000;
+pub const MAX_MAX_KEYS: u64 = 16_777_216;
 /// The `filter_metadata` namespace routes carry their class under.
 pub const ROUTE_METADATA_NAMESPACE: &str = "tenantgate";
 /// The field of that namespace that names the route class.
@@ -41,9 +44,13 @@ pub struct Policy {
     plans: Vec<Plan>,
     tenants: HashMap<String, usize>,
     default_plan: usize,
-    anonymous_plan: usize,
     routes: HashMap<String, RouteClass>,
     default_route: Option<String>,
+    guards: Vec<Guard>,
+    pub anonymous: Anonymous,
+    /// Shared-data entries of the key table (`key_table.max_keys` / slots
+    /// per entry, rounded up).
+    pub key_table_entries: u64,
     pub ratelimit_headers: bool,
     /// When this policy took effect on this worker (ns since the epoch).
     /// The glue sets it in `on_configure`; limits that a reload changed
@@ -95,14 +102,49 @@ pub struct Limit {
     pub rate: u64,
     pub per_secs: u64,
     pub burst: u64,
-    pub gcra: Gcra,
+    pub algo: Algo,
+    /// Counted and reported, never denies.
+    pub shadow: bool,
 }
 
-#[derive(Debug, Clone)]
+/// A node-wide aggregate limit (`guards.<name>`).
+#[derive(Debug)]
+pub struct Guard {
+    pub name: String,
+    pub limits: Vec<Limit>,
+    pub ratelimit_policy: String,
+}
+
+/// How anonymous requests are grouped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Anonymous {
+    pub plan: usize,
+    /// 0: the connection's address as Envoy reports it (`source.address`);
+    /// N: the N-th address from the right of `X-Forwarded-For`.
+    pub xff_trusted_hops: u32,
+    pub ipv4_prefix: u8,
+    pub ipv6_prefix: u8,
+}
+
+/// What a route class does with a request over its limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnLimit {
+    Reject,
+    /// Hold it up to `max_wait_ns`, at most `max_queue` held per worker.
+    Queue {
+        max_wait_ns: u64,
+        max_queue: u32,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RouteClass {
     pub name: String,
     pub action: String,
     pub cost: u64,
+    /// Index into the policy's guards.
+    pub guard: Option<usize>,
+    pub on_limit: OnLimit,
 }
 
 impl Policy {
@@ -141,7 +183,11 @@ impl Policy {
     }
 
     pub fn anonymous_plan(&self) -> usize {
-        self.anonymous_plan
+        self.anonymous.plan
+    }
+
+    pub fn guard(&self, index: usize) -> Option<&Guard> {
+        self.guards.get(index)
     }
 
     /// The class of a route, by name, or the default class.

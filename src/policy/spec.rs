@@ -47,6 +47,37 @@ pub struct PolicySpec {
     pub default_route: Option<String>,
     #[serde(default)]
     pub ratelimit_headers: Option<bool>,
+    #[serde(default)]
+    pub guards: BTreeMap<String, GuardSpec>,
+    #[serde(default)]
+    pub key_table: Option<KeyTableSpec>,
+}
+
+/// An aggregate limit per node, shared by every tenant of the route classes
+/// that name it: protects a dependency regardless of who is calling.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GuardSpec {
+    pub limits: Vec<LimitSpec>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyTableSpec {
+    #[serde(default)]
+    pub max_keys: Option<i64>,
+}
+
+/// `routes.<class>.on_limit:` what happens to a request over its limit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnLimit {
+    /// Answer 429 at once (the default; right for interactive traffic).
+    #[default]
+    Reject,
+    /// Hold the request (paused, bounded queue) until the limit admits it
+    /// or `max_wait` passes; for asynchronous work that can wait.
+    Queue,
 }
 
 /// Exactly one of `header` or `jwt`.
@@ -87,6 +118,8 @@ pub struct LimitSpec {
     pub per: String,
     #[serde(default)]
     pub burst: Option<i64>,
+    #[serde(default)]
+    pub shadow: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -100,6 +133,12 @@ pub struct TenantSpec {
 #[serde(deny_unknown_fields)]
 pub struct AnonymousSpec {
     pub plan: String,
+    #[serde(default)]
+    pub xff_trusted_hops: Option<i64>,
+    #[serde(default)]
+    pub ipv4_prefix: Option<i64>,
+    #[serde(default)]
+    pub ipv6_prefix: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -109,4 +148,12 @@ pub struct RouteSpec {
     pub action: Option<String>,
     #[serde(default)]
     pub cost: Option<i64>,
+    #[serde(default)]
+    pub guard: Option<String>,
+    #[serde(default)]
+    pub on_limit: OnLimit,
+    #[serde(default)]
+    pub max_wait: Option<String>,
+    #[serde(default)]
+    pub max_queue: Option<i64>,
 }
