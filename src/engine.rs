@@ -130,6 +130,11 @@ impl Decision {
         }
     }
 
+    /// A final decision that needs no state (see [`prepare`]).
+    pub fn passed(reason: Reason) -> Decision {
+        Decision::pass(reason, Subject::None)
+    }
+
     /// The host could not give the time or state needed to decide: 503.
     pub fn unavailable() -> Decision {
         Decision {

@@ -13,6 +13,7 @@ pub mod engine;
 pub mod host;
 pub mod limiter;
 pub mod policy;
+pub mod queue;
 pub mod response;
 pub mod state;
 

@@ -21,6 +21,11 @@ pub struct Metrics {
     table_reclaims: Option<u32>,
     table_overflows: Option<u32>,
     refunds: Option<u32>,
+    queue_held: Option<u32>,
+    queue_admitted: Option<u32>,
+    queue_rejected: Option<u32>,
+    queue_full: Option<u32>,
+    queue_cancelled: Option<u32>,
 }
 
 fn counter(name: &str) -> Option<u32> {
@@ -54,6 +59,11 @@ impl Metrics {
             table_reclaims: counter("tenantgate.key_table.reclaims"),
             table_overflows: counter("tenantgate.key_table.overflows"),
             refunds: counter("tenantgate.guard.refunds"),
+            queue_held: counter("tenantgate.queue.held"),
+            queue_admitted: counter("tenantgate.queue.admitted"),
+            queue_rejected: counter("tenantgate.queue.rejected"),
+            queue_full: counter("tenantgate.queue.full"),
+            queue_cancelled: counter("tenantgate.queue.cancelled"),
         }
     }
 
@@ -81,6 +91,29 @@ impl Metrics {
 
     pub fn config_rejected(&self) {
         add(self.config_rejections, 1);
+    }
+
+    pub fn queue_held(&self) {
+        add(self.queue_held, 1);
+    }
+
+    pub fn queue_answered(&self, admitted: bool) {
+        add(
+            if admitted {
+                self.queue_admitted
+            } else {
+                self.queue_rejected
+            },
+            1,
+        );
+    }
+
+    pub fn queue_full(&self) {
+        add(self.queue_full, 1);
+    }
+
+    pub fn queue_cancelled(&self) {
+        add(self.queue_cancelled, 1);
     }
 
     pub fn reply_failed(&self) {

@@ -8,8 +8,10 @@
 
 mod metrics;
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::rc::Rc;
-use std::time::UNIX_EPOCH;
+use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -18,8 +20,21 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Stat
 use crate::engine::{self, Decision, RateLimitHeaders};
 use crate::host::{CasResult, Host, HostError};
 use crate::policy::Policy;
+use crate::queue::{NotQueued, Queue};
 use crate::response;
 use metrics::Metrics;
+
+/// How often a worker serves its queue of held requests.
+const TICK: Duration = Duration::from_millis(10);
+
+thread_local! {
+    /// The worker's held requests (`on_limit: queue`). One per VM: a
+    /// request held under one configuration is served after a reload too.
+    static QUEUE: RefCell<Queue> = RefCell::new(Queue::default());
+    /// `RateLimit` headers of held requests admitted by the queue, for
+    /// their response (keyed by stream context id).
+    static RESUMED: RefCell<HashMap<u32, RateLimitHeaders>> = RefCell::new(HashMap::new());
+}
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -99,6 +114,11 @@ impl RootContext for Root {
                 );
                 self.policy = Some(Rc::new(policy));
                 self.metrics.config_loaded();
+                // Every configuration serves the queue: requests held under
+                // an earlier one still need answering.
+                if let Err(status) = hostcalls::set_tick_period(TICK) {
+                    log::warn!("tenantgate: cannot set the queue tick: {status:?}");
+                }
                 true
             }
             Err(errors) => {
@@ -115,31 +135,84 @@ impl RootContext for Root {
         Some(ContextType::HttpContext)
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(Request {
+            context_id,
             policy: self.policy.clone(),
             metrics: self.metrics.clone(),
             response_headers: None,
+            held: false,
         }))
+    }
+
+    fn on_tick(&mut self) {
+        if QUEUE.with(|q| q.borrow().is_empty()) {
+            return;
+        }
+        let Some(now) = now_ns() else { return };
+        let tick_ns = TICK.as_nanos() as u64;
+        let mut scratch = Vec::new();
+        let answered = QUEUE.with(|q| {
+            q.borrow_mut().tick(now, tick_ns, |w| {
+                engine::charge(&w.policy, &w.prepared, &ProxyHost, now, &mut scratch)
+            })
+        });
+        for (waiting, decision) in answered {
+            self.metrics.record(&decision);
+            self.metrics.queue_answered(decision.deny_status().is_none());
+            // The stream may have ended meanwhile; then there is nothing to do.
+            if hostcalls::set_effective_context(waiting.context_id).is_err() {
+                continue;
+            }
+            let policy = &waiting.policy;
+            match response::local_reply(&decision, &policy.version, policy.ratelimit_headers, None) {
+                Some(reply) => {
+                    send_reply(&reply, &self.metrics);
+                }
+                None => {
+                    if let (true, Some(h)) = (policy.ratelimit_headers, decision.headers) {
+                        RESUMED.with(|r| r.borrow_mut().insert(waiting.context_id, h));
+                    }
+                    if hostcalls::resume_http_request().is_err() {
+                        log::warn!("tenantgate: cannot resume a held request");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Sends a local reply; false if Envoy refused it.
+fn send_reply(reply: &response::LocalReply, metrics: &Metrics) -> bool {
+    let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    match hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes())) {
+        Ok(()) => true,
+        Err(status) => {
+            log::error!("tenantgate: cannot send the {} reply: {status:?}", reply.status);
+            metrics.reply_failed();
+            false
+        }
     }
 }
 
 /// One per HTTP stream.
 struct Request {
+    context_id: u32,
     policy: Option<Rc<Policy>>,
     metrics: Rc<Metrics>,
     /// `RateLimit` headers to add to an allowed request's response.
     response_headers: Option<RateLimitHeaders>,
+    /// Paused in the queue.
+    held: bool,
 }
 
-impl Context for Request {}
-
-impl Request {
-    fn decide(&self, policy: &Policy) -> Decision {
-        match now_ns() {
-            Some(now) => engine::decide(policy, &ProxyHost, now, &mut Vec::new()),
-            None => Decision::unavailable(),
+impl Context for Request {
+    fn on_done(&mut self) -> bool {
+        if self.held && QUEUE.with(|q| q.borrow_mut().remove(self.context_id)) {
+            self.metrics.queue_cancelled();
         }
+        RESUMED.with(|r| r.borrow_mut().remove(&self.context_id));
+        true
     }
 }
 
@@ -148,38 +221,66 @@ impl HttpContext for Request {
         let Some(policy) = self.policy.clone() else {
             return Action::Continue;
         };
-        let decision = self.decide(&policy);
-        self.metrics.record(&decision);
-
-        let request_id = ProxyHost.request_header("x-request-id");
-        let request_id = response::request_id(request_id.as_deref());
-        if let Some(reply) =
-            response::local_reply(&decision, &policy.version, policy.ratelimit_headers, request_id)
-        {
-            let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-            match hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes())) {
-                Ok(()) => return Action::Pause,
-                Err(status) => {
-                    // Pausing without a reply would hang the request.
-                    log::error!("tenantgate: cannot send the {} reply: {status:?}", reply.status);
-                    self.metrics.reply_failed();
-                    return Action::Continue;
+        let Some(now) = now_ns() else {
+            return self.finish(&policy, Decision::unavailable());
+        };
+        let prepared = match engine::prepare(&policy, &ProxyHost) {
+            Ok(p) => p,
+            Err(reason) => return self.finish(&policy, Decision::passed(reason)),
+        };
+        let decision = engine::charge(&policy, &prepared, &ProxyHost, now, &mut Vec::new());
+        if decision.deny_status() == Some(429) {
+            let offered = QUEUE.with(|q| {
+                q.borrow_mut()
+                    .offer(self.context_id, &policy, &prepared, &decision, now)
+            });
+            match offered {
+                Ok(()) => {
+                    self.held = true;
+                    self.metrics.queue_held();
+                    return Action::Pause;
                 }
+                Err(NotQueued::Full) => self.metrics.queue_full(),
+                Err(_) => {}
             }
         }
-        if policy.ratelimit_headers {
-            self.response_headers = decision.headers;
-        }
-        Action::Continue
+        self.finish(&policy, decision)
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
-        if let Some(h) = self.response_headers.take() {
+        let headers = self
+            .response_headers
+            .take()
+            .or_else(|| RESUMED.with(|r| r.borrow_mut().remove(&self.context_id)));
+        if let Some(h) = headers {
             for (name, value) in [("ratelimit-policy", &h.policy), ("ratelimit", &h.ratelimit)] {
                 if hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value).is_err() {
                     log::warn!("tenantgate: cannot add the {name} response header");
                 }
             }
+        }
+        Action::Continue
+    }
+}
+
+impl Request {
+    /// Records a decision and acts on it: a local reply, or on its way.
+    fn finish(&mut self, policy: &Policy, decision: Decision) -> Action {
+        self.metrics.record(&decision);
+        let request_id = ProxyHost.request_header("x-request-id");
+        let request_id = response::request_id(request_id.as_deref());
+        if let Some(reply) =
+            response::local_reply(&decision, &policy.version, policy.ratelimit_headers, request_id)
+        {
+            // If Envoy refused the reply, pausing would hang the request.
+            return if send_reply(&reply, &self.metrics) {
+                Action::Pause
+            } else {
+                Action::Continue
+            };
+        }
+        if policy.ratelimit_headers {
+            self.response_headers = decision.headers;
         }
         Action::Continue
     }
