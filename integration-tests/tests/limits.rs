@@ -1,0 +1,279 @@
+//! Limits in a real Envoy 1.40 (`--concurrency 2`): several limits per key,
+//! cost, global guards, anonymous clients behind trusted proxies, shadow
+//! mode, the bounded key table under a flood of tenants, and queueing.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tenantgate_integration_tests::{get, request, Conn, Envoy};
+
+fn tenant(t: &str) -> [(&str, &str); 1] {
+    [("x-tenant-id", t)]
+}
+
+fn count(statuses: &[u16], status: u16) -> usize {
+    statuses.iter().filter(|s| **s == status).count()
+}
+
+#[test]
+fn the_daily_limit_exhausts_first_names_itself_and_charges_nothing_else() {
+    let envoy = Envoy::start(
+        r#"
+version: "multi"
+identity: { header: x-tenant-id }
+plans:
+  free:
+    limits:
+      - { name: per_second, rate: 10, per: 1s }
+      - { name: daily, rate: 15, per: 1d }
+default_plan: free
+anonymous: { plan: free }
+routes: { api: {}, search: { cost: 5 } }
+default_route: api
+"#,
+    );
+    let mut conn = Conn::open(envoy.port).unwrap();
+    let first = conn.get("/api/orders", &tenant("multi")).unwrap();
+    assert_eq!(
+        first.header("ratelimit-policy"),
+        Some(r#""per_second";q=10;w=1, "daily";q=15;w=86400"#)
+    );
+    assert_eq!(
+        first.header("ratelimit"),
+        Some(r#""per_second";r=9;t=1, "daily";r=14;t=5760"#)
+    );
+    // Cost 5: a search (its own action) takes 5 from both of its limits.
+    let search = conn.get("/api/search", &tenant("multi")).unwrap();
+    assert_eq!(search.status, 200);
+    assert_eq!(
+        search.header("ratelimit"),
+        Some(r#""per_second";r=5;t=1, "daily";r=10;t=28800"#)
+    );
+
+    // Spread over > 1 s so the per-second limit is never what binds.
+    let mut statuses = Vec::new();
+    for _ in 0..14 {
+        statuses.push(conn.get("/api/orders", &tenant("multi")).unwrap().status);
+        std::thread::sleep(Duration::from_millis(110));
+    }
+    assert_eq!(count(&statuses, 200), 14, "{statuses:?}"); // 15 − the first
+    let denied = conn.get("/api/orders", &tenant("multi")).unwrap();
+    assert_eq!(denied.status, 429);
+    assert_eq!(denied.header("ratelimit-policy"), Some(r#""daily";q=15;w=86400"#));
+    assert_eq!(denied.json()["limit"], "daily");
+    let retry: u64 = denied.header("retry-after").unwrap().parse().unwrap();
+    assert!(
+        (4_000..=5_760).contains(&retry),
+        "Retry-After {retry}: the next daily token, not the next second"
+    );
+}
+
+#[test]
+fn a_global_guard_engages_across_tenants_and_answers_503_with_its_reason() {
+    let envoy = Envoy::start(
+        r#"
+version: "guard"
+identity: { header: x-tenant-id }
+plans:
+  free: { limits: [ { rate: 100, per: 1s } ] }
+default_plan: free
+anonymous: { plan: free }
+guards:
+  database: { limits: [ { rate: 1, per: 1m, burst: 6 } ] }
+routes:
+  orders: { guard: database }
+  api: {}
+default_route: api
+"#,
+    );
+    let mut conn = Conn::open(envoy.port).unwrap();
+    let statuses: Vec<u16> = (0..12)
+        .map(|i| {
+            conn.get("/api/orders", &tenant(&format!("guard-{i}")))
+                .unwrap()
+                .status
+        })
+        .collect();
+    assert_eq!(count(&statuses, 200), 6, "{statuses:?}");
+    assert_eq!(count(&statuses, 503), 6, "{statuses:?}");
+    let denied = conn.get("/api/orders", &tenant("guard-new")).unwrap();
+    assert_eq!(denied.header("x-tenantgate-reason"), Some("global_guard"));
+    assert_eq!(denied.json()["limit"], "database");
+    assert_eq!(denied.header("ratelimit-policy"), Some(r#""database";q=1;w=60"#));
+    // Routes without the guard, and the tenants' own buckets, are untouched.
+    let other = conn.get("/api/items", &tenant("guard-0")).unwrap();
+    assert_eq!(other.status, 200);
+    assert_eq!(other.header("ratelimit"), Some(r#""free";r=99;t=1"#));
+    assert_eq!(envoy.tg_stat("decisions.global_guard"), 7);
+    assert_eq!(envoy.tg_stat("guard.refunds"), 7);
+}
+
+#[test]
+fn anonymous_clients_behind_a_trusted_proxy_are_keyed_by_xff() {
+    // Envoy (use_remote_address) appends the peer to X-Forwarded-For before
+    // the filter runs: one trusted proxy in front of Envoy is 2 hops.
+    let envoy = Envoy::start(
+        r#"
+version: "xff"
+identity: { header: x-tenant-id }
+plans:
+  anon: { limits: [ { rate: 1, per: 1m, burst: 2 } ] }
+default_plan: anon
+anonymous: { plan: anon, xff_trusted_hops: 2, ipv4_prefix: 24 }
+routes: { api: {} }
+default_route: api
+"#,
+    );
+    let from = |xff: &str| get(envoy.port, "/api/x", &[("x-forwarded-for", xff)]).status;
+    let a: Vec<u16> = (0..3).map(|_| from("198.51.100.7")).collect();
+    assert_eq!(a, [200, 200, 429]);
+    // The same /24 shares the bucket; another network has its own.
+    assert_eq!(from("198.51.100.99"), 429);
+    assert_eq!(from("203.0.113.5"), 200);
+    // What a client adds on the left is not trusted: the proxy's entry counts.
+    assert_eq!(from("1.2.3.4, 203.0.113.5"), 200);
+    assert_eq!(from("9.9.9.9, 203.0.113.6"), 429);
+    assert_eq!(envoy.tg_stat("identity.anonymous"), 7);
+}
+
+#[test]
+fn shadow_mode_never_denies_and_counts_would_be_denials() {
+    let envoy = Envoy::start(
+        r#"
+version: "shadow"
+mode: shadow
+identity: { header: x-tenant-id }
+plans:
+  free: { limits: [ { rate: 1, per: 1m, burst: 5 } ] }
+default_plan: free
+anonymous: { plan: free }
+routes: { api: {} }
+default_route: api
+"#,
+    );
+    let mut conn = Conn::open(envoy.port).unwrap();
+    let responses: Vec<_> = (0..20)
+        .map(|_| conn.get("/api/x", &tenant("shadowed")).unwrap())
+        .collect();
+    assert!(responses.iter().all(|r| r.status == 200));
+    // Headers as if enforcing: the would-be denials show r=0.
+    assert_eq!(responses[19].header("ratelimit"), Some(r#""free";r=0;t=300"#));
+    assert_eq!(envoy.tg_stat("decisions.allowed"), 5);
+    assert_eq!(envoy.tg_stat("decisions.shadow_limited"), 15);
+    assert_eq!(envoy.tg_stat("decisions.rate_limited"), 0);
+}
+
+#[test]
+fn a_flood_of_200000_tenant_ids_keeps_the_key_table_at_its_size() {
+    let envoy = Envoy::start(
+        r#"
+version: "flood"
+identity: { header: x-tenant-id }
+plans:
+  free: { limits: [ { rate: 100, per: 1s, burst: 10 } ] }
+default_plan: free
+anonymous: { plan: free }
+routes: { api: {} }
+default_route: api
+key_table: { max_keys: 1000 }
+"#,
+    );
+    let rss_before = envoy.rss_kib();
+    let unexpected = Arc::new(Mutex::new(Vec::new()));
+    let started = Instant::now();
+    let threads: Vec<_> = (0..4u32)
+        .map(|t| {
+            let (port, unexpected) = (envoy.port, unexpected.clone());
+            std::thread::spawn(move || {
+                let mut conn = Conn::open(port).unwrap();
+                for i in 0..50_000u32 {
+                    let id = format!("flood-{t}-{i}");
+                    match conn.get("/api/x", &[("x-tenant-id", &id)]) {
+                        Ok(r) if r.status == 200 || r.status == 429 => {}
+                        Ok(r) => unexpected.lock().unwrap().push(r.status.to_string()),
+                        Err(e) => {
+                            unexpected.lock().unwrap().push(e.to_string());
+                            conn = Conn::open(port).unwrap();
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let elapsed = started.elapsed();
+    assert!(
+        unexpected.lock().unwrap().is_empty(),
+        "{:?}",
+        unexpected.lock().unwrap()
+    );
+    let inserts = envoy.tg_stat("key_table.inserts");
+    let reclaims = envoy.tg_stat("key_table.reclaims");
+    let overflows = envoy.tg_stat("key_table.overflows");
+    let decided = envoy.tg_stat("decisions.allowed") + envoy.tg_stat("decisions.rate_limited");
+    println!(
+        "200000 tenants in {:.1} s: inserts {inserts}, reclaims {reclaims}, overflows {overflows}; RSS {rss_before} -> {} KiB",
+        elapsed.as_secs_f64(),
+        envoy.rss_kib()
+    );
+    assert_eq!(decided, 200_000);
+    // Slots are only ever taken once: at most max_keys of them.
+    assert!(inserts <= 1000, "inserts {inserts}");
+    assert!(reclaims > 100_000, "reclaims {reclaims}");
+    assert_eq!(inserts + reclaims + overflows, 200_000);
+}
+
+#[test]
+fn a_queueing_class_holds_requests_until_a_token_and_answers_by_max_wait() {
+    let envoy = Envoy::start(
+        r#"
+version: "queue"
+identity: { header: x-tenant-id }
+plans:
+  free: { limits: [ { rate: 5, per: 1s, burst: 1 } ] }
+default_plan: free
+anonymous: { plan: free }
+routes:
+  orders: { on_limit: queue, max_wait: 500ms, max_queue: 10 }
+  api: {}
+default_route: api
+"#,
+    );
+    // An interactive class still gets its 429 at once.
+    let t = Instant::now();
+    assert_eq!(get(envoy.port, "/api/x", &tenant("interactive")).status, 200);
+    assert_eq!(get(envoy.port, "/api/x", &tenant("interactive")).status, 429);
+    assert!(t.elapsed() < Duration::from_millis(150));
+
+    // 4 at once for one tenant at 5/s with a burst of 1: one now, one at
+    // ~200 ms, one at ~400 ms; the fourth would need ~600 ms > 500 ms.
+    let started = Instant::now();
+    let threads: Vec<_> = (0..4)
+        .map(|_| {
+            let port = envoy.port;
+            std::thread::spawn(move || {
+                let r = request(port, "GET", "/api/orders", &[("x-tenant-id", "batch")]).unwrap();
+                (r.status, started.elapsed())
+            })
+        })
+        .collect();
+    let mut results: Vec<(u16, Duration)> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    results.sort_by_key(|r| r.1);
+    println!("queued: {results:?}");
+    let statuses: Vec<u16> = results.iter().map(|r| r.0).collect();
+    assert_eq!(count(&statuses, 200), 3, "{results:?}");
+    assert_eq!(count(&statuses, 429), 1, "{results:?}");
+    for (status, took) in &results {
+        assert!(
+            *took < Duration::from_millis(700),
+            "{status} after {took:?}: longer than max_wait"
+        );
+    }
+    let admitted: Vec<Duration> = results.iter().filter(|r| r.0 == 200).map(|r| r.1).collect();
+    assert!(admitted[1] >= Duration::from_millis(150), "{admitted:?}");
+    assert!(admitted[2] >= Duration::from_millis(350), "{admitted:?}");
+    assert_eq!(envoy.tg_stat("queue.admitted"), 2);
+    assert_eq!(envoy.tg_stat("queue.held"), 3);
+}
