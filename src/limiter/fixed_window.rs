@@ -1,0 +1,326 @@
+//! Fixed window: at most `limit` units in each window aligned to the epoch.
+//!
+//! # Semantics
+//! With `W = window_ns`, the window of `now` is `k = now / W`, covering
+//! `[k·W, (k+1)·W)`. The state is a window index and the units admitted in
+//! it. At `now`, `used` is the state's count if its window is the current one
+//! and 0 if it is older; a request of cost `c` is admitted iff
+//! `used + c ≤ limit`, and then `used += c`. A denied request changes
+//! nothing; nothing frees up before the window ends, so it may retry after
+//! exactly `wait = (k+1)·W − now` (never, `u64::MAX`, if `c > limit`).
+//! `reset_ns` is that same instant while anything is counted, else 0.
+//!
+//! A clock that steps backwards is treated as still being in the latest
+//! window the state has counted: the stored window is the running maximum of
+//! `now / W` over admissions, and its count holds until the clock reaches
+//! that window's end. This never admits more (see below); the price is that
+//! a key which exhausted its window before a step back of `Δ` waits up to
+//! `Δ + W`.
+//!
+//! # Error and over-admission bound
+//! Exact per aligned window: each `[k·W, (k+1)·W)` admits at most `limit`,
+//! and a request is denied only if it would take its window past `limit`.
+//! Rolling windows are not enforced. `d ≥ 1` consecutive nanoseconds
+//! `(t − d, t]` meet at most `1 + ceil((d − 1) / W)` aligned windows, so they
+//! admit at most
+//!
+//! `limit × (1 + ceil((d − 1) / W))`,
+//!
+//! which for every rolling window of length `W` (and any `2 ≤ d ≤ W`) is
+//! `2 × limit`: an over-admission of up to `limit`, 100 %. The bound is
+//! tight: `limit` at `(k+1)·W − 1` and `limit` more at `(k+1)·W` admit
+//! `2 × limit` within 2 ns. Over long intervals the average rate is exact.
+//!
+//! With a clock that only steps backwards, the bounds hold in real time
+//! too: the stored window never decreases, and an admission counted in
+//! window `k + 2` (clock ≥ `(k+2)·W`) comes more than `W` after any counted
+//! in window `k` (clock < `(k+1)·W`), so no rolling window of length `W`
+//! meets more than two of them. Instants past `u64::MAX` (year 2554)
+//! saturate.
+
+use super::codec::{get_varint, put_varint};
+use super::{ns_until, Verdict};
+
+/// The immutable parameters of one fixed-window limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FixedWindow {
+    limit: u64,
+    window_ns: u64,
+}
+
+/// Per-key state; `Default` is a fresh key.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct State {
+    /// The window `count` belongs to: the largest `now / window_ns` admitted.
+    pub window: u64,
+    /// Units admitted in `window`.
+    pub count: u64,
+}
+
+impl FixedWindow {
+    /// `limit` units per `window_ns` nanoseconds; `None` if either is 0.
+    pub fn new(limit: u64, window_ns: u64) -> Option<FixedWindow> {
+        if limit == 0 || window_ns == 0 {
+            return None;
+        }
+        Some(FixedWindow { limit, window_ns })
+    }
+
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    pub fn window_ns(&self) -> u64 {
+        self.window_ns
+    }
+
+    /// The most any rolling window of `window_ns` can admit: `2 × limit`.
+    pub fn max_per_rolling_window(&self) -> u64 {
+        self.limit.saturating_mul(2)
+    }
+
+    /// The window that counts at `now` and the units used in it. An empty
+    /// count means a fresh key, whatever window it names.
+    fn current(&self, state: &State, now: u64) -> (u64, u64) {
+        let k = now / self.window_ns;
+        if state.count == 0 || state.window < k {
+            (k, 0)
+        } else {
+            (state.window, state.count)
+        }
+    }
+
+    /// Nanoseconds from `now` to the end of `window`.
+    fn until_end(&self, window: u64, now: u64) -> u64 {
+        ns_until((u128::from(window) + 1) * u128::from(self.window_ns), now)
+    }
+
+    /// Whether a request of `cost` units is admitted at `now`.
+    pub fn check(&self, state: &State, now: u64, cost: u64) -> Verdict<State> {
+        let (window, used) = self.current(state, now);
+        let end = self.until_end(window, now);
+        match used.checked_add(cost) {
+            Some(total) if total <= self.limit => Verdict::Admit {
+                state: if total == 0 {
+                    State::default()
+                } else {
+                    State { window, count: total }
+                },
+                remaining: self.limit - total,
+                reset_ns: if total == 0 { 0 } else { end },
+            },
+            _ => Verdict::Deny {
+                wait_ns: if cost > self.limit { u64::MAX } else { end },
+                remaining: self.limit.saturating_sub(used),
+                reset_ns: if used == 0 { 0 } else { end },
+            },
+        }
+    }
+
+    /// Whether nothing in `state` still counts at `now`.
+    pub fn is_idle(&self, state: &State, now: u64) -> bool {
+        self.current(state, now).1 == 0
+    }
+
+    /// Appends `state`: window and count as LEB128 varints (2 to 20 bytes).
+    pub fn encode(state: &State, out: &mut Vec<u8>) {
+        put_varint(out, state.window);
+        put_varint(out, state.count);
+    }
+
+    /// Reads a state written by [`FixedWindow::encode`] from the start of
+    /// `bytes`; returns it and the bytes consumed, or `None` if malformed.
+    pub fn decode(bytes: &[u8]) -> Option<(State, usize)> {
+        let mut pos = 0;
+        let window = get_varint(bytes, &mut pos)?;
+        let count = get_varint(bytes, &mut pos)?;
+        Some((State { window, count }, pos))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::testkit::{self, max_rolling, Algo, XorShift, S, T0};
+
+    impl Algo for FixedWindow {
+        type State = State;
+        fn limit(&self) -> u64 {
+            self.limit
+        }
+        fn check(&self, state: &State, now: u64, cost: u64) -> Verdict<State> {
+            FixedWindow::check(self, state, now, cost)
+        }
+        fn is_idle(&self, state: &State, now: u64) -> bool {
+            FixedWindow::is_idle(self, state, now)
+        }
+        fn encode(state: &State, out: &mut Vec<u8>) {
+            FixedWindow::encode(state, out)
+        }
+        fn decode(bytes: &[u8]) -> Option<(State, usize)> {
+            FixedWindow::decode(bytes)
+        }
+    }
+
+    fn fw(limit: u64, window_ns: u64) -> FixedWindow {
+        FixedWindow::new(limit, window_ns).unwrap()
+    }
+
+    /// Admits `cost` at `now`, updating `state`; true if admitted.
+    fn take(f: &FixedWindow, state: &mut State, now: u64, cost: u64) -> bool {
+        match f.check(state, now, cost) {
+            Verdict::Admit { state: new, .. } => {
+                *state = new;
+                true
+            }
+            Verdict::Deny { .. } => false,
+        }
+    }
+
+    #[test]
+    fn each_aligned_window_admits_exactly_its_limit() {
+        let f = fw(5, S);
+        let mut st = State::default();
+        let start = T0 + 300_000_000; // 0.3 s into a window
+        assert_eq!((0..9).filter(|_| take(&f, &mut st, start, 1)).count(), 5);
+        assert_eq!(
+            f.check(&st, start, 1),
+            Verdict::Deny {
+                wait_ns: 700_000_000,
+                remaining: 0,
+                reset_ns: 700_000_000
+            }
+        );
+        assert!(!take(&f, &mut st, T0 + S - 1, 1));
+        assert_eq!((0..9).filter(|_| take(&f, &mut st, T0 + S, 1)).count(), 5);
+    }
+
+    #[test]
+    fn a_burst_across_a_boundary_admits_twice_the_limit_in_two_nanoseconds() {
+        let (limit, w) = (100, 60 * S);
+        let f = fw(limit, w);
+        let boundary = (T0 / w + 1) * w;
+        let mut st = State::default();
+        let mut admitted = Vec::new();
+        for now in [boundary - 1, boundary] {
+            for _ in 0..3 * limit {
+                if take(&f, &mut st, now, 1) {
+                    admitted.push((now, 1));
+                }
+            }
+        }
+        // 2 × limit inside (boundary − 2, boundary]: a rolling interval of
+        // 2 ns, far shorter than one window, and exactly the stated bound.
+        assert_eq!(admitted.len() as u64, 2 * limit);
+        assert_eq!(max_rolling(&admitted, 2), 2 * limit);
+        assert_eq!(max_rolling(&admitted, w), f.max_per_rolling_window());
+    }
+
+    #[test]
+    fn wait_is_exact_and_never_for_a_cost_above_the_limit() {
+        let f = fw(10, S);
+        let mut st = State::default();
+        assert!(take(&f, &mut st, T0 + 1, 8));
+        let now = T0 + 250_000_000;
+        match f.check(&st, now, 3) {
+            Verdict::Deny {
+                wait_ns, remaining, ..
+            } => {
+                assert_eq!((wait_ns, remaining), (750_000_000, 2));
+                assert!(!take(&f, &mut st.clone(), now + wait_ns - 1, 3));
+                assert!(take(&f, &mut st.clone(), now + wait_ns, 3));
+            }
+            other => panic!("expected a denial, got {other:?}"),
+        }
+        match f.check(&State::default(), now, 11) {
+            Verdict::Deny { wait_ns, .. } => assert_eq!(wait_ns, u64::MAX),
+            other => panic!("expected a denial, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_clock_step_backwards_stays_in_the_latest_window() {
+        let f = fw(10, S);
+        let mut st = State::default();
+        assert!(take(&f, &mut st, T0 + 5 * S, 7));
+        let back = T0 + S / 2; // 4.5 s back, four windows earlier
+                               // Still window T0 + 5 s: three left, then nothing until it ends.
+        assert!(!f.is_idle(&st, back));
+        assert!(take(&f, &mut st, back, 3));
+        assert_eq!(st.window, (T0 + 5 * S) / S);
+        match f.check(&st, back, 1) {
+            Verdict::Deny { wait_ns, .. } => assert_eq!(wait_ns, 5 * S + S / 2),
+            other => panic!("expected a denial, got {other:?}"),
+        }
+        assert!(!take(&f, &mut st, T0 + 6 * S - 1, 1));
+        assert!(take(&f, &mut st, T0 + 6 * S, 1));
+    }
+
+    #[test]
+    fn random_traffic_is_exact_per_window_and_within_twice_the_limit_rolling() {
+        let mut rng = XorShift(0x9E37_79B9_7F4A_7C15);
+        for round in 0..60 {
+            let limit = rng.below(12) + 1;
+            let w = if round % 2 == 0 {
+                rng.below(40) + 1
+            } else {
+                rng.below(5 * S) + 1
+            };
+            let f = fw(limit, w);
+            // A reference count per aligned window (the clock is monotonic).
+            let (mut ref_window, mut ref_used) = (u64::MAX, 0);
+            let admitted = testkit::simulate(&f, &mut rng, w, 400, false, |now, cost, admit| {
+                if now / w != ref_window {
+                    (ref_window, ref_used) = (now / w, 0);
+                }
+                assert_eq!(admit, ref_used + cost <= limit);
+                if admit {
+                    ref_used += cost;
+                }
+            });
+            assert!(max_rolling(&admitted, w) <= f.max_per_rolling_window());
+        }
+    }
+
+    #[test]
+    fn a_clock_stepping_backwards_never_beats_the_bound_in_real_time() {
+        let mut rng = XorShift(0x2545_F491_4F6C_DD1D);
+        for round in 0..60 {
+            let limit = rng.below(12) + 1;
+            let w = if round % 2 == 0 {
+                rng.below(40) + 1
+            } else {
+                rng.below(5 * S) + 1
+            };
+            let f = fw(limit, w);
+            let admitted = testkit::simulate(&f, &mut rng, w, 400, true, |_, _, _| {});
+            assert!(max_rolling(&admitted, w) <= f.max_per_rolling_window());
+        }
+    }
+
+    #[test]
+    fn decode_never_panics_and_round_trips() {
+        let mut rng = XorShift(7);
+        let states = [
+            State::default(),
+            State {
+                window: T0 / S,
+                count: 3,
+            },
+            State {
+                window: u64::MAX,
+                count: u64::MAX,
+            },
+        ];
+        testkit::fuzz_decode::<FixedWindow>(&mut rng, &states);
+        assert_eq!(FixedWindow::decode(&[]), None);
+        assert_eq!(FixedWindow::decode(&[0, 0, 9]), Some((State::default(), 2)));
+    }
+
+    #[test]
+    fn invalid_parameters_are_refused() {
+        assert!(FixedWindow::new(0, S).is_none());
+        assert!(FixedWindow::new(1, 0).is_none());
+        assert!(FixedWindow::new(u64::MAX, u64::MAX).is_some());
+    }
+}
