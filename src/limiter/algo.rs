@@ -3,49 +3,97 @@
 //! migrating it when a reload changed the limit, checking a request,
 //! encoding the new state, telling whether a state is idle (reclaimable),
 //! and refunding a charge.
+//!
+//! What a reload that changes a live limit does, per algorithm (the stored
+//! record carries the parameters it was written under):
+//! * token bucket: the bucket keeps its fill level in tokens, capped at the
+//!   new burst, as of the instant the new policy took effect; it refills at
+//!   the new rate from then. A reload never adds tokens.
+//! * fixed window: the count of the window current at the reload carries
+//!   into the new window current at the reload (a changed window length
+//!   never opens a fresh window); a changed limit applies to that count.
+//! * sliding window log and counter: the recorded admissions stay as they
+//!   are and are read under the new limit and window.
+//!
+//! A record of another algorithm (the limit's `algorithm` changed) starts
+//! fresh.
 
+use super::fixed_window::{self, FixedWindow};
+use super::sliding_window_counter::{self, SlidingWindowCounter};
+use super::sliding_window_log::{self, SlidingWindowLog};
 use super::token_bucket::{Check, Gcra};
+use super::Verdict;
 use crate::state::Record;
 
 /// Stored `kind` byte of each algorithm (never reuse a value).
 pub const KIND_TOKEN_BUCKET: u8 = 1;
+pub const KIND_FIXED_WINDOW: u8 = 2;
+pub const KIND_SLIDING_WINDOW_LOG: u8 = 3;
+pub const KIND_SLIDING_WINDOW_COUNTER: u8 = 4;
 
 /// A compiled limit's algorithm and parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Algo {
     TokenBucket(Gcra),
+    FixedWindow(FixedWindow),
+    SlidingWindowLog(SlidingWindowLog),
+    SlidingWindowCounter(SlidingWindowCounter),
 }
 
 /// One limit's state for one key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum State {
     /// The theoretical arrival time (see [`Gcra`]).
-    TokenBucket { tat: u64 },
+    TokenBucket {
+        tat: u64,
+    },
+    FixedWindow(fixed_window::State),
+    SlidingWindowLog(sliding_window_log::State),
+    SlidingWindowCounter(sliding_window_counter::State),
 }
 
-/// What a limit says about one request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
-    /// Admitted: store `state`; `remaining` whole units left; the limit is
-    /// fully available again in `reset_ns`.
-    Admit {
-        state: State,
-        remaining: u64,
-        reset_ns: u64,
-    },
-    /// Denied, nothing charged; admitted after `wait_ns` if nothing else
-    /// arrives.
-    Deny {
-        wait_ns: u64,
-        remaining: u64,
-        reset_ns: u64,
-    },
+/// What a limit says about one request (see [`Verdict`]).
+pub type Outcome = Verdict<State>;
+
+fn read_u64(bytes: &[u8]) -> Option<u64> {
+    Some(u64::from_le_bytes(bytes.try_into().ok()?))
+}
+
+/// Decodes a whole stored state (trailing bytes make it unreadable).
+fn whole<S>(decoded: Option<(S, usize)>, len: usize) -> Option<S> {
+    decoded.filter(|(_, used)| *used == len).map(|(s, _)| s)
+}
+
+fn map<S>(verdict: Verdict<S>, wrap: impl FnOnce(S) -> State) -> Outcome {
+    match verdict {
+        Verdict::Admit {
+            state,
+            remaining,
+            reset_ns,
+        } => Verdict::Admit {
+            state: wrap(state),
+            remaining,
+            reset_ns,
+        },
+        Verdict::Deny {
+            wait_ns,
+            remaining,
+            reset_ns,
+        } => Verdict::Deny {
+            wait_ns,
+            remaining,
+            reset_ns,
+        },
+    }
 }
 
 impl Algo {
     pub fn kind(&self) -> u8 {
         match self {
             Algo::TokenBucket(_) => KIND_TOKEN_BUCKET,
+            Algo::FixedWindow(_) => KIND_FIXED_WINDOW,
+            Algo::SlidingWindowLog(_) => KIND_SLIDING_WINDOW_LOG,
+            Algo::SlidingWindowCounter(_) => KIND_SLIDING_WINDOW_COUNTER,
         }
     }
 
@@ -53,89 +101,174 @@ impl Algo {
     pub fn params(&self) -> (u64, u64) {
         match self {
             Algo::TokenBucket(g) => (g.interval_ns(), g.tolerance_ns()),
+            Algo::FixedWindow(a) => (a.limit(), a.window_ns()),
+            Algo::SlidingWindowLog(a) => (a.limit(), a.window_ns()),
+            Algo::SlidingWindowCounter(a) => (a.limit(), a.window_ns()),
         }
     }
 
     pub fn fresh(&self) -> State {
         match self {
             Algo::TokenBucket(_) => State::TokenBucket { tat: 0 },
+            Algo::FixedWindow(_) => State::FixedWindow(Default::default()),
+            Algo::SlidingWindowLog(_) => State::SlidingWindowLog(Default::default()),
+            Algo::SlidingWindowCounter(_) => State::SlidingWindowCounter(Default::default()),
         }
+    }
+
+    /// Decodes a record written by this algorithm (any parameters).
+    fn decode(&self, r: &Record<'_>) -> Option<State> {
+        if r.kind != self.kind() {
+            return None;
+        }
+        let len = r.state.len();
+        Some(match self {
+            Algo::TokenBucket(_) => State::TokenBucket {
+                tat: read_u64(r.state)?,
+            },
+            Algo::FixedWindow(_) => State::FixedWindow(whole(FixedWindow::decode(r.state), len)?),
+            Algo::SlidingWindowLog(_) => {
+                State::SlidingWindowLog(whole(SlidingWindowLog::decode(r.state), len)?)
+            }
+            Algo::SlidingWindowCounter(_) => {
+                State::SlidingWindowCounter(whole(SlidingWindowCounter::decode(r.state), len)?)
+            }
+        })
     }
 
     /// This limit's state from its stored record (`None`: a new key, or a
     /// new limit: fresh). A record written under other parameters is
-    /// migrated as of `effective_from`, when the current policy took effect;
-    /// a record of another algorithm starts fresh. Also normalises the state
-    /// for `now` (a clock step backwards is saturated). Returns the state and
-    /// whether it differs from what is stored.
+    /// migrated as of `effective_from`, when the current policy took effect
+    /// (see the module header). A token bucket is also normalised for `now`
+    /// (a clock step backwards is saturated). Returns the state and whether
+    /// it differs from what is stored.
     pub fn load(&self, record: Option<&Record<'_>>, effective_from: u64, now: u64) -> (State, bool) {
         let Some(r) = record else {
             return (self.fresh(), false);
         };
-        match self {
-            Algo::TokenBucket(g) => {
-                let Some(stored) = read_u64(r.state).filter(|_| r.kind == KIND_TOKEN_BUCKET) else {
-                    return (self.fresh(), true);
-                };
-                let migrated = if (r.p1, r.p2) == self.params() {
-                    stored
+        let Some(stored) = self.decode(r) else {
+            return (self.fresh(), true);
+        };
+        let same_params = (r.p1, r.p2) == self.params();
+        match (self, stored) {
+            (Algo::TokenBucket(g), State::TokenBucket { tat }) => {
+                let migrated = if same_params {
+                    tat
                 } else {
                     match Gcra::from_stored(r.p1, r.p2) {
-                        Some(old) => g.migrate_tat(&old, stored, effective_from),
+                        Some(old) => g.migrate_tat(&old, tat, effective_from),
                         // Unusable stored parameters: be conservative, start empty.
                         None => effective_from.saturating_add(g.tolerance_ns()),
                     }
                 };
-                let tat = g.saturate(migrated, now);
-                (State::TokenBucket { tat }, tat != stored)
+                let saturated = g.saturate(migrated, now);
+                (State::TokenBucket { tat: saturated }, saturated != tat)
             }
+            (Algo::FixedWindow(a), State::FixedWindow(s)) if !same_params && r.p2 != a.window_ns() => {
+                // A new window length: the count of the window current at
+                // the reload moves into the new window current then.
+                let current_then = r.p2 > 0 && s.window == effective_from / r.p2;
+                let count = if current_then { s.count } else { 0 };
+                let moved = fixed_window::State {
+                    window: effective_from / a.window_ns(),
+                    count,
+                };
+                (State::FixedWindow(moved), true)
+            }
+            (_, stored) => (stored, false),
         }
     }
 
     pub fn check(&self, state: &State, now: u64, cost: u64) -> Outcome {
         match (self, state) {
             (Algo::TokenBucket(g), State::TokenBucket { tat }) => match g.check(*tat, now, cost) {
-                Check::Admit { new_tat, remaining } => Outcome::Admit {
+                Check::Admit { new_tat, remaining } => Verdict::Admit {
                     state: State::TokenBucket { tat: new_tat },
                     remaining,
                     reset_ns: g.time_to_full_ns(new_tat, now),
                 },
-                Check::Deny { wait_ns } => Outcome::Deny {
+                Check::Deny { wait_ns } => Verdict::Deny {
                     wait_ns,
                     remaining: g.available(*tat, now),
                     reset_ns: g.time_to_full_ns(*tat, now),
                 },
             },
+            (Algo::FixedWindow(a), State::FixedWindow(s)) => map(a.check(s, now, cost), State::FixedWindow),
+            (Algo::SlidingWindowLog(a), State::SlidingWindowLog(s)) => {
+                map(a.check(s, now, cost), State::SlidingWindowLog)
+            }
+            (Algo::SlidingWindowCounter(a), State::SlidingWindowCounter(s)) => {
+                map(a.check(s, now, cost), State::SlidingWindowCounter)
+            }
+            // A state of another algorithm: `load` never returns one.
+            _ => self.check(&self.fresh(), now, cost),
         }
     }
 
     /// Gives back a charge of `cost` made at `charged_at` (a later limit in
     /// the chain denied the request).
-    pub fn refund(&self, state: &State, cost: u64, _charged_at: u64) -> State {
+    pub fn refund(&self, state: &State, cost: u64, charged_at: u64) -> State {
         match (self, state) {
             (Algo::TokenBucket(g), State::TokenBucket { tat }) => State::TokenBucket {
                 tat: tat.saturating_sub(cost.saturating_mul(g.interval_ns())),
             },
+            (Algo::FixedWindow(a), State::FixedWindow(s)) => {
+                let mut s = *s;
+                if s.window == charged_at / a.window_ns() {
+                    s.count = s.count.saturating_sub(cost);
+                }
+                State::FixedWindow(s)
+            }
+            (Algo::SlidingWindowLog(_), State::SlidingWindowLog(s)) => {
+                let mut s = s.clone();
+                s.refund(charged_at, cost);
+                State::SlidingWindowLog(s)
+            }
+            (Algo::SlidingWindowCounter(a), State::SlidingWindowCounter(s)) => {
+                let mut s = *s;
+                if s.last_ns / a.window_ns() == charged_at / a.window_ns() {
+                    s.curr = s.curr.saturating_sub(cost);
+                }
+                State::SlidingWindowCounter(s)
+            }
+            (_, other) => other.clone(),
         }
     }
 
     pub fn encode(state: &State, out: &mut Vec<u8>) {
         match state {
             State::TokenBucket { tat } => out.extend_from_slice(&tat.to_le_bytes()),
+            State::FixedWindow(s) => FixedWindow::encode(s, out),
+            State::SlidingWindowLog(s) => SlidingWindowLog::encode(s, out),
+            State::SlidingWindowCounter(s) => SlidingWindowCounter::encode(s, out),
         }
     }
-}
 
-fn read_u64(bytes: &[u8]) -> Option<u64> {
-    Some(u64::from_le_bytes(bytes.try_into().ok()?))
+    /// The algorithm a stored record was written by, from its parameters.
+    fn of_record(r: &Record<'_>) -> Option<Algo> {
+        Some(match r.kind {
+            KIND_TOKEN_BUCKET => Algo::TokenBucket(Gcra::from_stored(r.p1, r.p2)?),
+            KIND_FIXED_WINDOW => Algo::FixedWindow(FixedWindow::new(r.p1, r.p2)?),
+            KIND_SLIDING_WINDOW_LOG => Algo::SlidingWindowLog(SlidingWindowLog::new(r.p1, r.p2)?),
+            KIND_SLIDING_WINDOW_COUNTER => Algo::SlidingWindowCounter(SlidingWindowCounter::new(r.p1, r.p2)?),
+            _ => return None,
+        })
+    }
 }
 
 /// Whether a stored record is back to its fresh state at `now`: then its
 /// slot can be reclaimed without losing anything. A record this version
 /// cannot read counts as idle.
 pub fn record_is_idle(record: &Record<'_>, now: u64) -> bool {
-    match record.kind {
-        KIND_TOKEN_BUCKET => read_u64(record.state).is_none_or(|tat| tat <= now),
+    let Some(algo) = Algo::of_record(record) else {
+        return true;
+    };
+    match (algo, algo.decode(record)) {
+        (_, None) => true,
+        (Algo::TokenBucket(_), Some(State::TokenBucket { tat })) => tat <= now,
+        (Algo::FixedWindow(a), Some(State::FixedWindow(s))) => a.is_idle(&s, now),
+        (Algo::SlidingWindowLog(a), Some(State::SlidingWindowLog(s))) => a.is_idle(&s, now),
+        (Algo::SlidingWindowCounter(a), Some(State::SlidingWindowCounter(s))) => a.is_idle(&s, now),
         _ => true,
     }
 }
@@ -147,58 +280,89 @@ mod tests {
     const S: u64 = 1_000_000_000;
     const T0: u64 = 1_796_000_000 * S;
 
-    fn record(state: &[u8], p: (u64, u64)) -> Record<'_> {
+    fn record<'a>(algo: &Algo, state: &'a [u8]) -> Record<'a> {
+        let (p1, p2) = algo.params();
         Record {
             name_hash: 1,
-            kind: KIND_TOKEN_BUCKET,
-            p1: p.0,
-            p2: p.1,
+            kind: algo.kind(),
+            p1,
+            p2,
             state,
         }
     }
 
+    fn all() -> [Algo; 4] {
+        [
+            Algo::TokenBucket(Gcra::new(5, S, 5).unwrap()),
+            Algo::FixedWindow(FixedWindow::new(5, S).unwrap()),
+            Algo::SlidingWindowLog(SlidingWindowLog::new(5, S).unwrap()),
+            Algo::SlidingWindowCounter(SlidingWindowCounter::new(5, S).unwrap()),
+        ]
+    }
+
     #[test]
-    fn a_token_bucket_round_trips_through_its_record() {
-        let algo = Algo::TokenBucket(Gcra::new(10, S, 5).unwrap());
-        let (fresh, changed) = algo.load(None, T0, T0);
-        assert!(!changed);
-        let Outcome::Admit {
-            state,
-            remaining,
-            reset_ns,
-        } = algo.check(&fresh, T0, 2)
-        else {
-            panic!()
-        };
-        assert_eq!((remaining, reset_ns), (3, 200_000_000));
-        let mut bytes = Vec::new();
-        Algo::encode(&state, &mut bytes);
-        let (loaded, changed) = algo.load(Some(&record(&bytes, algo.params())), T0, T0);
-        assert_eq!(loaded, state);
-        assert!(!changed);
-        assert!(!record_is_idle(&record(&bytes, algo.params()), T0));
-        assert!(record_is_idle(&record(&bytes, algo.params()), T0 + 200_000_000));
-        // Refunding the charge restores the fresh level.
-        let refunded = algo.refund(&state, 2, T0);
-        let Outcome::Admit { remaining, .. } = algo.check(&refunded, T0, 1) else {
-            panic!()
-        };
-        assert_eq!(remaining, 4);
+    fn every_algorithm_round_trips_through_its_record_refunds_and_goes_idle() {
+        for algo in all() {
+            let (fresh, changed) = algo.load(None, T0, T0);
+            assert!(!changed);
+            let Verdict::Admit { state, remaining, .. } = algo.check(&fresh, T0, 2) else {
+                panic!("{algo:?}")
+            };
+            assert_eq!(remaining, 3, "{algo:?}");
+            let mut bytes = Vec::new();
+            Algo::encode(&state, &mut bytes);
+            let stored = record(&algo, &bytes);
+            assert_eq!(
+                algo.load(Some(&stored), T0, T0),
+                (state.clone(), false),
+                "{algo:?}"
+            );
+            assert!(!record_is_idle(&stored, T0), "{algo:?}");
+            assert!(record_is_idle(&stored, T0 + 3 * S), "{algo:?}");
+            // Refunding the charge restores the fresh level.
+            let refunded = algo.refund(&state, 2, T0);
+            let Verdict::Admit { remaining, .. } = algo.check(&refunded, T0, 1) else {
+                panic!("{algo:?}")
+            };
+            assert_eq!(remaining, 4, "{algo:?}");
+        }
     }
 
     #[test]
     fn unreadable_or_foreign_records_start_fresh_and_are_reclaimable() {
-        let algo = Algo::TokenBucket(Gcra::new(10, S, 5).unwrap());
-        let junk = Record {
-            name_hash: 1,
-            kind: 99,
-            p1: 0,
-            p2: 0,
-            state: &[1, 2],
+        for algo in all() {
+            let junk = Record {
+                name_hash: 1,
+                kind: 99,
+                p1: 0,
+                p2: 0,
+                state: &[1, 2],
+            };
+            assert_eq!(algo.load(Some(&junk), T0, T0), (algo.fresh(), true));
+            assert!(record_is_idle(&junk, T0));
+            let short = record(&algo, &[0xff; 3]);
+            let (state, _) = algo.load(Some(&short), T0, T0);
+            assert!(
+                matches!(algo.check(&state, T0, 1), Verdict::Admit { .. }),
+                "{algo:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_fixed_window_whose_length_changes_keeps_its_count() {
+        let old = Algo::FixedWindow(FixedWindow::new(5, S).unwrap());
+        let Verdict::Admit { state, .. } = old.check(&old.fresh(), T0, 5) else {
+            panic!()
         };
-        assert_eq!(algo.load(Some(&junk), T0, T0), (algo.fresh(), true));
-        assert!(record_is_idle(&junk, T0));
-        let short = record(&[1, 2, 3], algo.params());
-        assert_eq!(algo.load(Some(&short), T0, T0), (algo.fresh(), true));
+        let mut bytes = Vec::new();
+        Algo::encode(&state, &mut bytes);
+        let new = Algo::FixedWindow(FixedWindow::new(5, 60 * S).unwrap());
+        let (moved, changed) = new.load(Some(&record(&old, &bytes)), T0, T0);
+        assert!(changed);
+        assert!(
+            matches!(new.check(&moved, T0, 1), Verdict::Deny { .. }),
+            "no fresh window on reload"
+        );
     }
 }

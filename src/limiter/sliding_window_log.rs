@@ -62,6 +62,24 @@ impl State {
     pub fn entries(&self) -> &[(u64, u64)] {
         &self.entries
     }
+
+    /// Gives back `cost` units admitted at `at` (a later check in the chain
+    /// refused the request): taken from the entry recorded at `at`, else
+    /// from the latest entry (where a clock step backwards recorded it).
+    /// Keeps the invariants: an entry whose cost reaches 0 is removed.
+    pub fn refund(&mut self, at: u64, cost: u64) {
+        let found = self.entries.iter().rposition(|(t, _)| *t == at);
+        let Some(i) = found.or_else(|| self.entries.len().checked_sub(1)) else {
+            return;
+        };
+        let Some(entry) = self.entries.get_mut(i) else {
+            return;
+        };
+        entry.1 = entry.1.saturating_sub(cost);
+        if entry.1 == 0 {
+            self.entries.remove(i);
+        }
+    }
 }
 
 impl SlidingWindowLog {

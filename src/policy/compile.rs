@@ -13,7 +13,9 @@ use super::{
     DEFAULT_MAX_KEYS, JWT_AUTHN_FILTER, MAX_LIMITS_PER_PLAN, MAX_MAX_KEYS,
 };
 use crate::limiter::algo::Algo;
-use crate::limiter::{Gcra, NANOS_PER_SEC};
+use crate::limiter::{
+    FixedWindow, Gcra, SlidingWindowCounter, SlidingWindowLog, MAX_LOG_ENTRIES, NANOS_PER_SEC,
+};
 use crate::state::SLOTS_PER_ENTRY;
 
 /// Longest `max_wait` of a queueing route class.
@@ -428,19 +430,48 @@ fn compile_limits(plan: &str, specs: &[LimitSpec], path: &FieldPath, errors: &mu
         let (Some(rate), Some(burst), Some(per_secs)) = (rate, burst, per_secs) else {
             continue;
         };
+        let window_ns = per_secs * NANOS_PER_SEC;
+        if spec.algorithm != spec::Algorithm::TokenBucket && spec.burst.is_some() {
+            errors.add(
+                path.key("burst"),
+                "only token_bucket has a burst: a window algorithm admits `rate` per `per`",
+            );
+            continue;
+        }
         let algo = match spec.algorithm {
-            spec::Algorithm::TokenBucket => {
-                match Gcra::new(rate, per_secs * NANOS_PER_SEC, burst) {
-                    Some(g) if g.tolerance_ns() / NANOS_PER_SEC <= MAX_WINDOW_SECS => Algo::TokenBucket(g),
-                    _ => {
-                        errors.add(
+            spec::Algorithm::TokenBucket => match Gcra::new(rate, window_ns, burst) {
+                Some(g) if g.tolerance_ns() / NANOS_PER_SEC <= MAX_WINDOW_SECS => Some(Algo::TokenBucket(g)),
+                _ => {
+                    errors.add(
                         path.key("burst"),
-                        format!("a burst of {burst} at {rate} per {per_secs}s takes longer than 366d to refill"),
+                        format!(
+                            "a burst of {burst} at {rate} per {per_secs}s takes longer than 366d to refill"
+                        ),
                     );
-                        continue;
-                    }
+                    continue;
                 }
+            },
+            spec::Algorithm::FixedWindow => FixedWindow::new(rate, window_ns).map(Algo::FixedWindow),
+            spec::Algorithm::SlidingWindowCounter => {
+                SlidingWindowCounter::new(rate, window_ns).map(Algo::SlidingWindowCounter)
             }
+            spec::Algorithm::SlidingWindowLog => match SlidingWindowLog::new(rate, window_ns) {
+                Some(a) => Some(Algo::SlidingWindowLog(a)),
+                None => {
+                    errors.add(
+                        path.key("rate"),
+                        format!(
+                            "sliding_window_log keeps one entry per admitted request, at most {MAX_LOG_ENTRIES} per key: lower the rate or use sliding_window_counter"
+                        ),
+                    );
+                    continue;
+                }
+            },
+        };
+        let Some(algo) = algo else {
+            // Rates, windows and bursts are validated above; unreachable.
+            errors.add(path.clone(), "these parameters cannot be represented");
+            continue;
         };
         let shadow = spec.shadow.unwrap_or(false);
         limits.push(Limit {

@@ -28,6 +28,9 @@ pub enum Mode {
 pub enum Algorithm {
     #[default]
     TokenBucket,
+    FixedWindow,
+    SlidingWindowLog,
+    SlidingWindowCounter,
 }
 
 #[derive(Debug, Deserialize)]
