@@ -4,6 +4,7 @@
 //! `now` (nanoseconds since the Unix epoch, from the host's wall clock).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::rc::Rc;
 
 use crate::host::{CasResult, Host, HostError};
 use crate::limiter::algo::{record_is_idle, Algo, Outcome};
@@ -166,7 +167,8 @@ pub const SOURCE_ADDRESS_PROPERTY: [&str; 2] = ["source", "address"];
 /// again if it is queued and retried.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Prepared {
-    pub class: RouteClass,
+    /// Shared with the policy: preparing a request copies nothing.
+    pub class: Rc<RouteClass>,
     pub subject: Subject,
     pub plan: usize,
 }
@@ -219,7 +221,7 @@ pub fn charge<H: Host>(
     let tenant_place = Place::Table {
         logical: logical.as_bytes(),
         entries: policy.key_table_entries,
-        overflow: state::overflow_key(&req.class.action, &plan.name),
+        overflow: (&req.class.action, &plan.name),
     };
     let tenant = apply(host, &tenant_place, &plan.limits, &ctx, scratch);
     let mut decision = tenant.decision(&plan.limits, &plan.ratelimit_policy, Reason::RateLimited, &ctx);
@@ -268,11 +270,12 @@ struct Ctx {
 
 /// Where a set of limits keeps its state.
 enum Place<'a> {
-    /// A dynamic key in the key table (falling back to `overflow`).
+    /// A dynamic key in the key table (falling back to the overflow entry
+    /// of `overflow`: action and plan).
     Table {
         logical: &'a [u8],
         entries: u64,
-        overflow: String,
+        overflow: (&'a str, &'a str),
     },
     /// A fixed shared-data key with a single slot (guards, overflow).
     Fixed { key: String },
@@ -396,7 +399,7 @@ fn locate<H: Host>(host: &H, place: &Place<'_>, now: u64) -> Result<Target, Host
     let mut target = locate(
         host,
         &Place::Fixed {
-            key: overflow.clone(),
+            key: state::overflow_key(overflow.0, overflow.1),
         },
         now,
     )?;
@@ -669,7 +672,7 @@ fn refund<H: Host>(
 
 /// The route class from trusted route metadata, else the route name, else
 /// the policy's default class. Nothing the client sends is consulted.
-fn classify<'p, H: Host>(policy: &'p Policy, host: &H) -> Option<&'p RouteClass> {
+fn classify<'p, H: Host>(policy: &'p Policy, host: &H) -> Option<&'p Rc<RouteClass>> {
     let name = host
         .property(&ROUTE_CLASS_PROPERTY)
         .or_else(|| host.property(&ROUTE_NAME_PROPERTY));

@@ -267,17 +267,20 @@ impl Request {
     /// Records a decision and acts on it: a local reply, or on its way.
     fn finish(&mut self, policy: &Policy, decision: Decision) -> Action {
         self.metrics.record(&decision);
-        let request_id = ProxyHost.request_header("x-request-id");
-        let request_id = response::request_id(request_id.as_deref());
-        if let Some(reply) =
-            response::local_reply(&decision, &policy.version, policy.ratelimit_headers, request_id)
-        {
-            // If Envoy refused the reply, pausing would hang the request.
-            return if send_reply(&reply, &self.metrics) {
-                Action::Pause
-            } else {
-                Action::Continue
-            };
+        if decision.deny_status().is_some() {
+            // Only a denial echoes the request id: read it only then.
+            let raw = ProxyHost.request_header("x-request-id");
+            let request_id = response::request_id(raw.as_deref());
+            let reply =
+                response::local_reply(&decision, &policy.version, policy.ratelimit_headers, request_id);
+            if let Some(reply) = reply {
+                // If Envoy refused the reply, pausing would hang the request.
+                return if send_reply(&reply, &self.metrics) {
+                    Action::Pause
+                } else {
+                    Action::Continue
+                };
+            }
         }
         if policy.ratelimit_headers {
             self.response_headers = decision.headers;

@@ -3,6 +3,8 @@
 //! Every default of the schema is applied here, in one place (and listed in
 //! the README's policy reference). Validation collects every error it finds.
 
+use std::rc::Rc;
+
 use hashbrown::HashMap;
 
 use super::duration::parse_duration_ns;
@@ -198,16 +200,14 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
             }
         }
         let on_limit = compile_on_limit(r, &path, &mut errors);
-        routes.insert(
-            name.clone(),
-            RouteClass {
-                name: name.clone(),
-                action,
-                cost: cost.max(1) as u64,
-                guard,
-                on_limit,
-            },
-        );
+        let class = RouteClass {
+            name: name.clone(),
+            action,
+            cost: cost.max(1) as u64,
+            guard,
+            on_limit,
+        };
+        routes.insert(name.clone(), Rc::new(class));
     }
     if let Some(d) = &spec.default_route {
         if !spec.routes.contains_key(d) {

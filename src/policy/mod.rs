@@ -12,6 +12,8 @@ pub mod duration;
 pub mod error;
 pub mod spec;
 
+use std::rc::Rc;
+
 use hashbrown::HashMap;
 
 use crate::limiter::algo::Algo;
@@ -44,7 +46,7 @@ pub struct Policy {
     plans: Vec<Plan>,
     tenants: HashMap<String, usize>,
     default_plan: usize,
-    routes: HashMap<String, RouteClass>,
+    routes: HashMap<String, Rc<RouteClass>>,
     default_route: Option<String>,
     guards: Vec<Guard>,
     pub anonymous: Anonymous,
@@ -191,7 +193,7 @@ impl Policy {
     }
 
     /// The class of a route, by name, or the default class.
-    pub fn route_class(&self, name: Option<&str>) -> Option<&RouteClass> {
+    pub fn route_class(&self, name: Option<&str>) -> Option<&Rc<RouteClass>> {
         name.and_then(|n| self.routes.get(n))
             .or_else(|| self.default_route.as_deref().and_then(|d| self.routes.get(d)))
     }
