@@ -16,7 +16,7 @@ export ENVOY_BIN      := $(abspath $(ENVOY))
 export TENANTGATE_BIN := $(abspath $(CLI))
 export TENANTGATE_WASM := $(abspath $(WASM))
 
-.PHONY: help setup wasm cli ecds run test test-unit test-integration lint fmt check-glue clean
+.PHONY: help setup wasm cli ecds run test test-unit test-integration bench-memory lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -55,6 +55,10 @@ test-unit: ## Only the native tests (core, policy golden, CLI); no Envoy needed
 
 test-integration: wasm cli ## Only the real-Envoy tests
 	cargo test -p tenantgate-integration-tests -- --test-threads=1 --nocapture
+
+bench-memory: wasm cli ## Envoy RSS with 1, 100k, 1M and 2M distinct tenants: bytes per key, growth once full
+	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+	$(PYTHON) bench/memory.py
 
 lint: check-glue ## fmt check, clippy (native and wasm32, warnings denied), host-layer check
 	cargo fmt --all -- --check
