@@ -426,16 +426,24 @@ struct Applied {
 }
 
 impl Applied {
-    fn failed(reason: Reason, cas_retries: u32) -> Applied {
+    /// Nothing checked yet.
+    fn new(cas_retries: u32, table: TableEvent) -> Applied {
         Applied {
-            failure: Some(reason),
+            failure: None,
             denied: false,
             shadow_denied: false,
             binding: None,
             report: Vec::new(),
             charged: 0,
             cas_retries,
-            table: TableEvent::None,
+            table,
+        }
+    }
+
+    fn failed(reason: Reason, cas_retries: u32) -> Applied {
+        Applied {
+            failure: Some(reason),
+            ..Applied::new(cas_retries, TableEvent::None)
         }
     }
 
@@ -507,23 +515,23 @@ fn apply<H: Host>(
             _ => Vec::new(),
         };
 
-        let mut out = Applied::failed(Reason::Allowed, attempt);
-        out.failure = None;
-        out.table = target.event;
+        let mut out = Applied::new(attempt, target.event);
         let mut changed = false;
-        let mut new_states = Vec::with_capacity(limits.len());
+        // Per limit: its state as read (migrated, normalised), and the state
+        // after charging this request if the limit admits it.
+        let mut states = Vec::with_capacity(limits.len());
         for (i, l) in limits.iter().enumerate() {
             let record = records.iter().find(|r| r.name_hash == l.name_hash);
-            let (current, migrated) = l.algo.load(record, ctx.effective_from, ctx.now);
+            let (loaded, migrated) = l.algo.load(record, ctx.effective_from, ctx.now);
             changed |= migrated;
-            match l.algo.check(&current, ctx.now, ctx.cost) {
+            let charged = match l.algo.check(&loaded, ctx.now, ctx.cost) {
                 Outcome::Admit {
                     state,
                     remaining,
                     reset_ns,
                 } => {
                     out.report.push((remaining, reset_ns));
-                    new_states.push((state, true));
+                    Some(state)
                 }
                 Outcome::Deny {
                     wait_ns,
@@ -541,35 +549,33 @@ fn apply<H: Host>(
                     if out.binding.is_none_or(|(b, w)| rank > (!limits[b].shadow, w)) {
                         out.binding = Some((i, wait_ns));
                     }
-                    new_states.push((current, false));
+                    None
                 }
-            }
+            };
+            states.push((loaded, charged));
         }
 
-        let write = !out.denied || changed;
         if out.denied && ctx.shadow_mode {
             // Shadow mode: as if enforcing (nothing charged), but go on.
             out.shadow_denied = true;
         }
-        if !write {
+        // A denial charges nothing; it writes only to persist a migrated or
+        // normalised state (best effort).
+        if out.denied && !changed {
             return out;
         }
-        // Encode this key's records: charged states, or (denied) the
-        // migrated/normalised states, persisted best effort.
         let mut records_bytes = vec![limits.len() as u8];
         let mut state_bytes = Vec::new();
-        for (i, (l, (st, admitted))) in limits.iter().zip(&new_states).enumerate() {
-            if *admitted && !out.denied {
-                out.charged |= 1 << i;
-            }
-            state_bytes.clear();
-            let (current, _) = if out.denied || !admitted {
-                let record = records.iter().find(|r| r.name_hash == l.name_hash);
-                l.algo.load(record, ctx.effective_from, ctx.now)
-            } else {
-                (st.clone(), false)
+        for (i, (l, (loaded, charged))) in limits.iter().zip(&states).enumerate() {
+            let stored = match charged {
+                Some(charged) if !out.denied => {
+                    out.charged |= 1 << i;
+                    charged
+                }
+                _ => loaded,
             };
-            Algo::encode(&current, &mut state_bytes);
+            state_bytes.clear();
+            Algo::encode(stored, &mut state_bytes);
             let (p1, p2) = l.algo.params();
             state::push_record(
                 &mut records_bytes,
