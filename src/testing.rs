@@ -49,6 +49,18 @@ pub struct FakeHost {
     pub fail_shared: bool,
     /// Makes the next N writes conflict, like racing workers.
     pub forced_conflicts: Rc<RefCell<u32>>,
+    /// Runs before each write, between this request's read and its
+    /// compare-and-swap: lets a test slip other workers' requests in there.
+    pub before_write: Rc<RefCell<Option<Hook>>>,
+}
+
+/// A closure run by [`FakeHost`] (see `before_write`).
+pub struct Hook(pub Box<dyn FnMut()>);
+
+impl std::fmt::Debug for Hook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Hook")
+    }
 }
 
 impl FakeHost {
@@ -59,6 +71,7 @@ impl FakeHost {
             store,
             fail_shared: false,
             forced_conflicts: Rc::new(RefCell::new(0)),
+            before_write: Rc::new(RefCell::new(None)),
         }
     }
 
@@ -113,6 +126,13 @@ impl Host for FakeHost {
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<CasResult, HostError> {
         if self.fail_shared {
             return Err(HostError);
+        }
+        // Take the hook out while it runs, so a request it makes cannot
+        // re-enter it.
+        let hook = self.before_write.borrow_mut().take();
+        if let Some(mut hook) = hook {
+            (hook.0)();
+            *self.before_write.borrow_mut() = Some(hook);
         }
         let mut store = self.store.borrow_mut();
         {

@@ -627,3 +627,145 @@ fn anonymous_clients_by_trusted_xff_hops_and_prefix() {
     let b = address(anon(&p, &store, "10.0.0.1:1", Some("198.51.100.200, y")));
     assert_eq!(a, b);
 }
+
+#[test]
+fn several_limits_stay_all_or_nothing_when_workers_interleave_at_random() {
+    // Four workers share one store. Between any worker's read and its
+    // compare-and-swap, other workers' whole requests may slip in (random,
+    // seeded). Time stands still, so every admission consumes for good:
+    // with all-or-nothing, each limit has consumed exactly the admitted
+    // cost, and the admitted cost is exactly the smallest burst.
+    let p = Policy::from_json(
+        br#"{"version":"t","identity":{"header":"x-tenant-id"},
+        "plans":{"p":{"limits":[{"name":"a","rate":10,"per":"1s","burst":37},
+                               {"name":"b","algorithm":"fixed_window","rate":50,"per":"1m"},
+                               {"name":"c","rate":1,"per":"1s","burst":45}]}},
+        "default_plan":"p","anonymous":{"plan":"p"},"routes":{"api":{},"big":{"action":"api","cost":3}},"default_route":"api"}"#,
+    )
+    .unwrap();
+    let p = std::rc::Rc::new(p);
+    for seed in 1..=25u64 {
+        let store = SharedStore::new();
+        let workers: Vec<FakeHost> = (0..4)
+            .map(|_| {
+                FakeHost::new(store.clone())
+                    .header("x-tenant-id", "hot")
+                    .source("10.0.0.1:1")
+            })
+            .collect();
+        let rng = std::rc::Rc::new(std::cell::Cell::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1));
+        let next = {
+            let rng = rng.clone();
+            move || {
+                let mut x = rng.get();
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                rng.set(x);
+                x
+            }
+        };
+        let admitted_cost = std::rc::Rc::new(std::cell::Cell::new(0u64));
+        // A request of cost 1 (class api) or 3 (class big), on a worker.
+        let request = {
+            let (p, admitted_cost) = (p.clone(), admitted_cost.clone());
+            move |w: &FakeHost, big: bool| {
+                let h = w.clone().route_class(if big { "big" } else { "api" });
+                let d = run(&p, &h, T0);
+                assert_ne!(d.reason, Reason::Contention);
+                if d.reason == Reason::Allowed {
+                    admitted_cost.set(admitted_cost.get() + if big { 3 } else { 1 });
+                }
+            }
+        };
+        // The entry exists before the race starts: Envoy has no
+        // create-if-absent, so racing creators can lose each other's first
+        // writes (documented, and pinned by the next test).
+        request(&workers[0], false);
+        for (i, w) in workers.iter().enumerate() {
+            let others: Vec<FakeHost> = workers
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .map(|(_, o)| o.clone())
+                .collect();
+            let (request, next) = (request.clone(), next.clone());
+            *w.before_write.borrow_mut() = Some(crate::testing::Hook(Box::new(move || {
+                for _ in 0..next() % 3 {
+                    let o = &others[(next() % others.len() as u64) as usize];
+                    request(o, next() % 4 == 0);
+                }
+            })));
+        }
+        for _ in 0..100 {
+            let w = &workers[(next() % 4) as usize];
+            request(w, next() % 4 == 0);
+        }
+        // Consumed per limit, read back from the stored state.
+        assert_eq!(table_keys(&store), ["api|t|hot"]);
+        let store = store.borrow();
+        let entry = store
+            .keys()
+            .find(|k| k.starts_with("tg2|k|"))
+            .and_then(|k| store.get(k))
+            .unwrap();
+        let slots = crate::state::decode_entry(entry).unwrap();
+        let records = crate::state::decode_records(slots[0].records).unwrap();
+        let consumed: Vec<u64> = p.plans()[0]
+            .limits
+            .iter()
+            .map(|l| {
+                let r = records.iter().find(|r| r.name_hash == l.name_hash).unwrap();
+                match l.algo.load(Some(r), T0, T0).0 {
+                    crate::limiter::algo::State::TokenBucket { tat } => {
+                        let crate::limiter::algo::Algo::TokenBucket(g) = l.algo else {
+                            unreachable!()
+                        };
+                        (tat - T0) / g.interval_ns()
+                    }
+                    crate::limiter::algo::State::FixedWindow(s) => s.count,
+                    other => panic!("{other:?}"),
+                }
+            })
+            .collect();
+        let admitted = admitted_cost.get();
+        assert_eq!(
+            consumed, [admitted; 3],
+            "seed {seed}: each limit consumed exactly what was admitted"
+        );
+        assert_eq!(admitted, 37, "seed {seed}: the smallest burst, no more, no less");
+    }
+}
+
+#[test]
+fn racing_creators_of_a_new_entry_lose_at_most_one_request_each() {
+    // Documented bound: Envoy's shared data has no create-if-absent, so two
+    // workers that both read a new entry as absent both write it
+    // unconditionally; the first write is lost. Only when the entry is
+    // first created, and at most one request's cost per racing worker.
+    let p = policy("");
+    let store = SharedStore::new();
+    let a = req(&store, "api", "acme");
+    let b = req(&store, "api", "acme");
+    let (p2, b2) = (std::rc::Rc::new(policy("")), b.clone());
+    *a.before_write.borrow_mut() = Some(crate::testing::Hook(Box::new(move || {
+        assert_eq!(run(&p2, &b2, T0).reason, Reason::Allowed);
+    })));
+    assert_eq!(run(&p, &a, T0).reason, Reason::Allowed);
+    *a.before_write.borrow_mut() = None;
+    // Two admitted, one recorded: the burst of 5 admits 4 more, 6 in all.
+    assert_eq!(admitted(&p, &a, T0, 10), 4);
+    // Once the entry exists, interleaved writes conflict and retry: exact.
+    let (p3, b3) = (std::rc::Rc::new(policy("")), b.clone());
+    let once = std::cell::Cell::new(true);
+    *a.before_write.borrow_mut() = Some(crate::testing::Hook(Box::new(move || {
+        if once.replace(false) {
+            assert_eq!(run(&p3, &b3, T0 + 10 * S).reason, Reason::Allowed);
+        }
+    })));
+    let d = run(&p, &a, T0 + 10 * S);
+    assert_eq!(d.reason, Reason::Allowed);
+    assert_eq!(d.cas_retries, 1, "the interleaved write made this one retry");
+    *a.before_write.borrow_mut() = None;
+    assert_eq!(admitted(&p, &a, T0 + 10 * S, 10), 3, "both counted: 5 − 2");
+}
