@@ -62,9 +62,10 @@ bench: wasm cli ## Measure the filter against baselines (BENCH_ROUNDS=5, BENCH_S
 	cargo build --target $(WASM_TARGET) --profile wasm-release -p tenantgate-bench-empty-filter
 	$(PYTHON) bench/run.py
 
-bench-memory: wasm cli ## Envoy RSS with 1, 100k, 1M and 2M distinct tenants: bytes per key, growth once full
+bench-memory: wasm cli ## Envoy RSS with 1, 100k and 1M distinct tenants (bytes per key), then growth once a table is full
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
-	$(PYTHON) bench/memory.py
+	$(PYTHON) bench/memory.py --max-keys 1000000 --points 1,100000,1000000 --out target/bench/memory.json
+	$(PYTHON) bench/memory.py --max-keys 100000 --points 1,150000,300000,450000 --out target/bench/memory-full.json
 
 lint: check-glue ## fmt check, clippy (native and wasm32, warnings denied), host-layer check
 	cargo fmt --all -- --check
