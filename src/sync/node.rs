@@ -44,6 +44,8 @@
 //! * `fail_open_local`: a local token bucket at the last share (rate `share`
 //!   per sync interval, capacity `share`), starting **empty**, for at most
 //!   [`NodeConfig::local_max_ns`] after the lease expired; then fail closed.
+//!   Only for a lease that expired with no response applied since (the node
+//!   was cut off while holding it); otherwise it denies.
 //!   The service keeps that share reserved for a silent node for as long,
 //!   and sums of shares never exceed the global rate, so local limits
 //!   together admit at most the global rate plus one interval's shares.
@@ -211,6 +213,8 @@ pub struct Node {
     interval_ns: u64,
     /// Connected while `now` is before this.
     contact_until: Option<u64>,
+    /// When the last response was applied.
+    last_applied_at: Option<u64>,
     stats: NodeStats,
 }
 
@@ -230,6 +234,7 @@ impl Node {
             // A starting node waits one interval (plus the callout timeout)
             // for its first leases before it counts as cut off.
             contact_until: Some(now.saturating_add(interval_ns).saturating_add(cfg_timeout)),
+            last_applied_at: None,
             stats: NodeStats::default(),
         }
     }
@@ -260,6 +265,7 @@ impl Node {
     /// [`Node::admit`] with the reason.
     pub fn decide(&mut self, key: &str, limit: &str, cost: u64, now: u64) -> Result<Admitted, Denied> {
         let connected = self.connected(now);
+        let last_applied_at = self.last_applied_at;
         let mode = self.cfg.failure_mode;
         let local_max = self.cfg.local_max_ns;
         let interval = self.interval_ns;
@@ -313,9 +319,16 @@ impl Node {
             FailureMode::FailClosed => return Err(Denied::FailClosed),
             FailureMode::FailOpen => Admitted::FailOpen,
             FailureMode::FailOpenLocal => {
+                // Only a lease that expired with no response since (the
+                // node was cut off while it held it): the service reserves
+                // the shares of nodes it has not heard from since their
+                // grant, and of no others.
                 let Some(expired_at) = entry.lease.map(|l| l.expires_at) else {
                     return Err(Denied::LocalLimit);
                 };
+                if last_applied_at.is_some_and(|a| a >= expired_at) {
+                    return Err(Denied::LocalLimit);
+                }
                 if now >= expired_at.saturating_add(local_max) {
                     return Err(Denied::FailClosed);
                 }
@@ -429,6 +442,7 @@ impl Node {
             taken += 1;
         }
         self.contact_until = Some(now.saturating_add(contact_ns));
+        self.last_applied_at = Some(now);
         self.stats.applied += 1;
         Ok(taken)
     }
