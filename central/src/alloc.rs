@@ -84,6 +84,7 @@
 
 mod fair;
 mod key;
+mod node_key;
 mod session;
 #[cfg(test)]
 mod tests;

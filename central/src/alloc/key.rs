@@ -8,8 +8,14 @@ use serde::Serialize;
 use tenantgate::sync::{Counts, FailureMode, Lease};
 
 use super::fair::{max_min_fair, Claim};
+use super::node_key::NodeKey;
 use super::session::{Intake, KeyId, Session};
 use super::{AllocConfig, GlobalLimit, KeyView, NANOS_PER_MS};
+
+/// The weight of the newest report in a node's demand average: high, so a
+/// shift of demand is followed within about one interval, while one noisy
+/// report does not swing the split.
+const DEMAND_WEIGHT: f64 = 0.8;
 
 /// Cumulative counters of one (key, limit), in units.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -42,86 +48,6 @@ pub struct RegionView {
 }
 
 #[derive(Debug, Clone)]
-struct NodeKey {
-    region: String,
-    /// `R`: what the node may still admit on leases since its last applied
-    /// report was sent.
-    reserve: u64,
-    lease_tokens: u64,
-    lease_seq: u64,
-    /// The reservation already fell to `lease_tokens − consumed`.
-    collapsed: bool,
-    granted_at: u64,
-    /// This interval's allocation (`None`: not allocated yet).
-    share: Option<u64>,
-    /// Left out of this interval's allocation as silent (its share kept).
-    kept_local: bool,
-    level: u64,
-    share_sent: u64,
-    /// The share the node acknowledged, and the largest sent since.
-    share_acked: u64,
-    share_unacked: u64,
-    /// Demand, units per interval (moving average).
-    demand: f64,
-    last_report_at: u64,
-    /// Charged for its local limit, not yet matched by reported `unleased`.
-    assumed: u64,
-    charged_until: u64,
-    charge_carry: u128,
-    /// Reservation written off; later lease consumption is taken from it.
-    written_off: u64,
-}
-
-impl NodeKey {
-    fn new(region: &str, now: u64) -> NodeKey {
-        NodeKey {
-            region: region.to_owned(),
-            reserve: 0,
-            lease_tokens: 0,
-            lease_seq: 0,
-            collapsed: true,
-            granted_at: now,
-            share: None,
-            kept_local: false,
-            level: 0,
-            share_sent: 0,
-            share_acked: 0,
-            share_unacked: 0,
-            demand: 0.0,
-            last_report_at: now,
-            assumed: 0,
-            charged_until: now,
-            charge_carry: 0,
-            written_off: 0,
-        }
-    }
-
-    fn local_until(&self, cfg: &AllocConfig) -> u64 {
-        self.granted_at
-            .saturating_add(cfg.lease_life_ns())
-            .saturating_add(cfg.local_max_ns)
-    }
-
-    /// The share the node may hold for `fail_open_local` (0 once its local
-    /// limit has run out).
-    fn share_bound(&self, now: u64, cfg: &AllocConfig) -> u64 {
-        if now >= self.local_until(cfg) {
-            0
-        } else {
-            self.share_acked.max(self.share_unacked)
-        }
-    }
-
-    /// Not heard from since its last grant, and past the earliest instant
-    /// that lease can have expired: it may be on its local limit.
-    fn silent(&self, heard_at: Option<u64>, now: u64, cfg: &AllocConfig) -> bool {
-        self.lease_seq != 0
-            && heard_at.is_none_or(|h| h <= self.granted_at)
-            && now >= self.granted_at.saturating_add(cfg.lease_ttl_ns)
-    }
-}
-
-#[derive(Debug, Clone)]
 pub(super) struct KeyState {
     limit: GlobalLimit,
     bucket: u64,
@@ -130,7 +56,11 @@ pub(super) struct KeyState {
     nodes: BTreeMap<String, NodeKey>,
     regions: BTreeMap<String, RegionView>,
     interval: Option<u64>,
+    advanced_at: Option<u64>,
     flow: u64,
+    /// Debt repayments taken out of regions' allocations, destroyed out of
+    /// the refill as it comes.
+    owed: u64,
     stats: KeyStats,
 }
 
@@ -145,7 +75,9 @@ impl KeyState {
             nodes: BTreeMap::new(),
             regions: BTreeMap::new(),
             interval: None,
+            advanced_at: None,
             flow: 0,
+            owed: 0,
             stats: KeyStats::default(),
         }
     }
@@ -170,6 +102,10 @@ impl KeyState {
     /// Refill, charges for silent nodes, write-offs, pruning, and the
     /// allocation of a new interval.
     pub fn advance(&mut self, now: u64, cfg: &AllocConfig, sessions: &BTreeMap<String, Session>) {
+        if self.advanced_at == Some(now) {
+            return;
+        }
+        self.advanced_at = Some(now);
         let elapsed = u128::from(now.saturating_sub(self.origin));
         let total = u128::from(self.limit.limit) * elapsed / u128::from(self.limit.window_ns);
         let credit = u64::try_from(total.saturating_sub(self.credited)).unwrap_or(u64::MAX);
@@ -179,7 +115,7 @@ impl KeyState {
         let mut charges: Vec<(String, u64)> = Vec::new();
         if cfg.failure_mode == FailureMode::FailOpenLocal {
             for (id, nk) in &mut self.nodes {
-                let heard = sessions.get(id).and_then(|s| s.heard_at);
+                let heard = || sessions.get(id).and_then(|s| s.heard_at);
                 if !nk.silent(heard, now, cfg) {
                     continue;
                 }
@@ -199,6 +135,9 @@ impl KeyState {
             }
         }
         let mut available = self.bucket.saturating_add(credit);
+        let paid = self.owed.min(available);
+        self.owed -= paid;
+        available -= paid;
         for (region, amount) in charges {
             self.stats.precharged += amount;
             let taken = amount.min(available);
@@ -240,7 +179,7 @@ impl KeyState {
             if stale {
                 nk.demand *= 0.5;
             }
-            let heard = sessions.get(id).and_then(|s| s.heard_at);
+            let heard = || sessions.get(id).and_then(|s| s.heard_at);
             let local = cfg.failure_mode == FailureMode::FailOpenLocal
                 && nk.silent(heard, now, cfg)
                 && now < nk.local_until(cfg);
@@ -286,9 +225,10 @@ impl KeyState {
             rv.fair = fair;
             rv.borrowed_total = rv.borrowed_total.saturating_add(part.saturating_sub(fair));
             if rv.debt > 0 {
-                // Repaid out of this region's own part: destroyed, not lent.
-                let repay = rv.debt.min(part * cfg.repay_pct / 100).min(self.bucket);
-                self.bucket -= repay;
+                // Repaid out of this region's own part: that much of the
+                // refill is destroyed, not lent to other regions.
+                let repay = rv.debt.min(part * cfg.repay_pct / 100);
+                self.owed = self.owed.saturating_add(repay);
                 rv.debt -= repay;
                 rv.repaid_total += repay;
                 self.stats.repaid += repay;
@@ -339,7 +279,11 @@ impl KeyState {
             .max(cfg.interval_ns / 4);
         let rate = delta.demand as f64 * cfg.interval_ns as f64 / span as f64;
         let fresh = nk.lease_seq == 0 && nk.demand == 0.0;
-        nk.demand = if fresh { rate } else { 0.5 * rate + 0.5 * nk.demand };
+        nk.demand = if fresh {
+            rate
+        } else {
+            DEMAND_WEIGHT * rate + (1.0 - DEMAND_WEIGHT) * nk.demand
+        };
         nk.last_report_at = now;
     }
 
@@ -436,9 +380,10 @@ impl KeyState {
         let (share, level) = match nk.share {
             Some(share) => (share, nk.level),
             None => {
-                // Not allocated yet this interval: an equal split until the
-                // next allocation knows its demand.
-                let share = (flow / nodes_hint.max(1)).max(cfg.node_floor);
+                // Not allocated yet this interval: its reported demand,
+                // within an equal split, until the next allocation.
+                let demand = nk.demand.ceil() as u64;
+                let share = demand.min(flow / nodes_hint.max(1)).max(cfg.node_floor);
                 (share, share.saturating_mul(cfg.lease_factor_pct).div_ceil(100))
             }
         };
