@@ -15,7 +15,7 @@
 pub mod alloc;
 pub mod bound;
 pub mod error;
-
+pub mod sim;
 
 pub use alloc::{AllocConfig, Allocator, GlobalLimit};
 pub use error::{AllocError, ConfigError};

@@ -252,6 +252,11 @@ impl Node {
         self.stats
     }
 
+    /// The `seq` of the report in flight, if any (answered reports are not).
+    pub fn in_flight(&self) -> Option<u64> {
+        self.in_flight.as_ref().map(|f| f.seq)
+    }
+
     /// Whether the node applied a response recently enough to expect leases.
     pub fn connected(&self, now: u64) -> bool {
         self.contact_until.is_some_and(|until| now < until)
