@@ -8,6 +8,10 @@
 //! * the **glue** (`glue`, wasm32 only): the only code that uses
 //!   the proxy-wasm SDK. It implements [`host::Host`] with hostcalls, compiles the
 //!   policy in `on_configure`, and turns decisions into Envoy actions.
+//!
+//! [`sync`] holds the node side of allowance reconciliation with the central
+//! cluster (protocol and state machine). It is pure like the core and is not
+//! wired into the glue yet.
 
 pub mod engine;
 pub mod host;
@@ -16,6 +20,7 @@ pub mod policy;
 pub mod queue;
 pub mod response;
 pub mod state;
+pub mod sync;
 
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

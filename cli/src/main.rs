@@ -1,11 +1,14 @@
-//! `tenantgate`: the command-line tool. Policy tools today; the central
-//! service (`tenantgate serve`) joins it later.
+//! `tenantgate`: the command-line tool. Policy tools and the allowance
+//! reconciliation simulator today; the central service (`tenantgate serve`)
+//! joins it later.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use tenantgate_cli::{ecds, policy_file};
+
+mod sim;
 
 #[derive(Parser)]
 #[command(name = "tenantgate", version, about = "Multi-tenant rate limiting for Envoy")]
@@ -19,6 +22,28 @@ enum Command {
     /// Validate, compile and apply policies.
     #[command(subcommand)]
     Policy(PolicyCommand),
+    /// Simulate global limits across nodes and regions (virtual time):
+    /// one JSON object per scenario and topology.
+    Sim(SimArgs),
+}
+
+#[derive(Args)]
+struct SimArgs {
+    /// Run only this scenario (default: all).
+    #[arg(long)]
+    scenario: Option<String>,
+    /// The PRNG seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Also write one SVG chart per run into this directory.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    /// Only this topology, as REGIONSxNODES (default: 3x3 and 10x10).
+    #[arg(long)]
+    topology: Option<String>,
+    /// Indent the JSON.
+    #[arg(long)]
+    pretty: bool,
 }
 
 #[derive(Subcommand)]
@@ -61,6 +86,7 @@ fn main() -> ExitCode {
         Command::Policy(PolicyCommand::Check { files }) => check(&files),
         Command::Policy(PolicyCommand::Compile { file, pretty }) => compile(&file, pretty),
         Command::Policy(PolicyCommand::Apply(args)) => apply(&args),
+        Command::Sim(args) => sim::run(&args),
     }
 }
 

@@ -1,0 +1,324 @@
+//! The allocator: splits each global limit among regions and nodes as
+//! leases, and reconciles what the nodes report.
+//!
+//! # THE BOUND
+//! For a global limit of `L` units per window `W` (rate `r = L/W`) with
+//! burst `B`, `N` nodes syncing every `I` with callout timeout `D`, leases
+//! of TTL `ttl`, a provisional allowance `P` per node and key, and a central
+//! outage of length `T`, the units admitted across all nodes in **any**
+//! window of length `W` are at most
+//!
+//! ```text
+//!     L + B + N·P + X(T)
+//!
+//!     X(T) = 0                        fail_closed, or no outage (T = 0)
+//!     X(T) = Σ shares ≤ r·I           fail_open_local, for any T
+//!     X(T) = A·min(T + I + D, W)      fail_open (A: the aggregate demand rate)
+//! ```
+//!
+//! Leases do not appear: every lease is carved out of the bucket, so the
+//! unexpired leases of all nodes never hold more than `B` together (lease
+//! size and TTL change utilisation, not the bound). `N·P` counts one
+//! provisional allowance per node per key start (a node starts a key when
+//! it first sees it, or again after the key sat idle past its lease while
+//! the node stayed connected). `T` and `ttl` only decide whether a failure
+//! mode runs at all. [`crate::bound`] computes the value.
+//!
+//! # Why
+//! Per (key, limit) the service holds a token bucket `b` (refilled at `r`,
+//! exactly, from the service's own clock) and, per node, a reservation
+//! `R_i`: an upper bound on what the node can still admit on leases,
+//! counted from the send of its last applied report. Invariant:
+//! `b + Σ R_i ≤ B`. A grant moves tokens from `b` to `R_i`; reported lease
+//! consumption leaves `R_i`; a reservation proven too high goes back to `b`
+//! (*reclaim*); the refill stops while the sum is at `B`. Lease consumption
+//! in a window is then at most what the sum held at its start (`≤ B`) plus
+//! the refill during it (`≤ L`). What nodes admit without a lease is
+//! charged to `b` when reported (or becomes debt), hence the extra terms:
+//! * provisional allowances: at most `P` per node and key start;
+//! * `fail_open_local`: each cut-off node admits at most its last share per
+//!   interval from a local bucket that starts empty and holds at most one
+//!   share. The service keeps the shares of nodes it has not heard from
+//!   reserved and charges them to `b` as time passes (before any grant), and
+//!   it never sends shares that could sum above `r·I`, so local admissions
+//!   come out of the refill except for what the local buckets saved up
+//!   (`≤ Σ shares ≤ r·I`).
+//! * `fail_open`: everything demanded while in the failure mode, which lasts
+//!   at most the outage plus one sync (`T + I + D`) and at most `W` of it
+//!   falls in one window.
+//!
+//! The reservation rule: a node applies a lease of `tokens` as "`tokens`
+//! minus what I admitted on leases since I sent the request", replacing the
+//! old lease. So from that send on it admits at most
+//! `max(R_old − reported, tokens)` on leases; the service sets
+//! `R := max(R − consumed, tokens)` and draws only the increase from `b`.
+//! Once the node acknowledges that response, its next report proves the
+//! old lease gone and `R := tokens − consumed` (the rest is reclaimed).
+//! A lease is dead by `answered_at + D + ttl` in the service's clock: the
+//! node measures `ttl` from receipt and discards responses older than `D`.
+//! No timestamps travel, so node clocks (offset or skewed) cannot move the
+//! bound. A node silent past that keeps its reservation for `settle_ns`
+//! more, then it is written off as consumed.
+//!
+//! # Allocation
+//! Once per service interval (`now / I`), per (key, limit): the interval's
+//! flow `r·I`, less the shares reserved for silent nodes, is split among
+//! regions by recent demand, max-min fair with a floor per region and a cap
+//! of an equal share plus the borrowing ceiling; each region's part is split
+//! among its nodes the same way (floor per node). A node's lease is topped
+//! up to `share × lease_factor` (to last until the next lease arrives),
+//! never beyond what `b` holds. Demand is an average of reported demand
+//! (denials included) per unit of the service's time.
+//!
+//! # Debt
+//! Units admitted beyond grants (provisional allowances, local or open
+//! failure modes beyond what was charged for them, lease consumption beyond
+//! a reservation) are booked to the node's region as debt. Debt is repaid
+//! from `b` at once while `b` has tokens, then out of the region's own
+//! allocation in later intervals (at most `repay_pct` of it per interval);
+//! repaid tokens are destroyed, not given to other regions.
+//!
+//! Assumes the service keeps its state through an outage. A service that
+//! loses it starts buckets full and forgets reservations: up to `B + Σ R`
+//! more in the window of the restart (not built yet: storage).
+
+mod fair;
+mod key;
+mod node_key;
+mod session;
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use tenantgate::sync::{Counts, FailureMode, SyncRequest, SyncResponse, PROTOCOL_VERSION};
+
+use crate::error::{AllocError, ConfigError};
+pub use fair::{max_min_fair, Claim};
+use key::KeyState;
+pub use key::{KeyStats, RegionView};
+use session::Session;
+
+const NANOS_PER_MS: u64 = 1_000_000;
+
+/// A global limit: `limit` units per `window_ns`, holding at most `burst`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct GlobalLimit {
+    pub limit: u64,
+    pub window_ns: u64,
+    pub burst: u64,
+}
+
+/// The service's reconciliation settings (all times in nanoseconds).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AllocConfig {
+    pub policy_version: String,
+    /// Global limits by limit name (later: compiled from the policy).
+    pub limits: BTreeMap<String, GlobalLimit>,
+    /// `I`: the sync interval nodes are told to use, and the allocation
+    /// interval.
+    pub interval_ns: u64,
+    /// `ttl`: lease lifetime from receipt.
+    pub lease_ttl_ns: u64,
+    /// `D`: the nodes' callout timeout (shared setting).
+    pub response_timeout_ns: u64,
+    /// A lease is topped up to `share × lease_factor_pct / 100`.
+    pub lease_factor_pct: u64,
+    /// Units per interval every active node gets before demand is served.
+    pub node_floor: u64,
+    /// Units per interval every active region gets before demand is served.
+    pub region_floor: u64,
+    /// How much of an interval's flow (%) a region may get beyond an equal
+    /// share.
+    pub borrow_ceiling_pct: u64,
+    /// At most this % of a region's allocation goes to its debt per interval.
+    pub repay_pct: u64,
+    /// How long after its leases died a silent node's reservation waits for
+    /// its report before it is written off.
+    pub settle_ns: u64,
+    /// How long nodes run `fail_open_local` (shared setting).
+    pub local_max_ns: u64,
+    /// The nodes' failure mode (shared setting; later per route class).
+    pub failure_mode: FailureMode,
+}
+
+impl AllocConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let positive = [
+            ("interval_ns", self.interval_ns),
+            ("lease_ttl_ns", self.lease_ttl_ns),
+            ("lease_factor_pct", self.lease_factor_pct),
+        ];
+        for (field, v) in positive {
+            if v == 0 {
+                return Err(ConfigError::new(field, "must be > 0"));
+            }
+        }
+        if self.interval_ns % NANOS_PER_MS != 0 {
+            return Err(ConfigError::new("interval_ns", "must be whole milliseconds"));
+        }
+        if self.lease_ttl_ns < self.interval_ns {
+            return Err(ConfigError::new("lease_ttl_ns", "must be at least interval_ns"));
+        }
+        if self.repay_pct > 100 {
+            return Err(ConfigError::new("repay_pct", "must be <= 100"));
+        }
+        for (name, l) in &self.limits {
+            if l.limit == 0 || l.window_ns == 0 || l.burst == 0 {
+                return Err(ConfigError::new(
+                    format!("limits.{name}"),
+                    "limit, window and burst must be > 0",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The longest a lease granted at `t` can be used: `t + D + ttl`.
+    pub fn lease_life_ns(&self) -> u64 {
+        self.response_timeout_ns.saturating_add(self.lease_ttl_ns)
+    }
+}
+
+/// Service-wide counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct AllocStats {
+    pub requests: u64,
+    pub stale: u64,
+    pub unknown_limits: u64,
+    pub policy_mismatches: u64,
+}
+
+/// What the service knows of one (key, limit), for stats and tests.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct KeyView {
+    pub bucket: u64,
+    /// Σ of the nodes' reservations.
+    pub reserved: u64,
+    pub flow: u64,
+    pub stats: KeyStats,
+    pub regions: BTreeMap<String, RegionView>,
+    /// Each node's current share (units per interval).
+    pub shares: BTreeMap<String, u64>,
+}
+
+/// The reconciliation state of the central cluster.
+#[derive(Debug, Clone)]
+pub struct Allocator {
+    cfg: AllocConfig,
+    keys: BTreeMap<(String, String), KeyState>,
+    sessions: BTreeMap<String, Session>,
+    stats: AllocStats,
+}
+
+impl Allocator {
+    pub fn new(cfg: AllocConfig) -> Result<Allocator, ConfigError> {
+        cfg.validate()?;
+        Ok(Allocator {
+            cfg,
+            keys: BTreeMap::new(),
+            sessions: BTreeMap::new(),
+            stats: AllocStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &AllocConfig {
+        &self.cfg
+    }
+
+    pub fn stats(&self) -> AllocStats {
+        self.stats
+    }
+
+    /// Brings every key's state to `now` (service clock): refill, charges
+    /// for silent nodes, write-offs, and a new allocation when a new
+    /// interval began. [`Allocator::handle`] does this too; a timer calls it
+    /// so allocation goes on while no node reports.
+    pub fn tick(&mut self, now: u64) {
+        for ks in self.keys.values_mut() {
+            ks.advance(now, &self.cfg, &self.sessions);
+        }
+    }
+
+    /// Answers one sync request.
+    pub fn handle(&mut self, req: &SyncRequest, now: u64) -> Result<SyncResponse, AllocError> {
+        self.stats.requests += 1;
+        if req.version != PROTOCOL_VERSION {
+            return Err(AllocError::Version(req.version));
+        }
+        if req.policy_version != self.cfg.policy_version {
+            // Nodes and service disagree during a rollout; limits are looked
+            // up by name in the service's policy.
+            self.stats.policy_mismatches += 1;
+        }
+        self.tick(now);
+        let session = self
+            .sessions
+            .entry(req.node_id.clone())
+            .or_insert_with(|| Session::new(&req.region));
+        let Some(intake) = session.intake(req, now) else {
+            self.stats.stale += 1;
+            return Err(AllocError::Stale { seq: req.seq });
+        };
+        let held: Vec<_> = session.held.iter().cloned().collect();
+        let nodes_hint = self.sessions.len() as u64;
+        let node = req.node_id.as_str();
+
+        // Held keys this report does not mention had no activity since the
+        // node's base: settle them with zero counts (acknowledged leases
+        // collapse, dead ones are reclaimed).
+        let mut still_held = Vec::with_capacity(held.len());
+        for id in held {
+            let Some(ks) = self.keys.get_mut(&id) else {
+                continue;
+            };
+            if !intake.deltas.iter().any(|(d, _)| *d == id) {
+                ks.settle(node, Counts::default(), &intake, &self.cfg);
+            }
+            if ks.holds(node) {
+                still_held.push(id);
+            }
+        }
+
+        let mut leases = Vec::with_capacity(intake.deltas.len());
+        for (id, delta) in &intake.deltas {
+            let Some(limit) = self.cfg.limits.get(&id.1).copied() else {
+                self.stats.unknown_limits += 1;
+                continue;
+            };
+            let ks = self
+                .keys
+                .entry(id.clone())
+                .or_insert_with(|| KeyState::new(limit, now));
+            ks.advance(now, &self.cfg, &self.sessions);
+            ks.touch(node, &req.region, *delta, intake.prev_heard_at, now, &self.cfg);
+            ks.settle(node, *delta, &intake, &self.cfg);
+            leases.push(ks.grant(id, node, req.seq, nodes_hint, now, &self.cfg));
+            if !still_held.contains(id) {
+                still_held.push(id.clone());
+            }
+        }
+        if let Some(session) = self.sessions.get_mut(node) {
+            session.held = still_held.into_iter().collect();
+        }
+        Ok(SyncResponse {
+            version: PROTOCOL_VERSION,
+            ack_seq: req.seq,
+            interval_ms: self.cfg.interval_ns / NANOS_PER_MS,
+            leases,
+        })
+    }
+
+    /// [`Allocator::handle`] on a JSON body, answering JSON.
+    pub fn handle_json(&mut self, body: &[u8], now: u64) -> Result<String, AllocError> {
+        let req = SyncRequest::from_json(body).map_err(AllocError::Protocol)?;
+        Ok(self.handle(&req, now)?.to_json())
+    }
+
+    /// The state of one (key, limit), if the service has seen it.
+    pub fn view(&self, key: &str, limit: &str) -> Option<KeyView> {
+        let ks = self.keys.get(&(key.to_owned(), limit.to_owned()))?;
+        Some(ks.view())
+    }
+}

@@ -1,0 +1,432 @@
+//! One (key, limit) at the service: the bucket, each node's reservation and
+//! share, and each region's allocation and debt. See the `alloc` module
+//! header for the rules and the bound they give.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use tenantgate::sync::{Counts, FailureMode, Lease};
+
+use super::fair::{max_min_fair, Claim};
+use super::node_key::NodeKey;
+use super::session::{Intake, KeyId, Session};
+use super::{AllocConfig, GlobalLimit, KeyView, NANOS_PER_MS};
+
+/// The weight of the newest report in a node's demand average: high, so a
+/// shift of demand is followed within about one interval, while one noisy
+/// report does not swing the split.
+const DEMAND_WEIGHT: f64 = 0.8;
+
+/// Cumulative counters of one (key, limit), in units.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct KeyStats {
+    /// Drawn from the bucket into leases.
+    pub granted: u64,
+    /// Returned to the bucket from reservations proven unused.
+    pub reclaimed: u64,
+    /// Reservations and charges dropped as if consumed.
+    pub written_off: u64,
+    /// Charged for silent nodes' local limits.
+    pub precharged: u64,
+    /// Admitted beyond grants and charges.
+    pub debt_booked: u64,
+    pub repaid: u64,
+    pub consumed: u64,
+    pub unleased: u64,
+    pub demand: u64,
+}
+
+/// One region's allocation (last interval) and debt.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RegionView {
+    pub allocated: u64,
+    pub fair: u64,
+    pub debt: u64,
+    /// Σ over intervals of what it got beyond an equal share.
+    pub borrowed_total: u64,
+    pub repaid_total: u64,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct KeyState {
+    limit: GlobalLimit,
+    bucket: u64,
+    origin: u64,
+    credited: u128,
+    nodes: BTreeMap<String, NodeKey>,
+    regions: BTreeMap<String, RegionView>,
+    interval: Option<u64>,
+    advanced_at: Option<u64>,
+    flow: u64,
+    /// Debt repayments taken out of regions' allocations, destroyed out of
+    /// the refill as it comes.
+    owed: u64,
+    stats: KeyStats,
+}
+
+impl KeyState {
+    /// A key never seen: its bucket starts full.
+    pub fn new(limit: GlobalLimit, now: u64) -> KeyState {
+        KeyState {
+            limit,
+            bucket: limit.burst,
+            origin: now,
+            credited: 0,
+            nodes: BTreeMap::new(),
+            regions: BTreeMap::new(),
+            interval: None,
+            advanced_at: None,
+            flow: 0,
+            owed: 0,
+            stats: KeyStats::default(),
+        }
+    }
+
+    pub fn holds(&self, node: &str) -> bool {
+        self.nodes.contains_key(node)
+    }
+
+    fn reserved(&self) -> u64 {
+        self.nodes.values().map(|n| n.reserve).sum()
+    }
+
+    /// The flow of interval `k`: `r·I`, exact over consecutive intervals.
+    fn flow_of(&self, k: u64, cfg: &AllocConfig) -> u64 {
+        let total = |k: u64| {
+            u128::from(self.limit.limit) * u128::from(cfg.interval_ns) * u128::from(k)
+                / u128::from(self.limit.window_ns)
+        };
+        u64::try_from(total(k + 1) - total(k)).unwrap_or(u64::MAX)
+    }
+
+    /// Refill, charges for silent nodes, write-offs, pruning, and the
+    /// allocation of a new interval.
+    pub fn advance(&mut self, now: u64, cfg: &AllocConfig, sessions: &BTreeMap<String, Session>) {
+        if self.advanced_at == Some(now) {
+            return;
+        }
+        self.advanced_at = Some(now);
+        let elapsed = u128::from(now.saturating_sub(self.origin));
+        let total = u128::from(self.limit.limit) * elapsed / u128::from(self.limit.window_ns);
+        let credit = u64::try_from(total.saturating_sub(self.credited)).unwrap_or(u64::MAX);
+        self.credited = self.credited.max(total);
+
+        // Charge silent nodes' local limits as time passes, before any grant.
+        let mut charges: Vec<(String, u64)> = Vec::new();
+        if cfg.failure_mode == FailureMode::FailOpenLocal {
+            for (id, nk) in &mut self.nodes {
+                let heard = || sessions.get(id).and_then(|s| s.heard_at);
+                if !nk.silent(heard, now, cfg) {
+                    continue;
+                }
+                let from = nk
+                    .charged_until
+                    .max(nk.granted_at.saturating_add(cfg.lease_ttl_ns));
+                let to = now.min(nk.local_until(cfg));
+                if to > from {
+                    let share = u128::from(nk.share_bound(from, cfg));
+                    let units = share * u128::from(to - from) + nk.charge_carry;
+                    nk.charge_carry = units % u128::from(cfg.interval_ns);
+                    let amount = u64::try_from(units / u128::from(cfg.interval_ns)).unwrap_or(u64::MAX);
+                    nk.assumed = nk.assumed.saturating_add(amount);
+                    charges.push((nk.region.clone(), amount));
+                }
+                nk.charged_until = nk.charged_until.max(to);
+            }
+        }
+        let mut available = self.bucket.saturating_add(credit);
+        let paid = self.owed.min(available);
+        self.owed -= paid;
+        available -= paid;
+        for (region, amount) in charges {
+            self.stats.precharged += amount;
+            let taken = amount.min(available);
+            available -= taken;
+            self.book_debt_raw(&region, amount - taken);
+        }
+        self.bucket = available.min(self.limit.burst.saturating_sub(self.reserved()));
+
+        let settle_after = cfg.lease_life_ns().saturating_add(cfg.settle_ns);
+        for nk in self.nodes.values_mut() {
+            if nk.reserve > 0 && now >= nk.granted_at.saturating_add(settle_after) {
+                nk.written_off = nk.written_off.saturating_add(nk.reserve);
+                self.stats.written_off += nk.reserve;
+                nk.reserve = 0;
+            }
+        }
+        let forget_after = settle_after.max(cfg.lease_life_ns().saturating_add(cfg.local_max_ns));
+        self.nodes.retain(|_, nk| {
+            nk.reserve > 0
+                || now < nk.granted_at.saturating_add(forget_after)
+                || now < nk.last_report_at.saturating_add(3 * cfg.interval_ns)
+        });
+
+        let k = now / cfg.interval_ns;
+        if self.interval != Some(k) {
+            self.roll(k, now, cfg, sessions);
+        }
+    }
+
+    /// Splits interval `k`'s flow among regions and nodes.
+    fn roll(&mut self, k: u64, now: u64, cfg: &AllocConfig, sessions: &BTreeMap<String, Session>) {
+        self.interval = Some(k);
+        self.flow = self.flow_of(k, cfg);
+        let recent = 3 * cfg.interval_ns;
+        let mut reserved = 0u64;
+        let mut by_region: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (id, nk) in &mut self.nodes {
+            let stale = now.saturating_sub(nk.last_report_at) > 2 * cfg.interval_ns;
+            if stale {
+                nk.demand *= 0.5;
+            }
+            let heard = || sessions.get(id).and_then(|s| s.heard_at);
+            let local = cfg.failure_mode == FailureMode::FailOpenLocal
+                && nk.silent(heard, now, cfg)
+                && now < nk.local_until(cfg);
+            if local {
+                // It keeps its share: its local limit may be spending it.
+                reserved = reserved.saturating_add(nk.share_bound(now, cfg));
+                nk.share = Some(0);
+                nk.kept_local = true;
+                continue;
+            }
+            nk.kept_local = false;
+            if now.saturating_sub(nk.last_report_at) <= recent {
+                by_region.entry(nk.region.clone()).or_default().push(id.clone());
+            } else {
+                nk.share = None;
+            }
+        }
+        let budget = self.flow.saturating_sub(reserved);
+        let regions = by_region.len() as u64;
+        if regions == 0 {
+            return;
+        }
+        let fair = budget / regions;
+        let cap = fair.saturating_add(budget.saturating_mul(cfg.borrow_ceiling_pct) / 100);
+        let demand_of = |ids: &[String]| -> u64 {
+            ids.iter()
+                .filter_map(|id| self.nodes.get(id))
+                .map(|nk| nk.demand.ceil() as u64)
+                .sum()
+        };
+        let claims: Vec<Claim> = by_region
+            .values()
+            .map(|ids| Claim {
+                floor: cfg.region_floor,
+                demand: demand_of(ids),
+                cap,
+            })
+            .collect();
+        let allocated = max_min_fair(budget, &claims);
+        for ((region, ids), mut part) in by_region.into_iter().zip(allocated) {
+            let rv = self.regions.entry(region).or_default();
+            rv.allocated = part;
+            rv.fair = fair;
+            rv.borrowed_total = rv.borrowed_total.saturating_add(part.saturating_sub(fair));
+            if rv.debt > 0 {
+                // Repaid out of this region's own part: that much of the
+                // refill is destroyed, not lent to other regions.
+                let repay = rv.debt.min(part * cfg.repay_pct / 100);
+                self.owed = self.owed.saturating_add(repay);
+                rv.debt -= repay;
+                rv.repaid_total += repay;
+                self.stats.repaid += repay;
+                part -= repay;
+            }
+            let claims: Vec<Claim> = ids
+                .iter()
+                .filter_map(|id| self.nodes.get(id))
+                .map(|nk| Claim {
+                    floor: cfg.node_floor,
+                    demand: nk.demand.ceil() as u64,
+                    cap: u64::MAX,
+                })
+                .collect();
+            for (id, share) in ids.iter().zip(max_min_fair(part, &claims)) {
+                if let Some(nk) = self.nodes.get_mut(id) {
+                    nk.share = Some(share);
+                    nk.level = share.saturating_mul(cfg.lease_factor_pct).div_ceil(100);
+                }
+            }
+        }
+    }
+
+    /// Records a report's demand (units per interval, averaged).
+    pub fn touch(
+        &mut self,
+        node: &str,
+        region: &str,
+        delta: Counts,
+        prev_heard_at: Option<u64>,
+        now: u64,
+        cfg: &AllocConfig,
+    ) {
+        let nk = self
+            .nodes
+            .entry(node.to_owned())
+            .or_insert_with(|| NodeKey::new(region, now));
+        region.clone_into(&mut nk.region);
+        if nk.kept_local {
+            // Back from silence: an equal split until the next allocation.
+            nk.kept_local = false;
+            nk.share = None;
+        }
+        let span = prev_heard_at
+            .map(|h| now.saturating_sub(h))
+            .filter(|&s| s > 0)
+            .unwrap_or(cfg.interval_ns)
+            .max(cfg.interval_ns / 4);
+        let rate = delta.demand as f64 * cfg.interval_ns as f64 / span as f64;
+        let fresh = nk.lease_seq == 0 && nk.demand == 0.0;
+        nk.demand = if fresh {
+            rate
+        } else {
+            DEMAND_WEIGHT * rate + (1.0 - DEMAND_WEIGHT) * nk.demand
+        };
+        nk.last_report_at = now;
+    }
+
+    /// Takes a node's new counts off its reservation and books what it
+    /// admitted beyond grants and charges as debt.
+    pub fn settle(&mut self, node: &str, delta: Counts, intake: &Intake, cfg: &AllocConfig) {
+        let Some(nk) = self.nodes.get_mut(node) else {
+            return;
+        };
+        self.stats.consumed += delta.consumed;
+        self.stats.unleased += delta.unleased;
+        self.stats.demand += delta.demand;
+        let covered = delta.unleased.min(nk.assumed);
+        nk.assumed -= covered;
+        let mut debt = delta.unleased - covered;
+        let on_leases = delta.consumed.saturating_sub(delta.unleased);
+        let mut reclaim = 0;
+        let excess;
+        if intake.acked_last && nk.lease_seq == intake.prev_seq && !nk.collapsed {
+            // It applied that lease, which replaced every older one.
+            nk.collapsed = true;
+            nk.share_acked = nk.share_sent;
+            nk.share_unacked = 0;
+            let after = nk.reserve.saturating_sub(on_leases);
+            let bound = nk.lease_tokens.saturating_sub(on_leases);
+            excess = on_leases.saturating_sub(nk.reserve.max(nk.lease_tokens));
+            reclaim += after.saturating_sub(bound);
+            nk.reserve = bound.min(after);
+            // On a lease since then: every local admission is reported.
+            self.stats.written_off += nk.assumed;
+            nk.assumed = 0;
+        } else {
+            excess = on_leases.saturating_sub(nk.reserve);
+            nk.reserve = nk.reserve.saturating_sub(on_leases);
+        }
+        // Sent after our answer from after its leases died: nothing more
+        // can come from them.
+        let dead_at = nk.granted_at.saturating_add(cfg.lease_life_ns());
+        if intake.acked_last && intake.prev_heard_at.is_some_and(|h| h >= dead_at) {
+            reclaim += nk.reserve;
+            nk.reserve = 0;
+        }
+        let from_written_off = excess.min(nk.written_off);
+        nk.written_off -= from_written_off;
+        debt += excess - from_written_off;
+        let region = nk.region.clone();
+        self.bucket = self.bucket.saturating_add(reclaim);
+        self.stats.reclaimed += reclaim;
+        if debt > 0 {
+            self.stats.debt_booked += debt;
+            let now_repaid = debt.min(self.bucket);
+            self.bucket -= now_repaid;
+            self.stats.repaid += now_repaid;
+            let rv = self.regions.entry(region).or_default();
+            rv.repaid_total += now_repaid;
+            rv.debt = rv.debt.saturating_add(debt - now_repaid);
+        }
+    }
+
+    fn book_debt_raw(&mut self, region: &str, amount: u64) {
+        if amount > 0 {
+            self.stats.debt_booked += amount;
+            let rv = self.regions.entry(region.to_owned()).or_default();
+            rv.debt = rv.debt.saturating_add(amount);
+        }
+    }
+
+    /// The node's new lease: topped up toward its level from the bucket.
+    pub fn grant(
+        &mut self,
+        id: &KeyId,
+        node: &str,
+        seq: u64,
+        nodes_hint: u64,
+        now: u64,
+        cfg: &AllocConfig,
+    ) -> Lease {
+        let flow = self.flow;
+        let others: u64 = self
+            .nodes
+            .iter()
+            .filter(|(n, _)| n.as_str() != node)
+            .map(|(_, nk)| nk.share_bound(now, cfg))
+            .sum();
+        let Some(nk) = self.nodes.get_mut(node) else {
+            return Lease {
+                key: id.0.clone(),
+                limit: id.1.clone(),
+                tokens: 0,
+                share: 0,
+                ttl_ms: 0,
+            };
+        };
+        let (share, level) = match nk.share {
+            Some(share) => (share, nk.level),
+            None => {
+                // Not allocated yet this interval: its reported demand,
+                // within an equal split, until the next allocation.
+                let demand = nk.demand.ceil() as u64;
+                let share = demand.min(flow / nodes_hint.max(1)).max(cfg.node_floor);
+                (share, share.saturating_mul(cfg.lease_factor_pct).div_ceil(100))
+            }
+        };
+        let before = nk.reserve;
+        let tokens = if level > before {
+            let draw = (level - before).min(self.bucket);
+            self.bucket -= draw;
+            self.stats.granted += draw;
+            before + draw
+        } else {
+            level
+        };
+        nk.reserve = before.max(tokens);
+        let share = share.min(flow.saturating_sub(others));
+        nk.share_sent = share;
+        nk.share_unacked = nk.share_unacked.max(share);
+        nk.lease_tokens = tokens;
+        nk.lease_seq = seq;
+        nk.collapsed = false;
+        nk.granted_at = now;
+        nk.charged_until = now;
+        nk.charge_carry = 0;
+        Lease {
+            key: id.0.clone(),
+            limit: id.1.clone(),
+            tokens,
+            share,
+            ttl_ms: cfg.lease_ttl_ns / NANOS_PER_MS,
+        }
+    }
+
+    pub fn view(&self) -> KeyView {
+        KeyView {
+            bucket: self.bucket,
+            reserved: self.reserved(),
+            flow: self.flow,
+            stats: self.stats,
+            regions: self.regions.clone(),
+            shares: self
+                .nodes
+                .iter()
+                .map(|(id, nk)| (id.clone(), nk.share.unwrap_or(0)))
+                .collect(),
+        }
+    }
+}

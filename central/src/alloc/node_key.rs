@@ -1,0 +1,84 @@
+//! What the service keeps per (key, limit) and node: its reservation,
+//! lease, share and demand. See the `alloc` module header for the rules.
+
+use super::AllocConfig;
+
+#[derive(Debug, Clone)]
+pub(super) struct NodeKey {
+    pub(super) region: String,
+    /// `R`: what the node may still admit on leases since its last applied
+    /// report was sent.
+    pub(super) reserve: u64,
+    pub(super) lease_tokens: u64,
+    pub(super) lease_seq: u64,
+    /// The reservation already fell to `lease_tokens − consumed`.
+    pub(super) collapsed: bool,
+    pub(super) granted_at: u64,
+    /// This interval's allocation (`None`: not allocated yet).
+    pub(super) share: Option<u64>,
+    /// Left out of this interval's allocation as silent (its share kept).
+    pub(super) kept_local: bool,
+    pub(super) level: u64,
+    pub(super) share_sent: u64,
+    /// The share the node acknowledged, and the largest sent since.
+    pub(super) share_acked: u64,
+    pub(super) share_unacked: u64,
+    /// Demand, units per interval (moving average).
+    pub(super) demand: f64,
+    pub(super) last_report_at: u64,
+    /// Charged for its local limit, not yet matched by reported `unleased`.
+    pub(super) assumed: u64,
+    pub(super) charged_until: u64,
+    pub(super) charge_carry: u128,
+    /// Reservation written off; later lease consumption is taken from it.
+    pub(super) written_off: u64,
+}
+
+impl NodeKey {
+    pub(super) fn new(region: &str, now: u64) -> NodeKey {
+        NodeKey {
+            region: region.to_owned(),
+            reserve: 0,
+            lease_tokens: 0,
+            lease_seq: 0,
+            collapsed: true,
+            granted_at: now,
+            share: None,
+            kept_local: false,
+            level: 0,
+            share_sent: 0,
+            share_acked: 0,
+            share_unacked: 0,
+            demand: 0.0,
+            last_report_at: now,
+            assumed: 0,
+            charged_until: now,
+            charge_carry: 0,
+            written_off: 0,
+        }
+    }
+
+    pub(super) fn local_until(&self, cfg: &AllocConfig) -> u64 {
+        self.granted_at
+            .saturating_add(cfg.lease_life_ns())
+            .saturating_add(cfg.local_max_ns)
+    }
+
+    /// The share the node may hold for `fail_open_local` (0 once its local
+    /// limit has run out).
+    pub(super) fn share_bound(&self, now: u64, cfg: &AllocConfig) -> u64 {
+        if now >= self.local_until(cfg) {
+            0
+        } else {
+            self.share_acked.max(self.share_unacked)
+        }
+    }
+
+    /// Not heard from since its last grant, and past the earliest instant
+    /// that lease can have expired: it may be on its local limit.
+    pub(super) fn silent(&self, heard_at: impl FnOnce() -> Option<u64>, now: u64, cfg: &AllocConfig) -> bool {
+        self.lease_seq != 0
+            && now >= self.granted_at.saturating_add(cfg.lease_ttl_ns)
+            && heard_at().is_none_or(|h| h <= self.granted_at)
+    }
+}

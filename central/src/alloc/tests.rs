@@ -1,0 +1,355 @@
+//! Allocation, leases, debt and expiry on explicit time.
+
+use super::*;
+use tenantgate::sync::Report;
+
+const MS: u64 = 1_000_000;
+const S: u64 = 1_000 * MS;
+/// Service clock start, on an interval boundary.
+const T0: u64 = 1_796_000_000 * S;
+
+/// 1,000 per 10 s (100 per 1 s interval), burst 200.
+fn cfg(mode: FailureMode) -> AllocConfig {
+    AllocConfig {
+        policy_version: "v1".into(),
+        limits: BTreeMap::from([(
+            "l".to_owned(),
+            GlobalLimit {
+                limit: 1_000,
+                window_ns: 10 * S,
+                burst: 200,
+            },
+        )]),
+        interval_ns: S,
+        lease_ttl_ns: 3 * S,
+        response_timeout_ns: 500 * MS,
+        lease_factor_pct: 150,
+        node_floor: 1,
+        region_floor: 5,
+        borrow_ceiling_pct: 50,
+        repay_pct: 50,
+        settle_ns: 2 * S,
+        local_max_ns: 30 * S,
+        failure_mode: mode,
+    }
+}
+
+fn alloc() -> Allocator {
+    Allocator::new(cfg(FailureMode::FailOpenLocal)).unwrap()
+}
+
+struct Req {
+    node: &'static str,
+    region: &'static str,
+    seq: u64,
+    acked: u64,
+    consumed: u64,
+    unleased: u64,
+    demand: u64,
+}
+
+impl Req {
+    fn new(node: &'static str, region: &'static str, seq: u64, acked: u64) -> Req {
+        Req {
+            node,
+            region,
+            seq,
+            acked,
+            consumed: 0,
+            unleased: 0,
+            demand: 0,
+        }
+    }
+    fn counts(mut self, consumed: u64, unleased: u64, demand: u64) -> Req {
+        (self.consumed, self.unleased, self.demand) = (consumed, unleased, demand);
+        self
+    }
+    fn build(&self) -> SyncRequest {
+        SyncRequest {
+            version: PROTOCOL_VERSION,
+            node_id: self.node.into(),
+            region: self.region.into(),
+            policy_version: "v1".into(),
+            seq: self.seq,
+            acked_seq: self.acked,
+            reports: vec![Report {
+                key: "k".into(),
+                limit: "l".into(),
+                consumed: self.consumed,
+                unleased: self.unleased,
+                demand: self.demand,
+            }],
+        }
+    }
+}
+
+/// Sends `r` at `now`; returns the lease (tokens, share).
+fn send(a: &mut Allocator, r: Req, now: u64) -> (u64, u64) {
+    let resp = a.handle(&r.build(), now).unwrap();
+    assert_eq!(resp.ack_seq, r.seq);
+    let l = &resp.leases[0];
+    assert_eq!(l.ttl_ms, 3_000);
+    (l.tokens, l.share)
+}
+
+fn view(a: &Allocator) -> KeyView {
+    a.view("k", "l").unwrap()
+}
+
+fn assert_invariant(a: &Allocator) {
+    let v = view(a);
+    assert!(
+        v.bucket + v.reserved <= 200,
+        "bucket {} + reserved {} > burst",
+        v.bucket,
+        v.reserved
+    );
+}
+
+#[test]
+fn a_new_key_is_leased_from_a_full_bucket_and_provisional_use_is_charged() {
+    let mut a = alloc();
+    let (tokens, share) = send(&mut a, Req::new("a", "eu", 1, 0).counts(2, 2, 5), T0);
+    // Not allocated yet: its reported demand (5 per interval), topped up to
+    // 1.5 intervals, out of the bucket left after the provisional 2.
+    assert_eq!((tokens, share), (8, 5));
+    let v = view(&a);
+    assert_eq!((v.bucket, v.reserved), (190, 8));
+    assert_eq!((v.stats.debt_booked, v.stats.repaid), (2, 2));
+    assert_invariant(&a);
+}
+
+#[test]
+fn leases_together_never_hold_more_than_the_burst() {
+    let mut a = alloc();
+    let mut total = 0;
+    for (i, node) in ["a", "b", "c", "d", "e"].into_iter().enumerate() {
+        total += send(
+            &mut a,
+            Req::new(node, "eu", 1, 0).counts(0, 0, 50),
+            T0 + i as u64 * MS,
+        )
+        .0;
+        assert_invariant(&a);
+    }
+    assert_eq!(total, 200);
+}
+
+#[test]
+fn the_flow_is_split_max_min_fair_across_regions_with_floors_and_a_ceiling() {
+    let mut a = alloc();
+    // Interval 0: everyone reports once (demand per interval: 90, 10, 0).
+    send(&mut a, Req::new("a", "eu", 1, 0).counts(0, 0, 90), T0);
+    send(&mut a, Req::new("b", "us", 1, 0).counts(0, 0, 10), T0 + MS);
+    send(&mut a, Req::new("c", "ap", 1, 0), T0 + 2 * MS);
+    a.tick(T0 + S);
+    let v = view(&a);
+    // ap (idle) gets its floor of 5, us its demand of 10; eu, wanting 90,
+    // is capped at an equal share (33) plus the ceiling (50% of 100). The
+    // 2 left are headroom for the others.
+    assert_eq!(v.regions["ap"].allocated, 6);
+    assert_eq!(v.regions["us"].allocated, 11);
+    assert_eq!(v.regions["eu"].allocated, 83);
+    assert_eq!(v.regions["eu"].fair, 33);
+    assert_eq!(v.regions["eu"].borrowed_total, 50);
+    assert_eq!(v.shares["a"] + v.shares["b"] + v.shares["c"], 100);
+}
+
+#[test]
+fn an_acknowledged_lease_collapses_the_reservation_and_a_lost_one_does_not() {
+    let mut a = alloc();
+    assert_eq!(
+        send(&mut a, Req::new("a", "eu", 1, 0).counts(0, 0, 100), T0).0,
+        150
+    );
+    // b gets what the bucket has left: the leases hold the whole burst.
+    assert_eq!(
+        send(&mut a, Req::new("b", "eu", 1, 0).counts(0, 0, 100), T0 + MS).0,
+        50
+    );
+    // Next interval a's share halves. Our answer to 1 was lost, so a may
+    // still hold 150: the reservation stays the larger, nothing comes back.
+    // (Its counts run from its last acknowledged report: 100 + 100.)
+    let (t2, _) = send(&mut a, Req::new("a", "eu", 2, 0).counts(0, 0, 200), T0 + S);
+    assert_eq!(t2, 75);
+    let v = view(&a);
+    assert_eq!((v.reserved, v.stats.reclaimed), (200, 0));
+    // a applied our answer to 2, which replaced its lease of 150: after 10
+    // more units it holds at most 65; the other 75 are reclaimed, and 10 of
+    // them top it up to 75 again.
+    assert_eq!(
+        send(&mut a, Req::new("a", "eu", 3, 2).counts(10, 0, 100), T0 + 2 * S).0,
+        75
+    );
+    let v = view(&a);
+    assert_eq!((v.reserved, v.stats.reclaimed, v.bucket), (125, 75, 65));
+    assert_invariant(&a);
+}
+
+#[test]
+fn a_silent_nodes_reservation_is_written_off_and_absorbs_its_late_report() {
+    let mut a = Allocator::new(cfg(FailureMode::FailClosed)).unwrap();
+    let (tokens, _) = send(&mut a, Req::new("a", "eu", 1, 0).counts(0, 0, 50), T0);
+    assert_eq!(view(&a).reserved, tokens);
+    // Lease dead at +3.5 s; written off 2 s later.
+    a.tick(T0 + 5 * S + 499 * MS);
+    assert_eq!(view(&a).reserved, tokens);
+    a.tick(T0 + 5 * S + 500 * MS);
+    let v = view(&a);
+    assert_eq!((v.reserved, v.stats.written_off), (0, tokens));
+    // Its late report of lease consumption is no debt.
+    send(
+        &mut a,
+        Req::new("a", "eu", 2, 0).counts(tokens, 0, tokens),
+        T0 + 9 * S,
+    );
+    assert_eq!(view(&a).stats.debt_booked, 0);
+}
+
+#[test]
+fn a_lease_proven_dead_is_reclaimed_at_once() {
+    let mut a = Allocator::new(cfg(FailureMode::FailClosed)).unwrap();
+    let (tokens, _) = send(&mut a, Req::new("a", "eu", 1, 0).counts(0, 0, 10), T0);
+    // The node goes idle on the key but keeps syncing (empty reports).
+    let empty = |seq, acked| SyncRequest {
+        reports: vec![],
+        ..Req::new("a", "eu", seq, acked).build()
+    };
+    a.handle(&empty(2, 1), T0 + S).unwrap();
+    assert!(view(&a).reserved <= tokens);
+    a.handle(&empty(3, 2), T0 + 2 * S).unwrap();
+    a.handle(&empty(4, 3), T0 + 3 * S).unwrap();
+    a.handle(&empty(5, 4), T0 + 4 * S).unwrap();
+    // Answered at +4 s, after the lease died (+3.5 s); acknowledged by 6.
+    a.handle(&empty(6, 5), T0 + 5 * S).unwrap();
+    let v = view(&a);
+    assert_eq!((v.reserved, v.stats.written_off), (0, 0));
+}
+
+#[test]
+fn debt_is_repaid_from_the_bucket_then_from_the_regions_own_allocation() {
+    let mut a = Allocator::new(cfg(FailureMode::FailOpen)).unwrap();
+    send(&mut a, Req::new("a", "eu", 1, 0).counts(0, 0, 100), T0);
+    send(&mut a, Req::new("b", "us", 1, 0).counts(0, 0, 100), T0 + MS);
+    // us admitted 500 with no lease (fail_open): far more than the bucket.
+    send(&mut a, Req::new("b", "us", 2, 1).counts(500, 500, 600), T0 + S);
+    let v = view(&a);
+    assert_eq!(v.stats.debt_booked, 500);
+    let debt = v.regions["us"].debt;
+    assert!(debt > 400, "the bucket repaid what it held: {debt} left");
+    assert_eq!(v.regions["eu"].debt, 0);
+    // Later intervals: us repays out of its own part; eu is untouched.
+    let mut seq = 2;
+    for i in 2..8u64 {
+        seq += 1;
+        send(
+            &mut a,
+            Req::new("a", "eu", seq, seq - 1).counts(50, 0, 100),
+            T0 + i * S,
+        );
+        send(
+            &mut a,
+            Req::new("b", "us", seq, seq - 1).counts(0, 0, 100),
+            T0 + i * S + MS,
+        );
+    }
+    let v = view(&a);
+    assert!(v.regions["us"].debt < debt);
+    assert!(v.regions["us"].repaid_total > 0);
+    assert_eq!(v.regions["eu"].repaid_total, 0);
+    assert!(v.regions["us"].allocated >= v.regions["eu"].allocated);
+    assert_invariant(&a);
+}
+
+#[test]
+fn a_silent_node_keeps_its_share_and_is_charged_for_it_as_time_passes() {
+    let mut a = alloc();
+    let mut b_share = 0;
+    for i in 0..4u64 {
+        let (seq, acked) = (i + 1, i);
+        send(
+            &mut a,
+            Req::new("a", "eu", seq, acked).counts(0, 0, 50),
+            T0 + i * S,
+        );
+        b_share = send(
+            &mut a,
+            Req::new("b", "us", seq, acked).counts(0, 0, 50),
+            T0 + i * S + MS,
+        )
+        .1;
+    }
+    // Two rounds for the first node's provisional share to be acknowledged
+    // away; then the two split the flow.
+    assert_eq!(b_share, 50);
+    // b goes silent (partitioned) after +3 s. a keeps syncing.
+    let mut seq = 4;
+    for i in 4..14u64 {
+        seq += 1;
+        let (_, a_share) = send(
+            &mut a,
+            Req::new("a", "eu", seq, seq - 1).counts(0, 0, 80),
+            T0 + i * S,
+        );
+        // Shares never sum above the flow, b's kept share included.
+        assert!(a_share + b_share <= 100, "{a_share} + {b_share}");
+    }
+    let v = view(&a);
+    // Charged from b's earliest expiry (+6 s) to +13 s at its share.
+    let expected = b_share * 7;
+    assert!(
+        v.stats.precharged.abs_diff(expected) <= b_share,
+        "{} vs {expected}",
+        v.stats.precharged
+    );
+    assert_eq!(v.shares["a"], 50);
+    // b comes back and reports what its local limit admitted: no debt.
+    send(
+        &mut a,
+        Req::new("b", "us", 5, 3).counts(b_share * 5, b_share * 5, 200),
+        T0 + 14 * S,
+    );
+    assert_eq!(view(&a).stats.debt_booked, 0);
+}
+
+#[test]
+fn stale_and_duplicate_requests_count_nothing() {
+    let mut a = alloc();
+    send(&mut a, Req::new("a", "eu", 5, 0).counts(3, 0, 3), T0);
+    let again = a.handle(&Req::new("a", "eu", 5, 0).counts(3, 0, 3).build(), T0 + MS);
+    assert_eq!(again, Err(AllocError::Stale { seq: 5 }));
+    assert_eq!(view(&a).stats.consumed, 3);
+    assert_eq!(a.stats().stale, 1);
+}
+
+#[test]
+fn the_bucket_and_reservations_stay_within_the_burst_under_random_traffic() {
+    let mut a = alloc();
+    let nodes = ["a", "b", "c", "d"];
+    let mut seq = [0u64; 4];
+    let mut acked = [0u64; 4];
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    for step in 0..2_000u64 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let i = (x % 4) as usize;
+        seq[i] += 1;
+        let consumed = x % 40;
+        let r = Req {
+            node: nodes[i],
+            region: if i < 2 { "eu" } else { "us" },
+            seq: seq[i],
+            acked: acked[i],
+            consumed,
+            unleased: consumed % 3,
+            demand: consumed + x % 20,
+        };
+        a.handle(&r.build(), T0 + step * 137 * MS).unwrap();
+        // One answer in five is lost.
+        if x % 5 != 0 {
+            acked[i] = seq[i];
+        }
+        assert_invariant(&a);
+    }
+}

@@ -1,0 +1,286 @@
+//! A deterministic simulator of allowance reconciliation.
+//!
+//! Virtual time advances in fixed ticks (10 ms by default); a seeded PRNG
+//! with one stream per purpose (network, traffic, clocks, sync phases)
+//! drives everything; there are no threads and no sleeps, so a run is a
+//! pure function of (scenario, topology, configuration, seed).
+//!
+//! It runs the **real** node code ([`tenantgate::sync::Node`]: every
+//! request is one `decide` call) and the **real** [`Allocator`], and the
+//! sync messages travel as the protocol's JSON with configurable latency
+//! and loss. Nodes sync every interval with 2% jitter from a random phase;
+//! a node whose report got no answer within the callout timeout sends the
+//! next one at once. Each node's clock is offset by up to `clock_skew_ns`
+//! either way (it must not change anything: only differences of a node's
+//! own clock are used). During a central outage every message to or from
+//! the service is lost and the service does not run; in a partition only
+//! region 1's messages are lost.
+//!
+//! Per run it reports (see [`Outcome`]) the most admitted in any window,
+//! the overrun against `L + B`, utilisation against `min(demand, limit)`,
+//! the time to converge after each change, and THE BOUND's value beside
+//! the measured overrun.
+//!
+//! [`Allocator`]: crate::alloc::Allocator
+
+mod metrics;
+mod rng;
+pub mod scenario;
+mod svg;
+mod world;
+
+use serde::Serialize;
+use tenantgate::sync::FailureMode;
+
+use crate::alloc::KeyView;
+use crate::bound::{bound, Bound, BoundInputs, FORMULA};
+use crate::error::ConfigError;
+pub use scenario::Scenario;
+pub use world::ByKind;
+
+/// The key and limit every scenario drives.
+pub const KEY: &str = "tenant-a|orders";
+pub const LIMIT: &str = "per-10s";
+
+const NANOS_PER_SEC: u64 = 1_000_000_000;
+
+/// Regions × nodes per region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Topology {
+    pub regions: usize,
+    pub nodes_per_region: usize,
+}
+
+impl Topology {
+    /// 3 regions × 3 nodes.
+    pub const SMALL: Topology = Topology {
+        regions: 3,
+        nodes_per_region: 3,
+    };
+    /// 10 regions × 10 nodes.
+    pub const LARGE: Topology = Topology {
+        regions: 10,
+        nodes_per_region: 10,
+    };
+
+    pub fn name(&self) -> String {
+        format!("{}x{}", self.regions, self.nodes_per_region)
+    }
+
+    pub fn nodes(&self) -> u64 {
+        (self.regions * self.nodes_per_region) as u64
+    }
+}
+
+/// The limit, the sync settings and the run's length (times in ns).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimConfig {
+    /// `L` units per `window_ns`, burst `B`.
+    pub limit: u64,
+    pub window_ns: u64,
+    pub burst: u64,
+    pub interval_ns: u64,
+    pub lease_ttl_ns: u64,
+    pub response_timeout_ns: u64,
+    pub provisional: u64,
+    pub lease_factor_pct: u64,
+    pub node_floor: u64,
+    pub region_floor: u64,
+    pub borrow_ceiling_pct: u64,
+    pub repay_pct: u64,
+    pub settle_ns: u64,
+    pub local_max_ns: u64,
+    pub duration_ns: u64,
+    pub tick_ns: u64,
+    /// Node clocks are offset uniformly within ± this.
+    pub clock_skew_ns: u64,
+}
+
+impl Default for SimConfig {
+    fn default() -> SimConfig {
+        SimConfig {
+            limit: 10_000,
+            window_ns: 10 * NANOS_PER_SEC,
+            burst: 2_000,
+            interval_ns: NANOS_PER_SEC,
+            lease_ttl_ns: 3 * NANOS_PER_SEC,
+            response_timeout_ns: NANOS_PER_SEC / 2,
+            provisional: 2,
+            lease_factor_pct: 150,
+            node_floor: 1,
+            region_floor: 5,
+            borrow_ceiling_pct: 80,
+            repay_pct: 50,
+            settle_ns: 5 * NANOS_PER_SEC,
+            local_max_ns: 300 * NANOS_PER_SEC,
+            duration_ns: 120 * NANOS_PER_SEC,
+            tick_ns: 10_000_000,
+            clock_skew_ns: 2 * NANOS_PER_SEC,
+        }
+    }
+}
+
+/// The bound beside the measurement.
+#[derive(Debug, Clone, Serialize)]
+pub struct BoundReport {
+    pub formula: &'static str,
+    #[serde(flatten)]
+    pub terms: Bound,
+    /// `L + B + extra`: the most a window may admit.
+    pub max_window: u64,
+    /// Units allowed beyond `L + B`.
+    pub extra: u64,
+}
+
+/// One scenario's result: one JSON object.
+#[derive(Debug, Clone, Serialize)]
+pub struct Outcome {
+    pub scenario: &'static str,
+    pub topology: String,
+    pub nodes: u64,
+    pub seed: u64,
+    pub failure_mode: FailureMode,
+    /// `L`, per window of `window_s`, burst `B`.
+    pub limit: u64,
+    pub window_s: f64,
+    pub burst: u64,
+    pub outage_s: f64,
+    pub loss_pct: f64,
+    pub clock_skew_s: f64,
+    /// The most admitted in any window of `window_s` (10 ms resolution).
+    pub max_admitted_in_window: u64,
+    /// `max_admitted_in_window − (L + B)`: negative is headroom.
+    pub measured_extra: i64,
+    /// `measured_extra ÷ (L + B)`, %.
+    pub overrun_pct: f64,
+    pub bound: BoundReport,
+    pub within_bound: bool,
+    /// Admitted ÷ Σ per second of min(demand, limit), %.
+    pub utilisation_pct: f64,
+    /// Seconds from the worst change (start, shift, flash, outage or
+    /// partition end) until admissions (3 s average) stay within 5% of
+    /// min(demand, limit) for 5 s; `null` if that never happened.
+    pub converge_s: Option<f64>,
+    pub first_requests: u64,
+    pub first_requests_denied: u64,
+    pub admitted: u64,
+    pub demand: u64,
+    pub admitted_by: ByKind,
+    pub messages_sent: u64,
+    pub messages_lost: u64,
+    pub service: Option<KeyView>,
+}
+
+/// A finished run: its outcome and per-second series.
+#[derive(Debug, Clone)]
+pub struct Run {
+    pub outcome: Outcome,
+    pub admitted_per_s: Vec<u64>,
+    pub demand_per_s: Vec<u64>,
+    pub rate_per_s: f64,
+}
+
+impl Run {
+    /// An SVG chart of admitted vs demand vs the limit over time.
+    pub fn svg(&self) -> String {
+        let o = &self.outcome;
+        let title = format!(
+            "{} {}: max {} in any {} s window (L+B = {}, bound {})",
+            o.scenario,
+            o.topology,
+            o.max_admitted_in_window,
+            o.window_s,
+            o.limit + o.burst,
+            o.bound.max_window
+        );
+        svg::chart(&title, &self.admitted_per_s, &self.demand_per_s, self.rate_per_s)
+    }
+}
+
+/// Every scenario.
+pub fn scenarios() -> Vec<Scenario> {
+    scenario::all()
+}
+
+/// Runs one scenario.
+pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Result<Run, ConfigError> {
+    if cfg.window_ns % cfg.tick_ns.max(1) != 0 || NANOS_PER_SEC % cfg.tick_ns.max(1) != 0 {
+        return Err(ConfigError::new(
+            "tick_ns",
+            "must divide the window and one second",
+        ));
+    }
+    let trace = world::simulate(spec, topo, cfg, seed)?;
+    let secs = |ns: u64| ns as f64 / NANOS_PER_SEC as f64;
+    let rate_per_s = cfg.limit as f64 / secs(cfg.window_ns);
+    let ticks_per_s = (NANOS_PER_SEC / cfg.tick_ns) as usize;
+    let max = metrics::max_window(&trace.admitted, (cfg.window_ns / cfg.tick_ns) as usize);
+    let admitted_per_s = metrics::group(&trace.admitted, ticks_per_s);
+    let demand_per_s = metrics::group(&trace.demand, ticks_per_s);
+    let outage_ns = (spec.outage_len_s() * NANOS_PER_SEC as f64) as u64;
+    let terms = bound(&BoundInputs {
+        limit: cfg.limit,
+        window_ns: cfg.window_ns,
+        burst: cfg.burst,
+        interval_ns: cfg.interval_ns,
+        response_timeout_ns: cfg.response_timeout_ns,
+        provisional: cfg.provisional,
+        starts_per_node: trace.max_starts.max(1),
+        nodes: topo.nodes(),
+        outage_ns,
+        failure_mode: spec.failure_mode,
+        demand_per_window: (spec.peak_level() * cfg.limit as f64).ceil() as u64,
+    });
+    let allowed = cfg.limit + cfg.burst;
+    let measured_extra = max as i64 - allowed as i64;
+    let outcome = Outcome {
+        scenario: spec.name,
+        topology: topo.name(),
+        nodes: topo.nodes(),
+        seed,
+        failure_mode: spec.failure_mode,
+        limit: cfg.limit,
+        window_s: secs(cfg.window_ns),
+        burst: cfg.burst,
+        outage_s: spec.outage_len_s(),
+        loss_pct: spec.loss * 100.0,
+        clock_skew_s: secs(cfg.clock_skew_ns),
+        max_admitted_in_window: max,
+        measured_extra,
+        overrun_pct: round2(100.0 * measured_extra as f64 / allowed as f64),
+        bound: BoundReport {
+            formula: FORMULA,
+            terms,
+            max_window: terms.max_window(),
+            extra: terms.extra(),
+        },
+        within_bound: max <= terms.max_window(),
+        utilisation_pct: round2(metrics::utilisation(&admitted_per_s, &demand_per_s, rate_per_s)),
+        converge_s: metrics::converge(
+            &admitted_per_s,
+            &demand_per_s,
+            rate_per_s,
+            &spec.changes(secs(cfg.duration_ns)),
+            0.05,
+            (3, 5),
+        ),
+        first_requests: trace.first_requests,
+        first_requests_denied: trace.first_denied,
+        admitted: trace.admitted.iter().sum(),
+        demand: trace.demand.iter().sum(),
+        admitted_by: trace.by_kind,
+        messages_sent: trace.messages_sent,
+        messages_lost: trace.messages_lost,
+        service: trace.service,
+    };
+    Ok(Run {
+        outcome,
+        admitted_per_s,
+        demand_per_s,
+        rate_per_s,
+    })
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}

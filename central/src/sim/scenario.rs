@@ -1,0 +1,230 @@
+//! The traffic shapes and faults the simulator runs.
+
+use tenantgate::sync::FailureMode;
+
+/// How a tenant's demand is spread over regions and time.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Shape {
+    /// `level` × the global rate, evenly over every node.
+    Uniform { level: f64 },
+    /// `level` × the rate; `hot_pct` % of it in region 0, the rest evenly
+    /// over the other regions.
+    Skewed { level: f64, hot_pct: f64 },
+    /// Like `Skewed`, but the hot region moves to the next one every
+    /// `every_s` seconds.
+    Shifting { level: f64, hot_pct: f64, every_s: f64 },
+    /// Nothing until `at_s`, then `level` × the rate evenly (a key no node
+    /// has seen before).
+    Flash { at_s: f64, level: f64 },
+}
+
+/// One scenario: a shape, a network and faults.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scenario {
+    pub name: &'static str,
+    pub about: &'static str,
+    pub shape: Shape,
+    pub failure_mode: FailureMode,
+    /// The central cluster unreachable during `[from, to)` seconds.
+    pub outage_s: Option<(f64, f64)>,
+    /// Region 1 cut off from the central cluster during `[from, to)`.
+    pub partition_s: Option<(f64, f64)>,
+    /// Per message (request or response).
+    pub loss: f64,
+    pub latency_ms: (u64, u64),
+}
+
+const BASE_LOSS: f64 = 0.01;
+const BASE_LATENCY_MS: (u64, u64) = (10, 80);
+const OUTAGE: (f64, f64) = (40.0, 70.0);
+
+fn base(name: &'static str, about: &'static str, shape: Shape) -> Scenario {
+    Scenario {
+        name,
+        about,
+        shape,
+        failure_mode: FailureMode::FailOpenLocal,
+        outage_s: None,
+        partition_s: None,
+        loss: BASE_LOSS,
+        latency_ms: BASE_LATENCY_MS,
+    }
+}
+
+/// Every scenario, in table order.
+pub fn all() -> Vec<Scenario> {
+    let over = Shape::Uniform { level: 1.5 };
+    let outage = |name, about, mode| Scenario {
+        failure_mode: mode,
+        outage_s: Some(OUTAGE),
+        ..base(name, about, over)
+    };
+    vec![
+        base("uniform", "1.5x the limit, even over all nodes", over),
+        base(
+            "skewed",
+            "1.5x the limit, 80% of it in one region",
+            Shape::Skewed {
+                level: 1.5,
+                hot_pct: 80.0,
+            },
+        ),
+        base(
+            "shifting",
+            "1.5x the limit, 80% in one region, moving to the next every 20 s",
+            Shape::Shifting {
+                level: 1.5,
+                hot_pct: 80.0,
+                every_s: 20.0,
+            },
+        ),
+        base(
+            "flash_crowd",
+            "a new key: nothing, then 4x the limit at once on every node at 20 s",
+            Shape::Flash {
+                at_s: 20.0,
+                level: 4.0,
+            },
+        ),
+        base(
+            "under_limit",
+            "0.6x the limit, even",
+            Shape::Uniform { level: 0.6 },
+        ),
+        Scenario {
+            loss: 0.2,
+            latency_ms: (20, 300),
+            ..base("lossy", "uniform, 20% of messages lost, 20-300 ms latency", over)
+        },
+        outage(
+            "outage",
+            "uniform; central cluster down 40-70 s (T = 30 s); fail_open_local",
+            FailureMode::FailOpenLocal,
+        ),
+        outage(
+            "outage_fail_closed",
+            "the same outage with fail_closed",
+            FailureMode::FailClosed,
+        ),
+        outage(
+            "outage_fail_open",
+            "the same outage with fail_open",
+            FailureMode::FailOpen,
+        ),
+        Scenario {
+            partition_s: Some(OUTAGE),
+            ..base(
+                "partition",
+                "uniform; region 1 cut off from the central cluster 40-70 s",
+                over,
+            )
+        },
+    ]
+}
+
+/// The scenario called `name`.
+pub fn named(name: &str) -> Option<Scenario> {
+    all().into_iter().find(|s| s.name == name)
+}
+
+impl Scenario {
+    /// Demand of one region at `t_s`, as a multiple of the global rate.
+    pub fn region_level(&self, region: usize, regions: usize, t_s: f64) -> f64 {
+        let share_hot = |level: f64, hot_pct: f64, hot: usize| {
+            if regions == 1 {
+                level
+            } else if region == hot {
+                level * hot_pct / 100.0
+            } else {
+                level * (100.0 - hot_pct) / 100.0 / (regions - 1) as f64
+            }
+        };
+        match self.shape {
+            Shape::Uniform { level } => level / regions as f64,
+            Shape::Skewed { level, hot_pct } => share_hot(level, hot_pct, 0),
+            Shape::Shifting {
+                level,
+                hot_pct,
+                every_s,
+            } => share_hot(level, hot_pct, (t_s / every_s) as usize % regions),
+            Shape::Flash { at_s, level } => {
+                if t_s < at_s {
+                    0.0
+                } else {
+                    level / regions as f64
+                }
+            }
+        }
+    }
+
+    /// Instants (seconds) after which demand or connectivity changes: where
+    /// convergence is measured from.
+    pub fn changes(&self, duration_s: f64) -> Vec<f64> {
+        let mut at = vec![0.0];
+        match self.shape {
+            Shape::Shifting { every_s, .. } => {
+                let mut t = every_s;
+                while t < duration_s {
+                    at.push(t);
+                    t += every_s;
+                }
+            }
+            Shape::Flash { at_s, .. } => at = vec![at_s],
+            _ => {}
+        }
+        for (_, to) in self.outage_s.iter().chain(&self.partition_s) {
+            at.push(*to);
+        }
+        at
+    }
+
+    /// Peak aggregate demand, as a multiple of the global rate.
+    pub fn peak_level(&self) -> f64 {
+        match self.shape {
+            Shape::Uniform { level }
+            | Shape::Skewed { level, .. }
+            | Shape::Shifting { level, .. }
+            | Shape::Flash { level, .. } => level,
+        }
+    }
+
+    /// The central outage's length `T`, seconds (0: none).
+    pub fn outage_len_s(&self) -> f64 {
+        self.outage_s.map_or(0.0, |(from, to)| to - from)
+    }
+
+    /// Whether `region` can reach the central cluster at `t_s`.
+    pub fn link_up(&self, region: usize, t_s: f64) -> bool {
+        let within = |w: Option<(f64, f64)>| w.is_some_and(|(from, to)| t_s >= from && t_s < to);
+        !(within(self.outage_s) || (region == 1 && within(self.partition_s)))
+    }
+
+    /// Whether the central cluster runs at `t_s`.
+    pub fn service_up(&self, t_s: f64) -> bool {
+        !self.outage_s.is_some_and(|(from, to)| t_s >= from && t_s < to)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn region_levels_add_up_to_the_shapes_level() {
+        for s in all() {
+            for regions in [1, 3, 10] {
+                let total: f64 = (0..regions).map(|r| s.region_level(r, regions, 50.0)).sum();
+                assert!((total - s.peak_level()).abs() < 1e-9, "{} {regions}", s.name);
+            }
+        }
+    }
+
+    #[test]
+    fn names_are_unique_and_found() {
+        let all = all();
+        for s in &all {
+            assert_eq!(named(s.name).as_ref(), Some(s));
+        }
+        assert_eq!(all.len(), 10);
+    }
+}

@@ -1,0 +1,162 @@
+//! The simulator's targets: the real node code and the real allocator,
+//! 3 regions × 3 nodes and 10 regions × 10 nodes, every scenario.
+//!
+//! Every run is computed once (virtual time: the whole table takes a few
+//! seconds, unoptimized) and shared by the tests below, which print what
+//! they check (`-- --nocapture`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a test crate
+
+use std::sync::OnceLock;
+
+use tenantgate::sync::FailureMode;
+use tenantgate_central::sim::{self, Outcome, Run, SimConfig, Topology};
+
+const SEED: u64 = 1;
+
+fn runs() -> &'static [Run] {
+    static RUNS: OnceLock<Vec<Run>> = OnceLock::new();
+    RUNS.get_or_init(|| {
+        // Each run is single-threaded; two at a time use both cores.
+        let cfg = SimConfig::default();
+        let jobs: Vec<_> = [Topology::SMALL, Topology::LARGE]
+            .into_iter()
+            .flat_map(|topo| sim::scenarios().into_iter().map(move |spec| (topo, spec)))
+            .collect();
+        let run = |(topo, spec): &(Topology, sim::Scenario)| sim::run(spec, *topo, &cfg, SEED).unwrap();
+        let (odd, even): (Vec<_>, Vec<_>) = std::thread::scope(|s| {
+            let odd = s.spawn(|| jobs.iter().skip(1).step_by(2).map(run).collect::<Vec<_>>());
+            let even = jobs.iter().step_by(2).map(run).collect::<Vec<_>>();
+            (odd.join().unwrap(), even)
+        });
+        let mut runs = Vec::with_capacity(jobs.len());
+        let mut odd = odd.into_iter();
+        for r in even {
+            runs.push(r);
+            runs.extend(odd.next());
+        }
+        runs
+    })
+}
+
+fn outcomes(names: &[&str]) -> Vec<&'static Outcome> {
+    let all: Vec<_> = runs().iter().map(|r| &r.outcome).collect();
+    let picked: Vec<_> = all.into_iter().filter(|o| names.contains(&o.scenario)).collect();
+    assert_eq!(picked.len(), names.len() * 2, "each scenario on both topologies");
+    picked
+}
+
+fn line(o: &Outcome) -> String {
+    format!(
+        "{:<6} {:<19} max/window {:>6} (L+B {:>6}, bound {:>6}; extra measured {:>6}, formula {:>6}) utilisation {:>6.2}% converge {:?}",
+        o.topology,
+        o.scenario,
+        o.max_admitted_in_window,
+        o.limit + o.burst,
+        o.bound.max_window,
+        o.measured_extra,
+        o.bound.extra,
+        o.utilisation_pct,
+        o.converge_s
+    )
+}
+
+#[test]
+fn steady_and_shifting_demand_stay_within_one_percent_and_use_the_limit() {
+    for o in outcomes(&["uniform", "skewed", "shifting"]) {
+        eprintln!("{}", line(o));
+        let allowed = o.limit as f64 * 1.01 + o.burst as f64;
+        assert!(o.max_admitted_in_window as f64 <= allowed, "{}", line(o));
+        assert!(o.utilisation_pct >= 95.0, "{}", line(o));
+    }
+}
+
+#[test]
+fn every_scenario_stays_within_its_bound() {
+    for r in runs() {
+        let o = &r.outcome;
+        eprintln!("{}", line(o));
+        assert!(o.within_bound, "{}", line(o));
+        assert!(o.max_admitted_in_window <= o.bound.max_window);
+    }
+}
+
+#[test]
+fn a_central_outage_overruns_at_most_the_formula() {
+    for o in outcomes(&["outage", "outage_fail_closed", "outage_fail_open"]) {
+        eprintln!("{}", line(o));
+        assert_eq!(o.outage_s, 30.0);
+        assert!(o.measured_extra <= o.bound.extra as i64, "{}", line(o));
+        match o.failure_mode {
+            // Nothing beyond leases and provisional allowances.
+            FailureMode::FailClosed => {
+                assert_eq!(o.admitted_by.fail_open_local + o.admitted_by.fail_open, 0);
+                assert_eq!(o.bound.terms.outage, 0);
+            }
+            // Local limits carried on at about the limit's rate.
+            FailureMode::FailOpenLocal => {
+                assert!(o.admitted_by.fail_open_local > 0);
+                assert!(o.utilisation_pct >= 95.0, "{}", line(o));
+            }
+            // Everything was admitted, and the overrun is booked as debt.
+            FailureMode::FailOpen => {
+                let service = o.service.as_ref().unwrap();
+                assert!(service.stats.debt_booked >= o.admitted_by.fail_open);
+                assert!(service.stats.repaid > 0);
+            }
+        }
+    }
+}
+
+#[test]
+fn the_first_request_of_a_new_key_is_admitted_on_every_node() {
+    for r in runs() {
+        let o = &r.outcome;
+        assert_eq!(o.first_requests, o.nodes, "{}", line(o));
+        assert_eq!(o.first_requests_denied, 0, "{}", line(o));
+    }
+    // A key appearing mid-run, on 100 nodes at once.
+    let flash = outcomes(&["flash_crowd"]);
+    assert!(flash.iter().all(|o| o.admitted_by.provisional > 0));
+}
+
+#[test]
+fn a_partitioned_region_keeps_its_share_and_the_rest_stays_within_the_limit() {
+    for o in outcomes(&["partition"]) {
+        eprintln!("{}", line(o));
+        assert!(o.admitted_by.fail_open_local > 0);
+        assert!(o.max_admitted_in_window as f64 <= o.limit as f64 * 1.01 + o.burst as f64);
+        assert!(o.utilisation_pct >= 95.0, "{}", line(o));
+    }
+}
+
+#[test]
+fn node_clock_offsets_change_nothing() {
+    let spec = sim::scenario::named("outage").unwrap();
+    let skewed = SimConfig::default();
+    let exact = SimConfig {
+        clock_skew_ns: 0,
+        ..SimConfig::default()
+    };
+    let a = sim::run(&spec, Topology::SMALL, &skewed, 7).unwrap();
+    let b = sim::run(&spec, Topology::SMALL, &exact, 7).unwrap();
+    assert_eq!(a.admitted_per_s, b.admitted_per_s);
+    assert_eq!(a.outcome.max_admitted_in_window, b.outcome.max_admitted_in_window);
+    assert_eq!(a.outcome.bound.max_window, b.outcome.bound.max_window);
+}
+
+#[test]
+fn runs_are_deterministic_per_seed() {
+    let spec = sim::scenario::named("lossy").unwrap();
+    let cfg = SimConfig::default();
+    let json =
+        |seed| serde_json::to_string(&sim::run(&spec, Topology::SMALL, &cfg, seed).unwrap().outcome).unwrap();
+    assert_eq!(json(3), json(3));
+    assert_ne!(json(3), json(4));
+}
+
+#[test]
+fn the_chart_is_an_svg_of_the_run() {
+    let svg = runs()[0].svg();
+    assert!(svg.starts_with("<svg ") && svg.contains("uniform 3x3"));
+}

@@ -1,0 +1,17 @@
+//! Allowance reconciliation with the central cluster: the pure pieces a
+//! node needs (no proxy-wasm, no clock, no I/O).
+//!
+//! * [`protocol`]: the versioned JSON messages of the batched sync exchange.
+//! * [`node`]: the node-side allowance state machine per (key, limit):
+//!   leases, the provisional allowance, counts since the last acknowledged
+//!   report, and the failure modes.
+//!
+//! The allocator that answers these messages, the overrun bound and the
+//! simulator that measures it live in the `tenantgate-central` crate, which
+//! depends on this one (never the other way round).
+
+pub mod node;
+pub mod protocol;
+
+pub use node::{Admitted, ApplyError, Counts, Denied, FailureMode, Node, NodeConfig, NodeStats};
+pub use protocol::{Lease, ProtocolError, Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};

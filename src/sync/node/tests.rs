@@ -1,0 +1,239 @@
+use super::*;
+use crate::sync::protocol::Lease as WireLease;
+
+const MS: u64 = 1_000_000;
+const S: u64 = 1_000 * MS;
+/// An arbitrary, realistic wall-clock start (2026-11-30).
+const T0: u64 = 1_796_000_000 * S;
+
+fn config(mode: FailureMode) -> NodeConfig {
+    NodeConfig {
+        node_id: "n1".into(),
+        region: "r1".into(),
+        policy_version: "v1".into(),
+        provisional: 2,
+        failure_mode: mode,
+        response_timeout_ns: 500 * MS,
+        interval_ns: S,
+        max_ttl_ns: 10 * S,
+        local_max_ns: 60 * S,
+    }
+}
+
+fn node(mode: FailureMode) -> Node {
+    Node::new(config(mode), T0)
+}
+
+fn lease(tokens: u64, share: u64, ttl_ms: u64) -> WireLease {
+    WireLease {
+        key: "k".into(),
+        limit: "l".into(),
+        tokens,
+        share,
+        ttl_ms,
+    }
+}
+
+fn answer(req: &SyncRequest, leases: Vec<WireLease>) -> SyncResponse {
+    SyncResponse {
+        version: PROTOCOL_VERSION,
+        ack_seq: req.seq,
+        interval_ms: 1000,
+        leases,
+    }
+}
+
+fn admit_n(n: &mut Node, count: u64, now: u64) -> u64 {
+    (0..count).filter(|_| n.admit("k", "l", 1, now)).count() as u64
+}
+
+#[test]
+fn the_first_request_of_a_new_key_is_admitted_at_once_then_it_awaits_its_lease() {
+    let mut n = node(FailureMode::FailClosed);
+    assert_eq!(n.decide("k", "l", 1, T0), Ok(Admitted::Provisional));
+    assert_eq!(n.decide("k", "l", 1, T0), Ok(Admitted::Provisional));
+    assert_eq!(n.decide("k", "l", 1, T0), Err(Denied::AwaitingLease));
+    assert_eq!(
+        n.pending("k", "l"),
+        Counts {
+            consumed: 2,
+            unleased: 2,
+            demand: 3
+        }
+    );
+}
+
+#[test]
+fn a_report_carries_counts_and_only_its_acknowledgement_resets_them() {
+    let mut n = node(FailureMode::FailClosed);
+    admit_n(&mut n, 3, T0);
+    let req = n.report(T0).unwrap();
+    assert_eq!(req.reports.len(), 1);
+    assert_eq!((req.reports[0].consumed, req.reports[0].demand), (2, 3));
+    // Admitted while the report is in flight: stays counted after the ack.
+    n.admit("k", "l", 1, T0 + MS);
+    assert_eq!(
+        n.apply(&answer(&req, vec![lease(10, 5, 3000)]), T0 + 50 * MS),
+        Ok(1)
+    );
+    assert_eq!(
+        n.pending("k", "l"),
+        Counts {
+            consumed: 0,
+            unleased: 0,
+            demand: 1
+        }
+    );
+    let next = n.report(T0 + S).unwrap();
+    assert_eq!(next.acked_seq, req.seq);
+    assert!(next.seq > req.seq);
+}
+
+#[test]
+fn a_lost_report_is_carried_again_merged_with_newer_counts() {
+    let mut n = node(FailureMode::FailClosed);
+    admit_n(&mut n, 1, T0);
+    let lost = n.report(T0).unwrap();
+    // One report in flight at a time, until its timeout.
+    assert!(n.report(T0 + 400 * MS).is_none());
+    admit_n(&mut n, 1, T0 + 450 * MS);
+    let again = n.report(T0 + 501 * MS).unwrap();
+    assert_eq!(n.stats().timeouts, 1);
+    assert_eq!(again.acked_seq, 0);
+    assert_eq!((again.reports[0].consumed, again.reports[0].demand), (2, 2));
+    // The response to the lost report, arriving now, is not applied.
+    assert_eq!(
+        n.apply(&answer(&lost, vec![lease(10, 5, 3000)]), T0 + 600 * MS),
+        Err(ApplyError::Stale)
+    );
+    assert_eq!(n.pending("k", "l").consumed, 2);
+}
+
+#[test]
+fn a_response_after_the_callout_timeout_is_ignored() {
+    let mut n = node(FailureMode::FailClosed);
+    admit_n(&mut n, 1, T0);
+    let req = n.report(T0).unwrap();
+    assert_eq!(
+        n.apply(&answer(&req, vec![lease(10, 5, 3000)]), T0 + 501 * MS),
+        Err(ApplyError::Late)
+    );
+    assert_eq!(n.lease_tokens("k", "l", T0 + 501 * MS), None);
+    assert_eq!(n.pending("k", "l").consumed, 1);
+}
+
+#[test]
+fn lease_tokens_count_from_when_the_request_was_sent() {
+    let mut n = node(FailureMode::FailClosed);
+    admit_n(&mut n, 1, T0);
+    let r1 = n.report(T0).unwrap();
+    n.apply(&answer(&r1, vec![lease(10, 5, 3000)]), T0 + 10 * MS)
+        .unwrap();
+    assert_eq!(admit_n(&mut n, 4, T0 + 20 * MS), 4);
+    let r2 = n.report(T0 + S).unwrap();
+    // 3 more on the old lease while r2 is in flight...
+    assert_eq!(admit_n(&mut n, 3, T0 + S + 10 * MS), 3);
+    // ...are taken off the new lease of 10: 7 left, not 10 + what remained.
+    n.apply(&answer(&r2, vec![lease(10, 5, 3000)]), T0 + S + 20 * MS)
+        .unwrap();
+    assert_eq!(n.lease_tokens("k", "l", T0 + S + 20 * MS), Some(7));
+    assert_eq!(admit_n(&mut n, 10, T0 + S + 30 * MS), 7);
+    assert_eq!(
+        n.decide("k", "l", 1, T0 + S + 30 * MS),
+        Err(Denied::LeaseExhausted)
+    );
+}
+
+/// A node with a lease of `share` per interval, expired at `T0 + 3 s + 10 ms`
+/// and never renewed (the central cluster is unreachable).
+fn expired(mode: FailureMode, share: u64) -> (Node, u64) {
+    let mut n = node(mode);
+    admit_n(&mut n, 1, T0);
+    let req = n.report(T0).unwrap();
+    n.apply(&answer(&req, vec![lease(share, share, 3000)]), T0 + 10 * MS)
+        .unwrap();
+    admit_n(&mut n, 1, T0 + 20 * MS);
+    (n, T0 + 3 * S + 10 * MS)
+}
+
+#[test]
+fn after_expiry_fail_closed_denies_and_fail_open_admits_as_unleased() {
+    let (mut closed, at) = expired(FailureMode::FailClosed, 5);
+    assert_eq!(closed.lease_tokens("k", "l", at - 1), Some(4));
+    assert_eq!(closed.decide("k", "l", 1, at), Err(Denied::FailClosed));
+    let (mut open, at) = expired(FailureMode::FailOpen, 5);
+    assert_eq!(admit_n(&mut open, 1000, at), 1000);
+    assert_eq!(open.pending("k", "l").unleased, 1000);
+}
+
+#[test]
+fn fail_open_local_starts_empty_enforces_the_last_share_and_ends() {
+    let (mut n, at) = expired(FailureMode::FailOpenLocal, 10);
+    // Empty at first: nothing until a token accrues (100 ms at 10/s).
+    assert_eq!(n.decide("k", "l", 1, at), Err(Denied::LocalLimit));
+    assert_eq!(admit_n(&mut n, 5, at + 100 * MS), 1);
+    // Over 10 s: the share's rate, 10 per interval (1 s), and no more.
+    let mut admitted = 0;
+    for ms in (110..10_110).step_by(10) {
+        admitted += admit_n(&mut n, 3, at + ms * MS);
+    }
+    assert_eq!(admitted, 100);
+    // local_max (60 s) after the expiry: fail closed.
+    assert_eq!(n.decide("k", "l", 1, at + 60 * S), Err(Denied::FailClosed));
+}
+
+#[test]
+fn a_new_lease_ends_the_failure_mode() {
+    let (mut n, at) = expired(FailureMode::FailOpenLocal, 10);
+    let req = n.report(at).unwrap();
+    n.apply(&answer(&req, vec![lease(50, 10, 3000)]), at + 10 * MS)
+        .unwrap();
+    assert_eq!(admit_n(&mut n, 60, at + 20 * MS), 50);
+    assert_eq!(n.decide("k", "l", 1, at + 20 * MS), Err(Denied::LeaseExhausted));
+}
+
+#[test]
+fn an_idle_key_on_a_connected_node_starts_afresh_with_a_provisional_allowance() {
+    let mut n = node(FailureMode::FailClosed);
+    admit_n(&mut n, 1, T0);
+    let mut now = T0;
+    let req = n.report(now).unwrap();
+    n.apply(&answer(&req, vec![lease(5, 5, 2000)]), now + 10 * MS)
+        .unwrap();
+    // Keep syncing (acknowledged, nothing to report) past the lease's expiry.
+    for _ in 0..3 {
+        now += S;
+        let req = n.report(now).unwrap();
+        assert!(req.reports.is_empty());
+        n.apply(&answer(&req, vec![]), now + 10 * MS).unwrap();
+    }
+    assert!(n.connected(now + 20 * MS));
+    assert_eq!(n.decide("k", "l", 1, now + 20 * MS), Ok(Admitted::Provisional));
+}
+
+#[test]
+fn a_clock_offset_changes_no_decision() {
+    fn script(offset_ns: i64) -> Vec<String> {
+        let at = |ns: u64| T0.checked_add_signed(offset_ns).unwrap() + ns;
+        let mut n = Node::new(config(FailureMode::FailOpenLocal), at(0));
+        let mut log = Vec::new();
+        for step in 0..400u64 {
+            let now = at(step * 37 * MS);
+            let admitted = admit_n(&mut n, 2, now);
+            log.push(format!("{step}:{admitted}"));
+            if step % 27 == 0 {
+                if let Some(req) = n.report(now) {
+                    log.push(format!("{:?}", req.reports));
+                    // Every other response is lost: leases expire, local mode runs.
+                    if step % 54 == 0 {
+                        let _ = n.apply(&answer(&req, vec![lease(20, 8, 1500)]), now + 30 * MS);
+                    }
+                }
+            }
+        }
+        log
+    }
+    let reference = script(0);
+    assert_eq!(script(2_000_000_000), reference);
+    assert_eq!(script(-2_000_000_000), reference);
+}

@@ -1,0 +1,250 @@
+//! The batched sync exchange between a node and the central cluster (JSON).
+//!
+//! Once per sync interval a node sends one [`SyncRequest`] with every
+//! (key, limit) it has activity for, and the service answers one
+//! [`SyncResponse`] with a [`Lease`] per reported (key, limit).
+//!
+//! # Semantics of the numbers
+//! * `Report::consumed`, `unleased` and `demand` count units **since the
+//!   last acknowledged report**: a node resets them only when a response
+//!   with `ack_seq` equal to the request's `seq` is applied. A report lost in
+//!   flight (request or response) is therefore carried again, merged, by the
+//!   next one, and the service subtracts what it already counted for that
+//!   node since the node's `acked_seq` (see `tenantgate-central`). Nothing
+//!   is lost, and nothing is counted twice while the service keeps its state.
+//! * `demand` includes denied requests; `consumed` only admitted ones;
+//!   `unleased` is the part of `consumed` admitted with no lease (the
+//!   provisional allowance of a new key, or a failure mode after the lease
+//!   expired). The service books `unleased` as debt.
+//! * `Lease::tokens` is what the node may admit for the (key, limit)
+//!   **counted from the moment it sent the request** this answers: on
+//!   receipt the node subtracts what it admitted against its lease since
+//!   then. The lease expires `ttl_ms` after receipt, in the node's own clock.
+//!   A node applies a response only within its callout timeout of sending
+//!   the request, so the service knows every lease is dead by
+//!   `answered_at + timeout + ttl` in its own clock. No timestamps travel:
+//!   the service never trusts a node's clock, and a node's clock offset
+//!   cannot change any decision.
+//! * `Lease::share` is the node's share of the global rate, in units per
+//!   sync interval. After the lease expires with no new one, the failure
+//!   mode `fail_open_local` enforces it locally.
+//!
+//! # Versioning
+//! `version` is [`PROTOCOL_VERSION`]. A message with another version is
+//! refused whole ([`ProtocolError::Version`]). Within a version, fields may
+//! be added: unknown fields are ignored, so a newer peer can add optional
+//! data without breaking an older one.
+
+use core::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// The version this code speaks.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Longest sync interval a response may ask for (one hour).
+pub const MAX_INTERVAL_MS: u64 = 3_600_000;
+
+/// Node → service, once per sync interval.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncRequest {
+    pub version: u32,
+    /// Who sends it (later: Envoy's `node.id`).
+    pub node_id: String,
+    /// Where the node runs (later: Envoy node metadata or locality).
+    pub region: String,
+    /// The policy version the node enforces.
+    pub policy_version: String,
+    /// Strictly increasing per node, across restarts too (a node seeds it
+    /// from its clock when it starts).
+    pub seq: u64,
+    /// The `seq` of the last response this node applied (0: none yet).
+    pub acked_seq: u64,
+    pub reports: Vec<Report>,
+}
+
+/// One (key, limit) in a [`SyncRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Report {
+    /// The limit key (tenant × API action).
+    pub key: String,
+    /// The limit's name in the policy.
+    pub limit: String,
+    /// Units admitted since the last acknowledged report.
+    pub consumed: u64,
+    /// Of `consumed`, the units admitted with no lease.
+    pub unleased: u64,
+    /// Units requested since the last acknowledged report, denied or not.
+    pub demand: u64,
+}
+
+/// Service → node, the answer to one [`SyncRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncResponse {
+    pub version: u32,
+    /// The `seq` of the request this answers.
+    pub ack_seq: u64,
+    /// When the node should sync next, in milliseconds.
+    pub interval_ms: u64,
+    pub leases: Vec<Lease>,
+}
+
+/// The node's allowance for one (key, limit).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    pub key: String,
+    pub limit: String,
+    /// Units the node may admit, counted from when it sent the request.
+    pub tokens: u64,
+    /// The node's share of the global rate, units per sync interval.
+    pub share: u64,
+    /// Lifetime from receipt, milliseconds.
+    pub ttl_ms: u64,
+}
+
+/// A message that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProtocolError {
+    /// Not JSON of the expected shape.
+    Malformed(String),
+    /// Another protocol version.
+    Version(u32),
+    /// A field out of range.
+    Invalid(&'static str),
+}
+
+impl fmt::Display for ProtocolError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ProtocolError::Malformed(e) => write!(f, "malformed sync message: {e}"),
+            ProtocolError::Version(v) => {
+                write!(
+                    f,
+                    "sync protocol version {v} (this side speaks {PROTOCOL_VERSION})"
+                )
+            }
+            ProtocolError::Invalid(what) => write!(f, "invalid sync message: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for ProtocolError {}
+
+impl SyncRequest {
+    pub fn to_json(&self) -> String {
+        // Serializing plain strings and integers cannot fail.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    pub fn from_json(body: &[u8]) -> Result<SyncRequest, ProtocolError> {
+        let req: SyncRequest =
+            serde_json::from_slice(body).map_err(|e| ProtocolError::Malformed(e.to_string()))?;
+        if req.version != PROTOCOL_VERSION {
+            return Err(ProtocolError::Version(req.version));
+        }
+        if req.node_id.is_empty() {
+            return Err(ProtocolError::Invalid("node_id is empty"));
+        }
+        if req.reports.iter().any(|r| r.unleased > r.consumed) {
+            return Err(ProtocolError::Invalid("unleased exceeds consumed"));
+        }
+        Ok(req)
+    }
+}
+
+impl SyncResponse {
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Parses and checks a response. A node treats an error like a lost
+    /// response: its leases run to their expiry.
+    pub fn from_json(body: &[u8]) -> Result<SyncResponse, ProtocolError> {
+        let resp: SyncResponse =
+            serde_json::from_slice(body).map_err(|e| ProtocolError::Malformed(e.to_string()))?;
+        if resp.version != PROTOCOL_VERSION {
+            return Err(ProtocolError::Version(resp.version));
+        }
+        if resp.interval_ms == 0 || resp.interval_ms > MAX_INTERVAL_MS {
+            return Err(ProtocolError::Invalid("interval_ms out of range"));
+        }
+        Ok(resp)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request() -> SyncRequest {
+        SyncRequest {
+            version: PROTOCOL_VERSION,
+            node_id: "envoy-1".into(),
+            region: "eu-west".into(),
+            policy_version: "demo-2026-11-30".into(),
+            seq: 7,
+            acked_seq: 6,
+            reports: vec![Report {
+                key: "t1|orders".into(),
+                limit: "free".into(),
+                consumed: 10,
+                unleased: 2,
+                demand: 15,
+            }],
+        }
+    }
+
+    #[test]
+    fn request_round_trips_as_json() {
+        let req = request();
+        let json = req.to_json();
+        assert!(json.starts_with(r#"{"version":1,"node_id":"envoy-1","region":"eu-west""#));
+        assert_eq!(SyncRequest::from_json(json.as_bytes()).unwrap(), req);
+    }
+
+    #[test]
+    fn response_round_trips_and_ignores_unknown_fields() {
+        let resp = SyncResponse {
+            version: 1,
+            ack_seq: 7,
+            interval_ms: 1000,
+            leases: vec![Lease {
+                key: "t1|orders".into(),
+                limit: "free".into(),
+                tokens: 40,
+                share: 25,
+                ttl_ms: 3000,
+            }],
+        };
+        assert_eq!(SyncResponse::from_json(resp.to_json().as_bytes()).unwrap(), resp);
+        let newer = r#"{"version":1,"ack_seq":1,"interval_ms":500,"leases":[],"hint":"x"}"#;
+        assert_eq!(
+            SyncResponse::from_json(newer.as_bytes()).unwrap().interval_ms,
+            500
+        );
+    }
+
+    #[test]
+    fn other_versions_and_garbage_are_refused() {
+        let v2 = r#"{"version":2,"ack_seq":1,"interval_ms":500,"leases":[]}"#;
+        assert_eq!(
+            SyncResponse::from_json(v2.as_bytes()),
+            Err(ProtocolError::Version(2))
+        );
+        assert!(matches!(
+            SyncResponse::from_json(b"<html>502</html>"),
+            Err(ProtocolError::Malformed(_))
+        ));
+        let zero = r#"{"version":1,"ack_seq":1,"interval_ms":0,"leases":[]}"#;
+        assert!(matches!(
+            SyncResponse::from_json(zero.as_bytes()),
+            Err(ProtocolError::Invalid(_))
+        ));
+        let mut req = request();
+        req.reports[0].unleased = 11;
+        assert!(matches!(
+            SyncRequest::from_json(req.to_json().as_bytes()),
+            Err(ProtocolError::Invalid(_))
+        ));
+    }
+}
