@@ -80,7 +80,20 @@
 //!
 //! Assumes the service keeps its state through an outage. A service that
 //! loses it starts buckets full and forgets reservations: up to `B + Σ R`
-//! more in the window of the restart (not built yet: storage).
+//! more in the window of the restart. The service keeps it in a store
+//! (`crate::store`): Redis survives a restart of the service replicas, the
+//! embedded store does not.
+//!
+//! # Records
+//! The state is one record per node ([`Session`]) and one per (key, limit)
+//! ([`KeyState`], which also holds the key's per-region allocation and
+//! debt). A request is three steps, each on one record: [`begin`] on the
+//! session, [`visit`] on every (key, limit) the node reports or holds, and
+//! [`finish`] on the session. A (key, limit) never reads another record:
+//! whether a node is silent is decided from a copy of its `heard_at` kept in
+//! the key's record, which every applied request of the node refreshes
+//! (it visits every key the node holds). So a store that updates each record
+//! atomically gives the same answers as [`Allocator`].
 
 mod fair;
 mod key;
@@ -91,19 +104,19 @@ mod tests;
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
-use tenantgate::sync::{Counts, FailureMode, SyncRequest, SyncResponse, PROTOCOL_VERSION};
+use serde::{Deserialize, Serialize};
+use tenantgate::sync::{Counts, FailureMode, Lease, SyncRequest, SyncResponse, PROTOCOL_VERSION};
 
 use crate::error::{AllocError, ConfigError};
 pub use fair::{max_min_fair, Claim};
-use key::KeyState;
-pub use key::{KeyStats, RegionView};
-use session::Session;
+pub use key::{KeyState, KeyStats, RegionView};
+use session::Intake;
+pub use session::{KeyId, Session};
 
 const NANOS_PER_MS: u64 = 1_000_000;
 
 /// A global limit: `limit` units per `window_ns`, holding at most `burst`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GlobalLimit {
     pub limit: u64,
     pub window_ns: u64,
@@ -203,11 +216,14 @@ pub struct KeyView {
     pub shares: BTreeMap<String, u64>,
 }
 
-/// The reconciliation state of the central cluster.
+/// The reconciliation state of the central cluster, in memory: the
+/// reference the simulator drives. The service (`crate::service`) runs the
+/// same steps ([`begin`], [`visit`], [`finish`]) with its records in a
+/// [`crate::store::Store`].
 #[derive(Debug, Clone)]
 pub struct Allocator {
     cfg: AllocConfig,
-    keys: BTreeMap<(String, String), KeyState>,
+    keys: BTreeMap<KeyId, KeyState>,
     sessions: BTreeMap<String, Session>,
     stats: AllocStats,
 }
@@ -237,7 +253,7 @@ impl Allocator {
     /// so allocation goes on while no node reports.
     pub fn tick(&mut self, now: u64) {
         for ks in self.keys.values_mut() {
-            ks.advance(now, &self.cfg, &self.sessions);
+            advance(&self.cfg, ks, now);
         }
     }
 
@@ -253,61 +269,32 @@ impl Allocator {
             self.stats.policy_mismatches += 1;
         }
         self.tick(now);
-        let session = self
-            .sessions
-            .entry(req.node_id.clone())
-            .or_insert_with(|| Session::new(&req.region));
-        let Some(intake) = session.intake(req, now) else {
+        let mut slot = self.sessions.remove(&req.node_id);
+        let begun = begin(&mut slot, req, now);
+        if let Some(session) = slot {
+            self.sessions.insert(req.node_id.clone(), session);
+        }
+        let Some(begun) = begun else {
             self.stats.stale += 1;
             return Err(AllocError::Stale { seq: req.seq });
         };
-        let held: Vec<_> = session.held.iter().cloned().collect();
         let nodes_hint = self.sessions.len() as u64;
-        let node = req.node_id.as_str();
-
-        // Held keys this report does not mention had no activity since the
-        // node's base: settle them with zero counts (acknowledged leases
-        // collapse, dead ones are reclaimed).
-        let mut still_held = Vec::with_capacity(held.len());
-        for id in held {
-            let Some(ks) = self.keys.get_mut(&id) else {
-                continue;
-            };
-            if !intake.deltas.iter().any(|(d, _)| *d == id) {
-                ks.settle(node, Counts::default(), &intake, &self.cfg);
+        let mut visits = Vec::new();
+        for (id, delta) in begun.visits() {
+            let mut slot = self.keys.remove(&id);
+            let v = visit(&self.cfg, &mut slot, &id, delta, &begun, nodes_hint, now);
+            if let Some(ks) = slot {
+                self.keys.insert(id.clone(), ks);
             }
-            if ks.holds(node) {
-                still_held.push(id);
-            }
-        }
-
-        let mut leases = Vec::with_capacity(intake.deltas.len());
-        for (id, delta) in &intake.deltas {
-            let Some(limit) = self.cfg.limits.get(&id.1).copied() else {
+            if matches!(v, Visit::UnknownLimit { .. }) {
                 self.stats.unknown_limits += 1;
-                continue;
-            };
-            let ks = self
-                .keys
-                .entry(id.clone())
-                .or_insert_with(|| KeyState::new(limit, now));
-            ks.advance(now, &self.cfg, &self.sessions);
-            ks.touch(node, &req.region, *delta, intake.prev_heard_at, now, &self.cfg);
-            ks.settle(node, *delta, &intake, &self.cfg);
-            leases.push(ks.grant(id, node, req.seq, nodes_hint, now, &self.cfg));
-            if !still_held.contains(id) {
-                still_held.push(id.clone());
             }
+            visits.push((id, v));
         }
-        if let Some(session) = self.sessions.get_mut(node) {
-            session.held = still_held.into_iter().collect();
+        if let Some(session) = self.sessions.get_mut(&req.node_id) {
+            finish(session, &visits);
         }
-        Ok(SyncResponse {
-            version: PROTOCOL_VERSION,
-            ack_seq: req.seq,
-            interval_ms: self.cfg.interval_ns / NANOS_PER_MS,
-            leases,
-        })
+        Ok(respond(&self.cfg, req, visits))
     }
 
     /// [`Allocator::handle`] on a JSON body, answering JSON.
@@ -320,5 +307,179 @@ impl Allocator {
     pub fn view(&self, key: &str, limit: &str) -> Option<KeyView> {
         let ks = self.keys.get(&(key.to_owned(), limit.to_owned()))?;
         Some(ks.view())
+    }
+}
+
+// The steps of one request. Each takes one record, so a store can run it
+// as one atomic read-modify-write of that record (and run it again on a
+// conflict: every step is a pure function of the record and its inputs).
+
+/// A request whose counts were deduplicated against its node's session.
+#[derive(Debug, Clone)]
+pub struct Begun {
+    intake: Intake,
+    node: String,
+    region: String,
+    seq: u64,
+    /// The (key, limit)s the node held before this request.
+    held: Vec<KeyId>,
+}
+
+impl Begun {
+    /// The records this request updates, each once, with the request's new
+    /// counts (`None`: a held key the request does not mention, settled
+    /// with zero counts).
+    pub fn visits(&self) -> Vec<(KeyId, Option<Counts>)> {
+        let mut out: Vec<(KeyId, Option<Counts>)> =
+            Vec::with_capacity(self.held.len() + self.intake.deltas.len());
+        for id in &self.held {
+            if !self.intake.deltas.iter().any(|(d, _)| d == id) {
+                out.push((id.clone(), None));
+            }
+        }
+        for (id, delta) in &self.intake.deltas {
+            // A report naming the same (key, limit) twice: the intake
+            // already merged its counts into the last one.
+            if let Some(v) = out.iter_mut().find(|(d, _)| d == id) {
+                v.1 = Some(*delta);
+            } else {
+                out.push((id.clone(), Some(*delta)));
+            }
+        }
+        out
+    }
+
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+}
+
+/// Step 1, on the node's session (created if absent): deduplicates the
+/// request's counts. `None` if the request is stale (a duplicate or
+/// overtaken): then the session is unchanged and nothing may be counted.
+pub fn begin(session: &mut Option<Session>, req: &SyncRequest, now: u64) -> Option<Begun> {
+    let s = session.get_or_insert_with(|| Session::new(&req.region));
+    let held: Vec<KeyId> = s.held.iter().cloned().collect();
+    let intake = s.intake(req, now)?;
+    Some(Begun {
+        intake,
+        node: req.node_id.clone(),
+        region: req.region.clone(),
+        seq: req.seq,
+        held,
+    })
+}
+
+/// What [`visit`] did to one (key, limit).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Visit {
+    /// A held key with no record left.
+    Absent,
+    /// A held key settled with zero counts; whether the node still holds it.
+    Settled { holds: bool },
+    /// A reported key: the node's new lease.
+    Leased(Lease),
+    /// A reported limit the policy does not know: no lease.
+    UnknownLimit { holds: bool },
+}
+
+impl Visit {
+    fn holds(&self) -> bool {
+        match self {
+            Visit::Absent => false,
+            Visit::Settled { holds } | Visit::UnknownLimit { holds } => *holds,
+            Visit::Leased(_) => true,
+        }
+    }
+}
+
+/// Step 2, on one (key, limit)'s record: brings it to `now`, then settles
+/// the node's counts and, for a reported key, grants its lease.
+/// `nodes_hint` is the number of nodes the service has a session for.
+pub fn visit(
+    cfg: &AllocConfig,
+    slot: &mut Option<KeyState>,
+    id: &KeyId,
+    delta: Option<Counts>,
+    begun: &Begun,
+    nodes_hint: u64,
+    now: u64,
+) -> Visit {
+    let node = begun.node.as_str();
+    let limit = cfg.limits.get(&id.1).copied();
+    if let Some(ks) = slot.as_mut() {
+        advance(cfg, ks, now);
+        if let Some(limit) = limit {
+            ks.retarget(limit, now);
+        }
+    }
+    let Some(delta) = delta else {
+        let Some(ks) = slot.as_mut() else {
+            return Visit::Absent;
+        };
+        ks.settle(node, Counts::default(), &begun.intake, cfg);
+        ks.heard(node, now);
+        return Visit::Settled {
+            holds: ks.holds(node),
+        };
+    };
+    let Some(limit) = limit else {
+        return Visit::UnknownLimit {
+            holds: slot.as_ref().is_some_and(|ks| ks.holds(node)),
+        };
+    };
+    let ks = slot.get_or_insert_with(|| KeyState::new(limit, now));
+    ks.advance(now, cfg);
+    ks.touch(node, &begun.region, delta, begun.intake.prev_heard_at, now, cfg);
+    ks.settle(node, delta, &begun.intake, cfg);
+    ks.heard(node, now);
+    Visit::Leased(ks.grant(id, node, begun.seq, nodes_hint, now, cfg))
+}
+
+/// Step 3, on the node's session: the keys it holds from now on.
+pub fn finish(session: &mut Session, visits: &[(KeyId, Visit)]) {
+    for (id, v) in visits {
+        if v.holds() {
+            session.held.insert(id.clone());
+        } else {
+            session.held.remove(id);
+        }
+    }
+}
+
+/// Whether [`finish`] would change the session: most requests hold the
+/// same keys as before, and then a store can skip the write.
+pub fn finish_changes(begun: &Begun, visits: &[(KeyId, Visit)]) -> bool {
+    visits.iter().any(|(id, v)| v.holds() != begun.held.contains(id))
+}
+
+/// Brings one (key, limit) to `now` with no request: what a timer does so
+/// allocation goes on while no node reports (see [`Allocator::tick`]).
+pub fn advance(cfg: &AllocConfig, ks: &mut KeyState, now: u64) {
+    ks.advance(now, cfg);
+}
+
+/// The response to a request whose visits are done: a lease per reported
+/// (key, limit) the policy knows, in the request's order.
+pub fn respond(cfg: &AllocConfig, req: &SyncRequest, visits: Vec<(KeyId, Visit)>) -> SyncResponse {
+    let mut leases: Vec<Lease> = Vec::with_capacity(req.reports.len());
+    for (_, v) in visits {
+        if let Visit::Leased(lease) = v {
+            leases.push(lease);
+        }
+    }
+    // Visits list held keys first; answer in the request's order.
+    let order = |l: &Lease| {
+        req.reports
+            .iter()
+            .position(|r| r.key == l.key && r.limit == l.limit)
+            .unwrap_or(usize::MAX)
+    };
+    leases.sort_by_key(order);
+    SyncResponse {
+        version: PROTOCOL_VERSION,
+        ack_seq: req.seq,
+        interval_ms: cfg.interval_ns / NANOS_PER_MS,
+        leases,
     }
 }

@@ -4,12 +4,12 @@
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tenantgate::sync::{Counts, FailureMode, Lease};
 
 use super::fair::{max_min_fair, Claim};
 use super::node_key::NodeKey;
-use super::session::{Intake, KeyId, Session};
+use super::session::{Intake, KeyId};
 use super::{AllocConfig, GlobalLimit, KeyView, NANOS_PER_MS};
 
 /// The weight of the newest report in a node's demand average: high, so a
@@ -18,7 +18,7 @@ use super::{AllocConfig, GlobalLimit, KeyView, NANOS_PER_MS};
 const DEMAND_WEIGHT: f64 = 0.8;
 
 /// Cumulative counters of one (key, limit), in units.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KeyStats {
     /// Drawn from the bucket into leases.
     pub granted: u64,
@@ -37,7 +37,7 @@ pub struct KeyStats {
 }
 
 /// One region's allocation (last interval) and debt.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegionView {
     pub allocated: u64,
     pub fair: u64,
@@ -47,8 +47,11 @@ pub struct RegionView {
     pub repaid_total: u64,
 }
 
-#[derive(Debug, Clone)]
-pub(super) struct KeyState {
+/// What the service keeps of one (key, limit): the record a store holds
+/// and updates atomically. Opaque outside the allocator; serializable so
+/// that a shared store can keep it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct KeyState {
     limit: GlobalLimit,
     bucket: u64,
     origin: u64,
@@ -86,6 +89,36 @@ impl KeyState {
         self.nodes.contains_key(node)
     }
 
+    pub fn limit(&self) -> GlobalLimit {
+        self.limit
+    }
+
+    /// The service applied a request of `node` at `now` (mirrors the
+    /// session's `heard_at`, which decides whether the node is silent).
+    pub fn heard(&mut self, node: &str, now: u64) {
+        if let Some(nk) = self.nodes.get_mut(node) {
+            nk.heard_at = Some(now);
+        }
+    }
+
+    /// A policy reload changed the limit's numbers (call after
+    /// [`KeyState::advance`] to `now`). Like the filter's reloads it never
+    /// adds tokens: the bucket keeps what it holds, capped so that bucket
+    /// and reservations stay within the new burst, and refills at the new
+    /// rate from `now`; the interval's allocation is redone with the new
+    /// flow at the next advance.
+    pub fn retarget(&mut self, limit: GlobalLimit, now: u64) {
+        if self.limit == limit {
+            return;
+        }
+        self.limit = limit;
+        self.origin = now;
+        self.credited = 0;
+        self.bucket = self.bucket.min(limit.burst.saturating_sub(self.reserved()));
+        self.interval = None;
+        self.advanced_at = None;
+    }
+
     fn reserved(&self) -> u64 {
         self.nodes.values().map(|n| n.reserve).sum()
     }
@@ -101,7 +134,7 @@ impl KeyState {
 
     /// Refill, charges for silent nodes, write-offs, pruning, and the
     /// allocation of a new interval.
-    pub fn advance(&mut self, now: u64, cfg: &AllocConfig, sessions: &BTreeMap<String, Session>) {
+    pub fn advance(&mut self, now: u64, cfg: &AllocConfig) {
         if self.advanced_at == Some(now) {
             return;
         }
@@ -114,9 +147,8 @@ impl KeyState {
         // Charge silent nodes' local limits as time passes, before any grant.
         let mut charges: Vec<(String, u64)> = Vec::new();
         if cfg.failure_mode == FailureMode::FailOpenLocal {
-            for (id, nk) in &mut self.nodes {
-                let heard = || sessions.get(id).and_then(|s| s.heard_at);
-                if !nk.silent(heard, now, cfg) {
+            for nk in self.nodes.values_mut() {
+                if !nk.silent(now, cfg) {
                     continue;
                 }
                 let from = nk
@@ -163,12 +195,12 @@ impl KeyState {
 
         let k = now / cfg.interval_ns;
         if self.interval != Some(k) {
-            self.roll(k, now, cfg, sessions);
+            self.roll(k, now, cfg);
         }
     }
 
     /// Splits interval `k`'s flow among regions and nodes.
-    fn roll(&mut self, k: u64, now: u64, cfg: &AllocConfig, sessions: &BTreeMap<String, Session>) {
+    fn roll(&mut self, k: u64, now: u64, cfg: &AllocConfig) {
         self.interval = Some(k);
         self.flow = self.flow_of(k, cfg);
         let recent = 3 * cfg.interval_ns;
@@ -179,9 +211,8 @@ impl KeyState {
             if stale {
                 nk.demand *= 0.5;
             }
-            let heard = || sessions.get(id).and_then(|s| s.heard_at);
             let local = cfg.failure_mode == FailureMode::FailOpenLocal
-                && nk.silent(heard, now, cfg)
+                && nk.silent(now, cfg)
                 && now < nk.local_until(cfg);
             if local {
                 // It keeps its share: its local limit may be spending it.

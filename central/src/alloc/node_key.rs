@@ -1,9 +1,11 @@
 //! What the service keeps per (key, limit) and node: its reservation,
 //! lease, share and demand. See the `alloc` module header for the rules.
 
+use serde::{Deserialize, Serialize};
+
 use super::AllocConfig;
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct NodeKey {
     pub(super) region: String,
     /// `R`: what the node may still admit on leases since its last applied
@@ -32,6 +34,11 @@ pub(super) struct NodeKey {
     pub(super) charge_carry: u128,
     /// Reservation written off; later lease consumption is taken from it.
     pub(super) written_off: u64,
+    /// When the service last applied a request of this node (its session's
+    /// `heard_at`, mirrored here so a (key, limit) is updated from its own
+    /// record alone: every applied request of a node visits every key it
+    /// holds, see `alloc::begin`).
+    pub(super) heard_at: Option<u64>,
 }
 
 impl NodeKey {
@@ -55,6 +62,7 @@ impl NodeKey {
             charged_until: now,
             charge_carry: 0,
             written_off: 0,
+            heard_at: Some(now),
         }
     }
 
@@ -76,9 +84,9 @@ impl NodeKey {
 
     /// Not heard from since its last grant, and past the earliest instant
     /// that lease can have expired: it may be on its local limit.
-    pub(super) fn silent(&self, heard_at: impl FnOnce() -> Option<u64>, now: u64, cfg: &AllocConfig) -> bool {
+    pub(super) fn silent(&self, now: u64, cfg: &AllocConfig) -> bool {
         self.lease_seq != 0
             && now >= self.granted_at.saturating_add(cfg.lease_ttl_ns)
-            && heard_at().is_none_or(|h| h <= self.granted_at)
+            && self.heard_at.is_none_or(|h| h <= self.granted_at)
     }
 }

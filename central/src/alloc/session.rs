@@ -18,13 +18,15 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use serde::{Deserialize, Serialize};
 use tenantgate::sync::{Counts, SyncRequest};
 
-pub(super) type KeyId = (String, String);
+/// A (key, limit).
+pub type KeyId = (String, String);
 
 /// What a request brings, once deduplicated.
-#[derive(Debug)]
-pub(super) struct Intake {
+#[derive(Debug, Clone)]
+pub struct Intake {
     /// New counts per reported (key, limit), in the request's order.
     pub deltas: Vec<(KeyId, Counts)>,
     /// The node applied our previous response (the one to `prev_seq`).
@@ -35,17 +37,28 @@ pub(super) struct Intake {
     pub prev_heard_at: Option<u64>,
 }
 
-#[derive(Debug, Clone)]
-pub(super) struct Session {
+/// What the service keeps of one node: the record a store holds and
+/// updates atomically. Opaque outside the allocator; serializable so that a
+/// shared store can keep it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Session {
     pub region: String,
     last_seq: u64,
     base: u64,
-    counted: BTreeMap<KeyId, Counts>,
+    counted: BTreeMap<KeyId, Tally>,
     /// When the last request was applied (and answered).
     pub heard_at: Option<u64>,
     /// The (key, limit)s this node was ever granted a lease for and that
     /// still hold state.
     pub held: BTreeSet<KeyId>,
+}
+
+/// [`Counts`] as a session stores them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct Tally {
+    consumed: u64,
+    unleased: u64,
+    demand: u64,
 }
 
 impl Session {
@@ -73,7 +86,7 @@ impl Session {
         let mut deltas = Vec::with_capacity(req.reports.len());
         for r in &req.reports {
             let id = (r.key.clone(), r.limit.clone());
-            let total = Counts {
+            let total = Tally {
                 consumed: r.consumed,
                 unleased: r.unleased,
                 demand: r.demand,
