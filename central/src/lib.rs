@@ -9,13 +9,18 @@
 //!   the real node code (`tenantgate::sync::node`) against the real
 //!   allocator over a lossy, slow network, and measures the bound.
 //!
-//! Pure like the filter's core: time is always an argument. There is no
-//! networking yet (`tenantgate serve` is not built).
+//! * [`store`]: where the allocator's records live (embedded, Redis).
+//! * [`service`]: `tenantgate serve`, the allocator over HTTP/JSON.
+//!
+//! The allocator is pure like the filter's core: time is always an
+//! argument; the service supplies its own clock.
 
 pub mod alloc;
 pub mod bound;
 pub mod error;
+pub mod service;
 pub mod sim;
+pub mod store;
 
 pub use alloc::{AllocConfig, Allocator, GlobalLimit};
 pub use error::{AllocError, ConfigError};

@@ -1,6 +1,5 @@
-//! `tenantgate`: the command-line tool. Policy tools and the allowance
-//! reconciliation simulator today; the central service (`tenantgate serve`)
-//! joins it later.
+//! `tenantgate`: the command-line tool. Policy tools, the allowance
+//! reconciliation simulator, and the central service (`tenantgate serve`).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -25,6 +24,25 @@ enum Command {
     /// Simulate global limits across nodes and regions (virtual time):
     /// one JSON object per scenario and topology.
     Sim(SimArgs),
+    /// Run the central service: POST /v1/sync, /healthz, /readyz, /metrics.
+    Serve(ServeArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// The policies YAML (the filter's); reloaded when it changes.
+    #[arg(long)]
+    policy: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8081")]
+    listen: std::net::SocketAddr,
+    /// Where the allocator's state lives: `embedded` (in this process) or
+    /// `redis://HOST:PORT[/DB]` (shared by every replica).
+    #[arg(long, default_value = "embedded")]
+    store: String,
+    /// The sync interval nodes are told to use, in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    interval_ms: u64,
 }
 
 #[derive(Args)]
@@ -87,6 +105,33 @@ fn main() -> ExitCode {
         Command::Policy(PolicyCommand::Compile { file, pretty }) => compile(&file, pretty),
         Command::Policy(PolicyCommand::Apply(args)) => apply(&args),
         Command::Sim(args) => sim::run(&args),
+        Command::Serve(args) => serve(&args),
+    }
+}
+
+fn serve(args: &ServeArgs) -> ExitCode {
+    use tenantgate_central::service::{self, ServeOptions, Settings};
+    let defaults = Settings::default();
+    let interval_ns = args.interval_ms.saturating_mul(1_000_000);
+    if interval_ns == 0 || interval_ns > defaults.lease_ttl_ns {
+        eprintln!("--interval-ms: must be 1..={}", defaults.lease_ttl_ns / 1_000_000);
+        return ExitCode::FAILURE;
+    }
+    let settings = Settings {
+        interval_ns,
+        ..defaults
+    };
+    let opts = ServeOptions {
+        listen: args.listen,
+        policy: args.policy.clone(),
+        policy_poll: std::time::Duration::from_secs(1),
+    };
+    match service::run(&args.store, opts, settings) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tenantgate serve: {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 

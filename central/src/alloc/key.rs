@@ -85,6 +85,19 @@ impl KeyState {
         }
     }
 
+    /// An empty record to swap in while the real one is being updated
+    /// (allocates nothing).
+    pub(crate) fn placeholder() -> KeyState {
+        KeyState::new(
+            GlobalLimit {
+                limit: 1,
+                window_ns: 1,
+                burst: 1,
+            },
+            0,
+        )
+    }
+
     pub fn holds(&self, node: &str) -> bool {
         self.nodes.contains_key(node)
     }

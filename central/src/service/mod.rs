@@ -1,0 +1,350 @@
+//! `tenantgate serve`: the allocator behind HTTP/JSON, its records in a
+//! [`Store`].
+//!
+//! A sync request is the allocator's three steps (`crate::alloc`), each an
+//! atomic update of one record: [`alloc::begin`] on the node's session,
+//! [`alloc::visit`] on every (key, limit) it reports or holds (one batched
+//! update), [`alloc::finish`] on the session (skipped when the node holds
+//! the same keys as before). Replicas sharing a store therefore answer as
+//! one allocator would.
+//!
+//! Time is the service's own: [`Clock`] (never a node's timestamp). The
+//! production clock is monotonic in each process and shares its epoch with
+//! the other replicas through the system clock read once at start, so the
+//! replicas' interval numbers agree to within their clock offset. A replica
+//! behind the others cannot refill a bucket twice: a bucket's refill is
+//! credited up to the latest time any replica brought it to.
+//!
+//! Each replica also runs a timer (every interval) that brings every key to
+//! the current interval with no request ([`Service::sweep`], what
+//! `Allocator::tick` does), so allocation, debt repayment and demand decay
+//! go on for keys nobody reports. Several replicas doing it is harmless:
+//! a key rolls over once per interval whoever gets there first.
+//!
+//! Known limit: a request that fails after its session step (a store error
+//! in the middle) leaves its counts recorded as seen for the keys it did not
+//! update; the node retries with them, and those are then not counted again.
+//! At most one report's counts per failed request go uncounted.
+
+mod http;
+pub mod metrics;
+pub mod policy;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tenantgate::sync::{SyncRequest, SyncResponse, PROTOCOL_VERSION};
+use tracing::{info, warn};
+
+use crate::alloc::{self, AllocConfig, KeyId, KeyState, Visit};
+use crate::store::{Store, StoreError};
+pub use http::{open_store, router, run, serve, shutdown_signal, ServeOptions};
+use metrics::{Metrics, Outcome};
+pub use policy::{PolicyLimits, Settings};
+
+/// The service's clock, in nanoseconds.
+pub trait Clock: Send + Sync {
+    fn now_ns(&self) -> u64;
+}
+
+/// Monotonic per process; its epoch is the system clock at start (shared by
+/// replicas to within their clock offset).
+pub struct SystemClock {
+    epoch_ns: u64,
+    start: Instant,
+}
+
+impl Default for SystemClock {
+    fn default() -> SystemClock {
+        let epoch_ns = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+            .unwrap_or(0);
+        SystemClock {
+            epoch_ns,
+            start: Instant::now(),
+        }
+    }
+}
+
+impl Clock for SystemClock {
+    fn now_ns(&self) -> u64 {
+        let elapsed = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.epoch_ns.saturating_add(elapsed)
+    }
+}
+
+/// A clock that moves only when told: for tests and benchmarks.
+#[derive(Default)]
+pub struct ManualClock(AtomicU64);
+
+impl ManualClock {
+    pub fn new(now_ns: u64) -> ManualClock {
+        ManualClock(AtomicU64::new(now_ns))
+    }
+
+    pub fn set(&self, now_ns: u64) {
+        self.0.store(now_ns, Relaxed);
+    }
+
+    pub fn advance(&self, by: Duration) {
+        self.0
+            .fetch_add(u64::try_from(by.as_nanos()).unwrap_or(u64::MAX), Relaxed);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now_ns(&self) -> u64 {
+        self.0.load(Relaxed)
+    }
+}
+
+/// Why a sync request got no leases.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("no policy loaded")]
+    NotReady,
+    #[error("stale sync request (seq {0}): nothing was counted")]
+    Stale(u64),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+}
+
+/// One service replica.
+pub struct Service {
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    settings: Settings,
+    config: RwLock<Option<Arc<AllocConfig>>>,
+    pub metrics: Metrics,
+    /// How long a sync request may take before it is answered 503.
+    pub deadline: Duration,
+}
+
+impl Service {
+    pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>, settings: Settings) -> Service {
+        // Well within the node's callout timeout: an answer later than that
+        // is discarded by the node anyway.
+        let deadline = Duration::from_nanos(settings.response_timeout_ns / 2);
+        Service {
+            store,
+            clock,
+            settings,
+            config: RwLock::new(None),
+            metrics: Metrics::default(),
+            deadline,
+        }
+    }
+
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    pub fn now_ns(&self) -> u64 {
+        self.clock.now_ns()
+    }
+
+    /// The allocator configuration in force, if a policy is loaded.
+    pub fn config(&self) -> Option<Arc<AllocConfig>> {
+        self.config
+            .read()
+            .map(|c| c.clone())
+            .unwrap_or_else(|e| e.into_inner().clone())
+    }
+
+    /// Puts a validated policy in force.
+    pub fn set_policy(&self, p: &PolicyLimits) {
+        let cfg = Arc::new(self.settings.alloc_config(p));
+        match self.config.write() {
+            Ok(mut c) => *c = Some(cfg),
+            Err(e) => *e.into_inner() = Some(cfg),
+        }
+    }
+
+    /// Loads `path` and puts it in force; on an error the policy in force
+    /// stays. Counted in `tenantgate_policy_reloads_total`.
+    pub fn reload(&self, path: &std::path::Path) -> Result<String, String> {
+        match policy::load(path) {
+            Ok(p) => {
+                if !p.ambiguous.is_empty() {
+                    warn!(limits = ?p.ambiguous, "limit names defined differently by several plans: the strictest applies");
+                }
+                self.set_policy(&p);
+                self.metrics.reloads_ok.fetch_add(1, Relaxed);
+                info!(version = %p.version, limits = p.limits.len(), path = %path.display(), "policy loaded");
+                Ok(p.version)
+            }
+            Err(e) => {
+                self.metrics.reloads_failed.fetch_add(1, Relaxed);
+                warn!(error = %e, "policy refused; the one in force stays");
+                Err(e)
+            }
+        }
+    }
+
+    /// Ready: a policy is loaded and the store answers.
+    pub async fn ready(&self) -> Result<(), String> {
+        if self.config().is_none() {
+            return Err("no policy loaded".to_owned());
+        }
+        self.store.ping().await.map_err(|e| e.to_string())
+    }
+
+    /// Answers one sync request body, within [`Service::deadline`], and
+    /// counts it.
+    pub async fn sync_json(&self, body: &[u8]) -> Result<SyncResponse, SyncError> {
+        let started = Instant::now();
+        let result = match tokio::time::timeout(self.deadline, self.sync_inner(body)).await {
+            Ok(r) => r,
+            Err(_) => Err(SyncError::Timeout(self.deadline)),
+        };
+        let outcome = match &result {
+            Ok(_) => Outcome::Ok,
+            Err(SyncError::Invalid(_)) => Outcome::Invalid,
+            Err(SyncError::NotReady) => Outcome::NotReady,
+            Err(SyncError::Stale(_)) => Outcome::Stale,
+            Err(SyncError::Store(e)) => {
+                self.metrics.store_error(e.is_transient());
+                Outcome::StoreError
+            }
+            Err(SyncError::Timeout(_)) => Outcome::Timeout,
+        };
+        self.metrics.request(outcome, started.elapsed());
+        result
+    }
+
+    async fn sync_inner(&self, body: &[u8]) -> Result<SyncResponse, SyncError> {
+        let req = SyncRequest::from_json(body).map_err(|e| SyncError::Invalid(e.to_string()))?;
+        self.sync(&req).await
+    }
+
+    /// Answers one sync request (not counted in the request metrics).
+    pub async fn sync(&self, req: &SyncRequest) -> Result<SyncResponse, SyncError> {
+        if req.version != PROTOCOL_VERSION {
+            return Err(SyncError::Invalid(format!("unsupported version {}", req.version)));
+        }
+        let cfg = self.config().ok_or(SyncError::NotReady)?;
+        if req.policy_version != cfg.policy_version {
+            self.metrics.policy_skew.fetch_add(1, Relaxed);
+        }
+        let now = self.clock.now_ns();
+
+        let mut begun = None;
+        let nodes = self
+            .store
+            .update_session(&req.node_id, &mut |slot| {
+                begun = alloc::begin(slot, req, now);
+                begun.is_some()
+            })
+            .await?;
+        let Some(begun) = begun else {
+            return Err(SyncError::Stale(req.seq));
+        };
+        self.metrics.reports.fetch_add(req.reports.len() as u64, Relaxed);
+
+        let plan = begun.visits();
+        let ids: Vec<KeyId> = plan.iter().map(|(id, _)| id.clone()).collect();
+        let mut outcomes: Vec<Visit> = vec![Visit::Absent; plan.len()];
+        self.store
+            .update_keys(&ids, &mut |i, slot| {
+                let (id, delta) = &plan[i];
+                outcomes[i] = alloc::visit(&cfg, slot, id, *delta, &begun, nodes, now);
+                slot.is_some()
+            })
+            .await?;
+        let visits: Vec<(KeyId, Visit)> = ids.into_iter().zip(outcomes).collect();
+        let unknown = visits
+            .iter()
+            .filter(|(_, v)| matches!(v, Visit::UnknownLimit { .. }))
+            .count();
+        self.metrics.unknown_limits.fetch_add(unknown as u64, Relaxed);
+
+        if alloc::finish_changes(&begun, &visits) {
+            self.store
+                .update_session(begun.node(), &mut |slot| match slot {
+                    Some(s) => {
+                        alloc::finish(s, &visits);
+                        true
+                    }
+                    None => false,
+                })
+                .await?;
+        }
+        let resp = alloc::respond(&cfg, req, visits);
+        self.metrics.leases.fetch_add(resp.leases.len() as u64, Relaxed);
+        Ok(resp)
+    }
+
+    /// Brings every key to the current interval (the timer's pass).
+    pub async fn sweep(&self) -> Result<u64, StoreError> {
+        let Some(cfg) = self.config() else {
+            return Ok(0);
+        };
+        let now = self.clock.now_ns();
+        let ids = self.store.key_ids().await?;
+        for chunk in ids.chunks(512) {
+            self.store
+                .update_keys(chunk, &mut |_, slot: &mut Option<KeyState>| match slot {
+                    Some(ks) => {
+                        alloc::advance(&cfg, ks, now);
+                        true
+                    }
+                    None => false,
+                })
+                .await?;
+        }
+        self.metrics.sweeps.fetch_add(1, Relaxed);
+        Ok(ids.len() as u64)
+    }
+
+    /// The interval the service tells nodes to sync at.
+    pub fn interval(&self) -> Duration {
+        Duration::from_nanos(self.settings.interval_ns)
+    }
+}
+
+/// Watches a policy file: every `poll`, if its contents changed, reloads
+/// it (a refused policy is logged and the old one kept). Runs until the
+/// task is dropped.
+pub async fn watch_policy(service: Arc<Service>, path: PathBuf, poll: Duration) {
+    let mut last: Option<Vec<u8>> = std::fs::read(&path).ok();
+    let mut tick = tokio::time::interval(poll);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let now = match std::fs::read(&path) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                if last.is_some() {
+                    warn!(path = %path.display(), error = %e, "policy file unreadable; the policy in force stays");
+                }
+                None
+            }
+        };
+        if now.is_some() && now != last {
+            let _ = service.reload(&path);
+        }
+        if now.is_some() {
+            last = now;
+        }
+    }
+}
+
+/// Runs [`Service::sweep`] every interval. Runs until the task is dropped.
+pub async fn sweep_every_interval(service: Arc<Service>) {
+    let mut tick = tokio::time::interval(service.interval());
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = service.sweep().await {
+            service.metrics.store_error(e.is_transient());
+            warn!(error = %e, transient = e.is_transient(), "sweep failed");
+        }
+    }
+}

@@ -1,0 +1,292 @@
+//! The Redis store: records shared by every service replica.
+//!
+//! # Layout
+//! * `<prefix>:{<key>}:<limit>`: one (key, limit). The hash tag `{<key>}`
+//!   keeps every limit of a key in one cluster slot.
+//! * `<prefix>:n:{<node>}`: one node's session.
+//! * `<prefix>:keys`, `<prefix>:nodes`: sets of the record names, for the
+//!   timer's sweep and the metrics (kept with `SADD` after a record is
+//!   created; they are indexes, not state).
+//!
+//! Each record is a hash `{v: version, d: bytes}` (see `store::encode`).
+//!
+//! # Atomicity
+//! Optimistic compare-and-set. An update reads `v` and `d`, runs the
+//! allocator step in Rust, and writes with a Lua script that sets the new
+//! `v` and `d` only if `v` is still what was read (Redis runs a script
+//! alone). On a conflict the update is re-read and re-run, at most
+//! [`MAX_ATTEMPTS`] times, then fails with a transient
+//! [`StoreError::Contention`]. A batch of (key, limit)s is read in one
+//! pipeline and written in one pipeline, so a batch costs two round trips
+//! plus one per round of conflicts. The allocation math stays in Rust
+//! (`crate::alloc`); the script knows nothing of it.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Client, RedisError};
+use tokio::sync::OnceCell;
+
+use super::{decode, encode, KeyUpdate, SessionUpdate, Store, StoreError};
+use crate::alloc::{KeyId, KeyState, Session};
+
+/// Attempts of one record's compare-and-set before giving up.
+pub const MAX_ATTEMPTS: u32 = 16;
+
+/// `KEYS[1]` record; `ARGV` expected version ("" when absent), new version,
+/// new bytes. Returns 1 if written, 0 if the version moved.
+const CAS: &str = r"
+local v = redis.call('HGET', KEYS[1], 'v')
+if (v or '') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'v', ARGV[2], 'd', ARGV[3])
+return 1
+";
+
+/// Every command of a request must answer within this (the node's callout
+/// timeout is longer).
+const RESPONSE_TIMEOUT: Duration = Duration::from_millis(250);
+
+pub struct RedisStore {
+    client: Client,
+    conn: OnceCell<ConnectionManager>,
+    prefix: String,
+}
+
+type Version = Option<u64>;
+
+impl RedisStore {
+    /// A store on `url` (`redis://host:port[/db]`). Connects on first use,
+    /// so a service starts (not ready) while Redis is down.
+    pub fn new(url: &str, prefix: &str) -> Result<RedisStore, StoreError> {
+        let client = Client::open(url).map_err(|e| StoreError::Refused(format!("{url}: {e}")))?;
+        Ok(RedisStore {
+            client,
+            conn: OnceCell::new(),
+            prefix: prefix.to_owned(),
+        })
+    }
+
+    async fn conn(&self) -> Result<ConnectionManager, StoreError> {
+        let conn = self
+            .conn
+            .get_or_try_init(|| async {
+                let cfg = ConnectionManagerConfig::new()
+                    .set_response_timeout(Some(RESPONSE_TIMEOUT))
+                    .set_connection_timeout(Some(RESPONSE_TIMEOUT))
+                    .set_number_of_retries(1)
+                    .set_max_delay(Duration::from_millis(500));
+                self.client
+                    .get_connection_manager_with_config(cfg)
+                    .await
+                    .map_err(map_err)
+            })
+            .await?;
+        Ok(conn.clone())
+    }
+
+    fn key_record(&self, id: &KeyId) -> String {
+        format!("{}:{{{}}}:{}", self.prefix, id.0, id.1)
+    }
+
+    fn key_of_record(&self, record: &str) -> Option<KeyId> {
+        // Limit names have no `}` or `:`, so the last `}:` ends the key.
+        let rest = record.strip_prefix(&self.prefix)?.strip_prefix(":{")?;
+        let (key, limit) = rest.rsplit_once("}:")?;
+        Some((key.to_owned(), limit.to_owned()))
+    }
+
+    fn session_record(&self, node: &str) -> String {
+        format!("{}:n:{{{node}}}", self.prefix)
+    }
+
+    fn keys_set(&self) -> String {
+        format!("{}:keys", self.prefix)
+    }
+
+    fn nodes_set(&self) -> String {
+        format!("{}:nodes", self.prefix)
+    }
+}
+
+fn map_err(e: RedisError) -> StoreError {
+    if e.is_timeout() {
+        StoreError::Timeout(e.to_string())
+    } else if e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
+    {
+        StoreError::Unavailable(e.to_string())
+    } else {
+        StoreError::Refused(e.to_string())
+    }
+}
+
+fn cas_cmd(pipe: &mut redis::Pipeline, record: &str, version: Version, bytes: Vec<u8>) {
+    let expected = version.map(|v| v.to_string()).unwrap_or_default();
+    let next = version.unwrap_or(0) + 1;
+    pipe.cmd("EVAL")
+        .arg(CAS)
+        .arg(1)
+        .arg(record)
+        .arg(expected)
+        .arg(next)
+        .arg(bytes);
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let mut conn = self.conn().await?;
+        let _: String = redis::cmd("PING").query_async(&mut conn).await.map_err(map_err)?;
+        Ok(())
+    }
+
+    async fn update_session(&self, node: &str, f: &mut SessionUpdate<'_>) -> Result<u64, StoreError> {
+        let mut conn = self.conn().await?;
+        let record = self.session_record(node);
+        for _ in 0..MAX_ATTEMPTS {
+            let ((version, bytes), count): ((Version, Option<Vec<u8>>), u64) = redis::pipe()
+                .cmd("HMGET")
+                .arg(&record)
+                .arg("v")
+                .arg("d")
+                .cmd("SCARD")
+                .arg(self.nodes_set())
+                .query_async(&mut conn)
+                .await
+                .map_err(map_err)?;
+            let mut slot: Option<Session> = bytes.map(|b| decode(&record, &b)).transpose()?;
+            let created = slot.is_none();
+            if !f(&mut slot) {
+                return Ok(count);
+            }
+            let Some(session) = slot else {
+                return Ok(count);
+            };
+            let mut pipe = redis::pipe();
+            cas_cmd(&mut pipe, &record, version, encode(&record, &session)?);
+            if created {
+                pipe.cmd("SADD").arg(self.nodes_set()).arg(node);
+                let (written, added): (i64, i64) = pipe.query_async(&mut conn).await.map_err(map_err)?;
+                if written == 1 {
+                    return Ok(count + u64::try_from(added).unwrap_or(0));
+                }
+            } else {
+                let (written,): (i64,) = pipe.query_async(&mut conn).await.map_err(map_err)?;
+                if written == 1 {
+                    return Ok(count);
+                }
+            }
+        }
+        Err(StoreError::Contention {
+            record,
+            attempts: MAX_ATTEMPTS,
+        })
+    }
+
+    async fn update_keys(&self, ids: &[KeyId], f: &mut KeyUpdate<'_>) -> Result<(), StoreError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let mut conn = self.conn().await?;
+        let records: Vec<String> = ids.iter().map(|id| self.key_record(id)).collect();
+        let mut pending: Vec<usize> = (0..ids.len()).collect();
+        for _ in 0..MAX_ATTEMPTS {
+            let mut read = redis::pipe();
+            for &i in &pending {
+                read.cmd("HMGET").arg(&records[i]).arg("v").arg("d");
+            }
+            let rows: Vec<(Version, Option<Vec<u8>>)> = read.query_async(&mut conn).await.map_err(map_err)?;
+            let mut write = redis::pipe();
+            let mut written: Vec<(usize, bool)> = Vec::with_capacity(pending.len());
+            for (&i, (version, bytes)) in pending.iter().zip(rows) {
+                let mut slot: Option<KeyState> = bytes.map(|b| decode(&records[i], &b)).transpose()?;
+                let created = slot.is_none();
+                if !f(i, &mut slot) {
+                    continue;
+                }
+                let Some(ks) = slot else {
+                    continue;
+                };
+                cas_cmd(&mut write, &records[i], version, encode(&records[i], &ks)?);
+                written.push((i, created));
+            }
+            if written.is_empty() {
+                return Ok(());
+            }
+            let results: Vec<i64> = write.query_async(&mut conn).await.map_err(map_err)?;
+            let mut index = redis::pipe();
+            let mut indexed = false;
+            pending.clear();
+            for ((i, created), ok) in written.into_iter().zip(results) {
+                if ok != 1 {
+                    pending.push(i);
+                } else if created {
+                    index.cmd("SADD").arg(self.keys_set()).arg(&records[i]).ignore();
+                    indexed = true;
+                }
+            }
+            if indexed {
+                let () = index.query_async(&mut conn).await.map_err(map_err)?;
+            }
+            if pending.is_empty() {
+                return Ok(());
+            }
+        }
+        Err(StoreError::Contention {
+            record: pending.first().map(|&i| records[i].clone()).unwrap_or_default(),
+            attempts: MAX_ATTEMPTS,
+        })
+    }
+
+    async fn key_ids(&self) -> Result<Vec<KeyId>, StoreError> {
+        let mut conn = self.conn().await?;
+        let names: Vec<String> = redis::cmd("SMEMBERS")
+            .arg(self.keys_set())
+            .query_async(&mut conn)
+            .await
+            .map_err(map_err)?;
+        Ok(names.iter().filter_map(|n| self.key_of_record(n)).collect())
+    }
+
+    async fn key_count(&self) -> Result<u64, StoreError> {
+        let mut conn = self.conn().await?;
+        redis::cmd("SCARD")
+            .arg(self.keys_set())
+            .query_async(&mut conn)
+            .await
+            .map_err(map_err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_names_round_trip_even_with_braces_in_the_key() {
+        let s = RedisStore::new("redis://127.0.0.1:1", "tg").unwrap();
+        for key in ["tenant-a|orders", "we}:ird{|x", ""] {
+            let id = (key.to_owned(), "per-min".to_owned());
+            assert_eq!(s.key_of_record(&s.key_record(&id)), Some(id));
+        }
+        assert_eq!(s.key_record(&("t|a".into(), "l".into())), "tg:{t|a}:l");
+    }
+
+    #[test]
+    fn transient_errors_are_marked() {
+        assert!(StoreError::Unavailable("x".into()).is_transient());
+        assert!(StoreError::Contention {
+            record: "r".into(),
+            attempts: 16
+        }
+        .is_transient());
+        assert!(!StoreError::Refused("x".into()).is_transient());
+    }
+}
