@@ -21,6 +21,7 @@ pub mod error;
 pub mod service;
 pub mod sim;
 pub mod store;
+pub mod testing;
 
 pub use alloc::{AllocConfig, Allocator, GlobalLimit};
 pub use error::{AllocError, ConfigError};

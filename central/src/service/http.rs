@@ -101,12 +101,22 @@ pub async fn serve(
     opts: ServeOptions,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(opts.listen).await?;
+    serve_on(service, listener, opts, shutdown).await
+}
+
+/// [`serve`] on a bound listener (tests bind port 0).
+pub async fn serve_on(
+    service: Arc<Service>,
+    listener: tokio::net::TcpListener,
+    opts: ServeOptions,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let addr = listener.local_addr()?;
     if service.config().is_none() {
         // Not ready until a valid policy appears (the watcher reloads it).
         let _ = service.reload(&opts.policy);
     }
-    let listener = tokio::net::TcpListener::bind(opts.listen).await?;
-    let addr = listener.local_addr()?;
     let store: &Arc<dyn Store> = service.store();
     info!(%addr, store = store.kind(), policy = %opts.policy.display(), "tenantgate serve listening");
     let watcher = tokio::spawn(watch_policy(

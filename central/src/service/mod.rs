@@ -40,7 +40,7 @@ use tracing::{info, warn};
 
 use crate::alloc::{self, AllocConfig, KeyId, KeyState, Visit};
 use crate::store::{Store, StoreError};
-pub use http::{open_store, router, run, serve, shutdown_signal, ServeOptions};
+pub use http::{open_store, router, run, serve, serve_on, shutdown_signal, ServeOptions};
 use metrics::{Metrics, Outcome};
 pub use policy::{PolicyLimits, Settings};
 

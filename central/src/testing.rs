@@ -1,0 +1,104 @@
+//! Test and benchmark support: a throwaway `redis-server` on loopback.
+//!
+//! The service tests and `make bench-service` run against a real Redis.
+//! [`RedisServer::start`] runs one on a free port with persistence off, in a
+//! temporary directory, and kills it when dropped. If `redis-server` is not
+//! installed it fails with a message saying how to install it (tests do
+//! not skip).
+
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A `redis-server` child process.
+pub struct RedisServer {
+    child: Option<Child>,
+    dir: PathBuf,
+    pub port: u16,
+}
+
+/// `$TENANTGATE_REDIS_SERVER`, else `/usr/bin/redis-server` if present,
+/// else `redis-server` from `PATH`.
+fn binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("TENANTGATE_REDIS_SERVER") {
+        return PathBuf::from(p);
+    }
+    let debian = PathBuf::from("/usr/bin/redis-server");
+    if debian.exists() {
+        return debian;
+    }
+    PathBuf::from("redis-server")
+}
+
+impl RedisServer {
+    /// Starts one and waits (at most 10 s) until it accepts connections.
+    pub fn start() -> Result<RedisServer, String> {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .map_err(|e| format!("no free loopback port: {e}"))?;
+        let dir = std::env::temp_dir().join(format!("tenantgate-redis-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let bin = binary();
+        let child = Command::new(&bin)
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .arg("--dir")
+            .arg(&dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| {
+                format!(
+                    "cannot run {}: {e}. The Redis store's tests need redis-server: \
+                     `apt-get install -y redis-server` (make setup-redis does it), \
+                     or set TENANTGATE_REDIS_SERVER",
+                    bin.display()
+                )
+            })?;
+        let mut server = RedisServer {
+            child: Some(child),
+            dir,
+            port,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if let Some(Ok(Some(status))) = server.child.as_mut().map(|c| c.try_wait()) {
+                return Err(format!("redis-server exited at start: {status}"));
+            }
+            if Instant::now() > deadline {
+                return Err(format!("redis-server did not listen on {port} within 10 s"));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(server)
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills it now (to test a store outage).
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,0 +1,501 @@
+//! T3: the service's scenarios, each written once and run against every
+//! store: embedded, and a real `redis-server` that each test starts on a
+//! free loopback port (persistence off, a temp dir) and kills at the end.
+//! A missing `redis-server` fails the Redis tests with a message saying how
+//! to install it.
+//!
+//! Time is the service's [`ManualClock`]: a test moves it by whole
+//! intervals. Conditions that depend on background tasks (the policy
+//! watcher) are waited for with a deadline, never a bare sleep.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a test crate
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tenantgate::sync::{Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
+use tenantgate_central::service::{serve_on, ManualClock, ServeOptions, Service, Settings};
+use tenantgate_central::store::{EmbeddedStore, RedisStore, Store};
+use tenantgate_central::testing::RedisServer;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::oneshot;
+
+const SEC: u64 = 1_000_000_000;
+const T0: u64 = 1_000 * SEC;
+
+const POLICY_V1: &str = r#"
+version: "v1"
+identity: { header: x-tenant-id }
+plans:
+  free:
+    limits:
+      - { name: per-10s, rate: 1000, per: 10s, burst: 200 }
+tenants: []
+default_plan: free
+anonymous: { plan: free }
+routes:
+  api: {}
+"#;
+
+const POLICY_V2: &str = r#"
+version: "v2"
+identity: { header: x-tenant-id }
+plans:
+  free:
+    limits:
+      - { name: per-10s, rate: 1000, per: 10s, burst: 200 }
+  paid:
+    limits:
+      - { name: paid-per-10s, rate: 5000, per: 10s, burst: 900 }
+tenants: [{ id: t-paid, plan: paid }]
+default_plan: free
+anonymous: { plan: free }
+routes:
+  api: {}
+"#;
+
+/// A store kind under test.
+enum Backend {
+    Embedded(Arc<EmbeddedStore>),
+    Redis(RedisServer),
+}
+
+impl Backend {
+    fn embedded() -> Backend {
+        Backend::Embedded(Arc::new(EmbeddedStore::new()))
+    }
+
+    fn redis() -> Backend {
+        Backend::Redis(RedisServer::start().unwrap_or_else(|e| panic!("{e}")))
+    }
+
+    /// A store handle: the same one for embedded, a new client for Redis
+    /// (as a second replica would have).
+    fn store(&self) -> Arc<dyn Store> {
+        match self {
+            Backend::Embedded(s) => s.clone(),
+            Backend::Redis(r) => Arc::new(RedisStore::new(&r.url(), "tgtest").unwrap()),
+        }
+    }
+}
+
+/// One replica on a loopback port, with its own policy watcher.
+struct Instance {
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Instance {
+    async fn start(store: Arc<dyn Store>, clock: Arc<ManualClock>, policy: &Path) -> Instance {
+        let service = Arc::new(Service::new(store, clock, Settings::default()));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = oneshot::channel::<()>();
+        let opts = ServeOptions {
+            listen: addr,
+            policy: policy.to_owned(),
+            policy_poll: Duration::from_millis(20),
+        };
+        let task = tokio::spawn(serve_on(service.clone(), listener, opts, async {
+            let _ = rx.await;
+        }));
+        Instance {
+            addr,
+            stop: Some(tx),
+            task,
+        }
+    }
+
+    async fn get(&self, path: &str) -> (u16, String) {
+        http(self.addr, "GET", path, "").await
+    }
+
+    async fn sync(&self, req: &SyncRequest) -> (u16, String) {
+        http(self.addr, "POST", "/v1/sync", &req.to_json()).await
+    }
+
+    async fn lease(&self, req: &SyncRequest) -> SyncResponse {
+        let (status, body) = self.sync(req).await;
+        assert_eq!(status, 200, "{body}");
+        SyncResponse::from_json(body.as_bytes()).unwrap()
+    }
+
+    async fn metric(&self, line_start: &str) -> Option<String> {
+        let (_, text) = self.get("/metrics").await;
+        text.lines()
+            .find(|l| l.starts_with(line_start))
+            .map(|l| l[line_start.len()..].trim().to_owned())
+    }
+
+    async fn shutdown(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        tokio::time::timeout(Duration::from_secs(5), self.task)
+            .await
+            .expect("graceful shutdown within 5 s")
+            .unwrap()
+            .unwrap();
+    }
+}
+
+/// A minimal HTTP/1.1 client (one request per connection).
+async fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out))
+        .await
+        .expect("an answer within 5 s")
+        .unwrap();
+    let text = String::from_utf8(out).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, body.to_owned())
+}
+
+/// Waits for `cond` with a deadline.
+async fn wait_for<F, Fut>(what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !cond().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn request(node: &str, seq: u64, acked: u64, reports: &[(&str, &str, u64)]) -> SyncRequest {
+    SyncRequest {
+        version: PROTOCOL_VERSION,
+        node_id: node.into(),
+        region: format!("region-{}", node.len() % 2),
+        policy_version: "v1".into(),
+        seq,
+        acked_seq: acked,
+        reports: reports
+            .iter()
+            .map(|(key, limit, n)| Report {
+                key: (*key).into(),
+                limit: (*limit).into(),
+                consumed: *n,
+                unleased: 0,
+                demand: *n,
+            })
+            .collect(),
+    }
+}
+
+fn policy_file(text: &str) -> tempfile::NamedTempFile {
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), text).unwrap();
+    f
+}
+
+// ---- scenarios -------------------------------------------------------------
+
+async fn sync_round_trip(b: Backend) {
+    let policy = policy_file(POLICY_V1);
+    let clock = Arc::new(ManualClock::new(T0));
+    let a = Instance::start(b.store(), clock.clone(), policy.path()).await;
+    let resp = a.lease(&request("n1", 1, 0, &[("t|api", "per-10s", 3)])).await;
+    assert_eq!(resp.ack_seq, 1);
+    assert_eq!(resp.interval_ms, 1000);
+    assert_eq!(resp.leases.len(), 1);
+    let l = &resp.leases[0];
+    assert_eq!(
+        (l.key.as_str(), l.limit.as_str(), l.ttl_ms),
+        ("t|api", "per-10s", 3000)
+    );
+    assert!(l.tokens > 0 && l.tokens <= 200, "{l:?}");
+
+    // A batch: several keys in one request, answered in its order.
+    clock.advance(Duration::from_secs(1));
+    let keys: Vec<String> = (0..50).map(|i| format!("t{i}|api")).collect();
+    let reports: Vec<(&str, &str, u64)> = keys.iter().map(|k| (k.as_str(), "per-10s", 1)).collect();
+    let resp = a.lease(&request("n1", 2, 1, &reports)).await;
+    assert_eq!(resp.leases.len(), 50);
+    assert!(resp.leases.iter().zip(&keys).all(|(l, k)| &l.key == k));
+    assert_eq!(b.store().key_count().await.unwrap(), 51);
+
+    // Refusals: garbage, another version, a limit the policy lacks.
+    assert_eq!(http(a.addr, "POST", "/v1/sync", "{nope").await.0, 400);
+    let mut v2 = request("n1", 3, 2, &[]);
+    v2.version = 2;
+    assert_eq!(a.sync(&v2).await.0, 400);
+    let resp = a
+        .lease(&request("n1", 4, 2, &[("t|api", "no-such-limit", 1)]))
+        .await;
+    assert!(resp.leases.is_empty());
+    assert_eq!(
+        a.metric("tenantgate_sync_unknown_limits_total").await.as_deref(),
+        Some("1")
+    );
+    a.shutdown().await;
+}
+
+/// Two replicas sharing one store: six nodes that each want far more than
+/// the limit, spread over both replicas and sending at once. Whatever the
+/// interleaving, the leases out at any time never sum above the burst, and
+/// the tokens granted in total never exceed the burst plus the refill.
+async fn two_instances_share_one_store(b: Backend) {
+    let policy = policy_file(POLICY_V1);
+    let clock = Arc::new(ManualClock::new(T0));
+    let a = Arc::new(Instance::start(b.store(), clock.clone(), policy.path()).await);
+    let c = Arc::new(Instance::start(b.store(), clock.clone(), policy.path()).await);
+    let nodes: Vec<String> = (0..6).map(|i| format!("node-{i}")).collect();
+    let mut last_tokens = vec![0u64; nodes.len()];
+    let (limit, window_s, burst) = (1000u64, 10u64, 200u64);
+    let rounds = 12u64;
+    for round in 1..=rounds {
+        let mut tasks = Vec::new();
+        for (i, node) in nodes.iter().enumerate() {
+            let inst = if (i as u64 + round) % 2 == 0 {
+                a.clone()
+            } else {
+                c.clone()
+            };
+            // Each node used all of its last lease, and wants 500 more.
+            let req = SyncRequest {
+                reports: vec![Report {
+                    key: "tenant-x|api".into(),
+                    limit: "per-10s".into(),
+                    consumed: last_tokens[i],
+                    unleased: 0,
+                    demand: 500,
+                }],
+                ..request(node, round, round - 1, &[])
+            };
+            tasks.push(tokio::spawn(async move { inst.lease(&req).await }));
+        }
+        let mut sum = 0;
+        for (i, t) in tasks.into_iter().enumerate() {
+            let resp = t.await.unwrap();
+            last_tokens[i] = resp.leases[0].tokens;
+            sum += last_tokens[i];
+        }
+        assert!(sum <= burst, "round {round}: leases sum to {sum} > burst {burst}");
+        let ks = b
+            .store()
+            .key(&("tenant-x|api".into(), "per-10s".into()))
+            .await
+            .unwrap()
+            .unwrap();
+        let view = ks.view();
+        let elapsed_s = round - 1;
+        let refill = limit * elapsed_s / window_s;
+        assert!(
+            view.stats.granted <= burst + refill,
+            "round {round}: granted {} > burst {burst} + refill {refill}",
+            view.stats.granted
+        );
+        assert!(view.bucket + view.reserved <= burst);
+        println!(
+            "round {round}: leases {sum} granted {} (≤ {})",
+            view.stats.granted,
+            burst + refill
+        );
+        clock.advance(Duration::from_secs(1));
+    }
+    // Both replicas answered, and the tokens kept flowing at the limit's rate.
+    assert!(
+        a.metric("tenantgate_sync_requests_total{result=\"ok\"}")
+            .await
+            .unwrap()
+            != "0"
+    );
+    assert!(
+        c.metric("tenantgate_sync_requests_total{result=\"ok\"}")
+            .await
+            .unwrap()
+            != "0"
+    );
+    let view = b
+        .store()
+        .key(&("tenant-x|api".into(), "per-10s".into()))
+        .await
+        .unwrap()
+        .unwrap()
+        .view();
+    assert!(view.stats.granted >= limit * (rounds - 2) / window_s, "{view:?}");
+    for i in [a, c] {
+        Arc::into_inner(i).unwrap().shutdown().await;
+    }
+}
+
+/// A report whose answer was lost is merged into the next one and counted
+/// once; a duplicate (even at the other replica) counts nothing.
+async fn lost_and_duplicate_reports_counted_once(b: Backend) {
+    let policy = policy_file(POLICY_V1);
+    let clock = Arc::new(ManualClock::new(T0));
+    let a = Instance::start(b.store(), clock.clone(), policy.path()).await;
+    let c = Instance::start(b.store(), clock.clone(), policy.path()).await;
+    let id = ("t|api".to_owned(), "per-10s".to_owned());
+    let consumed = || async { b.store().key(&id).await.unwrap().unwrap().view().stats.consumed };
+
+    a.lease(&request("n1", 1, 0, &[("t|api", "per-10s", 5)])).await;
+    assert_eq!(consumed().await, 5);
+    // The same request again, at the other replica: refused, not counted.
+    let (status, body) = c.sync(&request("n1", 1, 0, &[("t|api", "per-10s", 5)])).await;
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(consumed().await, 5);
+    // Our answer to 1 was lost: 2 still acknowledges 0 and carries 5 + 3.
+    clock.advance(Duration::from_secs(1));
+    c.lease(&request("n1", 2, 0, &[("t|api", "per-10s", 8)])).await;
+    assert_eq!(consumed().await, 8);
+    // 3 was lost on its way; 4 acknowledges 2 and carries 3's 4 plus 2.
+    clock.advance(Duration::from_secs(1));
+    a.lease(&request("n1", 4, 2, &[("t|api", "per-10s", 6)])).await;
+    assert_eq!(consumed().await, 14);
+    assert_eq!(
+        c.metric("tenantgate_sync_requests_total{result=\"stale\"}")
+            .await
+            .as_deref(),
+        Some("1")
+    );
+    a.shutdown().await;
+    c.shutdown().await;
+}
+
+async fn policy_hot_reload(b: Backend) {
+    let policy = policy_file(POLICY_V1);
+    let clock = Arc::new(ManualClock::new(T0));
+    let a = Instance::start(b.store(), clock.clone(), policy.path()).await;
+    let version = "tenantgate_policy_info{version=\"v1\"}";
+    assert_eq!(a.metric(version).await.as_deref(), Some("1"));
+    // A limit the policy does not have yet: no lease.
+    let resp = a
+        .lease(&request("n1", 1, 0, &[("t-paid|api", "paid-per-10s", 1)]))
+        .await;
+    assert!(resp.leases.is_empty());
+
+    std::fs::write(policy.path(), POLICY_V2).unwrap();
+    wait_for("policy v2", || async {
+        a.metric("tenantgate_policy_info{version=\"v2\"}")
+            .await
+            .as_deref()
+            == Some("1")
+    })
+    .await;
+    clock.advance(Duration::from_secs(1));
+    let mut req = request("n1", 2, 1, &[("t-paid|api", "paid-per-10s", 1)]);
+    req.policy_version = "v2".into();
+    let resp = a.lease(&req).await;
+    assert_eq!(resp.leases.len(), 1);
+    assert!(resp.leases[0].tokens > 0);
+
+    // An invalid policy is refused and logged; v2 stays, still ready.
+    std::fs::write(policy.path(), "version: v3\nplans: {}\n").unwrap();
+    wait_for("the refusal", || async {
+        a.metric("tenantgate_policy_reloads_total{result=\"error\"}")
+            .await
+            .as_deref()
+            == Some("1")
+    })
+    .await;
+    assert_eq!(
+        a.metric("tenantgate_policy_info{version=\"v2\"}")
+            .await
+            .as_deref(),
+        Some("1")
+    );
+    assert_eq!(a.get("/readyz").await.0, 200);
+    a.shutdown().await;
+}
+
+async fn health_ready_and_metrics(mut b: Backend) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("policy.yaml");
+    let clock = Arc::new(ManualClock::new(T0));
+    // No policy yet: alive, not ready, syncs refused as "try again".
+    let a = Instance::start(b.store(), clock.clone(), &path).await;
+    assert_eq!(a.get("/healthz").await, (200, "ok\n".to_owned()));
+    let (status, body) = a.get("/readyz").await;
+    assert_eq!(status, 503);
+    assert!(body.contains("no policy"), "{body}");
+    assert_eq!(a.sync(&request("n1", 1, 0, &[])).await.0, 503);
+
+    std::fs::write(&path, POLICY_V1).unwrap();
+    wait_for("ready", || async { a.get("/readyz").await.0 == 200 }).await;
+
+    // A node on another policy version is answered, and counted as skew.
+    let mut req = request("n1", 2, 0, &[("t|api", "per-10s", 1)]);
+    req.policy_version = "v0".into();
+    a.lease(&req).await;
+    let (status, text) = a.get("/metrics").await;
+    assert_eq!(status, 200);
+    for name in [
+        "tenantgate_sync_requests_total{result=\"ok\"} 1",
+        "tenantgate_sync_requests_total{result=\"not_ready\"} 1",
+        "tenantgate_sync_reports_total 1",
+        "tenantgate_policy_skew_total 1",
+        "tenantgate_keys 1",
+        "tenantgate_policy_info{version=\"v1\"} 1",
+        "tenantgate_sync_duration_seconds_count 2",
+        "tenantgate_store_errors_total{transient=\"true\"} 0",
+    ] {
+        assert!(text.lines().any(|l| l == name), "missing `{name}` in\n{text}");
+    }
+
+    // The store goes away (Redis only): not ready, syncs answered 503
+    // (transient), and the error counted.
+    if let Backend::Redis(server) = &mut b {
+        server.stop();
+        wait_for("not ready", || async { a.get("/readyz").await.0 == 503 }).await;
+        let (status, body) = a.sync(&request("n1", 3, 2, &[("t|api", "per-10s", 1)])).await;
+        assert_eq!(status, 503, "{body}");
+        assert!(body.contains("\"transient\":true"), "{body}");
+        assert_eq!(
+            a.metric("tenantgate_store_errors_total{transient=\"true\"}")
+                .await
+                .as_deref(),
+            Some("1")
+        );
+        assert_eq!(
+            a.metric("tenantgate_store_up{store=\"redis\"}").await.as_deref(),
+            Some("0")
+        );
+    }
+    a.shutdown().await;
+}
+
+// ---- each scenario against each store ---------------------------------------
+
+macro_rules! both_stores {
+    ($($scenario:ident),* $(,)?) => {
+        mod embedded {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    super::$scenario(super::Backend::embedded()).await;
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    super::$scenario(super::Backend::redis()).await;
+                }
+            )*
+        }
+    };
+}
+
+both_stores!(
+    sync_round_trip,
+    two_instances_share_one_store,
+    lost_and_duplicate_reports_counted_once,
+    policy_hot_reload,
+    health_ready_and_metrics,
+);
