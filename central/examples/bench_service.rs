@@ -1,0 +1,196 @@
+//! `make bench-service`: key reports processed per second by the central
+//! service, per core, for the embedded store and for Redis.
+//!
+//! 1. In process, one thread (a current-thread runtime): `Service::sync`
+//!    on batched requests, as the HTTP handler calls it. 20 nodes, each
+//!    reporting the same 100 keys every interval (2,000 keys), the clock
+//!    moved one interval per pass. Target: ≥ 100,000 key reports/s per
+//!    core with the embedded store (PASS/MISS).
+//! 2. The same against a `redis-server` started here (it runs on the other
+//!    core; the figure is per core of the service).
+//! 3. Over HTTP on loopback (embedded store), a bounded number of requests
+//!    from 4 concurrent clients: end to end, client included, both cores.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a benchmark
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tenantgate::sync::{Report, SyncRequest, PROTOCOL_VERSION};
+use tenantgate_central::service::{policy, serve_on, ManualClock, ServeOptions, Service, Settings};
+use tenantgate_central::store::{EmbeddedStore, RedisStore, Store};
+use tenantgate_central::testing::RedisServer;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const POLICY: &str = r#"
+version: "bench"
+identity: { header: x-tenant-id }
+plans:
+  free:
+    limits:
+      - { name: per-min, rate: 6000, per: 1m, burst: 1000 }
+tenants: []
+default_plan: free
+anonymous: { plan: free }
+routes:
+  api: {}
+"#;
+
+const NODES: usize = 20;
+const KEYS_PER_NODE: usize = 100;
+const TARGET: f64 = 100_000.0;
+
+fn requests(seq: u64) -> Vec<SyncRequest> {
+    (0..NODES)
+        .map(|n| SyncRequest {
+            version: PROTOCOL_VERSION,
+            node_id: format!("node-{n}"),
+            region: format!("region-{}", n % 3),
+            policy_version: "bench".into(),
+            seq,
+            acked_seq: seq - 1,
+            reports: (0..KEYS_PER_NODE)
+                .map(|k| Report {
+                    // Keys are shared by 4 nodes each, as tenants are.
+                    key: format!("tenant-{}|api", (n % 5) * KEYS_PER_NODE + k),
+                    limit: "per-min".into(),
+                    consumed: 3,
+                    unleased: 0,
+                    demand: 4,
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+fn service(store: Arc<dyn Store>, clock: Arc<ManualClock>) -> Arc<Service> {
+    let s = Service::new(store, clock, Settings::default());
+    s.set_policy(&policy::parse(POLICY).unwrap());
+    Arc::new(s)
+}
+
+/// Passes over every node until `budget` has elapsed (at least `min_passes`).
+async fn run_in_process(store: Arc<dyn Store>, budget: Duration, min_passes: u64) -> (u64, Duration) {
+    let clock = Arc::new(ManualClock::new(1_000_000_000_000));
+    let svc = service(store, clock.clone());
+    // Warm up: create every key.
+    for req in requests(1) {
+        svc.sync(&req).await.unwrap();
+    }
+    let started = Instant::now();
+    let mut reports = 0u64;
+    let mut seq = 2;
+    while started.elapsed() < budget || seq < 2 + min_passes {
+        clock.advance(svc.interval());
+        let batch = requests(seq);
+        for req in &batch {
+            svc.sync(req).await.unwrap();
+            reports += req.reports.len() as u64;
+        }
+        seq += 1;
+    }
+    (reports, started.elapsed())
+}
+
+async fn http_post(addr: std::net::SocketAddr, body: &str) -> u16 {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "POST /v1/sync HTTP/1.1\r\nhost: b\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).await.unwrap();
+    String::from_utf8_lossy(&out)
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
+fn per_s(reports: u64, took: Duration) -> f64 {
+    reports as f64 / took.as_secs_f64()
+}
+
+fn main() {
+    let one_thread = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+
+    let (n, took) = one_thread().block_on(run_in_process(
+        Arc::new(EmbeddedStore::new()),
+        Duration::from_secs(3),
+        5,
+    ));
+    let embedded = per_s(n, took);
+    let verdict = if embedded >= TARGET { "PASS" } else { "MISS" };
+    println!(
+        "embedded, in process, 1 core: {embedded:>10.0} key reports/s ({n} in {:.2} s, batches of {KEYS_PER_NODE}) [{verdict}: target {TARGET:.0}]",
+        took.as_secs_f64()
+    );
+
+    let redis = RedisServer::start().unwrap_or_else(|e| panic!("{e}"));
+    let store: Arc<dyn Store> = Arc::new(RedisStore::new(&redis.url(), "bench").unwrap());
+    let (n, took) = one_thread().block_on(run_in_process(store, Duration::from_secs(3), 5));
+    println!(
+        "redis,    in process, 1 core: {:>10.0} key reports/s ({n} in {:.2} s; redis-server on the other core)",
+        per_s(n, took),
+        took.as_secs_f64()
+    );
+    drop(redis);
+
+    // HTTP, embedded store, bounded count.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let clock = Arc::new(ManualClock::new(1_000_000_000_000));
+        let svc = service(Arc::new(EmbeddedStore::new()), clock.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let opts = ServeOptions {
+            listen: addr,
+            policy: std::path::PathBuf::from("/nonexistent/policy.yaml"),
+            policy_poll: Duration::from_secs(3600),
+        };
+        let server = tokio::spawn(serve_on(svc.clone(), listener, opts, async {
+            let _ = rx.await;
+        }));
+        let passes = 100u64;
+        let started = Instant::now();
+        let mut reports = 0u64;
+        for seq in 1..=passes {
+            clock.advance(svc.interval());
+            let bodies: Vec<String> = requests(seq).iter().map(|r| r.to_json()).collect();
+            let mut tasks = Vec::new();
+            for chunk in bodies.chunks(NODES / 4) {
+                let chunk = chunk.to_vec();
+                tasks.push(tokio::spawn(async move {
+                    for b in chunk {
+                        assert_eq!(http_post(addr, &b).await, 200);
+                    }
+                }));
+            }
+            for t in tasks {
+                t.await.unwrap();
+            }
+            reports += (NODES * KEYS_PER_NODE) as u64;
+        }
+        let took = started.elapsed();
+        println!(
+            "embedded, HTTP loopback, 2 cores (client included): {:>10.0} key reports/s ({} requests of {KEYS_PER_NODE} in {:.2} s, {:.2} ms per request)",
+            per_s(reports, took),
+            passes * NODES as u64,
+            took.as_secs_f64(),
+            took.as_secs_f64() * 1000.0 / (passes * NODES as u64) as f64
+        );
+        let _ = tx.send(());
+        let _ = server.await;
+    });
+}
