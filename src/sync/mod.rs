@@ -13,5 +13,8 @@
 pub mod node;
 pub mod protocol;
 
-pub use node::{Admitted, ApplyError, Counts, Denied, FailureMode, Node, NodeConfig, NodeStats};
+pub use node::{
+    Admitted, Allowance, ApplyError, Counts, Denied, FailureMode, InFlight, LeaseState, Node, NodeConfig,
+    NodeStats, NodeView, SyncState,
+};
 pub use protocol::{Lease, ProtocolError, Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
