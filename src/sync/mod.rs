@@ -12,6 +12,8 @@
 
 pub mod node;
 pub mod protocol;
+pub mod shared;
+pub mod stored;
 
 pub use node::{
     Admitted, Allowance, ApplyError, Counts, Denied, FailureMode, InFlight, LeaseState, Node, NodeConfig,
