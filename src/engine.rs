@@ -7,13 +7,14 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::rc::Rc;
 
 use crate::host::{CasResult, Host, HostError};
-use crate::limiter::algo::{record_is_idle, Algo, Outcome};
+use crate::limiter::algo::{record_is_idle, Algo, Outcome, State, KIND_GLOBAL_ALLOWANCE};
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::{
     self, Limit, Mode, Policy, RouteClass, MAX_LIMITS_PER_PLAN, ROUTE_METADATA_CLASS_FIELD,
     ROUTE_METADATA_NAMESPACE,
 };
 use crate::state;
+use crate::sync::{stored, Allowance, NodeView, SyncState};
 
 /// How many times a request re-reads and retries its compare-and-swap
 /// before giving up. When the bound is hit the request is denied with
@@ -199,7 +200,8 @@ pub fn prepare<H: Host>(policy: &Policy, host: &H) -> Result<Prepared, Reason> {
 }
 
 /// Checks and charges a prepared request against its plan's limits, then
-/// against its class's global guard.
+/// against its class's global guard, as a node that has just started
+/// syncing (see [`charge_synced`]).
 pub fn charge<H: Host>(
     policy: &Policy,
     req: &Prepared,
@@ -207,15 +209,38 @@ pub fn charge<H: Host>(
     now: u64,
     scratch: &mut Vec<u8>,
 ) -> Decision {
+    charge_synced(policy, req, host, now, None, scratch)
+}
+
+/// [`charge`] with the node's sync state, which global limits decide with
+/// (`None`: as if the node started syncing when the policy took effect).
+/// Limits that are not global never look at it.
+pub fn charge_synced<H: Host>(
+    policy: &Policy,
+    req: &Prepared,
+    host: &H,
+    now: u64,
+    sync: Option<&SyncState>,
+    scratch: &mut Vec<u8>,
+) -> Decision {
     let Some(plan) = policy.plan(req.plan) else {
         // Unreachable by construction (compile checks every reference).
         return Decision::pass(Reason::Unclassified, req.subject.clone());
     };
+    let effective_from = policy.effective_from_ns.min(now);
+    let view = policy.sync.as_ref().map(|s| {
+        let state = sync
+            .copied()
+            .unwrap_or_else(|| SyncState::new(effective_from, s.interval_ns, s.timeout_ns));
+        let mode = req.class.failure_mode.unwrap_or(s.failure_mode);
+        state.view(mode, s.provisional, s.local_max_ns, now)
+    });
     let ctx = Ctx {
         now,
-        effective_from: policy.effective_from_ns.min(now),
+        effective_from,
         shadow_mode: policy.mode == Mode::Shadow,
         cost: req.class.cost,
+        sync: view,
     };
     let logical = logical_key(&req.class.action, &req.subject);
     let tenant_place = Place::Table {
@@ -266,6 +291,15 @@ struct Ctx {
     effective_from: u64,
     shadow_mode: bool,
     cost: u64,
+    /// What global limits decide with (`None`: the policy has none).
+    sync: Option<NodeView>,
+}
+
+/// One limit's state as read, and after charging this request if the
+/// limit admits it.
+enum Loaded {
+    Local(State, Option<State>),
+    Global(Allowance, Option<Allowance>),
 }
 
 /// Where a set of limits keeps its state.
@@ -522,16 +556,30 @@ fn apply<H: Host>(
         let mut states = Vec::with_capacity(limits.len());
         for (i, l) in limits.iter().enumerate() {
             let record = records.iter().find(|r| r.name_hash == l.name_hash);
-            let (loaded, migrated) = l.algo.load(record, ctx.effective_from, ctx.now);
-            changed |= migrated;
-            let charged = match l.algo.check(&loaded, ctx.now, ctx.cost) {
+            let (outcome, loaded) = match (l.global, ctx.sync.as_ref()) {
+                (true, Some(view)) => {
+                    // Demand is counted even when the request is denied, so
+                    // a global limit always writes.
+                    changed = true;
+                    let (outcome, demanded, charged) = check_global(record, view, ctx);
+                    (outcome, Loaded::Global(demanded, charged))
+                }
+                _ => {
+                    let (loaded, migrated) = l.algo.load(record, ctx.effective_from, ctx.now);
+                    changed |= migrated;
+                    let outcome = l.algo.check(&loaded, ctx.now, ctx.cost);
+                    let charged = match &outcome {
+                        Outcome::Admit { state, .. } => Some(state.clone()),
+                        Outcome::Deny { .. } => None,
+                    };
+                    (outcome, Loaded::Local(loaded, charged))
+                }
+            };
+            match outcome {
                 Outcome::Admit {
-                    state,
-                    remaining,
-                    reset_ns,
+                    remaining, reset_ns, ..
                 } => {
                     out.report.push((remaining, reset_ns));
-                    Some(state)
                 }
                 Outcome::Deny {
                     wait_ns,
@@ -549,10 +597,9 @@ fn apply<H: Host>(
                     if out.binding.is_none_or(|(b, w)| rank > (!limits[b].shadow, w)) {
                         out.binding = Some((i, wait_ns));
                     }
-                    None
                 }
-            };
-            states.push((loaded, charged));
+            }
+            states.push(loaded);
         }
 
         if out.denied && ctx.shadow_mode {
@@ -566,25 +613,34 @@ fn apply<H: Host>(
         }
         let mut records_bytes = vec![limits.len() as u8];
         let mut state_bytes = Vec::new();
-        for (i, (l, (loaded, charged))) in limits.iter().zip(&states).enumerate() {
-            let stored = match charged {
-                Some(charged) if !out.denied => {
-                    out.charged |= 1 << i;
-                    charged
-                }
-                _ => loaded,
-            };
+        for (i, (l, loaded)) in limits.iter().zip(&states).enumerate() {
             state_bytes.clear();
-            Algo::encode(stored, &mut state_bytes);
+            let kind = match loaded {
+                Loaded::Local(loaded, charged) => {
+                    let stored = match charged {
+                        Some(charged) if !out.denied => {
+                            out.charged |= 1 << i;
+                            charged
+                        }
+                        _ => loaded,
+                    };
+                    Algo::encode(stored, &mut state_bytes);
+                    l.algo.kind()
+                }
+                Loaded::Global(demanded, charged) => {
+                    let stored = match charged {
+                        Some(charged) if !out.denied => {
+                            out.charged |= 1 << i;
+                            charged
+                        }
+                        _ => demanded,
+                    };
+                    stored::encode_allowance(stored, &mut state_bytes);
+                    KIND_GLOBAL_ALLOWANCE
+                }
+            };
             let (p1, p2) = l.algo.params();
-            state::push_record(
-                &mut records_bytes,
-                l.name_hash,
-                l.algo.kind(),
-                p1,
-                p2,
-                &state_bytes,
-            );
+            state::push_record(&mut records_bytes, l.name_hash, kind, p1, p2, &state_bytes);
         }
         let new_slot = state::Slot {
             key: &target.slot_key,
@@ -609,6 +665,45 @@ fn apply<H: Host>(
         }
     }
     Applied::failed(Reason::Contention, MAX_CAS_ATTEMPTS)
+}
+
+/// Checks a global limit's allowance: the outcome, the stored allowance
+/// with this request's demand counted, and the allowance charged (if it
+/// admits).
+fn check_global(
+    record: Option<&state::Record<'_>>,
+    view: &NodeView,
+    ctx: &Ctx,
+) -> (Outcome, Allowance, Option<Allowance>) {
+    let mut demanded = record
+        .filter(|r| r.kind == KIND_GLOBAL_ALLOWANCE)
+        .and_then(|r| stored::decode_allowance(r.state))
+        .unwrap_or_else(|| Allowance::fresh(view.provisional));
+    demanded.note_demand(ctx.cost);
+    let mut charged = demanded;
+    match charged.take(view, ctx.cost, ctx.now) {
+        Ok(_) => (
+            Outcome::Admit {
+                state: State::TokenBucket { tat: 0 },
+                remaining: charged.available(ctx.now),
+                reset_ns: view.interval_ns,
+            },
+            demanded,
+            Some(charged),
+        ),
+        Err(_) => (
+            Outcome::Deny {
+                // The next sync may bring a lease.
+                wait_ns: view.interval_ns,
+                remaining: demanded.available(ctx.now),
+                reset_ns: view.interval_ns,
+            },
+            // Keeps what deciding normalised (an idle key's reset, the
+            // local bucket); a denial charges nothing.
+            charged,
+            None,
+        ),
+    }
 }
 
 /// Gives back the charge of the limits in `charged` (a later check denied
@@ -641,7 +736,8 @@ fn refund<H: Host>(
                 .find(|(_, l)| l.name_hash == r.name_hash);
             state_bytes.clear();
             match limit {
-                Some((i, l)) if charged & (1 << i) != 0 => {
+                // A lease charge is not given back (it errs toward admitting less).
+                Some((i, l)) if charged & (1 << i) != 0 && !(l.global && r.kind == KIND_GLOBAL_ALLOWANCE) => {
                     let (current, _) = l.algo.load(Some(r), ctx.effective_from, ctx.now);
                     Algo::encode(&l.algo.refund(&current, ctx.cost, ctx.now), &mut state_bytes);
                     let (p1, p2) = l.algo.params();

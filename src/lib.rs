@@ -10,8 +10,9 @@
 //!   policy in `on_configure`, and turns decisions into Envoy actions.
 //!
 //! [`sync`] holds the node side of allowance reconciliation with the central
-//! cluster (protocol and state machine). It is pure like the core and is not
-//! wired into the glue yet.
+//! cluster (protocol, state machine, its shared-data form, and the sync
+//! steps over [`host::Host`]). It is pure like the core; the glue runs it
+//! on the root tick for policies with global limits.
 
 pub mod engine;
 pub mod host;

@@ -86,8 +86,16 @@ pub struct Envoy {
 
 impl Envoy {
     /// Starts Envoy (`--concurrency 2`) with `policy_yaml` applied through
-    /// the CLI, and waits until it serves.
+    /// the CLI, and waits until it serves. Its `tenantgate` sync cluster
+    /// points at a free port nobody listens on.
     pub fn start(policy_yaml: &str) -> Envoy {
+        Envoy::start_with_sync(policy_yaml, free_port())
+    }
+
+    /// [`Envoy::start`] with the `tenantgate` sync cluster on `sync_port`
+    /// (see [`SyncServer`]), plus a `tenantgate_empty` cluster with no
+    /// endpoints (no healthy host).
+    pub fn start_with_sync(policy_yaml: &str, sync_port: u16) -> Envoy {
         let n = NEXT_DIR.fetch_add(1, Ordering::SeqCst);
         let dir = std::env::temp_dir().join(format!("tenantgate-it-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -107,6 +115,7 @@ impl Envoy {
             ("port_value: 10001", format!("port_value: {jwt_port}")),
             ("port_value: 9901", format!("port_value: {admin}")),
             ("path: envoy/run/ecds.yaml", format!("path: {}", ecds.display())),
+            ("port_value: 10002", format!("port_value: {sync_port}")),
         ] {
             assert!(
                 bootstrap.contains(from),
@@ -114,6 +123,9 @@ impl Envoy {
             );
             bootstrap = bootstrap.replace(from, &to);
         }
+        bootstrap.push_str(
+            "  - name: tenantgate_empty\n    type: STATIC\n    connect_timeout: 0.25s\n    load_assignment: { cluster_name: tenantgate_empty, endpoints: [] }\n",
+        );
         let config = dir.join("bootstrap.yaml");
         std::fs::write(&config, bootstrap).expect("write bootstrap");
 
@@ -408,4 +420,176 @@ pub fn demo_token(name: &str) -> String {
         .as_str()
         .unwrap_or_else(|| panic!("no demo token {name}"))
         .to_owned()
+}
+
+/// How the stub sync server answers `POST /v1/sync`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SyncMode {
+    /// A lease of `tokens` (TTL `ttl_ms`) for every reported (key, limit);
+    /// with `once`, only the first time a (key, limit) is reported.
+    Leases { tokens: u64, ttl_ms: u64, once: bool },
+    /// `200` with a body that is not a sync response.
+    Garbage,
+    /// Waits this long, then answers like `Leases` would have.
+    Slow(Duration, u64),
+    /// This status, empty body.
+    Status(u16),
+    /// Not listening: connections are refused.
+    Down,
+}
+
+/// A stub of the central service (`tenantgate serve`) on a loopback port:
+/// answers sync requests as its [`SyncMode`] says and records them.
+pub struct SyncServer {
+    pub port: u16,
+    mode: std::sync::Arc<std::sync::Mutex<SyncMode>>,
+    requests: std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    interval_ms: u64,
+}
+
+impl SyncServer {
+    pub fn start(mode: SyncMode, interval_ms: u64) -> SyncServer {
+        use std::sync::{Arc, Mutex};
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the stub sync server");
+        let port = listener.local_addr().expect("addr").port();
+        let server = SyncServer {
+            port,
+            mode: Arc::new(Mutex::new(mode)),
+            requests: Arc::new(Mutex::new(Vec::new())),
+            stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            interval_ms,
+        };
+        let (mode, requests, stop) = (server.mode.clone(), server.requests.clone(), server.stop.clone());
+        std::thread::spawn(move || {
+            let granted = Arc::new(Mutex::new(std::collections::HashSet::<String>::new()));
+            let mut listener = Some(listener);
+            while !stop.load(Ordering::SeqCst) {
+                let down = *mode.lock().unwrap() == SyncMode::Down;
+                if down {
+                    listener = None;
+                } else if listener.is_none() {
+                    listener = TcpListener::bind(("127.0.0.1", port)).ok();
+                }
+                let Some(l) = &listener else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                l.set_nonblocking(true).expect("nonblocking");
+                match l.accept() {
+                    Ok((stream, _)) => {
+                        let (mode, requests, granted) = (mode.clone(), requests.clone(), granted.clone());
+                        std::thread::spawn(move || {
+                            serve_sync(stream, &mode, &requests, &granted, interval_ms);
+                        });
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+        server
+    }
+
+    pub fn set_mode(&self, mode: SyncMode) {
+        *self.mode.lock().unwrap() = mode;
+    }
+
+    /// Every sync request received so far, parsed.
+    pub fn requests(&self) -> Vec<serde_json::Value> {
+        self.requests.lock().unwrap().clone()
+    }
+
+    pub fn interval(&self) -> Duration {
+        Duration::from_millis(self.interval_ms)
+    }
+}
+
+impl Drop for SyncServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+fn serve_sync(
+    stream: TcpStream,
+    mode: &std::sync::Mutex<SyncMode>,
+    requests: &std::sync::Mutex<Vec<serde_json::Value>>,
+    granted: &std::sync::Mutex<std::collections::HashSet<String>>,
+    interval_ms: u64,
+) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+    let mut reader = BufReader::new(stream);
+    loop {
+        // One request: headers, then a content-length body (Envoy's async
+        // client sends one).
+        let mut len = 0usize;
+        let mut first = true;
+        loop {
+            let mut line = String::new();
+            match reader.read_line(&mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+            let line = line.trim_end();
+            if line.is_empty() {
+                if first {
+                    continue;
+                }
+                break;
+            }
+            first = false;
+            if let Some((k, v)) = line.split_once(':') {
+                if k.eq_ignore_ascii_case("content-length") {
+                    len = v.trim().parse().unwrap_or(0);
+                }
+            }
+        }
+        let mut body = vec![0; len];
+        if reader.read_exact(&mut body).is_err() {
+            return;
+        }
+        let req: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+        requests.lock().unwrap().push(req.clone());
+        let current = mode.lock().unwrap().clone();
+        let leases = |tokens: u64, ttl_ms: u64, once: bool| -> Vec<serde_json::Value> {
+            let mut granted = granted.lock().unwrap();
+            req["reports"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .iter()
+                .filter(|r| {
+                    let id = format!("{}/{}", r["key"], r["limit"]);
+                    !once || granted.insert(id)
+                })
+                .map(|r| {
+                    serde_json::json!({"key": r["key"], "limit": r["limit"], "tokens": tokens,
+                        "share": tokens, "ttl_ms": ttl_ms})
+                })
+                .collect()
+        };
+        let answer = |leases: Vec<serde_json::Value>| {
+            serde_json::json!({"version": 1, "ack_seq": req["seq"], "interval_ms": interval_ms,
+                "leases": leases})
+            .to_string()
+        };
+        let (status, body) = match current {
+            SyncMode::Leases { tokens, ttl_ms, once } => (200, answer(leases(tokens, ttl_ms, once))),
+            SyncMode::Slow(wait, tokens) => {
+                std::thread::sleep(wait);
+                (200, answer(leases(tokens, 3_000, false)))
+            }
+            SyncMode::Garbage => (200, String::from("<html>not json</html>")),
+            SyncMode::Status(code) => (code, String::new()),
+            SyncMode::Down => return,
+        };
+        let response = format!(
+            "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        if reader.get_mut().write_all(response.as_bytes()).is_err() {
+            return;
+        }
+    }
 }

@@ -26,6 +26,11 @@ pub struct Metrics {
     queue_rejected: Option<u32>,
     queue_full: Option<u32>,
     queue_cancelled: Option<u32>,
+    sync_sent: Option<u32>,
+    sync_ok: Option<u32>,
+    sync_failed: Option<u32>,
+    sync_timeouts: Option<u32>,
+    sync_latency: Option<u32>,
 }
 
 fn counter(name: &str) -> Option<u32> {
@@ -64,6 +69,18 @@ impl Metrics {
             queue_rejected: counter("tenantgate.queue.rejected"),
             queue_full: counter("tenantgate.queue.full"),
             queue_cancelled: counter("tenantgate.queue.cancelled"),
+            sync_sent: counter("tenantgate.sync.sent"),
+            sync_ok: counter("tenantgate.sync.ok"),
+            sync_failed: counter("tenantgate.sync.failed"),
+            sync_timeouts: counter("tenantgate.sync.timeouts"),
+            sync_latency: match hostcalls::define_metric(MetricType::Histogram, "tenantgate.sync.latency_ms")
+            {
+                Ok(id) => Some(id),
+                Err(status) => {
+                    log::warn!("tenantgate: cannot define the sync latency histogram: {status:?}");
+                    None
+                }
+            },
         }
     }
 
@@ -114,6 +131,28 @@ impl Metrics {
 
     pub fn queue_cancelled(&self) {
         add(self.queue_cancelled, 1);
+    }
+
+    pub fn sync_sent(&self) {
+        add(self.sync_sent, 1);
+    }
+
+    pub fn sync_ok(&self) {
+        add(self.sync_ok, 1);
+    }
+
+    pub fn sync_failed(&self) {
+        add(self.sync_failed, 1);
+    }
+
+    pub fn sync_timeout(&self) {
+        add(self.sync_timeouts, 1);
+    }
+
+    pub fn sync_latency_ms(&self, ms: u64) {
+        if let Some(id) = self.sync_latency {
+            let _ = hostcalls::record_metric(id, ms);
+        }
     }
 
     pub fn reply_failed(&self) {

@@ -7,6 +7,7 @@
 //! each [`Decision`] into an Envoy action, headers and stats.
 
 mod metrics;
+mod sync;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -22,6 +23,7 @@ use crate::host::{CasResult, Host, HostError};
 use crate::policy::Policy;
 use crate::queue::{NotQueued, Queue};
 use crate::response;
+use crate::sync::SyncState;
 use metrics::Metrics;
 
 /// How often a worker serves its queue of held requests.
@@ -34,6 +36,16 @@ thread_local! {
     /// `RateLimit` headers of held requests admitted by the queue, for
     /// their response (keyed by stream context id).
     static RESUMED: RefCell<HashMap<u32, RateLimitHeaders>> = RefCell::new(HashMap::new());
+    /// The node's sync state as this worker last read it (every tick):
+    /// global limits decide with it, so requests never read it themselves.
+    static SYNC_VIEW: RefCell<Option<SyncState>> = const { RefCell::new(None) };
+}
+
+/// The sync state global limits decide with (`None` when the policy has
+/// none: non-global limits never look at it).
+fn sync_view(policy: &Policy) -> Option<SyncState> {
+    policy.sync.as_ref()?;
+    SYNC_VIEW.with(|v| *v.borrow())
 }
 
 proxy_wasm::main! {{
@@ -80,6 +92,7 @@ impl Host for ProxyHost {
 struct Root {
     policy: Option<Rc<Policy>>,
     metrics: Rc<Metrics>,
+    sync: sync::Syncer,
 }
 
 impl Root {
@@ -87,11 +100,18 @@ impl Root {
         Root {
             policy: None,
             metrics: Rc::new(Metrics::define()),
+            sync: sync::Syncer::default(),
         }
     }
 }
 
-impl Context for Root {}
+impl Context for Root {
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+        if let Some(policy) = self.policy.clone() {
+            self.sync.on_response(&policy, &self.metrics, token, body_size);
+        }
+    }
+}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
@@ -112,6 +132,7 @@ impl RootContext for Root {
                     policy.plans().len(),
                     policy.mode
                 );
+                self.sync.configure(&policy, &ProxyHost);
                 self.policy = Some(Rc::new(policy));
                 self.metrics.config_loaded();
                 // Every configuration serves the queue: requests held under
@@ -146,15 +167,26 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        let Some(now) = now_ns() else { return };
+        if let Some(policy) = self.policy.clone() {
+            self.sync.tick(&policy, &self.metrics, now);
+        }
         if QUEUE.with(|q| q.borrow().is_empty()) {
             return;
         }
-        let Some(now) = now_ns() else { return };
         let tick_ns = TICK.as_nanos() as u64;
         let mut scratch = Vec::new();
         let answered = QUEUE.with(|q| {
             q.borrow_mut().tick(now, tick_ns, |w| {
-                engine::charge(&w.policy, &w.prepared, &ProxyHost, now, &mut scratch)
+                let view = sync_view(&w.policy);
+                engine::charge_synced(
+                    &w.policy,
+                    &w.prepared,
+                    &ProxyHost,
+                    now,
+                    view.as_ref(),
+                    &mut scratch,
+                )
             })
         });
         for (waiting, decision) in answered {
@@ -228,7 +260,15 @@ impl HttpContext for Request {
             Ok(p) => p,
             Err(reason) => return self.finish(&policy, Decision::passed(reason)),
         };
-        let decision = engine::charge(&policy, &prepared, &ProxyHost, now, &mut Vec::new());
+        let view = sync_view(&policy);
+        let decision = engine::charge_synced(
+            &policy,
+            &prepared,
+            &ProxyHost,
+            now,
+            view.as_ref(),
+            &mut Vec::new(),
+        );
         if decision.deny_status() == Some(429) {
             let offered = QUEUE.with(|q| {
                 q.borrow_mut()

@@ -30,6 +30,9 @@ pub const KIND_TOKEN_BUCKET: u8 = 1;
 pub const KIND_FIXED_WINDOW: u8 = 2;
 pub const KIND_SLIDING_WINDOW_LOG: u8 = 3;
 pub const KIND_SLIDING_WINDOW_COUNTER: u8 = 4;
+/// A global limit's allowance on this node (leases from the central
+/// cluster; see [`crate::sync::stored`]).
+pub const KIND_GLOBAL_ALLOWANCE: u8 = 5;
 
 /// A compiled limit's algorithm and parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -260,6 +263,9 @@ impl Algo {
 /// slot can be reclaimed without losing anything. A record this version
 /// cannot read counts as idle.
 pub fn record_is_idle(record: &Record<'_>, now: u64) -> bool {
+    if record.kind == KIND_GLOBAL_ALLOWANCE {
+        return crate::sync::stored::decode_allowance(record.state).is_none_or(|a| a.is_idle(now));
+    }
     let Some(algo) = Algo::of_record(record) else {
         return true;
     };

@@ -11,8 +11,8 @@ use super::duration::parse_duration_ns;
 use super::error::{FieldPath, PolicyError, PolicyErrors};
 use super::spec::{self, IdentitySpec, LimitSpec, PolicySpec};
 use super::{
-    fnv1a32, is_name, tenant_id, Anonymous, Guard, Identity, Limit, OnLimit, Plan, Policy, RouteClass,
-    DEFAULT_MAX_KEYS, JWT_AUTHN_FILTER, MAX_LIMITS_PER_PLAN, MAX_MAX_KEYS,
+    fnv1a32, is_name, tenant_id, Anonymous, FailureMode, Guard, Identity, Limit, OnLimit, Plan, Policy,
+    RouteClass, SyncSettings, DEFAULT_MAX_KEYS, JWT_AUTHN_FILTER, MAX_LIMITS_PER_PLAN, MAX_MAX_KEYS,
 };
 use crate::limiter::algo::Algo;
 use crate::limiter::{
@@ -64,7 +64,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
                 "plan names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
             );
         }
-        let limits = compile_limits(name, &plan.limits, &path.key("limits"), &mut errors);
+        let limits = compile_limits(name, &plan.limits, &path.key("limits"), true, &mut errors);
         let ratelimit_policy = ratelimit_policy(&limits);
         plan_index.insert(name.clone(), plans.len());
         plans.push(Plan {
@@ -118,7 +118,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
                 "guard names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
             );
         }
-        let limits = compile_limits(name, &g.limits, &path.key("limits"), &mut errors);
+        let limits = compile_limits(name, &g.limits, &path.key("limits"), false, &mut errors);
         let ratelimit_policy = ratelimit_policy(&limits);
         guards.push(Guard {
             name: name.clone(),
@@ -206,6 +206,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
             cost: cost.max(1) as u64,
             guard,
             on_limit,
+            failure_mode: r.failure_mode,
         };
         routes.insert(name.clone(), Rc::new(class));
     }
@@ -220,6 +221,17 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
             );
         }
     }
+
+    let global_limits: HashMap<u32, String> = plans
+        .iter()
+        .flat_map(|p| p.limits.iter())
+        .filter(|l| l.global)
+        .map(|l| (l.name_hash, l.name.clone()))
+        .collect();
+    let sync = match (&spec.sync, global_limits.is_empty()) {
+        (None, true) => None,
+        (sync, _) => Some(compile_sync(sync.as_ref(), &root.key("sync"), &mut errors)),
+    };
 
     if !errors.0.is_empty() {
         return Err(PolicyErrors(errors.0));
@@ -237,6 +249,8 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         guards,
         key_table_entries,
         ratelimit_headers: spec.ratelimit_headers.unwrap_or(true),
+        sync,
+        global_limits,
         effective_from_ns: 0,
     })
 }
@@ -280,6 +294,108 @@ fn compile_anonymous(
         xff_trusted_hops: bounded("xff_trusted_hops", spec.xff_trusted_hops, 0, 0, 10) as u32,
         ipv4_prefix: bounded("ipv4_prefix", spec.ipv4_prefix, 32, 8, 32) as u8,
         ipv6_prefix: bounded("ipv6_prefix", spec.ipv6_prefix, 64, 16, 128) as u8,
+    }
+}
+
+/// Default `sync.cluster`.
+pub const DEFAULT_SYNC_CLUSTER: &str = "tenantgate";
+/// Default `sync.interval`, and its bounds.
+pub const DEFAULT_SYNC_INTERVAL_NS: u64 = NANOS_PER_SEC;
+pub const MIN_SYNC_INTERVAL_NS: u64 = 100_000_000;
+pub const MAX_SYNC_INTERVAL_NS: u64 = 600 * NANOS_PER_SEC;
+/// Default `sync.timeout`.
+pub const DEFAULT_SYNC_TIMEOUT_NS: u64 = 500_000_000;
+/// Default `sync.provisional`.
+pub const DEFAULT_PROVISIONAL: i64 = 2;
+/// How long `fail_open_local` lasts after a lease expired.
+pub const LOCAL_MAX_NS: u64 = 60 * NANOS_PER_SEC;
+/// Lease TTLs are cut to this many intervals.
+pub const MAX_TTL_INTERVALS: u64 = 10;
+
+fn compile_sync(spec: Option<&spec::SyncSpec>, path: &FieldPath, errors: &mut Errors) -> SyncSettings {
+    let duration = |field: &str, value: Option<&String>, default: u64, errors: &mut Errors| match value
+        .map(|v| parse_duration_ns(v))
+    {
+        None => Some(default),
+        Some(Ok(ns)) => Some(ns),
+        Some(Err(message)) => {
+            errors.add(path.key(field), message);
+            None
+        }
+    };
+    let interval_ns = duration(
+        "interval",
+        spec.and_then(|s| s.interval.as_ref()),
+        DEFAULT_SYNC_INTERVAL_NS,
+        errors,
+    );
+    let interval_ns = match interval_ns {
+        Some(ns) if (MIN_SYNC_INTERVAL_NS..=MAX_SYNC_INTERVAL_NS).contains(&ns) => ns,
+        Some(_) => {
+            errors.add(path.key("interval"), "must be between 100ms and 10m");
+            DEFAULT_SYNC_INTERVAL_NS
+        }
+        None => DEFAULT_SYNC_INTERVAL_NS,
+    };
+    let timeout_ns = duration(
+        "timeout",
+        spec.and_then(|s| s.timeout.as_ref()),
+        DEFAULT_SYNC_TIMEOUT_NS.min(interval_ns / 2),
+        errors,
+    );
+    let timeout_ns = match timeout_ns {
+        Some(ns) if ns > 0 && ns < interval_ns => ns,
+        Some(_) => {
+            errors.add(
+                path.key("timeout"),
+                "must be more than 0 and less than sync.interval",
+            );
+            0
+        }
+        None => 0,
+    };
+    let provisional = match spec.and_then(|s| s.provisional).unwrap_or(DEFAULT_PROVISIONAL) {
+        n @ 0..=MAX_COUNT => n as u64,
+        _ => {
+            errors.add(
+                path.key("provisional"),
+                format!("must be between 0 and {MAX_COUNT}"),
+            );
+            0
+        }
+    };
+    let cluster = spec
+        .and_then(|s| s.cluster.clone())
+        .unwrap_or_else(|| DEFAULT_SYNC_CLUSTER.to_owned());
+    let text_ok = |t: &str| (1..=128).contains(&t.len()) && t.bytes().all(|b| (0x21..0x7f).contains(&b));
+    if !text_ok(&cluster) {
+        errors.add(
+            path.key("cluster"),
+            "must be 1 to 128 printable ASCII characters, no spaces",
+        );
+    }
+    let node_id = spec.and_then(|s| s.node_id.clone());
+    let region = spec.and_then(|s| s.region.clone());
+    for (field, value) in [("node_id", &node_id), ("region", &region)] {
+        if value.as_deref().is_some_and(|v| !text_ok(v)) {
+            errors.add(
+                path.key(field),
+                "must be 1 to 128 printable ASCII characters, no spaces",
+            );
+        }
+    }
+    SyncSettings {
+        cluster,
+        interval_ns,
+        timeout_ns,
+        provisional,
+        failure_mode: spec
+            .and_then(|s| s.failure_mode)
+            .unwrap_or(FailureMode::FailOpenLocal),
+        node_id,
+        region,
+        local_max_ns: LOCAL_MAX_NS,
+        max_ttl_ns: interval_ns.saturating_mul(MAX_TTL_INTERVALS),
     }
 }
 
@@ -369,7 +485,13 @@ fn compile_identity(spec: &IdentitySpec, path: &FieldPath, errors: &mut Errors) 
     }
 }
 
-fn compile_limits(plan: &str, specs: &[LimitSpec], path: &FieldPath, errors: &mut Errors) -> Vec<Limit> {
+fn compile_limits(
+    plan: &str,
+    specs: &[LimitSpec],
+    path: &FieldPath,
+    global_allowed: bool,
+    errors: &mut Errors,
+) -> Vec<Limit> {
     if specs.is_empty() {
         errors.add(path.clone(), "at least one limit is required");
     }
@@ -474,6 +596,15 @@ fn compile_limits(plan: &str, specs: &[LimitSpec], path: &FieldPath, errors: &mu
             continue;
         };
         let shadow = spec.shadow.unwrap_or(false);
+        let global = spec.global.unwrap_or(false);
+        if global && !global_allowed {
+            errors.add(
+                path.key("global"),
+                "a guard is an aggregate per node: only plans' limits can be global",
+            );
+        } else if global && spec.algorithm != spec::Algorithm::TokenBucket {
+            errors.add(path.key("global"), "only token_bucket limits can be global");
+        }
         limits.push(Limit {
             name,
             name_hash,
@@ -482,6 +613,7 @@ fn compile_limits(plan: &str, specs: &[LimitSpec], path: &FieldPath, errors: &mu
             burst,
             algo,
             shadow,
+            global,
         });
     }
     limits

@@ -17,6 +17,7 @@ use std::rc::Rc;
 use hashbrown::HashMap;
 
 use crate::limiter::algo::Algo;
+pub use crate::sync::FailureMode;
 pub use doc::Node;
 pub use error::{FieldPath, PolicyError, PolicyErrors};
 pub use spec::Mode;
@@ -54,6 +55,11 @@ pub struct Policy {
     /// per entry, rounded up).
     pub key_table_entries: u64,
     pub ratelimit_headers: bool,
+    /// How global limits sync with the central cluster (`None`: the policy
+    /// has no global limit and no `sync:` block).
+    pub sync: Option<SyncSettings>,
+    /// The names of the plans' global limits, by name hash.
+    global_limits: HashMap<u32, String>,
     /// When this policy took effect on this worker (ns since the epoch).
     /// The glue sets it in `on_configure`; limits that a reload changed
     /// carry their buckets' fill level over as of this instant.
@@ -107,6 +113,28 @@ pub struct Limit {
     pub algo: Algo,
     /// Counted and reported, never denies.
     pub shadow: bool,
+    /// Enforced through leases from the central cluster (`global: true`).
+    pub global: bool,
+}
+
+/// The compiled `sync:` block (defaults applied).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SyncSettings {
+    /// The Envoy cluster of the central service.
+    pub cluster: String,
+    pub interval_ns: u64,
+    /// The callout timeout.
+    pub timeout_ns: u64,
+    /// Units a node admits for a new (key, limit) before its first lease.
+    pub provisional: u64,
+    pub failure_mode: FailureMode,
+    /// Overrides Envoy's `node.id` / `node.locality.region`.
+    pub node_id: Option<String>,
+    pub region: Option<String>,
+    /// How long `fail_open_local` lasts after a lease expired.
+    pub local_max_ns: u64,
+    /// Longer lease TTLs are cut to this.
+    pub max_ttl_ns: u64,
 }
 
 /// A node-wide aggregate limit (`guards.<name>`).
@@ -147,6 +175,8 @@ pub struct RouteClass {
     /// Index into the policy's guards.
     pub guard: Option<usize>,
     pub on_limit: OnLimit,
+    /// Overrides `sync.failure_mode` for this class's global limits.
+    pub failure_mode: Option<FailureMode>,
 }
 
 impl Policy {
@@ -201,6 +231,16 @@ impl Policy {
     pub fn plans(&self) -> &[Plan] {
         &self.plans
     }
+
+    /// Whether some plan has a global limit (then the node syncs).
+    pub fn has_global_limits(&self) -> bool {
+        !self.global_limits.is_empty()
+    }
+
+    /// The name of a global limit, from its name hash.
+    pub fn global_limit_name(&self, name_hash: u32) -> Option<&str> {
+        self.global_limits.get(&name_hash).map(String::as_str)
+    }
 }
 
 /// A tenant id as the filter accepts it: 1 to [`MAX_TENANT_ID_LEN`] bytes of
@@ -223,6 +263,11 @@ pub(crate) fn is_name(s: &str) -> bool {
     (1..=64).contains(&s.len())
         && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+}
+
+/// The id of a limit's state inside its key's slot.
+pub fn limit_name_hash(name: &str) -> u32 {
+    fnv1a32(name.as_bytes())
 }
 
 /// FNV-1a, 32 bits: a stable id for a limit's name inside its state entry.

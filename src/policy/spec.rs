@@ -9,6 +9,8 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
+pub use crate::sync::FailureMode;
+
 /// `mode:` what the filter does with a decision.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -54,6 +56,28 @@ pub struct PolicySpec {
     pub guards: BTreeMap<String, GuardSpec>,
     #[serde(default)]
     pub key_table: Option<KeyTableSpec>,
+    #[serde(default)]
+    pub sync: Option<SyncSpec>,
+}
+
+/// `sync:` how the node syncs its global limits with the central cluster.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SyncSpec {
+    #[serde(default)]
+    pub cluster: Option<String>,
+    #[serde(default)]
+    pub interval: Option<String>,
+    #[serde(default)]
+    pub timeout: Option<String>,
+    #[serde(default)]
+    pub provisional: Option<i64>,
+    #[serde(default)]
+    pub failure_mode: Option<FailureMode>,
+    #[serde(default)]
+    pub node_id: Option<String>,
+    #[serde(default)]
+    pub region: Option<String>,
 }
 
 /// An aggregate limit per node, shared by every tenant of the route classes
@@ -123,6 +147,8 @@ pub struct LimitSpec {
     pub burst: Option<i64>,
     #[serde(default)]
     pub shadow: Option<bool>,
+    #[serde(default)]
+    pub global: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -159,4 +185,6 @@ pub struct RouteSpec {
     pub max_wait: Option<String>,
     #[serde(default)]
     pub max_queue: Option<i64>,
+    #[serde(default)]
+    pub failure_mode: Option<FailureMode>,
 }

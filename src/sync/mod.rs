@@ -5,6 +5,9 @@
 //! * [`node`]: the node-side allowance state machine per (key, limit):
 //!   leases, the provisional allowance, counts since the last acknowledged
 //!   report, and the failure modes.
+//! * [`stored`]: that state's binary form in Envoy shared data.
+//! * [`shared`]: one node's sync over shared data (which worker reports,
+//!   the scan, applying the answer), used by the glue.
 //!
 //! The allocator that answers these messages, the overrun bound and the
 //! simulator that measures it live in the `tenantgate-central` crate, which
@@ -12,6 +15,11 @@
 
 pub mod node;
 pub mod protocol;
+pub mod shared;
+pub mod stored;
 
-pub use node::{Admitted, ApplyError, Counts, Denied, FailureMode, Node, NodeConfig, NodeStats};
+pub use node::{
+    Admitted, Allowance, ApplyError, Counts, Denied, FailureMode, InFlight, LeaseState, Node, NodeConfig,
+    NodeStats, NodeView, SyncState,
+};
 pub use protocol::{Lease, ProtocolError, Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};

@@ -141,7 +141,7 @@ pub struct Counts {
 }
 
 impl Counts {
-    fn is_zero(&self) -> bool {
+    pub fn is_zero(&self) -> bool {
         *self == Counts::default()
     }
 
@@ -164,77 +164,341 @@ pub struct NodeStats {
     pub timeouts: u64,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Lease {
-    tokens_left: u64,
-    expires_at: u64,
+/// A live or expired lease: tokens left and its expiry (node clock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseState {
+    pub tokens_left: u64,
+    pub expires_at: u64,
 }
 
-#[derive(Debug, Clone)]
-struct Entry {
-    lease: Option<Lease>,
-    provisional_left: u64,
-    pending: Counts,
-    /// Units admitted on a lease since the report in flight was sent.
-    lease_since_send: u64,
-    share: u64,
-    /// `fail_open_local`'s bucket: its parameters and TAT, once started.
-    local: Option<(Gcra, u64)>,
+/// What one decision needs to know about the node as a whole (derived
+/// from [`SyncState`] and the settings; see [`SyncState::view`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeView {
+    /// The node applied a response recently enough to expect leases.
+    pub connected: bool,
+    /// When the last response was applied.
+    pub last_applied_at: Option<u64>,
+    /// The current sync interval.
+    pub interval_ns: u64,
+    pub mode: FailureMode,
+    pub provisional: u64,
+    pub local_max_ns: u64,
 }
 
-impl Entry {
-    fn fresh(provisional: u64) -> Entry {
-        Entry {
+/// The allowance state of one (key, limit): plain data, so it can live in
+/// memory ([`Node`]) or in a shared-data record (the filter), with the
+/// same decisions. See the module header for its parts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Allowance {
+    pub lease: Option<LeaseState>,
+    pub provisional_left: u64,
+    /// Counts since the last acknowledged report.
+    pub pending: Counts,
+    /// Units ever admitted on leases (wrapping): the difference of two
+    /// readings is what was admitted on leases in between.
+    pub lease_used: u64,
+    /// The last share, units per sync interval.
+    pub share: u64,
+    /// `fail_open_local`'s bucket (rate `share` per interval, capacity
+    /// `share`): its theoretical arrival time, once started.
+    pub local_tat: Option<u64>,
+}
+
+impl Allowance {
+    /// A (key, limit) the node has not seen.
+    pub fn fresh(provisional: u64) -> Allowance {
+        Allowance {
             lease: None,
             provisional_left: provisional,
             pending: Counts::default(),
-            lease_since_send: 0,
+            lease_used: 0,
             share: 0,
-            local: None,
+            local_tat: None,
         }
+    }
+
+    /// Counts a request of `cost` units as demand, then [`Allowance::take`].
+    pub fn decide(&mut self, view: &NodeView, cost: u64, now: u64) -> Result<Admitted, Denied> {
+        self.note_demand(cost);
+        self.take(view, cost, now)
+    }
+
+    /// Counts `cost` units of demand (admitted or not).
+    pub fn note_demand(&mut self, cost: u64) {
+        self.pending.demand = self.pending.demand.saturating_add(cost);
+    }
+
+    /// Whether `cost` units are admitted now, charging them if so. The
+    /// request's demand must already be counted ([`Allowance::note_demand`]).
+    pub fn take(&mut self, view: &NodeView, cost: u64, now: u64) -> Result<Admitted, Denied> {
+        let expired_at = match self.lease {
+            Some(ref mut lease) if now < lease.expires_at => {
+                if lease.tokens_left < cost {
+                    return Err(Denied::LeaseExhausted);
+                }
+                lease.tokens_left -= cost;
+                self.pending.consumed = self.pending.consumed.saturating_add(cost);
+                self.lease_used = self.lease_used.wrapping_add(cost);
+                return Ok(Admitted::Lease);
+            }
+            Some(lease) => Some(lease.expires_at),
+            None => None,
+        };
+        // Idle, not cut off: this request's demand is the only count.
+        if expired_at.is_some()
+            && view.connected
+            && self.pending
+                == (Counts {
+                    demand: cost,
+                    ..Counts::default()
+                })
+        {
+            let (share, used) = (self.share, self.lease_used);
+            *self = Allowance::fresh(view.provisional);
+            self.share = share;
+            self.lease_used = used;
+            self.pending.demand = cost;
+        }
+        if self.lease.is_none() && self.provisional_left >= cost {
+            self.provisional_left -= cost;
+            self.count_unleased(cost);
+            return Ok(Admitted::Provisional);
+        }
+        if view.connected {
+            return Err(Denied::AwaitingLease);
+        }
+        let admitted = match view.mode {
+            FailureMode::FailClosed => return Err(Denied::FailClosed),
+            FailureMode::FailOpen => Admitted::FailOpen,
+            FailureMode::FailOpenLocal => {
+                // Only a lease that expired with no response since (the
+                // node was cut off while it held it): the service reserves
+                // the shares of nodes it has not heard from since their
+                // grant, and of no others.
+                let Some(expired_at) = self.lease.map(|l| l.expires_at) else {
+                    return Err(Denied::LocalLimit);
+                };
+                if view.last_applied_at.is_some_and(|a| a >= expired_at) {
+                    return Err(Denied::LocalLimit);
+                }
+                if now >= expired_at.saturating_add(view.local_max_ns) {
+                    return Err(Denied::FailClosed);
+                }
+                let Some(gcra) = Gcra::new(self.share, view.interval_ns.max(1), self.share) else {
+                    return Err(Denied::LocalLimit);
+                };
+                // Starts empty: it admits only what accrues from now on.
+                let tat = *self
+                    .local_tat
+                    .get_or_insert(now.saturating_add(gcra.tolerance_ns()));
+                match gcra.check(tat, now, cost) {
+                    Check::Admit { new_tat, .. } => self.local_tat = Some(new_tat),
+                    Check::Deny { .. } => {
+                        self.local_tat = Some(gcra.saturate(tat, now));
+                        return Err(Denied::LocalLimit);
+                    }
+                }
+                Admitted::FailOpenLocal
+            }
+        };
+        self.count_unleased(cost);
+        Ok(admitted)
+    }
+
+    fn count_unleased(&mut self, cost: u64) {
+        self.pending.consumed = self.pending.consumed.saturating_add(cost);
+        self.pending.unleased = self.pending.unleased.saturating_add(cost);
+    }
+
+    /// Units a request could take now without a failure mode: the live
+    /// lease's tokens, else what is left of the provisional allowance.
+    pub fn available(&self, now: u64) -> u64 {
+        match self.lease {
+            Some(l) if now < l.expires_at => l.tokens_left,
+            Some(_) => 0,
+            None => self.provisional_left,
+        }
+    }
+
+    /// The report in flight carried `sent` and was acknowledged.
+    pub fn ack(&mut self, sent: &Counts) {
+        self.pending = self.pending.minus(sent);
+    }
+
+    /// Installs a lease of `tokens` (counted from when the report was
+    /// sent; `used_since_send` were admitted on leases since then) with
+    /// `ttl_ns` from `now`.
+    pub fn install(&mut self, tokens: u64, share: u64, ttl_ns: u64, used_since_send: u64, now: u64) {
+        self.lease = Some(LeaseState {
+            tokens_left: tokens.saturating_sub(used_since_send),
+            expires_at: now.saturating_add(ttl_ns),
+        });
+        self.share = share;
+        self.local_tat = None;
+    }
+
+    /// Nothing to report and a lease that expired longer ago than
+    /// `fail_open_local` could still use it (`keep_ns`): can be forgotten.
+    pub fn forgettable(&self, now: u64, keep_ns: u64) -> bool {
+        let gone = self
+            .lease
+            .is_some_and(|l| now >= l.expires_at.saturating_add(keep_ns));
+        gone && self.pending.is_zero()
+    }
+
+    /// Back to what a fresh key would do, with nothing to report: a slot
+    /// holding it can be reused without losing anything the service needs.
+    pub fn is_idle(&self, now: u64) -> bool {
+        self.pending.is_zero() && self.lease.is_none_or(|l| now >= l.expires_at)
     }
 }
 
-#[derive(Debug, Clone)]
-struct InFlight {
-    seq: u64,
-    sent_at: u64,
-    sent: Vec<(String, String, Counts)>,
+/// The report in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InFlight {
+    pub seq: u64,
+    /// When it was sent (or, before it is sent, claimed).
+    pub sent_at: u64,
 }
 
-/// One node's allowances for every (key, limit) it has seen.
-#[derive(Debug, Clone)]
-pub struct Node {
-    cfg: NodeConfig,
-    entries: BTreeMap<String, BTreeMap<String, Entry>>,
-    next_seq: u64,
-    acked_seq: u64,
-    in_flight: Option<InFlight>,
-    interval_ns: u64,
+/// The node-global half of the state machine: sequence numbers, the
+/// report in flight and contact with the service. Plain data, like
+/// [`Allowance`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyncState {
+    pub next_seq: u64,
+    pub acked_seq: u64,
+    pub in_flight: Option<InFlight>,
+    /// The sync interval the service asked for (or the configured one).
+    pub interval_ns: u64,
     /// Connected while `now` is before this.
-    contact_until: Option<u64>,
+    pub contact_until: Option<u64>,
     /// When the last response was applied.
-    last_applied_at: Option<u64>,
-    stats: NodeStats,
+    pub last_applied_at: Option<u64>,
+    /// When the last report was started.
+    pub last_report_at: Option<u64>,
 }
 
-impl Node {
+impl SyncState {
     /// `now` seeds `seq`, so it keeps increasing across restarts as long as
-    /// the clock does not step back further than the node ran.
-    pub fn new(cfg: NodeConfig, now: u64) -> Node {
-        let interval_ns = cfg.interval_ns.max(NANOS_PER_MS);
-        let cfg_timeout = cfg.response_timeout_ns;
-        Node {
-            cfg,
-            entries: BTreeMap::new(),
+    /// the clock does not step back further than the node ran. A starting
+    /// node waits one interval (plus the callout timeout) for its first
+    /// leases before it counts as cut off.
+    pub fn new(now: u64, interval_ns: u64, timeout_ns: u64) -> SyncState {
+        let interval_ns = interval_ns.max(NANOS_PER_MS);
+        SyncState {
             next_seq: now.max(1),
             acked_seq: 0,
             in_flight: None,
             interval_ns,
-            // A starting node waits one interval (plus the callout timeout)
-            // for its first leases before it counts as cut off.
-            contact_until: Some(now.saturating_add(interval_ns).saturating_add(cfg_timeout)),
+            contact_until: Some(now.saturating_add(interval_ns).saturating_add(timeout_ns)),
             last_applied_at: None,
+            last_report_at: None,
+        }
+    }
+
+    pub fn connected(&self, now: u64) -> bool {
+        self.contact_until.is_some_and(|until| now < until)
+    }
+
+    /// What decisions need, with the settings that apply to them.
+    pub fn view(&self, mode: FailureMode, provisional: u64, local_max_ns: u64, now: u64) -> NodeView {
+        NodeView {
+            connected: self.connected(now),
+            last_applied_at: self.last_applied_at,
+            interval_ns: self.interval_ns,
+            mode,
+            provisional,
+            local_max_ns,
+        }
+    }
+
+    /// Whether an interval has passed since the last report started.
+    pub fn due(&self, now: u64) -> bool {
+        self.last_report_at
+            .is_none_or(|at| now >= at.saturating_add(self.interval_ns))
+    }
+
+    /// Starts a report: its `seq`, or `None` while the previous one is in
+    /// flight and younger than `timeout_ns`. The flag says whether a
+    /// previous report was given up on (timed out).
+    pub fn begin_report(&mut self, now: u64, timeout_ns: u64) -> Option<(u64, bool)> {
+        let mut timed_out = false;
+        if let Some(f) = &self.in_flight {
+            if now.saturating_sub(f.sent_at) <= timeout_ns {
+                return None;
+            }
+            self.in_flight = None;
+            timed_out = true;
+        }
+        let seq = self.next_seq;
+        self.next_seq = self.next_seq.saturating_add(1);
+        self.in_flight = Some(InFlight { seq, sent_at: now });
+        self.last_report_at = Some(now);
+        Some((seq, timed_out))
+    }
+
+    /// Takes the report in flight that a response with `ack_seq` answers.
+    pub fn accept(&mut self, ack_seq: u64, now: u64, timeout_ns: u64) -> Result<InFlight, ApplyError> {
+        let Some(f) = self.in_flight.take_if(|f| f.seq == ack_seq) else {
+            return Err(ApplyError::Stale);
+        };
+        if now.saturating_sub(f.sent_at) > timeout_ns {
+            return Err(ApplyError::Late);
+        }
+        Ok(f)
+    }
+
+    /// Records an accepted response: `seq` acknowledged, the interval it
+    /// asks for, and contact for the longest lease it granted (at least
+    /// three intervals, at most `max_ttl_ns`).
+    pub fn applied(&mut self, seq: u64, interval_ms: u64, longest_ttl_ns: u64, max_ttl_ns: u64, now: u64) {
+        self.acked_seq = seq;
+        self.interval_ns = interval_ms.saturating_mul(NANOS_PER_MS).max(NANOS_PER_MS);
+        let contact_ns = self
+            .interval_ns
+            .saturating_mul(3)
+            .min(max_ttl_ns)
+            .max(longest_ttl_ns.min(max_ttl_ns));
+        self.contact_until = Some(now.saturating_add(contact_ns));
+        self.last_applied_at = Some(now);
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    allowance: Allowance,
+    /// `lease_used` when the report in flight was sent.
+    used_at_send: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Sent {
+    seq: u64,
+    sent: Vec<(String, String, Counts)>,
+}
+
+/// One node's allowances for every (key, limit) it has seen, in memory
+/// (the simulator and tests; the filter keeps the same state in shared
+/// data).
+#[derive(Debug, Clone)]
+pub struct Node {
+    cfg: NodeConfig,
+    entries: BTreeMap<String, BTreeMap<String, Entry>>,
+    sync: SyncState,
+    sent: Option<Sent>,
+    stats: NodeStats,
+}
+
+impl Node {
+    pub fn new(cfg: NodeConfig, now: u64) -> Node {
+        let sync = SyncState::new(now, cfg.interval_ns, cfg.response_timeout_ns);
+        Node {
+            cfg,
+            entries: BTreeMap::new(),
+            sync,
+            sent: None,
             stats: NodeStats::default(),
         }
     }
@@ -245,7 +509,7 @@ impl Node {
 
     /// The sync interval the service asked for (or the configured one).
     pub fn interval_ns(&self) -> u64 {
-        self.interval_ns
+        self.sync.interval_ns
     }
 
     pub fn stats(&self) -> NodeStats {
@@ -254,12 +518,12 @@ impl Node {
 
     /// The `seq` of the report in flight, if any (answered reports are not).
     pub fn in_flight(&self) -> Option<u64> {
-        self.in_flight.as_ref().map(|f| f.seq)
+        self.sync.in_flight.map(|f| f.seq)
     }
 
     /// Whether the node applied a response recently enough to expect leases.
     pub fn connected(&self, now: u64) -> bool {
-        self.contact_until.is_some_and(|until| now < until)
+        self.sync.connected(now)
     }
 
     /// Whether a request of `cost` units for (key, limit) is admitted now.
@@ -269,122 +533,46 @@ impl Node {
 
     /// [`Node::admit`] with the reason.
     pub fn decide(&mut self, key: &str, limit: &str, cost: u64, now: u64) -> Result<Admitted, Denied> {
-        let connected = self.connected(now);
-        let last_applied_at = self.last_applied_at;
-        let mode = self.cfg.failure_mode;
-        let local_max = self.cfg.local_max_ns;
-        let interval = self.interval_ns;
-        let provisional = self.cfg.provisional;
+        let view = self.sync.view(
+            self.cfg.failure_mode,
+            self.cfg.provisional,
+            self.cfg.local_max_ns,
+            now,
+        );
         if !self.entries.get(key).is_some_and(|m| m.contains_key(limit)) {
             let by_limit = self.entries.entry(key.to_owned()).or_default();
-            by_limit.insert(limit.to_owned(), Entry::fresh(provisional));
+            by_limit.insert(
+                limit.to_owned(),
+                Entry {
+                    allowance: Allowance::fresh(view.provisional),
+                    used_at_send: 0,
+                },
+            );
         }
-        let Some(entry) = self.entries.get_mut(key).and_then(|m| m.get_mut(limit)) else {
+        let Some(entry) = self.entry_mut(key, limit) else {
             return Err(Denied::AwaitingLease); // just inserted
         };
-        entry.pending.demand = entry.pending.demand.saturating_add(cost);
-
-        let expired_at = match entry.lease {
-            Some(ref mut lease) if now < lease.expires_at => {
-                if lease.tokens_left < cost {
-                    return Err(Denied::LeaseExhausted);
-                }
-                lease.tokens_left -= cost;
-                entry.pending.consumed = entry.pending.consumed.saturating_add(cost);
-                entry.lease_since_send = entry.lease_since_send.saturating_add(cost);
-                return Ok(Admitted::Lease);
-            }
-            Some(lease) => Some(lease.expires_at),
-            None => None,
-        };
-        // Idle, not cut off: this request's demand is the only count.
-        if expired_at.is_some()
-            && connected
-            && entry.pending
-                == (Counts {
-                    demand: cost,
-                    ..Counts::default()
-                })
-        {
-            let share = entry.share;
-            *entry = Entry::fresh(provisional);
-            entry.share = share;
-            entry.pending.demand = cost;
-        }
-        if entry.lease.is_none() && entry.provisional_left >= cost {
-            entry.provisional_left -= cost;
-            entry.pending.consumed = entry.pending.consumed.saturating_add(cost);
-            entry.pending.unleased = entry.pending.unleased.saturating_add(cost);
-            return Ok(Admitted::Provisional);
-        }
-        if connected {
-            return Err(Denied::AwaitingLease);
-        }
-        let admitted = match mode {
-            FailureMode::FailClosed => return Err(Denied::FailClosed),
-            FailureMode::FailOpen => Admitted::FailOpen,
-            FailureMode::FailOpenLocal => {
-                // Only a lease that expired with no response since (the
-                // node was cut off while it held it): the service reserves
-                // the shares of nodes it has not heard from since their
-                // grant, and of no others.
-                let Some(expired_at) = entry.lease.map(|l| l.expires_at) else {
-                    return Err(Denied::LocalLimit);
-                };
-                if last_applied_at.is_some_and(|a| a >= expired_at) {
-                    return Err(Denied::LocalLimit);
-                }
-                if now >= expired_at.saturating_add(local_max) {
-                    return Err(Denied::FailClosed);
-                }
-                if entry.local.is_none() {
-                    // Starts empty: it admits only what accrues from now on.
-                    let Some(gcra) = Gcra::new(entry.share, interval, entry.share) else {
-                        return Err(Denied::LocalLimit);
-                    };
-                    entry.local = Some((gcra, now.saturating_add(gcra.tolerance_ns())));
-                }
-                let Some((gcra, tat)) = entry.local.as_mut() else {
-                    return Err(Denied::LocalLimit);
-                };
-                match gcra.check(*tat, now, cost) {
-                    Check::Admit { new_tat, .. } => *tat = new_tat,
-                    Check::Deny { .. } => {
-                        *tat = gcra.saturate(*tat, now);
-                        return Err(Denied::LocalLimit);
-                    }
-                }
-                Admitted::FailOpenLocal
-            }
-        };
-        entry.pending.consumed = entry.pending.consumed.saturating_add(cost);
-        entry.pending.unleased = entry.pending.unleased.saturating_add(cost);
-        Ok(admitted)
+        entry.allowance.decide(&view, cost, now)
     }
 
     /// The batched report to send now, or `None` while the previous one is
     /// in flight and within its timeout. A report is sent even with no
     /// counts: it acknowledges, and it tells the service the node is alive.
     pub fn report(&mut self, now: u64) -> Option<SyncRequest> {
-        if let Some(f) = &self.in_flight {
-            if now.saturating_sub(f.sent_at) <= self.cfg.response_timeout_ns {
-                return None;
-            }
-            self.in_flight = None;
+        let (seq, timed_out) = self.sync.begin_report(now, self.cfg.response_timeout_ns)?;
+        if timed_out {
             self.stats.timeouts += 1;
         }
         self.forget_idle(now);
-        let seq = self.next_seq;
-        self.next_seq = self.next_seq.saturating_add(1);
         let mut reports = Vec::new();
         let mut sent = Vec::new();
         for (key, by_limit) in &mut self.entries {
             for (limit, entry) in by_limit.iter_mut() {
-                entry.lease_since_send = 0;
-                if entry.pending.is_zero() {
+                entry.used_at_send = entry.allowance.lease_used;
+                if entry.allowance.pending.is_zero() {
                     continue;
                 }
-                let c = entry.pending;
+                let c = entry.allowance.pending;
                 reports.push(Report {
                     key: key.clone(),
                     limit: limit.clone(),
@@ -395,11 +583,7 @@ impl Node {
                 sent.push((key.clone(), limit.clone(), c));
             }
         }
-        self.in_flight = Some(InFlight {
-            seq,
-            sent_at: now,
-            sent,
-        });
+        self.sent = Some(Sent { seq, sent });
         self.stats.reports += 1;
         Some(SyncRequest {
             version: PROTOCOL_VERSION,
@@ -407,7 +591,7 @@ impl Node {
             region: self.cfg.region.clone(),
             policy_version: self.cfg.policy_version.clone(),
             seq,
-            acked_seq: self.acked_seq,
+            acked_seq: self.sync.acked_seq,
             reports,
         })
     }
@@ -415,39 +599,37 @@ impl Node {
     /// Applies the answer to the report in flight: acknowledges what it
     /// carried and installs its leases. Returns how many leases were taken.
     pub fn apply(&mut self, resp: &SyncResponse, now: u64) -> Result<usize, ApplyError> {
-        let Some(f) = self.in_flight.take_if(|f| f.seq == resp.ack_seq) else {
-            self.stats.stale += 1;
-            return Err(ApplyError::Stale);
+        let f = match self.sync.accept(resp.ack_seq, now, self.cfg.response_timeout_ns) {
+            Ok(f) => f,
+            Err(e) => {
+                match e {
+                    ApplyError::Stale => self.stats.stale += 1,
+                    ApplyError::Late => self.stats.late += 1,
+                }
+                return Err(e);
+            }
         };
-        if now.saturating_sub(f.sent_at) > self.cfg.response_timeout_ns {
-            self.stats.late += 1;
-            return Err(ApplyError::Late);
-        }
-        for (key, limit, acked) in &f.sent {
-            if let Some(e) = self.entry_mut(key, limit) {
-                e.pending = e.pending.minus(acked);
+        if let Some(sent) = self.sent.take().filter(|s| s.seq == f.seq) {
+            for (key, limit, acked) in &sent.sent {
+                if let Some(e) = self.entry_mut(key, limit) {
+                    e.allowance.ack(acked);
+                }
             }
         }
-        self.acked_seq = f.seq;
-        self.interval_ns = resp.interval_ms.saturating_mul(NANOS_PER_MS).max(NANOS_PER_MS);
-        let mut contact_ns = self.interval_ns.saturating_mul(3).min(self.cfg.max_ttl_ns);
+        let max_ttl = self.cfg.max_ttl_ns;
+        let mut longest = 0;
         let mut taken = 0;
         for lease in &resp.leases {
-            let ttl_ns = lease.ttl_ms.saturating_mul(NANOS_PER_MS).min(self.cfg.max_ttl_ns);
+            let ttl_ns = lease.ttl_ms.saturating_mul(NANOS_PER_MS).min(max_ttl);
             let Some(e) = self.entry_mut(&lease.key, &lease.limit) else {
                 continue;
             };
-            e.lease = Some(Lease {
-                tokens_left: lease.tokens.saturating_sub(e.lease_since_send),
-                expires_at: now.saturating_add(ttl_ns),
-            });
-            e.share = lease.share;
-            e.local = None;
-            contact_ns = contact_ns.max(ttl_ns);
+            let used = e.allowance.lease_used.wrapping_sub(e.used_at_send);
+            e.allowance.install(lease.tokens, lease.share, ttl_ns, used, now);
+            longest = longest.max(ttl_ns);
             taken += 1;
         }
-        self.contact_until = Some(now.saturating_add(contact_ns));
-        self.last_applied_at = Some(now);
+        self.sync.applied(f.seq, resp.interval_ms, longest, max_ttl, now);
         self.stats.applied += 1;
         Ok(taken)
     }
@@ -455,7 +637,7 @@ impl Node {
     /// Tokens left on the live lease of (key, limit), if any (for tests and
     /// stats).
     pub fn lease_tokens(&self, key: &str, limit: &str, now: u64) -> Option<u64> {
-        let lease = self.entries.get(key)?.get(limit)?.lease?;
+        let lease = self.entries.get(key)?.get(limit)?.allowance.lease?;
         (now < lease.expires_at).then_some(lease.tokens_left)
     }
 
@@ -464,7 +646,7 @@ impl Node {
         self.entries
             .get(key)
             .and_then(|m| m.get(limit))
-            .map(|e| e.pending)
+            .map(|e| e.allowance.pending)
             .unwrap_or_default()
     }
 
@@ -478,12 +660,7 @@ impl Node {
     fn forget_idle(&mut self, now: u64) {
         let keep_ns = self.cfg.local_max_ns;
         for by_limit in self.entries.values_mut() {
-            by_limit.retain(|_, e| {
-                let gone = e
-                    .lease
-                    .is_some_and(|l| now >= l.expires_at.saturating_add(keep_ns));
-                !(gone && e.pending.is_zero())
-            });
+            by_limit.retain(|_, e| !e.allowance.forgettable(now, keep_ns));
         }
         self.entries.retain(|_, m| !m.is_empty());
     }

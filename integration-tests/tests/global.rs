@@ -1,0 +1,188 @@
+//! Global limits against a real Envoy and a stub of the central service
+//! (`SyncServer`): leases from the service limit admissions on both
+//! workers; a service that is down, slow, garbled or unreachable never
+//! slows requests down, and the failure mode applies; after recovery,
+//! leases are applied again within two intervals.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a test crate
+
+use std::time::{Duration, Instant};
+
+use tenantgate_integration_tests::{get, wait_for, Envoy, SyncMode, SyncServer};
+
+/// Sync every 500 ms with a 200 ms callout timeout.
+const INTERVAL_MS: u64 = 500;
+
+fn policy(mode: &str, cluster: &str) -> String {
+    format!(
+        r#"
+version: "global-it"
+identity: {{ header: x-tenant-id }}
+plans:
+  free:
+    limits:
+    - {{ name: node, rate: 10000, per: 1s }}
+    - {{ name: global, rate: 100, per: 1s, global: true }}
+default_plan: free
+anonymous: {{ plan: free }}
+routes:
+  api: {{}}
+  orders: {{ failure_mode: fail_closed }}
+  search: {{}}
+sync: {{ cluster: {cluster}, interval: {INTERVAL_MS}ms, timeout: 200ms, provisional: 2, failure_mode: {mode} }}
+"#
+    )
+}
+
+/// `n` requests of `tenant` on fresh connections (both workers), `every`
+/// apart: (status, latency) each.
+fn requests(envoy: &Envoy, path: &str, tenant: &str, n: usize, every: Duration) -> Vec<(u16, Duration)> {
+    (0..n)
+        .map(|_| {
+            let start = Instant::now();
+            let status = get(envoy.port, path, &[("x-tenant-id", tenant)]).status;
+            let took = start.elapsed();
+            std::thread::sleep(every.saturating_sub(took));
+            (status, took)
+        })
+        .collect()
+}
+
+fn admitted(results: &[(u16, Duration)]) -> usize {
+    results.iter().filter(|(s, _)| *s == 200).count()
+}
+
+fn p99(results: &[(u16, Duration)]) -> Duration {
+    let mut l: Vec<Duration> = results.iter().map(|(_, d)| *d).collect();
+    l.sort();
+    l[(l.len() * 99 / 100).min(l.len() - 1)]
+}
+
+#[test]
+fn leases_from_the_service_limit_admissions_across_both_workers() {
+    let server = SyncServer::start(
+        SyncMode::Leases {
+            tokens: 10,
+            ttl_ms: 60_000,
+            once: true,
+        },
+        INTERVAL_MS,
+    );
+    let envoy = Envoy::start_with_sync(&policy("fail_open", "tenantgate"), server.port);
+    let results = requests(&envoy, "/api/x", "lease-a", 80, Duration::from_millis(25));
+    // Two on the provisional allowance, then the lease's ten: nothing else
+    // while the node is in contact with the service.
+    assert_eq!(admitted(&results), 12, "{results:?}");
+    let [w0, w1] = envoy.worker_connections();
+    assert!(w0 > 0 && w1 > 0, "both workers served: {w0} / {w1}");
+    assert!(envoy.tg_stat("sync.ok") >= 2, "sync.ok");
+    assert_eq!(envoy.tg_stat("sync.failed"), 0);
+    let reqs = server.requests();
+    let report = reqs
+        .iter()
+        .flat_map(|r| r["reports"].as_array().cloned().unwrap_or_default())
+        .find(|r| r["key"] == "api|t|lease-a")
+        .expect("the key was reported");
+    assert_eq!(report["limit"], "global");
+    // Envoy's node.id, read through the `node.id` property.
+    let node_id = reqs[0]["node_id"].as_str().unwrap_or_default().to_owned();
+    println!("node_id from Envoy: {node_id:?}, region {:?}", reqs[0]["region"]);
+    // `node.id` is read through `["xds", "node", "id"]` (`["node", "id"]`
+    // answers nothing on Envoy 1.40).
+    assert_eq!(node_id, "tenantgate-demo");
+    // Seqs increase and acknowledgements follow.
+    let seqs: Vec<u64> = reqs.iter().map(|r| r["seq"].as_u64().unwrap()).collect();
+    assert!(seqs.windows(2).all(|w| w[1] > w[0]), "{seqs:?}");
+    assert_eq!(reqs.last().unwrap()["acked_seq"], seqs[seqs.len() - 2]);
+}
+
+#[test]
+fn a_service_down_slow_or_garbled_never_slows_requests_and_recovery_brings_leases_back() {
+    let server = SyncServer::start(SyncMode::Down, INTERVAL_MS);
+    let envoy = Envoy::start_with_sync(&policy("fail_open", "tenantgate"), server.port);
+    let interval = server.interval();
+    // Down from the start: the provisional allowance, then fail_open for
+    // `api` once the node counts as cut off; `orders` fails closed.
+    let orders = requests(&envoy, "/api/orders", "down-a", 40, Duration::from_millis(50));
+    let api = requests(&envoy, "/api/x", "down-a", 40, Duration::from_millis(10));
+    assert_eq!(
+        admitted(&orders),
+        2,
+        "fail_closed after the provisional allowance: {orders:?}"
+    );
+    assert_eq!(admitted(&api), 40, "fail_open: {api:?}");
+    assert!(
+        envoy.tg_stat("sync.failed") >= 2,
+        "refused connections count as failures"
+    );
+    println!("down:    p99 {:?}", p99(&api));
+    assert!(p99(&api) < Duration::from_millis(50));
+
+    for (name, mode, stat) in [
+        (
+            "slow 1 s",
+            SyncMode::Slow(Duration::from_secs(1), 1),
+            "sync.timeouts",
+        ),
+        ("garbage", SyncMode::Garbage, "sync.failed"),
+        ("503", SyncMode::Status(503), "sync.failed"),
+    ] {
+        let before = envoy.tg_stat(stat);
+        server.set_mode(mode);
+        let results = requests(&envoy, "/api/x", "down-a", 60, Duration::from_millis(20));
+        assert!(envoy.tg_stat(stat) > before, "{name}: {stat} counted");
+        println!("{name}: p99 {:?}", p99(&results));
+        assert!(p99(&results) < Duration::from_millis(50), "{name}: {results:?}");
+        assert_eq!(admitted(&results), 60, "{name}: still fail_open");
+    }
+    assert_eq!(envoy.tg_stat("sync.ok"), 0);
+
+    // Recovery: leases of 3 tokens per interval.
+    server.set_mode(SyncMode::Leases {
+        tokens: 3,
+        ttl_ms: 2_000,
+        once: false,
+    });
+    let back = Instant::now();
+    assert!(
+        wait_for(interval * 2 + Duration::from_millis(300), || envoy
+            .tg_stat("sync.ok")
+            > 0),
+        "a sync succeeded within 2 intervals"
+    );
+    // The next report carries the key, and its lease limits the key.
+    let recovered = wait_for(interval * 2 + Duration::from_millis(300), || {
+        let burst = requests(&envoy, "/api/x", "down-a", 10, Duration::ZERO);
+        admitted(&burst) < 10
+    });
+    println!("leases applied again {:?} after recovery", back.elapsed());
+    assert!(recovered, "leases limit the key again");
+    assert!(
+        back.elapsed() < interval * 4,
+        "within about two intervals of the key's report"
+    );
+}
+
+#[test]
+fn an_unknown_cluster_or_one_with_no_healthy_host_fails_the_sync_not_the_requests() {
+    let envoy = Envoy::start(&policy("fail_open", "nosuch"));
+    let results = requests(&envoy, "/api/x", "nc-a", 40, Duration::from_millis(25));
+    assert!(
+        envoy.tg_stat("sync.failed") >= 1,
+        "dispatch to an unknown cluster fails"
+    );
+    assert_eq!(envoy.tg_stat("sync.sent"), 0);
+    assert!(p99(&results) < Duration::from_millis(50), "{results:?}");
+    println!("unknown cluster: p99 {:?}", p99(&results));
+
+    let (ok, err) = envoy.apply(&policy("fail_closed", "tenantgate_empty"));
+    assert!(ok, "{err}");
+    let before = envoy.tg_stat("sync.failed");
+    assert!(wait_for(Duration::from_secs(3), || envoy.tg_stat("sync.failed") > before));
+    let results = requests(&envoy, "/api/x", "nc-b", 30, Duration::from_millis(20));
+    println!("no healthy host: p99 {:?}", p99(&results));
+    assert!(p99(&results) < Duration::from_millis(50), "{results:?}");
+    // The node was cut off long ago: fail_closed leaves nothing but the
+    // new key's provisional allowance.
+    assert!(admitted(&results) <= 2, "{results:?}");
+}

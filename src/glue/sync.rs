@@ -1,0 +1,256 @@
+//! The node's sync with the central cluster, in the glue: on each tick,
+//! read the node's sync state (for requests), try to win the interval, scan
+//! the key table in bounded steps, send one batched `dispatch_http_call`,
+//! and apply its answer. The logic is `crate::sync::shared`; this adds the
+//! callout, its failures and the stats. Requests never wait for it.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, MapType};
+
+use super::metrics::Metrics;
+use super::{ProxyHost, SYNC_VIEW};
+use crate::host::Host;
+use crate::policy::{Policy, SyncSettings};
+use crate::sync::shared::{self, Claim, NotApplied, Scan};
+use crate::sync::{ApplyError, SyncResponse};
+
+/// The service's sync endpoint.
+pub const SYNC_PATH: &str = "/v1/sync";
+/// Envoy's node id and region, unless the policy overrides them.
+const NODE_ID_PROPERTY: [&str; 2] = ["node", "id"];
+const REGION_PROPERTY: [&str; 3] = ["node", "locality", "region"];
+const XDS_NODE_ID_PROPERTY: [&str; 3] = ["xds", "node", "id"];
+const XDS_REGION_PROPERTY: [&str; 4] = ["xds", "node", "locality", "region"];
+/// A callout that failed this close to its timeout counts as a timeout.
+const TIMEOUT_SLACK_NS: u64 = 5_000_000;
+
+/// A callout in flight.
+struct Call {
+    seq: u64,
+    sent_at: u64,
+}
+
+/// One root context's part in syncing.
+#[derive(Default)]
+pub struct Syncer {
+    /// Whether `node_id` / `region` are final (the policy set them, or
+    /// Envoy's properties answered).
+    resolved: bool,
+    node_id: String,
+    region: String,
+    scan: Option<Scan>,
+    calls: HashMap<u32, Call>,
+}
+
+fn text_property(host: &ProxyHost, path: &[&str]) -> Option<String> {
+    let bytes = host.property(path)?;
+    let text = String::from_utf8(bytes).ok()?;
+    (!text.is_empty()).then_some(text)
+}
+
+impl Syncer {
+    /// Resolves who this node is: the policy's `sync.node_id` / `sync.region`,
+    /// else Envoy's `node.id` / `node.locality.region`.
+    /// Envoy may not answer properties during `on_configure`: then they
+    /// are read again before each report until they answer.
+    pub fn configure(&mut self, policy: &Policy, host: &ProxyHost) {
+        self.resolved = false;
+        self.resolve(policy, host);
+        if let (Some(settings), true) = (policy.sync.as_ref(), policy.has_global_limits()) {
+            log::info!(
+                "tenantgate: global limits sync with cluster {} every {} ms as node {:?} in region {:?}",
+                settings.cluster,
+                settings.interval_ns / 1_000_000,
+                self.node_id,
+                self.region
+            );
+        }
+    }
+
+    fn resolve(&mut self, policy: &Policy, host: &ProxyHost) {
+        let Some(settings) = policy.sync.as_ref() else {
+            return;
+        };
+        if self.resolved {
+            return;
+        }
+        // Envoy 1.40 answers `["node", "id"]` with nothing (verified);
+        // `["xds", "node", "id"]` works.
+        let id = settings
+            .node_id
+            .clone()
+            .or_else(|| text_property(host, &NODE_ID_PROPERTY))
+            .or_else(|| text_property(host, &XDS_NODE_ID_PROPERTY));
+        let region = settings
+            .region
+            .clone()
+            .or_else(|| text_property(host, &REGION_PROPERTY))
+            .or_else(|| text_property(host, &XDS_REGION_PROPERTY));
+        self.resolved = id.is_some();
+        self.node_id = id.unwrap_or_else(|| String::from("unknown"));
+        self.region = region.unwrap_or_default();
+    }
+
+    pub fn tick(&mut self, policy: &Policy, metrics: &Metrics, now: u64) {
+        let Some(settings) = policy.sync.as_ref().filter(|_| policy.has_global_limits()) else {
+            return;
+        };
+        let budget = shared::scan_budget(policy.key_table_entries);
+        if let Some(mut scan) = self.scan.take() {
+            if shared::scan_step(&ProxyHost, policy, &mut scan, budget) {
+                self.dispatch(policy, settings, metrics, scan, now);
+            } else {
+                self.scan = Some(scan);
+            }
+            return;
+        }
+        match shared::claim(&ProxyHost, settings, now) {
+            Ok(Claim::NotDue(state)) => SYNC_VIEW.with(|v| *v.borrow_mut() = Some(state)),
+            Ok(Claim::Won { seq, timed_out }) => {
+                if timed_out {
+                    metrics.sync_timeout();
+                }
+                refresh_view();
+                let mut scan = Scan::new(seq);
+                if shared::scan_step(&ProxyHost, policy, &mut scan, budget) {
+                    self.dispatch(policy, settings, metrics, scan, now);
+                } else {
+                    self.scan = Some(scan);
+                }
+            }
+            Ok(Claim::Lost) => refresh_view(),
+            Err(_) => metrics.sync_failed(),
+        }
+    }
+
+    fn dispatch(
+        &mut self,
+        policy: &Policy,
+        settings: &SyncSettings,
+        metrics: &Metrics,
+        scan: Scan,
+        now: u64,
+    ) {
+        let acked = shared::read_state(&ProxyHost)
+            .ok()
+            .and_then(|(s, _)| s)
+            .map_or(0, |s| s.acked_seq);
+        self.resolve(policy, &ProxyHost);
+        let body = shared::request(policy, &self.node_id, &self.region, acked, &scan).to_json();
+        if !matches!(shared::sent(&ProxyHost, &scan, now), Ok(true)) {
+            // Another worker gave up on this report meanwhile.
+            metrics.sync_failed();
+            return;
+        }
+        let headers = vec![
+            (":method", "POST"),
+            (":path", SYNC_PATH),
+            (":authority", settings.cluster.as_str()),
+            ("content-type", "application/json"),
+        ];
+        let timeout = Duration::from_nanos(settings.timeout_ns);
+        match hostcalls::dispatch_http_call(
+            &settings.cluster,
+            headers,
+            Some(body.as_bytes()),
+            vec![],
+            timeout,
+        ) {
+            Ok(token) => {
+                metrics.sync_sent();
+                self.calls.insert(
+                    token,
+                    Call {
+                        seq: scan.seq,
+                        sent_at: now,
+                    },
+                );
+            }
+            Err(status) => {
+                // An unknown cluster, typically: leases run out, then the
+                // failure mode applies.
+                log::warn!(
+                    "tenantgate: cannot call sync cluster {}: {status:?}",
+                    settings.cluster
+                );
+                metrics.sync_failed();
+                let _ = shared::abandon(&ProxyHost, scan.seq);
+            }
+        }
+    }
+
+    pub fn on_response(&mut self, policy: &Policy, metrics: &Metrics, token: u32, body_size: usize) {
+        let Some(call) = self.calls.remove(&token) else {
+            return;
+        };
+        let Some(settings) = policy.sync.as_ref() else {
+            return;
+        };
+        let now = super::now_ns().unwrap_or(call.sent_at);
+        let elapsed = now.saturating_sub(call.sent_at);
+        metrics.sync_latency_ms(elapsed / 1_000_000);
+        let outcome = self.answer(policy, settings, body_size, now);
+        match outcome {
+            Ok(()) => metrics.sync_ok(),
+            Err(Failure::Timeout) => metrics.sync_timeout(),
+            Err(Failure::Other) if elapsed.saturating_add(TIMEOUT_SLACK_NS) >= settings.timeout_ns => {
+                metrics.sync_timeout()
+            }
+            Err(Failure::Other) => metrics.sync_failed(),
+        }
+        if outcome.is_err() {
+            let _ = shared::abandon(&ProxyHost, call.seq);
+        }
+        refresh_view();
+    }
+
+    fn answer(
+        &self,
+        policy: &Policy,
+        settings: &SyncSettings,
+        body_size: usize,
+        now: u64,
+    ) -> Result<(), Failure> {
+        // No status: the callout failed (reset, no healthy host, timeout).
+        let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
+            .ok()
+            .flatten()
+            .ok_or(Failure::Other)?;
+        if status != b"200" {
+            log::warn!("tenantgate: sync answered {}", String::from_utf8_lossy(&status));
+            return Err(Failure::Other);
+        }
+        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let resp = SyncResponse::from_json(&body).map_err(|e| {
+            log::warn!("tenantgate: sync answer refused: {e}");
+            Failure::Other
+        })?;
+        match shared::apply(&ProxyHost, policy, settings, &resp, now) {
+            Ok(applied) => {
+                if applied.missed > 0 {
+                    log::warn!("tenantgate: {} keys missed their sync update", applied.missed);
+                }
+                Ok(())
+            }
+            Err(NotApplied::Refused(ApplyError::Late)) => Err(Failure::Timeout),
+            Err(_) => Err(Failure::Other),
+        }
+    }
+}
+
+enum Failure {
+    Timeout,
+    Other,
+}
+
+fn refresh_view() {
+    if let Ok((Some(state), _)) = shared::read_state(&ProxyHost) {
+        SYNC_VIEW.with(|v| *v.borrow_mut() = Some(state));
+    }
+}

@@ -1,0 +1,386 @@
+//! A node's sync with the central cluster, over shared data: which worker
+//! reports this interval, building the report from the key table, and
+//! applying the answer to the stored allowances. Pure apart from the
+//! [`Host`]: the glue only adds the tick, the callout and the stats.
+//!
+//! # One worker per interval
+//! Every worker reads [`SYNC_STATE_KEY`] on its tick. When an interval has
+//! passed since the last report started and no report is in flight (or the
+//! one in flight is older than an interval), a worker starts the next
+//! report in the state and writes it back by compare-and-swap: the one
+//! whose write lands has **won** the interval ([`claim`]); the others see
+//! the report in flight on their next tick. The winner scans the key table
+//! in bounded steps ([`scan_step`]), sends one batched callout, and marks
+//! the report sent ([`sent`]). Its answer comes back to the same worker,
+//! which applies it ([`apply`]).
+//!
+//! # Applying an answer
+//! The state is updated first (the report acknowledged, contact renewed),
+//! by compare-and-swap, so an answer is applied at most once; then each
+//! reported or leased key's slot is updated by compare-and-swap (at most
+//! [`MAX_CAS_ATTEMPTS`] tries each): counts the report carried are
+//! subtracted, and the lease installed, less what the node admitted on
+//! leases since the report was built. A key whose slot cannot be updated
+//! keeps its counts: they are reported again (the service then counts them
+//! twice, which errs toward admitting less).
+
+use std::collections::BTreeMap;
+
+use super::node::{ApplyError, Counts, SyncState};
+use super::protocol::{Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
+use super::stored::{self, Carried, SYNC_CARRIED_KEY, SYNC_STATE_KEY};
+use crate::host::{CasResult, Host, HostError};
+use crate::limiter::algo::KIND_GLOBAL_ALLOWANCE;
+use crate::policy::{Policy, SyncSettings};
+use crate::state;
+
+/// Compare-and-swap attempts per shared-data key.
+pub const MAX_CAS_ATTEMPTS: u32 = 16;
+/// Key-table entries one tick scans at least; a larger table is scanned
+/// in [`SCAN_TICKS`] ticks at most.
+pub const MIN_SCAN_PER_TICK: u64 = 2048;
+pub const SCAN_TICKS: u64 = 40;
+/// Most (key, limit) one report carries; the others wait for the next one
+/// (their counts stay until acknowledged).
+pub const MAX_REPORTS: usize = 4096;
+
+const NANOS_PER_MS: u64 = 1_000_000;
+
+/// How many entries a tick scans for a table of `entries`.
+pub fn scan_budget(entries: u64) -> u64 {
+    MIN_SCAN_PER_TICK.max(entries.div_ceil(SCAN_TICKS))
+}
+
+/// The node's sync state and its CAS token (`None`: absent or unreadable).
+pub fn read_state<H: Host>(host: &H) -> Result<(Option<SyncState>, Option<u32>), HostError> {
+    let (value, cas) = host.shared_get(SYNC_STATE_KEY)?;
+    Ok((value.as_deref().and_then(stored::decode_sync_state), cas))
+}
+
+fn write_state<H: Host>(host: &H, s: &SyncState, cas: Option<u32>) -> Result<CasResult, HostError> {
+    let mut out = Vec::new();
+    stored::encode_sync_state(s, &mut out);
+    host.shared_set(SYNC_STATE_KEY, &out, cas)
+}
+
+/// What [`claim`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// This worker reports this interval, as `seq`; `timed_out`: the
+    /// previous report was given up on.
+    Won { seq: u64, timed_out: bool },
+    /// Not due, or another worker's report is in flight.
+    NotDue(SyncState),
+    /// Another worker won the race.
+    Lost,
+}
+
+/// Tries to win this interval's report. A missing or unreadable state is
+/// created (the node starts syncing now).
+pub fn claim<H: Host>(host: &H, settings: &SyncSettings, now: u64) -> Result<Claim, HostError> {
+    let (current, cas) = read_state(host)?;
+    let mut s = current.unwrap_or_else(|| SyncState::new(now, settings.interval_ns, settings.timeout_ns));
+    if !s.due(now) {
+        return Ok(Claim::NotDue(s));
+    }
+    // A report in flight for longer than an interval is given up on (its
+    // answer would be late anyway: the timeout is shorter).
+    let Some((seq, timed_out)) = s.begin_report(now, s.interval_ns.max(settings.timeout_ns)) else {
+        return Ok(Claim::NotDue(s));
+    };
+    Ok(match write_state(host, &s, cas)? {
+        CasResult::Written => Claim::Won { seq, timed_out },
+        CasResult::Conflict => Claim::Lost,
+    })
+}
+
+/// A report being built by the worker that won its interval.
+#[derive(Debug, Clone, Default)]
+pub struct Scan {
+    pub seq: u64,
+    /// The next key-table entry to scan.
+    pub next: u64,
+    pub carried: Vec<Carried>,
+    pub reports: Vec<Report>,
+}
+
+impl Scan {
+    pub fn new(seq: u64) -> Scan {
+        Scan {
+            seq,
+            ..Scan::default()
+        }
+    }
+}
+
+/// Scans up to `budget` key-table entries for global allowances with
+/// counts to report. Returns whether the scan is complete.
+pub fn scan_step<H: Host>(host: &H, policy: &Policy, scan: &mut Scan, budget: u64) -> bool {
+    let entries = policy.key_table_entries.max(1);
+    let end = scan.next.saturating_add(budget).min(entries);
+    for index in scan.next..end {
+        if scan.carried.len() >= MAX_REPORTS {
+            scan.next = entries;
+            break;
+        }
+        let Ok((Some(value), _)) = host.shared_get(&state::entry_key(index)) else {
+            continue;
+        };
+        for slot in state::decode_entry(&value).unwrap_or_default() {
+            for r in state::decode_records(slot.records).unwrap_or_default() {
+                if r.kind != KIND_GLOBAL_ALLOWANCE {
+                    continue;
+                }
+                let (Some(limit), Some(a)) = (
+                    policy.global_limit_name(r.name_hash),
+                    stored::decode_allowance(r.state),
+                ) else {
+                    continue;
+                };
+                if a.pending.is_zero() || scan.carried.len() >= MAX_REPORTS {
+                    continue;
+                }
+                scan.reports.push(Report {
+                    key: String::from_utf8_lossy(slot.key).into_owned(),
+                    limit: limit.to_owned(),
+                    consumed: a.pending.consumed,
+                    unleased: a.pending.unleased,
+                    demand: a.pending.demand,
+                });
+                scan.carried.push(Carried {
+                    key: slot.key.to_vec(),
+                    name_hash: r.name_hash,
+                    counts: a.pending,
+                    lease_used: a.lease_used,
+                });
+            }
+        }
+    }
+    scan.next = scan.next.max(end);
+    scan.next >= entries
+}
+
+/// The batched request of a complete scan.
+pub fn request(policy: &Policy, node_id: &str, region: &str, acked_seq: u64, scan: &Scan) -> SyncRequest {
+    SyncRequest {
+        version: PROTOCOL_VERSION,
+        node_id: node_id.to_owned(),
+        region: region.to_owned(),
+        policy_version: policy.version.clone(),
+        seq: scan.seq,
+        acked_seq,
+        reports: scan.reports.clone(),
+    }
+}
+
+/// Records that the report was sent at `now`: what it carried, and its
+/// send time (its timeout counts from then). `false` if the report is no
+/// longer the one in flight.
+pub fn sent<H: Host>(host: &H, scan: &Scan, now: u64) -> Result<bool, HostError> {
+    let mut out = Vec::new();
+    stored::encode_carried(scan.seq, &scan.carried, &mut out);
+    host.shared_set(SYNC_CARRIED_KEY, &out, None)?;
+    update_state(host, |s| match &mut s.in_flight {
+        Some(f) if f.seq == scan.seq => {
+            f.sent_at = now;
+            true
+        }
+        _ => false,
+    })
+}
+
+/// Gives up on report `seq` (its callout could not be made or failed), so
+/// the next interval can report again at once.
+pub fn abandon<H: Host>(host: &H, seq: u64) -> Result<bool, HostError> {
+    update_state(host, |s| {
+        if s.in_flight.is_some_and(|f| f.seq == seq) {
+            s.in_flight = None;
+            true
+        } else {
+            false
+        }
+    })
+}
+
+/// Read-modify-write of the state; `change` returns whether to write.
+fn update_state<H: Host>(
+    host: &H,
+    mut change: impl FnMut(&mut SyncState) -> bool,
+) -> Result<bool, HostError> {
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        let (Some(mut s), cas) = read_state(host)? else {
+            return Ok(false);
+        };
+        if !change(&mut s) {
+            return Ok(false);
+        }
+        if write_state(host, &s, cas)? == CasResult::Written {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// Why an answer was not applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotApplied {
+    /// Not the report in flight, or too late (see [`ApplyError`]).
+    Refused(ApplyError),
+    /// Shared data failed or stayed contended.
+    State,
+}
+
+/// What applying an answer did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Leases installed.
+    pub leases: usize,
+    /// Keys whose slot could not be updated (counts kept, lease lost).
+    pub missed: usize,
+}
+
+#[derive(Default)]
+struct Update {
+    ack: Option<(Counts, u64)>,
+    lease: Option<(u64, u64, u64)>,
+}
+
+/// Applies the answer to the report in flight (see the module header).
+pub fn apply<H: Host>(
+    host: &H,
+    policy: &Policy,
+    settings: &SyncSettings,
+    resp: &SyncResponse,
+    now: u64,
+) -> Result<Applied, NotApplied> {
+    let max_ttl = settings.max_ttl_ns;
+    let ttl = |ms: u64| ms.saturating_mul(NANOS_PER_MS).min(max_ttl);
+    let longest = resp.leases.iter().map(|l| ttl(l.ttl_ms)).max().unwrap_or(0);
+    let mut accepted = None;
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        let (current, cas) = read_state(host).map_err(|_| NotApplied::State)?;
+        let Some(mut s) = current else {
+            return Err(NotApplied::Refused(ApplyError::Stale));
+        };
+        let f = s
+            .accept(resp.ack_seq, now, settings.timeout_ns)
+            .map_err(NotApplied::Refused)?;
+        s.applied(f.seq, resp.interval_ms, longest, max_ttl, now);
+        if write_state(host, &s, cas).map_err(|_| NotApplied::State)? == CasResult::Written {
+            accepted = Some(f);
+            break;
+        }
+    }
+    let Some(f) = accepted else {
+        return Err(NotApplied::State);
+    };
+
+    // Per key, per limit: what to acknowledge and which lease to install.
+    let mut updates: BTreeMap<Vec<u8>, BTreeMap<u32, Update>> = BTreeMap::new();
+    if let Ok((Some(bytes), _)) = host.shared_get(SYNC_CARRIED_KEY) {
+        if let Some((seq, items)) = stored::decode_carried(&bytes) {
+            if seq == f.seq {
+                for c in items {
+                    let u = updates.entry(c.key).or_default().entry(c.name_hash).or_default();
+                    u.ack = Some((c.counts, c.lease_used));
+                }
+            }
+        }
+    }
+    for l in &resp.leases {
+        let hash = crate::policy::limit_name_hash(&l.limit);
+        if policy.global_limit_name(hash) != Some(l.limit.as_str()) {
+            continue;
+        }
+        let u = updates
+            .entry(l.key.as_bytes().to_vec())
+            .or_default()
+            .entry(hash)
+            .or_default();
+        u.lease = Some((l.tokens, l.share, ttl(l.ttl_ms)));
+    }
+    let mut applied = Applied::default();
+    for (key, by_limit) in &updates {
+        match update_slot(host, policy, key, by_limit, now) {
+            Some(n) => applied.leases += n,
+            None => applied.missed += 1,
+        }
+    }
+    Ok(applied)
+}
+
+/// Applies one key's updates to its slot: leases installed, or `None` if
+/// the slot could not be written (a key no longer in the table is fine:
+/// `Some(0)`).
+fn update_slot<H: Host>(
+    host: &H,
+    policy: &Policy,
+    key: &[u8],
+    by_limit: &BTreeMap<u32, Update>,
+    now: u64,
+) -> Option<usize> {
+    let entries = policy.key_table_entries.max(1);
+    let home = state::fnv1a64(key);
+    let mut scratch = Vec::new();
+    'attempt: for _ in 0..MAX_CAS_ATTEMPTS {
+        for probe in 0..state::PROBES.min(entries) {
+            let entry = state::entry_key(home.wrapping_add(probe) % entries);
+            let Ok((Some(value), cas)) = host.shared_get(&entry) else {
+                continue;
+            };
+            let Some(slots) = state::decode_entry(&value) else {
+                continue;
+            };
+            let Some(i) = slots.iter().position(|s| s.key == key) else {
+                continue;
+            };
+            let records = state::decode_records(slots[i].records)?;
+            let mut leases = 0;
+            let mut records_bytes = vec![records.len() as u8];
+            let mut state_bytes = Vec::new();
+            for r in &records {
+                let update = by_limit.get(&r.name_hash);
+                let allowance = (r.kind == KIND_GLOBAL_ALLOWANCE)
+                    .then(|| stored::decode_allowance(r.state))
+                    .flatten();
+                match (update, allowance) {
+                    (Some(u), Some(mut a)) => {
+                        let mut mark = a.lease_used;
+                        if let Some((counts, used)) = u.ack {
+                            a.ack(&counts);
+                            mark = used;
+                        }
+                        if let Some((tokens, share, ttl_ns)) = u.lease {
+                            a.install(tokens, share, ttl_ns, a.lease_used.wrapping_sub(mark), now);
+                            leases += 1;
+                        }
+                        state_bytes.clear();
+                        stored::encode_allowance(&a, &mut state_bytes);
+                        state::push_record(&mut records_bytes, r.name_hash, r.kind, r.p1, r.p2, &state_bytes);
+                    }
+                    _ => state::push_record(&mut records_bytes, r.name_hash, r.kind, r.p1, r.p2, r.state),
+                }
+            }
+            let new_slot = state::Slot {
+                key,
+                records: &records_bytes,
+            };
+            let out = slots
+                .iter()
+                .enumerate()
+                .map(|(j, s)| if j == i { new_slot } else { *s });
+            state::encode_entry(out, &mut scratch);
+            match host.shared_set(&entry, &scratch, cas) {
+                Ok(CasResult::Written) => return Some(leases),
+                Ok(CasResult::Conflict) => continue 'attempt,
+                Err(_) => return None,
+            }
+        }
+        // Not in the table (reclaimed meanwhile): nothing to update.
+        return Some(0);
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests;

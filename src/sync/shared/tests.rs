@@ -1,0 +1,258 @@
+//! The node's sync over shared data, with the fake host: several fakes on
+//! one store are the worker VMs of one Envoy. Time is explicit.
+
+use super::*;
+use crate::engine::{self, Reason};
+use crate::sync::protocol::Lease;
+use crate::testing::{FakeHost, SharedStore};
+use std::cell::RefCell;
+use std::rc::Rc;
+
+const MS: u64 = 1_000_000;
+const S: u64 = 1_000 * MS;
+const T0: u64 = 1_796_000_000 * S;
+
+fn policy(mode: &str) -> Policy {
+    let json = format!(
+        r#"{{"version": "g-1", "identity": {{"header": "x-tenant-id"}},
+        "plans": {{"free": {{"limits": [
+            {{"name": "node", "rate": 1000, "per": "1s"}},
+            {{"name": "global", "rate": 100, "per": "1s", "global": true}}]}}}},
+        "default_plan": "free", "anonymous": {{"plan": "free"}},
+        "routes": {{"api": {{}}, "strict": {{"action": "api", "failure_mode": "fail_closed"}}}},
+        "sync": {{"interval": "1s", "timeout": "500ms", "provisional": 2, "failure_mode": "{mode}"}}}}"#
+    );
+    let mut p = Policy::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+    p.effective_from_ns = T0;
+    p
+}
+
+struct World {
+    store: Rc<RefCell<SharedStore>>,
+    policy: Policy,
+}
+
+impl World {
+    fn new(mode: &str) -> World {
+        World {
+            store: SharedStore::new(),
+            policy: policy(mode),
+        }
+    }
+
+    /// A request of `tenant` on `class`, as worker `w` sees the node.
+    fn request(&self, class: &str, tenant: &str, now: u64) -> Reason {
+        let host = FakeHost::new(self.store.clone())
+            .route_class(class)
+            .header("x-tenant-id", tenant);
+        let state = read_state(&host).unwrap().0;
+        let prepared = engine::prepare(&self.policy, &host).unwrap();
+        engine::charge_synced(
+            &self.policy,
+            &prepared,
+            &host,
+            now,
+            state.as_ref(),
+            &mut Vec::new(),
+        )
+        .reason
+    }
+
+    fn admitted(&self, tenant: &str, n: usize, now: u64) -> usize {
+        (0..n)
+            .filter(|_| self.request("api", tenant, now) == Reason::Allowed)
+            .count()
+    }
+
+    fn host(&self) -> FakeHost {
+        FakeHost::new(self.store.clone())
+    }
+
+    fn settings(&self) -> &SyncSettings {
+        self.policy.sync.as_ref().unwrap()
+    }
+
+    /// One worker wins, scans and "sends"; returns the request.
+    fn report(&self, now: u64) -> Option<SyncRequest> {
+        let host = self.host();
+        let Claim::Won { seq, .. } = claim(&host, self.settings(), now).unwrap() else {
+            return None;
+        };
+        let mut scan = Scan::new(seq);
+        while !scan_step(&host, &self.policy, &mut scan, 64) {}
+        let acked = read_state(&host).unwrap().0.unwrap().acked_seq;
+        assert!(sent(&host, &scan, now).unwrap());
+        Some(request(&self.policy, "n1", "r1", acked, &scan))
+    }
+
+    fn answer(&self, req: &SyncRequest, tokens: u64, now: u64) -> Result<Applied, NotApplied> {
+        let resp = SyncResponse {
+            version: 1,
+            ack_seq: req.seq,
+            interval_ms: 1000,
+            leases: req
+                .reports
+                .iter()
+                .map(|r| Lease {
+                    key: r.key.clone(),
+                    limit: r.limit.clone(),
+                    tokens,
+                    share: tokens,
+                    ttl_ms: 3000,
+                })
+                .collect(),
+        };
+        apply(&self.host(), &self.policy, self.settings(), &resp, now)
+    }
+}
+
+#[test]
+fn a_policy_without_global_limits_has_no_sync() {
+    let json = br#"{"version": "v", "identity": {"header": "x"}, "plans": {"p": {"limits": [{"rate": 1, "per": "1s"}]}},
+        "default_plan": "p", "anonymous": {"plan": "p"}, "routes": {"api": {}}}"#;
+    let p = Policy::from_json(json).unwrap();
+    assert!(p.sync.is_none() && !p.has_global_limits());
+    let g = policy("fail_open");
+    assert!(g.has_global_limits());
+    assert_eq!(
+        g.global_limit_name(crate::policy::limit_name_hash("global")),
+        Some("global")
+    );
+    assert_eq!(g.global_limit_name(crate::policy::limit_name_hash("node")), None);
+}
+
+#[test]
+fn the_provisional_allowance_admits_the_first_requests_then_they_await_the_lease() {
+    let w = World::new("fail_open_local");
+    assert_eq!(w.admitted("acme", 5, T0), 2);
+    assert_eq!(w.request("api", "acme", T0), Reason::RateLimited);
+}
+
+#[test]
+fn exactly_one_worker_wins_each_interval() {
+    let w = World::new("fail_open_local");
+    let (a, b) = (w.host(), w.host());
+    assert!(matches!(
+        claim(&a, w.settings(), T0 + S).unwrap(),
+        Claim::Won { .. }
+    ));
+    assert!(matches!(
+        claim(&b, w.settings(), T0 + S).unwrap(),
+        Claim::NotDue(_)
+    ));
+    // Racing: both read the same state; only one write lands.
+    let store = w.store.clone();
+    let racer = FakeHost::new(store);
+    let settings = w.settings().clone();
+    *a.before_write.borrow_mut() = Some(crate::testing::Hook(Box::new(move || {
+        let _ = claim(&racer, &settings, T0 + 3 * S);
+    })));
+    assert_eq!(claim(&a, w.settings(), T0 + 3 * S).unwrap(), Claim::Lost);
+}
+
+#[test]
+fn leases_are_consumed_across_workers_and_counts_reset_on_acknowledgement() {
+    let w = World::new("fail_open_local");
+    assert_eq!(w.admitted("acme", 3, T0), 2); // provisional; 3 units of demand
+    let req = w.report(T0 + S).unwrap();
+    assert_eq!(req.reports.len(), 1);
+    let r = &req.reports[0];
+    assert_eq!((r.key.as_str(), r.limit.as_str()), ("api|t|acme", "global"));
+    assert_eq!((r.consumed, r.unleased, r.demand), (2, 2, 3));
+    // Admitted while the report is in flight: still awaiting its lease.
+    assert_eq!(w.admitted("acme", 1, T0 + S + 10 * MS), 0);
+    assert_eq!(w.answer(&req, 10, T0 + S + 50 * MS).unwrap().leases, 1);
+    // Ten tokens, whichever worker (fake host) asks.
+    assert_eq!(w.admitted("acme", 30, T0 + S + 60 * MS), 10);
+    // The next report carries only what came after the acknowledged one.
+    let next = w.report(T0 + 2 * S).unwrap();
+    assert_eq!(next.acked_seq, req.seq);
+    let r = &next.reports[0];
+    assert_eq!((r.consumed, r.unleased, r.demand), (10, 0, 31));
+}
+
+#[test]
+fn lease_tokens_count_from_when_the_report_was_built() {
+    let w = World::new("fail_open_local");
+    w.admitted("acme", 1, T0);
+    let req = w.report(T0 + S).unwrap();
+    w.answer(&req, 10, T0 + S + 10 * MS).unwrap();
+    let req = w.report(T0 + 2 * S).unwrap();
+    assert_eq!(w.admitted("acme", 4, T0 + 2 * S + 10 * MS), 4); // on the old lease, in flight
+    w.answer(&req, 10, T0 + 2 * S + 20 * MS).unwrap();
+    assert_eq!(w.admitted("acme", 30, T0 + 2 * S + 30 * MS), 6);
+}
+
+#[test]
+fn an_answer_is_applied_once_and_a_late_one_not_at_all() {
+    let w = World::new("fail_open_local");
+    w.admitted("acme", 1, T0);
+    let req = w.report(T0 + S).unwrap();
+    assert!(w.answer(&req, 5, T0 + S + 10 * MS).is_ok());
+    assert_eq!(w.admitted("acme", 3, T0 + S + 20 * MS), 3);
+    assert_eq!(
+        w.answer(&req, 5, T0 + S + 30 * MS),
+        Err(NotApplied::Refused(ApplyError::Stale))
+    );
+    assert_eq!(w.admitted("acme", 10, T0 + S + 40 * MS), 2, "not refilled");
+    let req = w.report(T0 + 2 * S).unwrap();
+    assert_eq!(
+        w.answer(&req, 5, T0 + 2 * S + 600 * MS),
+        Err(NotApplied::Refused(ApplyError::Late))
+    );
+}
+
+fn cut_off(mode: &str) -> (World, u64) {
+    let w = World::new(mode);
+    w.admitted("acme", 1, T0);
+    let req = w.report(T0 + S).unwrap();
+    w.answer(&req, 5, T0 + S).unwrap();
+    // No answer after this: leases (3 s) and contact (3 intervals) run out.
+    (w, T0 + 5 * S)
+}
+
+#[test]
+fn when_leases_expire_with_no_answer_the_failure_mode_applies_per_class() {
+    let (w, later) = cut_off("fail_open");
+    assert_eq!(w.admitted("acme", 50, later), 50);
+    assert_eq!(
+        w.request("strict", "acme", later),
+        Reason::RateLimited,
+        "class override: fail_closed"
+    );
+    let (w, later) = cut_off("fail_closed");
+    assert_eq!(w.admitted("acme", 5, later), 0);
+    // fail_open_local: a bucket at the last share (5 per interval), empty at first.
+    let (w, later) = cut_off("fail_open_local");
+    assert_eq!(w.admitted("acme", 5, later), 0);
+    assert_eq!(w.admitted("acme", 50, later + S), 5);
+}
+
+#[test]
+fn a_node_that_never_reaches_the_service_applies_its_failure_mode_after_one_interval_and_timeout() {
+    let w = World::new("fail_open");
+    assert_eq!(w.admitted("acme", 5, T0), 2);
+    // The first claim creates the state; nothing ever answers.
+    let _ = w.report(T0 + 10 * MS);
+    assert_eq!(w.admitted("acme", 5, T0 + 100 * MS), 0);
+    assert_eq!(w.admitted("acme", 5, T0 + 2 * S), 5);
+}
+
+#[test]
+fn global_allowances_go_idle_and_non_global_limits_are_unchanged() {
+    let w = World::new("fail_open_local");
+    w.admitted("acme", 1, T0);
+    let req = w.report(T0 + S).unwrap();
+    w.answer(&req, 5, T0 + S).unwrap();
+    let req = w.report(T0 + 2 * S).unwrap();
+    w.answer(&req, 0, T0 + 2 * S).unwrap();
+    let store = w.store.borrow();
+    let entry = store.keys().find(|k| k.starts_with("tg2|k|")).unwrap();
+    let slots = state::decode_entry(store.get(entry).unwrap()).unwrap();
+    let records = state::decode_records(slots[0].records).unwrap();
+    assert_eq!(records.len(), 2);
+    assert_eq!(records[0].kind, crate::limiter::algo::KIND_TOKEN_BUCKET);
+    assert_eq!(records[1].kind, KIND_GLOBAL_ALLOWANCE);
+    assert!(!crate::limiter::algo::record_is_idle(&records[1], T0 + 2 * S));
+    assert!(crate::limiter::algo::record_is_idle(&records[1], T0 + 6 * S));
+}

@@ -1,0 +1,278 @@
+//! The node's sync state as it lives in Envoy shared data, so every worker
+//! VM of a node sees the same leases: small fixed binary encodings
+//! (little-endian, versioned), never JSON.
+//!
+//! * Per (key, global limit): an [`Allowance`], stored as the record of
+//!   that limit (kind [`KIND_GLOBAL_ALLOWANCE`]) in the key's key-table
+//!   slot, so it is updated by the same compare-and-swap as the key's
+//!   other limits, all or nothing.
+//! * Node-global: the [`SyncState`] under [`SYNC_STATE_KEY`] (sequence
+//!   numbers, the report in flight, contact), which the worker that wins an
+//!   interval updates by compare-and-swap.
+//! * What the report in flight carried, under [`SYNC_CARRIED_KEY`]: per
+//!   (key, limit) the counts it reported and how much had been admitted on
+//!   leases when it was built. Kept apart from [`SYNC_STATE_KEY`] so the
+//!   small key every worker reads each tick stays small.
+//!
+//! [`KIND_GLOBAL_ALLOWANCE`]: crate::limiter::algo::KIND_GLOBAL_ALLOWANCE
+
+use super::node::{Allowance, Counts, InFlight, LeaseState, SyncState};
+
+/// The node-global sync state.
+pub const SYNC_STATE_KEY: &str = "tg2|sync|state";
+/// What the report in flight carried.
+pub const SYNC_CARRIED_KEY: &str = "tg2|sync|carried";
+
+const ALLOWANCE_VERSION: u8 = 1;
+const SYNC_VERSION: u8 = 1;
+const CARRIED_VERSION: u8 = 1;
+
+const HAS_LEASE: u8 = 1;
+const HAS_LOCAL: u8 = 2;
+
+fn put(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        Some(head)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
+    }
+    fn opt(&mut self, present: bool) -> Option<Option<u64>> {
+        if present {
+            self.u64().map(Some)
+        } else {
+            Some(None)
+        }
+    }
+    fn counts(&mut self) -> Option<Counts> {
+        Some(Counts {
+            consumed: self.u64()?,
+            unleased: self.u64()?,
+            demand: self.u64()?,
+        })
+    }
+}
+
+fn put_counts(out: &mut Vec<u8>, c: &Counts) {
+    put(out, c.consumed);
+    put(out, c.unleased);
+    put(out, c.demand);
+}
+
+/// `[version][flags] [tokens_left expires_at]? provisional_left consumed
+/// unleased demand lease_used share [local_tat]?`
+pub fn encode_allowance(a: &Allowance, out: &mut Vec<u8>) {
+    out.push(ALLOWANCE_VERSION);
+    let flags =
+        if a.lease.is_some() { HAS_LEASE } else { 0 } | if a.local_tat.is_some() { HAS_LOCAL } else { 0 };
+    out.push(flags);
+    if let Some(l) = a.lease {
+        put(out, l.tokens_left);
+        put(out, l.expires_at);
+    }
+    put(out, a.provisional_left);
+    put_counts(out, &a.pending);
+    put(out, a.lease_used);
+    put(out, a.share);
+    if let Some(t) = a.local_tat {
+        put(out, t);
+    }
+}
+
+/// `None` for anything that is not a whole, well-formed allowance.
+pub fn decode_allowance(bytes: &[u8]) -> Option<Allowance> {
+    let mut r = Reader(bytes);
+    if r.u8()? != ALLOWANCE_VERSION {
+        return None;
+    }
+    let flags = r.u8()?;
+    if flags & !(HAS_LEASE | HAS_LOCAL) != 0 {
+        return None;
+    }
+    let lease = if flags & HAS_LEASE != 0 {
+        Some(LeaseState {
+            tokens_left: r.u64()?,
+            expires_at: r.u64()?,
+        })
+    } else {
+        None
+    };
+    let a = Allowance {
+        lease,
+        provisional_left: r.u64()?,
+        pending: r.counts()?,
+        lease_used: r.u64()?,
+        share: r.u64()?,
+        local_tat: r.opt(flags & HAS_LOCAL != 0)?,
+    };
+    r.0.is_empty().then_some(a)
+}
+
+const IN_FLIGHT: u8 = 1;
+const CONTACT: u8 = 2;
+const APPLIED: u8 = 4;
+const REPORTED: u8 = 8;
+
+/// `[version][flags] next_seq acked_seq interval_ns [seq sent_at]?
+/// [contact_until]? [last_applied_at]? [last_report_at]?`
+pub fn encode_sync_state(s: &SyncState, out: &mut Vec<u8>) {
+    out.clear();
+    out.push(SYNC_VERSION);
+    let flag = |set: bool, bit: u8| if set { bit } else { 0 };
+    out.push(
+        flag(s.in_flight.is_some(), IN_FLIGHT)
+            | flag(s.contact_until.is_some(), CONTACT)
+            | flag(s.last_applied_at.is_some(), APPLIED)
+            | flag(s.last_report_at.is_some(), REPORTED),
+    );
+    put(out, s.next_seq);
+    put(out, s.acked_seq);
+    put(out, s.interval_ns);
+    if let Some(f) = s.in_flight {
+        put(out, f.seq);
+        put(out, f.sent_at);
+    }
+    for v in [s.contact_until, s.last_applied_at, s.last_report_at]
+        .into_iter()
+        .flatten()
+    {
+        put(out, v);
+    }
+}
+
+pub fn decode_sync_state(bytes: &[u8]) -> Option<SyncState> {
+    let mut r = Reader(bytes);
+    if r.u8()? != SYNC_VERSION {
+        return None;
+    }
+    let flags = r.u8()?;
+    let next_seq = r.u64()?;
+    let acked_seq = r.u64()?;
+    let interval_ns = r.u64()?;
+    let in_flight = if flags & IN_FLIGHT != 0 {
+        Some(InFlight {
+            seq: r.u64()?,
+            sent_at: r.u64()?,
+        })
+    } else {
+        None
+    };
+    let s = SyncState {
+        next_seq,
+        acked_seq,
+        in_flight,
+        interval_ns: interval_ns.max(1),
+        contact_until: r.opt(flags & CONTACT != 0)?,
+        last_applied_at: r.opt(flags & APPLIED != 0)?,
+        last_report_at: r.opt(flags & REPORTED != 0)?,
+    };
+    r.0.is_empty().then_some(s)
+}
+
+/// One (key, limit) a report carried.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Carried {
+    /// The logical key (the key-table slot's key).
+    pub key: Vec<u8>,
+    pub name_hash: u32,
+    pub counts: Counts,
+    /// The allowance's `lease_used` when the report was built.
+    pub lease_used: u64,
+}
+
+/// `[version] seq n × ([key_len u8][key][name_hash u32] consumed unleased
+/// demand lease_used)`
+pub fn encode_carried(seq: u64, items: &[Carried], out: &mut Vec<u8>) {
+    out.clear();
+    out.push(CARRIED_VERSION);
+    put(out, seq);
+    for c in items {
+        out.push(c.key.len().min(255) as u8);
+        out.extend_from_slice(&c.key[..c.key.len().min(255)]);
+        out.extend_from_slice(&c.name_hash.to_le_bytes());
+        put_counts(out, &c.counts);
+        put(out, c.lease_used);
+    }
+}
+
+pub fn decode_carried(bytes: &[u8]) -> Option<(u64, Vec<Carried>)> {
+    let mut r = Reader(bytes);
+    if r.u8()? != CARRIED_VERSION {
+        return None;
+    }
+    let seq = r.u64()?;
+    let mut items = Vec::new();
+    while !r.0.is_empty() {
+        let len = usize::from(r.u8()?);
+        let key = r.take(len)?.to_vec();
+        items.push(Carried {
+            key,
+            name_hash: r.u32()?,
+            counts: r.counts()?,
+            lease_used: r.u64()?,
+        });
+    }
+    Some((seq, items))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allowances_sync_states_and_carried_reports_round_trip() {
+        let mut a = Allowance::fresh(2);
+        a.pending.demand = 5;
+        a.lease = Some(LeaseState {
+            tokens_left: 7,
+            expires_at: 99,
+        });
+        a.local_tat = Some(3);
+        for a in [Allowance::fresh(2), a] {
+            let mut out = Vec::new();
+            encode_allowance(&a, &mut out);
+            assert_eq!(decode_allowance(&out), Some(a));
+            for cut in 0..out.len() {
+                assert_eq!(decode_allowance(&out[..cut]), None);
+            }
+        }
+        let mut s = SyncState::new(1_000, 10, 5);
+        let mut out = Vec::new();
+        encode_sync_state(&s, &mut out);
+        assert_eq!(decode_sync_state(&out), Some(s));
+        s.begin_report(2_000, 5);
+        encode_sync_state(&s, &mut out);
+        assert_eq!(decode_sync_state(&out), Some(s));
+        assert_eq!(decode_sync_state(&out[..out.len() - 1]), None);
+        let items = vec![Carried {
+            key: b"api|t|acme".to_vec(),
+            name_hash: 9,
+            counts: Counts {
+                consumed: 1,
+                unleased: 1,
+                demand: 3,
+            },
+            lease_used: 4,
+        }];
+        encode_carried(7, &items, &mut out);
+        assert_eq!(decode_carried(&out), Some((7, items)));
+        assert_eq!(decode_carried(&out[..out.len() - 1]), None);
+    }
+}
