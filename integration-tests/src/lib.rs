@@ -7,6 +7,8 @@
 //! Everything is bounded: Envoy start-up, waits for conditions (always with
 //! a deadline, never a bare sleep for a condition) and request loops.
 
+pub mod cluster;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -63,7 +65,7 @@ pub fn wait_for(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool 
     }
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -71,6 +73,25 @@ fn free_port() -> u16 {
 }
 
 static NEXT_DIR: AtomicU32 = AtomicU32::new(0);
+
+/// Who an Envoy is, as one node of several (see [`Envoy::start_node`]).
+#[derive(Debug, Clone)]
+pub struct NodeSpec {
+    pub id: String,
+    pub region: Option<String>,
+    /// The `tenantgate` sync cluster's endpoints (loopback ports).
+    pub sync_ports: Vec<u16>,
+}
+
+impl Default for NodeSpec {
+    fn default() -> NodeSpec {
+        NodeSpec {
+            id: "tenantgate-demo".into(),
+            region: None,
+            sync_ports: vec![free_port()],
+        }
+    }
+}
 
 /// A running Envoy with the tenantgate filter; killed on drop.
 pub struct Envoy {
@@ -96,6 +117,18 @@ impl Envoy {
     /// (see [`SyncServer`]), plus a `tenantgate_empty` cluster with no
     /// endpoints (no healthy host).
     pub fn start_with_sync(policy_yaml: &str, sync_port: u16) -> Envoy {
+        Envoy::start_node(
+            policy_yaml,
+            &NodeSpec {
+                sync_ports: vec![sync_port],
+                ..NodeSpec::default()
+            },
+        )
+    }
+
+    /// [`Envoy::start`] as one node of several: its own `node.id` and
+    /// region, and a `tenantgate` sync cluster over `sync_ports`.
+    pub fn start_node(policy_yaml: &str, node: &NodeSpec) -> Envoy {
         let n = NEXT_DIR.fetch_add(1, Ordering::SeqCst);
         let dir = std::env::temp_dir().join(format!("tenantgate-it-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -115,7 +148,6 @@ impl Envoy {
             ("port_value: 10001", format!("port_value: {jwt_port}")),
             ("port_value: 9901", format!("port_value: {admin}")),
             ("path: envoy/run/ecds.yaml", format!("path: {}", ecds.display())),
-            ("port_value: 10002", format!("port_value: {sync_port}")),
         ] {
             assert!(
                 bootstrap.contains(from),
@@ -123,6 +155,26 @@ impl Envoy {
             );
             bootstrap = bootstrap.replace(from, &to);
         }
+        let endpoint = "        - endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: 10002 } } }\n";
+        assert!(
+            bootstrap.contains(endpoint),
+            "envoy/demo.yaml no longer has the sync endpoint line"
+        );
+        let endpoints: String = node
+            .sync_ports
+            .iter()
+            .map(|p| endpoint.replace("10002", &p.to_string()))
+            .collect();
+        bootstrap = bootstrap.replace(endpoint, &endpoints);
+        assert!(
+            bootstrap.contains("  id: tenantgate-demo\n"),
+            "envoy/demo.yaml no longer sets node.id"
+        );
+        let mut identity = format!("  id: {}\n", node.id);
+        if let Some(region) = &node.region {
+            identity.push_str(&format!("  locality: {{ region: {region} }}\n"));
+        }
+        bootstrap = bootstrap.replace("  id: tenantgate-demo\n", &identity);
         bootstrap.push_str(
             "  - name: tenantgate_empty\n    type: STATIC\n    connect_timeout: 0.25s\n    load_assignment: { cluster_name: tenantgate_empty, endpoints: [] }\n",
         );
@@ -450,8 +502,13 @@ pub struct SyncServer {
 
 impl SyncServer {
     pub fn start(mode: SyncMode, interval_ms: u64) -> SyncServer {
+        SyncServer::start_on(0, mode, interval_ms)
+    }
+
+    /// [`SyncServer::start`] on a given port (0: any free one).
+    pub fn start_on(port: u16, mode: SyncMode, interval_ms: u64) -> SyncServer {
         use std::sync::{Arc, Mutex};
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the stub sync server");
+        let listener = TcpListener::bind(("127.0.0.1", port)).expect("bind the stub sync server");
         let port = listener.local_addr().expect("addr").port();
         let server = SyncServer {
             port,

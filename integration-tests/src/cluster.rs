@@ -1,0 +1,84 @@
+//! Real central-service replicas (`tenantgate serve`) for multi-node tests.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use crate::{cli_bin, request, wait_for};
+
+/// One `tenantgate serve` process on a fixed loopback port; killed on drop.
+pub struct Serve {
+    child: Option<Child>,
+    pub port: u16,
+    policy: PathBuf,
+    store: String,
+    interval_ms: u64,
+    log: PathBuf,
+}
+
+impl Serve {
+    /// Starts a replica and waits until `/readyz` answers 200.
+    pub fn start(policy: &Path, store: &str, interval_ms: u64, port: u16, log: &Path) -> Serve {
+        let mut serve = Serve {
+            child: None,
+            port,
+            policy: policy.to_owned(),
+            store: store.to_owned(),
+            interval_ms,
+            log: log.to_owned(),
+        };
+        serve.restart();
+        serve
+    }
+
+    pub fn ready(&self) -> bool {
+        request(self.port, "GET", "/readyz", &[]).is_ok_and(|r| r.status == 200)
+    }
+
+    /// Kills the replica (as a crash would).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same port and waits until it is ready.
+    pub fn restart(&mut self) {
+        self.stop();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("serve log");
+        let child = Command::new(cli_bin())
+            .arg("serve")
+            .arg("--policy")
+            .arg(&self.policy)
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{}", self.port))
+            .arg("--store")
+            .arg(&self.store)
+            .arg("--interval-ms")
+            .arg(self.interval_ms.to_string())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log fd"))
+            .stderr(log)
+            .spawn()
+            .expect("start tenantgate serve");
+        self.child = Some(child);
+        let ready = wait_for(Duration::from_secs(20), || self.ready());
+        assert!(
+            ready,
+            "tenantgate serve on {} not ready in 20 s; see {}",
+            self.port,
+            self.log.display()
+        );
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
