@@ -2,7 +2,9 @@
 //! (`SyncServer`): leases from the service limit admissions on both
 //! workers; a service that is down, slow, garbled or unreachable never
 //! slows requests down, and the failure mode applies; after recovery,
-//! leases are applied again within two intervals.
+//! leases are applied again within two intervals. With the service failing,
+//! the circuit breaker cuts the callouts down, and its probe brings leases
+//! back within the backoff plus two intervals.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a test crate
 
@@ -13,7 +15,17 @@ use tenantgate_integration_tests::{get, wait_for, Envoy, SyncMode, SyncServer};
 /// Sync every 500 ms with a 200 ms callout timeout.
 const INTERVAL_MS: u64 = 500;
 
+/// With the breaker out of the way (100 failures in a row before it opens):
+/// these tests look at each failure on its own. The breaker is tested below.
 fn policy(mode: &str, cluster: &str) -> String {
+    policy_with(
+        mode,
+        cluster,
+        &format!("interval: {INTERVAL_MS}ms, timeout: 200ms, breaker_failures: 100"),
+    )
+}
+
+fn policy_with(mode: &str, cluster: &str, sync: &str) -> String {
     format!(
         r#"
 version: "global-it"
@@ -29,7 +41,7 @@ routes:
   api: {{}}
   orders: {{ failure_mode: fail_closed }}
   search: {{}}
-sync: {{ cluster: {cluster}, interval: {INTERVAL_MS}ms, timeout: 200ms, provisional: 2, failure_mode: {mode} }}
+sync: {{ cluster: {cluster}, {sync}, provisional: 2, failure_mode: {mode} }}
 "#
     )
 }
@@ -185,4 +197,89 @@ fn an_unknown_cluster_or_one_with_no_healthy_host_fails_the_sync_not_the_request
     // The node was cut off long ago: fail_closed leaves nothing but the
     // new key's provisional allowance.
     assert!(admitted(&results) <= 2, "{results:?}");
+}
+
+#[test]
+fn the_breaker_cuts_callouts_to_a_failing_service_and_its_probe_brings_leases_back() {
+    // Every 200 ms, timeout 100 ms; 3 failures open the breaker; backoffs
+    // of 200, 400, 800 ms, then 1 s: at most one callout per 1.2 s.
+    let interval = Duration::from_millis(200);
+    let max_backoff = Duration::from_secs(1);
+    let server = SyncServer::start(SyncMode::Status(500), 200);
+    let sync = "interval: 200ms, timeout: 100ms, breaker_failures: 3, breaker_max_backoff: 1s";
+    let envoy = Envoy::start_with_sync(&policy_with("fail_open", "tenantgate", sync), server.port);
+    // The key's demand, to be reported (the provisional allowance, then
+    // denials while the node still awaits its first lease).
+    let _ = requests(&envoy, "/api/x", "brk-a", 20, Duration::from_millis(10));
+    assert!(
+        wait_for(Duration::from_secs(3), || envoy.tg_stat("sync.breaker_opened")
+            >= 1),
+        "the breaker opened"
+    );
+    assert!(
+        envoy.tg_stat("sync.failed") >= 3,
+        "three failures before it opened"
+    );
+    // Once the backoff reached its cap: count what the service receives
+    // over 2.4 s (12 intervals without the breaker).
+    std::thread::sleep(Duration::from_millis(1500));
+    let (reqs0, sent0, skipped0) = (
+        server.requests().len(),
+        envoy.tg_stat("sync.sent"),
+        envoy.tg_stat("sync.skipped"),
+    );
+    let window = Duration::from_millis(2400);
+    let during = requests(&envoy, "/api/x", "brk-a", 24, Duration::from_millis(100));
+    let received = server.requests().len() - reqs0;
+    let (sent, skipped) = (
+        envoy.tg_stat("sync.sent") - sent0,
+        envoy.tg_stat("sync.skipped") - skipped0,
+    );
+    println!(
+        "breaker open: {received} sync requests received in {window:?} ({} intervals), \
+         sync.sent +{sent}, sync.skipped +{skipped}, breaker_opened {}",
+        window.as_millis() / interval.as_millis(),
+        envoy.tg_stat("sync.breaker_opened")
+    );
+    assert!((1..=3).contains(&received), "one probe per 1.2 s: {received}");
+    assert_eq!(sent as usize, received, "every callout sent reached the stub");
+    assert!(skipped >= 8, "the other intervals are skipped: {skipped}");
+    assert!(
+        envoy.tg_stat("sync.breaker_opened") >= 3,
+        "each failed probe re-opens it"
+    );
+    assert_eq!(admitted(&during), 24, "fail_open while the breaker is open");
+    assert!(p99(&during) < Duration::from_millis(50), "{during:?}");
+    assert_eq!(envoy.tg_stat("sync.ok"), 0);
+
+    // The service comes back: the next probe succeeds and closes the
+    // breaker, and its lease (3 tokens) limits the key again.
+    server.set_mode(SyncMode::Leases {
+        tokens: 3,
+        ttl_ms: 2_000,
+        once: false,
+    });
+    let back = Instant::now();
+    let deadline = max_backoff + interval * 2;
+    let recovered = wait_for(deadline + Duration::from_millis(500), || {
+        let burst = requests(&envoy, "/api/x", "brk-a", 10, Duration::ZERO);
+        admitted(&burst) < 10
+    });
+    let took = back.elapsed();
+    println!("leases applied again {took:?} after recovery (backoff + 2 intervals = {deadline:?})");
+    assert!(recovered, "leases limit the key again");
+    assert!(envoy.tg_stat("sync.ok") >= 1);
+    assert!(
+        took <= deadline,
+        "within the backoff plus two intervals: {took:?}"
+    );
+    // Closed: a report every interval again.
+    let reqs0 = server.requests().len();
+    std::thread::sleep(Duration::from_secs(1));
+    let received = server.requests().len() - reqs0;
+    println!("breaker closed: {received} sync requests in 1 s");
+    assert!(
+        received >= 3,
+        "closed: about 5 reports per second, got {received}"
+    );
 }

@@ -31,6 +31,8 @@ pub struct Metrics {
     sync_failed: Option<u32>,
     sync_timeouts: Option<u32>,
     sync_latency: Option<u32>,
+    sync_breaker_opened: Option<u32>,
+    sync_skipped: Option<u32>,
 }
 
 fn counter(name: &str) -> Option<u32> {
@@ -73,6 +75,8 @@ impl Metrics {
             sync_ok: counter("tenantgate.sync.ok"),
             sync_failed: counter("tenantgate.sync.failed"),
             sync_timeouts: counter("tenantgate.sync.timeouts"),
+            sync_breaker_opened: counter("tenantgate.sync.breaker_opened"),
+            sync_skipped: counter("tenantgate.sync.skipped"),
             sync_latency: match hostcalls::define_metric(MetricType::Histogram, "tenantgate.sync.latency_ms")
             {
                 Ok(id) => Some(id),
@@ -147,6 +151,14 @@ impl Metrics {
 
     pub fn sync_timeout(&self) {
         add(self.sync_timeouts, 1);
+    }
+
+    pub fn sync_breaker_opened(&self) {
+        add(self.sync_breaker_opened, 1);
+    }
+
+    pub fn sync_skipped(&self) {
+        add(self.sync_skipped, 1);
     }
 
     pub fn sync_latency_ms(&self, ms: u64) {

@@ -12,9 +12,9 @@ use proxy_wasm::types::{BufferType, MapType};
 
 use super::metrics::Metrics;
 use super::{ProxyHost, SYNC_VIEW};
-use crate::host::Host;
+use crate::host::{Host, HostError};
 use crate::policy::{Policy, SyncSettings};
-use crate::sync::shared::{self, Claim, NotApplied, Scan};
+use crate::sync::shared::{self, Abandoned, Claim, GivenUp, NotApplied, Scan};
 use crate::sync::{ApplyError, SyncResponse};
 
 /// The service's sync endpoint.
@@ -109,10 +109,8 @@ impl Syncer {
         }
         match shared::claim(&ProxyHost, settings, now) {
             Ok(Claim::NotDue(state)) => SYNC_VIEW.with(|v| *v.borrow_mut() = Some(state)),
-            Ok(Claim::Won { seq, timed_out }) => {
-                if timed_out {
-                    metrics.sync_timeout();
-                }
+            Ok(Claim::Won { seq, given_up }) => {
+                note_given_up(metrics, given_up);
                 refresh_view();
                 let mut scan = Scan::new(seq);
                 if shared::scan_step(&ProxyHost, policy, &mut scan, budget) {
@@ -120,6 +118,11 @@ impl Syncer {
                 } else {
                     self.scan = Some(scan);
                 }
+            }
+            Ok(Claim::Skipped { given_up }) => {
+                note_given_up(metrics, given_up);
+                metrics.sync_skipped();
+                refresh_view();
             }
             Ok(Claim::Lost) => refresh_view(),
             Err(_) => metrics.sync_failed(),
@@ -177,7 +180,7 @@ impl Syncer {
                     settings.cluster
                 );
                 metrics.sync_failed();
-                let _ = shared::abandon(&ProxyHost, scan.seq);
+                note_abandoned(metrics, shared::abandon(&ProxyHost, settings, scan.seq, now));
             }
         }
     }
@@ -202,7 +205,7 @@ impl Syncer {
             Err(Failure::Other) => metrics.sync_failed(),
         }
         if outcome.is_err() {
-            let _ = shared::abandon(&ProxyHost, call.seq);
+            note_abandoned(metrics, shared::abandon(&ProxyHost, settings, call.seq, now));
         }
         refresh_view();
     }
@@ -247,6 +250,23 @@ impl Syncer {
 enum Failure {
     Timeout,
     Other,
+}
+
+/// A report given up on by `claim` timed out; it may have opened the breaker.
+fn note_given_up(metrics: &Metrics, given_up: GivenUp) {
+    if given_up.timed_out {
+        metrics.sync_timeout();
+    }
+    if given_up.opened {
+        metrics.sync_breaker_opened();
+    }
+}
+
+fn note_abandoned(metrics: &Metrics, abandoned: Result<Abandoned, HostError>) {
+    if let Ok(Abandoned::Failed { opened: true }) = abandoned {
+        log::warn!("tenantgate: sync circuit breaker open");
+        metrics.sync_breaker_opened();
+    }
 }
 
 fn refresh_view() {

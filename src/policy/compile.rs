@@ -307,6 +307,13 @@ pub const MAX_SYNC_INTERVAL_NS: u64 = 600 * NANOS_PER_SEC;
 pub const DEFAULT_SYNC_TIMEOUT_NS: u64 = 500_000_000;
 /// Default `sync.provisional`.
 pub const DEFAULT_PROVISIONAL: i64 = 2;
+/// Default `sync.breaker_failures`, and its bounds.
+pub const DEFAULT_BREAKER_FAILURES: i64 = 3;
+pub const MAX_BREAKER_FAILURES: i64 = 100;
+/// Default `sync.breaker_max_backoff` (or the interval, if longer), and
+/// its upper bound.
+pub const DEFAULT_BREAKER_MAX_BACKOFF_NS: u64 = 30 * NANOS_PER_SEC;
+pub const MAX_BREAKER_MAX_BACKOFF_NS: u64 = 3600 * NANOS_PER_SEC;
 /// How long `fail_open_local` lasts after a lease expired.
 pub const LOCAL_MAX_NS: u64 = 60 * NANOS_PER_SEC;
 /// Lease TTLs are cut to this many intervals.
@@ -364,6 +371,35 @@ fn compile_sync(spec: Option<&spec::SyncSpec>, path: &FieldPath, errors: &mut Er
             0
         }
     };
+    let breaker_failures = match spec
+        .and_then(|s| s.breaker_failures)
+        .unwrap_or(DEFAULT_BREAKER_FAILURES)
+    {
+        n @ 1..=MAX_BREAKER_FAILURES => n as u32,
+        _ => {
+            errors.add(
+                path.key("breaker_failures"),
+                format!("must be between 1 and {MAX_BREAKER_FAILURES}"),
+            );
+            DEFAULT_BREAKER_FAILURES as u32
+        }
+    };
+    let breaker_max_backoff_ns = match duration(
+        "breaker_max_backoff",
+        spec.and_then(|s| s.breaker_max_backoff.as_ref()),
+        DEFAULT_BREAKER_MAX_BACKOFF_NS.max(interval_ns),
+        errors,
+    ) {
+        Some(ns) if (interval_ns..=MAX_BREAKER_MAX_BACKOFF_NS).contains(&ns) => ns,
+        Some(_) => {
+            errors.add(
+                path.key("breaker_max_backoff"),
+                "must be at least sync.interval and at most 1h",
+            );
+            interval_ns
+        }
+        None => interval_ns,
+    };
     let cluster = spec
         .and_then(|s| s.cluster.clone())
         .unwrap_or_else(|| DEFAULT_SYNC_CLUSTER.to_owned());
@@ -396,6 +432,8 @@ fn compile_sync(spec: Option<&spec::SyncSpec>, path: &FieldPath, errors: &mut Er
         region,
         local_max_ns: LOCAL_MAX_NS,
         max_ttl_ns: interval_ns.saturating_mul(MAX_TTL_INTERVALS),
+        breaker_failures,
+        breaker_max_backoff_ns,
     }
 }
 

@@ -135,6 +135,20 @@ pub struct SyncSettings {
     pub local_max_ns: u64,
     /// Longer lease TTLs are cut to this.
     pub max_ttl_ns: u64,
+    /// Failed syncs in a row that open the circuit breaker.
+    pub breaker_failures: u32,
+    /// The circuit breaker's longest backoff.
+    pub breaker_max_backoff_ns: u64,
+}
+
+impl SyncSettings {
+    /// The circuit breaker's settings.
+    pub fn breaker(&self) -> crate::sync::BreakerConfig {
+        crate::sync::BreakerConfig {
+            failures: self.breaker_failures,
+            max_backoff_ns: self.breaker_max_backoff_ns,
+        }
+    }
 }
 
 /// A node-wide aggregate limit (`guards.<name>`).

@@ -78,6 +78,10 @@ pub struct SyncSpec {
     pub node_id: Option<String>,
     #[serde(default)]
     pub region: Option<String>,
+    #[serde(default)]
+    pub breaker_failures: Option<i64>,
+    #[serde(default)]
+    pub breaker_max_backoff: Option<String>,
 }
 
 /// An aggregate limit per node, shared by every tenant of the route classes

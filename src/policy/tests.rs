@@ -1,4 +1,5 @@
 use super::*;
+use crate::limiter::NANOS_PER_SEC;
 
 const VALID: &str = r#"{
     "version": "2026-11-30.1",
@@ -123,4 +124,55 @@ fn huge_numbers_are_out_of_range_not_wrapped() {
         errors(&with(r#""rate": 100,"#, r#""rate": 2000000000,"#)),
         ["plans.free.limits[0].rate: must be at most 1000000000"]
     );
+}
+
+fn sync_policy(sync: &str) -> String {
+    with(
+        r#""default_route": "default""#,
+        &format!(r#""default_route": "default", "sync": {sync}"#),
+    )
+    .replace(
+        r#"{"rate": 100, "per": "1m"}"#,
+        r#"{"rate": 100, "per": "1m", "global": true}"#,
+    )
+}
+
+#[test]
+fn the_sync_breaker_has_defaults_bounds_and_path_qualified_errors() {
+    let p = Policy::from_json(sync_policy("{}").as_bytes()).unwrap();
+    let s = p.sync.unwrap();
+    assert_eq!(
+        (s.breaker_failures, s.breaker_max_backoff_ns),
+        (3, 30 * NANOS_PER_SEC)
+    );
+    // The default backoff cap is never below the interval.
+    let p = Policy::from_json(sync_policy(r#"{"interval": "1m"}"#).as_bytes()).unwrap();
+    assert_eq!(p.sync.unwrap().breaker_max_backoff_ns, 60 * NANOS_PER_SEC);
+    let p = Policy::from_json(
+        sync_policy(r#"{"interval": "200ms", "breaker_failures": 100, "breaker_max_backoff": "200ms"}"#)
+            .as_bytes(),
+    )
+    .unwrap();
+    let s = p.sync.unwrap();
+    assert_eq!((s.breaker_failures, s.breaker_max_backoff_ns), (100, 200_000_000));
+    for (sync, error) in [
+        (
+            r#"{"breaker_failures": 0}"#,
+            "sync.breaker_failures: must be between 1 and 100",
+        ),
+        (
+            r#"{"breaker_failures": 101}"#,
+            "sync.breaker_failures: must be between 1 and 100",
+        ),
+        (
+            r#"{"interval": "2s", "breaker_max_backoff": "1s"}"#,
+            "sync.breaker_max_backoff: must be at least sync.interval and at most 1h",
+        ),
+        (
+            r#"{"breaker_max_backoff": "2h"}"#,
+            "sync.breaker_max_backoff: must be at least sync.interval and at most 1h",
+        ),
+    ] {
+        assert_eq!(errors(&sync_policy(sync)), [error], "{sync}");
+    }
 }

@@ -19,7 +19,7 @@ pub mod shared;
 pub mod stored;
 
 pub use node::{
-    Admitted, Allowance, ApplyError, Counts, Denied, FailureMode, InFlight, LeaseState, Node, NodeConfig,
-    NodeStats, NodeView, SyncState,
+    Admitted, Allowance, ApplyError, BreakerConfig, BreakerState, Counts, Denied, FailureMode, InFlight,
+    LeaseState, Node, NodeConfig, NodeStats, NodeView, SyncState,
 };
 pub use protocol::{Lease, ProtocolError, Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};

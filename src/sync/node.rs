@@ -55,6 +55,22 @@
 //! cut off, the failure mode applies to it too (with no share,
 //! `fail_open_local` denies).
 //!
+//! # Circuit breaker
+//! [`SyncState`] also holds the node's breaker on the callout (the glue
+//! keeps it in shared data, so every worker agrees). A **failure** is any
+//! report that did not end in an applied answer: the callout could not be
+//! made (unknown cluster), failed (refused, reset, no healthy host), timed
+//! out, answered late, with a status other than 200, or with a body that is
+//! not an answer to it. After [`BreakerConfig::failures`] failures in a
+//! row the breaker **opens**: no report is started until a backoff has
+//! passed since the next one was due. The backoff is one interval, doubled
+//! with each further failure, at most [`BreakerConfig::max_backoff_ns`].
+//! Every interval due meanwhile is **skipped** ([`SyncState::skip`]). The
+//! first report due after the backoff is the **probe** (half-open): an
+//! applied answer closes the breaker and resets the count, a failure opens
+//! it again with the doubled backoff. The breaker never touches leases:
+//! they run to their expiry, then the failure mode applies as above.
+//!
 //! Pure: no clock, no I/O. `now` is the node's wall clock in nanoseconds;
 //! only differences of it are used, so a node's clock offset changes
 //! nothing.
@@ -121,6 +137,26 @@ pub enum Denied {
     FailClosed,
     /// `fail_open_local`'s local limit is exhausted (or there is no share).
     LocalLimit,
+}
+
+/// The circuit breaker's settings (see the module header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerConfig {
+    /// Failures in a row that open the breaker (at least 1).
+    pub failures: u32,
+    /// The longest backoff.
+    pub max_backoff_ns: u64,
+}
+
+/// Where the breaker stands at some instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BreakerState {
+    /// Reports are sent every interval.
+    Closed,
+    /// No report until the backoff has passed.
+    Open,
+    /// The backoff has passed: the next report is the probe.
+    HalfOpen,
 }
 
 /// Why a response was not applied.
@@ -376,8 +412,13 @@ pub struct SyncState {
     pub contact_until: Option<u64>,
     /// When the last response was applied.
     pub last_applied_at: Option<u64>,
-    /// When the last report was started.
+    /// When the last report was started (or its interval skipped while
+    /// the breaker was open).
     pub last_report_at: Option<u64>,
+    /// Failed reports in a row (reset by an applied answer).
+    pub failures: u32,
+    /// While the breaker is open: no report starts before this.
+    pub open_until: Option<u64>,
 }
 
 impl SyncState {
@@ -395,6 +436,8 @@ impl SyncState {
             contact_until: Some(now.saturating_add(interval_ns).saturating_add(timeout_ns)),
             last_applied_at: None,
             last_report_at: None,
+            failures: 0,
+            open_until: None,
         }
     }
 
@@ -463,6 +506,50 @@ impl SyncState {
             .max(longest_ttl_ns.min(max_ttl_ns));
         self.contact_until = Some(now.saturating_add(contact_ns));
         self.last_applied_at = Some(now);
+        // A success closes the breaker.
+        self.failures = 0;
+        self.open_until = None;
+    }
+
+    /// The breaker at `now`.
+    pub fn breaker(&self, now: u64) -> BreakerState {
+        match self.open_until {
+            None => BreakerState::Closed,
+            Some(until) if now < until => BreakerState::Open,
+            Some(_) => BreakerState::HalfOpen,
+        }
+    }
+
+    /// The backoff after `failures` failures in a row: none below the
+    /// threshold, then one interval, doubled per further failure, capped.
+    pub fn backoff_ns(&self, failures: u32, cfg: &BreakerConfig) -> Option<u64> {
+        let beyond = failures.checked_sub(cfg.failures.max(1))?;
+        let factor = 1u64.checked_shl(beyond).unwrap_or(u64::MAX);
+        Some(self.interval_ns.saturating_mul(factor).min(cfg.max_backoff_ns))
+    }
+
+    /// Records that the report started at `last_report_at` failed (it must
+    /// no longer be in flight). Returns whether the breaker opened (from
+    /// closed, or again after a failed probe): then no report starts
+    /// before the next one was due (`last_report_at` + interval) plus the
+    /// backoff.
+    pub fn failed(&mut self, now: u64, cfg: &BreakerConfig) -> bool {
+        self.failures = self.failures.saturating_add(1);
+        let Some(backoff) = self.backoff_ns(self.failures, cfg) else {
+            return false;
+        };
+        let due = self
+            .last_report_at
+            .unwrap_or(now)
+            .saturating_add(self.interval_ns);
+        self.open_until = Some(due.saturating_add(backoff));
+        true
+    }
+
+    /// Skips the interval due at `now` because the breaker is open: the
+    /// next one is due an interval later.
+    pub fn skip(&mut self, now: u64) {
+        self.last_report_at = Some(now);
     }
 }
 

@@ -14,6 +14,14 @@
 //! the report sent ([`sent`]). Its answer comes back to the same worker,
 //! which applies it ([`apply`]).
 //!
+//! # Circuit breaker
+//! The breaker (see [`super::node`]) lives in the same state and is
+//! updated by the same compare-and-swap, so every worker agrees: a failed
+//! report is counted once, by the worker that clears it from the state
+//! ([`abandon`], or [`claim`] giving up on it), and while the breaker is
+//! open the worker that wins a due interval skips it
+//! ([`Claim::Skipped`]) instead of reporting.
+//!
 //! # Applying an answer
 //! The state is updated first (the report acknowledged, contact renewed),
 //! by compare-and-swap, so an answer is applied at most once; then each
@@ -26,7 +34,7 @@
 
 use std::collections::BTreeMap;
 
-use super::node::{ApplyError, Counts, SyncState};
+use super::node::{ApplyError, BreakerState, Counts, SyncState};
 use super::protocol::{Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
 use super::stored::{self, Carried, SYNC_CARRIED_KEY, SYNC_STATE_KEY};
 use crate::host::{CasResult, Host, HostError};
@@ -66,17 +74,28 @@ fn write_state<H: Host>(host: &H, s: &SyncState, cas: Option<u32>) -> Result<Cas
 /// What [`claim`] found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Claim {
-    /// This worker reports this interval, as `seq`; `timed_out`: the
-    /// previous report was given up on.
-    Won { seq: u64, timed_out: bool },
+    /// This worker reports this interval, as `seq` (with the breaker
+    /// half-open, this report is the probe).
+    Won { seq: u64, given_up: GivenUp },
+    /// This worker skipped this interval: the breaker is open.
+    Skipped { given_up: GivenUp },
     /// Not due, or another worker's report is in flight.
     NotDue(SyncState),
     /// Another worker won the race.
     Lost,
 }
 
-/// Tries to win this interval's report. A missing or unreadable state is
-/// created (the node starts syncing now).
+/// Whether [`claim`] gave up on the previous report (it timed out: a
+/// failure for the breaker), and whether that opened the breaker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GivenUp {
+    pub timed_out: bool,
+    pub opened: bool,
+}
+
+/// Tries to win this interval: to report, or, while the breaker is open,
+/// to skip it. A missing or unreadable state is created (the node starts
+/// syncing now).
 pub fn claim<H: Host>(host: &H, settings: &SyncSettings, now: u64) -> Result<Claim, HostError> {
     let (current, cas) = read_state(host)?;
     let mut s = current.unwrap_or_else(|| SyncState::new(now, settings.interval_ns, settings.timeout_ns));
@@ -84,12 +103,31 @@ pub fn claim<H: Host>(host: &H, settings: &SyncSettings, now: u64) -> Result<Cla
         return Ok(Claim::NotDue(s));
     }
     // A report in flight for longer than an interval is given up on (its
-    // answer would be late anyway: the timeout is shorter).
-    let Some((seq, timed_out)) = s.begin_report(now, s.interval_ns.max(settings.timeout_ns)) else {
+    // answer would be late anyway: the timeout is shorter): a failure.
+    let give_up_ns = s.interval_ns.max(settings.timeout_ns);
+    let mut given_up = GivenUp::default();
+    if let Some(f) = s.in_flight {
+        if now.saturating_sub(f.sent_at) <= give_up_ns {
+            return Ok(Claim::NotDue(s));
+        }
+        s.in_flight = None;
+        given_up = GivenUp {
+            timed_out: true,
+            opened: s.failed(now, &settings.breaker()),
+        };
+    }
+    if s.breaker(now) == BreakerState::Open {
+        s.skip(now);
+        return Ok(match write_state(host, &s, cas)? {
+            CasResult::Written => Claim::Skipped { given_up },
+            CasResult::Conflict => Claim::Lost,
+        });
+    }
+    let Some((seq, _)) = s.begin_report(now, give_up_ns) else {
         return Ok(Claim::NotDue(s));
     };
     Ok(match write_state(host, &s, cas)? {
-        CasResult::Written => Claim::Won { seq, timed_out },
+        CasResult::Written => Claim::Won { seq, given_up },
         CasResult::Conflict => Claim::Lost,
     })
 }
@@ -189,16 +227,40 @@ pub fn sent<H: Host>(host: &H, scan: &Scan, now: u64) -> Result<bool, HostError>
     })
 }
 
-/// Gives up on report `seq` (its callout could not be made or failed), so
-/// the next interval can report again at once.
-pub fn abandon<H: Host>(host: &H, seq: u64) -> Result<bool, HostError> {
-    update_state(host, |s| {
+/// What [`abandon`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Abandoned {
+    /// The report was no longer in flight (another worker gave up on it,
+    /// and counted the failure), or the state could not be written.
+    NotInFlight,
+    /// The failure is recorded; `opened`: the breaker opened.
+    Failed { opened: bool },
+}
+
+/// Gives up on report `seq` (its callout could not be made or failed) and
+/// counts the failure for the breaker. Unless that opens the breaker, the
+/// next interval reports again.
+pub fn abandon<H: Host>(
+    host: &H,
+    settings: &SyncSettings,
+    seq: u64,
+    now: u64,
+) -> Result<Abandoned, HostError> {
+    let breaker = settings.breaker();
+    let mut opened = false;
+    let written = update_state(host, |s| {
         if s.in_flight.is_some_and(|f| f.seq == seq) {
             s.in_flight = None;
+            opened = s.failed(now, &breaker);
             true
         } else {
             false
         }
+    })?;
+    Ok(if written {
+        Abandoned::Failed { opened }
+    } else {
+        Abandoned::NotInFlight
     })
 }
 

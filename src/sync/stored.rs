@@ -129,9 +129,12 @@ const IN_FLIGHT: u8 = 1;
 const CONTACT: u8 = 2;
 const APPLIED: u8 = 4;
 const REPORTED: u8 = 8;
+const FAILURES: u8 = 16;
+const OPEN: u8 = 32;
 
 /// `[version][flags] next_seq acked_seq interval_ns [seq sent_at]?
-/// [contact_until]? [last_applied_at]? [last_report_at]?`
+/// [contact_until]? [last_applied_at]? [last_report_at]? [failures]?
+/// [open_until]?` (the breaker's fields only when set).
 pub fn encode_sync_state(s: &SyncState, out: &mut Vec<u8>) {
     out.clear();
     out.push(SYNC_VERSION);
@@ -140,7 +143,9 @@ pub fn encode_sync_state(s: &SyncState, out: &mut Vec<u8>) {
         flag(s.in_flight.is_some(), IN_FLIGHT)
             | flag(s.contact_until.is_some(), CONTACT)
             | flag(s.last_applied_at.is_some(), APPLIED)
-            | flag(s.last_report_at.is_some(), REPORTED),
+            | flag(s.last_report_at.is_some(), REPORTED)
+            | flag(s.failures > 0, FAILURES)
+            | flag(s.open_until.is_some(), OPEN),
     );
     put(out, s.next_seq);
     put(out, s.acked_seq);
@@ -149,9 +154,16 @@ pub fn encode_sync_state(s: &SyncState, out: &mut Vec<u8>) {
         put(out, f.seq);
         put(out, f.sent_at);
     }
-    for v in [s.contact_until, s.last_applied_at, s.last_report_at]
-        .into_iter()
-        .flatten()
+    let failures = (s.failures > 0).then_some(u64::from(s.failures));
+    for v in [
+        s.contact_until,
+        s.last_applied_at,
+        s.last_report_at,
+        failures,
+        s.open_until,
+    ]
+    .into_iter()
+    .flatten()
     {
         put(out, v);
     }
@@ -182,6 +194,8 @@ pub fn decode_sync_state(bytes: &[u8]) -> Option<SyncState> {
         contact_until: r.opt(flags & CONTACT != 0)?,
         last_applied_at: r.opt(flags & APPLIED != 0)?,
         last_report_at: r.opt(flags & REPORTED != 0)?,
+        failures: u32::try_from(r.opt(flags & FAILURES != 0)?.unwrap_or(0)).ok()?,
+        open_until: r.opt(flags & OPEN != 0)?,
     };
     r.0.is_empty().then_some(s)
 }
@@ -258,6 +272,11 @@ mod tests {
         encode_sync_state(&s, &mut out);
         assert_eq!(decode_sync_state(&out), Some(s));
         s.begin_report(2_000, 5);
+        encode_sync_state(&s, &mut out);
+        assert_eq!(decode_sync_state(&out), Some(s));
+        assert_eq!(decode_sync_state(&out[..out.len() - 1]), None);
+        s.failures = 4;
+        s.open_until = Some(9_000);
         encode_sync_state(&s, &mut out);
         assert_eq!(decode_sync_state(&out), Some(s));
         assert_eq!(decode_sync_state(&out[..out.len() - 1]), None);

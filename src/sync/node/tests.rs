@@ -237,3 +237,131 @@ fn a_clock_offset_changes_no_decision() {
     assert_eq!(script(2_000_000_000), reference);
     assert_eq!(script(-2_000_000_000), reference);
 }
+
+// The circuit breaker, on `SyncState` alone (what the glue keeps in shared
+// data): every second a tick starts the report due, skips it while the
+// breaker is open, and the report succeeds or fails at once.
+
+const BREAKER: BreakerConfig = BreakerConfig {
+    failures: 3,
+    max_backoff_ns: 4 * S,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tick {
+    Sent,
+    Skipped,
+}
+
+/// Ticks at `T0 + sec·S` for each `sec`; `ok(sec)`: whether the report
+/// sent then succeeds. Returns the second of every report and skip, and
+/// how many times the breaker opened.
+fn drive(
+    s: &mut SyncState,
+    secs: std::ops::RangeInclusive<u64>,
+    ok: impl Fn(u64) -> bool,
+) -> (Vec<(u64, Tick)>, u32) {
+    let (mut ticks, mut opened) = (Vec::new(), 0);
+    for sec in secs {
+        let now = T0 + sec * S;
+        if !s.due(now) {
+            continue;
+        }
+        if s.breaker(now) == BreakerState::Open {
+            s.skip(now);
+            ticks.push((sec, Tick::Skipped));
+            continue;
+        }
+        let (seq, _) = s.begin_report(now, S).unwrap();
+        ticks.push((sec, Tick::Sent));
+        if ok(sec) {
+            s.accept(seq, now, 500 * MS).unwrap();
+            s.applied(seq, 1000, 3 * S, 10 * S, now);
+        } else {
+            s.in_flight = None;
+            opened += u32::from(s.failed(now, &BREAKER));
+        }
+    }
+    (ticks, opened)
+}
+
+fn sent(ticks: &[(u64, Tick)]) -> Vec<u64> {
+    ticks.iter().filter(|t| t.1 == Tick::Sent).map(|t| t.0).collect()
+}
+
+#[test]
+fn the_breaker_opens_after_n_failures_in_a_row_and_a_success_resets_the_count() {
+    let mut s = SyncState::new(T0, S, 500 * MS);
+    // Two failures, a success, two failures: never three in a row.
+    let (ticks, opened) = drive(&mut s, 1..=5, |sec| sec == 3);
+    assert_eq!(sent(&ticks), [1, 2, 3, 4, 5]);
+    assert_eq!(
+        (opened, s.failures, s.breaker(T0 + 5 * S)),
+        (0, 2, BreakerState::Closed)
+    );
+    // The third failure in a row opens it for one interval after the next
+    // report was due: the report due at 7 s is skipped, 8 s is the probe.
+    let (_, opened) = drive(&mut s, 6..=6, |_| false);
+    assert_eq!((opened, s.failures), (1, 3));
+    assert_eq!(s.open_until, Some(T0 + 8 * S));
+    assert_eq!(s.breaker(T0 + 7 * S), BreakerState::Open);
+    assert_eq!(s.breaker(T0 + 8 * S), BreakerState::HalfOpen);
+}
+
+#[test]
+fn the_backoff_doubles_per_failed_probe_up_to_its_cap() {
+    let mut s = SyncState::new(T0, S, 500 * MS);
+    let (ticks, opened) = drive(&mut s, 1..=30, |_| false);
+    // Three failures, then probes after backoffs of 1, 2, 4 and 4 (capped)
+    // intervals; every interval between is skipped.
+    assert_eq!(sent(&ticks), [1, 2, 3, 5, 8, 13, 18, 23, 28]);
+    assert_eq!(ticks.iter().filter(|t| t.1 == Tick::Skipped).count(), 30 - 9);
+    assert_eq!(opened, 7, "opened, then re-opened by each failed probe");
+    let backoffs: Vec<Option<u64>> = (1..=7).map(|f| s.backoff_ns(f, &BREAKER)).collect();
+    assert_eq!(
+        backoffs,
+        [
+            None,
+            None,
+            Some(S),
+            Some(2 * S),
+            Some(4 * S),
+            Some(4 * S),
+            Some(4 * S)
+        ]
+    );
+    assert_eq!(s.backoff_ns(u32::MAX, &BREAKER), Some(4 * S), "no overflow");
+}
+
+#[test]
+fn a_successful_probe_closes_the_breaker_and_a_failed_one_reopens_it() {
+    let mut s = SyncState::new(T0, S, 500 * MS);
+    // Fails until 5 s: opened at 3 s, the probe at 5 s fails (backoff 2).
+    let (ticks, _) = drive(&mut s, 1..=7, |_| false);
+    assert_eq!(sent(&ticks), [1, 2, 3, 5]);
+    assert_eq!(s.breaker(T0 + 7 * S), BreakerState::Open);
+    assert_eq!(s.open_until, Some(T0 + 8 * S));
+    // The probe at 8 s succeeds: closed, count reset, every interval again.
+    let mut s2 = s;
+    let (later, _) = drive(&mut s2, 8..=11, |_| true);
+    assert_eq!(sent(&later), [8, 9, 10, 11]);
+    assert_eq!((s2.failures, s2.open_until), (0, None));
+    assert_eq!(s2.breaker(T0 + 11 * S), BreakerState::Closed);
+    // The same probe failing instead re-opens it for 4 intervals (the cap).
+    let (t, opened) = drive(&mut s, 8..=8, |_| false);
+    assert_eq!((sent(&t), opened), (vec![8], 1));
+    assert_eq!(s.open_until, Some(T0 + 13 * S));
+}
+
+#[test]
+fn the_backoff_counts_from_when_the_next_report_was_due_not_from_the_failure() {
+    // A report sent at 1 s that times out (found at 1.5 s) after two
+    // failures: the next report was due at 2 s, so the breaker stays open
+    // until 3 s, however late the failure was noticed.
+    let mut s = SyncState::new(T0, S, 500 * MS);
+    s.failures = 2;
+    s.begin_report(T0 + S, S).unwrap();
+    s.in_flight = None;
+    assert!(s.failed(T0 + S + 500 * MS, &BREAKER));
+    assert_eq!(s.open_until, Some(T0 + 3 * S));
+}

@@ -256,3 +256,84 @@ fn global_allowances_go_idle_and_non_global_limits_are_unchanged() {
     assert!(!crate::limiter::algo::record_is_idle(&records[1], T0 + 2 * S));
     assert!(crate::limiter::algo::record_is_idle(&records[1], T0 + 6 * S));
 }
+
+#[test]
+fn the_breaker_is_node_wide_skips_intervals_once_and_a_probe_closes_it() {
+    // Defaults: 3 failures in a row open it; the backoff starts at 1 s.
+    let w = World::new("fail_open_local");
+    let (a, b) = (w.host(), w.host());
+    w.admitted("acme", 1, T0);
+    for (i, worker) in [&a, &b, &a].into_iter().enumerate() {
+        let now = T0 + (i as u64 + 1) * S;
+        let Claim::Won { seq, .. } = claim(worker, w.settings(), now).unwrap() else {
+            panic!("not won at {i}");
+        };
+        // Each worker's failure is counted on the node, once.
+        let done = abandon(worker, w.settings(), seq, now + 10 * MS).unwrap();
+        assert_eq!(done, Abandoned::Failed { opened: i == 2 });
+        assert_eq!(
+            abandon(&b, w.settings(), seq, now + 20 * MS).unwrap(),
+            Abandoned::NotInFlight
+        );
+    }
+    // Open: the interval due at 4 s is skipped by exactly one worker.
+    let given_up = GivenUp::default();
+    assert_eq!(
+        claim(&b, w.settings(), T0 + 4 * S).unwrap(),
+        Claim::Skipped { given_up }
+    );
+    assert!(matches!(
+        claim(&a, w.settings(), T0 + 4 * S).unwrap(),
+        Claim::NotDue(_)
+    ));
+    // Half-open at 5 s: one probe, which succeeds and closes the breaker.
+    let req = w.report(T0 + 5 * S).expect("the probe");
+    assert!(matches!(
+        claim(&a, w.settings(), T0 + 5 * S).unwrap(),
+        Claim::NotDue(_)
+    ));
+    w.answer(&req, 5, T0 + 5 * S + 10 * MS).unwrap();
+    let s = read_state(&a).unwrap().0.unwrap();
+    assert_eq!((s.failures, s.breaker(T0 + 6 * S)), (0, BreakerState::Closed));
+    assert!(w.report(T0 + 6 * S).is_some());
+    assert_eq!(w.admitted("acme", 10, T0 + 6 * S), 5, "leases apply again");
+}
+
+#[test]
+fn a_report_never_answered_is_a_failure_and_a_late_answer_too() {
+    let w = World::new("fail_open_local");
+    let host = w.host();
+    // Two reports whose callout never came back: the next claim gives up on
+    // each (a timeout), and the third such failure opens the breaker.
+    let _ = w.report(T0 + S).unwrap();
+    let _ = w.report(T0 + 2 * S + 10 * MS).unwrap();
+    let Claim::Won { seq, given_up } = claim(&host, w.settings(), T0 + 3 * S + 20 * MS).unwrap() else {
+        panic!("not won");
+    };
+    assert_eq!(
+        given_up,
+        GivenUp {
+            timed_out: true,
+            opened: false
+        }
+    );
+    // Its answer comes too late: refused, then abandoned (the glue's path).
+    let resp = SyncResponse {
+        version: 1,
+        ack_seq: seq,
+        interval_ms: 1000,
+        leases: vec![],
+    };
+    let late = T0 + 3 * S + 700 * MS;
+    assert_eq!(
+        apply(&host, &w.policy, w.settings(), &resp, late),
+        Err(NotApplied::Refused(ApplyError::Late))
+    );
+    assert_eq!(
+        abandon(&host, w.settings(), seq, late).unwrap(),
+        Abandoned::Failed { opened: true }
+    );
+    let s = read_state(&host).unwrap().0.unwrap();
+    assert_eq!(s.failures, 3);
+    assert_eq!(s.open_until, Some(T0 + 3 * S + 20 * MS + 2 * S));
+}
