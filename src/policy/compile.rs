@@ -310,9 +310,13 @@ pub const DEFAULT_PROVISIONAL: i64 = 2;
 /// Default `sync.breaker_failures`, and its bounds.
 pub const DEFAULT_BREAKER_FAILURES: i64 = 3;
 pub const MAX_BREAKER_FAILURES: i64 = 100;
-/// Default `sync.breaker_max_backoff` (or the interval, if longer), and
-/// its upper bound.
-pub const DEFAULT_BREAKER_MAX_BACKOFF_NS: u64 = 30 * NANOS_PER_SEC;
+/// Default `sync.breaker_max_backoff`, in sync intervals: two, so that
+/// after an outage of any length the open breaker probes within two
+/// intervals of the service's return and nodes converge within two
+/// intervals (the recovery target) while the callout rate during an
+/// outage is halved. A longer backoff protects a struggling service more
+/// and delays recovery by as much.
+pub const DEFAULT_BREAKER_MAX_BACKOFF_INTERVALS: u64 = 2;
 pub const MAX_BREAKER_MAX_BACKOFF_NS: u64 = 3600 * NANOS_PER_SEC;
 /// How long `fail_open_local` lasts after a lease expired.
 pub const LOCAL_MAX_NS: u64 = 60 * NANOS_PER_SEC;
@@ -387,7 +391,7 @@ fn compile_sync(spec: Option<&spec::SyncSpec>, path: &FieldPath, errors: &mut Er
     let breaker_max_backoff_ns = match duration(
         "breaker_max_backoff",
         spec.and_then(|s| s.breaker_max_backoff.as_ref()),
-        DEFAULT_BREAKER_MAX_BACKOFF_NS.max(interval_ns),
+        interval_ns.saturating_mul(DEFAULT_BREAKER_MAX_BACKOFF_INTERVALS),
         errors,
     ) {
         Some(ns) if (interval_ns..=MAX_BREAKER_MAX_BACKOFF_NS).contains(&ns) => ns,

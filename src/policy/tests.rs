@@ -143,11 +143,11 @@ fn the_sync_breaker_has_defaults_bounds_and_path_qualified_errors() {
     let s = p.sync.unwrap();
     assert_eq!(
         (s.breaker_failures, s.breaker_max_backoff_ns),
-        (3, 30 * NANOS_PER_SEC)
+        (3, 2 * NANOS_PER_SEC)
     );
-    // The default backoff cap is never below the interval.
+    // The default backoff cap is two intervals: recovery within two.
     let p = Policy::from_json(sync_policy(r#"{"interval": "1m"}"#).as_bytes()).unwrap();
-    assert_eq!(p.sync.unwrap().breaker_max_backoff_ns, 60 * NANOS_PER_SEC);
+    assert_eq!(p.sync.unwrap().breaker_max_backoff_ns, 120 * NANOS_PER_SEC);
     let p = Policy::from_json(
         sync_policy(r#"{"interval": "200ms", "breaker_failures": 100, "breaker_max_backoff": "200ms"}"#)
             .as_bytes(),
