@@ -52,11 +52,15 @@ pub struct Record<'a> {
     pub state: &'a [u8],
 }
 
-/// A little-endian reader that never panics.
-struct Reader<'a>(&'a [u8]);
+/// A little-endian reader that never panics: every read of shared-data
+/// bytes (key-table entries here, sync state in `crate::sync::stored`).
+pub(crate) struct Reader<'a>(pub(crate) &'a [u8]);
 
 impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    pub(crate) fn take(&mut self, n: usize) -> Option<&'a [u8]> {
         if self.0.len() < n {
             return None;
         }
@@ -64,17 +68,25 @@ impl<'a> Reader<'a> {
         self.0 = tail;
         Some(head)
     }
-    fn u8(&mut self) -> Option<u8> {
+    pub(crate) fn u8(&mut self) -> Option<u8> {
         self.take(1).map(|b| b[0])
     }
-    fn u16(&mut self) -> Option<u16> {
+    pub(crate) fn u16(&mut self) -> Option<u16> {
         Some(u16::from_le_bytes(self.take(2)?.try_into().ok()?))
     }
-    fn u32(&mut self) -> Option<u32> {
+    pub(crate) fn u32(&mut self) -> Option<u32> {
         Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
     }
-    fn u64(&mut self) -> Option<u64> {
+    pub(crate) fn u64(&mut self) -> Option<u64> {
         Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
+    }
+    /// A `u64` that is stored only when `present` (a flag bit says so).
+    pub(crate) fn opt_u64(&mut self, present: bool) -> Option<Option<u64>> {
+        if present {
+            self.u64().map(Some)
+        } else {
+            Some(None)
+        }
     }
 }
 
@@ -97,7 +109,7 @@ pub fn decode_entry(bytes: &[u8]) -> Option<Vec<Slot<'_>>> {
         let records = r.take(records_len)?;
         slots.push(Slot { key, records });
     }
-    r.0.is_empty().then_some(slots)
+    r.is_empty().then_some(slots)
 }
 
 /// Encodes an entry from its slots.
@@ -136,7 +148,7 @@ pub fn decode_records(bytes: &[u8]) -> Option<Vec<Record<'_>>> {
             state,
         });
     }
-    r.0.is_empty().then_some(records)
+    r.is_empty().then_some(records)
 }
 
 /// Appends one record; `state` is the algorithm's encoded state.

@@ -17,6 +17,7 @@
 //! [`KIND_GLOBAL_ALLOWANCE`]: crate::limiter::algo::KIND_GLOBAL_ALLOWANCE
 
 use super::node::{Allowance, Counts, InFlight, LeaseState, SyncState};
+use crate::state::Reader;
 
 /// The node-global sync state.
 pub const SYNC_STATE_KEY: &str = "tg2|sync|state";
@@ -34,40 +35,12 @@ fn put(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 
-struct Reader<'a>(&'a [u8]);
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
-        if self.0.len() < n {
-            return None;
-        }
-        let (head, tail) = self.0.split_at(n);
-        self.0 = tail;
-        Some(head)
-    }
-    fn u8(&mut self) -> Option<u8> {
-        self.take(1).map(|b| b[0])
-    }
-    fn u32(&mut self) -> Option<u32> {
-        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
-    }
-    fn u64(&mut self) -> Option<u64> {
-        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
-    }
-    fn opt(&mut self, present: bool) -> Option<Option<u64>> {
-        if present {
-            self.u64().map(Some)
-        } else {
-            Some(None)
-        }
-    }
-    fn counts(&mut self) -> Option<Counts> {
-        Some(Counts {
-            consumed: self.u64()?,
-            unleased: self.u64()?,
-            demand: self.u64()?,
-        })
-    }
+fn read_counts(r: &mut Reader<'_>) -> Option<Counts> {
+    Some(Counts {
+        consumed: r.u64()?,
+        unleased: r.u64()?,
+        demand: r.u64()?,
+    })
 }
 
 fn put_counts(out: &mut Vec<u8>, c: &Counts) {
@@ -117,12 +90,12 @@ pub fn decode_allowance(bytes: &[u8]) -> Option<Allowance> {
     let a = Allowance {
         lease,
         provisional_left: r.u64()?,
-        pending: r.counts()?,
+        pending: read_counts(&mut r)?,
         lease_used: r.u64()?,
         share: r.u64()?,
-        local_tat: r.opt(flags & HAS_LOCAL != 0)?,
+        local_tat: r.opt_u64(flags & HAS_LOCAL != 0)?,
     };
-    r.0.is_empty().then_some(a)
+    r.is_empty().then_some(a)
 }
 
 const IN_FLIGHT: u8 = 1;
@@ -191,13 +164,13 @@ pub fn decode_sync_state(bytes: &[u8]) -> Option<SyncState> {
         acked_seq,
         in_flight,
         interval_ns: interval_ns.max(1),
-        contact_until: r.opt(flags & CONTACT != 0)?,
-        last_applied_at: r.opt(flags & APPLIED != 0)?,
-        last_report_at: r.opt(flags & REPORTED != 0)?,
-        failures: u32::try_from(r.opt(flags & FAILURES != 0)?.unwrap_or(0)).ok()?,
-        open_until: r.opt(flags & OPEN != 0)?,
+        contact_until: r.opt_u64(flags & CONTACT != 0)?,
+        last_applied_at: r.opt_u64(flags & APPLIED != 0)?,
+        last_report_at: r.opt_u64(flags & REPORTED != 0)?,
+        failures: u32::try_from(r.opt_u64(flags & FAILURES != 0)?.unwrap_or(0)).ok()?,
+        open_until: r.opt_u64(flags & OPEN != 0)?,
     };
-    r.0.is_empty().then_some(s)
+    r.is_empty().then_some(s)
 }
 
 /// One (key, limit) a report carried.
@@ -233,13 +206,13 @@ pub fn decode_carried(bytes: &[u8]) -> Option<(u64, Vec<Carried>)> {
     }
     let seq = r.u64()?;
     let mut items = Vec::new();
-    while !r.0.is_empty() {
+    while !r.is_empty() {
         let len = usize::from(r.u8()?);
         let key = r.take(len)?.to_vec();
         items.push(Carried {
             key,
             name_hash: r.u32()?,
-            counts: r.counts()?,
+            counts: read_counts(&mut r)?,
             lease_used: r.u64()?,
         });
     }
