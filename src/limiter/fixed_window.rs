@@ -141,7 +141,7 @@ impl FixedWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::testkit::{self, max_rolling, Algo, XorShift, S, T0};
+    use crate::limiter::testkit::{self, max_rolling, take, Algo, XorShift, S, T0};
 
     impl Algo for FixedWindow {
         type State = State;
@@ -164,17 +164,6 @@ mod tests {
 
     fn fw(limit: u64, window_ns: u64) -> FixedWindow {
         FixedWindow::new(limit, window_ns).unwrap()
-    }
-
-    /// Admits `cost` at `now`, updating `state`; true if admitted.
-    fn take(f: &FixedWindow, state: &mut State, now: u64, cost: u64) -> bool {
-        match f.check(state, now, cost) {
-            Verdict::Admit { state: new, .. } => {
-                *state = new;
-                true
-            }
-            Verdict::Deny { .. } => false,
-        }
     }
 
     #[test]

@@ -286,7 +286,7 @@ impl SlidingWindowCounter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::testkit::{self, max_rolling, Algo, XorShift, S, T0};
+    use crate::limiter::testkit::{self, max_rolling, take, Algo, XorShift, S, T0};
 
     impl Algo for SlidingWindowCounter {
         type State = State;
@@ -309,17 +309,6 @@ mod tests {
 
     fn swc(limit: u64, window_ns: u64) -> SlidingWindowCounter {
         SlidingWindowCounter::new(limit, window_ns).unwrap()
-    }
-
-    /// Admits `cost` at `now`, updating `state`; true if admitted.
-    fn take(c: &SlidingWindowCounter, state: &mut State, now: u64, cost: u64) -> bool {
-        match c.check(state, now, cost) {
-            Verdict::Admit { state: new, .. } => {
-                *state = new;
-                true
-            }
-            Verdict::Deny { .. } => false,
-        }
     }
 
     #[test]

@@ -221,7 +221,7 @@ impl SlidingWindowLog {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::testkit::{self, max_rolling, Algo, XorShift, S, T0};
+    use crate::limiter::testkit::{self, max_rolling, take, Algo, XorShift, S, T0};
 
     impl Algo for SlidingWindowLog {
         type State = State;
@@ -244,17 +244,6 @@ mod tests {
 
     fn log(limit: u64, window_ns: u64) -> SlidingWindowLog {
         SlidingWindowLog::new(limit, window_ns).unwrap()
-    }
-
-    /// Admits `cost` at `now`, updating `state`; true if admitted.
-    fn take(l: &SlidingWindowLog, state: &mut State, now: u64, cost: u64) -> bool {
-        match l.check(state, now, cost) {
-            Verdict::Admit { state: new, .. } => {
-                *state = new;
-                true
-            }
-            Verdict::Deny { .. } => false,
-        }
     }
 
     #[test]

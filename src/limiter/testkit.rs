@@ -39,6 +39,17 @@ pub(crate) trait Algo {
     fn decode(bytes: &[u8]) -> Option<(Self::State, usize)>;
 }
 
+/// Admits `cost` at `now`, updating `state`; true if admitted.
+pub(crate) fn take<A: Algo>(a: &A, state: &mut A::State, now: u64, cost: u64) -> bool {
+    match a.check(state, now, cost) {
+        Verdict::Admit { state: new, .. } => {
+            *state = new;
+            true
+        }
+        Verdict::Deny { .. } => false,
+    }
+}
+
 fn admits<A: Algo>(a: &A, state: &A::State, now: u64, cost: u64) -> bool {
     a.check(state, now, cost).is_admit()
 }
