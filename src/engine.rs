@@ -388,7 +388,9 @@ fn locate<H: Host>(host: &H, place: &Place<'_>, now: u64) -> Result<Target, Host
     let mut candidate: Option<Target> = None;
     for probe in 0..state::PROBES.min(entries) {
         let (key, value, cas) = read(host, state::entry_key(home.wrapping_add(probe) % entries))?;
-        let slots = state::decode_entry(&value).unwrap_or_default();
+        let decoded = state::decode_entry(&value);
+        let readable = decoded.is_some();
+        let slots = decoded.unwrap_or_default();
         if let Some(i) = slots.iter().position(|s| s.key == logical) {
             return Ok(Target {
                 key,
@@ -412,11 +414,7 @@ fn locate<H: Host>(host: &H, place: &Place<'_>, now: u64) -> Result<Target, Host
         };
         if let Some((slot, event)) = choice {
             // An unreadable entry is rebuilt from scratch.
-            let value = if state::decode_entry(&value).is_some() {
-                value
-            } else {
-                Vec::new()
-            };
+            let value = if readable { value } else { Vec::new() };
             candidate = Some(Target {
                 key,
                 value,
