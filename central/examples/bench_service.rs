@@ -20,7 +20,6 @@ use tenantgate::sync::{Report, SyncRequest, PROTOCOL_VERSION};
 use tenantgate_central::service::{policy, serve_on, ManualClock, ServeOptions, Service, Settings};
 use tenantgate_central::store::{EmbeddedStore, RedisStore, Store};
 use tenantgate_central::testing::RedisServer;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const POLICY: &str = r#"
 version: "bench"
@@ -93,19 +92,9 @@ async fn run_in_process(store: Arc<dyn Store>, budget: Duration, min_passes: u64
 }
 
 async fn http_post(addr: std::net::SocketAddr, body: &str) -> u16 {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!(
-        "POST /v1/sync HTTP/1.1\r\nhost: b\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut out = Vec::new();
-    s.read_to_end(&mut out).await.unwrap();
-    String::from_utf8_lossy(&out)
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0)
+    tenantgate_central::testing::http(addr, "POST", "/v1/sync", body)
+        .await
+        .map_or(0, |(status, _)| status)
 }
 
 fn per_s(reports: u64, took: Duration) -> f64 {

@@ -20,7 +20,6 @@ use tenantgate::sync::{Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
 use tenantgate_central::service::{serve_on, ManualClock, ServeOptions, Service, Settings};
 use tenantgate_central::store::{EmbeddedStore, RedisStore, Store};
 use tenantgate_central::testing::RedisServer;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::oneshot;
 
 const SEC: u64 = 1_000_000_000;
@@ -143,23 +142,10 @@ impl Instance {
     }
 }
 
-/// A minimal HTTP/1.1 client (one request per connection).
 async fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut out = Vec::new();
-    tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out))
+    tenantgate_central::testing::http(addr, method, path, body)
         .await
-        .expect("an answer within 5 s")
-        .unwrap();
-    let text = String::from_utf8(out).unwrap();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (status, body.to_owned())
+        .unwrap()
 }
 
 /// Waits for `cond` with a deadline.
