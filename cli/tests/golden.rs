@@ -142,27 +142,22 @@ fn apply_refuses_an_invalid_policy_and_leaves_the_file_alone() {
     std::fs::write(&ecds, "previous").unwrap();
     let wasm = dir.path().join("f.wasm");
     std::fs::write(&wasm, b"\0asm").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_tenantgate"))
-        .args(["policy", "apply"])
-        .arg(repo().join("tests/fixtures/invalid/zero-rate.yaml"))
-        .arg("--ecds")
-        .arg(&ecds)
-        .arg("--wasm")
-        .arg(&wasm)
-        .output()
-        .unwrap();
+    let apply = |policy: &str| {
+        Command::new(env!("CARGO_BIN_EXE_tenantgate"))
+            .args(["policy", "apply"])
+            .arg(repo().join(policy))
+            .arg("--ecds")
+            .arg(&ecds)
+            .arg("--wasm")
+            .arg(&wasm)
+            .output()
+            .unwrap()
+    };
+    let out = apply("tests/fixtures/invalid/zero-rate.yaml");
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(std::fs::read_to_string(&ecds).unwrap(), "previous");
 
-    let ok = Command::new(env!("CARGO_BIN_EXE_tenantgate"))
-        .args(["policy", "apply"])
-        .arg(repo().join("policies/demo.yaml"))
-        .arg("--ecds")
-        .arg(&ecds)
-        .arg("--wasm")
-        .arg(&wasm)
-        .output()
-        .unwrap();
+    let ok = apply("policies/demo.yaml");
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
     let resource: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&ecds).unwrap()).unwrap();
     let config = &resource["resources"][0]["typed_config"]["config"]["configuration"]["value"];
