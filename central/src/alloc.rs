@@ -121,6 +121,15 @@ pub struct GlobalLimit {
     pub limit: u64,
     pub window_ns: u64,
     pub burst: u64,
+    /// The largest cost one request of this limit may have (policy:
+    /// the largest route cost, at most `burst`). A lease is sized to
+    /// carry at least this much, so every cost up to it is admissible.
+    #[serde(default = "one")]
+    pub max_cost: u64,
+}
+
+fn one() -> u64 {
+    1
 }
 
 /// The service's reconciliation settings (all times in nanoseconds).
@@ -182,6 +191,12 @@ impl AllocConfig {
                 return Err(ConfigError::new(
                     format!("limits.{name}"),
                     "limit, window and burst must be > 0",
+                ));
+            }
+            if l.max_cost == 0 || l.max_cost > l.burst {
+                return Err(ConfigError::new(
+                    format!("limits.{name}.max_cost"),
+                    "must be in 1..=burst: a larger cost could never be admitted",
                 ));
             }
         }
@@ -337,14 +352,9 @@ impl Begun {
                 out.push((id.clone(), None));
             }
         }
+        // The intake holds each (key, limit) once (duplicates summed).
         for (id, delta) in &self.intake.deltas {
-            // A report naming the same (key, limit) twice: the intake
-            // already merged its counts into the last one.
-            if let Some(v) = out.iter_mut().find(|(d, _)| d == id) {
-                v.1 = Some(*delta);
-            } else {
-                out.push((id.clone(), Some(*delta)));
-            }
+            out.push((id.clone(), Some(*delta)));
         }
         out
     }

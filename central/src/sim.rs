@@ -83,6 +83,8 @@ pub struct SimConfig {
     pub lease_ttl_ns: u64,
     pub response_timeout_ns: u64,
     pub provisional: u64,
+    /// Every request's cost (the policy's largest route cost).
+    pub max_cost: u64,
     pub lease_factor_pct: u64,
     pub node_floor: u64,
     pub region_floor: u64,
@@ -106,6 +108,7 @@ impl Default for SimConfig {
             lease_ttl_ns: 3 * NANOS_PER_SEC,
             response_timeout_ns: NANOS_PER_SEC / 2,
             provisional: 2,
+            max_cost: 1,
             lease_factor_pct: 150,
             node_floor: 1,
             region_floor: 5,

@@ -93,6 +93,7 @@ impl KeyState {
                 limit: 1,
                 window_ns: 1,
                 burst: 1,
+                max_cost: 1,
             },
             0,
         )

@@ -18,6 +18,7 @@ fn cfg(mode: FailureMode) -> AllocConfig {
                 limit: 1_000,
                 window_ns: 10 * S,
                 burst: 200,
+                max_cost: 1,
             },
         )]),
         interval_ns: S,

@@ -76,6 +76,7 @@ pub fn alloc_config(cfg: &SimConfig, mode: FailureMode) -> AllocConfig {
                 limit: cfg.limit,
                 window_ns: cfg.window_ns,
                 burst: cfg.burst,
+                max_cost: cfg.max_cost,
             },
         )]
         .into_iter()
