@@ -172,6 +172,17 @@ pub struct Outcome {
     pub messages_sent: u64,
     pub messages_lost: u64,
     pub service: Option<KeyView>,
+    /// The fewest units admitted in any window of `window_s` after the
+    /// first one (the first holds the full bucket's burst).
+    pub min_admitted_in_window: Option<u64>,
+    /// Windows over which fairness is measured: the shortest multiple of
+    /// `window_s` in which every node's fair share (`r·w/N`) is at least
+    /// 10 units.
+    pub fairness_window_s: f64,
+    /// The lowest Jain's index of admissions among the nodes of a region
+    /// over those windows (after the first `window_s`); `null` if no
+    /// region of two nodes or more admitted 10 units per node in one.
+    pub fairness_min: Option<f64>,
 }
 
 /// A finished run: its outcome and per-second series.
@@ -236,6 +247,18 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
     });
     let allowed = cfg.limit + cfg.burst;
     let measured_extra = max as i64 - allowed as i64;
+    let window_ticks = (cfg.window_ns / cfg.tick_ns) as usize;
+    let min_window = metrics::min_window(&trace.admitted, window_ticks, window_ticks);
+    // r·w/N ≥ 10 units: w ≥ 10·N·W/L, rounded up to whole windows.
+    let windows = (10 * topo.nodes()).div_ceil(cfg.limit.max(1)).max(1);
+    let fairness_ticks = window_ticks * windows as usize;
+    let fairness_min = metrics::min_fairness(
+        &trace.admitted_by_node,
+        &trace.regions,
+        fairness_ticks,
+        window_ticks,
+        10.0,
+    );
     let outcome = Outcome {
         scenario: spec.name,
         topology: topo.name(),
@@ -275,6 +298,9 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
         messages_sent: trace.messages_sent,
         messages_lost: trace.messages_lost,
         service: trace.service,
+        min_admitted_in_window: min_window,
+        fairness_window_s: secs(cfg.window_ns) * windows as f64,
+        fairness_min: fairness_min.map(|j| (j * 1000.0).floor() / 1000.0),
     };
     Ok(Run {
         outcome,

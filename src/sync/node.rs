@@ -45,6 +45,13 @@
 //! admits at most `P` without a lease per key start (regression:
 //! `a_paced_client_cannot_farm_the_provisional_allowance_on_lease_expiry`).
 //!
+//! # Keep-alive
+//! A key asked for within [`LEASE_KEEP_ALIVE_NS`] is reported every
+//! interval even with zero counts, so the service renews its lease and a
+//! sparse client finds a live one. After a minute without a request its
+//! lease is left to expire: a later request waits for its next lease
+//! (one interval), it is not a key start.
+//!
 //! # Never waiting forever
 //! A key that has waited for a lease for [`NodeView::await_max_ns`]
 //! (two sync intervals plus the callout timeout) while connected gets
@@ -101,6 +108,10 @@ use super::protocol::{Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
 use crate::limiter::token_bucket::{Check, Gcra};
 
 const NANOS_PER_MS: u64 = 1_000_000;
+
+/// How long after its last request a key keeps being reported (with
+/// zero counts if need be) so that its lease is renewed: one minute.
+pub const LEASE_KEEP_ALIVE_NS: u64 = 60_000 * NANOS_PER_MS;
 
 /// What a node does for a key whose lease expired with no new one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -264,6 +275,8 @@ pub struct Allowance {
     /// provisional allowance used up) on a connected node; cleared by a
     /// lease.
     pub awaiting_since: Option<u64>,
+    /// When a request last asked for this key (admitted or not).
+    pub last_demand_at: Option<u64>,
 }
 
 impl Allowance {
@@ -277,7 +290,19 @@ impl Allowance {
             share: 0,
             local_tat: None,
             awaiting_since: None,
+            last_demand_at: None,
         }
+    }
+
+    /// Whether the next report must carry this key: it has counts to
+    /// report, or it was asked for within [`LEASE_KEEP_ALIVE_NS`], so its
+    /// lease is renewed every interval and a sparse client (one request
+    /// every few lease TTLs) finds a live lease instead of an expired one.
+    pub fn wants_report(&self, now: u64) -> bool {
+        !self.pending.is_zero()
+            || self
+                .last_demand_at
+                .is_some_and(|at| now < at.saturating_add(LEASE_KEEP_ALIVE_NS))
     }
 
     /// Whether this key has waited for a lease longer than the view allows
@@ -303,6 +328,7 @@ impl Allowance {
     /// Whether `cost` units are admitted now, charging them if so. The
     /// request's demand must already be counted ([`Allowance::note_demand`]).
     pub fn take(&mut self, view: &NodeView, cost: u64, now: u64) -> Result<Admitted, Denied> {
+        self.last_demand_at = Some(now);
         if let Some(ref mut lease) = self.lease {
             if now < lease.expires_at {
                 if lease.tokens_left < cost {
@@ -720,7 +746,7 @@ impl Node {
         for (key, by_limit) in &mut self.entries {
             for (limit, entry) in by_limit.iter_mut() {
                 entry.used_at_send = entry.allowance.lease_used;
-                if entry.allowance.pending.is_zero() {
+                if !entry.allowance.wants_report(now) {
                     continue;
                 }
                 let c = entry.allowance.pending;

@@ -140,19 +140,24 @@ pub struct Scan {
     pub next: u64,
     pub carried: Vec<Carried>,
     pub reports: Vec<Report>,
+    /// When the scan began (what a key's keep-alive is measured against).
+    pub started_at: u64,
 }
 
 impl Scan {
-    pub fn new(seq: u64) -> Scan {
+    pub fn new(seq: u64, now: u64) -> Scan {
         Scan {
             seq,
+            started_at: now,
             ..Scan::default()
         }
     }
 }
 
-/// Scans up to `budget` key-table entries for global allowances with
-/// counts to report. Returns whether the scan is complete.
+/// Scans up to `budget` key-table entries for global allowances to report
+/// (counts to report, or asked for recently: see
+/// [`Allowance::wants_report`](super::node::Allowance::wants_report)).
+/// Returns whether the scan is complete.
 pub fn scan_step<H: Host>(host: &H, policy: &Policy, scan: &mut Scan, budget: u64) -> bool {
     let entries = policy.key_table_entries.max(1);
     let end = scan.next.saturating_add(budget).min(entries);
@@ -175,7 +180,7 @@ pub fn scan_step<H: Host>(host: &H, policy: &Policy, scan: &mut Scan, budget: u6
                 ) else {
                     continue;
                 };
-                if a.pending.is_zero() || scan.carried.len() >= MAX_REPORTS {
+                if !a.wants_report(scan.started_at) || scan.carried.len() >= MAX_REPORTS {
                     continue;
                 }
                 scan.reports.push(Report {

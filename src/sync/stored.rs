@@ -31,6 +31,7 @@ const CARRIED_VERSION: u8 = 1;
 const HAS_LEASE: u8 = 1;
 const HAS_LOCAL: u8 = 2;
 const HAS_AWAIT: u8 = 4;
+const HAS_DEMAND_AT: u8 = 8;
 
 fn put(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
@@ -51,12 +52,18 @@ fn put_counts(out: &mut Vec<u8>, c: &Counts) {
 }
 
 /// `[version][flags] [tokens_left expires_at]? provisional_left consumed
-/// unleased demand lease_used share [local_tat]? [awaiting_since]?`
+/// unleased demand lease_used share [local_tat]? [awaiting_since]?
+/// [last_demand_at]?`
 pub fn encode_allowance(a: &Allowance, out: &mut Vec<u8>) {
     out.push(ALLOWANCE_VERSION);
     let flags = if a.lease.is_some() { HAS_LEASE } else { 0 }
         | if a.local_tat.is_some() { HAS_LOCAL } else { 0 }
-        | if a.awaiting_since.is_some() { HAS_AWAIT } else { 0 };
+        | if a.awaiting_since.is_some() { HAS_AWAIT } else { 0 }
+        | if a.last_demand_at.is_some() {
+            HAS_DEMAND_AT
+        } else {
+            0
+        };
     out.push(flags);
     if let Some(l) = a.lease {
         put(out, l.tokens_left);
@@ -72,6 +79,9 @@ pub fn encode_allowance(a: &Allowance, out: &mut Vec<u8>) {
     if let Some(t) = a.awaiting_since {
         put(out, t);
     }
+    if let Some(t) = a.last_demand_at {
+        put(out, t);
+    }
 }
 
 /// `None` for anything that is not a whole, well-formed allowance.
@@ -81,7 +91,7 @@ pub fn decode_allowance(bytes: &[u8]) -> Option<Allowance> {
         return None;
     }
     let flags = r.u8()?;
-    if flags & !(HAS_LEASE | HAS_LOCAL | HAS_AWAIT) != 0 {
+    if flags & !(HAS_LEASE | HAS_LOCAL | HAS_AWAIT | HAS_DEMAND_AT) != 0 {
         return None;
     }
     let lease = if flags & HAS_LEASE != 0 {
@@ -100,6 +110,7 @@ pub fn decode_allowance(bytes: &[u8]) -> Option<Allowance> {
         share: r.u64()?,
         local_tat: r.opt_u64(flags & HAS_LOCAL != 0)?,
         awaiting_since: r.opt_u64(flags & HAS_AWAIT != 0)?,
+        last_demand_at: r.opt_u64(flags & HAS_DEMAND_AT != 0)?,
     };
     r.is_empty().then_some(a)
 }

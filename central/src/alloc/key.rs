@@ -287,10 +287,15 @@ impl KeyState {
                 .map(|nk| milli(nk.demand))
                 .sum()
         };
+        // Floors let an idle region or node start; they never take more
+        // than half of what is split, or at small flows (100/min is 1.67
+        // units per interval) they would split it evenly whatever the
+        // demand.
+        let region_floor = cfg.region_floor.saturating_mul(MILLI).min(budget / (2 * regions));
         let claims: Vec<Claim> = by_region
             .values()
             .map(|ids| Claim {
-                floor: cfg.region_floor.saturating_mul(MILLI),
+                floor: region_floor,
                 demand: demand_of(ids),
                 cap,
             })
@@ -313,11 +318,15 @@ impl KeyState {
                 self.stats.repaid += repay;
                 part -= repay * MILLI;
             }
+            let node_floor = cfg
+                .node_floor
+                .saturating_mul(MILLI)
+                .min(part / (2 * ids.len().max(1) as u64));
             let claims: Vec<Claim> = ids
                 .iter()
                 .filter_map(|id| self.nodes.get(id))
                 .map(|nk| Claim {
-                    floor: cfg.node_floor.saturating_mul(MILLI),
+                    floor: node_floor,
                     demand: milli(nk.demand),
                     cap: u64::MAX,
                 })

@@ -43,6 +43,9 @@ pub struct Trace {
     pub messages_sent: u64,
     pub messages_lost: u64,
     pub service: Option<KeyView>,
+    /// Per node: units admitted per tick, and its region.
+    pub admitted_by_node: Vec<Vec<u64>>,
+    pub regions: Vec<usize>,
 }
 
 struct SimNode {
@@ -126,7 +129,9 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                 offset_ns,
                 next_sync: T0 + phases.between(0, cfg.interval_ns - 1),
                 retry_at: None,
-                carry: 0.0,
+                // A random phase, so that nodes whose demand is below one
+                // request per tick do not all ask in the same tick.
+                carry: phases.unit() * cfg.max_cost.max(1) as f64,
                 seen: false,
                 in_provisional: false,
                 starts: 0,
@@ -149,7 +154,10 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
         messages_sent: 0,
         messages_lost: 0,
         service: None,
+        admitted_by_node: vec![vec![0; ticks]; nodes.len()],
+        regions: nodes.iter().map(|n| n.region).collect(),
     };
+    let cost = cfg.max_cost.max(1);
     let mut last_interval = None;
     let latency = |net: &mut Rng| net.between(spec.latency_ms.0, spec.latency_ms.1) * NANOS_PER_MS;
 
@@ -211,15 +219,16 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
             queue.push(Reverse((now + latency(&mut net), order, true, i, req.to_json())));
         }
 
-        for n in &mut nodes {
+        for (i, n) in nodes.iter_mut().enumerate() {
             let level = spec.region_level(n.region, topo.regions, t_s) / topo.nodes_per_region as f64;
+            // Units of demand; requests of `cost` units each.
             n.carry += level * rate_per_s * tick_s * (0.5 + traffic.unit());
-            let count = n.carry.floor();
-            n.carry -= count;
+            let count = (n.carry / cost as f64).floor();
+            n.carry -= count * cost as f64;
             let clock = n.clock(now);
-            for _ in 0..count as u64 {
-                let decision = n.node.decide(KEY, LIMIT, 1, clock);
-                trace.demand[tick] += 1;
+            for _ in 0..count as u64 + spec.burst(t_s, tick_s) {
+                let decision = n.node.decide(KEY, LIMIT, cost, clock);
+                trace.demand[tick] += cost;
                 if !n.seen {
                     n.seen = true;
                     trace.first_requests += 1;
@@ -236,12 +245,13 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                 let Ok(kind) = decision else {
                     continue;
                 };
-                trace.admitted[tick] += 1;
+                trace.admitted[tick] += cost;
+                trace.admitted_by_node[i][tick] += cost;
                 match kind {
-                    Admitted::Lease => trace.by_kind.lease += 1,
-                    Admitted::Provisional => trace.by_kind.provisional += 1,
-                    Admitted::FailOpenLocal => trace.by_kind.fail_open_local += 1,
-                    Admitted::FailOpen => trace.by_kind.fail_open += 1,
+                    Admitted::Lease => trace.by_kind.lease += cost,
+                    Admitted::Provisional => trace.by_kind.provisional += cost,
+                    Admitted::FailOpenLocal => trace.by_kind.fail_open_local += cost,
+                    Admitted::FailOpen => trace.by_kind.fail_open += cost,
                 }
             }
         }

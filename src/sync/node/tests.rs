@@ -200,11 +200,15 @@ fn an_idle_key_on_a_connected_node_waits_for_its_next_lease_not_a_provisional_al
     let req = n.report(now).unwrap();
     n.apply(&answer(&req, vec![lease(5, 5, 2000)]), now + 10 * MS)
         .unwrap();
-    // Keep syncing (acknowledged, nothing to report) past the lease's expiry.
-    for _ in 0..3 {
+    // Keep syncing past the lease's expiry: for a minute after its last
+    // request the key is reported with zero counts (its keep-alive; this
+    // service renews nothing), then no more.
+    for i in 1..=62u64 {
         now += S;
         let req = n.report(now).unwrap();
-        assert!(req.reports.is_empty());
+        let kept = i * S < LEASE_KEEP_ALIVE_NS;
+        assert_eq!(req.reports.len(), usize::from(kept), "at {i} s");
+        assert!(req.reports.iter().all(|r| r.consumed == 0 && r.demand == 0));
         n.apply(&answer(&req, vec![]), now + 10 * MS).unwrap();
     }
     assert!(n.connected(now + 20 * MS));

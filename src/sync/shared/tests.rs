@@ -78,7 +78,7 @@ impl World {
         let Claim::Won { seq, .. } = claim(&host, self.settings(), now).unwrap() else {
             return None;
         };
-        let mut scan = Scan::new(seq);
+        let mut scan = Scan::new(seq, now);
         while !scan_step(&host, &self.policy, &mut scan, 64) {}
         let acked = read_state(&host).unwrap().0.unwrap().acked_seq;
         assert!(sent(&host, &scan, now).unwrap());
