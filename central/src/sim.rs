@@ -26,6 +26,7 @@
 mod metrics;
 mod rng;
 pub mod scenario;
+pub mod shipped;
 mod svg;
 mod world;
 
@@ -96,6 +97,9 @@ pub struct SimConfig {
     pub tick_ns: u64,
     /// Node clocks are offset uniformly within ± this.
     pub clock_skew_ns: u64,
+    /// Nodes run the filter's code ([`shipped`]: the engine and
+    /// `sync::shared` over the fake host) instead of `sync::Node`.
+    pub shipped: bool,
 }
 
 impl Default for SimConfig {
@@ -119,6 +123,7 @@ impl Default for SimConfig {
             duration_ns: 120 * NANOS_PER_SEC,
             tick_ns: 10_000_000,
             clock_skew_ns: 2 * NANOS_PER_SEC,
+            shipped: false,
         }
     }
 }

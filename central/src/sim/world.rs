@@ -9,6 +9,7 @@ use tenantgate::sync::{Admitted, FailureMode, Node, NodeConfig, SyncResponse};
 
 use super::rng::Rng;
 use super::scenario::Scenario;
+use super::shipped::{self, ShippedNode};
 use super::{SimConfig, Topology, KEY, LIMIT};
 use crate::alloc::{AllocConfig, Allocator, GlobalLimit, KeyView};
 use crate::error::ConfigError;
@@ -50,6 +51,9 @@ pub struct Trace {
 
 struct SimNode {
     node: Node,
+    /// With `SimConfig::shipped`: the filter's code, which then decides
+    /// and syncs instead of `node`.
+    shipped: Option<ShippedNode>,
     region: usize,
     offset_ns: i64,
     next_sync: u64,
@@ -123,7 +127,13 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                 max_ttl_ns: cfg.lease_ttl_ns.saturating_mul(4),
                 local_max_ns: cfg.local_max_ns,
             };
-            SimNode {
+            let shipped = cfg
+                .shipped
+                .then(|| shipped::policy(cfg, spec.failure_mode, T0.saturating_add_signed(offset_ns)))
+                .transpose()?
+                .map(|p| ShippedNode::new(p, node_cfg.node_id.clone(), node_cfg.region.clone()));
+            Ok(SimNode {
+                shipped,
                 node: Node::new(node_cfg, T0.saturating_add_signed(offset_ns)),
                 region,
                 offset_ns,
@@ -135,9 +145,9 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                 seen: false,
                 in_provisional: false,
                 starts: 0,
-            }
+            })
         })
-        .collect();
+        .collect::<Result<_, ConfigError>>()?;
 
     let ticks = (cfg.duration_ns / cfg.tick_ns) as usize;
     let rate_per_s = cfg.limit as f64 * NANOS_PER_SEC / cfg.window_ns as f64;
@@ -188,7 +198,12 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                 queue.push(Reverse((now + latency(&mut net), order, false, i, answer)));
             } else if let Ok(resp) = SyncResponse::from_json(body.as_bytes()) {
                 let clock = n.clock(now);
-                let _ = n.node.apply(&resp, clock);
+                match n.shipped.as_mut() {
+                    Some(s) => s.apply(&resp, clock),
+                    None => {
+                        let _ = n.node.apply(&resp, clock);
+                    }
+                }
             }
         }
 
@@ -198,6 +213,22 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
         }
 
         for (i, n) in nodes.iter_mut().enumerate() {
+            let clock = n.clock(now);
+            if let Some(s) = n.shipped.as_mut() {
+                // Every tick a worker ticks; the shared state says whether
+                // a report is due (and gives up on one timed out).
+                let Some(req) = s.tick(clock) else {
+                    continue;
+                };
+                trace.messages_sent += 1;
+                if !spec.link_up(n.region, t_s) || net.chance(spec.loss) {
+                    trace.messages_lost += 1;
+                    continue;
+                }
+                order += 1;
+                queue.push(Reverse((now + latency(&mut net), order, true, i, req.to_json())));
+                continue;
+            }
             let retry = n.retry_at.is_some_and(|at| now >= at) && n.node.in_flight().is_some();
             if now < n.next_sync && !retry {
                 continue;
@@ -227,7 +258,18 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
             n.carry -= count * cost as f64;
             let clock = n.clock(now);
             for _ in 0..count as u64 + spec.burst(t_s, tick_s) {
-                let decision = n.node.decide(KEY, LIMIT, cost, clock);
+                let decision = match n.shipped.as_mut() {
+                    // The engine says only whether it admitted: counted as
+                    // lease admissions.
+                    Some(s) => {
+                        if s.request(clock) {
+                            Ok(Admitted::Lease)
+                        } else {
+                            Err(tenantgate::sync::Denied::LeaseExhausted)
+                        }
+                    }
+                    None => n.node.decide(KEY, LIMIT, cost, clock),
+                };
                 trace.demand[tick] += cost;
                 if !n.seen {
                     n.seen = true;
@@ -257,6 +299,6 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
         }
     }
     trace.max_starts = nodes.iter().map(|n| n.starts).max().unwrap_or(0);
-    trace.service = service.view(KEY, LIMIT);
+    trace.service = service.view(if cfg.shipped { shipped::KEY } else { KEY }, LIMIT);
     Ok(trace)
 }
