@@ -253,9 +253,8 @@ fn users_sizes_keep_the_bound_share_fairly_and_use_the_limit() {
         };
         check(o.within_bound, "bound");
         if o.scenario == "paced_adversary" {
-            // Nothing but the provisional allowance once per node, then
-            // leases: at most L + B + N·P in any window.
-            check(o.admitted_by.provisional <= o.nodes * 2, "provisional farmed");
+            // Its demand is bursts, not a rate: only the bound (above,
+            // L + B + N·P with one start per node) applies.
             continue;
         }
         check(used_pct >= 90.0, "utilisation");
