@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tenantgate::sync::{Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
-use tenantgate_central::service::{serve_on, ManualClock, ServeOptions, Service, Settings};
+use tenantgate_central::service::{serve_on, Auth, Listeners, ManualClock, ServeOptions, Service, Settings};
 use tenantgate_central::store::{EmbeddedStore, RedisStore, Store};
 use tenantgate_central::testing::RedisServer;
 use tokio::sync::oneshot;
@@ -81,36 +81,50 @@ impl Backend {
     }
 }
 
-/// One replica on a loopback port, with its own policy watcher.
+/// One replica on loopback ports (sync and admin), with its own policy
+/// watcher.
 struct Instance {
     addr: SocketAddr,
+    admin: SocketAddr,
+    service: Arc<Service>,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
 impl Instance {
     async fn start(store: Arc<dyn Store>, clock: Arc<ManualClock>, policy: &Path) -> Instance {
-        let service = Arc::new(Service::new(store, clock, Settings::default()));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
+        Instance::start_with(Service::new(store, clock, Settings::default()), policy).await
+    }
+
+    async fn start_with(service: Service, policy: &Path) -> Instance {
+        let service = Arc::new(service);
+        let sync = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = sync.local_addr().unwrap();
+        let admin_addr = admin.local_addr().unwrap();
         let (tx, rx) = oneshot::channel::<()>();
         let opts = ServeOptions {
             listen: addr,
+            admin: admin_addr,
             policy: policy.to_owned(),
             policy_poll: Duration::from_millis(20),
+            auth: Auth::default(),
         };
-        let task = tokio::spawn(serve_on(service.clone(), listener, opts, async {
+        let task = tokio::spawn(serve_on(service.clone(), Listeners { sync, admin }, opts, async {
             let _ = rx.await;
         }));
         Instance {
             addr,
+            admin: admin_addr,
+            service,
             stop: Some(tx),
             task,
         }
     }
 
+    /// On the admin listener.
     async fn get(&self, path: &str) -> (u16, String) {
-        http(self.addr, "GET", path, "").await
+        http(self.admin, "GET", path, "").await
     }
 
     async fn sync(&self, req: &SyncRequest) -> (u16, String) {
@@ -168,6 +182,7 @@ fn request(node: &str, seq: u64, acked: u64, reports: &[(&str, &str, u64)]) -> S
         region: format!("region-{}", node.len() % 2),
         policy_version: "v1".into(),
         seq,
+        boot: 0,
         acked_seq: acked,
         reports: reports
             .iter()
@@ -406,6 +421,11 @@ async fn health_ready_and_metrics(mut b: Backend) {
     // No policy yet: alive, not ready, syncs refused as "try again".
     let a = Instance::start(b.store(), clock.clone(), &path).await;
     assert_eq!(a.get("/healthz").await, (200, "ok\n".to_owned()));
+    // Separate listeners: no sync API on the admin address, no metrics on
+    // the sync address.
+    assert_eq!(http(a.admin, "POST", "/v1/sync", "{}").await.0, 404);
+    assert_eq!(http(a.addr, "GET", "/metrics", "").await.0, 404);
+    assert_eq!(http(a.addr, "GET", "/healthz", "").await.0, 404);
     let (status, body) = a.get("/readyz").await;
     assert_eq!(status, 503);
     assert!(body.contains("no policy"), "{body}");

@@ -91,6 +91,9 @@ pub trait Store: Send + Sync {
     /// How many (key, limit)s have a record.
     async fn key_count(&self) -> Result<u64, StoreError>;
 
+    /// How many nodes have a session.
+    async fn session_count(&self) -> Result<u64, StoreError>;
+
     /// One (key, limit)'s record, as stored.
     async fn key(&self, id: &KeyId) -> Result<Option<KeyState>, StoreError> {
         let mut out = None;

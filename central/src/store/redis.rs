@@ -255,6 +255,15 @@ impl Store for RedisStore {
         Ok(names.iter().filter_map(|n| self.key_of_record(n)).collect())
     }
 
+    async fn session_count(&self) -> Result<u64, StoreError> {
+        let mut conn = self.conn().await?;
+        redis::cmd("SCARD")
+            .arg(self.nodes_set())
+            .query_async(&mut conn)
+            .await
+            .map_err(map_err)
+    }
+
     async fn key_count(&self) -> Result<u64, StoreError> {
         let mut conn = self.conn().await?;
         redis::cmd("SCARD")
