@@ -44,9 +44,9 @@ pub type KeyId = (String, String);
 pub const MAX_SEQ_STEP: u64 = 1 << 20;
 
 /// With no session (`boot == 0`), how far a `seq` may be ahead of the
-/// service's clock (nanoseconds): the nodes' clock offset, and one report
-/// per nanosecond since they started. One hour.
-pub const MAX_SEQ_AHEAD_NS: u64 = 3_600 * 1_000_000_000;
+/// service's clock (nanoseconds): the nodes' clock offset from the
+/// service's. Ten minutes.
+pub const MAX_SEQ_AHEAD_NS: u64 = 600 * 1_000_000_000;
 
 /// How a request's `seq` stands against its node's session.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

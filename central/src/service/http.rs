@@ -7,7 +7,7 @@
 //!
 //! | listener | endpoint | answer |
 //! |---|---|---|
-//! | sync | `POST /v1/sync` | `SyncRequest` JSON → `200` `SyncResponse` JSON; `400` invalid, `401` no identity where one is required, `403` another node's id or region, `409` stale, `413` body too large, `503` not ready / busy / store unavailable / too slow / session cap, `500` store refused or internal; errors are `{"error": …, "transient": bool}` |
+//! | sync | `POST /v1/sync` | `SyncRequest` JSON → `200` `SyncResponse` JSON; `400` invalid, `401` no identity where one is required, `403` another node's id or region, `409` stale, `413` body too large, `429` the session cap is reached (a new node), `503` not ready / busy / store unavailable / too slow, `500` store refused or internal; errors are `{"error": …, "transient": bool}` |
 //! | admin | `GET /healthz` | `200 ok` while the process serves |
 //! | admin | `GET /readyz` | `200 ready` when a policy is loaded and the store answers, else `503` with the reason |
 //! | admin | `GET /metrics` | Prometheus text |
@@ -68,10 +68,10 @@ async fn sync(State(service): State<Arc<Service>>, ConnectInfo(peer): ConnectInf
                 SyncError::Invalid(_) | SyncError::SeqJump(_) => (StatusCode::BAD_REQUEST, false),
                 SyncError::Forbidden(_) => (StatusCode::FORBIDDEN, false),
                 SyncError::Stale(_) => (StatusCode::CONFLICT, false),
-                SyncError::NotReady
-                | SyncError::Timeout(_)
-                | SyncError::Busy(_)
-                | SyncError::SessionsFull(_) => (StatusCode::SERVICE_UNAVAILABLE, true),
+                SyncError::SessionsFull(_) => (StatusCode::TOO_MANY_REQUESTS, true),
+                SyncError::NotReady | SyncError::Timeout(_) | SyncError::Busy(_) => {
+                    (StatusCode::SERVICE_UNAVAILABLE, true)
+                }
                 SyncError::Store(s) if s.is_transient() => (StatusCode::SERVICE_UNAVAILABLE, true),
                 SyncError::Store(_) | SyncError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, false),
             };

@@ -12,6 +12,8 @@
 //!   bytes: its key table stores their length in one byte);
 //! * a region not in the configured list ([`IntakeLimits::regions`]) or not
 //!   the one the node's identity names;
+//! * a count above [`MAX_COUNT`] (2^53: no node admits that many, and the
+//!   allocator's demand average is exact below it);
 //! * a `node_id` other than the one the node's identity names (`403`).
 //!
 //! # Clamped (answered, counted in `tenantgate_sync_clamped_total`)
@@ -47,6 +49,9 @@ pub const MAX_KEY_BYTES: usize = 255;
 
 /// The longest node id, region, limit name or policy version, in bytes.
 pub const MAX_NAME_BYTES: usize = 128;
+
+/// The largest count a report may carry (see the module header).
+pub const MAX_COUNT: u64 = 1 << 53;
 
 /// The plausibility slack (see the module header).
 pub const SLACK: u64 = 4;
@@ -149,6 +154,11 @@ pub fn check(req: &SyncRequest, limits: &IntakeLimits, identity: Option<&Identit
     for r in &req.reports {
         too_long("a report's key", &r.key, MAX_KEY_BYTES)?;
         too_long("a report's limit", &r.limit, MAX_NAME_BYTES)?;
+        if r.consumed.max(r.unleased).max(r.demand) > MAX_COUNT {
+            return Err(Refusal::Invalid(format!(
+                "a report's count is above {MAX_COUNT}: no node admits that many"
+            )));
+        }
     }
     if let Some(id) = identity {
         if req.node_id != id.node_id {
@@ -258,7 +268,8 @@ mod tests {
         // 100/min, burst 100, D + ttl + local_max = 303.5 s: 7 windows.
         let max = plausible(&c, &c.limits["per-min"]);
         assert_eq!(max, 4 * (100 + 100 * 7));
-        let mut r = req(vec![report("t|a", u64::MAX), report("t|b", 10)]);
+        let mut r = req(vec![report("t|a", MAX_COUNT), report("t|b", 10)]);
+        assert!(check(&r, &IntakeLimits::default(), None).is_ok());
         assert_eq!(clamp(&mut r, &c), 3);
         assert_eq!(r.reports[0].consumed, max);
         assert_eq!(r.reports[1].consumed, 10);
@@ -271,6 +282,8 @@ mod tests {
             ..IntakeLimits::default()
         };
         assert!(check(&req(vec![report("t|a", 1)]), &limits, None).is_ok());
+        let overflowing = req(vec![report("t|a", u64::MAX)]);
+        assert!(matches!(check(&overflowing, &limits, None), Err(Refusal::Invalid(_))));
         let many = req((0..4097).map(|i| report(&format!("t{i}"), 1)).collect());
         assert!(matches!(check(&many, &limits, None), Err(Refusal::Invalid(_))));
         let long = req(vec![report(&"k".repeat(256), 1)]);
