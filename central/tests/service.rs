@@ -745,6 +745,68 @@ async fn hostile_nodes_change_nothing(b: Backend) {
     a.shutdown().await;
 }
 
+/// A store whose `key_ids` panics once (a bug in a sweep pass).
+struct PanicsOnce {
+    inner: EmbeddedStore,
+    panicked: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl Store for PanicsOnce {
+    fn kind(&self) -> &'static str {
+        "embedded"
+    }
+    async fn ping(&self) -> Result<(), tenantgate_central::store::StoreError> {
+        self.inner.ping().await
+    }
+    async fn update_session(
+        &self,
+        node: &str,
+        f: &mut tenantgate_central::store::SessionUpdate<'_>,
+    ) -> Result<u64, tenantgate_central::store::StoreError> {
+        self.inner.update_session(node, f).await
+    }
+    async fn update_keys(
+        &self,
+        ids: &[tenantgate_central::alloc::KeyId],
+        f: &mut tenantgate_central::store::KeyUpdate<'_>,
+    ) -> Result<(), tenantgate_central::store::StoreError> {
+        self.inner.update_keys(ids, f).await
+    }
+    async fn key_ids(&self) -> Result<Vec<tenantgate_central::alloc::KeyId>, tenantgate_central::store::StoreError> {
+        if !self.panicked.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            panic!("a bug in a sweep pass");
+        }
+        self.inner.key_ids().await
+    }
+    async fn key_count(&self) -> Result<u64, tenantgate_central::store::StoreError> {
+        self.inner.key_count().await
+    }
+    async fn session_count(&self) -> Result<u64, tenantgate_central::store::StoreError> {
+        self.inner.session_count().await
+    }
+}
+
+/// The reported hazard: a panic in the sweeper ended it for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweeper_survives_a_panicking_pass() {
+    let policy = policy_file(POLICY_V1);
+    let store = Arc::new(PanicsOnce {
+        inner: EmbeddedStore::new(),
+        panicked: std::sync::atomic::AtomicBool::new(false),
+    });
+    let a = Instance::start(store, Arc::new(ManualClock::new(T0)), policy.path()).await;
+    wait_for("a failed pass, then a good one", || async {
+        a.metric("tenantgate_sweeps_total{result=\"error\"}").await.as_deref() == Some("1")
+            && a.metric("tenantgate_sweeps_total{result=\"ok\"}")
+                .await
+                .is_some_and(|v| v != "0")
+    })
+    .await;
+    a.lease(&request("n1", 1, 0, &[("t|api", "per-10s", 1)])).await;
+    a.shutdown().await;
+}
+
 // ---- each scenario against each store ---------------------------------------
 
 macro_rules! both_stores {

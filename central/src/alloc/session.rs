@@ -93,6 +93,17 @@ pub struct Session {
     pub held: BTreeSet<KeyId>,
 }
 
+/// A session as format 1 (bincode) stored it, before `boot`.
+#[derive(Serialize, Deserialize)]
+struct SessionV1 {
+    region: String,
+    last_seq: u64,
+    base: u64,
+    counted: BTreeMap<KeyId, Tally>,
+    heard_at: Option<u64>,
+    held: BTreeSet<KeyId>,
+}
+
 /// [`Counts`] as a session stores them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 struct Tally {
@@ -112,6 +123,37 @@ impl Session {
             heard_at: None,
             held: BTreeSet::new(),
         }
+    }
+
+    /// Reads a session that format 1 of the stores wrote (bincode, no
+    /// `boot`: the node's session of no boot).
+    pub fn from_v1_bincode(bytes: &[u8]) -> Result<Session, String> {
+        let v1: SessionV1 = bincode::deserialize(bytes).map_err(|e| e.to_string())?;
+        Ok(Session {
+            region: v1.region,
+            boot: 0,
+            last_seq: v1.last_seq,
+            base: v1.base,
+            counted: v1.counted,
+            heard_at: v1.heard_at,
+            held: v1.held,
+        })
+    }
+
+    /// A format-1 record of this session (tests of the read path).
+    #[doc(hidden)]
+    pub fn v1_bincode_for_tests(&self) -> Vec<u8> {
+        let v1 = SessionV1 {
+            region: self.region.clone(),
+            last_seq: self.last_seq,
+            base: self.base,
+            counted: self.counted.clone(),
+            heard_at: self.heard_at,
+            held: self.held.clone(),
+        };
+        let mut out = vec![1u8];
+        out.extend(bincode::serialize(&v1).unwrap_or_default());
+        out
     }
 
     /// How `req`'s `seq` stands (service clock `now`).

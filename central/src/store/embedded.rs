@@ -132,3 +132,60 @@ fn run_update(f: impl FnOnce() -> bool) -> Option<bool> {
 fn panicked(record: &str) -> StoreError {
     StoreError::Refused(format!("the update of record {record} failed (a bug); the record is unchanged"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::GlobalLimit;
+
+    /// The reported hazard: a panic during an update left a placeholder in
+    /// place of the record (reservations and debts forgotten).
+    #[tokio::test]
+    async fn a_panicking_update_leaves_the_record_as_it_was() {
+        let store = EmbeddedStore::new();
+        let id: KeyId = ("t|api".into(), "per-min".into());
+        let limit = GlobalLimit {
+            limit: 100,
+            window_ns: 60_000_000_000,
+            burst: 40,
+        };
+        store
+            .update_keys(std::slice::from_ref(&id), &mut |_, slot| {
+                *slot = Some(KeyState::new(limit, 5));
+                true
+            })
+            .await
+            .unwrap();
+        let before = store.key(&id).await.unwrap().unwrap().view();
+        let err = store
+            .update_keys(std::slice::from_ref(&id), &mut |_, slot| {
+                if let Some(ks) = slot.as_mut() {
+                    ks.retarget(
+                        GlobalLimit {
+                            limit: 1,
+                            window_ns: 1,
+                            burst: 1,
+                        },
+                        9,
+                    );
+                }
+                panic!("a bug in the middle of an update");
+            })
+            .await
+            .unwrap_err();
+        assert!(matches!(err, StoreError::Refused(_)), "{err}");
+        let after = store.key(&id).await.unwrap().unwrap();
+        assert_eq!(after.view(), before);
+        assert_eq!(after.limit(), limit);
+
+        let err = store
+            .update_session("n1", &mut |slot| {
+                *slot = Some(Session::new("eu"));
+                panic!("a bug");
+            })
+            .await
+            .unwrap_err();
+        assert!(matches!(err, StoreError::Refused(_)), "{err}");
+        assert_eq!(store.session_count().await.unwrap(), 0);
+    }
+}
