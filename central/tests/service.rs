@@ -113,7 +113,7 @@ impl Instance {
     }
 
     async fn start_with(service: Service, policy: &Path) -> Instance {
-        Instance::start_on(service, policy, None).await
+        Instance::start_on(service, policy, None, Auth::default()).await
     }
 
     /// On a runtime of its own, with two worker threads.
@@ -123,10 +123,10 @@ impl Instance {
             .enable_all()
             .build()
             .unwrap();
-        Instance::start_on(service, policy, Some(Isolated(Some(rt)))).await
+        Instance::start_on(service, policy, Some(Isolated(Some(rt))), Auth::default()).await
     }
 
-    async fn start_on(service: Service, policy: &Path, runtime: Option<Isolated>) -> Instance {
+    async fn start_on(service: Service, policy: &Path, runtime: Option<Isolated>, auth: Auth) -> Instance {
         let service = Arc::new(service);
         let sync = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -138,7 +138,7 @@ impl Instance {
             admin: admin_addr,
             policy: policy.to_owned(),
             policy_poll: Duration::from_millis(20),
-            auth: Auth::default(),
+            auth,
         };
         let serving = serve_on(service.clone(), Listeners { sync, admin }, opts, async {
             let _ = rx.await;
@@ -807,6 +807,133 @@ async fn the_sweeper_survives_a_panicking_pass() {
     a.shutdown().await;
 }
 
+// ---- mTLS ---------------------------------------------------------------------
+
+/// One HTTPS request with (or without) a client certificate; `Err` when
+/// the TLS handshake or the connection fails.
+async fn https(addr: SocketAddr, ca: &Path, client: Option<(&Path, &Path)>, body: &str) -> Result<(u16, String), String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+    let config = match client {
+        Some((cert, key)) => {
+            let certs: Vec<CertificateDer<'static>> =
+                CertificateDer::pem_file_iter(cert).unwrap().map(|c| c.unwrap()).collect();
+            builder
+                .with_client_auth_cert(certs, PrivateKeyDer::from_pem_file(key).unwrap())
+                .unwrap()
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let name = ServerName::try_from("localhost").unwrap();
+    let mut tls = tokio::time::timeout(Duration::from_secs(5), connector.connect(name, tcp))
+        .await
+        .map_err(|_| "handshake timed out".to_owned())?
+        .map_err(|e| format!("handshake: {e}"))?;
+    let req = format!(
+        "POST /v1/sync HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    tls.write_all(req.as_bytes()).await.map_err(|e| format!("write: {e}"))?;
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut out))
+        .await
+        .map_err(|_| "no answer".to_owned())?
+        .map_err(|e| format!("read: {e}"))?;
+    let text = String::from_utf8_lossy(&out);
+    let (head, body) = text.split_once("\r\n\r\n").ok_or_else(|| format!("no answer: {text}"))?;
+    let status = head.split(' ').nth(1).and_then(|c| c.parse().ok()).ok_or("no status")?;
+    Ok((status, body.to_owned()))
+}
+
+/// The sync listener with mTLS, certificates from `tenantgate certs`: a
+/// node with its certificate syncs; the same certificate with another
+/// node's id or region is refused and counted; no certificate, or one from
+/// another CA, fails the handshake; plain HTTP gets nothing.
+async fn mtls_binds_nodes_to_their_certificates(b: Backend) {
+    use tenantgate_central::service::tls;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    tls::init_ca(d, &["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();
+    tls::issue_node(d, "tenantgate.local", "envoy-1", Some("eu")).unwrap();
+    let other_ca = tempfile::tempdir().unwrap();
+    tls::init_ca(other_ca.path(), &["localhost".to_owned()]).unwrap();
+    tls::issue_node(other_ca.path(), "tenantgate.local", "envoy-1", Some("eu")).unwrap();
+
+    let policy = policy_file(POLICY_V1);
+    let clock = Arc::new(ManualClock::new(T0));
+    let auth = Auth {
+        tls: Some(tls::TlsFiles {
+            cert: d.join("service.pem"),
+            key: d.join("service.key"),
+            client_ca: d.join("ca.pem"),
+        }),
+        insecure: false,
+    };
+    let service = Service::new(b.store(), clock, Settings::default());
+    let a = Instance::start_on(service, policy.path(), None, auth).await;
+    let ca = d.join("ca.pem");
+    let cert = (d.join("envoy-1.pem"), d.join("envoy-1.key"));
+    let mine = (cert.0.as_path(), cert.1.as_path());
+    let mut req = request("envoy-1", 1, 0, &[("t|api", "per-10s", 1)]);
+    req.region = "eu".into();
+    let (status, body) = https(a.addr, &ca, Some(mine), &req.to_json()).await.unwrap();
+    assert_eq!(status, 200, "{body}");
+
+    let mut other = request("envoy-2", 1, 0, &[("t|api", "per-10s", 1)]);
+    other.region = "eu".into();
+    let (status, body) = https(a.addr, &ca, Some(mine), &other.to_json()).await.unwrap();
+    assert_eq!(status, 403, "{body}");
+    let mut elsewhere = request("envoy-1", 2, 1, &[("t|api", "per-10s", 1)]);
+    elsewhere.region = "us".into();
+    let (status, body) = https(a.addr, &ca, Some(mine), &elsewhere.to_json()).await.unwrap();
+    assert_eq!(status, 403, "{body}");
+    assert_eq!(
+        a.metric("tenantgate_sync_requests_total{result=\"forbidden\"}").await.as_deref(),
+        Some("2")
+    );
+    // No session was made for the node named in the forged report.
+    assert_eq!(b.store().session_count().await.unwrap(), 1);
+
+    assert!(https(a.addr, &ca, None, &req.to_json()).await.is_err());
+    let foreign = (other_ca.path().join("envoy-1.pem"), other_ca.path().join("envoy-1.key"));
+    assert!(https(a.addr, &ca, Some((&foreign.0, &foreign.1)), &req.to_json()).await.is_err());
+    let plain = tenantgate_central::testing::http(a.addr, "POST", "/v1/sync", &req.to_json()).await;
+    assert!(plain.is_err() || plain.as_ref().is_ok_and(|(s, _)| *s != 200), "{plain:?}");
+    // And the node still syncs after all that.
+    let mut next = request("envoy-1", 3, 1, &[("t|api", "per-10s", 1)]);
+    next.region = "eu".into();
+    assert_eq!(https(a.addr, &ca, Some(mine), &next.to_json()).await.unwrap().0, 200);
+    a.shutdown().await;
+}
+
+/// Safe by default: beyond loopback, no authentication means no start.
+#[test]
+fn an_unauthenticated_sync_api_beyond_loopback_refuses_to_start() {
+    use tenantgate_central::service::check_exposure;
+    let open: SocketAddr = "0.0.0.0:10002".parse().unwrap();
+    let e = check_exposure(open, &Auth::default()).unwrap_err();
+    assert!(e.contains("--tls-cert") && e.contains("--insecure"), "{e}");
+    assert!(check_exposure("127.0.0.1:10002".parse().unwrap(), &Auth::default()).is_ok());
+    assert!(check_exposure("[::1]:10002".parse().unwrap(), &Auth::default()).is_ok());
+    let insecure = Auth {
+        insecure: true,
+        ..Auth::default()
+    };
+    assert!(check_exposure(open, &insecure).is_ok());
+}
+
 // ---- each scenario against each store ---------------------------------------
 
 macro_rules! both_stores {
@@ -838,4 +965,5 @@ both_stores!(
     health_ready_and_metrics,
     overflowing_counts_do_not_panic_the_allocator,
     hostile_nodes_change_nothing,
+    mtls_binds_nodes_to_their_certificates,
 );
