@@ -17,7 +17,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tenantgate::sync::{Report, SyncRequest, PROTOCOL_VERSION};
-use tenantgate_central::service::{policy, serve_on, Auth, Listeners, ManualClock, ServeOptions, Service, Settings};
+use tenantgate_central::service::{
+    policy, serve_on, Auth, Listeners, ManualClock, ServeOptions, Service, Settings,
+};
 use tenantgate_central::store::{EmbeddedStore, RedisStore, Store};
 use tenantgate_central::testing::RedisServer;
 

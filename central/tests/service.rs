@@ -524,6 +524,7 @@ async fn overflowing_counts_do_not_panic_the_allocator(b: Backend) {
     let policy = policy_file(POLICY_V1);
     let clock = Arc::new(ManualClock::new(T0));
     let a = Instance::start(b.store(), clock.clone(), policy.path()).await;
+    wait_for("ready", || async { a.get("/readyz").await.0 == 200 }).await;
     let mut req = request("n1", 1, 0, &[("t|api", "per-10s", u64::MAX)]);
     req.reports[0].unleased = u64::MAX;
     a.service.sync(&req).await.unwrap();
@@ -548,7 +549,12 @@ fn percentile(mut samples: Vec<Duration>, pct: usize) -> Duration {
 }
 
 /// An honest node's sync latencies: `n` requests, one at a time.
-async fn honest_latencies(a: &Instance, node: &str, seq: &mut u64, n: usize) -> (Vec<Duration>, SyncResponse) {
+async fn honest_latencies(
+    a: &Instance,
+    node: &str,
+    seq: &mut u64,
+    n: usize,
+) -> (Vec<Duration>, SyncResponse) {
     let mut out = Vec::with_capacity(n);
     let mut last = None;
     for _ in 0..n {
@@ -631,7 +637,9 @@ async fn hostile_nodes_change_nothing(b: Backend) {
     let a = Instance::start_isolated(service, policy.path()).await;
     let id = ("honest|api".to_owned(), "per-10s".to_owned());
     let mut seq = 1;
-    let first = a.lease(&request("honest", seq, 0, &[("honest|api", "per-10s", 3)])).await;
+    let first = a
+        .lease(&request("honest", seq, 0, &[("honest|api", "per-10s", 3)]))
+        .await;
     assert_eq!(first.leases.len(), 1);
     honest_latencies(&a, "honest", &mut seq, 20).await;
     let view_before = b.store().key(&id).await.unwrap().unwrap().view();
@@ -659,32 +667,100 @@ async fn hostile_nodes_change_nothing(b: Backend) {
     to_the_end.acked_seq = seq;
     let attacks: Vec<(&str, String, u16)> = vec![
         ("overflowing counts", overflow.to_json(), 400),
-        ("an 8 MiB body", format!("{{\"pad\":\"{}\"}}", "x".repeat(8 << 20)), 413),
+        (
+            "an 8 MiB body",
+            format!("{{\"pad\":\"{}\"}}", "x".repeat(8 << 20)),
+            413,
+        ),
         ("50,000 reports", request("mallory", 7, 0, &many).to_json(), 413),
-        ("4,097 reports (within the body limit)", request("mallory", 7, 0, &fits).to_json(), 400),
+        (
+            "4,097 reports (within the body limit)",
+            request("mallory", 7, 0, &fits).to_json(),
+            400,
+        ),
         ("not JSON", "{nope".into(), 400),
         ("JSON null", "null".into(), 400),
         ("an array", "[]".into(), 400),
         ("an empty object", "{}".into(), 400),
-        ("a missing field", with(&|v| {
-            v.as_object_mut().unwrap().remove("seq");
-        }), 400),
-        ("reports not a list", with(&|v| v["reports"] = serde_json::json!({"a": 1})), 400),
-        ("a report not an object", with(&|v| v["reports"] = serde_json::json!([1])), 400),
-        ("a key of the wrong type", with(&|v| v["reports"][0]["key"] = serde_json::json!(12)), 400),
-        ("a negative count", with(&|v| v["reports"][0]["consumed"] = serde_json::json!(-1)), 400),
-        ("a fractional count", with(&|v| v["reports"][0]["demand"] = serde_json::json!(1.5)), 400),
-        ("a count as a string", with(&|v| v["reports"][0]["consumed"] = serde_json::json!("5")), 400),
-        ("a count past u64", with(&|v| v["reports"][0]["consumed"] = serde_json::json!(1e30)), 400),
+        (
+            "a missing field",
+            with(&|v| {
+                v.as_object_mut().unwrap().remove("seq");
+            }),
+            400,
+        ),
+        (
+            "reports not a list",
+            with(&|v| v["reports"] = serde_json::json!({"a": 1})),
+            400,
+        ),
+        (
+            "a report not an object",
+            with(&|v| v["reports"] = serde_json::json!([1])),
+            400,
+        ),
+        (
+            "a key of the wrong type",
+            with(&|v| v["reports"][0]["key"] = serde_json::json!(12)),
+            400,
+        ),
+        (
+            "a negative count",
+            with(&|v| v["reports"][0]["consumed"] = serde_json::json!(-1)),
+            400,
+        ),
+        (
+            "a fractional count",
+            with(&|v| v["reports"][0]["demand"] = serde_json::json!(1.5)),
+            400,
+        ),
+        (
+            "a count as a string",
+            with(&|v| v["reports"][0]["consumed"] = serde_json::json!("5")),
+            400,
+        ),
+        (
+            "a count past u64",
+            with(&|v| v["reports"][0]["consumed"] = serde_json::json!(1e30)),
+            400,
+        ),
         ("a negative seq", with(&|v| v["seq"] = serde_json::json!(-5)), 400),
-        ("a node id of the wrong type", with(&|v| v["node_id"] = serde_json::json!(["x"])), 400),
-        ("an empty node id", with(&|v| v["node_id"] = serde_json::json!("")), 400),
-        ("a 1 KiB node id", with(&|v| v["node_id"] = serde_json::json!("n".repeat(1024))), 400),
-        ("a 1 KiB key", with(&|v| v["reports"][0]["key"] = serde_json::json!("k".repeat(1024))), 400),
-        ("unleased above consumed", with(&|v| v["reports"][0]["unleased"] = serde_json::json!(2)), 400),
-        ("another protocol version", with(&|v| v["version"] = serde_json::json!(9)), 400),
+        (
+            "a node id of the wrong type",
+            with(&|v| v["node_id"] = serde_json::json!(["x"])),
+            400,
+        ),
+        (
+            "an empty node id",
+            with(&|v| v["node_id"] = serde_json::json!("")),
+            400,
+        ),
+        (
+            "a 1 KiB node id",
+            with(&|v| v["node_id"] = serde_json::json!("n".repeat(1024))),
+            400,
+        ),
+        (
+            "a 1 KiB key",
+            with(&|v| v["reports"][0]["key"] = serde_json::json!("k".repeat(1024))),
+            400,
+        ),
+        (
+            "unleased above consumed",
+            with(&|v| v["reports"][0]["unleased"] = serde_json::json!(2)),
+            400,
+        ),
+        (
+            "another protocol version",
+            with(&|v| v["version"] = serde_json::json!(9)),
+            400,
+        ),
         ("a seq jump in the honest node's name", jump.to_json(), 400),
-        ("seq u64::MAX in the honest node's name", to_the_end.to_json(), 400),
+        (
+            "seq u64::MAX in the honest node's name",
+            to_the_end.to_json(),
+            400,
+        ),
     ];
     for (what, body, status) in &attacks {
         let (got, answer) = http(a.addr, "POST", "/v1/sync", body).await;
@@ -700,9 +776,14 @@ async fn hostile_nodes_change_nothing(b: Backend) {
         .sync_json(req("honest", seq + 1).to_json().into(), Some(forged))
         .await
         .unwrap_err();
-    assert!(matches!(e, tenantgate_central::service::SyncError::Forbidden(_)), "{e}");
+    assert!(
+        matches!(e, tenantgate_central::service::SyncError::Forbidden(_)),
+        "{e}"
+    );
     assert_eq!(
-        a.metric("tenantgate_sync_requests_total{result=\"forbidden\"}").await.as_deref(),
+        a.metric("tenantgate_sync_requests_total{result=\"forbidden\"}")
+            .await
+            .as_deref(),
         Some("1")
     );
     // Nothing changed.
@@ -728,7 +809,11 @@ async fn hostile_nodes_change_nothing(b: Backend) {
         "honest sync p99: same load from known nodes {base_p99:?}, during the sybil flood {during_p99:?} ({} samples); sybils refused {refused}",
         during.len()
     );
-    assert!(during.len() >= 100, "only {} honest samples during the flood", during.len());
+    assert!(
+        during.len() >= 100,
+        "only {} honest samples during the flood",
+        during.len()
+    );
     // The cap is checked against the count as last seen: requests in
     // flight together (the flood's and the honest node's) may pass it by a
     // few each.
@@ -773,7 +858,9 @@ impl Store for PanicsOnce {
     ) -> Result<(), tenantgate_central::store::StoreError> {
         self.inner.update_keys(ids, f).await
     }
-    async fn key_ids(&self) -> Result<Vec<tenantgate_central::alloc::KeyId>, tenantgate_central::store::StoreError> {
+    async fn key_ids(
+        &self,
+    ) -> Result<Vec<tenantgate_central::alloc::KeyId>, tenantgate_central::store::StoreError> {
         if !self.panicked.swap(true, std::sync::atomic::Ordering::SeqCst) {
             panic!("a bug in a sweep pass");
         }
@@ -784,6 +871,9 @@ impl Store for PanicsOnce {
     }
     async fn session_count(&self) -> Result<u64, tenantgate_central::store::StoreError> {
         self.inner.session_count().await
+    }
+    async fn session_ids(&self) -> Result<Vec<String>, tenantgate_central::store::StoreError> {
+        self.inner.session_ids().await
     }
 }
 
@@ -797,7 +887,10 @@ async fn the_sweeper_survives_a_panicking_pass() {
     });
     let a = Instance::start(store, Arc::new(ManualClock::new(T0)), policy.path()).await;
     wait_for("a failed pass, then a good one", || async {
-        a.metric("tenantgate_sweeps_total{result=\"error\"}").await.as_deref() == Some("1")
+        a.metric("tenantgate_sweeps_total{result=\"error\"}")
+            .await
+            .as_deref()
+            == Some("1")
             && a.metric("tenantgate_sweeps_total{result=\"ok\"}")
                 .await
                 .is_some_and(|v| v != "0")
@@ -807,11 +900,82 @@ async fn the_sweeper_survives_a_panicking_pass() {
     a.shutdown().await;
 }
 
+/// Bounded state: a new (key, limit) beyond the cap gets no lease and is
+/// counted; records and sessions expire after inactivity (the gauges
+/// follow), and a node back after that starts afresh.
+async fn state_is_capped_and_expires(b: Backend) {
+    let policy = policy_file(POLICY_V1);
+    let clock = Arc::new(ManualClock::new(T0));
+    let service = Service::with_limits(
+        b.store(),
+        clock.clone(),
+        Settings::default(),
+        IntakeLimits::default(),
+        StateLimits {
+            max_keys: 3,
+            ..StateLimits::default()
+        },
+    );
+    let a = Instance::start_with(service, policy.path()).await;
+    let three = [
+        ("a|api", "per-10s", 1),
+        ("b|api", "per-10s", 1),
+        ("c|api", "per-10s", 1),
+    ];
+    assert_eq!(a.lease(&request("n1", 1, 0, &three)).await.leases.len(), 3);
+    a.service.sweep().await.unwrap();
+    clock.advance(Duration::from_secs(1));
+    let four = [three[0], three[1], three[2], ("d|api", "per-10s", 1)];
+    let resp = a.lease(&request("n1", 2, 1, &four)).await;
+    assert_eq!(resp.leases.len(), 3, "{resp:?}");
+    assert!(resp.leases.iter().all(|l| l.key != "d|api"));
+    assert_eq!(
+        a.metric("tenantgate_keys_refused_total").await.as_deref(),
+        Some("1")
+    );
+    assert_eq!(a.metric("tenantgate_keys ").await.as_deref(), Some("3"));
+    assert_eq!(a.metric("tenantgate_sessions ").await.as_deref(), Some("1"));
+
+    // Past every lease, write-off and local fallback, and the session idle
+    // time: nothing is left once the buckets refilled (the write-offs of
+    // the last pass are refilled at the limit's rate: 150 of 200 here,
+    // 100 per interval).
+    clock.advance(Duration::from_secs(1_000));
+    for _ in 0..4 {
+        a.service.sweep().await.unwrap();
+        clock.advance(Duration::from_secs(1));
+    }
+    assert_eq!(b.store().key_count().await.unwrap(), 0);
+    assert_eq!(b.store().session_count().await.unwrap(), 0);
+    assert_eq!(
+        a.metric("tenantgate_expired_total{record=\"key\"}")
+            .await
+            .as_deref(),
+        Some("3")
+    );
+    assert_eq!(
+        a.metric("tenantgate_expired_total{record=\"session\"}")
+            .await
+            .as_deref(),
+        Some("1")
+    );
+    // Back: a new session and fresh records (the cap counts as last seen:
+    // none, so all four this time).
+    let resp = a.lease(&request("n1", 3, 2, &four)).await;
+    assert_eq!(resp.leases.len(), 4, "{resp:?}");
+    a.shutdown().await;
+}
+
 // ---- mTLS ---------------------------------------------------------------------
 
 /// One HTTPS request with (or without) a client certificate; `Err` when
 /// the TLS handshake or the connection fails.
-async fn https(addr: SocketAddr, ca: &Path, client: Option<(&Path, &Path)>, body: &str) -> Result<(u16, String), String> {
+async fn https(
+    addr: SocketAddr,
+    ca: &Path,
+    client: Option<(&Path, &Path)>,
+    body: &str,
+) -> Result<(u16, String), String> {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -826,8 +990,10 @@ async fn https(addr: SocketAddr, ca: &Path, client: Option<(&Path, &Path)>, body
         .with_root_certificates(roots);
     let config = match client {
         Some((cert, key)) => {
-            let certs: Vec<CertificateDer<'static>> =
-                CertificateDer::pem_file_iter(cert).unwrap().map(|c| c.unwrap()).collect();
+            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+                .unwrap()
+                .map(|c| c.unwrap())
+                .collect();
             builder
                 .with_client_auth_cert(certs, PrivateKeyDer::from_pem_file(key).unwrap())
                 .unwrap()
@@ -835,7 +1001,9 @@ async fn https(addr: SocketAddr, ca: &Path, client: Option<(&Path, &Path)>, body
         None => builder.with_no_client_auth(),
     };
     let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
-    let tcp = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
     let name = ServerName::try_from("localhost").unwrap();
     let mut tls = tokio::time::timeout(Duration::from_secs(5), connector.connect(name, tcp))
         .await
@@ -845,15 +1013,23 @@ async fn https(addr: SocketAddr, ca: &Path, client: Option<(&Path, &Path)>, body
         "POST /v1/sync HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     );
-    tls.write_all(req.as_bytes()).await.map_err(|e| format!("write: {e}"))?;
+    tls.write_all(req.as_bytes())
+        .await
+        .map_err(|e| format!("write: {e}"))?;
     let mut out = Vec::new();
     tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut out))
         .await
         .map_err(|_| "no answer".to_owned())?
         .map_err(|e| format!("read: {e}"))?;
     let text = String::from_utf8_lossy(&out);
-    let (head, body) = text.split_once("\r\n\r\n").ok_or_else(|| format!("no answer: {text}"))?;
-    let status = head.split(' ').nth(1).and_then(|c| c.parse().ok()).ok_or("no status")?;
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| format!("no answer: {text}"))?;
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or("no status")?;
     Ok((status, body.to_owned()))
 }
 
@@ -897,24 +1073,39 @@ async fn mtls_binds_nodes_to_their_certificates(b: Backend) {
     assert_eq!(status, 403, "{body}");
     let mut elsewhere = request("envoy-1", 2, 1, &[("t|api", "per-10s", 1)]);
     elsewhere.region = "us".into();
-    let (status, body) = https(a.addr, &ca, Some(mine), &elsewhere.to_json()).await.unwrap();
+    let (status, body) = https(a.addr, &ca, Some(mine), &elsewhere.to_json())
+        .await
+        .unwrap();
     assert_eq!(status, 403, "{body}");
     assert_eq!(
-        a.metric("tenantgate_sync_requests_total{result=\"forbidden\"}").await.as_deref(),
+        a.metric("tenantgate_sync_requests_total{result=\"forbidden\"}")
+            .await
+            .as_deref(),
         Some("2")
     );
     // No session was made for the node named in the forged report.
     assert_eq!(b.store().session_count().await.unwrap(), 1);
 
     assert!(https(a.addr, &ca, None, &req.to_json()).await.is_err());
-    let foreign = (other_ca.path().join("envoy-1.pem"), other_ca.path().join("envoy-1.key"));
-    assert!(https(a.addr, &ca, Some((&foreign.0, &foreign.1)), &req.to_json()).await.is_err());
+    let foreign = (
+        other_ca.path().join("envoy-1.pem"),
+        other_ca.path().join("envoy-1.key"),
+    );
+    assert!(https(a.addr, &ca, Some((&foreign.0, &foreign.1)), &req.to_json())
+        .await
+        .is_err());
     let plain = tenantgate_central::testing::http(a.addr, "POST", "/v1/sync", &req.to_json()).await;
-    assert!(plain.is_err() || plain.as_ref().is_ok_and(|(s, _)| *s != 200), "{plain:?}");
+    assert!(
+        plain.is_err() || plain.as_ref().is_ok_and(|(s, _)| *s != 200),
+        "{plain:?}"
+    );
     // And the node still syncs after all that.
     let mut next = request("envoy-1", 3, 1, &[("t|api", "per-10s", 1)]);
     next.region = "eu".into();
-    assert_eq!(https(a.addr, &ca, Some(mine), &next.to_json()).await.unwrap().0, 200);
+    assert_eq!(
+        https(a.addr, &ca, Some(mine), &next.to_json()).await.unwrap().0,
+        200
+    );
     a.shutdown().await;
 }
 
@@ -966,4 +1157,5 @@ both_stores!(
     overflowing_counts_do_not_panic_the_allocator,
     hostile_nodes_change_nothing,
     mtls_binds_nodes_to_their_certificates,
+    state_is_capped_and_expires,
 );

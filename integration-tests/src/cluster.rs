@@ -28,7 +28,14 @@ impl Serve {
     }
 
     /// [`Serve::start`] with extra `tenantgate serve` arguments.
-    pub fn start_with(policy: &Path, store: &str, interval_ms: u64, port: u16, log: &Path, extra: &[String]) -> Serve {
+    pub fn start_with(
+        policy: &Path,
+        store: &str,
+        interval_ms: u64,
+        port: u16,
+        log: &Path,
+        extra: &[String],
+    ) -> Serve {
         let mut serve = Serve {
             child: None,
             port,

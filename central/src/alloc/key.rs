@@ -85,6 +85,16 @@ impl KeyState {
         }
     }
 
+    /// Nothing left that a fresh record would not have: no node, a full
+    /// bucket, no debt. The service may then drop the record (a new one
+    /// starts exactly like this).
+    pub fn is_idle(&self) -> bool {
+        self.nodes.is_empty()
+            && self.owed == 0
+            && self.bucket >= self.limit.burst
+            && self.regions.values().all(|r| r.debt == 0)
+    }
+
     pub fn holds(&self, node: &str) -> bool {
         self.nodes.contains_key(node)
     }
@@ -120,7 +130,9 @@ impl KeyState {
     }
 
     fn reserved(&self) -> u64 {
-        self.nodes.values().fold(0u64, |sum, n| sum.saturating_add(n.reserve))
+        self.nodes
+            .values()
+            .fold(0u64, |sum, n| sum.saturating_add(n.reserve))
     }
 
     /// The flow of interval `k`: `r·I`, exact over consecutive intervals.
@@ -190,7 +202,9 @@ impl KeyState {
         self.nodes.retain(|_, nk| {
             nk.reserve > 0
                 || now < nk.granted_at.saturating_add(forget_after)
-                || now < nk.last_report_at.saturating_add(cfg.interval_ns.saturating_mul(3))
+                || now
+                    < nk.last_report_at
+                        .saturating_add(cfg.interval_ns.saturating_mul(3))
         });
 
         let k = now / cfg.interval_ns;

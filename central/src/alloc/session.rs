@@ -299,9 +299,15 @@ mod tests {
         };
         let mut s = Session::new("r");
         s.intake(&with_boot(1_000, 0, 5, 7), 1).unwrap();
-        assert_eq!(s.seq_check(&with_boot(1_000 + MAX_SEQ_STEP + 1, 1_000, 1, 7), 2), SeqCheck::Jump);
-        assert!(s.intake(&with_boot(1_000 + MAX_SEQ_STEP + 1, 1_000, 1, 7), 2).is_none());
-        s.intake(&with_boot(1_000 + MAX_SEQ_STEP, 1_000, 2, 7), 2).unwrap();
+        assert_eq!(
+            s.seq_check(&with_boot(1_000 + MAX_SEQ_STEP + 1, 1_000, 1, 7), 2),
+            SeqCheck::Jump
+        );
+        assert!(s
+            .intake(&with_boot(1_000 + MAX_SEQ_STEP + 1, 1_000, 1, 7), 2)
+            .is_none());
+        s.intake(&with_boot(1_000 + MAX_SEQ_STEP, 1_000, 2, 7), 2)
+            .unwrap();
         // Somebody pushes the session to the end in the node's name with
         // another boot: a session of its own...
         s.intake(&with_boot(u64::MAX, 0, 0, 99), 3).unwrap();

@@ -60,7 +60,11 @@ fn json(status: StatusCode, body: String) -> Response {
     (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
-async fn sync(State(service): State<Arc<Service>>, ConnectInfo(peer): ConnectInfo<Peer>, body: Bytes) -> Response {
+async fn sync(
+    State(service): State<Arc<Service>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: Bytes,
+) -> Response {
     match service.sync_json(body, peer.identity).await {
         Ok(resp) => json(StatusCode::OK, resp.to_json()),
         Err(e) => {

@@ -54,9 +54,8 @@ use tracing::{info, warn};
 use crate::alloc::{self, AllocConfig, KeyId, KeyState, SeqCheck, Session, Visit};
 use crate::store::{Store, StoreError};
 pub use http::{
-    DEFAULT_ADMIN, DEFAULT_LISTEN,
     admin_router, check_exposure, open_store, run, serve, serve_on, shutdown_signal, sync_router, Auth,
-    Listeners, ServeOptions,
+    Listeners, ServeOptions, DEFAULT_ADMIN, DEFAULT_LISTEN,
 };
 use metrics::{Metrics, Outcome};
 pub use policy::{PolicyLimits, Settings};
@@ -161,6 +160,8 @@ pub struct Service {
     /// The store's session and key counts as last seen (for the caps).
     sessions_seen: AtomicU64,
     keys_seen: AtomicU64,
+    /// When the sweep last expired sessions (service clock).
+    sessions_swept_at: AtomicU64,
 }
 
 impl Service {
@@ -197,6 +198,7 @@ impl Service {
             in_flight,
             sessions_seen: AtomicU64::new(0),
             keys_seen: AtomicU64::new(0),
+            sessions_swept_at: AtomicU64::new(0),
         }
     }
 
@@ -385,7 +387,8 @@ impl Service {
         let keys_full = self.keys_seen.load(Relaxed) >= self.state.max_keys;
         self.store
             .update_keys(&ids, &mut |i, slot| {
-                let (Some((id, delta)), Some(out), Some(capped)) = (plan.get(i), outcomes.get_mut(i), over_cap.get_mut(i))
+                let (Some((id, delta)), Some(out), Some(capped)) =
+                    (plan.get(i), outcomes.get_mut(i), over_cap.get_mut(i))
                 else {
                     return false;
                 };
@@ -430,27 +433,79 @@ impl Service {
         Ok(resp)
     }
 
-    /// Brings every key to the current interval (the timer's pass).
+    /// Brings every key to the current interval (the timer's pass), drops
+    /// the (key, limit) records that hold nothing a new one would not, and
+    /// (every tenth of the session idle time) the sessions idle past it.
+    /// Returns how many keys it visited.
     pub async fn sweep(&self) -> Result<u64, StoreError> {
         let Some(cfg) = self.config() else {
             return Ok(0);
         };
         let now = self.clock.now_ns();
         let ids = self.store.key_ids().await?;
+        let mut expired = 0u64;
         for chunk in ids.chunks(512) {
             self.store
                 .update_keys(chunk, &mut |_, slot: &mut Option<KeyState>| match slot {
                     Some(ks) => {
                         alloc::advance(&cfg, ks, now);
+                        if ks.is_idle() {
+                            *slot = None;
+                            expired += 1;
+                        }
                         true
                     }
                     None => false,
                 })
                 .await?;
         }
+        self.metrics.expired_keys.fetch_add(expired, Relaxed);
         self.metrics.sweeps.fetch_add(1, Relaxed);
-        self.keys_seen.store(ids.len() as u64, Relaxed);
+        self.keys_seen
+            .store((ids.len() as u64).saturating_sub(expired), Relaxed);
+        let idle = self.session_idle_ns(&cfg);
+        let due = self.sessions_swept_at.load(Relaxed).saturating_add(idle / 10);
+        if now >= due {
+            self.sessions_swept_at.store(now, Relaxed);
+            self.expire_sessions(now, idle).await?;
+        }
         Ok(ids.len() as u64)
+    }
+
+    /// The session idle time in force: at least a lease's life plus the
+    /// local fallback plus the settling time.
+    fn session_idle_ns(&self, cfg: &AllocConfig) -> u64 {
+        let floor = cfg
+            .lease_life_ns()
+            .saturating_add(cfg.local_max_ns)
+            .saturating_add(cfg.settle_ns);
+        self.state.session_idle_ns.max(floor)
+    }
+
+    async fn expire_sessions(&self, now: u64, idle: u64) -> Result<(), StoreError> {
+        let nodes = self.store.session_ids().await?;
+        let mut left = nodes.len() as u64;
+        for node in nodes {
+            let mut expired = false;
+            let count = self
+                .store
+                .update_session(&node, &mut |slot| {
+                    expired = slot
+                        .as_ref()
+                        .is_some_and(|s| s.heard_at.is_none_or(|h| now.saturating_sub(h) >= idle));
+                    if expired {
+                        *slot = None;
+                    }
+                    expired
+                })
+                .await?;
+            left = count;
+            if expired {
+                self.metrics.expired_sessions.fetch_add(1, Relaxed);
+            }
+        }
+        self.sessions_seen.store(left, Relaxed);
+        Ok(())
     }
 
     /// The interval the service tells nodes to sync at.

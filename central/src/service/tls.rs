@@ -110,11 +110,13 @@ pub fn server_config(files: &TlsFiles) -> std::io::Result<rustls::ServerConfig> 
             .add(ca)
             .map_err(|e| io_error(format!("{}: {e}", files.client_ca.display())))?;
     }
-    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-        .build()
-        .map_err(|e| io_error(format!("{}: {e}", files.client_ca.display())))?;
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+            .build()
+            .map_err(|e| io_error(format!("{}: {e}", files.client_ca.display())))?;
     let certs = read_certs(&files.cert)?;
-    let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|e| io_error(format!("{}: {e}", files.key.display())))?;
+    let key = PrivateKeyDer::from_pem_file(&files.key)
+        .map_err(|e| io_error(format!("{}: {e}", files.key.display())))?;
     let mut config = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .map_err(io_error)?
@@ -195,7 +197,11 @@ impl SyncListener {
     }
 }
 
-async fn accept_tls(listener: TcpListener, acceptor: tokio_rustls::TlsAcceptor, tx: mpsc::Sender<(Box<dyn Io>, Peer)>) {
+async fn accept_tls(
+    listener: TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+    tx: mpsc::Sender<(Box<dyn Io>, Peer)>,
+) {
     let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
     loop {
         if tx.is_closed() {
@@ -243,13 +249,7 @@ impl axum::serve::Listener for SyncListener {
             match &mut self.kind {
                 Kind::Plain(l) => {
                     let (tcp, addr) = axum::serve::Listener::accept(l).await;
-                    return (
-                        Box::new(tcp) as Box<dyn Io>,
-                        Peer {
-                            addr,
-                            identity: None,
-                        },
-                    );
+                    return (Box::new(tcp) as Box<dyn Io>, Peer { addr, identity: None });
                 }
                 Kind::Tls(rx) => match rx.recv().await {
                     Some(conn) => return conn,
@@ -316,9 +316,14 @@ fn load_ca(dir: &Path) -> Result<(rcgen::CertificateParams, rcgen::KeyPair), Str
 pub fn init_ca(dir: &Path, hosts: &[String]) -> Result<Issued, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let ca_key = rcgen::KeyPair::generate().map_err(rc)?;
-    let ca = ca_params("tenantgate local CA").self_signed(&ca_key).map_err(rc)?;
+    let ca = ca_params("tenantgate local CA")
+        .self_signed(&ca_key)
+        .map_err(rc)?;
     let mut files = Vec::new();
-    for (name, text, secret) in [("ca.pem", ca.pem(), false), ("ca.key", ca_key.serialize_pem(), true)] {
+    for (name, text, secret) in [
+        ("ca.pem", ca.pem(), false),
+        ("ca.key", ca_key.serialize_pem(), true),
+    ] {
         let path = dir.join(name);
         write(&path, &text, secret)?;
         files.push(path);
@@ -336,7 +341,9 @@ pub fn init_ca(dir: &Path, hosts: &[String]) -> Result<Issued, String> {
 /// `<node>.key`) naming `node` (and `region`), signed by the CA in `dir`.
 pub fn issue_node(dir: &Path, domain: &str, node: &str, region: Option<&str>) -> Result<Issued, String> {
     if node.is_empty() || node.contains('/') || region.is_some_and(|r| r.is_empty() || r.contains('/')) {
-        return Err(format!("node id {node:?} and region must be non-empty and have no '/'"));
+        return Err(format!(
+            "node id {node:?} and region must be non-empty and have no '/'"
+        ));
     }
     let mut p = rcgen::CertificateParams::default();
     p.distinguished_name.push(rcgen::DnType::CommonName, node);

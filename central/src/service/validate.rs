@@ -90,15 +90,33 @@ impl Default for IntakeLimits {
 pub const DEFAULT_MAX_SESSIONS: u64 = 100_000;
 pub const DEFAULT_MAX_KEYS: u64 = 2_000_000;
 
-/// How much state the service keeps. Beyond a cap, a new node (`503`,
+/// How long a node's session lives after its last applied request: longer
+/// than any lease and local fallback (`D + ttl + local_max + settle`,
+/// 313.5 s with the defaults), so a session never expires while anything it
+/// counted can still matter. Fifteen minutes.
+pub const DEFAULT_SESSION_IDLE_NS: u64 = 900 * 1_000_000_000;
+
+/// How much state the service keeps. Beyond a cap, a new node (`429`,
 /// counted) or a new (key, limit) (no lease, counted) is refused; what is
-/// already kept is served as before.
+/// already kept is served as before. The caps are checked against the
+/// counts as last seen, so requests in flight together may pass them by a
+/// few each.
+///
+/// Expiry (by the timer's sweep): a session after [`StateLimits::session_idle_ns`]
+/// with no applied request (a node back after that starts a new session,
+/// its counts taken whole); a (key, limit) record as soon as it holds
+/// nothing a new record would not (no node, whose entries go
+/// `D + ttl + max(settle, local_max)` after their last grant; a full bucket;
+/// no debt), which changes no answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StateLimits {
     /// The most node sessions.
     pub max_sessions: u64,
     /// The most (key, limit) records.
     pub max_keys: u64,
+    /// A session expires this long after its node's last applied request
+    /// (at least `D + ttl + local_max + settle`; raised to that if lower).
+    pub session_idle_ns: u64,
 }
 
 impl Default for StateLimits {
@@ -106,6 +124,7 @@ impl Default for StateLimits {
         StateLimits {
             max_sessions: DEFAULT_MAX_SESSIONS,
             max_keys: DEFAULT_MAX_KEYS,
+            session_idle_ns: DEFAULT_SESSION_IDLE_NS,
         }
     }
 }
@@ -283,14 +302,20 @@ mod tests {
         };
         assert!(check(&req(vec![report("t|a", 1)]), &limits, None).is_ok());
         let overflowing = req(vec![report("t|a", u64::MAX)]);
-        assert!(matches!(check(&overflowing, &limits, None), Err(Refusal::Invalid(_))));
+        assert!(matches!(
+            check(&overflowing, &limits, None),
+            Err(Refusal::Invalid(_))
+        ));
         let many = req((0..4097).map(|i| report(&format!("t{i}"), 1)).collect());
         assert!(matches!(check(&many, &limits, None), Err(Refusal::Invalid(_))));
         let long = req(vec![report(&"k".repeat(256), 1)]);
         assert!(matches!(check(&long, &limits, None), Err(Refusal::Invalid(_))));
         let mut elsewhere = req(vec![]);
         elsewhere.region = "us".into();
-        assert!(matches!(check(&elsewhere, &limits, None), Err(Refusal::Invalid(_))));
+        assert!(matches!(
+            check(&elsewhere, &limits, None),
+            Err(Refusal::Invalid(_))
+        ));
         let other = Identity {
             node_id: "n2".into(),
             region: None,

@@ -110,6 +110,16 @@ impl Store for EmbeddedStore {
         Ok(out)
     }
 
+    async fn session_ids(&self) -> Result<Vec<String>, StoreError> {
+        Ok(self
+            .sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .cloned()
+            .collect())
+    }
+
     async fn session_count(&self) -> Result<u64, StoreError> {
         Ok(self.sessions.lock().unwrap_or_else(|e| e.into_inner()).len() as u64)
     }
@@ -130,7 +140,9 @@ fn run_update(f: impl FnOnce() -> bool) -> Option<bool> {
 }
 
 fn panicked(record: &str) -> StoreError {
-    StoreError::Refused(format!("the update of record {record} failed (a bug); the record is unchanged"))
+    StoreError::Refused(format!(
+        "the update of record {record} failed (a bug); the record is unchanged"
+    ))
 }
 
 #[cfg(test)]

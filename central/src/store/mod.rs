@@ -31,7 +31,8 @@ use crate::alloc::{KeyId, KeyState, Session};
 pub use embedded::EmbeddedStore;
 
 /// Update functions: `FnMut(record) -> write?`. `None` in the slot: no
-/// record (yet); leaving `None` writes nothing.
+/// record (yet); leaving `None` writes nothing. Setting an existing record
+/// to `None` and returning `true` deletes it.
 pub type SessionUpdate<'a> = dyn FnMut(&mut Option<Session>) -> bool + Send + 'a;
 pub type KeyUpdate<'a> = dyn FnMut(usize, &mut Option<KeyState>) -> bool + Send + 'a;
 
@@ -93,6 +94,9 @@ pub trait Store: Send + Sync {
 
     /// How many nodes have a session.
     async fn session_count(&self) -> Result<u64, StoreError>;
+
+    /// Every node with a session.
+    async fn session_ids(&self) -> Result<Vec<String>, StoreError>;
 
     /// One (key, limit)'s record, as stored.
     async fn key(&self, id: &KeyId) -> Result<Option<KeyState>, StoreError> {
@@ -203,6 +207,9 @@ mod tests {
         assert_eq!(old.view(), ks.view());
         let new: KeyState = decode("k", &encode("k", &ks).unwrap()).unwrap();
         assert_eq!(new.view(), ks.view());
-        assert!(matches!(decode::<KeyState>("k", &[9, 1]), Err(StoreError::Corrupt { .. })));
+        assert!(matches!(
+            decode::<KeyState>("k", &[9, 1]),
+            Err(StoreError::Corrupt { .. })
+        ));
     }
 }
