@@ -65,6 +65,15 @@ async fn sync(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: Bytes,
 ) -> Response {
+    if peer.tls && peer.identity.is_none() {
+        let e =
+            SyncError::Forbidden("the client certificate names no node (see README, Security)".to_owned());
+        service
+            .metrics
+            .request(super::metrics::Outcome::Forbidden, Duration::ZERO);
+        let body = serde_json::json!({ "error": e.to_string(), "transient": false });
+        return json(StatusCode::FORBIDDEN, body.to_string());
+    }
     match service.sync_json(body, peer.identity).await {
         Ok(resp) => json(StatusCode::OK, resp.to_json()),
         Err(e) => {

@@ -61,7 +61,10 @@ pub struct TlsFiles {
 #[derive(Debug, Clone)]
 pub struct Peer {
     pub addr: SocketAddr,
-    /// The identity its certificate names (`None`: no TLS).
+    /// Whether it came over TLS (with a certificate the CA signed).
+    pub tls: bool,
+    /// The identity its certificate names (`None`: no TLS, or a
+    /// certificate that names no node, which is refused).
     pub identity: Option<Identity>,
 }
 
@@ -230,7 +233,11 @@ async fn accept_tls(
                         .peer_certificates()
                         .and_then(|c| c.first())
                         .and_then(|c| identity_of(c.as_ref()));
-                    let peer = Peer { addr, identity };
+                    let peer = Peer {
+                        addr,
+                        tls: true,
+                        identity,
+                    };
                     let _ = tx.send((Box::new(stream) as Box<dyn Io>, peer)).await;
                 }
                 Ok(Err(e)) => debug!(%addr, error = %e, "sync listener: TLS handshake refused"),
@@ -249,7 +256,14 @@ impl axum::serve::Listener for SyncListener {
             match &mut self.kind {
                 Kind::Plain(l) => {
                     let (tcp, addr) = axum::serve::Listener::accept(l).await;
-                    return (Box::new(tcp) as Box<dyn Io>, Peer { addr, identity: None });
+                    return (
+                        Box::new(tcp) as Box<dyn Io>,
+                        Peer {
+                            addr,
+                            tls: false,
+                            identity: None,
+                        },
+                    );
                 }
                 Kind::Tls(rx) => match rx.recv().await {
                     Some(conn) => return conn,
@@ -263,6 +277,7 @@ impl axum::serve::Listener for SyncListener {
     fn local_addr(&self) -> std::io::Result<Peer> {
         Ok(Peer {
             addr: self.local,
+            tls: matches!(self.kind, Kind::Tls(_)),
             identity: None,
         })
     }
@@ -388,6 +403,19 @@ mod tests {
         ] {
             assert_eq!(identity_of_uri(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn a_certificate_that_names_no_node_has_no_identity() {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut p = rcgen::CertificateParams::default();
+        p.distinguished_name = rcgen::DistinguishedName::new();
+        let cert = p.self_signed(&key).unwrap();
+        assert_eq!(identity_of(cert.der()), None);
+        let mut p = rcgen::CertificateParams::default();
+        p.distinguished_name.push(rcgen::DnType::CommonName, "envoy-7");
+        let cert = p.self_signed(&key).unwrap();
+        assert_eq!(identity_of(cert.der()).map(|i| i.node_id), Some("envoy-7".to_owned()));
     }
 
     #[test]
