@@ -48,6 +48,12 @@ pub const MAX_SEQ_STEP: u64 = 1 << 20;
 /// service's. Ten minutes.
 pub const MAX_SEQ_AHEAD_NS: u64 = 600 * 1_000_000_000;
 
+/// The most (key, limit)s a session remembers counts for since its base
+/// (four requests of the node's maximum size). Beyond, it forgets them and
+/// takes the next counts whole: an error toward admitting less, and a
+/// session that cannot grow without bound however a node reports.
+pub const MAX_COUNTED: usize = 4 * 4096;
+
 /// How a request's `seq` stands against its node's session.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SeqCheck {
@@ -190,7 +196,7 @@ impl Session {
             SeqCheck::Next => {}
         }
         let acked_last = self.last_seq != 0 && req.acked_seq == self.last_seq;
-        if acked_last || req.acked_seq != self.base {
+        if acked_last || req.acked_seq != self.base || self.counted.len() > MAX_COUNTED {
             self.base = req.acked_seq;
             self.counted.clear();
         }
@@ -318,6 +324,26 @@ mod tests {
         assert!(!i.acked_last);
         assert_eq!(s.seq_check(&with_boot(5, 0, 4, 8), 5), SeqCheck::Stale);
         assert_eq!(s.seq_check(&with_boot(6, 5, 4, 8), 5), SeqCheck::Next);
+    }
+
+    #[test]
+    fn a_session_never_remembers_more_than_its_bound() {
+        // A node that never acknowledges, with new keys in every request.
+        let mut s = Session::new("r");
+        for seq in 1..=10u64 {
+            let mut r = req(seq, 0, 1);
+            r.reports = (0..4096)
+                .map(|k| Report {
+                    key: format!("k{seq}-{k}"),
+                    limit: "l".into(),
+                    consumed: 1,
+                    unleased: 0,
+                    demand: 1,
+                })
+                .collect();
+            s.intake(&r, seq).unwrap();
+            assert!(s.counted.len() <= MAX_COUNTED + 4096, "{}", s.counted.len());
+        }
     }
 
     #[test]
