@@ -415,7 +415,10 @@ mod tests {
         let mut p = rcgen::CertificateParams::default();
         p.distinguished_name.push(rcgen::DnType::CommonName, "envoy-7");
         let cert = p.self_signed(&key).unwrap();
-        assert_eq!(identity_of(cert.der()).map(|i| i.node_id), Some("envoy-7".to_owned()));
+        assert_eq!(
+            identity_of(cert.der()).map(|i| i.node_id),
+            Some("envoy-7".to_owned())
+        );
     }
 
     #[test]
