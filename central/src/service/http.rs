@@ -187,9 +187,14 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     check_exposure(opts.listen, &opts.auth).map_err(std::io::Error::other)?;
+    let bind = |addr: SocketAddr| async move {
+        tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}")))
+    };
     let listeners = Listeners {
-        sync: tokio::net::TcpListener::bind(opts.listen).await?,
-        admin: tokio::net::TcpListener::bind(opts.admin).await?,
+        sync: bind(opts.listen).await?,
+        admin: bind(opts.admin).await?,
     };
     serve_on(service, listeners, opts, shutdown).await
 }
@@ -311,7 +316,6 @@ pub fn run(
         .with_target(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
-    check_exposure(opts.listen, &opts.auth)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -325,8 +329,6 @@ pub fn run(
             intake,
             state,
         ));
-        serve(service, opts, shutdown_signal())
-            .await
-            .map_err(|e| format!("cannot serve: {e}"))
+        serve(service, opts, shutdown_signal()).await.map_err(|e| e.to_string())
     })
 }
