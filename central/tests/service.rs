@@ -966,6 +966,113 @@ async fn state_is_capped_and_expires(b: Backend) {
     a.shutdown().await;
 }
 
+/// A store whose key updates take `delay` (a slow Redis).
+struct SlowKeys {
+    inner: EmbeddedStore,
+    delay: Duration,
+}
+
+#[async_trait::async_trait]
+impl Store for SlowKeys {
+    fn kind(&self) -> &'static str {
+        "embedded"
+    }
+    async fn ping(&self) -> Result<(), tenantgate_central::store::StoreError> {
+        self.inner.ping().await
+    }
+    async fn update_session(
+        &self,
+        node: &str,
+        f: &mut tenantgate_central::store::SessionUpdate<'_>,
+    ) -> Result<u64, tenantgate_central::store::StoreError> {
+        self.inner.update_session(node, f).await
+    }
+    async fn update_keys(
+        &self,
+        ids: &[tenantgate_central::alloc::KeyId],
+        f: &mut tenantgate_central::store::KeyUpdate<'_>,
+    ) -> Result<(), tenantgate_central::store::StoreError> {
+        tokio::time::sleep(self.delay).await;
+        self.inner.update_keys(ids, f).await
+    }
+    async fn key_ids(
+        &self,
+    ) -> Result<Vec<tenantgate_central::alloc::KeyId>, tenantgate_central::store::StoreError> {
+        self.inner.key_ids().await
+    }
+    async fn key_count(&self) -> Result<u64, tenantgate_central::store::StoreError> {
+        self.inner.key_count().await
+    }
+    async fn session_count(&self) -> Result<u64, tenantgate_central::store::StoreError> {
+        self.inner.session_count().await
+    }
+    async fn session_ids(&self) -> Result<Vec<String>, tenantgate_central::store::StoreError> {
+        self.inner.session_ids().await
+    }
+}
+
+/// The deadline answers 503 but never leaves a partial write: the
+/// request's steps run to their end, and the node's retry (same counts,
+/// same acknowledgement) counts nothing twice. Beyond the concurrency
+/// limit, a clear 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_deadline_never_leaves_a_partial_write_and_excess_load_gets_503() {
+    let policy = policy_file(POLICY_V1);
+    let store = Arc::new(SlowKeys {
+        inner: EmbeddedStore::new(),
+        delay: Duration::from_millis(400),
+    });
+    let clock = Arc::new(ManualClock::new(T0));
+    let service = Service::with_limits(
+        store.clone(),
+        clock.clone(),
+        Settings::default(),
+        IntakeLimits {
+            max_in_flight: 1,
+            ..IntakeLimits::default()
+        },
+        StateLimits::default(),
+    );
+    let a = Instance::start_with(service, policy.path()).await;
+    let id = ("t|api".to_owned(), "per-10s".to_owned());
+    let req = request("n1", 1, 0, &[("t|api", "per-10s", 5)]);
+    let started = Instant::now();
+    let (status, body) = a.sync(&req).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("no answer within"), "{body}");
+    assert!(started.elapsed() < Duration::from_millis(400));
+    // Its task still runs (and holds the only slot): another request is
+    // told to retry.
+    let (status, body) = a.sync(&request("n3", 1, 0, &[])).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("in progress"), "{body}");
+    // The timed-out request's writes finish anyway: counted once, whole.
+    let consumed = || async {
+        store
+            .key(&id)
+            .await
+            .unwrap()
+            .map_or(0, |k| k.view().stats.consumed)
+    };
+    wait_for("the timed-out request's writes", || async {
+        consumed().await == 5
+    })
+    .await;
+    // The node never got our answer to 1: its retry carries the same 5
+    // plus 2 more (and times out too); only the 2 are new.
+    let retry = request("n1", 2, 0, &[("t|api", "per-10s", 7)]);
+    wait_for("the retry taken (not refused as busy)", || async {
+        let (status, body) = a.sync(&retry).await;
+        assert_eq!(status, 503, "{body}");
+        !body.contains("in progress")
+    })
+    .await;
+    wait_for("the retry's writes", || async { consumed().await >= 7 }).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(consumed().await, 7);
+    a.shutdown().await;
+}
+
 // ---- mTLS ---------------------------------------------------------------------
 
 /// One HTTPS request with (or without) a client certificate; `Err` when
