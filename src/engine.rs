@@ -827,9 +827,12 @@ fn nth_from_right(xff: &[u8], n: u32) -> Option<IpAddr> {
 }
 
 /// The address as text, masked to its group (`203.0.113.0/24`,
-/// `2001:db8:1:2::/64`); a full-length prefix prints the bare address.
+/// `2001:db8:1:2::/64`); a full-length prefix prints the bare address. An
+/// IPv4-mapped IPv6 address (`::ffff:a.b.c.d`, how a dual-stack listener
+/// reports IPv4 clients) is grouped as the IPv4 address it is: masked as
+/// IPv6, every IPv4 client would share `::/64`.
 fn group(ip: IpAddr, v4_prefix: u8, v6_prefix: u8) -> String {
-    match ip {
+    match ip.to_canonical() {
         IpAddr::V4(v4) if v4_prefix >= 32 => v4.to_string(),
         IpAddr::V4(v4) => {
             let mask = u32::MAX.checked_shl(32 - u32::from(v4_prefix)).unwrap_or(0);

@@ -101,14 +101,16 @@ fn failing_callouts_never_trap(mode: SyncMode, interval_ms: u64, timeout_ms: u64
     let _ = statuses(&envoy, "/api/x", "cf-a", 5, Duration::from_millis(10));
     let interval = Duration::from_millis(interval_ms);
     let failed = || envoy.tg_stat("sync.failed") + envoy.tg_stat("sync.timeouts");
+    let seen = wait_for(interval * 20, || failed() >= 3 && server.requests().len() >= 3);
+    // A trapped VM makes no more callouts: say so first.
+    assert_no_trap(&envoy);
     assert!(
-        wait_for(interval * 20, || failed() >= 3 && server.requests().len() >= 3),
+        seen,
         "three failed callouts: failed+timeouts {}, stub saw {}",
         failed(),
         server.requests().len()
     );
     assert_eq!(envoy.tg_stat("sync.ok"), 0);
-    assert_no_trap(&envoy);
 
     let before = decisions(&envoy);
     let api = statuses(&envoy, "/api/x", "cf-a", 20, Duration::from_millis(10));
