@@ -652,7 +652,14 @@ fn apply<H: Host>(
                 .collect::<Vec<_>>(),
             SlotChoice::Free => slots.iter().copied().chain(core::iter::once(new_slot)).collect(),
         };
-        state::encode_entry(slots_out, scratch);
+        if !state::encode_entry(slots_out, scratch) {
+            // Records over what a slot holds: the policy refuses such plans.
+            return if out.denied {
+                out
+            } else {
+                Applied::failed(Reason::StateUnavailable, attempt)
+            };
+        }
         match host.shared_set(&target.key, scratch, target.cas) {
             Ok(CasResult::Written) => return out,
             // A denial's write is only a best-effort normalisation.
@@ -760,7 +767,9 @@ fn refund<H: Host>(
             .enumerate()
             .map(|(j, s)| if j == slot { new_slot } else { *s })
             .collect::<Vec<_>>();
-        state::encode_entry(out, scratch);
+        if !state::encode_entry(out, scratch) {
+            return false;
+        }
         match host.shared_set(&target.key, scratch, target.cas) {
             Ok(CasResult::Written) => return true,
             Ok(CasResult::Conflict) => continue,

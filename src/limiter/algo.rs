@@ -110,6 +110,18 @@ impl Algo {
         }
     }
 
+    /// The most bytes [`Algo::encode`] writes for any state of this limit.
+    pub fn max_state_len(&self) -> usize {
+        match self {
+            Algo::TokenBucket(_) => 8,
+            // Two varints.
+            Algo::FixedWindow(_) => 20,
+            Algo::SlidingWindowLog(a) => a.max_state_len(),
+            // A u64 and two varints.
+            Algo::SlidingWindowCounter(_) => 28,
+        }
+    }
+
     pub fn fresh(&self) -> State {
         match self {
             Algo::TokenBucket(_) => State::TokenBucket { tat: 0 },
@@ -331,6 +343,56 @@ mod tests {
                 panic!("{algo:?}")
             };
             assert_eq!(remaining, 4, "{algo:?}");
+        }
+    }
+
+    #[test]
+    fn no_state_encodes_longer_than_max_state_len() {
+        // The fullest states: a log of `limit` entries spread over a year
+        // (7-byte deltas), and the other algorithms' varints at their largest.
+        let year = 366 * 86_400 * S;
+        let log = SlidingWindowLog::new(1024, year).unwrap();
+        let mut st = Algo::SlidingWindowLog(log).fresh();
+        let algo = Algo::SlidingWindowLog(log);
+        for i in 0..1024u64 {
+            let Verdict::Admit { state, .. } = algo.check(&st, T0 + i * (year / 1024), 1) else {
+                panic!("{i}")
+            };
+            st = state;
+        }
+        let mut out = Vec::new();
+        Algo::encode(&st, &mut out);
+        assert!(
+            out.len() <= algo.max_state_len(),
+            "{} > {}",
+            out.len(),
+            algo.max_state_len()
+        );
+        let big = u64::MAX;
+        for (algo, state) in [
+            (
+                Algo::TokenBucket(Gcra::new(5, S, 5).unwrap()),
+                State::TokenBucket { tat: big },
+            ),
+            (
+                Algo::FixedWindow(FixedWindow::new(5, S).unwrap()),
+                State::FixedWindow(fixed_window::State {
+                    window: big,
+                    count: big,
+                }),
+            ),
+            (
+                Algo::SlidingWindowCounter(SlidingWindowCounter::new(5, S).unwrap()),
+                State::SlidingWindowCounter(sliding_window_counter::State {
+                    last_ns: big,
+                    prev: big,
+                    curr: big,
+                }),
+            ),
+        ] {
+            out.clear();
+            Algo::encode(&state, &mut out);
+            assert_eq!(out.len(), algo.max_state_len(), "{algo:?}");
         }
     }
 

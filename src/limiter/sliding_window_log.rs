@@ -105,6 +105,18 @@ impl SlidingWindowLog {
         self.limit
     }
 
+    /// The largest encoded state: at most `limit` entries, each a delta of
+    /// at most 10 varint bytes (8 for the first timestamp) and a cost of at
+    /// most `limit` (costs sum to at most `limit`), after the count.
+    pub fn max_state_len(&self) -> usize {
+        let limit = usize::try_from(self.limit).unwrap_or(usize::MAX);
+        let mut cost_len = 1;
+        while self.limit >> (7 * cost_len) > 0 {
+            cost_len += 1;
+        }
+        limit.saturating_mul(10 + cost_len).saturating_add(10 + 8)
+    }
+
     /// When an entry stamped `ts` stops counting.
     fn expiry(&self, ts: u64) -> u128 {
         u128::from(ts) + u128::from(self.window_ns)
