@@ -19,21 +19,24 @@
 //! 12 encoded, typically 3 to 6) and the work per request (linear in the
 //! entries); larger limits belong to the sliding window counter.
 //!
-//! A clock that steps backwards needs no special case: entries from the
-//! "future" (`timestamp > now`) count until their own `timestamp + W`, which
-//! is never earlier than a monotonic clock would have let them go, and a
-//! new entry is inserted in timestamp order. Entries already dropped as
-//! expired do not come back; they were admitted at least `W` earlier in real
-//! time.
+//! A clock that steps backwards is saturated, as in the token bucket:
+//! entries stamped ahead of `now` (recorded while the clock ran ahead, e.g.
+//! during a forward excursion since corrected) are merged into one entry at
+//! `now` ([`SlidingWindowLog::saturate`], which the caller persists). They
+//! count for one window from then, never until the clock catches up with
+//! them, so a key that used up its limit during the excursion waits at most
+//! `W`. Entries already dropped as expired do not come back; they were
+//! admitted at least `W` earlier in real time.
 //!
 //! # Error and over-admission bound
 //! None: the log is exact. For every `t`, the admitted cost in the rolling
 //! window `(t − W, t]` is at most `limit` (over-admission 0), and a request is
 //! denied only if admitting it would put the window ending now over
 //! `limit`. Any `d` consecutive nanoseconds admit at most
-//! `limit × ceil(d / W)`. With a clock that only steps backwards the bound
+//! `limit × ceil(d / W)`. With a clock that steps backwards the bound
 //! holds in real time: an entry admitted less than `W` ago in real time is
-//! less than `W` old on the clock, so it still counts.
+//! less than `W` old on the clock, or was moved to a `now` after its
+//! admission, so it still counts.
 
 use super::codec::{get_u64, get_varint, put_u64, put_varint};
 use super::{ns_until, Verdict};
@@ -176,6 +179,22 @@ impl SlidingWindowLog {
             remaining: u64::try_from(limit.saturating_sub(used)).unwrap_or(0),
             reset_ns: self.reset_ns(live, now),
         }
+    }
+
+    /// `state` with the entries stamped after `now` (the clock stepped
+    /// back) merged into one at `now`; `None` if there are none. Keeps the
+    /// invariants: sorted, non-zero costs, no more entries than before.
+    pub fn saturate(&self, state: &State, now: u64) -> Option<State> {
+        if state.entries.last().is_none_or(|&(ts, _)| ts <= now) {
+            return None;
+        }
+        let at = state.entries.partition_point(|&(ts, _)| ts < now);
+        let moved = state.entries[at..]
+            .iter()
+            .fold(0u64, |sum, &(_, c)| sum.saturating_add(c));
+        let mut entries = state.entries[..at].to_vec();
+        entries.push((now, moved));
+        Some(State { entries })
     }
 
     /// Whether nothing in `state` still counts at `now`.
