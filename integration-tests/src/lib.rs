@@ -492,9 +492,10 @@ pub enum SyncMode {
     /// (Envoy's callout fails after the response began: no headers reach
     /// the filter).
     ResetAfterHeaders,
-    /// A `200` whose body is over Envoy's async-client response buffer
-    /// limit ([`ENVOY_CALLOUT_BUFFER_LIMIT`]): Envoy resets the callout.
-    OverBufferLimit,
+    /// A `200` with a body of this many bytes (`[` then spaces: never a
+    /// complete answer). Over [`ENVOY_CALLOUT_BUFFER_LIMIT`], Envoy resets
+    /// the callout.
+    LongBody(usize),
     /// Reads the request, then closes the connection without answering.
     CloseBeforeHeaders,
 }
@@ -668,8 +669,7 @@ fn serve_sync(
                 let _ = socket2::SockRef::from(&*stream).set_linger(Some(Duration::ZERO));
                 return;
             }
-            SyncMode::OverBufferLimit => {
-                let len = ENVOY_CALLOUT_BUFFER_LIMIT + (1 << 20);
+            SyncMode::LongBody(len) => {
                 let head = format!(
                     "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n"
                 );
@@ -677,10 +677,9 @@ fn serve_sync(
                 if stream.write_all(head.as_bytes()).is_err() {
                     return;
                 }
-                // `[` then spaces: JSON-looking, never complete. Envoy
-                // resets the stream once over its limit; writes then fail.
+                // Over its limit, Envoy resets the stream: writes then fail.
                 let chunk = vec![b' '; 1 << 16];
-                let mut left = len - 1;
+                let mut left = len.saturating_sub(1);
                 let _ = stream.write_all(b"[");
                 while left > 0 {
                     let n = left.min(chunk.len());

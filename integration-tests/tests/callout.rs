@@ -1,7 +1,8 @@
 //! The sync callout's failure paths in a real Envoy, against stubs of the
 //! central service that reset the connection after the response headers,
-//! send a body over Envoy's callout buffer limit, close before answering,
-//! or answer absurd leases (`u64::MAX` tokens, share and TTL).
+//! send a body over Envoy's callout buffer limit (or over the filter's own
+//! bound), close before answering, or answer absurd leases (`u64::MAX`
+//! tokens, share and TTL).
 //!
 //! In each, the wasm VM never traps: Envoy's wasm failure stats for the
 //! plugin stay 0, its log shows no wasm runtime error, and every request
@@ -21,7 +22,7 @@
 
 use std::time::Duration;
 
-use tenantgate_integration_tests::{get, wait_for, Envoy, SyncMode, SyncServer};
+use tenantgate_integration_tests::{get, wait_for, Envoy, SyncMode, SyncServer, ENVOY_CALLOUT_BUFFER_LIMIT};
 
 /// A global limit of 100/s with a burst of 50; `api` fails open, `orders`
 /// closed; the breaker out of the way (each failure is looked at alone).
@@ -160,13 +161,24 @@ fn a_body_over_envoys_callout_buffer_limit_never_traps_the_vm() {
     // 33 MiB per answer: a longer interval and timeout, so the buffer
     // limit (not the timeout) ends each callout.
     failing_callouts_never_trap(
-        SyncMode::OverBufferLimit,
+        SyncMode::LongBody(ENVOY_CALLOUT_BUFFER_LIMIT + (1 << 20)),
         1_500,
         1_200,
         &[
             "the buffer size limit for async client response body has been exceeded",
             "tenantgate: sync callout failed",
         ],
+    );
+}
+
+#[test]
+fn a_body_over_the_filters_own_bound_is_refused_unread() {
+    // 5 MiB: within Envoy's limit, over the filter's 4 MiB.
+    failing_callouts_never_trap(
+        SyncMode::LongBody(5 << 20),
+        1_000,
+        800,
+        &["tenantgate: sync answer of 5242880 bytes refused"],
     );
 }
 
