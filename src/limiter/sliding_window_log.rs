@@ -367,17 +367,34 @@ mod tests {
     }
 
     #[test]
-    fn entries_from_the_future_expire_by_their_own_timestamp() {
-        let l = log(2, 10 * S);
-        let mut st = State::default();
-        assert!(take(&l, &mut st, T0 + 60 * S, 2));
-        let back = T0; // a minute back
-        assert!(!l.is_idle(&st, back));
+    fn entries_from_the_future_are_moved_to_now_and_count_one_window_from_then() {
+        let l = log(3, 10 * S);
+        // One unit at T0 − 5 s, two recorded while the clock ran a minute
+        // ahead (as a step back leaves them); the clock is back at T0.
+        let st = State {
+            entries: vec![(T0 - 5 * S, 1), (T0 + 60 * S, 2)],
+        };
+        let back = T0;
+        // `check` alone keeps a future entry until its own expiry (70 s)...
         match l.check(&st, back, 1) {
-            Verdict::Deny { wait_ns, .. } => assert_eq!(wait_ns, 70 * S),
+            Verdict::Deny { wait_ns, .. } => assert_eq!(wait_ns, 5 * S),
             other => panic!("expected a denial, got {other:?}"),
         }
-        assert!(take(&l, &mut st, T0 + 70 * S, 1));
+        // ...saturating (what `Algo::load` does) moves it to `now`: past
+        // entries stay, the future ones merge, nothing is forgotten.
+        let saturated = l.saturate(&st, back).unwrap();
+        assert_eq!(saturated.entries(), &[(T0 - 5 * S, 1), (back, 2)]);
+        assert_eq!(l.saturate(&saturated, back), None, "idempotent");
+        let mut bytes = Vec::new();
+        SlidingWindowLog::encode(&saturated, &mut bytes);
+        assert_eq!(
+            SlidingWindowLog::decode(&bytes),
+            Some((saturated.clone(), bytes.len()))
+        );
+        // The moved units count one window from `back`, not until T0 + 70 s.
+        let mut st = saturated;
+        assert!(!take(&l, &mut st, back + 9 * S, 2));
+        assert!(take(&l, &mut st, back + 10 * S, 3));
     }
 
     #[test]
