@@ -39,9 +39,10 @@ const XDS_NODE_ID_PROPERTY: [&str; 3] = ["xds", "node", "id"];
 const XDS_REGION_PROPERTY: [&str; 4] = ["xds", "node", "locality", "region"];
 /// A callout that failed this close to its timeout counts as a timeout.
 const TIMEOUT_SLACK_NS: u64 = 5_000_000;
-/// The largest answer body read: a full answer (one lease per report, at
-/// most `MAX_REPORTS` = 4096, each under 512 bytes of JSON with a 255-byte
-/// key) is under 2 MiB. A larger body is a failure, never copied.
+/// The largest answer body read: a full answer, one lease per report (at
+/// most `MAX_REPORTS` = 4096), each under 1 KiB of JSON (a 255-byte key
+/// even if every byte is escaped, a 64-byte limit name, three `u64`), fits.
+/// A larger body is a failure, never copied into the VM.
 pub const MAX_ANSWER_BYTES: usize = 4 << 20;
 
 /// What Envoy says about a callout's answer (`on_http_call_response`).
