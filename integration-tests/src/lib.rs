@@ -532,7 +532,22 @@ pub enum SyncMode {
     Status(u16),
     /// Not listening: connections are refused.
     Down,
+    /// A `200` with its headers and part of its body, then a TCP reset
+    /// (Envoy's callout fails after the response began: no headers reach
+    /// the filter).
+    ResetAfterHeaders,
+    /// A `200` with a body of this many bytes (`[` then spaces: never a
+    /// complete answer). Over [`ENVOY_CALLOUT_BUFFER_LIMIT`], Envoy resets
+    /// the callout.
+    LongBody(usize),
+    /// Reads the request, then closes the connection without answering.
+    CloseBeforeHeaders,
 }
+
+/// Envoy's buffer limit for an async-client (callout) response body: 32 MiB
+/// (`kBufferLimitForResponse` in `source/common/http/async_client_impl.h`,
+/// runtime key `http.async_response_buffer_limit`).
+pub const ENVOY_CALLOUT_BUFFER_LIMIT: usize = 32 * 1024 * 1024;
 
 /// A stub of the central service (`tenantgate serve`) on a loopback port:
 /// answers sync requests as its [`SyncMode`] says and records them.
@@ -683,7 +698,42 @@ fn serve_sync(
             }
             SyncMode::Garbage => (200, String::from("<html>not json</html>")),
             SyncMode::Status(code) => (code, String::new()),
-            SyncMode::Down => return,
+            SyncMode::Down | SyncMode::CloseBeforeHeaders => return,
+            SyncMode::ResetAfterHeaders => {
+                let body = answer(leases(1, 3_000, false));
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                    body.len()
+                );
+                let stream = reader.get_mut();
+                let _ = stream.write_all(head.as_bytes());
+                let _ = stream.write_all(&body.as_bytes()[..body.len() / 2]);
+                let _ = stream.flush();
+                // A reset, not a close: linger 0 sends RST on drop.
+                let _ = socket2::SockRef::from(&*stream).set_linger(Some(Duration::ZERO));
+                return;
+            }
+            SyncMode::LongBody(len) => {
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n"
+                );
+                let stream = reader.get_mut();
+                if stream.write_all(head.as_bytes()).is_err() {
+                    return;
+                }
+                // Over its limit, Envoy resets the stream: writes then fail.
+                let chunk = vec![b' '; 1 << 16];
+                let mut left = len.saturating_sub(1);
+                let _ = stream.write_all(b"[");
+                while left > 0 {
+                    let n = left.min(chunk.len());
+                    if stream.write_all(&chunk[..n]).is_err() {
+                        return;
+                    }
+                    left -= n;
+                }
+                return;
+            }
         };
         let response = format!(
             "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",

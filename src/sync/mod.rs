@@ -2,6 +2,7 @@
 //! node needs (no proxy-wasm, no clock, no I/O).
 //!
 //! * [`protocol`]: the versioned JSON messages of the batched sync exchange.
+//! * [`clamp`]: an answer's numbers bounded by what the policy allows.
 //! * [`node`]: the node-side allowance state machine per (key, limit):
 //!   leases, the provisional allowance, counts since the last acknowledged
 //!   report, and the failure modes.
@@ -15,6 +16,7 @@
 //! depends on this one (never the other way round).
 
 pub mod boot;
+pub mod clamp;
 pub mod node;
 pub mod protocol;
 pub mod shared;

@@ -432,7 +432,9 @@ fn update_slot<H: Host>(
                 .iter()
                 .enumerate()
                 .map(|(j, s)| if j == i { new_slot } else { *s });
-            state::encode_entry(out, &mut scratch);
+            if !state::encode_entry(out, &mut scratch) {
+                return None;
+            }
             match host.shared_set(&entry, &scratch, cas) {
                 Ok(CasResult::Written) => return Some(leases),
                 Ok(CasResult::Conflict) => continue 'attempt,
