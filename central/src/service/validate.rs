@@ -88,7 +88,7 @@ impl Default for IntakeLimits {
 
 /// Defaults of [`StateLimits`].
 pub const DEFAULT_MAX_SESSIONS: u64 = 100_000;
-pub const DEFAULT_MAX_KEYS: u64 = 2_000_000;
+pub const DEFAULT_MAX_KEYS: u64 = 1_000_000;
 
 /// How long a node's session lives after its last applied request: longer
 /// than any lease and local fallback (`D + ttl + local_max + settle`,
