@@ -81,6 +81,17 @@ pub struct NodeSpec {
     pub region: Option<String>,
     /// The `tenantgate` sync cluster's endpoints (loopback ports).
     pub sync_ports: Vec<u16>,
+    /// mTLS to the sync service (`envoy/sync-mtls.yaml`).
+    pub sync_tls: Option<SyncTls>,
+}
+
+/// The files of `envoy/sync-mtls.yaml`: the CA that signed the service's
+/// certificate, and the node's certificate and key (`None`: TLS with no
+/// client certificate).
+#[derive(Debug, Clone)]
+pub struct SyncTls {
+    pub ca: PathBuf,
+    pub client: Option<(PathBuf, PathBuf)>,
 }
 
 impl Default for NodeSpec {
@@ -89,6 +100,7 @@ impl Default for NodeSpec {
             id: "tenantgate-demo".into(),
             region: None,
             sync_ports: vec![free_port()],
+            sync_tls: None,
         }
     }
 }
@@ -175,6 +187,38 @@ impl Envoy {
             identity.push_str(&format!("  locality: {{ region: {region} }}\n"));
         }
         bootstrap = bootstrap.replace("  id: tenantgate-demo\n", &identity);
+        if let Some(tls) = &node.sync_tls {
+            let cluster = "  - name: tenantgate\n    type: STATIC\n";
+            assert!(
+                bootstrap.contains(cluster),
+                "envoy/demo.yaml no longer has the tenantgate cluster"
+            );
+            let snippet =
+                std::fs::read_to_string(repo().join("envoy/sync-mtls.yaml")).expect("envoy/sync-mtls.yaml");
+            let mut block: String = snippet
+                .lines()
+                .filter(|l| !l.trim_start().starts_with('#'))
+                .map(|l| format!("{l}\n"))
+                .collect();
+            block = block.replace("envoy/run/certs/ca.pem", &tls.ca.display().to_string());
+            match &tls.client {
+                Some((cert, key)) => {
+                    block = block
+                        .replace("envoy/run/certs/tenantgate-demo.pem", &cert.display().to_string())
+                        .replace("envoy/run/certs/tenantgate-demo.key", &key.display().to_string());
+                }
+                None => {
+                    let certs_start = block
+                        .find("          tls_certificates:")
+                        .expect("tls_certificates in the snippet");
+                    let certs_end = block
+                        .find("          validation_context:")
+                        .expect("validation_context in the snippet");
+                    block.replace_range(certs_start..certs_end, "");
+                }
+            }
+            bootstrap = bootstrap.replace(cluster, &format!("{cluster}{block}"));
+        }
         bootstrap.push_str(
             "  - name: tenantgate_empty\n    type: STATIC\n    connect_timeout: 0.25s\n    load_assignment: { cluster_name: tenantgate_empty, endpoints: [] }\n",
         );

@@ -168,7 +168,9 @@ impl Syncer {
             .and_then(|(s, _)| s)
             .map_or(0, |s| s.acked_seq);
         self.resolve(policy, &ProxyHost);
-        let body = shared::request(policy, &self.node_id, &self.region, acked, &scan).to_json();
+        let mut req = shared::request(policy, &self.node_id, &self.region, acked, &scan);
+        req.boot = tenantgate_boot(now);
+        let body = req.to_json();
         if !matches!(shared::sent(&ProxyHost, &scan, now), Ok(true)) {
             // Another worker gave up on this report meanwhile.
             metrics.sync_failed();
@@ -324,4 +326,10 @@ fn refresh_view() {
     if let Ok((Some(state), _)) = shared::read_state(&ProxyHost) {
         SYNC_VIEW.with(|v| *v.borrow_mut() = Some(state));
     }
+}
+
+/// The node's session id (`sync::boot`); 0 (no session) if shared data
+/// cannot be read.
+fn tenantgate_boot(now: u64) -> u64 {
+    crate::sync::boot::boot_id(&ProxyHost, now).unwrap_or(0)
 }

@@ -7,6 +7,7 @@
 //!   leases, the provisional allowance, counts since the last acknowledged
 //!   report, and the failure modes.
 //! * [`stored`]: that state's binary form in Envoy shared data.
+//! * [`boot`]: the node's session id, one per Envoy process.
 //! * [`shared`]: one node's sync over shared data (which worker reports,
 //!   the scan, applying the answer), used by the glue.
 //!
@@ -14,6 +15,7 @@
 //! simulator that measures it live in the `tenantgate-central` crate, which
 //! depends on this one (never the other way round).
 
+pub mod boot;
 pub mod clamp;
 pub mod node;
 pub mod protocol;

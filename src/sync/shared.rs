@@ -206,6 +206,7 @@ pub fn request(policy: &Policy, node_id: &str, region: &str, acked_seq: u64, sca
         region: region.to_owned(),
         policy_version: policy.version.clone(),
         seq: scan.seq,
+        boot: 0,
         acked_seq,
         reports: scan.reports.clone(),
     }

@@ -85,17 +85,14 @@ impl KeyState {
         }
     }
 
-    /// An empty record to swap in while the real one is being updated
-    /// (allocates nothing).
-    pub(crate) fn placeholder() -> KeyState {
-        KeyState::new(
-            GlobalLimit {
-                limit: 1,
-                window_ns: 1,
-                burst: 1,
-            },
-            0,
-        )
+    /// Nothing left that a fresh record would not have: no node, a full
+    /// bucket, no debt. The service may then drop the record (a new one
+    /// starts exactly like this).
+    pub fn is_idle(&self) -> bool {
+        self.nodes.is_empty()
+            && self.owed == 0
+            && self.bucket >= self.limit.burst
+            && self.regions.values().all(|r| r.debt == 0)
     }
 
     pub fn holds(&self, node: &str) -> bool {
@@ -133,7 +130,9 @@ impl KeyState {
     }
 
     fn reserved(&self) -> u64 {
-        self.nodes.values().map(|n| n.reserve).sum()
+        self.nodes
+            .values()
+            .fold(0u64, |sum, n| sum.saturating_add(n.reserve))
     }
 
     /// The flow of interval `k`: `r·I`, exact over consecutive intervals.
@@ -184,7 +183,7 @@ impl KeyState {
         self.owed -= paid;
         available -= paid;
         for (region, amount) in charges {
-            self.stats.precharged += amount;
+            self.stats.precharged = self.stats.precharged.saturating_add(amount);
             let taken = amount.min(available);
             available -= taken;
             self.book_debt_raw(&region, amount - taken);
@@ -195,7 +194,7 @@ impl KeyState {
         for nk in self.nodes.values_mut() {
             if nk.reserve > 0 && now >= nk.granted_at.saturating_add(settle_after) {
                 nk.written_off = nk.written_off.saturating_add(nk.reserve);
-                self.stats.written_off += nk.reserve;
+                self.stats.written_off = self.stats.written_off.saturating_add(nk.reserve);
                 nk.reserve = 0;
             }
         }
@@ -203,7 +202,9 @@ impl KeyState {
         self.nodes.retain(|_, nk| {
             nk.reserve > 0
                 || now < nk.granted_at.saturating_add(forget_after)
-                || now < nk.last_report_at.saturating_add(3 * cfg.interval_ns)
+                || now
+                    < nk.last_report_at
+                        .saturating_add(cfg.interval_ns.saturating_mul(3))
         });
 
         let k = now / cfg.interval_ns;
@@ -216,11 +217,11 @@ impl KeyState {
     fn roll(&mut self, k: u64, now: u64, cfg: &AllocConfig) {
         self.interval = Some(k);
         self.flow = self.flow_of(k, cfg);
-        let recent = 3 * cfg.interval_ns;
+        let recent = cfg.interval_ns.saturating_mul(3);
         let mut reserved = 0u64;
         let mut by_region: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for (id, nk) in &mut self.nodes {
-            let stale = now.saturating_sub(nk.last_report_at) > 2 * cfg.interval_ns;
+            let stale = now.saturating_sub(nk.last_report_at) > cfg.interval_ns.saturating_mul(2);
             if stale {
                 nk.demand *= 0.5;
             }
@@ -252,7 +253,7 @@ impl KeyState {
             ids.iter()
                 .filter_map(|id| self.nodes.get(id))
                 .map(|nk| nk.demand.ceil() as u64)
-                .sum()
+                .fold(0u64, u64::saturating_add)
         };
         let claims: Vec<Claim> = by_region
             .values()
@@ -271,11 +272,13 @@ impl KeyState {
             if rv.debt > 0 {
                 // Repaid out of this region's own part: that much of the
                 // refill is destroyed, not lent to other regions.
-                let repay = rv.debt.min(part * cfg.repay_pct / 100);
+                let repay = rv.debt.min(
+                    u64::try_from(u128::from(part) * u128::from(cfg.repay_pct) / 100).unwrap_or(u64::MAX),
+                );
                 self.owed = self.owed.saturating_add(repay);
                 rv.debt -= repay;
-                rv.repaid_total += repay;
-                self.stats.repaid += repay;
+                rv.repaid_total = rv.repaid_total.saturating_add(repay);
+                self.stats.repaid = self.stats.repaid.saturating_add(repay);
                 part -= repay;
             }
             let claims: Vec<Claim> = ids
@@ -337,9 +340,9 @@ impl KeyState {
         let Some(nk) = self.nodes.get_mut(node) else {
             return;
         };
-        self.stats.consumed += delta.consumed;
-        self.stats.unleased += delta.unleased;
-        self.stats.demand += delta.demand;
+        self.stats.consumed = self.stats.consumed.saturating_add(delta.consumed);
+        self.stats.unleased = self.stats.unleased.saturating_add(delta.unleased);
+        self.stats.demand = self.stats.demand.saturating_add(delta.demand);
         let covered = delta.unleased.min(nk.assumed);
         nk.assumed -= covered;
         let mut debt = delta.unleased - covered;
@@ -357,7 +360,7 @@ impl KeyState {
             reclaim += after.saturating_sub(bound);
             nk.reserve = bound.min(after);
             // On a lease since then: every local admission is reported.
-            self.stats.written_off += nk.assumed;
+            self.stats.written_off = self.stats.written_off.saturating_add(nk.assumed);
             nk.assumed = 0;
         } else {
             excess = on_leases.saturating_sub(nk.reserve);
@@ -367,29 +370,29 @@ impl KeyState {
         // can come from them.
         let dead_at = nk.granted_at.saturating_add(cfg.lease_life_ns());
         if intake.acked_last && intake.prev_heard_at.is_some_and(|h| h >= dead_at) {
-            reclaim += nk.reserve;
+            reclaim = reclaim.saturating_add(nk.reserve);
             nk.reserve = 0;
         }
         let from_written_off = excess.min(nk.written_off);
         nk.written_off -= from_written_off;
-        debt += excess - from_written_off;
+        debt = debt.saturating_add(excess - from_written_off);
         let region = nk.region.clone();
         self.bucket = self.bucket.saturating_add(reclaim);
-        self.stats.reclaimed += reclaim;
+        self.stats.reclaimed = self.stats.reclaimed.saturating_add(reclaim);
         if debt > 0 {
-            self.stats.debt_booked += debt;
+            self.stats.debt_booked = self.stats.debt_booked.saturating_add(debt);
             let now_repaid = debt.min(self.bucket);
             self.bucket -= now_repaid;
-            self.stats.repaid += now_repaid;
+            self.stats.repaid = self.stats.repaid.saturating_add(now_repaid);
             let rv = self.regions.entry(region).or_default();
-            rv.repaid_total += now_repaid;
+            rv.repaid_total = rv.repaid_total.saturating_add(now_repaid);
             rv.debt = rv.debt.saturating_add(debt - now_repaid);
         }
     }
 
     fn book_debt_raw(&mut self, region: &str, amount: u64) {
         if amount > 0 {
-            self.stats.debt_booked += amount;
+            self.stats.debt_booked = self.stats.debt_booked.saturating_add(amount);
             let rv = self.regions.entry(region.to_owned()).or_default();
             rv.debt = rv.debt.saturating_add(amount);
         }
@@ -411,7 +414,7 @@ impl KeyState {
             .iter()
             .filter(|(n, _)| n.as_str() != node)
             .map(|(_, nk)| nk.share_bound(now, cfg))
-            .sum();
+            .fold(0u64, u64::saturating_add);
         let Some(nk) = self.nodes.get_mut(node) else {
             return Lease {
                 key: id.0.clone(),
@@ -435,7 +438,7 @@ impl KeyState {
         let tokens = if level > before {
             let draw = (level - before).min(self.bucket);
             self.bucket -= draw;
-            self.stats.granted += draw;
+            self.stats.granted = self.stats.granted.saturating_add(draw);
             before + draw
         } else {
             level
