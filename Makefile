@@ -18,7 +18,7 @@ export TENANTGATE_BIN := $(abspath $(CLI))
 export TENANTGATE_WASM := $(abspath $(WASM))
 export EMPTY_WASM     := $(abspath $(EMPTY_WASM))
 
-.PHONY: help setup setup-redis wasm cli ecds run test test-unit test-integration bench bench-memory bench-service lint fmt check-glue clean
+.PHONY: help setup setup-redis wasm cli ecds run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -73,6 +73,9 @@ bench-memory: wasm cli ## Envoy RSS with 1, 100k and 1M distinct tenants (bytes 
 
 bench-service: setup-redis ## Key reports/s per core of the central service: embedded and Redis in process, then over HTTP
 	cargo run --release -p tenantgate-central --example bench_service
+
+bench-service-memory: ## Service RSS: 100,000 node ids x 10 keys (1M keys) per round, then expiry; flat across rounds
+	cargo run --release -p tenantgate-central --example memory
 
 lint: check-glue ## fmt check, clippy (native and wasm32, warnings denied), host-layer check
 	cargo fmt --all -- --check

@@ -661,7 +661,14 @@ fn apply<H: Host>(
                 .collect::<Vec<_>>(),
             SlotChoice::Free => slots.iter().copied().chain(core::iter::once(new_slot)).collect(),
         };
-        state::encode_entry(slots_out, scratch);
+        if !state::encode_entry(slots_out, scratch) {
+            // Records over what a slot holds: the policy refuses such plans.
+            return if out.denied {
+                out
+            } else {
+                Applied::failed(Reason::StateUnavailable, attempt)
+            };
+        }
         match host.shared_set(&target.key, scratch, target.cas) {
             Ok(CasResult::Written) => return out,
             // A denial's write is only a best-effort normalisation.
@@ -786,7 +793,9 @@ fn refund<H: Host>(
             .enumerate()
             .map(|(j, s)| if j == slot { new_slot } else { *s })
             .collect::<Vec<_>>();
-        state::encode_entry(out, scratch);
+        if !state::encode_entry(out, scratch) {
+            return false;
+        }
         match host.shared_set(&target.key, scratch, target.cas) {
             Ok(CasResult::Written) => return true,
             Ok(CasResult::Conflict) => continue,
@@ -853,9 +862,12 @@ fn nth_from_right(xff: &[u8], n: u32) -> Option<IpAddr> {
 }
 
 /// The address as text, masked to its group (`203.0.113.0/24`,
-/// `2001:db8:1:2::/64`); a full-length prefix prints the bare address.
+/// `2001:db8:1:2::/64`); a full-length prefix prints the bare address. An
+/// IPv4-mapped IPv6 address (`::ffff:a.b.c.d`, how a dual-stack listener
+/// reports IPv4 clients) is grouped as the IPv4 address it is: masked as
+/// IPv6, every IPv4 client would share `::/64`.
 fn group(ip: IpAddr, v4_prefix: u8, v6_prefix: u8) -> String {
-    match ip {
+    match ip.to_canonical() {
         IpAddr::V4(v4) if v4_prefix >= 32 => v4.to_string(),
         IpAddr::V4(v4) => {
             let mask = u32::MAX.checked_shl(32 - u32::from(v4_prefix)).unwrap_or(0);

@@ -26,6 +26,12 @@
 //! `p1`/`p2` are the limit's parameters when the state was written, so a
 //! reload that changes a live limit can carry its state over instead of
 //! resetting it (see [`crate::limiter::algo`]).
+//!
+//! # Bounds
+//! A slot's records take at most [`MAX_RECORDS_LEN`] bytes (their length is
+//! a `u16`): the policy refuses a plan whose limits could need more
+//! ([`RECORD_HEADER_LEN`] plus the algorithm's largest state, per limit),
+//! and [`encode_entry`] refuses, never truncates, a slot over it.
 
 pub const FORMAT_VERSION: u8 = 2;
 /// Slots per shared-data entry.
@@ -34,6 +40,11 @@ pub const SLOTS_PER_ENTRY: usize = 8;
 pub const PROBES: u64 = 2;
 /// Longest logical key stored in a slot.
 pub const MAX_KEY_LEN: usize = 255;
+/// Bytes of a record before its state: name hash, kind, `p1`, `p2`, state
+/// length.
+pub const RECORD_HEADER_LEN: usize = 4 + 1 + 8 + 8 + 2;
+/// Most bytes of records one slot holds (their length field is a `u16`).
+pub const MAX_RECORDS_LEN: usize = u16::MAX as usize;
 
 /// One slot of a decoded entry, borrowing from the shared-data value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,20 +123,32 @@ pub fn decode_entry(bytes: &[u8]) -> Option<Vec<Slot<'_>>> {
     r.is_empty().then_some(slots)
 }
 
-/// Encodes an entry from its slots.
-pub fn encode_entry<'a>(slots: impl IntoIterator<Item = Slot<'a>>, out: &mut Vec<u8>) {
+/// Encodes an entry from its slots. `false` (and `out` empty) if a key,
+/// a slot's records or the number of slots does not fit its length field:
+/// the caller writes nothing rather than an entry that would not decode.
+#[must_use]
+pub fn encode_entry<'a>(slots: impl IntoIterator<Item = Slot<'a>>, out: &mut Vec<u8>) -> bool {
     out.clear();
     out.push(FORMAT_VERSION);
     out.push(0);
     let mut n = 0u8;
     for s in slots {
-        out.push(s.key.len() as u8); // keys are at most MAX_KEY_LEN
+        let (Ok(key_len), Ok(records_len), Some(next)) = (
+            u8::try_from(s.key.len()),
+            u16::try_from(s.records.len()),
+            n.checked_add(1),
+        ) else {
+            out.clear();
+            return false;
+        };
+        out.push(key_len);
         out.extend_from_slice(s.key);
-        out.extend_from_slice(&(s.records.len() as u16).to_le_bytes());
+        out.extend_from_slice(&records_len.to_le_bytes());
         out.extend_from_slice(s.records);
-        n += 1;
+        n = next;
     }
     out[1] = n;
+    true
 }
 
 /// Decodes a slot's records.
@@ -157,7 +180,9 @@ pub fn push_record(out: &mut Vec<u8>, name_hash: u32, kind: u8, p1: u64, p2: u64
     out.push(kind);
     out.extend_from_slice(&p1.to_le_bytes());
     out.extend_from_slice(&p2.to_le_bytes());
-    out.extend_from_slice(&(state.len() as u16).to_le_bytes());
+    // A state over u16::MAX puts its slot's records over MAX_RECORDS_LEN,
+    // which `encode_entry` refuses: a saturated length never lands.
+    out.extend_from_slice(&u16::try_from(state.len()).unwrap_or(u16::MAX).to_le_bytes());
     out.extend_from_slice(state);
 }
 
@@ -203,7 +228,7 @@ mod tests {
             },
         ];
         let mut out = Vec::new();
-        encode_entry(slots, &mut out);
+        assert!(encode_entry(slots, &mut out));
         let decoded = decode_entry(&out).unwrap();
         assert_eq!(decoded, slots);
         let recs = decode_records(decoded[0].records).unwrap();
@@ -234,13 +259,13 @@ mod tests {
         let mut records = vec![1u8];
         push_record(&mut records, 7, 1, 10, 20, &[9; 8]);
         let mut out = Vec::new();
-        encode_entry(
+        assert!(encode_entry(
             [Slot {
                 key: b"k",
                 records: &records,
             }],
             &mut out,
-        );
+        ));
         let decode_all = |bytes: &[u8]| {
             for slot in decode_entry(bytes).unwrap_or_default() {
                 let _ = decode_records(slot.records);
@@ -256,5 +281,26 @@ mod tests {
                 decode_all(&bad);
             }
         }
+    }
+
+    #[test]
+    fn records_over_64_kib_are_refused_not_truncated() {
+        // Regression: `records.len() as u16` wrapped, so the entry no longer
+        // decoded and every key in it lost its state.
+        let mut out = vec![9];
+        let big = vec![0u8; MAX_RECORDS_LEN + 1];
+        let slot = |records| Slot { key: b"k", records };
+        assert!(!encode_entry([slot(&big)], &mut out));
+        assert!(out.is_empty(), "nothing to write");
+        let long_key = [b'k'; 256];
+        let bad_key = Slot {
+            key: &long_key,
+            records: &[0],
+        };
+        assert!(!encode_entry([bad_key], &mut out));
+        // At the bound, the entry round-trips.
+        let max = vec![0u8; MAX_RECORDS_LEN];
+        assert!(encode_entry([slot(&max)], &mut out));
+        assert_eq!(decode_entry(&out).unwrap(), vec![slot(&max)]);
     }
 }

@@ -17,7 +17,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tenantgate::sync::{Report, SyncRequest, PROTOCOL_VERSION};
-use tenantgate_central::service::{policy, serve_on, ManualClock, ServeOptions, Service, Settings};
+use tenantgate_central::service::{
+    policy, serve_on, Auth, Listeners, ManualClock, ServeOptions, Service, Settings,
+};
 use tenantgate_central::store::{EmbeddedStore, RedisStore, Store};
 use tenantgate_central::testing::RedisServer;
 
@@ -48,6 +50,7 @@ fn requests(seq: u64) -> Vec<SyncRequest> {
             region: format!("region-{}", n % 3),
             policy_version: "bench".into(),
             seq,
+            boot: 0,
             acked_seq: seq - 1,
             reports: (0..KEYS_PER_NODE)
                 .map(|k| Report {
@@ -141,15 +144,18 @@ fn main() {
     rt.block_on(async {
         let clock = Arc::new(ManualClock::new(1_000_000_000_000));
         let svc = service(Arc::new(EmbeddedStore::new()), clock.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
+        let sync = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = sync.local_addr().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let opts = ServeOptions {
             listen: addr,
+            admin: admin.local_addr().unwrap(),
             policy: std::path::PathBuf::from("/nonexistent/policy.yaml"),
             policy_poll: Duration::from_secs(3600),
+            auth: Auth::default(),
         };
-        let server = tokio::spawn(serve_on(svc.clone(), listener, opts, async {
+        let server = tokio::spawn(serve_on(svc.clone(), Listeners { sync, admin }, opts, async {
             let _ = rx.await;
         }));
         let passes = 100u64;

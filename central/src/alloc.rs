@@ -136,7 +136,7 @@ mod session;
 #[cfg(test)]
 mod tests;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 use tenantgate::sync::{Counts, FailureMode, Lease, SyncRequest, SyncResponse, PROTOCOL_VERSION};
@@ -145,7 +145,7 @@ use crate::error::{AllocError, ConfigError};
 pub use fair::{max_min_fair, Claim};
 pub use key::{KeyState, KeyStats, RegionView};
 use session::Intake;
-pub use session::{KeyId, Session};
+pub use session::{KeyId, SeqCheck, Session, MAX_SEQ_AHEAD_NS, MAX_SEQ_STEP};
 
 const NANOS_PER_MS: u64 = 1_000_000;
 
@@ -371,7 +371,7 @@ pub struct Begun {
     region: String,
     seq: u64,
     /// The (key, limit)s the node held before this request.
-    held: Vec<KeyId>,
+    held: BTreeSet<KeyId>,
 }
 
 impl Begun {
@@ -379,10 +379,13 @@ impl Begun {
     /// counts (`None`: a held key the request does not mention, settled
     /// with zero counts).
     pub fn visits(&self) -> Vec<(KeyId, Option<Counts>)> {
+        // Indexed, so a request's work is linear in its size (a hostile
+        // request of thousands of reports must not cost their square).
+        let reported: HashSet<&KeyId> = self.intake.deltas.iter().map(|(d, _)| d).collect();
         let mut out: Vec<(KeyId, Option<Counts>)> =
-            Vec::with_capacity(self.held.len() + self.intake.deltas.len());
+            Vec::with_capacity(self.held.len().saturating_add(self.intake.deltas.len()));
         for id in &self.held {
-            if !self.intake.deltas.iter().any(|(d, _)| d == id) {
+            if !reported.contains(id) {
                 out.push((id.clone(), None));
             }
         }
@@ -403,7 +406,7 @@ impl Begun {
 /// overtaken): then the session is unchanged and nothing may be counted.
 pub fn begin(session: &mut Option<Session>, req: &SyncRequest, now: u64) -> Option<Begun> {
     let s = session.get_or_insert_with(|| Session::new(&req.region));
-    let held: Vec<KeyId> = s.held.iter().cloned().collect();
+    let held = s.held.clone();
     let intake = s.intake(req, now)?;
     Some(Begun {
         intake,
@@ -512,14 +515,18 @@ pub fn respond(cfg: &AllocConfig, req: &SyncRequest, visits: Vec<(KeyId, Visit)>
             leases.push(lease);
         }
     }
-    // Visits list held keys first; answer in the request's order.
-    let order = |l: &Lease| {
-        req.reports
-            .iter()
-            .position(|r| r.key == l.key && r.limit == l.limit)
+    // Visits list held keys first; answer in the request's order (indexed:
+    // linear in the request's size, not its square).
+    let mut position: HashMap<(&str, &str), usize> = HashMap::with_capacity(req.reports.len());
+    for (i, r) in req.reports.iter().enumerate() {
+        position.entry((r.key.as_str(), r.limit.as_str())).or_insert(i);
+    }
+    leases.sort_by_key(|l| {
+        position
+            .get(&(l.key.as_str(), l.limit.as_str()))
+            .copied()
             .unwrap_or(usize::MAX)
-    };
-    leases.sort_by_key(order);
+    });
     SyncResponse {
         version: PROTOCOL_VERSION,
         ack_seq: req.seq,

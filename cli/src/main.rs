@@ -24,8 +24,40 @@ enum Command {
     /// Simulate global limits across nodes and regions (virtual time):
     /// one JSON object per scenario and topology.
     Sim(SimArgs),
-    /// Run the central service: POST /v1/sync, /healthz, /readyz, /metrics.
+    /// Run the central service: POST /v1/sync on --listen; /healthz,
+    /// /readyz, /metrics on --admin.
     Serve(ServeArgs),
+    /// Make a local CA and certificates for the sync service's mTLS.
+    #[command(subcommand)]
+    Certs(CertsCommand),
+}
+
+#[derive(Subcommand)]
+enum CertsCommand {
+    /// A new local CA (ca.pem, ca.key) and the service's certificate
+    /// (service.pem, service.key) in DIR.
+    Init {
+        #[arg(long)]
+        dir: PathBuf,
+        /// DNS names and IP addresses the service is reached at (repeat).
+        #[arg(long = "host", default_values_t = [String::from("localhost"), String::from("127.0.0.1")])]
+        hosts: Vec<String>,
+    },
+    /// A node's client certificate (NODE.pem, NODE.key), signed by DIR's
+    /// CA, naming the node (Envoy's node.id) and optionally its region.
+    Node {
+        #[arg(long)]
+        dir: PathBuf,
+        /// The node id (Envoy's `node.id`; what the filter reports).
+        #[arg(long)]
+        node_id: String,
+        /// The region the node may report (any, if omitted).
+        #[arg(long)]
+        region: Option<String>,
+        /// The SPIFFE trust domain of the identity URI.
+        #[arg(long, default_value = "tenantgate.local")]
+        trust_domain: String,
+    },
 }
 
 #[derive(Args)]
@@ -33,9 +65,12 @@ struct ServeArgs {
     /// The policies YAML (the filter's); reloaded when it changes.
     #[arg(long)]
     policy: PathBuf,
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1:8081")]
+    /// The sync API's address. Beyond loopback it needs mTLS (or --insecure).
+    #[arg(long, default_value = tenantgate_central::service::DEFAULT_LISTEN)]
     listen: std::net::SocketAddr,
+    /// Health, readiness and metrics (never the sync API).
+    #[arg(long, default_value = tenantgate_central::service::DEFAULT_ADMIN)]
+    admin: std::net::SocketAddr,
     /// Where the allocator's state lives: `embedded` (in this process) or
     /// `redis://HOST:PORT[/DB]` (shared by every replica).
     #[arg(long, default_value = "embedded")]
@@ -43,6 +78,34 @@ struct ServeArgs {
     /// The sync interval nodes are told to use, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     interval_ms: u64,
+    /// mTLS: the service's certificate (PEM). Needs --tls-key and --client-ca.
+    #[arg(long, requires_all = ["tls_key", "client_ca"])]
+    tls_cert: Option<PathBuf>,
+    /// mTLS: the service's private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// mTLS: the CA that signs the nodes' certificates (PEM).
+    #[arg(long, requires = "tls_cert")]
+    client_ca: Option<PathBuf>,
+    /// Serve the sync API unauthenticated beyond loopback (private networks
+    /// only; logged as a warning).
+    #[arg(long)]
+    insecure: bool,
+    /// The regions nodes may report from, comma-separated (default: any).
+    #[arg(long, value_delimiter = ',')]
+    regions: Option<Vec<String>>,
+    /// The largest sync request body, in bytes.
+    #[arg(long, default_value_t = tenantgate_central::service::validate::DEFAULT_MAX_BODY_BYTES)]
+    max_body_bytes: usize,
+    /// Sync requests worked on at once; beyond, 503.
+    #[arg(long, default_value_t = tenantgate_central::service::validate::DEFAULT_MAX_IN_FLIGHT)]
+    max_in_flight: usize,
+    /// The most node sessions kept; beyond, a new node is refused (503).
+    #[arg(long, default_value_t = tenantgate_central::service::validate::DEFAULT_MAX_SESSIONS)]
+    max_sessions: u64,
+    /// The most (key, limit) records kept; beyond, a new one gets no lease.
+    #[arg(long, default_value_t = tenantgate_central::service::validate::DEFAULT_MAX_KEYS)]
+    max_keys: u64,
 }
 
 #[derive(Args)]
@@ -106,6 +169,7 @@ fn main() -> ExitCode {
         Command::Policy(PolicyCommand::Apply(args)) => apply(&args),
         Command::Sim(args) => sim::run(&args),
         Command::Serve(args) => serve(&args),
+        Command::Certs(c) => certs(&c),
     }
 }
 
@@ -121,15 +185,64 @@ fn serve(args: &ServeArgs) -> ExitCode {
         interval_ns,
         ..defaults
     };
+    let tls = match (&args.tls_cert, &args.tls_key, &args.client_ca) {
+        (Some(cert), Some(key), Some(ca)) => Some(service::tls::TlsFiles {
+            cert: cert.clone(),
+            key: key.clone(),
+            client_ca: ca.clone(),
+        }),
+        _ => None,
+    };
     let opts = ServeOptions {
         listen: args.listen,
+        admin: args.admin,
         policy: args.policy.clone(),
         policy_poll: std::time::Duration::from_secs(1),
+        auth: service::Auth {
+            tls,
+            insecure: args.insecure,
+        },
     };
-    match service::run(&args.store, opts, settings) {
+    let intake = service::IntakeLimits {
+        max_body_bytes: args.max_body_bytes,
+        max_in_flight: args.max_in_flight,
+        regions: args.regions.as_ref().map(|r| r.iter().cloned().collect()),
+        ..service::IntakeLimits::default()
+    };
+    let state = service::StateLimits {
+        max_sessions: args.max_sessions,
+        max_keys: args.max_keys,
+        ..service::StateLimits::default()
+    };
+    match service::run(&args.store, opts, settings, intake, state) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tenantgate serve: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn certs(c: &CertsCommand) -> ExitCode {
+    use tenantgate_central::service::tls;
+    let result = match c {
+        CertsCommand::Init { dir, hosts } => tls::init_ca(dir, hosts),
+        CertsCommand::Node {
+            dir,
+            node_id,
+            region,
+            trust_domain,
+        } => tls::issue_node(dir, trust_domain, node_id, region.as_deref()),
+    };
+    match result {
+        Ok(issued) => {
+            for f in issued.files {
+                println!("wrote {}", f.display());
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tenantgate certs: {e}");
             ExitCode::FAILURE
         }
     }

@@ -9,7 +9,12 @@ use crate::{cli_bin, request, wait_for};
 /// One `tenantgate serve` process on a fixed loopback port; killed on drop.
 pub struct Serve {
     child: Option<Child>,
+    /// The sync API's port.
     pub port: u16,
+    /// Health, readiness and metrics.
+    pub admin_port: u16,
+    /// Extra arguments (TLS).
+    pub extra: Vec<String>,
     policy: PathBuf,
     store: String,
     interval_ms: u64,
@@ -19,9 +24,23 @@ pub struct Serve {
 impl Serve {
     /// Starts a replica and waits until `/readyz` answers 200.
     pub fn start(policy: &Path, store: &str, interval_ms: u64, port: u16, log: &Path) -> Serve {
+        Serve::start_with(policy, store, interval_ms, port, log, &[])
+    }
+
+    /// [`Serve::start`] with extra `tenantgate serve` arguments.
+    pub fn start_with(
+        policy: &Path,
+        store: &str,
+        interval_ms: u64,
+        port: u16,
+        log: &Path,
+        extra: &[String],
+    ) -> Serve {
         let mut serve = Serve {
             child: None,
             port,
+            admin_port: crate::free_port(),
+            extra: extra.to_vec(),
             policy: policy.to_owned(),
             store: store.to_owned(),
             interval_ms,
@@ -32,7 +51,7 @@ impl Serve {
     }
 
     pub fn ready(&self) -> bool {
-        request(self.port, "GET", "/readyz", &[]).is_ok_and(|r| r.status == 200)
+        request(self.admin_port, "GET", "/readyz", &[]).is_ok_and(|r| r.status == 200)
     }
 
     /// Kills the replica (as a crash would).
@@ -61,6 +80,9 @@ impl Serve {
             .arg(&self.store)
             .arg("--interval-ms")
             .arg(self.interval_ms.to_string())
+            .arg("--admin")
+            .arg(format!("127.0.0.1:{}", self.admin_port))
+            .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log fd"))
             .stderr(log)

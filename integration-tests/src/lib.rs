@@ -81,6 +81,17 @@ pub struct NodeSpec {
     pub region: Option<String>,
     /// The `tenantgate` sync cluster's endpoints (loopback ports).
     pub sync_ports: Vec<u16>,
+    /// mTLS to the sync service (`envoy/sync-mtls.yaml`).
+    pub sync_tls: Option<SyncTls>,
+}
+
+/// The files of `envoy/sync-mtls.yaml`: the CA that signed the service's
+/// certificate, and the node's certificate and key (`None`: TLS with no
+/// client certificate).
+#[derive(Debug, Clone)]
+pub struct SyncTls {
+    pub ca: PathBuf,
+    pub client: Option<(PathBuf, PathBuf)>,
 }
 
 impl Default for NodeSpec {
@@ -89,6 +100,7 @@ impl Default for NodeSpec {
             id: "tenantgate-demo".into(),
             region: None,
             sync_ports: vec![free_port()],
+            sync_tls: None,
         }
     }
 }
@@ -175,6 +187,38 @@ impl Envoy {
             identity.push_str(&format!("  locality: {{ region: {region} }}\n"));
         }
         bootstrap = bootstrap.replace("  id: tenantgate-demo\n", &identity);
+        if let Some(tls) = &node.sync_tls {
+            let cluster = "  - name: tenantgate\n    type: STATIC\n";
+            assert!(
+                bootstrap.contains(cluster),
+                "envoy/demo.yaml no longer has the tenantgate cluster"
+            );
+            let snippet =
+                std::fs::read_to_string(repo().join("envoy/sync-mtls.yaml")).expect("envoy/sync-mtls.yaml");
+            let mut block: String = snippet
+                .lines()
+                .filter(|l| !l.trim_start().starts_with('#'))
+                .map(|l| format!("{l}\n"))
+                .collect();
+            block = block.replace("envoy/run/certs/ca.pem", &tls.ca.display().to_string());
+            match &tls.client {
+                Some((cert, key)) => {
+                    block = block
+                        .replace("envoy/run/certs/tenantgate-demo.pem", &cert.display().to_string())
+                        .replace("envoy/run/certs/tenantgate-demo.key", &key.display().to_string());
+                }
+                None => {
+                    let certs_start = block
+                        .find("          tls_certificates:")
+                        .expect("tls_certificates in the snippet");
+                    let certs_end = block
+                        .find("          validation_context:")
+                        .expect("validation_context in the snippet");
+                    block.replace_range(certs_start..certs_end, "");
+                }
+            }
+            bootstrap = bootstrap.replace(cluster, &format!("{cluster}{block}"));
+        }
         bootstrap.push_str(
             "  - name: tenantgate_empty\n    type: STATIC\n    connect_timeout: 0.25s\n    load_assignment: { cluster_name: tenantgate_empty, endpoints: [] }\n",
         );
@@ -488,7 +532,22 @@ pub enum SyncMode {
     Status(u16),
     /// Not listening: connections are refused.
     Down,
+    /// A `200` with its headers and part of its body, then a TCP reset
+    /// (Envoy's callout fails after the response began: no headers reach
+    /// the filter).
+    ResetAfterHeaders,
+    /// A `200` with a body of this many bytes (`[` then spaces: never a
+    /// complete answer). Over [`ENVOY_CALLOUT_BUFFER_LIMIT`], Envoy resets
+    /// the callout.
+    LongBody(usize),
+    /// Reads the request, then closes the connection without answering.
+    CloseBeforeHeaders,
 }
+
+/// Envoy's buffer limit for an async-client (callout) response body: 32 MiB
+/// (`kBufferLimitForResponse` in `source/common/http/async_client_impl.h`,
+/// runtime key `http.async_response_buffer_limit`).
+pub const ENVOY_CALLOUT_BUFFER_LIMIT: usize = 32 * 1024 * 1024;
 
 /// A stub of the central service (`tenantgate serve`) on a loopback port:
 /// answers sync requests as its [`SyncMode`] says and records them.
@@ -639,7 +698,42 @@ fn serve_sync(
             }
             SyncMode::Garbage => (200, String::from("<html>not json</html>")),
             SyncMode::Status(code) => (code, String::new()),
-            SyncMode::Down => return,
+            SyncMode::Down | SyncMode::CloseBeforeHeaders => return,
+            SyncMode::ResetAfterHeaders => {
+                let body = answer(leases(1, 3_000, false));
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                    body.len()
+                );
+                let stream = reader.get_mut();
+                let _ = stream.write_all(head.as_bytes());
+                let _ = stream.write_all(&body.as_bytes()[..body.len() / 2]);
+                let _ = stream.flush();
+                // A reset, not a close: linger 0 sends RST on drop.
+                let _ = socket2::SockRef::from(&*stream).set_linger(Some(Duration::ZERO));
+                return;
+            }
+            SyncMode::LongBody(len) => {
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n"
+                );
+                let stream = reader.get_mut();
+                if stream.write_all(head.as_bytes()).is_err() {
+                    return;
+                }
+                // Over its limit, Envoy resets the stream: writes then fail.
+                let chunk = vec![b' '; 1 << 16];
+                let mut left = len.saturating_sub(1);
+                let _ = stream.write_all(b"[");
+                while left > 0 {
+                    let n = left.min(chunk.len());
+                    if stream.write_all(&chunk[..n]).is_err() {
+                        return;
+                    }
+                    left -= n;
+                }
+                return;
+            }
         };
         let response = format!(
             "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",

@@ -71,6 +71,7 @@ fn cluster(name: &str, nodes: usize, service_policy: &str) -> Cluster {
                     id: format!("envoy-r1-{i}"),
                     region: Some("r1".into()),
                     sync_ports: vec![port],
+                    sync_tls: None,
                 },
             )
         })

@@ -145,6 +145,7 @@ fn three_envoys_share_one_global_limit_through_two_replicas_on_redis() {
                 id: (*id).into(),
                 region: Some((*region).into()),
                 sync_ports: replica_ports.to_vec(),
+                ..NodeSpec::default()
             };
             Envoy::start_node(POLICY, &node)
         })

@@ -210,6 +210,29 @@ fn missing_or_invalid_identity_is_anonymous_by_client_address() {
 }
 
 #[test]
+fn ipv4_mapped_ipv6_clients_are_grouped_by_their_ipv4_address() {
+    // Regression: a dual-stack listener reports IPv4 clients as
+    // `[::ffff:a.b.c.d]:port`; masked to /64 they all became `::/64`, one
+    // anonymous bucket for every IPv4 client.
+    let p = policy("");
+    let store = SharedStore::new();
+    let subject = |source: &str| {
+        let h = FakeHost::new(store.clone()).route_class("api").source(source);
+        match run(&p, &h, T0).subject {
+            Subject::Anonymous { address, .. } => address,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(subject("[::ffff:192.0.2.7]:40000"), "192.0.2.7");
+    assert_eq!(subject("[::ffff:198.51.100.9]:40000"), "198.51.100.9");
+    assert_eq!(subject("[::ffff:c000:207]:1"), "192.0.2.7", "the hex form too");
+    // The same client over IPv4 shares the bucket.
+    assert_eq!(subject("192.0.2.7:1"), "192.0.2.7");
+    // Plain IPv6 keeps its /64.
+    assert_eq!(subject("[2001:db8::1]:443"), "2001:db8::/64");
+}
+
+#[test]
 fn jwt_claim_identity_reads_dynamic_metadata_not_headers() {
     let p = {
         let mut json = String::from(

@@ -4,8 +4,9 @@
 //! `/stats/prometheus`; every worker VM defining the same name shares one
 //! counter.
 
-use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
+
+use super::abi;
 
 use crate::engine::{Decision, Reason, Subject, TableEvent};
 
@@ -34,10 +35,11 @@ pub struct Metrics {
     sync_breaker_opened: Option<u32>,
     sync_skipped: Option<u32>,
     sync_no_lease: Option<u32>,
+    sync_clamped: Option<u32>,
 }
 
 fn counter(name: &str) -> Option<u32> {
-    match hostcalls::define_metric(MetricType::Counter, name) {
+    match abi::define_metric(MetricType::Counter, name) {
         Ok(id) => Some(id),
         Err(status) => {
             log::warn!("tenantgate: cannot define metric {name}: {status:?}");
@@ -49,7 +51,7 @@ fn counter(name: &str) -> Option<u32> {
 fn add(id: Option<u32>, n: u32) {
     if let (Some(id), true) = (id, n > 0) {
         // A failed stat update must never fail the request.
-        let _ = hostcalls::increment_metric(id, i64::from(n));
+        let _ = abi::increment_metric(id, i64::from(n));
     }
 }
 
@@ -79,8 +81,8 @@ impl Metrics {
             sync_breaker_opened: counter("tenantgate.sync.breaker_opened"),
             sync_skipped: counter("tenantgate.sync.skipped"),
             sync_no_lease: counter("tenantgate.sync.no_lease"),
-            sync_latency: match hostcalls::define_metric(MetricType::Histogram, "tenantgate.sync.latency_ms")
-            {
+            sync_clamped: counter("tenantgate.sync.clamped"),
+            sync_latency: match abi::define_metric(MetricType::Histogram, "tenantgate.sync.latency_ms") {
                 Ok(id) => Some(id),
                 Err(status) => {
                     log::warn!("tenantgate: cannot define the sync latency histogram: {status:?}");
@@ -164,9 +166,14 @@ impl Metrics {
         add(self.sync_skipped, 1);
     }
 
+    /// Values of a sync answer clamped to what the policy allows.
+    pub fn sync_clamped(&self, values: u32) {
+        add(self.sync_clamped, values);
+    }
+
     pub fn sync_latency_ms(&self, ms: u64) {
         if let Some(id) = self.sync_latency {
-            let _ = hostcalls::record_metric(id, ms);
+            let _ = abi::record_metric(id, ms);
         }
     }
 

@@ -1,22 +1,28 @@
 //! The host layer: the only module that names `proxy_wasm`.
 //!
-//! It implements [`Host`] with hostcalls (always the `Result`-returning
-//! ones: the SDK's trait helpers unwrap, and a trap kills the VM for every
-//! request on the worker), compiles the policy in `on_configure` (returning
-//! `false` so Envoy keeps the previous configuration on any error), and turns
-//! each [`Decision`] into an Envoy action, headers and stats.
+//! It implements [`Host`] with hostcalls, compiles the policy in
+//! `on_configure` (returning `false` so Envoy keeps the previous
+//! configuration on any error), and turns each [`Decision`] into an Envoy
+//! action, headers and stats.
+//!
+//! No hostcall may trap the VM: a trap fails it for every later request on
+//! the worker. The SDK's trait helpers unwrap, and even its
+//! `Result`-returning `hostcalls::*` panic on statuses they do not expect,
+//! so every hostcall goes through [`abi`] (raw imports, every status
+//! handled), except `dispatch_http_call` and logging: [`abi`]'s header
+//! lists each wrapper avoided, why, and why those two are safe.
 
+mod abi;
 mod metrics;
 mod sync;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Status};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
 use crate::engine::{self, Decision, RateLimitHeaders};
 use crate::host::{CasResult, Host, HostError};
@@ -24,6 +30,7 @@ use crate::policy::Policy;
 use crate::queue::{NotQueued, Queue};
 use crate::response;
 use crate::sync::SyncState;
+use abi::HostStatus;
 use metrics::Metrics;
 
 /// How often a worker serves its queue of held requests.
@@ -55,8 +62,7 @@ proxy_wasm::main! {{
 
 /// Nanoseconds since the Unix epoch from the host's wall clock.
 fn now_ns() -> Option<u64> {
-    let now = hostcalls::get_current_time().ok()?;
-    u64::try_from(now.duration_since(UNIX_EPOCH).ok()?.as_nanos()).ok()
+    abi::now_ns().ok()
 }
 
 /// Envoy, through hostcalls.
@@ -64,25 +70,22 @@ struct ProxyHost;
 
 impl Host for ProxyHost {
     fn request_header(&self, name: &str) -> Option<Vec<u8>> {
-        // The bytes variant: the String one unwraps UTF-8 and would trap on
-        // a client's non-UTF-8 header value.
-        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
-            .ok()
-            .flatten()
+        // Bytes: a client's header value need not be UTF-8.
+        abi::header(MapType::HttpRequestHeaders, name).ok().flatten()
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
-        hostcalls::get_property(path.to_vec()).ok().flatten()
+        abi::property(path).ok().flatten()
     }
 
     fn shared_get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
-        hostcalls::get_shared_data(key).map_err(|_| HostError)
+        abi::shared_get(key).map_err(|_| HostError)
     }
 
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<CasResult, HostError> {
-        match hostcalls::set_shared_data(key, Some(value), cas) {
+        match abi::shared_set(key, value, cas) {
             Ok(()) => Ok(CasResult::Written),
-            Err(Status::CasMismatch) => Ok(CasResult::Conflict),
+            Err(HostStatus::CAS_MISMATCH) => Ok(CasResult::Conflict),
             Err(_) => Err(HostError),
         }
     }
@@ -106,16 +109,17 @@ impl Root {
 }
 
 impl Context for Root {
-    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+    fn on_http_call_response(&mut self, token: u32, headers: usize, body_size: usize, _trailers: usize) {
         if let Some(policy) = self.policy.clone() {
-            self.sync.on_response(&policy, &self.metrics, token, body_size);
+            let answer = sync::Answer { headers, body_size };
+            self.sync.on_response(&policy, &self.metrics, token, answer);
         }
     }
 }
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
-        let config = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
+        let config = match abi::buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
             Ok(bytes) => bytes.unwrap_or_default(),
             Err(status) => {
                 log::error!("tenantgate: cannot read the plugin configuration: {status:?}");
@@ -137,7 +141,8 @@ impl RootContext for Root {
                 self.metrics.config_loaded();
                 // Every configuration serves the queue: requests held under
                 // an earlier one still need answering.
-                if let Err(status) = hostcalls::set_tick_period(TICK) {
+                let tick_ms = u32::try_from(TICK.as_millis()).unwrap_or(u32::MAX);
+                if let Err(status) = abi::set_tick_period_ms(tick_ms) {
                     log::warn!("tenantgate: cannot set the queue tick: {status:?}");
                 }
                 true
@@ -193,7 +198,7 @@ impl RootContext for Root {
             self.metrics.record(&decision);
             self.metrics.queue_answered(decision.deny_status().is_none());
             // The stream may have ended meanwhile; then there is nothing to do.
-            if hostcalls::set_effective_context(waiting.context_id).is_err() {
+            if abi::set_effective_context(waiting.context_id).is_err() {
                 continue;
             }
             let policy = &waiting.policy;
@@ -205,7 +210,7 @@ impl RootContext for Root {
                     if let (true, Some(h)) = (policy.ratelimit_headers, decision.headers) {
                         RESUMED.with(|r| r.borrow_mut().insert(waiting.context_id, h));
                     }
-                    if hostcalls::resume_http_request().is_err() {
+                    if abi::resume_http_request().is_err() {
                         log::warn!("tenantgate: cannot resume a held request");
                     }
                 }
@@ -217,7 +222,7 @@ impl RootContext for Root {
 /// Sends a local reply; false if Envoy refused it.
 fn send_reply(reply: &response::LocalReply, metrics: &Metrics) -> bool {
     let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    match hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes())) {
+    match abi::send_local_response(reply.status, &headers, reply.body.as_bytes()) {
         Ok(()) => true,
         Err(status) => {
             log::error!("tenantgate: cannot send the {} reply: {status:?}", reply.status);
@@ -294,7 +299,7 @@ impl HttpContext for Request {
             .or_else(|| RESUMED.with(|r| r.borrow_mut().remove(&self.context_id)));
         if let Some(h) = headers {
             for (name, value) in [("ratelimit-policy", &h.policy), ("ratelimit", &h.ratelimit)] {
-                if hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value).is_err() {
+                if abi::add_header(MapType::HttpResponseHeaders, name, value).is_err() {
                     log::warn!("tenantgate: cannot add the {name} response header");
                 }
             }

@@ -3,6 +3,17 @@
 //! the key table in bounded steps, send one batched `dispatch_http_call`,
 //! and apply its answer. The logic is `crate::sync::shared`; this adds the
 //! callout, its failures and the stats. Requests never wait for it.
+//!
+//! # Reading an answer
+//! Envoy calls `on_http_call_response(token, 0, 0, 0)` for a callout that
+//! failed (reset, before or after the response headers; a body over the
+//! async client's 32 MiB buffer limit): there is no response then, and a
+//! header read returns BadArgument. So an answer with no headers is a
+//! failure before anything is read; `:status` is read with the raw
+//! hostcall and any status but Ok is a failure; a body over
+//! [`MAX_ANSWER_BYTES`] is a failure without being copied into the VM.
+//! Every number the answer carries is then clamped to what the policy
+//! allows ([`crate::sync::clamp`]).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -10,10 +21,12 @@ use std::time::Duration;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType};
 
+use super::abi;
 use super::metrics::Metrics;
 use super::{ProxyHost, SYNC_VIEW};
 use crate::host::{Host, HostError};
 use crate::policy::{Policy, SyncSettings};
+use crate::sync::clamp;
 use crate::sync::shared::{self, Abandoned, Claim, GivenUp, NotApplied, Scan};
 use crate::sync::{ApplyError, SyncResponse};
 
@@ -26,6 +39,19 @@ const XDS_NODE_ID_PROPERTY: [&str; 3] = ["xds", "node", "id"];
 const XDS_REGION_PROPERTY: [&str; 4] = ["xds", "node", "locality", "region"];
 /// A callout that failed this close to its timeout counts as a timeout.
 const TIMEOUT_SLACK_NS: u64 = 5_000_000;
+/// The largest answer body read: a full answer, one lease per report (at
+/// most `MAX_REPORTS` = 4096), each under 1 KiB of JSON (a 255-byte key
+/// even if every byte is escaped, a 64-byte limit name, three `u64`), fits.
+/// A larger body is a failure, never copied into the VM.
+pub const MAX_ANSWER_BYTES: usize = 4 << 20;
+
+/// What Envoy says about a callout's answer (`on_http_call_response`).
+#[derive(Debug, Clone, Copy)]
+pub struct Answer {
+    /// Response headers: 0 when the callout failed (no response at all).
+    pub headers: usize,
+    pub body_size: usize,
+}
 
 /// A callout in flight.
 struct Call {
@@ -142,7 +168,9 @@ impl Syncer {
             .and_then(|(s, _)| s)
             .map_or(0, |s| s.acked_seq);
         self.resolve(policy, &ProxyHost);
-        let body = shared::request(policy, &self.node_id, &self.region, acked, &scan).to_json();
+        let mut req = shared::request(policy, &self.node_id, &self.region, acked, &scan);
+        req.boot = tenantgate_boot(now);
+        let body = req.to_json();
         if !matches!(shared::sent(&ProxyHost, &scan, now), Ok(true)) {
             // Another worker gave up on this report meanwhile.
             metrics.sync_failed();
@@ -185,7 +213,7 @@ impl Syncer {
         }
     }
 
-    pub fn on_response(&mut self, policy: &Policy, metrics: &Metrics, token: u32, body_size: usize) {
+    pub fn on_response(&mut self, policy: &Policy, metrics: &Metrics, token: u32, answer: Answer) {
         let Some(call) = self.calls.remove(&token) else {
             return;
         };
@@ -195,7 +223,7 @@ impl Syncer {
         let now = super::now_ns().unwrap_or(call.sent_at);
         let elapsed = now.saturating_sub(call.sent_at);
         metrics.sync_latency_ms(elapsed / 1_000_000);
-        let outcome = self.answer(policy, settings, body_size, now);
+        let outcome = self.answer(policy, settings, metrics, answer, now);
         match outcome {
             Ok(()) => metrics.sync_ok(),
             Err(Failure::Timeout) => metrics.sync_timeout(),
@@ -214,26 +242,51 @@ impl Syncer {
         &self,
         policy: &Policy,
         settings: &SyncSettings,
-        body_size: usize,
+        metrics: &Metrics,
+        answer: Answer,
         now: u64,
     ) -> Result<(), Failure> {
-        // No status: the callout failed (reset, no healthy host, timeout).
-        let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
-            .ok()
-            .flatten()
-            .ok_or(Failure::Other)?;
+        // No headers: the callout failed and there is no response to read
+        // (reading one returns BadArgument; see the module header).
+        if answer.headers == 0 {
+            log::warn!("tenantgate: sync callout failed (reset or over Envoy's buffer limit)");
+            return Err(Failure::Other);
+        }
+        let status = match abi::header(MapType::HttpCallResponseHeaders, ":status") {
+            Ok(Some(status)) => status,
+            Ok(None) => return Err(Failure::Other),
+            Err(status) => {
+                log::warn!("tenantgate: cannot read the sync answer's status: {status:?}");
+                return Err(Failure::Other);
+            }
+        };
         if status != b"200" {
             log::warn!("tenantgate: sync answered {}", String::from_utf8_lossy(&status));
             return Err(Failure::Other);
         }
-        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        let resp = SyncResponse::from_json(&body).map_err(|e| {
+        if answer.body_size > MAX_ANSWER_BYTES {
+            log::warn!(
+                "tenantgate: sync answer of {} bytes refused (at most {MAX_ANSWER_BYTES})",
+                answer.body_size
+            );
+            return Err(Failure::Other);
+        }
+        let body = match abi::buffer(BufferType::HttpCallResponseBody, 0, answer.body_size) {
+            Ok(body) => body.unwrap_or_default(),
+            Err(status) => {
+                log::warn!("tenantgate: cannot read the sync answer's body: {status:?}");
+                return Err(Failure::Other);
+            }
+        };
+        let mut resp = SyncResponse::from_json(&body).map_err(|e| {
             log::warn!("tenantgate: sync answer refused: {e}");
             Failure::Other
         })?;
+        let clamped = clamp::answer(policy, settings, &mut resp);
+        if clamped > 0 {
+            log::warn!("tenantgate: sync answer clamped ({clamped} values beyond the policy)");
+            metrics.sync_clamped(clamped);
+        }
         match shared::apply(&ProxyHost, policy, settings, &resp, now) {
             Ok(applied) => {
                 if applied.missed > 0 {
@@ -273,4 +326,10 @@ fn refresh_view() {
     if let Ok((Some(state), _)) = shared::read_state(&ProxyHost) {
         SYNC_VIEW.with(|v| *v.borrow_mut() = Some(state));
     }
+}
+
+/// The node's session id (`sync::boot`); 0 (no session) if shared data
+/// cannot be read.
+fn tenantgate_boot(now: u64) -> u64 {
+    crate::sync::boot::boot_id(&ProxyHost, now).unwrap_or(0)
 }

@@ -110,6 +110,18 @@ impl Algo {
         }
     }
 
+    /// The most bytes [`Algo::encode`] writes for any state of this limit.
+    pub fn max_state_len(&self) -> usize {
+        match self {
+            Algo::TokenBucket(_) => 8,
+            // Two varints.
+            Algo::FixedWindow(_) => 20,
+            Algo::SlidingWindowLog(a) => a.max_state_len(),
+            // A u64 and two varints.
+            Algo::SlidingWindowCounter(_) => 28,
+        }
+    }
+
     pub fn fresh(&self) -> State {
         match self {
             Algo::TokenBucket(_) => State::TokenBucket { tat: 0 },
@@ -142,10 +154,32 @@ impl Algo {
     /// This limit's state from its stored record (`None`: a new key, or a
     /// new limit: fresh). A record written under other parameters is
     /// migrated as of `effective_from`, when the current policy took effect
-    /// (see the module header). A token bucket is also normalised for `now`
-    /// (a clock step backwards is saturated). Returns the state and whether
-    /// it differs from what is stored.
+    /// (see the module header). Every algorithm is also normalised for
+    /// `now`: a clock step backwards is saturated (a state left ahead of
+    /// `now` by a clock that ran ahead keeps what it counted, but waits at
+    /// most one refill or window from `now`, not for the clock). Returns the
+    /// state and whether it differs from what is stored (the caller then
+    /// persists it, on a denial too).
     pub fn load(&self, record: Option<&Record<'_>>, effective_from: u64, now: u64) -> (State, bool) {
+        let (state, changed) = self.load_migrated(record, effective_from, now);
+        let saturated = match (self, &state) {
+            (Algo::FixedWindow(a), State::FixedWindow(s)) => a.saturate(s, now).map(State::FixedWindow),
+            (Algo::SlidingWindowLog(a), State::SlidingWindowLog(s)) => {
+                a.saturate(s, now).map(State::SlidingWindowLog)
+            }
+            (Algo::SlidingWindowCounter(a), State::SlidingWindowCounter(s)) => {
+                a.saturate(s, now).map(State::SlidingWindowCounter)
+            }
+            // The token bucket saturates in `load_migrated`.
+            _ => None,
+        };
+        match saturated {
+            Some(s) => (s, true),
+            None => (state, changed),
+        }
+    }
+
+    fn load_migrated(&self, record: Option<&Record<'_>>, effective_from: u64, now: u64) -> (State, bool) {
         let Some(r) = record else {
             return (self.fresh(), false);
         };
@@ -335,6 +369,56 @@ mod tests {
     }
 
     #[test]
+    fn no_state_encodes_longer_than_max_state_len() {
+        // The fullest states: a log of `limit` entries spread over a year
+        // (7-byte deltas), and the other algorithms' varints at their largest.
+        let year = 366 * 86_400 * S;
+        let log = SlidingWindowLog::new(1024, year).unwrap();
+        let mut st = Algo::SlidingWindowLog(log).fresh();
+        let algo = Algo::SlidingWindowLog(log);
+        for i in 0..1024u64 {
+            let Verdict::Admit { state, .. } = algo.check(&st, T0 + i * (year / 1024), 1) else {
+                panic!("{i}")
+            };
+            st = state;
+        }
+        let mut out = Vec::new();
+        Algo::encode(&st, &mut out);
+        assert!(
+            out.len() <= algo.max_state_len(),
+            "{} > {}",
+            out.len(),
+            algo.max_state_len()
+        );
+        let big = u64::MAX;
+        for (algo, state) in [
+            (
+                Algo::TokenBucket(Gcra::new(5, S, 5).unwrap()),
+                State::TokenBucket { tat: big },
+            ),
+            (
+                Algo::FixedWindow(FixedWindow::new(5, S).unwrap()),
+                State::FixedWindow(fixed_window::State {
+                    window: big,
+                    count: big,
+                }),
+            ),
+            (
+                Algo::SlidingWindowCounter(SlidingWindowCounter::new(5, S).unwrap()),
+                State::SlidingWindowCounter(sliding_window_counter::State {
+                    last_ns: big,
+                    prev: big,
+                    curr: big,
+                }),
+            ),
+        ] {
+            out.clear();
+            Algo::encode(&state, &mut out);
+            assert_eq!(out.len(), algo.max_state_len(), "{algo:?}");
+        }
+    }
+
+    #[test]
     fn unreadable_or_foreign_records_start_fresh_and_are_reclaimable() {
         for algo in all() {
             let junk = Record {
@@ -351,6 +435,46 @@ mod tests {
             assert!(
                 matches!(algo.check(&state, T0, 1), Verdict::Admit { .. }),
                 "{algo:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_forward_clock_excursion_blocks_a_window_limit_for_two_windows_at_most() {
+        // Regression: admissions made while the clock ran an hour ahead kept
+        // the window algorithms shut for the hour after it came back (the
+        // token bucket already saturated: at most one refill).
+        let hour = 3600 * S;
+        for algo in all() {
+            if matches!(algo, Algo::TokenBucket(_)) {
+                continue;
+            }
+            // The limit (5) used up at T0 + 1 h, the clock ahead.
+            let mut st = algo.fresh();
+            for i in 0..5 {
+                let Verdict::Admit { state, .. } = algo.check(&st, T0 + hour + i, 1) else {
+                    panic!("{algo:?}")
+                };
+                st = state;
+            }
+            let mut bytes = Vec::new();
+            Algo::encode(&st, &mut bytes);
+            // The clock comes back to T0: what the key used still counts (no
+            // fresh limit), and the engine persists the normalised state.
+            let (loaded, changed) = algo.load(Some(&record(&algo, &bytes)), T0, T0);
+            assert!(changed, "{algo:?}: normalised, so a denial persists it");
+            assert!(
+                matches!(algo.check(&loaded, T0, 1), Verdict::Deny { .. }),
+                "{algo:?}"
+            );
+            bytes.clear();
+            Algo::encode(&loaded, &mut bytes);
+            // Two windows later, not an hour: admitted again.
+            let later = T0 + 2 * S;
+            let (loaded, _) = algo.load(Some(&record(&algo, &bytes)), T0, later);
+            assert!(
+                matches!(algo.check(&loaded, later, 1), Verdict::Admit { .. }),
+                "{algo:?} still blocked by the excursion"
             );
         }
     }

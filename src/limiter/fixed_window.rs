@@ -10,12 +10,13 @@
 //! exactly `wait = (k+1)·W − now` (never, `u64::MAX`, if `c > limit`).
 //! `reset_ns` is that same instant while anything is counted, else 0.
 //!
-//! A clock that steps backwards is treated as still being in the latest
-//! window the state has counted: the stored window is the running maximum of
-//! `now / W` over admissions, and its count holds until the clock reaches
-//! that window's end. This never admits more (see below); the price is that
-//! a key which exhausted its window before a step back of `Δ` waits up to
-//! `Δ + W`.
+//! A clock that steps backwards is saturated, as in the token bucket: a
+//! stored window ahead of the current one (counted while the clock ran
+//! ahead, e.g. during a forward excursion since corrected) is read as the
+//! current window with its count ([`FixedWindow::saturate`], which the
+//! caller persists). A key that used up its limit during the excursion so
+//! waits at most until the end of the window current when the clock came
+//! back, never for the length of the excursion.
 //!
 //! # Error and over-admission bound
 //! Exact per aligned window: each `[k·W, (k+1)·W)` admits at most `limit`,
@@ -31,11 +32,11 @@
 //! tight: `limit` at `(k+1)·W − 1` and `limit` more at `(k+1)·W` admit
 //! `2 × limit` within 2 ns. Over long intervals the average rate is exact.
 //!
-//! With a clock that only steps backwards, the bounds hold in real time
-//! too: the stored window never decreases, and an admission counted in
-//! window `k + 2` (clock ≥ `(k+2)·W`) comes more than `W` after any counted
-//! in window `k` (clock < `(k+1)·W`), so no rolling window of length `W`
-//! meets more than two of them. Instants past `u64::MAX` (year 2554)
+//! With a clock that steps backwards the price of saturating is paid in
+//! real time: the clock passes again through windows it had counted, each
+//! with a fresh limit, so each step back can add up to `limit` to the
+//! admissions of the rolling windows around it (at most `3 × limit` in one
+//! of length `W`), once per step. Instants past `u64::MAX` (year 2554)
 //! saturate.
 
 use super::codec::{get_varint, put_varint};
@@ -115,6 +116,16 @@ impl FixedWindow {
                 reset_ns: if used == 0 { 0 } else { end },
             },
         }
+    }
+
+    /// `state` with a window ahead of `now`'s (the clock stepped back) read
+    /// as `now`'s window, its count kept; `None` if nothing changes.
+    pub fn saturate(&self, state: &State, now: u64) -> Option<State> {
+        let k = now / self.window_ns;
+        (state.count > 0 && state.window > k).then_some(State {
+            window: k,
+            count: state.count,
+        })
     }
 
     /// Whether nothing in `state` still counts at `now`.

@@ -19,12 +19,14 @@
 //! after (never, `u64::MAX`, if `c > L`). `reset_ns` is the time until the
 //! estimate is 0. `remaining` is `floor(L − estimate)`.
 //!
-//! A clock that steps backwards is treated as standing at the latest
-//! admission: the state keeps `last_ns`, the running maximum of `now` over
-//! admissions, and evaluates at `max(now, last_ns)`. The counts and the
-//! decaying weight stay where they were until the clock catches up; the
-//! effective time never decreases, so nothing more is admitted (see below),
-//! and a step back of `Δ` delays refills by at most `Δ`.
+//! The state keeps `last_ns`, the running maximum of `now` over
+//! admissions, and evaluates at `max(now, last_ns)`. A clock that steps
+//! backwards is saturated, as in the token bucket: a `last_ns` ahead of
+//! `now` (admissions while the clock ran ahead, e.g. during a forward
+//! excursion since corrected) is moved back to `now` with its counts
+//! ([`SlidingWindowCounter::saturate`], which the caller persists), so the
+//! counts decay from then: a key that used up its limit during the
+//! excursion waits at most two windows, never for the excursion.
 //!
 //! # Rounding
 //! None where it matters: the test is evaluated exactly, multiplied through
@@ -66,10 +68,13 @@
 //! over-counts and denies while the true rolling count is below `L` (down to
 //! 0 just after a boundary, for a burst at the previous window's start).
 //!
-//! With a clock that only steps backwards the bound holds in real time: the
-//! effective times of admissions never decrease and advance no faster than
-//! real time, so admissions less than `W` apart in real time are less than
-//! `W` apart in effective time.
+//! With a clock that never steps backwards by more than the latest
+//! admission's lead the bound holds in real time: the effective times of
+//! admissions never decrease and advance no faster than real time, so
+//! admissions less than `W` apart in real time are less than `W` apart in
+//! effective time. Saturating a larger step back moves the windows the
+//! counts belong to, so each such step can add up to `limit` to the
+//! rolling windows around it, once per step.
 
 use super::codec::{get_u64, get_varint, put_u64, put_varint};
 use super::{ns_until, Verdict};
@@ -157,6 +162,16 @@ impl SlidingWindowCounter {
             prev,
             curr,
         }
+    }
+
+    /// `state` with a `last_ns` ahead of `now` (the clock stepped back)
+    /// moved to `now`, its counts kept; `None` if nothing changes.
+    pub fn saturate(&self, state: &State, now: u64) -> Option<State> {
+        let counted = state.prev > 0 || state.curr > 0;
+        (counted && state.last_ns > now).then_some(State {
+            last_ns: now,
+            ..*state
+        })
     }
 
     /// `W × estimate` for `prev` and `curr` at `elapsed`: exact, saturating.

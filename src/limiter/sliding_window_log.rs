@@ -19,21 +19,24 @@
 //! 12 encoded, typically 3 to 6) and the work per request (linear in the
 //! entries); larger limits belong to the sliding window counter.
 //!
-//! A clock that steps backwards needs no special case: entries from the
-//! "future" (`timestamp > now`) count until their own `timestamp + W`, which
-//! is never earlier than a monotonic clock would have let them go, and a
-//! new entry is inserted in timestamp order. Entries already dropped as
-//! expired do not come back; they were admitted at least `W` earlier in real
-//! time.
+//! A clock that steps backwards is saturated, as in the token bucket:
+//! entries stamped ahead of `now` (recorded while the clock ran ahead, e.g.
+//! during a forward excursion since corrected) are merged into one entry at
+//! `now` ([`SlidingWindowLog::saturate`], which the caller persists). They
+//! count for one window from then, never until the clock catches up with
+//! them, so a key that used up its limit during the excursion waits at most
+//! `W`. Entries already dropped as expired do not come back; they were
+//! admitted at least `W` earlier in real time.
 //!
 //! # Error and over-admission bound
 //! None: the log is exact. For every `t`, the admitted cost in the rolling
 //! window `(t − W, t]` is at most `limit` (over-admission 0), and a request is
 //! denied only if admitting it would put the window ending now over
 //! `limit`. Any `d` consecutive nanoseconds admit at most
-//! `limit × ceil(d / W)`. With a clock that only steps backwards the bound
+//! `limit × ceil(d / W)`. With a clock that steps backwards the bound
 //! holds in real time: an entry admitted less than `W` ago in real time is
-//! less than `W` old on the clock, so it still counts.
+//! less than `W` old on the clock, or was moved to a `now` after its
+//! admission, so it still counts.
 
 use super::codec::{get_u64, get_varint, put_u64, put_varint};
 use super::{ns_until, Verdict};
@@ -105,6 +108,18 @@ impl SlidingWindowLog {
         self.limit
     }
 
+    /// The largest encoded state: at most `limit` entries, each a delta of
+    /// at most 10 varint bytes (8 for the first timestamp) and a cost of at
+    /// most `limit` (costs sum to at most `limit`), after the count.
+    pub fn max_state_len(&self) -> usize {
+        let limit = usize::try_from(self.limit).unwrap_or(usize::MAX);
+        let mut cost_len = 1;
+        while self.limit >> (7 * cost_len) > 0 {
+            cost_len += 1;
+        }
+        limit.saturating_mul(10 + cost_len).saturating_add(10 + 8)
+    }
+
     /// When an entry stamped `ts` stops counting.
     fn expiry(&self, ts: u64) -> u128 {
         u128::from(ts) + u128::from(self.window_ns)
@@ -164,6 +179,22 @@ impl SlidingWindowLog {
             remaining: u64::try_from(limit.saturating_sub(used)).unwrap_or(0),
             reset_ns: self.reset_ns(live, now),
         }
+    }
+
+    /// `state` with the entries stamped after `now` (the clock stepped
+    /// back) merged into one at `now`; `None` if there are none. Keeps the
+    /// invariants: sorted, non-zero costs, no more entries than before.
+    pub fn saturate(&self, state: &State, now: u64) -> Option<State> {
+        if state.entries.last().is_none_or(|&(ts, _)| ts <= now) {
+            return None;
+        }
+        let at = state.entries.partition_point(|&(ts, _)| ts < now);
+        let moved = state.entries[at..]
+            .iter()
+            .fold(0u64, |sum, &(_, c)| sum.saturating_add(c));
+        let mut entries = state.entries[..at].to_vec();
+        entries.push((now, moved));
+        Some(State { entries })
     }
 
     /// Whether nothing in `state` still counts at `now`.
@@ -336,17 +367,34 @@ mod tests {
     }
 
     #[test]
-    fn entries_from_the_future_expire_by_their_own_timestamp() {
-        let l = log(2, 10 * S);
-        let mut st = State::default();
-        assert!(take(&l, &mut st, T0 + 60 * S, 2));
-        let back = T0; // a minute back
-        assert!(!l.is_idle(&st, back));
+    fn entries_from_the_future_are_moved_to_now_and_count_one_window_from_then() {
+        let l = log(3, 10 * S);
+        // One unit at T0 − 5 s, two recorded while the clock ran a minute
+        // ahead (as a step back leaves them); the clock is back at T0.
+        let st = State {
+            entries: vec![(T0 - 5 * S, 1), (T0 + 60 * S, 2)],
+        };
+        let back = T0;
+        // `check` alone keeps a future entry until its own expiry (70 s)...
         match l.check(&st, back, 1) {
-            Verdict::Deny { wait_ns, .. } => assert_eq!(wait_ns, 70 * S),
+            Verdict::Deny { wait_ns, .. } => assert_eq!(wait_ns, 5 * S),
             other => panic!("expected a denial, got {other:?}"),
         }
-        assert!(take(&l, &mut st, T0 + 70 * S, 1));
+        // ...saturating (what `Algo::load` does) moves it to `now`: past
+        // entries stay, the future ones merge, nothing is forgotten.
+        let saturated = l.saturate(&st, back).unwrap();
+        assert_eq!(saturated.entries(), &[(T0 - 5 * S, 1), (back, 2)]);
+        assert_eq!(l.saturate(&saturated, back), None, "idempotent");
+        let mut bytes = Vec::new();
+        SlidingWindowLog::encode(&saturated, &mut bytes);
+        assert_eq!(
+            SlidingWindowLog::decode(&bytes),
+            Some((saturated.clone(), bytes.len()))
+        );
+        // The moved units count one window from `back`, not until T0 + 70 s.
+        let mut st = saturated;
+        assert!(!take(&l, &mut st, back + 9 * S, 2));
+        assert!(take(&l, &mut st, back + 10 * S, 3));
     }
 
     #[test]

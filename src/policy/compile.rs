@@ -18,7 +18,7 @@ use crate::limiter::algo::Algo;
 use crate::limiter::{
     FixedWindow, Gcra, SlidingWindowCounter, SlidingWindowLog, MAX_LOG_ENTRIES, NANOS_PER_SEC,
 };
-use crate::state::SLOTS_PER_ENTRY;
+use crate::state::{self, SLOTS_PER_ENTRY};
 
 /// Longest `max_wait` of a queueing route class.
 pub const MAX_QUEUE_WAIT_NS: u64 = 30 * NANOS_PER_SEC;
@@ -657,6 +657,27 @@ fn compile_limits(
             shadow,
             global,
         });
+    }
+    // One key's records for all these limits share one key-table slot.
+    let records_len = limits
+        .iter()
+        .map(|l| {
+            let state = if l.global {
+                crate::sync::stored::MAX_ALLOWANCE_LEN
+            } else {
+                l.algo.max_state_len()
+            };
+            state::RECORD_HEADER_LEN.saturating_add(state)
+        })
+        .fold(1usize, usize::saturating_add);
+    if records_len > state::MAX_RECORDS_LEN {
+        errors.add(
+            path.clone(),
+            format!(
+                "these limits need up to {records_len} bytes of state per key, more than the {} a key-table slot holds: use fewer or smaller sliding_window_log limits",
+                state::MAX_RECORDS_LEN
+            ),
+        );
     }
     limits
 }

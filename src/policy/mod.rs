@@ -18,6 +18,7 @@ use hashbrown::HashMap;
 
 use crate::limiter::algo::Algo;
 pub use crate::sync::FailureMode;
+pub use compile::{MAX_SYNC_INTERVAL_NS, MIN_SYNC_INTERVAL_NS};
 pub use doc::Node;
 pub use error::{FieldPath, PolicyError, PolicyErrors};
 pub use spec::Mode;

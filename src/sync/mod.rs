@@ -2,10 +2,12 @@
 //! node needs (no proxy-wasm, no clock, no I/O).
 //!
 //! * [`protocol`]: the versioned JSON messages of the batched sync exchange.
+//! * [`clamp`]: an answer's numbers bounded by what the policy allows.
 //! * [`node`]: the node-side allowance state machine per (key, limit):
 //!   leases, the provisional allowance, counts since the last acknowledged
 //!   report, and the failure modes.
 //! * [`stored`]: that state's binary form in Envoy shared data.
+//! * [`boot`]: the node's session id, one per Envoy process.
 //! * [`shared`]: one node's sync over shared data (which worker reports,
 //!   the scan, applying the answer), used by the glue.
 //!
@@ -13,6 +15,8 @@
 //! simulator that measures it live in the `tenantgate-central` crate, which
 //! depends on this one (never the other way round).
 
+pub mod boot;
+pub mod clamp;
 pub mod node;
 pub mod protocol;
 pub mod shared;

@@ -768,6 +768,7 @@ impl Node {
             region: self.cfg.region.clone(),
             policy_version: self.cfg.policy_version.clone(),
             seq,
+            boot: 0,
             acked_seq: self.sync.acked_seq,
             reports,
         })

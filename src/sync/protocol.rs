@@ -55,9 +55,17 @@ pub struct SyncRequest {
     pub region: String,
     /// The policy version the node enforces.
     pub policy_version: String,
-    /// Strictly increasing per node, across restarts too (a node seeds it
-    /// from its clock when it starts).
+    /// Strictly increasing per node within a session (`boot`); a node seeds
+    /// it from its clock when it starts.
     pub seq: u64,
+    /// The node's session: a value the node picks when it starts, unknown
+    /// to anyone else. A new `boot` starts a new session at the service
+    /// (its `seq`s start afresh); within a session the service refuses a
+    /// `seq` that jumps implausibly far ahead. `0` (the default, what a node
+    /// older than this field sends): no session; then the service bounds
+    /// `seq` by its own clock instead (see `tenantgate-central`).
+    #[serde(default)]
+    pub boot: u64,
     /// The `seq` of the last response this node applied (0: none yet).
     pub acked_seq: u64,
     pub reports: Vec<Report>,
@@ -183,6 +191,7 @@ mod tests {
             region: "eu-west".into(),
             policy_version: "demo-2026-11-30".into(),
             seq: 7,
+            boot: 0,
             acked_seq: 6,
             reports: vec![Report {
                 key: "t1|orders".into(),

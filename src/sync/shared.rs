@@ -211,6 +211,7 @@ pub fn request(policy: &Policy, node_id: &str, region: &str, acked_seq: u64, sca
         region: region.to_owned(),
         policy_version: policy.version.clone(),
         seq: scan.seq,
+        boot: 0,
         acked_seq,
         reports: scan.reports.clone(),
     }
@@ -436,7 +437,9 @@ fn update_slot<H: Host>(
                 .iter()
                 .enumerate()
                 .map(|(j, s)| if j == i { new_slot } else { *s });
-            state::encode_entry(out, &mut scratch);
+            if !state::encode_entry(out, &mut scratch) {
+                return None;
+            }
             match host.shared_set(&entry, &scratch, cas) {
                 Ok(CasResult::Written) => return Some(leases),
                 Ok(CasResult::Conflict) => continue 'attempt,

@@ -51,6 +51,9 @@ fn put_counts(out: &mut Vec<u8>, c: &Counts) {
     put(out, c.demand);
 }
 
+/// The most bytes [`encode_allowance`] writes: version, flags, nine u64.
+pub const MAX_ALLOWANCE_LEN: usize = 2 + 9 * 8;
+
 /// `[version][flags] [tokens_left expires_at]? provisional_left consumed
 /// unleased demand lease_used share [local_tat]? [awaiting_since]?
 /// [last_demand_at]?`
@@ -249,10 +252,14 @@ mod tests {
             expires_at: 99,
         });
         a.local_tat = Some(3);
+        let mut full = Vec::new();
+        encode_allowance(&a, &mut full);
+        assert_eq!(full.len(), MAX_ALLOWANCE_LEN, "every optional field set");
         for a in [Allowance::fresh(2), a] {
             let mut out = Vec::new();
             encode_allowance(&a, &mut out);
             assert_eq!(decode_allowance(&out), Some(a));
+            assert!(out.len() <= MAX_ALLOWANCE_LEN);
             for cut in 0..out.len() {
                 assert_eq!(decode_allowance(&out[..cut]), None);
             }

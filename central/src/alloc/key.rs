@@ -88,18 +88,14 @@ impl KeyState {
         }
     }
 
-    /// An empty record to swap in while the real one is being updated
-    /// (allocates nothing).
-    pub(crate) fn placeholder() -> KeyState {
-        KeyState::new(
-            GlobalLimit {
-                limit: 1,
-                window_ns: 1,
-                burst: 1,
-                max_cost: 1,
-            },
-            0,
-        )
+    /// Nothing left that a fresh record would not have: no node, a full
+    /// bucket, no debt. The service may then drop the record (a new one
+    /// starts exactly like this).
+    pub fn is_idle(&self) -> bool {
+        self.nodes.is_empty()
+            && self.owed == 0
+            && self.bucket >= self.limit.burst
+            && self.regions.values().all(|r| r.debt == 0)
     }
 
     pub fn holds(&self, node: &str) -> bool {
@@ -137,17 +133,22 @@ impl KeyState {
     }
 
     fn reserved(&self) -> u64 {
-        self.nodes.values().map(|n| n.reserve).sum()
+        self.nodes
+            .values()
+            .fold(0u64, |sum, n| sum.saturating_add(n.reserve))
     }
 
     /// The flow of interval `k` in units of `1/scale`: `r·I`, exact over
     /// consecutive intervals.
     fn flow_of(&self, k: u64, scale: u64, cfg: &AllocConfig) -> u64 {
         let total = |k: u64| {
-            u128::from(self.limit.limit) * u128::from(cfg.interval_ns) * u128::from(k) * u128::from(scale)
-                / u128::from(self.limit.window_ns)
+            u128::from(self.limit.limit)
+                .saturating_mul(u128::from(cfg.interval_ns))
+                .saturating_mul(u128::from(k))
+                .saturating_mul(u128::from(scale))
+                / u128::from(self.limit.window_ns.max(1))
         };
-        u64::try_from(total(k + 1) - total(k)).unwrap_or(u64::MAX)
+        u64::try_from(total(k.saturating_add(1)).saturating_sub(total(k))).unwrap_or(u64::MAX)
     }
 
     /// What the bucket holds beyond what is promised: every node's credit,
@@ -208,7 +209,7 @@ impl KeyState {
         self.owed -= paid;
         available -= paid;
         for (region, amount) in charges {
-            self.stats.precharged += amount;
+            self.stats.precharged = self.stats.precharged.saturating_add(amount);
             let taken = amount.min(available);
             available -= taken;
             self.book_debt_raw(&region, amount - taken);
@@ -219,7 +220,7 @@ impl KeyState {
         for nk in self.nodes.values_mut() {
             if nk.reserve > 0 && now >= nk.granted_at.saturating_add(settle_after) {
                 nk.written_off = nk.written_off.saturating_add(nk.reserve);
-                self.stats.written_off += nk.reserve;
+                self.stats.written_off = self.stats.written_off.saturating_add(nk.reserve);
                 nk.reserve = 0;
             }
         }
@@ -227,7 +228,9 @@ impl KeyState {
         self.nodes.retain(|_, nk| {
             nk.reserve > 0
                 || now < nk.granted_at.saturating_add(forget_after)
-                || now < nk.last_report_at.saturating_add(3 * cfg.interval_ns)
+                || now
+                    < nk.last_report_at
+                        .saturating_add(cfg.interval_ns.saturating_mul(3))
         });
 
         // Only a later interval is allocated: a request stamped earlier (a
@@ -245,11 +248,11 @@ impl KeyState {
         self.flow = self.flow_of(k, 1, cfg);
         let flow_milli = self.flow_of(k, MILLI, cfg);
         let max_cost = self.limit.max_cost.max(1);
-        let recent = 3 * cfg.interval_ns;
+        let recent = cfg.interval_ns.saturating_mul(3);
         let mut reserved = 0u64;
         let mut by_region: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for (id, nk) in &mut self.nodes {
-            let stale = now.saturating_sub(nk.last_report_at) > 2 * cfg.interval_ns;
+            let stale = now.saturating_sub(nk.last_report_at) > cfg.interval_ns.saturating_mul(2);
             if stale {
                 nk.demand *= 0.5;
             }
@@ -285,7 +288,7 @@ impl KeyState {
             ids.iter()
                 .filter_map(|id| self.nodes.get(id))
                 .map(|nk| milli(nk.demand))
-                .sum()
+                .fold(0u64, u64::saturating_add)
         };
         // Floors let an idle region or node start; they never take more
         // than half of what is split, or at small flows (100/min is 1.67
@@ -311,12 +314,15 @@ impl KeyState {
             if rv.debt > 0 {
                 // Repaid out of this region's own part: that much of the
                 // refill is destroyed, not lent to other regions.
-                let repay = rv.debt.min(part * cfg.repay_pct / 100 / MILLI);
+                let repay = rv.debt.min(
+                    u64::try_from(u128::from(part) * u128::from(cfg.repay_pct) / 100 / u128::from(MILLI))
+                        .unwrap_or(u64::MAX),
+                );
                 self.owed = self.owed.saturating_add(repay);
                 rv.debt -= repay;
-                rv.repaid_total += repay;
-                self.stats.repaid += repay;
-                part -= repay * MILLI;
+                rv.repaid_total = rv.repaid_total.saturating_add(repay);
+                self.stats.repaid = self.stats.repaid.saturating_add(repay);
+                part = part.saturating_sub(repay.saturating_mul(MILLI));
             }
             let node_floor = cfg
                 .node_floor
@@ -390,9 +396,9 @@ impl KeyState {
         let Some(nk) = self.nodes.get_mut(node) else {
             return;
         };
-        self.stats.consumed += delta.consumed;
-        self.stats.unleased += delta.unleased;
-        self.stats.demand += delta.demand;
+        self.stats.consumed = self.stats.consumed.saturating_add(delta.consumed);
+        self.stats.unleased = self.stats.unleased.saturating_add(delta.unleased);
+        self.stats.demand = self.stats.demand.saturating_add(delta.demand);
         let covered = delta.unleased.min(nk.assumed);
         nk.assumed -= covered;
         let mut debt = delta.unleased - covered;
@@ -410,7 +416,7 @@ impl KeyState {
             reclaim += after.saturating_sub(bound);
             nk.reserve = bound.min(after);
             // On a lease since then: every local admission is reported.
-            self.stats.written_off += nk.assumed;
+            self.stats.written_off = self.stats.written_off.saturating_add(nk.assumed);
             nk.assumed = 0;
         } else {
             excess = on_leases.saturating_sub(nk.reserve);
@@ -420,29 +426,29 @@ impl KeyState {
         // can come from them.
         let dead_at = nk.granted_at.saturating_add(cfg.lease_life_ns());
         if intake.acked_last && intake.prev_heard_at.is_some_and(|h| h >= dead_at) {
-            reclaim += nk.reserve;
+            reclaim = reclaim.saturating_add(nk.reserve);
             nk.reserve = 0;
         }
         let from_written_off = excess.min(nk.written_off);
         nk.written_off -= from_written_off;
-        debt += excess - from_written_off;
+        debt = debt.saturating_add(excess - from_written_off);
         let region = nk.region.clone();
         self.bucket = self.bucket.saturating_add(reclaim);
-        self.stats.reclaimed += reclaim;
+        self.stats.reclaimed = self.stats.reclaimed.saturating_add(reclaim);
         if debt > 0 {
-            self.stats.debt_booked += debt;
+            self.stats.debt_booked = self.stats.debt_booked.saturating_add(debt);
             let now_repaid = debt.min(self.bucket);
             self.bucket -= now_repaid;
-            self.stats.repaid += now_repaid;
+            self.stats.repaid = self.stats.repaid.saturating_add(now_repaid);
             let rv = self.regions.entry(region).or_default();
-            rv.repaid_total += now_repaid;
+            rv.repaid_total = rv.repaid_total.saturating_add(now_repaid);
             rv.debt = rv.debt.saturating_add(debt - now_repaid);
         }
     }
 
     fn book_debt_raw(&mut self, region: &str, amount: u64) {
         if amount > 0 {
-            self.stats.debt_booked += amount;
+            self.stats.debt_booked = self.stats.debt_booked.saturating_add(amount);
             let rv = self.regions.entry(region.to_owned()).or_default();
             rv.debt = rv.debt.saturating_add(amount);
         }
@@ -466,7 +472,7 @@ impl KeyState {
             .iter()
             .filter(|(n, _)| n.as_str() != node)
             .map(|(_, nk)| nk.share_bound(now, cfg))
-            .sum();
+            .fold(0u64, u64::saturating_add);
         let Some(nk) = self.nodes.get_mut(node) else {
             return Lease {
                 key: id.0.clone(),
@@ -505,7 +511,7 @@ impl KeyState {
                 .credit
                 .saturating_sub_unsigned(from_credit.saturating_mul(MILLI));
             self.bucket -= draw;
-            self.stats.granted += draw;
+            self.stats.granted = self.stats.granted.saturating_add(draw);
             before + draw
         } else {
             level

@@ -15,6 +15,20 @@
 //!
 //! A request whose `seq` is not above the last applied one is a duplicate
 //! or arrived out of order; it is refused and counts nothing.
+//!
+//! # Sessions (`boot`)
+//! A node's `seq`s live within a session that the node starts: the
+//! request's `boot`, a value the node picks when it starts. A request with
+//! another `boot` than the session's starts a new session (its counts are
+//! taken whole, as for an unknown base), so a restarted node is never stuck
+//! behind the `seq` of its previous life, nor behind one that somebody else
+//! sent in its name. Within a session, a `seq` more than [`MAX_SEQ_STEP`]
+//! ahead of the last applied one is refused ([`SeqCheck::Jump`]): a node
+//! moves its `seq` by one per report. A node that sends no `boot` (`0`,
+//! older nodes) seeds its `seq` from its clock in nanoseconds when it starts
+//! and has one session forever; its `seq` is refused when it is more than
+//! [`MAX_SEQ_AHEAD_NS`] ahead of the service's clock, so nobody can push it
+//! to `u64::MAX` and lock the node out for good.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -23,6 +37,35 @@ use tenantgate::sync::{Counts, SyncRequest};
 
 /// A (key, limit).
 pub type KeyId = (String, String);
+
+/// Within a session, the furthest a `seq` may move past the last applied
+/// one: about twelve days of reports at one a second, with every one of
+/// them lost.
+pub const MAX_SEQ_STEP: u64 = 1 << 20;
+
+/// With no session (`boot == 0`), how far a `seq` may be ahead of the
+/// service's clock (nanoseconds): the nodes' clock offset from the
+/// service's. Ten minutes.
+pub const MAX_SEQ_AHEAD_NS: u64 = 600 * 1_000_000_000;
+
+/// The most (key, limit)s a session remembers counts for since its base
+/// (four requests of the node's maximum size). Beyond, it forgets them and
+/// takes the next counts whole: an error toward admitting less, and a
+/// session that cannot grow without bound however a node reports.
+pub const MAX_COUNTED: usize = 4 * 4096;
+
+/// How a request's `seq` stands against its node's session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqCheck {
+    /// The next request of the session.
+    Next,
+    /// Another `boot`: a new session starts with this request.
+    NewSession,
+    /// Not above the last applied `seq`: a duplicate or out of order.
+    Stale,
+    /// Implausibly far ahead (see the module header).
+    Jump,
+}
 
 /// What a request brings, once deduplicated.
 #[derive(Debug, Clone)]
@@ -43,6 +86,9 @@ pub struct Intake {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Session {
     pub region: String,
+    /// The session's `boot` (see the module header).
+    #[serde(default)]
+    boot: u64,
     last_seq: u64,
     base: u64,
     counted: BTreeMap<KeyId, Tally>,
@@ -51,6 +97,17 @@ pub struct Session {
     /// The (key, limit)s this node was ever granted a lease for and that
     /// still hold state.
     pub held: BTreeSet<KeyId>,
+}
+
+/// A session as format 1 (bincode) stored it, before `boot`.
+#[derive(Serialize, Deserialize)]
+struct SessionV1 {
+    region: String,
+    last_seq: u64,
+    base: u64,
+    counted: BTreeMap<KeyId, Tally>,
+    heard_at: Option<u64>,
+    held: BTreeSet<KeyId>,
 }
 
 /// [`Counts`] as a session stores them.
@@ -65,6 +122,7 @@ impl Session {
     pub fn new(region: &str) -> Session {
         Session {
             region: region.to_owned(),
+            boot: 0,
             last_seq: 0,
             base: 0,
             counted: BTreeMap::new(),
@@ -73,32 +131,99 @@ impl Session {
         }
     }
 
-    /// Deduplicates `req`'s counts; `None` if it is stale.
-    pub fn intake(&mut self, req: &SyncRequest, now: u64) -> Option<Intake> {
+    /// Reads a session that format 1 of the stores wrote (bincode, no
+    /// `boot`: the node's session of no boot).
+    pub fn from_v1_bincode(bytes: &[u8]) -> Result<Session, String> {
+        let v1: SessionV1 = bincode::deserialize(bytes).map_err(|e| e.to_string())?;
+        Ok(Session {
+            region: v1.region,
+            boot: 0,
+            last_seq: v1.last_seq,
+            base: v1.base,
+            counted: v1.counted,
+            heard_at: v1.heard_at,
+            held: v1.held,
+        })
+    }
+
+    /// A format-1 record of this session (tests of the read path).
+    #[doc(hidden)]
+    pub fn v1_bincode_for_tests(&self) -> Vec<u8> {
+        let v1 = SessionV1 {
+            region: self.region.clone(),
+            last_seq: self.last_seq,
+            base: self.base,
+            counted: self.counted.clone(),
+            heard_at: self.heard_at,
+            held: self.held.clone(),
+        };
+        let mut out = vec![1u8];
+        out.extend(bincode::serialize(&v1).unwrap_or_default());
+        out
+    }
+
+    /// How `req`'s `seq` stands (service clock `now`).
+    pub fn seq_check(&self, req: &SyncRequest, now: u64) -> SeqCheck {
+        if req.boot != self.boot {
+            return SeqCheck::NewSession;
+        }
         if req.seq <= self.last_seq {
-            return None;
+            return SeqCheck::Stale;
+        }
+        let jump = if req.boot == 0 {
+            req.seq > now.saturating_add(MAX_SEQ_AHEAD_NS)
+        } else {
+            self.last_seq != 0 && req.seq - self.last_seq > MAX_SEQ_STEP
+        };
+        if jump {
+            SeqCheck::Jump
+        } else {
+            SeqCheck::Next
+        }
+    }
+
+    /// Deduplicates `req`'s counts; `None` if it is stale or jumps (see
+    /// [`Session::seq_check`]).
+    pub fn intake(&mut self, req: &SyncRequest, now: u64) -> Option<Intake> {
+        match self.seq_check(req, now) {
+            SeqCheck::Stale | SeqCheck::Jump => return None,
+            SeqCheck::NewSession => {
+                self.boot = req.boot;
+                self.last_seq = 0;
+                self.base = 0;
+                self.counted.clear();
+            }
+            SeqCheck::Next => {}
         }
         let acked_last = self.last_seq != 0 && req.acked_seq == self.last_seq;
-        if acked_last || req.acked_seq != self.base {
+        if acked_last || req.acked_seq != self.base || self.counted.len() > MAX_COUNTED {
             self.base = req.acked_seq;
             self.counted.clear();
         }
         // A (key, limit) named twice in one report carries two parts of
         // its counts (two slots, a retried scan): they are summed first.
+        // (Each report is looked up once in an index: linear in the
+        // report, whatever its duplicates.)
         let mut totals: Vec<(KeyId, Tally)> = Vec::with_capacity(req.reports.len());
+        let mut index: BTreeMap<(&str, &str), usize> = BTreeMap::new();
         for r in &req.reports {
             let part = Tally {
                 consumed: r.consumed,
                 unleased: r.unleased,
                 demand: r.demand,
             };
-            match totals.iter_mut().find(|(id, _)| id.0 == r.key && id.1 == r.limit) {
-                Some((_, t)) => {
-                    t.consumed = t.consumed.saturating_add(part.consumed);
-                    t.unleased = t.unleased.saturating_add(part.unleased);
-                    t.demand = t.demand.saturating_add(part.demand);
+            match index.get(&(r.key.as_str(), r.limit.as_str())) {
+                Some(&i) => {
+                    if let Some((_, t)) = totals.get_mut(i) {
+                        t.consumed = t.consumed.saturating_add(part.consumed);
+                        t.unleased = t.unleased.saturating_add(part.unleased);
+                        t.demand = t.demand.saturating_add(part.demand);
+                    }
                 }
-                None => totals.push(((r.key.clone(), r.limit.clone()), part)),
+                None => {
+                    index.insert((r.key.as_str(), r.limit.as_str()), totals.len());
+                    totals.push(((r.key.clone(), r.limit.clone()), part));
+                }
             }
         }
         let mut deltas = Vec::with_capacity(totals.len());
@@ -136,6 +261,7 @@ mod tests {
             region: "r".into(),
             policy_version: "v".into(),
             seq,
+            boot: 0,
             acked_seq,
             reports: vec![Report {
                 key: "k".into(),
@@ -195,6 +321,65 @@ mod tests {
         let mut again = req(11, 0, 5);
         again.reports.push(again.reports[0].clone());
         assert_eq!(consumed(&s.intake(&again, 2).unwrap()), 0);
+    }
+
+    #[test]
+    fn a_seq_pushed_to_the_maximum_is_refused_and_locks_nobody_out() {
+        // The reported lock-out: a request in the node's name with
+        // seq u64::MAX made every later report of the node stale.
+        let mut s = Session::new("r");
+        assert!(s.intake(&req(u64::MAX, 0, 5), 1).is_none());
+        assert_eq!(s.seq_check(&req(u64::MAX, 0, 5), 1), SeqCheck::Jump);
+        assert_eq!(consumed(&s.intake(&req(10, 0, 5), 2).unwrap()), 5);
+    }
+
+    #[test]
+    fn a_new_boot_starts_a_new_session_and_a_jump_within_one_is_refused() {
+        let with_boot = |seq, acked, consumed, boot| SyncRequest {
+            boot,
+            ..req(seq, acked, consumed)
+        };
+        let mut s = Session::new("r");
+        s.intake(&with_boot(1_000, 0, 5, 7), 1).unwrap();
+        assert_eq!(
+            s.seq_check(&with_boot(1_000 + MAX_SEQ_STEP + 1, 1_000, 1, 7), 2),
+            SeqCheck::Jump
+        );
+        assert!(s
+            .intake(&with_boot(1_000 + MAX_SEQ_STEP + 1, 1_000, 1, 7), 2)
+            .is_none());
+        s.intake(&with_boot(1_000 + MAX_SEQ_STEP, 1_000, 2, 7), 2)
+            .unwrap();
+        // Somebody pushes the session to the end in the node's name with
+        // another boot: a session of its own...
+        s.intake(&with_boot(u64::MAX, 0, 0, 99), 3).unwrap();
+        // ...which the node's next request (its own boot) replaces.
+        // Restarted, with seq below its old ones: a new session.
+        let i = s.intake(&with_boot(5, 0, 4, 8), 4).unwrap();
+        assert_eq!(consumed(&i), 4);
+        assert!(!i.acked_last);
+        assert_eq!(s.seq_check(&with_boot(5, 0, 4, 8), 5), SeqCheck::Stale);
+        assert_eq!(s.seq_check(&with_boot(6, 5, 4, 8), 5), SeqCheck::Next);
+    }
+
+    #[test]
+    fn a_session_never_remembers_more_than_its_bound() {
+        // A node that never acknowledges, with new keys in every request.
+        let mut s = Session::new("r");
+        for seq in 1..=10u64 {
+            let mut r = req(seq, 0, 1);
+            r.reports = (0..4096)
+                .map(|k| Report {
+                    key: format!("k{seq}-{k}"),
+                    limit: "l".into(),
+                    consumed: 1,
+                    unleased: 0,
+                    demand: 1,
+                })
+                .collect();
+            s.intake(&r, seq).unwrap();
+            assert!(s.counted.len() <= MAX_COUNTED + 4096, "{}", s.counted.len());
+        }
     }
 
     #[test]

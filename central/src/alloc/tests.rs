@@ -72,6 +72,7 @@ impl Req {
             region: self.region.into(),
             policy_version: "v1".into(),
             seq: self.seq,
+            boot: 0,
             acked_seq: self.acked,
             reports: vec![Report {
                 key: "k".into(),

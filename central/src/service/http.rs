@@ -1,19 +1,32 @@
-//! The HTTP API (axum) and `serve`: listener, timers, graceful shutdown.
+//! The HTTP API (axum) and `serve`: two listeners, timers, graceful
+//! shutdown.
 //!
-//! | endpoint | answer |
-//! |---|---|
-//! | `POST /v1/sync` | `SyncRequest` JSON → `200` `SyncResponse` JSON; `400` invalid, `409` stale, `503` not ready / store unavailable / too slow, `500` store refused; errors are `{"error": …, "transient": bool}` |
-//! | `GET /healthz` | `200 ok` while the process serves |
-//! | `GET /readyz` | `200 ready` when a policy is loaded and the store answers, else `503` with the reason |
-//! | `GET /metrics` | Prometheus text |
+//! The **sync listener** serves only the sync API; the **admin listener**
+//! serves health, readiness and metrics, so exposing metrics never exposes
+//! the sync API.
+//!
+//! | listener | endpoint | answer |
+//! |---|---|---|
+//! | sync | `POST /v1/sync` | `SyncRequest` JSON → `200` `SyncResponse` JSON; `400` invalid, `401` no identity where one is required, `403` another node's id or region, `409` stale, `413` body too large, `429` the session cap is reached (a new node), `503` not ready / busy / store unavailable / too slow, `500` store refused or internal; errors are `{"error": …, "transient": bool}` |
+//! | admin | `GET /healthz` | `200 ok` while the process serves |
+//! | admin | `GET /readyz` | `200 ready` when a policy is loaded and the store answers, else `503` with the reason |
+//! | admin | `GET /metrics` | Prometheus text |
+//!
+//! # Authentication
+//! With [`Auth::tls`] the sync listener speaks TLS only, and requires a
+//! client certificate signed by the configured CA ([`super::tls`]); the
+//! certificate names the node (and maybe its region), and a node may report
+//! only as itself. A sync listener on a non-loopback address without it
+//! refuses to start ([`check_exposure`]) unless [`Auth::insecure`] is set.
 
+use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{ConnectInfo, DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -21,13 +34,22 @@ use axum::Router;
 use tracing::{info, warn};
 
 use super::metrics::Gauges;
+use super::tls::{Peer, SyncListener, TlsFiles};
 use super::{watch_policy, Service, SyncError};
 use crate::store::Store;
 
-/// The API over one service replica.
-pub fn router(service: Arc<Service>) -> Router {
+/// The sync API over one service replica (on the sync listener).
+pub fn sync_router(service: Arc<Service>) -> Router {
+    let max_body = service.intake_limits().max_body_bytes;
     Router::new()
         .route("/v1/sync", post(sync))
+        .layer(DefaultBodyLimit::max(max_body))
+        .with_state(service)
+}
+
+/// Health, readiness and metrics (on the admin listener).
+pub fn admin_router(service: Arc<Service>) -> Router {
+    Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -38,18 +60,35 @@ fn json(status: StatusCode, body: String) -> Response {
     (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
-async fn sync(State(service): State<Arc<Service>>, body: Bytes) -> Response {
-    match service.sync_json(&body).await {
+async fn sync(
+    State(service): State<Arc<Service>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: Bytes,
+) -> Response {
+    if peer.tls && peer.identity.is_none() {
+        let e =
+            SyncError::Forbidden("the client certificate names no node (see README, Security)".to_owned());
+        service
+            .metrics
+            .request(super::metrics::Outcome::Forbidden, Duration::ZERO);
+        let body = serde_json::json!({ "error": e.to_string(), "transient": false });
+        return json(StatusCode::FORBIDDEN, body.to_string());
+    }
+    match service.sync_json(body, peer.identity).await {
         Ok(resp) => json(StatusCode::OK, resp.to_json()),
         Err(e) => {
             let (status, transient) = match &e {
-                SyncError::Invalid(_) => (StatusCode::BAD_REQUEST, false),
+                SyncError::Invalid(_) | SyncError::SeqJump(_) => (StatusCode::BAD_REQUEST, false),
+                SyncError::Forbidden(_) => (StatusCode::FORBIDDEN, false),
                 SyncError::Stale(_) => (StatusCode::CONFLICT, false),
-                SyncError::NotReady | SyncError::Timeout(_) => (StatusCode::SERVICE_UNAVAILABLE, true),
+                SyncError::SessionsFull(_) => (StatusCode::TOO_MANY_REQUESTS, true),
+                SyncError::NotReady | SyncError::Timeout(_) | SyncError::Busy(_) => {
+                    (StatusCode::SERVICE_UNAVAILABLE, true)
+                }
                 SyncError::Store(s) if s.is_transient() => (StatusCode::SERVICE_UNAVAILABLE, true),
-                SyncError::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, false),
+                SyncError::Store(_) | SyncError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, false),
             };
-            if status.is_server_error() {
+            if status.is_server_error() && !matches!(e, SyncError::Busy(_)) {
                 warn!(error = %e, "sync failed");
             }
             let body = serde_json::json!({ "error": e.to_string(), "transient": transient });
@@ -71,9 +110,11 @@ async fn metrics(State(service): State<Arc<Service>>) -> Response {
         Ok(n) => (Some(n), true),
         Err(_) => (None, false),
     };
+    let sessions = store.session_count().await.ok();
     let cfg = service.config();
     let text = service.metrics.render(&Gauges {
         keys,
+        sessions,
         policy_version: cfg.as_deref().map(|c| c.policy_version.as_str()),
         store: store.kind(),
         store_up: up,
@@ -86,12 +127,56 @@ async fn metrics(State(service): State<Arc<Service>>) -> Response {
         .into_response()
 }
 
+/// How the sync listener authenticates nodes.
+#[derive(Debug, Clone, Default)]
+pub struct Auth {
+    /// mTLS: the service's certificate and key, and the CA that signs the
+    /// nodes' certificates.
+    pub tls: Option<TlsFiles>,
+    /// Serve the sync API unauthenticated on a non-loopback address (a
+    /// private network): logged as a warning at start.
+    pub insecure: bool,
+}
+
 /// What `tenantgate serve` runs.
 pub struct ServeOptions {
+    /// The sync API's address.
     pub listen: SocketAddr,
+    /// Health, readiness and metrics.
+    pub admin: SocketAddr,
     pub policy: PathBuf,
     /// How often the policy file is checked for changes.
     pub policy_poll: Duration,
+    pub auth: Auth,
+}
+
+/// The default sync address (`--listen`).
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:10002";
+/// The default admin address (`--admin`).
+pub const DEFAULT_ADMIN: &str = "127.0.0.1:9902";
+
+/// Refuses an unauthenticated sync API beyond loopback: anyone who can
+/// reach it decides every node's allowance.
+pub fn check_exposure(listen: SocketAddr, auth: &Auth) -> Result<(), String> {
+    if auth.tls.is_some() || listen.ip().is_loopback() {
+        return Ok(());
+    }
+    if auth.insecure {
+        warn!(%listen, "--insecure: the sync API is served WITHOUT authentication; anyone who can reach it can change every node's allowance");
+        return Ok(());
+    }
+    Err(format!(
+        "--listen {listen} is not a loopback address and no authentication is configured: \
+         anyone who could reach it would decide every node's allowance. Configure mTLS \
+         (`tenantgate certs init --dir DIR`, then --tls-cert DIR/service.pem --tls-key DIR/service.key \
+         --client-ca DIR/ca.pem), or pass --insecure on a private network"
+    ))
+}
+
+/// The bound listeners of one replica.
+pub struct Listeners {
+    pub sync: tokio::net::TcpListener,
+    pub admin: tokio::net::TcpListener,
 }
 
 /// Serves until `shutdown` resolves; then stops accepting, finishes the
@@ -101,37 +186,75 @@ pub async fn serve(
     opts: ServeOptions,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let listener = tokio::net::TcpListener::bind(opts.listen).await?;
-    serve_on(service, listener, opts, shutdown).await
+    check_exposure(opts.listen, &opts.auth).map_err(std::io::Error::other)?;
+    let bind = |addr: SocketAddr| async move {
+        tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}")))
+    };
+    let listeners = Listeners {
+        sync: bind(opts.listen).await?,
+        admin: bind(opts.admin).await?,
+    };
+    serve_on(service, listeners, opts, shutdown).await
 }
 
-/// [`serve`] on a bound listener (tests bind port 0).
+/// [`serve`] on bound listeners (tests bind port 0).
 pub async fn serve_on(
     service: Arc<Service>,
-    listener: tokio::net::TcpListener,
+    listeners: Listeners,
     opts: ServeOptions,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let addr = listener.local_addr()?;
+    let addr = listeners.sync.local_addr()?;
+    let admin_addr = listeners.admin.local_addr()?;
+    let sync_listener = match &opts.auth.tls {
+        Some(files) => SyncListener::tls(listeners.sync, files)?,
+        None => SyncListener::plain(listeners.sync),
+    };
     if service.config().is_none() {
         // Not ready until a valid policy appears (the watcher reloads it).
         let _ = service.reload(&opts.policy);
     }
     let store: &Arc<dyn Store> = service.store();
-    info!(%addr, store = store.kind(), policy = %opts.policy.display(), "tenantgate serve listening");
+    info!(%addr, admin = %admin_addr, tls = opts.auth.tls.is_some(), store = store.kind(), policy = %opts.policy.display(), "tenantgate serve listening");
     let watcher = tokio::spawn(watch_policy(
         service.clone(),
         opts.policy.clone(),
         opts.policy_poll,
     ));
     let sweeper = tokio::spawn(super::sweep_every_interval(service.clone()));
-    let result = axum::serve(listener, router(service))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut stop_admin = stop_rx.clone();
+    let mut stop_sync = stop_rx;
+    let admin = tokio::spawn(
+        axum::serve(listeners.admin, admin_router(service.clone()))
+            .with_graceful_shutdown(async move {
+                let _ = stop_admin.wait_for(|s| *s).await;
+            })
+            .into_future(),
+    );
+    let sync = axum::serve(
+        sync_listener,
+        sync_router(service).into_make_service_with_connect_info::<Peer>(),
+    )
+    .with_graceful_shutdown(async move {
+        let _ = stop_sync.wait_for(|s| *s).await;
+    });
+    let signal = tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let result = sync.await;
+    let admin_result = match admin.await {
+        Ok(r) => r,
+        Err(e) => Err(std::io::Error::other(e)),
+    };
+    signal.abort();
     watcher.abort();
     sweeper.abort();
     info!("tenantgate serve stopped");
-    result
+    result.and(admin_result)
 }
 
 /// Resolves on SIGTERM or ctrl-c.
@@ -178,7 +301,13 @@ pub fn open_store(spec: &str) -> Result<Arc<dyn Store>, String> {
 
 /// `tenantgate serve`: logs to stderr (`RUST_LOG` filters, default `info`),
 /// a multi-threaded runtime, serve until SIGTERM or ctrl-c.
-pub fn run(store: &str, opts: ServeOptions, settings: super::Settings) -> Result<(), String> {
+pub fn run(
+    store: &str,
+    opts: ServeOptions,
+    settings: super::Settings,
+    intake: super::IntakeLimits,
+    state: super::StateLimits,
+) -> Result<(), String> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
@@ -193,13 +322,15 @@ pub fn run(store: &str, opts: ServeOptions, settings: super::Settings) -> Result
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
     runtime.block_on(async {
         let store = open_store(store)?;
-        let service = Arc::new(Service::new(
+        let service = Arc::new(Service::with_limits(
             store,
             Arc::new(super::SystemClock::default()),
             settings,
+            intake,
+            state,
         ));
         serve(service, opts, shutdown_signal())
             .await
-            .map_err(|e| format!("cannot serve: {e}"))
+            .map_err(|e| e.to_string())
     })
 }

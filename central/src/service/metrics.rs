@@ -19,16 +19,26 @@ pub enum Outcome {
     NotReady,
     StoreError,
     Timeout,
+    Forbidden,
+    SeqJump,
+    SessionsFull,
+    Busy,
+    Internal,
 }
 
 impl Outcome {
-    const ALL: [Outcome; 6] = [
+    const ALL: [Outcome; 11] = [
         Outcome::Ok,
         Outcome::Stale,
         Outcome::Invalid,
         Outcome::NotReady,
         Outcome::StoreError,
         Outcome::Timeout,
+        Outcome::Forbidden,
+        Outcome::SeqJump,
+        Outcome::SessionsFull,
+        Outcome::Busy,
+        Outcome::Internal,
     ];
 
     fn label(self) -> &'static str {
@@ -39,14 +49,27 @@ impl Outcome {
             Outcome::NotReady => "not_ready",
             Outcome::StoreError => "store_error",
             Outcome::Timeout => "timeout",
+            Outcome::Forbidden => "forbidden",
+            Outcome::SeqJump => "seq_jump",
+            Outcome::SessionsFull => "sessions_full",
+            Outcome::Busy => "busy",
+            Outcome::Internal => "internal",
         }
     }
 }
 
 #[derive(Default)]
 pub struct Metrics {
-    requests: [AtomicU64; 6],
+    requests: [AtomicU64; Outcome::ALL.len()],
     pub reports: AtomicU64,
+    /// Report counts clamped to the plausible (`service::validate`).
+    pub clamped: AtomicU64,
+    /// New (key, limit)s refused at the key cap.
+    pub keys_refused: AtomicU64,
+    /// Records removed by the sweep after inactivity.
+    pub expired_sessions: AtomicU64,
+    pub expired_keys: AtomicU64,
+    pub sweeps_failed: AtomicU64,
     pub leases: AtomicU64,
     pub unknown_limits: AtomicU64,
     pub policy_skew: AtomicU64,
@@ -63,6 +86,7 @@ pub struct Metrics {
 /// What /metrics shows beside the counters.
 pub struct Gauges<'a> {
     pub keys: Option<u64>,
+    pub sessions: Option<u64>,
     pub policy_version: Option<&'a str>,
     pub store: &'a str,
     pub store_up: bool,
@@ -153,8 +177,29 @@ impl Metrics {
         );
         counter(
             "tenantgate_sweeps_total",
-            "Timer passes that brought every key to the current interval.",
-            &[("", self.sweeps.load(Relaxed))],
+            "Timer passes that brought every key to the current interval, by result.",
+            &[
+                ("{result=\"ok\"}", self.sweeps.load(Relaxed)),
+                ("{result=\"error\"}", self.sweeps_failed.load(Relaxed)),
+            ],
+        );
+        counter(
+            "tenantgate_sync_clamped_total",
+            "Report counts above what the limit and interval allow, clamped.",
+            &[("", self.clamped.load(Relaxed))],
+        );
+        counter(
+            "tenantgate_keys_refused_total",
+            "New (key, limit)s refused because the service holds its maximum of keys.",
+            &[("", self.keys_refused.load(Relaxed))],
+        );
+        counter(
+            "tenantgate_expired_total",
+            "Records removed after inactivity, by kind.",
+            &[
+                ("{record=\"session\"}", self.expired_sessions.load(Relaxed)),
+                ("{record=\"key\"}", self.expired_keys.load(Relaxed)),
+            ],
         );
 
         let name = "tenantgate_sync_duration_seconds";
@@ -178,6 +223,9 @@ impl Metrics {
         };
         if let Some(keys) = g.keys {
             gauge("tenantgate_keys", "(key, limit) records in the store.", "", keys);
+        }
+        if let Some(sessions) = g.sessions {
+            gauge("tenantgate_sessions", "Node sessions in the store.", "", sessions);
         }
         gauge(
             "tenantgate_store_up",

@@ -21,6 +21,16 @@
 //! go on for keys nobody reports. Several replicas doing it is harmless:
 //! a key rolls over once per interval whoever gets there first.
 //!
+//! Every request is checked and bounded before the allocator sees it
+//! ([`validate`]: sizes, identity, regions, plausible counts), and worked on
+//! in a task of its own, at most [`IntakeLimits::max_in_flight`] at once
+//! (beyond: `503`). The deadline answers the node `503` but never cancels
+//! the task: a request's store steps always run to their end, so the
+//! deadline cannot leave a partial write (the node's retry carries the same
+//! counts, and its session then knows them). A panic in a request (a bug)
+//! answers `500` and changes nothing more: the stores write each record all
+//! or nothing.
+//!
 //! Known limit: a request that fails after its session step (a store error
 //! in the middle) leaves its counts recorded as seen for the keys it did not
 //! update; the node retries with them, and those are then not counted again.
@@ -29,6 +39,8 @@
 mod http;
 pub mod metrics;
 pub mod policy;
+pub mod tls;
+pub mod validate;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -36,13 +48,18 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tenantgate::sync::{SyncRequest, SyncResponse, PROTOCOL_VERSION};
+use tokio::sync::Semaphore;
 use tracing::{info, warn};
 
-use crate::alloc::{self, AllocConfig, KeyId, KeyState, Visit};
+use crate::alloc::{self, AllocConfig, KeyId, KeyState, SeqCheck, Session, Visit};
 use crate::store::{Store, StoreError};
-pub use http::{open_store, router, run, serve, serve_on, shutdown_signal, ServeOptions};
+pub use http::{
+    admin_router, check_exposure, open_store, run, serve, serve_on, shutdown_signal, sync_router, Auth,
+    Listeners, ServeOptions, DEFAULT_ADMIN, DEFAULT_LISTEN,
+};
 use metrics::{Metrics, Outcome};
 pub use policy::{PolicyLimits, Settings};
+pub use validate::{Identity, IntakeLimits, Refusal, StateLimits};
 
 /// The service's clock, in nanoseconds.
 pub trait Clock: Send + Sync {
@@ -106,14 +123,26 @@ impl Clock for ManualClock {
 pub enum SyncError {
     #[error("{0}")]
     Invalid(String),
+    /// The request names another node or region than its sender's
+    /// identity, or it has none where one is required.
+    #[error("{0}")]
+    Forbidden(String),
     #[error("no policy loaded")]
     NotReady,
     #[error("stale sync request (seq {0}): nothing was counted")]
     Stale(u64),
+    #[error("seq {0} jumps implausibly far ahead of this node's session: nothing was counted")]
+    SeqJump(u64),
+    #[error("the service holds its maximum of {0} node sessions: a new node is refused")]
+    SessionsFull(u64),
+    #[error("{0} sync requests in progress: try again")]
+    Busy(usize),
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("no answer within {0:?}")]
     Timeout(Duration),
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 /// One service replica.
@@ -125,13 +154,38 @@ pub struct Service {
     pub metrics: Metrics,
     /// How long a sync request may take before it is answered 503.
     pub deadline: Duration,
+    intake: IntakeLimits,
+    state: StateLimits,
+    in_flight: Arc<Semaphore>,
+    /// The store's session and key counts as last seen (for the caps).
+    sessions_seen: AtomicU64,
+    keys_seen: AtomicU64,
+    /// When the sweep last expired sessions (service clock).
+    sessions_swept_at: AtomicU64,
 }
 
 impl Service {
     pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>, settings: Settings) -> Service {
+        Service::with_limits(
+            store,
+            clock,
+            settings,
+            IntakeLimits::default(),
+            StateLimits::default(),
+        )
+    }
+
+    pub fn with_limits(
+        store: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+        settings: Settings,
+        intake: IntakeLimits,
+        state: StateLimits,
+    ) -> Service {
         // Well within the node's callout timeout: an answer later than that
         // is discarded by the node anyway.
         let deadline = Duration::from_nanos(settings.response_timeout_ns / 2);
+        let in_flight = Arc::new(Semaphore::new(intake.max_in_flight.max(1)));
         Service {
             store,
             clock,
@@ -139,7 +193,26 @@ impl Service {
             config: RwLock::new(None),
             metrics: Metrics::default(),
             deadline,
+            intake,
+            state,
+            in_flight,
+            sessions_seen: AtomicU64::new(0),
+            keys_seen: AtomicU64::new(0),
+            sessions_swept_at: AtomicU64::new(0),
         }
+    }
+
+    pub fn intake_limits(&self) -> &IntakeLimits {
+        &self.intake
+    }
+
+    pub fn state_limits(&self) -> &StateLimits {
+        &self.state
+    }
+
+    /// Node sessions in the store, as last seen.
+    pub fn sessions_seen(&self) -> u64 {
+        self.sessions_seen.load(Relaxed)
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -196,31 +269,71 @@ impl Service {
         self.store.ping().await.map_err(|e| e.to_string())
     }
 
-    /// Answers one sync request body, within [`Service::deadline`], and
-    /// counts it.
-    pub async fn sync_json(&self, body: &[u8]) -> Result<SyncResponse, SyncError> {
+    /// Answers one sync request body from a sender with `identity` (the
+    /// one its certificate or token names; `None`: unauthenticated), within
+    /// [`Service::deadline`], and counts it.
+    pub async fn sync_json(
+        self: &Arc<Self>,
+        body: axum::body::Bytes,
+        identity: Option<Identity>,
+    ) -> Result<SyncResponse, SyncError> {
         let started = Instant::now();
-        let result = match tokio::time::timeout(self.deadline, self.sync_inner(body)).await {
-            Ok(r) => r,
-            Err(_) => Err(SyncError::Timeout(self.deadline)),
-        };
+        let result = self.sync_guarded(body, identity).await;
         let outcome = match &result {
             Ok(_) => Outcome::Ok,
             Err(SyncError::Invalid(_)) => Outcome::Invalid,
+            Err(SyncError::Forbidden(_)) => Outcome::Forbidden,
             Err(SyncError::NotReady) => Outcome::NotReady,
             Err(SyncError::Stale(_)) => Outcome::Stale,
+            Err(SyncError::SeqJump(_)) => Outcome::SeqJump,
+            Err(SyncError::SessionsFull(_)) => Outcome::SessionsFull,
+            Err(SyncError::Busy(_)) => Outcome::Busy,
             Err(SyncError::Store(e)) => {
                 self.metrics.store_error(e.is_transient());
                 Outcome::StoreError
             }
             Err(SyncError::Timeout(_)) => Outcome::Timeout,
+            Err(SyncError::Internal(_)) => Outcome::Internal,
         };
         self.metrics.request(outcome, started.elapsed());
         result
     }
 
-    async fn sync_inner(&self, body: &[u8]) -> Result<SyncResponse, SyncError> {
-        let req = SyncRequest::from_json(body).map_err(|e| SyncError::Invalid(e.to_string()))?;
+    /// At most `max_in_flight` at once, each in a task of its own that the
+    /// deadline does not cancel (see the module header).
+    async fn sync_guarded(
+        self: &Arc<Self>,
+        body: axum::body::Bytes,
+        identity: Option<Identity>,
+    ) -> Result<SyncResponse, SyncError> {
+        let permit = self
+            .in_flight
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| SyncError::Busy(self.intake.max_in_flight))?;
+        let this = self.clone();
+        let task = tokio::spawn(async move {
+            let _permit = permit;
+            this.sync_inner(&body, identity.as_ref()).await
+        });
+        match tokio::time::timeout(self.deadline, task).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => Err(SyncError::Internal(format!("the request's task failed: {e}"))),
+            Err(_) => Err(SyncError::Timeout(self.deadline)),
+        }
+    }
+
+    async fn sync_inner(&self, body: &[u8], identity: Option<&Identity>) -> Result<SyncResponse, SyncError> {
+        let mut req = SyncRequest::from_json(body).map_err(|e| SyncError::Invalid(e.to_string()))?;
+        validate::check(&req, &self.intake, identity).map_err(|e| match e {
+            Refusal::Invalid(m) => SyncError::Invalid(m),
+            Refusal::Identity(m) => SyncError::Forbidden(m),
+        })?;
+        let cfg = self.config().ok_or(SyncError::NotReady)?;
+        let clamped = validate::clamp(&mut req, &cfg);
+        if clamped > 0 {
+            self.metrics.clamped.fetch_add(clamped, Relaxed);
+        }
         self.sync(&req).await
     }
 
@@ -236,13 +349,32 @@ impl Service {
         let now = self.clock.now_ns();
 
         let mut begun = None;
+        let mut refused: Option<SyncError> = None;
+        let sessions_full = self.sessions_seen.load(Relaxed) >= self.state.max_sessions;
         let nodes = self
             .store
             .update_session(&req.node_id, &mut |slot| {
+                refused = None;
+                let check = match slot.as_ref() {
+                    Some(s) => s.seq_check(req, now),
+                    None if sessions_full => {
+                        refused = Some(SyncError::SessionsFull(self.state.max_sessions));
+                        return false;
+                    }
+                    None => Session::new(&req.region).seq_check(req, now),
+                };
+                if check == SeqCheck::Jump {
+                    refused = Some(SyncError::SeqJump(req.seq));
+                    return false;
+                }
                 begun = alloc::begin(slot, req, now);
                 begun.is_some()
             })
             .await?;
+        self.sessions_seen.store(nodes, Relaxed);
+        if let Some(e) = refused {
+            return Err(e);
+        }
         let Some(begun) = begun else {
             return Err(SyncError::Stale(req.seq));
         };
@@ -251,19 +383,39 @@ impl Service {
         let plan = begun.visits();
         let ids: Vec<KeyId> = plan.iter().map(|(id, _)| id.clone()).collect();
         let mut outcomes: Vec<Visit> = vec![Visit::Absent; plan.len()];
+        let mut over_cap: Vec<bool> = vec![false; plan.len()];
+        let keys_full = self.keys_seen.load(Relaxed) >= self.state.max_keys;
         self.store
             .update_keys(&ids, &mut |i, slot| {
-                let (id, delta) = &plan[i];
-                outcomes[i] = alloc::visit(&cfg, slot, id, *delta, &begun, nodes, now);
+                let (Some((id, delta)), Some(out), Some(capped)) =
+                    (plan.get(i), outcomes.get_mut(i), over_cap.get_mut(i))
+                else {
+                    return false;
+                };
+                *capped = false;
+                if slot.is_none() && keys_full && delta.is_some() {
+                    // A new (key, limit) beyond the cap: no record, no lease;
+                    // the node applies its failure mode to it.
+                    *capped = true;
+                    *out = Visit::UnknownLimit { holds: false };
+                    return false;
+                }
+                *out = alloc::visit(&cfg, slot, id, *delta, &begun, nodes, now);
                 slot.is_some()
             })
             .await?;
+        let capped = over_cap.iter().filter(|c| **c).count() as u64;
+        if capped > 0 {
+            self.metrics.keys_refused.fetch_add(capped, Relaxed);
+        }
         let visits: Vec<(KeyId, Visit)> = ids.into_iter().zip(outcomes).collect();
         let unknown = visits
             .iter()
             .filter(|(_, v)| matches!(v, Visit::UnknownLimit { .. }))
-            .count();
-        self.metrics.unknown_limits.fetch_add(unknown as u64, Relaxed);
+            .count() as u64;
+        self.metrics
+            .unknown_limits
+            .fetch_add(unknown.saturating_sub(capped), Relaxed);
 
         if alloc::finish_changes(&begun, &visits) {
             self.store
@@ -281,26 +433,79 @@ impl Service {
         Ok(resp)
     }
 
-    /// Brings every key to the current interval (the timer's pass).
+    /// Brings every key to the current interval (the timer's pass), drops
+    /// the (key, limit) records that hold nothing a new one would not, and
+    /// (every tenth of the session idle time) the sessions idle past it.
+    /// Returns how many keys it visited.
     pub async fn sweep(&self) -> Result<u64, StoreError> {
         let Some(cfg) = self.config() else {
             return Ok(0);
         };
         let now = self.clock.now_ns();
         let ids = self.store.key_ids().await?;
+        let mut expired = 0u64;
         for chunk in ids.chunks(512) {
             self.store
                 .update_keys(chunk, &mut |_, slot: &mut Option<KeyState>| match slot {
                     Some(ks) => {
                         alloc::advance(&cfg, ks, now);
+                        if ks.is_idle() {
+                            *slot = None;
+                            expired += 1;
+                        }
                         true
                     }
                     None => false,
                 })
                 .await?;
         }
+        self.metrics.expired_keys.fetch_add(expired, Relaxed);
         self.metrics.sweeps.fetch_add(1, Relaxed);
+        self.keys_seen
+            .store((ids.len() as u64).saturating_sub(expired), Relaxed);
+        let idle = self.session_idle_ns(&cfg);
+        let due = self.sessions_swept_at.load(Relaxed).saturating_add(idle / 10);
+        if now >= due {
+            self.sessions_swept_at.store(now, Relaxed);
+            self.expire_sessions(now, idle).await?;
+        }
         Ok(ids.len() as u64)
+    }
+
+    /// The session idle time in force: at least a lease's life plus the
+    /// local fallback plus the settling time.
+    fn session_idle_ns(&self, cfg: &AllocConfig) -> u64 {
+        let floor = cfg
+            .lease_life_ns()
+            .saturating_add(cfg.local_max_ns)
+            .saturating_add(cfg.settle_ns);
+        self.state.session_idle_ns.max(floor)
+    }
+
+    async fn expire_sessions(&self, now: u64, idle: u64) -> Result<(), StoreError> {
+        let nodes = self.store.session_ids().await?;
+        let mut left = nodes.len() as u64;
+        for node in nodes {
+            let mut expired = false;
+            let count = self
+                .store
+                .update_session(&node, &mut |slot| {
+                    expired = slot
+                        .as_ref()
+                        .is_some_and(|s| s.heard_at.is_none_or(|h| now.saturating_sub(h) >= idle));
+                    if expired {
+                        *slot = None;
+                    }
+                    expired
+                })
+                .await?;
+            left = count;
+            if expired {
+                self.metrics.expired_sessions.fetch_add(1, Relaxed);
+            }
+        }
+        self.sessions_seen.store(left, Relaxed);
+        Ok(())
     }
 
     /// The interval the service tells nodes to sync at.
@@ -336,15 +541,25 @@ pub async fn watch_policy(service: Arc<Service>, path: PathBuf, poll: Duration) 
     }
 }
 
-/// Runs [`Service::sweep`] every interval. Runs until the task is dropped.
+/// Runs [`Service::sweep`] every interval, until the task is dropped. Each
+/// pass runs in a task of its own: an error or a panic (a bug) in one pass
+/// is logged and counted, and the next pass runs as usual.
 pub async fn sweep_every_interval(service: Arc<Service>) {
     let mut tick = tokio::time::interval(service.interval());
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        if let Err(e) = service.sweep().await {
-            service.metrics.store_error(e.is_transient());
-            warn!(error = %e, transient = e.is_transient(), "sweep failed");
+        let pass = service.clone();
+        match tokio::spawn(async move { pass.sweep().await }).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                service.metrics.store_error(e.is_transient());
+                warn!(error = %e, transient = e.is_transient(), "sweep failed");
+            }
+            Err(e) => {
+                service.metrics.sweeps_failed.fetch_add(1, Relaxed);
+                warn!(error = %e, "sweep pass failed; the next one runs as usual");
+            }
         }
     }
 }

@@ -1,6 +1,13 @@
 //! The embedded store: the records in the service's memory, behind sharded
 //! mutexes (no lock is held across an `.await`). An update runs under its
 //! record's shard lock, so it is atomic and never retried.
+//!
+//! All or nothing, like the Redis store's compare-and-set: an update runs on
+//! a copy of the record, and only an update that returns is written. An
+//! update that panics (a bug: every value from the network is bounded
+//! before it gets here) leaves the record as it was, and the call fails
+//! with [`StoreError::Refused`]; nothing is ever swapped out for a
+//! placeholder that a panic could leave behind.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
@@ -56,10 +63,19 @@ impl Store for EmbeddedStore {
 
     async fn update_session(&self, node: &str, f: &mut SessionUpdate<'_>) -> Result<u64, StoreError> {
         let mut sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
-        let mut slot = sessions.remove(node);
-        f(&mut slot);
-        if let Some(s) = slot {
-            sessions.insert(node.to_owned(), s);
+        let mut slot = sessions.get(node).cloned();
+        match run_update(|| f(&mut slot)) {
+            None => return Err(panicked(node)),
+            Some(false) => return Ok(sessions.len() as u64),
+            Some(true) => {}
+        }
+        match slot {
+            Some(s) => {
+                sessions.insert(node.to_owned(), s);
+            }
+            None => {
+                sessions.remove(node);
+            }
         }
         Ok(sessions.len() as u64)
     }
@@ -67,23 +83,18 @@ impl Store for EmbeddedStore {
     async fn update_keys(&self, ids: &[KeyId], f: &mut KeyUpdate<'_>) -> Result<(), StoreError> {
         for (i, id) in ids.iter().enumerate() {
             let mut shard = self.shard(id);
-            match shard.get_mut(id) {
-                Some(ks) => {
-                    let mut slot = Some(std::mem::replace(ks, KeyState::placeholder()));
-                    f(i, &mut slot);
-                    match slot {
-                        Some(s) => *ks = s,
-                        None => {
-                            shard.remove(id);
-                        }
-                    }
+            let mut slot = shard.get(id).cloned();
+            match run_update(|| f(i, &mut slot)) {
+                None => return Err(panicked(&format!("{}|{}", id.0, id.1))),
+                Some(false) => continue,
+                Some(true) => {}
+            }
+            match slot {
+                Some(s) => {
+                    shard.insert(id.clone(), s);
                 }
                 None => {
-                    let mut slot = None;
-                    f(i, &mut slot);
-                    if let Some(s) = slot {
-                        shard.insert(id.clone(), s);
-                    }
+                    shard.remove(id);
                 }
             }
         }
@@ -99,11 +110,96 @@ impl Store for EmbeddedStore {
         Ok(out)
     }
 
+    async fn session_ids(&self) -> Result<Vec<String>, StoreError> {
+        Ok(self
+            .sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .cloned()
+            .collect())
+    }
+
+    async fn session_count(&self) -> Result<u64, StoreError> {
+        Ok(self.sessions.lock().unwrap_or_else(|e| e.into_inner()).len() as u64)
+    }
+
     async fn key_count(&self) -> Result<u64, StoreError> {
         let mut n = 0;
         for shard in &self.keys {
             n += shard.lock().unwrap_or_else(|e| e.into_inner()).len() as u64;
         }
         Ok(n)
+    }
+}
+
+/// Runs an update: whether to write its copy, or `None` if it panicked
+/// (its copy is then dropped, and the stored record stays as it was).
+fn run_update(f: impl FnOnce() -> bool) -> Option<bool> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).ok()
+}
+
+fn panicked(record: &str) -> StoreError {
+    StoreError::Refused(format!(
+        "the update of record {record} failed (a bug); the record is unchanged"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::GlobalLimit;
+
+    /// The reported hazard: a panic during an update left a placeholder in
+    /// place of the record (reservations and debts forgotten).
+    #[tokio::test]
+    async fn a_panicking_update_leaves_the_record_as_it_was() {
+        let store = EmbeddedStore::new();
+        let id: KeyId = ("t|api".into(), "per-min".into());
+        let limit = GlobalLimit {
+            limit: 100,
+            window_ns: 60_000_000_000,
+            burst: 40,
+            max_cost: 1,
+        };
+        store
+            .update_keys(std::slice::from_ref(&id), &mut |_, slot| {
+                *slot = Some(KeyState::new(limit, 5));
+                true
+            })
+            .await
+            .unwrap();
+        let before = store.key(&id).await.unwrap().unwrap().view();
+        let err = store
+            .update_keys(std::slice::from_ref(&id), &mut |_, slot| {
+                if let Some(ks) = slot.as_mut() {
+                    ks.retarget(
+                        GlobalLimit {
+                            limit: 1,
+                            window_ns: 1,
+                            burst: 1,
+                            max_cost: 1,
+                        },
+                        9,
+                    );
+                }
+                panic!("a bug in the middle of an update");
+            })
+            .await
+            .unwrap_err();
+        assert!(matches!(err, StoreError::Refused(_)), "{err}");
+        let after = store.key(&id).await.unwrap().unwrap();
+        assert_eq!(after.view(), before);
+        assert_eq!(after.limit(), limit);
+
+        let err = store
+            .update_session("n1", &mut |slot| {
+                *slot = Some(Session::new("eu"));
+                panic!("a bug");
+            })
+            .await
+            .unwrap_err();
+        assert!(matches!(err, StoreError::Refused(_)), "{err}");
+        assert_eq!(store.session_count().await.unwrap(), 0);
     }
 }

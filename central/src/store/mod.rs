@@ -31,7 +31,8 @@ use crate::alloc::{KeyId, KeyState, Session};
 pub use embedded::EmbeddedStore;
 
 /// Update functions: `FnMut(record) -> write?`. `None` in the slot: no
-/// record (yet); leaving `None` writes nothing.
+/// record (yet); leaving `None` writes nothing. Setting an existing record
+/// to `None` and returning `true` deletes it.
 pub type SessionUpdate<'a> = dyn FnMut(&mut Option<Session>) -> bool + Send + 'a;
 pub type KeyUpdate<'a> = dyn FnMut(usize, &mut Option<KeyState>) -> bool + Send + 'a;
 
@@ -91,6 +92,12 @@ pub trait Store: Send + Sync {
     /// How many (key, limit)s have a record.
     async fn key_count(&self) -> Result<u64, StoreError>;
 
+    /// How many nodes have a session.
+    async fn session_count(&self) -> Result<u64, StoreError>;
+
+    /// Every node with a session.
+    async fn session_ids(&self) -> Result<Vec<String>, StoreError>;
+
     /// One (key, limit)'s record, as stored.
     async fn key(&self, id: &KeyId) -> Result<Option<KeyState>, StoreError> {
         let mut out = None;
@@ -103,26 +110,107 @@ pub trait Store: Send + Sync {
     }
 }
 
-/// Record encoding for stores that keep bytes: a format byte, then bincode.
-const FORMAT: u8 = 1;
+/// A record a store keeps as bytes: a format byte, then the record.
+///
+/// * [`FORMAT`] (2): MessagePack with field names (`rmp-serde`), so fields
+///   can be added with a serde default and old records still read.
+/// * 1 (read only): `bincode` 1.x, what earlier versions wrote; decoded by
+///   [`Record::from_v1`] and written back in format 2 on the next update.
+pub trait Record: Serialize + DeserializeOwned {
+    fn from_v1(bytes: &[u8]) -> Result<Self, String>;
+}
 
-pub(crate) fn encode<T: Serialize>(record: &str, value: &T) -> Result<Vec<u8>, StoreError> {
+impl Record for KeyState {
+    fn from_v1(bytes: &[u8]) -> Result<KeyState, String> {
+        bincode::deserialize(bytes).map_err(|e| e.to_string())
+    }
+}
+
+impl Record for Session {
+    fn from_v1(bytes: &[u8]) -> Result<Session, String> {
+        Session::from_v1_bincode(bytes)
+    }
+}
+
+/// The format stores write.
+const FORMAT: u8 = 2;
+const FORMAT_V1: u8 = 1;
+
+pub(crate) fn encode<T: Record>(record: &str, value: &T) -> Result<Vec<u8>, StoreError> {
     let mut out = vec![FORMAT];
-    bincode::serialize_into(&mut out, value).map_err(|e| StoreError::Corrupt {
+    rmp_serde::encode::write_named(&mut out, value).map_err(|e| StoreError::Corrupt {
         record: record.to_owned(),
         reason: e.to_string(),
     })?;
     Ok(out)
 }
 
-pub(crate) fn decode<T: DeserializeOwned>(record: &str, bytes: &[u8]) -> Result<T, StoreError> {
+pub(crate) fn decode<T: Record>(record: &str, bytes: &[u8]) -> Result<T, StoreError> {
     let corrupt = |reason: String| StoreError::Corrupt {
         record: record.to_owned(),
         reason,
     };
     match bytes.split_first() {
-        Some((&FORMAT, rest)) => bincode::deserialize(rest).map_err(|e| corrupt(e.to_string())),
+        Some((&FORMAT, rest)) => rmp_serde::from_slice(rest).map_err(|e| corrupt(e.to_string())),
+        Some((&FORMAT_V1, rest)) => T::from_v1(rest).map_err(corrupt),
         Some((other, _)) => Err(corrupt(format!("unknown format {other}"))),
         None => Err(corrupt("empty".to_owned())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tenantgate::sync::{Report, SyncRequest, PROTOCOL_VERSION};
+
+    #[test]
+    fn records_round_trip_and_format_1_still_reads() {
+        let mut session = Session::new("eu");
+        let req = SyncRequest {
+            version: PROTOCOL_VERSION,
+            node_id: "n".into(),
+            region: "eu".into(),
+            policy_version: "v".into(),
+            seq: 5,
+            boot: 9,
+            acked_seq: 0,
+            reports: vec![Report {
+                key: "k".into(),
+                limit: "l".into(),
+                consumed: 3,
+                unleased: 0,
+                demand: 3,
+            }],
+        };
+        session.intake(&req, 1).unwrap();
+        let bytes = encode("s", &session).unwrap();
+        assert_eq!(bytes[0], 2);
+        let back: Session = decode("s", &bytes).unwrap();
+        assert_eq!(format!("{back:?}"), format!("{session:?}"));
+
+        let v1 = Session::v1_bincode_for_tests(&session);
+        let old: Session = decode("s", &v1).unwrap();
+        assert_eq!(old.region, "eu");
+        assert_eq!(old.heard_at, Some(1));
+
+        let ks = KeyState::new(
+            crate::GlobalLimit {
+                limit: 10,
+                window_ns: 1_000,
+                burst: 5,
+                max_cost: 1,
+            },
+            7,
+        );
+        let mut v1 = vec![1u8];
+        v1.extend(bincode::serialize(&ks).unwrap());
+        let old: KeyState = decode("k", &v1).unwrap();
+        assert_eq!(old.view(), ks.view());
+        let new: KeyState = decode("k", &encode("k", &ks).unwrap()).unwrap();
+        assert_eq!(new.view(), ks.view());
+        assert!(matches!(
+            decode::<KeyState>("k", &[9, 1]),
+            Err(StoreError::Corrupt { .. })
+        ));
     }
 }

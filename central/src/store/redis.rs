@@ -43,6 +43,15 @@ redis.call('HSET', KEYS[1], 'v', ARGV[2], 'd', ARGV[3])
 return 1
 ";
 
+/// `KEYS[1]` record; `ARGV[1]` expected version. Deletes the record if its
+/// version is still that. Returns 1 if deleted, 0 if the version moved.
+const CAS_DEL: &str = r"
+local v = redis.call('HGET', KEYS[1], 'v')
+if (v or '') ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+";
+
 /// Every command of a request must answer within this (the node's callout
 /// timeout is longer).
 const RESPONSE_TIMEOUT: Duration = Duration::from_millis(250);
@@ -54,6 +63,14 @@ pub struct RedisStore {
 }
 
 type Version = Option<u64>;
+
+/// What a write did to a record (and so to the index sets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Change {
+    Created,
+    Updated,
+    Deleted,
+}
 
 impl RedisStore {
     /// A store on `url` (`redis://host:port[/db]`). Connects on first use,
@@ -123,6 +140,14 @@ fn map_err(e: RedisError) -> StoreError {
     }
 }
 
+fn cas_del_cmd(pipe: &mut redis::Pipeline, record: &str, version: u64) {
+    pipe.cmd("EVAL")
+        .arg(CAS_DEL)
+        .arg(1)
+        .arg(record)
+        .arg(version.to_string());
+}
+
 fn cas_cmd(pipe: &mut redis::Pipeline, record: &str, version: Version, bytes: Vec<u8>) {
     let expected = version.map(|v| v.to_string()).unwrap_or_default();
     let next = version.unwrap_or(0) + 1;
@@ -167,7 +192,18 @@ impl Store for RedisStore {
                 return Ok(count);
             }
             let Some(session) = slot else {
-                return Ok(count);
+                let Some(v) = version else {
+                    return Ok(count);
+                };
+                // Deleted (expired).
+                let mut pipe = redis::pipe();
+                cas_del_cmd(&mut pipe, &record, v);
+                pipe.cmd("SREM").arg(self.nodes_set()).arg(node).ignore();
+                let (deleted,): (i64,) = pipe.query_async(&mut conn).await.map_err(map_err)?;
+                if deleted == 1 {
+                    return Ok(count.saturating_sub(1));
+                }
+                continue;
             };
             let mut pipe = redis::pipe();
             cas_cmd(&mut pipe, &record, version, encode(&record, &session)?);
@@ -204,18 +240,24 @@ impl Store for RedisStore {
             }
             let rows: Vec<(Version, Option<Vec<u8>>)> = read.query_async(&mut conn).await.map_err(map_err)?;
             let mut write = redis::pipe();
-            let mut written: Vec<(usize, bool)> = Vec::with_capacity(pending.len());
+            let mut written: Vec<(usize, Change)> = Vec::with_capacity(pending.len());
             for (&i, (version, bytes)) in pending.iter().zip(rows) {
                 let mut slot: Option<KeyState> = bytes.map(|b| decode(&records[i], &b)).transpose()?;
                 let created = slot.is_none();
                 if !f(i, &mut slot) {
                     continue;
                 }
-                let Some(ks) = slot else {
-                    continue;
-                };
-                cas_cmd(&mut write, &records[i], version, encode(&records[i], &ks)?);
-                written.push((i, created));
+                match (slot, version) {
+                    (Some(ks), _) => {
+                        cas_cmd(&mut write, &records[i], version, encode(&records[i], &ks)?);
+                        written.push((i, if created { Change::Created } else { Change::Updated }));
+                    }
+                    (None, Some(v)) => {
+                        cas_del_cmd(&mut write, &records[i], v);
+                        written.push((i, Change::Deleted));
+                    }
+                    (None, None) => {}
+                }
             }
             if written.is_empty() {
                 return Ok(());
@@ -224,11 +266,14 @@ impl Store for RedisStore {
             let mut index = redis::pipe();
             let mut indexed = false;
             pending.clear();
-            for ((i, created), ok) in written.into_iter().zip(results) {
+            for ((i, change), ok) in written.into_iter().zip(results) {
                 if ok != 1 {
                     pending.push(i);
-                } else if created {
+                } else if change == Change::Created {
                     index.cmd("SADD").arg(self.keys_set()).arg(&records[i]).ignore();
+                    indexed = true;
+                } else if change == Change::Deleted {
+                    index.cmd("SREM").arg(self.keys_set()).arg(&records[i]).ignore();
                     indexed = true;
                 }
             }
@@ -253,6 +298,24 @@ impl Store for RedisStore {
             .await
             .map_err(map_err)?;
         Ok(names.iter().filter_map(|n| self.key_of_record(n)).collect())
+    }
+
+    async fn session_ids(&self) -> Result<Vec<String>, StoreError> {
+        let mut conn = self.conn().await?;
+        redis::cmd("SMEMBERS")
+            .arg(self.nodes_set())
+            .query_async(&mut conn)
+            .await
+            .map_err(map_err)
+    }
+
+    async fn session_count(&self) -> Result<u64, StoreError> {
+        let mut conn = self.conn().await?;
+        redis::cmd("SCARD")
+            .arg(self.nodes_set())
+            .query_async(&mut conn)
+            .await
+            .map_err(map_err)
     }
 
     async fn key_count(&self) -> Result<u64, StoreError> {
