@@ -219,6 +219,16 @@ pub fn encode_carried(seq: u64, items: &[Carried], out: &mut Vec<u8>) {
     }
 }
 
+/// The `seq` of the report whose carried counts `bytes` hold, without
+/// decoding them.
+pub fn carried_seq(bytes: &[u8]) -> Option<u64> {
+    let mut r = Reader(bytes);
+    if r.u8()? != CARRIED_VERSION {
+        return None;
+    }
+    r.u64()
+}
+
 pub fn decode_carried(bytes: &[u8]) -> Option<(u64, Vec<Carried>)> {
     let mut r = Reader(bytes);
     if r.u8()? != CARRIED_VERSION {

@@ -149,14 +149,16 @@ fn exactly_one_worker_wins_each_interval() {
         claim(&b, w.settings(), T0 + S).unwrap(),
         Claim::NotDue(_)
     ));
-    // Racing: both read the same state; only one write lands.
+    // Racing: both read the same state; only one write lands (after the
+    // unsent report's grace, so that both may give up on it).
     let store = w.store.clone();
     let racer = FakeHost::new(store);
     let settings = w.settings().clone();
+    let later = T0 + 3 * S + SCAN_GRACE_NS;
     *a.before_write.borrow_mut() = Some(crate::testing::Hook(Box::new(move || {
-        let _ = claim(&racer, &settings, T0 + 3 * S);
+        let _ = claim(&racer, &settings, later);
     })));
-    assert_eq!(claim(&a, w.settings(), T0 + 3 * S).unwrap(), Claim::Lost);
+    assert_eq!(claim(&a, w.settings(), later).unwrap(), Claim::Lost);
 }
 
 #[test]
@@ -433,4 +435,49 @@ fn retry_after_of_a_costly_request_counts_the_intervals_its_lease_needs() {
     let d = w.decide("search", "acme", T0 + S + 2 * MS);
     assert_eq!(d.reason, Reason::RateLimited);
     assert_eq!(d.retry_after_secs, 2);
+}
+
+/// Regression: the scan's report was stamped at claim time, so a scan
+/// longer than the interval was given up on by another worker, again and
+/// again (a livelock with short intervals). Its timer starts at dispatch.
+#[test]
+fn a_scan_longer_than_the_interval_is_not_abandoned_and_its_timer_starts_at_dispatch() {
+    let w = World::new("fail_open");
+    assert_eq!(w.admitted("acme", 1, T0), 1);
+    let host = w.host();
+    let Claim::Won { seq, .. } = claim(&host, w.settings(), T0).unwrap() else {
+        panic!("the first claim wins");
+    };
+    // Still scanning 1.5 s later (interval 1 s): nobody takes it over.
+    assert!(matches!(
+        claim(&w.host(), w.settings(), T0 + 1_500 * MS).unwrap(),
+        Claim::NotDue(_)
+    ));
+    let mut scan = Scan::new(seq, T0);
+    while !scan_step(&host, &w.policy, &mut scan, 64) {}
+    assert!(sent(&host, &scan, T0 + 1_600 * MS).unwrap());
+    // Sent at 1.6 s: it is in flight until 1.6 + 1 s, then given up on.
+    assert!(matches!(
+        claim(&w.host(), w.settings(), T0 + 2_500 * MS).unwrap(),
+        Claim::NotDue(_)
+    ));
+    assert!(matches!(
+        claim(&w.host(), w.settings(), T0 + 2_700 * MS).unwrap(),
+        Claim::Won {
+            given_up: GivenUp { timed_out: true, .. },
+            ..
+        }
+    ));
+    // A worker that died mid-scan: given up on after the grace.
+    let w2 = World::new("fail_open");
+    let Claim::Won { .. } = claim(&w2.host(), w2.settings(), T0).unwrap() else {
+        panic!("the first claim wins");
+    };
+    assert!(matches!(
+        claim(&w2.host(), w2.settings(), T0 + S + SCAN_GRACE_NS + MS).unwrap(),
+        Claim::Won {
+            given_up: GivenUp { timed_out: true, .. },
+            ..
+        }
+    ));
 }
