@@ -115,6 +115,9 @@ pub struct Decision {
     pub table: TableEvent,
     /// A guard denied after the tenant was charged: the charge was given back.
     pub refunded: bool,
+    /// A global limit got no lease in time and decided by its failure mode
+    /// (see `sync::node`, "Never waiting forever").
+    pub no_lease: bool,
 }
 
 impl Decision {
@@ -129,6 +132,7 @@ impl Decision {
             wait_ns: 0,
             table: TableEvent::None,
             refunded: false,
+            no_lease: false,
         }
     }
 
@@ -233,7 +237,7 @@ pub fn charge_synced<H: Host>(
             .copied()
             .unwrap_or_else(|| SyncState::new(effective_from, s.interval_ns, s.timeout_ns));
         let mode = req.class.failure_mode.unwrap_or(s.failure_mode);
-        state.view(mode, s.provisional, s.local_max_ns, now)
+        state.view(mode, s.provisional, s.local_max_ns, s.timeout_ns, now)
     });
     let ctx = Ctx {
         now,
@@ -455,6 +459,8 @@ struct Applied {
     charged: u32,
     cas_retries: u32,
     table: TableEvent,
+    /// Some global limit decided by its failure mode for want of a lease.
+    no_lease: bool,
 }
 
 impl Applied {
@@ -469,6 +475,7 @@ impl Applied {
             charged: 0,
             cas_retries,
             table,
+            no_lease: false,
         }
     }
 
@@ -483,6 +490,7 @@ impl Applied {
         let mut d = Decision::pass(Reason::Allowed, Subject::None);
         d.cas_retries = self.cas_retries;
         d.table = self.table;
+        d.no_lease = self.no_lease;
         if let Some(reason) = self.failure {
             d.reason = reason;
             d.retry_after_secs = 1;
@@ -559,8 +567,9 @@ fn apply<H: Host>(
                     // Demand is counted even when the request is denied, so
                     // a global limit always writes.
                     changed = true;
-                    let (outcome, demanded, charged) = check_global(record, view, ctx);
-                    (outcome, Loaded::Global(demanded, charged))
+                    let checked = check_global(record, view, ctx);
+                    out.no_lease |= checked.no_lease;
+                    (checked.outcome, Loaded::Global(checked.demanded, checked.charged))
                 }
                 _ => {
                     let (loaded, migrated) = l.algo.load(record, ctx.effective_from, ctx.now);
@@ -672,42 +681,59 @@ fn apply<H: Host>(
     Applied::failed(Reason::Contention, MAX_CAS_ATTEMPTS)
 }
 
-/// Checks a global limit's allowance: the outcome, the stored allowance
-/// with this request's demand counted, and the allowance charged (if it
-/// admits).
-fn check_global(
-    record: Option<&state::Record<'_>>,
-    view: &NodeView,
-    ctx: &Ctx,
-) -> (Outcome, Allowance, Option<Allowance>) {
+/// What [`check_global`] found.
+struct GlobalChecked {
+    outcome: Outcome,
+    /// The stored allowance with this request's demand counted.
+    demanded: Allowance,
+    /// The allowance charged, if it admits.
+    charged: Option<Allowance>,
+    /// It decided by its failure mode for want of a lease.
+    no_lease: bool,
+}
+
+/// Checks a global limit's allowance.
+///
+/// A denial's wait is never shorter than when the request could really
+/// pass: an exhausted lease grows by about its share per interval, so a
+/// request of `cost` waits `ceil((cost − left) / share)` intervals (one at
+/// least: the next lease comes with the next answer).
+fn check_global(record: Option<&state::Record<'_>>, view: &NodeView, ctx: &Ctx) -> GlobalChecked {
     let mut demanded = record
         .filter(|r| r.kind == KIND_GLOBAL_ALLOWANCE)
         .and_then(|r| stored::decode_allowance(r.state))
         .unwrap_or_else(|| Allowance::fresh(view.provisional));
     demanded.note_demand(ctx.cost);
     let mut charged = demanded;
-    match charged.take(view, ctx.cost, ctx.now) {
-        Ok(_) => (
-            Outcome::Admit {
+    let taken = charged.take(view, ctx.cost, ctx.now);
+    let no_lease = charged.no_lease(view, ctx.now);
+    match taken {
+        Ok(_) => GlobalChecked {
+            outcome: Outcome::Admit {
                 state: State::TokenBucket { tat: 0 },
                 remaining: charged.available(ctx.now),
                 reset_ns: view.interval_ns,
             },
             demanded,
-            Some(charged),
-        ),
-        Err(_) => (
-            Outcome::Deny {
-                // The next sync may bring a lease.
-                wait_ns: view.interval_ns,
-                remaining: demanded.available(ctx.now),
-                reset_ns: view.interval_ns,
-            },
-            // Keeps what deciding normalised (an idle key's reset, the
-            // local bucket); a denial charges nothing.
-            charged,
-            None,
-        ),
+            charged: Some(charged),
+            no_lease,
+        },
+        Err(_) => {
+            let missing = ctx.cost.saturating_sub(demanded.available(ctx.now));
+            let intervals = missing.div_ceil(demanded.share.max(1)).max(1);
+            GlobalChecked {
+                outcome: Outcome::Deny {
+                    wait_ns: view.interval_ns.saturating_mul(intervals),
+                    remaining: demanded.available(ctx.now),
+                    reset_ns: view.interval_ns,
+                },
+                // Keeps what deciding normalised (the wait for a lease, the
+                // local bucket); a denial charges nothing.
+                demanded: charged,
+                charged: None,
+                no_lease,
+            }
+        }
     }
 }
 

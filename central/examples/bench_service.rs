@@ -29,12 +29,13 @@ identity: { header: x-tenant-id }
 plans:
   free:
     limits:
-      - { name: per-min, rate: 6000, per: 1m, burst: 1000 }
+      - { name: per-min, rate: 6000, per: 1m, burst: 1000, global: true }
 tenants: []
 default_plan: free
 anonymous: { plan: free }
 routes:
   api: {}
+sync: { cluster: tenantgate }
 "#;
 
 const NODES: usize = 20;

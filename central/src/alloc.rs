@@ -2,27 +2,58 @@
 //! leases, and reconciles what the nodes report.
 //!
 //! # THE BOUND
-//! For a global limit of `L` units per window `W` (rate `r = L/W`) with
-//! burst `B`, `N` nodes syncing every `I` with callout timeout `D`, leases
-//! of TTL `ttl`, a provisional allowance `P` per node and key, and a central
-//! outage of length `T`, the units admitted across all nodes in **any**
-//! window of length `W` are at most
+//! Terms: a global limit of `L` units per window `W` (rate `r = L/W`) with
+//! burst `B`; `N` nodes; the sync interval `I`; the nodes' callout timeout
+//! `D` (the policy's `sync.timeout`, the value the nodes enforce); leases of
+//! TTL `ttl`; the provisional allowance `P` (`sync.provisional`, units per
+//! node and key start); `S` the most key starts one node makes within one
+//! window (see below; 1 for a key the node keeps in its table); a central
+//! outage of length `T`; `A` the aggregate demand rate. The units admitted
+//! across all nodes in **any** window of length `W` are at most
 //!
 //! ```text
-//!     L + B + N·P + X(T)
+//!     L + B + N·S·P + X(T)
 //!
 //!     X(T) = 0                        fail_closed, or no outage (T = 0)
 //!     X(T) = Σ shares ≤ r·I           fail_open_local, for any T
-//!     X(T) = A·min(T + I + D, W)      fail_open (A: the aggregate demand rate)
+//!     X(T) = A·min(T + I + D, W)      fail_open
 //! ```
 //!
-//! Leases do not appear: every lease is carved out of the bucket, so the
-//! unexpired leases of all nodes never hold more than `B` together (lease
-//! size and TTL change utilisation, not the bound). `N·P` counts one
-//! provisional allowance per node per key start (a node starts a key when
-//! it first sees it, or again after the key sat idle past its lease while
-//! the node stayed connected). `T` and `ttl` only decide whether a failure
-//! mode runs at all. [`crate::bound`] computes the value.
+//! whatever the clients' timing. Leases do not appear: every lease is
+//! carved out of the bucket, so the unexpired leases of all nodes never
+//! hold more than `B` together (lease size and TTL change utilisation, not
+//! the bound). A **key start** is a (key, limit) the node's state did not
+//! hold: first sight, or after its entry was forgotten or reclaimed as idle
+//! (nothing to report, lease expired). Only a start grants `P`; a lease
+//! expiry never does (the node waits for its next lease), so a client
+//! timing its requests to lease expiries cannot farm it. `T` and `ttl`
+//! only decide whether a failure mode runs at all. [`crate::bound`]
+//! computes the value.
+//!
+//! Outside the bound: a key the service cannot lease (a limit its policy
+//! lacks, a key the node's full table charges to its overflow entry, which
+//! is never reported). After waiting `2·I + D` for a lease such a key runs
+//! its failure mode (`tenantgate.sync.no_lease` counts it): `fail_closed`
+//! admits nothing, `fail_open_local` at most its last share (or `P`) per
+//! `I` per node, `fail_open` everything.
+//!
+//! # Fair shares
+//! Shares are computed in thousandths of a unit and each node's share
+//! accrues as **credit** every interval (capped at its lease level plus one
+//! share), so a flow per interval below the number of nodes (100/min is
+//! 1.67 units per 1 s interval) is split exactly over time instead of
+//! rounded to whole units with a fixed tie-break. What the bucket holds
+//! beyond the promised (every node's credit, and the refill since the
+//! interval began) is *surplus*, free for any node to draw; once the bucket
+//! is scarce a node draws only its credit (one share ahead at most). So
+//! among nodes of one region with equal demand, admissions over any window
+//! in which each node's share sums to at least 10 units are equal within
+//! one unit per node plus one share (Jain's index ≥ 0.95: the simulator's
+//! `users_sizes` scenarios and `alloc::tests`), and the refill is never
+//! handed to whoever asks first. A lease's level is at least the limit's
+//! largest route cost (`max_cost`, at most `B`), so every cost up to `B`
+//! is admitted at the limit's rate: credit accrues until the lease can
+//! carry it.
 //!
 //! # Why
 //! Per (key, limit) the service holds a token bucket `b` (refilled at `r`,
@@ -35,7 +66,8 @@
 //! in a window is then at most what the sum held at its start (`≤ B`) plus
 //! the refill during it (`≤ L`). What nodes admit without a lease is
 //! charged to `b` when reported (or becomes debt), hence the extra terms:
-//! * provisional allowances: at most `P` per node and key start;
+//! * provisional allowances: at most `P` per node and key start, `S`
+//!   starts per node and window;
 //! * `fail_open_local`: each cut-off node admits at most its last share per
 //!   interval from a local bucket that starts empty and holds at most one
 //!   share. The service keeps the shares of nodes it has not heard from
@@ -65,9 +97,11 @@
 //! flow `r·I`, less the shares reserved for silent nodes, is split among
 //! regions by recent demand, max-min fair with a floor per region and a cap
 //! of an equal share plus the borrowing ceiling; each region's part is split
-//! among its nodes the same way (floor per node). A node's lease is topped
-//! up to `share × lease_factor` (to last until the next lease arrives),
-//! never beyond what `b` holds. Demand is an average of reported demand
+//! among its nodes the same way (floor per node), all in thousandths of a
+//! unit (see "Fair shares"). A node's lease is topped up to its level,
+//! `max(share × lease_factor, max_cost)` (to last until the next lease
+//! arrives), out of the surplus and then its credit, never beyond what `b`
+//! holds. Demand is an average of reported demand
 //! (denials included) per unit of the service's time.
 //!
 //! # Debt
@@ -121,6 +155,15 @@ pub struct GlobalLimit {
     pub limit: u64,
     pub window_ns: u64,
     pub burst: u64,
+    /// The largest cost one request of this limit may have (policy:
+    /// the largest route cost, at most `burst`). A lease is sized to
+    /// carry at least this much, so every cost up to it is admissible.
+    #[serde(default = "one")]
+    pub max_cost: u64,
+}
+
+fn one() -> u64 {
+    1
 }
 
 /// The service's reconciliation settings (all times in nanoseconds).
@@ -182,6 +225,12 @@ impl AllocConfig {
                 return Err(ConfigError::new(
                     format!("limits.{name}"),
                     "limit, window and burst must be > 0",
+                ));
+            }
+            if l.max_cost == 0 || l.max_cost > l.burst {
+                return Err(ConfigError::new(
+                    format!("limits.{name}.max_cost"),
+                    "must be in 1..=burst: a larger cost could never be admitted",
                 ));
             }
         }
@@ -340,21 +389,9 @@ impl Begun {
                 out.push((id.clone(), None));
             }
         }
-        let mut at: HashMap<&KeyId, usize> = HashMap::with_capacity(self.intake.deltas.len());
+        // The intake holds each (key, limit) once (duplicates summed).
         for (id, delta) in &self.intake.deltas {
-            // A report naming the same (key, limit) twice: the intake
-            // already merged its counts into the last one.
-            match at.get(id) {
-                Some(&i) => {
-                    if let Some(v) = out.get_mut(i) {
-                        v.1 = Some(*delta);
-                    }
-                }
-                None => {
-                    at.insert(id, out.len());
-                    out.push((id.clone(), Some(*delta)));
-                }
-            }
+            out.push((id.clone(), Some(*delta)));
         }
         out
     }

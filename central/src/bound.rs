@@ -5,7 +5,7 @@ use serde::Serialize;
 use tenantgate::sync::FailureMode;
 
 /// The formula, as printed beside measurements.
-pub const FORMULA: &str = "L + B + N*P + X(T); X = 0 (fail_closed or T = 0), \
+pub const FORMULA: &str = "L + B + N*S*P + X(T); X = 0 (fail_closed or T = 0), \
      r*I (fail_open_local), A*min(T + I + D, W) (fail_open)";
 
 /// The parameters the bound depends on (times in nanoseconds).

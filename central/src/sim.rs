@@ -26,6 +26,7 @@
 mod metrics;
 mod rng;
 pub mod scenario;
+pub mod shipped;
 mod svg;
 mod world;
 
@@ -83,6 +84,8 @@ pub struct SimConfig {
     pub lease_ttl_ns: u64,
     pub response_timeout_ns: u64,
     pub provisional: u64,
+    /// Every request's cost (the policy's largest route cost).
+    pub max_cost: u64,
     pub lease_factor_pct: u64,
     pub node_floor: u64,
     pub region_floor: u64,
@@ -94,6 +97,9 @@ pub struct SimConfig {
     pub tick_ns: u64,
     /// Node clocks are offset uniformly within ± this.
     pub clock_skew_ns: u64,
+    /// Nodes run the filter's code ([`shipped`]: the engine and
+    /// `sync::shared` over the fake host) instead of `sync::Node`.
+    pub shipped: bool,
 }
 
 impl Default for SimConfig {
@@ -106,6 +112,7 @@ impl Default for SimConfig {
             lease_ttl_ns: 3 * NANOS_PER_SEC,
             response_timeout_ns: NANOS_PER_SEC / 2,
             provisional: 2,
+            max_cost: 1,
             lease_factor_pct: 150,
             node_floor: 1,
             region_floor: 5,
@@ -116,6 +123,7 @@ impl Default for SimConfig {
             duration_ns: 120 * NANOS_PER_SEC,
             tick_ns: 10_000_000,
             clock_skew_ns: 2 * NANOS_PER_SEC,
+            shipped: false,
         }
     }
 }
@@ -169,6 +177,17 @@ pub struct Outcome {
     pub messages_sent: u64,
     pub messages_lost: u64,
     pub service: Option<KeyView>,
+    /// The fewest units admitted in any window of `window_s` after the
+    /// first one (the first holds the full bucket's burst).
+    pub min_admitted_in_window: Option<u64>,
+    /// Windows over which fairness is measured: the shortest multiple of
+    /// `window_s` in which every node's fair share (`r·w/N`) is at least
+    /// 10 units.
+    pub fairness_window_s: f64,
+    /// The lowest Jain's index of admissions among the nodes of a region
+    /// over those windows (after the first `window_s`); `null` if no
+    /// region of two nodes or more admitted 10 units per node in one.
+    pub fairness_min: Option<f64>,
 }
 
 /// A finished run: its outcome and per-second series.
@@ -233,6 +252,18 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
     });
     let allowed = cfg.limit + cfg.burst;
     let measured_extra = max as i64 - allowed as i64;
+    let window_ticks = (cfg.window_ns / cfg.tick_ns) as usize;
+    let min_window = metrics::min_window(&trace.admitted, window_ticks, window_ticks);
+    // r·w/N ≥ 10 units: w ≥ 10·N·W/L, rounded up to whole windows.
+    let windows = (10 * topo.nodes()).div_ceil(cfg.limit.max(1)).max(1);
+    let fairness_ticks = window_ticks * windows as usize;
+    let fairness_min = metrics::min_fairness(
+        &trace.admitted_by_node,
+        &trace.regions,
+        fairness_ticks,
+        window_ticks,
+        10.0,
+    );
     let outcome = Outcome {
         scenario: spec.name,
         topology: topo.name(),
@@ -272,6 +303,9 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
         messages_sent: trace.messages_sent,
         messages_lost: trace.messages_lost,
         service: trace.service,
+        min_admitted_in_window: min_window,
+        fairness_window_s: secs(cfg.window_ns) * windows as f64,
+        fairness_min: fairness_min.map(|j| (j * 1000.0).floor() / 1000.0),
     };
     Ok(Run {
         outcome,

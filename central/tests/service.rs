@@ -33,12 +33,13 @@ identity: { header: x-tenant-id }
 plans:
   free:
     limits:
-      - { name: per-10s, rate: 1000, per: 10s, burst: 200 }
+      - { name: per-10s, rate: 1000, per: 10s, burst: 200, global: true }
 tenants: []
 default_plan: free
 anonymous: { plan: free }
 routes:
   api: {}
+sync: { cluster: tenantgate }
 "#;
 
 const POLICY_V2: &str = r#"
@@ -47,15 +48,16 @@ identity: { header: x-tenant-id }
 plans:
   free:
     limits:
-      - { name: per-10s, rate: 1000, per: 10s, burst: 200 }
+      - { name: per-10s, rate: 1000, per: 10s, burst: 200, global: true }
   paid:
     limits:
-      - { name: paid-per-10s, rate: 5000, per: 10s, burst: 900 }
+      - { name: paid-per-10s, rate: 5000, per: 10s, burst: 900, global: true }
 tenants: [{ id: t-paid, plan: paid }]
 default_plan: free
 anonymous: { plan: free }
 routes:
   api: {}
+sync: { cluster: tenantgate }
 "#;
 
 /// A store kind under test.

@@ -34,6 +34,7 @@ pub struct Metrics {
     sync_latency: Option<u32>,
     sync_breaker_opened: Option<u32>,
     sync_skipped: Option<u32>,
+    sync_no_lease: Option<u32>,
     sync_clamped: Option<u32>,
 }
 
@@ -79,6 +80,7 @@ impl Metrics {
             sync_timeouts: counter("tenantgate.sync.timeouts"),
             sync_breaker_opened: counter("tenantgate.sync.breaker_opened"),
             sync_skipped: counter("tenantgate.sync.skipped"),
+            sync_no_lease: counter("tenantgate.sync.no_lease"),
             sync_clamped: counter("tenantgate.sync.clamped"),
             sync_latency: match abi::define_metric(MetricType::Histogram, "tenantgate.sync.latency_ms") {
                 Ok(id) => Some(id),
@@ -102,6 +104,7 @@ impl Metrics {
             TableEvent::Overflow => add(self.table_overflows, 1),
         }
         add(self.refunds, u32::from(d.refunded));
+        add(self.sync_no_lease, u32::from(d.no_lease));
         if let Subject::Anonymous { invalid_identity, .. } = d.subject {
             add(self.anonymous, 1);
             add(self.invalid_identity, u32::from(invalid_identity));

@@ -138,7 +138,7 @@ impl Syncer {
             Ok(Claim::Won { seq, given_up }) => {
                 note_given_up(metrics, given_up);
                 refresh_view();
-                let mut scan = Scan::new(seq);
+                let mut scan = Scan::new(seq, now);
                 if shared::scan_step(&ProxyHost, policy, &mut scan, budget) {
                     self.dispatch(policy, settings, metrics, scan, now);
                 } else {

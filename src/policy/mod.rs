@@ -243,6 +243,12 @@ impl Policy {
             .or_else(|| self.default_route.as_deref().and_then(|d| self.routes.get(d)))
     }
 
+    /// The largest cost of any route class (at least 1): what a lease of
+    /// any limit must be able to carry for every route to be admissible.
+    pub fn max_cost(&self) -> u64 {
+        self.routes.values().map(|r| r.cost).max().unwrap_or(1).max(1)
+    }
+
     pub fn plans(&self) -> &[Plan] {
         &self.plans
     }

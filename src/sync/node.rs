@@ -33,12 +33,37 @@
 //! node admits at most `max(what the old lease had left, tokens)` on leases,
 //! which is the service's accounting rule.
 //!
+//! # The provisional allowance: once per key start
+//! A **key start** is a (key, limit) the node's state did not hold (a new
+//! key, or one whose entry was forgotten or reclaimed as idle). Only a
+//! start grants the provisional allowance. A key whose lease expired is
+//! never granted it again while the node is *connected* (it applied a
+//! response within the longest lease TTL of that response, or started
+//! less than one interval plus the callout timeout ago): it waits for its
+//! next lease, which the next answer brings (its demand is reported). So
+//! however a client times its requests against lease expiries, a node
+//! admits at most `P` without a lease per key start (regression:
+//! `a_paced_client_cannot_farm_the_provisional_allowance_on_lease_expiry`).
+//!
+//! # Keep-alive
+//! A key asked for within [`LEASE_KEEP_ALIVE_NS`] is reported every
+//! interval even with zero counts, so the service renews its lease and a
+//! sparse client finds a live one. After a minute without a request its
+//! lease is left to expire: a later request waits for its next lease
+//! (one interval), it is not a key start.
+//!
+//! # Never waiting forever
+//! A key that has waited for a lease for [`NodeView::await_max_ns`]
+//! (two sync intervals plus the callout timeout) while connected gets
+//! none the service will send: its limit is unknown to the service (a
+//! rollout with policy skew), it lives in the key table's overflow entry
+//! (never reported), or its report did not fit. It then runs its failure
+//! mode like a key cut off, until a lease comes ([`Allowance::no_lease`]
+//! says so, and the engine counts it). With `fail_open_local` and no
+//! share yet, its local bucket runs at `P` per interval.
+//!
 //! # When the lease expired and no new one came
-//! A key whose lease expired with every count acknowledged, on a node that
-//! is *connected* (it applied a response within the longest lease TTL of
-//! that response, or started less than one interval plus the callout
-//! timeout ago), is idle, not cut off: it is forgotten and starts afresh
-//! with a provisional allowance. Otherwise the failure mode applies:
+//! On a node that is not connected, the failure mode applies:
 //! * `fail_closed`: deny;
 //! * `fail_open`: admit everything (reported as `unleased`);
 //! * `fail_open_local`: a local token bucket at the last share (rate `share`
@@ -83,6 +108,10 @@ use super::protocol::{Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
 use crate::limiter::token_bucket::{Check, Gcra};
 
 const NANOS_PER_MS: u64 = 1_000_000;
+
+/// How long after its last request a key keeps being reported (with
+/// zero counts if need be) so that its lease is renewed: one minute.
+pub const LEASE_KEEP_ALIVE_NS: u64 = 60_000 * NANOS_PER_MS;
 
 /// What a node does for a key whose lease expired with no new one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -220,6 +249,9 @@ pub struct NodeView {
     pub mode: FailureMode,
     pub provisional: u64,
     pub local_max_ns: u64,
+    /// How long a key waits for a lease while connected before its
+    /// failure mode applies: two intervals plus the callout timeout.
+    pub await_max_ns: u64,
 }
 
 /// The allowance state of one (key, limit): plain data, so it can live in
@@ -239,6 +271,12 @@ pub struct Allowance {
     /// `fail_open_local`'s bucket (rate `share` per interval, capacity
     /// `share`): its theoretical arrival time, once started.
     pub local_tat: Option<u64>,
+    /// Since when a request has waited for a lease (none live, the
+    /// provisional allowance used up) on a connected node; cleared by a
+    /// lease.
+    pub awaiting_since: Option<u64>,
+    /// When a request last asked for this key (admitted or not).
+    pub last_demand_at: Option<u64>,
 }
 
 impl Allowance {
@@ -251,7 +289,29 @@ impl Allowance {
             lease_used: 0,
             share: 0,
             local_tat: None,
+            awaiting_since: None,
+            last_demand_at: None,
         }
+    }
+
+    /// Whether the next report must carry this key: it has counts to
+    /// report, or it was asked for within [`LEASE_KEEP_ALIVE_NS`], so its
+    /// lease is renewed every interval and a sparse client (one request
+    /// every few lease TTLs) finds a live lease instead of an expired one.
+    pub fn wants_report(&self, now: u64) -> bool {
+        !self.pending.is_zero()
+            || self
+                .last_demand_at
+                .is_some_and(|at| now < at.saturating_add(LEASE_KEEP_ALIVE_NS))
+    }
+
+    /// Whether this key has waited for a lease longer than the view allows
+    /// while connected: it runs its failure mode (see the module header).
+    pub fn no_lease(&self, view: &NodeView, now: u64) -> bool {
+        view.connected
+            && self
+                .awaiting_since
+                .is_some_and(|since| now >= since.saturating_add(view.await_max_ns))
     }
 
     /// Counts a request of `cost` units as demand, then [`Allowance::take`].
@@ -268,8 +328,9 @@ impl Allowance {
     /// Whether `cost` units are admitted now, charging them if so. The
     /// request's demand must already be counted ([`Allowance::note_demand`]).
     pub fn take(&mut self, view: &NodeView, cost: u64, now: u64) -> Result<Admitted, Denied> {
-        let expired_at = match self.lease {
-            Some(ref mut lease) if now < lease.expires_at => {
+        self.last_demand_at = Some(now);
+        if let Some(ref mut lease) = self.lease {
+            if now < lease.expires_at {
                 if lease.tokens_left < cost {
                     return Err(Denied::LeaseExhausted);
                 }
@@ -278,31 +339,20 @@ impl Allowance {
                 self.lease_used = self.lease_used.wrapping_add(cost);
                 return Ok(Admitted::Lease);
             }
-            Some(lease) => Some(lease.expires_at),
-            None => None,
-        };
-        // Idle, not cut off: this request's demand is the only count.
-        if expired_at.is_some()
-            && view.connected
-            && self.pending
-                == (Counts {
-                    demand: cost,
-                    ..Counts::default()
-                })
-        {
-            let (share, used) = (self.share, self.lease_used);
-            *self = Allowance::fresh(view.provisional);
-            self.share = share;
-            self.lease_used = used;
-            self.pending.demand = cost;
         }
+        // Only a key start holds a provisional allowance: an expired lease
+        // never brings it back (the module header, "once per key start").
         if self.lease.is_none() && self.provisional_left >= cost {
             self.provisional_left -= cost;
             self.count_unleased(cost);
             return Ok(Admitted::Provisional);
         }
         if view.connected {
-            return Err(Denied::AwaitingLease);
+            let since = *self.awaiting_since.get_or_insert(now);
+            if now < since.saturating_add(view.await_max_ns) {
+                return Err(Denied::AwaitingLease);
+            }
+            return self.no_lease_mode(view, cost, now);
         }
         let admitted = match view.mode {
             FailureMode::FailClosed => return Err(Denied::FailClosed),
@@ -321,25 +371,54 @@ impl Allowance {
                 if now >= expired_at.saturating_add(view.local_max_ns) {
                     return Err(Denied::FailClosed);
                 }
-                let Some(gcra) = Gcra::new(self.share, view.interval_ns.max(1), self.share) else {
-                    return Err(Denied::LocalLimit);
-                };
-                // Starts empty: it admits only what accrues from now on.
-                let tat = *self
-                    .local_tat
-                    .get_or_insert(now.saturating_add(gcra.tolerance_ns()));
-                match gcra.check(tat, now, cost) {
-                    Check::Admit { new_tat, .. } => self.local_tat = Some(new_tat),
-                    Check::Deny { .. } => {
-                        self.local_tat = Some(gcra.saturate(tat, now));
-                        return Err(Denied::LocalLimit);
-                    }
-                }
+                self.local_take(self.share, view, cost, now)?;
                 Admitted::FailOpenLocal
             }
         };
         self.count_unleased(cost);
         Ok(admitted)
+    }
+
+    /// The failure mode of a connected node's key that got no lease in
+    /// time (see the module header, "Never waiting forever").
+    fn no_lease_mode(&mut self, view: &NodeView, cost: u64, now: u64) -> Result<Admitted, Denied> {
+        let admitted = match view.mode {
+            FailureMode::FailClosed => return Err(Denied::FailClosed),
+            FailureMode::FailOpen => Admitted::FailOpen,
+            FailureMode::FailOpenLocal => {
+                let rate = if self.share > 0 {
+                    self.share
+                } else {
+                    view.provisional
+                };
+                self.local_take(rate, view, cost, now)?;
+                Admitted::FailOpenLocal
+            }
+        };
+        self.count_unleased(cost);
+        Ok(admitted)
+    }
+
+    /// `fail_open_local`'s bucket at `rate` per interval (capacity `rate`,
+    /// at least the cost so any cost it may carry can pass), starting
+    /// empty: it admits only what accrues from its start on.
+    fn local_take(&mut self, rate: u64, view: &NodeView, cost: u64, now: u64) -> Result<(), Denied> {
+        let Some(gcra) = Gcra::new(rate, view.interval_ns.max(1), rate.max(cost)) else {
+            return Err(Denied::LocalLimit);
+        };
+        let tat = *self
+            .local_tat
+            .get_or_insert(now.saturating_add(gcra.tolerance_ns()));
+        match gcra.check(tat, now, cost) {
+            Check::Admit { new_tat, .. } => {
+                self.local_tat = Some(new_tat);
+                Ok(())
+            }
+            Check::Deny { .. } => {
+                self.local_tat = Some(gcra.saturate(tat, now));
+                Err(Denied::LocalLimit)
+            }
+        }
     }
 
     fn count_unleased(&mut self, cost: u64) {
@@ -372,6 +451,7 @@ impl Allowance {
         });
         self.share = share;
         self.local_tat = None;
+        self.awaiting_since = None;
     }
 
     /// Nothing to report and a lease that expired longer ago than
@@ -445,8 +525,16 @@ impl SyncState {
         self.contact_until.is_some_and(|until| now < until)
     }
 
-    /// What decisions need, with the settings that apply to them.
-    pub fn view(&self, mode: FailureMode, provisional: u64, local_max_ns: u64, now: u64) -> NodeView {
+    /// What decisions need, with the settings that apply to them
+    /// (`timeout_ns`: the callout timeout).
+    pub fn view(
+        &self,
+        mode: FailureMode,
+        provisional: u64,
+        local_max_ns: u64,
+        timeout_ns: u64,
+        now: u64,
+    ) -> NodeView {
         NodeView {
             connected: self.connected(now),
             last_applied_at: self.last_applied_at,
@@ -454,6 +542,7 @@ impl SyncState {
             mode,
             provisional,
             local_max_ns,
+            await_max_ns: self.interval_ns.saturating_mul(2).saturating_add(timeout_ns),
         }
     }
 
@@ -624,6 +713,7 @@ impl Node {
             self.cfg.failure_mode,
             self.cfg.provisional,
             self.cfg.local_max_ns,
+            self.cfg.response_timeout_ns,
             now,
         );
         if !self.entries.get(key).is_some_and(|m| m.contains_key(limit)) {
@@ -656,7 +746,7 @@ impl Node {
         for (key, by_limit) in &mut self.entries {
             for (limit, entry) in by_limit.iter_mut() {
                 entry.used_at_send = entry.allowance.lease_used;
-                if entry.allowance.pending.is_zero() {
+                if !entry.allowance.wants_report(now) {
                     continue;
                 }
                 let c = entry.allowance.pending;

@@ -48,6 +48,11 @@ pub const MAX_CAS_ATTEMPTS: u32 = 16;
 /// in [`SCAN_TICKS`] ticks at most.
 pub const MIN_SCAN_PER_TICK: u64 = 2048;
 pub const SCAN_TICKS: u64 = 40;
+/// How much longer than a sent report one still being scanned may stay in
+/// flight before another worker gives up on it: a scan takes at most
+/// [`SCAN_TICKS`] ticks (0.4 s at the glue's 10 ms tick); this leaves room
+/// for slow ticks.
+pub const SCAN_GRACE_NS: u64 = 2_000 * NANOS_PER_MS;
 /// Most (key, limit) one report carries; the others wait for the next one
 /// (their counts stay until acknowledged).
 pub const MAX_REPORTS: usize = 4096;
@@ -104,10 +109,23 @@ pub fn claim<H: Host>(host: &H, settings: &SyncSettings, now: u64) -> Result<Cla
     }
     // A report in flight for longer than an interval is given up on (its
     // answer would be late anyway: the timeout is shorter): a failure.
+    // One still being scanned (not sent yet: its timer starts at dispatch)
+    // gets [`SCAN_GRACE_NS`] more, so that a scan longer than a short
+    // interval is not abandoned by another worker again and again.
     let give_up_ns = s.interval_ns.max(settings.timeout_ns);
     let mut given_up = GivenUp::default();
     if let Some(f) = s.in_flight {
-        if now.saturating_sub(f.sent_at) <= give_up_ns {
+        let waited = now.saturating_sub(f.sent_at);
+        if waited <= give_up_ns {
+            return Ok(Claim::NotDue(s));
+        }
+        let sent = host
+            .shared_get(SYNC_CARRIED_KEY)?
+            .0
+            .as_deref()
+            .and_then(stored::carried_seq)
+            == Some(f.seq);
+        if !sent && waited <= give_up_ns.saturating_add(SCAN_GRACE_NS) {
             return Ok(Claim::NotDue(s));
         }
         s.in_flight = None;
@@ -140,19 +158,24 @@ pub struct Scan {
     pub next: u64,
     pub carried: Vec<Carried>,
     pub reports: Vec<Report>,
+    /// When the scan began (what a key's keep-alive is measured against).
+    pub started_at: u64,
 }
 
 impl Scan {
-    pub fn new(seq: u64) -> Scan {
+    pub fn new(seq: u64, now: u64) -> Scan {
         Scan {
             seq,
+            started_at: now,
             ..Scan::default()
         }
     }
 }
 
-/// Scans up to `budget` key-table entries for global allowances with
-/// counts to report. Returns whether the scan is complete.
+/// Scans up to `budget` key-table entries for global allowances to report
+/// (counts to report, or asked for recently: see
+/// [`Allowance::wants_report`](super::node::Allowance::wants_report)).
+/// Returns whether the scan is complete.
 pub fn scan_step<H: Host>(host: &H, policy: &Policy, scan: &mut Scan, budget: u64) -> bool {
     let entries = policy.key_table_entries.max(1);
     let end = scan.next.saturating_add(budget).min(entries);
@@ -175,7 +198,7 @@ pub fn scan_step<H: Host>(host: &H, policy: &Policy, scan: &mut Scan, budget: u6
                 ) else {
                     continue;
                 };
-                if a.pending.is_zero() || scan.carried.len() >= MAX_REPORTS {
+                if !a.wants_report(scan.started_at) || scan.carried.len() >= MAX_REPORTS {
                     continue;
                 }
                 scan.reports.push(Report {

@@ -30,6 +30,8 @@ const CARRIED_VERSION: u8 = 1;
 
 const HAS_LEASE: u8 = 1;
 const HAS_LOCAL: u8 = 2;
+const HAS_AWAIT: u8 = 4;
+const HAS_DEMAND_AT: u8 = 8;
 
 fn put(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
@@ -53,11 +55,18 @@ fn put_counts(out: &mut Vec<u8>, c: &Counts) {
 pub const MAX_ALLOWANCE_LEN: usize = 2 + 9 * 8;
 
 /// `[version][flags] [tokens_left expires_at]? provisional_left consumed
-/// unleased demand lease_used share [local_tat]?`
+/// unleased demand lease_used share [local_tat]? [awaiting_since]?
+/// [last_demand_at]?`
 pub fn encode_allowance(a: &Allowance, out: &mut Vec<u8>) {
     out.push(ALLOWANCE_VERSION);
-    let flags =
-        if a.lease.is_some() { HAS_LEASE } else { 0 } | if a.local_tat.is_some() { HAS_LOCAL } else { 0 };
+    let flags = if a.lease.is_some() { HAS_LEASE } else { 0 }
+        | if a.local_tat.is_some() { HAS_LOCAL } else { 0 }
+        | if a.awaiting_since.is_some() { HAS_AWAIT } else { 0 }
+        | if a.last_demand_at.is_some() {
+            HAS_DEMAND_AT
+        } else {
+            0
+        };
     out.push(flags);
     if let Some(l) = a.lease {
         put(out, l.tokens_left);
@@ -70,6 +79,12 @@ pub fn encode_allowance(a: &Allowance, out: &mut Vec<u8>) {
     if let Some(t) = a.local_tat {
         put(out, t);
     }
+    if let Some(t) = a.awaiting_since {
+        put(out, t);
+    }
+    if let Some(t) = a.last_demand_at {
+        put(out, t);
+    }
 }
 
 /// `None` for anything that is not a whole, well-formed allowance.
@@ -79,7 +94,7 @@ pub fn decode_allowance(bytes: &[u8]) -> Option<Allowance> {
         return None;
     }
     let flags = r.u8()?;
-    if flags & !(HAS_LEASE | HAS_LOCAL) != 0 {
+    if flags & !(HAS_LEASE | HAS_LOCAL | HAS_AWAIT | HAS_DEMAND_AT) != 0 {
         return None;
     }
     let lease = if flags & HAS_LEASE != 0 {
@@ -97,6 +112,8 @@ pub fn decode_allowance(bytes: &[u8]) -> Option<Allowance> {
         lease_used: r.u64()?,
         share: r.u64()?,
         local_tat: r.opt_u64(flags & HAS_LOCAL != 0)?,
+        awaiting_since: r.opt_u64(flags & HAS_AWAIT != 0)?,
+        last_demand_at: r.opt_u64(flags & HAS_DEMAND_AT != 0)?,
     };
     r.is_empty().then_some(a)
 }
@@ -200,6 +217,16 @@ pub fn encode_carried(seq: u64, items: &[Carried], out: &mut Vec<u8>) {
         put_counts(out, &c.counts);
         put(out, c.lease_used);
     }
+}
+
+/// The `seq` of the report whose carried counts `bytes` hold, without
+/// decoding them.
+pub fn carried_seq(bytes: &[u8]) -> Option<u64> {
+    let mut r = Reader(bytes);
+    if r.u8()? != CARRIED_VERSION {
+        return None;
+    }
+    r.u64()
 }
 
 pub fn decode_carried(bytes: &[u8]) -> Option<(u64, Vec<Carried>)> {

@@ -17,6 +17,9 @@ use super::{AllocConfig, GlobalLimit, KeyView, NANOS_PER_MS};
 /// report does not swing the split.
 const DEMAND_WEIGHT: f64 = 0.8;
 
+/// Shares are split in thousandths of a unit.
+const MILLI: u64 = 1_000;
+
 /// Cumulative counters of one (key, limit), in units.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KeyStats {
@@ -135,13 +138,36 @@ impl KeyState {
             .fold(0u64, |sum, n| sum.saturating_add(n.reserve))
     }
 
-    /// The flow of interval `k`: `r·I`, exact over consecutive intervals.
-    fn flow_of(&self, k: u64, cfg: &AllocConfig) -> u64 {
+    /// The flow of interval `k` in units of `1/scale`: `r·I`, exact over
+    /// consecutive intervals.
+    fn flow_of(&self, k: u64, scale: u64, cfg: &AllocConfig) -> u64 {
         let total = |k: u64| {
-            u128::from(self.limit.limit) * u128::from(cfg.interval_ns) * u128::from(k)
-                / u128::from(self.limit.window_ns)
+            u128::from(self.limit.limit)
+                .saturating_mul(u128::from(cfg.interval_ns))
+                .saturating_mul(u128::from(k))
+                .saturating_mul(u128::from(scale))
+                / u128::from(self.limit.window_ns.max(1))
         };
-        u64::try_from(total(k + 1) - total(k)).unwrap_or(u64::MAX)
+        u64::try_from(total(k.saturating_add(1)).saturating_sub(total(k))).unwrap_or(u64::MAX)
+    }
+
+    /// What the bucket holds beyond what is promised: every node's credit,
+    /// and the refill since this interval began (the next interval's
+    /// credits). Free for any node to draw (a new key's burst, demand
+    /// that grew within the interval). Once the bucket is scarce, nodes
+    /// draw only their credit, so the refill is split by shares, not by
+    /// who asks first.
+    fn surplus(&self, now: u64, cfg: &AllocConfig) -> u64 {
+        let credits = self
+            .nodes
+            .values()
+            .map(|n| u64::try_from(n.credit).unwrap_or(0))
+            .sum::<u64>()
+            .div_ceil(MILLI);
+        let into = u128::from(now % cfg.interval_ns.max(1));
+        let accrued = u128::from(self.flow) * into / u128::from(cfg.interval_ns.max(1));
+        let accrued = u64::try_from(accrued).unwrap_or(u64::MAX);
+        self.bucket.saturating_sub(credits.saturating_add(accrued))
     }
 
     /// Refill, charges for silent nodes, write-offs, pruning, and the
@@ -207,16 +233,21 @@ impl KeyState {
                         .saturating_add(cfg.interval_ns.saturating_mul(3))
         });
 
+        // Only a later interval is allocated: a request stamped earlier (a
+        // replica whose clock lags) must not allocate an interval twice.
         let k = now / cfg.interval_ns;
-        if self.interval != Some(k) {
+        if self.interval.is_none_or(|i| k > i) {
             self.roll(k, now, cfg);
         }
     }
 
-    /// Splits interval `k`'s flow among regions and nodes.
+    /// Splits interval `k`'s flow among regions and nodes, in thousandths
+    /// of a unit (see the `alloc` module header, "Fair shares").
     fn roll(&mut self, k: u64, now: u64, cfg: &AllocConfig) {
         self.interval = Some(k);
-        self.flow = self.flow_of(k, cfg);
+        self.flow = self.flow_of(k, 1, cfg);
+        let flow_milli = self.flow_of(k, MILLI, cfg);
+        let max_cost = self.limit.max_cost.max(1);
         let recent = cfg.interval_ns.saturating_mul(3);
         let mut reserved = 0u64;
         let mut by_region: BTreeMap<String, Vec<String>> = BTreeMap::new();
@@ -232,6 +263,7 @@ impl KeyState {
                 // It keeps its share: its local limit may be spending it.
                 reserved = reserved.saturating_add(nk.share_bound(now, cfg));
                 nk.share = Some(0);
+                nk.share_milli = 0;
                 nk.kept_local = true;
                 continue;
             }
@@ -240,25 +272,33 @@ impl KeyState {
                 by_region.entry(nk.region.clone()).or_default().push(id.clone());
             } else {
                 nk.share = None;
+                nk.share_milli = 0;
+                nk.credit = 0;
             }
         }
-        let budget = self.flow.saturating_sub(reserved);
+        let budget = flow_milli.saturating_sub(reserved.saturating_mul(MILLI));
         let regions = by_region.len() as u64;
         if regions == 0 {
             return;
         }
         let fair = budget / regions;
         let cap = fair.saturating_add(budget.saturating_mul(cfg.borrow_ceiling_pct) / 100);
+        let milli = |demand: f64| (demand * MILLI as f64).ceil() as u64;
         let demand_of = |ids: &[String]| -> u64 {
             ids.iter()
                 .filter_map(|id| self.nodes.get(id))
-                .map(|nk| nk.demand.ceil() as u64)
+                .map(|nk| milli(nk.demand))
                 .fold(0u64, u64::saturating_add)
         };
+        // Floors let an idle region or node start; they never take more
+        // than half of what is split, or at small flows (100/min is 1.67
+        // units per interval) they would split it evenly whatever the
+        // demand.
+        let region_floor = cfg.region_floor.saturating_mul(MILLI).min(budget / (2 * regions));
         let claims: Vec<Claim> = by_region
             .values()
             .map(|ids| Claim {
-                floor: cfg.region_floor,
+                floor: region_floor,
                 demand: demand_of(ids),
                 cap,
             })
@@ -266,34 +306,50 @@ impl KeyState {
         let allocated = max_min_fair(budget, &claims);
         for ((region, ids), mut part) in by_region.into_iter().zip(allocated) {
             let rv = self.regions.entry(region).or_default();
-            rv.allocated = part;
-            rv.fair = fair;
-            rv.borrowed_total = rv.borrowed_total.saturating_add(part.saturating_sub(fair));
+            rv.allocated = part / MILLI;
+            rv.fair = fair / MILLI;
+            rv.borrowed_total = rv
+                .borrowed_total
+                .saturating_add(part.saturating_sub(fair) / MILLI);
             if rv.debt > 0 {
                 // Repaid out of this region's own part: that much of the
                 // refill is destroyed, not lent to other regions.
                 let repay = rv.debt.min(
-                    u64::try_from(u128::from(part) * u128::from(cfg.repay_pct) / 100).unwrap_or(u64::MAX),
+                    u64::try_from(u128::from(part) * u128::from(cfg.repay_pct) / 100 / u128::from(MILLI))
+                        .unwrap_or(u64::MAX),
                 );
                 self.owed = self.owed.saturating_add(repay);
                 rv.debt -= repay;
                 rv.repaid_total = rv.repaid_total.saturating_add(repay);
                 self.stats.repaid = self.stats.repaid.saturating_add(repay);
-                part -= repay;
+                part = part.saturating_sub(repay.saturating_mul(MILLI));
             }
+            let node_floor = cfg
+                .node_floor
+                .saturating_mul(MILLI)
+                .min(part / (2 * ids.len().max(1) as u64));
             let claims: Vec<Claim> = ids
                 .iter()
                 .filter_map(|id| self.nodes.get(id))
                 .map(|nk| Claim {
-                    floor: cfg.node_floor,
-                    demand: nk.demand.ceil() as u64,
+                    floor: node_floor,
+                    demand: milli(nk.demand),
                     cap: u64::MAX,
                 })
                 .collect();
             for (id, share) in ids.iter().zip(max_min_fair(part, &claims)) {
                 if let Some(nk) = self.nodes.get_mut(id) {
-                    nk.share = Some(share);
-                    nk.level = share.saturating_mul(cfg.lease_factor_pct).div_ceil(100);
+                    let whole = nk.share_carry.saturating_add(share);
+                    nk.share = Some(whole / MILLI);
+                    nk.share_carry = whole % MILLI;
+                    nk.share_milli = share;
+                    nk.level = share
+                        .saturating_mul(cfg.lease_factor_pct)
+                        .div_ceil(100 * MILLI)
+                        .max(max_cost);
+                    let cap = nk.level.saturating_mul(MILLI).saturating_add(share);
+                    let cap = i64::try_from(cap).unwrap_or(i64::MAX);
+                    nk.credit = nk.credit.saturating_add_unsigned(share).min(cap);
                 }
             }
         }
@@ -409,6 +465,8 @@ impl KeyState {
         cfg: &AllocConfig,
     ) -> Lease {
         let flow = self.flow;
+        let surplus = self.surplus(now, cfg);
+        let max_cost = self.limit.max_cost.max(1);
         let others: u64 = self
             .nodes
             .iter()
@@ -424,19 +482,34 @@ impl KeyState {
                 ttl_ms: 0,
             };
         };
-        let (share, level) = match nk.share {
-            Some(share) => (share, nk.level),
+        let (share, level, credit) = match nk.share {
+            // A node may draw one interval's share ahead of its credit
+            // (its lease must last until the next one arrives).
+            Some(share) => (
+                share,
+                nk.level,
+                u64::try_from(nk.credit.saturating_add_unsigned(nk.share_milli).max(0)).unwrap_or(0) / MILLI,
+            ),
             None => {
                 // Not allocated yet this interval: its reported demand,
-                // within an equal split, until the next allocation.
+                // within an equal split, until the next allocation; it
+                // draws only from the surplus until then.
                 let demand = nk.demand.ceil() as u64;
                 let share = demand.min(flow / nodes_hint.max(1)).max(cfg.node_floor);
-                (share, share.saturating_mul(cfg.lease_factor_pct).div_ceil(100))
+                let level = share.saturating_mul(cfg.lease_factor_pct).div_ceil(100);
+                (share, level.max(max_cost), 0)
             }
         };
         let before = nk.reserve;
         let tokens = if level > before {
-            let draw = (level - before).min(self.bucket);
+            // The surplus first, then the node's credit.
+            let draw = (level - before)
+                .min(self.bucket)
+                .min(surplus.saturating_add(credit));
+            let from_credit = draw.saturating_sub(surplus);
+            nk.credit = nk
+                .credit
+                .saturating_sub_unsigned(from_credit.saturating_mul(MILLI));
             self.bucket -= draw;
             self.stats.granted = self.stats.granted.saturating_add(draw);
             before + draw

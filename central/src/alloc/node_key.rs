@@ -39,6 +39,19 @@ pub(super) struct NodeKey {
     /// record alone: every applied request of a node visits every key it
     /// holds, see `alloc::begin`).
     pub(super) heard_at: Option<u64>,
+    /// This interval's allocation in thousandths of a unit: shares below
+    /// one unit per interval (100/min across 3 nodes) are carried, not
+    /// rounded away.
+    #[serde(default)]
+    pub(super) share_milli: u64,
+    /// The fraction of a unit of share not yet sent (thousandths).
+    #[serde(default)]
+    pub(super) share_carry: u64,
+    /// What the node may still draw from the bucket (thousandths): its
+    /// share accrues here every interval, up to its level plus one share;
+    /// it may draw one share ahead (down to `−share_milli`).
+    #[serde(default)]
+    pub(super) credit: i64,
 }
 
 impl NodeKey {
@@ -63,6 +76,9 @@ impl NodeKey {
             charge_carry: 0,
             written_off: 0,
             heard_at: Some(now),
+            share_milli: 0,
+            share_carry: 0,
+            credit: 0,
         }
     }
 

@@ -200,14 +200,34 @@ impl Session {
             self.base = req.acked_seq;
             self.counted.clear();
         }
-        let mut deltas = Vec::with_capacity(req.reports.len());
+        // A (key, limit) named twice in one report carries two parts of
+        // its counts (two slots, a retried scan): they are summed first.
+        // (Each report is looked up once in an index: linear in the
+        // report, whatever its duplicates.)
+        let mut totals: Vec<(KeyId, Tally)> = Vec::with_capacity(req.reports.len());
+        let mut index: BTreeMap<(&str, &str), usize> = BTreeMap::new();
         for r in &req.reports {
-            let id = (r.key.clone(), r.limit.clone());
-            let total = Tally {
+            let part = Tally {
                 consumed: r.consumed,
                 unleased: r.unleased,
                 demand: r.demand,
             };
+            match index.get(&(r.key.as_str(), r.limit.as_str())) {
+                Some(&i) => {
+                    if let Some((_, t)) = totals.get_mut(i) {
+                        t.consumed = t.consumed.saturating_add(part.consumed);
+                        t.unleased = t.unleased.saturating_add(part.unleased);
+                        t.demand = t.demand.saturating_add(part.demand);
+                    }
+                }
+                None => {
+                    index.insert((r.key.as_str(), r.limit.as_str()), totals.len());
+                    totals.push(((r.key.clone(), r.limit.clone()), part));
+                }
+            }
+        }
+        let mut deltas = Vec::with_capacity(totals.len());
+        for (id, total) in totals {
             let before = self.counted.insert(id.clone(), total).unwrap_or_default();
             let delta = Counts {
                 consumed: total.consumed.saturating_sub(before.consumed),
@@ -285,6 +305,22 @@ mod tests {
         s.intake(&req(10, 0, 5), 1).unwrap();
         assert!(s.intake(&req(10, 0, 5), 2).is_none());
         assert!(s.intake(&req(9, 0, 5), 2).is_none());
+    }
+
+    #[test]
+    fn a_key_named_twice_in_one_report_is_summed_not_subtracted() {
+        // Regression: the second occurrence was taken as "already counted"
+        // and only the difference (here 0) was counted.
+        let mut s = Session::new("r");
+        let mut r = req(10, 0, 5);
+        r.reports.push(r.reports[0].clone());
+        let i = s.intake(&r, 1).unwrap();
+        assert_eq!(i.deltas.len(), 1);
+        assert_eq!(consumed(&i), 10);
+        // The next report carries the sum again (lost answer): nothing new.
+        let mut again = req(11, 0, 5);
+        again.reports.push(again.reports[0].clone());
+        assert_eq!(consumed(&s.intake(&again, 2).unwrap()), 0);
     }
 
     #[test]

@@ -18,6 +18,7 @@ fn cfg(mode: FailureMode) -> AllocConfig {
                 limit: 1_000,
                 window_ns: 10 * S,
                 burst: 200,
+                max_cost: 1,
             },
         )]),
         interval_ns: S,
@@ -133,7 +134,22 @@ fn leases_together_never_hold_more_than_the_burst() {
         .0;
         assert_invariant(&a);
     }
+    // Nothing is promised yet (no share, no credit): the whole bucket was
+    // free for whoever asked.
     assert_eq!(total, 200);
+    // Over the next intervals each tops its lease up to its level (1.5 ×
+    // its share of 20) out of its credit, never beyond B.
+    for k in 1..6u64 {
+        for (i, node) in ["a", "b", "c", "d", "e"].into_iter().enumerate() {
+            send(
+                &mut a,
+                Req::new(node, "eu", k + 1, k).counts(0, 0, 50),
+                T0 + k * S + i as u64 * MS,
+            );
+            assert_invariant(&a);
+        }
+    }
+    assert!(view(&a).reserved <= 200);
 }
 
 #[test]
@@ -146,44 +162,36 @@ fn the_flow_is_split_max_min_fair_across_regions_with_floors_and_a_ceiling() {
     a.tick(T0 + S);
     let v = view(&a);
     // ap (idle) gets its floor of 5, us its demand of 10; eu, wanting 90,
-    // is capped at an equal share (33) plus the ceiling (50% of 100). The
-    // 2 left are headroom for the others.
-    assert_eq!(v.regions["ap"].allocated, 6);
-    assert_eq!(v.regions["us"].allocated, 11);
+    // is capped at an equal share (33.3) plus the ceiling (50% of 100). The
+    // 1.67 left are headroom for the others (whole units shown; the
+    // fractions are carried to the next interval).
+    assert_eq!(v.regions["ap"].allocated, 5);
+    assert_eq!(v.regions["us"].allocated, 10);
     assert_eq!(v.regions["eu"].allocated, 83);
     assert_eq!(v.regions["eu"].fair, 33);
     assert_eq!(v.regions["eu"].borrowed_total, 50);
-    assert_eq!(v.shares["a"] + v.shares["b"] + v.shares["c"], 100);
+    let sent = v.shares["a"] + v.shares["b"] + v.shares["c"];
+    assert!((98..=100).contains(&sent), "{sent}");
 }
 
 #[test]
 fn an_acknowledged_lease_collapses_the_reservation_and_a_lost_one_does_not() {
     let mut a = alloc();
-    assert_eq!(
-        send(&mut a, Req::new("a", "eu", 1, 0).counts(0, 0, 100), T0).0,
-        150
-    );
-    // b gets what the bucket has left: the leases hold the whole burst.
-    assert_eq!(
-        send(&mut a, Req::new("b", "eu", 1, 0).counts(0, 0, 100), T0 + MS).0,
-        50
-    );
-    // Next interval a's share halves. Our answer to 1 was lost, so a may
-    // still hold 150: the reservation stays the larger, nothing comes back.
+    // A full bucket, nothing promised: a draws its level (1.5 × its
+    // demand) from the surplus.
+    let t1 = send(&mut a, Req::new("a", "eu", 1, 0).counts(0, 0, 100), T0).0;
+    assert_eq!(t1, 150);
+    // Next interval a's share is set. Our answer to 1 was lost, so a may
+    // still hold t1: the reservation stays the larger, nothing comes back.
     // (Its counts run from its last acknowledged report: 100 + 100.)
     let (t2, _) = send(&mut a, Req::new("a", "eu", 2, 0).counts(0, 0, 200), T0 + S);
-    assert_eq!(t2, 75);
     let v = view(&a);
-    assert_eq!((v.reserved, v.stats.reclaimed), (200, 0));
-    // a applied our answer to 2, which replaced its lease of 150: after 10
-    // more units it holds at most 65; the other 75 are reclaimed, and 10 of
-    // them top it up to 75 again.
-    assert_eq!(
-        send(&mut a, Req::new("a", "eu", 3, 2).counts(10, 0, 100), T0 + 2 * S).0,
-        75
-    );
+    assert_eq!((v.reserved, v.stats.reclaimed), (t1.max(t2), 0));
+    // a applied our answer to 2, which replaced its lease of t1: after 10
+    // more units it holds at most t2 − 10; the rest is reclaimed.
+    send(&mut a, Req::new("a", "eu", 3, 2).counts(10, 0, 100), T0 + 2 * S);
     let v = view(&a);
-    assert_eq!((v.reserved, v.stats.reclaimed, v.bucket), (125, 75, 65));
+    assert_eq!(v.stats.reclaimed, t1.max(t2) - t2);
     assert_invariant(&a);
 }
 
@@ -237,7 +245,7 @@ fn debt_is_repaid_from_the_bucket_then_from_the_regions_own_allocation() {
     let v = view(&a);
     assert_eq!(v.stats.debt_booked, 500);
     let debt = v.regions["us"].debt;
-    assert!(debt > 400, "the bucket repaid what it held: {debt} left");
+    assert!(debt >= 300, "the bucket repaid what it held: {debt} left");
     assert_eq!(v.regions["eu"].debt, 0);
     // Later intervals: us repays out of its own part; eu is untouched.
     let mut seq = 2;
@@ -353,4 +361,107 @@ fn the_bucket_and_reservations_stay_within_the_burst_under_random_traffic() {
         }
         assert_invariant(&a);
     }
+}
+
+/// `nodes` (node, region) of one key on `limit` per minute, each asking
+/// `demand` units per 1 s interval in requests of `cost` and spending all
+/// its lease can carry, every answer applied. Returns what each node
+/// admitted in minute three (the full bucket's first burst spent).
+fn minute_three(limit: u64, cost: u64, nodes: &[(&'static str, &'static str)], demand: u64) -> Vec<u64> {
+    let mut c = cfg(FailureMode::FailOpenLocal);
+    c.limits = BTreeMap::from([(
+        "l".to_owned(),
+        GlobalLimit {
+            limit,
+            window_ns: 60 * S,
+            burst: limit,
+            max_cost: cost,
+        },
+    )]);
+    let mut a = Allocator::new(c).unwrap();
+    let mut tokens = vec![0u64; nodes.len()];
+    let mut admitted = vec![0u64; nodes.len()];
+    let mut consumed = vec![0u64; nodes.len()];
+    for k in 0..180u64 {
+        for (i, (node, region)) in nodes.iter().enumerate() {
+            // Nodes sync at different phases of the interval.
+            let now = T0 + k * S + (i as u64 * 97 + 11) * MS;
+            let req = Req::new(node, region, k + 1, k).counts(consumed[i], 0, demand);
+            let resp = a.handle(&req.build(), now).unwrap();
+            tokens[i] = resp.leases[0].tokens;
+            // Until the next sync: whole requests of `cost`, up to demand.
+            let n = (tokens[i] / cost).min(demand / cost);
+            consumed[i] = n * cost;
+            tokens[i] -= n * cost;
+            if k >= 120 {
+                admitted[i] += n * cost;
+            }
+        }
+    }
+    admitted
+}
+
+fn jain(x: &[u64]) -> f64 {
+    let sum: f64 = x.iter().map(|&v| v as f64).sum();
+    let squares: f64 = x.iter().map(|&v| (v as f64).powi(2)).sum();
+    sum * sum / (x.len() as f64 * squares)
+}
+
+/// The three Envoys at 100/min: whole-unit shares with a fixed
+/// tie-break gave A 56, B 5, C 55. Regression: fractional shares carried
+/// as credit.
+#[test]
+fn equal_demand_gets_equal_admission_even_below_one_unit_per_node_and_interval() {
+    let one_region = minute_three(100, 1, &[("a", "r1"), ("b", "r1"), ("c", "r1")], 5);
+    assert!(jain(&one_region) >= 0.95, "{one_region:?}");
+    let total: u64 = one_region.iter().sum();
+    assert!((90..=101).contains(&total), "utilisation: {one_region:?}");
+    // Two regions (A, B in r1; C in r2): regions split equally, so the two
+    // nodes of r1 get equal halves of r1's part.
+    let two = minute_three(100, 1, &[("a", "r1"), ("b", "r1"), ("c", "r2")], 5);
+    assert!(two[0].abs_diff(two[1]) * 4 <= two[0].max(two[1]), "{two:?}");
+    assert!(two.iter().sum::<u64>() >= 90, "{two:?}");
+    // Ten nodes at 100/min: 0.17 units per node and interval.
+    let ten: Vec<(&'static str, &'static str)> = ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"]
+        .into_iter()
+        .map(|n| (n, "r1"))
+        .collect();
+    let got = minute_three(100, 1, &ten, 5);
+    assert!(jain(&got) >= 0.95, "{got:?}");
+    assert!(got.iter().sum::<u64>() >= 90, "{got:?}");
+}
+
+/// Regression: leases were at most about 1.5 × the node's share (1–2
+/// units at 100/min), so a cost-5 route was never admitted.
+#[test]
+fn a_cost_up_to_the_burst_is_admitted_at_the_limits_rate() {
+    let one = minute_three(100, 5, &[("a", "r1")], 50);
+    assert!(one[0] >= 90, "{one:?}");
+    let three = minute_three(100, 5, &[("a", "r1"), ("b", "r1"), ("c", "r1")], 50);
+    assert!(three.iter().sum::<u64>() >= 90, "{three:?}");
+    assert!(three.iter().all(|&n| n > 0), "{three:?}");
+}
+
+#[test]
+fn a_request_stamped_in_an_earlier_interval_does_not_allocate_it_again() {
+    let mut a = alloc();
+    send(&mut a, Req::new("a", "eu", 1, 0).counts(0, 0, 100), T0 + 2 * S);
+    let flow_before = view(&a).flow;
+    // A replica whose clock lags a second answers b.
+    send(&mut a, Req::new("b", "eu", 1, 0).counts(0, 0, 100), T0 + S);
+    send(
+        &mut a,
+        Req::new("a", "eu", 2, 1).counts(0, 0, 100),
+        T0 + 2 * S + MS,
+    );
+    assert_eq!(view(&a).flow, flow_before);
+    assert_invariant(&a);
+}
+
+#[test]
+fn a_cost_no_lease_can_carry_is_a_configuration_error() {
+    let mut c = cfg(FailureMode::FailClosed);
+    c.limits.get_mut("l").unwrap().max_cost = 201;
+    let e = Allocator::new(c).unwrap_err();
+    assert!(e.to_string().contains("limits.l.max_cost"), "{e}");
 }

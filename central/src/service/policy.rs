@@ -2,26 +2,38 @@
 //! (read by the filter crate's own validation), reduced to what the
 //! allocator needs: the version and every limit by name.
 //!
-//! Every limit of every plan is treated as global. Guards are node-wide by
-//! definition and are not. Reports name a limit only by its name, so two
-//! plans that define a limit of the same name with different numbers are
-//! ambiguous; the service then takes the strictest of them (lowest rate,
-//! lowest burst) and says so in the log.
+//! Only limits marked `global: true` are global: a node-local limit that
+//! shares a global limit's name in another plan is not the global limit
+//! and never changes it. Guards are node-wide by definition and are not.
+//! Reports name a limit only by its name, so two plans that define a
+//! global limit of the same name with different numbers are ambiguous; the
+//! service then takes the strictest of them (lowest rate, lowest burst)
+//! and says so in the log.
+//!
+//! The settings the bound depends on and the nodes enforce (callout
+//! timeout `D`, failure mode, `fail_open_local`'s duration) come from the
+//! policy's `sync:` block, the one the nodes read, never from a second
+//! copy: see [`Settings::alloc_config`].
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use tenantgate::policy::{Node, Policy};
+use tenantgate::policy::{Node, Policy, SyncSettings};
 
 use crate::alloc::{AllocConfig, GlobalLimit};
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
+/// `fail_open_local`'s duration for a policy without a `sync:` block (no
+/// node enforces one then).
+const DEFAULT_LOCAL_MAX_NS: u64 = 300 * NANOS_PER_SEC;
 
 /// A validated policy, as the service needs it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PolicyLimits {
     pub version: String,
     pub limits: BTreeMap<String, GlobalLimit>,
+    /// The policy's `sync:` block (`None`: it has no global limit).
+    pub sync: Option<SyncSettings>,
     /// Limit names defined differently by several plans.
     pub ambiguous: Vec<String>,
 }
@@ -50,11 +62,13 @@ pub fn parse(text: &str) -> Result<PolicyLimits, String> {
     let mut limits: BTreeMap<String, GlobalLimit> = BTreeMap::new();
     let mut ambiguous = Vec::new();
     for plan in policy.plans() {
-        for l in &plan.limits {
+        for l in plan.limits.iter().filter(|l| l.global) {
             let g = GlobalLimit {
                 limit: l.rate,
                 window_ns: l.per_secs.saturating_mul(NANOS_PER_SEC),
                 burst: l.burst,
+                // Validation refuses a cost above any plan's burst.
+                max_cost: policy.max_cost().min(l.burst),
             };
             match limits.get_mut(&l.name) {
                 None => {
@@ -73,6 +87,7 @@ pub fn parse(text: &str) -> Result<PolicyLimits, String> {
                         prev.window_ns = g.window_ns;
                     }
                     prev.burst = prev.burst.min(g.burst);
+                    prev.max_cost = prev.max_cost.min(prev.burst);
                 }
             }
         }
@@ -80,6 +95,7 @@ pub fn parse(text: &str) -> Result<PolicyLimits, String> {
     Ok(PolicyLimits {
         version: policy.version.clone(),
         limits,
+        sync: policy.sync.clone(),
         ambiguous,
     })
 }
@@ -105,21 +121,34 @@ impl Default for Settings {
 }
 
 impl Settings {
+    /// The allocator's settings for policy `p`. The shared settings (the
+    /// nodes' callout timeout, failure mode and `fail_open_local` duration)
+    /// are the policy's `sync:` values, which the nodes enforce; ours apply
+    /// only to a policy without a `sync:` block. The failure mode is the
+    /// block's default: a route class that overrides it with `fail_closed`
+    /// admits less than the bound assumes, never more; one that overrides
+    /// it with `fail_open` is outside the `fail_open_local` bound (README).
     pub fn alloc_config(&self, p: &PolicyLimits) -> AllocConfig {
+        let response_timeout_ns = p.sync.as_ref().map_or(self.response_timeout_ns, |s| s.timeout_ns);
+        let local_max_ns = p.sync.as_ref().map_or(DEFAULT_LOCAL_MAX_NS, |s| s.local_max_ns);
+        let failure_mode = p
+            .sync
+            .as_ref()
+            .map_or(tenantgate::sync::FailureMode::FailOpenLocal, |s| s.failure_mode);
         AllocConfig {
             policy_version: p.version.clone(),
             limits: p.limits.clone(),
             interval_ns: self.interval_ns,
             lease_ttl_ns: self.lease_ttl_ns,
-            response_timeout_ns: self.response_timeout_ns,
+            response_timeout_ns,
             lease_factor_pct: 150,
             node_floor: 1,
             region_floor: 5,
             borrow_ceiling_pct: 80,
             repay_pct: 50,
             settle_ns: 5 * NANOS_PER_SEC,
-            local_max_ns: 300 * NANOS_PER_SEC,
-            failure_mode: tenantgate::sync::FailureMode::FailOpenLocal,
+            local_max_ns,
+            failure_mode,
         }
     }
 }
@@ -128,22 +157,62 @@ impl Settings {
 mod tests {
     use super::*;
 
+    fn shipped(name: &str) -> PolicyLimits {
+        let path = format!("{}/../policies/{name}", env!("CARGO_MANIFEST_DIR"));
+        parse(&std::fs::read_to_string(path).unwrap()).unwrap()
+    }
+
     #[test]
-    fn the_demo_policy_gives_one_global_limit_per_plan_limit() {
-        let text =
-            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../policies/demo.yaml")).unwrap();
-        let p = parse(&text).unwrap();
-        assert_eq!(p.version, "demo-2026-11-30");
+    fn only_global_limits_are_global_and_carry_the_largest_route_cost() {
+        let p = shipped("global.yaml");
+        assert_eq!(p.version, "global-2026-12-01");
         assert_eq!(
-            p.limits["paid"],
+            p.limits["free"],
             GlobalLimit {
-                limit: 10_000,
+                limit: 100,
                 window_ns: 60 * NANOS_PER_SEC,
-                burst: 1000
+                burst: 100,
+                max_cost: 5,
             }
         );
-        assert_eq!(p.limits.len(), 3);
+        // `paid-node` and the anonymous plan's limit are node-local.
+        assert_eq!(p.limits.keys().collect::<Vec<_>>(), ["free", "paid"]);
+        // A policy with no global limit gives the service nothing to split.
+        assert!(shipped("demo.yaml").limits.is_empty());
+    }
+
+    #[test]
+    fn a_local_limit_of_the_same_name_never_lowers_a_global_one() {
+        // Regression: every plan limit was taken as global, and the
+        // strictest of two same-named limits won.
+        let text = r#"
+version: v
+identity: { header: x-tenant-id }
+plans:
+  free:
+    limits: [{ name: shared, rate: 100, per: 1m, global: true }]
+  other:
+    limits: [{ name: shared, rate: 5, per: 1m }]
+default_plan: free
+anonymous: { plan: other }
+routes: { api: {} }
+default_route: api
+sync: { cluster: tenantgate }
+"#;
+        let p = parse(text).unwrap();
+        assert_eq!(p.limits["shared"].limit, 100);
+        assert_eq!(p.limits["shared"].burst, 100);
         assert!(p.ambiguous.is_empty());
+    }
+
+    #[test]
+    fn the_shared_settings_are_the_policys_sync_block() {
+        let p = shipped("global.yaml");
+        let cfg = Settings::default().alloc_config(&p);
+        let sync = p.sync.as_ref().unwrap();
+        assert_eq!(cfg.response_timeout_ns, sync.timeout_ns);
+        assert_eq!(cfg.local_max_ns, sync.local_max_ns);
+        assert_eq!(cfg.failure_mode, sync.failure_mode);
     }
 
     #[test]

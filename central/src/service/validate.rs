@@ -250,10 +250,12 @@ mod tests {
             limit: 100,
             window_ns: 60_000_000_000,
             burst: 100,
+            max_cost: 1,
         };
         Settings::default().alloc_config(&PolicyLimits {
             version: "v".into(),
             limits: [("per-min".to_owned(), limit)].into_iter().collect(),
+            sync: None,
             ambiguous: vec![],
         })
     }

@@ -12,6 +12,70 @@ pub fn max_window(admitted: &[u64], window_ticks: usize) -> u64 {
     best
 }
 
+/// The least admitted in any window of `window_ticks` consecutive ticks
+/// that starts at or after tick `from` (`None`: no whole window fits).
+pub fn min_window(admitted: &[u64], window_ticks: usize, from: usize) -> Option<u64> {
+    let w = window_ticks.max(1);
+    let tail = admitted.get(from..)?;
+    if tail.len() < w {
+        return None;
+    }
+    let mut sum: u64 = tail.iter().take(w).sum();
+    let mut least = sum;
+    for i in w..tail.len() {
+        sum = sum + tail[i] - tail[i - w];
+        least = least.min(sum);
+    }
+    Some(least)
+}
+
+/// Jain's fairness index of `x`: `(Σx)² / (n·Σx²)`, 1 when all are equal.
+pub fn jain(x: &[u64]) -> f64 {
+    let sum: f64 = x.iter().map(|&v| v as f64).sum();
+    let squares: f64 = x.iter().map(|&v| (v as f64).powi(2)).sum();
+    if squares == 0.0 {
+        1.0
+    } else {
+        sum * sum / (x.len() as f64 * squares)
+    }
+}
+
+/// The lowest Jain's index of admissions among the nodes of one region,
+/// over consecutive windows of `window_ticks` from tick `from`, counting
+/// only regions of two nodes or more whose nodes admitted at least
+/// `min_mean` units each on average in the window (`None`: no such
+/// window). Nodes of one region get equal demand in every shape.
+pub fn min_fairness(
+    by_node: &[Vec<u64>],
+    regions: &[usize],
+    window_ticks: usize,
+    from: usize,
+    min_mean: f64,
+) -> Option<f64> {
+    let ticks = by_node.first().map_or(0, Vec::len);
+    let w = window_ticks.max(1);
+    let region_count = regions.iter().max().map_or(0, |r| r + 1);
+    let mut least: Option<f64> = None;
+    let mut start = from;
+    while start + w <= ticks {
+        for region in 0..region_count {
+            let sums: Vec<u64> = by_node
+                .iter()
+                .zip(regions)
+                .filter(|(_, r)| **r == region)
+                .map(|(series, _)| series[start..start + w].iter().sum())
+                .collect();
+            let mean = sums.iter().sum::<u64>() as f64 / sums.len().max(1) as f64;
+            if sums.len() >= 2 && mean >= min_mean {
+                let j = jain(&sums);
+                least = Some(least.map_or(j, |l: f64| l.min(j)));
+            }
+        }
+        start += w;
+    }
+    least
+}
+
 /// Sums per consecutive `per` ticks (the last partial group dropped).
 pub fn group(series: &[u64], per: usize) -> Vec<u64> {
     series.chunks_exact(per.max(1)).map(|c| c.iter().sum()).collect()

@@ -16,6 +16,12 @@ pub enum Shape {
     /// Nothing until `at_s`, then `level` × the rate evenly (a key no node
     /// has seen before).
     Flash { at_s: f64, level: f64 },
+    /// The adversarial client of issue 7 on every node: `requests` at
+    /// once every `every_s` seconds, timed to arrive just after the
+    /// node's last lease expired (`every_s` = TTL + 1.5 s), so that a node
+    /// that re-granted its provisional allowance on every expiry would
+    /// admit `P` more each time.
+    Paced { every_s: f64, requests: u64 },
 }
 
 /// One scenario: a shape, a network and faults.
@@ -123,6 +129,44 @@ pub fn all() -> Vec<Scenario> {
 }
 
 /// The scenario called `name`.
+/// The scenarios at the sizes users run (100/min, 6/min; see
+/// `tests/sim.rs`, `users_sizes`): equal, skewed and shifting demand over
+/// the limit, and the paced adversary.
+pub fn users() -> Vec<Scenario> {
+    vec![
+        base(
+            "equal",
+            "1.5x the limit, evenly on every node",
+            Shape::Uniform { level: 1.5 },
+        ),
+        base(
+            "skewed",
+            "1.5x the limit, 70% of it in region 0",
+            Shape::Skewed {
+                level: 1.5,
+                hot_pct: 70.0,
+            },
+        ),
+        base(
+            "shifting",
+            "1.5x the limit, 80% in one region, moving every 60 s",
+            Shape::Shifting {
+                level: 1.5,
+                hot_pct: 80.0,
+                every_s: 60.0,
+            },
+        ),
+        base(
+            "paced_adversary",
+            "3 requests at once every 4.5 s on every node, just after each lease expired",
+            Shape::Paced {
+                every_s: 4.5,
+                requests: 3,
+            },
+        ),
+    ]
+}
+
 pub fn named(name: &str) -> Option<Scenario> {
     all().into_iter().find(|s| s.name == name)
 }
@@ -154,6 +198,24 @@ impl Scenario {
                     level / regions as f64
                 }
             }
+            // Bursts, not a rate: see [`Scenario::burst`].
+            Shape::Paced { .. } => 0.0,
+        }
+    }
+
+    /// Requests every node sends at once in the tick `[t_s, t_s + tick_s)`
+    /// (the `Paced` shape), besides its rate.
+    pub fn burst(&self, t_s: f64, tick_s: f64) -> u64 {
+        match self.shape {
+            Shape::Paced { every_s, requests } => {
+                let k = (t_s / every_s).ceil();
+                if k * every_s < t_s + tick_s - 1e-9 {
+                    requests
+                } else {
+                    0
+                }
+            }
+            _ => 0,
         }
     }
 
@@ -185,6 +247,7 @@ impl Scenario {
             | Shape::Skewed { level, .. }
             | Shape::Shifting { level, .. }
             | Shape::Flash { level, .. } => level,
+            Shape::Paced { .. } => 0.0,
         }
     }
 

@@ -9,6 +9,7 @@ use tenantgate::sync::{Admitted, FailureMode, Node, NodeConfig, SyncResponse};
 
 use super::rng::Rng;
 use super::scenario::Scenario;
+use super::shipped::{self, ShippedNode};
 use super::{SimConfig, Topology, KEY, LIMIT};
 use crate::alloc::{AllocConfig, Allocator, GlobalLimit, KeyView};
 use crate::error::ConfigError;
@@ -43,10 +44,16 @@ pub struct Trace {
     pub messages_sent: u64,
     pub messages_lost: u64,
     pub service: Option<KeyView>,
+    /// Per node: units admitted per tick, and its region.
+    pub admitted_by_node: Vec<Vec<u64>>,
+    pub regions: Vec<usize>,
 }
 
 struct SimNode {
     node: Node,
+    /// With `SimConfig::shipped`: the filter's code, which then decides
+    /// and syncs instead of `node`.
+    shipped: Option<ShippedNode>,
     region: usize,
     offset_ns: i64,
     next_sync: u64,
@@ -76,6 +83,7 @@ pub fn alloc_config(cfg: &SimConfig, mode: FailureMode) -> AllocConfig {
                 limit: cfg.limit,
                 window_ns: cfg.window_ns,
                 burst: cfg.burst,
+                max_cost: cfg.max_cost,
             },
         )]
         .into_iter()
@@ -119,19 +127,27 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                 max_ttl_ns: cfg.lease_ttl_ns.saturating_mul(4),
                 local_max_ns: cfg.local_max_ns,
             };
-            SimNode {
+            let shipped = cfg
+                .shipped
+                .then(|| shipped::policy(cfg, spec.failure_mode, T0.saturating_add_signed(offset_ns)))
+                .transpose()?
+                .map(|p| ShippedNode::new(p, node_cfg.node_id.clone(), node_cfg.region.clone()));
+            Ok(SimNode {
+                shipped,
                 node: Node::new(node_cfg, T0.saturating_add_signed(offset_ns)),
                 region,
                 offset_ns,
                 next_sync: T0 + phases.between(0, cfg.interval_ns - 1),
                 retry_at: None,
-                carry: 0.0,
+                // A random phase, so that nodes whose demand is below one
+                // request per tick do not all ask in the same tick.
+                carry: phases.unit() * cfg.max_cost.max(1) as f64,
                 seen: false,
                 in_provisional: false,
                 starts: 0,
-            }
+            })
         })
-        .collect();
+        .collect::<Result<_, ConfigError>>()?;
 
     let ticks = (cfg.duration_ns / cfg.tick_ns) as usize;
     let rate_per_s = cfg.limit as f64 * NANOS_PER_SEC / cfg.window_ns as f64;
@@ -148,7 +164,10 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
         messages_sent: 0,
         messages_lost: 0,
         service: None,
+        admitted_by_node: vec![vec![0; ticks]; nodes.len()],
+        regions: nodes.iter().map(|n| n.region).collect(),
     };
+    let cost = cfg.max_cost.max(1);
     let mut last_interval = None;
     let latency = |net: &mut Rng| net.between(spec.latency_ms.0, spec.latency_ms.1) * NANOS_PER_MS;
 
@@ -179,7 +198,12 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                 queue.push(Reverse((now + latency(&mut net), order, false, i, answer)));
             } else if let Ok(resp) = SyncResponse::from_json(body.as_bytes()) {
                 let clock = n.clock(now);
-                let _ = n.node.apply(&resp, clock);
+                match n.shipped.as_mut() {
+                    Some(s) => s.apply(&resp, clock),
+                    None => {
+                        let _ = n.node.apply(&resp, clock);
+                    }
+                }
             }
         }
 
@@ -189,6 +213,22 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
         }
 
         for (i, n) in nodes.iter_mut().enumerate() {
+            let clock = n.clock(now);
+            if let Some(s) = n.shipped.as_mut() {
+                // Every tick a worker ticks; the shared state says whether
+                // a report is due (and gives up on one timed out).
+                let Some(req) = s.tick(clock) else {
+                    continue;
+                };
+                trace.messages_sent += 1;
+                if !spec.link_up(n.region, t_s) || net.chance(spec.loss) {
+                    trace.messages_lost += 1;
+                    continue;
+                }
+                order += 1;
+                queue.push(Reverse((now + latency(&mut net), order, true, i, req.to_json())));
+                continue;
+            }
             let retry = n.retry_at.is_some_and(|at| now >= at) && n.node.in_flight().is_some();
             if now < n.next_sync && !retry {
                 continue;
@@ -210,15 +250,27 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
             queue.push(Reverse((now + latency(&mut net), order, true, i, req.to_json())));
         }
 
-        for n in &mut nodes {
+        for (i, n) in nodes.iter_mut().enumerate() {
             let level = spec.region_level(n.region, topo.regions, t_s) / topo.nodes_per_region as f64;
+            // Units of demand; requests of `cost` units each.
             n.carry += level * rate_per_s * tick_s * (0.5 + traffic.unit());
-            let count = n.carry.floor();
-            n.carry -= count;
+            let count = (n.carry / cost as f64).floor();
+            n.carry -= count * cost as f64;
             let clock = n.clock(now);
-            for _ in 0..count as u64 {
-                let decision = n.node.decide(KEY, LIMIT, 1, clock);
-                trace.demand[tick] += 1;
+            for _ in 0..count as u64 + spec.burst(t_s, tick_s) {
+                let decision = match n.shipped.as_mut() {
+                    // The engine says only whether it admitted: counted as
+                    // lease admissions.
+                    Some(s) => {
+                        if s.request(clock) {
+                            Ok(Admitted::Lease)
+                        } else {
+                            Err(tenantgate::sync::Denied::LeaseExhausted)
+                        }
+                    }
+                    None => n.node.decide(KEY, LIMIT, cost, clock),
+                };
+                trace.demand[tick] += cost;
                 if !n.seen {
                     n.seen = true;
                     trace.first_requests += 1;
@@ -235,17 +287,18 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                 let Ok(kind) = decision else {
                     continue;
                 };
-                trace.admitted[tick] += 1;
+                trace.admitted[tick] += cost;
+                trace.admitted_by_node[i][tick] += cost;
                 match kind {
-                    Admitted::Lease => trace.by_kind.lease += 1,
-                    Admitted::Provisional => trace.by_kind.provisional += 1,
-                    Admitted::FailOpenLocal => trace.by_kind.fail_open_local += 1,
-                    Admitted::FailOpen => trace.by_kind.fail_open += 1,
+                    Admitted::Lease => trace.by_kind.lease += cost,
+                    Admitted::Provisional => trace.by_kind.provisional += cost,
+                    Admitted::FailOpenLocal => trace.by_kind.fail_open_local += cost,
+                    Admitted::FailOpen => trace.by_kind.fail_open += cost,
                 }
             }
         }
     }
     trace.max_starts = nodes.iter().map(|n| n.starts).max().unwrap_or(0);
-    trace.service = service.view(KEY, LIMIT);
+    trace.service = service.view(if cfg.shipped { shipped::KEY } else { KEY }, LIMIT);
     Ok(trace)
 }

@@ -160,6 +160,7 @@ mod tests {
             limit: 100,
             window_ns: 60_000_000_000,
             burst: 40,
+            max_cost: 1,
         };
         store
             .update_keys(std::slice::from_ref(&id), &mut |_, slot| {
@@ -177,6 +178,7 @@ mod tests {
                             limit: 1,
                             window_ns: 1,
                             burst: 1,
+                            max_cost: 1,
                         },
                         9,
                     );

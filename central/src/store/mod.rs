@@ -198,6 +198,7 @@ mod tests {
                 limit: 10,
                 window_ns: 1_000,
                 burst: 5,
+                max_cost: 1,
             },
             7,
         );

@@ -193,22 +193,129 @@ fn a_new_lease_ends_the_failure_mode() {
 }
 
 #[test]
-fn an_idle_key_on_a_connected_node_starts_afresh_with_a_provisional_allowance() {
+fn an_idle_key_on_a_connected_node_waits_for_its_next_lease_not_a_provisional_allowance() {
     let mut n = node(FailureMode::FailClosed);
     admit_n(&mut n, 1, T0);
     let mut now = T0;
     let req = n.report(now).unwrap();
     n.apply(&answer(&req, vec![lease(5, 5, 2000)]), now + 10 * MS)
         .unwrap();
-    // Keep syncing (acknowledged, nothing to report) past the lease's expiry.
-    for _ in 0..3 {
+    // Keep syncing past the lease's expiry: for a minute after its last
+    // request the key is reported with zero counts (its keep-alive; this
+    // service renews nothing), then no more.
+    for i in 1..=62u64 {
         now += S;
         let req = n.report(now).unwrap();
-        assert!(req.reports.is_empty());
+        let kept = i * S < LEASE_KEEP_ALIVE_NS;
+        assert_eq!(req.reports.len(), usize::from(kept), "at {i} s");
+        assert!(req.reports.iter().all(|r| r.consumed == 0 && r.demand == 0));
         n.apply(&answer(&req, vec![]), now + 10 * MS).unwrap();
     }
     assert!(n.connected(now + 20 * MS));
-    assert_eq!(n.decide("k", "l", 1, now + 20 * MS), Ok(Admitted::Provisional));
+    assert_eq!(n.decide("k", "l", 1, now + 20 * MS), Err(Denied::AwaitingLease));
+    // Its demand goes out with the next report; the answer's lease admits.
+    let req = n.report(now + S).unwrap();
+    assert_eq!(req.reports[0].demand, 1);
+    n.apply(&answer(&req, vec![lease(5, 5, 2000)]), now + S + 10 * MS)
+        .unwrap();
+    assert_eq!(n.decide("k", "l", 1, now + S + 20 * MS), Ok(Admitted::Lease));
+}
+
+/// The paced client: 3 requests every 4.5 s for two minutes on a
+/// node whose service grants nothing (the bucket is empty), every lease
+/// living 3 s. Regression: each lease expiry handed out `P` again (28
+/// admitted in 60 s for a bound of 14).
+#[test]
+fn a_paced_client_cannot_farm_the_provisional_allowance_on_lease_expiry() {
+    for mode in [FailureMode::FailClosed, FailureMode::FailOpenLocal] {
+        let mut n = node(mode);
+        let mut admitted = 0;
+        let mut next_request = T0;
+        let mut now = T0;
+        while now < T0 + 120 * S {
+            if now >= next_request {
+                admitted += admit_n(&mut n, 3, now);
+                next_request += 4_500 * MS;
+            }
+            if now % S == 0 {
+                if let Some(req) = n.report(now) {
+                    let leases = req.reports.iter().map(|_| lease(0, 0, 3000)).collect();
+                    n.apply(&answer(&req, leases), now + 10 * MS).unwrap();
+                }
+            }
+            now += 100 * MS;
+        }
+        // P = 2, once: the key started once.
+        assert_eq!(admitted, 2, "{mode:?}");
+    }
+}
+
+/// A node that keeps syncing but whose answers never lease the key (a
+/// limit the service's policy lacks, a key in the overflow entry).
+fn never_leased(mode: FailureMode) -> (Node, u64) {
+    let mut n = node(mode);
+    assert_eq!(admit_n(&mut n, 3, T0), 2);
+    let mut now = T0;
+    for _ in 0..2 {
+        now += S;
+        let req = n.report(now).unwrap();
+        n.apply(&answer(&req, vec![]), now + 10 * MS).unwrap();
+    }
+    (n, now)
+}
+
+#[test]
+fn a_key_never_leased_reaches_its_failure_mode_within_two_intervals_and_the_timeout() {
+    // Waiting since T0 (the third request); 2 × 1 s + 0.5 s later the
+    // failure mode applies. Regression: it denied for good.
+    let until = T0 + 2_500 * MS;
+    let (mut closed, _) = never_leased(FailureMode::FailClosed);
+    assert_eq!(closed.decide("k", "l", 1, until - MS), Err(Denied::AwaitingLease));
+    assert_eq!(closed.decide("k", "l", 1, until), Err(Denied::FailClosed));
+    let (mut open, _) = never_leased(FailureMode::FailOpen);
+    assert_eq!(open.decide("k", "l", 1, until - MS), Err(Denied::AwaitingLease));
+    assert_eq!(admit_n(&mut open, 100, until), 100);
+    // fail_open_local with no share: a local bucket at P (2) per interval,
+    // starting empty.
+    let (mut local, _) = never_leased(FailureMode::FailOpenLocal);
+    assert_eq!(local.decide("k", "l", 1, until), Err(Denied::LocalLimit));
+    let mut admitted = 0;
+    for ms in (0..10_000).step_by(10) {
+        let now = until + ms * MS;
+        if ms % 1000 == 500 {
+            // Still syncing, still no lease for the key.
+            let req = local.report(now).unwrap();
+            local.apply(&answer(&req, vec![]), now + MS).unwrap();
+        }
+        admitted += admit_n(&mut local, 3, now);
+    }
+    // One every 500 ms from empty: 19 in the 10 s that follow.
+    assert_eq!(admitted, 19);
+    // A lease ends it.
+    let req = local.report(until + 10 * S).unwrap();
+    local
+        .apply(&answer(&req, vec![lease(1, 1, 3000)]), until + 10 * S + MS)
+        .unwrap();
+    assert_eq!(
+        local.decide("k", "l", 1, until + 10 * S + 2 * MS),
+        Ok(Admitted::Lease)
+    );
+    assert_eq!(
+        local.decide("k", "l", 1, until + 10 * S + 2 * MS),
+        Err(Denied::LeaseExhausted)
+    );
+}
+
+#[test]
+fn no_lease_says_when_the_failure_mode_runs_for_want_of_a_lease() {
+    let mut a = Allowance::fresh(2);
+    let s = SyncState::new(T0, S, 500 * MS);
+    let view = s.view(FailureMode::FailClosed, 2, 60 * S, 500 * MS, T0);
+    assert_eq!(view.await_max_ns, 2_500 * MS);
+    assert!(a.decide(&view, 2, T0).is_ok());
+    assert_eq!(a.decide(&view, 1, T0), Err(Denied::AwaitingLease));
+    assert!(!a.no_lease(&view, T0 + 2_499 * MS));
+    assert!(a.no_lease(&view, T0 + 2_500 * MS));
 }
 
 #[test]

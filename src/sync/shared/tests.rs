@@ -13,14 +13,20 @@ const S: u64 = 1_000 * MS;
 const T0: u64 = 1_796_000_000 * S;
 
 fn policy(mode: &str) -> Policy {
+    policy_with(mode, "")
+}
+
+/// `extra`: more top-level fields (with a leading comma).
+fn policy_with(mode: &str, extra: &str) -> Policy {
     let json = format!(
         r#"{{"version": "g-1", "identity": {{"header": "x-tenant-id"}},
         "plans": {{"free": {{"limits": [
             {{"name": "node", "rate": 1000, "per": "1s"}},
             {{"name": "global", "rate": 100, "per": "1s", "global": true}}]}}}},
         "default_plan": "free", "anonymous": {{"plan": "free"}},
-        "routes": {{"api": {{}}, "strict": {{"action": "api", "failure_mode": "fail_closed"}}}},
-        "sync": {{"interval": "1s", "timeout": "500ms", "provisional": 2, "failure_mode": "{mode}"}}}}"#
+        "routes": {{"api": {{}}, "strict": {{"action": "api", "failure_mode": "fail_closed"}},
+            "search": {{"action": "api", "cost": 5}}}},
+        "sync": {{"interval": "1s", "timeout": "500ms", "provisional": 2, "failure_mode": "{mode}"}}{extra}}}"#
     );
     let mut p = Policy::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
     p.effective_from_ns = T0;
@@ -42,6 +48,10 @@ impl World {
 
     /// A request of `tenant` on `class`, as worker `w` sees the node.
     fn request(&self, class: &str, tenant: &str, now: u64) -> Reason {
+        self.decide(class, tenant, now).reason
+    }
+
+    fn decide(&self, class: &str, tenant: &str, now: u64) -> engine::Decision {
         let host = FakeHost::new(self.store.clone())
             .route_class(class)
             .header("x-tenant-id", tenant);
@@ -55,7 +65,6 @@ impl World {
             state.as_ref(),
             &mut Vec::new(),
         )
-        .reason
     }
 
     fn admitted(&self, tenant: &str, n: usize, now: u64) -> usize {
@@ -78,7 +87,7 @@ impl World {
         let Claim::Won { seq, .. } = claim(&host, self.settings(), now).unwrap() else {
             return None;
         };
-        let mut scan = Scan::new(seq);
+        let mut scan = Scan::new(seq, now);
         while !scan_step(&host, &self.policy, &mut scan, 64) {}
         let acked = read_state(&host).unwrap().0.unwrap().acked_seq;
         assert!(sent(&host, &scan, now).unwrap());
@@ -140,14 +149,16 @@ fn exactly_one_worker_wins_each_interval() {
         claim(&b, w.settings(), T0 + S).unwrap(),
         Claim::NotDue(_)
     ));
-    // Racing: both read the same state; only one write lands.
+    // Racing: both read the same state; only one write lands (after the
+    // unsent report's grace, so that both may give up on it).
     let store = w.store.clone();
     let racer = FakeHost::new(store);
     let settings = w.settings().clone();
+    let later = T0 + 3 * S + SCAN_GRACE_NS;
     *a.before_write.borrow_mut() = Some(crate::testing::Hook(Box::new(move || {
-        let _ = claim(&racer, &settings, T0 + 3 * S);
+        let _ = claim(&racer, &settings, later);
     })));
-    assert_eq!(claim(&a, w.settings(), T0 + 3 * S).unwrap(), Claim::Lost);
+    assert_eq!(claim(&a, w.settings(), later).unwrap(), Claim::Lost);
 }
 
 #[test]
@@ -336,4 +347,137 @@ fn a_report_never_answered_is_a_failure_and_a_late_answer_too() {
     let s = read_state(&host).unwrap().0.unwrap();
     assert_eq!(s.failures, 3);
     assert_eq!(s.open_until, Some(T0 + 3 * S + 20 * MS + 2 * S));
+}
+
+/// Syncs every second from `from` to `to` (exclusive), answering every
+/// report with no lease at all (a service whose policy lacks the limit).
+fn sync_without_leases(w: &World, from: u64, to: u64) {
+    let mut now = from;
+    while now < to {
+        if let Some(req) = w.report(now) {
+            w.answer(
+                &SyncRequest {
+                    reports: vec![],
+                    ..req
+                },
+                0,
+                now + MS,
+            )
+            .unwrap();
+        }
+        now += S;
+    }
+}
+
+/// Regression: a limit the service does not know got no lease, and the
+/// key denied for good. It runs its failure mode `2·I + D` (2.5 s) after
+/// it began to wait, and says so (`no_lease`, counted by the glue).
+#[test]
+fn a_limit_unknown_to_the_service_reaches_the_failure_mode_in_bounded_time() {
+    for (mode, then) in [
+        ("fail_open", Reason::Allowed),
+        ("fail_closed", Reason::RateLimited),
+    ] {
+        let w = World::new(mode);
+        assert_eq!(w.admitted("acme", 2, T0), 2);
+        let waiting = w.decide("api", "acme", T0);
+        assert_eq!(waiting.reason, Reason::RateLimited);
+        assert!(!waiting.no_lease);
+        sync_without_leases(&w, T0 + S, T0 + 3 * S);
+        let before = w.decide("api", "acme", T0 + 2_499 * MS);
+        assert_eq!(
+            (before.reason, before.no_lease),
+            (Reason::RateLimited, false),
+            "{mode}"
+        );
+        let after = w.decide("api", "acme", T0 + 2_500 * MS);
+        assert_eq!((after.reason, after.no_lease), (then, true), "{mode}");
+    }
+}
+
+/// Regression: keys charged to the overflow entry are never reported, so
+/// they never got a lease and denied for good.
+#[test]
+fn an_overflowing_key_reaches_the_failure_mode_in_bounded_time() {
+    let w = World {
+        store: SharedStore::new(),
+        policy: policy_with("fail_open", r#", "key_table": {"max_keys": 8}"#),
+    };
+    // Eight tenants fill the table (one entry of eight slots); a ninth
+    // lands in the overflow entry.
+    for t in 0..8 {
+        assert_eq!(w.admitted(&format!("t{t}"), 1, T0), 1);
+    }
+    let first = w.decide("api", "late", T0);
+    assert_eq!(first.table, engine::TableEvent::Overflow);
+    w.admitted("late", 5, T0);
+    let mut now = T0 + S;
+    while now < T0 + 3 * S {
+        if let Some(req) = w.report(now) {
+            assert!(req.reports.iter().all(|r| !r.key.contains("late")));
+            w.answer(&req, 10, now + MS).unwrap();
+        }
+        now += S;
+    }
+    let after = w.decide("api", "late", T0 + 2_500 * MS);
+    assert_eq!((after.reason, after.no_lease), (Reason::Allowed, true));
+}
+
+/// A denial's Retry-After is never earlier than when the lease can carry
+/// the request: a cost-5 request on a lease of 2 with a share of 2 per
+/// interval waits two intervals, not one.
+#[test]
+fn retry_after_of_a_costly_request_counts_the_intervals_its_lease_needs() {
+    let w = World::new("fail_closed");
+    assert_eq!(w.admitted("acme", 1, T0), 1);
+    let req = w.report(T0 + S).unwrap();
+    w.answer(&req, 2, T0 + S + MS).unwrap();
+    let d = w.decide("search", "acme", T0 + S + 2 * MS);
+    assert_eq!(d.reason, Reason::RateLimited);
+    assert_eq!(d.retry_after_secs, 2);
+}
+
+/// Regression: the scan's report was stamped at claim time, so a scan
+/// longer than the interval was given up on by another worker, again and
+/// again (a livelock with short intervals). Its timer starts at dispatch.
+#[test]
+fn a_scan_longer_than_the_interval_is_not_abandoned_and_its_timer_starts_at_dispatch() {
+    let w = World::new("fail_open");
+    assert_eq!(w.admitted("acme", 1, T0), 1);
+    let host = w.host();
+    let Claim::Won { seq, .. } = claim(&host, w.settings(), T0).unwrap() else {
+        panic!("the first claim wins");
+    };
+    // Still scanning 1.5 s later (interval 1 s): nobody takes it over.
+    assert!(matches!(
+        claim(&w.host(), w.settings(), T0 + 1_500 * MS).unwrap(),
+        Claim::NotDue(_)
+    ));
+    let mut scan = Scan::new(seq, T0);
+    while !scan_step(&host, &w.policy, &mut scan, 64) {}
+    assert!(sent(&host, &scan, T0 + 1_600 * MS).unwrap());
+    // Sent at 1.6 s: it is in flight until 1.6 + 1 s, then given up on.
+    assert!(matches!(
+        claim(&w.host(), w.settings(), T0 + 2_500 * MS).unwrap(),
+        Claim::NotDue(_)
+    ));
+    assert!(matches!(
+        claim(&w.host(), w.settings(), T0 + 2_700 * MS).unwrap(),
+        Claim::Won {
+            given_up: GivenUp { timed_out: true, .. },
+            ..
+        }
+    ));
+    // A worker that died mid-scan: given up on after the grace.
+    let w2 = World::new("fail_open");
+    let Claim::Won { .. } = claim(&w2.host(), w2.settings(), T0).unwrap() else {
+        panic!("the first claim wins");
+    };
+    assert!(matches!(
+        claim(&w2.host(), w2.settings(), T0 + S + SCAN_GRACE_NS + MS).unwrap(),
+        Claim::Won {
+            given_up: GivenUp { timed_out: true, .. },
+            ..
+        }
+    ));
 }
