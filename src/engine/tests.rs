@@ -67,7 +67,7 @@ fn table_keys(store: &std::rc::Rc<std::cell::RefCell<SharedStore>>) -> Vec<Strin
 }
 
 fn run(p: &Policy, host: &FakeHost, now: u64) -> Decision {
-    decide(p, host, now, &mut Vec::new())
+    decide(p, host, now, &mut Scratch::default())
 }
 
 fn admitted(p: &Policy, host: &FakeHost, now: u64, n: usize) -> usize {
@@ -205,7 +205,7 @@ fn missing_or_invalid_identity_is_anonymous_by_client_address() {
         .route_class("api")
         .source("[2001:db8::1]:443");
     assert!(
-        matches!(run(&p, &v6, T0).subject, Subject::Anonymous { ref address, .. } if address == "2001:db8::/64")
+        matches!(run(&p, &v6, T0).subject, Subject::Anonymous { ref address, .. } if &**address == "2001:db8::/64")
     );
 }
 
@@ -573,7 +573,7 @@ fn anon(
 
 fn address(s: Subject) -> String {
     match s {
-        Subject::Anonymous { address, .. } => address,
+        Subject::Anonymous { address, .. } => address.to_string(),
         other => panic!("not anonymous: {other:?}"),
     }
 }

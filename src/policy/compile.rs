@@ -18,7 +18,7 @@ use crate::limiter::algo::Algo;
 use crate::limiter::{
     FixedWindow, Gcra, SlidingWindowCounter, SlidingWindowLog, MAX_LOG_ENTRIES, NANOS_PER_SEC,
 };
-use crate::state::SLOTS_PER_ENTRY;
+use crate::table::SLOTS_PER_ENTRY;
 
 /// Longest `max_wait` of a queueing route class.
 pub const MAX_QUEUE_WAIT_NS: u64 = 30 * NANOS_PER_SEC;
@@ -122,6 +122,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         let ratelimit_policy = ratelimit_policy(&limits);
         guards.push(Guard {
             name: name.clone(),
+            key: crate::table::guard_key(name),
             limits,
             ratelimit_policy,
         });

@@ -17,16 +17,16 @@ use std::rc::Rc;
 use hashbrown::HashMap;
 
 use crate::limiter::algo::Algo;
-pub use crate::sync::FailureMode;
 pub use doc::Node;
 pub use error::{FieldPath, PolicyError, PolicyErrors};
+pub use spec::FailureMode;
 pub use spec::Mode;
 
 /// Longest accepted tenant id, in bytes. Longer identities are treated as
 /// missing (the request is grouped as anonymous) and counted.
 pub const MAX_TENANT_ID_LEN: usize = 128;
 /// Most limits one plan may combine (they share one state entry).
-pub const MAX_LIMITS_PER_PLAN: usize = 8;
+pub const MAX_LIMITS_PER_PLAN: usize = crate::table::MAX_RECORDS;
 /// Default and bounds of `key_table.max_keys`.
 pub const DEFAULT_MAX_KEYS: u64 = 100_000;
 pub const MAX_MAX_KEYS: u64 = 16_777_216;
@@ -141,10 +141,20 @@ pub struct SyncSettings {
     pub breaker_max_backoff_ns: u64,
 }
 
+/// The sync circuit breaker's settings (how the node uses them is in
+/// the sync module).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerConfig {
+    /// Failures in a row that open the breaker (at least 1).
+    pub failures: u32,
+    /// The longest backoff.
+    pub max_backoff_ns: u64,
+}
+
 impl SyncSettings {
     /// The circuit breaker's settings.
-    pub fn breaker(&self) -> crate::sync::BreakerConfig {
-        crate::sync::BreakerConfig {
+    pub fn breaker(&self) -> BreakerConfig {
+        BreakerConfig {
             failures: self.breaker_failures,
             max_backoff_ns: self.breaker_max_backoff_ns,
         }
@@ -155,6 +165,8 @@ impl SyncSettings {
 #[derive(Debug)]
 pub struct Guard {
     pub name: String,
+    /// Its shared-data key (see [`crate::table::guard_key`]).
+    pub key: String,
     pub limits: Vec<Limit>,
     pub ratelimit_policy: String,
 }

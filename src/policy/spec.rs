@@ -7,9 +7,19 @@
 
 use std::collections::BTreeMap;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-pub use crate::sync::FailureMode;
+/// What a node does for a key whose lease expired with no new one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureMode {
+    /// Keep enforcing a local limit derived from the node's last share.
+    FailOpenLocal,
+    /// Deny.
+    FailClosed,
+    /// Admit everything.
+    FailOpen,
+}
 
 /// `mode:` what the filter does with a decision.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]

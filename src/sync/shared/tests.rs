@@ -53,7 +53,7 @@ impl World {
             &host,
             now,
             state.as_ref(),
-            &mut Vec::new(),
+            &mut engine::Scratch::default(),
         )
         .reason
     }
@@ -253,8 +253,8 @@ fn global_allowances_go_idle_and_non_global_limits_are_unchanged() {
     assert_eq!(records.len(), 2);
     assert_eq!(records[0].kind, crate::limiter::algo::KIND_TOKEN_BUCKET);
     assert_eq!(records[1].kind, KIND_GLOBAL_ALLOWANCE);
-    assert!(!crate::limiter::algo::record_is_idle(&records[1], T0 + 2 * S));
-    assert!(crate::limiter::algo::record_is_idle(&records[1], T0 + 6 * S));
+    assert!(!crate::engine::record_is_idle(&records[1], T0 + 2 * S));
+    assert!(crate::engine::record_is_idle(&records[1], T0 + 6 * S));
 }
 
 #[test]
