@@ -23,10 +23,6 @@ pub mod response;
 pub mod sync;
 pub mod table;
 
-/// The key table's layout under its former name, for the sync code until
-/// it moves to [`table`].
-pub use table::layout as state;
-
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 

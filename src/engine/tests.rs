@@ -55,7 +55,7 @@ fn table_keys(store: &std::rc::Rc<std::cell::RefCell<SharedStore>>) -> Vec<Strin
         .keys()
         .filter(|k| k.starts_with("tg2|k|"))
         .flat_map(|k| {
-            crate::state::decode_entry(store.get(k).unwrap())
+            crate::table::decode_entry(store.get(k).unwrap())
                 .unwrap()
                 .iter()
                 .map(|s| String::from_utf8_lossy(s.key).into_owned())
@@ -709,8 +709,8 @@ fn several_limits_stay_all_or_nothing_when_workers_interleave_at_random() {
             .find(|k| k.starts_with("tg2|k|"))
             .and_then(|k| store.get(k))
             .unwrap();
-        let slots = crate::state::decode_entry(entry).unwrap();
-        let records = crate::state::decode_records(slots[0].records).unwrap();
+        let slots = crate::table::decode_entry(entry).unwrap();
+        let records = crate::table::decode_records(slots[0].records).unwrap();
         let consumed: Vec<u64> = p.plans()[0]
             .limits
             .iter()
