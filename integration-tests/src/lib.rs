@@ -16,6 +16,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+
+/// Worker threads of every Envoy the tests start (`--concurrency`).
+pub const WORKERS: u64 = 2;
 /// The repository root.
 pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -185,7 +188,7 @@ impl Envoy {
         let child = Command::new(envoy_bin())
             .arg("-c")
             .arg(&config)
-            .args(["--concurrency", "2", "--disable-hot-restart", "-l", "info"])
+            .args(["--concurrency", &WORKERS.to_string(), "--disable-hot-restart", "-l", "info"])
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log fd"))
             .stderr(log)
@@ -265,9 +268,21 @@ impl Envoy {
         })
     }
 
-    /// A tenantgate counter (`wasmcustom.tenantgate.<name>`), 0 if unset.
+    /// A tenantgate counter (`wasmcustom.tenantgate.<name>`), 0 if unset,
+    /// once settled (see [`Envoy::settle`]).
     pub fn tg_stat(&self, name: &str) -> u64 {
+        self.settle();
         self.stat(&format!("wasmcustom.tenantgate.{name}")).unwrap_or(0)
+    }
+
+    /// Waits until every worker has given Envoy what it counted so far: the
+    /// filter counts per-request stats in the worker and flushes them on its
+    /// tick (every 10 ms), so Envoy's counters lag by one tick. Waits (at
+    /// most 5 s) for `stats.flushes` to advance by three ticks per worker.
+    pub fn settle(&self) {
+        let flushes = || self.stat("wasmcustom.tenantgate.stats.flushes").unwrap_or(0);
+        let start = flushes();
+        wait_for(Duration::from_secs(5), || flushes() >= start + 3 * WORKERS);
     }
 
     /// Connections each worker has accepted on the demo listener.

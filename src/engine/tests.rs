@@ -769,3 +769,20 @@ fn racing_creators_of_a_new_entry_lose_at_most_one_request_each() {
     *a.before_write.borrow_mut() = None;
     assert_eq!(admitted(&p, &a, T0 + 10 * S, 10), 3, "both counted: 5 − 2");
 }
+
+mod alloc;
+
+#[test]
+fn without_ratelimit_headers_no_header_is_formatted() {
+    let p = policy(r#","ratelimit_headers": false"#);
+    let store = SharedStore::new();
+    let h = req(&store, "api", "acme");
+    let decisions: Vec<Decision> = (0..8).map(|_| run(&p, &h, T0)).collect();
+    assert!(decisions.iter().any(|d| d.reason == Reason::Allowed));
+    assert!(decisions.iter().any(|d| d.reason == Reason::RateLimited));
+    assert!(decisions.iter().all(|d| d.headers.is_none()));
+    // The denial's answer is complete without them.
+    let denied = decisions.iter().find(|d| d.reason == Reason::RateLimited).unwrap();
+    assert_eq!(denied.limit.as_deref(), Some("free"));
+    assert!(denied.retry_after_secs >= 1);
+}

@@ -128,6 +128,12 @@ impl Root {
 }
 
 impl Context for Root {
+    fn on_done(&mut self) -> bool {
+        // The VM is shutting down: the last tick's counts go to Envoy.
+        self.metrics.flush();
+        true
+    }
+
     fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
         if let Some(policy) = self.policy.clone() {
             self.sync.on_response(&policy, &self.metrics, token, body_size);
@@ -189,6 +195,7 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        self.metrics.flush();
         let Some(now) = now_ns() else { return };
         if let Some(policy) = self.policy.clone() {
             self.sync.tick(&policy, &self.metrics, now);
