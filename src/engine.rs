@@ -10,7 +10,7 @@ use crate::host::Host;
 use crate::limiter::algo::{Algo, Outcome, State, KIND_GLOBAL_ALLOWANCE};
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::{
-    self, Limit, Mode, Policy, RouteClass, MAX_LIMITS_PER_PLAN, ROUTE_METADATA_CLASS_FIELD,
+    self, Classification, Limit, Mode, Policy, RouteClass, MAX_LIMITS_PER_PLAN, ROUTE_METADATA_CLASS_FIELD,
     ROUTE_METADATA_NAMESPACE,
 };
 use crate::sync::{stored, Allowance, NodeView, SyncState};
@@ -656,10 +656,15 @@ fn refund<H: Host>(
 
 /// The route class from trusted route metadata, else the route name, else
 /// the policy's default class. Nothing the client sends is consulted.
+/// With `class:` (one filter instance per class), nothing is read at all.
 fn classify<'p, H: Host>(policy: &'p Policy, host: &H) -> Option<&'p Rc<RouteClass>> {
-    let name = host
-        .property(&ROUTE_CLASS_PROPERTY)
-        .or_else(|| host.property(&ROUTE_NAME_PROPERTY));
+    let name = match &policy.classification {
+        Classification::Instance(class) => return Some(class),
+        Classification::RouteName => host.property(&ROUTE_NAME_PROPERTY),
+        Classification::RouteMetadata => host
+            .property(&ROUTE_CLASS_PROPERTY)
+            .or_else(|| host.property(&ROUTE_NAME_PROPERTY)),
+    };
     policy.route_class(name.as_deref().and_then(|b| core::str::from_utf8(b).ok()))
 }
 

@@ -16,7 +16,6 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-
 /// Worker threads of every Envoy the tests start (`--concurrency`).
 pub const WORKERS: u64 = 2;
 /// The repository root.
@@ -132,10 +131,7 @@ impl Envoy {
     /// [`Envoy::start`] as one node of several: its own `node.id` and
     /// region, and a `tenantgate` sync cluster over `sync_ports`.
     pub fn start_node(policy_yaml: &str, node: &NodeSpec) -> Envoy {
-        let n = NEXT_DIR.fetch_add(1, Ordering::SeqCst);
-        let dir = std::env::temp_dir().join(format!("tenantgate-it-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("temp dir");
+        let dir = Envoy::temp_dir();
         let (port, jwt_port, admin) = (free_port(), free_port(), free_port());
         let ecds = dir.join("ecds.yaml");
 
@@ -181,6 +177,29 @@ impl Envoy {
         bootstrap.push_str(
             "  - name: tenantgate_empty\n    type: STATIC\n    connect_timeout: 0.25s\n    load_assignment: { cluster_name: tenantgate_empty, endpoints: [] }\n",
         );
+        Envoy::launch(dir, &bootstrap, port, jwt_port, admin, ecds)
+    }
+
+    /// A fresh directory for one Envoy's files.
+    pub fn temp_dir() -> PathBuf {
+        let n = NEXT_DIR.fetch_add(1, Ordering::SeqCst);
+        let dir = std::env::temp_dir().join(format!("tenantgate-it-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        dir
+    }
+
+    /// Starts Envoy (`--concurrency` [`WORKERS`]) on a bootstrap of the
+    /// caller's, written to `dir`, and waits until it is ready and `port`
+    /// accepts connections.
+    pub fn launch(
+        dir: PathBuf,
+        bootstrap: &str,
+        port: u16,
+        jwt_port: u16,
+        admin: u16,
+        ecds: PathBuf,
+    ) -> Envoy {
         let config = dir.join("bootstrap.yaml");
         std::fs::write(&config, bootstrap).expect("write bootstrap");
 
@@ -188,7 +207,13 @@ impl Envoy {
         let child = Command::new(envoy_bin())
             .arg("-c")
             .arg(&config)
-            .args(["--concurrency", &WORKERS.to_string(), "--disable-hot-restart", "-l", "info"])
+            .args([
+                "--concurrency",
+                &WORKERS.to_string(),
+                "--disable-hot-restart",
+                "-l",
+                "info",
+            ])
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log fd"))
             .stderr(log)

@@ -144,6 +144,40 @@ fn route_class_comes_from_metadata_then_route_name_never_headers() {
 }
 
 #[test]
+fn classify_route_name_reads_only_the_route_name() {
+    let p = policy(r#", "classify": "route_name""#);
+    assert_eq!(p.classification, crate::policy::Classification::RouteName);
+    let store = SharedStore::new();
+    // Metadata naming `search` is not read: the route named `orders` decides.
+    let h = FakeHost::new(store.clone())
+        .route_class("search")
+        .property(&ROUTE_NAME_PROPERTY, "orders")
+        .header("x-tenant-id", "acme")
+        .header("x-tenantgate-class", "search");
+    assert_eq!(admitted(&p, &h, T0, 20), 5);
+    assert_eq!(table_keys(&store), vec!["orders|t|acme".to_owned()]);
+    // A route with metadata but no (known) name is unclassified.
+    let meta_only = req(&store, "api", "acme");
+    assert_eq!(run(&p, &meta_only, T0).reason, Reason::Unclassified);
+}
+
+#[test]
+fn an_instance_class_is_fixed_by_the_plugin_configuration() {
+    let p = policy(r#", "class": "search""#);
+    let store = SharedStore::new();
+    // Neither route metadata, the route name nor a client header moves it.
+    let h = FakeHost::new(store.clone())
+        .route_class("api")
+        .property(&ROUTE_NAME_PROPERTY, "orders")
+        .header("x-tenant-id", "acme")
+        .header("x-tenantgate-class", "api");
+    assert_eq!(admitted(&p, &h, T0, 3), 1, "search costs 5 of the burst of 5");
+    assert_eq!(table_keys(&store), vec!["search|t|acme".to_owned()]);
+    let bare = FakeHost::new(store.clone()).header("x-tenant-id", "bigco");
+    assert_eq!(run(&p, &bare, T0).reason, Reason::Allowed);
+}
+
+#[test]
 fn without_a_default_route_unclassified_requests_pass_and_are_labelled() {
     let p = policy("");
     let store = SharedStore::new();
@@ -782,7 +816,10 @@ fn without_ratelimit_headers_no_header_is_formatted() {
     assert!(decisions.iter().any(|d| d.reason == Reason::RateLimited));
     assert!(decisions.iter().all(|d| d.headers.is_none()));
     // The denial's answer is complete without them.
-    let denied = decisions.iter().find(|d| d.reason == Reason::RateLimited).unwrap();
+    let denied = decisions
+        .iter()
+        .find(|d| d.reason == Reason::RateLimited)
+        .unwrap();
     assert_eq!(denied.limit.as_deref(), Some("free"));
     assert!(denied.retry_after_secs >= 1);
 }

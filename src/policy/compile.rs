@@ -9,10 +9,11 @@ use hashbrown::HashMap;
 
 use super::duration::parse_duration_ns;
 use super::error::{FieldPath, PolicyError, PolicyErrors};
-use super::spec::{self, IdentitySpec, LimitSpec, PolicySpec};
+use super::spec::{self, Classify, IdentitySpec, LimitSpec, PolicySpec};
 use super::{
-    fnv1a32, is_name, tenant_id, Anonymous, FailureMode, Guard, Identity, Limit, OnLimit, Plan, Policy,
-    RouteClass, SyncSettings, DEFAULT_MAX_KEYS, JWT_AUTHN_FILTER, MAX_LIMITS_PER_PLAN, MAX_MAX_KEYS,
+    fnv1a32, is_name, tenant_id, Anonymous, Classification, FailureMode, Guard, Identity, Limit, OnLimit,
+    Plan, Policy, RouteClass, SyncSettings, DEFAULT_MAX_KEYS, JWT_AUTHN_FILTER, MAX_LIMITS_PER_PLAN,
+    MAX_MAX_KEYS,
 };
 use crate::limiter::algo::Algo;
 use crate::limiter::{
@@ -223,6 +224,31 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         }
     }
 
+    let classification = match (&spec.class, spec.classify) {
+        (None, None | Some(Classify::RouteMetadata)) => Classification::RouteMetadata,
+        (None, Some(Classify::RouteName)) => Classification::RouteName,
+        (Some(_), Some(_)) => {
+            errors.add(
+                root.key("classify"),
+                "`class` fixes this instance's route class: `classify` does not apply",
+            );
+            Classification::RouteMetadata
+        }
+        (Some(c), None) => match routes.get(c) {
+            Some(class) => Classification::Instance(class.clone()),
+            None => {
+                errors.add(
+                    root.key("class"),
+                    format!(
+                        "unknown route class `{c}` (routes: {})",
+                        known(spec.routes.keys())
+                    ),
+                );
+                Classification::RouteMetadata
+            }
+        },
+    };
+
     let global_limits: HashMap<u32, String> = plans
         .iter()
         .flat_map(|p| p.limits.iter())
@@ -247,6 +273,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         anonymous,
         routes,
         default_route: spec.default_route,
+        classification,
         guards,
         key_table_entries,
         ratelimit_headers: spec.ratelimit_headers.unwrap_or(true),

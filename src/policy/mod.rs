@@ -20,7 +20,7 @@ use crate::limiter::algo::Algo;
 pub use doc::Node;
 pub use error::{FieldPath, PolicyError, PolicyErrors};
 pub use spec::FailureMode;
-pub use spec::Mode;
+pub use spec::{Classify, Mode};
 
 /// Longest accepted tenant id, in bytes. Longer identities are treated as
 /// missing (the request is grouped as anonymous) and counted.
@@ -49,6 +49,8 @@ pub struct Policy {
     default_plan: usize,
     routes: HashMap<String, Rc<RouteClass>>,
     default_route: Option<String>,
+    /// How a request's route class is found.
+    pub classification: Classification,
     guards: Vec<Guard>,
     pub anonymous: Anonymous,
     /// Shared-data entries of the key table (`key_table.max_keys` / slots
@@ -64,6 +66,19 @@ pub struct Policy {
     /// The glue sets it in `on_configure`; limits that a reload changed
     /// carry their buckets' fill level over as of this instant.
     pub effective_from_ns: u64,
+}
+
+/// How the filter finds a request's route class: always from route
+/// configuration, never from anything the client sends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Classification {
+    /// `classify: route_metadata` (the default): the route's metadata, else its name.
+    RouteMetadata,
+    /// `classify: route_name`: the route's name only.
+    RouteName,
+    /// `class: <name>`: this filter instance serves one class (Envoy
+    /// enables it per route); nothing is looked up per request.
+    Instance(Rc<RouteClass>),
 }
 
 /// Where the tenant id comes from: always a source a trusted filter set.

@@ -34,6 +34,18 @@ pub enum Mode {
     Off,
 }
 
+/// `classify:` where the filter reads a request's route class.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Classify {
+    /// The route's `filter_metadata.tenantgate.class`, else the route's
+    /// name (the default).
+    #[default]
+    RouteMetadata,
+    /// Only the route's name: one property read instead of up to two.
+    RouteName,
+}
+
 /// `plans.<plan>.limits[i].algorithm:`
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -60,6 +72,12 @@ pub struct PolicySpec {
     pub routes: BTreeMap<String, RouteSpec>,
     #[serde(default)]
     pub default_route: Option<String>,
+    #[serde(default)]
+    pub classify: Option<Classify>,
+    /// This filter instance's route class (one instance per class, enabled
+    /// per route by Envoy's `FilterConfig`): no per-request lookup.
+    #[serde(default)]
+    pub class: Option<String>,
     #[serde(default)]
     pub ratelimit_headers: Option<bool>,
     #[serde(default)]

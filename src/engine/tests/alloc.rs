@@ -72,7 +72,10 @@ fn charging_a_known_tenant_allocates_nothing() {
         // The first request inserts the key, the second reads it back: the
         // buffers have grown to the entry's size.
         for _ in 0..2 {
-            assert_eq!(charge(p, &prepared, &host, T0, &mut scratch).reason, Reason::Allowed);
+            assert_eq!(
+                charge(p, &prepared, &host, T0, &mut scratch).reason,
+                Reason::Allowed
+            );
         }
         let mut reasons = Vec::with_capacity(100);
         let n = allocations(|| {
@@ -81,7 +84,10 @@ fn charging_a_known_tenant_allocates_nothing() {
                 reasons.push(charge(p, &prepared, &host, now, &mut scratch).reason);
             }
         });
-        assert!(reasons.iter().all(|r| *r == Reason::Allowed), "{tenant}: {reasons:?}");
+        assert!(
+            reasons.iter().all(|r| *r == Reason::Allowed),
+            "{tenant}: {reasons:?}"
+        );
         assert_eq!(n, 0, "{tenant}: heap allocations in 100 allowed charges");
     }
 }
