@@ -63,6 +63,7 @@ test-integration: wasm cli ## Only the real-Envoy tests
 	cargo test -p tenantgate-integration-tests -- --test-threads=1 --nocapture
 
 bench: wasm cli ## Measure the filter against baselines (BENCH_ROUNDS=5, BENCH_SECONDS=4) into target/bench/filter.json
+	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 	cargo build --target $(WASM_TARGET) --profile wasm-release -p tenantgate-bench-empty-filter
 	$(PYTHON) bench/run.py
 

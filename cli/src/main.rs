@@ -160,6 +160,11 @@ struct ApplyArgs {
     /// The wasm `vm_id`: filters with the same id share buckets on a node.
     #[arg(long, default_value = ecds::DEFAULT_VM_ID)]
     vm_id: String,
+    /// Also write one filter instance per route class, each with its class
+    /// fixed (`<name>.<class>` in `<ecds stem>.<class>.<ext>`): enabled per
+    /// route with Envoy's `FilterConfig`, they classify with no lookup.
+    #[arg(long)]
+    instances: bool,
 }
 
 fn main() -> ExitCode {
@@ -307,12 +312,43 @@ fn apply(args: &ApplyArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let policy_json = loaded.document.to_json();
+    if args.instances {
+        let instances = match ecds::instances(&policy_json, &args.name, &args.ecds) {
+            Ok(list) => list,
+            Err(e) => {
+                eprintln!("{}: {e}", args.file.display());
+                eprintln!("not applied: {} is unchanged", args.ecds.display());
+                return ExitCode::FAILURE;
+            }
+        };
+        for i in &instances {
+            if let Err(errors) = tenantgate::policy::Policy::from_json(i.policy_json.as_bytes()) {
+                for e in &errors.0 {
+                    eprintln!("{} (instance {}): {e}", args.file.display(), i.class);
+                }
+                return ExitCode::FAILURE;
+            }
+        }
+        for i in &instances {
+            let resource = ecds::Resource {
+                name: &i.resource_name,
+                vm_id: &args.vm_id,
+                wasm: &args.wasm,
+            };
+            if let Err(e) = resource.write(&i.policy_json, &i.path) {
+                eprintln!("cannot write {}: {e}", i.path.display());
+                return ExitCode::FAILURE;
+            }
+            println!("applied: instance {} -> {}", i.resource_name, i.path.display());
+        }
+    }
     let resource = ecds::Resource {
         name: &args.name,
         vm_id: &args.vm_id,
         wasm: &args.wasm,
     };
-    match resource.write(&loaded.document.to_json(), &args.ecds) {
+    match resource.write(&policy_json, &args.ecds) {
         Ok(()) => {
             println!(
                 "applied: policy {} from {} -> {}",
