@@ -329,6 +329,8 @@ pub fn run(
             intake,
             state,
         ));
-        serve(service, opts, shutdown_signal()).await.map_err(|e| e.to_string())
+        serve(service, opts, shutdown_signal())
+            .await
+            .map_err(|e| e.to_string())
     })
 }
