@@ -236,7 +236,16 @@ impl PostgresServer {
         let data = data.to_string_lossy().into_owned();
         server.run(
             "initdb",
-            &["-D", &data, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"],
+            &[
+                "-D",
+                &data,
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-sync",
+            ],
         )?;
         let log = server.dir.join("log").to_string_lossy().into_owned();
         let opts = format!(
@@ -244,7 +253,10 @@ impl PostgresServer {
             server.dir.display(),
             extra.join(" ")
         );
-        server.run("pg_ctl", &["-D", &data, "-l", &log, "-w", "-t", "30", "-o", &opts, "start"])?;
+        server.run(
+            "pg_ctl",
+            &["-D", &data, "-l", &log, "-w", "-t", "30", "-o", &opts, "start"],
+        )?;
         server.running = true;
         let deadline = Instant::now() + Duration::from_secs(30);
         while TcpStream::connect(("127.0.0.1", port)).is_err() {

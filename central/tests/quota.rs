@@ -12,7 +12,8 @@ use std::sync::Arc;
 use serde_json::Value;
 use tenantgate::policy::quota::LevelLimits;
 use tenantgate_central::quota::{
-    replay, CounterKey, LedgerKind, Level, PostgresStore, QuotaStore, ReserveRequest, SqliteStore, State, Usage,
+    replay, CounterKey, LedgerKind, Level, PostgresStore, QuotaStore, ReserveRequest, SqliteStore, State,
+    Usage,
 };
 use tenantgate_central::testing::PostgresServer;
 
@@ -30,7 +31,10 @@ impl Backend {
     }
 
     fn postgres() -> Backend {
-        Backend::Postgres(PostgresServer::start_with(&["-c fsync=off"]).unwrap_or_else(|e| panic!("PostgreSQL did not start: {e}")))
+        Backend::Postgres(
+            PostgresServer::start_with(&["-c fsync=off"])
+                .unwrap_or_else(|e| panic!("PostgreSQL did not start: {e}")),
+        )
     }
 
     /// A store (a new connection pool each time on PostgreSQL: a replica).
@@ -61,7 +65,12 @@ impl Backend {
 
     async fn raw(&self, sql: &str) {
         match self {
-            Backend::Sqlite(dir) => SqliteStore::open(dir.path()).await.unwrap().execute_raw(sql).await.unwrap(),
+            Backend::Sqlite(dir) => SqliteStore::open(dir.path())
+                .await
+                .unwrap()
+                .execute_raw(sql)
+                .await
+                .unwrap(),
             Backend::Postgres(pg) => PostgresStore::connect(&pg.url(), 1)
                 .await
                 .unwrap()
@@ -73,8 +82,20 @@ impl Backend {
 
     async fn raw_err(&self, sql: &str) -> String {
         let r = match self {
-            Backend::Sqlite(dir) => SqliteStore::open(dir.path()).await.unwrap().execute_raw(sql).await,
-            Backend::Postgres(pg) => PostgresStore::connect(&pg.url(), 1).await.unwrap().execute_raw(sql).await,
+            Backend::Sqlite(dir) => {
+                SqliteStore::open(dir.path())
+                    .await
+                    .unwrap()
+                    .execute_raw(sql)
+                    .await
+            }
+            Backend::Postgres(pg) => {
+                PostgresStore::connect(&pg.url(), 1)
+                    .await
+                    .unwrap()
+                    .execute_raw(sql)
+                    .await
+            }
         };
         r.expect_err(sql).to_string()
     }
@@ -132,9 +153,16 @@ async fn check_invariants(store: &dyn QuotaStore, limits: &dyn Fn(&CounterKey) -
     let counters = store.counters().await.unwrap();
     let derived = replay(&ledger);
     let nonzero = |m: &BTreeMap<CounterKey, Usage>| -> BTreeMap<CounterKey, Usage> {
-        m.iter().filter(|(_, u)| **u != Usage::default()).map(|(k, u)| (k.clone(), *u)).collect()
+        m.iter()
+            .filter(|(_, u)| **u != Usage::default())
+            .map(|(k, u)| (k.clone(), *u))
+            .collect()
     };
-    assert_eq!(nonzero(&counters), nonzero(&derived), "replaying the ledger reproduces the counters");
+    assert_eq!(
+        nonzero(&counters),
+        nonzero(&derived),
+        "replaying the ledger reproduces the counters"
+    );
     for (k, u) in &counters {
         assert!(u.used() <= limits(k), "{k:?}: {u:?} over its limit {}", limits(k));
     }
@@ -143,20 +171,32 @@ async fn check_invariants(store: &dyn QuotaStore, limits: &dyn Fn(&CounterKey) -
 async fn state_machine_and_idempotency(b: Backend) {
     let s = b.store().await;
     // Reserve, then the same again: the same answer, byte for byte.
-    let a = s.reserve(&req("r1", "acme", "build", 20), LIMITS, T0).await.unwrap();
+    let a = s
+        .reserve(&req("r1", "acme", "build", 20), LIMITS, T0)
+        .await
+        .unwrap();
     assert_eq!(a.status, 201, "{}", a.body);
     let v = body(&a.body);
     assert_eq!(v["expires_at"], "2025-12-01T00:01:00.000Z");
     assert_eq!(v["levels"]["project"]["remaining"], 10);
     assert_eq!(v["levels"]["global"]["reserved"], 20);
-    let again = s.reserve(&req("r1", "acme", "build", 20), LIMITS, T0 + 5 * SEC).await.unwrap();
+    let again = s
+        .reserve(&req("r1", "acme", "build", 20), LIMITS, T0 + 5 * SEC)
+        .await
+        .unwrap();
     assert_eq!((again.status, &again.body), (201, &a.body));
     // Other parameters: 409 conflict naming the first differing field.
     for (r, field) in [
         (req("r1", "acme", "build", 21), "amount"),
         (req("r1", "acme", "other", 20), "project"),
         (req("r1", "globex", "build", 20), "tenant"),
-        (ReserveRequest { ttl_ms: 1, ..req("r1", "acme", "build", 20) }, "ttl"),
+        (
+            ReserveRequest {
+                ttl_ms: 1,
+                ..req("r1", "acme", "build", 20)
+            },
+            "ttl",
+        ),
     ] {
         let c = s.reserve(&r, LIMITS, T0).await.unwrap();
         assert_eq!(c.status, 409);
@@ -164,17 +204,41 @@ async fn state_machine_and_idempotency(b: Backend) {
         assert_eq!(body(&c.body)["field"], field);
     }
     // The project level binds first (30), with what is left and a hint.
-    let refused = s.reserve(&req("r2", "acme", "build", 11), LIMITS, T0).await.unwrap();
+    let refused = s
+        .reserve(&req("r2", "acme", "build", 11), LIMITS, T0)
+        .await
+        .unwrap();
     assert_eq!(refused.status, 409);
     let v = body(&refused.body);
-    assert_eq!((v["error"].as_str(), v["level"].as_str(), v["remaining"].as_u64()), (Some("quota_exceeded"), Some("project"), Some(10)));
+    assert_eq!(
+        (v["error"].as_str(), v["level"].as_str(), v["remaining"].as_u64()),
+        (Some("quota_exceeded"), Some("project"), Some(10))
+    );
     assert_eq!(v["retry_after_ms"], 60_000);
     // The tenant level (50) binds across projects; then global (100).
-    assert_eq!(s.reserve(&req("r3", "acme", "deploy", 30), LIMITS, T0).await.unwrap().status, 201);
+    assert_eq!(
+        s.reserve(&req("r3", "acme", "deploy", 30), LIMITS, T0)
+            .await
+            .unwrap()
+            .status,
+        201
+    );
     let t = s.reserve(&req("r4", "acme", "x", 1), LIMITS, T0).await.unwrap();
     assert_eq!(body(&t.body)["level"], "tenant");
-    assert_eq!(s.reserve(&req("r5", "b", "p", 30), LIMITS, T0).await.unwrap().status, 201);
-    assert_eq!(s.reserve(&req("r6", "c", "p", 20), LIMITS, T0).await.unwrap().status, 201);
+    assert_eq!(
+        s.reserve(&req("r5", "b", "p", 30), LIMITS, T0)
+            .await
+            .unwrap()
+            .status,
+        201
+    );
+    assert_eq!(
+        s.reserve(&req("r6", "c", "p", 20), LIMITS, T0)
+            .await
+            .unwrap()
+            .status,
+        201
+    );
     let g = s.reserve(&req("r7", "d", "p", 1), LIMITS, T0).await.unwrap();
     assert_eq!(body(&g.body)["level"], "global");
     // A refusal wrote nothing: no reservation, no ledger row.
@@ -187,25 +251,49 @@ async fn state_machine_and_idempotency(b: Backend) {
     assert_eq!(body(&c.body)["returned"], 5);
     let c2 = s.commit("r1", Some(15), T0 + 2 * SEC).await.unwrap();
     assert_eq!((c2.status, &c2.body), (200, &c.body));
-    assert_eq!(body(&s.commit("r1", Some(3), T0).await.unwrap().body)["field"], "amount");
+    assert_eq!(
+        body(&s.commit("r1", Some(3), T0).await.unwrap().body)["field"],
+        "amount"
+    );
     let u = s.usage("gpu", "acme", "build").await.unwrap();
-    assert_eq!(u[2], Usage { reserved: 0, committed: 15 });
+    assert_eq!(
+        u[2],
+        Usage {
+            reserved: 0,
+            committed: 15
+        }
+    );
     // Release after commit: 409 already_committed.
     let rel = s.release("r1", T0).await.unwrap();
-    assert_eq!((rel.status, body(&rel.body)["error"].as_str()), (409, Some("already_committed")));
+    assert_eq!(
+        (rel.status, body(&rel.body)["error"].as_str()),
+        (409, Some("already_committed"))
+    );
     // Release is repeatable; commit after release: 409 released.
     let r3 = s.release("r3", T0).await.unwrap();
     assert_eq!((r3.status, body(&r3.body)["released"].as_u64()), (200, Some(30)));
     assert_eq!(s.release("r3", T0).await.unwrap().body, r3.body);
-    assert_eq!(body(&s.commit("r3", None, T0).await.unwrap().body)["error"], "released");
+    assert_eq!(
+        body(&s.commit("r3", None, T0).await.unwrap().body)["error"],
+        "released"
+    );
     // A commit at expiry: 409 expired, and the amount returns.
     let late = s.commit("r5", None, T0 + 60 * SEC).await.unwrap();
-    assert_eq!((late.status, body(&late.body)["error"].as_str()), (409, Some("expired")));
+    assert_eq!(
+        (late.status, body(&late.body)["error"].as_str()),
+        (409, Some("expired"))
+    );
     assert_eq!(s.get("r5").await.unwrap().unwrap().state, State::Expired);
-    assert_eq!(body(&s.commit("r5", None, T0).await.unwrap().body)["error"], "expired");
+    assert_eq!(
+        body(&s.commit("r5", None, T0).await.unwrap().body)["error"],
+        "expired"
+    );
     // A commit of more than reserved is invalid (400 naming amount).
     let over = s.commit("r6", Some(21), T0).await.unwrap();
-    assert_eq!((over.status, body(&over.body)["field"].as_str()), (400, Some("amount")));
+    assert_eq!(
+        (over.status, body(&over.body)["field"].as_str()),
+        (400, Some("amount"))
+    );
     assert_eq!(s.commit("nope", None, T0).await.unwrap().status, 404);
     check_invariants(s.as_ref(), &|k| match k.level() {
         Level::Global => 100,
@@ -215,19 +303,29 @@ async fn state_machine_and_idempotency(b: Backend) {
     .await;
     let kinds: Vec<LedgerKind> = s.ledger().await.unwrap().iter().map(|e| e.kind).collect();
     use LedgerKind::*;
-    assert_eq!(kinds, [Reserve, Reserve, Reserve, Reserve, Commit, Release, Expire]);
+    assert_eq!(
+        kinds,
+        [Reserve, Reserve, Reserve, Reserve, Commit, Release, Expire]
+    );
 }
 
 async fn concurrent_identical_reserves_make_one_entry(b: Backend) {
     let replicas = b.replicas(4).await;
-    let limits = LevelLimits { global: 1_000_000, tenant: 1_000_000, project: 1_000_000 };
+    let limits = LevelLimits {
+        global: 1_000_000,
+        tenant: 1_000_000,
+        project: 1_000_000,
+    };
     let (first_tx, first_rx) = tokio::sync::watch::channel(false);
     let mut tasks = Vec::new();
     for i in 0..1000usize {
         let s = replicas[i % replicas.len()].clone();
         let first_tx = first_tx.clone();
         tasks.push(tokio::spawn(async move {
-            let a = s.reserve(&req("same", "acme", "build", 7), limits, T0).await.unwrap();
+            let a = s
+                .reserve(&req("same", "acme", "build", 7), limits, T0)
+                .await
+                .unwrap();
             let _ = first_tx.send(true);
             a
         }));
@@ -239,7 +337,11 @@ async fn concurrent_identical_reserves_make_one_entry(b: Backend) {
     let mut others = Vec::new();
     for i in 0..10usize {
         let s = replicas[i % replicas.len()].clone();
-        others.push(tokio::spawn(async move { s.reserve(&req("same", "acme", "build", 8), limits, T0).await.unwrap() }));
+        others.push(tokio::spawn(async move {
+            s.reserve(&req("same", "acme", "build", 8), limits, T0)
+                .await
+                .unwrap()
+        }));
     }
     let mut bodies = std::collections::BTreeSet::new();
     for t in tasks {
@@ -255,7 +357,10 @@ async fn concurrent_identical_reserves_make_one_entry(b: Backend) {
     }
     let ledger = replicas[0].ledger().await.unwrap();
     assert_eq!(ledger.len(), 1, "exactly one ledger entry");
-    assert_eq!(replicas[0].usage("gpu", "acme", "build").await.unwrap()[0].reserved, 7);
+    assert_eq!(
+        replicas[0].usage("gpu", "acme", "build").await.unwrap()[0].reserved,
+        7
+    );
 }
 
 /// A tiny seeded PRNG (xorshift64*), so a failure replays.
@@ -274,7 +379,10 @@ impl Rng {
 
 /// The randomized test's size (`QUOTA_RANDOM_OPS` overrides).
 fn random_ops() -> u64 {
-    std::env::var("QUOTA_RANDOM_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(100_000)
+    std::env::var("QUOTA_RANDOM_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100_000)
 }
 
 async fn randomized_invariants_hold(b: Backend) {
@@ -284,7 +392,11 @@ async fn randomized_invariants_hold(b: Backend) {
     // "crash" (walk away: the reservation is left to expire); the clock
     // moves so expiries happen, and the reclaimer runs between rounds.
     let replicas = b.replicas(3).await;
-    let limits = LevelLimits { global: 400, tenant: 220, project: 90 };
+    let limits = LevelLimits {
+        global: 400,
+        tenant: 220,
+        project: 90,
+    };
     let limit_of = |k: &CounterKey| match k.level() {
         Level::Global => 400,
         Level::Tenant => 220,
@@ -336,7 +448,10 @@ async fn randomized_invariants_hold(b: Backend) {
                         409 => {
                             // Every refusal names its level, and it binds there.
                             let level = v["level"].as_str().unwrap_or_else(|| panic!("{}", a.body));
-                            let idx = ["global", "tenant", "project"].iter().position(|l| *l == level).unwrap();
+                            let idx = ["global", "tenant", "project"]
+                                .iter()
+                                .position(|l| *l == level)
+                                .unwrap();
                             refused[idx] += 1;
                             assert!(v["remaining"].as_u64().unwrap() < amount, "{}", a.body);
                             continue;
@@ -348,7 +463,11 @@ async fn randomized_invariants_hold(b: Backend) {
                         0..=3 => {
                             let part = rng.below(amount + 1);
                             let c = s.commit(&id, Some(part), now).await.unwrap();
-                            assert!(c.status == 200 || body(&c.body)["error"] == "expired", "{}", c.body);
+                            assert!(
+                                c.status == 200 || body(&c.body)["error"] == "expired",
+                                "{}",
+                                c.body
+                            );
                         }
                         4..=7 => {
                             let c = s.release(&id, now).await.unwrap();
@@ -372,7 +491,10 @@ async fn randomized_invariants_hold(b: Backend) {
         let now = clock.fetch_add(200 * 1_000_000, std::sync::atomic::Ordering::Relaxed) + 200 * 1_000_000;
         let mut reclaimed = 0;
         loop {
-            let r = replicas[(round as usize) % replicas.len()].reclaim(now, 256).await.unwrap();
+            let r = replicas[(round as usize) % replicas.len()]
+                .reclaim(now, 256)
+                .await
+                .unwrap();
             reclaimed += r.len();
             if r.is_empty() {
                 break;
@@ -389,15 +511,29 @@ async fn randomized_invariants_hold(b: Backend) {
         assert_eq!(u.reserved, 0, "{k:?}");
     }
     assert!(ops >= total, "{ops} operations");
-    assert!(refusals.iter().all(|r| *r > 0), "every level refused: {refusals:?}");
-    eprintln!("{} ops in {:?}; refusals global/tenant/project {refusals:?}", ops, started.elapsed());
+    assert!(
+        refusals.iter().all(|r| *r > 0),
+        "every level refused: {refusals:?}"
+    );
+    eprintln!(
+        "{} ops in {:?}; refusals global/tenant/project {refusals:?}",
+        ops,
+        started.elapsed()
+    );
 }
 
 async fn leaked_reservations_are_reclaimed_after_their_ttl_only(b: Backend) {
     let s = b.store().await;
-    let limits = LevelLimits { global: 1000, tenant: 1000, project: 1000 };
+    let limits = LevelLimits {
+        global: 1000,
+        tenant: 1000,
+        project: 1000,
+    };
     for i in 0..50u64 {
-        let r = ReserveRequest { ttl_ms: 1000 + i * 10, ..req(&format!("l{i}"), "acme", "build", 1) };
+        let r = ReserveRequest {
+            ttl_ms: 1000 + i * 10,
+            ..req(&format!("l{i}"), "acme", "build", 1)
+        };
         assert_eq!(s.reserve(&r, limits, T0).await.unwrap().status, 201);
     }
     // One nanosecond before the first expiry: nothing.
@@ -415,15 +551,25 @@ async fn leaked_reservations_are_reclaimed_after_their_ttl_only(b: Backend) {
     // All within TTL + one reclaimer period (here 1 s).
     let r = s.reclaim(T0 + 1_490_000_000 + SEC, 1000).await.unwrap();
     assert_eq!(r.len(), 29);
-    assert_eq!(s.usage("gpu", "acme", "build").await.unwrap()[0], Usage::default());
+    assert_eq!(
+        s.usage("gpu", "acme", "build").await.unwrap()[0],
+        Usage::default()
+    );
 }
 
 async fn commit_and_reclaim_have_one_winner(b: Backend) {
     let replicas = b.replicas(2).await;
-    let limits = LevelLimits { global: 100_000, tenant: 100_000, project: 100_000 };
+    let limits = LevelLimits {
+        global: 100_000,
+        tenant: 100_000,
+        project: 100_000,
+    };
     let n = 200u64;
     for i in 0..n {
-        let r = ReserveRequest { ttl_ms: 1000, ..req(&format!("w{i}"), "acme", "build", 1) };
+        let r = ReserveRequest {
+            ttl_ms: 1000,
+            ..req(&format!("w{i}"), "acme", "build", 1)
+        };
         replicas[0].reserve(&r, limits, T0).await.unwrap();
     }
     // At the expiry instant, commits race the reclaimer.
@@ -444,7 +590,10 @@ async fn commit_and_reclaim_have_one_winner(b: Backend) {
     let mut committed = 0u64;
     let mut expired = 0u64;
     for i in 0..n {
-        let a = replicas[0].commit(&format!("w{i}"), None, at - (i % 2)).await.unwrap();
+        let a = replicas[0]
+            .commit(&format!("w{i}"), None, at - (i % 2))
+            .await
+            .unwrap();
         match (a.status, body(&a.body)["error"].as_str()) {
             (200, _) => committed += 1,
             (409, Some("expired")) => expired += 1,
@@ -458,40 +607,79 @@ async fn commit_and_reclaim_have_one_winner(b: Backend) {
     let ledger = replicas[0].ledger().await.unwrap();
     let expiries = ledger.iter().filter(|e| e.kind == LedgerKind::Expire).count() as u64;
     let commits = ledger.iter().filter(|e| e.kind == LedgerKind::Commit).count() as u64;
-    assert_eq!((commits, expiries), (committed, expired), "one ledger row per reservation's end");
+    assert_eq!(
+        (commits, expiries),
+        (committed, expired),
+        "one ledger row per reservation's end"
+    );
     let u = replicas[0].usage("gpu", "acme", "build").await.unwrap()[0];
-    assert_eq!(u, Usage { reserved: 0, committed });
+    assert_eq!(
+        u,
+        Usage {
+            reserved: 0,
+            committed
+        }
+    );
 }
 
 async fn reconciliation_repairs_drift_through_the_ledger(b: Backend) {
     let s = b.store().await;
-    s.reserve(&req("a", "acme", "build", 10), LIMITS, T0).await.unwrap();
-    s.reserve(&req("b", "acme", "build", 5), LIMITS, T0).await.unwrap();
+    s.reserve(&req("a", "acme", "build", 10), LIMITS, T0)
+        .await
+        .unwrap();
+    s.reserve(&req("b", "acme", "build", 5), LIMITS, T0)
+        .await
+        .unwrap();
     s.commit("a", Some(10), T0).await.unwrap();
     s.release("b", T0).await.unwrap();
     assert!(s.reconcile(T0).await.unwrap().repaired.is_empty());
     let before = s.ledger().await.unwrap().len();
     // Behind the service's back: a lost decrement (the release's, on the
     // project counter) and a duplicated increment (the commit's, global).
-    b.raw("UPDATE counters SET reserved = reserved + 5 WHERE tenant = 'acme' AND project = 'build'").await;
-    b.raw("UPDATE counters SET committed = committed + 10 WHERE tenant = '' AND project = ''").await;
+    b.raw("UPDATE counters SET reserved = reserved + 5 WHERE tenant = 'acme' AND project = 'build'")
+        .await;
+    b.raw("UPDATE counters SET committed = committed + 10 WHERE tenant = '' AND project = ''")
+        .await;
     let r = s.reconcile(T0 + SEC).await.unwrap();
     assert_eq!(r.repaired.len(), 2, "{r:?}");
     assert_eq!(r.drift_units(), 15);
     let ledger = s.ledger().await.unwrap();
-    assert_eq!(ledger.len(), before + 2, "one compensation row per repaired counter");
-    let comp: Vec<_> = ledger.iter().filter(|e| e.kind == LedgerKind::Compensation).collect();
+    assert_eq!(
+        ledger.len(),
+        before + 2,
+        "one compensation row per repaired counter"
+    );
+    let comp: Vec<_> = ledger
+        .iter()
+        .filter(|e| e.kind == LedgerKind::Compensation)
+        .collect();
     assert_eq!((comp[0].d_reserved, comp[0].d_committed), (0, -10));
     assert_eq!((comp[1].d_reserved, comp[1].d_committed), (-5, 0));
-    assert!(comp[1].note.as_deref().unwrap().contains("project counter was reserved=5"), "{:?}", comp[1].note);
+    assert!(
+        comp[1]
+            .note
+            .as_deref()
+            .unwrap()
+            .contains("project counter was reserved=5"),
+        "{:?}",
+        comp[1].note
+    );
     // Repaired to zero: the next pass finds nothing.
     assert!(s.reconcile(T0 + 2 * SEC).await.unwrap().repaired.is_empty());
-    assert_eq!(s.usage("gpu", "acme", "build").await.unwrap(), [Usage { reserved: 0, committed: 10 }; 3]);
+    assert_eq!(
+        s.usage("gpu", "acme", "build").await.unwrap(),
+        [Usage {
+            reserved: 0,
+            committed: 10
+        }; 3]
+    );
 }
 
 async fn the_ledger_refuses_update_and_delete(b: Backend) {
     let s = b.store().await;
-    s.reserve(&req("a", "acme", "build", 10), LIMITS, T0).await.unwrap();
+    s.reserve(&req("a", "acme", "build", 10), LIMITS, T0)
+        .await
+        .unwrap();
     for sql in ["UPDATE ledger SET d_reserved = 0", "DELETE FROM ledger"] {
         let e = b.raw_err(sql).await;
         assert!(e.contains("append-only"), "{sql}: {e}");
@@ -502,13 +690,23 @@ async fn the_ledger_refuses_update_and_delete(b: Backend) {
 async fn reopening_the_store_loses_nothing(b: Backend) {
     {
         let s = b.store().await;
-        s.reserve(&req("a", "acme", "build", 10), LIMITS, T0).await.unwrap();
-        s.reserve(&req("b", "acme", "build", 5), LIMITS, T0).await.unwrap();
+        s.reserve(&req("a", "acme", "build", 10), LIMITS, T0)
+            .await
+            .unwrap();
+        s.reserve(&req("b", "acme", "build", 5), LIMITS, T0)
+            .await
+            .unwrap();
         s.commit("a", Some(7), T0).await.unwrap();
     }
     let s = b.store().await;
     assert_eq!(s.get("a").await.unwrap().unwrap().state, State::Committed);
     assert_eq!(s.get("b").await.unwrap().unwrap().state, State::Reserved);
-    assert_eq!(s.usage("gpu", "acme", "build").await.unwrap()[2], Usage { reserved: 5, committed: 7 });
+    assert_eq!(
+        s.usage("gpu", "acme", "build").await.unwrap()[2],
+        Usage {
+            reserved: 5,
+            committed: 7
+        }
+    );
     assert_eq!(s.ledger().await.unwrap().len(), 3);
 }

@@ -57,8 +57,8 @@
 //! row and one ledger row; reconciliation reads the whole ledger (linear in
 //! its length); the reclaimer works in batches of [`RECLAIM_BATCH`].
 
-
-
+pub mod api;
+pub mod metrics;
 pub mod postgres;
 pub mod sqlite;
 
@@ -350,7 +350,11 @@ pub fn error_answer(status: u16, outcome: Outcome, message: &str, extra: serde_j
 }
 
 fn ok_answer(status: u16, outcome: Outcome, body: String) -> Answer {
-    Answer { status, body, outcome }
+    Answer {
+        status,
+        body,
+        outcome,
+    }
 }
 
 /// What a transaction decided: its answer and what to write (nothing for
@@ -407,7 +411,7 @@ pub fn binding_level(usage: &[Usage; 3], limits: &LevelLimits, amount: u64) -> O
         .map(|(level, _)| level)
 }
 
-fn levels_json(usage: &[Usage; 3], limits: &LevelLimits) -> serde_json::Value {
+pub(crate) fn levels_json(usage: &[Usage; 3], limits: &LevelLimits) -> serde_json::Value {
     let limit = [limits.global, limits.tenant, limits.project];
     let mut m = serde_json::Map::new();
     for (level, (u, l)) in Level::ALL.into_iter().zip(usage.iter().zip(limit)) {
@@ -558,11 +562,19 @@ pub fn decide_commit(r: &Reservation, amount: Option<u64>, now_ns: u64) -> Step 
             _ => error_answer(
                 409,
                 Outcome::Conflict,
-                &format!("reservation {} was committed with another amount ({})", r.id, r.committed),
+                &format!(
+                    "reservation {} was committed with another amount ({})",
+                    r.id, r.committed
+                ),
                 json!({ "field": "amount", "committed": r.committed }),
             ),
         }),
-        State::Released => Step::answer(state_answer(r, 409, Outcome::Released, "the reservation was released")),
+        State::Released => Step::answer(state_answer(
+            r,
+            409,
+            Outcome::Released,
+            "the reservation was released",
+        )),
         State::Expired => Step::answer(state_answer(r, 409, Outcome::Expired, "the reservation expired")),
         State::Reserved if now_ns >= r.expires_ns => {
             let mut w = expire(r, now_ns);
@@ -741,13 +753,18 @@ pub enum QuotaStoreError {
 pub trait QuotaStore: Send + Sync {
     fn kind(&self) -> &'static str;
     async fn ping(&self) -> Result<(), QuotaStoreError>;
-    async fn reserve(&self, req: &ReserveRequest, limits: LevelLimits, now_ns: u64)
-        -> Result<Answer, QuotaStoreError>;
+    async fn reserve(
+        &self,
+        req: &ReserveRequest,
+        limits: LevelLimits,
+        now_ns: u64,
+    ) -> Result<Answer, QuotaStoreError>;
     async fn commit(&self, id: &str, amount: Option<u64>, now_ns: u64) -> Result<Answer, QuotaStoreError>;
     async fn release(&self, id: &str, now_ns: u64) -> Result<Answer, QuotaStoreError>;
     async fn get(&self, id: &str) -> Result<Option<Reservation>, QuotaStoreError>;
     /// The three levels' counters of (resource, tenant, project).
-    async fn usage(&self, resource: &str, tenant: &str, project: &str) -> Result<[Usage; 3], QuotaStoreError>;
+    async fn usage(&self, resource: &str, tenant: &str, project: &str)
+        -> Result<[Usage; 3], QuotaStoreError>;
     /// Expires up to `max` reservations due at `now_ns`, each in its own
     /// decision (the state as stored decides).
     async fn reclaim(&self, now_ns: u64, max: usize) -> Result<Vec<Reclaimed>, QuotaStoreError>;

@@ -24,16 +24,18 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use deadpool_postgres::Transaction;
 use deadpool_postgres::{Config, Pool, PoolConfig, Runtime, Timeouts};
 use tenantgate::policy::quota::LevelLimits;
 use tokio::sync::OnceCell;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::{NoTls, Row, Transaction};
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{NoTls, Row};
 
 use super::{
     decide_commit, decide_expire, decide_release, decide_reserve, drifts, not_found, replay, Answer,
-    CounterKey, LedgerEntry, LedgerKind, QuotaStore, QuotaStoreError, Reclaimed, Reconciliation,
-    ReserveRequest, Reservation, State, Step, Usage, Write,
+    CounterKey, LedgerEntry, LedgerKind, QuotaStore, QuotaStoreError, Reclaimed, Reconciliation, Reservation,
+    ReserveRequest, State, Step, Usage, Write,
 };
 
 /// Attempts of a transaction that lost a race (see the module header).
@@ -89,7 +91,11 @@ fn classify(e: tokio_postgres::Error) -> Failure {
 
 fn classify_text(code: Option<&SqlState>, text: String) -> Failure {
     match code {
-        Some(c) if *c == SqlState::T_R_SERIALIZATION_FAILURE || *c == SqlState::T_R_DEADLOCK_DETECTED || *c == SqlState::UNIQUE_VIOLATION => {
+        Some(c)
+            if *c == SqlState::T_R_SERIALIZATION_FAILURE
+                || *c == SqlState::T_R_DEADLOCK_DETECTED
+                || *c == SqlState::UNIQUE_VIOLATION =>
+        {
             Failure::Retry(text)
         }
         Some(c) if c.code().starts_with("08") || c.code().starts_with("57") || c.code().starts_with("53") => {
@@ -143,12 +149,12 @@ fn reservation(row: &Row) -> Result<Reservation, tokio_postgres::Error> {
 }
 
 async fn load(tx: &Transaction<'_>, id: &str) -> Result<Option<Reservation>, Failure> {
-    let row = tx
-        .query_opt(
-            &format!("SELECT {RESERVATION_COLUMNS} FROM reservations WHERE id = $1"),
-            &[&id],
-        )
-        .await?;
+    let row = cached_query_opt(
+        tx,
+        &format!("SELECT {RESERVATION_COLUMNS} FROM reservations WHERE id = $1"),
+        &[&id],
+    )
+    .await?;
     Ok(row.as_ref().map(reservation).transpose()?)
 }
 
@@ -156,14 +162,14 @@ async fn load(tx: &Transaction<'_>, id: &str) -> Result<Option<Reservation>, Fai
 /// returns their values.
 async fn lock_levels(tx: &Transaction<'_>, keys: &[CounterKey; 3]) -> Result<[Usage; 3], Failure> {
     let [g, t, p] = keys;
-    tx.execute(
+    cached_execute(
+        tx,
         "INSERT INTO counters (resource, tenant, project) VALUES ($1, '', ''), ($1, $2, ''), ($1, $2, $3) \
          ON CONFLICT DO NOTHING",
         &[&g.resource, &t.tenant, &p.project],
     )
     .await?;
-    let rows = tx
-        .query(
+    let rows = cached_query(tx,
             "SELECT tenant, project, reserved, committed FROM counters WHERE resource = $1 \
              AND ((tenant = '' AND project = '') OR (tenant = $2 AND project = '') OR (tenant = $2 AND project = $3)) \
              ORDER BY tenant, project FOR UPDATE",
@@ -187,11 +193,42 @@ async fn lock_levels(tx: &Transaction<'_>, keys: &[CounterKey; 3]) -> Result<[Us
     Ok(out)
 }
 
+async fn cached_query(
+    tx: &Transaction<'_>,
+    sql: &str,
+    p: &[&(dyn ToSql + Sync)],
+) -> Result<Vec<Row>, Failure> {
+    let st = tx.prepare_cached(sql).await?;
+    Ok(tx.query(&st, p).await?)
+}
+
+async fn cached_query_one(
+    tx: &Transaction<'_>,
+    sql: &str,
+    p: &[&(dyn ToSql + Sync)],
+) -> Result<Row, Failure> {
+    let st = tx.prepare_cached(sql).await?;
+    Ok(tx.query_one(&st, p).await?)
+}
+
+async fn cached_query_opt(
+    tx: &Transaction<'_>,
+    sql: &str,
+    p: &[&(dyn ToSql + Sync)],
+) -> Result<Option<Row>, Failure> {
+    let st = tx.prepare_cached(sql).await?;
+    Ok(tx.query_opt(&st, p).await?)
+}
+
+async fn cached_execute(tx: &Transaction<'_>, sql: &str, p: &[&(dyn ToSql + Sync)]) -> Result<u64, Failure> {
+    let st = tx.prepare_cached(sql).await?;
+    Ok(tx.execute(&st, p).await?)
+}
+
 /// The three levels' counters as committed, without locks.
 async fn read_levels(tx: &Transaction<'_>, keys: &[CounterKey; 3]) -> Result<[Usage; 3], Failure> {
     let [g, t, p] = keys;
-    let rows = tx
-        .query(
+    let rows = cached_query(tx,
             "SELECT tenant, project, reserved, committed FROM counters WHERE resource = $1 \
              AND ((tenant = '' AND project = '') OR (tenant = $2 AND project = '') OR (tenant = $2 AND project = $3))",
             &[&g.resource, &t.tenant, &p.project],
@@ -215,7 +252,7 @@ async fn read_levels(tx: &Transaction<'_>, keys: &[CounterKey; 3]) -> Result<[Us
 }
 
 async fn append(tx: &Transaction<'_>, e: &LedgerEntry) -> Result<(), Failure> {
-    tx.execute(
+    cached_execute(tx,
         "INSERT INTO ledger (at_ns, kind, reservation_id, resource, tenant, project, d_reserved, d_committed, note) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
         &[
@@ -237,7 +274,7 @@ async fn append(tx: &Transaction<'_>, e: &LedgerEntry) -> Result<(), Failure> {
 async fn apply(tx: &Transaction<'_>, w: &Write, now_ns: u64) -> Result<(), Failure> {
     let r = &w.reservation;
     if w.insert {
-        tx.execute(
+        cached_execute(tx,
             &format!(
                 "INSERT INTO reservations ({RESERVATION_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
             ),
@@ -259,7 +296,7 @@ async fn apply(tx: &Transaction<'_>, w: &Write, now_ns: u64) -> Result<(), Failu
         )
         .await?;
     } else {
-        tx.execute(
+        cached_execute(tx,
             "UPDATE reservations SET state = $2, committed = $3, finished_ns = $4, commit_body = $5 WHERE id = $1",
             &[
                 &r.id,
@@ -271,7 +308,7 @@ async fn apply(tx: &Transaction<'_>, w: &Write, now_ns: u64) -> Result<(), Failu
         )
         .await?;
     }
-    tx.execute(
+    cached_execute(tx,
         "UPDATE counters SET reserved = reserved + $4, committed = committed + $5 WHERE resource = $1 \
          AND ((tenant = '' AND project = '') OR (tenant = $2 AND project = '') OR (tenant = $2 AND project = $3))",
         &[&r.resource, &r.tenant, &r.project, &w.d_reserved, &w.d_committed],
@@ -298,13 +335,18 @@ async fn apply(tx: &Transaction<'_>, w: &Write, now_ns: u64) -> Result<(), Failu
 async fn earliest_expiry(tx: &Transaction<'_>, key: &CounterKey) -> Result<Option<u64>, Failure> {
     let base = "SELECT MIN(expires_ns) FROM reservations WHERE state = 'reserved' AND resource = $1";
     let row = match key.level() {
-        super::Level::Global => tx.query_one(base, &[&key.resource]).await?,
+        super::Level::Global => cached_query_one(tx, base, &[&key.resource]).await?,
         super::Level::Tenant => {
-            tx.query_one(&format!("{base} AND tenant = $2"), &[&key.resource, &key.tenant])
-                .await?
+            cached_query_one(
+                tx,
+                &format!("{base} AND tenant = $2"),
+                &[&key.resource, &key.tenant],
+            )
+            .await?
         }
         super::Level::Project => {
-            tx.query_one(
+            cached_query_one(
+                tx,
                 &format!("{base} AND tenant = $2 AND project = $3"),
                 &[&key.resource, &key.tenant, &key.project],
             )
@@ -315,13 +357,13 @@ async fn earliest_expiry(tx: &Transaction<'_>, key: &CounterKey) -> Result<Optio
 }
 
 async fn read_ledger(tx: &Transaction<'_>) -> Result<Vec<LedgerEntry>, Failure> {
-    let rows = tx
-        .query(
-            "SELECT seq, at_ns, kind, reservation_id, resource, tenant, project, d_reserved, d_committed, note \
+    let rows = cached_query(
+        tx,
+        "SELECT seq, at_ns, kind, reservation_id, resource, tenant, project, d_reserved, d_committed, note \
              FROM ledger ORDER BY seq",
-            &[],
-        )
-        .await?;
+        &[],
+    )
+    .await?;
     let mut out = Vec::with_capacity(rows.len());
     for r in rows {
         let kind: String = r.try_get(2)?;
@@ -342,9 +384,12 @@ async fn read_ledger(tx: &Transaction<'_>) -> Result<Vec<LedgerEntry>, Failure> 
 }
 
 async fn read_counters(tx: &Transaction<'_>) -> Result<BTreeMap<CounterKey, Usage>, Failure> {
-    let rows = tx
-        .query("SELECT resource, tenant, project, reserved, committed FROM counters", &[])
-        .await?;
+    let rows = cached_query(
+        tx,
+        "SELECT resource, tenant, project, reserved, committed FROM counters",
+        &[],
+    )
+    .await?;
     let mut out = BTreeMap::new();
     for r in rows {
         out.insert(
@@ -363,8 +408,9 @@ async fn read_counters(tx: &Transaction<'_>) -> Result<BTreeMap<CounterKey, Usag
 }
 
 /// A transaction body: borrows the transaction, returns a boxed future.
-type Body<'a, T> =
-    Box<dyn for<'t> Fn(&'t Transaction<'t>) -> futures_box::BoxFuture<'t, Result<T, Failure>> + Send + Sync + 'a>;
+type Body<'a, T> = Box<
+    dyn for<'t> Fn(&'t Transaction<'t>) -> futures_box::BoxFuture<'t, Result<T, Failure>> + Send + Sync + 'a,
+>;
 
 mod futures_box {
     pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
@@ -397,19 +443,18 @@ impl PostgresStore {
             .get_or_try_init(|| async {
                 let body: Body<'_, ()> = Box::new(|tx| {
                     Box::pin(async move {
-                        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK]).await?;
+                        cached_execute(tx, "SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK]).await?;
                         tx.batch_execute(
                             "CREATE TABLE IF NOT EXISTS schema_migrations (version INT PRIMARY KEY, applied_ns BIGINT NOT NULL)",
                         )
                         .await?;
-                        let row = tx
-                            .query_one("SELECT COALESCE(MAX(version), 0) FROM schema_migrations", &[])
+                        let row = cached_query_one(tx, "SELECT COALESCE(MAX(version), 0) FROM schema_migrations", &[])
                             .await?;
                         let applied: i32 = row.try_get(0)?;
                         for (n, m) in MIGRATIONS.iter().enumerate().skip(usize::try_from(applied).unwrap_or(0)) {
                             tx.batch_execute(m).await?;
                             let version = i32::try_from(n + 1).unwrap_or(i32::MAX);
-                            tx.execute(
+                            cached_execute(tx,
                                 "INSERT INTO schema_migrations (version, applied_ns) VALUES ($1, 0)",
                                 &[&version],
                             )
@@ -514,7 +559,7 @@ impl QuotaStore for PostgresStore {
     async fn ping(&self) -> Result<(), QuotaStoreError> {
         let body: Body<'_, ()> = Box::new(|tx| {
             Box::pin(async move {
-                tx.query_one("SELECT 1", &[]).await?;
+                cached_query_one(tx, "SELECT 1", &[]).await?;
                 Ok(())
             })
         });
@@ -534,7 +579,14 @@ impl QuotaStore for PostgresStore {
                 // A reservation's parameters and answer never change once
                 // written: a retry is answered from it without the locks.
                 if let Some(existing) = load(tx, &req.reservation_id).await? {
-                    let step = decide_reserve(&req, Some(&existing), &[Usage::default(); 3], &limits, now_ns, &mut |_| None);
+                    let step = decide_reserve(
+                        &req,
+                        Some(&existing),
+                        &[Usage::default(); 3],
+                        &limits,
+                        now_ns,
+                        &mut |_| None,
+                    );
                     return Ok(step.answer);
                 }
                 let keys = CounterKey::levels(&req.resource, &req.tenant, &req.project);
@@ -572,13 +624,20 @@ impl QuotaStore for PostgresStore {
 
     async fn commit(&self, id: &str, amount: Option<u64>, now_ns: u64) -> Result<Answer, QuotaStoreError> {
         match amount {
-            Some(a) => self.transition(id, now_ns, move |r| decide_commit(r, Some(a), now_ns)).await,
-            None => self.transition(id, now_ns, move |r| decide_commit(r, None, now_ns)).await,
+            Some(a) => {
+                self.transition(id, now_ns, move |r| decide_commit(r, Some(a), now_ns))
+                    .await
+            }
+            None => {
+                self.transition(id, now_ns, move |r| decide_commit(r, None, now_ns))
+                    .await
+            }
         }
     }
 
     async fn release(&self, id: &str, now_ns: u64) -> Result<Answer, QuotaStoreError> {
-        self.transition(id, now_ns, move |r| decide_release(r, now_ns)).await
+        self.transition(id, now_ns, move |r| decide_release(r, now_ns))
+            .await
     }
 
     async fn get(&self, id: &str) -> Result<Option<Reservation>, QuotaStoreError> {
@@ -590,15 +649,19 @@ impl QuotaStore for PostgresStore {
         self.run(body).await
     }
 
-    async fn usage(&self, resource: &str, tenant: &str, project: &str) -> Result<[Usage; 3], QuotaStoreError> {
+    async fn usage(
+        &self,
+        resource: &str,
+        tenant: &str,
+        project: &str,
+    ) -> Result<[Usage; 3], QuotaStoreError> {
         let keys = CounterKey::levels(resource, tenant, project);
         let body: Body<'_, [Usage; 3]> = Box::new(move |tx| {
             let keys = keys.clone();
             Box::pin(async move {
                 let mut out = [Usage::default(); 3];
                 for (slot, k) in out.iter_mut().zip(&keys) {
-                    if let Some(row) = tx
-                        .query_opt(
+                    if let Some(row) = cached_query_opt(tx,
                             "SELECT reserved, committed FROM counters WHERE resource = $1 AND tenant = $2 AND project = $3",
                             &[&k.resource, &k.tenant, &k.project],
                         )
@@ -619,8 +682,7 @@ impl QuotaStore for PostgresStore {
     async fn reclaim(&self, now_ns: u64, max: usize) -> Result<Vec<Reclaimed>, QuotaStoreError> {
         let body: Body<'_, Vec<(String, u64, String)>> = Box::new(move |tx| {
             Box::pin(async move {
-                let rows = tx
-                    .query(
+                let rows = cached_query(tx,
                         "SELECT id, expires_ns, resource FROM reservations WHERE state = 'reserved' AND expires_ns <= $1 \
                          ORDER BY expires_ns LIMIT $2",
                         &[&i(now_ns), &i(max as u64)],
@@ -678,7 +740,7 @@ impl QuotaStore for PostgresStore {
                 let derived = replay(&ledger);
                 let repaired = drifts(&counters, &derived);
                 for d in &repaired {
-                    tx.execute(
+                    cached_execute(tx,
                         "INSERT INTO counters (resource, tenant, project, reserved, committed) VALUES ($1, $2, $3, $4, $5) \
                          ON CONFLICT (resource, tenant, project) DO UPDATE SET reserved = $4, committed = $5",
                         &[

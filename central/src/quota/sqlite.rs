@@ -18,8 +18,8 @@ use tenantgate::policy::quota::LevelLimits;
 
 use super::{
     decide_commit, decide_expire, decide_release, decide_reserve, drifts, not_found, replay, Answer,
-    CounterKey, LedgerEntry, LedgerKind, QuotaStore, QuotaStoreError, Reclaimed, Reconciliation,
-    ReserveRequest, Reservation, State, Usage, Write,
+    CounterKey, LedgerEntry, LedgerKind, QuotaStore, QuotaStoreError, Reclaimed, Reconciliation, Reservation,
+    ReserveRequest, State, Usage, Write,
 };
 
 /// The file inside the data directory.
@@ -219,7 +219,8 @@ impl SqliteStore {
             .map_err(|e| QuotaStoreError::Unavailable(format!("{}: {e}", dir.display())))?;
         let path = dir.join(FILE_NAME);
         let mut conn = Connection::open(&path).map_err(refused)?;
-        conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(refused)?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))
+            .map_err(refused)?;
         conn.pragma_update(None, "journal_mode", "WAL").map_err(refused)?;
         conn.pragma_update(None, "synchronous", "FULL").map_err(refused)?;
         let version: i64 = conn
@@ -230,7 +231,8 @@ impl SqliteStore {
             .map_err(refused)?;
         for (n, m) in MIGRATIONS.iter().enumerate().skip(u(version) as usize) {
             tx.execute_batch(m).map_err(refused)?;
-            tx.pragma_update(None, "user_version", (n + 1) as i64).map_err(refused)?;
+            tx.pragma_update(None, "user_version", (n + 1) as i64)
+                .map_err(refused)?;
         }
         tx.commit().map_err(refused)?;
         Ok(SqliteStore {
@@ -334,7 +336,12 @@ impl QuotaStore for SqliteStore {
         self.tx(move |tx| load(tx, &id)).await
     }
 
-    async fn usage(&self, resource: &str, tenant: &str, project: &str) -> Result<[Usage; 3], QuotaStoreError> {
+    async fn usage(
+        &self,
+        resource: &str,
+        tenant: &str,
+        project: &str,
+    ) -> Result<[Usage; 3], QuotaStoreError> {
         let keys = CounterKey::levels(resource, tenant, project);
         self.tx(move |tx| usage_of(tx, &keys)).await
     }

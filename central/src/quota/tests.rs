@@ -9,8 +9,25 @@ fn rfc3339_renders_utc_with_milliseconds() {
 
 #[test]
 fn the_first_binding_level_is_named_in_order() {
-    let limits = LevelLimits { global: 10, tenant: 5, project: 3 };
-    let usage = [Usage { reserved: 2, committed: 0 }, Usage { reserved: 2, committed: 0 }, Usage { reserved: 2, committed: 0 }];
+    let limits = LevelLimits {
+        global: 10,
+        tenant: 5,
+        project: 3,
+    };
+    let usage = [
+        Usage {
+            reserved: 2,
+            committed: 0,
+        },
+        Usage {
+            reserved: 2,
+            committed: 0,
+        },
+        Usage {
+            reserved: 2,
+            committed: 0,
+        },
+    ];
     assert_eq!(binding_level(&usage, &limits, 1), None);
     assert_eq!(binding_level(&usage, &limits, 2), Some(Level::Project));
     assert_eq!(binding_level(&usage, &limits, 4), Some(Level::Tenant));

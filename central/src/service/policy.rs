@@ -24,6 +24,8 @@ pub struct PolicyLimits {
     pub limits: BTreeMap<String, GlobalLimit>,
     /// Limit names defined differently by several plans.
     pub ambiguous: Vec<String>,
+    /// The `quotas:` section (the reservation API's resources).
+    pub quotas: tenantgate::policy::quota::Quotas,
 }
 
 /// Reads and validates a policy file.
@@ -81,6 +83,7 @@ pub fn parse(text: &str) -> Result<PolicyLimits, String> {
         version: policy.version.clone(),
         limits,
         ambiguous,
+        quotas: policy.quotas.clone(),
     })
 }
 

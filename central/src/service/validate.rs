@@ -255,6 +255,7 @@ mod tests {
             version: "v".into(),
             limits: [("per-min".to_owned(), limit)].into_iter().collect(),
             ambiguous: vec![],
+            quotas: Default::default(),
         })
     }
 
