@@ -3,10 +3,10 @@
 //! 0 on a 2xx answer, 1 otherwise (the answer still printed), 2 when the
 //! service cannot be reached.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::process::ExitCode;
-use std::time::Duration;
+
+use tenantgate_cli::http::request;
 
 use clap::{Args, Subcommand};
 
@@ -61,36 +61,6 @@ enum QuotaCommand {
     },
     /// Recompute usage from the ledger; repair drift with compensation entries.
     Reconcile,
-}
-
-fn request(
-    addr: SocketAddr,
-    token: Option<&str>,
-    method: &str,
-    path: &str,
-    body: &str,
-) -> Result<(u16, String), String> {
-    let mut s =
-        TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| format!("{addr}: {e}"))?;
-    let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
-    let auth = token
-        .map(|t| format!("authorization: Bearer {t}\r\n"))
-        .unwrap_or_default();
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n{auth}content-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).map_err(|e| format!("{addr}: {e}"))?;
-    let mut out = Vec::new();
-    s.read_to_end(&mut out).map_err(|e| format!("{addr}: {e}"))?;
-    let text = String::from_utf8_lossy(&out);
-    let (head, body) = text.split_once("\r\n\r\n").ok_or("malformed answer")?;
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or("malformed answer")?;
-    Ok((status, body.to_owned()))
 }
 
 fn enc(s: &str) -> String {
