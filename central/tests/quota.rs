@@ -295,6 +295,17 @@ async fn state_machine_and_idempotency(b: Backend) {
         (400, Some("amount"))
     );
     assert_eq!(s.commit("nope", None, T0).await.unwrap().status, 404);
+    // A reload lowers the project limit below what is in use (r6: 20 of
+    // c/p): new reservations are refused there, the existing one stays and
+    // still commits.
+    let lowered = LevelLimits {
+        project: 10,
+        ..LIMITS
+    };
+    let r = s.reserve(&req("r8", "c", "p", 1), lowered, T0).await.unwrap();
+    assert_eq!(body(&r.body)["level"], "project");
+    assert_eq!(s.get("r6").await.unwrap().unwrap().state, State::Reserved);
+    assert_eq!(s.commit("r6", None, T0).await.unwrap().status, 200);
     check_invariants(s.as_ref(), &|k| match k.level() {
         Level::Global => 100,
         Level::Tenant => 50,
@@ -305,7 +316,7 @@ async fn state_machine_and_idempotency(b: Backend) {
     use LedgerKind::*;
     assert_eq!(
         kinds,
-        [Reserve, Reserve, Reserve, Reserve, Commit, Release, Expire]
+        [Reserve, Reserve, Reserve, Reserve, Commit, Release, Expire, Commit]
     );
 }
 
@@ -398,9 +409,9 @@ async fn randomized_invariants_hold(b: Backend) {
         project: 90,
     };
     let limit_of = |k: &CounterKey| match k.level() {
-        Level::Global => 400,
-        Level::Tenant => 220,
-        Level::Project => 90,
+        Level::Global => 3000,
+        Level::Tenant => 1700,
+        Level::Project => 700,
     };
     let total = random_ops();
     let workers = 16u64;
@@ -422,15 +433,17 @@ async fn randomized_invariants_hold(b: Backend) {
                 let mut i = 0u64;
                 while n < per_round {
                     let now = clock.fetch_add(1_000_000, std::sync::atomic::Ordering::Relaxed);
-                    let tenant = ["t0", "t1"][rng.below(2) as usize];
-                    let project = ["p0", "p1", "p2"][rng.below(3) as usize];
-                    let amount = 1 + rng.below(40);
+                    // Skewed, so that each level binds in turn.
+                    let tenant = if rng.below(10) < 7 { "t0" } else { "t1" };
+                    let project = ["p0", "p0", "p0", "p1", "p2"][rng.below(5) as usize];
+                    let amount = 1 + rng.below(20);
                     let id = format!("r{round}-{w}-{i}");
                     i += 1;
-                    // A fresh pool every round: committed usage only grows.
+                    // A fresh pool every round (committed usage only
+                    // grows), two independent hierarchies per round.
                     let r = ReserveRequest {
                         ttl_ms: 1 + rng.below(200),
-                        resource: format!("gpu{round}"),
+                        resource: format!("gpu{round}-{}", w % 2),
                         ..req(&id, tenant, project, amount)
                     };
                     let a = s.reserve(&r, limits, now).await.unwrap();
@@ -459,8 +472,21 @@ async fn randomized_invariants_hold(b: Backend) {
                         s => panic!("{s}: {}", a.body),
                     }
                     let now = clock.load(std::sync::atomic::Ordering::Relaxed);
-                    match rng.below(10) {
-                        0..=3 => {
+                    match rng.below(20) {
+                        0 => {
+                            // A replica crashes mid-step: the commit's task
+                            // is dropped at an arbitrary point (a transaction
+                            // in flight rolls back, or has committed).
+                            let s2 = s.clone();
+                            let id2 = id.clone();
+                            let t = tokio::spawn(async move { s2.commit(&id2, None, now).await });
+                            for _ in 0..rng.below(4) {
+                                tokio::task::yield_now().await;
+                            }
+                            t.abort();
+                            let _ = t.await;
+                        }
+                        1..=8 => {
                             let part = rng.below(amount + 1);
                             let c = s.commit(&id, Some(part), now).await.unwrap();
                             assert!(
@@ -469,7 +495,7 @@ async fn randomized_invariants_hold(b: Backend) {
                                 c.body
                             );
                         }
-                        4..=7 => {
+                        9..=16 => {
                             let c = s.release(&id, now).await.unwrap();
                             assert_eq!(c.status, 200, "{}", c.body);
                         }

@@ -158,17 +158,23 @@ async fn load(tx: &Transaction<'_>, id: &str) -> Result<Option<Reservation>, Fai
     Ok(row.as_ref().map(reservation).transpose()?)
 }
 
-/// Creates the three counter rows if missing, then locks them in order and
-/// returns their values.
-async fn lock_levels(tx: &Transaction<'_>, keys: &[CounterKey; 3]) -> Result<[Usage; 3], Failure> {
+/// Creates the three counter rows if `create` (some may be missing), then
+/// locks them in order and returns their values.
+async fn lock_levels(
+    tx: &Transaction<'_>,
+    keys: &[CounterKey; 3],
+    create: bool,
+) -> Result<[Usage; 3], Failure> {
     let [g, t, p] = keys;
-    cached_execute(
-        tx,
-        "INSERT INTO counters (resource, tenant, project) VALUES ($1, '', ''), ($1, $2, ''), ($1, $2, $3) \
-         ON CONFLICT DO NOTHING",
-        &[&g.resource, &t.tenant, &p.project],
-    )
-    .await?;
+    if create {
+        cached_execute(
+            tx,
+            "INSERT INTO counters (resource, tenant, project) VALUES ($1, '', ''), ($1, $2, ''), ($1, $2, $3) \
+             ON CONFLICT DO NOTHING",
+            &[&g.resource, &t.tenant, &p.project],
+        )
+        .await?;
+    }
     let rows = cached_query(tx,
             "SELECT tenant, project, reserved, committed FROM counters WHERE resource = $1 \
              AND ((tenant = '' AND project = '') OR (tenant = $2 AND project = '') OR (tenant = $2 AND project = $3)) \
@@ -225,8 +231,9 @@ async fn cached_execute(tx: &Transaction<'_>, sql: &str, p: &[&(dyn ToSql + Sync
     Ok(tx.execute(&st, p).await?)
 }
 
-/// The three levels' counters as committed, without locks.
-async fn read_levels(tx: &Transaction<'_>, keys: &[CounterKey; 3]) -> Result<[Usage; 3], Failure> {
+/// The three levels' counters as committed, without locks, and how many
+/// of their rows exist.
+async fn read_levels(tx: &Transaction<'_>, keys: &[CounterKey; 3]) -> Result<([Usage; 3], usize), Failure> {
     let [g, t, p] = keys;
     let rows = cached_query(tx,
             "SELECT tenant, project, reserved, committed FROM counters WHERE resource = $1 \
@@ -235,6 +242,7 @@ async fn read_levels(tx: &Transaction<'_>, keys: &[CounterKey; 3]) -> Result<[Us
         )
         .await?;
     let mut out = [Usage::default(); 3];
+    let found = rows.len();
     for row in rows {
         let key = CounterKey {
             resource: g.resource.clone(),
@@ -248,7 +256,7 @@ async fn read_levels(tx: &Transaction<'_>, keys: &[CounterKey; 3]) -> Result<[Us
             };
         }
     }
-    Ok(out)
+    Ok((out, found))
 }
 
 async fn append(tx: &Transaction<'_>, e: &LedgerEntry) -> Result<(), Failure> {
@@ -535,7 +543,8 @@ impl PostgresStore {
                 let Some(first) = load(tx, &id).await? else {
                     return Ok(not_found(&id));
                 };
-                lock_levels(tx, &first.keys()).await?;
+                // A reservation's counter rows exist (its reserve made them).
+                lock_levels(tx, &first.keys(), false).await?;
                 let Some(r) = load(tx, &id).await? else {
                     return Ok(not_found(&id));
                 };
@@ -594,11 +603,11 @@ impl QuotaStore for PostgresStore {
                 // over the limit, a valid answer as of that read (and a
                 // read-only transaction costs no WAL flush). A grant locks
                 // the three rows and decides again on what they hold.
-                let seen = read_levels(tx, &keys).await?;
+                let (seen, found) = read_levels(tx, &keys).await?;
                 let (usage, existing) = if super::binding_level(&seen, &limits, req.amount).is_some() {
                     (seen, None)
                 } else {
-                    let usage = lock_levels(tx, &keys).await?;
+                    let usage = lock_levels(tx, &keys, found < 3).await?;
                     (usage, load(tx, &req.reservation_id).await?)
                 };
                 // The retry hint needs a query: only for the level that
