@@ -194,15 +194,22 @@ fn apply(tx: &rusqlite::Transaction<'_>, w: &Write, now_ns: u64) -> rusqlite::Re
 }
 
 fn earliest_expiry(tx: &rusqlite::Transaction<'_>, key: &CounterKey) -> Option<u64> {
-    tx.query_row(
-        "SELECT MIN(expires_ns) FROM reservations WHERE state = 'reserved' AND resource = ?1 \
-         AND (?2 = '' OR tenant = ?2) AND (?3 = '' OR project = ?3)",
-        params![key.resource, key.tenant, key.project],
-        |r| r.get::<_, Option<i64>>(0),
-    )
-    .ok()
-    .flatten()
-    .map(u)
+    // One query per level, so that the live-reservations index serves it.
+    let base = "SELECT MIN(expires_ns) FROM reservations WHERE state = 'reserved' AND resource = ?1";
+    let row = match key.level() {
+        super::Level::Global => tx.query_row(base, params![key.resource], |r| r.get::<_, Option<i64>>(0)),
+        super::Level::Tenant => tx.query_row(
+            &format!("{base} AND tenant = ?2"),
+            params![key.resource, key.tenant],
+            |r| r.get::<_, Option<i64>>(0),
+        ),
+        super::Level::Project => tx.query_row(
+            &format!("{base} AND tenant = ?2 AND project = ?3"),
+            params![key.resource, key.tenant, key.project],
+            |r| r.get::<_, Option<i64>>(0),
+        ),
+    };
+    row.ok().flatten().map(u)
 }
 
 impl SqliteStore {
