@@ -367,3 +367,122 @@ fn postgres_unreachable_fails_closed_and_low_risk_queries_estimate() {
     assert_eq!(v["estimate"], true);
     assert_eq!((&v["levels"], &v["as_of"]), (&before["levels"], &before["as_of"]));
 }
+
+#[test]
+fn bearer_tokens_map_callers_to_tenants_and_reloads_change_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    let clients = dir.path().join("clients.yaml");
+    std::fs::write(
+        &clients,
+        "clients:\n  - { token: acme-token, tenants: [acme] }\n  - { token: ops-token, tenants: [\"*\"] }\n",
+    )
+    .unwrap();
+    let policy = dir.path().join("policy.yaml");
+    let original = std::fs::read_to_string(repo().join("policies/quotas.yaml")).unwrap();
+    std::fs::write(&policy, &original).unwrap();
+    let port = free_port();
+    let admin = format!("127.0.0.1:{}", free_port());
+    let child = Command::new(env!("CARGO_BIN_EXE_tenantgate"))
+        .args(["serve", "--policy"])
+        .arg(&policy)
+        .args([
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--admin",
+            &admin,
+            "--region",
+            "eu",
+        ])
+        .arg("--quota-store")
+        .arg(format!("sqlite:{}", dir.path().join("db").display()))
+        .arg("--quota-clients")
+        .arg(&clients)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let s = Serve {
+        child,
+        api: format!("127.0.0.1:{port}").parse().unwrap(),
+    };
+    let reserve = |token: Option<&str>, id: &str, tenant: &str, amount: u64| {
+        let body = format!(
+            r#"{{"reservation_id":"{id}","resource":"build_minutes","tenant":"{tenant}","project":"ci","amount":{amount}}}"#
+        );
+        request(s.api, token, "POST", "/v1/reservations", &body).unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while request(
+        s.api,
+        Some("ops-token"),
+        "GET",
+        "/v1/quotas/build_minutes?tenant=a&project=b",
+        "",
+    )
+    .map(|r| r.0)
+        != Ok(200)
+    {
+        assert!(Instant::now() < deadline, "not ready within 30 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(reserve(None, "a1", "acme", 1).0, 401, "no token");
+    assert_eq!(reserve(Some("wrong"), "a1", "acme", 1).0, 401, "unknown token");
+    assert_eq!(
+        reserve(Some("acme-token"), "a1", "globex", 1).0,
+        403,
+        "another tenant"
+    );
+    assert_eq!(reserve(Some("acme-token"), "a1", "acme", 1500).0, 201);
+    assert_eq!(
+        request(s.api, Some("acme-token"), "POST", "/v1/quotas/reconcile", "")
+            .unwrap()
+            .0,
+        403,
+        "reconcile needs every tenant"
+    );
+    assert_eq!(
+        request(s.api, Some("ops-token"), "POST", "/v1/quotas/reconcile", "")
+            .unwrap()
+            .0,
+        200
+    );
+    // A reload lowers the project default below what a1 holds: new
+    // reservations are refused at the project level, a1 still commits.
+    std::fs::write(
+        &policy,
+        original.replace("project_default: 2000", "project_default: 1000"),
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for i in 0.. {
+        let id = format!("probe-{i}");
+        let (st, body) = reserve(Some("acme-token"), &id, "acme", 1);
+        if st == 409 {
+            assert!(body.contains(r#""level":"project""#), "{body}");
+            break;
+        }
+        assert_eq!(st, 201, "{body}");
+        request(
+            s.api,
+            Some("acme-token"),
+            "POST",
+            &format!("/v1/reservations/{id}/release"),
+            "",
+        )
+        .unwrap();
+        assert!(
+            Instant::now() < deadline,
+            "the reload did not take effect within 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (st, body) = request(
+        s.api,
+        Some("acme-token"),
+        "POST",
+        "/v1/reservations/a1/commit",
+        "",
+    )
+    .unwrap();
+    assert_eq!(st, 200, "{body}");
+}
