@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use tenantgate_cli::{ecds, policy_file};
 
+mod quota;
 mod sim;
 
 #[derive(Parser)]
@@ -30,6 +31,8 @@ enum Command {
     /// Make a local CA and certificates for the sync service's mTLS.
     #[command(subcommand)]
     Certs(CertsCommand),
+    /// Quota reservations: reserve, commit, release, get, query, reconcile.
+    Quota(quota::QuotaArgs),
 }
 
 #[derive(Subcommand)]
@@ -106,6 +109,18 @@ struct ServeArgs {
     /// The most (key, limit) records kept; beyond, a new one gets no lease.
     #[arg(long, default_value_t = tenantgate_central::service::validate::DEFAULT_MAX_KEYS)]
     max_keys: u64,
+    /// Serve the reservation API (/v1/reservations, /v1/quotas) with its
+    /// state in `sqlite:DIR` (embedded) or a `postgres://` URL (shared).
+    #[arg(long)]
+    quota_store: Option<String>,
+    /// Who may act for which tenants: a YAML/JSON file of
+    /// `clients: [{token|identity, tenants: [...]}]` (default: every caller
+    /// the listener admits may act for every tenant).
+    #[arg(long, requires = "quota_store")]
+    quota_clients: Option<PathBuf>,
+    /// This replica's region: resources with another home_region are refused.
+    #[arg(long)]
+    region: Option<String>,
 }
 
 #[derive(Args)]
@@ -175,6 +190,7 @@ fn main() -> ExitCode {
         Command::Sim(args) => sim::run(&args),
         Command::Serve(args) => serve(&args),
         Command::Certs(c) => certs(&c),
+        Command::Quota(args) => quota::run(&args),
     }
 }
 
@@ -219,7 +235,12 @@ fn serve(args: &ServeArgs) -> ExitCode {
         max_keys: args.max_keys,
         ..service::StateLimits::default()
     };
-    match service::run(&args.store, opts, settings, intake, state) {
+    let quota = args.quota_store.as_ref().map(|q| service::QuotaOptions {
+        store: q.clone(),
+        clients: args.quota_clients.clone(),
+        region: args.region.clone(),
+    });
+    match service::run(&args.store, opts, settings, intake, state, quota) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tenantgate serve: {e}");

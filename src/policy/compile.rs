@@ -260,6 +260,8 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         (sync, _) => Some(compile_sync(sync.as_ref(), &root.key("sync"), &mut errors)),
     };
 
+    let quotas = super::quota::compile(&spec.quotas, &root.key("quotas"), &mut errors.0);
+
     if !errors.0.is_empty() {
         return Err(PolicyErrors(errors.0));
     }
@@ -280,6 +282,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         sync,
         global_limits,
         effective_from_ns: 0,
+        quotas,
     })
 }
 

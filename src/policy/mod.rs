@@ -10,6 +10,7 @@ pub mod de;
 pub mod doc;
 pub mod duration;
 pub mod error;
+pub mod quota;
 pub mod spec;
 
 use std::rc::Rc;
@@ -67,6 +68,9 @@ pub struct Policy {
     /// The glue sets it in `on_configure`; limits that a reload changed
     /// carry their buckets' fill level over as of this instant.
     pub effective_from_ns: u64,
+    /// `quotas:` the reservable resources (the central service's; the
+    /// filter only validates them).
+    pub quotas: quota::Quotas,
 }
 
 /// How the filter finds a request's route class: always from route

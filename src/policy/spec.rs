@@ -86,6 +86,9 @@ pub struct PolicySpec {
     pub key_table: Option<KeyTableSpec>,
     #[serde(default)]
     pub sync: Option<SyncSpec>,
+    /// Reservable amounts for the central service (`super::quota`).
+    #[serde(default)]
+    pub quotas: BTreeMap<String, super::quota::ResourceSpec>,
 }
 
 /// `sync:` how the node syncs its global limits with the central cluster.
