@@ -1,6 +1,6 @@
 //! A deterministic simulator of allowance reconciliation.
 //!
-//! Virtual time advances in fixed ticks (20 ms by default); a seeded PRNG
+//! Virtual time advances in fixed ticks (50 ms by default); a seeded PRNG
 //! with one stream per purpose (network, traffic, clocks, sync phases)
 //! drives everything; there are no threads and no sleeps, so a run is a
 //! pure function of (scenario, topology, configuration, seed).
@@ -120,7 +120,7 @@ impl Default for SimConfig {
             settle_ns: 5 * NANOS_PER_SEC,
             local_max_ns: 300 * NANOS_PER_SEC,
             duration_ns: 120 * NANOS_PER_SEC,
-            tick_ns: 20_000_000,
+            tick_ns: 50_000_000,
             clock_skew_ns: 2 * NANOS_PER_SEC,
             max_keys: 64,
         }
@@ -154,7 +154,7 @@ pub struct Outcome {
     pub outage_s: f64,
     pub loss_pct: f64,
     pub clock_skew_s: f64,
-    /// The most admitted in any window of `window_s` (one tick: 20 ms by default).
+    /// The most admitted in any window of `window_s` (one tick: 50 ms by default).
     pub max_admitted_in_window: u64,
     /// `max_admitted_in_window − (L + B)`: negative is headroom.
     pub measured_extra: i64,

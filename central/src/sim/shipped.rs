@@ -10,9 +10,9 @@ use tenantgate::engine::{self, Reason};
 use tenantgate::host::Host;
 use tenantgate::limiter::algo::KIND_GLOBAL_ALLOWANCE;
 use tenantgate::policy::Policy;
-use tenantgate::state;
 use tenantgate::sync::shared::{self, Claim, Scan};
 use tenantgate::sync::{stored, Admitted, Allowance, FailureMode, SyncRequest, SyncResponse};
+use tenantgate::table::layout as state;
 use tenantgate::testing::{FakeHost, SharedStore};
 
 use super::{SimConfig, LIMIT};
@@ -55,6 +55,8 @@ pub struct ShippedNode {
     next: usize,
     /// The worker whose callout is in flight (answers go back to it).
     sender: usize,
+    /// What each worker reuses from one charge to the next, as in the glue.
+    scratch: [engine::Scratch; WORKERS],
 }
 
 fn mode_name(mode: FailureMode) -> &'static str {
@@ -101,6 +103,7 @@ impl ShippedNode {
             region,
             next: 0,
             sender: 0,
+            scratch: Default::default(),
         }
     }
 
@@ -127,14 +130,10 @@ impl ShippedNode {
             .unwrap_or_default();
         let overflow = state::overflow_key(&prepared.class.action, &plan);
         let before = self.allowance(&host, logical.as_bytes(), &overflow);
-        let d = engine::charge_synced(
-            &self.policy,
-            &prepared,
-            &host,
-            now,
-            state.as_ref(),
-            &mut Vec::new(),
-        );
+        let Some(scratch) = self.scratch.get_mut(self.next) else {
+            return Charged::default();
+        };
+        let d = engine::charge_synced(&self.policy, &prepared, &host, now, state.as_ref(), scratch);
         let after = self.allowance(&host, logical.as_bytes(), &overflow);
         // The place the request was charged to: its table slot, or the
         // overflow entry when it has none.
