@@ -1,16 +1,17 @@
 //! A deterministic simulator of allowance reconciliation.
 //!
-//! Virtual time advances in fixed ticks (10 ms by default); a seeded PRNG
+//! Virtual time advances in fixed ticks (50 ms by default); a seeded PRNG
 //! with one stream per purpose (network, traffic, clocks, sync phases)
 //! drives everything; there are no threads and no sleeps, so a run is a
 //! pure function of (scenario, topology, configuration, seed).
 //!
-//! It runs the **real** node code ([`tenantgate::sync::Node`]: every
-//! request is one `decide` call) and the **real** [`Allocator`], and the
-//! sync messages travel as the protocol's JSON with configurable latency
-//! and loss. Nodes sync every interval with 2% jitter from a random phase;
-//! a node whose report got no answer within the callout timeout sends the
-//! next one at once. Each node's clock is offset by up to `clock_skew_ns`
+//! It runs the code the filter ships ([`shipped`]: every request goes
+//! through the engine's charge path, every tick through `sync::shared`'s
+//! claim, scan and apply, over the fake host with two workers per node)
+//! and the **real** [`Allocator`], and the sync messages travel as the
+//! protocol's JSON with configurable latency and loss. A worker ticks
+//! every tick; the shared state says when a report is due (every
+//! interval) and gives up on one unanswered for an interval. Each node's clock is offset by up to `clock_skew_ns`
 //! either way (it must not change anything: only differences of a node's
 //! own clock are used). During a central outage every message to or from
 //! the service is lost and the service does not run; in a partition only
@@ -39,8 +40,7 @@ use crate::error::ConfigError;
 pub use scenario::Scenario;
 pub use world::ByKind;
 
-/// The key and limit every scenario drives.
-pub const KEY: &str = "tenant-a|orders";
+/// The limit every scenario drives (on the key [`shipped::KEY`]).
 pub const LIMIT: &str = "per-10s";
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
@@ -97,9 +97,8 @@ pub struct SimConfig {
     pub tick_ns: u64,
     /// Node clocks are offset uniformly within ± this.
     pub clock_skew_ns: u64,
-    /// Nodes run the filter's code ([`shipped`]: the engine and
-    /// `sync::shared` over the fake host) instead of `sync::Node`.
-    pub shipped: bool,
+    /// The filter's key table: `key_table.max_keys`.
+    pub max_keys: u64,
 }
 
 impl Default for SimConfig {
@@ -121,9 +120,9 @@ impl Default for SimConfig {
             settle_ns: 5 * NANOS_PER_SEC,
             local_max_ns: 300 * NANOS_PER_SEC,
             duration_ns: 120 * NANOS_PER_SEC,
-            tick_ns: 10_000_000,
+            tick_ns: 50_000_000,
             clock_skew_ns: 2 * NANOS_PER_SEC,
-            shipped: false,
+            max_keys: 64,
         }
     }
 }
@@ -155,7 +154,7 @@ pub struct Outcome {
     pub outage_s: f64,
     pub loss_pct: f64,
     pub clock_skew_s: f64,
-    /// The most admitted in any window of `window_s` (10 ms resolution).
+    /// The most admitted in any window of `window_s` (one tick: 50 ms by default).
     pub max_admitted_in_window: u64,
     /// `max_admitted_in_window − (L + B)`: negative is headroom.
     pub measured_extra: i64,
@@ -171,6 +170,11 @@ pub struct Outcome {
     pub converge_s: Option<f64>,
     pub first_requests: u64,
     pub first_requests_denied: u64,
+    /// `S` as measured: the most key starts of the driven key on one node
+    /// within one window (the bound uses it, at least 1).
+    pub key_starts_per_node: u64,
+    /// Keys the key-spraying adversary sent, over all nodes.
+    pub sprayed_keys: u64,
     pub admitted: u64,
     pub demand: u64,
     pub admitted_by: ByKind,
@@ -297,6 +301,8 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
         ),
         first_requests: trace.first_requests,
         first_requests_denied: trace.first_denied,
+        key_starts_per_node: trace.max_starts,
+        sprayed_keys: trace.sprayed,
         admitted: trace.admitted.iter().sum(),
         demand: trace.demand.iter().sum(),
         admitted_by: trace.by_kind,

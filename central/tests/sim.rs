@@ -48,7 +48,7 @@ fn outcomes(names: &[&str]) -> Vec<&'static Outcome> {
 
 fn line(o: &Outcome) -> String {
     format!(
-        "{:<6} {:<19} max/window {:>6} (L+B {:>6}, bound {:>6}; extra measured {:>6}, formula {:>6}) utilisation {:>6.2}% converge {:?}",
+        "{:<6} {:<19} max/window {:>6} (L+B {:>6}, bound {:>6}; extra measured {:>6}, formula {:>6}) utilisation {:>6.2}% converge {:?} S {} by {:?}",
         o.topology,
         o.scenario,
         o.max_admitted_in_window,
@@ -57,7 +57,9 @@ fn line(o: &Outcome) -> String {
         o.measured_extra,
         o.bound.extra,
         o.utilisation_pct,
-        o.converge_s
+        o.converge_s,
+        o.key_starts_per_node,
+        o.admitted_by
     )
 }
 
@@ -173,16 +175,13 @@ fn per_minute(limit: u64, cost: u64, duration_s: u64) -> SimConfig {
         local_max_ns: 60 * S,
         duration_ns: duration_s * S,
         tick_ns: 100_000_000,
-        // The filter's code: the engine and `sync::shared` over the fake
-        // host, two workers per node.
-        shipped: true,
         ..SimConfig::default()
     }
 }
 
 fn users_line(o: &Outcome) -> String {
     format!(
-        "{:<6} {:<16} L {:>3} max/window {:>4} (bound {:>4} = L+B {:>4} + {:>3}) min/window {:>4?} fairness {:?} over {} s",
+        "{:<6} {:<16} L {:>3} max/window {:>4} (bound {:>4} = L+B {:>4} + {:>3}, S {}) min/window {:>4?} fairness {:?} over {} s",
         o.topology,
         o.scenario,
         o.limit,
@@ -190,6 +189,7 @@ fn users_line(o: &Outcome) -> String {
         o.bound.max_window,
         o.limit + o.burst,
         o.bound.extra,
+        o.key_starts_per_node,
         o.min_admitted_in_window,
         o.fairness_min,
         o.fairness_window_s
@@ -275,4 +275,31 @@ fn users_sizes_keep_the_bound_share_fairly_and_use_the_limit() {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The key-spraying adversary on every node (5 new keys per second, so the
+/// key table holds no idle slot): every window within the bound with the
+/// measured key starts `S`, at 100/min on 3 and 9 nodes.
+#[test]
+fn a_key_spraying_adversary_stays_within_the_bound_with_its_measured_starts() {
+    let spec = sim::scenario::spraying();
+    for t in [
+        Topology {
+            regions: 1,
+            nodes_per_region: 3,
+        },
+        Topology::SMALL,
+    ] {
+        let o = sim::run(&spec, t, &per_minute(100, 1, 180), SEED)
+            .unwrap()
+            .outcome;
+        eprintln!(
+            "{} sprayed {} by {:?}",
+            users_line(&o),
+            o.sprayed_keys,
+            o.admitted_by
+        );
+        assert!(o.sprayed_keys > 0);
+        assert!(o.within_bound, "{}", users_line(&o));
+    }
 }

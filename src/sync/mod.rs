@@ -5,7 +5,8 @@
 //! * [`clamp`]: an answer's numbers bounded by what the policy allows.
 //! * [`node`]: the node-side allowance state machine per (key, limit):
 //!   leases, the provisional allowance, counts since the last acknowledged
-//!   report, and the failure modes.
+//!   report, and the failure modes (its in-memory `Node` is a test model
+//!   only: the filter and the simulator sync through [`shared`]).
 //! * [`stored`]: that state's binary form in Envoy shared data.
 //! * [`boot`]: the node's session id, one per Envoy process.
 //! * [`shared`]: one node's sync over shared data (which worker reports,
@@ -24,6 +25,6 @@ pub mod stored;
 
 pub use node::{
     Admitted, Allowance, ApplyError, BreakerConfig, BreakerState, Counts, Denied, FailureMode, InFlight,
-    LeaseState, Node, NodeConfig, NodeStats, NodeView, SyncState,
+    LeaseState, NodeView, SyncState,
 };
 pub use protocol::{Lease, ProtocolError, Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};

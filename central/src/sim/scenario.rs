@@ -38,6 +38,9 @@ pub struct Scenario {
     /// Per message (request or response).
     pub loss: f64,
     pub latency_ms: (u64, u64),
+    /// The key-spraying adversary: new keys (other tenants) per second and
+    /// node, filling the key table so that idle slots are reclaimed.
+    pub spray_per_s: f64,
 }
 
 const BASE_LOSS: f64 = 0.01;
@@ -54,6 +57,7 @@ fn base(name: &'static str, about: &'static str, shape: Shape) -> Scenario {
         partition_s: None,
         loss: BASE_LOSS,
         latency_ms: BASE_LATENCY_MS,
+        spray_per_s: 0.0,
     }
 }
 
@@ -165,6 +169,24 @@ pub fn users() -> Vec<Scenario> {
             },
         ),
     ]
+}
+
+/// The key-spraying adversary (issue 7): on every node, 5 new keys per
+/// second (other tenants, one request each) keep the key table full of
+/// keys that are not idle, so the driven key, first asked for at 20 s at
+/// 1.5x the limit, finds no slot to take or reclaim.
+pub fn spraying() -> Scenario {
+    Scenario {
+        spray_per_s: 5.0,
+        ..base(
+            "spraying_adversary",
+            "5 new keys per second on every node; the key at 1.5x the limit from 20 s",
+            Shape::Flash {
+                at_s: 20.0,
+                level: 1.5,
+            },
+        )
+    }
 }
 
 pub fn named(name: &str) -> Option<Scenario> {

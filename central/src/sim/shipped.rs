@@ -7,9 +7,12 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use tenantgate::engine::{self, Reason};
+use tenantgate::host::Host;
+use tenantgate::limiter::algo::KIND_GLOBAL_ALLOWANCE;
 use tenantgate::policy::Policy;
 use tenantgate::sync::shared::{self, Claim, Scan};
-use tenantgate::sync::{FailureMode, SyncRequest, SyncResponse};
+use tenantgate::sync::{stored, Admitted, Allowance, FailureMode, SyncRequest, SyncResponse};
+use tenantgate::table::layout as state;
 use tenantgate::testing::{FakeHost, SharedStore};
 
 use super::{SimConfig, LIMIT};
@@ -25,6 +28,22 @@ pub const KEY: &str = "api|t|tenant-a";
 
 /// Workers (VMs) per simulated Envoy.
 pub const WORKERS: usize = 2;
+
+/// What one request did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Charged {
+    /// How it was admitted (`None`: denied), told apart by how the stored
+    /// allowance changed.
+    pub admitted: Option<Admitted>,
+    /// The request found no global allowance for its key (in its slot or
+    /// its overflow entry) and left one: a key start.
+    pub start: bool,
+}
+
+struct Stored {
+    table: Option<Allowance>,
+    overflow: Option<Allowance>,
+}
 
 /// One Envoy node: its workers and their shared data.
 pub struct ShippedNode {
@@ -56,7 +75,7 @@ pub fn policy(cfg: &SimConfig, mode: FailureMode, effective_from: u64) -> Result
             {{"name": "{LIMIT}", "rate": {rate}, "per": "{per}s", "burst": {burst}, "global": true}}]}}}},
         "default_plan": "free", "anonymous": {{"plan": "free"}},
         "routes": {{"api": {{"cost": {cost}}}}}, "default_route": "api",
-        "key_table": {{"max_keys": 64}},
+        "key_table": {{"max_keys": {max_keys}}},
         "sync": {{"cluster": "tenantgate", "interval": "{interval}ms", "timeout": "{timeout}ms",
             "provisional": {provisional}, "failure_mode": "{mode}"}}}}"#,
         rate = cfg.limit,
@@ -67,6 +86,7 @@ pub fn policy(cfg: &SimConfig, mode: FailureMode, effective_from: u64) -> Result
         timeout = cfg.response_timeout_ns / NANOS_PER_MS,
         provisional = cfg.provisional,
         mode = mode_name(mode),
+        max_keys = cfg.max_keys,
     );
     let mut p = Policy::from_json(json.as_bytes())
         .map_err(|_| ConfigError::new("policy", "the simulated policy is invalid"))?;
@@ -87,25 +107,85 @@ impl ShippedNode {
         }
     }
 
-    fn worker(&mut self) -> FakeHost {
+    fn worker(&mut self, tenant: &str) -> FakeHost {
         self.next = (self.next + 1) % WORKERS;
         FakeHost::new(self.store.clone())
             .route_class("api")
-            .header("x-tenant-id", TENANT)
+            .header("x-tenant-id", tenant)
     }
 
-    /// One request of the route's cost: whether it was admitted.
-    pub fn request(&mut self, now: u64) -> bool {
-        let host = self.worker();
+    /// One request of the route's cost by `tenant`: how it was admitted
+    /// (`None`: denied), and whether it was a key start.
+    pub fn request(&mut self, tenant: &str, now: u64) -> Charged {
+        let host = self.worker(tenant);
         let state = shared::read_state(&host).ok().and_then(|(s, _)| s);
         let Ok(prepared) = engine::prepare(&self.policy, &host) else {
-            return false;
+            return Charged::default();
         };
+        let logical = engine::logical_key(&prepared.class.action, &prepared.subject);
+        let plan = self
+            .policy
+            .plan(prepared.plan)
+            .map(|p| p.name.clone())
+            .unwrap_or_default();
+        let overflow = state::overflow_key(&prepared.class.action, &plan);
+        let before = self.allowance(&host, logical.as_bytes(), &overflow);
         let Some(scratch) = self.scratch.get_mut(self.next) else {
-            return false;
+            return Charged::default();
         };
         let d = engine::charge_synced(&self.policy, &prepared, &host, now, state.as_ref(), scratch);
-        d.reason == Reason::Allowed
+        let after = self.allowance(&host, logical.as_bytes(), &overflow);
+        // The place the request was charged to: its table slot, or the
+        // overflow entry when it has none.
+        let (was, is) = if after.table.is_some() {
+            (before.table, after.table)
+        } else {
+            (before.overflow, after.overflow)
+        };
+        let start = was.is_none() && is.is_some();
+        let admitted = (d.reason == Reason::Allowed).then(|| {
+            let was = was.unwrap_or_else(|| Allowance::fresh(self.provisional()));
+            match is {
+                Some(a) if a.provisional_left < was.provisional_left => Admitted::Provisional,
+                // `consumed` counts every admission, `unleased` those
+                // without a lease.
+                Some(a) if a.pending.unleased == was.pending.unleased => Admitted::Lease,
+                Some(a) if a.local_tat != was.local_tat => Admitted::FailOpenLocal,
+                _ => Admitted::FailOpen,
+            }
+        });
+        Charged { admitted, start }
+    }
+
+    fn provisional(&self) -> u64 {
+        self.policy.sync.as_ref().map_or(0, |s| s.provisional)
+    }
+
+    /// The global allowance stored for `logical` in its table slot, and
+    /// the one of its overflow entry.
+    fn allowance(&self, host: &FakeHost, logical: &[u8], overflow: &str) -> Stored {
+        let global = |value: &[u8], slot_key: Option<&[u8]>| {
+            state::decode_entry(value)?
+                .iter()
+                .find(|s| slot_key.is_none_or(|k| s.key == k))
+                .and_then(|s| state::decode_records(s.records))?
+                .iter()
+                .find(|r| r.kind == KIND_GLOBAL_ALLOWANCE)
+                .and_then(|r| stored::decode_allowance(r.state))
+        };
+        let entries = self.policy.key_table_entries.max(1);
+        let home = state::fnv1a64(logical);
+        let table = (0..state::PROBES.min(entries)).find_map(|probe| {
+            let key = state::entry_key(home.wrapping_add(probe) % entries);
+            let (value, _) = host.shared_get(&key).ok()?;
+            global(&value?, Some(logical))
+        });
+        let overflow = host
+            .shared_get(overflow)
+            .ok()
+            .and_then(|(v, _)| v)
+            .and_then(|v| global(&v, None));
+        Stored { table, overflow }
     }
 
     /// A worker's tick: when it wins the interval, the whole scan and the
@@ -113,7 +193,7 @@ impl ShippedNode {
     /// entry here).
     pub fn tick(&mut self, now: u64) -> Option<SyncRequest> {
         let settings = self.policy.sync.clone()?;
-        let host = self.worker();
+        let host = self.worker(TENANT);
         let Ok(Claim::Won { seq, .. }) = shared::claim(&host, &settings, now) else {
             return None;
         };

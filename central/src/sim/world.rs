@@ -1,16 +1,17 @@
-//! The simulation loop: virtual time in fixed ticks, nodes running the real
-//! `tenantgate::sync::Node`, the real [`Allocator`], and JSON messages
-//! carried with latency and loss. One thread, no sleeps.
+//! The simulation loop: virtual time in fixed ticks, nodes running the
+//! filter's code ([`ShippedNode`]: the engine and `sync::shared` over the
+//! fake host), the real [`Allocator`], and JSON messages carried with
+//! latency and loss. One thread, no sleeps.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use tenantgate::sync::{Admitted, FailureMode, Node, NodeConfig, SyncResponse};
+use tenantgate::sync::{Admitted, FailureMode, SyncResponse};
 
 use super::rng::Rng;
 use super::scenario::Scenario;
-use super::shipped::{self, ShippedNode};
-use super::{SimConfig, Topology, KEY, LIMIT};
+use super::shipped::{self, ShippedNode, TENANT};
+use super::{SimConfig, Topology, LIMIT};
 use crate::alloc::{AllocConfig, Allocator, GlobalLimit, KeyView};
 use crate::error::ConfigError;
 
@@ -39,8 +40,11 @@ pub struct Trace {
     /// denied.
     pub first_requests: u64,
     pub first_denied: u64,
-    /// The most times one node started the key afresh (provisional runs).
+    /// The most times one node started the key afresh (a key start: its
+    /// provisional allowance) within one window.
     pub max_starts: u64,
+    /// Keys sprayed by the adversary, over all nodes.
+    pub sprayed: u64,
     pub messages_sent: u64,
     pub messages_lost: u64,
     pub service: Option<KeyView>,
@@ -50,19 +54,20 @@ pub struct Trace {
 }
 
 struct SimNode {
-    node: Node,
-    /// With `SimConfig::shipped`: the filter's code, which then decides
-    /// and syncs instead of `node`.
-    shipped: Option<ShippedNode>,
+    /// The filter's code: the engine and `sync::shared` over the fake host.
+    node: ShippedNode,
     region: usize,
     offset_ns: i64,
-    next_sync: u64,
-    /// When the report in flight times out: then it is sent again at once.
-    retry_at: Option<u64>,
+    /// When the node's workers start ticking (a random phase within the
+    /// first interval, so nodes do not all report in the same tick).
+    ticks_from: u64,
     carry: f64,
+    /// Sprayed keys due (fractional), and how many this node sent.
+    spray_carry: f64,
+    sprayed: u64,
     seen: bool,
-    in_provisional: bool,
-    starts: u64,
+    /// Ticks at which the key started afresh on this node.
+    starts: Vec<usize>,
 }
 
 impl SimNode {
@@ -116,35 +121,23 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
         .map(|i| {
             let region = i / topo.nodes_per_region;
             let offset_ns = clocks.between(0, 2 * cfg.clock_skew_ns) as i64 - skew;
-            let node_cfg = NodeConfig {
-                node_id: format!("envoy-{region}-{}", i % topo.nodes_per_region),
-                region: format!("region-{region}"),
-                policy_version: "sim".into(),
-                provisional: cfg.provisional,
-                failure_mode: spec.failure_mode,
-                response_timeout_ns: cfg.response_timeout_ns,
-                interval_ns: cfg.interval_ns,
-                max_ttl_ns: cfg.lease_ttl_ns.saturating_mul(4),
-                local_max_ns: cfg.local_max_ns,
-            };
-            let shipped = cfg
-                .shipped
-                .then(|| shipped::policy(cfg, spec.failure_mode, T0.saturating_add_signed(offset_ns)))
-                .transpose()?
-                .map(|p| ShippedNode::new(p, node_cfg.node_id.clone(), node_cfg.region.clone()));
+            let policy = shipped::policy(cfg, spec.failure_mode, T0.saturating_add_signed(offset_ns))?;
             Ok(SimNode {
-                shipped,
-                node: Node::new(node_cfg, T0.saturating_add_signed(offset_ns)),
+                node: ShippedNode::new(
+                    policy,
+                    format!("envoy-{region}-{}", i % topo.nodes_per_region),
+                    format!("region-{region}"),
+                ),
                 region,
                 offset_ns,
-                next_sync: T0 + phases.between(0, cfg.interval_ns - 1),
-                retry_at: None,
+                ticks_from: T0 + phases.between(0, cfg.interval_ns - 1),
                 // A random phase, so that nodes whose demand is below one
                 // request per tick do not all ask in the same tick.
                 carry: phases.unit() * cfg.max_cost.max(1) as f64,
+                spray_carry: 0.0,
+                sprayed: 0,
                 seen: false,
-                in_provisional: false,
-                starts: 0,
+                starts: Vec::new(),
             })
         })
         .collect::<Result<_, ConfigError>>()?;
@@ -161,6 +154,7 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
         first_requests: 0,
         first_denied: 0,
         max_starts: 0,
+        sprayed: 0,
         messages_sent: 0,
         messages_lost: 0,
         service: None,
@@ -198,12 +192,7 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                 queue.push(Reverse((now + latency(&mut net), order, false, i, answer)));
             } else if let Ok(resp) = SyncResponse::from_json(body.as_bytes()) {
                 let clock = n.clock(now);
-                match n.shipped.as_mut() {
-                    Some(s) => s.apply(&resp, clock),
-                    None => {
-                        let _ = n.node.apply(&resp, clock);
-                    }
-                }
+                n.node.apply(&resp, clock);
             }
         }
 
@@ -213,34 +202,15 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
         }
 
         for (i, n) in nodes.iter_mut().enumerate() {
+            if now < n.ticks_from {
+                continue;
+            }
             let clock = n.clock(now);
-            if let Some(s) = n.shipped.as_mut() {
-                // Every tick a worker ticks; the shared state says whether
-                // a report is due (and gives up on one timed out).
-                let Some(req) = s.tick(clock) else {
-                    continue;
-                };
-                trace.messages_sent += 1;
-                if !spec.link_up(n.region, t_s) || net.chance(spec.loss) {
-                    trace.messages_lost += 1;
-                    continue;
-                }
-                order += 1;
-                queue.push(Reverse((now + latency(&mut net), order, true, i, req.to_json())));
-                continue;
-            }
-            let retry = n.retry_at.is_some_and(|at| now >= at) && n.node.in_flight().is_some();
-            if now < n.next_sync && !retry {
-                continue;
-            }
-            if now >= n.next_sync {
-                let jitter = 0.98 + 0.04 * phases.unit();
-                n.next_sync = now + (n.node.interval_ns() as f64 * jitter) as u64;
-            }
-            let Some(req) = n.node.report(n.clock(now)) else {
+            // Every tick a worker ticks; the shared state says whether a
+            // report is due (and gives up on one timed out).
+            let Some(req) = n.node.tick(clock) else {
                 continue;
             };
-            n.retry_at = Some(now + cfg.response_timeout_ns + cfg.tick_ns);
             trace.messages_sent += 1;
             if !spec.link_up(n.region, t_s) || net.chance(spec.loss) {
                 trace.messages_lost += 1;
@@ -257,34 +227,27 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
             let count = (n.carry / cost as f64).floor();
             n.carry -= count * cost as f64;
             let clock = n.clock(now);
+            // The key-spraying adversary: new keys (other tenants), which
+            // fill the key table and reclaim idle slots.
+            n.spray_carry += spec.spray_per_s * tick_s;
+            while n.spray_carry >= 1.0 {
+                n.spray_carry -= 1.0;
+                n.sprayed += 1;
+                trace.sprayed += 1;
+                let _ = n.node.request(&format!("spray-{i}-{}", n.sprayed), clock);
+            }
             for _ in 0..count as u64 + spec.burst(t_s, tick_s) {
-                let decision = match n.shipped.as_mut() {
-                    // The engine says only whether it admitted: counted as
-                    // lease admissions.
-                    Some(s) => {
-                        if s.request(clock) {
-                            Ok(Admitted::Lease)
-                        } else {
-                            Err(tenantgate::sync::Denied::LeaseExhausted)
-                        }
-                    }
-                    None => n.node.decide(KEY, LIMIT, cost, clock),
-                };
+                let charged = n.node.request(TENANT, clock);
                 trace.demand[tick] += cost;
                 if !n.seen {
                     n.seen = true;
                     trace.first_requests += 1;
-                    trace.first_denied += u64::from(decision.is_err());
+                    trace.first_denied += u64::from(charged.admitted.is_none());
                 }
-                match decision {
-                    Ok(Admitted::Provisional) if !n.in_provisional => {
-                        n.starts += 1;
-                        n.in_provisional = true;
-                    }
-                    Ok(Admitted::Provisional) | Err(_) => {}
-                    Ok(_) => n.in_provisional = false,
+                if charged.start {
+                    n.starts.push(tick);
                 }
-                let Ok(kind) = decision else {
+                let Some(kind) = charged.admitted else {
                     continue;
                 };
                 trace.admitted[tick] += cost;
@@ -298,7 +261,25 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
             }
         }
     }
-    trace.max_starts = nodes.iter().map(|n| n.starts).max().unwrap_or(0);
-    trace.service = service.view(if cfg.shipped { shipped::KEY } else { KEY }, LIMIT);
+    let window_ticks = (cfg.window_ns / cfg.tick_ns).max(1) as usize;
+    trace.max_starts = nodes
+        .iter()
+        .map(|n| max_in_span(&n.starts, window_ticks))
+        .max()
+        .unwrap_or(0);
+    trace.service = service.view(shipped::KEY, LIMIT);
     Ok(trace)
+}
+
+/// The most of the sorted `ticks` within any `span` consecutive ticks.
+fn max_in_span(ticks: &[usize], span: usize) -> u64 {
+    let mut first = 0;
+    let mut most = 0;
+    for (last, t) in ticks.iter().enumerate() {
+        while ticks[first] + span <= *t {
+            first += 1;
+        }
+        most = most.max(last + 1 - first);
+    }
+    most as u64
 }

@@ -1,5 +1,6 @@
 use super::*;
 use crate::sync::protocol::Lease as WireLease;
+use crate::sync::protocol::{SyncRequest, SyncResponse, PROTOCOL_VERSION};
 
 const MS: u64 = 1_000_000;
 const S: u64 = 1_000 * MS;
