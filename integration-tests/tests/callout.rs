@@ -61,8 +61,11 @@ fn admitted(statuses: &[u16]) -> usize {
     statuses.iter().filter(|s| **s == 200).count()
 }
 
-/// Decisions the filter made, over every reason.
+/// Decisions the filter made, over every reason, once the workers have
+/// flushed what they counted (stats are batched per worker, flushed on the
+/// tick).
 fn decisions(envoy: &Envoy) -> u64 {
+    envoy.settle();
     let body = envoy
         .admin_get("/stats?filter=^wasmcustom\\.tenantgate\\.decisions\\.")
         .unwrap()
