@@ -44,13 +44,8 @@ cli: ## Build the tenantgate command-line tool
 ecds: wasm cli ## Compile $(POLICY) into the ECDS file Envoy watches ($(ECDS))
 	$(CLI) policy apply $(POLICY) --ecds $(ECDS) --wasm $(WASM)
 
-run: ecds ## Serve the demo: Envoy on 127.0.0.1:10000 (admin 127.0.0.1:9901), 2 workers
-	@echo
-	@echo "tenantgate demo: http://127.0.0.1:10000 (admin http://127.0.0.1:9901)"
-	@echo "  curl -i -H 'x-tenant-id: demo-free' http://127.0.0.1:10000/api/orders"
-	@echo "  change $(POLICY), then: make ecds   (hot reload, no restart)"
-	@echo
-	$(ENVOY) -c envoy/demo.yaml --concurrency 2 --disable-hot-restart -l warning
+run: wasm cli ## The whole system: two Envoys (10000 and 11000, two regions) and tenantgate serve (10002, mTLS); Ctrl-C stops it
+	TG_RUN_POLICY=$(POLICY) $(PYTHON) envoy/run.py
 
 test: wasm cli ## Every test tier: core, policy golden, CLI, and real-Envoy integration
 	cargo test --workspace --exclude tenantgate-integration-tests
