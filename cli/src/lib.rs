@@ -2,4 +2,5 @@
 //! The binary (`main.rs`) is a thin argument parser over these.
 
 pub mod ecds;
+pub mod explain;
 pub mod policy_file;

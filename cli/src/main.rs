@@ -143,6 +143,36 @@ enum PolicyCommand {
     },
     /// Validate, then atomically write the Envoy ECDS file (Envoy hot-reloads it).
     Apply(ApplyArgs),
+    /// How one request would be decided: class, identity, plan, limit key,
+    /// every limit, and the headers of the first request (the filter's engine).
+    Explain(ExplainArgs),
+    /// What reloading OLD -> NEW does to live state. Exit 0: no change,
+    /// 1: changes, 2: an error (like `diff`).
+    Diff { old: PathBuf, new: PathBuf },
+}
+
+#[derive(Args)]
+struct ExplainArgs {
+    file: PathBuf,
+    /// The tenant id the identity source carries (omit: anonymous).
+    #[arg(long)]
+    tenant: Option<String>,
+    /// The route's class (its metadata's `class`, or its route name).
+    #[arg(long)]
+    class: String,
+    /// An extra request header, `name=value` (repeat).
+    #[arg(long = "header", value_parser = parse_header)]
+    headers: Vec<(String, String)>,
+    /// The connection's address, for anonymous requests.
+    #[arg(long, default_value = tenantgate_cli::explain::DEFAULT_SOURCE)]
+    source: String,
+}
+
+fn parse_header(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.trim().to_owned(), v.to_owned()))
+        .filter(|(k, _)| !k.is_empty())
+        .ok_or_else(|| format!("expected name=value, got {s:?}"))
 }
 
 #[derive(Args)]
@@ -167,6 +197,8 @@ fn main() -> ExitCode {
         Command::Policy(PolicyCommand::Check { files }) => check(&files),
         Command::Policy(PolicyCommand::Compile { file, pretty }) => compile(&file, pretty),
         Command::Policy(PolicyCommand::Apply(args)) => apply(&args),
+        Command::Policy(PolicyCommand::Explain(args)) => explain(&args),
+        Command::Policy(PolicyCommand::Diff { old, new }) => diff(&old, &new),
         Command::Sim(args) => sim::run(&args),
         Command::Serve(args) => serve(&args),
         Command::Certs(c) => certs(&c),
@@ -327,4 +359,37 @@ fn apply(args: &ApplyArgs) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn explain(args: &ExplainArgs) -> ExitCode {
+    let loaded = match policy_file::load(&args.file) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let req = tenantgate_cli::explain::Request {
+        tenant: args.tenant.as_deref(),
+        class: &args.class,
+        headers: &args.headers,
+        source: &args.source,
+    };
+    print!("{}", tenantgate_cli::explain::explain(&loaded.policy, &req));
+    ExitCode::SUCCESS
+}
+
+fn diff(old: &Path, new: &Path) -> ExitCode {
+    let (a, b) = match (policy_file::load(old), policy_file::load(new)) {
+        (Ok(a), Ok(b)) => (a, b),
+        (a, b) => {
+            for e in [a.err(), b.err()].into_iter().flatten() {
+                eprintln!("{e}");
+            }
+            return ExitCode::from(2);
+        }
+    };
+    let (text, differs) = tenantgate_cli::explain::diff(&a.policy, &b.policy);
+    print!("{text}");
+    ExitCode::from(u8::from(differs))
 }
