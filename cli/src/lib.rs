@@ -4,3 +4,4 @@
 pub mod ecds;
 pub mod explain;
 pub mod policy_file;
+pub mod top;

@@ -30,6 +30,28 @@ enum Command {
     /// Make a local CA and certificates for the sync service's mTLS.
     #[command(subcommand)]
     Certs(CertsCommand),
+    /// Who is being limited now: the service's top keys by demand and by
+    /// denials per region (its admin listener's /v1/top). Quit with q.
+    Top(TopArgs),
+}
+
+#[derive(Args)]
+struct TopArgs {
+    /// The service's admin listener (`tenantgate serve --admin`).
+    #[arg(long, default_value = "http://127.0.0.1:9902")]
+    service: String,
+    /// Keys per list.
+    #[arg(long, default_value_t = tenantgate_central::service::top::DEFAULT_K)]
+    k: usize,
+    /// Refresh period of the live view, in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    interval_ms: u64,
+    /// Print one view and exit (no terminal needed).
+    #[arg(long)]
+    once: bool,
+    /// With --once: the endpoint's JSON.
+    #[arg(long, requires = "once")]
+    json: bool,
 }
 
 #[derive(Subcommand)]
@@ -202,6 +224,7 @@ fn main() -> ExitCode {
         Command::Sim(args) => sim::run(&args),
         Command::Serve(args) => serve(&args),
         Command::Certs(c) => certs(&c),
+        Command::Top(args) => top(&args),
     }
 }
 
@@ -392,4 +415,30 @@ fn diff(old: &Path, new: &Path) -> ExitCode {
     let (text, differs) = tenantgate_cli::explain::diff(&a.policy, &b.policy);
     print!("{text}");
     ExitCode::from(u8::from(differs))
+}
+
+fn top(args: &TopArgs) -> ExitCode {
+    use tenantgate_cli::top;
+    let result = if args.once {
+        top::fetch(&args.service, args.k).map(|v| {
+            if args.json {
+                println!("{v}");
+            } else {
+                print!("{}", top::render(&v));
+            }
+        })
+    } else {
+        top::live(
+            &args.service,
+            args.k,
+            std::time::Duration::from_millis(args.interval_ms.max(100)),
+        )
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tenantgate top: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -206,6 +206,35 @@ fn make_run_starts_the_whole_system_and_ctrl_c_stops_it() {
         .unwrap_or(0);
     assert!(ok_syncs >= 2, "both Envoys sync over mTLS: {ok_syncs}");
 
+    // `tenantgate top --once --json`: the service's bounded top-K, per
+    // region, has demo-global first by demand and by denials in both.
+    let url = format!("http://127.0.0.1:{serve_admin}");
+    let top_once = |json: bool| {
+        let mut args = vec!["top", "--service", url.as_str(), "--once"];
+        if json {
+            args.push("--json");
+        }
+        let out = Command::new(cli_bin()).args(&args).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let mut top = serde_json::Value::Null;
+    let both = wait_for(Duration::from_secs(10), || {
+        top = serde_json::from_str(&top_once(true)).unwrap();
+        let regions = top["regions"].as_array().cloned().unwrap_or_default();
+        ["eu", "us"].iter().all(|want| {
+            regions.iter().any(|r| {
+                r["region"] == *want
+                    && r["by_demand"][0]["key"] == "orders|t|demo-global"
+                    && r["by_denials"][0]["key"] == "orders|t|demo-global"
+            })
+        })
+    });
+    assert!(both, "top: {top:#}");
+    assert!(top["sync_requests"]["ok"].as_u64().unwrap() >= 2);
+    assert_eq!(top["capacity"], 256);
+    println!("{}", top_once(false));
+
     // Ctrl-C: everything it started is stopped and reaped.
     let status = Command::new("kill")
         .args(["-INT", &run.child.id().to_string()])
