@@ -18,7 +18,7 @@ export TENANTGATE_BIN := $(abspath $(CLI))
 export TENANTGATE_WASM := $(abspath $(WASM))
 export EMPTY_WASM     := $(abspath $(EMPTY_WASM))
 
-.PHONY: help setup setup-redis setup-prometheus wasm cli ecds run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
+.PHONY: help setup setup-redis setup-prometheus setup-wrk wasm cli ecds run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -61,12 +61,14 @@ test-unit: setup-redis ## Only the native tests (core, policy golden, CLI); no E
 test-integration: wasm cli ## Only the real-Envoy tests
 	cargo test -p tenantgate-integration-tests -- --test-threads=1 --nocapture
 
-bench: wasm cli ## Measure the filter against baselines (BENCH_ROUNDS=5, BENCH_SECONDS=4) into target/bench/filter.json
+setup-wrk: ## Install wrk (Debian package) if missing: make bench and make bench-memory load Envoy with it
+	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+
+bench: wasm cli setup-wrk ## Measure the filter against baselines (BENCH_ROUNDS=5, BENCH_SECONDS=4) into target/bench/filter.json
 	cargo build --target $(WASM_TARGET) --profile wasm-release -p tenantgate-bench-empty-filter
 	$(PYTHON) bench/run.py
 
-bench-memory: wasm cli ## Envoy RSS with 1, 100k and 1M distinct tenants (bytes per key), then growth once a table is full
-	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+bench-memory: wasm cli setup-wrk ## Envoy RSS with 1, 100k and 1M distinct tenants (bytes per key), then growth once a table is full
 	$(PYTHON) bench/memory.py --max-keys 1000000 --points 1,100000,1000000 --out target/bench/memory.json
 	$(PYTHON) bench/memory.py --max-keys 100000 --points 1,150000,300000,450000 --out target/bench/memory-full.json
 
