@@ -137,6 +137,9 @@ mod tests {
             ..Decision::passed(Reason::Contention)
         };
         let body = local_reply(&contention, "v1", true, None).unwrap().body;
-        assert!(body.contains("could not record this request (contention)"), "{body}");
+        assert!(
+            body.contains("could not record this request (contention)"),
+            "{body}"
+        );
     }
 }

@@ -50,8 +50,15 @@ fn the_manifests_agree_with_tenantgate_serve() {
         .map(|w| w.split('=').next().unwrap())
         .collect();
     let default_of = |flag: &str| -> String {
-        let line = help.lines().skip_while(|l| !l.trim_start().starts_with(flag)).take(4).collect::<String>();
-        let start = line.find("[default: ").unwrap_or_else(|| panic!("no default for {flag}: {help}")) + 10;
+        let line = help
+            .lines()
+            .skip_while(|l| !l.trim_start().starts_with(flag))
+            .take(4)
+            .collect::<String>();
+        let start = line
+            .find("[default: ")
+            .unwrap_or_else(|| panic!("no default for {flag}: {help}"))
+            + 10;
         line[start..].split(']').next().unwrap().to_owned()
     };
 
@@ -59,12 +66,20 @@ fn the_manifests_agree_with_tenantgate_serve() {
     let deploy = kind(&docs, "Deployment");
     let pod = &deploy["spec"]["template"]["spec"];
     let c = &pod["containers"][0];
-    let args: Vec<&str> = c["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    let args: Vec<&str> = c["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
     assert_eq!(args[0], "serve");
     let mut given = std::collections::BTreeMap::new();
     for a in &args[1..] {
         let (flag, value) = a.split_once('=').unwrap_or((a, ""));
-        assert!(flags.contains(flag), "{flag} is not a flag of `tenantgate serve` ({flags:?})");
+        assert!(
+            flags.contains(flag),
+            "{flag} is not a flag of `tenantgate serve` ({flags:?})"
+        );
         given.insert(flag, value);
     }
 
@@ -90,17 +105,25 @@ fn the_manifests_agree_with_tenantgate_serve() {
     assert_eq!(c["livenessProbe"]["httpGet"]["port"].as_str(), Some("admin"));
     let template = &deploy["spec"]["template"]["metadata"];
     assert_eq!(
-        template["annotations"]["prometheus.io/port"].as_str().map(|p| p.parse::<u64>().unwrap()),
+        template["annotations"]["prometheus.io/port"]
+            .as_str()
+            .map(|p| p.parse::<u64>().unwrap()),
         Some(admin)
     );
 
     // Beyond loopback the sync API needs mTLS (or --insecure): it has mTLS.
     for f in ["--tls-cert", "--tls-key", "--client-ca"] {
-        assert!(given.contains_key(f), "{f} missing: the service refuses to listen beyond loopback without it");
+        assert!(
+            given.contains_key(f),
+            "{f} missing: the service refuses to listen beyond loopback without it"
+        );
     }
     // More than one replica share a store: never the embedded one.
     if deploy["spec"]["replicas"].as_u64().unwrap() > 1 {
-        assert!(given["--store"].starts_with("redis://"), "replicas need a shared store");
+        assert!(
+            given["--store"].starts_with("redis://"),
+            "replicas need a shared store"
+        );
     }
 
     // Files live under their volumes' mounts; the policy is the ConfigMap's key.
@@ -124,17 +147,23 @@ fn the_manifests_agree_with_tenantgate_serve() {
     };
     let cm = kind(&docs, "ConfigMap");
     assert_eq!(volume("policy")["configMap"]["name"], cm["metadata"]["name"]);
-    let policy_key = given["--policy"].strip_prefix(&format!("{}/", mount_of("policy"))).unwrap();
+    let policy_key = given["--policy"]
+        .strip_prefix(&format!("{}/", mount_of("policy")))
+        .unwrap();
     let policy_text = cm["data"][policy_key].as_str().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("policy.yaml");
     std::fs::write(&file, policy_text).unwrap();
-    let loaded = tenantgate_cli::policy_file::load(&file).unwrap_or_else(|e| panic!("the ConfigMap's policy: {e}"));
+    let loaded =
+        tenantgate_cli::policy_file::load(&file).unwrap_or_else(|e| panic!("the ConfigMap's policy: {e}"));
     assert!(loaded.policy.has_global_limits());
     let tls = mount_of("tls");
     assert!(volume("tls")["secret"]["secretName"].as_str().is_some());
     for f in ["--tls-cert", "--tls-key", "--client-ca"] {
-        assert!(given[f].starts_with(&format!("{tls}/")), "{f} outside the secret's mount");
+        assert!(
+            given[f].starts_with(&format!("{tls}/")),
+            "{f} outside the secret's mount"
+        );
     }
 
     // The Service targets the sync port; the PDB keeps one pod up.
