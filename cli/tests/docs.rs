@@ -157,3 +157,29 @@ fn make_help_lists_every_target() {
         "targets `make help` does not list: {undocumented:?}"
     );
 }
+
+#[test]
+fn every_policy_field_of_the_schema_is_in_the_policy_reference() {
+    let spec = std::fs::read_to_string(repo().join("src/policy/spec.rs")).unwrap();
+    let fields: BTreeSet<&str> = spec
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix("pub "))
+        .filter_map(|l| l.split_once(':').map(|(name, _)| name))
+        .filter(|name| name.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+        .collect();
+    assert!(fields.len() >= 20, "{fields:?}");
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let start = readme.find("\n## Policy reference").unwrap();
+    let end = readme[start + 1..]
+        .find("\n## ")
+        .map_or(readme.len(), |e| start + 1 + e);
+    let section = &readme[start..end];
+    let words: BTreeSet<&str> = section
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .collect();
+    let missing: Vec<&&str> = fields.iter().filter(|f| !words.contains(**f)).collect();
+    assert!(
+        missing.is_empty(),
+        "policy fields not in README \"Policy reference\": {missing:?}"
+    );
+}
