@@ -108,13 +108,17 @@ def cli(*args):
 
 
 def make_certs():
-    if (CERTS / "ca.pem").exists():
-        return
-    CERTS.mkdir(parents=True, exist_ok=True)
-    cli("certs", "init", "--dir", str(CERTS))
+    made = False
+    if not (CERTS / "ca.pem").exists():
+        CERTS.mkdir(parents=True, exist_ok=True)
+        cli("certs", "init", "--dir", str(CERTS))
+        made = True
     for _, node_id, region, *_ in NODES:
-        cli("certs", "node", "--dir", str(CERTS), "--node-id", node_id, "--region", region)
-    say(f"made certificates with `tenantgate certs` in {CERTS}")
+        if not (CERTS / f"{node_id}.pem").exists():
+            cli("certs", "node", "--dir", str(CERTS), "--node-id", node_id, "--region", region)
+            made = True
+    if made:
+        say(f"made certificates with `tenantgate certs` in {CERTS}")
 
 
 def replace_once(text, old, new):
