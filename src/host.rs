@@ -24,6 +24,19 @@ pub trait Host {
     /// Reads a shared-data value and its CAS token (`None` if absent).
     fn shared_get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError>;
 
+    /// Reads a shared-data value into `out` (cleared; left empty if the key
+    /// is absent) and returns its CAS token. The default goes through
+    /// [`Host::shared_get`]; a host that can fill `out` in place saves the
+    /// request path an allocation.
+    fn shared_get_into(&self, key: &str, out: &mut Vec<u8>) -> Result<Option<u32>, HostError> {
+        let (value, cas) = self.shared_get(key)?;
+        match value {
+            Some(v) => *out = v,
+            None => out.clear(),
+        }
+        Ok(cas)
+    }
+
     /// Writes a shared-data value if its CAS token still is `cas`. A `None`
     /// token writes unconditionally (the key did not exist when read).
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<CasResult, HostError>;

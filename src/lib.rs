@@ -1,7 +1,7 @@
 //! tenantgate: multi-tenant rate limiting for Envoy, as a proxy-wasm filter.
 //!
 //! The crate is split in two:
-//! * the **core** ([`policy`], [`limiter`], [`engine`], [`state`],
+//! * the **core** ([`policy`], [`limiter`], [`engine`], [`table`],
 //!   [`response`]): pure Rust that never reads a clock or calls the proxy;
 //!   everything it needs from Envoy comes through the [`host::Host`] trait
 //!   and time comes in as an argument. It builds and is tested natively.
@@ -20,8 +20,8 @@ pub mod limiter;
 pub mod policy;
 pub mod queue;
 pub mod response;
-pub mod state;
 pub mod sync;
+pub mod table;
 
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

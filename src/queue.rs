@@ -167,7 +167,7 @@ mod tests {
             .header("x-tenant-id", "acme");
         let prepared = engine::prepare(&p, &host).unwrap();
         let mut q = Queue::default();
-        let charge = |now| engine::charge(&p, &prepared, &host, now, &mut Vec::new());
+        let charge = |now| engine::charge(&p, &prepared, &host, now, &mut engine::Scratch::default());
 
         assert_eq!(charge(T0).reason, Reason::Allowed); // the burst of 1
         for id in 1..=4 {
@@ -186,7 +186,13 @@ mod tests {
         while !q.is_empty() {
             now += TICK;
             for (w, d) in q.tick(now, TICK, |w| {
-                engine::charge(&w.policy, &w.prepared, &host, now, &mut Vec::new())
+                engine::charge(
+                    &w.policy,
+                    &w.prepared,
+                    &host,
+                    now,
+                    &mut engine::Scratch::default(),
+                )
             }) {
                 assert!(now <= w.deadline, "answered late");
                 answers.push((w.context_id, d.reason, now - T0));
@@ -213,7 +219,7 @@ mod tests {
             .header("x-tenant-id", "acme");
         let prepared = engine::prepare(&p, &jobs).unwrap();
         let mut q = Queue::default();
-        let mut denial = engine::charge(&p, &prepared, &jobs, T0, &mut Vec::new());
+        let mut denial = engine::charge(&p, &prepared, &jobs, T0, &mut engine::Scratch::default());
         denial.wait_ns = 300 * MS;
         assert_eq!(
             q.offer(1, &p, &prepared, &denial, T0),
@@ -239,7 +245,7 @@ mod tests {
             .header("x-tenant-id", "acme");
         let prepared = engine::prepare(&p, &jobs).unwrap();
         let mut q = Queue::default();
-        let mut denial = engine::charge(&p, &prepared, &jobs, T0, &mut Vec::new());
+        let mut denial = engine::charge(&p, &prepared, &jobs, T0, &mut engine::Scratch::default());
         denial.wait_ns = MS;
         q.offer(7, &p, &prepared, &denial, T0).unwrap();
         assert!(q.remove(7));

@@ -123,6 +123,18 @@ impl Host for FakeHost {
         })
     }
 
+    fn shared_get_into(&self, key: &str, out: &mut Vec<u8>) -> Result<Option<u32>, HostError> {
+        if self.fail_shared {
+            return Err(HostError);
+        }
+        let store = self.store.borrow();
+        out.clear();
+        Ok(store.entries.get(key).map(|(v, cas)| {
+            out.extend_from_slice(v);
+            *cas
+        }))
+    }
+
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<CasResult, HostError> {
         if self.fail_shared {
             return Err(HostError);
@@ -153,7 +165,18 @@ impl Host for FakeHost {
         }
         store.next_cas = store.next_cas.wrapping_add(1).max(1);
         let token = store.next_cas;
-        store.entries.insert(key.to_owned(), (value.to_vec(), token));
+        // Rewrites an existing value in place, like Envoy (and so that a
+        // test counting the engine's allocations counts only the engine's).
+        match store.entries.get_mut(key) {
+            Some(entry) => {
+                entry.0.clear();
+                entry.0.extend_from_slice(value);
+                entry.1 = token;
+            }
+            None => {
+                store.entries.insert(key.to_owned(), (value.to_vec(), token));
+            }
+        }
         Ok(CasResult::Written)
     }
 }

@@ -18,6 +18,7 @@
 pub mod alloc;
 pub mod bound;
 pub mod error;
+pub mod quota;
 pub mod service;
 pub mod sim;
 pub mod store;

@@ -139,3 +139,153 @@ pub async fn http(
         .ok_or("no status")?;
     Ok((status, body.to_owned()))
 }
+
+/// A throwaway PostgreSQL server on loopback, in a temporary directory that
+/// the `postgres` user owns (PostgreSQL refuses to run as root: as root, its
+/// commands run through `runuser -u postgres --`). Stopped (`pg_ctl stop -m
+/// immediate`) and removed when dropped. Binaries from
+/// `$TENANTGATE_PG_BIN`, else `/usr/lib/postgresql/15/bin`.
+pub struct PostgresServer {
+    dir: PathBuf,
+    bin: PathBuf,
+    as_postgres: bool,
+    port: u16,
+    running: bool,
+}
+
+impl PostgresServer {
+    fn command(&self, tool: &str) -> Command {
+        let exe = self.bin.join(tool);
+        if self.as_postgres {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(exe);
+            c
+        } else {
+            Command::new(exe)
+        }
+    }
+
+    fn run(&self, tool: &str, args: &[&str]) -> Result<(), String> {
+        let out = self
+            .command(tool)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| {
+                format!(
+                    "cannot run {tool} from {}: {e}. The PostgreSQL quota tests need the Debian \
+                     `postgresql` package (make setup installs it), or TENANTGATE_PG_BIN",
+                    self.bin.display()
+                )
+            })?;
+        if !out.status.success() {
+            return Err(format!(
+                "{tool} {}: {}\n{}",
+                args.join(" "),
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        Ok(())
+    }
+
+    /// Initializes a cluster and starts it with PostgreSQL's defaults;
+    /// waits (at most 30 s) until it accepts connections.
+    pub fn start() -> Result<PostgresServer, String> {
+        PostgresServer::start_with(&[])
+    }
+
+    /// [`PostgresServer::start`] with extra server options (`-c name=value`).
+    /// The tests pass `-c fsync=off`: they test the service's transactions
+    /// and its crashes, not PostgreSQL's own durability on power loss.
+    pub fn start_with(extra: &[&str]) -> Result<PostgresServer, String> {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .map_err(|e| format!("no free loopback port: {e}"))?;
+        let dir = std::env::temp_dir().join(format!("tenantgate-pg-{}-{port}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let as_postgres = Command::new("id")
+            .arg("-u")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+            .unwrap_or(false);
+        if as_postgres {
+            let ok = Command::new("chown")
+                .arg("postgres:postgres")
+                .arg(&dir)
+                .status()
+                .map(|s| s.success())
+                .unwrap_or(false);
+            if !ok {
+                return Err(format!("cannot chown {} to the postgres user", dir.display()));
+            }
+        }
+        let bin = std::env::var_os("TENANTGATE_PG_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/usr/lib/postgresql/15/bin"));
+        let mut server = PostgresServer {
+            dir,
+            bin,
+            as_postgres,
+            port,
+            running: false,
+        };
+        let data = server.dir.join("data");
+        let data = data.to_string_lossy().into_owned();
+        server.run(
+            "initdb",
+            &[
+                "-D",
+                &data,
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-sync",
+            ],
+        )?;
+        let log = server.dir.join("log").to_string_lossy().into_owned();
+        let opts = format!(
+            "-c listen_addresses=127.0.0.1 -p {port} -k {} -c max_connections=200 {}",
+            server.dir.display(),
+            extra.join(" ")
+        );
+        server.run(
+            "pg_ctl",
+            &["-D", &data, "-l", &log, "-w", "-t", "30", "-o", &opts, "start"],
+        )?;
+        server.running = true;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if Instant::now() > deadline {
+                return Err(format!("postgres did not listen on {port} within 30 s"));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(server)
+    }
+
+    /// A libpq-style connection string for the `postgres` database.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Stops it at once (to test an unreachable database).
+    pub fn stop(&mut self) {
+        if self.running {
+            let data = self.dir.join("data").to_string_lossy().into_owned();
+            let _ = self.run("pg_ctl", &["-D", &data, "-m", "immediate", "-w", "stop"]);
+            self.running = false;
+        }
+    }
+}
+
+impl Drop for PostgresServer {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -63,6 +63,62 @@ impl Resource<'_> {
     }
 }
 
+/// One filter instance per route class (`policy apply --instances`): the
+/// policy JSON with `class` set, the resource `<name>.<class>` and its file
+/// `<stem>.<class>.<ext>` beside `ecds`. Envoy's HCM lists every instance
+/// with `disabled: true`; a route enables its class's instance with a
+/// `FilterConfig` in `typed_per_filter_config`. Instances that differ only
+/// in their configuration share one VM per worker (same `vm_id`), so they
+/// share the key table too.
+pub struct Instance {
+    pub class: String,
+    pub resource_name: String,
+    pub path: PathBuf,
+    pub policy_json: String,
+}
+
+/// The instances of a policy (its JSON), or why there are none.
+pub fn instances(policy_json: &str, name: &str, ecds: &Path) -> Result<Vec<Instance>, String> {
+    let doc: serde_json::Value =
+        serde_json::from_str(policy_json).map_err(|e| format!("policy JSON: {e}"))?;
+    let Some(map) = doc.as_object() else {
+        return Err(String::from("the policy is not a mapping"));
+    };
+    if map.contains_key("class") || map.contains_key("classify") {
+        return Err(String::from(
+            "--instances sets each instance's `class`: remove `class` and `classify` from the policy",
+        ));
+    }
+    let classes: Vec<String> = map
+        .get("routes")
+        .and_then(|r| r.as_object())
+        .map(|r| r.keys().cloned().collect())
+        .unwrap_or_default();
+    let stem = ecds
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let ext = ecds.extension().map(|s| s.to_string_lossy().into_owned());
+    let dir = ecds.parent().map(Path::to_path_buf).unwrap_or_default();
+    Ok(classes
+        .into_iter()
+        .map(|class| {
+            let mut doc = map.clone();
+            doc.insert(String::from("class"), serde_json::Value::String(class.clone()));
+            let file = match &ext {
+                Some(ext) => format!("{stem}.{class}.{ext}"),
+                None => format!("{stem}.{class}"),
+            };
+            Instance {
+                resource_name: format!("{name}.{class}"),
+                path: dir.join(file),
+                policy_json: serde_json::Value::Object(doc).to_string(),
+                class,
+            }
+        })
+        .collect())
+}
+
 /// Writes `bytes` to `target` by a rename from a temporary sibling.
 pub fn write_atomically(target: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = match target.parent() {
@@ -104,6 +160,20 @@ mod tests {
         assert_eq!(config["configuration"]["value"], r#"{"version":"1"}"#);
         assert_eq!(config["vm_config"]["vm_id"], "tg");
         assert_eq!(config["vm_config"]["code"]["local"]["filename"], "/abs/x.wasm");
+    }
+
+    #[test]
+    fn instances_carry_their_class_and_sit_beside_the_ecds_file() {
+        let json = r#"{"version":"1","routes":{"api":{},"search":{"cost":5}}}"#;
+        let list = instances(json, "tenantgate", Path::new("/run/ecds.yaml")).unwrap();
+        let names: Vec<_> = list.iter().map(|i| i.resource_name.as_str()).collect();
+        assert_eq!(names, ["tenantgate.api", "tenantgate.search"]);
+        assert_eq!(list[1].path, Path::new("/run/ecds.search.yaml"));
+        let v: serde_json::Value = serde_json::from_str(&list[1].policy_json).unwrap();
+        assert_eq!(v["class"], "search");
+        assert_eq!(v["routes"]["search"]["cost"], 5);
+        let fixed = r#"{"version":"1","class":"api","routes":{"api":{}}}"#;
+        assert!(instances(fixed, "tenantgate", Path::new("e.yaml")).is_err());
     }
 
     #[test]

@@ -170,7 +170,7 @@ pub fn explain(policy: &Policy, req: &Request<'_>) -> String {
     match &prepared.subject {
         Subject::Tenant(t) => {
             let _ = writeln!(out, "identity: tenant {t} (from the {source})");
-            let listed = policy.tenants().any(|(id, _)| id == t);
+            let listed = policy.tenants().any(|(id, _)| id == &**t);
             let why = if listed {
                 "tenant directory"
             } else {
@@ -236,7 +236,7 @@ pub fn explain(policy: &Policy, req: &Request<'_>) -> String {
     }
 
     // The first request, decided by the engine.
-    let mut scratch = Vec::new();
+    let mut scratch = engine::Scratch::default();
     let d = engine::charge(policy, &prepared, &host, EXPLAIN_NOW_NS, &mut scratch);
     let global = policy
         .plan(prepared.plan)

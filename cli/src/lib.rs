@@ -3,5 +3,6 @@
 
 pub mod ecds;
 pub mod explain;
+pub mod http;
 pub mod policy_file;
 pub mod top;

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use tenantgate_cli::{ecds, policy_file};
 
+mod quota;
 mod sim;
 
 #[derive(Parser)]
@@ -30,6 +31,8 @@ enum Command {
     /// Make a local CA and certificates for the sync service's mTLS.
     #[command(subcommand)]
     Certs(CertsCommand),
+    /// Quota reservations: reserve, commit, release, get, query, reconcile.
+    Quota(quota::QuotaArgs),
     /// Who is being limited now: the service's top keys by demand and by
     /// denials per region (its admin listener's /v1/top). Quit with q.
     Top(TopArgs),
@@ -128,6 +131,18 @@ struct ServeArgs {
     /// The most (key, limit) records kept; beyond, a new one gets no lease.
     #[arg(long, default_value_t = tenantgate_central::service::validate::DEFAULT_MAX_KEYS)]
     max_keys: u64,
+    /// Serve the reservation API (/v1/reservations, /v1/quotas) with its
+    /// state in `sqlite:DIR` (embedded) or a `postgres://` URL (shared).
+    #[arg(long)]
+    quota_store: Option<String>,
+    /// Who may act for which tenants: a YAML/JSON file of
+    /// `clients: [{token|identity, tenants: [...]}]` (default: every caller
+    /// the listener admits may act for every tenant).
+    #[arg(long, requires = "quota_store")]
+    quota_clients: Option<PathBuf>,
+    /// This replica's region: resources with another home_region are refused.
+    #[arg(long)]
+    region: Option<String>,
 }
 
 #[derive(Args)]
@@ -212,6 +227,11 @@ struct ApplyArgs {
     /// The wasm `vm_id`: filters with the same id share buckets on a node.
     #[arg(long, default_value = ecds::DEFAULT_VM_ID)]
     vm_id: String,
+    /// Also write one filter instance per route class, each with its class
+    /// fixed (`<name>.<class>` in `<ecds stem>.<class>.<ext>`): enabled per
+    /// route with Envoy's `FilterConfig`, they classify with no lookup.
+    #[arg(long)]
+    instances: bool,
 }
 
 fn main() -> ExitCode {
@@ -225,6 +245,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve(&args),
         Command::Certs(c) => certs(&c),
         Command::Top(args) => top(&args),
+        Command::Quota(args) => quota::run(&args),
     }
 }
 
@@ -269,7 +290,12 @@ fn serve(args: &ServeArgs) -> ExitCode {
         max_keys: args.max_keys,
         ..service::StateLimits::default()
     };
-    match service::run(&args.store, opts, settings, intake, state) {
+    let quota = args.quota_store.as_ref().map(|q| service::QuotaOptions {
+        store: q.clone(),
+        clients: args.quota_clients.clone(),
+        region: args.region.clone(),
+    });
+    match service::run(&args.store, opts, settings, intake, state, quota) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tenantgate serve: {e}");
@@ -362,12 +388,43 @@ fn apply(args: &ApplyArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let policy_json = loaded.document.to_json();
+    if args.instances {
+        let instances = match ecds::instances(&policy_json, &args.name, &args.ecds) {
+            Ok(list) => list,
+            Err(e) => {
+                eprintln!("{}: {e}", args.file.display());
+                eprintln!("not applied: {} is unchanged", args.ecds.display());
+                return ExitCode::FAILURE;
+            }
+        };
+        for i in &instances {
+            if let Err(errors) = tenantgate::policy::Policy::from_json(i.policy_json.as_bytes()) {
+                for e in &errors.0 {
+                    eprintln!("{} (instance {}): {e}", args.file.display(), i.class);
+                }
+                return ExitCode::FAILURE;
+            }
+        }
+        for i in &instances {
+            let resource = ecds::Resource {
+                name: &i.resource_name,
+                vm_id: &args.vm_id,
+                wasm: &args.wasm,
+            };
+            if let Err(e) = resource.write(&i.policy_json, &i.path) {
+                eprintln!("cannot write {}: {e}", i.path.display());
+                return ExitCode::FAILURE;
+            }
+            println!("applied: instance {} -> {}", i.resource_name, i.path.display());
+        }
+    }
     let resource = ecds::Resource {
         name: &args.name,
         vm_id: &args.vm_id,
         wasm: &args.wasm,
     };
-    match resource.write(&loaded.document.to_json(), &args.ecds) {
+    match resource.write(&policy_json, &args.ecds) {
         Ok(()) => {
             println!(
                 "applied: policy {} from {} -> {}",

@@ -5,20 +5,13 @@
 //! `--interval-ms` (quit with `q`, Esc or Ctrl-C), or one fetch printed with
 //! `--once` (`--json`: the endpoint's JSON as it is).
 //!
-//! The admin listener is plain HTTP on a private address; this client
-//! speaks just enough HTTP/1.1 for it (one GET, `connection: close`), with
-//! a timeout on connect, write and read and a bounded answer.
+//! The admin listener is plain HTTP on a private address.
 
-use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::io::Write;
+use std::net::ToSocketAddrs;
 use std::time::Duration;
 
 use serde_json::Value;
-
-/// The longest `/v1/top` answer read (100 keys × 2 lists × 64 regions of
-/// keys up to the protocol's length fit well within it).
-const MAX_ANSWER_BYTES: u64 = 16 * 1024 * 1024;
-const TIMEOUT: Duration = Duration::from_secs(3);
 
 /// `http://HOST:PORT[/...]` → `HOST:PORT`.
 fn authority(url: &str) -> Result<&str, String> {
@@ -28,7 +21,8 @@ fn authority(url: &str) -> Result<&str, String> {
     Ok(rest.split('/').next().unwrap_or(rest))
 }
 
-/// Fetches `/v1/top?k=K` from the service at `url`.
+/// Fetches `/v1/top?k=K` from the service at `url` (the CLI's one HTTP
+/// client, `crate::http`).
 pub fn fetch(url: &str, k: usize) -> Result<Value, String> {
     let host = authority(url)?;
     let addr = host
@@ -36,27 +30,11 @@ pub fn fetch(url: &str, k: usize) -> Result<Value, String> {
         .map_err(|e| format!("{host}: {e}"))?
         .next()
         .ok_or_else(|| format!("{host}: no address"))?;
-    let mut s = TcpStream::connect_timeout(&addr, TIMEOUT).map_err(|e| format!("{host}: {e}"))?;
-    s.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
-    s.set_write_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
-    write!(
-        s,
-        "GET /v1/top?k={k} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n"
-    )
-    .map_err(|e| format!("{host}: {e}"))?;
-    let mut raw = Vec::new();
-    s.take(MAX_ANSWER_BYTES)
-        .read_to_end(&mut raw)
-        .map_err(|e| format!("{host}: {e}"))?;
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| format!("{host}: not an HTTP answer"))?;
-    let status = head.split_whitespace().nth(1).unwrap_or("");
-    if status != "200" {
+    let (status, body) = crate::http::request(addr, None, "GET", &format!("/v1/top?k={k}"), "")?;
+    if status != 200 {
         return Err(format!("{host}: /v1/top answered {status}: {}", body.trim()));
     }
-    serde_json::from_str(body).map_err(|e| format!("{host}: /v1/top: {e}"))
+    serde_json::from_str(&body).map_err(|e| format!("{host}: /v1/top: {e}"))
 }
 
 /// The view, as lines of text.

@@ -16,6 +16,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+/// Worker threads of every Envoy the tests start (`--concurrency`).
+pub const WORKERS: u64 = 2;
 /// The repository root.
 pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -141,10 +143,7 @@ impl Envoy {
     /// [`Envoy::start`] as one node of several: its own `node.id` and
     /// region, and a `tenantgate` sync cluster over `sync_ports`.
     pub fn start_node(policy_yaml: &str, node: &NodeSpec) -> Envoy {
-        let n = NEXT_DIR.fetch_add(1, Ordering::SeqCst);
-        let dir = std::env::temp_dir().join(format!("tenantgate-it-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("temp dir");
+        let dir = Envoy::temp_dir();
         let (port, jwt_port, admin) = (free_port(), free_port(), free_port());
         let ecds = dir.join("ecds.yaml");
 
@@ -222,6 +221,29 @@ impl Envoy {
         bootstrap.push_str(
             "  - name: tenantgate_empty\n    type: STATIC\n    connect_timeout: 0.25s\n    load_assignment: { cluster_name: tenantgate_empty, endpoints: [] }\n",
         );
+        Envoy::launch(dir, &bootstrap, port, jwt_port, admin, ecds)
+    }
+
+    /// A fresh directory for one Envoy's files.
+    pub fn temp_dir() -> PathBuf {
+        let n = NEXT_DIR.fetch_add(1, Ordering::SeqCst);
+        let dir = std::env::temp_dir().join(format!("tenantgate-it-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        dir
+    }
+
+    /// Starts Envoy (`--concurrency` [`WORKERS`]) on a bootstrap of the
+    /// caller's, written to `dir`, and waits until it is ready and `port`
+    /// accepts connections.
+    pub fn launch(
+        dir: PathBuf,
+        bootstrap: &str,
+        port: u16,
+        jwt_port: u16,
+        admin: u16,
+        ecds: PathBuf,
+    ) -> Envoy {
         let config = dir.join("bootstrap.yaml");
         std::fs::write(&config, bootstrap).expect("write bootstrap");
 
@@ -229,7 +251,13 @@ impl Envoy {
         let child = Command::new(envoy_bin())
             .arg("-c")
             .arg(&config)
-            .args(["--concurrency", "2", "--disable-hot-restart", "-l", "info"])
+            .args([
+                "--concurrency",
+                &WORKERS.to_string(),
+                "--disable-hot-restart",
+                "-l",
+                "info",
+            ])
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log fd"))
             .stderr(log)
@@ -309,9 +337,21 @@ impl Envoy {
         })
     }
 
-    /// A tenantgate counter (`wasmcustom.tenantgate.<name>`), 0 if unset.
+    /// A tenantgate counter (`wasmcustom.tenantgate.<name>`), 0 if unset,
+    /// once settled (see [`Envoy::settle`]).
     pub fn tg_stat(&self, name: &str) -> u64 {
+        self.settle();
         self.stat(&format!("wasmcustom.tenantgate.{name}")).unwrap_or(0)
+    }
+
+    /// Waits until every worker has given Envoy what it counted so far: the
+    /// filter counts per-request stats in the worker and flushes them on its
+    /// tick (every 10 ms), so Envoy's counters lag by one tick. Waits (at
+    /// most 5 s) for `stats.flushes` to advance by three ticks per worker.
+    pub fn settle(&self) {
+        let flushes = || self.stat("wasmcustom.tenantgate.stats.flushes").unwrap_or(0);
+        let start = flushes();
+        wait_for(Duration::from_secs(5), || flushes() >= start + 3 * WORKERS);
     }
 
     /// Connections each worker has accepted on the demo listener.

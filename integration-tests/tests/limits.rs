@@ -137,6 +137,39 @@ default_route: api
 }
 
 #[test]
+fn counters_batched_per_worker_equal_the_decisions_after_one_tick() {
+    let envoy = Envoy::start(
+        r#"
+version: "batched"
+identity: { header: x-tenant-id }
+plans:
+  free: { limits: [ { rate: 1, per: 1m, burst: 10 } ] }
+default_plan: free
+anonymous: { plan: free }
+routes: { api: {} }
+default_route: api
+"#,
+    );
+    // Fresh connections spread the requests over both workers; 30 tenants
+    // × 15 requests: 10 allowed and 5 denied each, 30 new keys.
+    let mut statuses = Vec::new();
+    for round in 0..15 {
+        for t in 0..30 {
+            let r = get(envoy.port, "/api/x", &tenant(&format!("batch-{t}")));
+            statuses.push((round, r.status));
+        }
+    }
+    let allowed = statuses.iter().filter(|(_, s)| *s == 200).count() as u64;
+    let denied = statuses.iter().filter(|(_, s)| *s == 429).count() as u64;
+    assert_eq!((allowed, denied), (300, 150), "{statuses:?}");
+    // After one tick of every worker, Envoy's counters are the decisions.
+    assert_eq!(envoy.tg_stat("decisions.allowed"), allowed);
+    assert_eq!(envoy.tg_stat("decisions.rate_limited"), denied);
+    assert_eq!(envoy.tg_stat("key_table.inserts"), 30);
+    assert!(envoy.tg_stat("stats.flushes") > 0);
+}
+
+#[test]
 fn shadow_mode_never_denies_and_counts_would_be_denials() {
     let envoy = Envoy::start(
         r#"

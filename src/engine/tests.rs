@@ -55,7 +55,7 @@ fn table_keys(store: &std::rc::Rc<std::cell::RefCell<SharedStore>>) -> Vec<Strin
         .keys()
         .filter(|k| k.starts_with("tg2|k|"))
         .flat_map(|k| {
-            crate::state::decode_entry(store.get(k).unwrap())
+            crate::table::decode_entry(store.get(k).unwrap())
                 .unwrap()
                 .iter()
                 .map(|s| String::from_utf8_lossy(s.key).into_owned())
@@ -67,7 +67,7 @@ fn table_keys(store: &std::rc::Rc<std::cell::RefCell<SharedStore>>) -> Vec<Strin
 }
 
 fn run(p: &Policy, host: &FakeHost, now: u64) -> Decision {
-    decide(p, host, now, &mut Vec::new())
+    decide(p, host, now, &mut Scratch::default())
 }
 
 fn admitted(p: &Policy, host: &FakeHost, now: u64, n: usize) -> usize {
@@ -144,6 +144,40 @@ fn route_class_comes_from_metadata_then_route_name_never_headers() {
 }
 
 #[test]
+fn classify_route_name_reads_only_the_route_name() {
+    let p = policy(r#", "classify": "route_name""#);
+    assert_eq!(p.classification, crate::policy::Classification::RouteName);
+    let store = SharedStore::new();
+    // Metadata naming `search` is not read: the route named `orders` decides.
+    let h = FakeHost::new(store.clone())
+        .route_class("search")
+        .property(&ROUTE_NAME_PROPERTY, "orders")
+        .header("x-tenant-id", "acme")
+        .header("x-tenantgate-class", "search");
+    assert_eq!(admitted(&p, &h, T0, 20), 5);
+    assert_eq!(table_keys(&store), vec!["orders|t|acme".to_owned()]);
+    // A route with metadata but no (known) name is unclassified.
+    let meta_only = req(&store, "api", "acme");
+    assert_eq!(run(&p, &meta_only, T0).reason, Reason::Unclassified);
+}
+
+#[test]
+fn an_instance_class_is_fixed_by_the_plugin_configuration() {
+    let p = policy(r#", "class": "search""#);
+    let store = SharedStore::new();
+    // Neither route metadata, the route name nor a client header moves it.
+    let h = FakeHost::new(store.clone())
+        .route_class("api")
+        .property(&ROUTE_NAME_PROPERTY, "orders")
+        .header("x-tenant-id", "acme")
+        .header("x-tenantgate-class", "api");
+    assert_eq!(admitted(&p, &h, T0, 3), 1, "search costs 5 of the burst of 5");
+    assert_eq!(table_keys(&store), vec!["search|t|acme".to_owned()]);
+    let bare = FakeHost::new(store.clone()).header("x-tenant-id", "bigco");
+    assert_eq!(run(&p, &bare, T0).reason, Reason::Allowed);
+}
+
+#[test]
 fn without_a_default_route_unclassified_requests_pass_and_are_labelled() {
     let p = policy("");
     let store = SharedStore::new();
@@ -205,7 +239,7 @@ fn missing_or_invalid_identity_is_anonymous_by_client_address() {
         .route_class("api")
         .source("[2001:db8::1]:443");
     assert!(
-        matches!(run(&p, &v6, T0).subject, Subject::Anonymous { ref address, .. } if address == "2001:db8::/64")
+        matches!(run(&p, &v6, T0).subject, Subject::Anonymous { ref address, .. } if &**address == "2001:db8::/64")
     );
 }
 
@@ -219,7 +253,7 @@ fn ipv4_mapped_ipv6_clients_are_grouped_by_their_ipv4_address() {
     let subject = |source: &str| {
         let h = FakeHost::new(store.clone()).route_class("api").source(source);
         match run(&p, &h, T0).subject {
-            Subject::Anonymous { address, .. } => address,
+            Subject::Anonymous { address, .. } => address.to_string(),
             other => panic!("{other:?}"),
         }
     };
@@ -596,7 +630,7 @@ fn anon(
 
 fn address(s: Subject) -> String {
     match s {
-        Subject::Anonymous { address, .. } => address,
+        Subject::Anonymous { address, .. } => address.to_string(),
         other => panic!("not anonymous: {other:?}"),
     }
 }
@@ -732,8 +766,8 @@ fn several_limits_stay_all_or_nothing_when_workers_interleave_at_random() {
             .find(|k| k.starts_with("tg2|k|"))
             .and_then(|k| store.get(k))
             .unwrap();
-        let slots = crate::state::decode_entry(entry).unwrap();
-        let records = crate::state::decode_records(slots[0].records).unwrap();
+        let slots = crate::table::decode_entry(entry).unwrap();
+        let records = crate::table::decode_records(slots[0].records).unwrap();
         let consumed: Vec<u64> = p.plans()[0]
             .limits
             .iter()
@@ -791,4 +825,24 @@ fn racing_creators_of_a_new_entry_lose_at_most_one_request_each() {
     assert_eq!(d.cas_retries, 1, "the interleaved write made this one retry");
     *a.before_write.borrow_mut() = None;
     assert_eq!(admitted(&p, &a, T0 + 10 * S, 10), 3, "both counted: 5 − 2");
+}
+
+mod alloc;
+
+#[test]
+fn without_ratelimit_headers_no_header_is_formatted() {
+    let p = policy(r#","ratelimit_headers": false"#);
+    let store = SharedStore::new();
+    let h = req(&store, "api", "acme");
+    let decisions: Vec<Decision> = (0..8).map(|_| run(&p, &h, T0)).collect();
+    assert!(decisions.iter().any(|d| d.reason == Reason::Allowed));
+    assert!(decisions.iter().any(|d| d.reason == Reason::RateLimited));
+    assert!(decisions.iter().all(|d| d.headers.is_none()));
+    // The denial's answer is complete without them.
+    let denied = decisions
+        .iter()
+        .find(|d| d.reason == Reason::RateLimited)
+        .unwrap();
+    assert_eq!(denied.limit.as_deref(), Some("free"));
+    assert!(denied.retry_after_secs >= 1);
 }

@@ -24,7 +24,7 @@ use std::time::Duration;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
-use crate::engine::{self, Decision, RateLimitHeaders};
+use crate::engine::{self, Decision, RateLimitHeaders, Scratch};
 use crate::host::{CasResult, Host, HostError};
 use crate::policy::Policy;
 use crate::queue::{NotQueued, Queue};
@@ -46,6 +46,28 @@ thread_local! {
     /// The node's sync state as this worker last read it (every tick):
     /// global limits decide with it, so requests never read it themselves.
     static SYNC_VIEW: RefCell<Option<SyncState>> = const { RefCell::new(None) };
+    /// The worker's charge buffers, reused by every request (one request
+    /// runs at a time on a worker).
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Charges a prepared request with the worker's buffers.
+fn charge(policy: &Policy, prepared: &engine::Prepared, now: u64) -> Decision {
+    let view = sync_view(policy);
+    SCRATCH.with(|s| match s.try_borrow_mut() {
+        Ok(mut scratch) => {
+            engine::charge_synced(policy, prepared, &ProxyHost, now, view.as_ref(), &mut scratch)
+        }
+        // Never re-entered; if it were, fresh buffers are correct, only slower.
+        Err(_) => engine::charge_synced(
+            policy,
+            prepared,
+            &ProxyHost,
+            now,
+            view.as_ref(),
+            &mut Scratch::default(),
+        ),
+    })
 }
 
 /// The sync state global limits decide with (`None` when the policy has
@@ -109,6 +131,12 @@ impl Root {
 }
 
 impl Context for Root {
+    fn on_done(&mut self) -> bool {
+        // The VM is shutting down: the last tick's counts go to Envoy.
+        self.metrics.flush();
+        true
+    }
+
     fn on_http_call_response(&mut self, token: u32, headers: usize, body_size: usize, _trailers: usize) {
         if let Some(policy) = self.policy.clone() {
             let answer = sync::Answer { headers, body_size };
@@ -172,6 +200,7 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        self.metrics.flush();
         let Some(now) = now_ns() else { return };
         if let Some(policy) = self.policy.clone() {
             self.sync.tick(&policy, &self.metrics, now);
@@ -180,19 +209,9 @@ impl RootContext for Root {
             return;
         }
         let tick_ns = TICK.as_nanos() as u64;
-        let mut scratch = Vec::new();
         let answered = QUEUE.with(|q| {
-            q.borrow_mut().tick(now, tick_ns, |w| {
-                let view = sync_view(&w.policy);
-                engine::charge_synced(
-                    &w.policy,
-                    &w.prepared,
-                    &ProxyHost,
-                    now,
-                    view.as_ref(),
-                    &mut scratch,
-                )
-            })
+            q.borrow_mut()
+                .tick(now, tick_ns, |w| charge(&w.policy, &w.prepared, now))
         });
         for (waiting, decision) in answered {
             self.metrics.record(&decision);
@@ -265,15 +284,7 @@ impl HttpContext for Request {
             Ok(p) => p,
             Err(reason) => return self.finish(&policy, Decision::passed(reason)),
         };
-        let view = sync_view(&policy);
-        let decision = engine::charge_synced(
-            &policy,
-            &prepared,
-            &ProxyHost,
-            now,
-            view.as_ref(),
-            &mut Vec::new(),
-        );
+        let decision = charge(&policy, &prepared, now);
         if decision.deny_status() == Some(429) {
             let offered = QUEUE.with(|q| {
                 q.borrow_mut()

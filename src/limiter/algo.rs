@@ -23,7 +23,7 @@ use super::sliding_window_counter::{self, SlidingWindowCounter};
 use super::sliding_window_log::{self, SlidingWindowLog};
 use super::token_bucket::{Check, Gcra};
 use super::Verdict;
-use crate::state::Record;
+use crate::table::Record;
 
 /// Stored `kind` byte of each algorithm (never reuse a value).
 pub const KIND_TOKEN_BUCKET: u8 = 1;
@@ -31,7 +31,8 @@ pub const KIND_FIXED_WINDOW: u8 = 2;
 pub const KIND_SLIDING_WINDOW_LOG: u8 = 3;
 pub const KIND_SLIDING_WINDOW_COUNTER: u8 = 4;
 /// A global limit's allowance on this node (leases from the central
-/// cluster; see [`crate::sync::stored`]).
+/// cluster), stored beside the algorithms' records; only its kind byte is
+/// defined here.
 pub const KIND_GLOBAL_ALLOWANCE: u8 = 5;
 
 /// A compiled limit's algorithm and parameters.
@@ -308,6 +309,24 @@ impl Algo {
         }
     }
 
+    /// Whether a record of one of these algorithms is back to its fresh
+    /// state at `now` (see [`crate::engine::record_is_idle`], the key
+    /// table's test, which also knows global allowances). A record no
+    /// algorithm here can read counts as idle.
+    pub fn record_is_idle(record: &Record<'_>, now: u64) -> bool {
+        let Some(algo) = Algo::of_record(record) else {
+            return true;
+        };
+        match (algo, algo.decode(record)) {
+            (_, None) => true,
+            (Algo::TokenBucket(_), Some(State::TokenBucket { tat })) => tat <= now,
+            (Algo::FixedWindow(a), Some(State::FixedWindow(s))) => a.is_idle(&s, now),
+            (Algo::SlidingWindowLog(a), Some(State::SlidingWindowLog(s))) => a.is_idle(&s, now),
+            (Algo::SlidingWindowCounter(a), Some(State::SlidingWindowCounter(s))) => a.is_idle(&s, now),
+            _ => true,
+        }
+    }
+
     /// The algorithm a stored record was written by, from its parameters.
     fn of_record(r: &Record<'_>) -> Option<Algo> {
         Some(match r.kind {
@@ -317,26 +336,6 @@ impl Algo {
             KIND_SLIDING_WINDOW_COUNTER => Algo::SlidingWindowCounter(SlidingWindowCounter::new(r.p1, r.p2)?),
             _ => return None,
         })
-    }
-}
-
-/// Whether a stored record is back to its fresh state at `now`: then its
-/// slot can be reclaimed without losing anything. A record this version
-/// cannot read counts as idle.
-pub fn record_is_idle(record: &Record<'_>, now: u64) -> bool {
-    if record.kind == KIND_GLOBAL_ALLOWANCE {
-        return crate::sync::stored::decode_allowance(record.state).is_none_or(|a| a.is_idle(now));
-    }
-    let Some(algo) = Algo::of_record(record) else {
-        return true;
-    };
-    match (algo, algo.decode(record)) {
-        (_, None) => true,
-        (Algo::TokenBucket(_), Some(State::TokenBucket { tat })) => tat <= now,
-        (Algo::FixedWindow(a), Some(State::FixedWindow(s))) => a.is_idle(&s, now),
-        (Algo::SlidingWindowLog(a), Some(State::SlidingWindowLog(s))) => a.is_idle(&s, now),
-        (Algo::SlidingWindowCounter(a), Some(State::SlidingWindowCounter(s))) => a.is_idle(&s, now),
-        _ => true,
     }
 }
 
@@ -384,8 +383,8 @@ mod tests {
                 (state.clone(), false),
                 "{algo:?}"
             );
-            assert!(!record_is_idle(&stored, T0), "{algo:?}");
-            assert!(record_is_idle(&stored, T0 + 3 * S), "{algo:?}");
+            assert!(!Algo::record_is_idle(&stored, T0), "{algo:?}");
+            assert!(Algo::record_is_idle(&stored, T0 + 3 * S), "{algo:?}");
             // Refunding the charge restores the fresh level.
             let refunded = algo.refund(&state, 2, T0);
             let Verdict::Admit { remaining, .. } = algo.check(&refunded, T0, 1) else {
@@ -456,7 +455,7 @@ mod tests {
                 state: &[1, 2],
             };
             assert_eq!(algo.load(Some(&junk), T0, T0), (algo.fresh(), true));
-            assert!(record_is_idle(&junk, T0));
+            assert!(Algo::record_is_idle(&junk, T0));
             let short = record(&algo, &[0xff; 3]);
             let (state, _) = algo.load(Some(&short), T0, T0);
             assert!(

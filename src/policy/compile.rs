@@ -9,16 +9,17 @@ use hashbrown::HashMap;
 
 use super::duration::parse_duration_ns;
 use super::error::{FieldPath, PolicyError, PolicyErrors};
-use super::spec::{self, IdentitySpec, LimitSpec, PolicySpec};
+use super::spec::{self, Classify, IdentitySpec, LimitSpec, PolicySpec};
 use super::{
-    fnv1a32, is_name, tenant_id, Anonymous, FailureMode, Guard, Identity, Limit, OnLimit, Plan, Policy,
-    RouteClass, SyncSettings, DEFAULT_MAX_KEYS, JWT_AUTHN_FILTER, MAX_LIMITS_PER_PLAN, MAX_MAX_KEYS,
+    fnv1a32, is_name, tenant_id, Anonymous, Classification, FailureMode, Guard, Identity, Limit, OnLimit,
+    Plan, Policy, RouteClass, SyncSettings, DEFAULT_MAX_KEYS, JWT_AUTHN_FILTER, MAX_LIMITS_PER_PLAN,
+    MAX_MAX_KEYS,
 };
 use crate::limiter::algo::Algo;
 use crate::limiter::{
     FixedWindow, Gcra, SlidingWindowCounter, SlidingWindowLog, MAX_LOG_ENTRIES, NANOS_PER_SEC,
 };
-use crate::state::{self, SLOTS_PER_ENTRY};
+use crate::table::{self, SLOTS_PER_ENTRY};
 
 /// Longest `max_wait` of a queueing route class.
 pub const MAX_QUEUE_WAIT_NS: u64 = 30 * NANOS_PER_SEC;
@@ -122,6 +123,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         let ratelimit_policy = ratelimit_policy(&limits);
         guards.push(Guard {
             name: name.clone(),
+            key: crate::table::guard_key(name),
             limits,
             ratelimit_policy,
         });
@@ -222,6 +224,31 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         }
     }
 
+    let classification = match (&spec.class, spec.classify) {
+        (None, None | Some(Classify::RouteMetadata)) => Classification::RouteMetadata,
+        (None, Some(Classify::RouteName)) => Classification::RouteName,
+        (Some(_), Some(_)) => {
+            errors.add(
+                root.key("classify"),
+                "`class` fixes this instance's route class: `classify` does not apply",
+            );
+            Classification::RouteMetadata
+        }
+        (Some(c), None) => match routes.get(c) {
+            Some(class) => Classification::Instance(class.clone()),
+            None => {
+                errors.add(
+                    root.key("class"),
+                    format!(
+                        "unknown route class `{c}` (routes: {})",
+                        known(spec.routes.keys())
+                    ),
+                );
+                Classification::RouteMetadata
+            }
+        },
+    };
+
     let global_limits: HashMap<u32, String> = plans
         .iter()
         .flat_map(|p| p.limits.iter())
@@ -232,6 +259,8 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         (None, true) => None,
         (sync, _) => Some(compile_sync(sync.as_ref(), &root.key("sync"), &mut errors)),
     };
+
+    let quotas = super::quota::compile(&spec.quotas, &root.key("quotas"), &mut errors.0);
 
     if !errors.0.is_empty() {
         return Err(PolicyErrors(errors.0));
@@ -246,12 +275,14 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         anonymous,
         routes,
         default_route: spec.default_route,
+        classification,
         guards,
         key_table_entries,
         ratelimit_headers: spec.ratelimit_headers.unwrap_or(true),
         sync,
         global_limits,
         effective_from_ns: 0,
+        quotas,
     })
 }
 
@@ -667,15 +698,15 @@ fn compile_limits(
             } else {
                 l.algo.max_state_len()
             };
-            state::RECORD_HEADER_LEN.saturating_add(state)
+            table::RECORD_HEADER_LEN.saturating_add(state)
         })
         .fold(1usize, usize::saturating_add);
-    if records_len > state::MAX_RECORDS_LEN {
+    if records_len > table::MAX_RECORDS_LEN {
         errors.add(
             path.clone(),
             format!(
                 "these limits need up to {records_len} bytes of state per key, more than the {} a key-table slot holds: use fewer or smaller sliding_window_log limits",
-                state::MAX_RECORDS_LEN
+                table::MAX_RECORDS_LEN
             ),
         );
     }

@@ -10,6 +10,7 @@ pub mod de;
 pub mod doc;
 pub mod duration;
 pub mod error;
+pub mod quota;
 pub mod spec;
 
 use std::rc::Rc;
@@ -17,17 +18,17 @@ use std::rc::Rc;
 use hashbrown::HashMap;
 
 use crate::limiter::algo::Algo;
-pub use crate::sync::FailureMode;
 pub use compile::{MAX_SYNC_INTERVAL_NS, MIN_SYNC_INTERVAL_NS};
 pub use doc::Node;
 pub use error::{FieldPath, PolicyError, PolicyErrors};
-pub use spec::Mode;
+pub use spec::FailureMode;
+pub use spec::{Classify, Mode};
 
 /// Longest accepted tenant id, in bytes. Longer identities are treated as
 /// missing (the request is grouped as anonymous) and counted.
 pub const MAX_TENANT_ID_LEN: usize = 128;
 /// Most limits one plan may combine (they share one state entry).
-pub const MAX_LIMITS_PER_PLAN: usize = 8;
+pub const MAX_LIMITS_PER_PLAN: usize = crate::table::MAX_RECORDS;
 /// Default and bounds of `key_table.max_keys`.
 pub const DEFAULT_MAX_KEYS: u64 = 100_000;
 pub const MAX_MAX_KEYS: u64 = 16_777_216;
@@ -50,6 +51,8 @@ pub struct Policy {
     default_plan: usize,
     routes: HashMap<String, Rc<RouteClass>>,
     default_route: Option<String>,
+    /// How a request's route class is found.
+    pub classification: Classification,
     guards: Vec<Guard>,
     pub anonymous: Anonymous,
     /// Shared-data entries of the key table (`key_table.max_keys` / slots
@@ -65,6 +68,22 @@ pub struct Policy {
     /// The glue sets it in `on_configure`; limits that a reload changed
     /// carry their buckets' fill level over as of this instant.
     pub effective_from_ns: u64,
+    /// `quotas:` the reservable resources (the central service's; the
+    /// filter only validates them).
+    pub quotas: quota::Quotas,
+}
+
+/// How the filter finds a request's route class: always from route
+/// configuration, never from anything the client sends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Classification {
+    /// `classify: route_metadata` (the default): the route's metadata, else its name.
+    RouteMetadata,
+    /// `classify: route_name`: the route's name only.
+    RouteName,
+    /// `class: <name>`: this filter instance serves one class (Envoy
+    /// enables it per route); nothing is looked up per request.
+    Instance(Rc<RouteClass>),
 }
 
 /// Where the tenant id comes from: always a source a trusted filter set.
@@ -142,10 +161,20 @@ pub struct SyncSettings {
     pub breaker_max_backoff_ns: u64,
 }
 
+/// The sync circuit breaker's settings (how the node uses them is in
+/// the sync module).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerConfig {
+    /// Failures in a row that open the breaker (at least 1).
+    pub failures: u32,
+    /// The longest backoff.
+    pub max_backoff_ns: u64,
+}
+
 impl SyncSettings {
     /// The circuit breaker's settings.
-    pub fn breaker(&self) -> crate::sync::BreakerConfig {
-        crate::sync::BreakerConfig {
+    pub fn breaker(&self) -> BreakerConfig {
+        BreakerConfig {
             failures: self.breaker_failures,
             max_backoff_ns: self.breaker_max_backoff_ns,
         }
@@ -156,6 +185,8 @@ impl SyncSettings {
 #[derive(Debug)]
 pub struct Guard {
     pub name: String,
+    /// Its shared-data key (see [`crate::table::guard_key`]).
+    pub key: String,
     pub limits: Vec<Limit>,
     pub ratelimit_policy: String,
 }

@@ -7,9 +7,19 @@
 
 use std::collections::BTreeMap;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-pub use crate::sync::FailureMode;
+/// What a node does for a key whose lease expired with no new one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureMode {
+    /// Keep enforcing a local limit derived from the node's last share.
+    FailOpenLocal,
+    /// Deny.
+    FailClosed,
+    /// Admit everything.
+    FailOpen,
+}
 
 /// `mode:` what the filter does with a decision.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -22,6 +32,18 @@ pub enum Mode {
     Shadow,
     /// Pass every request; no state is touched.
     Off,
+}
+
+/// `classify:` where the filter reads a request's route class.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Classify {
+    /// The route's `filter_metadata.tenantgate.class`, else the route's
+    /// name (the default).
+    #[default]
+    RouteMetadata,
+    /// Only the route's name: one property read instead of up to two.
+    RouteName,
 }
 
 /// `plans.<plan>.limits[i].algorithm:`
@@ -51,6 +73,12 @@ pub struct PolicySpec {
     #[serde(default)]
     pub default_route: Option<String>,
     #[serde(default)]
+    pub classify: Option<Classify>,
+    /// This filter instance's route class (one instance per class, enabled
+    /// per route by Envoy's `FilterConfig`): no per-request lookup.
+    #[serde(default)]
+    pub class: Option<String>,
+    #[serde(default)]
     pub ratelimit_headers: Option<bool>,
     #[serde(default)]
     pub guards: BTreeMap<String, GuardSpec>,
@@ -58,6 +86,9 @@ pub struct PolicySpec {
     pub key_table: Option<KeyTableSpec>,
     #[serde(default)]
     pub sync: Option<SyncSpec>,
+    /// Reservable amounts for the central service (`super::quota`).
+    #[serde(default)]
+    pub quotas: BTreeMap<String, super::quota::ResourceSpec>,
 }
 
 /// `sync:` how the node syncs its global limits with the central cluster.

@@ -102,28 +102,15 @@
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
-
 use super::protocol::{Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
 use crate::limiter::token_bucket::{Check, Gcra};
+pub use crate::policy::{BreakerConfig, FailureMode};
 
 const NANOS_PER_MS: u64 = 1_000_000;
 
 /// How long after its last request a key keeps being reported (with
 /// zero counts if need be) so that its lease is renewed: one minute.
 pub const LEASE_KEEP_ALIVE_NS: u64 = 60_000 * NANOS_PER_MS;
-
-/// What a node does for a key whose lease expired with no new one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FailureMode {
-    /// Keep enforcing a local limit derived from the node's last share.
-    FailOpenLocal,
-    /// Deny.
-    FailClosed,
-    /// Admit everything.
-    FailOpen,
-}
 
 /// A node's sync settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -166,15 +153,6 @@ pub enum Denied {
     FailClosed,
     /// `fail_open_local`'s local limit is exhausted (or there is no share).
     LocalLimit,
-}
-
-/// The circuit breaker's settings (see the module header).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BreakerConfig {
-    /// Failures in a row that open the breaker (at least 1).
-    pub failures: u32,
-    /// The longest backoff.
-    pub max_backoff_ns: u64,
 }
 
 /// Where the breaker stands at some instant.

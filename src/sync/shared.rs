@@ -40,10 +40,10 @@ use super::stored::{self, Carried, SYNC_CARRIED_KEY, SYNC_STATE_KEY};
 use crate::host::{CasResult, Host, HostError};
 use crate::limiter::algo::KIND_GLOBAL_ALLOWANCE;
 use crate::policy::{Policy, SyncSettings};
-use crate::state;
+use crate::table::{self, Commit, Failure, Overflow, Place, Reach};
 
 /// Compare-and-swap attempts per shared-data key.
-pub const MAX_CAS_ATTEMPTS: u32 = 16;
+pub use crate::table::MAX_CAS_ATTEMPTS;
 /// Key-table entries one tick scans at least; a larger table is scanned
 /// in [`SCAN_TICKS`] ticks at most.
 pub const MIN_SCAN_PER_TICK: u64 = 2048;
@@ -184,11 +184,11 @@ pub fn scan_step<H: Host>(host: &H, policy: &Policy, scan: &mut Scan, budget: u6
             scan.next = entries;
             break;
         }
-        let Ok((Some(value), _)) = host.shared_get(&state::entry_key(index)) else {
+        let Ok((Some(value), _)) = host.shared_get(&table::layout::entry_key(index)) else {
             continue;
         };
-        for slot in state::decode_entry(&value).unwrap_or_default() {
-            for r in state::decode_records(slot.records).unwrap_or_default() {
+        for slot in table::decode_entry(&value).unwrap_or_default() {
+            for r in table::decode_records(slot.records).unwrap_or_default() {
                 if r.kind != KIND_GLOBAL_ALLOWANCE {
                     continue;
                 }
@@ -405,26 +405,26 @@ fn update_slot<H: Host>(
     by_limit: &BTreeMap<u32, Update>,
     now: u64,
 ) -> Option<usize> {
-    let entries = policy.key_table_entries.max(1);
-    let home = state::fnv1a64(key);
-    let mut scratch = Vec::new();
-    'attempt: for _ in 0..MAX_CAS_ATTEMPTS {
-        for probe in 0..state::PROBES.min(entries) {
-            let entry = state::entry_key(home.wrapping_add(probe) % entries);
-            let Ok((Some(value), cas)) = host.shared_get(&entry) else {
-                continue;
+    let place = Place::Table {
+        logical: key,
+        entries: policy.key_table_entries,
+        // Never used: an update only reaches the key's existing slot.
+        overflow: Overflow { action: "", plan: "" },
+    };
+    let mut buffers = table::Buffers::default();
+    let updated = table::update(
+        host,
+        &place,
+        &Reach::Existing,
+        now,
+        &mut buffers,
+        |records, out| {
+            let Some(records) = records else {
+                return (Commit::Skip, None);
             };
-            let Some(slots) = state::decode_entry(&value) else {
-                continue;
-            };
-            let Some(i) = slots.iter().position(|s| s.key == key) else {
-                continue;
-            };
-            let records = state::decode_records(slots[i].records)?;
             let mut leases = 0;
-            let mut records_bytes = vec![records.len() as u8];
-            let mut state_bytes = Vec::new();
-            for r in &records {
+            out.push(records.len() as u8);
+            for r in records {
                 let update = by_limit.get(&r.name_hash);
                 let allowance = (r.kind == KIND_GLOBAL_ALLOWANCE)
                     .then(|| stored::decode_allowance(r.state))
@@ -440,34 +440,22 @@ fn update_slot<H: Host>(
                             a.install(tokens, share, ttl_ns, a.lease_used.wrapping_sub(mark), now);
                             leases += 1;
                         }
-                        state_bytes.clear();
-                        stored::encode_allowance(&a, &mut state_bytes);
-                        state::push_record(&mut records_bytes, r.name_hash, r.kind, r.p1, r.p2, &state_bytes);
+                        table::push_record_with(out, r.name_hash, r.kind, r.p1, r.p2, |o| {
+                            stored::encode_allowance(&a, o)
+                        });
                     }
-                    _ => state::push_record(&mut records_bytes, r.name_hash, r.kind, r.p1, r.p2, r.state),
+                    _ => table::push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state),
                 }
             }
-            let new_slot = state::Slot {
-                key,
-                records: &records_bytes,
-            };
-            let out = slots
-                .iter()
-                .enumerate()
-                .map(|(j, s)| if j == i { new_slot } else { *s });
-            if !state::encode_entry(out, &mut scratch) {
-                return None;
-            }
-            match host.shared_set(&entry, &scratch, cas) {
-                Ok(CasResult::Written) => return Some(leases),
-                Ok(CasResult::Conflict) => continue 'attempt,
-                Err(_) => return None,
-            }
-        }
+            (Commit::Write, Some(leases))
+        },
+    );
+    match updated {
+        Ok(u) => u.result,
         // Not in the table (reclaimed meanwhile): nothing to update.
-        return Some(0);
+        Err(Failure::Absent) => Some(0),
+        Err(Failure::Unavailable { .. } | Failure::Exhausted | Failure::TooLarge) => None,
     }
-    None
 }
 
 #[cfg(test)]

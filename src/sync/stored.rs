@@ -17,7 +17,7 @@
 //! [`KIND_GLOBAL_ALLOWANCE`]: crate::limiter::algo::KIND_GLOBAL_ALLOWANCE
 
 use super::node::{Allowance, Counts, InFlight, LeaseState, SyncState};
-use crate::state::Reader;
+use crate::table::layout::Reader;
 
 /// The node-global sync state.
 pub const SYNC_STATE_KEY: &str = "tg2|sync|state";

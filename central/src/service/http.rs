@@ -39,12 +39,17 @@ use super::{watch_policy, Service, SyncError};
 use crate::store::Store;
 
 /// The sync API over one service replica (on the sync listener).
+/// With a quota store attached, the reservation API too
+/// (`crate::quota::api`).
 pub fn sync_router(service: Arc<Service>) -> Router {
     let max_body = service.intake_limits().max_body_bytes;
-    Router::new()
-        .route("/v1/sync", post(sync))
-        .layer(DefaultBodyLimit::max(max_body))
-        .with_state(service)
+    let quota = service.quota().cloned();
+    let router = Router::new().route("/v1/sync", post(sync)).with_state(service);
+    let router = match quota {
+        Some(q) => router.merge(crate::quota::api::router(q)),
+        None => router,
+    };
+    router.layer(DefaultBodyLimit::max(max_body))
 }
 
 /// Health, readiness and metrics (on the admin listener).
@@ -113,13 +118,17 @@ async fn metrics(State(service): State<Arc<Service>>) -> Response {
     };
     let sessions = store.session_count().await.ok();
     let cfg = service.config();
-    let text = service.metrics.render(&Gauges {
+    let mut text = service.metrics.render(&Gauges {
         keys,
         sessions,
         policy_version: cfg.as_deref().map(|c| c.policy_version.as_str()),
         store: store.kind(),
         store_up: up,
     });
+    if let Some(q) = service.quota() {
+        let totals = q.store().totals().await.ok();
+        text.push_str(&q.metrics.render(totals.as_ref()));
+    }
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
@@ -225,6 +234,10 @@ pub async fn serve_on(
         opts.policy_poll,
     ));
     let sweeper = tokio::spawn(super::sweep_every_interval(service.clone()));
+    let reclaimer = service
+        .quota()
+        .cloned()
+        .map(|q| tokio::spawn(crate::quota::api::reclaim_every(q)));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut stop_admin = stop_rx.clone();
     let mut stop_sync = stop_rx;
@@ -254,6 +267,9 @@ pub async fn serve_on(
     signal.abort();
     watcher.abort();
     sweeper.abort();
+    if let Some(r) = reclaimer {
+        r.abort();
+    }
     info!("tenantgate serve stopped");
     result.and(admin_result)
 }
@@ -302,12 +318,23 @@ pub fn open_store(spec: &str) -> Result<Arc<dyn Store>, String> {
 
 /// `tenantgate serve`: logs to stderr (`RUST_LOG` filters, default `info`),
 /// a multi-threaded runtime, serve until SIGTERM or ctrl-c.
+/// The reservation API's settings (`--quota-store` and friends).
+pub struct QuotaOptions {
+    /// `sqlite:DIR` or a `postgres://` URL.
+    pub store: String,
+    /// `--quota-clients`: who may act for which tenants.
+    pub clients: Option<PathBuf>,
+    /// This replica's region (home-region pinning).
+    pub region: Option<String>,
+}
+
 pub fn run(
     store: &str,
     opts: ServeOptions,
     settings: super::Settings,
     intake: super::IntakeLimits,
     state: super::StateLimits,
+    quota: Option<QuotaOptions>,
 ) -> Result<(), String> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -330,6 +357,18 @@ pub fn run(
             intake,
             state,
         ));
+        if let Some(q) = quota {
+            let clients = match &q.clients {
+                Some(p) => Some(crate::quota::api::QuotaClients::load(p)?),
+                None => None,
+            };
+            let qstore = crate::quota::open(&q.store).await?;
+            let max_in_flight = service.intake_limits().max_in_flight;
+            service.attach_quota(Arc::new(
+                crate::quota::api::QuotaApi::new(qstore, service.clock(), clients, q.region)
+                    .with_max_in_flight(max_in_flight),
+            ));
+        }
         serve(service, opts, shutdown_signal())
             .await
             .map_err(|e| e.to_string())

@@ -56,7 +56,7 @@ use crate::alloc::{self, AllocConfig, KeyId, KeyState, SeqCheck, Session, Visit}
 use crate::store::{Store, StoreError};
 pub use http::{
     admin_router, check_exposure, open_store, run, serve, serve_on, shutdown_signal, sync_router, Auth,
-    Listeners, ServeOptions, DEFAULT_ADMIN, DEFAULT_LISTEN,
+    Listeners, QuotaOptions, ServeOptions, DEFAULT_ADMIN, DEFAULT_LISTEN,
 };
 use metrics::{Metrics, Outcome};
 pub use policy::{PolicyLimits, Settings};
@@ -165,6 +165,8 @@ pub struct Service {
     keys_seen: AtomicU64,
     /// When the sweep last expired sessions (service clock).
     sessions_swept_at: AtomicU64,
+    /// The reservation API, when a quota store is configured.
+    quota: std::sync::OnceLock<Arc<crate::quota::api::QuotaApi>>,
 }
 
 impl Service {
@@ -203,7 +205,23 @@ impl Service {
             sessions_seen: AtomicU64::new(0),
             keys_seen: AtomicU64::new(0),
             sessions_swept_at: AtomicU64::new(0),
+            quota: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Serves the reservation API beside the sync API (set once, before
+    /// serving; the policy's `quotas:` follow every reload).
+    pub fn attach_quota(&self, api: Arc<crate::quota::api::QuotaApi>) {
+        let _ = self.quota.set(api);
+    }
+
+    pub fn quota(&self) -> Option<&Arc<crate::quota::api::QuotaApi>> {
+        self.quota.get()
+    }
+
+    /// The service's clock (shared with the reservation API).
+    pub fn clock(&self) -> Arc<dyn Clock> {
+        self.clock.clone()
     }
 
     pub fn intake_limits(&self) -> &IntakeLimits {
@@ -237,6 +255,9 @@ impl Service {
 
     /// Puts a validated policy in force.
     pub fn set_policy(&self, p: &PolicyLimits) {
+        if let Some(q) = self.quota.get() {
+            q.set_quotas(p.quotas.clone());
+        }
         let cfg = Arc::new(self.settings.alloc_config(p));
         match self.config.write() {
             Ok(mut c) => *c = Some(cfg),

@@ -36,6 +36,8 @@ pub struct PolicyLimits {
     pub sync: Option<SyncSettings>,
     /// Limit names defined differently by several plans.
     pub ambiguous: Vec<String>,
+    /// The `quotas:` section (the reservation API's resources).
+    pub quotas: tenantgate::policy::quota::Quotas,
 }
 
 /// Reads and validates a policy file.
@@ -97,6 +99,7 @@ pub fn parse(text: &str) -> Result<PolicyLimits, String> {
         limits,
         sync: policy.sync.clone(),
         ambiguous,
+        quotas: policy.quotas.clone(),
     })
 }
 

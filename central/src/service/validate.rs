@@ -257,6 +257,7 @@ mod tests {
             limits: [("per-min".to_owned(), limit)].into_iter().collect(),
             sync: None,
             ambiguous: vec![],
+            quotas: Default::default(),
         })
     }
 

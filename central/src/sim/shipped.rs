@@ -36,6 +36,8 @@ pub struct ShippedNode {
     next: usize,
     /// The worker whose callout is in flight (answers go back to it).
     sender: usize,
+    /// What each worker reuses from one charge to the next, as in the glue.
+    scratch: [engine::Scratch; WORKERS],
 }
 
 fn mode_name(mode: FailureMode) -> &'static str {
@@ -81,6 +83,7 @@ impl ShippedNode {
             region,
             next: 0,
             sender: 0,
+            scratch: Default::default(),
         }
     }
 
@@ -98,14 +101,10 @@ impl ShippedNode {
         let Ok(prepared) = engine::prepare(&self.policy, &host) else {
             return false;
         };
-        let d = engine::charge_synced(
-            &self.policy,
-            &prepared,
-            &host,
-            now,
-            state.as_ref(),
-            &mut Vec::new(),
-        );
+        let Some(scratch) = self.scratch.get_mut(self.next) else {
+            return false;
+        };
+        let d = engine::charge_synced(&self.policy, &prepared, &host, now, state.as_ref(), scratch);
         d.reason == Reason::Allowed
     }
 

@@ -63,7 +63,7 @@ impl World {
             &host,
             now,
             state.as_ref(),
-            &mut Vec::new(),
+            &mut engine::Scratch::default(),
         )
     }
 
@@ -259,13 +259,13 @@ fn global_allowances_go_idle_and_non_global_limits_are_unchanged() {
     w.answer(&req, 0, T0 + 2 * S).unwrap();
     let store = w.store.borrow();
     let entry = store.keys().find(|k| k.starts_with("tg2|k|")).unwrap();
-    let slots = state::decode_entry(store.get(entry).unwrap()).unwrap();
-    let records = state::decode_records(slots[0].records).unwrap();
+    let slots = table::decode_entry(store.get(entry).unwrap()).unwrap();
+    let records = table::decode_records(slots[0].records).unwrap();
     assert_eq!(records.len(), 2);
     assert_eq!(records[0].kind, crate::limiter::algo::KIND_TOKEN_BUCKET);
     assert_eq!(records[1].kind, KIND_GLOBAL_ALLOWANCE);
-    assert!(!crate::limiter::algo::record_is_idle(&records[1], T0 + 2 * S));
-    assert!(crate::limiter::algo::record_is_idle(&records[1], T0 + 6 * S));
+    assert!(!crate::engine::record_is_idle(&records[1], T0 + 2 * S));
+    assert!(crate::engine::record_is_idle(&records[1], T0 + 6 * S));
 }
 
 #[test]

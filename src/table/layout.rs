@@ -1,4 +1,5 @@
-//! How limit state is laid out in Envoy shared data.
+//! How limit state is laid out in Envoy shared data (the bytes; probing,
+//! placement and the update primitive are in [`crate::table`]).
 //!
 //! Shared data has no delete: a key lives until Envoy exits. So dynamic keys
 //! (tenants, client addresses) never become shared-data keys of their own.
@@ -16,6 +17,10 @@
 //! is busy, the request is charged against an **overflow** entry shared by
 //! all overflowing keys of the same action and plan (`tg2|o|…`): memory stays
 //! bounded and nobody is silently allowed.
+//!
+//! Decoding allocates nothing: an entry decodes into at most
+//! [`SLOTS_PER_ENTRY`] slots and a slot into at most [`MAX_RECORDS`]
+//! records, in fixed arrays that borrow the shared-data bytes.
 //!
 //! Entry layout (little-endian), format version 2:
 //! ```text
@@ -38,6 +43,8 @@ pub const FORMAT_VERSION: u8 = 2;
 pub const SLOTS_PER_ENTRY: usize = 8;
 /// Entries a key may live in: its home entry and the next one.
 pub const PROBES: u64 = 2;
+/// Most records (limits) one slot holds: a plan's or guard's limits.
+pub const MAX_RECORDS: usize = 8;
 /// Longest logical key stored in a slot.
 pub const MAX_KEY_LEN: usize = 255;
 /// Bytes of a record before its state: name hash, kind, `p1`, `p2`, state
@@ -101,9 +108,99 @@ impl<'a> Reader<'a> {
     }
 }
 
+const NO_SLOT: Slot<'static> = Slot {
+    key: &[],
+    records: &[],
+};
+const NO_RECORD: Record<'static> = Record {
+    name_hash: 0,
+    kind: 0,
+    p1: 0,
+    p2: 0,
+    state: &[],
+};
+
+/// A decoded entry's slots, in place (no allocation).
+#[derive(Debug, Clone, Copy)]
+pub struct Slots<'a> {
+    items: [Slot<'a>; SLOTS_PER_ENTRY],
+    len: usize,
+}
+
+impl Default for Slots<'_> {
+    fn default() -> Self {
+        Slots {
+            items: [NO_SLOT; SLOTS_PER_ENTRY],
+            len: 0,
+        }
+    }
+}
+
+impl<'a> core::ops::Deref for Slots<'a> {
+    type Target = [Slot<'a>];
+    fn deref(&self) -> &[Slot<'a>] {
+        &self.items[..self.len]
+    }
+}
+
+impl<'a> IntoIterator for Slots<'a> {
+    type Item = Slot<'a>;
+    type IntoIter = core::iter::Take<core::array::IntoIter<Slot<'a>, SLOTS_PER_ENTRY>>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.items.into_iter().take(self.len)
+    }
+}
+
+impl<'b, 'a> IntoIterator for &'b Slots<'a> {
+    type Item = &'b Slot<'a>;
+    type IntoIter = core::slice::Iter<'b, Slot<'a>>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+/// A decoded slot's records, in place (no allocation).
+#[derive(Debug, Clone, Copy)]
+pub struct Records<'a> {
+    items: [Record<'a>; MAX_RECORDS],
+    len: usize,
+}
+
+impl Default for Records<'_> {
+    fn default() -> Self {
+        Records {
+            items: [NO_RECORD; MAX_RECORDS],
+            len: 0,
+        }
+    }
+}
+
+impl<'a> core::ops::Deref for Records<'a> {
+    type Target = [Record<'a>];
+    fn deref(&self) -> &[Record<'a>] {
+        &self.items[..self.len]
+    }
+}
+
+impl<'a> IntoIterator for Records<'a> {
+    type Item = Record<'a>;
+    type IntoIter = core::iter::Take<core::array::IntoIter<Record<'a>, MAX_RECORDS>>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.items.into_iter().take(self.len)
+    }
+}
+
+impl<'b, 'a> IntoIterator for &'b Records<'a> {
+    type Item = &'b Record<'a>;
+    type IntoIter = core::slice::Iter<'b, Record<'a>>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
 /// Decodes an entry. `None` for anything that is not a well-formed
 /// version-2 entry (the caller treats it as empty and counts it).
-pub fn decode_entry(bytes: &[u8]) -> Option<Vec<Slot<'_>>> {
+pub fn decode_entry(bytes: &[u8]) -> Option<Slots<'_>> {
     let mut r = Reader(bytes);
     if r.u8()? != FORMAT_VERSION {
         return None;
@@ -112,14 +209,15 @@ pub fn decode_entry(bytes: &[u8]) -> Option<Vec<Slot<'_>>> {
     if n > SLOTS_PER_ENTRY {
         return None;
     }
-    let mut slots = Vec::with_capacity(n);
-    for _ in 0..n {
+    let mut slots = Slots::default();
+    for item in slots.items.iter_mut().take(n) {
         let key_len = usize::from(r.u8()?);
         let key = r.take(key_len)?;
         let records_len = usize::from(r.u16()?);
         let records = r.take(records_len)?;
-        slots.push(Slot { key, records });
+        *item = Slot { key, records };
     }
+    slots.len = n;
     r.is_empty().then_some(slots)
 }
 
@@ -151,39 +249,60 @@ pub fn encode_entry<'a>(slots: impl IntoIterator<Item = Slot<'a>>, out: &mut Vec
     true
 }
 
-/// Decodes a slot's records.
-pub fn decode_records(bytes: &[u8]) -> Option<Vec<Record<'_>>> {
+/// Decodes a slot's records (`None`: malformed, or more than
+/// [`MAX_RECORDS`], which this version never writes).
+pub fn decode_records(bytes: &[u8]) -> Option<Records<'_>> {
     let mut r = Reader(bytes);
     let n = usize::from(r.u8()?);
-    let mut records = Vec::with_capacity(n);
-    for _ in 0..n {
+    if n > MAX_RECORDS {
+        return None;
+    }
+    let mut records = Records::default();
+    for item in records.items.iter_mut().take(n) {
         let name_hash = r.u32()?;
         let kind = r.u8()?;
         let p1 = r.u64()?;
         let p2 = r.u64()?;
         let len = usize::from(r.u16()?);
         let state = r.take(len)?;
-        records.push(Record {
+        *item = Record {
             name_hash,
             kind,
             p1,
             p2,
             state,
-        });
+        };
     }
+    records.len = n;
     r.is_empty().then_some(records)
 }
 
 /// Appends one record; `state` is the algorithm's encoded state.
 pub fn push_record(out: &mut Vec<u8>, name_hash: u32, kind: u8, p1: u64, p2: u64, state: &[u8]) {
+    push_record_with(out, name_hash, kind, p1, p2, |out| out.extend_from_slice(state));
+}
+
+/// Appends one record whose state `write_state` appends in place (no
+/// intermediate buffer).
+pub fn push_record_with(
+    out: &mut Vec<u8>,
+    name_hash: u32,
+    kind: u8,
+    p1: u64,
+    p2: u64,
+    write_state: impl FnOnce(&mut Vec<u8>),
+) {
     out.extend_from_slice(&name_hash.to_le_bytes());
     out.push(kind);
     out.extend_from_slice(&p1.to_le_bytes());
     out.extend_from_slice(&p2.to_le_bytes());
+    let at = out.len();
+    out.extend_from_slice(&[0, 0]);
+    write_state(out);
     // A state over u16::MAX puts its slot's records over MAX_RECORDS_LEN,
     // which `encode_entry` refuses: a saturated length never lands.
-    out.extend_from_slice(&u16::try_from(state.len()).unwrap_or(u16::MAX).to_le_bytes());
-    out.extend_from_slice(state);
+    let len = u16::try_from(out.len().saturating_sub(at + 2)).unwrap_or(u16::MAX);
+    out[at..at + 2].copy_from_slice(&len.to_le_bytes());
 }
 
 /// FNV-1a, 64 bits: where a logical key's home entry is.
@@ -195,7 +314,48 @@ pub fn fnv1a64(bytes: &[u8]) -> u64 {
 
 /// The shared-data key of key-table entry `index`.
 pub fn entry_key(index: u64) -> String {
-    format!("tg2|k|{index}")
+    EntryKey::new(index).as_str().to_owned()
+}
+
+/// The shared-data key of a key-table entry, formatted on the stack (the
+/// request path names entries without allocating).
+#[derive(Clone, Copy)]
+pub struct EntryKey {
+    buf: [u8; ENTRY_KEY_MAX],
+    len: usize,
+}
+
+const ENTRY_KEY_PREFIX: &[u8] = b"tg2|k|";
+/// The prefix and the 20 digits of `u64::MAX`.
+const ENTRY_KEY_MAX: usize = ENTRY_KEY_PREFIX.len() + 20;
+
+impl EntryKey {
+    pub fn new(index: u64) -> EntryKey {
+        let mut digits = [0u8; 20];
+        let mut n = 0;
+        let mut rest = index;
+        loop {
+            digits[n] = b'0' + (rest % 10) as u8;
+            n += 1;
+            rest /= 10;
+            if rest == 0 || n == digits.len() {
+                break;
+            }
+        }
+        let mut buf = [0u8; ENTRY_KEY_MAX];
+        buf[..ENTRY_KEY_PREFIX.len()].copy_from_slice(ENTRY_KEY_PREFIX);
+        for (i, d) in digits[..n].iter().rev().enumerate() {
+            buf[ENTRY_KEY_PREFIX.len() + i] = *d;
+        }
+        EntryKey {
+            buf,
+            len: ENTRY_KEY_PREFIX.len() + n,
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        core::str::from_utf8(&self.buf[..self.len]).unwrap_or_default()
+    }
 }
 
 /// The shared-data key of the overflow entry of `action` × `plan`.
@@ -230,7 +390,7 @@ mod tests {
         let mut out = Vec::new();
         assert!(encode_entry(slots, &mut out));
         let decoded = decode_entry(&out).unwrap();
-        assert_eq!(decoded, slots);
+        assert_eq!(&*decoded, &slots);
         let recs = decode_records(decoded[0].records).unwrap();
         assert_eq!(recs.len(), 2);
         assert_eq!(
@@ -247,15 +407,23 @@ mod tests {
     }
 
     #[test]
+    fn entry_keys_are_formatted_on_the_stack_like_format() {
+        for i in [0, 7, 10, 99_999, u64::MAX] {
+            assert_eq!(EntryKey::new(i).as_str(), format!("tg2|k|{i}"));
+        }
+    }
+
+    #[test]
     fn garbage_never_decodes_and_never_panics() {
-        assert_eq!(decode_entry(&[]), None);
-        assert_eq!(decode_entry(&[1, 0]), None); // version 1
-        assert_eq!(decode_entry(&[2, 9]), None); // too many slots
-        assert_eq!(decode_entry(&[2, 1, 5, b'a']), None); // truncated
-        assert_eq!(decode_entry(&[2, 0, 0]), None); // trailing bytes
-        assert_eq!(decode_entry(&[2, 0]), Some(vec![]));
-        assert_eq!(decode_records(&[1, 0, 0]), None);
-        // Every prefix and every single-byte corruption of a valid entry.
+        assert!(decode_entry(&[]).is_none());
+        assert!(decode_entry(&[1, 0]).is_none()); // version 1
+        assert!(decode_entry(&[2, 9]).is_none()); // too many slots
+        assert!(decode_entry(&[2, 1, 5, b'a']).is_none()); // truncated
+        assert!(decode_entry(&[2, 0, 0]).is_none()); // trailing bytes
+        assert!(decode_entry(&[2, 0]).is_some_and(|s| s.is_empty()));
+        assert!(decode_records(&[1, 0, 0]).is_none());
+        assert!(decode_records(&[9]).is_none()); // more records than a plan has limits
+                                                 // Every prefix and every single-byte corruption of a valid entry.
         let mut records = vec![1u8];
         push_record(&mut records, 7, 1, 10, 20, &[9; 8]);
         let mut out = Vec::new();
@@ -301,6 +469,6 @@ mod tests {
         // At the bound, the entry round-trips.
         let max = vec![0u8; MAX_RECORDS_LEN];
         assert!(encode_entry([slot(&max)], &mut out));
-        assert_eq!(decode_entry(&out).unwrap(), vec![slot(&max)]);
+        assert_eq!(&*decode_entry(&out).unwrap(), &[slot(&max)]);
     }
 }

@@ -1,0 +1,742 @@
+//! The reservation API (JSON over HTTP, on the service's API listener,
+//! beside `/v1/sync`), described by `docs/openapi/reservations.yaml`.
+//!
+//! | endpoint | answer |
+//! |---|---|
+//! | `POST /v1/reservations` | `201` reserved (or the original answer of the same id and parameters); `409 quota_exceeded` (`level`, `limit`, `remaining`, `retry_after_ms`), `409 conflict` (`field`), `409 wrong_region`; `400 invalid` (`field`) |
+//! | `POST /v1/reservations/{id}/commit` | `200` committed (`returned`: the rest); `409 expired` / `released` / `conflict`; `404` |
+//! | `POST /v1/reservations/{id}/release` | `200` (repeatable); `409 already_committed`; `404` |
+//! | `GET /v1/reservations/{id}` | `200` the reservation; `404` |
+//! | `GET /v1/quotas/{resource}?tenant=&project=` | `200` limit, committed, reserved, remaining per level, `as_of`, `estimate` |
+//! | `POST /v1/quotas/reconcile` | `200` what the reconciliation repaired (callers allowed every tenant) |
+//!
+//! Errors are `{"error": code, "message": …}` plus the fields above. When the
+//! database is unreachable every reservation, commit and release fails
+//! closed (`503 quota_unavailable`, nothing debited); a query of a `low`
+//! risk resource answers the last figures this replica saw, with their
+//! `as_of` and `estimate: true`; a `high` risk one answers `503`.
+//!
+//! # Authentication
+//! The caller is who its bearer token (`Authorization: Bearer …`) or its
+//! mTLS identity (the node id its certificate names) says, mapped by
+//! `--quota-clients FILE` to the tenants it may act for (`"*"`: all). With
+//! no such file, every caller the listener admits may act for every
+//! tenant: a loopback listener, or mTLS (the exposure check refuses
+//! anything else). A caller the file does not know: `401`; a tenant it may
+//! not act for: `403`.
+//!
+//! # Regions
+//! A resource with `home_region` is served only by replicas of that region
+//! (`--region`); others answer `409 wrong_region` naming it, and reserve
+//! nothing. Without `home_region` every replica serves it (one database).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::{ConnectInfo, Path as UrlPath, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tenantgate::policy::quota::{project_id, Quotas, Resource, Risk, MAX_QUOTA_AMOUNT};
+use tracing::warn;
+
+use super::metrics::QuotaMetrics;
+use super::{
+    error_answer, not_found, Answer, Outcome, QuotaStore, QuotaStoreError, ReserveRequest, RECLAIM_BATCH,
+};
+use crate::service::tls::Peer;
+use crate::service::Clock;
+
+const NANOS_PER_MS: u64 = 1_000_000;
+
+/// Who may act for which tenants (`--quota-clients`).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaClients {
+    pub clients: Vec<QuotaClient>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaClient {
+    #[serde(default)]
+    pub token: Option<String>,
+    /// The node id an mTLS certificate names.
+    #[serde(default)]
+    pub identity: Option<String>,
+    pub tenants: Vec<String>,
+}
+
+impl QuotaClients {
+    pub fn load(path: &Path) -> Result<QuotaClients, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let c: QuotaClients =
+            serde_norway::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        for (i, cl) in c.clients.iter().enumerate() {
+            if cl.token.is_none() == cl.identity.is_none() {
+                return Err(format!(
+                    "{}: clients[{i}]: exactly one of `token` or `identity`",
+                    path.display()
+                ));
+            }
+        }
+        Ok(c)
+    }
+}
+
+/// The tenants a caller may act for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Grant {
+    All,
+    Tenants(Vec<String>),
+}
+
+impl Grant {
+    fn allows(&self, tenant: &str) -> bool {
+        match self {
+            Grant::All => true,
+            Grant::Tenants(t) => t.iter().any(|x| x == tenant || x == "*"),
+        }
+    }
+}
+
+/// The last figures a query saw, for `estimate: true` answers.
+type LastKnown = HashMap<(String, String, String), (Value, u64)>;
+
+/// The reservation API of one replica.
+pub struct QuotaApi {
+    store: Arc<dyn QuotaStore>,
+    clock: Arc<dyn Clock>,
+    quotas: RwLock<Arc<Quotas>>,
+    clients: Option<QuotaClients>,
+    /// This replica's region (`--region`).
+    region: Option<String>,
+    pub metrics: QuotaMetrics,
+    last_known: Mutex<LastKnown>,
+    /// How often the reclaimer runs.
+    pub reclaim_every: std::time::Duration,
+    /// Requests in progress at most (see [`QuotaApi::with_max_in_flight`]).
+    in_flight: Arc<tokio::sync::Semaphore>,
+    max_in_flight: usize,
+}
+
+/// Reservation requests in progress at once unless the service says
+/// otherwise: the sync API's default.
+const DEFAULT_MAX_IN_FLIGHT: usize = crate::service::validate::DEFAULT_MAX_IN_FLIGHT;
+
+/// At most this many last-known query answers are kept.
+const MAX_LAST_KNOWN: usize = 10_000;
+
+fn respond(a: &Answer) -> Response {
+    let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        a.body.clone(),
+    )
+        .into_response()
+}
+
+fn invalid(field: &str, message: &str) -> Answer {
+    error_answer(
+        400,
+        Outcome::Invalid,
+        &format!("{field}: {message}"),
+        json!({ "field": field }),
+    )
+}
+
+fn unavailable(e: &QuotaStoreError) -> Answer {
+    error_answer(
+        503,
+        Outcome::Unavailable,
+        &format!("the quota database is unavailable; nothing was changed ({e})"),
+        json!({ "transient": true }),
+    )
+}
+
+fn is_visible_id(s: &str) -> bool {
+    (1..=super::MAX_ID_LEN).contains(&s.len()) && s.bytes().all(|b| (0x21..0x7f).contains(&b) && b != b'/')
+}
+
+impl QuotaApi {
+    pub fn new(
+        store: Arc<dyn QuotaStore>,
+        clock: Arc<dyn Clock>,
+        clients: Option<QuotaClients>,
+        region: Option<String>,
+    ) -> QuotaApi {
+        QuotaApi {
+            store,
+            clock,
+            quotas: RwLock::new(Arc::new(Quotas::default())),
+            clients,
+            region,
+            metrics: QuotaMetrics::default(),
+            last_known: Mutex::new(HashMap::new()),
+            reclaim_every: std::time::Duration::from_secs(1),
+            in_flight: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_IN_FLIGHT)),
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+        }
+    }
+
+    /// At most `n` reservation requests in progress at once; beyond that,
+    /// `503 busy` at once with nothing changed. The service passes its
+    /// `--max-in-flight`, counted apart from `/v1/sync`'s, so neither API
+    /// can starve the other.
+    pub fn with_max_in_flight(mut self, n: usize) -> QuotaApi {
+        let n = n.max(1);
+        self.in_flight = Arc::new(tokio::sync::Semaphore::new(n));
+        self.max_in_flight = n;
+        self
+    }
+
+    pub fn store(&self) -> &Arc<dyn QuotaStore> {
+        &self.store
+    }
+
+    /// Puts a reloaded policy's `quotas:` in force (see the policy's
+    /// hot-reload rule: lower limits refuse new reservations only).
+    pub fn set_quotas(&self, q: Quotas) {
+        let q = Arc::new(q);
+        match self.quotas.write() {
+            Ok(mut g) => *g = q,
+            Err(e) => *e.into_inner() = q,
+        }
+    }
+
+    fn quotas(&self) -> Arc<Quotas> {
+        self.quotas
+            .read()
+            .map(|q| q.clone())
+            .unwrap_or_else(|e| e.into_inner().clone())
+    }
+
+    fn grant(&self, headers: &HeaderMap, peer: &Peer) -> Option<Grant> {
+        let Some(clients) = &self.clients else {
+            return Some(Grant::All);
+        };
+        let token = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        let found =
+            clients
+                .clients
+                .iter()
+                .find(|c| match (token, &c.token, &peer.identity, &c.identity) {
+                    (Some(t), Some(ct), _, _) => t == ct,
+                    (None, _, Some(id), Some(ci)) => &id.node_id == ci,
+                    _ => false,
+                })?;
+        Some(Grant::Tenants(found.tenants.clone()))
+    }
+
+    fn authorize(&self, headers: &HeaderMap, peer: &Peer, tenant: &str) -> Result<(), Answer> {
+        match self.grant(headers, peer) {
+            None => Err(error_answer(
+                401,
+                Outcome::Invalid,
+                "no known bearer token or identity",
+                json!({}),
+            )),
+            Some(g) if g.allows(tenant) => Ok(()),
+            Some(_) => Err(error_answer(
+                403,
+                Outcome::Invalid,
+                &format!("this caller may not act for tenant {tenant}"),
+                json!({ "field": "tenant" }),
+            )),
+        }
+    }
+
+    fn resource(&self, name: &str) -> Result<Resource, Answer> {
+        self.quotas()
+            .resources
+            .get(name)
+            .cloned()
+            .ok_or_else(|| invalid("resource", &format!("unknown resource `{name}`")))
+    }
+
+    fn home_check(&self, r: &Resource) -> Result<(), Answer> {
+        match (&r.home_region, &self.region) {
+            (Some(home), mine) if mine.as_ref() != Some(home) => Err(error_answer(
+                409,
+                Outcome::WrongRegion,
+                &format!(
+                    "{} is served only in its home region {home} (this replica: {})",
+                    r.name,
+                    mine.as_deref().unwrap_or("none")
+                ),
+                json!({ "home_region": home }),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    async fn timed<T>(
+        &self,
+        f: impl std::future::Future<Output = Result<T, QuotaStoreError>>,
+    ) -> Result<T, QuotaStoreError> {
+        let started = Instant::now();
+        let r = f.await;
+        self.metrics.db(started.elapsed());
+        if r.is_err() {
+            self.metrics
+                .db_errors
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn parse_reserve(&self, body: &[u8]) -> Result<(ReserveRequest, Resource), Answer> {
+        let v: Value =
+            serde_json::from_slice(body).map_err(|e| invalid("(body)", &format!("invalid JSON: {e}")))?;
+        let obj = v
+            .as_object()
+            .ok_or_else(|| invalid("(body)", "expected a JSON object"))?;
+        for k in obj.keys() {
+            if !["reservation_id", "resource", "tenant", "project", "amount", "ttl"].contains(&k.as_str()) {
+                return Err(invalid(k, "unknown field"));
+            }
+        }
+        let text = |f: &str| -> Result<String, Answer> {
+            obj.get(f)
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+                .ok_or_else(|| invalid(f, "required, a string"))
+        };
+        let id = text("reservation_id")?;
+        if !is_visible_id(&id) {
+            return Err(invalid(
+                "reservation_id",
+                "1 to 128 visible ASCII characters, no `/`",
+            ));
+        }
+        let resource = self.resource(&text("resource")?)?;
+        let tenant = text("tenant")?;
+        if tenantgate::policy::tenant_id(tenant.as_bytes()).is_none() {
+            return Err(invalid(
+                "tenant",
+                "1 to 128 bytes with no whitespace or control characters",
+            ));
+        }
+        let project = text("project")?;
+        if project_id(&project).is_none() {
+            return Err(invalid(
+                "project",
+                "1 to 128 bytes with no whitespace, control characters or `/`",
+            ));
+        }
+        let amount = obj
+            .get("amount")
+            .and_then(Value::as_u64)
+            .filter(|a| (1..=MAX_QUOTA_AMOUNT).contains(a))
+            .ok_or_else(|| {
+                invalid(
+                    "amount",
+                    &format!("required, a whole number from 1 to {MAX_QUOTA_AMOUNT}"),
+                )
+            })?;
+        let max_ms = resource.max_ttl_ns / NANOS_PER_MS;
+        let ttl_ms = match obj.get("ttl") {
+            None => resource.default_ttl_ns / NANOS_PER_MS,
+            Some(t) => t
+                .as_u64()
+                .filter(|t| (1000..=max_ms).contains(t))
+                .ok_or_else(|| invalid("ttl", &format!("milliseconds, from 1000 to {max_ms}")))?,
+        };
+        Ok((
+            ReserveRequest {
+                reservation_id: id,
+                resource: resource.name.clone(),
+                tenant,
+                project,
+                amount,
+                ttl_ms,
+            },
+            resource,
+        ))
+    }
+
+    async fn reserve(&self, headers: &HeaderMap, peer: &Peer, body: &[u8]) -> Answer {
+        let (req, resource) = match self.parse_reserve(body) {
+            Ok(r) => r,
+            Err(a) => return a,
+        };
+        if let Err(a) = self.authorize(headers, peer, &req.tenant) {
+            return a;
+        }
+        if let Err(a) = self.home_check(&resource) {
+            return a;
+        }
+        let limits = resource.limits_for(&req.tenant, &req.project);
+        let now = self.clock.now_ns();
+        match self.timed(self.store.reserve(&req, limits, now)).await {
+            Ok(a) => a,
+            Err(e) => unavailable(&e),
+        }
+    }
+
+    /// Finds the reservation and checks the caller may act for its tenant.
+    async fn owned(&self, headers: &HeaderMap, peer: &Peer, id: &str) -> Result<super::Reservation, Answer> {
+        match self.timed(self.store.get(id)).await {
+            Err(e) => Err(unavailable(&e)),
+            Ok(None) => Err(not_found(id)),
+            Ok(Some(r)) => {
+                self.authorize(headers, peer, &r.tenant)?;
+                if let Ok(res) = self.resource(&r.resource) {
+                    self.home_check(&res)?;
+                }
+                Ok(r)
+            }
+        }
+    }
+
+    async fn commit(&self, headers: &HeaderMap, peer: &Peer, id: &str, body: &[u8]) -> Answer {
+        let amount = if body.iter().all(u8::is_ascii_whitespace) {
+            None
+        } else {
+            let v: Value = match serde_json::from_slice(body) {
+                Ok(v) => v,
+                Err(e) => return invalid("(body)", &format!("invalid JSON: {e}")),
+            };
+            if let Some(k) = v.as_object().and_then(|o| o.keys().find(|k| *k != "amount")) {
+                return invalid(k, "unknown field");
+            }
+            match v.get("amount") {
+                None => None,
+                Some(a) => match a.as_u64().filter(|a| *a <= MAX_QUOTA_AMOUNT) {
+                    Some(a) => Some(a),
+                    None => return invalid("amount", "a whole number, at most the amount reserved"),
+                },
+            }
+        };
+        if let Err(a) = self.owned(headers, peer, id).await {
+            return a;
+        }
+        match self
+            .timed(self.store.commit(id, amount, self.clock.now_ns()))
+            .await
+        {
+            Ok(a) => a,
+            Err(e) => unavailable(&e),
+        }
+    }
+
+    async fn release(&self, headers: &HeaderMap, peer: &Peer, id: &str) -> Answer {
+        if let Err(a) = self.owned(headers, peer, id).await {
+            return a;
+        }
+        match self.timed(self.store.release(id, self.clock.now_ns())).await {
+            Ok(a) => a,
+            Err(e) => unavailable(&e),
+        }
+    }
+
+    async fn get(&self, headers: &HeaderMap, peer: &Peer, id: &str) -> Answer {
+        match self.owned(headers, peer, id).await {
+            Ok(r) => Answer {
+                status: 200,
+                body: r.view().to_string(),
+                outcome: Outcome::Replayed,
+            },
+            Err(a) => a,
+        }
+    }
+
+    async fn query(
+        &self,
+        headers: &HeaderMap,
+        peer: &Peer,
+        resource: &str,
+        q: &BTreeMap<String, String>,
+    ) -> Answer {
+        let r = match self.resource(resource) {
+            Ok(r) => r,
+            Err(a) => return a,
+        };
+        for k in q.keys() {
+            if k != "tenant" && k != "project" {
+                return invalid(k, "unknown parameter");
+            }
+        }
+        let tenant = q.get("tenant").cloned().unwrap_or_default();
+        if tenantgate::policy::tenant_id(tenant.as_bytes()).is_none() {
+            return invalid(
+                "tenant",
+                "required: 1 to 128 bytes with no whitespace or control characters",
+            );
+        }
+        let project = q.get("project").cloned().unwrap_or_default();
+        if project_id(&project).is_none() {
+            return invalid(
+                "project",
+                "required: 1 to 128 bytes with no whitespace, control characters or `/`",
+            );
+        }
+        if let Err(a) = self.authorize(headers, peer, &tenant) {
+            return a;
+        }
+        let limits = r.limits_for(&tenant, &project);
+        let now = self.clock.now_ns();
+        let key = (r.name.clone(), tenant.clone(), project.clone());
+        match self.timed(self.store.usage(&r.name, &tenant, &project)).await {
+            Ok(usage) => {
+                let levels = super::levels_json(&usage, &limits);
+                if r.risk == Risk::Low {
+                    let mut m = self.last_known.lock().unwrap_or_else(|e| e.into_inner());
+                    if m.len() < MAX_LAST_KNOWN || m.contains_key(&key) {
+                        m.insert(key, (levels.clone(), now));
+                    }
+                }
+                Answer {
+                    status: 200,
+                    body: query_body(&r, &tenant, &project, levels, now, false),
+                    outcome: Outcome::Replayed,
+                }
+            }
+            Err(e) => {
+                let last = self
+                    .last_known
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(&key)
+                    .cloned();
+                match (r.risk, last) {
+                    (Risk::Low, Some((levels, at))) => Answer {
+                        status: 200,
+                        body: query_body(&r, &tenant, &project, levels, at, true),
+                        outcome: Outcome::Unavailable,
+                    },
+                    _ => unavailable(&e),
+                }
+            }
+        }
+    }
+
+    /// One reclaimer pass: expires every reservation due now, in batches.
+    pub async fn reclaim_once(&self) -> Result<u64, QuotaStoreError> {
+        let mut n = 0u64;
+        loop {
+            let now = self.clock.now_ns();
+            let done = self.timed(self.store.reclaim(now, RECLAIM_BATCH)).await?;
+            for r in &done {
+                self.metrics.reclaim_lag(r.lag_ns);
+            }
+            n = n.saturating_add(done.len() as u64);
+            if done.len() < RECLAIM_BATCH {
+                return Ok(n);
+            }
+        }
+    }
+
+    pub async fn reconcile_once(&self) -> Result<super::Reconciliation, QuotaStoreError> {
+        let r = self.timed(self.store.reconcile(self.clock.now_ns())).await?;
+        let drift = r.drift_units();
+        use std::sync::atomic::Ordering::Relaxed;
+        self.metrics.drift_last.store(drift, Relaxed);
+        self.metrics.drift_total.fetch_add(drift, Relaxed);
+        self.metrics.reconciliations.fetch_add(1, Relaxed);
+        if drift > 0 {
+            warn!(
+                drift,
+                counters = r.repaired.len(),
+                "quota counters drifted from the ledger; repaired by compensation entries"
+            );
+        }
+        Ok(r)
+    }
+}
+
+fn query_body(
+    r: &Resource,
+    tenant: &str,
+    project: &str,
+    levels: Value,
+    as_of: u64,
+    estimate: bool,
+) -> String {
+    json!({
+        "resource": r.name,
+        "unit": r.unit,
+        "tenant": tenant,
+        "project": project,
+        "levels": levels,
+        "as_of": super::rfc3339_ms(as_of),
+        "estimate": estimate,
+    })
+    .to_string()
+}
+
+/// The reservation routes (merged into the API listener's router).
+pub fn router(api: Arc<QuotaApi>) -> Router {
+    Router::new()
+        .route("/v1/reservations", post(reserve_h))
+        .route("/v1/reservations/{id}", get(get_h))
+        .route("/v1/reservations/{id}/commit", post(commit_h))
+        .route("/v1/reservations/{id}/release", post(release_h))
+        .route("/v1/quotas/reconcile", post(reconcile_h))
+        .route("/v1/quotas/{resource}", get(query_h))
+        .route_layer(axum::middleware::from_fn_with_state(api.clone(), limit_in_flight))
+        .with_state(api)
+}
+
+/// Runs a request only with a permit (see [`QuotaApi::with_max_in_flight`]).
+/// A permit is held until the handler returns: a request is never cut
+/// short by the cap, only refused before it starts.
+async fn limit_in_flight(
+    State(api): State<Arc<QuotaApi>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Ok(_permit) = api.in_flight.clone().try_acquire_owned() else {
+        let a = error_answer(
+            503,
+            Outcome::Busy,
+            &format!(
+                "{} reservation requests in progress: try again",
+                api.max_in_flight
+            ),
+            json!({ "transient": true }),
+        );
+        let mut r = counted(&api, a);
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        return r;
+    };
+    next.run(req).await
+}
+
+fn counted(api: &QuotaApi, a: Answer) -> Response {
+    api.metrics.outcome(a.outcome);
+    respond(&a)
+}
+
+async fn reserve_h(
+    State(api): State<Arc<QuotaApi>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let a = api.reserve(&headers, &peer, &body).await;
+    counted(&api, a)
+}
+
+async fn commit_h(
+    State(api): State<Arc<QuotaApi>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    UrlPath(id): UrlPath<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let a = api.commit(&headers, &peer, &id, &body).await;
+    counted(&api, a)
+}
+
+async fn release_h(
+    State(api): State<Arc<QuotaApi>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    UrlPath(id): UrlPath<String>,
+    headers: HeaderMap,
+) -> Response {
+    let a = api.release(&headers, &peer, &id).await;
+    counted(&api, a)
+}
+
+async fn get_h(
+    State(api): State<Arc<QuotaApi>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    UrlPath(id): UrlPath<String>,
+    headers: HeaderMap,
+) -> Response {
+    respond(&api.get(&headers, &peer, &id).await)
+}
+
+async fn query_h(
+    State(api): State<Arc<QuotaApi>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    UrlPath(resource): UrlPath<String>,
+    Query(q): Query<BTreeMap<String, String>>,
+    headers: HeaderMap,
+) -> Response {
+    respond(&api.query(&headers, &peer, &resource, &q).await)
+}
+
+async fn reconcile_h(
+    State(api): State<Arc<QuotaApi>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    headers: HeaderMap,
+) -> Response {
+    if api.grant(&headers, &peer) != Some(Grant::All)
+        && !matches!(api.grant(&headers, &peer), Some(Grant::Tenants(t)) if t.iter().any(|x| x == "*"))
+    {
+        return respond(&error_answer(
+            403,
+            Outcome::Invalid,
+            "reconcile needs a caller allowed every tenant (\"*\")",
+            json!({}),
+        ));
+    }
+    match api.reconcile_once().await {
+        Ok(r) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/json")],
+            json!({ "counters": r.counters, "ledger_entries": r.ledger_entries, "drift_units": r.drift_units(), "repaired": r.repaired }).to_string(),
+        )
+            .into_response(),
+        Err(e) => respond(&unavailable(&e)),
+    }
+}
+
+/// Runs the reclaimer every [`QuotaApi::reclaim_every`] until dropped.
+pub async fn reclaim_every(api: Arc<QuotaApi>) {
+    let mut tick = tokio::time::interval(api.reclaim_every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = api.reclaim_once().await {
+            warn!(error = %e, "quota reclaimer pass failed; the next one runs as usual");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quota::sqlite::SqliteStore;
+    use crate::service::tls::{Peer, SyncListener};
+    use crate::service::ManualClock;
+    use std::future::IntoFuture;
+
+    #[tokio::test]
+    async fn past_max_in_flight_a_request_is_refused_with_503_busy_and_served_once_a_permit_frees() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn QuotaStore> = Arc::new(SqliteStore::open(dir.path()).await.unwrap());
+        let api =
+            Arc::new(QuotaApi::new(store, Arc::new(ManualClock::new(1)), None, None).with_max_in_flight(1));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = router(api.clone()).into_make_service_with_connect_info::<Peer>();
+        tokio::spawn(axum::serve(SyncListener::plain(listener), app).into_future());
+
+        // The one permit is taken (a request in progress).
+        let held = api.in_flight.clone().try_acquire_owned().unwrap();
+        let (status, body) = crate::testing::http(addr, "GET", "/v1/reservations/r1", "")
+            .await
+            .unwrap();
+        assert_eq!(status, 503, "{body}");
+        assert!(body.contains(r#""error":"busy""#), "{body}");
+        drop(held);
+        let (status, body) = crate::testing::http(addr, "GET", "/v1/reservations/r1", "")
+            .await
+            .unwrap();
+        assert_eq!(status, 404, "served once a permit is free: {body}");
+    }
+}

@@ -1,0 +1,785 @@
+//! The shared quota store: PostgreSQL (tokio-postgres, a deadpool pool),
+//! for several service replicas on one database.
+//!
+//! Isolation: READ COMMITTED with row locks in a fixed order. Every
+//! transaction that changes a reservation first locks its resource's three
+//! counter rows (`SELECT … ORDER BY tenant, project FOR UPDATE`: global,
+//! tenant, project), then reads the reservation (a fresh statement, so it
+//! sees whatever the previous holder of the locks committed), decides with
+//! the shared `decide_*` functions and writes. Transactions on one resource
+//! are therefore serialized by its global row, and no two hold locks
+//! crosswise. A first reserve of a new id can still race another one with
+//! other keys on the reservation's primary key; the loser (unique
+//! violation), like a detected deadlock or a serialization failure, is
+//! rolled back and retried, at most [`MAX_ATTEMPTS`] times.
+//! Reconciliation takes `LOCK TABLE counters IN EXCLUSIVE MODE`, so it sees
+//! counters and ledger at rest.
+//!
+//! Migrations are versioned (`schema_migrations`), applied once under an
+//! advisory lock by whichever replica gets there first, on the first
+//! operation (so a replica starts while the database is down and answers
+//! `quota_unavailable` until it is back).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use deadpool_postgres::Transaction;
+use deadpool_postgres::{Config, Pool, PoolConfig, Runtime, Timeouts};
+use tenantgate::policy::quota::LevelLimits;
+use tokio::sync::OnceCell;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{NoTls, Row};
+
+use super::{
+    decide_commit, decide_expire, decide_release, decide_reserve, drifts, not_found, replay, Answer,
+    CounterKey, LedgerEntry, LedgerKind, QuotaStore, QuotaStoreError, Reclaimed, Reconciliation, Reservation,
+    ReserveRequest, State, Step, Usage, Write,
+};
+
+/// Attempts of a transaction that lost a race (see the module header).
+pub const MAX_ATTEMPTS: u32 = 20;
+/// How long opening a connection may take (an unreachable database is
+/// known within this).
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a request waits for a pooled connection (queueing under load).
+pub const POOL_WAIT: Duration = Duration::from_secs(30);
+
+const MIGRATIONS: [&str; 1] = [r#"
+CREATE TABLE reservations (
+    id TEXT PRIMARY KEY, resource TEXT NOT NULL, tenant TEXT NOT NULL, project TEXT NOT NULL,
+    amount BIGINT NOT NULL, ttl_ms BIGINT NOT NULL, state TEXT NOT NULL,
+    created_ns BIGINT NOT NULL, expires_ns BIGINT NOT NULL, committed BIGINT NOT NULL,
+    finished_ns BIGINT, reserve_body TEXT NOT NULL, commit_body TEXT
+);
+CREATE INDEX reservations_due ON reservations (expires_ns) WHERE state = 'reserved';
+CREATE INDEX reservations_live ON reservations (resource, tenant, project, expires_ns) WHERE state = 'reserved';
+CREATE TABLE counters (
+    resource TEXT NOT NULL, tenant TEXT NOT NULL, project TEXT NOT NULL,
+    reserved BIGINT NOT NULL DEFAULT 0, committed BIGINT NOT NULL DEFAULT 0,
+    PRIMARY KEY (resource, tenant, project)
+);
+CREATE TABLE ledger (
+    seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, at_ns BIGINT NOT NULL, kind TEXT NOT NULL,
+    reservation_id TEXT, resource TEXT NOT NULL, tenant TEXT NOT NULL, project TEXT NOT NULL,
+    d_reserved BIGINT NOT NULL, d_committed BIGINT NOT NULL, note TEXT
+);
+CREATE FUNCTION tenantgate_ledger_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN RAISE EXCEPTION 'the ledger is append-only'; END $$;
+CREATE TRIGGER ledger_no_update_delete BEFORE UPDATE OR DELETE ON ledger
+    FOR EACH ROW EXECUTE FUNCTION tenantgate_ledger_append_only();
+CREATE TRIGGER ledger_no_truncate BEFORE TRUNCATE ON ledger
+    FOR EACH STATEMENT EXECUTE FUNCTION tenantgate_ledger_append_only();
+"#];
+
+/// The advisory lock key the migrations run under.
+const MIGRATION_LOCK: i64 = 0x7465_6e61_6e74_6761;
+
+pub struct PostgresStore {
+    pool: Pool,
+    migrated: OnceCell<()>,
+}
+
+fn classify(e: tokio_postgres::Error) -> Failure {
+    let text = match e.as_db_error() {
+        Some(d) => format!("{}: {}", d.code().code(), d.message()),
+        None => e.to_string(),
+    };
+    classify_text(e.code(), text)
+}
+
+fn classify_text(code: Option<&SqlState>, text: String) -> Failure {
+    match code {
+        Some(c)
+            if *c == SqlState::T_R_SERIALIZATION_FAILURE
+                || *c == SqlState::T_R_DEADLOCK_DETECTED
+                || *c == SqlState::UNIQUE_VIOLATION =>
+        {
+            Failure::Retry(text)
+        }
+        Some(c) if c.code().starts_with("08") || c.code().starts_with("57") || c.code().starts_with("53") => {
+            Failure::Fatal(QuotaStoreError::Unavailable(text))
+        }
+        Some(_) => Failure::Fatal(QuotaStoreError::Refused(text)),
+        // No SQLSTATE: the connection broke or could not be made.
+        None => Failure::Fatal(QuotaStoreError::Unavailable(text)),
+    }
+}
+
+enum Failure {
+    Retry(String),
+    Fatal(QuotaStoreError),
+}
+
+impl From<tokio_postgres::Error> for Failure {
+    fn from(e: tokio_postgres::Error) -> Failure {
+        classify(e)
+    }
+}
+
+fn u(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+fn i(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+const RESERVATION_COLUMNS: &str = "id, resource, tenant, project, amount, ttl_ms, state, created_ns, \
+     expires_ns, committed, finished_ns, reserve_body, commit_body";
+
+fn reservation(row: &Row) -> Result<Reservation, tokio_postgres::Error> {
+    let state: String = row.try_get(6)?;
+    Ok(Reservation {
+        id: row.try_get(0)?,
+        resource: row.try_get(1)?,
+        tenant: row.try_get(2)?,
+        project: row.try_get(3)?,
+        amount: u(row.try_get(4)?),
+        ttl_ms: u(row.try_get(5)?),
+        state: State::parse(&state).unwrap_or(State::Expired),
+        created_ns: u(row.try_get(7)?),
+        expires_ns: u(row.try_get(8)?),
+        committed: u(row.try_get(9)?),
+        finished_ns: row.try_get::<_, Option<i64>>(10)?.map(u),
+        reserve_body: row.try_get(11)?,
+        commit_body: row.try_get(12)?,
+    })
+}
+
+async fn load(tx: &Transaction<'_>, id: &str) -> Result<Option<Reservation>, Failure> {
+    let row = cached_query_opt(
+        tx,
+        &format!("SELECT {RESERVATION_COLUMNS} FROM reservations WHERE id = $1"),
+        &[&id],
+    )
+    .await?;
+    Ok(row.as_ref().map(reservation).transpose()?)
+}
+
+/// Creates the three counter rows if `create` (some may be missing), then
+/// locks them in order and returns their values.
+async fn lock_levels(
+    tx: &Transaction<'_>,
+    keys: &[CounterKey; 3],
+    create: bool,
+) -> Result<[Usage; 3], Failure> {
+    let [g, t, p] = keys;
+    if create {
+        cached_execute(
+            tx,
+            "INSERT INTO counters (resource, tenant, project) VALUES ($1, '', ''), ($1, $2, ''), ($1, $2, $3) \
+             ON CONFLICT DO NOTHING",
+            &[&g.resource, &t.tenant, &p.project],
+        )
+        .await?;
+    }
+    let rows = cached_query(tx,
+            "SELECT tenant, project, reserved, committed FROM counters WHERE resource = $1 \
+             AND ((tenant = '' AND project = '') OR (tenant = $2 AND project = '') OR (tenant = $2 AND project = $3)) \
+             ORDER BY tenant, project FOR UPDATE",
+            &[&g.resource, &t.tenant, &p.project],
+        )
+        .await?;
+    let mut out = [Usage::default(); 3];
+    for row in rows {
+        let key = CounterKey {
+            resource: g.resource.clone(),
+            tenant: row.try_get(0)?,
+            project: row.try_get(1)?,
+        };
+        if let Some(slot) = out.get_mut(key.level() as usize) {
+            *slot = Usage {
+                reserved: u(row.try_get(2)?),
+                committed: u(row.try_get(3)?),
+            };
+        }
+    }
+    Ok(out)
+}
+
+async fn cached_query(
+    tx: &Transaction<'_>,
+    sql: &str,
+    p: &[&(dyn ToSql + Sync)],
+) -> Result<Vec<Row>, Failure> {
+    let st = tx.prepare_cached(sql).await?;
+    Ok(tx.query(&st, p).await?)
+}
+
+async fn cached_query_one(
+    tx: &Transaction<'_>,
+    sql: &str,
+    p: &[&(dyn ToSql + Sync)],
+) -> Result<Row, Failure> {
+    let st = tx.prepare_cached(sql).await?;
+    Ok(tx.query_one(&st, p).await?)
+}
+
+async fn cached_query_opt(
+    tx: &Transaction<'_>,
+    sql: &str,
+    p: &[&(dyn ToSql + Sync)],
+) -> Result<Option<Row>, Failure> {
+    let st = tx.prepare_cached(sql).await?;
+    Ok(tx.query_opt(&st, p).await?)
+}
+
+async fn cached_execute(tx: &Transaction<'_>, sql: &str, p: &[&(dyn ToSql + Sync)]) -> Result<u64, Failure> {
+    let st = tx.prepare_cached(sql).await?;
+    Ok(tx.execute(&st, p).await?)
+}
+
+/// The three levels' counters as committed, without locks, and how many
+/// of their rows exist.
+async fn read_levels(tx: &Transaction<'_>, keys: &[CounterKey; 3]) -> Result<([Usage; 3], usize), Failure> {
+    let [g, t, p] = keys;
+    let rows = cached_query(tx,
+            "SELECT tenant, project, reserved, committed FROM counters WHERE resource = $1 \
+             AND ((tenant = '' AND project = '') OR (tenant = $2 AND project = '') OR (tenant = $2 AND project = $3))",
+            &[&g.resource, &t.tenant, &p.project],
+        )
+        .await?;
+    let mut out = [Usage::default(); 3];
+    let found = rows.len();
+    for row in rows {
+        let key = CounterKey {
+            resource: g.resource.clone(),
+            tenant: row.try_get(0)?,
+            project: row.try_get(1)?,
+        };
+        if let Some(slot) = out.get_mut(key.level() as usize) {
+            *slot = Usage {
+                reserved: u(row.try_get(2)?),
+                committed: u(row.try_get(3)?),
+            };
+        }
+    }
+    Ok((out, found))
+}
+
+async fn append(tx: &Transaction<'_>, e: &LedgerEntry) -> Result<(), Failure> {
+    cached_execute(tx,
+        "INSERT INTO ledger (at_ns, kind, reservation_id, resource, tenant, project, d_reserved, d_committed, note) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        &[
+            &i(e.at_ns),
+            &e.kind.as_str(),
+            &e.reservation_id,
+            &e.resource,
+            &e.tenant,
+            &e.project,
+            &e.d_reserved,
+            &e.d_committed,
+            &e.note,
+        ],
+    )
+    .await?;
+    Ok(())
+}
+
+async fn apply(tx: &Transaction<'_>, w: &Write, now_ns: u64) -> Result<(), Failure> {
+    let r = &w.reservation;
+    if w.insert {
+        cached_execute(tx,
+            &format!(
+                "INSERT INTO reservations ({RESERVATION_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
+            ),
+            &[
+                &r.id,
+                &r.resource,
+                &r.tenant,
+                &r.project,
+                &i(r.amount),
+                &i(r.ttl_ms),
+                &r.state.as_str(),
+                &i(r.created_ns),
+                &i(r.expires_ns),
+                &i(r.committed),
+                &r.finished_ns.map(i),
+                &r.reserve_body,
+                &r.commit_body,
+            ],
+        )
+        .await?;
+    } else {
+        cached_execute(tx,
+            "UPDATE reservations SET state = $2, committed = $3, finished_ns = $4, commit_body = $5 WHERE id = $1",
+            &[
+                &r.id,
+                &r.state.as_str(),
+                &i(r.committed),
+                &r.finished_ns.map(i),
+                &r.commit_body,
+            ],
+        )
+        .await?;
+    }
+    cached_execute(tx,
+        "UPDATE counters SET reserved = reserved + $4, committed = committed + $5 WHERE resource = $1 \
+         AND ((tenant = '' AND project = '') OR (tenant = $2 AND project = '') OR (tenant = $2 AND project = $3))",
+        &[&r.resource, &r.tenant, &r.project, &w.d_reserved, &w.d_committed],
+    )
+    .await?;
+    append(
+        tx,
+        &LedgerEntry {
+            seq: 0,
+            at_ns: now_ns,
+            kind: w.kind,
+            reservation_id: Some(r.id.clone()),
+            resource: r.resource.clone(),
+            tenant: r.tenant.clone(),
+            project: r.project.clone(),
+            d_reserved: w.d_reserved,
+            d_committed: w.d_committed,
+            note: None,
+        },
+    )
+    .await
+}
+
+async fn earliest_expiry(tx: &Transaction<'_>, key: &CounterKey) -> Result<Option<u64>, Failure> {
+    let base = "SELECT MIN(expires_ns) FROM reservations WHERE state = 'reserved' AND resource = $1";
+    let row = match key.level() {
+        super::Level::Global => cached_query_one(tx, base, &[&key.resource]).await?,
+        super::Level::Tenant => {
+            cached_query_one(
+                tx,
+                &format!("{base} AND tenant = $2"),
+                &[&key.resource, &key.tenant],
+            )
+            .await?
+        }
+        super::Level::Project => {
+            cached_query_one(
+                tx,
+                &format!("{base} AND tenant = $2 AND project = $3"),
+                &[&key.resource, &key.tenant, &key.project],
+            )
+            .await?
+        }
+    };
+    Ok(row.try_get::<_, Option<i64>>(0)?.map(u))
+}
+
+async fn read_ledger(tx: &Transaction<'_>) -> Result<Vec<LedgerEntry>, Failure> {
+    let rows = cached_query(
+        tx,
+        "SELECT seq, at_ns, kind, reservation_id, resource, tenant, project, d_reserved, d_committed, note \
+             FROM ledger ORDER BY seq",
+        &[],
+    )
+    .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in rows {
+        let kind: String = r.try_get(2)?;
+        out.push(LedgerEntry {
+            seq: r.try_get(0)?,
+            at_ns: u(r.try_get(1)?),
+            kind: LedgerKind::parse(&kind).unwrap_or(LedgerKind::Compensation),
+            reservation_id: r.try_get(3)?,
+            resource: r.try_get(4)?,
+            tenant: r.try_get(5)?,
+            project: r.try_get(6)?,
+            d_reserved: r.try_get(7)?,
+            d_committed: r.try_get(8)?,
+            note: r.try_get(9)?,
+        });
+    }
+    Ok(out)
+}
+
+async fn read_counters(tx: &Transaction<'_>) -> Result<BTreeMap<CounterKey, Usage>, Failure> {
+    let rows = cached_query(
+        tx,
+        "SELECT resource, tenant, project, reserved, committed FROM counters",
+        &[],
+    )
+    .await?;
+    let mut out = BTreeMap::new();
+    for r in rows {
+        out.insert(
+            CounterKey {
+                resource: r.try_get(0)?,
+                tenant: r.try_get(1)?,
+                project: r.try_get(2)?,
+            },
+            Usage {
+                reserved: u(r.try_get(3)?),
+                committed: u(r.try_get(4)?),
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// A transaction body: borrows the transaction, returns a boxed future.
+type Body<'a, T> = Box<
+    dyn for<'t> Fn(&'t Transaction<'t>) -> futures_box::BoxFuture<'t, Result<T, Failure>> + Send + Sync + 'a,
+>;
+
+mod futures_box {
+    pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+}
+
+impl PostgresStore {
+    /// A pool of up to `pool_size` connections to `url` (a `postgres://`
+    /// URL or a `host=… port=…` string). Connects lazily.
+    pub async fn connect(url: &str, pool_size: usize) -> Result<PostgresStore, QuotaStoreError> {
+        let mut cfg = Config::new();
+        cfg.url = Some(url.to_owned());
+        let mut pool = PoolConfig::new(pool_size.max(1));
+        pool.timeouts = Timeouts {
+            wait: Some(POOL_WAIT),
+            create: Some(CONNECT_TIMEOUT),
+            recycle: Some(CONNECT_TIMEOUT),
+        };
+        cfg.pool = Some(pool);
+        let pool = cfg
+            .create_pool(Some(Runtime::Tokio1), NoTls)
+            .map_err(|e| QuotaStoreError::Refused(e.to_string()))?;
+        Ok(PostgresStore {
+            pool,
+            migrated: OnceCell::new(),
+        })
+    }
+
+    async fn migrate(&self) -> Result<(), QuotaStoreError> {
+        self.migrated
+            .get_or_try_init(|| async {
+                let body: Body<'_, ()> = Box::new(|tx| {
+                    Box::pin(async move {
+                        cached_execute(tx, "SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK]).await?;
+                        tx.batch_execute(
+                            "CREATE TABLE IF NOT EXISTS schema_migrations (version INT PRIMARY KEY, applied_ns BIGINT NOT NULL)",
+                        )
+                        .await?;
+                        let row = cached_query_one(tx, "SELECT COALESCE(MAX(version), 0) FROM schema_migrations", &[])
+                            .await?;
+                        let applied: i32 = row.try_get(0)?;
+                        for (n, m) in MIGRATIONS.iter().enumerate().skip(usize::try_from(applied).unwrap_or(0)) {
+                            tx.batch_execute(m).await?;
+                            let version = i32::try_from(n + 1).unwrap_or(i32::MAX);
+                            cached_execute(tx,
+                                "INSERT INTO schema_migrations (version, applied_ns) VALUES ($1, 0)",
+                                &[&version],
+                            )
+                            .await?;
+                        }
+                        Ok(())
+                    })
+                });
+                self.run_unmigrated(body).await
+            })
+            .await
+            .map(|_| ())
+    }
+
+    /// Runs `body` in a transaction, retried on a lost race.
+    async fn run<T>(&self, body: Body<'_, T>) -> Result<T, QuotaStoreError> {
+        self.migrate().await?;
+        self.run_unmigrated(body).await
+    }
+
+    async fn run_unmigrated<T>(&self, body: Body<'_, T>) -> Result<T, QuotaStoreError> {
+        let mut last = String::new();
+        for _ in 0..MAX_ATTEMPTS {
+            let mut client = self
+                .pool
+                .get()
+                .await
+                .map_err(|e| QuotaStoreError::Unavailable(e.to_string()))?;
+            let tx = match client.transaction().await {
+                Ok(tx) => tx,
+                Err(e) => match classify(e) {
+                    Failure::Retry(m) => {
+                        last = m;
+                        continue;
+                    }
+                    Failure::Fatal(e) => return Err(e),
+                },
+            };
+            let result = match body(&tx).await {
+                Ok(v) => tx.commit().await.map(|()| v).map_err(classify),
+                Err(f) => {
+                    let _ = tx.rollback().await;
+                    Err(f)
+                }
+            };
+            match result {
+                Ok(v) => return Ok(v),
+                Err(Failure::Retry(m)) => last = m,
+                Err(Failure::Fatal(e)) => return Err(e),
+            }
+        }
+        Err(QuotaStoreError::Unavailable(format!(
+            "{MAX_ATTEMPTS} attempts lost a race in a row: {last}"
+        )))
+    }
+
+    /// Runs raw SQL outside the service's logic (tests inject drift with it).
+    pub async fn execute_raw(&self, sql: &str) -> Result<(), QuotaStoreError> {
+        let sql = sql.to_owned();
+        let body: Body<'_, ()> = Box::new(move |tx| {
+            let sql = sql.clone();
+            Box::pin(async move { Ok(tx.batch_execute(&sql).await?) })
+        });
+        self.run(body).await
+    }
+
+    /// One transition of an existing reservation under its counters' locks.
+    async fn transition(
+        &self,
+        id: &str,
+        now_ns: u64,
+        decide: impl Fn(&Reservation) -> Step + Send + Sync + Copy + 'static,
+    ) -> Result<Answer, QuotaStoreError> {
+        let id = id.to_owned();
+        let body: Body<'_, Answer> = Box::new(move |tx| {
+            let id = id.clone();
+            Box::pin(async move {
+                let Some(first) = load(tx, &id).await? else {
+                    return Ok(not_found(&id));
+                };
+                // A reservation's counter rows exist (its reserve made them).
+                lock_levels(tx, &first.keys(), false).await?;
+                let Some(r) = load(tx, &id).await? else {
+                    return Ok(not_found(&id));
+                };
+                let step = decide(&r);
+                if let Some(w) = &step.write {
+                    apply(tx, w, now_ns).await?;
+                }
+                Ok(step.answer)
+            })
+        });
+        self.run(body).await
+    }
+}
+
+#[async_trait]
+impl QuotaStore for PostgresStore {
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn ping(&self) -> Result<(), QuotaStoreError> {
+        let body: Body<'_, ()> = Box::new(|tx| {
+            Box::pin(async move {
+                cached_query_one(tx, "SELECT 1", &[]).await?;
+                Ok(())
+            })
+        });
+        self.run(body).await
+    }
+
+    async fn reserve(
+        &self,
+        req: &ReserveRequest,
+        limits: LevelLimits,
+        now_ns: u64,
+    ) -> Result<Answer, QuotaStoreError> {
+        let req = req.clone();
+        let body: Body<'_, Answer> = Box::new(move |tx| {
+            let req = req.clone();
+            Box::pin(async move {
+                // A reservation's parameters and answer never change once
+                // written: a retry is answered from it without the locks.
+                if let Some(existing) = load(tx, &req.reservation_id).await? {
+                    let step = decide_reserve(
+                        &req,
+                        Some(&existing),
+                        &[Usage::default(); 3],
+                        &limits,
+                        now_ns,
+                        &mut |_| None,
+                    );
+                    return Ok(step.answer);
+                }
+                let keys = CounterKey::levels(&req.resource, &req.tenant, &req.project);
+                // A refusal needs no lock: the committed state it read is
+                // over the limit, a valid answer as of that read (and a
+                // read-only transaction costs no WAL flush). A grant locks
+                // the three rows and decides again on what they hold.
+                let (seen, found) = read_levels(tx, &keys).await?;
+                let (usage, existing) = if super::binding_level(&seen, &limits, req.amount).is_some() {
+                    (seen, None)
+                } else {
+                    let usage = lock_levels(tx, &keys, found < 3).await?;
+                    (usage, load(tx, &req.reservation_id).await?)
+                };
+                // The retry hint needs a query: only for the level that
+                // binds, and only if it holds reservations that will expire.
+                let mut hint = None;
+                if existing.is_none() {
+                    if let Some(level) = super::binding_level(&usage, &limits, req.amount) {
+                        let live = usage.get(level as usize).is_some_and(|u| u.reserved > 0);
+                        if let (true, Some(k)) = (live, keys.get(level as usize)) {
+                            hint = earliest_expiry(tx, k).await?;
+                        }
+                    }
+                }
+                let step = decide_reserve(&req, existing.as_ref(), &usage, &limits, now_ns, &mut |_| hint);
+                if let Some(w) = &step.write {
+                    apply(tx, w, now_ns).await?;
+                }
+                Ok(step.answer)
+            })
+        });
+        self.run(body).await
+    }
+
+    async fn commit(&self, id: &str, amount: Option<u64>, now_ns: u64) -> Result<Answer, QuotaStoreError> {
+        match amount {
+            Some(a) => {
+                self.transition(id, now_ns, move |r| decide_commit(r, Some(a), now_ns))
+                    .await
+            }
+            None => {
+                self.transition(id, now_ns, move |r| decide_commit(r, None, now_ns))
+                    .await
+            }
+        }
+    }
+
+    async fn release(&self, id: &str, now_ns: u64) -> Result<Answer, QuotaStoreError> {
+        self.transition(id, now_ns, move |r| decide_release(r, now_ns))
+            .await
+    }
+
+    async fn get(&self, id: &str) -> Result<Option<Reservation>, QuotaStoreError> {
+        let id = id.to_owned();
+        let body: Body<'_, Option<Reservation>> = Box::new(move |tx| {
+            let id = id.clone();
+            Box::pin(async move { load(tx, &id).await })
+        });
+        self.run(body).await
+    }
+
+    async fn usage(
+        &self,
+        resource: &str,
+        tenant: &str,
+        project: &str,
+    ) -> Result<[Usage; 3], QuotaStoreError> {
+        let keys = CounterKey::levels(resource, tenant, project);
+        let body: Body<'_, [Usage; 3]> = Box::new(move |tx| {
+            let keys = keys.clone();
+            Box::pin(async move {
+                let mut out = [Usage::default(); 3];
+                for (slot, k) in out.iter_mut().zip(&keys) {
+                    if let Some(row) = cached_query_opt(tx,
+                            "SELECT reserved, committed FROM counters WHERE resource = $1 AND tenant = $2 AND project = $3",
+                            &[&k.resource, &k.tenant, &k.project],
+                        )
+                        .await?
+                    {
+                        *slot = Usage {
+                            reserved: u(row.try_get(0)?),
+                            committed: u(row.try_get(1)?),
+                        };
+                    }
+                }
+                Ok(out)
+            })
+        });
+        self.run(body).await
+    }
+
+    async fn reclaim(&self, now_ns: u64, max: usize) -> Result<Vec<Reclaimed>, QuotaStoreError> {
+        let body: Body<'_, Vec<(String, u64, String)>> = Box::new(move |tx| {
+            Box::pin(async move {
+                let rows = cached_query(tx,
+                        "SELECT id, expires_ns, resource FROM reservations WHERE state = 'reserved' AND expires_ns <= $1 \
+                         ORDER BY expires_ns LIMIT $2",
+                        &[&i(now_ns), &i(max as u64)],
+                    )
+                    .await?;
+                let mut out = Vec::with_capacity(rows.len());
+                for r in rows {
+                    out.push((r.try_get(0)?, u(r.try_get(1)?), r.try_get(2)?));
+                }
+                Ok(out)
+            })
+        });
+        let due = self.run(body).await?;
+        let mut out = Vec::with_capacity(due.len());
+        for (id, expires_ns, resource) in due {
+            // Each in its own transaction under its counters' locks: a
+            // commit that got there first wins, and this finds it committed.
+            let answer = self
+                .transition(&id, now_ns, move |r| match decide_expire(r, now_ns) {
+                    Some(w) => Step {
+                        answer: Answer {
+                            status: 200,
+                            body: String::new(),
+                            outcome: super::Outcome::Expired,
+                        },
+                        write: Some(w),
+                    },
+                    None => Step {
+                        answer: Answer {
+                            status: 304,
+                            body: String::new(),
+                            outcome: super::Outcome::Replayed,
+                        },
+                        write: None,
+                    },
+                })
+                .await?;
+            if answer.status == 200 {
+                out.push(Reclaimed {
+                    id,
+                    resource,
+                    lag_ns: now_ns.saturating_sub(expires_ns),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    async fn reconcile(&self, now_ns: u64) -> Result<Reconciliation, QuotaStoreError> {
+        let body: Body<'_, Reconciliation> = Box::new(move |tx| {
+            Box::pin(async move {
+                tx.batch_execute("LOCK TABLE counters IN EXCLUSIVE MODE").await?;
+                let counters = read_counters(tx).await?;
+                let ledger = read_ledger(tx).await?;
+                let derived = replay(&ledger);
+                let repaired = drifts(&counters, &derived);
+                for d in &repaired {
+                    cached_execute(tx,
+                        "INSERT INTO counters (resource, tenant, project, reserved, committed) VALUES ($1, $2, $3, $4, $5) \
+                         ON CONFLICT (resource, tenant, project) DO UPDATE SET reserved = $4, committed = $5",
+                        &[
+                            &d.key.resource,
+                            &d.key.tenant,
+                            &d.key.project,
+                            &i(d.ledger.reserved),
+                            &i(d.ledger.committed),
+                        ],
+                    )
+                    .await?;
+                    append(tx, &d.compensation(now_ns)).await?;
+                }
+                Ok(Reconciliation {
+                    counters: counters.len() as u64,
+                    ledger_entries: ledger.len() as u64,
+                    repaired,
+                })
+            })
+        });
+        self.run(body).await
+    }
+
+    async fn ledger(&self) -> Result<Vec<LedgerEntry>, QuotaStoreError> {
+        let body: Body<'_, Vec<LedgerEntry>> = Box::new(|tx| Box::pin(read_ledger(tx)));
+        self.run(body).await
+    }
+
+    async fn counters(&self) -> Result<BTreeMap<CounterKey, Usage>, QuotaStoreError> {
+        let body: Body<'_, BTreeMap<CounterKey, Usage>> = Box::new(|tx| Box::pin(read_counters(tx)));
+        self.run(body).await
+    }
+}

@@ -1,0 +1,453 @@
+//! The embedded quota store: one SQLite file (`quota.sqlite3`) in the
+//! configured data directory, rusqlite with its bundled library.
+//!
+//! WAL journal, `synchronous=FULL`: a transaction that committed survives a
+//! crash of the process or the machine. One connection, behind a mutex;
+//! every operation runs on tokio's blocking pool and is one `BEGIN
+//! IMMEDIATE` transaction, so transactions are serialized (one writer) and
+//! the decision reads what the previous transaction wrote. One process
+//! owns the file: several replicas need [`super::PostgresStore`].
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+use tenantgate::policy::quota::LevelLimits;
+
+use super::{
+    decide_commit, decide_expire, decide_release, decide_reserve, drifts, not_found, replay, Answer,
+    CounterKey, LedgerEntry, LedgerKind, QuotaStore, QuotaStoreError, Reclaimed, Reconciliation, Reservation,
+    ReserveRequest, State, Usage, Write,
+};
+
+/// The file inside the data directory.
+pub const FILE_NAME: &str = "quota.sqlite3";
+
+/// Versioned migrations, applied in order at open; `PRAGMA user_version`
+/// records the last applied.
+const MIGRATIONS: [&str; 1] = [r#"
+CREATE TABLE reservations (
+    id TEXT PRIMARY KEY, resource TEXT NOT NULL, tenant TEXT NOT NULL, project TEXT NOT NULL,
+    amount INTEGER NOT NULL, ttl_ms INTEGER NOT NULL, state TEXT NOT NULL,
+    created_ns INTEGER NOT NULL, expires_ns INTEGER NOT NULL, committed INTEGER NOT NULL,
+    finished_ns INTEGER, reserve_body TEXT NOT NULL, commit_body TEXT
+);
+CREATE INDEX reservations_due ON reservations (expires_ns) WHERE state = 'reserved';
+CREATE INDEX reservations_live ON reservations (resource, tenant, project, expires_ns) WHERE state = 'reserved';
+CREATE TABLE counters (
+    resource TEXT NOT NULL, tenant TEXT NOT NULL, project TEXT NOT NULL,
+    reserved INTEGER NOT NULL DEFAULT 0, committed INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (resource, tenant, project)
+);
+CREATE TABLE ledger (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, at_ns INTEGER NOT NULL, kind TEXT NOT NULL,
+    reservation_id TEXT, resource TEXT NOT NULL, tenant TEXT NOT NULL, project TEXT NOT NULL,
+    d_reserved INTEGER NOT NULL, d_committed INTEGER NOT NULL, note TEXT
+);
+CREATE TRIGGER ledger_no_update BEFORE UPDATE ON ledger
+    BEGIN SELECT RAISE(ABORT, 'the ledger is append-only'); END;
+CREATE TRIGGER ledger_no_delete BEFORE DELETE ON ledger
+    BEGIN SELECT RAISE(ABORT, 'the ledger is append-only'); END;
+"#];
+
+pub struct SqliteStore {
+    conn: Arc<Mutex<Connection>>,
+    path: PathBuf,
+}
+
+fn refused(e: rusqlite::Error) -> QuotaStoreError {
+    match &e {
+        rusqlite::Error::SqliteFailure(f, _)
+            if matches!(
+                f.code,
+                rusqlite::ErrorCode::DatabaseBusy
+                    | rusqlite::ErrorCode::DatabaseLocked
+                    | rusqlite::ErrorCode::SystemIoFailure
+                    | rusqlite::ErrorCode::DiskFull
+                    | rusqlite::ErrorCode::CannotOpen
+            ) =>
+        {
+            QuotaStoreError::Unavailable(e.to_string())
+        }
+        _ => QuotaStoreError::Refused(e.to_string()),
+    }
+}
+
+fn u(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+fn i(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+const RESERVATION_COLUMNS: &str = "id, resource, tenant, project, amount, ttl_ms, state, created_ns, \
+     expires_ns, committed, finished_ns, reserve_body, commit_body";
+
+fn reservation(row: &rusqlite::Row<'_>) -> rusqlite::Result<Reservation> {
+    let state: String = row.get(6)?;
+    Ok(Reservation {
+        id: row.get(0)?,
+        resource: row.get(1)?,
+        tenant: row.get(2)?,
+        project: row.get(3)?,
+        amount: u(row.get(4)?),
+        ttl_ms: u(row.get(5)?),
+        state: State::parse(&state).unwrap_or(State::Expired),
+        created_ns: u(row.get(7)?),
+        expires_ns: u(row.get(8)?),
+        committed: u(row.get(9)?),
+        finished_ns: row.get::<_, Option<i64>>(10)?.map(u),
+        reserve_body: row.get(11)?,
+        commit_body: row.get(12)?,
+    })
+}
+
+fn load(tx: &rusqlite::Transaction<'_>, id: &str) -> rusqlite::Result<Option<Reservation>> {
+    tx.query_row(
+        &format!("SELECT {RESERVATION_COLUMNS} FROM reservations WHERE id = ?1"),
+        [id],
+        reservation,
+    )
+    .optional()
+}
+
+fn usage_of(tx: &rusqlite::Transaction<'_>, keys: &[CounterKey; 3]) -> rusqlite::Result<[Usage; 3]> {
+    let mut out = [Usage::default(); 3];
+    for (slot, k) in out.iter_mut().zip(keys) {
+        let row = tx
+            .query_row(
+                "SELECT reserved, committed FROM counters WHERE resource = ?1 AND tenant = ?2 AND project = ?3",
+                params![k.resource, k.tenant, k.project],
+                |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)),
+            )
+            .optional()?;
+        if let Some((r, c)) = row {
+            *slot = Usage {
+                reserved: u(r),
+                committed: u(c),
+            };
+        }
+    }
+    Ok(out)
+}
+
+fn append(tx: &rusqlite::Transaction<'_>, e: &LedgerEntry) -> rusqlite::Result<()> {
+    tx.execute(
+        "INSERT INTO ledger (at_ns, kind, reservation_id, resource, tenant, project, d_reserved, d_committed, note) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+        params![
+            i(e.at_ns),
+            e.kind.as_str(),
+            e.reservation_id,
+            e.resource,
+            e.tenant,
+            e.project,
+            e.d_reserved,
+            e.d_committed,
+            e.note
+        ],
+    )?;
+    Ok(())
+}
+
+fn apply(tx: &rusqlite::Transaction<'_>, w: &Write, now_ns: u64) -> rusqlite::Result<()> {
+    let r = &w.reservation;
+    if w.insert {
+        tx.execute(
+            &format!("INSERT INTO reservations ({RESERVATION_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)"),
+            params![
+                r.id, r.resource, r.tenant, r.project, i(r.amount), i(r.ttl_ms), r.state.as_str(),
+                i(r.created_ns), i(r.expires_ns), i(r.committed), r.finished_ns.map(i), r.reserve_body, r.commit_body
+            ],
+        )?;
+    } else {
+        tx.execute(
+            "UPDATE reservations SET state = ?2, committed = ?3, finished_ns = ?4, commit_body = ?5 WHERE id = ?1",
+            params![r.id, r.state.as_str(), i(r.committed), r.finished_ns.map(i), r.commit_body],
+        )?;
+    }
+    for k in r.keys() {
+        tx.execute(
+            "INSERT INTO counters (resource, tenant, project, reserved, committed) VALUES (?1, ?2, ?3, ?4, ?5) \
+             ON CONFLICT (resource, tenant, project) DO UPDATE SET reserved = reserved + ?4, committed = committed + ?5",
+            params![k.resource, k.tenant, k.project, w.d_reserved, w.d_committed],
+        )?;
+    }
+    append(
+        tx,
+        &LedgerEntry {
+            seq: 0,
+            at_ns: now_ns,
+            kind: w.kind,
+            reservation_id: Some(r.id.clone()),
+            resource: r.resource.clone(),
+            tenant: r.tenant.clone(),
+            project: r.project.clone(),
+            d_reserved: w.d_reserved,
+            d_committed: w.d_committed,
+            note: None,
+        },
+    )
+}
+
+fn earliest_expiry(tx: &rusqlite::Transaction<'_>, key: &CounterKey) -> Option<u64> {
+    // One query per level, so that the live-reservations index serves it.
+    let base = "SELECT MIN(expires_ns) FROM reservations WHERE state = 'reserved' AND resource = ?1";
+    let row = match key.level() {
+        super::Level::Global => tx.query_row(base, params![key.resource], |r| r.get::<_, Option<i64>>(0)),
+        super::Level::Tenant => tx.query_row(
+            &format!("{base} AND tenant = ?2"),
+            params![key.resource, key.tenant],
+            |r| r.get::<_, Option<i64>>(0),
+        ),
+        super::Level::Project => tx.query_row(
+            &format!("{base} AND tenant = ?2 AND project = ?3"),
+            params![key.resource, key.tenant, key.project],
+            |r| r.get::<_, Option<i64>>(0),
+        ),
+    };
+    row.ok().flatten().map(u)
+}
+
+impl SqliteStore {
+    /// Opens (creating) `dir/quota.sqlite3` and applies the migrations.
+    pub async fn open(dir: &Path) -> Result<SqliteStore, QuotaStoreError> {
+        let dir = dir.to_owned();
+        tokio::task::spawn_blocking(move || SqliteStore::open_blocking(&dir))
+            .await
+            .map_err(|e| QuotaStoreError::Refused(e.to_string()))?
+    }
+
+    fn open_blocking(dir: &Path) -> Result<SqliteStore, QuotaStoreError> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| QuotaStoreError::Unavailable(format!("{}: {e}", dir.display())))?;
+        let path = dir.join(FILE_NAME);
+        let mut conn = Connection::open(&path).map_err(refused)?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))
+            .map_err(refused)?;
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(refused)?;
+        conn.pragma_update(None, "synchronous", "FULL").map_err(refused)?;
+        let version: i64 = conn
+            .pragma_query_value(None, "user_version", |r| r.get(0))
+            .map_err(refused)?;
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(refused)?;
+        for (n, m) in MIGRATIONS.iter().enumerate().skip(u(version) as usize) {
+            tx.execute_batch(m).map_err(refused)?;
+            tx.pragma_update(None, "user_version", (n + 1) as i64)
+                .map_err(refused)?;
+        }
+        tx.commit().map_err(refused)?;
+        Ok(SqliteStore {
+            conn: Arc::new(Mutex::new(conn)),
+            path,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs `f` in one IMMEDIATE transaction on the blocking pool.
+    async fn tx<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&rusqlite::Transaction<'_>) -> rusqlite::Result<T> + Send + 'static,
+    ) -> Result<T, QuotaStoreError> {
+        let conn = self.conn.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut c = conn.lock().unwrap_or_else(|e| e.into_inner());
+            let tx = c
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(refused)?;
+            let out = f(&tx).map_err(refused)?;
+            tx.commit().map_err(refused)?;
+            Ok(out)
+        })
+        .await
+        .map_err(|e| QuotaStoreError::Refused(format!("the store's task failed: {e}")))?
+    }
+
+    /// Runs raw SQL outside the service's logic (tests inject drift with it).
+    pub async fn execute_raw(&self, sql: &str) -> Result<(), QuotaStoreError> {
+        let sql = sql.to_owned();
+        self.tx(move |tx| tx.execute_batch(&sql)).await
+    }
+
+    fn transition(
+        tx: &rusqlite::Transaction<'_>,
+        id: &str,
+        now_ns: u64,
+        decide: impl FnOnce(&Reservation) -> super::Step,
+    ) -> rusqlite::Result<Answer> {
+        let Some(r) = load(tx, id)? else {
+            return Ok(not_found(id));
+        };
+        let step = decide(&r);
+        if let Some(w) = &step.write {
+            apply(tx, w, now_ns)?;
+        }
+        Ok(step.answer)
+    }
+}
+
+#[async_trait]
+impl QuotaStore for SqliteStore {
+    fn kind(&self) -> &'static str {
+        "sqlite"
+    }
+
+    async fn ping(&self) -> Result<(), QuotaStoreError> {
+        self.tx(|tx| tx.query_row("SELECT 1", [], |_| Ok(()))).await
+    }
+
+    async fn reserve(
+        &self,
+        req: &ReserveRequest,
+        limits: LevelLimits,
+        now_ns: u64,
+    ) -> Result<Answer, QuotaStoreError> {
+        let req = req.clone();
+        self.tx(move |tx| {
+            let keys = CounterKey::levels(&req.resource, &req.tenant, &req.project);
+            let existing = load(tx, &req.reservation_id)?;
+            let usage = usage_of(tx, &keys)?;
+            let step = decide_reserve(&req, existing.as_ref(), &usage, &limits, now_ns, &mut |level| {
+                earliest_expiry(tx, &keys[level as usize])
+            });
+            if let Some(w) = &step.write {
+                apply(tx, w, now_ns)?;
+            }
+            Ok(step.answer)
+        })
+        .await
+    }
+
+    async fn commit(&self, id: &str, amount: Option<u64>, now_ns: u64) -> Result<Answer, QuotaStoreError> {
+        let id = id.to_owned();
+        self.tx(move |tx| SqliteStore::transition(tx, &id, now_ns, |r| decide_commit(r, amount, now_ns)))
+            .await
+    }
+
+    async fn release(&self, id: &str, now_ns: u64) -> Result<Answer, QuotaStoreError> {
+        let id = id.to_owned();
+        self.tx(move |tx| SqliteStore::transition(tx, &id, now_ns, |r| decide_release(r, now_ns)))
+            .await
+    }
+
+    async fn get(&self, id: &str) -> Result<Option<Reservation>, QuotaStoreError> {
+        let id = id.to_owned();
+        self.tx(move |tx| load(tx, &id)).await
+    }
+
+    async fn usage(
+        &self,
+        resource: &str,
+        tenant: &str,
+        project: &str,
+    ) -> Result<[Usage; 3], QuotaStoreError> {
+        let keys = CounterKey::levels(resource, tenant, project);
+        self.tx(move |tx| usage_of(tx, &keys)).await
+    }
+
+    async fn reclaim(&self, now_ns: u64, max: usize) -> Result<Vec<Reclaimed>, QuotaStoreError> {
+        self.tx(move |tx| {
+            let due: Vec<Reservation> = {
+                let mut st = tx.prepare(&format!(
+                    "SELECT {RESERVATION_COLUMNS} FROM reservations WHERE state = 'reserved' AND expires_ns <= ?1 \
+                     ORDER BY expires_ns LIMIT ?2"
+                ))?;
+                let rows = st.query_map(params![i(now_ns), i(max as u64)], reservation)?;
+                rows.collect::<rusqlite::Result<_>>()?
+            };
+            let mut out = Vec::with_capacity(due.len());
+            for r in due {
+                if let Some(w) = decide_expire(&r, now_ns) {
+                    apply(tx, &w, now_ns)?;
+                    out.push(Reclaimed {
+                        id: r.id.clone(),
+                        resource: r.resource.clone(),
+                        lag_ns: now_ns.saturating_sub(r.expires_ns),
+                    });
+                }
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn reconcile(&self, now_ns: u64) -> Result<Reconciliation, QuotaStoreError> {
+        self.tx(move |tx| {
+            let ledger = read_ledger(tx)?;
+            let counters = read_counters(tx)?;
+            let derived = replay(&ledger);
+            let repaired = drifts(&counters, &derived);
+            for d in &repaired {
+                tx.execute(
+                    "INSERT INTO counters (resource, tenant, project, reserved, committed) VALUES (?1, ?2, ?3, ?4, ?5) \
+                     ON CONFLICT (resource, tenant, project) DO UPDATE SET reserved = ?4, committed = ?5",
+                    params![d.key.resource, d.key.tenant, d.key.project, i(d.ledger.reserved), i(d.ledger.committed)],
+                )?;
+                append(tx, &d.compensation(now_ns))?;
+            }
+            Ok(Reconciliation {
+                counters: counters.len() as u64,
+                ledger_entries: ledger.len() as u64,
+                repaired,
+            })
+        })
+        .await
+    }
+
+    async fn ledger(&self) -> Result<Vec<LedgerEntry>, QuotaStoreError> {
+        self.tx(read_ledger).await
+    }
+
+    async fn counters(&self) -> Result<BTreeMap<CounterKey, Usage>, QuotaStoreError> {
+        self.tx(read_counters).await
+    }
+}
+
+fn read_ledger(tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<Vec<LedgerEntry>> {
+    let mut st = tx.prepare(
+        "SELECT seq, at_ns, kind, reservation_id, resource, tenant, project, d_reserved, d_committed, note \
+         FROM ledger ORDER BY seq",
+    )?;
+    let rows = st.query_map([], |r| {
+        let kind: String = r.get(2)?;
+        Ok(LedgerEntry {
+            seq: r.get(0)?,
+            at_ns: u(r.get(1)?),
+            kind: LedgerKind::parse(&kind).unwrap_or(LedgerKind::Compensation),
+            reservation_id: r.get(3)?,
+            resource: r.get(4)?,
+            tenant: r.get(5)?,
+            project: r.get(6)?,
+            d_reserved: r.get(7)?,
+            d_committed: r.get(8)?,
+            note: r.get(9)?,
+        })
+    })?;
+    rows.collect()
+}
+
+fn read_counters(tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<BTreeMap<CounterKey, Usage>> {
+    let mut st = tx.prepare("SELECT resource, tenant, project, reserved, committed FROM counters")?;
+    let rows = st.query_map([], |r| {
+        Ok((
+            CounterKey {
+                resource: r.get(0)?,
+                tenant: r.get(1)?,
+                project: r.get(2)?,
+            },
+            Usage {
+                reserved: u(r.get(3)?),
+                committed: u(r.get(4)?),
+            },
+        ))
+    })?;
+    rows.collect()
+}

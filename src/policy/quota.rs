@@ -1,0 +1,351 @@
+//! `quotas:` reservable amounts (concurrent jobs, bytes, GPU hours, seats)
+//! that the central service hands out by reservation (`tenantgate serve`,
+//! `POST /v1/reservations`). The filter only validates this section.
+//!
+//! Each resource has limits at three levels, always checked in this order:
+//! **global** (the whole pool), **tenant** (a default for every tenant,
+//! overridden per tenant) and **project** (a default for every project of a
+//! tenant, overridden per `tenant/project`). A level with no limit written
+//! is unlimited. `tenant_share_pct` caps every tenant's limit at that share
+//! of the global pool, so one tenant cannot take the whole pool even where
+//! its own limit (or the absence of one) would let it.
+//!
+//! Amounts are whole units (`unit` only names them), 1 to
+//! [`MAX_QUOTA_AMOUNT`]; sums of three levels' amounts stay far below
+//! `i64::MAX`, the databases' integer.
+//!
+//! Hot reload: a new limit applies to reservations made after it; lowering
+//! a limit below what is already reserved or committed refuses new
+//! reservations at that level until usage falls below it, and never
+//! cancels or shrinks an existing reservation.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use super::duration::parse_duration_ns;
+use super::error::{FieldPath, PolicyError};
+use super::{is_name, tenant_id};
+
+/// The largest limit or amount: 10^15 units.
+pub const MAX_QUOTA_AMOUNT: u64 = 1_000_000_000_000_000;
+/// Default and bounds of a reservation's time to live.
+pub const DEFAULT_TTL_NS: u64 = 300 * NANOS_PER_SEC;
+pub const DEFAULT_MAX_TTL_NS: u64 = 86_400 * NANOS_PER_SEC;
+pub const MIN_TTL_NS: u64 = NANOS_PER_SEC;
+pub const MAX_MAX_TTL_NS: u64 = 30 * 86_400 * NANOS_PER_SEC;
+const NANOS_PER_SEC: u64 = 1_000_000_000;
+
+/// `quotas.<resource>.risk:` what the service does when its database is
+/// unreachable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Risk {
+    /// Fail closed: `503 quota_unavailable`, nothing debited, no estimate.
+    High,
+    /// Reservations still fail closed; queries may answer the last known
+    /// figures marked `estimate: true`.
+    Low,
+}
+
+impl Risk {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Risk::High => "high",
+            Risk::Low => "low",
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResourceSpec {
+    pub unit: String,
+    pub risk: Risk,
+    pub limits: LimitsSpec,
+    #[serde(default)]
+    pub tenant_share_pct: Option<i64>,
+    #[serde(default)]
+    pub default_ttl: Option<String>,
+    #[serde(default)]
+    pub max_ttl: Option<String>,
+    #[serde(default)]
+    pub home_region: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsSpec {
+    pub global: i64,
+    #[serde(default)]
+    pub tenant_default: Option<i64>,
+    #[serde(default)]
+    pub tenants: BTreeMap<String, i64>,
+    #[serde(default)]
+    pub project_default: Option<i64>,
+    /// Keyed `tenant/project`.
+    #[serde(default)]
+    pub projects: BTreeMap<String, i64>,
+}
+
+/// The compiled `quotas:` section, by resource name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Quotas {
+    pub resources: BTreeMap<String, Resource>,
+}
+
+/// One reservable resource, defaults applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resource {
+    pub name: String,
+    pub unit: String,
+    pub risk: Risk,
+    pub global: u64,
+    /// `None`: unlimited at that level (before `tenant_share_pct`).
+    pub tenant_default: Option<u64>,
+    pub tenants: BTreeMap<String, u64>,
+    pub project_default: Option<u64>,
+    /// Keyed by (tenant, project).
+    pub projects: BTreeMap<(String, String), u64>,
+    pub tenant_share_pct: Option<u64>,
+    pub default_ttl_ns: u64,
+    pub max_ttl_ns: u64,
+    /// The only region whose replicas accept reservations of it (`None`:
+    /// every region).
+    pub home_region: Option<String>,
+}
+
+/// The limits in force for one (tenant, project): what a reservation is
+/// checked against, in the fixed order global, tenant, project.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LevelLimits {
+    pub global: u64,
+    pub tenant: u64,
+    pub project: u64,
+}
+
+impl Resource {
+    /// The limits for `tenant`'s `project` (unlimited levels are
+    /// [`MAX_QUOTA_AMOUNT`]).
+    pub fn limits_for(&self, tenant: &str, project: &str) -> LevelLimits {
+        let mut t = self
+            .tenants
+            .get(tenant)
+            .copied()
+            .or(self.tenant_default)
+            .unwrap_or(MAX_QUOTA_AMOUNT);
+        if let Some(pct) = self.tenant_share_pct {
+            let share = u64::try_from(u128::from(self.global) * u128::from(pct) / 100).unwrap_or(u64::MAX);
+            t = t.min(share);
+        }
+        let p = self
+            .projects
+            .get(&(tenant.to_owned(), project.to_owned()))
+            .copied()
+            .or(self.project_default)
+            .unwrap_or(MAX_QUOTA_AMOUNT);
+        LevelLimits {
+            global: self.global,
+            tenant: t,
+            project: p,
+        }
+    }
+}
+
+fn amount(value: i64, path: FieldPath, errors: &mut Vec<PolicyError>) -> u64 {
+    match u64::try_from(value) {
+        Ok(v) if v > 0 && v <= MAX_QUOTA_AMOUNT => v,
+        Ok(0) | Err(_) => {
+            errors.push(PolicyError::new(path, "must be > 0"));
+            1
+        }
+        Ok(_) => {
+            errors.push(PolicyError::new(
+                path,
+                format!("must be at most {MAX_QUOTA_AMOUNT}"),
+            ));
+            1
+        }
+    }
+}
+
+pub(super) fn compile(
+    spec: &BTreeMap<String, ResourceSpec>,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> Quotas {
+    let mut resources = BTreeMap::new();
+    for (name, r) in spec {
+        let path = path.key(name);
+        if !is_name(name) {
+            errors.push(PolicyError::new(
+                path.clone(),
+                "resource names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
+            ));
+        }
+        if r.unit.is_empty() || r.unit.len() > 32 || !r.unit.bytes().all(|b| (0x21..0x7f).contains(&b)) {
+            errors.push(PolicyError::new(
+                path.key("unit"),
+                "must be 1 to 32 visible ASCII characters",
+            ));
+        }
+        let lp = path.key("limits");
+        let global = amount(r.limits.global, lp.key("global"), errors);
+        let tenant_default = r
+            .limits
+            .tenant_default
+            .map(|v| amount(v, lp.key("tenant_default"), errors));
+        let project_default = r
+            .limits
+            .project_default
+            .map(|v| amount(v, lp.key("project_default"), errors));
+        let mut tenants = BTreeMap::new();
+        for (t, v) in &r.limits.tenants {
+            let tp = lp.key("tenants").key(t);
+            if tenant_id(t.as_bytes()).is_none() {
+                errors.push(PolicyError::new(
+                    tp.clone(),
+                    "tenant ids are 1 to 128 bytes with no whitespace or control characters",
+                ));
+            }
+            tenants.insert(t.clone(), amount(*v, tp, errors));
+        }
+        let mut projects = BTreeMap::new();
+        for (key, v) in &r.limits.projects {
+            let pp = lp.key("projects").key(key);
+            match key.split_once('/') {
+                Some((t, p)) if tenant_id(t.as_bytes()).is_some() && project_id(p).is_some() => {
+                    projects.insert((t.to_owned(), p.to_owned()), amount(*v, pp, errors));
+                }
+                _ => errors.push(PolicyError::new(
+                    pp,
+                    "project keys are `tenant/project` (each 1 to 128 bytes, no whitespace, no `/` in the project)",
+                )),
+            }
+        }
+        let tenant_share_pct = match r.tenant_share_pct {
+            None => None,
+            Some(v @ 1..=100) => Some(v as u64),
+            Some(_) => {
+                errors.push(PolicyError::new(
+                    path.key("tenant_share_pct"),
+                    "must be between 1 and 100",
+                ));
+                None
+            }
+        };
+        let mut ttl = |field: &str, value: Option<&String>, default: u64| -> u64 {
+            let Some(text) = value else {
+                return default;
+            };
+            match parse_duration_ns(text) {
+                Ok(ns) if (MIN_TTL_NS..=MAX_MAX_TTL_NS).contains(&ns) => ns,
+                Ok(_) => {
+                    errors.push(PolicyError::new(path.key(field), "must be between 1s and 30d"));
+                    default
+                }
+                Err(m) => {
+                    errors.push(PolicyError::new(path.key(field), m));
+                    default
+                }
+            }
+        };
+        let default_ttl_ns = ttl("default_ttl", r.default_ttl.as_ref(), DEFAULT_TTL_NS);
+        let max_ttl_ns = ttl("max_ttl", r.max_ttl.as_ref(), DEFAULT_MAX_TTL_NS);
+        if default_ttl_ns > max_ttl_ns {
+            errors.push(PolicyError::new(
+                path.key("default_ttl"),
+                "must not be longer than max_ttl",
+            ));
+        }
+        if let Some(region) = &r.home_region {
+            if !is_name(region) {
+                errors.push(PolicyError::new(
+                    path.key("home_region"),
+                    "regions are 1 to 64 characters of A-Z a-z 0-9 _ - .",
+                ));
+            }
+        }
+        resources.insert(
+            name.clone(),
+            Resource {
+                name: name.clone(),
+                unit: r.unit.clone(),
+                risk: r.risk,
+                global,
+                tenant_default,
+                tenants,
+                project_default,
+                projects,
+                tenant_share_pct,
+                default_ttl_ns,
+                max_ttl_ns,
+                home_region: r.home_region.clone(),
+            },
+        );
+    }
+    Quotas { resources }
+}
+
+/// A project id: 1 to 128 bytes, no whitespace, control characters or `/`.
+pub fn project_id(s: &str) -> Option<&str> {
+    tenant_id(s.as_bytes()).filter(|p| !p.contains('/'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::Policy;
+
+    const BASE: &str = r#"{"version":"q","identity":{"header":"x-tenant-id"},"plans":{"free":{"limits":[{"rate":1,"per":"1s"}]}},"default_plan":"free","anonymous":{"plan":"free"},"routes":{"api":{}}"#;
+
+    fn with_quotas(q: &str) -> Result<Policy, String> {
+        Policy::from_json(format!("{BASE},\"quotas\":{q}}}").as_bytes()).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn limits_per_level_with_defaults_overrides_and_the_share_cap() {
+        let p = with_quotas(
+            r#"{"gpu":{"unit":"hour","risk":"high","tenant_share_pct":40,
+                "limits":{"global":1000,"tenant_default":100,"tenants":{"acme":900},
+                          "project_default":50,"projects":{"acme/build":70}}}}"#,
+        )
+        .unwrap();
+        let r = &p.quotas.resources["gpu"];
+        assert_eq!(
+            r.limits_for("acme", "build"),
+            LevelLimits {
+                global: 1000,
+                tenant: 400, // 900 capped at 40% of the pool
+                project: 70
+            }
+        );
+        assert_eq!(
+            r.limits_for("other", "x"),
+            LevelLimits {
+                global: 1000,
+                tenant: 100,
+                project: 50
+            }
+        );
+        assert_eq!(r.default_ttl_ns, DEFAULT_TTL_NS);
+    }
+
+    #[test]
+    fn unlimited_levels_and_errors_name_their_path() {
+        let p = with_quotas(r#"{"seats":{"unit":"seat","risk":"low","limits":{"global":5}}}"#).unwrap();
+        assert_eq!(
+            p.quotas.resources["seats"].limits_for("a", "b").project,
+            MAX_QUOTA_AMOUNT
+        );
+        let e = with_quotas(
+            r#"{"seats":{"unit":"seat","risk":"low","limits":{"global":0,"projects":{"nope":1}}}}"#,
+        )
+        .unwrap_err();
+        assert!(e.contains("quotas.seats.limits.global: must be > 0"), "{e}");
+        assert!(
+            e.contains("quotas.seats.limits.projects.nope: project keys"),
+            "{e}"
+        );
+    }
+}
