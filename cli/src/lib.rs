@@ -2,5 +2,7 @@
 //! The binary (`main.rs`) is a thin argument parser over these.
 
 pub mod ecds;
+pub mod explain;
 pub mod http;
 pub mod policy_file;
+pub mod top;

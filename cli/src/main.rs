@@ -33,6 +33,28 @@ enum Command {
     Certs(CertsCommand),
     /// Quota reservations: reserve, commit, release, get, query, reconcile.
     Quota(quota::QuotaArgs),
+    /// Who is being limited now: the service's top keys by demand and by
+    /// denials per region (its admin listener's /v1/top). Quit with q.
+    Top(TopArgs),
+}
+
+#[derive(Args)]
+struct TopArgs {
+    /// The service's admin listener (`tenantgate serve --admin`).
+    #[arg(long, default_value = "http://127.0.0.1:9902")]
+    service: String,
+    /// Keys per list.
+    #[arg(long, default_value_t = tenantgate_central::service::top::DEFAULT_K)]
+    k: usize,
+    /// Refresh period of the live view, in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    interval_ms: u64,
+    /// Print one view and exit (no terminal needed).
+    #[arg(long)]
+    once: bool,
+    /// With --once: the endpoint's JSON.
+    #[arg(long, requires = "once")]
+    json: bool,
 }
 
 #[derive(Subcommand)]
@@ -158,6 +180,36 @@ enum PolicyCommand {
     },
     /// Validate, then atomically write the Envoy ECDS file (Envoy hot-reloads it).
     Apply(ApplyArgs),
+    /// How one request would be decided: class, identity, plan, limit key,
+    /// every limit, and the headers of the first request (the filter's engine).
+    Explain(ExplainArgs),
+    /// What reloading OLD -> NEW does to live state. Exit 0: no change,
+    /// 1: changes, 2: an error (like `diff`).
+    Diff { old: PathBuf, new: PathBuf },
+}
+
+#[derive(Args)]
+struct ExplainArgs {
+    file: PathBuf,
+    /// The tenant id the identity source carries (omit: anonymous).
+    #[arg(long)]
+    tenant: Option<String>,
+    /// The route's class (its metadata's `class`, or its route name).
+    #[arg(long)]
+    class: String,
+    /// An extra request header, `name=value` (repeat).
+    #[arg(long = "header", value_parser = parse_header)]
+    headers: Vec<(String, String)>,
+    /// The connection's address, for anonymous requests.
+    #[arg(long, default_value = tenantgate_cli::explain::DEFAULT_SOURCE)]
+    source: String,
+}
+
+fn parse_header(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.trim().to_owned(), v.to_owned()))
+        .filter(|(k, _)| !k.is_empty())
+        .ok_or_else(|| format!("expected name=value, got {s:?}"))
 }
 
 #[derive(Args)]
@@ -187,9 +239,12 @@ fn main() -> ExitCode {
         Command::Policy(PolicyCommand::Check { files }) => check(&files),
         Command::Policy(PolicyCommand::Compile { file, pretty }) => compile(&file, pretty),
         Command::Policy(PolicyCommand::Apply(args)) => apply(&args),
+        Command::Policy(PolicyCommand::Explain(args)) => explain(&args),
+        Command::Policy(PolicyCommand::Diff { old, new }) => diff(&old, &new),
         Command::Sim(args) => sim::run(&args),
         Command::Serve(args) => serve(&args),
         Command::Certs(c) => certs(&c),
+        Command::Top(args) => top(&args),
         Command::Quota(args) => quota::run(&args),
     }
 }
@@ -381,6 +436,65 @@ fn apply(args: &ApplyArgs) -> ExitCode {
         }
         Err(e) => {
             eprintln!("cannot write {}: {e}", args.ecds.display());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn explain(args: &ExplainArgs) -> ExitCode {
+    let loaded = match policy_file::load(&args.file) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let req = tenantgate_cli::explain::Request {
+        tenant: args.tenant.as_deref(),
+        class: &args.class,
+        headers: &args.headers,
+        source: &args.source,
+    };
+    print!("{}", tenantgate_cli::explain::explain(&loaded.policy, &req));
+    ExitCode::SUCCESS
+}
+
+fn diff(old: &Path, new: &Path) -> ExitCode {
+    let (a, b) = match (policy_file::load(old), policy_file::load(new)) {
+        (Ok(a), Ok(b)) => (a, b),
+        (a, b) => {
+            for e in [a.err(), b.err()].into_iter().flatten() {
+                eprintln!("{e}");
+            }
+            return ExitCode::from(2);
+        }
+    };
+    let (text, differs) = tenantgate_cli::explain::diff(&a.policy, &b.policy);
+    print!("{text}");
+    ExitCode::from(u8::from(differs))
+}
+
+fn top(args: &TopArgs) -> ExitCode {
+    use tenantgate_cli::top;
+    let result = if args.once {
+        top::fetch(&args.service, args.k).map(|v| {
+            if args.json {
+                println!("{v}");
+            } else {
+                print!("{}", top::render(&v));
+            }
+        })
+    } else {
+        top::live(
+            &args.service,
+            args.k,
+            std::time::Duration::from_millis(args.interval_ms.max(100)),
+        )
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tenantgate top: {e}");
             ExitCode::FAILURE
         }
     }

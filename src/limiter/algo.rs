@@ -44,6 +44,18 @@ pub enum Algo {
     SlidingWindowCounter(SlidingWindowCounter),
 }
 
+/// What a reload does to a limit's live state (see [`Algo::carry_from`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Carry {
+    /// Same algorithm and parameters: the state is used as it is.
+    Keeps,
+    /// Same algorithm, other parameters: the fill level (count) carries
+    /// over, capped at the new burst (limit), as of the reload.
+    Migrated,
+    /// Another algorithm wrote it: it starts fresh.
+    Fresh,
+}
+
 /// One limit's state for one key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum State {
@@ -180,6 +192,21 @@ impl Algo {
         }
     }
 
+    /// What a reload does to a live state written by a limit of the same
+    /// name with `kind` and `params` (what [`Algo::load`] then does with
+    /// such a record): [`Carry::Keeps`] it, [`Carry::Migrated`] to the new
+    /// parameters (never adding tokens: capped at the new burst or limit),
+    /// or [`Carry::Fresh`] (another algorithm wrote it).
+    pub fn carry_from(&self, kind: u8, params: (u64, u64)) -> Carry {
+        if kind != self.kind() {
+            Carry::Fresh
+        } else if params == self.params() {
+            Carry::Keeps
+        } else {
+            Carry::Migrated
+        }
+    }
+
     fn load_migrated(&self, record: Option<&Record<'_>>, effective_from: u64, now: u64) -> (State, bool) {
         let Some(r) = record else {
             return (self.fresh(), false);
@@ -187,7 +214,7 @@ impl Algo {
         let Some(stored) = self.decode(r) else {
             return (self.fresh(), true);
         };
-        let same_params = (r.p1, r.p2) == self.params();
+        let same_params = self.carry_from(r.kind, (r.p1, r.p2)) == Carry::Keeps;
         match (self, stored) {
             (Algo::TokenBucket(g), State::TokenBucket { tat }) => {
                 let migrated = if same_params {

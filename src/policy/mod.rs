@@ -284,6 +284,26 @@ impl Policy {
         &self.plans
     }
 
+    /// The tenant directory: every listed tenant and its plan's index.
+    pub fn tenants(&self) -> impl Iterator<Item = (&str, usize)> {
+        self.tenants.iter().map(|(t, p)| (t.as_str(), *p))
+    }
+
+    /// The plan of tenants not in the directory.
+    pub fn default_plan(&self) -> usize {
+        self.default_plan
+    }
+
+    /// Every route class, by name.
+    pub fn route_classes(&self) -> impl Iterator<Item = &RouteClass> {
+        self.routes.values().map(|r| r.as_ref())
+    }
+
+    /// The class of routes that name none (`default_route`).
+    pub fn default_route(&self) -> Option<&str> {
+        self.default_route.as_deref()
+    }
+
     /// Whether some plan has a global limit (then the node syncs).
     pub fn has_global_limits(&self) -> bool {
         !self.global_limits.is_empty()

@@ -58,6 +58,7 @@ pub fn admin_router(service: Arc<Service>) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route("/v1/top", get(super::top::handler))
         .with_state(service)
 }
 

@@ -27,7 +27,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    const ALL: [Outcome; 11] = [
+    pub const ALL: [Outcome; 11] = [
         Outcome::Ok,
         Outcome::Stale,
         Outcome::Invalid,
@@ -41,7 +41,7 @@ impl Outcome {
         Outcome::Internal,
     ];
 
-    fn label(self) -> &'static str {
+    pub fn label(self) -> &'static str {
         match self {
             Outcome::Ok => "ok",
             Outcome::Stale => "stale",

@@ -40,6 +40,7 @@ mod http;
 pub mod metrics;
 pub mod policy;
 pub mod tls;
+pub mod top;
 pub mod validate;
 
 use std::path::PathBuf;
@@ -152,6 +153,8 @@ pub struct Service {
     settings: Settings,
     config: RwLock<Option<Arc<AllocConfig>>>,
     pub metrics: Metrics,
+    /// The heaviest keys by demand and denials, per region (bounded).
+    pub top: top::Top,
     /// How long a sync request may take before it is answered 503.
     pub deadline: Duration,
     intake: IntakeLimits,
@@ -194,6 +197,7 @@ impl Service {
             settings,
             config: RwLock::new(None),
             metrics: Metrics::default(),
+            top: top::Top::default(),
             deadline,
             intake,
             state,
@@ -451,6 +455,7 @@ impl Service {
         }
         let resp = alloc::respond(&cfg, req, visits);
         self.metrics.leases.fetch_add(resp.leases.len() as u64, Relaxed);
+        self.top.record(&req.region, &req.reports, now);
         Ok(resp)
     }
 

@@ -180,8 +180,8 @@ mod tests {
         );
         // `paid-node` and the anonymous plan's limit are node-local.
         assert_eq!(p.limits.keys().collect::<Vec<_>>(), ["free", "paid"]);
-        // A policy with no global limit gives the service nothing to split.
-        assert!(shipped("demo.yaml").limits.is_empty());
+        // The demo's only global limit is `demo-global`'s (`make run`).
+        assert_eq!(shipped("demo.yaml").limits.keys().collect::<Vec<_>>(), ["global"]);
     }
 
     #[test]

@@ -1,0 +1,156 @@
+//! Golden tests of `tenantgate policy explain` and `tenantgate policy diff`:
+//! the binary's output and exit code for the shipped policies, against the
+//! expected files in `cli/tests/golden/`. `UPDATE_GOLDEN=1 cargo test -p
+//! tenantgate-cli --test explain` rewrites them (then review the diff).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a test crate
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Runs `tenantgate ARGS` from the repository root; checks its exit code,
+/// and its stdout against `cli/tests/golden/NAME`.
+fn golden(name: &str, args: &[&str], code: i32) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tenantgate"))
+        .current_dir(repo())
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "tenantgate {args:?}: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let file = repo().join("cli/tests/golden").join(name);
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        std::fs::write(&file, &stdout).unwrap();
+    }
+    let expected = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    assert_eq!(
+        stdout,
+        expected,
+        "tenantgate {args:?} differs from {}",
+        file.display()
+    );
+}
+
+#[test]
+fn explain_a_free_tenant_on_orders() {
+    golden(
+        "explain-demo-free-orders.txt",
+        &[
+            "policy",
+            "explain",
+            "policies/demo.yaml",
+            "--tenant",
+            "demo-free",
+            "--class",
+            "orders",
+        ],
+        0,
+    );
+}
+
+#[test]
+fn explain_the_global_tenant() {
+    golden(
+        "explain-demo-global-orders.txt",
+        &[
+            "policy",
+            "explain",
+            "policies/demo.yaml",
+            "--tenant",
+            "demo-global",
+            "--class",
+            "orders",
+        ],
+        0,
+    );
+    // A cost above the provisional units: denied until the node's first lease.
+    golden(
+        "explain-demo-global-search.txt",
+        &[
+            "policy",
+            "explain",
+            "policies/demo.yaml",
+            "--tenant",
+            "demo-global",
+            "--class",
+            "search",
+        ],
+        0,
+    );
+}
+
+#[test]
+fn explain_an_anonymous_request_on_an_unknown_class() {
+    golden(
+        "explain-demo-anonymous.txt",
+        &["policy", "explain", "policies/demo.yaml", "--class", "nope"],
+        0,
+    );
+}
+
+#[test]
+fn explain_reads_the_identity_from_a_header_given_with_header() {
+    golden(
+        "explain-global-paid-payments.txt",
+        &[
+            "policy",
+            "explain",
+            "policies/global.yaml",
+            "--class",
+            "payments",
+            "--header",
+            "x-tenant-id=demo-paid",
+        ],
+        0,
+    );
+}
+
+#[test]
+fn diff_says_what_a_reload_does_to_live_state() {
+    golden(
+        "diff-demo-reload.txt",
+        &[
+            "policy",
+            "diff",
+            "policies/demo.yaml",
+            "cli/tests/golden/demo-reload.yaml",
+        ],
+        1,
+    );
+    golden(
+        "diff-demo-global.txt",
+        &["policy", "diff", "policies/demo.yaml", "policies/global.yaml"],
+        1,
+    );
+    golden(
+        "diff-same.txt",
+        &["policy", "diff", "policies/demo.yaml", "policies/demo.yaml"],
+        0,
+    );
+}
+
+#[test]
+fn diff_exits_2_on_an_invalid_policy() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tenantgate"))
+        .current_dir(repo())
+        .args([
+            "policy",
+            "diff",
+            "policies/demo.yaml",
+            "tests/fixtures/invalid/zero-rate.yaml",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("zero-rate.yaml: plans.free.limits[0].rate: must be > 0"));
+}
