@@ -138,7 +138,7 @@ def bootstrap(node_id, region, listener, jwt, admin):
         ("  id: tenantgate-demo\n", f"  id: {node_id}\n  locality: {{ region: {region} }}\n"),
     ]:
         text = replace_once(text, old, new)
-    # The shipped mTLS snippet, exactly as README "Security" says to paste it.
+    # The shipped mTLS snippet, exactly as docs/security.md says to paste it.
     snippet = "".join(
         line + "\n"
         for line in (REPO / "envoy/sync-mtls.yaml").read_text().splitlines()

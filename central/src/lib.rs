@@ -4,7 +4,7 @@
 //! * [`alloc`]: the allocator. Its header states THE BOUND on what all nodes
 //!   together admit, and why it holds.
 //! * [`bound`]: the bound's formula as a function, for the simulator and the
-//!   README.
+//!   docs (docs/global-limits.md).
 //! * [`sim`]: a deterministic simulator (virtual time, seeded PRNG) that runs
 //!   the real node code (`tenantgate::sync::node`) against the real
 //!   allocator over a lossy, slow network, and measures the bound.

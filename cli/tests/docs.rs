@@ -168,7 +168,7 @@ fn every_policy_field_of_the_schema_is_in_the_policy_reference() {
         .filter(|name| name.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
         .collect();
     assert!(fields.len() >= 20, "{fields:?}");
-    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let readme = std::fs::read_to_string(repo().join("docs/policy.md")).unwrap();
     let start = readme.find("\n## Policy reference").unwrap();
     let end = readme[start + 1..]
         .find("\n## ")
@@ -180,6 +180,6 @@ fn every_policy_field_of_the_schema_is_in_the_policy_reference() {
     let missing: Vec<&&str> = fields.iter().filter(|f| !words.contains(**f)).collect();
     assert!(
         missing.is_empty(),
-        "policy fields not in README \"Policy reference\": {missing:?}"
+        "policy fields not in docs/policy.md \"Policy reference\": {missing:?}"
     );
 }

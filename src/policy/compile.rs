@@ -1,7 +1,7 @@
 //! Validation of a [`PolicySpec`] and compilation into a [`Policy`].
 //!
 //! Every default of the schema is applied here, in one place (and listed in
-//! the README's policy reference). Validation collects every error it finds.
+//! the policy reference in docs/policy.md). Validation collects every error it finds.
 
 use std::rc::Rc;
 

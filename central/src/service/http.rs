@@ -73,7 +73,7 @@ async fn sync(
 ) -> Response {
     if peer.tls && peer.identity.is_none() {
         let e =
-            SyncError::Forbidden("the client certificate names no node (see README, Security)".to_owned());
+            SyncError::Forbidden("the client certificate names no node (see docs/security.md)".to_owned());
         service
             .metrics
             .request(super::metrics::Outcome::Forbidden, Duration::ZERO);

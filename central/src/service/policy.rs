@@ -113,7 +113,7 @@ pub struct Settings {
 }
 
 impl Default for Settings {
-    /// The simulator's settings (README, "Global limits").
+    /// The simulator's settings (docs/global-limits.md).
     fn default() -> Settings {
         Settings {
             interval_ns: NANOS_PER_SEC,
@@ -130,7 +130,7 @@ impl Settings {
     /// only to a policy without a `sync:` block. The failure mode is the
     /// block's default: a route class that overrides it with `fail_closed`
     /// admits less than the bound assumes, never more; one that overrides
-    /// it with `fail_open` is outside the `fail_open_local` bound (README).
+    /// it with `fail_open` is outside the `fail_open_local` bound (docs/global-limits.md).
     pub fn alloc_config(&self, p: &PolicyLimits) -> AllocConfig {
         let response_timeout_ns = p.sync.as_ref().map_or(self.response_timeout_ns, |s| s.timeout_ns);
         let local_max_ns = p.sync.as_ref().map_or(DEFAULT_LOCAL_MAX_NS, |s| s.local_max_ns);

@@ -56,7 +56,7 @@ pub const MAX_COUNT: u64 = 1 << 53;
 /// The plausibility slack (see the module header).
 pub const SLACK: u64 = 4;
 
-/// Defaults of [`IntakeLimits`] (each defined once; the README lists them).
+/// Defaults of [`IntakeLimits`] (each defined once; docs/central-service.md and docs/security.md list them).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 2 * 1024 * 1024;
 pub const DEFAULT_MAX_REPORTS: usize = 4096;
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
