@@ -503,12 +503,12 @@ async fn health_ready_and_metrics(mut b: Backend) {
         let (status, body) = a.sync(&request("n1", 3, 2, &[("t|api", "per-10s", 1)])).await;
         assert_eq!(status, 503, "{body}");
         assert!(body.contains("\"transient\":true"), "{body}");
-        assert_eq!(
-            a.metric("tenantgate_store_errors_total{transient=\"true\"}")
-                .await
-                .as_deref(),
-            Some("1")
-        );
+        // The sync's error, and any sweep pass that ran meanwhile.
+        let errors = a
+            .metric("tenantgate_store_errors_total{transient=\"true\"}")
+            .await
+            .and_then(|v| v.parse::<u64>().ok());
+        assert!(errors.is_some_and(|n| n >= 1), "{errors:?}");
         assert_eq!(
             a.metric("tenantgate_store_up{store=\"redis\"}").await.as_deref(),
             Some("0")

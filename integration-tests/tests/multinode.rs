@@ -15,6 +15,8 @@ const RATE: f64 = 20.0; // per second, global
 const BURST: f64 = 20.0;
 const PROVISIONAL: f64 = 2.0;
 const INTERVAL: Duration = Duration::from_millis(500);
+/// The policy leaves `sync.breaker_max_backoff` at its default, two intervals.
+const BREAKER_MAX_BACKOFF: Duration = Duration::from_millis(1000);
 const NODES: f64 = 3.0;
 
 const POLICY: &str = r#"
@@ -202,17 +204,24 @@ fn three_envoys_share_one_global_limit_through_two_replicas_on_redis() {
         "fail_open_local keeps admitting at the last shares"
     );
 
-    // C. Replicas back: every node syncs again within two intervals.
+    // C. Replicas back: every node syncs again by its next probe. A
+    // failed probe at `t` opens the breaker until the next report due
+    // (`t + I`) plus the backoff (at most `breaker_max_backoff`, 2·I by
+    // default), so a service back just after a failed probe is probed
+    // again at most `I + 2·I` later; the tick (10 ms) and the callout add
+    // a little more.
     let before: Vec<u64> = envoys.iter().map(|e| e.tg_stat("sync.ok")).collect();
     for r in &mut replicas {
         r.restart();
     }
     let restarted = Instant::now();
+    let probe_period = INTERVAL + BREAKER_MAX_BACKOFF;
     for (e, b) in envoys.iter().zip(&before) {
         assert!(
-            wait_for(INTERVAL * 2 + Duration::from_millis(300), || e.tg_stat("sync.ok")
+            wait_for(probe_period + Duration::from_millis(300), || e.tg_stat("sync.ok")
                 > *b),
-            "a node did not converge"
+            "a node did not sync within {} ms of the replicas being ready",
+            (probe_period + Duration::from_millis(300)).as_millis()
         );
     }
     let converged = restarted.elapsed();

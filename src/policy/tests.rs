@@ -145,7 +145,7 @@ fn the_sync_breaker_has_defaults_bounds_and_path_qualified_errors() {
         (s.breaker_failures, s.breaker_max_backoff_ns),
         (3, 2 * NANOS_PER_SEC)
     );
-    // The default backoff cap is two intervals: recovery within two.
+    // The default backoff cap is two intervals: probes three intervals apart.
     let p = Policy::from_json(sync_policy(r#"{"interval": "1m"}"#).as_bytes()).unwrap();
     assert_eq!(p.sync.unwrap().breaker_max_backoff_ns, 120 * NANOS_PER_SEC);
     let p = Policy::from_json(
