@@ -70,6 +70,26 @@ pub fn local_reply(
                 decision.limit.as_deref().unwrap_or("")
             ),
         ),
+        Reason::ConcurrencyLimit | Reason::StreamLimit | Reason::TenantShare => (
+            "Service Unavailable",
+            format!(
+                "The dependency \"{}\" is at its {} for this request's priority; retry in {retry_after} s.",
+                decision.limit.as_deref().unwrap_or(""),
+                match reason {
+                    Reason::StreamLimit => "limit of open streams",
+                    Reason::TenantShare => "limit for one tenant",
+                    _ => "in-flight limit",
+                }
+            ),
+        ),
+        Reason::RequestTooLarge => (
+            "Content Too Large",
+            String::from("The request body is larger than this route accepts."),
+        ),
+        Reason::TimeoutBudget => (
+            "Service Unavailable",
+            format!("The request's remaining timeout is too short for this route; retry in {retry_after} s with a longer timeout."),
+        ),
         _ => (
             "Service Unavailable",
             format!(
