@@ -308,6 +308,13 @@ pub fn compile_labels(
         }
         found
     });
+    if dependency.is_some() && spec.on_limit == super::spec::OnLimit::Queue {
+        add(
+            errors,
+            path.key("dependency"),
+            "an in-flight slot is not held across the rate-limit queue yet: a class with a dependency cannot use on_limit: queue",
+        );
+    }
     let streaming = spec.streaming.unwrap_or(false);
     if streaming {
         match dependency.and_then(|i| dependencies.get(i)) {

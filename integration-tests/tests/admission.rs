@@ -1,0 +1,364 @@
+//! Admission control in a real Envoy 1.40 (`--concurrency 2`) in front of
+//! the controllable test upstream (`upstream::Upstream`): the in-flight
+//! limit of a dependency across both workers, system traffic through a
+//! saturated dependency, forged criticality headers, slots coming back
+//! after client resets and a policy reload in the middle of traffic,
+//! 1,000 simultaneous rejections with spread `Retry-After`, and the request
+//! checks (body size, timeout budget).
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tenantgate_integration_tests::upstream::Upstream;
+use tenantgate_integration_tests::{get, wait_for, Conn, Envoy, Response};
+
+const CLASSES: [&str; 4] = ["orders", "health", "upload", "shared"];
+const WAIT: Duration = Duration::from_secs(20);
+
+/// `db`: 5 slots, 1 reserved for system (normal traffic gets 4).
+fn policy(version: &str, max_in_flight: u32) -> String {
+    format!(
+        r#"
+version: "{version}"
+identity: {{ header: x-tenant-id }}
+plans: {{ free: {{ limits: [ {{ rate: 1000000, per: 1s }} ] }} }}
+default_plan: free
+anonymous: {{ plan: free }}
+dependencies:
+  db: {{ max_in_flight: {max_in_flight}, reserved: {{ system: 1 }} }}
+  files: {{ max_in_flight: 50, tenant_max_share: 2 }}
+routes:
+  orders: {{ dependency: db }}
+  health: {{ criticality: system, dependency: db }}
+  upload: {{ dependency: files, max_body_bytes: 100, min_timeout_budget: 200ms }}
+  shared: {{ dependency: files }}
+  api: {{}}
+"#
+    )
+}
+
+fn start() -> (Upstream, Envoy) {
+    let upstream = Upstream::start();
+    let envoy = Envoy::start_with_upstream(&policy("adm-1", 5), upstream.port, &CLASSES);
+    (upstream, envoy)
+}
+
+/// A request on its own connection, in its own thread (it may be held).
+fn spawn_get(
+    port: u16,
+    path: &'static str,
+    tenant: &'static str,
+    tx: &mpsc::Sender<Response>,
+) -> JoinHandle<()> {
+    let tx = tx.clone();
+    std::thread::spawn(move || {
+        let r = get(port, path, &[("x-tenant-id", tenant)]);
+        let _ = tx.send(r);
+    })
+}
+
+fn gauge(envoy: &Envoy, dependency: &str) -> Option<u64> {
+    envoy.stat(&format!("wasmcustom.tenantgate.admission.in_flight.{dependency}"))
+}
+
+fn assert_refused(r: &Response, reason: &str) {
+    assert_eq!(r.status, 503, "{r:?}");
+    assert_eq!(r.header("x-tenantgate-reason"), Some(reason), "{r:?}");
+    assert_eq!(r.header("content-type"), Some("application/problem+json"));
+    let retry: u64 = r.header("retry-after").and_then(|v| v.parse().ok()).unwrap_or(0);
+    assert!((1..=10).contains(&retry), "Retry-After {retry}");
+    assert_eq!(r.json()["reason"], reason);
+}
+
+#[test]
+fn the_in_flight_limit_holds_across_workers_system_passes_and_forged_headers_change_nothing() {
+    let (upstream, envoy) = start();
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let held: Vec<JoinHandle<()>> = (0..6)
+        .map(|_| spawn_get(envoy.port, "/up/orders", "acme", &tx))
+        .collect();
+    // 4 reach the upstream, 2 are refused at once.
+    let mut refused = Vec::new();
+    assert!(
+        wait_for(WAIT, || {
+            refused.extend(rx.try_iter());
+            upstream.in_flight() == 4 && refused.len() == 2
+        }),
+        "in flight {}, refused {refused:?}",
+        upstream.in_flight()
+    );
+    for r in &refused {
+        assert_refused(r, "concurrency_limit");
+    }
+    // Both workers took slots (the 6 connections spread over them).
+    let [w0, w1] = envoy.worker_connections();
+    assert!(w0 > 0 && w1 > 0, "connections per worker: {w0}, {w1}");
+    // Forged criticality and priority headers change nothing.
+    let forged = get(
+        envoy.port,
+        "/up/orders",
+        &[
+            ("x-tenant-id", "acme"),
+            ("x-tenantgate-criticality", "system"),
+            ("x-criticality", "system"),
+            ("x-envoy-priority", "high"),
+            ("priority", "u=0"),
+            ("x-tenantgate-class", "health"),
+        ],
+    );
+    assert_refused(&forged, "concurrency_limit");
+    // System traffic is admitted while everything else is saturated...
+    let system = spawn_get(envoy.port, "/up/health", "ops", &tx);
+    assert!(wait_for(WAIT, || upstream.in_flight() == 5));
+    // ...up to its reservation.
+    assert_refused(
+        &get(envoy.port, "/up/health", &[("x-tenant-id", "ops")]),
+        "concurrency_limit",
+    );
+    assert_eq!(upstream.max_in_flight(), 5);
+    assert!(
+        wait_for(WAIT, || gauge(&envoy, "db") == Some(5)),
+        "gauge {:?}",
+        gauge(&envoy, "db")
+    );
+
+    upstream.release();
+    for h in held.into_iter().chain([system]) {
+        h.join().unwrap();
+    }
+    let answered: Vec<u16> = rx.try_iter().map(|r| r.status).collect();
+    assert_eq!(answered, [200; 5], "{answered:?}");
+    assert!(
+        wait_for(WAIT, || gauge(&envoy, "db") == Some(0)),
+        "gauge {:?}",
+        gauge(&envoy, "db")
+    );
+    assert_eq!(upstream.max_in_flight(), 5);
+    assert_eq!(envoy.tg_stat("admission.admitted.normal"), 4);
+    assert_eq!(envoy.tg_stat("admission.admitted.system"), 1);
+    assert_eq!(envoy.tg_stat("admission.concurrency_limit.normal"), 3);
+    assert_eq!(envoy.tg_stat("admission.concurrency_limit.system"), 1);
+    assert_eq!(envoy.tg_stat("decisions.concurrency_limit"), 4);
+}
+
+/// Sends a request on a raw connection and leaves it open.
+fn open_request(port: u16, path: &str) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nhost: t\r\nx-tenant-id: acme\r\n\r\n").unwrap();
+    s
+}
+
+#[test]
+fn slots_come_back_after_client_resets_and_a_reload_mid_traffic() {
+    let (upstream, envoy) = start();
+    upstream.hold();
+    // Four clients take every normal slot, then go away: two close, two
+    // reset (linger 0).
+    let clients: Vec<TcpStream> = (0..4).map(|_| open_request(envoy.port, "/up/orders")).collect();
+    assert!(wait_for(WAIT, || upstream.in_flight() == 4));
+    assert!(wait_for(WAIT, || gauge(&envoy, "db") == Some(4)));
+    for (i, c) in clients.into_iter().enumerate() {
+        if i % 2 == 0 {
+            socket2::SockRef::from(&c)
+                .set_linger(Some(Duration::ZERO))
+                .unwrap();
+        }
+        drop(c);
+    }
+    // The slots come back although the upstream still holds the requests.
+    assert!(
+        wait_for(WAIT, || gauge(&envoy, "db") == Some(0)),
+        "gauge {:?} after the clients left",
+        gauge(&envoy, "db")
+    );
+    let (tx, rx) = mpsc::channel();
+    let mut held: Vec<JoinHandle<()>> = (0..4)
+        .map(|_| spawn_get(envoy.port, "/up/orders", "acme", &tx))
+        .collect();
+    assert!(wait_for(WAIT, || gauge(&envoy, "db") == Some(4)));
+    assert_refused(
+        &get(envoy.port, "/up/orders", &[("x-tenant-id", "acme")]),
+        "concurrency_limit",
+    );
+
+    // A reload in the middle of traffic: 4 requests in flight across it.
+    let loads = envoy.tg_stat("config.loads");
+    let (ok, err) = envoy.apply(&policy("adm-2", 7));
+    assert!(ok, "{err}");
+    assert!(wait_for(WAIT, || envoy.tg_stat("config.loads") >= loads + 2));
+    // The new limit counts the slots taken under the old policy: 6 for
+    // normal traffic, 4 already held.
+    held.extend((0..2).map(|_| spawn_get(envoy.port, "/up/orders", "acme", &tx)));
+    assert!(
+        wait_for(WAIT, || gauge(&envoy, "db") == Some(6)),
+        "gauge {:?}",
+        gauge(&envoy, "db")
+    );
+    assert_refused(
+        &get(envoy.port, "/up/orders", &[("x-tenant-id", "acme")]),
+        "concurrency_limit",
+    );
+
+    upstream.release();
+    for h in held {
+        h.join().unwrap();
+    }
+    let statuses: Vec<u16> = rx.try_iter().map(|r| r.status).collect();
+    assert_eq!(statuses, [200; 6], "{statuses:?}");
+    // Traffic stopped: the gauge is back to 0.
+    assert!(
+        wait_for(WAIT, || gauge(&envoy, "db") == Some(0)),
+        "gauge {:?}",
+        gauge(&envoy, "db")
+    );
+}
+
+/// One answer of the thousand.
+struct Refused {
+    status: u16,
+    retry_after: Option<u64>,
+    request_id_echoed: bool,
+}
+
+#[test]
+fn a_thousand_simultaneous_rejections_carry_spread_retry_after() {
+    let (upstream, envoy) = start();
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let held: Vec<JoinHandle<()>> = (0..4)
+        .map(|_| spawn_get(envoy.port, "/up/orders", "acme", &tx))
+        .collect();
+    assert!(wait_for(WAIT, || upstream.in_flight() == 4));
+    // 10 clients × 100 requests on keep-alive connections, all at once.
+    let port = envoy.port;
+    let clients: Vec<JoinHandle<Vec<Refused>>> = (0..10)
+        .map(|c| {
+            std::thread::spawn(move || {
+                let mut conn = Conn::open(port).unwrap();
+                (0..100)
+                    .map(|i| {
+                        let id = format!("req-{c}-{i}");
+                        let r = conn
+                            .get("/up/orders", &[("x-tenant-id", "acme"), ("x-request-id", &id)])
+                            .unwrap();
+                        let retry = r.header("retry-after").and_then(|v| v.parse().ok());
+                        // Envoy replaces an external client's id with its
+                        // own: the reply echoes the one Envoy gave the request.
+                        let header = r.header("x-request-id").map(str::to_owned);
+                        let echoed =
+                            header.is_some_and(|h| !h.is_empty() && r.json()["request_id"] == h.as_str());
+                        Refused {
+                            status: r.status,
+                            retry_after: retry,
+                            request_id_echoed: echoed,
+                        }
+                    })
+                    .collect()
+            })
+        })
+        .collect();
+    let answers: Vec<_> = clients.into_iter().flat_map(|h| h.join().unwrap()).collect();
+    assert_eq!(answers.len(), 1000);
+    assert!(answers.iter().all(|a| a.status == 503));
+    assert!(answers.iter().all(|a| a.request_id_echoed), "request ids echoed");
+    let mut seen = [0usize; 11];
+    for a in &answers {
+        let v = a.retry_after.unwrap_or(0);
+        assert!((1..=10).contains(&v), "Retry-After {v}");
+        seen[v as usize] += 1;
+    }
+    let most = seen.iter().max().copied().unwrap_or(0);
+    println!("Retry-After histogram over 1..=10 s: {:?}", &seen[1..]);
+    assert!(most <= 200, "one Retry-After value for {most} of 1,000: {seen:?}");
+    upstream.release();
+    for h in held {
+        h.join().unwrap();
+    }
+    assert_eq!(rx.try_iter().count(), 4);
+    assert!(wait_for(WAIT, || gauge(&envoy, "db") == Some(0)));
+}
+
+/// A raw request and the response's status and reason header (the
+/// connection is closed by the request).
+fn raw(port: u16, head: &str, body: &[u8]) -> (u16, Option<String>) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(head.as_bytes()).unwrap();
+    // The filter may answer before the whole body is sent.
+    let _ = s.write_all(body);
+    let mut text = Vec::new();
+    let _ = s.read_to_end(&mut text);
+    let text = String::from_utf8_lossy(&text).into_owned();
+    let status = text.split(' ').nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
+    let reason = text
+        .lines()
+        .find_map(|l| l.strip_prefix("x-tenantgate-reason: "))
+        .map(|v| v.trim().to_owned());
+    (status, reason)
+}
+
+#[test]
+fn oversized_bodies_short_timeout_budgets_and_tenant_shares_are_refused() {
+    let (upstream, envoy) = start();
+    let port = envoy.port;
+    let post = |headers: &str| {
+        format!(
+            "POST /up/upload HTTP/1.1\r\nhost: t\r\nx-tenant-id: acme\r\nconnection: close\r\n{headers}\r\n"
+        )
+    };
+    // A declared size over max_body_bytes: 413 before the body is read.
+    let (status, reason) = raw(port, &post("content-length: 101\r\n"), &[b'x'; 101]);
+    assert_eq!((status, reason.as_deref()), (413, Some("request_too_large")));
+    assert_eq!(raw(port, &post("content-length: 100\r\n"), &[b'x'; 100]).0, 200);
+    // A chunked body is counted as it streams.
+    let chunk = format!("3c\r\n{}\r\n", "y".repeat(60));
+    let body = format!("{chunk}{chunk}0\r\n\r\n");
+    let (status, reason) = raw(port, &post("transfer-encoding: chunked\r\n"), body.as_bytes());
+    assert_eq!((status, reason.as_deref()), (413, Some("request_too_large")));
+    let small = format!("{chunk}0\r\n\r\n");
+    assert_eq!(
+        raw(port, &post("transfer-encoding: chunked\r\n"), small.as_bytes()).0,
+        200
+    );
+    // The remaining timeout budget.
+    let short = get(
+        port,
+        "/up/upload",
+        &[("x-tenant-id", "acme"), ("x-envoy-expected-rq-timeout-ms", "150")],
+    );
+    assert_eq!(short.status, 503);
+    assert_eq!(short.header("x-tenantgate-reason"), Some("timeout_budget"));
+    let enough = get(
+        port,
+        "/up/upload",
+        &[("x-tenant-id", "acme"), ("x-envoy-expected-rq-timeout-ms", "250")],
+    );
+    assert_eq!(enough.status, 200);
+
+    // One tenant holds at most 2 of `files`; another is not affected.
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let held: Vec<JoinHandle<()>> = (0..2)
+        .map(|_| spawn_get(port, "/up/shared", "flood", &tx))
+        .collect();
+    assert!(wait_for(WAIT, || upstream.in_flight() == 2));
+    assert_refused(
+        &get(port, "/up/shared", &[("x-tenant-id", "flood")]),
+        "tenant_share",
+    );
+    let quiet = spawn_get(port, "/up/shared", "quiet", &tx);
+    assert!(wait_for(WAIT, || upstream.in_flight() == 3));
+    upstream.release();
+    for h in held.into_iter().chain([quiet]) {
+        h.join().unwrap();
+    }
+    assert_eq!(rx.try_iter().filter(|r| r.status == 200).count(), 3);
+    assert!(wait_for(WAIT, || gauge(&envoy, "files") == Some(0)));
+    assert_eq!(envoy.tg_stat("admission.request_too_large.normal"), 2);
+    assert_eq!(envoy.tg_stat("admission.timeout_budget.normal"), 1);
+    assert_eq!(envoy.tg_stat("admission.tenant_share.normal"), 1);
+}

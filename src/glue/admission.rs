@@ -1,0 +1,259 @@
+//! Admission control on Envoy's streams (the core is [`crate::admission`]).
+//!
+//! * Request headers: the class's request checks, then a slot of its
+//!   dependency ([`Admission::on_request_headers`]); the rate limits are
+//!   charged after, and a rate-limit denial gives the slot back at once.
+//! * Request body: a body without `content-length` is counted chunk by
+//!   chunk against `max_body_bytes`.
+//! * Stream end: the slot is released from `on_log` or `on_done`,
+//!   whichever comes first (both come for every end: complete, reset by
+//!   either side, local reply, client gone); the [`Ticket`] is taken out
+//!   of the stream's context, so it is released once.
+//! * Root tick: the worker renews its leases and publishes what a failed
+//!   write left dirty; every 10th tick the in-flight gauges are set from
+//!   shared data (node-wide: every worker sets the same value).
+//!
+//! Stats: `tenantgate.admission.<outcome>.<criticality>` counters
+//! (outcomes: `admitted` and every refusal reason), counted in memory and
+//! flushed on the tick; the gauge `tenantgate.admission.in_flight.<dependency>`.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+
+use proxy_wasm::types::MetricType;
+
+use super::{abi, ProxyHost};
+use crate::admission::request::{self, BodyBudget, Declared};
+use crate::admission::{self, jittered_retry_after_secs, Ticket, Worker};
+use crate::engine::{Decision, Prepared, Reason};
+use crate::host::Host;
+use crate::policy::admission::Criticality;
+use crate::policy::Policy;
+
+thread_local! {
+    /// The VM's slots (one worker per VM, whatever the roots).
+    static WORKER: RefCell<Option<Worker>> = const { RefCell::new(None) };
+}
+
+/// The outcomes counted per criticality level.
+const OUTCOMES: [Option<Reason>; 8] = [
+    None,
+    Some(Reason::ConcurrencyLimit),
+    Some(Reason::StreamLimit),
+    Some(Reason::TenantShare),
+    Some(Reason::RequestTooLarge),
+    Some(Reason::TimeoutBudget),
+    Some(Reason::Contention),
+    Some(Reason::StateUnavailable),
+];
+
+fn outcome_name(o: Option<Reason>) -> &'static str {
+    o.map_or("admitted", Reason::as_str)
+}
+
+/// Registers the VM's worker if it has none yet (on configure and on the
+/// tick, until it works).
+pub fn ensure_worker(now: u64) {
+    WORKER.with(|w| {
+        let Ok(mut w) = w.try_borrow_mut() else { return };
+        if w.is_none() {
+            match Worker::register(&ProxyHost, now) {
+                Ok(worker) => *w = Some(worker),
+                Err(reason) => log::warn!("tenantgate: no admission worker id yet: {}", reason.as_str()),
+            }
+        }
+    });
+}
+
+fn with_worker<R>(f: impl FnOnce(&mut Worker) -> R) -> Option<R> {
+    WORKER.with(|w| w.try_borrow_mut().ok()?.as_mut().map(f))
+}
+
+/// Releases a stream's slot.
+pub fn release(ticket: Ticket, now: u64) {
+    let kept = WORKER.with(|w| match w.try_borrow_mut() {
+        Ok(mut guard) => match guard.as_mut() {
+            Some(worker) => {
+                worker.release(&ProxyHost, ticket, now);
+                None
+            }
+            None => Some(ticket),
+        },
+        Err(_) => Some(ticket),
+    });
+    if kept.is_some() {
+        // Unreachable: a ticket exists only if the worker does, and the
+        // worker is never borrowed across a callback.
+        log::error!("tenantgate: an admission slot could not be released");
+    }
+}
+
+/// A stream's admission state.
+#[derive(Debug, Default)]
+pub struct Stream {
+    pub ticket: Option<Ticket>,
+    pub body: Option<BodyBudget>,
+    pub level: Criticality,
+}
+
+/// The root's admission stats and gauges.
+pub struct Admission {
+    counters: [[Option<u32>; 4]; OUTCOMES.len()],
+    pending: [[Cell<u64>; 4]; OUTCOMES.len()],
+    /// Dependency key → gauge id, for every dependency of every policy
+    /// this root loaded (bounded by the policies).
+    gauges: RefCell<HashMap<String, Option<u32>>>,
+    ticks: Cell<u32>,
+}
+
+impl Admission {
+    pub fn define() -> Admission {
+        Admission {
+            counters: OUTCOMES.map(|o| {
+                Criticality::ALL.map(|c| {
+                    let name = format!("tenantgate.admission.{}.{}", outcome_name(o), c.as_str());
+                    abi::define_metric(MetricType::Counter, &name).ok()
+                })
+            }),
+            pending: Default::default(),
+            gauges: RefCell::new(HashMap::new()),
+            ticks: Cell::new(0),
+        }
+    }
+
+    /// Defines the gauges of a newly loaded policy's dependencies.
+    pub fn configure(&self, policy: &Policy, now: u64) {
+        if policy.dependencies.is_empty() {
+            return;
+        }
+        ensure_worker(now);
+        let Ok(mut gauges) = self.gauges.try_borrow_mut() else {
+            return;
+        };
+        for d in &policy.dependencies {
+            gauges.entry(d.key.clone()).or_insert_with(|| {
+                let name = format!("tenantgate.admission.in_flight.{}", d.name);
+                abi::define_metric(MetricType::Gauge, &name).ok()
+            });
+        }
+    }
+
+    fn count(&self, outcome: Option<Reason>, level: Criticality) {
+        if let Some(c) = OUTCOMES
+            .iter()
+            .position(|o| *o == outcome)
+            .and_then(|i| self.pending.get(i))
+            .and_then(|row| row.get(level.index()))
+        {
+            c.set(c.get().saturating_add(1));
+        }
+    }
+
+    /// Checks and admits a request of a class with admission labels.
+    /// `Err`: the refusal, as a decision to answer with.
+    pub fn on_request_headers(
+        &self,
+        policy: &Policy,
+        prepared: &Prepared,
+        stream: &mut Stream,
+        context_id: u32,
+        now: u64,
+    ) -> Result<(), Decision> {
+        let labels = prepared.class.labels;
+        let level = labels.criticality;
+        stream.level = level;
+        let declared = Declared::read(
+            ProxyHost.request_header("content-length").as_deref(),
+            labels
+                .min_timeout_budget_ns
+                .and(ProxyHost.request_header(request::EXPECTED_TIMEOUT_HEADER))
+                .as_deref(),
+        );
+        if let Err(reason) = request::check(&labels, &declared) {
+            self.count(Some(reason), level);
+            return Err(Decision {
+                retry_after_secs: 1,
+                subject: prepared.subject.clone(),
+                ..Decision::passed(reason)
+            });
+        }
+        if declared.content_length.is_none() {
+            stream.body = BodyBudget::of(&labels);
+        }
+        let Some(dep) = labels.dependency.and_then(|i| policy.dependency(i)) else {
+            return Ok(());
+        };
+        let acquired =
+            with_worker(|w| w.acquire(&ProxyHost, policy, &prepared.class, &prepared.subject, now))
+                .unwrap_or(Err(admission::Refusal {
+                    reason: Reason::StateUnavailable,
+                    in_flight: 0,
+                    retry_after_window_ns: dep.retry_after_window_ns,
+                }));
+        match acquired {
+            Ok(ticket) => {
+                self.count(None, level);
+                stream.ticket = ticket;
+                Ok(())
+            }
+            Err(refusal) => {
+                self.count(Some(refusal.reason), level);
+                let seed = now ^ (u64::from(context_id) << 32);
+                Err(Decision {
+                    limit: Some(dep.name.clone()),
+                    retry_after_secs: jittered_retry_after_secs(1, refusal.retry_after_window_ns, seed),
+                    subject: prepared.subject.clone(),
+                    ..Decision::passed(refusal.reason)
+                })
+            }
+        }
+    }
+
+    /// Counts a streamed body's chunk; `Err`: over `max_body_bytes`.
+    pub fn on_request_body(&self, stream: &mut Stream, bytes: usize) -> Result<(), Decision> {
+        let level = stream.level;
+        let Some(budget) = stream.body.as_mut() else {
+            return Ok(());
+        };
+        budget
+            .add(u64::try_from(bytes).unwrap_or(u64::MAX))
+            .map_err(|reason| {
+                stream.body = None;
+                self.count(Some(reason), level);
+                Decision {
+                    retry_after_secs: 1,
+                    ..Decision::passed(reason)
+                }
+            })
+    }
+
+    /// The root tick: leases, pending stats, gauges.
+    pub fn tick(&self, now: u64) {
+        for (ids, pending) in self.counters.iter().zip(&self.pending) {
+            for (id, p) in ids.iter().zip(pending) {
+                let n = p.take();
+                if let (Some(id), true) = (id, n > 0) {
+                    let _ = abi::increment_metric(*id, i64::try_from(n).unwrap_or(i64::MAX));
+                }
+            }
+        }
+        let Ok(gauges) = self.gauges.try_borrow() else {
+            return;
+        };
+        if gauges.is_empty() {
+            return;
+        }
+        ensure_worker(now);
+        with_worker(|w| w.renew(&ProxyHost, now));
+        let ticks = self.ticks.get().wrapping_add(1);
+        self.ticks.set(ticks);
+        if ticks % 10 != 0 {
+            return;
+        }
+        for (key, gauge) in gauges.iter() {
+            if let (Some(id), Some(live)) = (gauge, admission::in_flight(&ProxyHost, key, now)) {
+                let _ = abi::record_metric(*id, u64::from(live.total()));
+            }
+        }
+    }
+}
