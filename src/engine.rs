@@ -54,10 +54,14 @@ pub enum Reason {
     RequestTooLarge,
     /// The remaining timeout budget is below `min_timeout_budget`: 503.
     TimeoutBudget,
+    /// Admission: the level's queue at the dependency is full: 503.
+    QueueFull,
+    /// Admission: no slot came within the level's `max_wait`: 503.
+    QueueTimeout,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 13] = [
+    pub const ALL: [Reason; 15] = [
         Reason::Allowed,
         Reason::RateLimited,
         Reason::ShadowLimited,
@@ -71,6 +75,8 @@ impl Reason {
         Reason::TenantShare,
         Reason::RequestTooLarge,
         Reason::TimeoutBudget,
+        Reason::QueueFull,
+        Reason::QueueTimeout,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -88,6 +94,8 @@ impl Reason {
             Reason::TenantShare => "tenant_share",
             Reason::RequestTooLarge => "request_too_large",
             Reason::TimeoutBudget => "timeout_budget",
+            Reason::QueueFull => "queue_full",
+            Reason::QueueTimeout => "queue_timeout",
         }
     }
 
@@ -102,7 +110,9 @@ impl Reason {
             | Reason::ConcurrencyLimit
             | Reason::StreamLimit
             | Reason::TenantShare
-            | Reason::TimeoutBudget => Some(503),
+            | Reason::TimeoutBudget
+            | Reason::QueueFull
+            | Reason::QueueTimeout => Some(503),
             _ => None,
         }
     }

@@ -70,7 +70,11 @@ pub fn local_reply(
                 decision.limit.as_deref().unwrap_or("")
             ),
         ),
-        Reason::ConcurrencyLimit | Reason::StreamLimit | Reason::TenantShare => (
+        Reason::ConcurrencyLimit
+        | Reason::StreamLimit
+        | Reason::TenantShare
+        | Reason::QueueFull
+        | Reason::QueueTimeout => (
             "Service Unavailable",
             format!(
                 "The dependency \"{}\" is at its {} for this request's priority; retry in {retry_after} s.",
@@ -78,6 +82,8 @@ pub fn local_reply(
                 match reason {
                     Reason::StreamLimit => "limit of open streams",
                     Reason::TenantShare => "limit for one tenant",
+                    Reason::QueueFull => "in-flight limit and its queue is full",
+                    Reason::QueueTimeout => "in-flight limit and no slot came within the queue's max_wait",
                     _ => "in-flight limit",
                 }
             ),

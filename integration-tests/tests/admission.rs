@@ -4,7 +4,9 @@
 //! saturated dependency, forged criticality headers, slots coming back
 //! after client resets and a policy reload in the middle of traffic,
 //! 1,000 simultaneous rejections with spread `Retry-After`, and the request
-//! checks (body size, timeout budget).
+//! checks (body size, timeout budget), and the queues: a full level
+//! refuses at once, a held request never waits past its `max_wait`, and
+//! held requests get the slots that free up.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -15,7 +17,7 @@ use std::time::Duration;
 use tenantgate_integration_tests::upstream::Upstream;
 use tenantgate_integration_tests::{get, wait_for, Conn, Envoy, Response};
 
-const CLASSES: [&str; 4] = ["orders", "health", "upload", "shared"];
+const CLASSES: [&str; 6] = ["orders", "health", "upload", "shared", "jobs", "urgent"];
 const WAIT: Duration = Duration::from_secs(20);
 
 /// `db`: 5 slots, 1 reserved for system (normal traffic gets 4).
@@ -30,7 +32,12 @@ anonymous: {{ plan: free }}
 dependencies:
   db: {{ max_in_flight: {max_in_flight}, reserved: {{ system: 1 }} }}
   files: {{ max_in_flight: 50, tenant_max_share: 2 }}
+  batch:
+    max_in_flight: 2
+    queues: {{ normal: {{ max_queue: 1, max_wait: 400ms }}, critical: {{ max_queue: 10, max_wait: 10s }} }}
 routes:
+  jobs: {{ dependency: batch }}
+  urgent: {{ criticality: critical, dependency: batch }}
   orders: {{ dependency: db }}
   health: {{ criticality: system, dependency: db }}
   upload: {{ dependency: files, max_body_bytes: 100, min_timeout_budget: 200ms }}
@@ -362,4 +369,103 @@ fn oversized_bodies_short_timeout_budgets_and_tenant_shares_are_refused() {
     assert_eq!(envoy.tg_stat("admission.request_too_large.normal"), 2);
     assert_eq!(envoy.tg_stat("admission.timeout_budget.normal"), 1);
     assert_eq!(envoy.tg_stat("admission.tenant_share.normal"), 1);
+}
+
+/// A request on its own connection, timed from send to answer.
+fn spawn_timed(port: u16, path: &'static str, tx: &mpsc::Sender<(Response, Duration)>) -> JoinHandle<()> {
+    let tx = tx.clone();
+    std::thread::spawn(move || {
+        let start = std::time::Instant::now();
+        let r = get(port, path, &[("x-tenant-id", "acme")]);
+        let _ = tx.send((r, start.elapsed()));
+    })
+}
+
+#[test]
+fn a_full_queue_refuses_at_once_and_nobody_waits_past_max_wait() {
+    let (upstream, envoy) = start();
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let held: Vec<JoinHandle<()>> = (0..2)
+        .map(|_| spawn_get(envoy.port, "/up/jobs", "acme", &tx))
+        .collect();
+    assert!(wait_for(WAIT, || upstream.in_flight() == 2));
+    // 6 more: at most one held per worker (max_queue 1), the rest refused.
+    let (ttx, trx) = mpsc::channel();
+    let waiting: Vec<JoinHandle<()>> = (0..6)
+        .map(|_| spawn_timed(envoy.port, "/up/jobs", &ttx))
+        .collect();
+    for h in waiting {
+        h.join().unwrap();
+    }
+    let answers: Vec<(Response, Duration)> = trx.try_iter().collect();
+    assert_eq!(answers.len(), 6);
+    let full: Vec<&(Response, Duration)> = answers
+        .iter()
+        .filter(|(r, _)| r.header("x-tenantgate-reason") == Some("queue_full"))
+        .collect();
+    let timed_out: Vec<&(Response, Duration)> = answers
+        .iter()
+        .filter(|(r, _)| r.header("x-tenantgate-reason") == Some("queue_timeout"))
+        .collect();
+    assert_eq!(full.len() + timed_out.len(), 6, "{answers:?}");
+    assert!((1..=2).contains(&timed_out.len()), "{} held", timed_out.len());
+    for (r, waited) in &full {
+        assert_refused(r, "queue_full");
+        assert!(
+            *waited < Duration::from_millis(300),
+            "a full queue refused after {waited:?}"
+        );
+    }
+    for (r, waited) in &timed_out {
+        assert_refused(r, "queue_timeout");
+        // Answered at the last tick before its 400 ms deadline (plus the
+        // client's own round trip on a loaded machine).
+        println!("held for {waited:?} (max_wait 400 ms)");
+        assert!(
+            *waited >= Duration::from_millis(300),
+            "answered early: {waited:?}"
+        );
+        assert!(
+            *waited <= Duration::from_millis(400 + 100),
+            "waited past max_wait: {waited:?}"
+        );
+    }
+    assert_eq!(upstream.max_in_flight(), 2);
+    upstream.release();
+    for h in held {
+        h.join().unwrap();
+    }
+    assert_eq!(rx.try_iter().filter(|r| r.status == 200).count(), 2);
+    assert!(wait_for(WAIT, || gauge(&envoy, "batch") == Some(0)));
+    assert_eq!(envoy.tg_stat("admission.queue_full.normal"), full.len() as u64);
+    assert_eq!(
+        envoy.tg_stat("admission.queue_timeout.normal"),
+        timed_out.len() as u64
+    );
+}
+
+#[test]
+fn held_requests_get_the_slots_that_free_up() {
+    let (upstream, envoy) = start();
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let mut all: Vec<JoinHandle<()>> = (0..2)
+        .map(|_| spawn_get(envoy.port, "/up/jobs", "acme", &tx))
+        .collect();
+    assert!(wait_for(WAIT, || upstream.in_flight() == 2));
+    // Critical work finds the pool full (no reservation) and is held.
+    all.extend((0..3).map(|_| spawn_get(envoy.port, "/up/urgent", "acme", &tx)));
+    assert!(wait_for(WAIT, || envoy.tg_stat("admission.queued.critical") == 3));
+    assert_eq!(upstream.in_flight(), 2);
+    // Slots free up: the held requests take them (never more than 2).
+    upstream.release();
+    for h in all {
+        h.join().unwrap();
+    }
+    let statuses: Vec<u16> = rx.try_iter().map(|r| r.status).collect();
+    assert_eq!(statuses, [200; 5], "{statuses:?}");
+    assert_eq!(upstream.max_in_flight(), 2);
+    assert_eq!(envoy.tg_stat("admission.admitted.critical"), 3);
+    assert!(wait_for(WAIT, || gauge(&envoy, "batch") == Some(0)));
 }

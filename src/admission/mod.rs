@@ -67,6 +67,7 @@
 //! Pure: time is `now`, the host is [`Host`].
 
 pub mod holders;
+pub mod queue;
 pub mod request;
 
 use hashbrown::HashMap;

@@ -9,6 +9,13 @@
 //!   whichever comes first (both come for every end: complete, reset by
 //!   either side, local reply, client gone); the [`Ticket`] is taken out
 //!   of the stream's context, so it is released once.
+//! * A `concurrency_limit` refusal at a level with a queue pauses the
+//!   request in the worker's [`PriorityQueue`] of its dependency
+//!   ([`crate::admission::queue`]); the tick serves it: a request that gets
+//!   its slot is charged its rate limits and resumed (its ticket kept by
+//!   context id until its stream ends), one whose `max_wait` would pass is
+//!   answered 503 `queue_timeout`; a stream that ends while held leaves the
+//!   queue.
 //! * Root tick: the worker renews its leases and publishes what a failed
 //!   write left dirty; every 10th tick the in-flight gauges are set from
 //!   shared data (node-wide: every worker sets the same value).
@@ -19,24 +26,48 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::rc::Rc;
 
 use proxy_wasm::types::MetricType;
 
+use super::metrics::Metrics;
 use super::{abi, ProxyHost};
+use crate::admission::queue::{Held, NotHeld, PriorityQueue, Served};
 use crate::admission::request::{self, BodyBudget, Declared};
 use crate::admission::{self, jittered_retry_after_secs, Ticket, Worker};
 use crate::engine::{Decision, Prepared, Reason};
 use crate::host::Host;
 use crate::policy::admission::Criticality;
 use crate::policy::Policy;
+use crate::response;
 
 thread_local! {
     /// The VM's slots (one worker per VM, whatever the roots).
     static WORKER: RefCell<Option<Worker>> = const { RefCell::new(None) };
+    /// Requests waiting for a slot, per dependency key.
+    static QUEUES: RefCell<HashMap<String, PriorityQueue<Parked>>> = RefCell::new(HashMap::new());
+    /// Slots of requests the queue resumed, by stream context id.
+    static ADMITTED: RefCell<HashMap<u32, Ticket>> = RefCell::new(HashMap::new());
+}
+
+/// A paused request: what resuming it needs.
+#[derive(Debug)]
+pub struct Parked {
+    context_id: u32,
+    policy: Rc<Policy>,
+    prepared: Prepared,
+}
+
+/// Why a request does not go on at once.
+pub enum Refused {
+    /// Answer with this decision.
+    Reply(Decision),
+    /// Paused in its dependency's queue.
+    Held,
 }
 
 /// The outcomes counted per criticality level.
-const OUTCOMES: [Option<Reason>; 8] = [
+const OUTCOMES: [Option<Reason>; 10] = [
     None,
     Some(Reason::ConcurrencyLimit),
     Some(Reason::StreamLimit),
@@ -45,6 +76,8 @@ const OUTCOMES: [Option<Reason>; 8] = [
     Some(Reason::TimeoutBudget),
     Some(Reason::Contention),
     Some(Reason::StateUnavailable),
+    Some(Reason::QueueFull),
+    Some(Reason::QueueTimeout),
 ];
 
 fn outcome_name(o: Option<Reason>) -> &'static str {
@@ -88,18 +121,56 @@ pub fn release(ticket: Ticket, now: u64) {
     }
 }
 
+/// Forgets a stream: out of its queue, its resumed slot released.
+pub fn stream_done(context_id: u32, now: u64) {
+    QUEUES.with(|q| {
+        if let Ok(mut queues) = q.try_borrow_mut() {
+            for queue in queues.values_mut() {
+                queue.remove(|p| p.context_id == context_id);
+            }
+        }
+    });
+    let ticket = ADMITTED.with(|a| a.try_borrow_mut().ok()?.remove(&context_id));
+    if let Some(t) = ticket {
+        release(t, now);
+    }
+}
+
 /// A stream's admission state.
 #[derive(Debug, Default)]
 pub struct Stream {
     pub ticket: Option<Ticket>,
     pub body: Option<BodyBudget>,
     pub level: Criticality,
+    /// Paused in a dependency's queue, or resumed from it.
+    pub queued: bool,
+}
+
+/// A refusal's decision, with its jittered `Retry-After`.
+fn refusal_decision(
+    reason: Reason,
+    dependency: &str,
+    window_ns: u64,
+    prepared: &Prepared,
+    context_id: u32,
+    now: u64,
+) -> Decision {
+    let seed = now ^ (u64::from(context_id) << 32);
+    Decision {
+        limit: Some(dependency.to_owned()),
+        retry_after_secs: jittered_retry_after_secs(1, window_ns, seed),
+        subject: prepared.subject.clone(),
+        ..Decision::passed(reason)
+    }
 }
 
 /// The root's admission stats and gauges.
 pub struct Admission {
     counters: [[Option<u32>; 4]; OUTCOMES.len()],
     pending: [[Cell<u64>; 4]; OUTCOMES.len()],
+    /// `admission.queued.<criticality>`: requests paused for a slot.
+    queued: [Cell<u64>; 4],
+    queued_ids: [Option<u32>; 4],
     /// Dependency key → gauge id, for every dependency of every policy
     /// this root loaded (bounded by the policies).
     gauges: RefCell<HashMap<String, Option<u32>>>,
@@ -116,6 +187,14 @@ impl Admission {
                 })
             }),
             pending: Default::default(),
+            queued: Default::default(),
+            queued_ids: Criticality::ALL.map(|c| {
+                abi::define_metric(
+                    MetricType::Counter,
+                    &format!("tenantgate.admission.queued.{}", c.as_str()),
+                )
+                .ok()
+            }),
             gauges: RefCell::new(HashMap::new()),
             ticks: Cell::new(0),
         }
@@ -153,12 +232,12 @@ impl Admission {
     /// `Err`: the refusal, as a decision to answer with.
     pub fn on_request_headers(
         &self,
-        policy: &Policy,
+        policy: &Rc<Policy>,
         prepared: &Prepared,
         stream: &mut Stream,
         context_id: u32,
         now: u64,
-    ) -> Result<(), Decision> {
+    ) -> Result<(), Refused> {
         let labels = prepared.class.labels;
         let level = labels.criticality;
         stream.level = level;
@@ -171,11 +250,11 @@ impl Admission {
         );
         if let Err(reason) = request::check(&labels, &declared) {
             self.count(Some(reason), level);
-            return Err(Decision {
+            return Err(Refused::Reply(Decision {
                 retry_after_secs: 1,
                 subject: prepared.subject.clone(),
                 ..Decision::passed(reason)
-            });
+            }));
         }
         if declared.content_length.is_none() {
             stream.body = BodyBudget::of(&labels);
@@ -197,14 +276,145 @@ impl Admission {
                 Ok(())
             }
             Err(refusal) => {
-                self.count(Some(refusal.reason), level);
-                let seed = now ^ (u64::from(context_id) << 32);
-                Err(Decision {
-                    limit: Some(dep.name.clone()),
-                    retry_after_secs: jittered_retry_after_secs(1, refusal.retry_after_window_ns, seed),
-                    subject: prepared.subject.clone(),
-                    ..Decision::passed(refusal.reason)
-                })
+                let mut reason = refusal.reason;
+                let queue = dep.queues.get(level.index()).copied().unwrap_or_default();
+                if reason == Reason::ConcurrencyLimit && queue.max_queue > 0 {
+                    let held = Held {
+                        item: Parked {
+                            context_id,
+                            policy: policy.clone(),
+                            prepared: prepared.clone(),
+                        },
+                        level,
+                        tenant: crate::table::fnv1a64(
+                            admission::tenant_key(&dep.name, &prepared.subject).as_bytes(),
+                        ),
+                        enqueued: now,
+                        deadline: now.saturating_add(queue.max_wait_ns),
+                    };
+                    let offered = QUEUES.with(|q| match q.try_borrow_mut() {
+                        Ok(mut queues) => queues
+                            .entry(dep.key.clone())
+                            .or_default()
+                            .offer(held, queue.max_queue),
+                        Err(_) => Err(NotHeld::Full),
+                    });
+                    match offered {
+                        Ok(()) => {
+                            self.count_queued(level);
+                            stream.queued = true;
+                            return Err(Refused::Held);
+                        }
+                        Err(NotHeld::Full) => reason = Reason::QueueFull,
+                        Err(NotHeld::NoQueue) => {}
+                    }
+                }
+                self.count(Some(reason), level);
+                Err(Refused::Reply(refusal_decision(
+                    reason,
+                    &dep.name,
+                    refusal.retry_after_window_ns,
+                    prepared,
+                    context_id,
+                    now,
+                )))
+            }
+        }
+    }
+
+    fn count_queued(&self, level: Criticality) {
+        if let Some(c) = self.queued.get(level.index()) {
+            c.set(c.get().saturating_add(1));
+        }
+    }
+
+    /// Serves every dependency's queue (see the module header).
+    fn serve_queues(&self, metrics: &Metrics, now: u64) {
+        let served: Vec<Served<Parked, Ticket>> = QUEUES.with(|q| {
+            let Ok(mut queues) = q.try_borrow_mut() else {
+                return Vec::new();
+            };
+            let mut out = Vec::new();
+            for queue in queues.values_mut().filter(|q| !q.is_empty()) {
+                out.extend(queue.serve(now, super::TICK_NS, |h| {
+                    let p = &h.item;
+                    with_worker(|w| {
+                        w.acquire(&ProxyHost, &p.policy, &p.prepared.class, &p.prepared.subject, now)
+                    })
+                    .and_then(Result::ok)
+                    .flatten()
+                }));
+            }
+            out
+        });
+        for s in served {
+            match s {
+                Served::Admitted(h, ticket) => {
+                    let p = h.item;
+                    self.count(None, h.level);
+                    if abi::set_effective_context(p.context_id).is_err() {
+                        // The stream ended meanwhile.
+                        release(ticket, now);
+                        continue;
+                    }
+                    let decision = super::charge(&p.policy, &p.prepared, now);
+                    metrics.record(&decision);
+                    match response::local_reply(
+                        &decision,
+                        &p.policy.version,
+                        p.policy.ratelimit_headers,
+                        None,
+                    ) {
+                        Some(reply) => {
+                            release(ticket, now);
+                            super::send_reply(&reply, metrics);
+                        }
+                        None => {
+                            ADMITTED.with(|a| {
+                                if let Ok(mut a) = a.try_borrow_mut() {
+                                    a.insert(p.context_id, ticket);
+                                }
+                            });
+                            if abi::resume_http_request().is_err() {
+                                log::warn!("tenantgate: cannot resume a request held for a slot");
+                            }
+                        }
+                    }
+                }
+                Served::TimedOut(h) => {
+                    let p = h.item;
+                    self.count(Some(Reason::QueueTimeout), h.level);
+                    if abi::set_effective_context(p.context_id).is_err() {
+                        continue;
+                    }
+                    let Some(dep) = p
+                        .prepared
+                        .class
+                        .labels
+                        .dependency
+                        .and_then(|i| p.policy.dependency(i))
+                    else {
+                        continue;
+                    };
+                    let decision = refusal_decision(
+                        Reason::QueueTimeout,
+                        &dep.name,
+                        dep.retry_after_window_ns,
+                        &p.prepared,
+                        p.context_id,
+                        now,
+                    );
+                    metrics.record(&decision);
+                    let raw = ProxyHost.request_header("x-request-id");
+                    if let Some(reply) = response::local_reply(
+                        &decision,
+                        &p.policy.version,
+                        p.policy.ratelimit_headers,
+                        response::request_id(raw.as_deref()),
+                    ) {
+                        super::send_reply(&reply, metrics);
+                    }
+                }
             }
         }
     }
@@ -228,14 +438,20 @@ impl Admission {
     }
 
     /// The root tick: leases, pending stats, gauges.
-    pub fn tick(&self, now: u64) {
+    pub fn tick(&self, metrics: &Metrics, now: u64) {
+        let flush = |id: &Option<u32>, p: &Cell<u64>| {
+            let n = p.take();
+            if let (Some(id), true) = (id, n > 0) {
+                let _ = abi::increment_metric(*id, i64::try_from(n).unwrap_or(i64::MAX));
+            }
+        };
         for (ids, pending) in self.counters.iter().zip(&self.pending) {
             for (id, p) in ids.iter().zip(pending) {
-                let n = p.take();
-                if let (Some(id), true) = (id, n > 0) {
-                    let _ = abi::increment_metric(*id, i64::try_from(n).unwrap_or(i64::MAX));
-                }
+                flush(id, p);
             }
+        }
+        for (id, p) in self.queued_ids.iter().zip(&self.queued) {
+            flush(id, p);
         }
         let Ok(gauges) = self.gauges.try_borrow() else {
             return;
@@ -245,6 +461,7 @@ impl Admission {
         }
         ensure_worker(now);
         with_worker(|w| w.renew(&ProxyHost, now));
+        self.serve_queues(metrics, now);
         let ticks = self.ticks.get().wrapping_add(1);
         self.ticks.set(ticks);
         if ticks % 10 != 0 {

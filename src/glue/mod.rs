@@ -34,8 +34,9 @@ use crate::sync::SyncState;
 use abi::HostStatus;
 use metrics::Metrics;
 
-/// How often a worker serves its queue of held requests.
-const TICK: Duration = Duration::from_millis(10);
+/// How often a worker serves its queues of held requests, in nanoseconds.
+const TICK_NS: u64 = 10_000_000;
+const TICK: Duration = Duration::from_nanos(TICK_NS);
 
 thread_local! {
     /// The worker's held requests (`on_limit: queue`). One per VM: a
@@ -208,7 +209,7 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         self.metrics.flush();
         let Some(now) = now_ns() else { return };
-        self.admission.tick(now);
+        self.admission.tick(&self.metrics, now);
         if let Some(policy) = self.policy.clone() {
             self.sync.tick(&policy, &self.metrics, now);
         }
@@ -278,6 +279,10 @@ impl Request {
         if let Some(ticket) = self.stream.ticket.take() {
             admission::release(ticket, now_ns().unwrap_or(0));
         }
+        if self.stream.queued {
+            self.stream.queued = false;
+            admission::stream_done(self.context_id, now_ns().unwrap_or(0));
+        }
     }
 }
 
@@ -308,8 +313,10 @@ impl HttpContext for Request {
             let admitted =
                 self.admission
                     .on_request_headers(&policy, &prepared, &mut self.stream, self.context_id, now);
-            if let Err(refusal) = admitted {
-                return self.finish(&policy, refusal);
+            match admitted {
+                Ok(()) => {}
+                Err(admission::Refused::Held) => return Action::Pause,
+                Err(admission::Refused::Reply(refusal)) => return self.finish(&policy, refusal),
             }
         }
         let decision = charge(&policy, &prepared, now);

@@ -82,8 +82,8 @@ impl Labels {
     }
 }
 
-/// A criticality level's queue at a dependency (validated; the queue itself
-/// is not built yet: a dependency at its limit rejects at once).
+/// A criticality level's queue at a dependency (`max_queue` 0: refuse at
+/// once; see [`crate::admission::queue`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LevelQueue {
     pub max_queue: u32,
