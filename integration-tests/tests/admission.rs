@@ -469,3 +469,30 @@ fn held_requests_get_the_slots_that_free_up() {
     assert_eq!(envoy.tg_stat("admission.admitted.critical"), 3);
     assert!(wait_for(WAIT, || gauge(&envoy, "batch") == Some(0)));
 }
+
+#[test]
+fn shadow_mode_counts_admission_refusals_and_enforces_none() {
+    let upstream = Upstream::start();
+    let shadow = policy("adm-shadow", 5).replace("identity:", "mode: shadow\nidentity:");
+    let envoy = Envoy::start_with_upstream(&shadow, upstream.port, &CLASSES);
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let held: Vec<JoinHandle<()>> = (0..6)
+        .map(|_| spawn_get(envoy.port, "/up/orders", "acme", &tx))
+        .collect();
+    // All six reach the upstream; the two over the limit are counted.
+    assert!(
+        wait_for(WAIT, || upstream.in_flight() == 6),
+        "in flight {}",
+        upstream.in_flight()
+    );
+    assert!(wait_for(WAIT, || envoy
+        .tg_stat("admission.concurrency_limit.normal")
+        == 2));
+    upstream.release();
+    for h in held {
+        h.join().unwrap();
+    }
+    assert_eq!(rx.try_iter().filter(|r| r.status == 200).count(), 6);
+    assert!(wait_for(WAIT, || gauge(&envoy, "db") == Some(0)));
+}

@@ -38,7 +38,7 @@ use crate::admission::{self, jittered_retry_after_secs, Ticket, Worker};
 use crate::engine::{Decision, Prepared, Reason};
 use crate::host::Host;
 use crate::policy::admission::Criticality;
-use crate::policy::Policy;
+use crate::policy::{Mode, Policy};
 use crate::response;
 
 thread_local! {
@@ -241,6 +241,8 @@ impl Admission {
         let labels = prepared.class.labels;
         let level = labels.criticality;
         stream.level = level;
+        // `mode: shadow`: refusals are counted, never enforced.
+        let shadow = policy.mode == Mode::Shadow;
         let declared = Declared::read(
             ProxyHost.request_header("content-length").as_deref(),
             labels
@@ -250,13 +252,16 @@ impl Admission {
         );
         if let Err(reason) = request::check(&labels, &declared) {
             self.count(Some(reason), level);
+            if shadow {
+                return Ok(());
+            }
             return Err(Refused::Reply(Decision {
                 retry_after_secs: 1,
                 subject: prepared.subject.clone(),
                 ..Decision::passed(reason)
             }));
         }
-        if declared.content_length.is_none() {
+        if declared.content_length.is_none() && !shadow {
             stream.body = BodyBudget::of(&labels);
         }
         let Some(dep) = labels.dependency.and_then(|i| policy.dependency(i)) else {
@@ -278,7 +283,7 @@ impl Admission {
             Err(refusal) => {
                 let mut reason = refusal.reason;
                 let queue = dep.queues.get(level.index()).copied().unwrap_or_default();
-                if reason == Reason::ConcurrencyLimit && queue.max_queue > 0 {
+                if reason == Reason::ConcurrencyLimit && queue.max_queue > 0 && !shadow {
                     let held = Held {
                         item: Parked {
                             context_id,
@@ -310,6 +315,9 @@ impl Admission {
                     }
                 }
                 self.count(Some(reason), level);
+                if shadow {
+                    return Ok(());
+                }
                 Err(Refused::Reply(refusal_decision(
                     reason,
                     &dep.name,

@@ -349,6 +349,9 @@ impl HttpContext for Request {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+        if self.stream.body.is_none() {
+            return Action::Continue;
+        }
         let Some(policy) = self.policy.clone() else {
             return Action::Continue;
         };
