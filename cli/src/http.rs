@@ -34,7 +34,9 @@ pub fn request(
         .read_to_end(&mut out)
         .map_err(|e| format!("{addr}: {e}"))?;
     if out.len() as u64 > MAX_ANSWER_BYTES {
-        return Err(format!("{addr}: the answer is larger than {MAX_ANSWER_BYTES} bytes"));
+        return Err(format!(
+            "{addr}: the answer is larger than {MAX_ANSWER_BYTES} bytes"
+        ));
     }
     let text = String::from_utf8_lossy(&out);
     let (head, body) = text.split_once("\r\n\r\n").ok_or("malformed answer")?;
