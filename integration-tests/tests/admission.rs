@@ -496,3 +496,43 @@ fn shadow_mode_counts_admission_refusals_and_enforces_none() {
     assert_eq!(rx.try_iter().filter(|r| r.status == 200).count(), 6);
     assert!(wait_for(WAIT, || gauge(&envoy, "db") == Some(0)));
 }
+
+#[test]
+fn under_sustained_load_with_a_slow_upstream_the_limit_always_holds() {
+    let (upstream, envoy) = start();
+    upstream.set_latency(Duration::from_millis(30));
+    let port = envoy.port;
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    // 12 clients, fresh connections (both workers), for 2 s, at most 200
+    // requests each.
+    let clients: Vec<JoinHandle<Vec<u16>>> = (0..12)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let mut statuses = Vec::new();
+                while std::time::Instant::now() < deadline && statuses.len() < 200 {
+                    statuses.push(get(port, "/up/orders", &[("x-tenant-id", "acme")]).status);
+                }
+                statuses
+            })
+        })
+        .collect();
+    let statuses: Vec<u16> = clients.into_iter().flat_map(|h| h.join().unwrap()).collect();
+    let ok = statuses.iter().filter(|s| **s == 200).count();
+    let refused = statuses.iter().filter(|s| **s == 503).count();
+    println!(
+        "{} requests: {ok} admitted, {refused} refused; upstream at most {} in flight (limit 4)",
+        statuses.len(),
+        upstream.max_in_flight()
+    );
+    assert_eq!(ok + refused, statuses.len(), "only 200 and 503");
+    assert!(ok > 0 && refused > 0, "{ok} admitted, {refused} refused");
+    // The upstream never saw more than the normal share of the limit.
+    assert!(
+        upstream.max_in_flight() <= 4,
+        "{} in flight",
+        upstream.max_in_flight()
+    );
+    assert_eq!(upstream.served(), ok as u64);
+    assert!(wait_for(WAIT, || gauge(&envoy, "db") == Some(0)));
+    assert_eq!(envoy.tg_stat("admission.admitted.normal"), ok as u64);
+}
