@@ -17,7 +17,9 @@ use std::time::Duration;
 use tenantgate_integration_tests::upstream::Upstream;
 use tenantgate_integration_tests::{get, wait_for, Conn, Envoy, Response};
 
-const CLASSES: [&str; 6] = ["orders", "health", "upload", "shared", "jobs", "urgent"];
+const CLASSES: [&str; 8] = [
+    "orders", "health", "upload", "shared", "jobs", "urgent", "feed", "metered",
+];
 const WAIT: Duration = Duration::from_secs(20);
 
 /// `db`: 5 slots, 1 reserved for system (normal traffic gets 4).
@@ -26,17 +28,23 @@ fn policy(version: &str, max_in_flight: u32) -> String {
         r#"
 version: "{version}"
 identity: {{ header: x-tenant-id }}
-plans: {{ free: {{ limits: [ {{ rate: 1000000, per: 1s }} ] }} }}
+plans:
+  free: {{ limits: [ {{ rate: 1000000, per: 1s }} ] }}
+  tight: {{ limits: [ {{ rate: 1, per: 1h, burst: 2 }} ] }}
+tenants: [ {{ id: capped, plan: tight }} ]
 default_plan: free
 anonymous: {{ plan: free }}
 dependencies:
   db: {{ max_in_flight: {max_in_flight}, reserved: {{ system: 1 }} }}
   files: {{ max_in_flight: 50, tenant_max_share: 2 }}
+  events: {{ max_in_flight: 10, max_streams: 2 }}
   batch:
     max_in_flight: 2
     queues: {{ normal: {{ max_queue: 1, max_wait: 400ms }}, critical: {{ max_queue: 10, max_wait: 10s }} }}
 routes:
   jobs: {{ dependency: batch }}
+  feed: {{ dependency: events, streaming: true }}
+  metered: {{ dependency: events }}
   urgent: {{ criticality: critical, dependency: batch }}
   orders: {{ dependency: db }}
   health: {{ criticality: system, dependency: db }}
@@ -535,4 +543,36 @@ fn under_sustained_load_with_a_slow_upstream_the_limit_always_holds() {
     assert_eq!(upstream.served(), ok as u64);
     assert!(wait_for(WAIT, || gauge(&envoy, "db") == Some(0)));
     assert_eq!(envoy.tg_stat("admission.admitted.normal"), ok as u64);
+}
+
+#[test]
+fn streams_have_their_own_budget_and_no_slot_outlives_a_rate_limit_denial() {
+    let (upstream, envoy) = start();
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let streams: Vec<JoinHandle<()>> = (0..2)
+        .map(|_| spawn_get(envoy.port, "/up/feed", "acme", &tx))
+        .collect();
+    assert!(wait_for(WAIT, || upstream.in_flight() == 2));
+    assert_refused(
+        &get(envoy.port, "/up/feed", &[("x-tenant-id", "acme")]),
+        "stream_limit",
+    );
+    // Streams never take request slots: requests of the same dependency pass.
+    let request = spawn_get(envoy.port, "/up/metered", "acme", &tx);
+    assert!(wait_for(WAIT, || upstream.in_flight() == 3));
+    assert!(wait_for(WAIT, || gauge(&envoy, "events") == Some(3)));
+    upstream.release();
+    for h in streams.into_iter().chain([request]) {
+        h.join().unwrap();
+    }
+    assert_eq!(rx.try_iter().filter(|r| r.status == 200).count(), 3);
+
+    // A tenant over its rate limit (burst 2): no slot outlives its 429.
+    let statuses: Vec<u16> = (0..5)
+        .map(|_| get(envoy.port, "/up/metered", &[("x-tenant-id", "capped")]).status)
+        .collect();
+    assert_eq!(statuses, [200, 200, 429, 429, 429]);
+    assert!(wait_for(WAIT, || gauge(&envoy, "events") == Some(0)));
+    assert_eq!(envoy.tg_stat("admission.stream_limit.normal"), 1);
 }
