@@ -543,6 +543,12 @@ fn under_sustained_load_with_a_slow_upstream_the_limit_always_holds() {
     assert_eq!(upstream.served(), ok as u64);
     assert!(wait_for(WAIT, || gauge(&envoy, "db") == Some(0)));
     assert_eq!(envoy.tg_stat("admission.admitted.normal"), ok as u64);
+    // Refusals are the limit's, or (counted, never an admission) a
+    // compare-and-swap that stayed conflicted.
+    let limit = envoy.tg_stat("admission.concurrency_limit.normal");
+    let contention = envoy.tg_stat("admission.contention.normal");
+    println!("refused: {limit} concurrency_limit, {contention} contention");
+    assert_eq!(limit + contention, refused as u64);
 }
 
 #[test]
