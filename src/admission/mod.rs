@@ -445,6 +445,13 @@ impl Worker {
                 h.dirty = dirty;
                 if !dirty {
                     h.lease_until = lease_until;
+                    // Where it was last written (a reload may resize the
+                    // key table: a count left at the old place expires
+                    // with its lease).
+                    h.table_entries = table_entries;
+                    if h.overflow_action != action {
+                        action.clone_into(&mut h.overflow_action);
+                    }
                 }
             }
             None => {

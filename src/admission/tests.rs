@@ -642,3 +642,43 @@ fn two_workers_racing_for_the_last_slot_never_both_get_it() {
     }
     assert_eq!(node.total(T0), 0);
 }
+
+#[test]
+fn a_reload_that_resizes_the_key_table_leaves_no_tenant_count_behind_the_lease() {
+    let old = policy(r#", "tenant_max_share": 5"#);
+    // The same dependency with a larger key table: the tenant's slot moves.
+    let new = {
+        let json = r#"{
+            "version": "adm-2", "identity": {"header": "x-tenant-id"},
+            "plans": {"free": {"limits": [{"rate": 1000000, "per": "1s"}]}},
+            "default_plan": "free", "anonymous": {"plan": "free"},
+            "key_table": {"max_keys": 4096},
+            "dependencies": {"db": {"max_in_flight": 10, "reserved": {"critical": 2, "system": 1}, "tenant_max_share": 5}},
+            "routes": {"orders": {"dependency": "db"}}
+        }"#;
+        Rc::new(Policy::from_json(json.as_bytes()).unwrap())
+    };
+    assert_ne!(old.key_table_entries, new.key_table_entries);
+    let node = Node::new();
+    let mut w = Worker::with_id(1);
+    let before = node.acquire(&mut w, &old, "orders", "acme", T0).unwrap();
+    let after = node.acquire(&mut w, &new, "orders", "acme", T0).unwrap();
+    release(&node, &mut w, before, T0);
+    release(&node, &mut w, after, T0);
+    assert_eq!(node.total(T0), 0);
+    // Whatever either place still lists is gone by the lease's end: the
+    // tenant can take its whole share under either policy.
+    let later = T0 + LEASE_NS + 1;
+    for p in [&old, &new] {
+        let held: Vec<Ticket> = (0..5)
+            .map(|_| node.acquire(&mut w, p, "orders", "acme", later).unwrap())
+            .collect();
+        assert_eq!(
+            node.acquire(&mut w, p, "orders", "acme", later),
+            Err(Reason::TenantShare)
+        );
+        for t in held {
+            release(&node, &mut w, t, later);
+        }
+    }
+}
