@@ -159,7 +159,20 @@ impl Envoy {
     /// (route metadata `class: <class>`, 30 s route timeout) to the test
     /// upstream on `upstream_port`, before the demo's routes.
     pub fn start_with_upstream(policy_yaml: &str, upstream_port: u16, classes: &[&str]) -> Envoy {
+        Envoy::start_with_upstream_logged(policy_yaml, upstream_port, classes, None)
+    }
+
+    /// [`Envoy::start_with_upstream`], with an access log of the demo
+    /// listener written to `access_log`: `<path> <status> <admission record>`
+    /// per request (the record as in `envoy/demo.yaml`'s format).
+    pub fn start_with_upstream_logged(
+        policy_yaml: &str,
+        upstream_port: u16,
+        classes: &[&str],
+        access_log: Option<&std::path::Path>,
+    ) -> Envoy {
         let classes: Vec<String> = classes.iter().map(|c| (*c).to_owned()).collect();
+        let access_log = access_log.map(|p| p.display().to_string());
         Envoy::start_node_with(policy_yaml, &NodeSpec::default(), move |bootstrap| {
             let anchor = "              routes:\n              # The class is trusted route metadata: clients cannot change it.\n";
             assert!(
@@ -187,6 +200,20 @@ impl Envoy {
                 &format!("{remote}          internal_address_config: {{ cidr_ranges: [ {{ address_prefix: 127.0.0.1, prefix_len: 32 }} ] }}\n"),
                 1,
             );
+            if let Some(path) = access_log {
+                let prefix = "          stat_prefix: demo\n";
+                assert!(
+                    b.contains(prefix),
+                    "envoy/demo.yaml no longer has stat_prefix: demo"
+                );
+                b = b.replacen(
+                    prefix,
+                    &format!(
+                        "{prefix}          access_log: [ {{ name: envoy.access_loggers.file, typed_config: {{ \"@type\": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog, path: {path}, log_format: {{ text_format: \"%REQ(:PATH)% %RESPONSE_CODE% %FILTER_STATE(wasm.tenantgate_admission:PLAIN)%\\n\" }} }} }} ]\n"
+                    ),
+                    1,
+                );
+            }
             b.push_str(&format!(
                 "  - name: upstream\n    type: STATIC\n    connect_timeout: 1s\n    circuit_breakers: {{ thresholds: [ {{ max_connections: 100000, max_pending_requests: 100000, max_requests: 100000 }} ] }}\n    load_assignment: {{ cluster_name: upstream, endpoints: [ {{ lb_endpoints: [ {{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {upstream_port} }} }} }} }} ] }} ] }}\n"
             ));

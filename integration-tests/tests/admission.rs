@@ -403,10 +403,23 @@ fn a_full_queue_refuses_at_once_and_nobody_waits_past_max_wait() {
     let waiting: Vec<JoinHandle<()>> = (0..6)
         .map(|_| spawn_timed(envoy.port, "/up/jobs", &ttx))
         .collect();
+    let mut answers: Vec<(Response, Duration)> = Vec::new();
+    let answered = wait_for(Duration::from_secs(5), || {
+        answers.extend(trx.try_iter());
+        answers.len() == 6
+    });
+    assert!(
+        answered,
+        "{} of 6 answered; upstream in flight {}, admitted {}, queued {}, gauge {:?}",
+        answers.len(),
+        upstream.in_flight(),
+        envoy.tg_stat("admission.admitted.normal"),
+        envoy.tg_stat("admission.queued.normal"),
+        gauge(&envoy, "batch")
+    );
     for h in waiting {
         h.join().unwrap();
     }
-    let answers: Vec<(Response, Duration)> = trx.try_iter().collect();
     assert_eq!(answers.len(), 6);
     let full: Vec<&(Response, Duration)> = answers
         .iter()
@@ -581,4 +594,45 @@ fn streams_have_their_own_budget_and_no_slot_outlives_a_rate_limit_denial() {
     assert_eq!(statuses, [200, 200, 429, 429, 429]);
     assert!(wait_for(WAIT, || gauge(&envoy, "events") == Some(0)));
     assert_eq!(envoy.tg_stat("admission.stream_limit.normal"), 1);
+}
+
+#[test]
+fn the_decision_record_reaches_the_access_log() {
+    let upstream = Upstream::start();
+    let log = Envoy::temp_dir().join("access.log");
+    let envoy = Envoy::start_with_upstream_logged(&policy("adm-log", 5), upstream.port, &CLASSES, Some(&log));
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let held: Vec<JoinHandle<()>> = (0..4)
+        .map(|_| spawn_get(envoy.port, "/up/orders", "acme", &tx))
+        .collect();
+    assert!(wait_for(WAIT, || upstream.in_flight() == 4));
+    assert_refused(
+        &get(envoy.port, "/up/orders", &[("x-tenant-id", "acme")]),
+        "concurrency_limit",
+    );
+    upstream.release();
+    for h in held {
+        h.join().unwrap();
+    }
+    assert_eq!(rx.try_iter().count(), 4);
+    // A class without admission labels writes no record.
+    assert_eq!(get(envoy.port, "/api/x", &[("x-tenant-id", "acme")]).status, 200);
+    let lines = || std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(wait_for(WAIT, || lines().lines().count() >= 6), "{}", lines());
+    let text = lines();
+    println!("{text}");
+    assert!(
+        text.contains("/up/orders 503 outcome=concurrency_limit criticality=normal dependency=db in_flight=4 queue_wait_ms=0 policy=adm-log key=orders|t|acme"),
+        "{text}"
+    );
+    assert_eq!(
+        text.lines()
+            .filter(|l| l
+                .starts_with("/up/orders 200 outcome=admitted criticality=normal dependency=db in_flight="))
+            .count(),
+        4,
+        "{text}"
+    );
+    assert!(text.contains("/api/x 200 -"), "{text}");
 }

@@ -146,6 +146,32 @@ pub struct Stream {
     pub queued: bool,
 }
 
+/// The filter state the decision record is kept under (`wasm.` + this).
+pub const RECORD_PROPERTY: &str = "tenantgate_admission";
+
+/// Writes a request's decision record (on the current stream).
+fn record(policy: &Policy, prepared: &Prepared, outcome: Option<Reason>, in_flight: u32, queue_wait_ns: u64) {
+    let labels = prepared.class.labels;
+    let dependency = labels
+        .dependency
+        .and_then(|i| policy.dependency(i))
+        .map_or("-", |d| d.name.as_str());
+    let key = crate::engine::logical_key(&prepared.class.action, &prepared.subject);
+    let text = admission::DecisionRecord {
+        outcome: outcome_name(outcome),
+        criticality: labels.criticality,
+        dependency,
+        in_flight,
+        queue_wait_ms: queue_wait_ns / 1_000_000,
+        policy_version: &policy.version,
+        limit_key: &key,
+    }
+    .render();
+    if abi::set_property(RECORD_PROPERTY, text.as_bytes()).is_err() {
+        log::debug!("tenantgate: cannot set the admission record");
+    }
+}
+
 /// A refusal's decision, with its jittered `Retry-After`.
 fn refusal_decision(
     reason: Reason,
@@ -252,6 +278,7 @@ impl Admission {
         );
         if let Err(reason) = request::check(&labels, &declared) {
             self.count(Some(reason), level);
+            record(policy, prepared, Some(reason), 0, 0);
             if shadow {
                 return Ok(());
             }
@@ -265,6 +292,7 @@ impl Admission {
             stream.body = BodyBudget::of(&labels);
         }
         let Some(dep) = labels.dependency.and_then(|i| policy.dependency(i)) else {
+            record(policy, prepared, None, 0, 0);
             return Ok(());
         };
         let acquired =
@@ -277,6 +305,13 @@ impl Admission {
         match acquired {
             Ok(ticket) => {
                 self.count(None, level);
+                record(
+                    policy,
+                    prepared,
+                    None,
+                    ticket.as_ref().map_or(0, Ticket::in_flight),
+                    0,
+                );
                 stream.ticket = ticket;
                 Ok(())
             }
@@ -315,6 +350,7 @@ impl Admission {
                     }
                 }
                 self.count(Some(reason), level);
+                record(policy, prepared, Some(reason), refusal.in_flight, 0);
                 if shadow {
                     return Ok(());
                 }
@@ -365,6 +401,13 @@ impl Admission {
                         release(ticket, now);
                         continue;
                     }
+                    record(
+                        &p.policy,
+                        &p.prepared,
+                        None,
+                        ticket.in_flight(),
+                        now.saturating_sub(h.enqueued),
+                    );
                     let decision = super::charge(&p.policy, &p.prepared, now);
                     metrics.record(&decision);
                     match response::local_reply(
