@@ -22,6 +22,9 @@
 //! (reproduced: `integration-tests/tests/callout.rs`). A memory allocation
 //! the host cannot make is InvalidMemoryAccess for every call returning data.
 //!
+//! `set_property` (the admission decision record) is declared raw too: the
+//! SDK's wrapper accepts only Ok and panics on any other status.
+//!
 //! Every function here returns the raw status as [`HostStatus`] (a plain
 //! `u32`: an unknown value is data, never undefined behaviour) and callers
 //! handle it. Declaring the imports with `u32` instead of the SDK's `Status`
