@@ -275,8 +275,9 @@ impl Algo {
                 let tat = bytes.get(..8).and_then(read_u64);
                 stamped(tat.map(|tat| (State::TokenBucket { tat }, 8)), bytes)
             }
-            KIND_FIXED_WINDOW => stamped(FixedWindow::decode(bytes), bytes)
-                .map(|(s, stamp)| (State::FixedWindow(s), stamp)),
+            KIND_FIXED_WINDOW => {
+                stamped(FixedWindow::decode(bytes), bytes).map(|(s, stamp)| (State::FixedWindow(s), stamp))
+            }
             KIND_SLIDING_WINDOW_LOG => stamped(SlidingWindowLog::decode(bytes), bytes)
                 .map(|(s, stamp)| (State::SlidingWindowLog(s), stamp)),
             KIND_SLIDING_WINDOW_COUNTER => stamped(SlidingWindowCounter::decode(bytes), bytes)
@@ -502,7 +503,10 @@ impl Algo {
         let Some(algo) = Algo::of_record(record) else {
             return true;
         };
-        match (algo, Algo::decode_stored(record.kind, record.state).map(|(s, _)| s)) {
+        match (
+            algo,
+            Algo::decode_stored(record.kind, record.state).map(|(s, _)| s),
+        ) {
             (_, None) => true,
             (Algo::TokenBucket(_), Some(State::TokenBucket { tat })) => tat <= now,
             (Algo::FixedWindow(a), Some(State::FixedWindow(s))) => a.is_idle(&s, now),

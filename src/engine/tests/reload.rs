@@ -29,8 +29,16 @@ fn limit_policy(version: &str, limit: &str, effective_from: u64) -> Policy {
 /// What one version of a limit is, for the bound the test checks.
 #[derive(Debug, Clone, Copy)]
 enum Spec {
-    Bucket { rate: u64, per: u64, burst: u64 },
-    Window { algorithm: &'static str, rate: u64, per: u64 },
+    Bucket {
+        rate: u64,
+        per: u64,
+        burst: u64,
+    },
+    Window {
+        algorithm: &'static str,
+        rate: u64,
+        per: u64,
+    },
 }
 
 impl Spec {
@@ -131,7 +139,11 @@ fn ping_pong(old: Spec, new: Spec, step: u64, rounds: u64) -> Vec<u64> {
     for i in 0..rounds {
         let now = T0 + 2 * S + i * step;
         // Alternate who goes first, so both orders occur.
-        let (first, second) = if i % 2 == 0 { ((&a, &ha), (&b, &hb)) } else { ((&b, &hb), (&a, &ha)) };
+        let (first, second) = if i % 2 == 0 {
+            ((&a, &ha), (&b, &hb))
+        } else {
+            ((&b, &hb), (&a, &ha))
+        };
         drain(first.0, first.1, now, cap, &mut admitted);
         drain(second.0, second.1, now + 1, cap, &mut admitted);
     }
@@ -195,7 +207,11 @@ fn two_workers_on_two_bucket_policies_never_admit_more_than_the_more_generous_on
 fn two_workers_on_two_window_policies_stay_within_both_bounds() {
     for algorithm in ["fixed_window", "sliding_window_log", "sliding_window_counter"] {
         // The log holds at most 1,024 entries per key.
-        let big = if algorithm == "sliding_window_log" { 1_000 } else { 10_000 };
+        let big = if algorithm == "sliding_window_log" {
+            1_000
+        } else {
+            10_000
+        };
         let w = |rate, per| Spec::Window { algorithm, rate, per };
         for (old, new) in [
             // Raised and lowered, same window.
@@ -256,7 +272,11 @@ fn a_request_queued_under_the_old_policy_adds_no_tokens_after_the_reload() {
     // Regression: a held request, charged under its old policy after the
     // other worker had written the new one's record, migrated it as of the
     // old policy's load time: an hour of refill, a full old bucket.
-    let bucket = |rate, burst| Spec::Bucket { rate, per: MIN, burst };
+    let bucket = |rate, burst| Spec::Bucket {
+        rate,
+        per: MIN,
+        burst,
+    };
     for (old, new) in [
         (bucket(100, 100), bucket(100, 10)),
         (bucket(100, 100), bucket(10_000, 10_000)),
@@ -267,7 +287,13 @@ fn a_request_queued_under_the_old_policy_adds_no_tokens_after_the_reload() {
         // Tighter: after the reload, the key holds what it held then
         // (empty at T0, refilled for 1 s at the old rate), capped at the
         // new burst, and refills at the new rate; +1 for the two fractions.
-        let (Spec::Bucket { rate: ro, burst: bn, .. }, Spec::Bucket { rate: rn, .. }) = (old, new) else {
+        let (
+            Spec::Bucket {
+                rate: ro, burst: bn, ..
+            },
+            Spec::Bucket { rate: rn, .. },
+        ) = (old, new)
+        else {
             unreachable!()
         };
         let reload = T0 + S;
@@ -295,7 +321,12 @@ fn stored_record(store: &Rc<std::cell::RefCell<SharedStore>>) -> (u8, u64, u64, 
 
 /// Replaces the key's one record.
 fn forge(store: &Rc<std::cell::RefCell<SharedStore>>, kind: u8, p1: u64, p2: u64, state: &[u8]) {
-    let key = store.borrow().keys().find(|k| k.starts_with("tg2|k|")).unwrap().clone();
+    let key = store
+        .borrow()
+        .keys()
+        .find(|k| k.starts_with("tg2|k|"))
+        .unwrap()
+        .clone();
     let entry = {
         let s = store.borrow();
         let slots = crate::table::decode_entry(s.get(&key).unwrap()).unwrap();
@@ -334,7 +365,12 @@ fn a_record_far_in_the_future_never_yields_a_full_bucket() {
         burst: 10_000,
     };
     for params_of in [old, new] {
-        for stamp in [None, Some((T0 + 86_400 * S, T0 + 86_400 * S)), Some((0, u64::MAX)), Some((u64::MAX, 0))] {
+        for stamp in [
+            None,
+            Some((T0 + 86_400 * S, T0 + 86_400 * S)),
+            Some((0, u64::MAX)),
+            Some((u64::MAX, 0)),
+        ] {
             let store = SharedStore::new();
             let p_old = limit_policy("v1", &old.json(), T0 - HOUR);
             let p_new = limit_policy("v2", &new.json(), T0 - S);
@@ -342,7 +378,9 @@ fn a_record_far_in_the_future_never_yields_a_full_bucket() {
             assert_eq!(admitted(&p_old, &h, T0, 1), 1);
             let (kind, _, _, _) = stored_record(&store);
             let writer = match params_of {
-                Spec::Bucket { rate, per, burst } => crate::limiter::token_bucket::Gcra::new(rate, per, burst).unwrap(),
+                Spec::Bucket { rate, per, burst } => {
+                    crate::limiter::token_bucket::Gcra::new(rate, per, burst).unwrap()
+                }
                 Spec::Window { .. } => unreachable!(),
             };
             let mut state = (T0 + 86_400 * S).to_le_bytes().to_vec();
