@@ -718,4 +718,157 @@ mod tests {
             "no fresh window on reload"
         );
     }
+
+    fn stored(algo: &Algo, state: &State, epoch: u64, written_at: u64) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        Algo::encode_stored(state, Stamp { epoch, written_at }, &mut bytes);
+        assert_eq!(bytes.len(), {
+            let mut plain = Vec::new();
+            Algo::encode(state, &mut plain);
+            plain.len() + STAMP_LEN
+        });
+        bytes
+    }
+
+    #[test]
+    fn a_stamp_round_trips_and_an_unstamped_record_reads_as_unknown() {
+        for algo in all() {
+            let Verdict::Admit { state, .. } = algo.check(&algo.fresh(), T0, 2) else {
+                panic!("{algo:?}")
+            };
+            let bytes = stored(&algo, &state, T0 - S, T0);
+            assert_eq!(
+                Algo::decode_stored(algo.kind(), &bytes),
+                Some((
+                    state.clone(),
+                    Stamp {
+                        epoch: T0 - S,
+                        written_at: T0
+                    }
+                )),
+                "{algo:?}"
+            );
+            let mut plain = Vec::new();
+            Algo::encode(&state, &mut plain);
+            assert_eq!(
+                Algo::decode_stored(algo.kind(), &plain),
+                Some((state.clone(), Stamp::UNKNOWN))
+            );
+            // A stamp cut short, or one byte too many: unreadable, fresh.
+            for len in [plain.len() + 1, plain.len() + STAMP_LEN - 1, plain.len() + STAMP_LEN + 1] {
+                let mut odd = bytes.clone();
+                odd.resize(len, 0);
+                assert_eq!(Algo::decode_stored(algo.kind(), &odd), None, "{algo:?} {len}");
+            }
+            assert!(algo.max_stored_len() >= bytes.len());
+        }
+    }
+
+    /// Two versions of each algorithm: 5 per second, then 50 per 10 s.
+    fn versions() -> [(Algo, Algo); 4] {
+        [
+            (
+                Algo::TokenBucket(Gcra::new(5, S, 5).unwrap()),
+                Algo::TokenBucket(Gcra::new(50, 10 * S, 50).unwrap()),
+            ),
+            (
+                Algo::FixedWindow(FixedWindow::new(5, S).unwrap()),
+                Algo::FixedWindow(FixedWindow::new(50, 10 * S).unwrap()),
+            ),
+            (
+                Algo::SlidingWindowLog(SlidingWindowLog::new(5, S).unwrap()),
+                Algo::SlidingWindowLog(SlidingWindowLog::new(50, 10 * S).unwrap()),
+            ),
+            (
+                Algo::SlidingWindowCounter(SlidingWindowCounter::new(5, S).unwrap()),
+                Algo::SlidingWindowCounter(SlidingWindowCounter::new(50, 10 * S).unwrap()),
+            ),
+        ]
+    }
+
+    #[test]
+    fn an_older_policy_checks_a_newer_policys_record_under_the_newer_parameters() {
+        for (old, new) in versions() {
+            let Verdict::Admit { state, .. } = new.check(&new.fresh(), T0 + 2 * S, 3) else {
+                panic!("{new:?}")
+            };
+            let bytes = stored(&new, &state, T0 + S, T0 + 2 * S);
+            let live = old.load(Some(&record(&new, &bytes)), T0, T0 + 2 * S);
+            assert_eq!(live.algo, new, "newest wins");
+            assert_eq!(live.epoch, T0 + S);
+            assert_eq!((live.state, live.changed), (state, false));
+            // And the newer policy reads its own record as it is.
+            let live = new.load(Some(&record(&new, &bytes)), T0 + S, T0 + 2 * S);
+            assert_eq!((live.algo, live.epoch, live.changed), (new, T0 + S, false));
+        }
+    }
+
+    #[test]
+    fn a_record_written_after_the_reload_is_migrated_as_of_its_write() {
+        // Regression: an empty bucket written by a worker still on the old
+        // policy 10 s after the new one took effect was migrated as of the
+        // reload, so those 10 s refilled it at the new rate.
+        let (old, new) = (
+            Gcra::new(5, S, 5).unwrap(),
+            Gcra::new(1000, S, 1000).unwrap(),
+        );
+        let (old_algo, new_algo) = (Algo::TokenBucket(old), Algo::TokenBucket(new));
+        let written = T0 + 10 * S;
+        let empty = State::TokenBucket {
+            tat: written + old.tolerance_ns(),
+        };
+        for (epoch, written_at) in [(T0 - S, written), (0, written), (T0 - S, 0), (0, u64::MAX)] {
+            let bytes = stored(&old_algo, &empty, epoch, written_at);
+            let live = new_algo.load(Some(&record(&old_algo, &bytes)), T0, written);
+            assert_eq!(live.algo, new_algo);
+            let State::TokenBucket { tat } = live.state else {
+                panic!()
+            };
+            assert_eq!(new.available(tat, written), 0, "{epoch} {written_at}");
+            assert_eq!(new.available(tat, written + 10_000_000), 10);
+        }
+        // Unstamped: as of `now`, the latest it can have been written.
+        let mut plain = Vec::new();
+        Algo::encode(&empty, &mut plain);
+        let live = new_algo.load(Some(&record(&old_algo, &plain)), T0, written + S);
+        let State::TokenBucket { tat } = live.state else {
+            panic!()
+        };
+        // One second at the old rate (5 tokens), none at the new one.
+        assert_eq!(new.available(tat, written + S), 5);
+    }
+
+    #[test]
+    fn a_stamp_from_the_future_ranks_oldest_and_a_window_ahead_keeps_its_count() {
+        for (old, new) in versions() {
+            // Used up while the clock ran a day ahead; the stamp says so.
+            let ahead = T0 + 86_400 * S;
+            let Verdict::Admit { state, .. } = new.check(&new.fresh(), ahead, 50) else {
+                panic!("{new:?}")
+            };
+            let bytes = stored(&new, &state, ahead, ahead);
+            let live = old.load(Some(&record(&new, &bytes)), T0 - S, T0);
+            assert_eq!(live.algo, old, "{new:?}: a future epoch does not outrank");
+            assert_eq!(live.epoch, T0 - S);
+            assert!(
+                matches!(old.check(&live.state, T0, 1), Verdict::Deny { .. }),
+                "{old:?}: what it counted still counts"
+            );
+        }
+    }
+
+    #[test]
+    fn a_policy_loaded_ahead_of_the_clock_ranks_oldest() {
+        assert_eq!(epoch_of(T0, T0), T0);
+        assert_eq!(epoch_of(T0 + 1, T0), 0);
+        for (old, new) in versions() {
+            let Verdict::Admit { state, .. } = old.check(&old.fresh(), T0, 1) else {
+                panic!("{old:?}")
+            };
+            let bytes = stored(&old, &state, T0 - S, T0);
+            // `new` was loaded an hour ahead of the clock, since corrected.
+            let live = new.load(Some(&record(&old, &bytes)), T0 + 3600 * S, T0);
+            assert_eq!((live.algo, live.epoch), (old, T0 - S), "{new:?}");
+        }
+    }
 }
