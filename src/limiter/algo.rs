@@ -59,16 +59,31 @@
 //! requests), in any `d` consecutive nanoseconds:
 //! * token bucket: at most `max(B_a, B_b) + floor(d / min(T_a, T_b))`
 //!   admitted, what a bucket with the more generous burst and rate would
-//!   admit, and the fill level never exceeds the charging parameters' burst.
+//!   admit, and the fill level never exceeds the burst it is checked under.
 //!   Why: between two writes the level grows at the rate of one of the two
 //!   policies (the old one up to `m`, the new one after), is capped at one of
 //!   the two bursts, and a conversion never rounds up; so it never exceeds
-//!   the level of that more generous bucket.
+//!   the level of that more generous bucket. This holds whichever policy
+//!   charges, so it needs only rule 2; rule 1 is for the window algorithms.
 //! * window algorithms: at most what `a` alone plus what `b` alone would
 //!   admit (each algorithm's bound in its module header): the record is
 //!   counted under the older parameters until its first charge under the
 //!   newer policy, migrated once, then counted under the newer ones by
 //!   every charge, old or new.
+//!
+//! A record's epoch never decreases (a migration writes the charging
+//! policy's, higher; every other write keeps the higher of the two), so
+//! its parameters change only by migrations, each to a later epoch. With
+//! one reload at a time (every worker on the old policy before any loads
+//! the new one) a record migrates at most once per reload. Each worker
+//! stamps its own load instant, so a worker that loads the old policy after
+//! another already loaded the new one outranks it until it reloads too:
+//! then the old parameters rule meanwhile, still never back and forth more
+//! than once per worker's load. A clock that steps back below a stored
+//! epoch makes it rank 0 (above), so during a step back the two policies
+//! may migrate a record back and forth again, each time as of its write:
+//! the token-bucket bound above still holds, the window bound only per
+//! migration.
 //!
 //! Tested through the engine with two workers on one shared store
 //! (`src/engine/tests/reload.rs`), at 100/min and 10,000/min, raised and
