@@ -77,9 +77,9 @@
 //! one reload at a time (every worker on the old policy before any loads
 //! the new one) a record migrates at most once per reload. Each worker
 //! stamps its own load instant, so a worker that loads the old policy after
-//! another already loaded the new one outranks it until it reloads too:
-//! then the old parameters rule meanwhile, still never back and forth more
-//! than once per worker's load. A clock that steps back below a stored
+//! another already loaded the new one outranks it until it reloads too
+//! (the old parameters rule meanwhile); in every case a record migrates
+//! at most once per worker load, as each migration takes a later epoch. A clock that steps back below a stored
 //! epoch makes it rank 0 (above), so during a step back the two policies
 //! may migrate a record back and forth again, each time as of its write:
 //! the token-bucket bound above still holds, the window bound only per
