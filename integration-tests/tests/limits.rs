@@ -537,7 +537,10 @@ fn requests_queued_across_a_reload_add_no_tokens() {
     }
     // Empty when exhausted, refilling at 1/s under both versions: at most
     // one per elapsed second (+1 for the token in refill at the end).
-    let elapsed = admitted.iter().max().map_or(Duration::ZERO, |t| *t - exhausted_at);
+    let elapsed = admitted
+        .iter()
+        .max()
+        .map_or(Duration::ZERO, |t| *t - exhausted_at);
     let allowed = elapsed.as_secs_f64().floor() as usize + 1;
     println!(
         "{} admitted in {:?} after exhausting, across the reload (at most {allowed})",

@@ -770,7 +770,11 @@ mod tests {
                 Some((state.clone(), Stamp::UNKNOWN))
             );
             // A stamp cut short, or one byte too many: unreadable, fresh.
-            for len in [plain.len() + 1, plain.len() + STAMP_LEN - 1, plain.len() + STAMP_LEN + 1] {
+            for len in [
+                plain.len() + 1,
+                plain.len() + STAMP_LEN - 1,
+                plain.len() + STAMP_LEN + 1,
+            ] {
                 let mut odd = bytes.clone();
                 odd.resize(len, 0);
                 assert_eq!(Algo::decode_stored(algo.kind(), &odd), None, "{algo:?} {len}");
@@ -823,10 +827,7 @@ mod tests {
         // Regression: an empty bucket written by a worker still on the old
         // policy 10 s after the new one took effect was migrated as of the
         // reload, so those 10 s refilled it at the new rate.
-        let (old, new) = (
-            Gcra::new(5, S, 5).unwrap(),
-            Gcra::new(1000, S, 1000).unwrap(),
-        );
+        let (old, new) = (Gcra::new(5, S, 5).unwrap(), Gcra::new(1000, S, 1000).unwrap());
         let (old_algo, new_algo) = (Algo::TokenBucket(old), Algo::TokenBucket(new));
         let written = T0 + 10 * S;
         let empty = State::TokenBucket {
