@@ -196,8 +196,10 @@ fn two_workers_on_two_bucket_policies_never_admit_more_than_the_more_generous_on
         (fast_small, fast),
         (slow_small, fast_small),
     ] {
+        // 300 rounds, or two minutes of rounds (enough for the bound over a
+        // minute and over the whole run).
         for step in [37_000_000, S, 7 * S] {
-            let admitted = ping_pong(old, new, step, 300);
+            let admitted = ping_pong(old, new, step, (2 * MIN / step).min(300));
             assert_within(old, new, &admitted, &[S, 10 * S, MIN]);
         }
     }
@@ -223,8 +225,9 @@ fn two_workers_on_two_window_policies_stay_within_both_bounds() {
             (w(100, MIN), w(big, HOUR)),
             (w(big, HOUR), w(100, MIN)),
         ] {
+            // 400 rounds, or ten minutes of rounds.
             for step in [S, 7 * S] {
-                let admitted = ping_pong(old, new, step, 400);
+                let admitted = ping_pong(old, new, step, (10 * MIN / step).min(400));
                 assert_within(old, new, &admitted, &[10 * S, MIN, HOUR]);
             }
         }
