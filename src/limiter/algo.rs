@@ -61,9 +61,10 @@
 //!   admitted, what a bucket with the more generous burst and rate would
 //!   admit, and the fill level never exceeds the burst it is checked under.
 //!   Why: between two writes the level grows at the rate of one of the two
-//!   policies (the old one up to `m`, the new one after), is capped at one of
-//!   the two bursts, and a conversion never rounds up; so it never exceeds
-//!   the level of that more generous bucket. This holds whichever policy
+//!   policies (the writer's up to `m`, which is no earlier than the write,
+//!   the charging one's after), is capped at one of the two bursts, and a
+//!   conversion never rounds up; so, by induction over the writes, it never
+//!   exceeds the level of that more generous bucket. This holds whichever policy
 //!   charges, so it needs only rule 2; rule 1 is for the window algorithms.
 //! * window algorithms: at most what `a` alone plus what `b` alone would
 //!   admit (each algorithm's bound in its module header): the record is
@@ -79,11 +80,23 @@
 //! stamps its own load instant, so a worker that loads the old policy after
 //! another already loaded the new one outranks it until it reloads too
 //! (the old parameters rule meanwhile); in every case a record migrates
-//! at most once per worker load, as each migration takes a later epoch. A clock that steps back below a stored
-//! epoch makes it rank 0 (above), so during a step back the two policies
-//! may migrate a record back and forth again, each time as of its write:
-//! the token-bucket bound above still holds, the window bound only per
-//! migration.
+//! at most once per worker load, as each migration takes a later epoch. A
+//! clock that steps back below a stored epoch makes it rank 0 (above), so
+//! during a step back the two policies may migrate a record back and forth
+//! again, each time as of its write: the token-bucket bound above still
+//! holds, the window bound only per migration.
+//!
+//! # Why a stamp
+//! The state alone bounds its write instant only from below (`L`):
+//! migrating as of a lower bound still credits the time between it and the
+//! write, and migrating as of `now` always would make a reload take effect
+//! on a key only from its next charge (the old rate applying until then).
+//! Only the stored write instant is both safe and exact. The epoch is what
+//! tells a newer record from an older one, which a write instant cannot (a
+//! worker not yet reloaded writes late too). The price is 16 bytes per
+//! limit and key: a one-limit key's slot grows from 49 to 65 bytes (see
+//! [`crate::table::layout`]), about 115 bytes per key in all against the
+//! 128 B target (98.9 B measured before, `docs/operations.md`).
 //!
 //! Tested through the engine with two workers on one shared store
 //! (`src/engine/tests/reload.rs`), at 100/min and 10,000/min, raised and
