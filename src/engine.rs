@@ -16,6 +16,7 @@ use crate::policy::{
 use crate::sync::{stored, Allowance, NodeView, SyncState};
 use crate::table::{
     self, push_record, push_record_with, Commit, Failure, Overflow, Place, Reach, Record, MAX_RECORDS,
+    MAX_RECORDS_LEN, RECORD_HEADER_LEN,
 };
 
 pub use crate::table::TableEvent;
@@ -567,6 +568,27 @@ fn apply<H: Host>(
                 None => continue,
             }
             count += 1;
+        }
+        // Records of limits this plan lacks that a newer policy wrote (this
+        // worker has not reloaded yet, or the request was queued under the
+        // old policy) are kept as they are: dropping them would hand the
+        // newer policy's limit a fresh start on its next charge.
+        for r in records.iter().flat_map(|rs| rs.iter()) {
+            let room = usize::from(count) < MAX_RECORDS
+                && out
+                    .len()
+                    .saturating_add(RECORD_HEADER_LEN)
+                    .saturating_add(r.state.len())
+                    <= MAX_RECORDS_LEN;
+            if !room {
+                break;
+            }
+            if limits.iter().all(|l| l.name_hash != r.name_hash)
+                && Algo::written_by_newer(r, ctx.effective_from, ctx.now)
+            {
+                push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state);
+                count += 1;
+            }
         }
         out[count_at] = count;
         // A denial's write is only a best-effort normalisation.

@@ -39,6 +39,10 @@
 //!    Without a write instant (an unstamped record), `now`.
 //! 3. A record of another algorithm starts fresh, unless rule 1 applies
 //!    (then it is charged under its own algorithm).
+//! 4. A record of a limit the charging plan lacks is kept as it is if a
+//!    newer policy wrote it ([`Algo::written_by_newer`], applied by the
+//!    engine), else dropped: an older policy never resets a limit that only
+//!    the newer one has.
 //!
 //! What a migration does, per algorithm, as of that instant `m`:
 //! * token bucket: the bucket keeps its fill level in tokens, capped at the
@@ -368,6 +372,13 @@ impl Algo {
         let migrated = self.migrate(r, &stored, at);
         let changed = migrated != stored;
         (*self, migrated, own, changed)
+    }
+
+    /// Whether `record` was written by a policy newer than one that took
+    /// effect at `effective_from` (the reload rule's ranking, at `now`).
+    pub fn written_by_newer(record: &Record<'_>, effective_from: u64, now: u64) -> bool {
+        Algo::decode_stored(record.kind, record.state)
+            .is_some_and(|(_, stamp)| epoch_of(stamp.epoch, now) > epoch_of(effective_from, now))
     }
 
     /// The earliest instant at which `stored` (under the record's

@@ -456,3 +456,59 @@ fn extreme_stored_fields_never_trap() {
         }
     }
 }
+
+#[test]
+fn a_worker_not_yet_reloaded_keeps_the_state_of_a_limit_only_the_new_policy_has() {
+    // Regression: the old policy rewrote the key's slot with its own limits
+    // only, so a limit the new policy added started fresh on the new
+    // policy's next charge: a fresh daily quota per round.
+    let store = SharedStore::new();
+    let json = |limits: &str| {
+        format!(
+            r#"{{"version":"v","identity":{{"header":"x-tenant-id"}},
+            "plans":{{"free":{{"limits":[{limits}]}}}},
+            "default_plan":"free","anonymous":{{"plan":"free"}},"routes":{{"api":{{}}}},"default_route":"api"}}"#
+        )
+    };
+    let mut old = Policy::from_json(json(r#"{"name":"l","rate":10000,"per":"1m"}"#).as_bytes()).unwrap();
+    old.effective_from_ns = T0 - HOUR;
+    let mut new = Policy::from_json(
+        json(r#"{"name":"l","rate":10000,"per":"1m"},{"name":"daily","rate":20,"per":"1d"}"#).as_bytes(),
+    )
+    .unwrap();
+    new.effective_from_ns = T0;
+    let (a, b) = (host(&store, "api"), host(&store, "api"));
+    assert_eq!(admitted(&new, &b, T0, 100), 20, "the daily quota");
+    let mut under_new = 0;
+    for i in 1..=200 {
+        let now = T0 + i * S;
+        assert_eq!(
+            run(&old, &a, now).reason,
+            Reason::Allowed,
+            "the old policy has no daily limit"
+        );
+        under_new += admitted(&new, &b, now + 1, 100);
+    }
+    // 200 s of a 20/day quota refill 0.05 units: none.
+    assert_eq!(under_new, 0);
+    // Both records stay; a still newer policy without `daily` drops it.
+    let records = {
+        let s = store.borrow();
+        let key = s.keys().find(|k| k.starts_with("tg2|k|")).unwrap().clone();
+        let slots = crate::table::decode_entry(s.get(&key).unwrap()).unwrap();
+        crate::table::decode_records(slots[0].records).unwrap().len()
+    };
+    assert_eq!(records, 2);
+    assert_eq!(run(&old, &a, T0 + 300 * S).reason, Reason::Allowed);
+    let mut newest = Policy::from_json(json(r#"{"name":"l","rate":10000,"per":"1m"}"#).as_bytes()).unwrap();
+    newest.effective_from_ns = T0 + 301 * S;
+    assert_eq!(run(&newest, &a, T0 + 302 * S).reason, Reason::Allowed);
+    let s = store.borrow();
+    let key = s.keys().find(|k| k.starts_with("tg2|k|")).unwrap().clone();
+    let slots = crate::table::decode_entry(s.get(&key).unwrap()).unwrap();
+    assert_eq!(
+        crate::table::decode_records(slots[0].records).unwrap().len(),
+        1,
+        "an older policy's extra record is dropped by a newer policy"
+    );
+}
