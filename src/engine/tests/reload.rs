@@ -425,6 +425,45 @@ fn extreme_stored_fields_never_trap() {
         },
     ];
     let edges = [0u64, 1, T0, u64::MAX - 1, u64::MAX];
+    // Well-formed states at their extremes, with extreme stamps.
+    let mut extremes: Vec<Vec<u8>> = Vec::new();
+    let max_log = {
+        let log = crate::limiter::SlidingWindowLog::new(1, 1).unwrap();
+        let crate::limiter::Verdict::Admit { state, .. } = log.check(&Default::default(), u64::MAX, 1) else {
+            unreachable!()
+        };
+        State::SlidingWindowLog(state)
+    };
+    for state in [
+        State::TokenBucket { tat: u64::MAX },
+        State::TokenBucket { tat: 0 },
+        State::FixedWindow(crate::limiter::fixed_window::State {
+            window: u64::MAX,
+            count: u64::MAX,
+        }),
+        State::SlidingWindowCounter(crate::limiter::sliding_window_counter::State {
+            last_ns: u64::MAX,
+            prev: u64::MAX,
+            curr: u64::MAX,
+        }),
+        max_log,
+    ] {
+        for (epoch, written_at) in [
+            (0, 0),
+            (u64::MAX, u64::MAX),
+            (0, u64::MAX),
+            (u64::MAX, 0),
+            (T0, T0),
+        ] {
+            let mut bytes = Vec::new();
+            Algo::encode_stored(
+                &state,
+                crate::limiter::algo::Stamp { epoch, written_at },
+                &mut bytes,
+            );
+            extremes.push(bytes);
+        }
+    }
     for spec in specs {
         let p = limit_policy("v", &spec.json(), T0 - S);
         for kind in 1..=4u8 {
@@ -438,7 +477,10 @@ fn extreme_stored_fields_never_trap() {
                         [0u8; 24].to_vec(),
                         [[0xffu8; 8], [0; 8], [0xff; 8]].concat(),
                         [[0x80u8; 10].as_slice(), &[0x01], &[0xff; 16]].concat(),
-                    ] {
+                    ]
+                    .into_iter()
+                    .chain(extremes.iter().cloned())
+                    {
                         let store = SharedStore::new();
                         let h = host(&store, "api");
                         assert_eq!(admitted(&p, &h, T0, 1), 1);
