@@ -39,8 +39,17 @@
 //! [`holders`]), adds its own counts and writes its new count in the same
 //! compare-and-swap, so two workers never both take the last slot. A
 //! holder whose lease has passed is not counted and is dropped by the next
-//! writer. Worker ids come from a shared counter (`tg2|d|workers`), so they
-//! never repeat in one Envoy process.
+//! writer. A worker's id is a shared counter (`tg2|d|workers`) in its high
+//! half and clock bits in its low half: ids do not repeat in one Envoy
+//! process even when two VMs created the counter at once.
+//!
+//! Envoy's shared data has no create-if-absent: a write to a key that does
+//! not exist yet is unconditional, so two workers creating one key at once
+//! lose one write. [`Worker::prepare`] creates every key admission control
+//! writes, empty, when a policy is configured (before its requests), so
+//! later writes are real compare-and-swaps; a count lost anyway (a tenant
+//! slot created by two workers at once) is republished at its worker's
+//! next renewal, within 500 ms and a tick.
 //!
 //! # THE BOUND on a leaked slot
 //! A worker renews its leases on its tick when less than
@@ -266,7 +275,53 @@ impl Worker {
             },
         )
         .map_err(failure_reason)?;
-        Ok(Worker::with_id(updated.result))
+        // The counter in the high half; the low half from the clock, so
+        // that two VMs that both created the counter at once (shared data
+        // has no create-if-absent: both writes are unconditional) still
+        // get different ids.
+        let clock_bits = splitmix64(now) & 0xffff_ffff;
+        Ok(Worker::with_id((updated.result << 32) | clock_bits))
+    }
+
+    /// Creates the shared entries a policy's admission control writes to
+    /// (each dependency's, and the worker counter) if they are absent, with
+    /// nothing in them. Called on configure, before any request: Envoy's
+    /// shared data has no create-if-absent, so two workers writing a key
+    /// that does not exist yet both write unconditionally and one write is
+    /// lost. Once a key exists every write is a real compare-and-swap. (A
+    /// count lost in that first race is republished by its worker within
+    /// `LEASE_NS − RENEW_BEFORE_NS` (500 ms) and a tick.)
+    pub fn prepare<H: Host>(host: &H, policy: &Policy, now: u64) {
+        let mut buffers = table::Buffers::default();
+        let keys = policy
+            .dependencies
+            .iter()
+            .map(|d| (d.key.as_str(), KIND_IN_FLIGHT))
+            .chain([(WORKERS_KEY, KIND_WORKER_COUNTER)]);
+        for (key, kind) in keys {
+            let _ = table::update(
+                host,
+                &Place::Fixed { key },
+                &INSERT,
+                now,
+                &mut buffers,
+                |records, out| {
+                    if records.is_some() {
+                        return (Commit::Skip, ());
+                    }
+                    if kind == KIND_IN_FLIGHT {
+                        // An empty holder list.
+                        holders::write(&holders::Holders::default(), &Holder::default(), now, out);
+                    } else {
+                        out.push(1);
+                        push_record_with(out, 0, KIND_WORKER_COUNTER, 0, 0, |o| {
+                            o.extend_from_slice(&0u64.to_le_bytes())
+                        });
+                    }
+                    (Commit::BestEffort, ())
+                },
+            );
+        }
     }
 
     /// A worker with a given id (tests; ids must be unique per node).

@@ -525,9 +525,16 @@ fn worker_ids_from_the_shared_counter_never_repeat() {
     let store = SharedStore::new();
     let host = FakeHost::new(store);
     let ids: Vec<u64> = (0..5)
-        .map(|_| Worker::register(&host, T0).unwrap().id())
+        .map(|i| Worker::register(&host, T0 + i).unwrap().id())
         .collect();
-    assert_eq!(ids, [1, 2, 3, 4, 5]);
+    assert_eq!(ids.iter().map(|id| id >> 32).collect::<Vec<_>>(), [1, 2, 3, 4, 5]);
+    // Two VMs that both created the counter (each saw no key, both wrote
+    // unconditionally) get the same count but still different ids.
+    let (one, other) = (SharedStore::new(), SharedStore::new());
+    let a = Worker::register(&FakeHost::new(one), T0 + 17).unwrap().id();
+    let b = Worker::register(&FakeHost::new(other), T0 + 18).unwrap().id();
+    assert_eq!(a >> 32, b >> 32);
+    assert_ne!(a, b);
 }
 
 #[test]
@@ -698,4 +705,57 @@ fn the_decision_record_is_one_line_of_plain_fields() {
         r.render(),
         "outcome=queue_timeout criticality=sheddable dependency=db in_flight=7 queue_wait_ms=390 policy=v_1 key=orders|t|acme"
     );
+}
+
+#[test]
+fn prepared_entries_make_the_first_writes_real_compare_and_swaps() {
+    let p = policy("");
+    let node = Node::new();
+    let host = FakeHost::new(node.store.clone());
+    Worker::prepare(&host, &p, T0);
+    // Every key admission writes exists, empty: no live slot, no id taken.
+    assert!(node.live("tg2|d|db", T0).is_zero());
+    assert!(node.live("tg2|d|events", T0).is_zero());
+    assert!(node.store.borrow().get(WORKERS_KEY).is_some());
+    assert_eq!(Worker::register(&host, T0).unwrap().id() >> 32, 1);
+    // Preparing again changes nothing that is there.
+    let mut w = Worker::with_id(9);
+    let t = node.acquire(&mut w, &p, "orders", "acme", T0).unwrap();
+    Worker::prepare(&host, &p, T0);
+    assert_eq!(node.total(T0), 1);
+    release(&node, &mut w, t, T0);
+}
+
+/// Without a prepared entry, two workers taking the first slots of a
+/// dependency at once can lose one count (both writes are unconditional):
+/// the loser's count is back at its next renewal: 500 ms (and a tick).
+#[test]
+fn a_count_lost_to_the_first_write_race_is_republished_at_the_next_renewal() {
+    let p = policy("");
+    let node = Node::new();
+    let mut a = Worker::with_id(1);
+    let mut b = Worker::with_id(2);
+    let ta = node.acquire(&mut a, &p, "orders", "acme", T0).unwrap();
+    // Worker 2 did not see worker 1's write: it wrote the entry from nothing.
+    let fresh = Node::new();
+    let tb = fresh.acquire(&mut b, &p, "orders", "acme", T0).unwrap();
+    let lost = fresh.store.borrow().get("tg2|d|db").unwrap().to_vec();
+    FakeHost::new(node.store.clone())
+        .shared_set("tg2|d|db", &lost, None)
+        .unwrap();
+    assert_eq!(node.total(T0), 1, "worker 1's count was overwritten");
+    let host = FakeHost::new(node.store.clone());
+    let mut now = T0;
+    while node.total(now) < 2 {
+        now += 10_000_000;
+        assert!(
+            now <= T0 + LEASE_NS - RENEW_BEFORE_NS + 10_000_000,
+            "not republished in time"
+        );
+        a.renew(&host, now);
+        b.renew(&host, now);
+    }
+    release(&node, &mut a, ta, now);
+    release(&node, &mut b, tb, now);
+    assert_eq!(node.total(now), 0);
 }

@@ -231,6 +231,7 @@ impl Admission {
         if policy.dependencies.is_empty() {
             return;
         }
+        Worker::prepare(&ProxyHost, policy, now);
         ensure_worker(now);
         let Ok(mut gauges) = self.gauges.try_borrow_mut() else {
             return;
