@@ -56,11 +56,12 @@ const TIMEOUT_SLACK_NS: u64 = 5_000_000;
 /// even if every byte is escaped, a 64-byte limit name, three `u64`), fits.
 /// A larger body is a failure, never copied into the VM.
 pub const MAX_ANSWER_BYTES: usize = 4 << 20;
-/// The wall-clock budget of one step of an answer's application: 0.5 ms,
-/// about 256 slot updates in Envoy (see `docs/global-limits.md`, "Applying
-/// an answer in steps"), so the count bound is what usually ends a step
-/// and this one only on a slow or contended worker.
-const APPLY_STEP_BUDGET_NS: u64 = 500_000;
+/// The wall-clock budget of one step of an answer's application: 1 ms.
+/// [`shared::APPLY_PER_STEP`] (256) slot updates took about 0.6 ms in
+/// Envoy (`docs/global-limits.md`, "Applying an answer in steps"), so the
+/// count is what usually ends a step, and this budget ends it on a slow or
+/// contended worker.
+const APPLY_STEP_BUDGET_NS: u64 = 1_000_000;
 
 /// What Envoy says about a callout's answer (`on_http_call_response`).
 #[derive(Debug, Clone, Copy)]
