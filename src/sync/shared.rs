@@ -57,7 +57,9 @@
 //! [`APPLY_MAX_NS`] after receipt (128 steps of at least 64 keys fit in
 //! it); another worker gives up on the mark [`APPLY_GRACE_NS`] later, so
 //! the next scan never runs beside a step still writing, and each step
-//! first checks that the mark is still its own.
+//! first checks that the mark is still its own. (If clearing the mark
+//! fails, shared data down or contended 16 times, the next report waits
+//! for that grace too.)
 //!
 //! **A worker that stops mid-application** (its VM torn down) loses the
 //! rest: those keys keep their counts and are reported again by the next

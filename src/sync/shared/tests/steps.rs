@@ -323,6 +323,28 @@ fn a_reload_mid_application_applies_the_rest_under_the_new_policy_or_drops_it() 
     }
 }
 
+/// What a worker holds is bounded: an answer's leases beyond
+/// [`MAX_REPORTS`] are ignored (and counted), so an application holds at
+/// most `2 × MAX_REPORTS` keys.
+#[test]
+fn leases_beyond_the_report_bound_are_ignored() {
+    let names = tenants(3);
+    let (w, req) = reported(&names);
+    let mut resp = response(&req, 10);
+    let extra = (0..MAX_REPORTS + 5).map(|i| Lease {
+        key: format!("api|t|unknown-{i}"),
+        limit: "global".to_owned(),
+        tokens: 10,
+        share: 10,
+        ttl_ms: 3000,
+    });
+    resp.leases.extend(extra);
+    let host = w.host();
+    let app = accept(&host, &w.policy, w.settings(), &resp, T0 + S + 10 * MS).unwrap();
+    assert_eq!(app.applied.ignored, 8, "3 + 4,101 leases, 4,096 kept");
+    assert_eq!(app.remaining(), MAX_REPORTS);
+}
+
 /// One slot update's cost natively (fake host, release build), on a
 /// second answer (warm memory):
 /// `cargo test -p tenantgate-filter --release apply_step_cost -- --ignored --nocapture`.
