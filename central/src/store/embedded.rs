@@ -3,20 +3,23 @@
 //! record's shard lock, so it is atomic and never retried.
 //!
 //! All or nothing, like the Redis store's compare-and-set: an update runs on
-//! a copy of the record, and only an update that returns is written. An
+//! a copy of the record, and only an update that returns is written. A sync
+//! request ([`Store::update_request`]) holds the sessions' lock and its
+//! keys' shard locks for its whole transaction and writes its copies only
+//! once every step returned. An
 //! update that panics (a bug: every value from the network is bounded
 //! before it gets here) leaves the record as it was, and the call fails
 //! with [`StoreError::Refused`]; nothing is ever swapped out for a
 //! placeholder that a panic could leave behind.
 
 use std::collections::hash_map::DefaultHasher;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 use std::sync::{Mutex, MutexGuard};
 
 use async_trait::async_trait;
 
-use super::{KeyUpdate, SessionUpdate, Store, StoreError};
+use super::{KeySlot, KeyUpdate, SessionUpdate, Store, StoreError, Txn};
 use crate::alloc::{KeyId, KeyState, Session};
 
 const SHARDS: usize = 64;
@@ -41,13 +44,20 @@ impl EmbeddedStore {
         EmbeddedStore::default()
     }
 
-    fn shard(&self, id: &KeyId) -> MutexGuard<'_, HashMap<KeyId, KeyState>> {
+    fn shard_of(&self, id: &KeyId) -> usize {
         let mut h = DefaultHasher::new();
         id.hash(&mut h);
-        let i = (h.finish() as usize) % self.keys.len();
+        (h.finish() as usize) % self.keys.len()
+    }
+
+    fn lock_shard(&self, i: usize) -> MutexGuard<'_, HashMap<KeyId, KeyState>> {
         // A panic while holding the lock cannot leave a record half
         // written: records are replaced whole.
         self.keys[i].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn shard(&self, id: &KeyId) -> MutexGuard<'_, HashMap<KeyId, KeyState>> {
+        self.lock_shard(self.shard_of(id))
     }
 }
 
@@ -75,6 +85,66 @@ impl Store for EmbeddedStore {
             }
             None => {
                 sessions.remove(node);
+            }
+        }
+        Ok(sessions.len() as u64)
+    }
+
+    async fn update_request(&self, node: &str, txn: &mut (dyn Txn + '_)) -> Result<u64, StoreError> {
+        // Locks: the sessions, then the request's key shards in ascending
+        // order (the sweep holds one shard at a time, and never the
+        // sessions with a shard), so no two requests deadlock. The steps
+        // run on copies; only when both return is anything written.
+        let mut sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+        let mut session = sessions.get(node).cloned();
+        let count = sessions.len() as u64;
+        let ids = match run_step(|| txn.begin(&mut session, count)) {
+            None => return Err(panicked(node)),
+            Some(None) => return Ok(count),
+            Some(Some(ids)) => ids,
+        };
+        let shard_of: Vec<usize> = ids.iter().map(|id| self.shard_of(id)).collect();
+        let mut order = shard_of.clone();
+        order.sort_unstable();
+        order.dedup();
+        let mut shards: BTreeMap<usize, MutexGuard<'_, HashMap<KeyId, KeyState>>> = BTreeMap::new();
+        for i in order {
+            shards.insert(i, self.lock_shard(i));
+        }
+        let mut slots: Vec<KeySlot> = ids
+            .into_iter()
+            .zip(&shard_of)
+            .map(|(id, i)| KeySlot {
+                record: shards.get(i).and_then(|s| s.get(&id).cloned()),
+                id,
+                write: false,
+            })
+            .collect();
+        let write_session = match run_step(|| txn.apply(&mut session, &mut slots)) {
+            None => return Err(panicked(node)),
+            Some(w) => w,
+        };
+        for (slot, i) in slots.into_iter().zip(&shard_of) {
+            let (true, Some(shard)) = (slot.write, shards.get_mut(i)) else {
+                continue;
+            };
+            match slot.record {
+                Some(ks) => {
+                    shard.insert(slot.id, ks);
+                }
+                None => {
+                    shard.remove(&slot.id);
+                }
+            }
+        }
+        if write_session {
+            match session {
+                Some(s) => {
+                    sessions.insert(node.to_owned(), s);
+                }
+                None => {
+                    sessions.remove(node);
+                }
             }
         }
         Ok(sessions.len() as u64)
@@ -136,6 +206,11 @@ impl Store for EmbeddedStore {
 /// Runs an update: whether to write its copy, or `None` if it panicked
 /// (its copy is then dropped, and the stored record stays as it was).
 fn run_update(f: impl FnOnce() -> bool) -> Option<bool> {
+    run_step(f)
+}
+
+/// Runs a step: its result, or `None` if it panicked.
+fn run_step<T>(f: impl FnOnce() -> T) -> Option<T> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).ok()
 }
 
