@@ -143,7 +143,7 @@ use tenantgate::sync::{Counts, FailureMode, Lease, SyncRequest, SyncResponse, PR
 
 use crate::error::{AllocError, ConfigError};
 pub use fair::{max_min_fair, Claim};
-pub use key::{KeyState, KeyStats, RegionView};
+pub use key::{Enforced, KeyState, KeyStats, RegionView};
 use session::Intake;
 pub use session::{KeyId, SeqCheck, Session, MAX_SEQ_AHEAD_NS, MAX_SEQ_STEP};
 
@@ -177,7 +177,8 @@ pub struct AllocConfig {
     pub interval_ns: u64,
     /// `ttl`: lease lifetime from receipt.
     pub lease_ttl_ns: u64,
-    /// `D`: the nodes' callout timeout (shared setting).
+    /// `D`: the policy's callout timeout, assumed for a node that reports
+    /// none (each node's own is in [`NodeTerms`]).
     pub response_timeout_ns: u64,
     /// A lease is topped up to `share × lease_factor_pct / 100`.
     pub lease_factor_pct: u64,
@@ -193,9 +194,11 @@ pub struct AllocConfig {
     /// How long after its leases died a silent node's reservation waits for
     /// its report before it is written off.
     pub settle_ns: u64,
-    /// How long nodes run `fail_open_local` (shared setting).
+    /// How long `fail_open_local` lasts, per the policy (the filter's
+    /// `LOCAL_MAX_NS`), assumed for a node that reports none.
     pub local_max_ns: u64,
-    /// The nodes' failure mode (shared setting; later per route class).
+    /// The policy's `sync.failure_mode`, assumed for a node that reports
+    /// none (each node reports its own, per (key, limit)).
     pub failure_mode: FailureMode,
 }
 
@@ -237,9 +240,80 @@ impl AllocConfig {
         Ok(())
     }
 
-    /// The longest a lease granted at `t` can be used: `t + D + ttl`.
+    /// The longest a lease granted at `t` can be used, with the policy's
+    /// `D`: `t + D + ttl` (a node's own: [`NodeTerms::lease_life_ns`]).
     pub fn lease_life_ns(&self) -> u64 {
         self.response_timeout_ns.saturating_add(self.lease_ttl_ns)
+    }
+}
+
+/// The shared settings one node enforces for its leases: what it reported
+/// in its request ([`tenantgate::sync::NodeSettings`]), or the policy's
+/// when it reported none. The allocator computes that node's terms of THE
+/// BOUND from these, never from a second copy: a lease is dead by
+/// `answered_at + timeout + ttl`, its local fallback ends `local_max` later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeTerms {
+    /// `D`: the node's callout timeout.
+    pub timeout_ns: u64,
+    /// How long the node's `fail_open_local` lasts.
+    pub local_max_ns: u64,
+}
+
+/// How a request's reported settings compare with the service's policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettingsCheck {
+    /// The node enforces what the policy says.
+    Same,
+    /// The node enforces other values (a rollout, another filter build):
+    /// the service uses the node's.
+    Differs,
+    /// A node older than the field: the policy's values are assumed.
+    Unreported,
+}
+
+impl AllocConfig {
+    /// The policy's shared settings (assumed for a node that reports none).
+    pub fn terms(&self) -> NodeTerms {
+        NodeTerms {
+            timeout_ns: self.response_timeout_ns,
+            local_max_ns: self.local_max_ns,
+        }
+    }
+
+    /// What `req`'s node enforces, and how that compares with the policy.
+    pub fn terms_of(&self, req: &SyncRequest) -> (NodeTerms, SettingsCheck) {
+        let Some(s) = &req.settings else {
+            return (self.terms(), SettingsCheck::Unreported);
+        };
+        let terms = NodeTerms {
+            timeout_ns: s.timeout_ms.saturating_mul(NANOS_PER_MS),
+            local_max_ns: s.local_max_ms.saturating_mul(NANOS_PER_MS),
+        };
+        // The node reports whole milliseconds, rounded up.
+        let ms = |ns: u64| ns.div_ceil(NANOS_PER_MS);
+        let same = s.timeout_ms == ms(self.response_timeout_ns)
+            && s.local_max_ms == ms(self.local_max_ns)
+            && s.failure_mode == self.failure_mode
+            && req
+                .reports
+                .iter()
+                .all(|r| r.failure_mode.is_none_or(|m| m == self.failure_mode));
+        (
+            terms,
+            if same {
+                SettingsCheck::Same
+            } else {
+                SettingsCheck::Differs
+            },
+        )
+    }
+}
+
+impl NodeTerms {
+    /// The longest a lease granted at `t` can be used: `t + D + ttl`.
+    pub fn lease_life_ns(&self, cfg: &AllocConfig) -> u64 {
+        self.timeout_ns.saturating_add(cfg.lease_ttl_ns)
     }
 }
 
@@ -372,6 +446,12 @@ pub struct Begun {
     seq: u64,
     /// The (key, limit)s the node held before this request.
     held: BTreeSet<KeyId>,
+    /// The node's settings (`None`: unreported, the policy's apply).
+    terms: Option<NodeTerms>,
+    /// The request's default failure mode, and the reports that name
+    /// another (rare: indexed only then).
+    mode: Option<FailureMode>,
+    modes: HashMap<KeyId, FailureMode>,
 }
 
 impl Begun {
@@ -399,6 +479,20 @@ impl Begun {
     pub fn node(&self) -> &str {
         &self.node
     }
+
+    /// The settings the node enforces.
+    pub fn terms(&self, cfg: &AllocConfig) -> NodeTerms {
+        self.terms.unwrap_or_else(|| cfg.terms())
+    }
+
+    /// The failure mode the node runs for `id` once its lease expired.
+    pub fn mode_of(&self, id: &KeyId, cfg: &AllocConfig) -> FailureMode {
+        self.modes
+            .get(id)
+            .copied()
+            .or(self.mode)
+            .unwrap_or(cfg.failure_mode)
+    }
 }
 
 /// Step 1, on the node's session (created if absent): deduplicates the
@@ -408,12 +502,28 @@ pub fn begin(session: &mut Option<Session>, req: &SyncRequest, now: u64) -> Opti
     let s = session.get_or_insert_with(|| Session::new(&req.region));
     let held = s.held.clone();
     let intake = s.intake(req, now)?;
+    let mut modes = HashMap::new();
+    for r in &req.reports {
+        if let Some(m) = r.failure_mode {
+            modes.entry((r.key.clone(), r.limit.clone())).or_insert(m);
+        }
+    }
+    let terms = req.settings.map(|st| NodeTerms {
+        timeout_ns: st.timeout_ms.saturating_mul(NANOS_PER_MS),
+        local_max_ns: st.local_max_ms.saturating_mul(NANOS_PER_MS),
+    });
+    if let Some(t) = terms {
+        s.enforced(t);
+    }
     Some(Begun {
         intake,
         node: req.node_id.clone(),
         region: req.region.clone(),
         seq: req.seq,
         held,
+        terms,
+        mode: req.settings.map(|st| st.failure_mode),
+        modes,
     })
 }
 
@@ -480,7 +590,12 @@ pub fn visit(
     ks.touch(node, &begun.region, delta, begun.intake.prev_heard_at, now, cfg);
     ks.settle(node, delta, &begun.intake, cfg);
     ks.heard(node, now);
-    Visit::Leased(ks.grant(id, node, begun.seq, nodes_hint, now, cfg))
+    let enforced = Enforced {
+        seq: begun.seq,
+        terms: begun.terms(cfg),
+        mode: begun.mode_of(id, cfg),
+    };
+    Visit::Leased(ks.grant(id, node, nodes_hint, enforced, now, cfg))
 }
 
 /// Step 3, on the node's session: the keys it holds from now on.

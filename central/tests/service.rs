@@ -234,8 +234,10 @@ fn request(node: &str, seq: u64, acked: u64, reports: &[(&str, &str, u64)]) -> S
                 consumed: *n,
                 unleased: 0,
                 demand: *n,
+                failure_mode: None,
             })
             .collect(),
+        settings: None,
     }
 }
 
@@ -316,6 +318,7 @@ async fn two_instances_share_one_store(b: Backend) {
                     consumed: last_tokens[i],
                     unleased: 0,
                     demand: 500,
+                    failure_mode: None,
                 }],
                 ..request(node, round, round - 1, &[])
             };
@@ -1089,6 +1092,79 @@ async fn the_deadline_never_leaves_a_partial_write_and_excess_load_gets_503() {
     a.shutdown().await;
 }
 
+/// The settings each node reports are compared with the policy's and
+/// counted (the node's are used: `alloc::tests` shows what they change);
+/// an older node that sends none is assumed the policy's; a value no
+/// policy produces is refused. The deadline follows the policy's
+/// `sync.timeout` across a reload.
+async fn reported_settings_are_counted_and_the_deadline_follows_the_policy(b: Backend) {
+    let policy = policy_file(&POLICY_V1.replace(
+        "sync: { cluster: tenantgate }",
+        "sync: { cluster: tenantgate, timeout: 200ms }",
+    ));
+    let clock = Arc::new(ManualClock::new(T0));
+    let a = Instance::start(b.store(), clock.clone(), policy.path()).await;
+    wait_for("the policy", || async { a.service.config().is_some() }).await;
+    assert_eq!(a.service.deadline(), Duration::from_millis(100));
+    let cfg = a.service.config().unwrap();
+    let ms = |ns: u64| ns / 1_000_000;
+    let same = tenantgate::sync::NodeSettings {
+        timeout_ms: ms(cfg.response_timeout_ns),
+        local_max_ms: ms(cfg.local_max_ns),
+        interval_ms: 1_000,
+        failure_mode: cfg.failure_mode,
+    };
+    let with = |node: &str, settings: Option<tenantgate::sync::NodeSettings>| SyncRequest {
+        settings,
+        ..request(node, 1, 0, &[("t|api", "per-10s", 1)])
+    };
+    a.lease(&with("n1", Some(same))).await;
+    let longer = tenantgate::sync::NodeSettings {
+        local_max_ms: 120_000,
+        ..same
+    };
+    a.lease(&with("n2", Some(longer))).await;
+    a.lease(&with("n3", None)).await;
+    let (status, body) = a
+        .sync(&with(
+            "n4",
+            Some(tenantgate::sync::NodeSettings {
+                timeout_ms: 0,
+                ..same
+            }),
+        ))
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("settings.timeout_ms"), "{body}");
+    for (result, n) in [("same", "1"), ("differs", "1"), ("unreported", "1")] {
+        assert_eq!(
+            a.metric(&format!("tenantgate_sync_settings_total{{result=\"{result}\"}}"))
+                .await
+                .as_deref(),
+            Some(n),
+            "{result}"
+        );
+    }
+    // A reload with another callout timeout moves the deadline.
+    std::fs::write(
+        policy.path(),
+        POLICY_V1.replace(
+            "sync: { cluster: tenantgate }",
+            "sync: { cluster: tenantgate, timeout: 400ms }",
+        ),
+    )
+    .unwrap();
+    wait_for("the reload", || async {
+        a.metric("tenantgate_policy_reloads_total{result=\"ok\"}")
+            .await
+            .as_deref()
+            == Some("2")
+    })
+    .await;
+    assert_eq!(a.service.deadline(), Duration::from_millis(200));
+    a.shutdown().await;
+}
+
 /// How [`FailsMidRequest`] breaks a request after every step ran, before
 /// anything is written.
 #[derive(Clone)]
@@ -1464,4 +1540,5 @@ both_stores!(
     mtls_binds_nodes_to_their_certificates,
     state_is_capped_and_expires,
     a_failed_request_counts_nothing_and_its_retry_counts_once,
+    reported_settings_are_counted_and_the_deadline_follows_the_policy,
 );

@@ -51,7 +51,7 @@ use tenantgate::sync::{SyncRequest, SyncResponse, PROTOCOL_VERSION};
 use tokio::sync::Semaphore;
 use tracing::{info, warn};
 
-use crate::alloc::{self, AllocConfig, KeyId, KeyState, SeqCheck, Session, Visit};
+use crate::alloc::{self, AllocConfig, KeyId, KeyState, NodeTerms, SeqCheck, Session, Visit};
 use crate::store::{KeySlot, Store, StoreError};
 pub use http::{
     admin_router, check_exposure, open_store, run, serve, serve_on, shutdown_signal, sync_router, Auth,
@@ -376,6 +376,8 @@ impl Service {
         if req.policy_version != cfg.policy_version {
             self.metrics.policy_skew.fetch_add(1, Relaxed);
         }
+        // The node's settings are used as reported (see the module header).
+        self.metrics.settings(cfg.terms_of(req).1);
         let now = self.clock.now_ns();
         let mut txn = SyncTxn {
             req,
@@ -447,26 +449,28 @@ impl Service {
         self.metrics.sweeps.fetch_add(1, Relaxed);
         self.keys_seen
             .store((ids.len() as u64).saturating_sub(expired), Relaxed);
-        let idle = self.session_idle_ns(&cfg);
+        let idle = self.session_idle_ns(&cfg, None);
         let due = self.sessions_swept_at.load(Relaxed).saturating_add(idle / 10);
         if now >= due {
             self.sessions_swept_at.store(now, Relaxed);
-            self.expire_sessions(now, idle).await?;
+            self.expire_sessions(&cfg, now).await?;
         }
         Ok(ids.len() as u64)
     }
 
-    /// The session idle time in force: at least a lease's life plus the
-    /// local fallback plus the settling time.
-    fn session_idle_ns(&self, cfg: &AllocConfig) -> u64 {
-        let floor = cfg
-            .lease_life_ns()
-            .saturating_add(cfg.local_max_ns)
+    /// The session idle time in force for a node that enforces `terms`:
+    /// at least its lease's life plus its local fallback plus the settling
+    /// time.
+    fn session_idle_ns(&self, cfg: &AllocConfig, terms: Option<NodeTerms>) -> u64 {
+        let terms = terms.unwrap_or_else(|| cfg.terms());
+        let floor = terms
+            .lease_life_ns(cfg)
+            .saturating_add(terms.local_max_ns)
             .saturating_add(cfg.settle_ns);
         self.state.session_idle_ns.max(floor)
     }
 
-    async fn expire_sessions(&self, now: u64, idle: u64) -> Result<(), StoreError> {
+    async fn expire_sessions(&self, cfg: &AllocConfig, now: u64) -> Result<(), StoreError> {
         let nodes = self.store.session_ids().await?;
         let mut left = nodes.len() as u64;
         for node in nodes {
@@ -474,9 +478,10 @@ impl Service {
             let count = self
                 .store
                 .update_session(&node, &mut |slot| {
-                    expired = slot
-                        .as_ref()
-                        .is_some_and(|s| s.heard_at.is_none_or(|h| now.saturating_sub(h) >= idle));
+                    expired = slot.as_ref().is_some_and(|s| {
+                        let idle = self.session_idle_ns(cfg, s.terms());
+                        s.heard_at.is_none_or(|h| now.saturating_sub(h) >= idle)
+                    });
                     if expired {
                         *slot = None;
                     }

@@ -222,7 +222,9 @@ mod tests {
                 consumed: 3,
                 unleased: 0,
                 demand: 3,
+                failure_mode: None,
             }],
+            settings: None,
         };
         session.intake(&req, 1).unwrap();
         let bytes = encode("s", &session).unwrap();
