@@ -3,8 +3,11 @@
 //!
 //! # THE BOUND
 //! Terms: a global limit of `L` units per window `W` (rate `r = L/W`) with
-//! burst `B`; `N` nodes; the sync interval `I`; the nodes' callout timeout
-//! `D` (the policy's `sync.timeout`, the value the nodes enforce); leases of
+//! burst `B`; `N` nodes; the sync interval `I`; each node's callout timeout
+//! `D` and `fail_open_local` duration `local_max`, as the node reports
+//! them in its requests ([`NodeTerms`]: the values it enforces, never the
+//! service's copy; the policy's `sync:` values only for a node that
+//! reports none); leases of
 //! TTL `ttl`; the provisional allowance `P` (`sync.provisional`, units per
 //! node and key start); `S` the most key starts one node makes within one
 //! window (see below; 1 for a key the node keeps in its table); a central
@@ -18,6 +21,11 @@
 //!     X(T) = Σ shares ≤ r·I           fail_open_local, for any T
 //!     X(T) = A·min(T + I + D, W)      fail_open
 //! ```
+//!
+//! with each (key, limit)'s failure mode as its node reports it (a route
+//! class may override `sync.failure_mode`; of the classes sharing a key's
+//! action the node reports the most permissive). `fail_open` is outside
+//! the `fail_open_local` term: only its own term bounds it.
 //!
 //! whatever the clients' timing. Leases do not appear: every lease is
 //! carved out of the bucket, so the unexpired leases of all nodes never
@@ -70,8 +78,12 @@
 //!   starts per node and window;
 //! * `fail_open_local`: each cut-off node admits at most its last share per
 //!   interval from a local bucket that starts empty and holds at most one
-//!   share. The service keeps the shares of nodes it has not heard from
-//!   reserved and charges them to `b` as time passes (before any grant), and
+//!   share, for the node's own `local_max` after its lease died. The
+//!   service keeps the shares of nodes it has not heard from reserved
+//!   (until that node's `answered_at + D + ttl + local_max`, with its
+//!   reported values) and charges them to `b` as time passes (before any
+//!   grant), for every key that does not fail closed (a `fail_closed` key
+//!   admits nothing without a lease: nothing is kept for it), and
 //!   it never sends shares that could sum above `r·I`, so local admissions
 //!   come out of the refill except for what the local buckets saved up
 //!   (`≤ Σ shares ≤ r·I`).
@@ -86,8 +98,9 @@
 //! `R := max(R − consumed, tokens)` and draws only the increase from `b`.
 //! Once the node acknowledges that response, its next report proves the
 //! old lease gone and `R := tokens − consumed` (the rest is reclaimed).
-//! A lease is dead by `answered_at + D + ttl` in the service's clock: the
-//! node measures `ttl` from receipt and discards responses older than `D`.
+//! A lease is dead by `answered_at + D + ttl` in the service's clock, with
+//! the `D` its node reported: the node measures `ttl` from receipt and
+//! discards responses older than its `D`.
 //! No timestamps travel, so node clocks (offset or skewed) cannot move the
 //! bound. A node silent past that keeps its reservation for `settle_ns`
 //! more, then it is written off as consumed.
@@ -126,8 +139,12 @@
 //! [`finish`] on the session. A (key, limit) never reads another record:
 //! whether a node is silent is decided from a copy of its `heard_at` kept in
 //! the key's record, which every applied request of the node refreshes
-//! (it visits every key the node holds). So a store that updates each record
-//! atomically gives the same answers as [`Allocator`].
+//! (it visits every key the node holds), and what the node enforces
+//! ([`NodeTerms`], its failure mode) is kept with its lease in the key's
+//! record. So a store that updates each record atomically gives the same
+//! answers as [`Allocator`]; the service's stores run a request's steps as
+//! one transaction besides (`crate::store::Txn`), so that a request that
+//! fails mid-way counts nothing rather than part of its report.
 
 mod fair;
 mod key;
