@@ -626,12 +626,6 @@ pub fn finish(session: &mut Session, visits: &[(KeyId, Visit)]) {
     }
 }
 
-/// Whether [`finish`] would change the session: most requests hold the
-/// same keys as before, and then a store can skip the write.
-pub fn finish_changes(begun: &Begun, visits: &[(KeyId, Visit)]) -> bool {
-    visits.iter().any(|(id, v)| v.holds() != begun.held.contains(id))
-}
-
 /// Brings one (key, limit) to `now` with no request: what a timer does so
 /// allocation goes on while no node reports (see [`Allocator::tick`]).
 pub fn advance(cfg: &AllocConfig, ks: &mut KeyState, now: u64) {

@@ -441,12 +441,13 @@ async fn policy_hot_reload(b: Backend) {
     assert!(resp.leases[0].tokens > 0);
 
     // An invalid policy is refused and logged; v2 stays, still ready.
+    // (The watcher may also catch the file truncated mid-write, an empty
+    // policy, refused too: at least one refusal.)
     std::fs::write(policy.path(), "version: v3\nplans: {}\n").unwrap();
     wait_for("the refusal", || async {
         a.metric("tenantgate_policy_reloads_total{result=\"error\"}")
             .await
-            .as_deref()
-            == Some("1")
+            .is_some_and(|v| v != "0")
     })
     .await;
     assert_eq!(
