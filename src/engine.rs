@@ -7,7 +7,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::rc::Rc;
 
 use crate::host::Host;
-use crate::limiter::algo::{Algo, Outcome, State, KIND_GLOBAL_ALLOWANCE};
+use crate::limiter::algo::{Algo, Live, Outcome, Stamp, State, KIND_GLOBAL_ALLOWANCE};
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::{
     self, Classification, Limit, Mode, Policy, RouteClass, MAX_LIMITS_PER_PLAN, ROUTE_METADATA_CLASS_FIELD,
@@ -16,6 +16,7 @@ use crate::policy::{
 use crate::sync::{stored, Allowance, NodeView, SyncState};
 use crate::table::{
     self, push_record, push_record_with, Commit, Failure, Overflow, Place, Reach, Record, MAX_RECORDS,
+    MAX_RECORDS_LEN, RECORD_HEADER_LEN,
 };
 
 pub use crate::table::TableEvent;
@@ -258,7 +259,7 @@ pub fn charge_synced<H: Host>(
     });
     let ctx = Ctx {
         now,
-        effective_from,
+        effective_from: policy.effective_from_ns,
         shadow_mode: policy.mode == Mode::Shadow,
         cost: req.class.cost,
         headers: policy.ratelimit_headers,
@@ -312,6 +313,8 @@ pub fn charge_synced<H: Host>(
 /// The request-independent inputs of one charge.
 struct Ctx {
     now: u64,
+    /// When the policy took effect, as loaded (may be ahead of `now`): what
+    /// records are stamped and migrated with (see `crate::limiter::algo`).
     effective_from: u64,
     shadow_mode: bool,
     cost: u64,
@@ -324,7 +327,7 @@ struct Ctx {
 /// One limit's state as read, and after charging this request if the
 /// limit admits it.
 enum Loaded {
-    Local(State, Option<State>),
+    Local(Live, Option<State>),
     Global(Allowance, Option<Allowance>),
 }
 
@@ -474,9 +477,11 @@ fn apply<H: Host>(
                     (checked.outcome, Loaded::Global(checked.demanded, checked.charged))
                 }
                 _ => {
-                    let (loaded, migrated) = l.algo.load(record, ctx.effective_from, ctx.now);
-                    changed |= migrated;
-                    match l.algo.check(&loaded, ctx.now, ctx.cost) {
+                    // Under the reload rule, the parameters may be a newer
+                    // policy's that wrote the record.
+                    let loaded = l.algo.load(record, ctx.effective_from, ctx.now);
+                    changed |= loaded.changed;
+                    match loaded.algo.check(&loaded.state, ctx.now, ctx.cost) {
                         Outcome::Admit {
                             state,
                             remaining,
@@ -536,7 +541,6 @@ fn apply<H: Host>(
         out.push(0);
         let mut count = 0u8;
         for (i, (l, loaded)) in limits.iter().zip(&states).enumerate() {
-            let (p1, p2) = l.algo.params();
             match loaded {
                 Some(Loaded::Local(loaded, charged)) => {
                     let stored = match charged {
@@ -544,13 +548,12 @@ fn apply<H: Host>(
                             applied.charged |= 1 << i;
                             charged
                         }
-                        _ => loaded,
+                        _ => &loaded.state,
                     };
-                    push_record_with(out, l.name_hash, l.algo.kind(), p1, p2, |o| {
-                        Algo::encode(stored, o)
-                    });
+                    push_local(out, l.name_hash, loaded, stored, ctx.now);
                 }
                 Some(Loaded::Global(demanded, charged)) => {
+                    let (p1, p2) = l.algo.params();
                     let stored = match charged {
                         Some(charged) if !applied.denied => {
                             applied.charged |= 1 << i;
@@ -565,6 +568,27 @@ fn apply<H: Host>(
                 None => continue,
             }
             count += 1;
+        }
+        // Records of limits this plan lacks that a newer policy wrote (this
+        // worker has not reloaded yet, or the request was queued under the
+        // old policy) are kept as they are: dropping them would hand the
+        // newer policy's limit a fresh start on its next charge.
+        for r in records.iter().flat_map(|rs| rs.iter()) {
+            let room = usize::from(count) < MAX_RECORDS
+                && out
+                    .len()
+                    .saturating_add(RECORD_HEADER_LEN)
+                    .saturating_add(r.state.len())
+                    <= MAX_RECORDS_LEN;
+            if !room {
+                break;
+            }
+            if limits.iter().all(|l| l.name_hash != r.name_hash)
+                && Algo::written_by_newer(r, ctx.effective_from, ctx.now)
+            {
+                push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state);
+                count += 1;
+            }
         }
         out[count_at] = count;
         // A denial's write is only a best-effort normalisation.
@@ -585,6 +609,19 @@ fn apply<H: Host>(
         Err(Failure::Unavailable { retries }) => Applied::failed(Reason::StateUnavailable, retries),
         Err(Failure::Absent | Failure::TooLarge) => Applied::failed(Reason::StateUnavailable, 0),
     }
+}
+
+/// Appends a local limit's record: `state` under the parameters `live`
+/// was checked under, stamped with its epoch and `now`.
+fn push_local(out: &mut Vec<u8>, name_hash: u32, live: &Live, state: &State, now: u64) {
+    let (p1, p2) = live.algo.params();
+    let stamp = Stamp {
+        epoch: live.epoch,
+        written_at: now,
+    };
+    push_record_with(out, name_hash, live.algo.kind(), p1, p2, |o| {
+        Algo::encode_stored(state, stamp, o)
+    });
 }
 
 /// What [`check_global`] found.
@@ -666,11 +703,9 @@ fn refund<H: Host>(
             match limit {
                 // A lease charge is not given back (it errs toward admitting less).
                 Some((i, l)) if charged & (1 << i) != 0 && !(l.global && r.kind == KIND_GLOBAL_ALLOWANCE) => {
-                    let (current, _) = l.algo.load(Some(r), ctx.effective_from, ctx.now);
-                    let (p1, p2) = l.algo.params();
-                    push_record_with(out, r.name_hash, l.algo.kind(), p1, p2, |o| {
-                        Algo::encode(&l.algo.refund(&current, ctx.cost, ctx.now), o)
-                    });
+                    let current = l.algo.load(Some(r), ctx.effective_from, ctx.now);
+                    let refunded = current.algo.refund(&current.state, ctx.cost, ctx.now);
+                    push_local(out, r.name_hash, &current, &refunded, ctx.now);
                 }
                 _ => push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state),
             }

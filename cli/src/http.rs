@@ -5,7 +5,12 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
-/// Sends one request; returns the status and the body.
+/// The most an answer may hold (head and body): a service that sends more
+/// is refused, not read into memory.
+pub const MAX_ANSWER_BYTES: u64 = 16 * 1024 * 1024;
+
+/// Sends one request; returns the status and the body (an answer over
+/// [`MAX_ANSWER_BYTES`] is an error).
 pub fn request(
     addr: SocketAddr,
     token: Option<&str>,
@@ -25,7 +30,14 @@ pub fn request(
     );
     s.write_all(req.as_bytes()).map_err(|e| format!("{addr}: {e}"))?;
     let mut out = Vec::new();
-    s.read_to_end(&mut out).map_err(|e| format!("{addr}: {e}"))?;
+    s.take(MAX_ANSWER_BYTES + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| format!("{addr}: {e}"))?;
+    if out.len() as u64 > MAX_ANSWER_BYTES {
+        return Err(format!(
+            "{addr}: the answer is larger than {MAX_ANSWER_BYTES} bytes"
+        ));
+    }
     let text = String::from_utf8_lossy(&out);
     let (head, body) = text.split_once("\r\n\r\n").ok_or("malformed answer")?;
     let status = head
@@ -34,4 +46,36 @@ pub fn request(
         .and_then(|c| c.parse().ok())
         .ok_or("malformed answer")?;
     Ok((status, body.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    /// Serves one connection with `answer`, after reading the request head.
+    fn serve_once(answer: Vec<u8>) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(&answer);
+        });
+        addr
+    }
+
+    #[test]
+    fn an_answer_is_read_up_to_its_cap_and_no_further() {
+        let small = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok".to_vec();
+        assert_eq!(
+            request(serve_once(small), None, "GET", "/", "").unwrap(),
+            (200, "ok".to_owned())
+        );
+        let mut huge = b"HTTP/1.1 200 OK\r\n\r\n".to_vec();
+        huge.resize(MAX_ANSWER_BYTES as usize + 1, b'x');
+        let err = request(serve_once(huge), None, "GET", "/", "").unwrap_err();
+        assert!(err.contains("larger than"), "{err}");
+    }
 }

@@ -467,3 +467,89 @@ default_route: api
         );
     }
 }
+
+/// v1 and v2 of one limit `l` (1/s), shared by a queueing class and an
+/// interactive one (one key: action `shared`).
+fn queued_reload_policy(version: &str, burst: u32) -> String {
+    format!(
+        r#"
+version: "{version}"
+identity: {{ header: x-tenant-id }}
+plans:
+  free: {{ limits: [ {{ name: l, rate: 1, per: 1s, burst: {burst} }} ] }}
+default_plan: free
+anonymous: {{ plan: free }}
+routes:
+  orders: {{ action: shared, on_limit: queue, max_wait: 4s, max_queue: 50 }}
+  api: {{ action: shared }}
+default_route: api
+"#
+    )
+}
+
+#[test]
+fn requests_queued_across_a_reload_add_no_tokens() {
+    // Regression: a request held under v1 and charged after a v2 worker
+    // had written the key's record migrated it as of v1's load time, so the
+    // seconds since then were credited again (and v2 did the same with v1's
+    // writes): a burst per round instead of 1/s.
+    let envoy = Envoy::start(&queued_reload_policy("reload-1", 10));
+    let exhausted_at = Instant::now();
+    let burst = (0..20)
+        .filter(|_| get(envoy.port, "/api/x", &tenant("held")).status == 200)
+        .count();
+    assert_eq!(burst, 10);
+    // Six requests held under v1, answered within 4 s.
+    let held: Vec<_> = (0..6)
+        .map(|_| {
+            let port = envoy.port;
+            std::thread::spawn(move || {
+                let r = request(port, "GET", "/api/orders", &[("x-tenant-id", "held")]).unwrap();
+                (r.status, Instant::now())
+            })
+        })
+        .collect();
+    assert!(
+        tenantgate_integration_tests::wait_for(Duration::from_secs(5), || envoy.tg_stat("queue.held") >= 6),
+        "six requests held"
+    );
+    // v2 raises the burst: the key must not get it.
+    let (ok, err) = envoy.apply(&queued_reload_policy("reload-2", 20));
+    assert!(ok, "{err}");
+    // Interactive requests under v2 for 3 s (on both workers, new
+    // connections), writing the key between the held requests' charges.
+    let mut admitted: Vec<Instant> = Vec::new();
+    let probing = Instant::now();
+    let mut probes = 0;
+    while probing.elapsed() < Duration::from_secs(3) && probes < 300 {
+        probes += 1;
+        if get(envoy.port, "/api/x", &tenant("held")).status == 200 {
+            admitted.push(Instant::now());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for t in held {
+        let (status, at) = t.join().unwrap();
+        assert!(status == 200 || status == 429, "{status}");
+        if status == 200 {
+            admitted.push(at);
+        }
+    }
+    // Empty when exhausted, refilling at 1/s under both versions: at most
+    // one per elapsed second (+1 for the token in refill at the end).
+    let elapsed = admitted
+        .iter()
+        .max()
+        .map_or(Duration::ZERO, |t| *t - exhausted_at);
+    let allowed = elapsed.as_secs_f64().floor() as usize + 1;
+    println!(
+        "{} admitted in {:?} after exhausting, across the reload (at most {allowed})",
+        admitted.len(),
+        elapsed
+    );
+    assert!(
+        admitted.len() <= allowed,
+        "{} admitted in {elapsed:?}: more than 1/s",
+        admitted.len()
+    );
+}

@@ -773,7 +773,7 @@ fn several_limits_stay_all_or_nothing_when_workers_interleave_at_random() {
             .iter()
             .map(|l| {
                 let r = records.iter().find(|r| r.name_hash == l.name_hash).unwrap();
-                match l.algo.load(Some(r), T0, T0).0 {
+                match l.algo.load(Some(r), T0, T0).state {
                     crate::limiter::algo::State::TokenBucket { tat } => {
                         let crate::limiter::algo::Algo::TokenBucket(g) = l.algo else {
                             unreachable!()
@@ -828,6 +828,7 @@ fn racing_creators_of_a_new_entry_lose_at_most_one_request_each() {
 }
 
 mod alloc;
+mod reload;
 
 #[test]
 fn without_ratelimit_headers_no_header_is_formatted() {

@@ -4,19 +4,107 @@
 //! encoding the new state, telling whether a state is idle (reclaimable),
 //! and refunding a charge.
 //!
-//! What a reload that changes a live limit does, per algorithm (the stored
-//! record carries the parameters it was written under):
+//! # Stored records
+//! A record carries the parameters it was written under (`p1`, `p2`, see
+//! [`crate::table::layout`]) and, after the algorithm's state, a [`Stamp`]
+//! of 16 bytes: the writing policy's *epoch* and the *write instant* (the
+//! writer's `now`; the state is exact as of then). A record without a stamp
+//! (written by a version before stamps) reads as epoch 0, write instant
+//! unknown.
+//!
+//! A policy's epoch is its `effective_from` (when its worker loaded it),
+//! or 0 while that instant is ahead of `now` (loaded while the clock ran
+//! ahead, since corrected: such a policy ranks oldest until the clock
+//! catches up, so it can never outrank the policies loaded after it). A
+//! stored epoch ahead of `now` (a clock step back, or garbage) ranks 0 too.
+//!
+//! # Reload rule
+//! While workers reload one after the other, and while requests held in a
+//! queue under the old policy are charged after the reload, charges under
+//! two policies meet on one record. A charge under policy `P` (epoch `E`)
+//! reads a record written under other parameters with epoch `E_w`:
+//! 1. **The newest policy wins.** If `E_w > E`, the record was written
+//!    under a newer policy: the request is checked under the record's
+//!    parameters and written back with them and `E_w`. An older policy
+//!    never migrates a newer record back (a migration of window counts
+//!    loses what the old window length counted; back and forth, it would
+//!    forget counts on every round).
+//! 2. **Forward, once, never before the write.** Otherwise (`E_w ≤ E`) the
+//!    record is migrated to `P`'s parameters as of
+//!    `min(now, max(E, write instant, L))`, where `L` is the earliest write
+//!    instant the state itself allows (a TAT is never more than `τ` ahead
+//!    of its write, a window or log entry never starts after it). It is
+//!    never migrated as of an instant before it was written, so no time is
+//!    credited twice; the old parameters rule until then, `P`'s after.
+//!    Without a write instant (an unstamped record), `now`.
+//! 3. A record of another algorithm starts fresh, unless rule 1 applies
+//!    (then it is charged under its own algorithm).
+//! 4. A record of a limit the charging plan lacks is kept as it is if a
+//!    newer policy wrote it ([`Algo::written_by_newer`], applied by the
+//!    engine), else dropped: an older policy never resets a limit that only
+//!    the newer one has.
+//!
+//! What a migration does, per algorithm, as of that instant `m`:
 //! * token bucket: the bucket keeps its fill level in tokens, capped at the
-//!   new burst, as of the instant the new policy took effect; it refills at
-//!   the new rate from then. A reload never adds tokens.
-//! * fixed window: the count of the window current at the reload carries
-//!   into the new window current at the reload (a changed window length
-//!   never opens a fresh window); a changed limit applies to that count.
+//!   new burst, and refills at the new rate from `m`. A migration never
+//!   adds tokens (the fill level is rounded down). Stored parameters no
+//!   version writes (`T = 0`, `τ` not a multiple of `T`) leave it empty at
+//!   `m`.
+//! * fixed window: the count of the window current at `m` (or of one ahead
+//!   of it, which `load` would saturate to it) carries into the new window
+//!   current at `m` (a changed window length never opens a fresh window); a
+//!   changed limit applies to that count.
 //! * sliding window log and counter: the recorded admissions stay as they
 //!   are and are read under the new limit and window.
 //!
-//! A record of another algorithm (the limit's `algorithm` changed) starts
-//! fresh.
+//! # The bound across a reload
+//! For charges under two policies `a` and `b` on one key, in any order and
+//! any number of rounds (two workers, one not yet reloaded; queued
+//! requests), in any `d` consecutive nanoseconds:
+//! * token bucket: at most `max(B_a, B_b) + floor(d / min(T_a, T_b))`
+//!   admitted, what a bucket with the more generous burst and rate would
+//!   admit, and the fill level never exceeds the burst it is checked under.
+//!   Why: between two writes the level grows at the rate of one of the two
+//!   policies (the writer's up to `m`, which is no earlier than the write,
+//!   the charging one's after), is capped at one of the two bursts, and a
+//!   conversion never rounds up; so, by induction over the writes, it never
+//!   exceeds the level of that more generous bucket. This holds whichever policy
+//!   charges, so it needs only rule 2; rule 1 is for the window algorithms.
+//! * window algorithms: at most what `a` alone plus what `b` alone would
+//!   admit (each algorithm's bound in its module header): the record is
+//!   counted under the older parameters until its first charge under the
+//!   newer policy, migrated once, then counted under the newer ones by
+//!   every charge, old or new.
+//!
+//! A record's epoch never decreases (a migration writes the charging
+//! policy's, higher; every other write keeps the higher of the two), so
+//! its parameters change only by migrations, each to a later epoch. With
+//! one reload at a time (every worker on the old policy before any loads
+//! the new one) a record migrates at most once per reload. Each worker
+//! stamps its own load instant, so a worker that loads the old policy after
+//! another already loaded the new one outranks it until it reloads too
+//! (the old parameters rule meanwhile); in every case a record migrates
+//! at most once per worker load, as each migration takes a later epoch. A
+//! clock that steps back below a stored epoch makes it rank 0 (above), so
+//! during a step back the two policies may migrate a record back and forth
+//! again, each time as of its write: the token-bucket bound above still
+//! holds, the window bound only per migration.
+//!
+//! # Why a stamp
+//! The state alone bounds its write instant only from below (`L`):
+//! migrating as of a lower bound still credits the time between it and the
+//! write, and migrating as of `now` always would make a reload take effect
+//! on a key only from its next charge (the old rate applying until then).
+//! Only the stored write instant is both safe and exact. The epoch is what
+//! tells a newer record from an older one, which a write instant cannot (a
+//! worker not yet reloaded writes late too). The price is 16 bytes per
+//! limit and key: a one-limit key's slot grows from 49 to 65 bytes (see
+//! [`crate::table::layout`]), about 115 bytes per key in all against the
+//! 128 B target (98.9 B measured before, `docs/operations.md`).
+//!
+//! Tested through the engine with two workers on one shared store
+//! (`src/engine/tests/reload.rs`), at 100/min and 10,000/min, raised and
+//! lowered, for every algorithm.
 
 use super::fixed_window::{self, FixedWindow};
 use super::sliding_window_counter::{self, SlidingWindowCounter};
@@ -75,9 +163,70 @@ fn read_u64(bytes: &[u8]) -> Option<u64> {
     Some(u64::from_le_bytes(bytes.try_into().ok()?))
 }
 
-/// Decodes a whole stored state (trailing bytes make it unreadable).
-fn whole<S>(decoded: Option<(S, usize)>, len: usize) -> Option<S> {
-    decoded.filter(|(_, used)| *used == len).map(|(s, _)| s)
+/// Bytes of the [`Stamp`] after every algorithm's state in a stored record.
+pub const STAMP_LEN: usize = 16;
+
+/// Which policy wrote a record, and when (see the module header): the 16
+/// bytes after the algorithm's state, two little-endian `u64`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp {
+    /// The writing policy's epoch; 0 ranks oldest.
+    pub epoch: u64,
+    /// The writer's `now`: the state is exact as of this instant.
+    pub written_at: u64,
+}
+
+impl Stamp {
+    /// A record written before stamps: epoch 0, written at an unknown
+    /// instant (read as `now`, the latest it can be).
+    pub const UNKNOWN: Stamp = Stamp {
+        epoch: 0,
+        written_at: u64::MAX,
+    };
+}
+
+/// A policy's epoch at `now`: its `effective_from`, or 0 while that is
+/// ahead of `now` (see the module header).
+pub fn epoch_of(effective_from: u64, now: u64) -> u64 {
+    if effective_from <= now {
+        effective_from
+    } else {
+        0
+    }
+}
+
+/// Splits a whole stored state into the algorithm's part and its stamp
+/// (none: [`Stamp::UNKNOWN`]); any other trailing bytes make it unreadable.
+fn stamped<S>(decoded: Option<(S, usize)>, bytes: &[u8]) -> Option<(S, Stamp)> {
+    let (state, used) = decoded?;
+    let rest = bytes.get(used..)?;
+    if rest.is_empty() {
+        return Some((state, Stamp::UNKNOWN));
+    }
+    if rest.len() != STAMP_LEN {
+        return None;
+    }
+    Some((
+        state,
+        Stamp {
+            epoch: read_u64(rest.get(..8)?)?,
+            written_at: read_u64(rest.get(8..)?)?,
+        },
+    ))
+}
+
+/// A limit's state as a charge uses it (see [`Algo::load`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Live {
+    /// The parameters to check under and to store: the charging limit's,
+    /// or a newer policy's that wrote the record (the reload rule).
+    pub algo: Algo,
+    pub state: State,
+    /// The epoch to stamp the record with when it is written.
+    pub epoch: u64,
+    /// The state differs from what is stored (the caller then persists it,
+    /// on a denial too).
+    pub changed: bool,
 }
 
 fn map<S>(verdict: Verdict<S>, wrap: impl FnOnce(S) -> State) -> Outcome {
@@ -135,6 +284,12 @@ impl Algo {
         }
     }
 
+    /// The most bytes [`Algo::encode_stored`] writes for any state of
+    /// this limit: what a record's state takes in the key table.
+    pub fn max_stored_len(&self) -> usize {
+        self.max_state_len().saturating_add(STAMP_LEN)
+    }
+
     pub fn fresh(&self) -> State {
         match self {
             Algo::TokenBucket(_) => State::TokenBucket { tat: 0 },
@@ -144,38 +299,137 @@ impl Algo {
         }
     }
 
-    /// Decodes a record written by this algorithm (any parameters).
-    fn decode(&self, r: &Record<'_>) -> Option<State> {
-        if r.kind != self.kind() {
-            return None;
+    /// Decodes a whole stored state of algorithm `kind` (any parameters)
+    /// and its stamp; `None` if another kind or malformed.
+    fn decode_stored(kind: u8, bytes: &[u8]) -> Option<(State, Stamp)> {
+        match kind {
+            KIND_TOKEN_BUCKET => {
+                let tat = bytes.get(..8).and_then(read_u64);
+                stamped(tat.map(|tat| (State::TokenBucket { tat }, 8)), bytes)
+            }
+            KIND_FIXED_WINDOW => {
+                stamped(FixedWindow::decode(bytes), bytes).map(|(s, stamp)| (State::FixedWindow(s), stamp))
+            }
+            KIND_SLIDING_WINDOW_LOG => stamped(SlidingWindowLog::decode(bytes), bytes)
+                .map(|(s, stamp)| (State::SlidingWindowLog(s), stamp)),
+            KIND_SLIDING_WINDOW_COUNTER => stamped(SlidingWindowCounter::decode(bytes), bytes)
+                .map(|(s, stamp)| (State::SlidingWindowCounter(s), stamp)),
+            _ => None,
         }
-        let len = r.state.len();
-        Some(match self {
-            Algo::TokenBucket(_) => State::TokenBucket {
-                tat: read_u64(r.state)?,
-            },
-            Algo::FixedWindow(_) => State::FixedWindow(whole(FixedWindow::decode(r.state), len)?),
-            Algo::SlidingWindowLog(_) => {
-                State::SlidingWindowLog(whole(SlidingWindowLog::decode(r.state), len)?)
-            }
-            Algo::SlidingWindowCounter(_) => {
-                State::SlidingWindowCounter(whole(SlidingWindowCounter::decode(r.state), len)?)
-            }
-        })
     }
 
     /// This limit's state from its stored record (`None`: a new key, or a
-    /// new limit: fresh). A record written under other parameters is
-    /// migrated as of `effective_from`, when the current policy took effect
-    /// (see the module header). Every algorithm is also normalised for
-    /// `now`: a clock step backwards is saturated (a state left ahead of
-    /// `now` by a clock that ran ahead keeps what it counted, but waits at
-    /// most one refill or window from `now`, not for the clock). Returns the
-    /// state and whether it differs from what is stored (the caller then
-    /// persists it, on a denial too).
-    pub fn load(&self, record: Option<&Record<'_>>, effective_from: u64, now: u64) -> (State, bool) {
-        let (state, changed) = self.load_migrated(record, effective_from, now);
+    /// new limit: fresh), under the module header's reload rule, for a
+    /// charge under a policy that took effect at `effective_from`: a record
+    /// of a newer policy is used under its own parameters, an older one is
+    /// migrated forward, never as of an instant before its write. Every
+    /// algorithm is also normalised for `now`: a clock step backwards is
+    /// saturated (a state left ahead of `now` by a clock that ran ahead
+    /// keeps what it counted, but waits at most one refill or window from
+    /// `now`, not for the clock).
+    pub fn load(&self, record: Option<&Record<'_>>, effective_from: u64, now: u64) -> Live {
+        let own = epoch_of(effective_from, now);
+        let (algo, state, epoch, migrated) = self.resolve(record, own, now);
+        let (state, saturated) = algo.saturate(state, now);
+        Live {
+            algo,
+            state,
+            epoch,
+            changed: migrated || saturated,
+        }
+    }
+
+    /// Rules 1–3 of the reload rule: the parameters, the state under them
+    /// (not yet saturated), the epoch to stamp, and whether the state
+    /// differs from the stored one.
+    fn resolve(&self, record: Option<&Record<'_>>, own: u64, now: u64) -> (Algo, State, u64, bool) {
+        let Some(r) = record else {
+            return (*self, self.fresh(), own, false);
+        };
+        let Some((stored, stamp)) = Algo::decode_stored(r.kind, r.state) else {
+            return (*self, self.fresh(), own, true);
+        };
+        // A stamp from the future ranks oldest.
+        let theirs = epoch_of(stamp.epoch, now);
+        if self.carry_from(r.kind, (r.p1, r.p2)) == Carry::Keeps {
+            return (*self, stored, own.max(theirs), false);
+        }
+        if theirs > own {
+            // 1. A newer policy wrote it: its parameters rule.
+            if let Some(newer) = Algo::of_record(r) {
+                return (newer, stored, theirs, false);
+            }
+        }
+        if r.kind != self.kind() {
+            // 3. Another algorithm, no newer: fresh.
+            return (*self, self.fresh(), own, true);
+        }
+        // 2. Forward, as of no earlier than the write.
+        let at = own
+            .max(stamp.written_at)
+            .max(Algo::written_no_earlier_than(r, &stored))
+            .min(now);
+        let migrated = self.migrate(r, &stored, at);
+        let changed = migrated != stored;
+        (*self, migrated, own, changed)
+    }
+
+    /// Whether `record` was written by a policy newer than one that took
+    /// effect at `effective_from` (the reload rule's ranking, at `now`).
+    pub fn written_by_newer(record: &Record<'_>, effective_from: u64, now: u64) -> bool {
+        Algo::decode_stored(record.kind, record.state)
+            .is_some_and(|(_, stamp)| epoch_of(stamp.epoch, now) > epoch_of(effective_from, now))
+    }
+
+    /// The earliest instant at which `stored` (under the record's
+    /// parameters) can have been written: a TAT runs at most `τ` ahead of
+    /// its write; a window, a log entry or a counter's latest admission is
+    /// never after it. 0 when the state says nothing.
+    fn written_no_earlier_than(r: &Record<'_>, stored: &State) -> u64 {
+        match stored {
+            // `p2` is `τ` (see `params`).
+            State::TokenBucket { tat } => tat.saturating_sub(r.p2),
+            State::FixedWindow(s) if s.count > 0 => s.window.saturating_mul(r.p2),
+            State::SlidingWindowLog(s) => s.entries().last().map_or(0, |&(ts, _)| ts),
+            State::SlidingWindowCounter(s) if s.prev > 0 || s.curr > 0 => s.last_ns,
+            _ => 0,
+        }
+    }
+
+    /// `stored`, written by this algorithm under the record's other
+    /// parameters, moved to `self`'s as of `at` (see the module header).
+    fn migrate(&self, r: &Record<'_>, stored: &State, at: u64) -> State {
+        match (self, stored) {
+            (Algo::TokenBucket(g), State::TokenBucket { tat }) => State::TokenBucket {
+                tat: match Gcra::from_stored(r.p1, r.p2) {
+                    Some(old) => g.migrate_tat(&old, *tat, at),
+                    // Unusable stored parameters: be conservative, empty at `at`.
+                    None => at.saturating_add(g.tolerance_ns()),
+                },
+            },
+            (Algo::FixedWindow(a), State::FixedWindow(s)) if r.p2 != a.window_ns() => {
+                // A new window length: the count of the window current at
+                // `at` (or ahead of it) moves into the new window current
+                // then. Unusable stored parameters: the count carries.
+                let current_then = r.p2 == 0 || s.window >= at / r.p2;
+                let count = if current_then { s.count } else { 0 };
+                State::FixedWindow(fixed_window::State {
+                    window: at / a.window_ns(),
+                    count,
+                })
+            }
+            (_, stored) => stored.clone(),
+        }
+    }
+
+    /// `state` normalised for `now` (a clock step back saturated), and
+    /// whether that changed it.
+    fn saturate(&self, state: State, now: u64) -> (State, bool) {
         let saturated = match (self, &state) {
+            (Algo::TokenBucket(g), State::TokenBucket { tat }) => {
+                let s = g.saturate(*tat, now);
+                (s != *tat).then_some(State::TokenBucket { tat: s })
+            }
             (Algo::FixedWindow(a), State::FixedWindow(s)) => a.saturate(s, now).map(State::FixedWindow),
             (Algo::SlidingWindowLog(a), State::SlidingWindowLog(s)) => {
                 a.saturate(s, now).map(State::SlidingWindowLog)
@@ -183,20 +437,20 @@ impl Algo {
             (Algo::SlidingWindowCounter(a), State::SlidingWindowCounter(s)) => {
                 a.saturate(s, now).map(State::SlidingWindowCounter)
             }
-            // The token bucket saturates in `load_migrated`.
             _ => None,
         };
         match saturated {
             Some(s) => (s, true),
-            None => (state, changed),
+            None => (state, false),
         }
     }
 
     /// What a reload does to a live state written by a limit of the same
-    /// name with `kind` and `params` (what [`Algo::load`] then does with
-    /// such a record): [`Carry::Keeps`] it, [`Carry::Migrated`] to the new
-    /// parameters (never adding tokens: capped at the new burst or limit),
-    /// or [`Carry::Fresh`] (another algorithm wrote it).
+    /// name with `kind` and `params`, when the reloaded policy is the newer
+    /// one (what [`Algo::load`] then does with such a record):
+    /// [`Carry::Keeps`] it, [`Carry::Migrated`] to the new parameters (never
+    /// adding tokens: capped at the new burst or limit), or [`Carry::Fresh`]
+    /// (another algorithm wrote it).
     pub fn carry_from(&self, kind: u8, params: (u64, u64)) -> Carry {
         if kind != self.kind() {
             Carry::Fresh
@@ -204,43 +458,6 @@ impl Algo {
             Carry::Keeps
         } else {
             Carry::Migrated
-        }
-    }
-
-    fn load_migrated(&self, record: Option<&Record<'_>>, effective_from: u64, now: u64) -> (State, bool) {
-        let Some(r) = record else {
-            return (self.fresh(), false);
-        };
-        let Some(stored) = self.decode(r) else {
-            return (self.fresh(), true);
-        };
-        let same_params = self.carry_from(r.kind, (r.p1, r.p2)) == Carry::Keeps;
-        match (self, stored) {
-            (Algo::TokenBucket(g), State::TokenBucket { tat }) => {
-                let migrated = if same_params {
-                    tat
-                } else {
-                    match Gcra::from_stored(r.p1, r.p2) {
-                        Some(old) => g.migrate_tat(&old, tat, effective_from),
-                        // Unusable stored parameters: be conservative, start empty.
-                        None => effective_from.saturating_add(g.tolerance_ns()),
-                    }
-                };
-                let saturated = g.saturate(migrated, now);
-                (State::TokenBucket { tat: saturated }, saturated != tat)
-            }
-            (Algo::FixedWindow(a), State::FixedWindow(s)) if !same_params && r.p2 != a.window_ns() => {
-                // A new window length: the count of the window current at
-                // the reload moves into the new window current then.
-                let current_then = r.p2 > 0 && s.window == effective_from / r.p2;
-                let count = if current_then { s.count } else { 0 };
-                let moved = fixed_window::State {
-                    window: effective_from / a.window_ns(),
-                    count,
-                };
-                (State::FixedWindow(moved), true)
-            }
-            (_, stored) => (stored, false),
         }
     }
 
@@ -309,6 +526,14 @@ impl Algo {
         }
     }
 
+    /// Appends a state as stored in a record: the algorithm's encoding,
+    /// then its [`Stamp`].
+    pub fn encode_stored(state: &State, stamp: Stamp, out: &mut Vec<u8>) {
+        Algo::encode(state, out);
+        out.extend_from_slice(&stamp.epoch.to_le_bytes());
+        out.extend_from_slice(&stamp.written_at.to_le_bytes());
+    }
+
     /// Whether a record of one of these algorithms is back to its fresh
     /// state at `now` (see [`crate::engine::record_is_idle`], the key
     /// table's test, which also knows global allowances). A record no
@@ -317,7 +542,10 @@ impl Algo {
         let Some(algo) = Algo::of_record(record) else {
             return true;
         };
-        match (algo, algo.decode(record)) {
+        match (
+            algo,
+            Algo::decode_stored(record.kind, record.state).map(|(s, _)| s),
+        ) {
             (_, None) => true,
             (Algo::TokenBucket(_), Some(State::TokenBucket { tat })) => tat <= now,
             (Algo::FixedWindow(a), Some(State::FixedWindow(s))) => a.is_idle(&s, now),
@@ -357,6 +585,14 @@ mod tests {
         }
     }
 
+    /// The state a charge would use, and whether it must be persisted
+    /// (no record here comes from a newer policy).
+    fn load(algo: &Algo, record: Option<&Record<'_>>, effective_from: u64, now: u64) -> (State, bool) {
+        let live = algo.load(record, effective_from, now);
+        assert_eq!(live.algo, *algo);
+        (live.state, live.changed)
+    }
+
     fn all() -> [Algo; 4] {
         [
             Algo::TokenBucket(Gcra::new(5, S, 5).unwrap()),
@@ -369,7 +605,7 @@ mod tests {
     #[test]
     fn every_algorithm_round_trips_through_its_record_refunds_and_goes_idle() {
         for algo in all() {
-            let (fresh, changed) = algo.load(None, T0, T0);
+            let (fresh, changed) = load(&algo, None, T0, T0);
             assert!(!changed);
             let Verdict::Admit { state, remaining, .. } = algo.check(&fresh, T0, 2) else {
                 panic!("{algo:?}")
@@ -379,7 +615,7 @@ mod tests {
             Algo::encode(&state, &mut bytes);
             let stored = record(&algo, &bytes);
             assert_eq!(
-                algo.load(Some(&stored), T0, T0),
+                load(&algo, Some(&stored), T0, T0),
                 (state.clone(), false),
                 "{algo:?}"
             );
@@ -454,10 +690,10 @@ mod tests {
                 p2: 0,
                 state: &[1, 2],
             };
-            assert_eq!(algo.load(Some(&junk), T0, T0), (algo.fresh(), true));
+            assert_eq!(load(&algo, Some(&junk), T0, T0), (algo.fresh(), true));
             assert!(Algo::record_is_idle(&junk, T0));
             let short = record(&algo, &[0xff; 3]);
-            let (state, _) = algo.load(Some(&short), T0, T0);
+            let (state, _) = load(&algo, Some(&short), T0, T0);
             assert!(
                 matches!(algo.check(&state, T0, 1), Verdict::Admit { .. }),
                 "{algo:?}"
@@ -487,7 +723,7 @@ mod tests {
             Algo::encode(&st, &mut bytes);
             // The clock comes back to T0: what the key used still counts (no
             // fresh limit), and the engine persists the normalised state.
-            let (loaded, changed) = algo.load(Some(&record(&algo, &bytes)), T0, T0);
+            let (loaded, changed) = load(&algo, Some(&record(&algo, &bytes)), T0, T0);
             assert!(changed, "{algo:?}: normalised, so a denial persists it");
             assert!(
                 matches!(algo.check(&loaded, T0, 1), Verdict::Deny { .. }),
@@ -497,7 +733,7 @@ mod tests {
             Algo::encode(&loaded, &mut bytes);
             // Two windows later, not an hour: admitted again.
             let later = T0 + 2 * S;
-            let (loaded, _) = algo.load(Some(&record(&algo, &bytes)), T0, later);
+            let (loaded, _) = load(&algo, Some(&record(&algo, &bytes)), T0, later);
             assert!(
                 matches!(algo.check(&loaded, later, 1), Verdict::Admit { .. }),
                 "{algo:?} still blocked by the excursion"
@@ -514,11 +750,164 @@ mod tests {
         let mut bytes = Vec::new();
         Algo::encode(&state, &mut bytes);
         let new = Algo::FixedWindow(FixedWindow::new(5, 60 * S).unwrap());
-        let (moved, changed) = new.load(Some(&record(&old, &bytes)), T0, T0);
+        let (moved, changed) = load(&new, Some(&record(&old, &bytes)), T0, T0);
         assert!(changed);
         assert!(
             matches!(new.check(&moved, T0, 1), Verdict::Deny { .. }),
             "no fresh window on reload"
         );
+    }
+
+    fn stored(algo: &Algo, state: &State, epoch: u64, written_at: u64) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        Algo::encode_stored(state, Stamp { epoch, written_at }, &mut bytes);
+        let mut plain = Vec::new();
+        Algo::encode(state, &mut plain);
+        assert_eq!(bytes.len(), plain.len() + STAMP_LEN);
+        assert!(bytes.len() <= algo.max_stored_len(), "{algo:?}");
+        bytes
+    }
+
+    #[test]
+    fn a_stamp_round_trips_and_an_unstamped_record_reads_as_unknown() {
+        for algo in all() {
+            let Verdict::Admit { state, .. } = algo.check(&algo.fresh(), T0, 2) else {
+                panic!("{algo:?}")
+            };
+            let bytes = stored(&algo, &state, T0 - S, T0);
+            assert_eq!(
+                Algo::decode_stored(algo.kind(), &bytes),
+                Some((
+                    state.clone(),
+                    Stamp {
+                        epoch: T0 - S,
+                        written_at: T0
+                    }
+                )),
+                "{algo:?}"
+            );
+            let mut plain = Vec::new();
+            Algo::encode(&state, &mut plain);
+            assert_eq!(
+                Algo::decode_stored(algo.kind(), &plain),
+                Some((state.clone(), Stamp::UNKNOWN))
+            );
+            // A stamp cut short, or one byte too many: unreadable, fresh.
+            for len in [
+                plain.len() + 1,
+                plain.len() + STAMP_LEN - 1,
+                plain.len() + STAMP_LEN + 1,
+            ] {
+                let mut odd = bytes.clone();
+                odd.resize(len, 0);
+                assert_eq!(Algo::decode_stored(algo.kind(), &odd), None, "{algo:?} {len}");
+            }
+            assert!(algo.max_stored_len() >= bytes.len());
+        }
+    }
+
+    /// Two versions of each algorithm: 5 per second, then 50 per 10 s.
+    fn versions() -> [(Algo, Algo); 4] {
+        [
+            (
+                Algo::TokenBucket(Gcra::new(5, S, 5).unwrap()),
+                Algo::TokenBucket(Gcra::new(50, 10 * S, 50).unwrap()),
+            ),
+            (
+                Algo::FixedWindow(FixedWindow::new(5, S).unwrap()),
+                Algo::FixedWindow(FixedWindow::new(50, 10 * S).unwrap()),
+            ),
+            (
+                Algo::SlidingWindowLog(SlidingWindowLog::new(5, S).unwrap()),
+                Algo::SlidingWindowLog(SlidingWindowLog::new(50, 10 * S).unwrap()),
+            ),
+            (
+                Algo::SlidingWindowCounter(SlidingWindowCounter::new(5, S).unwrap()),
+                Algo::SlidingWindowCounter(SlidingWindowCounter::new(50, 10 * S).unwrap()),
+            ),
+        ]
+    }
+
+    #[test]
+    fn an_older_policy_checks_a_newer_policys_record_under_the_newer_parameters() {
+        for (old, new) in versions() {
+            let Verdict::Admit { state, .. } = new.check(&new.fresh(), T0 + 2 * S, 3) else {
+                panic!("{new:?}")
+            };
+            let bytes = stored(&new, &state, T0 + S, T0 + 2 * S);
+            let live = old.load(Some(&record(&new, &bytes)), T0, T0 + 2 * S);
+            assert_eq!(live.algo, new, "newest wins");
+            assert_eq!(live.epoch, T0 + S);
+            assert_eq!((live.state, live.changed), (state, false));
+            // And the newer policy reads its own record as it is.
+            let live = new.load(Some(&record(&new, &bytes)), T0 + S, T0 + 2 * S);
+            assert_eq!((live.algo, live.epoch, live.changed), (new, T0 + S, false));
+        }
+    }
+
+    #[test]
+    fn a_record_written_after_the_reload_is_migrated_as_of_its_write() {
+        // Regression: an empty bucket written by a worker still on the old
+        // policy 10 s after the new one took effect was migrated as of the
+        // reload, so those 10 s refilled it at the new rate.
+        let (old, new) = (Gcra::new(5, S, 5).unwrap(), Gcra::new(1000, S, 1000).unwrap());
+        let (old_algo, new_algo) = (Algo::TokenBucket(old), Algo::TokenBucket(new));
+        let written = T0 + 10 * S;
+        let empty = State::TokenBucket {
+            tat: written + old.tolerance_ns(),
+        };
+        for (epoch, written_at) in [(T0 - S, written), (0, written), (T0 - S, 0), (0, u64::MAX)] {
+            let bytes = stored(&old_algo, &empty, epoch, written_at);
+            let live = new_algo.load(Some(&record(&old_algo, &bytes)), T0, written);
+            assert_eq!(live.algo, new_algo);
+            let State::TokenBucket { tat } = live.state else {
+                panic!()
+            };
+            assert_eq!(new.available(tat, written), 0, "{epoch} {written_at}");
+            assert_eq!(new.available(tat, written + 10_000_000), 10);
+        }
+        // Unstamped: as of `now`, the latest it can have been written.
+        let mut plain = Vec::new();
+        Algo::encode(&empty, &mut plain);
+        let live = new_algo.load(Some(&record(&old_algo, &plain)), T0, written + S);
+        let State::TokenBucket { tat } = live.state else {
+            panic!()
+        };
+        // One second at the old rate (5 tokens), none at the new one.
+        assert_eq!(new.available(tat, written + S), 5);
+    }
+
+    #[test]
+    fn a_stamp_from_the_future_ranks_oldest_and_a_window_ahead_keeps_its_count() {
+        for (old, new) in versions() {
+            // Used up while the clock ran a day ahead; the stamp says so.
+            let ahead = T0 + 86_400 * S;
+            let Verdict::Admit { state, .. } = new.check(&new.fresh(), ahead, 50) else {
+                panic!("{new:?}")
+            };
+            let bytes = stored(&new, &state, ahead, ahead);
+            let live = old.load(Some(&record(&new, &bytes)), T0 - S, T0);
+            assert_eq!(live.algo, old, "{new:?}: a future epoch does not outrank");
+            assert_eq!(live.epoch, T0 - S);
+            assert!(
+                matches!(old.check(&live.state, T0, 1), Verdict::Deny { .. }),
+                "{old:?}: what it counted still counts"
+            );
+        }
+    }
+
+    #[test]
+    fn a_policy_loaded_ahead_of_the_clock_ranks_oldest() {
+        assert_eq!(epoch_of(T0, T0), T0);
+        assert_eq!(epoch_of(T0 + 1, T0), 0);
+        for (old, new) in versions() {
+            let Verdict::Admit { state, .. } = old.check(&old.fresh(), T0, 1) else {
+                panic!("{old:?}")
+            };
+            let bytes = stored(&old, &state, T0 - S, T0);
+            // `new` was loaded an hour ahead of the clock, since corrected.
+            let live = new.load(Some(&record(&old, &bytes)), T0 + 3600 * S, T0);
+            assert_eq!((live.algo, live.epoch), (old, T0 - S), "{new:?}");
+        }
     }
 }

@@ -327,6 +327,28 @@ mod tests {
     }
 
     #[test]
+    fn migrating_a_tat_beyond_one_refill_never_wraps_and_never_fills_the_bucket() {
+        // A TAT further ahead of the migration instant than the old
+        // tolerance (written later, or by a clock that ran ahead) is clamped
+        // to an empty bucket, never read as a negative debt that wraps into
+        // a full one; extreme values saturate.
+        let old = limit(100, MIN, 100);
+        let new = limit(10_000, MIN, 10_000);
+        for tat in [T0 + old.tolerance_ns() + 1, T0 + 86_400 * S, u64::MAX] {
+            for (from, to) in [(&old, &new), (&new, &old)] {
+                let migrated = to.migrate_tat(from, tat, T0);
+                assert_eq!(to.available(migrated, T0), 0, "{tat}");
+            }
+        }
+        for now in [0, 1, u64::MAX - 1, u64::MAX] {
+            for tat in [0, 1, now, u64::MAX] {
+                let migrated = new.migrate_tat(&old, tat, now);
+                assert!(new.available(migrated, now) <= new.burst());
+            }
+        }
+    }
+
+    #[test]
     fn invalid_parameters_are_refused() {
         assert!(Gcra::new(0, S, 1).is_none());
         assert!(Gcra::new(1, 0, 1).is_none());

@@ -696,7 +696,7 @@ fn compile_limits(
             let state = if l.global {
                 crate::sync::stored::MAX_ALLOWANCE_LEN
             } else {
-                l.algo.max_state_len()
+                l.algo.max_stored_len()
             };
             table::RECORD_HEADER_LEN.saturating_add(state)
         })

@@ -30,7 +30,10 @@
 //! ```
 //! `p1`/`p2` are the limit's parameters when the state was written, so a
 //! reload that changes a live limit can carry its state over instead of
-//! resetting it (see [`crate::limiter::algo`]).
+//! resetting it. An algorithm's `state` ends with a 16-byte stamp (the
+//! writing policy's epoch and the write instant), which the reload rule
+//! needs: see [`crate::limiter::algo`]. A one-limit token-bucket slot for a
+//! 14-byte key is `1 + 14 + 2 + 1 + 23 + 8 + 16 = 65` bytes.
 //!
 //! # Bounds
 //! A slot's records take at most [`MAX_RECORDS_LEN`] bytes (their length is

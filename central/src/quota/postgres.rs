@@ -182,10 +182,16 @@ async fn lock_levels(
             &[&g.resource, &t.tenant, &p.project],
         )
         .await?;
+    levels_of(&g.resource, &rows)
+}
+
+/// The three levels' counters from rows of (tenant, project, reserved,
+/// committed) of `resource`; a missing row counts zero.
+fn levels_of(resource: &str, rows: &[Row]) -> Result<[Usage; 3], Failure> {
     let mut out = [Usage::default(); 3];
     for row in rows {
         let key = CounterKey {
-            resource: g.resource.clone(),
+            resource: resource.to_owned(),
             tenant: row.try_get(0)?,
             project: row.try_get(1)?,
         };
@@ -241,22 +247,7 @@ async fn read_levels(tx: &Transaction<'_>, keys: &[CounterKey; 3]) -> Result<([U
             &[&g.resource, &t.tenant, &p.project],
         )
         .await?;
-    let mut out = [Usage::default(); 3];
-    let found = rows.len();
-    for row in rows {
-        let key = CounterKey {
-            resource: g.resource.clone(),
-            tenant: row.try_get(0)?,
-            project: row.try_get(1)?,
-        };
-        if let Some(slot) = out.get_mut(key.level() as usize) {
-            *slot = Usage {
-                reserved: u(row.try_get(2)?),
-                committed: u(row.try_get(3)?),
-            };
-        }
-    }
-    Ok((out, found))
+    Ok((levels_of(&g.resource, &rows)?, rows.len()))
 }
 
 async fn append(tx: &Transaction<'_>, e: &LedgerEntry) -> Result<(), Failure> {
