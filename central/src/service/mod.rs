@@ -12,6 +12,26 @@
 //! counts again and they are booked exactly once (`central/tests/service.rs`,
 //! `a_failed_request_counts_nothing_and_its_retry_counts_once`).
 //!
+//! # Shared settings: the node's, used, never refused
+//! Each request carries the settings its node enforces (callout timeout
+//! `D`, `fail_open_local`'s duration, interval, failure mode per (key,
+//! limit): `tenantgate::sync::NodeSettings`). The service computes that
+//! node's leases from them ([`crate::alloc::NodeTerms`], kept with each
+//! lease): a lease is dead by `answered_at` + the node's `D` + `ttl`, a
+//! silent node's share stays reserved and charged until its own
+//! `local_max` ran out, a `fail_closed` key keeps nothing reserved. So the
+//! bound holds with the numbers that are enforced, whatever the service's
+//! policy says. The alternative, refusing a node whose settings differ
+//! from the policy's, would not keep the bound any better (the refused
+//! node runs its failure mode on its own settings anyway, and the service
+//! would still have to reserve for it) and would cut nodes off in the
+//! middle of every rollout that changes `sync:`. Only values no policy
+//! produces are refused (`400`, `tenantgate::sync::NodeSettings::check`).
+//! A node older than the fields sends none: the policy's values are
+//! assumed. `tenantgate_sync_settings_total{result}` counts `same`,
+//! `differs` and `unreported`. The interval needs nothing: a node syncs at
+//! the interval the answers ask for.
+//!
 //! Time is the service's own: [`Clock`] (never a node's timestamp). The
 //! production clock is monotonic in each process and shares its epoch with
 //! the other replicas through the system clock read once at start, so the
