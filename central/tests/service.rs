@@ -1166,6 +1166,39 @@ async fn reported_settings_are_counted_and_the_deadline_follows_the_policy(b: Ba
     a.shutdown().await;
 }
 
+/// A session lives at least as long as what its node reported can still
+/// matter: a node that enforces a 10 min callout timeout and a 10 min local
+/// fallback keeps its session past the 15 min idle time (until
+/// `D + ttl + local_max + settle` = 1,208 s), one that reports the
+/// policy's values does not.
+async fn a_session_outlives_its_nodes_own_lease_and_fallback(b: Backend) {
+    let policy = policy_file(POLICY_V1);
+    let clock = Arc::new(ManualClock::new(T0));
+    let a = Instance::start(b.store(), clock.clone(), policy.path()).await;
+    wait_for("the policy", || async { a.service.config().is_some() }).await;
+    let long = tenantgate::sync::NodeSettings {
+        timeout_ms: 600_000,
+        local_max_ms: 600_000,
+        interval_ms: 1_000,
+        failure_mode: tenantgate::sync::FailureMode::FailOpenLocal,
+    };
+    a.lease(&SyncRequest {
+        settings: Some(long),
+        ..request("n-long", 1, 0, &[("t|api", "per-10s", 1)])
+    })
+    .await;
+    a.lease(&request("n-short", 1, 0, &[("t|api", "per-10s", 1)]))
+        .await;
+    let sessions = || async { b.store().session_ids().await.unwrap() };
+    clock.advance(Duration::from_secs(1_000));
+    a.service.sweep().await.unwrap();
+    assert_eq!(sessions().await, vec!["n-long".to_owned()]);
+    clock.advance(Duration::from_secs(250));
+    a.service.sweep().await.unwrap();
+    assert!(sessions().await.is_empty());
+    a.shutdown().await;
+}
+
 /// How [`FailsMidRequest`] breaks a request after every step ran, before
 /// anything is written.
 #[derive(Clone)]
@@ -1542,4 +1575,5 @@ both_stores!(
     state_is_capped_and_expires,
     a_failed_request_counts_nothing_and_its_retry_counts_once,
     reported_settings_are_counted_and_the_deadline_follows_the_policy,
+    a_session_outlives_its_nodes_own_lease_and_fallback,
 );
