@@ -74,8 +74,8 @@
 
 use std::collections::BTreeMap;
 
-use super::node::{ApplyError, Applying, BreakerState, Counts, SyncState};
-use super::protocol::{Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
+use super::node::{ApplyError, Applying, BreakerState, Counts, FailureMode, SyncState};
+use super::protocol::{NodeSettings, Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
 use super::stored::{self, Carried, SYNC_CARRIED_KEY, SYNC_STATE_KEY};
 use crate::host::{CasResult, Host, HostError};
 use crate::limiter::algo::KIND_GLOBAL_ALLOWANCE;
@@ -243,6 +243,8 @@ impl Scan {
 /// [`Allowance::wants_report`](super::node::Allowance::wants_report)).
 /// Returns whether the scan is complete.
 pub fn scan_step<H: Host>(host: &H, policy: &Policy, scan: &mut Scan, budget: u64) -> bool {
+    let default_mode = policy.sync.as_ref().map(|s| s.failure_mode);
+    let modes = ClassModes::of(policy);
     let entries = policy.key_table_entries.max(1);
     let end = scan.next.saturating_add(budget).min(entries);
     for index in scan.next..end {
@@ -273,6 +275,7 @@ pub fn scan_step<H: Host>(host: &H, policy: &Policy, scan: &mut Scan, budget: u6
                     consumed: a.pending.consumed,
                     unleased: a.pending.unleased,
                     demand: a.pending.demand,
+                    failure_mode: modes.of_key(slot.key).filter(|m| Some(*m) != default_mode),
                 });
                 scan.carried.push(Carried {
                     key: slot.key.to_vec(),
@@ -287,6 +290,71 @@ pub fn scan_step<H: Host>(host: &H, policy: &Policy, scan: &mut Scan, budget: u6
     scan.next >= entries
 }
 
+/// The failure modes of a policy's route classes by action, for the
+/// reports: a key is `action|subject`, and every class with that action
+/// charges it, so the key runs the most permissive of their modes.
+struct ClassModes<'a> {
+    /// Every class's action and mode, if any class overrides
+    /// `sync.failure_mode` (empty in most policies: then every key runs
+    /// the default, and no report looks anything up).
+    classes: Vec<(&'a str, FailureMode)>,
+    default: Option<FailureMode>,
+}
+
+impl<'a> ClassModes<'a> {
+    fn of(policy: &'a Policy) -> ClassModes<'a> {
+        let default = policy.sync.as_ref().map(|s| s.failure_mode);
+        let mut classes = Vec::new();
+        if let Some(d) = default {
+            if policy
+                .route_classes()
+                .any(|c| c.failure_mode.is_some_and(|m| m != d))
+            {
+                classes = policy
+                    .route_classes()
+                    .map(|c| (c.action.as_str(), c.failure_mode.unwrap_or(d)))
+                    .collect();
+            }
+        }
+        ClassModes { classes, default }
+    }
+
+    /// The mode of the key `action|subject`.
+    fn of_key(&self, key: &[u8]) -> Option<FailureMode> {
+        let action = key.split(|b| *b == b'|').next().unwrap_or_default();
+        self.classes
+            .iter()
+            .filter(|(a, _)| a.as_bytes() == action)
+            .map(|(_, m)| *m)
+            .reduce(most_permissive)
+            .or(self.default)
+    }
+}
+
+/// Of two failure modes, the one that admits more.
+fn most_permissive(a: FailureMode, b: FailureMode) -> FailureMode {
+    let rank = |m: FailureMode| match m {
+        FailureMode::FailClosed => 0,
+        FailureMode::FailOpenLocal => 1,
+        FailureMode::FailOpen => 2,
+    };
+    if rank(a) >= rank(b) {
+        a
+    } else {
+        b
+    }
+}
+
+/// The settings a node reports (see `protocol`, "Shared settings").
+pub fn node_settings(settings: &SyncSettings) -> NodeSettings {
+    NodeSettings {
+        timeout_ms: settings.timeout_ns.div_ceil(NANOS_PER_MS),
+        local_max_ms: settings.local_max_ns.div_ceil(NANOS_PER_MS),
+        interval_ms: settings.interval_ns.div_ceil(NANOS_PER_MS),
+        failure_mode: settings.failure_mode,
+    }
+}
+
 /// The batched request of a complete scan.
 pub fn request(policy: &Policy, node_id: &str, region: &str, acked_seq: u64, scan: &Scan) -> SyncRequest {
     SyncRequest {
@@ -297,6 +365,7 @@ pub fn request(policy: &Policy, node_id: &str, region: &str, acked_seq: u64, sca
         seq: scan.seq,
         boot: 0,
         acked_seq,
+        settings: policy.sync.as_ref().map(node_settings),
         reports: scan.reports.clone(),
     }
 }
