@@ -95,25 +95,33 @@ impl World {
     }
 
     fn answer(&self, req: &SyncRequest, tokens: u64, now: u64) -> Result<Applied, NotApplied> {
-        let resp = SyncResponse {
-            version: 1,
-            ack_seq: req.seq,
-            interval_ms: 1000,
-            leases: req
-                .reports
-                .iter()
-                .map(|r| Lease {
-                    key: r.key.clone(),
-                    limit: r.limit.clone(),
-                    tokens,
-                    share: tokens,
-                    ttl_ms: 3000,
-                })
-                .collect(),
-        };
+        let resp = response(req, tokens);
         apply(&self.host(), &self.policy, self.settings(), &resp, now)
     }
 }
+
+/// The service's answer to `req`: a lease of `tokens` (3 s) for every
+/// reported key.
+fn response(req: &SyncRequest, tokens: u64) -> SyncResponse {
+    SyncResponse {
+        version: 1,
+        ack_seq: req.seq,
+        interval_ms: 1000,
+        leases: req
+            .reports
+            .iter()
+            .map(|r| Lease {
+                key: r.key.clone(),
+                limit: r.limit.clone(),
+                tokens,
+                share: tokens,
+                ttl_ms: 3000,
+            })
+            .collect(),
+    }
+}
+
+mod steps;
 
 #[test]
 fn a_policy_without_global_limits_has_no_sync() {
