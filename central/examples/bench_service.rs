@@ -60,8 +60,10 @@ fn requests(seq: u64) -> Vec<SyncRequest> {
                     consumed: 3,
                     unleased: 0,
                     demand: 4,
+                    failure_mode: None,
                 })
                 .collect(),
+            settings: None,
         })
         .collect()
 }

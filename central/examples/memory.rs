@@ -91,8 +91,10 @@ fn main() {
                             consumed: 1,
                             unleased: 0,
                             demand: 1,
+                            failure_mode: None,
                         })
                         .collect(),
+                    settings: None,
                 };
                 service.sync(&req).await.unwrap();
             }

@@ -3,8 +3,11 @@
 //!
 //! # THE BOUND
 //! Terms: a global limit of `L` units per window `W` (rate `r = L/W`) with
-//! burst `B`; `N` nodes; the sync interval `I`; the nodes' callout timeout
-//! `D` (the policy's `sync.timeout`, the value the nodes enforce); leases of
+//! burst `B`; `N` nodes; the sync interval `I`; each node's callout timeout
+//! `D` and `fail_open_local` duration `local_max`, as the node reports
+//! them in its requests ([`NodeTerms`]: the values it enforces, never the
+//! service's copy; the policy's `sync:` values only for a node that
+//! reports none); leases of
 //! TTL `ttl`; the provisional allowance `P` (`sync.provisional`, units per
 //! node and key start); `S` the most key starts one node makes within one
 //! window (see below; 1 for a key the node keeps in its table); a central
@@ -18,6 +21,11 @@
 //!     X(T) = Σ shares ≤ r·I           fail_open_local, for any T
 //!     X(T) = A·min(T + I + D, W)      fail_open
 //! ```
+//!
+//! with each (key, limit)'s failure mode as its node reports it (a route
+//! class may override `sync.failure_mode`; of the classes sharing a key's
+//! action the node reports the most permissive). `fail_open` is outside
+//! the `fail_open_local` term: only its own term bounds it.
 //!
 //! whatever the clients' timing. Leases do not appear: every lease is
 //! carved out of the bucket, so the unexpired leases of all nodes never
@@ -70,8 +78,12 @@
 //!   starts per node and window;
 //! * `fail_open_local`: each cut-off node admits at most its last share per
 //!   interval from a local bucket that starts empty and holds at most one
-//!   share. The service keeps the shares of nodes it has not heard from
-//!   reserved and charges them to `b` as time passes (before any grant), and
+//!   share, for the node's own `local_max` after its lease died. The
+//!   service keeps the shares of nodes it has not heard from reserved
+//!   (until that node's `answered_at + D + ttl + local_max`, with its
+//!   reported values) and charges them to `b` as time passes (before any
+//!   grant), for every key that does not fail closed (a `fail_closed` key
+//!   admits nothing without a lease: nothing is kept for it), and
 //!   it never sends shares that could sum above `r·I`, so local admissions
 //!   come out of the refill except for what the local buckets saved up
 //!   (`≤ Σ shares ≤ r·I`).
@@ -86,8 +98,9 @@
 //! `R := max(R − consumed, tokens)` and draws only the increase from `b`.
 //! Once the node acknowledges that response, its next report proves the
 //! old lease gone and `R := tokens − consumed` (the rest is reclaimed).
-//! A lease is dead by `answered_at + D + ttl` in the service's clock: the
-//! node measures `ttl` from receipt and discards responses older than `D`.
+//! A lease is dead by `answered_at + D + ttl` in the service's clock, with
+//! the `D` its node reported: the node measures `ttl` from receipt and
+//! discards responses older than its `D`.
 //! No timestamps travel, so node clocks (offset or skewed) cannot move the
 //! bound. A node silent past that keeps its reservation for `settle_ns`
 //! more, then it is written off as consumed.
@@ -126,8 +139,12 @@
 //! [`finish`] on the session. A (key, limit) never reads another record:
 //! whether a node is silent is decided from a copy of its `heard_at` kept in
 //! the key's record, which every applied request of the node refreshes
-//! (it visits every key the node holds). So a store that updates each record
-//! atomically gives the same answers as [`Allocator`].
+//! (it visits every key the node holds), and what the node enforces
+//! ([`NodeTerms`], its failure mode) is kept with its lease in the key's
+//! record. So a store that updates each record atomically gives the same
+//! answers as [`Allocator`]; the service's stores run a request's steps as
+//! one transaction besides (`crate::store::Txn`), so that a request that
+//! fails mid-way counts nothing rather than part of its report.
 
 mod fair;
 mod key;
@@ -143,7 +160,7 @@ use tenantgate::sync::{Counts, FailureMode, Lease, SyncRequest, SyncResponse, PR
 
 use crate::error::{AllocError, ConfigError};
 pub use fair::{max_min_fair, Claim};
-pub use key::{KeyState, KeyStats, RegionView};
+pub use key::{Enforced, KeyState, KeyStats, RegionView};
 use session::Intake;
 pub use session::{KeyId, SeqCheck, Session, MAX_SEQ_AHEAD_NS, MAX_SEQ_STEP};
 
@@ -177,7 +194,8 @@ pub struct AllocConfig {
     pub interval_ns: u64,
     /// `ttl`: lease lifetime from receipt.
     pub lease_ttl_ns: u64,
-    /// `D`: the nodes' callout timeout (shared setting).
+    /// `D`: the policy's callout timeout, assumed for a node that reports
+    /// none (each node's own is in [`NodeTerms`]).
     pub response_timeout_ns: u64,
     /// A lease is topped up to `share × lease_factor_pct / 100`.
     pub lease_factor_pct: u64,
@@ -193,9 +211,11 @@ pub struct AllocConfig {
     /// How long after its leases died a silent node's reservation waits for
     /// its report before it is written off.
     pub settle_ns: u64,
-    /// How long nodes run `fail_open_local` (shared setting).
+    /// How long `fail_open_local` lasts, per the policy (the filter's
+    /// `LOCAL_MAX_NS`), assumed for a node that reports none.
     pub local_max_ns: u64,
-    /// The nodes' failure mode (shared setting; later per route class).
+    /// The policy's `sync.failure_mode`, assumed for a node that reports
+    /// none (each node reports its own, per (key, limit)).
     pub failure_mode: FailureMode,
 }
 
@@ -237,9 +257,80 @@ impl AllocConfig {
         Ok(())
     }
 
-    /// The longest a lease granted at `t` can be used: `t + D + ttl`.
+    /// The longest a lease granted at `t` can be used, with the policy's
+    /// `D`: `t + D + ttl` (a node's own: [`NodeTerms::lease_life_ns`]).
     pub fn lease_life_ns(&self) -> u64 {
         self.response_timeout_ns.saturating_add(self.lease_ttl_ns)
+    }
+}
+
+/// The shared settings one node enforces for its leases: what it reported
+/// in its request ([`tenantgate::sync::NodeSettings`]), or the policy's
+/// when it reported none. The allocator computes that node's terms of THE
+/// BOUND from these, never from a second copy: a lease is dead by
+/// `answered_at + timeout + ttl`, its local fallback ends `local_max` later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeTerms {
+    /// `D`: the node's callout timeout.
+    pub timeout_ns: u64,
+    /// How long the node's `fail_open_local` lasts.
+    pub local_max_ns: u64,
+}
+
+/// How a request's reported settings compare with the service's policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettingsCheck {
+    /// The node enforces what the policy says.
+    Same,
+    /// The node enforces other values (a rollout, another filter build):
+    /// the service uses the node's.
+    Differs,
+    /// A node older than the field: the policy's values are assumed.
+    Unreported,
+}
+
+impl AllocConfig {
+    /// The policy's shared settings (assumed for a node that reports none).
+    pub fn terms(&self) -> NodeTerms {
+        NodeTerms {
+            timeout_ns: self.response_timeout_ns,
+            local_max_ns: self.local_max_ns,
+        }
+    }
+
+    /// What `req`'s node enforces, and how that compares with the policy.
+    pub fn terms_of(&self, req: &SyncRequest) -> (NodeTerms, SettingsCheck) {
+        let Some(s) = &req.settings else {
+            return (self.terms(), SettingsCheck::Unreported);
+        };
+        let terms = NodeTerms {
+            timeout_ns: s.timeout_ms.saturating_mul(NANOS_PER_MS),
+            local_max_ns: s.local_max_ms.saturating_mul(NANOS_PER_MS),
+        };
+        // The node reports whole milliseconds, rounded up.
+        let ms = |ns: u64| ns.div_ceil(NANOS_PER_MS);
+        let same = s.timeout_ms == ms(self.response_timeout_ns)
+            && s.local_max_ms == ms(self.local_max_ns)
+            && s.failure_mode == self.failure_mode
+            && req
+                .reports
+                .iter()
+                .all(|r| r.failure_mode.is_none_or(|m| m == self.failure_mode));
+        (
+            terms,
+            if same {
+                SettingsCheck::Same
+            } else {
+                SettingsCheck::Differs
+            },
+        )
+    }
+}
+
+impl NodeTerms {
+    /// The longest a lease granted at `t` can be used: `t + D + ttl`.
+    pub fn lease_life_ns(&self, cfg: &AllocConfig) -> u64 {
+        self.timeout_ns.saturating_add(cfg.lease_ttl_ns)
     }
 }
 
@@ -372,6 +463,12 @@ pub struct Begun {
     seq: u64,
     /// The (key, limit)s the node held before this request.
     held: BTreeSet<KeyId>,
+    /// The node's settings (`None`: unreported, the policy's apply).
+    terms: Option<NodeTerms>,
+    /// The request's default failure mode, and the reports that name
+    /// another (rare: indexed only then).
+    mode: Option<FailureMode>,
+    modes: HashMap<KeyId, FailureMode>,
 }
 
 impl Begun {
@@ -399,6 +496,20 @@ impl Begun {
     pub fn node(&self) -> &str {
         &self.node
     }
+
+    /// The settings the node enforces.
+    pub fn terms(&self, cfg: &AllocConfig) -> NodeTerms {
+        self.terms.unwrap_or_else(|| cfg.terms())
+    }
+
+    /// The failure mode the node runs for `id` once its lease expired.
+    pub fn mode_of(&self, id: &KeyId, cfg: &AllocConfig) -> FailureMode {
+        self.modes
+            .get(id)
+            .copied()
+            .or(self.mode)
+            .unwrap_or(cfg.failure_mode)
+    }
 }
 
 /// Step 1, on the node's session (created if absent): deduplicates the
@@ -408,12 +519,28 @@ pub fn begin(session: &mut Option<Session>, req: &SyncRequest, now: u64) -> Opti
     let s = session.get_or_insert_with(|| Session::new(&req.region));
     let held = s.held.clone();
     let intake = s.intake(req, now)?;
+    let mut modes = HashMap::new();
+    for r in &req.reports {
+        if let Some(m) = r.failure_mode {
+            modes.entry((r.key.clone(), r.limit.clone())).or_insert(m);
+        }
+    }
+    let terms = req.settings.map(|st| NodeTerms {
+        timeout_ns: st.timeout_ms.saturating_mul(NANOS_PER_MS),
+        local_max_ns: st.local_max_ms.saturating_mul(NANOS_PER_MS),
+    });
+    if let Some(t) = terms {
+        s.enforced(t);
+    }
     Some(Begun {
         intake,
         node: req.node_id.clone(),
         region: req.region.clone(),
         seq: req.seq,
         held,
+        terms,
+        mode: req.settings.map(|st| st.failure_mode),
+        modes,
     })
 }
 
@@ -480,7 +607,12 @@ pub fn visit(
     ks.touch(node, &begun.region, delta, begun.intake.prev_heard_at, now, cfg);
     ks.settle(node, delta, &begun.intake, cfg);
     ks.heard(node, now);
-    Visit::Leased(ks.grant(id, node, begun.seq, nodes_hint, now, cfg))
+    let enforced = Enforced {
+        seq: begun.seq,
+        terms: begun.terms(cfg),
+        mode: begun.mode_of(id, cfg),
+    };
+    Visit::Leased(ks.grant(id, node, nodes_hint, enforced, now, cfg))
 }
 
 /// Step 3, on the node's session: the keys it holds from now on.
@@ -492,12 +624,6 @@ pub fn finish(session: &mut Session, visits: &[(KeyId, Visit)]) {
             session.held.remove(id);
         }
     }
-}
-
-/// Whether [`finish`] would change the session: most requests hold the
-/// same keys as before, and then a store can skip the write.
-pub fn finish_changes(begun: &Begun, visits: &[(KeyId, Visit)]) -> bool {
-    visits.iter().any(|(id, v)| v.holds() != begun.held.contains(id))
 }
 
 /// Brings one (key, limit) to `now` with no request: what a timer does so

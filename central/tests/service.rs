@@ -20,7 +20,7 @@ use tenantgate::sync::{Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
 use tenantgate_central::service::{
     serve_on, Auth, IntakeLimits, Listeners, ManualClock, ServeOptions, Service, Settings, StateLimits,
 };
-use tenantgate_central::store::{EmbeddedStore, RedisStore, Store};
+use tenantgate_central::store::{EmbeddedStore, KeySlot, RedisStore, Store, Txn};
 use tenantgate_central::testing::RedisServer;
 use tokio::sync::oneshot;
 
@@ -234,8 +234,10 @@ fn request(node: &str, seq: u64, acked: u64, reports: &[(&str, &str, u64)]) -> S
                 consumed: *n,
                 unleased: 0,
                 demand: *n,
+                failure_mode: None,
             })
             .collect(),
+        settings: None,
     }
 }
 
@@ -316,6 +318,7 @@ async fn two_instances_share_one_store(b: Backend) {
                     consumed: last_tokens[i],
                     unleased: 0,
                     demand: 500,
+                    failure_mode: None,
                 }],
                 ..request(node, round, round - 1, &[])
             };
@@ -438,12 +441,13 @@ async fn policy_hot_reload(b: Backend) {
     assert!(resp.leases[0].tokens > 0);
 
     // An invalid policy is refused and logged; v2 stays, still ready.
+    // (The watcher may also catch the file truncated mid-write, an empty
+    // policy, refused too: at least one refusal.)
     std::fs::write(policy.path(), "version: v3\nplans: {}\n").unwrap();
     wait_for("the refusal", || async {
         a.metric("tenantgate_policy_reloads_total{result=\"error\"}")
             .await
-            .as_deref()
-            == Some("1")
+            .is_some_and(|v| v != "0")
     })
     .await;
     assert_eq!(
@@ -853,6 +857,13 @@ impl Store for PanicsOnce {
     ) -> Result<u64, tenantgate_central::store::StoreError> {
         self.inner.update_session(node, f).await
     }
+    async fn update_request(
+        &self,
+        node: &str,
+        txn: &mut (dyn Txn + '_),
+    ) -> Result<u64, tenantgate_central::store::StoreError> {
+        self.inner.update_request(node, txn).await
+    }
     async fn update_keys(
         &self,
         ids: &[tenantgate_central::alloc::KeyId],
@@ -968,7 +979,7 @@ async fn state_is_capped_and_expires(b: Backend) {
     a.shutdown().await;
 }
 
-/// A store whose key updates take `delay` (a slow Redis).
+/// A store whose sync requests take `delay` (a slow Redis).
 struct SlowKeys {
     inner: EmbeddedStore,
     delay: Duration,
@@ -989,12 +1000,19 @@ impl Store for SlowKeys {
     ) -> Result<u64, tenantgate_central::store::StoreError> {
         self.inner.update_session(node, f).await
     }
+    async fn update_request(
+        &self,
+        node: &str,
+        txn: &mut (dyn Txn + '_),
+    ) -> Result<u64, tenantgate_central::store::StoreError> {
+        tokio::time::sleep(self.delay).await;
+        self.inner.update_request(node, txn).await
+    }
     async fn update_keys(
         &self,
         ids: &[tenantgate_central::alloc::KeyId],
         f: &mut tenantgate_central::store::KeyUpdate<'_>,
     ) -> Result<(), tenantgate_central::store::StoreError> {
-        tokio::time::sleep(self.delay).await;
         self.inner.update_keys(ids, f).await
     }
     async fn key_ids(
@@ -1073,6 +1091,294 @@ async fn the_deadline_never_leaves_a_partial_write_and_excess_load_gets_503() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(consumed().await, 7);
     a.shutdown().await;
+}
+
+/// The settings each node reports are compared with the policy's and
+/// counted (the node's are used: `alloc::tests` shows what they change);
+/// an older node that sends none is assumed the policy's; a value no
+/// policy produces is refused. The deadline follows the policy's
+/// `sync.timeout` across a reload.
+async fn reported_settings_are_counted_and_the_deadline_follows_the_policy(b: Backend) {
+    let policy = policy_file(&POLICY_V1.replace(
+        "sync: { cluster: tenantgate }",
+        "sync: { cluster: tenantgate, timeout: 200ms }",
+    ));
+    let clock = Arc::new(ManualClock::new(T0));
+    let a = Instance::start(b.store(), clock.clone(), policy.path()).await;
+    wait_for("the policy", || async { a.service.config().is_some() }).await;
+    assert_eq!(a.service.deadline(), Duration::from_millis(100));
+    let cfg = a.service.config().unwrap();
+    let ms = |ns: u64| ns / 1_000_000;
+    let same = tenantgate::sync::NodeSettings {
+        timeout_ms: ms(cfg.response_timeout_ns),
+        local_max_ms: ms(cfg.local_max_ns),
+        interval_ms: 1_000,
+        failure_mode: cfg.failure_mode,
+    };
+    let with = |node: &str, settings: Option<tenantgate::sync::NodeSettings>| SyncRequest {
+        settings,
+        ..request(node, 1, 0, &[("t|api", "per-10s", 1)])
+    };
+    a.lease(&with("n1", Some(same))).await;
+    let longer = tenantgate::sync::NodeSettings {
+        local_max_ms: 120_000,
+        ..same
+    };
+    a.lease(&with("n2", Some(longer))).await;
+    a.lease(&with("n3", None)).await;
+    let (status, body) = a
+        .sync(&with(
+            "n4",
+            Some(tenantgate::sync::NodeSettings {
+                timeout_ms: 0,
+                ..same
+            }),
+        ))
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("settings.timeout_ms"), "{body}");
+    for (result, n) in [("same", "1"), ("differs", "1"), ("unreported", "1")] {
+        assert_eq!(
+            a.metric(&format!("tenantgate_sync_settings_total{{result=\"{result}\"}}"))
+                .await
+                .as_deref(),
+            Some(n),
+            "{result}"
+        );
+    }
+    // A reload with another callout timeout moves the deadline.
+    std::fs::write(
+        policy.path(),
+        POLICY_V1.replace(
+            "sync: { cluster: tenantgate }",
+            "sync: { cluster: tenantgate, timeout: 400ms }",
+        ),
+    )
+    .unwrap();
+    wait_for("the reload", || async {
+        a.metric("tenantgate_policy_reloads_total{result=\"ok\"}")
+            .await
+            .as_deref()
+            == Some("2")
+    })
+    .await;
+    assert_eq!(a.service.deadline(), Duration::from_millis(200));
+    a.shutdown().await;
+}
+
+/// A session lives at least as long as what its node reported can still
+/// matter: a node that enforces a 10 min callout timeout and a 10 min local
+/// fallback keeps its session past the 15 min idle time (until
+/// `D + ttl + local_max + settle` = 1,208 s), one that reports the
+/// policy's values does not.
+async fn a_session_outlives_its_nodes_own_lease_and_fallback(b: Backend) {
+    let policy = policy_file(POLICY_V1);
+    let clock = Arc::new(ManualClock::new(T0));
+    let a = Instance::start(b.store(), clock.clone(), policy.path()).await;
+    wait_for("the policy", || async { a.service.config().is_some() }).await;
+    let long = tenantgate::sync::NodeSettings {
+        timeout_ms: 600_000,
+        local_max_ms: 600_000,
+        interval_ms: 1_000,
+        failure_mode: tenantgate::sync::FailureMode::FailOpenLocal,
+    };
+    a.lease(&SyncRequest {
+        settings: Some(long),
+        ..request("n-long", 1, 0, &[("t|api", "per-10s", 1)])
+    })
+    .await;
+    a.lease(&request("n-short", 1, 0, &[("t|api", "per-10s", 1)]))
+        .await;
+    let sessions = || async { b.store().session_ids().await.unwrap() };
+    clock.advance(Duration::from_secs(1_000));
+    a.service.sweep().await.unwrap();
+    assert_eq!(sessions().await, vec!["n-long".to_owned()]);
+    clock.advance(Duration::from_secs(250));
+    a.service.sweep().await.unwrap();
+    assert!(sessions().await.is_empty());
+    a.shutdown().await;
+}
+
+/// How [`FailsMidRequest`] breaks a request after every step ran, before
+/// anything is written.
+#[derive(Clone)]
+enum Fault {
+    /// A step panics (a bug, or any error inside the store's code).
+    Panic,
+    /// The store's connection is killed (`CLIENT KILL`): the write fails
+    /// on a broken connection (Redis only).
+    KillConnection(String),
+}
+
+/// A store that breaks the next `armed` sync requests mid-way: each
+/// request's steps all run (every key visited) and then the fault hits.
+struct FailsMidRequest {
+    inner: Arc<dyn Store>,
+    armed: std::sync::atomic::AtomicU32,
+    fault: Fault,
+}
+
+struct Faulty<'a, 'b> {
+    inner: &'a mut (dyn Txn + 'b),
+    fault: Option<Fault>,
+}
+
+impl Txn for Faulty<'_, '_> {
+    fn begin(
+        &mut self,
+        session: &mut Option<tenantgate_central::alloc::Session>,
+        sessions: u64,
+    ) -> Option<Vec<tenantgate_central::alloc::KeyId>> {
+        self.inner.begin(session, sessions)
+    }
+    fn apply(
+        &mut self,
+        session: &mut Option<tenantgate_central::alloc::Session>,
+        keys: &mut [KeySlot],
+    ) -> bool {
+        let write = self.inner.apply(session, keys);
+        assert!(
+            keys.iter().all(|k| k.write),
+            "every key was visited and would be written"
+        );
+        match self.fault.take() {
+            None => {}
+            Some(Fault::Panic) => panic!("a failure in the middle of a request"),
+            Some(Fault::KillConnection(url)) => {
+                let mut c = ::redis::Client::open(url).unwrap().get_connection().unwrap();
+                let killed: i64 = ::redis::cmd("CLIENT")
+                    .arg("KILL")
+                    .arg("TYPE")
+                    .arg("normal")
+                    .query(&mut c)
+                    .unwrap();
+                assert!(killed >= 1, "the store's connection was killed");
+            }
+        }
+        write
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for FailsMidRequest {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    async fn ping(&self) -> Result<(), tenantgate_central::store::StoreError> {
+        self.inner.ping().await
+    }
+    async fn update_session(
+        &self,
+        node: &str,
+        f: &mut tenantgate_central::store::SessionUpdate<'_>,
+    ) -> Result<u64, tenantgate_central::store::StoreError> {
+        self.inner.update_session(node, f).await
+    }
+    async fn update_request(
+        &self,
+        node: &str,
+        txn: &mut (dyn Txn + '_),
+    ) -> Result<u64, tenantgate_central::store::StoreError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let fire = self
+            .armed
+            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        let mut faulty = Faulty {
+            inner: txn,
+            fault: fire.then(|| self.fault.clone()),
+        };
+        self.inner.update_request(node, &mut faulty).await
+    }
+    async fn update_keys(
+        &self,
+        ids: &[tenantgate_central::alloc::KeyId],
+        f: &mut tenantgate_central::store::KeyUpdate<'_>,
+    ) -> Result<(), tenantgate_central::store::StoreError> {
+        self.inner.update_keys(ids, f).await
+    }
+    async fn key_ids(
+        &self,
+    ) -> Result<Vec<tenantgate_central::alloc::KeyId>, tenantgate_central::store::StoreError> {
+        self.inner.key_ids().await
+    }
+    async fn key_count(&self) -> Result<u64, tenantgate_central::store::StoreError> {
+        self.inner.key_count().await
+    }
+    async fn session_count(&self) -> Result<u64, tenantgate_central::store::StoreError> {
+        self.inner.session_count().await
+    }
+    async fn session_ids(&self) -> Result<Vec<String>, tenantgate_central::store::StoreError> {
+        self.inner.session_ids().await
+    }
+}
+
+/// The reported hazard: a request that failed after its session step lost
+/// that report's counts for the keys it had not reached (the session had
+/// recorded them as seen, so the node's retry was not counted). Now a
+/// request is one transaction: it fails whole, and the retry (the same
+/// `seq`, or the next one still acknowledging the old base) books every
+/// count exactly once, on every store, whatever breaks it mid-way.
+async fn a_failed_request_counts_nothing_and_its_retry_counts_once(b: Backend) {
+    let mut faults = vec![Fault::Panic];
+    if let Backend::Redis(r) = &b {
+        faults.push(Fault::KillConnection(r.url()));
+    }
+    let policy = policy_file(POLICY_V1);
+    for (round, fault) in faults.into_iter().enumerate() {
+        let store = Arc::new(FailsMidRequest {
+            inner: b.store(),
+            armed: std::sync::atomic::AtomicU32::new(0),
+            fault,
+        });
+        let clock = Arc::new(ManualClock::new(T0));
+        let a = Instance::start(store.clone(), clock.clone(), policy.path()).await;
+        let node = format!("n{round}");
+        let keys: Vec<String> = (0..6).map(|i| format!("k{i}-{round}|api")).collect();
+        let reports =
+            |n: u64| -> Vec<(&str, &str, u64)> { keys.iter().map(|k| (k.as_str(), "per-10s", n)).collect() };
+        let consumed = || async {
+            let mut out = Vec::new();
+            for k in &keys {
+                let id = (k.clone(), "per-10s".to_owned());
+                out.push(
+                    b.store()
+                        .key(&id)
+                        .await
+                        .unwrap()
+                        .map_or(0, |k| k.view().stats.consumed),
+                );
+            }
+            out
+        };
+        a.lease(&request(&node, 1, 0, &reports(5))).await;
+        assert_eq!(consumed().await, vec![5; 6]);
+
+        // Seq 2 (acknowledging 1) breaks mid-way: nothing of it is booked.
+        store.armed.store(1, std::sync::atomic::Ordering::SeqCst);
+        clock.advance(Duration::from_secs(1));
+        let (status, body) = a.sync(&request(&node, 2, 1, &reports(3))).await;
+        assert!(status >= 500, "{status} {body}");
+        assert_eq!(consumed().await, vec![5; 6], "a failed request writes nothing");
+        // The node retries seq 2 with the same counts: booked once.
+        a.lease(&request(&node, 2, 1, &reports(3))).await;
+        assert_eq!(consumed().await, vec![8; 6]);
+
+        // Seq 3 (acknowledging 2) breaks too; the node's next report, 4,
+        // still acknowledges 2 and carries 3's counts (2) plus 1 more.
+        store.armed.store(1, std::sync::atomic::Ordering::SeqCst);
+        clock.advance(Duration::from_secs(1));
+        let (status, body) = a.sync(&request(&node, 3, 2, &reports(2))).await;
+        assert!(status >= 500, "{status} {body}");
+        assert_eq!(consumed().await, vec![8; 6]);
+        a.lease(&request(&node, 4, 2, &reports(3))).await;
+        assert_eq!(consumed().await, vec![11; 6]);
+        // And 5, acknowledging 4: only its own counts.
+        clock.advance(Duration::from_secs(1));
+        a.lease(&request(&node, 5, 4, &reports(1))).await;
+        assert_eq!(consumed().await, vec![12; 6], "every count booked exactly once");
+        a.shutdown().await;
+    }
 }
 
 // ---- mTLS ---------------------------------------------------------------------
@@ -1267,4 +1573,7 @@ both_stores!(
     hostile_nodes_change_nothing,
     mtls_binds_nodes_to_their_certificates,
     state_is_capped_and_expires,
+    a_failed_request_counts_nothing_and_its_retry_counts_once,
+    reported_settings_are_counted_and_the_deadline_follows_the_policy,
+    a_session_outlives_its_nodes_own_lease_and_fallback,
 );

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tenantgate_integration_tests::cluster::Serve;
-use tenantgate_integration_tests::{free_port, get, wait_for, Envoy, NodeSpec};
+use tenantgate_integration_tests::{free_port, get, request, wait_for, Envoy, NodeSpec};
 
 /// `I` = 1 s, `D` = 500 ms, `P` = 2, as `policies/global.yaml`.
 const POLICY: &str = r#"
@@ -44,7 +44,7 @@ fn service_policy() -> String {
 }
 
 struct Cluster {
-    _serve: Serve,
+    serve: Serve,
     envoys: Vec<Envoy>,
     dir: std::path::PathBuf,
 }
@@ -76,11 +76,7 @@ fn cluster(name: &str, nodes: usize, service_policy: &str) -> Cluster {
             )
         })
         .collect();
-    Cluster {
-        _serve: serve,
-        envoys,
-        dir,
-    }
+    Cluster { serve, envoys, dir }
 }
 
 /// Requests of `tenant` on `path` at Envoy `port`: `burst` at once every
@@ -153,6 +149,19 @@ fn equal_demand_shares_fairly_a_paced_client_stays_in_the_bound_and_cost_5_passe
     assert!(costly >= 18, "cost 5 at ≥ 90 % of L/5: {costly}");
     let no_lease: u64 = c.envoys.iter().map(|e| e.tg_stat("sync.no_lease")).sum();
     assert_eq!(no_lease, 0, "every key here gets leases");
+    // The filter reports the settings it enforces, the same as the
+    // service's policy here: every request counted `same`.
+    let metrics = request(c.serve.admin_port, "GET", "/metrics", &[]).unwrap();
+    let text = String::from_utf8_lossy(&metrics.body).into_owned();
+    let settings = |result: &str| -> u64 {
+        let line = format!("tenantgate_sync_settings_total{{result=\"{result}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&line))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {line} in /metrics"))
+    };
+    assert!(settings("same") >= 100, "{text}");
+    assert_eq!((settings("differs"), settings("unreported")), (0, 0));
 }
 
 /// A limit the service's policy lacks, and a key the node's full table

@@ -66,6 +66,9 @@ pub struct Metrics {
     sync_skipped: Option<u32>,
     sync_no_lease: Option<u32>,
     sync_clamped: Option<u32>,
+    sync_applied_in_steps: Option<u32>,
+    sync_apply_dropped: Option<u32>,
+    sync_apply_step: Option<u32>,
 }
 
 fn counter(name: &str) -> Option<u32> {
@@ -73,6 +76,16 @@ fn counter(name: &str) -> Option<u32> {
         Ok(id) => Some(id),
         Err(status) => {
             log::warn!("tenantgate: cannot define metric {name}: {status:?}");
+            None
+        }
+    }
+}
+
+fn histogram(name: &str) -> Option<u32> {
+    match abi::define_metric(MetricType::Histogram, name) {
+        Ok(id) => Some(id),
+        Err(status) => {
+            log::warn!("tenantgate: cannot define histogram {name}: {status:?}");
             None
         }
     }
@@ -123,13 +136,10 @@ impl Metrics {
             sync_skipped: counter("tenantgate.sync.skipped"),
             sync_no_lease: counter("tenantgate.sync.no_lease"),
             sync_clamped: counter("tenantgate.sync.clamped"),
-            sync_latency: match abi::define_metric(MetricType::Histogram, "tenantgate.sync.latency_ms") {
-                Ok(id) => Some(id),
-                Err(status) => {
-                    log::warn!("tenantgate: cannot define the sync latency histogram: {status:?}");
-                    None
-                }
-            },
+            sync_applied_in_steps: counter("tenantgate.sync.applied_in_steps"),
+            sync_apply_dropped: counter("tenantgate.sync.apply_dropped"),
+            sync_apply_step: histogram("tenantgate.sync.apply_step_us"),
+            sync_latency: histogram("tenantgate.sync.latency_ms"),
         }
     }
 
@@ -239,6 +249,24 @@ impl Metrics {
     pub fn sync_latency_ms(&self, ms: u64) {
         if let Some(id) = self.sync_latency {
             let _ = abi::record_metric(id, ms);
+        }
+    }
+
+    /// An answer whose application took more than one worker callback.
+    pub fn sync_applied_in_steps(&self) {
+        add(self.sync_applied_in_steps, 1);
+    }
+
+    /// An answer whose application was dropped before its end (its keys
+    /// keep their counts).
+    pub fn sync_apply_dropped(&self) {
+        add(self.sync_apply_dropped, 1);
+    }
+
+    /// How long one step of an answer's application took.
+    pub fn sync_apply_step_us(&self, us: u64) {
+        if let Some(id) = self.sync_apply_step {
+            let _ = abi::record_metric(id, us);
         }
     }
 

@@ -14,6 +14,18 @@
 //! [`MAX_ANSWER_BYTES`] is a failure without being copied into the VM.
 //! Every number the answer carries is then clamped to what the policy
 //! allows ([`crate::sync::clamp`]).
+//!
+//! # Applying an answer in steps
+//! The answer is accepted at once, then applied to key slots by
+//! [`shared::apply_step`]: one step in the response callback, then one on
+//! each of this worker's ticks until done, each at most
+//! [`shared::APPLY_PER_STEP`] keys and about [`APPLY_STEP_BUDGET_NS`] of
+//! wall clock (read between chunks of [`shared::APPLY_CHECK_EVERY`]
+//! keys). The application waits in this worker's memory (one answer at
+//! most); a VM torn down meanwhile loses it, and its keys keep their
+//! counts (reported again). Stats: `sync.applied_in_steps` (answers that
+//! took more than one step), `sync.apply_dropped`, and the histogram
+//! `sync.apply_step_us`.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -27,7 +39,7 @@ use super::{ProxyHost, SYNC_VIEW};
 use crate::host::{Host, HostError};
 use crate::policy::{Policy, SyncSettings};
 use crate::sync::clamp;
-use crate::sync::shared::{self, Abandoned, Claim, GivenUp, NotApplied, Scan};
+use crate::sync::shared::{self, Abandoned, Application, Claim, GivenUp, NotApplied, Scan, Step};
 use crate::sync::{ApplyError, SyncResponse};
 
 /// The service's sync endpoint.
@@ -44,6 +56,12 @@ const TIMEOUT_SLACK_NS: u64 = 5_000_000;
 /// even if every byte is escaped, a 64-byte limit name, three `u64`), fits.
 /// A larger body is a failure, never copied into the VM.
 pub const MAX_ANSWER_BYTES: usize = 4 << 20;
+/// The wall-clock budget of one step of an answer's application: 1 ms.
+/// [`shared::APPLY_PER_STEP`] (256) slot updates took about 0.6 ms in
+/// Envoy (`docs/global-limits.md`, "Applying an answer in steps"), so the
+/// count is what usually ends a step, and this budget ends it on a slow or
+/// contended worker.
+const APPLY_STEP_BUDGET_NS: u64 = 1_000_000;
 
 /// What Envoy says about a callout's answer (`on_http_call_response`).
 #[derive(Debug, Clone, Copy)]
@@ -69,6 +87,8 @@ pub struct Syncer {
     region: String,
     scan: Option<Scan>,
     calls: HashMap<u32, Call>,
+    /// The answer this worker is applying, a step per tick.
+    applying: Option<Application>,
 }
 
 fn text_property(host: &ProxyHost, path: &[&str]) -> Option<String> {
@@ -121,6 +141,12 @@ impl Syncer {
     }
 
     pub fn tick(&mut self, policy: &Policy, metrics: &Metrics, now: u64) {
+        // While this worker applies an answer, the node reports nothing
+        // (see `shared`): this tick only applies the next step.
+        if let Some(app) = self.applying.take() {
+            self.apply_step(policy, metrics, app, now);
+            return;
+        }
         let Some(settings) = policy.sync.as_ref().filter(|_| policy.has_global_limits()) else {
             return;
         };
@@ -239,7 +265,7 @@ impl Syncer {
     }
 
     fn answer(
-        &self,
+        &mut self,
         policy: &Policy,
         settings: &SyncSettings,
         metrics: &Metrics,
@@ -287,16 +313,55 @@ impl Syncer {
             log::warn!("tenantgate: sync answer clamped ({clamped} values beyond the policy)");
             metrics.sync_clamped(clamped);
         }
-        match shared::apply(&ProxyHost, policy, settings, &resp, now) {
-            Ok(applied) => {
-                if applied.missed > 0 {
-                    log::warn!("tenantgate: {} keys missed their sync update", applied.missed);
+        match shared::accept(&ProxyHost, policy, settings, &resp, now) {
+            Ok(app) => {
+                if app.applied.ignored > 0 {
+                    log::warn!(
+                        "tenantgate: sync answer had {} leases beyond the report's bound, ignored",
+                        app.applied.ignored
+                    );
                 }
+                // Accepted: the first step runs in this callback.
+                self.apply_step(policy, metrics, app, now);
                 Ok(())
             }
             Err(NotApplied::Refused(ApplyError::Late)) => Err(Failure::Timeout),
             Err(_) => Err(Failure::Other),
         }
+    }
+
+    /// One step of the answer's application (see the module header).
+    fn apply_step(&mut self, policy: &Policy, metrics: &Metrics, mut app: Application, now: u64) {
+        let start = super::now_ns().unwrap_or(now);
+        let deadline = start.saturating_add(APPLY_STEP_BUDGET_NS);
+        let time_up = || super::now_ns().is_none_or(|t| t >= deadline);
+        let step = shared::apply_step(&ProxyHost, policy, &mut app, start, time_up);
+        let end = super::now_ns().unwrap_or(start);
+        metrics.sync_apply_step_us(end.saturating_sub(start) / 1_000);
+        let applied = app.applied;
+        match step {
+            Step::More => {
+                self.applying = Some(app);
+                return;
+            }
+            Step::Done => {}
+            Step::Dropped => {
+                log::warn!(
+                    "tenantgate: sync answer {} dropped after {} steps, {} keys unapplied (their counts stay)",
+                    app.seq,
+                    applied.steps,
+                    applied.dropped
+                );
+                metrics.sync_apply_dropped();
+            }
+        }
+        if applied.steps > 1 {
+            metrics.sync_applied_in_steps();
+        }
+        if applied.missed > 0 {
+            log::warn!("tenantgate: {} keys missed their sync update", applied.missed);
+        }
+        refresh_view();
     }
 }
 

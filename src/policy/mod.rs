@@ -19,7 +19,7 @@ use std::rc::Rc;
 use hashbrown::HashMap;
 
 use crate::limiter::algo::Algo;
-pub use compile::{MAX_SYNC_INTERVAL_NS, MIN_SYNC_INTERVAL_NS};
+pub use compile::{LOCAL_MAX_NS, MAX_SYNC_INTERVAL_NS, MIN_SYNC_INTERVAL_NS};
 pub use doc::Node;
 pub use error::{FieldPath, PolicyError, PolicyErrors};
 pub use spec::FailureMode;

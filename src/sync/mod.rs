@@ -27,4 +27,6 @@ pub use node::{
     Admitted, Allowance, ApplyError, BreakerConfig, BreakerState, Counts, Denied, FailureMode, InFlight,
     LeaseState, NodeView, SyncState,
 };
-pub use protocol::{Lease, ProtocolError, Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
+pub use protocol::{
+    Lease, NodeSettings, ProtocolError, Report, SyncRequest, SyncResponse, MAX_SETTING_MS, PROTOCOL_VERSION,
+};

@@ -423,6 +423,17 @@ pub struct InFlight {
     pub sent_at: u64,
 }
 
+/// An accepted answer still being applied to key slots, a chunk per
+/// worker callback (see [`super::shared`], "Applying an answer"): no
+/// report starts meanwhile, so no count is carried by two reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Applying {
+    /// The report it answers.
+    pub seq: u64,
+    /// When the answer was received (accepted).
+    pub since: u64,
+}
+
 /// The node-global half of the state machine: sequence numbers, the
 /// report in flight and contact with the service. Plain data, like
 /// [`Allowance`].
@@ -444,6 +455,8 @@ pub struct SyncState {
     pub failures: u32,
     /// While the breaker is open: no report starts before this.
     pub open_until: Option<u64>,
+    /// The answer a worker is applying, if any.
+    pub applying: Option<Applying>,
 }
 
 impl SyncState {
@@ -463,6 +476,7 @@ impl SyncState {
             last_report_at: None,
             failures: 0,
             open_until: None,
+            applying: None,
         }
     }
 

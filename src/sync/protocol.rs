@@ -29,15 +29,29 @@
 //!   sync interval. After the lease expires with no new one, the failure
 //!   mode `fail_open_local` enforces it locally.
 //!
+//! # Shared settings
+//! The bound the service keeps depends on settings the node enforces, so
+//! the node sends them ([`NodeSettings`]): its callout timeout `D` (how
+//! late an answer it still applies), how long its `fail_open_local` lasts,
+//! its policy's sync interval, and the failure mode of each reported
+//! (key, limit) ([`Report::failure_mode`], absent: the request's default).
+//! The service computes each node's lease life and local fallback from
+//! these values, not from its own copy of them (see `tenantgate-central`).
+//! A node older than these fields sends none; the service then assumes its
+//! own policy's values and counts it.
+//!
 //! # Versioning
 //! `version` is [`PROTOCOL_VERSION`]. A message with another version is
 //! refused whole ([`ProtocolError::Version`]). Within a version, fields may
 //! be added: unknown fields are ignored, so a newer peer can add optional
-//! data without breaking an older one.
+//! data without breaking an older one (`settings` and `failure_mode` were
+//! added so, and are left out when absent).
 
 use core::fmt;
 
 use serde::{Deserialize, Serialize};
+
+use crate::policy::FailureMode;
 
 /// The version this code speaks.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -68,7 +82,47 @@ pub struct SyncRequest {
     pub boot: u64,
     /// The `seq` of the last response this node applied (0: none yet).
     pub acked_seq: u64,
+    /// The settings the node enforces (`None`: a node older than this
+    /// field; see the module header).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settings: Option<NodeSettings>,
     pub reports: Vec<Report>,
+}
+
+/// The settings a node enforces that the service's bound depends on (the
+/// node's compiled `sync:` block). Durations in milliseconds, rounded up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeSettings {
+    /// `D`, the callout timeout: the node applies no answer received later
+    /// than this after it sent the request.
+    pub timeout_ms: u64,
+    /// How long `fail_open_local` lasts after a lease expired.
+    pub local_max_ms: u64,
+    /// The policy's `sync.interval` (the node then syncs at the interval
+    /// the service's answers ask for).
+    pub interval_ms: u64,
+    /// The failure mode of a report that names none (`sync.failure_mode`).
+    pub failure_mode: FailureMode,
+}
+
+/// The longest `timeout_ms` and `local_max_ms` a service accepts: ten
+/// minutes, the longest `sync.interval` (a callout timeout is shorter).
+pub const MAX_SETTING_MS: u64 = 600_000;
+
+impl NodeSettings {
+    /// A setting out of the range any policy produces.
+    pub fn check(&self) -> Result<(), ProtocolError> {
+        if self.timeout_ms == 0 || self.timeout_ms > MAX_SETTING_MS {
+            return Err(ProtocolError::Invalid("settings.timeout_ms out of range"));
+        }
+        if self.local_max_ms > MAX_SETTING_MS {
+            return Err(ProtocolError::Invalid("settings.local_max_ms out of range"));
+        }
+        if self.interval_ms == 0 || self.interval_ms > MAX_INTERVAL_MS {
+            return Err(ProtocolError::Invalid("settings.interval_ms out of range"));
+        }
+        Ok(())
+    }
 }
 
 /// One (key, limit) in a [`SyncRequest`].
@@ -84,6 +138,12 @@ pub struct Report {
     pub unleased: u64,
     /// Units requested since the last acknowledged report, denied or not.
     pub demand: u64,
+    /// What the node does with this (key, limit) once its lease expired
+    /// with no new one, when it differs from `settings.failure_mode`
+    /// (`None`: that one). The most permissive of the route classes that
+    /// charge the key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_mode: Option<FailureMode>,
 }
 
 /// Service → node, the answer to one [`SyncRequest`].
@@ -156,6 +216,9 @@ impl SyncRequest {
         if req.reports.iter().any(|r| r.unleased > r.consumed) {
             return Err(ProtocolError::Invalid("unleased exceeds consumed"));
         }
+        if let Some(s) = &req.settings {
+            s.check()?;
+        }
         Ok(req)
     }
 }
@@ -193,13 +256,81 @@ mod tests {
             seq: 7,
             boot: 0,
             acked_seq: 6,
+            settings: Some(NodeSettings {
+                timeout_ms: 500,
+                local_max_ms: 60_000,
+                interval_ms: 1_000,
+                failure_mode: FailureMode::FailOpenLocal,
+            }),
             reports: vec![Report {
                 key: "t1|orders".into(),
                 limit: "free".into(),
                 consumed: 10,
                 unleased: 2,
                 demand: 15,
+                failure_mode: None,
             }],
+        }
+    }
+
+    #[test]
+    fn settings_travel_and_an_older_node_sends_none() {
+        let mut req = request();
+        req.reports[0].failure_mode = Some(FailureMode::FailClosed);
+        let json = req.to_json();
+        assert!(
+            json.contains(r#""settings":{"timeout_ms":500,"local_max_ms":60000,"interval_ms":1000,"failure_mode":"fail_open_local"}"#),
+            "{json}"
+        );
+        assert!(json.contains(r#""failure_mode":"fail_closed""#), "{json}");
+        assert_eq!(SyncRequest::from_json(json.as_bytes()).unwrap(), req);
+        // A node older than the fields: they are absent, and absent ones
+        // are left out again.
+        let old = r#"{"version":1,"node_id":"n","region":"r","policy_version":"v","seq":2,"acked_seq":1,
+            "reports":[{"key":"k","limit":"l","consumed":1,"unleased":0,"demand":1}]}"#;
+        let parsed = SyncRequest::from_json(old.as_bytes()).unwrap();
+        assert_eq!(parsed.settings, None);
+        assert_eq!(parsed.reports[0].failure_mode, None);
+        let again = parsed.to_json();
+        assert!(
+            !again.contains("settings") && !again.contains("failure_mode"),
+            "{again}"
+        );
+        // A service older than the fields ignores them: unknown fields
+        // are ignored both ways (a newer node's extra setting here).
+        let newer = json.replace(r#""interval_ms":1000"#, r#""interval_ms":1000,"jitter_ms":5"#);
+        assert_eq!(SyncRequest::from_json(newer.as_bytes()).unwrap(), req);
+    }
+
+    #[test]
+    fn settings_out_of_any_policys_range_are_refused() {
+        for bad in [
+            NodeSettings {
+                timeout_ms: 0,
+                ..request().settings.unwrap()
+            },
+            NodeSettings {
+                timeout_ms: MAX_SETTING_MS + 1,
+                ..request().settings.unwrap()
+            },
+            NodeSettings {
+                local_max_ms: MAX_SETTING_MS + 1,
+                ..request().settings.unwrap()
+            },
+            NodeSettings {
+                interval_ms: 0,
+                ..request().settings.unwrap()
+            },
+        ] {
+            let mut req = request();
+            req.settings = Some(bad);
+            assert!(
+                matches!(
+                    SyncRequest::from_json(req.to_json().as_bytes()),
+                    Err(ProtocolError::Invalid(_))
+                ),
+                "{bad:?}"
+            );
         }
     }
 
@@ -208,6 +339,7 @@ mod tests {
         let req = request();
         let json = req.to_json();
         assert!(json.starts_with(r#"{"version":1,"node_id":"envoy-1","region":"eu-west""#));
+        assert!(json.contains(r#""failure_mode":"fail_open_local"}"#), "{json}");
         assert_eq!(SyncRequest::from_json(json.as_bytes()).unwrap(), req);
     }
 

@@ -16,7 +16,7 @@
 //!
 //! [`KIND_GLOBAL_ALLOWANCE`]: crate::limiter::algo::KIND_GLOBAL_ALLOWANCE
 
-use super::node::{Allowance, Counts, InFlight, LeaseState, SyncState};
+use super::node::{Allowance, Applying, Counts, InFlight, LeaseState, SyncState};
 use crate::table::layout::Reader;
 
 /// The node-global sync state.
@@ -124,10 +124,12 @@ const APPLIED: u8 = 4;
 const REPORTED: u8 = 8;
 const FAILURES: u8 = 16;
 const OPEN: u8 = 32;
+const APPLYING: u8 = 64;
 
 /// `[version][flags] next_seq acked_seq interval_ns [seq sent_at]?
 /// [contact_until]? [last_applied_at]? [last_report_at]? [failures]?
-/// [open_until]?` (the breaker's fields only when set).
+/// [open_until]? [applying_seq applying_since]?` (the breaker's fields
+/// only when set).
 pub fn encode_sync_state(s: &SyncState, out: &mut Vec<u8>) {
     out.clear();
     out.push(SYNC_VERSION);
@@ -138,7 +140,8 @@ pub fn encode_sync_state(s: &SyncState, out: &mut Vec<u8>) {
             | flag(s.last_applied_at.is_some(), APPLIED)
             | flag(s.last_report_at.is_some(), REPORTED)
             | flag(s.failures > 0, FAILURES)
-            | flag(s.open_until.is_some(), OPEN),
+            | flag(s.open_until.is_some(), OPEN)
+            | flag(s.applying.is_some(), APPLYING),
     );
     put(out, s.next_seq);
     put(out, s.acked_seq);
@@ -159,6 +162,10 @@ pub fn encode_sync_state(s: &SyncState, out: &mut Vec<u8>) {
     .flatten()
     {
         put(out, v);
+    }
+    if let Some(a) = s.applying {
+        put(out, a.seq);
+        put(out, a.since);
     }
 }
 
@@ -189,6 +196,14 @@ pub fn decode_sync_state(bytes: &[u8]) -> Option<SyncState> {
         last_report_at: r.opt_u64(flags & REPORTED != 0)?,
         failures: u32::try_from(r.opt_u64(flags & FAILURES != 0)?.unwrap_or(0)).ok()?,
         open_until: r.opt_u64(flags & OPEN != 0)?,
+        applying: if flags & APPLYING != 0 {
+            Some(Applying {
+                seq: r.u64()?,
+                since: r.u64()?,
+            })
+        } else {
+            None
+        },
     };
     r.is_empty().then_some(s)
 }
@@ -284,6 +299,10 @@ mod tests {
         assert_eq!(decode_sync_state(&out[..out.len() - 1]), None);
         s.failures = 4;
         s.open_until = Some(9_000);
+        encode_sync_state(&s, &mut out);
+        assert_eq!(decode_sync_state(&out), Some(s));
+        assert_eq!(decode_sync_state(&out[..out.len() - 1]), None);
+        s.applying = Some(Applying { seq: 3, since: 9_500 });
         encode_sync_state(&s, &mut out);
         assert_eq!(decode_sync_state(&out), Some(s));
         assert_eq!(decode_sync_state(&out[..out.len() - 1]), None);

@@ -10,7 +10,7 @@ use tenantgate::sync::{Counts, FailureMode, Lease};
 use super::fair::{max_min_fair, Claim};
 use super::node_key::NodeKey;
 use super::session::{Intake, KeyId};
-use super::{AllocConfig, GlobalLimit, KeyView, NANOS_PER_MS};
+use super::{AllocConfig, GlobalLimit, KeyView, NodeTerms, NANOS_PER_MS};
 
 /// The weight of the newest report in a node's demand average: high, so a
 /// shift of demand is followed within about one interval, while one noisy
@@ -48,6 +48,17 @@ pub struct RegionView {
     /// Σ over intervals of what it got beyond an equal share.
     pub borrowed_total: u64,
     pub repaid_total: u64,
+}
+
+/// The request a lease answers: its `seq`, and what the node enforces
+/// (see [`NodeTerms`]), kept with the lease, so its death, its local
+/// fallback and its reservation follow the node's settings, not the
+/// service's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Enforced {
+    pub seq: u64,
+    pub terms: NodeTerms,
+    pub mode: FailureMode,
 }
 
 /// What the service keeps of one (key, limit): the record a store holds
@@ -184,25 +195,23 @@ impl KeyState {
 
         // Charge silent nodes' local limits as time passes, before any grant.
         let mut charges: Vec<(String, u64)> = Vec::new();
-        if cfg.failure_mode == FailureMode::FailOpenLocal {
-            for nk in self.nodes.values_mut() {
-                if !nk.silent(now, cfg) {
-                    continue;
-                }
-                let from = nk
-                    .charged_until
-                    .max(nk.granted_at.saturating_add(cfg.lease_ttl_ns));
-                let to = now.min(nk.local_until(cfg));
-                if to > from {
-                    let share = u128::from(nk.share_bound(from, cfg));
-                    let units = share * u128::from(to - from) + nk.charge_carry;
-                    nk.charge_carry = units % u128::from(cfg.interval_ns);
-                    let amount = u64::try_from(units / u128::from(cfg.interval_ns)).unwrap_or(u64::MAX);
-                    nk.assumed = nk.assumed.saturating_add(amount);
-                    charges.push((nk.region.clone(), amount));
-                }
-                nk.charged_until = nk.charged_until.max(to);
+        for nk in self.nodes.values_mut() {
+            if !nk.falls_back(cfg) || !nk.silent(now, cfg) {
+                continue;
             }
+            let from = nk
+                .charged_until
+                .max(nk.granted_at.saturating_add(cfg.lease_ttl_ns));
+            let to = now.min(nk.local_until(cfg));
+            if to > from {
+                let share = u128::from(nk.share_bound(from, cfg));
+                let units = share * u128::from(to - from) + nk.charge_carry;
+                nk.charge_carry = units % u128::from(cfg.interval_ns);
+                let amount = u64::try_from(units / u128::from(cfg.interval_ns)).unwrap_or(u64::MAX);
+                nk.assumed = nk.assumed.saturating_add(amount);
+                charges.push((nk.region.clone(), amount));
+            }
+            nk.charged_until = nk.charged_until.max(to);
         }
         let mut available = self.bucket.saturating_add(credit);
         let paid = self.owed.min(available);
@@ -216,18 +225,19 @@ impl KeyState {
         }
         self.bucket = available.min(self.limit.burst.saturating_sub(self.reserved()));
 
-        let settle_after = cfg.lease_life_ns().saturating_add(cfg.settle_ns);
         for nk in self.nodes.values_mut() {
-            if nk.reserve > 0 && now >= nk.granted_at.saturating_add(settle_after) {
+            if nk.reserve > 0 && now >= nk.lease_dead_at(cfg).saturating_add(cfg.settle_ns) {
                 nk.written_off = nk.written_off.saturating_add(nk.reserve);
                 self.stats.written_off = self.stats.written_off.saturating_add(nk.reserve);
                 nk.reserve = 0;
             }
         }
-        let forget_after = settle_after.max(cfg.lease_life_ns().saturating_add(cfg.local_max_ns));
         self.nodes.retain(|_, nk| {
+            let forget_at = nk
+                .lease_dead_at(cfg)
+                .saturating_add(cfg.settle_ns.max(nk.terms(cfg).local_max_ns));
             nk.reserve > 0
-                || now < nk.granted_at.saturating_add(forget_after)
+                || now < forget_at
                 || now
                     < nk.last_report_at
                         .saturating_add(cfg.interval_ns.saturating_mul(3))
@@ -256,9 +266,7 @@ impl KeyState {
             if stale {
                 nk.demand *= 0.5;
             }
-            let local = cfg.failure_mode == FailureMode::FailOpenLocal
-                && nk.silent(now, cfg)
-                && now < nk.local_until(cfg);
+            let local = nk.falls_back(cfg) && nk.silent(now, cfg) && now < nk.local_until(cfg);
             if local {
                 // It keeps its share: its local limit may be spending it.
                 reserved = reserved.saturating_add(nk.share_bound(now, cfg));
@@ -424,7 +432,7 @@ impl KeyState {
         }
         // Sent after our answer from after its leases died: nothing more
         // can come from them.
-        let dead_at = nk.granted_at.saturating_add(cfg.lease_life_ns());
+        let dead_at = nk.lease_dead_at(cfg);
         if intake.acked_last && intake.prev_heard_at.is_some_and(|h| h >= dead_at) {
             reclaim = reclaim.saturating_add(nk.reserve);
             nk.reserve = 0;
@@ -459,8 +467,8 @@ impl KeyState {
         &mut self,
         id: &KeyId,
         node: &str,
-        seq: u64,
         nodes_hint: u64,
+        enforced: Enforced,
         now: u64,
         cfg: &AllocConfig,
     ) -> Lease {
@@ -521,11 +529,13 @@ impl KeyState {
         nk.share_sent = share;
         nk.share_unacked = nk.share_unacked.max(share);
         nk.lease_tokens = tokens;
-        nk.lease_seq = seq;
+        nk.lease_seq = enforced.seq;
         nk.collapsed = false;
         nk.granted_at = now;
         nk.charged_until = now;
         nk.charge_carry = 0;
+        nk.terms = Some(enforced.terms);
+        nk.mode = Some(enforced.mode);
         Lease {
             key: id.0.clone(),
             limit: id.1.clone(),

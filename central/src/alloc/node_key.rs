@@ -3,7 +3,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::AllocConfig;
+use tenantgate::sync::FailureMode;
+
+use super::{AllocConfig, NodeTerms};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct NodeKey {
@@ -52,6 +54,12 @@ pub(super) struct NodeKey {
     /// it may draw one share ahead (down to `−share_milli`).
     #[serde(default)]
     pub(super) credit: i64,
+    /// What the node enforces for its last lease (`None`: a record older
+    /// than the field, or a node that reported none: the policy's).
+    #[serde(default)]
+    pub(super) terms: Option<NodeTerms>,
+    #[serde(default)]
+    pub(super) mode: Option<FailureMode>,
 }
 
 impl NodeKey {
@@ -79,19 +87,37 @@ impl NodeKey {
             share_milli: 0,
             share_carry: 0,
             credit: 0,
+            terms: None,
+            mode: None,
         }
     }
 
+    pub(super) fn terms(&self, cfg: &AllocConfig) -> NodeTerms {
+        self.terms.unwrap_or_else(|| cfg.terms())
+    }
+
+    /// `granted_at + D + ttl` with the node's `D`: its last lease is dead.
+    pub(super) fn lease_dead_at(&self, cfg: &AllocConfig) -> u64 {
+        self.granted_at.saturating_add(self.terms(cfg).lease_life_ns(cfg))
+    }
+
+    /// Whether the node may admit on a local limit once its lease expired
+    /// (`fail_open_local`, or `fail_open`, which admits at least that):
+    /// then its share is reserved and charged while it is silent. A
+    /// `fail_closed` key admits nothing without a lease and needs neither.
+    pub(super) fn falls_back(&self, cfg: &AllocConfig) -> bool {
+        self.mode.unwrap_or(cfg.failure_mode) != FailureMode::FailClosed
+    }
+
     pub(super) fn local_until(&self, cfg: &AllocConfig) -> u64 {
-        self.granted_at
-            .saturating_add(cfg.lease_life_ns())
-            .saturating_add(cfg.local_max_ns)
+        self.lease_dead_at(cfg)
+            .saturating_add(self.terms(cfg).local_max_ns)
     }
 
     /// The share the node may hold for `fail_open_local` (0 once its local
-    /// limit has run out).
+    /// limit has run out, and for a key that fails closed).
     pub(super) fn share_bound(&self, now: u64, cfg: &AllocConfig) -> u64 {
-        if now >= self.local_until(cfg) {
+        if !self.falls_back(cfg) || now >= self.local_until(cfg) {
             0
         } else {
             self.share_acked.max(self.share_unacked)

@@ -35,6 +35,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 use tenantgate::sync::{Counts, SyncRequest};
 
+use super::NodeTerms;
+
 /// A (key, limit).
 pub type KeyId = (String, String);
 
@@ -97,6 +99,9 @@ pub struct Session {
     /// The (key, limit)s this node was ever granted a lease for and that
     /// still hold state.
     pub held: BTreeSet<KeyId>,
+    /// The settings the node last reported (`None`: none, the policy's).
+    #[serde(default)]
+    terms: Option<NodeTerms>,
 }
 
 /// A session as format 1 (bincode) stored it, before `boot`.
@@ -128,6 +133,7 @@ impl Session {
             counted: BTreeMap::new(),
             heard_at: None,
             held: BTreeSet::new(),
+            terms: None,
         }
     }
 
@@ -143,6 +149,7 @@ impl Session {
             counted: v1.counted,
             heard_at: v1.heard_at,
             held: v1.held,
+            terms: None,
         })
     }
 
@@ -160,6 +167,16 @@ impl Session {
         let mut out = vec![1u8];
         out.extend(bincode::serialize(&v1).unwrap_or_default());
         out
+    }
+
+    /// Records the settings the node reported.
+    pub fn enforced(&mut self, terms: NodeTerms) {
+        self.terms = Some(terms);
+    }
+
+    /// The settings the node last reported.
+    pub fn terms(&self) -> Option<NodeTerms> {
+        self.terms
     }
 
     /// How `req`'s `seq` stands (service clock `now`).
@@ -269,7 +286,9 @@ mod tests {
                 consumed,
                 unleased: 0,
                 demand: consumed,
+                failure_mode: None,
             }],
+            settings: None,
         }
     }
 
@@ -375,6 +394,7 @@ mod tests {
                     consumed: 1,
                     unleased: 0,
                     demand: 1,
+                    failure_mode: None,
                 })
                 .collect();
             s.intake(&r, seq).unwrap();

@@ -47,6 +47,7 @@ struct Req {
     consumed: u64,
     unleased: u64,
     demand: u64,
+    settings: Option<tenantgate::sync::NodeSettings>,
 }
 
 impl Req {
@@ -59,7 +60,18 @@ impl Req {
             consumed: 0,
             unleased: 0,
             demand: 0,
+            settings: None,
         }
+    }
+    /// The node reports the settings it enforces.
+    fn enforcing(mut self, timeout_ms: u64, local_max_ms: u64, mode: FailureMode) -> Req {
+        self.settings = Some(tenantgate::sync::NodeSettings {
+            timeout_ms,
+            local_max_ms,
+            interval_ms: 1_000,
+            failure_mode: mode,
+        });
+        self
     }
     fn counts(mut self, consumed: u64, unleased: u64, demand: u64) -> Req {
         (self.consumed, self.unleased, self.demand) = (consumed, unleased, demand);
@@ -80,7 +92,9 @@ impl Req {
                 consumed: self.consumed,
                 unleased: self.unleased,
                 demand: self.demand,
+                failure_mode: None,
             }],
+            settings: self.settings,
         }
     }
 }
@@ -353,6 +367,7 @@ fn the_bucket_and_reservations_stay_within_the_burst_under_random_traffic() {
             consumed,
             unleased: consumed % 3,
             demand: consumed + x % 20,
+            settings: None,
         };
         a.handle(&r.build(), T0 + step * 137 * MS).unwrap();
         // One answer in five is lost.
@@ -464,4 +479,121 @@ fn a_cost_no_lease_can_carry_is_a_configuration_error() {
     c.limits.get_mut("l").unwrap().max_cost = 201;
     let e = Allocator::new(c).unwrap_err();
     assert!(e.to_string().contains("limits.l.max_cost"), "{e}");
+}
+
+// ---- shared settings: the node's, not the service's copy ------------------
+
+#[test]
+fn a_lease_dies_by_the_nodes_own_callout_timeout() {
+    // The policy says D = 0.5 s; the node enforces 2 s: its lease can be
+    // in use until +5 s (not +3.5 s), so it is written off at +7 s.
+    let mut a = Allocator::new(cfg(FailureMode::FailClosed)).unwrap();
+    let (tokens, _) = send(
+        &mut a,
+        Req::new("a", "eu", 1, 0)
+            .counts(0, 0, 50)
+            .enforcing(2_000, 30_000, FailureMode::FailClosed),
+        T0,
+    );
+    a.tick(T0 + 6 * S + 999 * MS);
+    assert_eq!(
+        view(&a).reserved,
+        tokens,
+        "still reserved past the policy's write-off (+5.5 s)"
+    );
+    a.tick(T0 + 7 * S);
+    let v = view(&a);
+    assert_eq!((v.reserved, v.stats.written_off), (0, tokens));
+}
+
+/// b goes silent after +3 s while a syncs every second; returns b's share,
+/// a's share per second and what b was charged by +`until` s.
+fn silent_b(b: Req, b_later: impl Fn(u64, u64) -> Req, until: u64) -> (u64, Vec<u64>, u64) {
+    let mut a = alloc();
+    let mut b_share = 0;
+    let mut b = Some(b);
+    for i in 0..4u64 {
+        let (seq, acked) = (i + 1, i);
+        send(
+            &mut a,
+            Req::new("a", "eu", seq, acked).counts(0, 0, 50),
+            T0 + i * S,
+        );
+        let r = b.take().unwrap_or_else(|| b_later(seq, acked));
+        b_share = send(&mut a, r, T0 + i * S + MS).1;
+    }
+    let mut a_shares = Vec::new();
+    for i in 4..until {
+        a_shares.push(send(&mut a, Req::new("a", "eu", i + 1, i).counts(0, 0, 80), T0 + i * S).1);
+    }
+    (b_share, a_shares, view(&a).stats.precharged)
+}
+
+#[test]
+fn a_silent_nodes_share_stays_reserved_for_its_own_local_max() {
+    // The policy says local_max = 30 s; b enforces 60 s.
+    let b = |seq, acked| {
+        Req::new("b", "us", seq, acked)
+            .counts(0, 0, 50)
+            .enforcing(500, 60_000, FailureMode::FailOpenLocal)
+    };
+    let (b_share, a_shares, precharged) = silent_b(b(1, 0), b, 70);
+    assert_eq!(b_share, 50);
+    // b's last lease: granted at +3 s, dead by +6.5 s, local limit until
+    // +66.5 s: its share is kept (a gets the rest) all that time, long past
+    // the policy's +36.5 s, and charged from +6 s at its share.
+    for (i, a_share) in a_shares.iter().enumerate() {
+        let t = i as u64 + 4;
+        if t < 66 {
+            assert!(a_share + b_share <= 100, "+{t} s: {a_share} + {b_share}");
+        }
+    }
+    assert_eq!(a_shares[60 - 4], 50, "at +60 s b's share is still kept");
+    assert!(
+        *a_shares.last().unwrap() >= 80,
+        "after it, a gets its demand: {a_shares:?}"
+    );
+    let expected = b_share * 60 + b_share / 2;
+    assert!(
+        precharged.abs_diff(expected) <= b_share,
+        "{precharged} vs {expected}"
+    );
+}
+
+#[test]
+fn a_fail_closed_key_keeps_no_share_for_a_silent_node() {
+    // b's key fails closed: silent, it admits nothing, so nothing is kept
+    // for it or charged to it, whatever the policy's default.
+    let b = |seq, acked| {
+        Req::new("b", "us", seq, acked)
+            .counts(0, 0, 50)
+            .enforcing(500, 60_000, FailureMode::FailClosed)
+    };
+    let (_, a_shares, precharged) = silent_b(b(1, 0), b, 20);
+    assert_eq!(precharged, 0);
+    assert!(*a_shares.last().unwrap() >= 80, "{a_shares:?}");
+
+    // The same without settings (an older node): the policy's default,
+    // fail_open_local, is assumed, and its share is kept.
+    let old = |seq, acked| Req::new("b", "us", seq, acked).counts(0, 0, 50);
+    let (b_share, a_shares, precharged) = silent_b(old(1, 0), old, 20);
+    assert!(precharged > 0);
+    assert!(a_shares.iter().all(|s| s + b_share <= 100), "{a_shares:?}");
+}
+
+#[test]
+fn reported_settings_are_compared_with_the_policys() {
+    let c = cfg(FailureMode::FailOpenLocal);
+    let same = Req::new("a", "eu", 1, 0).enforcing(500, 30_000, FailureMode::FailOpenLocal);
+    assert_eq!(c.terms_of(&same.build()).1, SettingsCheck::Same);
+    let longer = Req::new("a", "eu", 1, 0).enforcing(500, 60_000, FailureMode::FailOpenLocal);
+    let (terms, check) = c.terms_of(&longer.build());
+    assert_eq!(check, SettingsCheck::Differs);
+    assert_eq!(terms.local_max_ns, 60 * S);
+    let mut closed = same.build();
+    closed.reports[0].failure_mode = Some(FailureMode::FailClosed);
+    assert_eq!(c.terms_of(&closed).1, SettingsCheck::Differs);
+    let (terms, check) = c.terms_of(&Req::new("a", "eu", 1, 0).build());
+    assert_eq!(check, SettingsCheck::Unreported);
+    assert_eq!(terms, c.terms());
 }

@@ -73,6 +73,10 @@ pub struct Metrics {
     pub leases: AtomicU64,
     pub unknown_limits: AtomicU64,
     pub policy_skew: AtomicU64,
+    /// Requests by how their reported settings compare with the policy's.
+    pub settings_same: AtomicU64,
+    pub settings_differs: AtomicU64,
+    pub settings_unreported: AtomicU64,
     pub store_errors_transient: AtomicU64,
     pub store_errors_permanent: AtomicU64,
     pub reloads_ok: AtomicU64,
@@ -110,6 +114,16 @@ impl Metrics {
     pub fn requests(&self, outcome: Outcome) -> u64 {
         let i = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
         self.requests[i].load(Relaxed)
+    }
+
+    pub fn settings(&self, check: crate::alloc::SettingsCheck) {
+        use crate::alloc::SettingsCheck;
+        let counter = match check {
+            SettingsCheck::Same => &self.settings_same,
+            SettingsCheck::Differs => &self.settings_differs,
+            SettingsCheck::Unreported => &self.settings_unreported,
+        };
+        counter.fetch_add(1, Relaxed);
     }
 
     pub fn store_error(&self, transient: bool) {
@@ -158,6 +172,15 @@ impl Metrics {
             "tenantgate_policy_skew_total",
             "Sync requests whose policy_version differs from the service's.",
             &[("", self.policy_skew.load(Relaxed))],
+        );
+        counter(
+            "tenantgate_sync_settings_total",
+            "Sync requests by how the settings their node enforces compare with the policy's (the node's are used; unreported: the policy's are assumed).",
+            &[
+                ("{result=\"same\"}", self.settings_same.load(Relaxed)),
+                ("{result=\"differs\"}", self.settings_differs.load(Relaxed)),
+                ("{result=\"unreported\"}", self.settings_unreported.load(Relaxed)),
+            ],
         );
         counter(
             "tenantgate_store_errors_total",

@@ -1,12 +1,36 @@
 //! `tenantgate serve`: the allocator behind HTTP/JSON, its records in a
 //! [`Store`].
 //!
-//! A sync request is the allocator's three steps (`crate::alloc`), each an
-//! atomic update of one record: [`alloc::begin`] on the node's session,
-//! [`alloc::visit`] on every (key, limit) it reports or holds (one batched
-//! update), [`alloc::finish`] on the session (skipped when the node holds
-//! the same keys as before). Replicas sharing a store therefore answer as
-//! one allocator would.
+//! A sync request is the allocator's three steps (`crate::alloc`):
+//! [`alloc::begin`] on the node's session, [`alloc::visit`] on every
+//! (key, limit) it reports or holds, [`alloc::finish`] on the session, run
+//! as **one store transaction** ([`Store::update_request`]): every record
+//! it changes is written, or none is. Replicas sharing a store therefore
+//! answer as one allocator would, and a request that fails anywhere (a
+//! store error, a broken connection, a conflict past the retries, a panic
+//! in a step) counts nothing: the node's next report carries the same
+//! counts again and they are booked exactly once (`central/tests/service.rs`,
+//! `a_failed_request_counts_nothing_and_its_retry_counts_once`).
+//!
+//! # Shared settings: the node's, used, never refused
+//! Each request carries the settings its node enforces (callout timeout
+//! `D`, `fail_open_local`'s duration, interval, failure mode per (key,
+//! limit): `tenantgate::sync::NodeSettings`). The service computes that
+//! node's leases from them ([`crate::alloc::NodeTerms`], kept with each
+//! lease): a lease is dead by `answered_at` + the node's `D` + `ttl`, a
+//! silent node's share stays reserved and charged until its own
+//! `local_max` ran out, a `fail_closed` key keeps nothing reserved. So the
+//! bound holds with the numbers that are enforced, whatever the service's
+//! policy says. The alternative, refusing a node whose settings differ
+//! from the policy's, would not keep the bound any better (the refused
+//! node runs its failure mode on its own settings anyway, and the service
+//! would still have to reserve for it) and would cut nodes off in the
+//! middle of every rollout that changes `sync:`. Only values no policy
+//! produces are refused (`400`, `tenantgate::sync::NodeSettings::check`).
+//! A node older than the fields sends none: the policy's values are
+//! assumed. `tenantgate_sync_settings_total{result}` counts `same`,
+//! `differs` and `unreported`. The interval needs nothing: a node syncs at
+//! the interval the answers ask for.
 //!
 //! Time is the service's own: [`Clock`] (never a node's timestamp). The
 //! production clock is monotonic in each process and shares its epoch with
@@ -24,17 +48,12 @@
 //! Every request is checked and bounded before the allocator sees it
 //! ([`validate`]: sizes, identity, regions, plausible counts), and worked on
 //! in a task of its own, at most [`IntakeLimits::max_in_flight`] at once
-//! (beyond: `503`). The deadline answers the node `503` but never cancels
-//! the task: a request's store steps always run to their end, so the
-//! deadline cannot leave a partial write (the node's retry carries the same
-//! counts, and its session then knows them). A panic in a request (a bug)
-//! answers `500` and changes nothing more: the stores write each record all
-//! or nothing.
-//!
-//! Known limit: a request that fails after its session step (a store error
-//! in the middle) leaves its counts recorded as seen for the keys it did not
-//! update; the node retries with them, and those are then not counted again.
-//! At most one report's counts per failed request go uncounted.
+//! (beyond: `503`). The deadline ([`Service::deadline`]: half the policy's
+//! `sync.timeout`, following every reload) answers the node `503` but
+//! never cancels the task: its transaction lands whole or not at all
+//! either way, and the node's retry carries the same counts, which its
+//! session then deduplicates. A panic in a request (a bug) answers `500`
+//! and writes nothing.
 
 mod http;
 pub mod metrics;
@@ -52,8 +71,8 @@ use tenantgate::sync::{SyncRequest, SyncResponse, PROTOCOL_VERSION};
 use tokio::sync::Semaphore;
 use tracing::{info, warn};
 
-use crate::alloc::{self, AllocConfig, KeyId, KeyState, SeqCheck, Session, Visit};
-use crate::store::{Store, StoreError};
+use crate::alloc::{self, AllocConfig, KeyId, KeyState, NodeTerms, SeqCheck, Session, Visit};
+use crate::store::{KeySlot, Store, StoreError};
 pub use http::{
     admin_router, check_exposure, open_store, run, serve, serve_on, shutdown_signal, sync_router, Auth,
     Listeners, QuotaOptions, ServeOptions, DEFAULT_ADMIN, DEFAULT_LISTEN,
@@ -155,8 +174,6 @@ pub struct Service {
     pub metrics: Metrics,
     /// The heaviest keys by demand and denials, per region (bounded).
     pub top: top::Top,
-    /// How long a sync request may take before it is answered 503.
-    pub deadline: Duration,
     intake: IntakeLimits,
     state: StateLimits,
     in_flight: Arc<Semaphore>,
@@ -187,9 +204,6 @@ impl Service {
         intake: IntakeLimits,
         state: StateLimits,
     ) -> Service {
-        // Well within the node's callout timeout: an answer later than that
-        // is discarded by the node anyway.
-        let deadline = Duration::from_nanos(settings.response_timeout_ns / 2);
         let in_flight = Arc::new(Semaphore::new(intake.max_in_flight.max(1)));
         Service {
             store,
@@ -198,7 +212,6 @@ impl Service {
             config: RwLock::new(None),
             metrics: Metrics::default(),
             top: top::Top::default(),
-            deadline,
             intake,
             state,
             in_flight,
@@ -251,6 +264,17 @@ impl Service {
             .read()
             .map(|c| c.clone())
             .unwrap_or_else(|e| e.into_inner().clone())
+    }
+
+    /// How long a sync request may take before it is answered `503`: half
+    /// the callout timeout `D` in force (the policy's `sync.timeout`, so it
+    /// follows every reload; the service's own setting before a policy is
+    /// loaded), well within it: the node discards a later answer anyway.
+    pub fn deadline(&self) -> Duration {
+        let d = self
+            .config()
+            .map_or(self.settings.response_timeout_ns, |c| c.response_timeout_ns);
+        Duration::from_nanos(d / 2)
     }
 
     /// Puts a validated policy in force.
@@ -341,10 +365,11 @@ impl Service {
             let _permit = permit;
             this.sync_inner(&body, identity.as_ref()).await
         });
-        match tokio::time::timeout(self.deadline, task).await {
+        let deadline = self.deadline();
+        match tokio::time::timeout(deadline, task).await {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => Err(SyncError::Internal(format!("the request's task failed: {e}"))),
-            Err(_) => Err(SyncError::Timeout(self.deadline)),
+            Err(_) => Err(SyncError::Timeout(deadline)),
         }
     }
 
@@ -371,69 +396,36 @@ impl Service {
         if req.policy_version != cfg.policy_version {
             self.metrics.policy_skew.fetch_add(1, Relaxed);
         }
+        // The node's settings are used as reported (see the module header).
+        self.metrics.settings(cfg.terms_of(req).1);
         let now = self.clock.now_ns();
-
-        let mut begun = None;
-        let mut refused: Option<SyncError> = None;
-        let sessions_full = self.sessions_seen.load(Relaxed) >= self.state.max_sessions;
-        let nodes = self
-            .store
-            .update_session(&req.node_id, &mut |slot| {
-                refused = None;
-                let check = match slot.as_ref() {
-                    Some(s) => s.seq_check(req, now),
-                    None if sessions_full => {
-                        refused = Some(SyncError::SessionsFull(self.state.max_sessions));
-                        return false;
-                    }
-                    None => Session::new(&req.region).seq_check(req, now),
-                };
-                if check == SeqCheck::Jump {
-                    refused = Some(SyncError::SeqJump(req.seq));
-                    return false;
-                }
-                begun = alloc::begin(slot, req, now);
-                begun.is_some()
-            })
-            .await?;
+        let mut txn = SyncTxn {
+            req,
+            cfg: &cfg,
+            now,
+            sessions_full: self.sessions_seen.load(Relaxed) >= self.state.max_sessions,
+            max_sessions: self.state.max_sessions,
+            keys_full: self.keys_seen.load(Relaxed) >= self.state.max_keys,
+            refused: None,
+            begun: None,
+            nodes: 0,
+            visits: Vec::new(),
+            capped: 0,
+        };
+        let nodes = self.store.update_request(&req.node_id, &mut txn).await?;
         self.sessions_seen.store(nodes, Relaxed);
-        if let Some(e) = refused {
+        if let Some(e) = txn.refused {
             return Err(e);
         }
-        let Some(begun) = begun else {
+        if txn.begun.is_none() {
             return Err(SyncError::Stale(req.seq));
-        };
+        }
         self.metrics.reports.fetch_add(req.reports.len() as u64, Relaxed);
-
-        let plan = begun.visits();
-        let ids: Vec<KeyId> = plan.iter().map(|(id, _)| id.clone()).collect();
-        let mut outcomes: Vec<Visit> = vec![Visit::Absent; plan.len()];
-        let mut over_cap: Vec<bool> = vec![false; plan.len()];
-        let keys_full = self.keys_seen.load(Relaxed) >= self.state.max_keys;
-        self.store
-            .update_keys(&ids, &mut |i, slot| {
-                let (Some((id, delta)), Some(out), Some(capped)) =
-                    (plan.get(i), outcomes.get_mut(i), over_cap.get_mut(i))
-                else {
-                    return false;
-                };
-                *capped = false;
-                if slot.is_none() && keys_full && delta.is_some() {
-                    // A new (key, limit) beyond the cap: no record, no lease;
-                    // the node applies its failure mode to it.
-                    *capped = true;
-                    *out = Visit::UnknownLimit { holds: false };
-                    return false;
-                }
-                *out = alloc::visit(&cfg, slot, id, *delta, &begun, nodes, now);
-                slot.is_some()
-            })
-            .await?;
-        let capped = over_cap.iter().filter(|c| **c).count() as u64;
+        let capped = txn.capped;
         if capped > 0 {
             self.metrics.keys_refused.fetch_add(capped, Relaxed);
         }
-        let visits: Vec<(KeyId, Visit)> = ids.into_iter().zip(outcomes).collect();
+        let visits = txn.visits;
         let unknown = visits
             .iter()
             .filter(|(_, v)| matches!(v, Visit::UnknownLimit { .. }))
@@ -441,18 +433,6 @@ impl Service {
         self.metrics
             .unknown_limits
             .fetch_add(unknown.saturating_sub(capped), Relaxed);
-
-        if alloc::finish_changes(&begun, &visits) {
-            self.store
-                .update_session(begun.node(), &mut |slot| match slot {
-                    Some(s) => {
-                        alloc::finish(s, &visits);
-                        true
-                    }
-                    None => false,
-                })
-                .await?;
-        }
         let resp = alloc::respond(&cfg, req, visits);
         self.metrics.leases.fetch_add(resp.leases.len() as u64, Relaxed);
         self.top.record(&req.region, &req.reports, now);
@@ -489,26 +469,28 @@ impl Service {
         self.metrics.sweeps.fetch_add(1, Relaxed);
         self.keys_seen
             .store((ids.len() as u64).saturating_sub(expired), Relaxed);
-        let idle = self.session_idle_ns(&cfg);
+        let idle = self.session_idle_ns(&cfg, None);
         let due = self.sessions_swept_at.load(Relaxed).saturating_add(idle / 10);
         if now >= due {
             self.sessions_swept_at.store(now, Relaxed);
-            self.expire_sessions(now, idle).await?;
+            self.expire_sessions(&cfg, now).await?;
         }
         Ok(ids.len() as u64)
     }
 
-    /// The session idle time in force: at least a lease's life plus the
-    /// local fallback plus the settling time.
-    fn session_idle_ns(&self, cfg: &AllocConfig) -> u64 {
-        let floor = cfg
-            .lease_life_ns()
-            .saturating_add(cfg.local_max_ns)
+    /// The session idle time in force for a node that enforces `terms`:
+    /// at least its lease's life plus its local fallback plus the settling
+    /// time.
+    fn session_idle_ns(&self, cfg: &AllocConfig, terms: Option<NodeTerms>) -> u64 {
+        let terms = terms.unwrap_or_else(|| cfg.terms());
+        let floor = terms
+            .lease_life_ns(cfg)
+            .saturating_add(terms.local_max_ns)
             .saturating_add(cfg.settle_ns);
         self.state.session_idle_ns.max(floor)
     }
 
-    async fn expire_sessions(&self, now: u64, idle: u64) -> Result<(), StoreError> {
+    async fn expire_sessions(&self, cfg: &AllocConfig, now: u64) -> Result<(), StoreError> {
         let nodes = self.store.session_ids().await?;
         let mut left = nodes.len() as u64;
         for node in nodes {
@@ -516,9 +498,10 @@ impl Service {
             let count = self
                 .store
                 .update_session(&node, &mut |slot| {
-                    expired = slot
-                        .as_ref()
-                        .is_some_and(|s| s.heard_at.is_none_or(|h| now.saturating_sub(h) >= idle));
+                    expired = slot.as_ref().is_some_and(|s| {
+                        let idle = self.session_idle_ns(cfg, s.terms());
+                        s.heard_at.is_none_or(|h| now.saturating_sub(h) >= idle)
+                    });
                     if expired {
                         *slot = None;
                     }
@@ -537,6 +520,84 @@ impl Service {
     /// The interval the service tells nodes to sync at.
     pub fn interval(&self) -> Duration {
         Duration::from_nanos(self.settings.interval_ns)
+    }
+}
+
+/// One sync request's steps as one store transaction (see the module
+/// header): [`alloc::begin`] on the session, then [`alloc::visit`] on every
+/// (key, limit) and [`alloc::finish`] on the session. Its results are left
+/// in its fields on every run (a store may run it again on a conflict).
+struct SyncTxn<'a> {
+    req: &'a SyncRequest,
+    cfg: &'a AllocConfig,
+    now: u64,
+    sessions_full: bool,
+    max_sessions: u64,
+    keys_full: bool,
+    refused: Option<SyncError>,
+    begun: Option<alloc::Begun>,
+    /// Nodes with a session, this one included.
+    nodes: u64,
+    visits: Vec<(KeyId, Visit)>,
+    /// New (key, limit)s refused for the cap.
+    capped: u64,
+}
+
+impl crate::store::Txn for SyncTxn<'_> {
+    fn begin(&mut self, slot: &mut Option<Session>, sessions: u64) -> Option<Vec<KeyId>> {
+        self.refused = None;
+        self.begun = None;
+        self.visits.clear();
+        self.capped = 0;
+        let check = match slot.as_ref() {
+            Some(s) => s.seq_check(self.req, self.now),
+            None if self.sessions_full => {
+                self.refused = Some(SyncError::SessionsFull(self.max_sessions));
+                return None;
+            }
+            None => Session::new(&self.req.region).seq_check(self.req, self.now),
+        };
+        if check == SeqCheck::Jump {
+            self.refused = Some(SyncError::SeqJump(self.req.seq));
+            return None;
+        }
+        self.nodes = sessions.saturating_add(u64::from(slot.is_none()));
+        let begun = alloc::begin(slot, self.req, self.now)?;
+        let ids = begun.visits().into_iter().map(|(id, _)| id).collect();
+        self.begun = Some(begun);
+        Some(ids)
+    }
+
+    fn apply(&mut self, session: &mut Option<Session>, keys: &mut [KeySlot]) -> bool {
+        let Some(begun) = self.begun.as_ref() else {
+            return false;
+        };
+        self.visits.clear();
+        self.capped = 0;
+        for (slot, (id, delta)) in keys.iter_mut().zip(begun.visits()) {
+            if slot.record.is_none() && self.keys_full && delta.is_some() {
+                // A new (key, limit) beyond the cap: no record, no lease;
+                // the node applies its failure mode to it.
+                self.capped = self.capped.saturating_add(1);
+                self.visits.push((id, Visit::UnknownLimit { holds: false }));
+                continue;
+            }
+            let v = alloc::visit(
+                self.cfg,
+                &mut slot.record,
+                &id,
+                delta,
+                begun,
+                self.nodes,
+                self.now,
+            );
+            slot.write = slot.record.is_some();
+            self.visits.push((id, v));
+        }
+        if let Some(s) = session.as_mut() {
+            alloc::finish(s, &self.visits);
+        }
+        true
     }
 }
 

@@ -11,21 +11,21 @@
 //! and says so in the log.
 //!
 //! The settings the bound depends on and the nodes enforce (callout
-//! timeout `D`, failure mode, `fail_open_local`'s duration) come from the
-//! policy's `sync:` block, the one the nodes read, never from a second
-//! copy: see [`Settings::alloc_config`].
+//! timeout `D`, failure mode, `fail_open_local`'s duration) are what each
+//! node reports in its requests (`tenantgate::sync::NodeSettings`, see
+//! `crate::alloc::NodeTerms`); the policy's `sync:` block, the one the
+//! nodes read, supplies them only for a node that reports none, and the
+//! defaults are the filter's own (`tenantgate::policy::LOCAL_MAX_NS`),
+//! never a second copy: see [`Settings::alloc_config`].
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use tenantgate::policy::{Node, Policy, SyncSettings};
+use tenantgate::policy::{Node, Policy, SyncSettings, LOCAL_MAX_NS};
 
 use crate::alloc::{AllocConfig, GlobalLimit};
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
-/// `fail_open_local`'s duration for a policy without a `sync:` block (no
-/// node enforces one then).
-const DEFAULT_LOCAL_MAX_NS: u64 = 300 * NANOS_PER_SEC;
 
 /// A validated policy, as the service needs it.
 #[derive(Debug, Clone, PartialEq)]
@@ -133,7 +133,8 @@ impl Settings {
     /// it with `fail_open` is outside the `fail_open_local` bound (docs/global-limits.md).
     pub fn alloc_config(&self, p: &PolicyLimits) -> AllocConfig {
         let response_timeout_ns = p.sync.as_ref().map_or(self.response_timeout_ns, |s| s.timeout_ns);
-        let local_max_ns = p.sync.as_ref().map_or(DEFAULT_LOCAL_MAX_NS, |s| s.local_max_ns);
+        // The filter's own constant, never a second default.
+        let local_max_ns = p.sync.as_ref().map_or(LOCAL_MAX_NS, |s| s.local_max_ns);
         let failure_mode = p
             .sync
             .as_ref()

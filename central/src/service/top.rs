@@ -273,6 +273,7 @@ mod tests {
             consumed,
             unleased: 0,
             demand,
+            failure_mode: None,
         }
     }
 

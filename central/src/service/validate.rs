@@ -21,7 +21,8 @@
 //! node's last acknowledged report. For a limit of `L` per window `W` with
 //! burst `B`, an honest node cannot admit more than the burst plus the
 //! refill over the longest it can go without an acknowledgement (its lease
-//! life plus its local fallback, `D + ttl + local_max`), so each count is
+//! life plus its local fallback, `D + ttl + local_max`, with the `D` and
+//! `local_max` the node reports, see `alloc::NodeTerms`), so each count is
 //! clamped to
 //!
 //! ```text
@@ -42,7 +43,7 @@ use std::collections::BTreeSet;
 
 use tenantgate::sync::SyncRequest;
 
-use crate::alloc::AllocConfig;
+use crate::alloc::{AllocConfig, NodeTerms};
 
 /// The longest key a report may name, in bytes.
 pub const MAX_KEY_BYTES: usize = 255;
@@ -92,8 +93,9 @@ pub const DEFAULT_MAX_KEYS: u64 = 1_000_000;
 
 /// How long a node's session lives after its last applied request: longer
 /// than any lease and local fallback (`D + ttl + local_max + settle`,
-/// 313.5 s with the defaults), so a session never expires while anything it
-/// counted can still matter. Fifteen minutes.
+/// 68.5 s with the defaults, with the `D` and `local_max` each node
+/// reports), so a session never expires while anything it counted can
+/// still matter. Fifteen minutes.
 pub const DEFAULT_SESSION_IDLE_NS: u64 = 900 * 1_000_000_000;
 
 /// How much state the service keeps. Beyond a cap, a new node (`429`,
@@ -206,11 +208,12 @@ pub fn check(req: &SyncRequest, limits: &IntakeLimits, identity: Option<&Identit
     Ok(())
 }
 
-/// The most a report may carry for `limit` (see the module header).
-pub fn plausible(cfg: &AllocConfig, limit: &crate::GlobalLimit) -> u64 {
+/// The most a report may carry for `limit` from a node that enforces
+/// `terms` (see the module header).
+pub fn plausible(cfg: &AllocConfig, terms: &NodeTerms, limit: &crate::GlobalLimit) -> u64 {
     let span = u128::from(limit.window_ns)
-        .saturating_add(u128::from(cfg.lease_life_ns()))
-        .saturating_add(u128::from(cfg.local_max_ns));
+        .saturating_add(u128::from(terms.lease_life_ns(cfg)))
+        .saturating_add(u128::from(terms.local_max_ns));
     let windows = span.div_ceil(u128::from(limit.window_ns.max(1)));
     let refill = u128::from(limit.limit).saturating_mul(windows);
     let total = refill
@@ -223,11 +226,12 @@ pub fn plausible(cfg: &AllocConfig, limit: &crate::GlobalLimit) -> u64 {
 /// values were clamped.
 pub fn clamp(req: &mut SyncRequest, cfg: &AllocConfig) -> u64 {
     let mut clamped = 0u64;
+    let (terms, _) = cfg.terms_of(req);
     for r in &mut req.reports {
         let Some(limit) = cfg.limits.get(&r.limit) else {
             continue;
         };
-        let max = plausible(cfg, limit);
+        let max = plausible(cfg, &terms, limit);
         for v in [&mut r.consumed, &mut r.unleased, &mut r.demand] {
             if *v > max {
                 *v = max;
@@ -271,6 +275,7 @@ mod tests {
             boot: 0,
             acked_seq: 0,
             reports,
+            settings: None,
         }
     }
 
@@ -281,15 +286,23 @@ mod tests {
             consumed: n,
             unleased: n,
             demand: n,
+            failure_mode: None,
         }
     }
 
     #[test]
     fn overflowing_counts_are_clamped_to_the_plausible() {
         let c = cfg();
-        // 100/min, burst 100, D + ttl + local_max = 303.5 s: 7 windows.
-        let max = plausible(&c, &c.limits["per-min"]);
-        assert_eq!(max, 4 * (100 + 100 * 7));
+        // 100/min, burst 100, W + D + ttl + local_max = 123.5 s (the
+        // filter's local_max, 60 s): 3 windows.
+        let max = plausible(&c, &c.terms(), &c.limits["per-min"]);
+        assert_eq!(max, 4 * (100 + 100 * 3));
+        // A node that reports a longer fallback may report more.
+        let longer = NodeTerms {
+            local_max_ns: 300_000_000_000,
+            ..c.terms()
+        };
+        assert_eq!(plausible(&c, &longer, &c.limits["per-min"]), 4 * (100 + 100 * 7));
         let mut r = req(vec![report("t|a", MAX_COUNT), report("t|b", 10)]);
         assert!(check(&r, &IntakeLimits::default(), None).is_ok());
         assert_eq!(clamp(&mut r, &c), 3);

@@ -4,17 +4,24 @@
 //! The allocator stays the only place with semantics: a store keeps opaque
 //! records ([`Session`] per node, [`KeyState`] per (key, limit), which holds
 //! the key's per-region allocation and debt too) and runs the allocator's
-//! steps (`crate::alloc::{begin, visit, finish}`) as **atomic
-//! read-modify-writes of one record each**. An update function may run more
-//! than once (a store retries it on a conflict), so it must be a pure
-//! function of the record it is given and its captured inputs, and it must
-//! leave its results in its captures on every run.
+//! steps (`crate::alloc::{begin, visit, finish}`) of one sync request as
+//! **one transaction** over the node's session and every (key, limit)
+//! record the request touches ([`Store::update_request`], a [`Txn`]): all
+//! of its writes land, or none (a store error, a conflict past the retries,
+//! a panic in a step). So a request that fails mid-way counts nothing, and
+//! the node's retry (its counts carried again) counts them exactly once.
+//! The timer's sweep updates records one at a time ([`Store::update_keys`]):
+//! each of its steps may run again. An update function may run more than
+//! once (a store retries it on a conflict), so it must be a pure function
+//! of the records it is given and its captured inputs, and it must leave
+//! its results in its captures on every run.
 //!
 //! * [`EmbeddedStore`]: in the service's process (the default). Nothing to
 //!   run; state is lost when the process exits.
 //! * [`RedisStore`]: shared by every replica, survives their restarts. Each
-//!   record is a hash `{v: version, d: bytes}`; a write is a Lua
-//!   compare-and-set on `v`, retried a bounded number of times.
+//!   record is a hash `{v: version, d: bytes}`; a request's writes are one
+//!   Lua script that checks every record's `v` and then writes them all
+//!   (Redis runs a script alone), retried a bounded number of times.
 //!
 //! Errors say whether they are transient ([`StoreError::is_transient`]), so
 //! the caller can answer "try again" (the node then runs its leases to their
@@ -68,6 +75,35 @@ impl StoreError {
     }
 }
 
+/// One (key, limit)'s record inside a [`Txn`]: a copy, written back only
+/// if `write` is set when [`Txn::apply`] returns.
+#[derive(Debug, Clone)]
+pub struct KeySlot {
+    pub id: KeyId,
+    /// The record (`None`: none yet). Set to `None` with `write`: deleted.
+    pub record: Option<KeyState>,
+    pub write: bool,
+}
+
+/// One sync request as one transaction: the store reads the node's
+/// session and calls [`Txn::begin`], reads the records it names and calls
+/// [`Txn::apply`], then writes the session and every record marked
+/// `write`, **all or nothing**. A store may run both steps again (on a
+/// conflict), with fresh copies, so each must be a pure function of the
+/// records it is given and its inputs, and leave its results in `self` on
+/// every run.
+pub trait Txn: Send {
+    /// Step 1 on a copy of the node's session; `sessions`: how many nodes
+    /// have one (before this request). `None`: stop, write nothing.
+    /// Otherwise the (key, limit)s [`Txn::apply`] needs, each once.
+    fn begin(&mut self, session: &mut Option<Session>, sessions: u64) -> Option<Vec<KeyId>>;
+
+    /// The remaining steps, on the same session copy and on copies of the
+    /// records of `begin`'s ids (in its order). Returns whether to write
+    /// the session (`None` in the slot: delete it).
+    fn apply(&mut self, session: &mut Option<Session>, keys: &mut [KeySlot]) -> bool;
+}
+
 /// The allocator's records, shared by the service replicas.
 #[async_trait]
 pub trait Store: Send + Sync {
@@ -81,9 +117,15 @@ pub trait Store: Send + Sync {
     /// nodes have a session afterwards.
     async fn update_session(&self, node: &str, f: &mut SessionUpdate<'_>) -> Result<u64, StoreError>;
 
+    /// Runs one sync request's steps as one transaction (see [`Txn`]):
+    /// on an error nothing is written. Returns how many nodes have a
+    /// session afterwards.
+    async fn update_request(&self, node: &str, txn: &mut (dyn Txn + '_)) -> Result<u64, StoreError>;
+
     /// Updates each of `ids`' records with `f(index, record)`, each
     /// atomically (not all together). On an error some records may have
-    /// been updated and others not.
+    /// been updated and others not: for the sweep, whose every step
+    /// (bringing a record to `now`) may run again.
     async fn update_keys(&self, ids: &[KeyId], f: &mut KeyUpdate<'_>) -> Result<(), StoreError>;
 
     /// Every (key, limit) with a record.
@@ -180,7 +222,9 @@ mod tests {
                 consumed: 3,
                 unleased: 0,
                 demand: 3,
+                failure_mode: None,
             }],
+            settings: None,
         };
         session.intake(&req, 1).unwrap();
         let bytes = encode("s", &session).unwrap();

@@ -11,15 +11,25 @@
 //! Each record is a hash `{v: version, d: bytes}` (see `store::encode`).
 //!
 //! # Atomicity
-//! Optimistic compare-and-set. An update reads `v` and `d`, runs the
-//! allocator step in Rust, and writes with a Lua script that sets the new
-//! `v` and `d` only if `v` is still what was read (Redis runs a script
-//! alone). On a conflict the update is re-read and re-run, at most
-//! [`MAX_ATTEMPTS`] times, then fails with a transient
-//! [`StoreError::Contention`]. A batch of (key, limit)s is read in one
-//! pipeline and written in one pipeline, so a batch costs two round trips
-//! plus one per round of conflicts. The allocation math stays in Rust
-//! (`crate::alloc`); the script knows nothing of it.
+//! Optimistic compare-and-set. A sync request ([`Store::update_request`])
+//! reads the node's session, then every (key, limit) record it names (one
+//! pipeline), runs the allocator's steps in Rust, and writes with **one**
+//! Lua script ([`CAS_ALL`]) that first checks that every record's `v` is
+//! still what was read, then writes them all and their index entries:
+//! Redis runs a script alone, so the request lands whole or not at all
+//! (no MULTI/EXEC needed: the script is the transaction). A connection
+//! that breaks before the script ran writes nothing; one that breaks after
+//! it ran loses only the answer (the node's retry is then deduplicated by
+//! its session like any lost answer). On a conflict the whole request is
+//! re-read and re-run, at most [`MAX_ATTEMPTS`] times, then it fails with a
+//! transient [`StoreError::Contention`]: three round trips per request
+//! plus three per round of conflicts. The script names every record it
+//! touches in `KEYS`, as a script must; all of a request's records are in
+//! one Redis (this store speaks to one server, not a Redis Cluster, where
+//! a request's keys span slots). The sweep's batches ([`Store::update_keys`])
+//! use the per-record [`CAS`]: each of its steps may run again. The
+//! allocation math stays in Rust (`crate::alloc`); the scripts know nothing
+//! of it.
 
 use std::time::Duration;
 
@@ -28,7 +38,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, RedisError};
 use tokio::sync::OnceCell;
 
-use super::{decode, encode, KeyUpdate, SessionUpdate, Store, StoreError};
+use super::{decode, encode, KeySlot, KeyUpdate, SessionUpdate, Store, StoreError, Txn};
 use crate::alloc::{KeyId, KeyState, Session};
 
 /// Attempts of one record's compare-and-set before giving up.
@@ -49,6 +59,35 @@ const CAS_DEL: &str = r"
 local v = redis.call('HGET', KEYS[1], 'v')
 if (v or '') ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
+return 1
+";
+
+/// One sync request's writes, all or nothing. `KEYS[1]` the nodes set,
+/// `KEYS[2]` the keys set, then the records (session first). `ARGV`, five
+/// per record: expected version ("" when absent), operation (`c` create,
+/// `w` write, `d` delete, `-` only check), new version, new bytes, member
+/// of its index set (`n|<node>` or `k|<record>`). Every version is checked
+/// before anything is written; returns 1 if written, 0 if a version moved.
+const CAS_ALL: &str = r"
+local n = #KEYS - 2
+for i = 1, n do
+  local v = redis.call('HGET', KEYS[i + 2], 'v')
+  if (v or '') ~= ARGV[(i - 1) * 5 + 1] then return 0 end
+end
+for i = 1, n do
+  local b = (i - 1) * 5
+  local op = ARGV[b + 2]
+  local set = KEYS[2]
+  local member = string.sub(ARGV[b + 5], 3)
+  if string.sub(ARGV[b + 5], 1, 1) == 'n' then set = KEYS[1] end
+  if op == 'c' or op == 'w' then
+    redis.call('HSET', KEYS[i + 2], 'v', ARGV[b + 3], 'd', ARGV[b + 4])
+    if op == 'c' then redis.call('SADD', set, member) end
+  elseif op == 'd' then
+    redis.call('DEL', KEYS[i + 2])
+    redis.call('SREM', set, member)
+  end
+end
 return 1
 ";
 
@@ -160,6 +199,26 @@ fn cas_cmd(pipe: &mut redis::Pipeline, record: &str, version: Version, bytes: Ve
         .arg(bytes);
 }
 
+/// What [`CAS_ALL`] does to one record.
+enum Op {
+    Check,
+    Create(Vec<u8>),
+    Write(Vec<u8>),
+    Delete,
+}
+
+fn push_op(script: &mut redis::Cmd, version: Version, op: Op, member: &str) {
+    let expected = version.map(|v| v.to_string()).unwrap_or_default();
+    let next = (version.unwrap_or(0).saturating_add(1)).to_string();
+    let (code, bytes) = match op {
+        Op::Check => ("-", Vec::new()),
+        Op::Create(b) => ("c", b),
+        Op::Write(b) => ("w", b),
+        Op::Delete => ("d", Vec::new()),
+    };
+    script.arg(expected).arg(code).arg(next).arg(bytes).arg(member);
+}
+
 #[async_trait]
 impl Store for RedisStore {
     fn kind(&self) -> &'static str {
@@ -218,6 +277,86 @@ impl Store for RedisStore {
                 if written == 1 {
                     return Ok(count);
                 }
+            }
+        }
+        Err(StoreError::Contention {
+            record,
+            attempts: MAX_ATTEMPTS,
+        })
+    }
+
+    async fn update_request(&self, node: &str, txn: &mut (dyn Txn + '_)) -> Result<u64, StoreError> {
+        let mut conn = self.conn().await?;
+        let record = self.session_record(node);
+        for _ in 0..MAX_ATTEMPTS {
+            let ((version, bytes), count): ((Version, Option<Vec<u8>>), u64) = redis::pipe()
+                .cmd("HMGET")
+                .arg(&record)
+                .arg("v")
+                .arg("d")
+                .cmd("SCARD")
+                .arg(self.nodes_set())
+                .query_async(&mut conn)
+                .await
+                .map_err(map_err)?;
+            let mut session: Option<Session> = bytes.map(|b| decode(&record, &b)).transpose()?;
+            let Some(ids) = txn.begin(&mut session, count) else {
+                return Ok(count);
+            };
+            let records: Vec<String> = ids.iter().map(|id| self.key_record(id)).collect();
+            let rows: Vec<(Version, Option<Vec<u8>>)> = if records.is_empty() {
+                Vec::new()
+            } else {
+                let mut read = redis::pipe();
+                for r in &records {
+                    read.cmd("HMGET").arg(r).arg("v").arg("d");
+                }
+                read.query_async(&mut conn).await.map_err(map_err)?
+            };
+            let mut versions: Vec<Version> = Vec::with_capacity(rows.len());
+            let mut slots: Vec<KeySlot> = Vec::with_capacity(rows.len());
+            for ((id, r), (v, b)) in ids.into_iter().zip(&records).zip(rows) {
+                versions.push(v);
+                slots.push(KeySlot {
+                    record: b.map(|b| decode(r, &b)).transpose()?,
+                    id,
+                    write: false,
+                });
+            }
+            let write_session = txn.apply(&mut session, &mut slots);
+
+            let mut script = redis::cmd("EVAL");
+            script.arg(CAS_ALL).arg(records.len() + 3);
+            script.arg(self.nodes_set()).arg(self.keys_set()).arg(&record);
+            for r in &records {
+                script.arg(r);
+            }
+            let mut after = count;
+            let session_op = match (write_session, &session, version) {
+                (false, _, _) | (true, None, None) => Op::Check,
+                (true, Some(s), None) => {
+                    after = after.saturating_add(1);
+                    Op::Create(encode(&record, s)?)
+                }
+                (true, Some(s), Some(_)) => Op::Write(encode(&record, s)?),
+                (true, None, Some(_)) => {
+                    after = after.saturating_sub(1);
+                    Op::Delete
+                }
+            };
+            push_op(&mut script, version, session_op, &format!("n|{node}"));
+            for ((slot, r), v) in slots.iter().zip(&records).zip(&versions) {
+                let op = match (slot.write, &slot.record, v) {
+                    (false, _, _) | (true, None, None) => Op::Check,
+                    (true, Some(ks), None) => Op::Create(encode(r, ks)?),
+                    (true, Some(ks), Some(_)) => Op::Write(encode(r, ks)?),
+                    (true, None, Some(_)) => Op::Delete,
+                };
+                push_op(&mut script, *v, op, &format!("k|{r}"));
+            }
+            let written: i64 = script.query_async(&mut conn).await.map_err(map_err)?;
+            if written == 1 {
+                return Ok(after);
             }
         }
         Err(StoreError::Contention {

@@ -155,6 +155,7 @@ impl Node {
                     consumed: c.consumed,
                     unleased: c.unleased,
                     demand: c.demand,
+                    failure_mode: None,
                 });
                 sent.push((key.clone(), limit.clone(), c));
             }
@@ -170,6 +171,7 @@ impl Node {
             boot: 0,
             acked_seq: self.sync.acked_seq,
             reports,
+            settings: None,
         })
     }
 

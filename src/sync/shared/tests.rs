@@ -95,25 +95,33 @@ impl World {
     }
 
     fn answer(&self, req: &SyncRequest, tokens: u64, now: u64) -> Result<Applied, NotApplied> {
-        let resp = SyncResponse {
-            version: 1,
-            ack_seq: req.seq,
-            interval_ms: 1000,
-            leases: req
-                .reports
-                .iter()
-                .map(|r| Lease {
-                    key: r.key.clone(),
-                    limit: r.limit.clone(),
-                    tokens,
-                    share: tokens,
-                    ttl_ms: 3000,
-                })
-                .collect(),
-        };
+        let resp = response(req, tokens);
         apply(&self.host(), &self.policy, self.settings(), &resp, now)
     }
 }
+
+/// The service's answer to `req`: a lease of `tokens` (3 s) for every
+/// reported key.
+fn response(req: &SyncRequest, tokens: u64) -> SyncResponse {
+    SyncResponse {
+        version: 1,
+        ack_seq: req.seq,
+        interval_ms: 1000,
+        leases: req
+            .reports
+            .iter()
+            .map(|r| Lease {
+                key: r.key.clone(),
+                limit: r.limit.clone(),
+                tokens,
+                share: tokens,
+                ttl_ms: 3000,
+            })
+            .collect(),
+    }
+}
+
+mod steps;
 
 #[test]
 fn a_policy_without_global_limits_has_no_sync() {
@@ -480,4 +488,58 @@ fn a_scan_longer_than_the_interval_is_not_abandoned_and_its_timer_starts_at_disp
             ..
         }
     ));
+}
+
+/// The request carries the settings the service's bound depends on (item
+/// "one source for shared settings"): the node's callout timeout,
+/// `fail_open_local`'s duration, its interval and default failure mode,
+/// and the failure mode of each report whose key runs another one (the
+/// most permissive of the classes sharing its action).
+#[test]
+fn the_request_carries_the_settings_the_node_enforces() {
+    let w = World::new("fail_open_local");
+    // `strict` (fail_closed) shares action `api` with `api` (the
+    // default): its keys run the more permissive default.
+    assert_eq!(w.request("strict", "t1", T0), Reason::Allowed);
+    let req = w.report(T0 + S).unwrap();
+    assert_eq!(
+        req.settings,
+        Some(NodeSettings {
+            timeout_ms: 500,
+            local_max_ms: crate::policy::LOCAL_MAX_NS / MS,
+            interval_ms: 1000,
+            failure_mode: FailureMode::FailOpenLocal,
+        })
+    );
+    assert_eq!(req.reports.len(), 1);
+    assert_eq!(req.reports[0].failure_mode, None);
+
+    // A class of its own action that fails closed: its keys say so; a
+    // fail_open class outranks it on a shared action.
+    let json = br#"{"version": "g-2", "identity": {"header": "x-tenant-id"},
+        "plans": {"free": {"limits": [{"name": "global", "rate": 100, "per": "1s", "global": true}]}},
+        "default_plan": "free", "anonymous": {"plan": "free"},
+        "routes": {"api": {}, "pay": {"failure_mode": "fail_closed"},
+            "feed": {"failure_mode": "fail_closed"}, "feed-open": {"action": "feed", "failure_mode": "fail_open"}},
+        "sync": {"interval": "1s", "timeout": "250ms"}}"#;
+    let mut p = Policy::from_json(json).unwrap_or_else(|e| panic!("{e}"));
+    p.effective_from_ns = T0;
+    let w = World {
+        store: SharedStore::new(),
+        policy: p,
+    };
+    for class in ["api", "pay", "feed"] {
+        assert_eq!(w.request(class, "t1", T0), Reason::Allowed);
+    }
+    let req = w.report(T0 + S).unwrap();
+    assert_eq!(req.settings.map(|s| s.timeout_ms), Some(250));
+    let mode = |action: &str| {
+        req.reports
+            .iter()
+            .find(|r| r.key.starts_with(&format!("{action}|")))
+            .map(|r| r.failure_mode)
+    };
+    assert_eq!(mode("api"), Some(None));
+    assert_eq!(mode("pay"), Some(Some(FailureMode::FailClosed)));
+    assert_eq!(mode("feed"), Some(Some(FailureMode::FailOpen)));
 }
