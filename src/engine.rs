@@ -45,10 +45,24 @@ pub enum Reason {
     Contention,
     /// Shared data could not be read or written: 503.
     StateUnavailable,
+    /// Admission: the dependency's in-flight slots for this level are full: 503.
+    ConcurrencyLimit,
+    /// Admission: the dependency's `max_streams` streams are open: 503.
+    StreamLimit,
+    /// Admission: the tenant holds its `tenant_max_share`: 503.
+    TenantShare,
+    /// The declared or streamed body is over `max_body_bytes`: 413.
+    RequestTooLarge,
+    /// The remaining timeout budget is below `min_timeout_budget`: 503.
+    TimeoutBudget,
+    /// Admission: the level's queue at the dependency is full: 503.
+    QueueFull,
+    /// Admission: no slot came within the level's `max_wait`: 503.
+    QueueTimeout,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 8] = [
+    pub const ALL: [Reason; 15] = [
         Reason::Allowed,
         Reason::RateLimited,
         Reason::ShadowLimited,
@@ -57,6 +71,13 @@ impl Reason {
         Reason::Disabled,
         Reason::Contention,
         Reason::StateUnavailable,
+        Reason::ConcurrencyLimit,
+        Reason::StreamLimit,
+        Reason::TenantShare,
+        Reason::RequestTooLarge,
+        Reason::TimeoutBudget,
+        Reason::QueueFull,
+        Reason::QueueTimeout,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -69,6 +90,13 @@ impl Reason {
             Reason::Disabled => "disabled",
             Reason::Contention => "contention",
             Reason::StateUnavailable => "state_unavailable",
+            Reason::ConcurrencyLimit => "concurrency_limit",
+            Reason::StreamLimit => "stream_limit",
+            Reason::TenantShare => "tenant_share",
+            Reason::RequestTooLarge => "request_too_large",
+            Reason::TimeoutBudget => "timeout_budget",
+            Reason::QueueFull => "queue_full",
+            Reason::QueueTimeout => "queue_timeout",
         }
     }
 
@@ -76,7 +104,16 @@ impl Reason {
     pub fn deny_status(self) -> Option<u32> {
         match self {
             Reason::RateLimited => Some(429),
-            Reason::GlobalGuard | Reason::Contention | Reason::StateUnavailable => Some(503),
+            Reason::RequestTooLarge => Some(413),
+            Reason::GlobalGuard
+            | Reason::Contention
+            | Reason::StateUnavailable
+            | Reason::ConcurrencyLimit
+            | Reason::StreamLimit
+            | Reason::TenantShare
+            | Reason::TimeoutBudget
+            | Reason::QueueFull
+            | Reason::QueueTimeout => Some(503),
             _ => None,
         }
     }
@@ -351,6 +388,9 @@ struct Binding {
 pub fn record_is_idle(record: &Record<'_>, now: u64) -> bool {
     if record.kind == KIND_GLOBAL_ALLOWANCE {
         return stored::decode_allowance(record.state).is_none_or(|a| a.is_idle(now));
+    }
+    if record.kind == crate::admission::KIND_IN_FLIGHT {
+        return crate::admission::holders::record_is_idle(record, now);
     }
     Algo::record_is_idle(record, now)
 }

@@ -14,6 +14,7 @@
 //! steps over [`host::Host`]). It is pure like the core; the glue runs it
 //! on the root tick for policies with global limits.
 
+pub mod admission;
 pub mod engine;
 pub mod host;
 pub mod limiter;

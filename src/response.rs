@@ -70,6 +70,32 @@ pub fn local_reply(
                 decision.limit.as_deref().unwrap_or("")
             ),
         ),
+        Reason::ConcurrencyLimit
+        | Reason::StreamLimit
+        | Reason::TenantShare
+        | Reason::QueueFull
+        | Reason::QueueTimeout => (
+            "Service Unavailable",
+            format!(
+                "The dependency \"{}\" is at its {} for this request's priority; retry in {retry_after} s.",
+                decision.limit.as_deref().unwrap_or(""),
+                match reason {
+                    Reason::StreamLimit => "limit of open streams",
+                    Reason::TenantShare => "limit for one tenant",
+                    Reason::QueueFull => "in-flight limit and its queue is full",
+                    Reason::QueueTimeout => "in-flight limit and no slot came within the queue's max_wait",
+                    _ => "in-flight limit",
+                }
+            ),
+        ),
+        Reason::RequestTooLarge => (
+            "Content Too Large",
+            String::from("The request body is larger than this route accepts."),
+        ),
+        Reason::TimeoutBudget => (
+            "Service Unavailable",
+            format!("The request's remaining timeout is too short for this route; retry in {retry_after} s with a longer timeout."),
+        ),
         _ => (
             "Service Unavailable",
             format!(

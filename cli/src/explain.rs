@@ -145,6 +145,7 @@ pub fn explain(policy: &Policy, req: &Request<'_>) -> String {
     let _ = writeln!(out, "  action: {}", class.action);
     let _ = writeln!(out, "  cost: {}", class.cost);
     let _ = writeln!(out, "  on limit: {}", on_limit(class.on_limit));
+    explain_admission(policy, class, &mut out);
 
     // Identity and plan, as the engine resolves them.
     let prepared = match engine::prepare(policy, &host) {
@@ -439,15 +440,30 @@ pub fn diff(old: &Policy, new: &Policy) -> (String, bool) {
                     .and_then(|g| p.guard(g))
                     .map_or("none", |g| g.name.as_str());
                 let mode = c.failure_mode.map_or("sync.failure_mode", failure_mode);
-                (
-                    c.name.clone(),
-                    format!(
-                        "action {}, cost {}, guard {guard}, on limit {}, failure mode {mode}",
-                        c.action,
-                        c.cost,
-                        on_limit(c.on_limit)
-                    ),
-                )
+                let mut summary = format!(
+                    "action {}, cost {}, guard {guard}, on limit {}, failure mode {mode}",
+                    c.action,
+                    c.cost,
+                    on_limit(c.on_limit)
+                );
+                let l = c.labels;
+                if l != tenantgate::policy::admission::Labels::default() {
+                    let dependency = l
+                        .dependency
+                        .and_then(|d| p.dependency(d))
+                        .map_or("none", |d| d.name.as_str());
+                    let _ = write!(
+                        summary,
+                        ", criticality {}, retryable {}, streaming {}, dependency {dependency}, max_body_bytes {}, min_timeout_budget {}",
+                        l.criticality.as_str(),
+                        l.retryable,
+                        l.streaming,
+                        l.max_body_bytes.map_or_else(|| "none".to_owned(), |n| n.to_string()),
+                        l.min_timeout_budget_ns
+                            .map_or_else(|| "none".to_owned(), |ns| format!("{} ms", ns / 1_000_000)),
+                    );
+                }
+                (c.name.clone(), summary)
             })
             .collect()
     };
@@ -487,8 +503,103 @@ pub fn diff(old: &Policy, new: &Policy) -> (String, bool) {
             "sync: changed (global limits use the new settings from the next sync)"
         );
     }
+    if old.dependencies != new.dependencies {
+        differs = true;
+        let names = |p: &Policy| {
+            p.dependencies
+                .iter()
+                .map(|d| d.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let _ = writeln!(
+            out,
+            "dependencies: changed ({} -> {}): slots in flight carry over and count against the new limits",
+            names(old),
+            names(new)
+        );
+    }
     if !differs {
         let _ = writeln!(out, "no change to live state");
     }
     (out, differs)
+}
+
+/// The class's admission labels, when it has any (see docs/admission.md).
+fn explain_admission(policy: &Policy, class: &tenantgate::policy::RouteClass, out: &mut String) {
+    use tenantgate::policy::admission::Criticality;
+    let l = class.labels;
+    if l == tenantgate::policy::admission::Labels::default() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "  admission: criticality {}{}{}",
+        l.criticality.as_str(),
+        if l.retryable { ", retryable" } else { "" },
+        if l.streaming { ", streaming" } else { "" }
+    );
+    match l.dependency.and_then(|i| policy.dependency(i)) {
+        None => {
+            let _ = writeln!(out, "  dependency: none (no in-flight limit)");
+        }
+        Some(d) => {
+            let general = u64::from(d.general());
+            let uses = if l.streaming {
+                format!("a stream slot of max_streams {}", d.max_streams.unwrap_or(0))
+            } else {
+                match l.criticality {
+                    Criticality::System => format!(
+                        "reserved.system ({}) then the pool ({general})",
+                        d.reserved_system
+                    ),
+                    Criticality::Critical => {
+                        format!(
+                            "reserved.critical ({}) then the pool ({general})",
+                            d.reserved_critical
+                        )
+                    }
+                    level => format!(
+                        "the pool up to {} of {general} (shed before higher levels)",
+                        tenantgate::admission::ceiling(general, level, l.retryable)
+                    ),
+                }
+            };
+            let share = d.tenant_max.map_or_else(
+                || String::from("no cap per tenant"),
+                |n| format!("at most {n} per tenant"),
+            );
+            let queue = d.queues.get(l.criticality.index()).copied().unwrap_or_default();
+            let queue = if queue.max_queue == 0 {
+                String::from("refused at once when full (503 concurrency_limit)")
+            } else {
+                format!(
+                    "held when full, up to {} per worker for at most {} ms",
+                    queue.max_queue,
+                    queue.max_wait_ns / 1_000_000
+                )
+            };
+            let _ = writeln!(
+                out,
+                "  dependency: {} (max_in_flight {}, node-wide): uses {uses}; {share}; {queue}",
+                d.name, d.max_in_flight
+            );
+        }
+    }
+    if l.max_body_bytes.is_some() || l.min_timeout_budget_ns.is_some() {
+        let body = l.max_body_bytes.map_or_else(
+            || String::from("any body size"),
+            |n| format!("body at most {n} bytes (413)"),
+        );
+        let budget = l.min_timeout_budget_ns.map_or_else(
+            || String::from("no timeout budget"),
+            |ns| {
+                format!(
+                    "at least {} ms of timeout left (503 timeout_budget)",
+                    ns / 1_000_000
+                )
+            },
+        );
+        let _ = writeln!(out, "  request checks: {body}; {budget}");
+    }
 }

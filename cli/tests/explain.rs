@@ -154,3 +154,34 @@ fn diff_exits_2_on_an_invalid_policy() {
     assert!(String::from_utf8_lossy(&out.stderr)
         .contains("zero-rate.yaml: plans.free.limits[0].rate: must be > 0"));
 }
+
+#[test]
+fn explain_shows_a_classs_admission_labels() {
+    golden(
+        "explain-admission-checkout.txt",
+        &[
+            "policy",
+            "explain",
+            "policies/admission.yaml",
+            "--tenant",
+            "acme",
+            "--class",
+            "checkout",
+        ],
+        0,
+    );
+}
+
+#[test]
+fn diff_shows_admission_label_and_dependency_changes() {
+    golden(
+        "diff-admission-reload.txt",
+        &[
+            "policy",
+            "diff",
+            "policies/admission.yaml",
+            "cli/tests/golden/admission-reload.yaml",
+        ],
+        1,
+    );
+}

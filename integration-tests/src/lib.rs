@@ -8,6 +8,7 @@
 //! a deadline, never a bare sleep for a condition) and request loops.
 
 pub mod cluster;
+pub mod upstream;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -143,6 +144,15 @@ impl Envoy {
     /// [`Envoy::start`] as one node of several: its own `node.id` and
     /// region, and a `tenantgate` sync cluster over `sync_ports`.
     pub fn start_node(policy_yaml: &str, node: &NodeSpec) -> Envoy {
+        Envoy::start_node_with(policy_yaml, node, |b| b)
+    }
+
+    /// [`Envoy::start_node`] with the bootstrap edited by `edit` last.
+    pub(crate) fn start_node_with(
+        policy_yaml: &str,
+        node: &NodeSpec,
+        edit: impl FnOnce(String) -> String,
+    ) -> Envoy {
         let dir = Envoy::temp_dir();
         let (port, jwt_port, admin) = (free_port(), free_port(), free_port());
         let ecds = dir.join("ecds.yaml");
@@ -221,6 +231,7 @@ impl Envoy {
         bootstrap.push_str(
             "  - name: tenantgate_empty\n    type: STATIC\n    connect_timeout: 0.25s\n    load_assignment: { cluster_name: tenantgate_empty, endpoints: [] }\n",
         );
+        let bootstrap = edit(bootstrap);
         Envoy::launch(dir, &bootstrap, port, jwt_port, admin, ecds)
     }
 

@@ -22,6 +22,9 @@
 //! (reproduced: `integration-tests/tests/callout.rs`). A memory allocation
 //! the host cannot make is InvalidMemoryAccess for every call returning data.
 //!
+//! `set_property` (the admission decision record) is declared raw too: the
+//! SDK's wrapper accepts only Ok and panics on any other status.
+//!
 //! Every function here returns the raw status as [`HostStatus`] (a plain
 //! `u32`: an unknown value is data, never undefined behaviour) and callers
 //! handle it. Declaring the imports with `u32` instead of the SDK's `Status`
@@ -85,6 +88,12 @@ extern "C" {
         path_size: usize,
         return_value_data: *mut *mut u8,
         return_value_size: *mut usize,
+    ) -> u32;
+    fn proxy_set_property(
+        path_data: *const u8,
+        path_size: usize,
+        value_data: *const u8,
+        value_size: usize,
     ) -> u32;
     fn proxy_get_shared_data(
         key_data: *const u8,
@@ -211,6 +220,13 @@ pub fn property(path: &[&str]) -> Result<Option<Vec<u8>>, HostStatus> {
         unsafe { proxy_get_property(serialized.as_ptr(), serialized.len(), data, size) }
     })?;
     Ok(r.data)
+}
+
+/// Sets a one-part property: Envoy keeps it as the stream's filter state
+/// `wasm.<name>` (what access logs print with `%FILTER_STATE(…)%`).
+pub fn set_property(name: &str, value: &[u8]) -> Result<(), HostStatus> {
+    // SAFETY: the host only reads the two slices during the call.
+    ok(unsafe { proxy_set_property(name.as_ptr(), name.len(), value.as_ptr(), value.len()) })
 }
 
 /// A shared-data value and its CAS token (`(None, None)`: absent).

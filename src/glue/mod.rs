@@ -13,6 +13,7 @@
 //! lists each wrapper avoided, why, and why those two are safe.
 
 mod abi;
+mod admission;
 mod metrics;
 mod sync;
 
@@ -33,8 +34,9 @@ use crate::sync::SyncState;
 use abi::HostStatus;
 use metrics::Metrics;
 
-/// How often a worker serves its queue of held requests.
-const TICK: Duration = Duration::from_millis(10);
+/// How often a worker serves its queues of held requests, in nanoseconds.
+const TICK_NS: u64 = 10_000_000;
+const TICK: Duration = Duration::from_nanos(TICK_NS);
 
 thread_local! {
     /// The worker's held requests (`on_limit: queue`). One per VM: a
@@ -117,6 +119,7 @@ impl Host for ProxyHost {
 struct Root {
     policy: Option<Rc<Policy>>,
     metrics: Rc<Metrics>,
+    admission: Rc<admission::Admission>,
     sync: sync::Syncer,
 }
 
@@ -125,6 +128,7 @@ impl Root {
         Root {
             policy: None,
             metrics: Rc::new(Metrics::define()),
+            admission: Rc::new(admission::Admission::define()),
             sync: sync::Syncer::default(),
         }
     }
@@ -165,6 +169,7 @@ impl RootContext for Root {
                     policy.mode
                 );
                 self.sync.configure(&policy, &ProxyHost);
+                self.admission.configure(&policy, policy.effective_from_ns);
                 self.policy = Some(Rc::new(policy));
                 self.metrics.config_loaded();
                 // Every configuration serves the queue: requests held under
@@ -194,6 +199,8 @@ impl RootContext for Root {
             context_id,
             policy: self.policy.clone(),
             metrics: self.metrics.clone(),
+            admission: self.admission.clone(),
+            stream: admission::Stream::default(),
             response_headers: None,
             held: false,
         }))
@@ -202,6 +209,7 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         self.metrics.flush();
         let Some(now) = now_ns() else { return };
+        self.admission.tick(&self.metrics, now);
         if let Some(policy) = self.policy.clone() {
             self.sync.tick(&policy, &self.metrics, now);
         }
@@ -256,14 +264,31 @@ struct Request {
     context_id: u32,
     policy: Option<Rc<Policy>>,
     metrics: Rc<Metrics>,
+    admission: Rc<admission::Admission>,
+    /// The stream's admission slot and body budget.
+    stream: admission::Stream,
     /// `RateLimit` headers to add to an allowed request's response.
     response_headers: Option<RateLimitHeaders>,
     /// Paused in the queue.
     held: bool,
 }
 
+impl Request {
+    /// Gives the stream's slot back, once (from `on_log` or `on_done`).
+    fn release_slot(&mut self) {
+        if let Some(ticket) = self.stream.ticket.take() {
+            admission::release(ticket, now_ns().unwrap_or(0));
+        }
+        if self.stream.queued {
+            self.stream.queued = false;
+            admission::stream_done(self.context_id, now_ns().unwrap_or(0));
+        }
+    }
+}
+
 impl Context for Request {
     fn on_done(&mut self) -> bool {
+        self.release_slot();
         if self.held && QUEUE.with(|q| q.borrow_mut().remove(self.context_id)) {
             self.metrics.queue_cancelled();
         }
@@ -284,7 +309,23 @@ impl HttpContext for Request {
             Ok(p) => p,
             Err(reason) => return self.finish(&policy, Decision::passed(reason)),
         };
+        if prepared.class.labels.checks_anything() {
+            let admitted =
+                self.admission
+                    .on_request_headers(&policy, &prepared, &mut self.stream, self.context_id, now);
+            match admitted {
+                Ok(()) => {}
+                Err(admission::Refused::Held) => return Action::Pause,
+                Err(admission::Refused::Reply(refusal)) => return self.finish(&policy, refusal),
+            }
+        }
         let decision = charge(&policy, &prepared, now);
+        if decision.deny_status().is_some() {
+            // A rate-limit denial gives its slot back at once.
+            if let Some(ticket) = self.stream.ticket.take() {
+                admission::release(ticket, now);
+            }
+        }
         if decision.deny_status() == Some(429) {
             let offered = QUEUE.with(|q| {
                 q.borrow_mut()
@@ -301,6 +342,23 @@ impl HttpContext for Request {
             }
         }
         self.finish(&policy, decision)
+    }
+
+    fn on_log(&mut self) {
+        self.release_slot();
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+        if self.stream.body.is_none() {
+            return Action::Continue;
+        }
+        let Some(policy) = self.policy.clone() else {
+            return Action::Continue;
+        };
+        match self.admission.on_request_body(&mut self.stream, body_size) {
+            Ok(()) => Action::Continue,
+            Err(refusal) => self.finish(&policy, refusal),
+        }
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {

@@ -142,6 +142,9 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
     }
     .div_ceil(SLOTS_PER_ENTRY as u64);
 
+    let dependencies =
+        super::admission::compile_dependencies(&spec.dependencies, &root.key("dependencies"), &mut errors.0);
+
     // Route classes.
     let routes_path = root.key("routes");
     if spec.routes.is_empty() {
@@ -202,6 +205,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
             }
         }
         let on_limit = compile_on_limit(r, &path, &mut errors);
+        let labels = super::admission::compile_labels(r, &dependencies, &path, &mut errors.0);
         let class = RouteClass {
             name: name.clone(),
             action,
@@ -209,6 +213,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
             guard,
             on_limit,
             failure_mode: r.failure_mode,
+            labels,
         };
         routes.insert(name.clone(), Rc::new(class));
     }
@@ -283,6 +288,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         global_limits,
         effective_from_ns: 0,
         quotas,
+        dependencies,
     })
 }
 

@@ -5,6 +5,7 @@
 //! YAML and JSON share every step after the first, so the CLI and the filter
 //! accept and reject exactly the same policies with the same messages.
 
+pub mod admission;
 mod compile;
 pub mod de;
 pub mod doc;
@@ -71,6 +72,8 @@ pub struct Policy {
     /// `quotas:` the reservable resources (the central service's; the
     /// filter only validates them).
     pub quotas: quota::Quotas,
+    /// `dependencies:` in name order (admission control).
+    pub dependencies: Vec<admission::Dependency>,
 }
 
 /// How the filter finds a request's route class: always from route
@@ -223,6 +226,8 @@ pub struct RouteClass {
     pub on_limit: OnLimit,
     /// Overrides `sync.failure_mode` for this class's global limits.
     pub failure_mode: Option<FailureMode>,
+    /// Admission control (criticality, dependency, request checks).
+    pub labels: admission::Labels,
 }
 
 impl Policy {
@@ -262,6 +267,11 @@ impl Policy {
 
     pub fn anonymous_plan(&self) -> usize {
         self.anonymous.plan
+    }
+
+    /// A dependency by index (a class's `labels.dependency`).
+    pub fn dependency(&self, index: usize) -> Option<&admission::Dependency> {
+        self.dependencies.get(index)
     }
 
     pub fn guard(&self, index: usize) -> Option<&Guard> {

@@ -89,6 +89,78 @@ pub struct PolicySpec {
     /// Reservable amounts for the central service (`super::quota`).
     #[serde(default)]
     pub quotas: BTreeMap<String, super::quota::ResourceSpec>,
+    /// Admission control: the upstream dependencies whose in-flight
+    /// requests are limited (`super::admission`).
+    #[serde(default)]
+    pub dependencies: BTreeMap<String, DependencySpec>,
+}
+
+/// `routes.<class>.criticality:` how important a class's requests are
+/// (trusted: only the policy sets it, never a request header).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Criticality {
+    /// Shed first.
+    Sheddable,
+    /// The default.
+    #[default]
+    Normal,
+    /// Uses its dependency's `reserved.critical` before the shared pool.
+    Critical,
+    /// Health and management traffic: uses `reserved.system`, admitted
+    /// while everything else is saturated.
+    System,
+}
+
+/// `dependencies.<name>:` an upstream dependency's admission limits.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DependencySpec {
+    pub max_in_flight: i64,
+    #[serde(default)]
+    pub max_streams: Option<i64>,
+    #[serde(default)]
+    pub reserved: Option<ReservedSpec>,
+    /// A fraction in (0, 1) of `max_in_flight`, or a whole count ≥ 1.
+    #[serde(default)]
+    pub tenant_max_share: Option<f64>,
+    #[serde(default)]
+    pub retry_after_window: Option<String>,
+    #[serde(default)]
+    pub queues: Option<LevelQueuesSpec>,
+}
+
+/// `dependencies.<name>.reserved:` in-flight slots only one level may use.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReservedSpec {
+    #[serde(default)]
+    pub critical: Option<i64>,
+    #[serde(default)]
+    pub system: Option<i64>,
+}
+
+/// `dependencies.<name>.queues:` per criticality level.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LevelQueuesSpec {
+    #[serde(default)]
+    pub system: Option<LevelQueueSpec>,
+    #[serde(default)]
+    pub critical: Option<LevelQueueSpec>,
+    #[serde(default)]
+    pub normal: Option<LevelQueueSpec>,
+    #[serde(default)]
+    pub sheddable: Option<LevelQueueSpec>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LevelQueueSpec {
+    #[serde(default)]
+    pub max_queue: Option<i64>,
+    #[serde(default)]
+    pub max_wait: Option<String>,
 }
 
 /// `sync:` how the node syncs its global limits with the central cluster.
@@ -222,4 +294,16 @@ pub struct RouteSpec {
     pub max_queue: Option<i64>,
     #[serde(default)]
     pub failure_mode: Option<FailureMode>,
+    #[serde(default)]
+    pub criticality: Option<Criticality>,
+    #[serde(default)]
+    pub dependency: Option<String>,
+    #[serde(default)]
+    pub retryable: Option<bool>,
+    #[serde(default)]
+    pub streaming: Option<bool>,
+    #[serde(default)]
+    pub max_body_bytes: Option<i64>,
+    #[serde(default)]
+    pub min_timeout_budget: Option<String>,
 }

@@ -176,3 +176,105 @@ fn the_sync_breaker_has_defaults_bounds_and_path_qualified_errors() {
         assert_eq!(errors(&sync_policy(sync)), [error], "{sync}");
     }
 }
+
+#[test]
+fn admission_labels_and_dependencies_compile_with_their_defaults() {
+    use super::admission::Criticality;
+    // Without any admission field every class has the default labels.
+    let p = Policy::from_json(VALID.as_bytes()).unwrap();
+    assert!(p.dependencies.is_empty());
+    assert!(p
+        .route_classes()
+        .all(|c| c.labels == admission::Labels::default()));
+    assert!(!p.route_classes().any(|c| c.labels.checks_anything()));
+
+    let json = with(
+        r#""routes": {"default": {}, "search": {"action": "search", "cost": 5}}"#,
+        r#""dependencies": {
+            "db": {"max_in_flight": 10, "reserved": {"critical": 3, "system": 1}, "tenant_max_share": 0.25},
+            "events": {"max_in_flight": 4, "max_streams": 8, "tenant_max_share": 2}
+        },
+        "routes": {
+            "default": {},
+            "search": {"action": "search", "cost": 5, "criticality": "sheddable", "retryable": true, "dependency": "db",
+                       "max_body_bytes": 1024, "min_timeout_budget": "250ms"},
+            "feed": {"dependency": "events", "streaming": true, "criticality": "critical"}
+        }"#,
+    );
+    let p = Policy::from_json(json.as_bytes()).unwrap();
+    let db = p.dependency(0).unwrap();
+    assert_eq!(
+        (db.name.as_str(), db.key.as_str(), db.max_in_flight, db.general()),
+        ("db", "tg2|d|db", 10, 6)
+    );
+    // A fraction is rounded up to whole slots; a count is taken as is.
+    assert_eq!(db.tenant_max, Some(3));
+    assert_eq!(p.dependency(1).unwrap().tenant_max, Some(2));
+    assert_eq!(db.retry_after_window_ns, 10 * NANOS_PER_SEC);
+    let search = p.route_class(Some("search")).unwrap().labels;
+    assert_eq!(
+        search,
+        admission::Labels {
+            criticality: Criticality::Sheddable,
+            retryable: true,
+            streaming: false,
+            dependency: Some(0),
+            max_body_bytes: Some(1024),
+            min_timeout_budget_ns: Some(250_000_000),
+        }
+    );
+    assert_eq!(
+        p.route_class(Some("default")).unwrap().labels.criticality,
+        Criticality::Normal
+    );
+    assert_eq!(p.route_class(Some("feed")).unwrap().labels.dependency, Some(1));
+}
+
+#[test]
+fn admission_errors_name_their_field_path() {
+    let policy = |deps: &str, route: &str| {
+        with(
+            r#""routes": {"default": {}, "search": {"action": "search", "cost": 5}}"#,
+            &format!(r#""dependencies": {deps}, "routes": {{"default": {{}}, "r": {route}}}"#),
+        )
+    };
+    for (deps, route, error) in [
+        (
+            r#"{"db": {"max_in_flight": 10}}"#,
+            r#"{"dependency": "cache"}"#,
+            "routes.r.dependency: unknown dependency `cache` (dependencies: db)",
+        ),
+        (
+            r#"{"db": {"max_in_flight": 4, "reserved": {"critical": 4}}}"#,
+            r#"{"dependency": "db"}"#,
+            "dependencies.db.reserved: reserved.critical + reserved.system (4) must be less than max_in_flight (4): nothing would be left for normal and sheddable requests",
+        ),
+        (
+            r#"{"db": {"max_in_flight": 4, "tenant_max_share": 5}}"#,
+            r#"{}"#,
+            "dependencies.db.tenant_max_share: must be a fraction between 0 and 1 (exclusive) or a whole count from 1 to max_in_flight (4)",
+        ),
+        (
+            r#"{"db": {"max_in_flight": 4, "tenant_max_share": 0}}"#,
+            r#"{}"#,
+            "dependencies.db.tenant_max_share: must be a fraction between 0 and 1 (exclusive) or a whole count from 1 to max_in_flight (4)",
+        ),
+        (
+            r#"{"db": {"max_in_flight": 4}}"#,
+            r#"{"streaming": true}"#,
+            "routes.r.streaming: a streaming class counts against its dependency's max_streams: name a dependency",
+        ),
+        (
+            r#"{"db": {"max_in_flight": 4, "queues": {"normal": {"max_queue": 1, "max_wait": "31s"}}}}"#,
+            r#"{}"#,
+            "dependencies.db.queues.normal.max_wait: must be more than 0 and at most 30s",
+        ),
+        (
+            r#"{"db": {"max_in_flight": 4, "max_flight": 3}}"#,
+            r#"{}"#,
+            "dependencies.db.max_flight: unknown field `max_flight`, expected one of `max_in_flight`, `max_streams`, `reserved`, `tenant_max_share`, `retry_after_window`, `queues`",
+        ),
+    ] {
+        assert_eq!(errors(&policy(deps, route)), [error], "{deps} {route}");
+    }
+}

@@ -1,0 +1,223 @@
+//! A controllable test upstream: an HTTP/1.1 server on a loopback port
+//! whose latency can be set during a test, which can **hold** every
+//! request until released, and which records how many requests it had in
+//! flight at once. With [`Envoy::start_with_upstream`], routes
+//! `/up/<class>` (route metadata `class: <class>`) go to it.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::{Envoy, NodeSpec};
+
+/// The longest a held request waits for [`Upstream::release`].
+pub const MAX_HOLD: Duration = Duration::from_secs(30);
+
+#[derive(Default)]
+struct State {
+    latency_ms: AtomicU64,
+    in_flight: AtomicU64,
+    max_in_flight: AtomicU64,
+    served: AtomicU64,
+    stop: AtomicBool,
+    /// Held while true.
+    hold: Mutex<bool>,
+    released: Condvar,
+}
+
+/// The upstream; stops accepting when dropped.
+pub struct Upstream {
+    pub port: u16,
+    state: Arc<State>,
+}
+
+impl Upstream {
+    pub fn start() -> Upstream {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).expect("bind the test upstream");
+        let port = listener.local_addr().expect("addr").port();
+        listener.set_nonblocking(true).expect("nonblocking");
+        let state = Arc::new(State::default());
+        let s = state.clone();
+        std::thread::spawn(move || {
+            while !s.stop.load(Ordering::SeqCst) {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        let s = s.clone();
+                        std::thread::spawn(move || serve(stream, &s));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
+                }
+            }
+        });
+        Upstream { port, state }
+    }
+
+    /// Every later request waits this long before its answer.
+    pub fn set_latency(&self, latency: Duration) {
+        let ms = u64::try_from(latency.as_millis()).unwrap_or(u64::MAX);
+        self.state.latency_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// Requests wait (at most [`MAX_HOLD`]) until [`Upstream::release`].
+    pub fn hold(&self) {
+        *self.state.hold.lock().unwrap() = true;
+    }
+
+    pub fn release(&self) {
+        *self.state.hold.lock().unwrap() = false;
+        self.state.released.notify_all();
+    }
+
+    /// Requests being served now.
+    pub fn in_flight(&self) -> u64 {
+        self.state.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// The most requests it has served at once.
+    pub fn max_in_flight(&self) -> u64 {
+        self.state.max_in_flight.load(Ordering::SeqCst)
+    }
+
+    pub fn reset_max(&self) {
+        self.state.max_in_flight.store(self.in_flight(), Ordering::SeqCst);
+    }
+
+    /// Requests answered so far.
+    pub fn served(&self) -> u64 {
+        self.state.served.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.state.stop.store(true, Ordering::SeqCst);
+        self.release();
+    }
+}
+
+/// Serves one keep-alive connection.
+fn serve(stream: TcpStream, s: &State) {
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
+    let mut reader = BufReader::new(stream);
+    loop {
+        let mut content_length = 0usize;
+        let mut first = true;
+        loop {
+            let mut line = String::new();
+            match reader.read_line(&mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+            let line = line.trim_end();
+            if line.is_empty() {
+                if first {
+                    continue;
+                }
+                break;
+            }
+            first = false;
+            if let Some((k, v)) = line.split_once(':') {
+                if k.trim().eq_ignore_ascii_case("content-length") {
+                    content_length = v.trim().parse().unwrap_or(0);
+                }
+            }
+        }
+        let mut body = vec![0; content_length];
+        if reader.read_exact(&mut body).is_err() {
+            return;
+        }
+        let now = s.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        s.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        let latency = Duration::from_millis(s.latency_ms.load(Ordering::SeqCst));
+        let start = Instant::now();
+        {
+            let mut held = s.hold.lock().unwrap();
+            while *held && start.elapsed() < MAX_HOLD && !s.stop.load(Ordering::SeqCst) {
+                held = s
+                    .released
+                    .wait_timeout(held, Duration::from_millis(50))
+                    .unwrap()
+                    .0;
+            }
+        }
+        if let Some(rest) = latency.checked_sub(start.elapsed()) {
+            std::thread::sleep(rest);
+        }
+        s.in_flight.fetch_sub(1, Ordering::SeqCst);
+        let answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 3\r\n\r\nok\n";
+        if reader.get_mut().write_all(answer).is_err() {
+            return;
+        }
+        s.served.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl Envoy {
+    /// [`Envoy::start`] with routes `/up/<class>` for each of `classes`
+    /// (route metadata `class: <class>`, 30 s route timeout) to the test
+    /// upstream on `upstream_port`, before the demo's routes.
+    pub fn start_with_upstream(policy_yaml: &str, upstream_port: u16, classes: &[&str]) -> Envoy {
+        Envoy::start_with_upstream_logged(policy_yaml, upstream_port, classes, None)
+    }
+
+    /// [`Envoy::start_with_upstream`], with an access log of the demo
+    /// listener written to `access_log`: `<path> <status> <admission record>`
+    /// per request (the record as in `envoy/demo.yaml`'s format).
+    pub fn start_with_upstream_logged(
+        policy_yaml: &str,
+        upstream_port: u16,
+        classes: &[&str],
+        access_log: Option<&std::path::Path>,
+    ) -> Envoy {
+        let classes: Vec<String> = classes.iter().map(|c| (*c).to_owned()).collect();
+        let access_log = access_log.map(|p| p.display().to_string());
+        Envoy::start_node_with(policy_yaml, &NodeSpec::default(), move |bootstrap| {
+            let anchor = "              routes:\n              # The class is trusted route metadata: clients cannot change it.\n";
+            assert!(
+                bootstrap.contains(anchor),
+                "envoy/demo.yaml no longer has the routes anchor"
+            );
+            let routes: String = classes
+                .iter()
+                .map(|c| {
+                    format!(
+                        "              - name: up-{c}\n                match: {{ prefix: /up/{c} }}\n                metadata: {{ filter_metadata: {{ tenantgate: {{ class: {c} }} }} }}\n                route: {{ cluster: upstream, timeout: 30s }}\n"
+                    )
+                })
+                .collect();
+            let mut b = bootstrap.replacen(anchor, &format!("{anchor}{routes}"), 1);
+            // Loopback clients are internal (like a mesh hop): Envoy keeps
+            // their `x-envoy-*` headers (`x-envoy-expected-rq-timeout-ms`).
+            let remote = "          use_remote_address: true\n";
+            assert!(
+                b.contains(remote),
+                "envoy/demo.yaml no longer sets use_remote_address"
+            );
+            b = b.replacen(
+                remote,
+                &format!("{remote}          internal_address_config: {{ cidr_ranges: [ {{ address_prefix: 127.0.0.1, prefix_len: 32 }} ] }}\n"),
+                1,
+            );
+            if let Some(path) = access_log {
+                let prefix = "          stat_prefix: demo\n";
+                assert!(
+                    b.contains(prefix),
+                    "envoy/demo.yaml no longer has stat_prefix: demo"
+                );
+                b = b.replacen(
+                    prefix,
+                    &format!(
+                        "{prefix}          access_log: [ {{ name: envoy.access_loggers.file, typed_config: {{ \"@type\": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog, path: {path}, log_format: {{ text_format: \"%REQ(:PATH)% %RESPONSE_CODE% %FILTER_STATE(wasm.tenantgate_admission:PLAIN)%\\n\" }} }} }} ]\n"
+                    ),
+                    1,
+                );
+            }
+            b.push_str(&format!(
+                "  - name: upstream\n    type: STATIC\n    connect_timeout: 1s\n    circuit_breakers: {{ thresholds: [ {{ max_connections: 100000, max_pending_requests: 100000, max_requests: 100000 }} ] }}\n    load_assignment: {{ cluster_name: upstream, endpoints: [ {{ lb_endpoints: [ {{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {upstream_port} }} }} }} }} ] }} ] }}\n"
+            ));
+            b
+        })
+    }
+}

@@ -1,0 +1,638 @@
+//! Admission control in a real Envoy 1.40 (`--concurrency 2`) in front of
+//! the controllable test upstream (`upstream::Upstream`): the in-flight
+//! limit of a dependency across both workers, system traffic through a
+//! saturated dependency, forged criticality headers, slots coming back
+//! after client resets and a policy reload in the middle of traffic,
+//! 1,000 simultaneous rejections with spread `Retry-After`, and the request
+//! checks (body size, timeout budget), and the queues: a full level
+//! refuses at once, a held request never waits past its `max_wait`, and
+//! held requests get the slots that free up.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tenantgate_integration_tests::upstream::Upstream;
+use tenantgate_integration_tests::{get, wait_for, Conn, Envoy, Response};
+
+const CLASSES: [&str; 8] = [
+    "orders", "health", "upload", "shared", "jobs", "urgent", "feed", "metered",
+];
+const WAIT: Duration = Duration::from_secs(20);
+
+/// `db`: 5 slots, 1 reserved for system (normal traffic gets 4).
+fn policy(version: &str, max_in_flight: u32) -> String {
+    format!(
+        r#"
+version: "{version}"
+identity: {{ header: x-tenant-id }}
+plans:
+  free: {{ limits: [ {{ rate: 1000000, per: 1s }} ] }}
+  tight: {{ limits: [ {{ rate: 1, per: 1h, burst: 2 }} ] }}
+tenants: [ {{ id: capped, plan: tight }} ]
+default_plan: free
+anonymous: {{ plan: free }}
+dependencies:
+  db: {{ max_in_flight: {max_in_flight}, reserved: {{ system: 1 }} }}
+  files: {{ max_in_flight: 50, tenant_max_share: 2 }}
+  events: {{ max_in_flight: 10, max_streams: 2 }}
+  batch:
+    max_in_flight: 2
+    queues: {{ normal: {{ max_queue: 1, max_wait: 400ms }}, critical: {{ max_queue: 10, max_wait: 10s }} }}
+routes:
+  jobs: {{ dependency: batch }}
+  feed: {{ dependency: events, streaming: true }}
+  metered: {{ dependency: events }}
+  urgent: {{ criticality: critical, dependency: batch }}
+  orders: {{ dependency: db }}
+  health: {{ criticality: system, dependency: db }}
+  upload: {{ dependency: files, max_body_bytes: 100, min_timeout_budget: 200ms }}
+  shared: {{ dependency: files }}
+  api: {{}}
+"#
+    )
+}
+
+fn start() -> (Upstream, Envoy) {
+    let upstream = Upstream::start();
+    let envoy = Envoy::start_with_upstream(&policy("adm-1", 5), upstream.port, &CLASSES);
+    (upstream, envoy)
+}
+
+/// A request on its own connection, in its own thread (it may be held).
+fn spawn_get(
+    port: u16,
+    path: &'static str,
+    tenant: &'static str,
+    tx: &mpsc::Sender<Response>,
+) -> JoinHandle<()> {
+    let tx = tx.clone();
+    std::thread::spawn(move || {
+        let r = get(port, path, &[("x-tenant-id", tenant)]);
+        let _ = tx.send(r);
+    })
+}
+
+fn gauge(envoy: &Envoy, dependency: &str) -> Option<u64> {
+    envoy.stat(&format!("wasmcustom.tenantgate.admission.in_flight.{dependency}"))
+}
+
+fn assert_refused(r: &Response, reason: &str) {
+    assert_eq!(r.status, 503, "{r:?}");
+    assert_eq!(r.header("x-tenantgate-reason"), Some(reason), "{r:?}");
+    assert_eq!(r.header("content-type"), Some("application/problem+json"));
+    let retry: u64 = r.header("retry-after").and_then(|v| v.parse().ok()).unwrap_or(0);
+    assert!((1..=10).contains(&retry), "Retry-After {retry}");
+    assert_eq!(r.json()["reason"], reason);
+}
+
+#[test]
+fn the_in_flight_limit_holds_across_workers_system_passes_and_forged_headers_change_nothing() {
+    let (upstream, envoy) = start();
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let held: Vec<JoinHandle<()>> = (0..6)
+        .map(|_| spawn_get(envoy.port, "/up/orders", "acme", &tx))
+        .collect();
+    // 4 reach the upstream, 2 are refused at once.
+    let mut refused = Vec::new();
+    assert!(
+        wait_for(WAIT, || {
+            refused.extend(rx.try_iter());
+            upstream.in_flight() == 4 && refused.len() == 2
+        }),
+        "in flight {}, refused {refused:?}",
+        upstream.in_flight()
+    );
+    for r in &refused {
+        assert_refused(r, "concurrency_limit");
+    }
+    // Forged criticality and priority headers change nothing.
+    let forged = get(
+        envoy.port,
+        "/up/orders",
+        &[
+            ("x-tenant-id", "acme"),
+            ("x-tenantgate-criticality", "system"),
+            ("x-criticality", "system"),
+            ("x-envoy-priority", "high"),
+            ("priority", "u=0"),
+            ("x-tenantgate-class", "health"),
+        ],
+    );
+    assert_refused(&forged, "concurrency_limit");
+    // System traffic is admitted while everything else is saturated...
+    let system = spawn_get(envoy.port, "/up/health", "ops", &tx);
+    assert!(wait_for(WAIT, || upstream.in_flight() == 5));
+    // ...up to its reservation.
+    assert_refused(
+        &get(envoy.port, "/up/health", &[("x-tenant-id", "ops")]),
+        "concurrency_limit",
+    );
+    assert_eq!(upstream.max_in_flight(), 5);
+    assert!(
+        wait_for(WAIT, || gauge(&envoy, "db") == Some(5)),
+        "gauge {:?}",
+        gauge(&envoy, "db")
+    );
+
+    upstream.release();
+    for h in held.into_iter().chain([system]) {
+        h.join().unwrap();
+    }
+    let answered: Vec<u16> = rx.try_iter().map(|r| r.status).collect();
+    assert_eq!(answered, [200; 5], "{answered:?}");
+    assert!(
+        wait_for(WAIT, || gauge(&envoy, "db") == Some(0)),
+        "gauge {:?}",
+        gauge(&envoy, "db")
+    );
+    assert_eq!(upstream.max_in_flight(), 5);
+    assert_eq!(envoy.tg_stat("admission.admitted.normal"), 4);
+    assert_eq!(envoy.tg_stat("admission.admitted.system"), 1);
+    assert_eq!(envoy.tg_stat("admission.concurrency_limit.normal"), 3);
+    assert_eq!(envoy.tg_stat("admission.concurrency_limit.system"), 1);
+    assert_eq!(envoy.tg_stat("decisions.concurrency_limit"), 4);
+    // Both workers took part (the test's 9 connections spread over them):
+    // the limit held node-wide, not per worker.
+    let [w0, w1] = envoy.worker_connections();
+    assert!(w0 > 0 && w1 > 0, "connections per worker: {w0}, {w1}");
+}
+
+/// Sends a request on a raw connection and leaves it open.
+fn open_request(port: u16, path: &str) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nhost: t\r\nx-tenant-id: acme\r\n\r\n").unwrap();
+    s
+}
+
+#[test]
+fn slots_come_back_after_client_resets_and_a_reload_mid_traffic() {
+    let (upstream, envoy) = start();
+    upstream.hold();
+    // Four clients take every normal slot, then go away: two close, two
+    // reset (linger 0).
+    let clients: Vec<TcpStream> = (0..4).map(|_| open_request(envoy.port, "/up/orders")).collect();
+    assert!(wait_for(WAIT, || upstream.in_flight() == 4));
+    assert!(wait_for(WAIT, || gauge(&envoy, "db") == Some(4)));
+    for (i, c) in clients.into_iter().enumerate() {
+        if i % 2 == 0 {
+            socket2::SockRef::from(&c)
+                .set_linger(Some(Duration::ZERO))
+                .unwrap();
+        }
+        drop(c);
+    }
+    // The slots come back although the upstream still holds the requests.
+    assert!(
+        wait_for(WAIT, || gauge(&envoy, "db") == Some(0)),
+        "gauge {:?} after the clients left",
+        gauge(&envoy, "db")
+    );
+    let (tx, rx) = mpsc::channel();
+    let mut held: Vec<JoinHandle<()>> = (0..4)
+        .map(|_| spawn_get(envoy.port, "/up/orders", "acme", &tx))
+        .collect();
+    assert!(wait_for(WAIT, || gauge(&envoy, "db") == Some(4)));
+    assert_refused(
+        &get(envoy.port, "/up/orders", &[("x-tenant-id", "acme")]),
+        "concurrency_limit",
+    );
+
+    // A reload in the middle of traffic: 4 requests in flight across it.
+    let loads = envoy.tg_stat("config.loads");
+    let (ok, err) = envoy.apply(&policy("adm-2", 7));
+    assert!(ok, "{err}");
+    assert!(wait_for(WAIT, || envoy.tg_stat("config.loads") >= loads + 2));
+    // The new limit counts the slots taken under the old policy: 6 for
+    // normal traffic, 4 already held.
+    held.extend((0..2).map(|_| spawn_get(envoy.port, "/up/orders", "acme", &tx)));
+    assert!(
+        wait_for(WAIT, || gauge(&envoy, "db") == Some(6)),
+        "gauge {:?}",
+        gauge(&envoy, "db")
+    );
+    assert_refused(
+        &get(envoy.port, "/up/orders", &[("x-tenant-id", "acme")]),
+        "concurrency_limit",
+    );
+
+    upstream.release();
+    for h in held {
+        h.join().unwrap();
+    }
+    let statuses: Vec<u16> = rx.try_iter().map(|r| r.status).collect();
+    assert_eq!(statuses, [200; 6], "{statuses:?}");
+    // Traffic stopped: the gauge is back to 0.
+    assert!(
+        wait_for(WAIT, || gauge(&envoy, "db") == Some(0)),
+        "gauge {:?}",
+        gauge(&envoy, "db")
+    );
+}
+
+/// One answer of the thousand.
+struct Refused {
+    status: u16,
+    retry_after: Option<u64>,
+    request_id_echoed: bool,
+}
+
+#[test]
+fn a_thousand_simultaneous_rejections_carry_spread_retry_after() {
+    let (upstream, envoy) = start();
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let held: Vec<JoinHandle<()>> = (0..4)
+        .map(|_| spawn_get(envoy.port, "/up/orders", "acme", &tx))
+        .collect();
+    assert!(wait_for(WAIT, || upstream.in_flight() == 4));
+    // 10 clients × 100 requests on keep-alive connections, all at once.
+    let port = envoy.port;
+    let clients: Vec<JoinHandle<Vec<Refused>>> = (0..10)
+        .map(|c| {
+            std::thread::spawn(move || {
+                let mut conn = Conn::open(port).unwrap();
+                (0..100)
+                    .map(|i| {
+                        let id = format!("req-{c}-{i}");
+                        let r = conn
+                            .get("/up/orders", &[("x-tenant-id", "acme"), ("x-request-id", &id)])
+                            .unwrap();
+                        let retry = r.header("retry-after").and_then(|v| v.parse().ok());
+                        // Envoy replaces an external client's id with its
+                        // own: the reply echoes the one Envoy gave the request.
+                        let header = r.header("x-request-id").map(str::to_owned);
+                        let echoed =
+                            header.is_some_and(|h| !h.is_empty() && r.json()["request_id"] == h.as_str());
+                        Refused {
+                            status: r.status,
+                            retry_after: retry,
+                            request_id_echoed: echoed,
+                        }
+                    })
+                    .collect()
+            })
+        })
+        .collect();
+    let answers: Vec<_> = clients.into_iter().flat_map(|h| h.join().unwrap()).collect();
+    assert_eq!(answers.len(), 1000);
+    assert!(answers.iter().all(|a| a.status == 503));
+    assert!(answers.iter().all(|a| a.request_id_echoed), "request ids echoed");
+    let mut seen = [0usize; 11];
+    for a in &answers {
+        let v = a.retry_after.unwrap_or(0);
+        assert!((1..=10).contains(&v), "Retry-After {v}");
+        seen[v as usize] += 1;
+    }
+    let most = seen.iter().max().copied().unwrap_or(0);
+    println!("Retry-After histogram over 1..=10 s: {:?}", &seen[1..]);
+    assert!(most <= 200, "one Retry-After value for {most} of 1,000: {seen:?}");
+    upstream.release();
+    for h in held {
+        h.join().unwrap();
+    }
+    assert_eq!(rx.try_iter().count(), 4);
+    assert!(wait_for(WAIT, || gauge(&envoy, "db") == Some(0)));
+}
+
+/// A raw request and the response's status and reason header (the
+/// connection is closed by the request).
+fn raw(port: u16, head: &str, body: &[u8]) -> (u16, Option<String>) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(head.as_bytes()).unwrap();
+    // The filter may answer before the whole body is sent.
+    let _ = s.write_all(body);
+    let mut text = Vec::new();
+    let _ = s.read_to_end(&mut text);
+    let text = String::from_utf8_lossy(&text).into_owned();
+    let status = text.split(' ').nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
+    let reason = text
+        .lines()
+        .find_map(|l| l.strip_prefix("x-tenantgate-reason: "))
+        .map(|v| v.trim().to_owned());
+    (status, reason)
+}
+
+#[test]
+fn oversized_bodies_short_timeout_budgets_and_tenant_shares_are_refused() {
+    let (upstream, envoy) = start();
+    let port = envoy.port;
+    let post = |headers: &str| {
+        format!(
+            "POST /up/upload HTTP/1.1\r\nhost: t\r\nx-tenant-id: acme\r\nconnection: close\r\n{headers}\r\n"
+        )
+    };
+    // A declared size over max_body_bytes: 413 before the body is read.
+    let (status, reason) = raw(port, &post("content-length: 101\r\n"), &[b'x'; 101]);
+    assert_eq!((status, reason.as_deref()), (413, Some("request_too_large")));
+    assert_eq!(raw(port, &post("content-length: 100\r\n"), &[b'x'; 100]).0, 200);
+    // A chunked body is counted as it streams.
+    let chunk = format!("3c\r\n{}\r\n", "y".repeat(60));
+    let body = format!("{chunk}{chunk}0\r\n\r\n");
+    let (status, reason) = raw(port, &post("transfer-encoding: chunked\r\n"), body.as_bytes());
+    assert_eq!((status, reason.as_deref()), (413, Some("request_too_large")));
+    let small = format!("{chunk}0\r\n\r\n");
+    assert_eq!(
+        raw(port, &post("transfer-encoding: chunked\r\n"), small.as_bytes()).0,
+        200
+    );
+    // The remaining timeout budget.
+    let short = get(
+        port,
+        "/up/upload",
+        &[("x-tenant-id", "acme"), ("x-envoy-expected-rq-timeout-ms", "150")],
+    );
+    assert_eq!(short.status, 503);
+    assert_eq!(short.header("x-tenantgate-reason"), Some("timeout_budget"));
+    let enough = get(
+        port,
+        "/up/upload",
+        &[("x-tenant-id", "acme"), ("x-envoy-expected-rq-timeout-ms", "250")],
+    );
+    assert_eq!(enough.status, 200);
+
+    // One tenant holds at most 2 of `files`; another is not affected.
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let held: Vec<JoinHandle<()>> = (0..2)
+        .map(|_| spawn_get(port, "/up/shared", "flood", &tx))
+        .collect();
+    assert!(wait_for(WAIT, || upstream.in_flight() == 2));
+    assert_refused(
+        &get(port, "/up/shared", &[("x-tenant-id", "flood")]),
+        "tenant_share",
+    );
+    let quiet = spawn_get(port, "/up/shared", "quiet", &tx);
+    assert!(wait_for(WAIT, || upstream.in_flight() == 3));
+    upstream.release();
+    for h in held.into_iter().chain([quiet]) {
+        h.join().unwrap();
+    }
+    assert_eq!(rx.try_iter().filter(|r| r.status == 200).count(), 3);
+    assert!(wait_for(WAIT, || gauge(&envoy, "files") == Some(0)));
+    assert_eq!(envoy.tg_stat("admission.request_too_large.normal"), 2);
+    assert_eq!(envoy.tg_stat("admission.timeout_budget.normal"), 1);
+    assert_eq!(envoy.tg_stat("admission.tenant_share.normal"), 1);
+}
+
+/// A request on its own connection, timed from send to answer.
+fn spawn_timed(port: u16, path: &'static str, tx: &mpsc::Sender<(Response, Duration)>) -> JoinHandle<()> {
+    let tx = tx.clone();
+    std::thread::spawn(move || {
+        let start = std::time::Instant::now();
+        let r = get(port, path, &[("x-tenant-id", "acme")]);
+        let _ = tx.send((r, start.elapsed()));
+    })
+}
+
+#[test]
+fn a_full_queue_refuses_at_once_and_nobody_waits_past_max_wait() {
+    let (upstream, envoy) = start();
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let held: Vec<JoinHandle<()>> = (0..2)
+        .map(|_| spawn_get(envoy.port, "/up/jobs", "acme", &tx))
+        .collect();
+    assert!(wait_for(WAIT, || upstream.in_flight() == 2));
+    // 6 more: at most one held per worker (max_queue 1), the rest refused.
+    let (ttx, trx) = mpsc::channel();
+    let waiting: Vec<JoinHandle<()>> = (0..6)
+        .map(|_| spawn_timed(envoy.port, "/up/jobs", &ttx))
+        .collect();
+    let mut answers: Vec<(Response, Duration)> = Vec::new();
+    let answered = wait_for(Duration::from_secs(5), || {
+        answers.extend(trx.try_iter());
+        answers.len() == 6
+    });
+    assert!(
+        answered,
+        "{} of 6 answered; upstream in flight {}, admitted {}, queued {}, gauge {:?}",
+        answers.len(),
+        upstream.in_flight(),
+        envoy.tg_stat("admission.admitted.normal"),
+        envoy.tg_stat("admission.queued.normal"),
+        gauge(&envoy, "batch")
+    );
+    for h in waiting {
+        h.join().unwrap();
+    }
+    assert_eq!(answers.len(), 6);
+    let full: Vec<&(Response, Duration)> = answers
+        .iter()
+        .filter(|(r, _)| r.header("x-tenantgate-reason") == Some("queue_full"))
+        .collect();
+    let timed_out: Vec<&(Response, Duration)> = answers
+        .iter()
+        .filter(|(r, _)| r.header("x-tenantgate-reason") == Some("queue_timeout"))
+        .collect();
+    assert_eq!(full.len() + timed_out.len(), 6, "{answers:?}");
+    assert!((1..=2).contains(&timed_out.len()), "{} held", timed_out.len());
+    for (r, waited) in &full {
+        assert_refused(r, "queue_full");
+        assert!(
+            *waited < Duration::from_millis(300),
+            "a full queue refused after {waited:?}"
+        );
+    }
+    for (r, waited) in &timed_out {
+        assert_refused(r, "queue_timeout");
+        // Answered at the last tick before its 400 ms deadline (plus the
+        // client's own round trip on a loaded machine).
+        println!("held for {waited:?} (max_wait 400 ms)");
+        assert!(
+            *waited >= Duration::from_millis(300),
+            "answered early: {waited:?}"
+        );
+        assert!(
+            *waited <= Duration::from_millis(400 + 100),
+            "waited past max_wait: {waited:?}"
+        );
+    }
+    assert_eq!(upstream.max_in_flight(), 2);
+    upstream.release();
+    for h in held {
+        h.join().unwrap();
+    }
+    assert_eq!(rx.try_iter().filter(|r| r.status == 200).count(), 2);
+    assert!(wait_for(WAIT, || gauge(&envoy, "batch") == Some(0)));
+    assert_eq!(envoy.tg_stat("admission.queue_full.normal"), full.len() as u64);
+    assert_eq!(
+        envoy.tg_stat("admission.queue_timeout.normal"),
+        timed_out.len() as u64
+    );
+}
+
+#[test]
+fn held_requests_get_the_slots_that_free_up() {
+    let (upstream, envoy) = start();
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let mut all: Vec<JoinHandle<()>> = (0..2)
+        .map(|_| spawn_get(envoy.port, "/up/jobs", "acme", &tx))
+        .collect();
+    assert!(wait_for(WAIT, || upstream.in_flight() == 2));
+    // Critical work finds the pool full (no reservation) and is held.
+    all.extend((0..3).map(|_| spawn_get(envoy.port, "/up/urgent", "acme", &tx)));
+    assert!(wait_for(WAIT, || envoy.tg_stat("admission.queued.critical") == 3));
+    assert_eq!(upstream.in_flight(), 2);
+    // Slots free up: the held requests take them (never more than 2).
+    upstream.release();
+    for h in all {
+        h.join().unwrap();
+    }
+    let statuses: Vec<u16> = rx.try_iter().map(|r| r.status).collect();
+    assert_eq!(statuses, [200; 5], "{statuses:?}");
+    assert_eq!(upstream.max_in_flight(), 2);
+    assert_eq!(envoy.tg_stat("admission.admitted.critical"), 3);
+    assert!(wait_for(WAIT, || gauge(&envoy, "batch") == Some(0)));
+}
+
+#[test]
+fn shadow_mode_counts_admission_refusals_and_enforces_none() {
+    let upstream = Upstream::start();
+    let shadow = policy("adm-shadow", 5).replace("identity:", "mode: shadow\nidentity:");
+    let envoy = Envoy::start_with_upstream(&shadow, upstream.port, &CLASSES);
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let held: Vec<JoinHandle<()>> = (0..6)
+        .map(|_| spawn_get(envoy.port, "/up/orders", "acme", &tx))
+        .collect();
+    // All six reach the upstream; the two over the limit are counted.
+    assert!(
+        wait_for(WAIT, || upstream.in_flight() == 6),
+        "in flight {}",
+        upstream.in_flight()
+    );
+    assert!(wait_for(WAIT, || envoy
+        .tg_stat("admission.concurrency_limit.normal")
+        == 2));
+    upstream.release();
+    for h in held {
+        h.join().unwrap();
+    }
+    assert_eq!(rx.try_iter().filter(|r| r.status == 200).count(), 6);
+    assert!(wait_for(WAIT, || gauge(&envoy, "db") == Some(0)));
+}
+
+#[test]
+fn under_sustained_load_with_a_slow_upstream_the_limit_always_holds() {
+    let (upstream, envoy) = start();
+    upstream.set_latency(Duration::from_millis(30));
+    let port = envoy.port;
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    // 12 clients, fresh connections (both workers), for 2 s, at most 200
+    // requests each.
+    let clients: Vec<JoinHandle<Vec<u16>>> = (0..12)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let mut statuses = Vec::new();
+                while std::time::Instant::now() < deadline && statuses.len() < 200 {
+                    statuses.push(get(port, "/up/orders", &[("x-tenant-id", "acme")]).status);
+                }
+                statuses
+            })
+        })
+        .collect();
+    let statuses: Vec<u16> = clients.into_iter().flat_map(|h| h.join().unwrap()).collect();
+    let ok = statuses.iter().filter(|s| **s == 200).count();
+    let refused = statuses.iter().filter(|s| **s == 503).count();
+    println!(
+        "{} requests: {ok} admitted, {refused} refused; upstream at most {} in flight (limit 4)",
+        statuses.len(),
+        upstream.max_in_flight()
+    );
+    assert_eq!(ok + refused, statuses.len(), "only 200 and 503");
+    assert!(ok > 0 && refused > 0, "{ok} admitted, {refused} refused");
+    // The upstream never saw more than the normal share of the limit.
+    assert!(
+        upstream.max_in_flight() <= 4,
+        "{} in flight",
+        upstream.max_in_flight()
+    );
+    assert_eq!(upstream.served(), ok as u64);
+    assert!(wait_for(WAIT, || gauge(&envoy, "db") == Some(0)));
+    assert_eq!(envoy.tg_stat("admission.admitted.normal"), ok as u64);
+    // Refusals are the limit's, or (counted, never an admission) a
+    // compare-and-swap that stayed conflicted.
+    let limit = envoy.tg_stat("admission.concurrency_limit.normal");
+    let contention = envoy.tg_stat("admission.contention.normal");
+    println!("refused: {limit} concurrency_limit, {contention} contention");
+    assert_eq!(limit + contention, refused as u64);
+}
+
+#[test]
+fn streams_have_their_own_budget_and_no_slot_outlives_a_rate_limit_denial() {
+    let (upstream, envoy) = start();
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let streams: Vec<JoinHandle<()>> = (0..2)
+        .map(|_| spawn_get(envoy.port, "/up/feed", "acme", &tx))
+        .collect();
+    assert!(wait_for(WAIT, || upstream.in_flight() == 2));
+    assert_refused(
+        &get(envoy.port, "/up/feed", &[("x-tenant-id", "acme")]),
+        "stream_limit",
+    );
+    // Streams never take request slots: requests of the same dependency pass.
+    let request = spawn_get(envoy.port, "/up/metered", "acme", &tx);
+    assert!(wait_for(WAIT, || upstream.in_flight() == 3));
+    assert!(wait_for(WAIT, || gauge(&envoy, "events") == Some(3)));
+    upstream.release();
+    for h in streams.into_iter().chain([request]) {
+        h.join().unwrap();
+    }
+    assert_eq!(rx.try_iter().filter(|r| r.status == 200).count(), 3);
+
+    // A tenant over its rate limit (burst 2): no slot outlives its 429.
+    let statuses: Vec<u16> = (0..5)
+        .map(|_| get(envoy.port, "/up/metered", &[("x-tenant-id", "capped")]).status)
+        .collect();
+    assert_eq!(statuses, [200, 200, 429, 429, 429]);
+    assert!(wait_for(WAIT, || gauge(&envoy, "events") == Some(0)));
+    assert_eq!(envoy.tg_stat("admission.stream_limit.normal"), 1);
+}
+
+#[test]
+fn the_decision_record_reaches_the_access_log() {
+    let upstream = Upstream::start();
+    let log = Envoy::temp_dir().join("access.log");
+    let envoy = Envoy::start_with_upstream_logged(&policy("adm-log", 5), upstream.port, &CLASSES, Some(&log));
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let held: Vec<JoinHandle<()>> = (0..4)
+        .map(|_| spawn_get(envoy.port, "/up/orders", "acme", &tx))
+        .collect();
+    assert!(wait_for(WAIT, || upstream.in_flight() == 4));
+    assert_refused(
+        &get(envoy.port, "/up/orders", &[("x-tenant-id", "acme")]),
+        "concurrency_limit",
+    );
+    upstream.release();
+    for h in held {
+        h.join().unwrap();
+    }
+    assert_eq!(rx.try_iter().count(), 4);
+    // A class without admission labels writes no record.
+    assert_eq!(get(envoy.port, "/api/x", &[("x-tenant-id", "acme")]).status, 200);
+    let lines = || std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(wait_for(WAIT, || lines().lines().count() >= 6), "{}", lines());
+    let text = lines();
+    println!("{text}");
+    assert!(
+        text.contains("/up/orders 503 outcome=concurrency_limit criticality=normal dependency=db in_flight=4 queue_wait_ms=0 policy=adm-log key=orders|t|acme"),
+        "{text}"
+    );
+    assert_eq!(
+        text.lines()
+            .filter(|l| l
+                .starts_with("/up/orders 200 outcome=admitted criticality=normal dependency=db in_flight="))
+            .count(),
+        4,
+        "{text}"
+    );
+    assert!(text.contains("/api/x 200 -"), "{text}");
+}

@@ -1,0 +1,639 @@
+//! Admission control, part 1: request checks and in-flight slots per
+//! dependency, counted node-wide across worker VMs.
+//!
+//! # What is decided
+//! A request of a class with a `dependency` takes one **slot** of it when
+//! its headers arrive and gives it back when its stream ends, however it
+//! ends. It is refused (503) when:
+//! * `tenant_share`: its tenant (or anonymous group) already holds
+//!   `tenant_max_share` of the dependency, node-wide (requests and streams);
+//! * `stream_limit`: a `streaming` class and `max_streams` streams are open
+//!   (streams never take `max_in_flight` slots, so a long stream cannot hold
+//!   them);
+//! * `concurrency_limit`: the level's share of `max_in_flight` is full.
+//!
+//! With `G = max_in_flight − reserved.critical − reserved.system` (the
+//! shared pool) and `s, c, n, d` the system, critical, normal and
+//! sheddable requests in flight, the pool's use is
+//! `u = n + d + (c − reserved.critical)⁺ + (s − reserved.system)⁺`.
+//! `system` is admitted while `s < reserved.system` or `u < G`; `critical`
+//! while `c < reserved.critical` or `u < G`; `normal` and `sheddable` only
+//! while `u` is below their **ceiling** ([`SHED_CEILING_PCT`] of `G`:
+//! sheddable retryable 70 %, sheddable 80 %, normal retryable 90 %,
+//! normal 100 %, rounded down, at least 1). So under rising load sheddable
+//! work is refused first, then normal; retryable before non-retryable at
+//! one level; critical only once its own reservation and the pool are
+//! full; and **no level ever borrows another's reservation**: `u ≤ G`,
+//! `min(c, reserved.critical) ≤ reserved.critical`, and the same for
+//! system, so in flight ≤ `max_in_flight` at every instant (up to the
+//! leak bound below, which only ever lets a dead worker's slots go).
+//!
+//! # Where the counts live
+//! Each worker VM keeps its own counts in memory ([`Worker`]): they are the
+//! truth for its streams, so a release never needs shared data to be
+//! right and can never drive a count below zero. It publishes them, with
+//! a **lease**, in the dependency's fixed entry (`tg2|d|<name>`) and, with
+//! a tenant cap, in the tenant's key-table slot (`~d.<name>|t|<tenant>`),
+//! each through [`crate::table::update`], the one compare-and-swap
+//! primitive. A decision reads every live holder of the entry (see
+//! [`holders`]), adds its own counts and writes its new count in the same
+//! compare-and-swap, so two workers never both take the last slot. A
+//! holder whose lease has passed is not counted and is dropped by the next
+//! writer. A worker's id is a shared counter (`tg2|d|workers`) in its high
+//! half and clock bits in its low half: ids do not repeat in one Envoy
+//! process even when two VMs created the counter at once.
+//!
+//! Envoy's shared data has no create-if-absent: a write to a key that does
+//! not exist yet is unconditional, so two workers creating one key at once
+//! lose one write. [`Worker::prepare`] creates every key admission control
+//! writes, empty, when a policy is configured (before its requests), so
+//! later writes are real compare-and-swaps; a count lost anyway (a tenant
+//! slot created by two workers at once) is republished at its worker's
+//! next renewal, within 500 ms and a tick.
+//!
+//! # THE BOUND on a leaked slot
+//! A worker renews its leases on its tick when less than
+//! [`RENEW_BEFORE_NS`] is left, and on every acquire or release, to
+//! `now + LEASE_NS` ([`LEASE_NS`] = 2 s). A VM that crashes, is replaced by
+//! a reload, or stops ticking publishes nothing more, so **its slots stop
+//! counting at most [`LEASE_NS`] (2 s) after its last publish**, by every
+//! reader's clock; nothing else can leak a slot (a stream's [`Ticket`] is
+//! released exactly once: [`Worker::release`] takes it by value). The
+//! price: a live worker whose tick is late by more than 1.5 s is under-counted
+//! until it publishes again (over-admission by its own in-flight count, for
+//! that long). A wall-clock jump forward expires leases early in the same
+//! way; a jump backwards only makes them last longer.
+//!
+//! # Failures
+//! A compare-and-swap that stays conflicted ([`crate::table::MAX_CAS_ATTEMPTS`])
+//! refuses with `contention`, a host failure with `state_unavailable`:
+//! never a silent admission. A failed release or renewal leaves the
+//! worker's count right in memory, marked dirty, and the next tick
+//! publishes it. A tenant slot that overflowed the key table shares the
+//! overflow entry `tg2|o|~d.<name>|tenant` with every other overflowing
+//! tenant (their share is then counted together: stricter, never looser).
+//!
+//! Pure: time is `now`, the host is [`Host`].
+
+pub mod holders;
+pub mod queue;
+pub mod request;
+
+use hashbrown::HashMap;
+
+use crate::engine::{Reason, Subject};
+use crate::host::Host;
+use crate::limiter::NANOS_PER_SEC;
+use crate::policy::admission::{Criticality, Dependency, Labels};
+use crate::policy::{Policy, RouteClass};
+use crate::table::{self, push_record_with, Commit, Failure, Overflow, Place, Reach, Record};
+pub use holders::{Counts, Holder, KIND_IN_FLIGHT};
+
+/// How long a published count stays counted without a renewal.
+pub const LEASE_NS: u64 = 2 * NANOS_PER_SEC;
+/// The tick renews a lease with less than this left.
+/// (1.5 s: a lease is renewed 500 ms after it was written, so a tick may
+/// be 1.5 s late before others stop counting the worker's slots.)
+pub const RENEW_BEFORE_NS: u64 = LEASE_NS / 4 * 3;
+/// The shared counter worker ids come from.
+pub const WORKERS_KEY: &str = "tg2|d|workers";
+/// Percent of the shared pool each of (sheddable retryable, sheddable,
+/// normal retryable, normal) may fill: the shedding order.
+pub const SHED_CEILING_PCT: [u64; 4] = [70, 80, 90, 100];
+/// The plan name of a tenant-share slot's overflow entry.
+const TENANT_OVERFLOW_PLAN: &str = "tenant";
+const KIND_WORKER_COUNTER: u8 = 17;
+
+/// The shared-data key of a dependency's in-flight entry.
+pub fn dependency_key(name: &str) -> String {
+    format!("tg2|d|{name}")
+}
+
+/// The key-table key of a subject's slots at a dependency.
+pub fn tenant_key(dependency: &str, subject: &Subject) -> String {
+    crate::engine::logical_key(&tenant_action(dependency), subject)
+}
+
+fn tenant_action(dependency: &str) -> String {
+    format!("~d.{dependency}")
+}
+
+/// The key-table reach of tenant slots: idle when no holder is live.
+const INSERT: Reach<'static> = Reach::Insert {
+    is_idle: &holders::record_is_idle,
+};
+
+/// Why a request did not get a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    pub reason: Reason,
+    /// The dependency's live slots (requests + streams) at the decision.
+    pub in_flight: u32,
+    /// The dependency's `retry_after_window`.
+    pub retry_after_window_ns: u64,
+}
+
+/// A slot held by one stream. Not `Clone`: [`Worker::release`] takes it,
+/// so it is given back exactly once.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a ticket must be released when its stream ends"]
+pub struct Ticket {
+    dependency: String,
+    tenant: Option<String>,
+    level: usize,
+    streaming: bool,
+    /// The dependency's live slots before this one (for the record).
+    in_flight: u32,
+}
+
+impl Ticket {
+    /// The dependency's live slots (requests + streams) when it was taken,
+    /// not counting itself.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight
+    }
+
+    /// The dependency's shared-data key.
+    pub fn dependency_key(&self) -> &str {
+        &self.dependency
+    }
+}
+
+/// One place this worker has published counts in.
+#[derive(Debug)]
+struct Held {
+    /// `None`: a fixed entry; `Some`: a key-table slot of that many entries.
+    table_entries: Option<u64>,
+    /// The overflow action of a key-table slot.
+    overflow_action: String,
+    counts: Counts,
+    lease_until: u64,
+    /// Memory and shared data may differ: publish on the next tick.
+    dirty: bool,
+}
+
+/// A worker VM's slots (one per VM; see the module header).
+#[derive(Debug)]
+pub struct Worker {
+    id: u64,
+    held: HashMap<String, Held>,
+    buffers: table::Buffers,
+}
+
+/// Every failure of the table is a refusal, never an admission.
+fn failure_reason(f: Failure) -> Reason {
+    match f {
+        Failure::Exhausted => Reason::Contention,
+        Failure::Unavailable { .. } | Failure::Absent | Failure::TooLarge => Reason::StateUnavailable,
+    }
+}
+
+/// The pool use `u` of the module header.
+fn pool_use(dep: &Dependency, c: &Counts) -> u64 {
+    let [d, n, crit, sys] = c.levels.map(u64::from);
+    d + n
+        + crit.saturating_sub(u64::from(dep.reserved_critical))
+        + sys.saturating_sub(u64::from(dep.reserved_system))
+}
+
+/// Whether one more request of `labels` fits `occupancy` (everything live,
+/// this worker included), per the module header.
+pub fn admits(dep: &Dependency, labels: &Labels, occupancy: &Counts) -> Result<(), Reason> {
+    if labels.streaming {
+        let max = dep.max_streams.unwrap_or(0);
+        return if occupancy.streams < max {
+            Ok(())
+        } else {
+            Err(Reason::StreamLimit)
+        };
+    }
+    let general = u64::from(dep.general());
+    let used = pool_use(dep, occupancy);
+    let level = labels.criticality;
+    let held = occupancy.levels.get(level.index()).copied().unwrap_or(0);
+    let ok = match level {
+        Criticality::System => held < dep.reserved_system || used < general,
+        Criticality::Critical => held < dep.reserved_critical || used < general,
+        Criticality::Normal | Criticality::Sheddable => used < ceiling(general, level, labels.retryable),
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(Reason::ConcurrencyLimit)
+    }
+}
+
+/// A level's share of the pool (see [`SHED_CEILING_PCT`]).
+pub fn ceiling(general: u64, level: Criticality, retryable: bool) -> u64 {
+    let step = match level {
+        Criticality::Sheddable => 0,
+        _ => 2,
+    } + usize::from(!retryable);
+    let pct = SHED_CEILING_PCT.get(step).copied().unwrap_or(100);
+    (general.saturating_mul(pct) / 100).max(1).min(general)
+}
+
+/// `Retry-After` for a refusal: at least `min_secs` (the real estimate,
+/// at least 1) plus a jitter in `[0, window)` from `seed`, so refused
+/// clients do not all come back in the same second.
+pub fn jittered_retry_after_secs(min_secs: u64, window_ns: u64, seed: u64) -> u64 {
+    let window = (window_ns / NANOS_PER_SEC).max(1);
+    min_secs.max(1).saturating_add(splitmix64(seed) % window)
+}
+
+/// A well-mixed 64-bit hash (SplitMix64's finaliser).
+pub fn splitmix64(seed: u64) -> u64 {
+    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl Worker {
+    /// A worker with a fresh id from the node's shared counter.
+    pub fn register<H: Host>(host: &H, now: u64) -> Result<Worker, Reason> {
+        let mut buffers = table::Buffers::default();
+        let read = |records: Option<&table::Records<'_>>| {
+            records
+                .and_then(|rs| rs.iter().find(|r| r.kind == KIND_WORKER_COUNTER).copied())
+                .and_then(|r: Record<'_>| r.state.try_into().ok())
+                .map_or(0, u64::from_le_bytes)
+        };
+        let updated = table::update(
+            host,
+            &Place::Fixed { key: WORKERS_KEY },
+            &INSERT,
+            now,
+            &mut buffers,
+            |records, out| {
+                let id = read(records).saturating_add(1);
+                out.push(1);
+                push_record_with(out, 0, KIND_WORKER_COUNTER, 0, 0, |o| {
+                    o.extend_from_slice(&id.to_le_bytes())
+                });
+                (Commit::Write, id)
+            },
+        )
+        .map_err(failure_reason)?;
+        // The counter in the high half; the low half from the clock, so
+        // that two VMs that both created the counter at once (shared data
+        // has no create-if-absent: both writes are unconditional) still
+        // get different ids.
+        let clock_bits = splitmix64(now) & 0xffff_ffff;
+        Ok(Worker::with_id((updated.result << 32) | clock_bits))
+    }
+
+    /// Creates the shared entries a policy's admission control writes to
+    /// (each dependency's, and the worker counter) if they are absent, with
+    /// nothing in them. Called on configure, before any request: Envoy's
+    /// shared data has no create-if-absent, so two workers writing a key
+    /// that does not exist yet both write unconditionally and one write is
+    /// lost. Once a key exists every write is a real compare-and-swap. (A
+    /// count lost in that first race is republished by its worker within
+    /// `LEASE_NS − RENEW_BEFORE_NS` (500 ms) and a tick.)
+    pub fn prepare<H: Host>(host: &H, policy: &Policy, now: u64) {
+        let mut buffers = table::Buffers::default();
+        let keys = policy
+            .dependencies
+            .iter()
+            .map(|d| (d.key.as_str(), KIND_IN_FLIGHT))
+            .chain([(WORKERS_KEY, KIND_WORKER_COUNTER)]);
+        for (key, kind) in keys {
+            let _ = table::update(
+                host,
+                &Place::Fixed { key },
+                &INSERT,
+                now,
+                &mut buffers,
+                |records, out| {
+                    if records.is_some() {
+                        return (Commit::Skip, ());
+                    }
+                    if kind == KIND_IN_FLIGHT {
+                        // An empty holder list.
+                        holders::write(&holders::Holders::default(), &Holder::default(), now, out);
+                    } else {
+                        out.push(1);
+                        push_record_with(out, 0, KIND_WORKER_COUNTER, 0, 0, |o| {
+                            o.extend_from_slice(&0u64.to_le_bytes())
+                        });
+                    }
+                    (Commit::BestEffort, ())
+                },
+            );
+        }
+    }
+
+    /// A worker with a given id (tests; ids must be unique per node).
+    pub fn with_id(id: u64) -> Worker {
+        Worker {
+            id,
+            held: HashMap::new(),
+            buffers: table::Buffers::default(),
+        }
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// This worker's own counts at a place (a dependency key or tenant key).
+    pub fn own(&self, key: &str) -> Counts {
+        self.held.get(key).map(|h| h.counts).unwrap_or_default()
+    }
+
+    /// Takes a slot for a request of `class` (see the module header).
+    /// `Ok(None)`: the class has no dependency.
+    pub fn acquire<H: Host>(
+        &mut self,
+        host: &H,
+        policy: &Policy,
+        class: &RouteClass,
+        subject: &Subject,
+        now: u64,
+    ) -> Result<Option<Ticket>, Refusal> {
+        let labels = class.labels;
+        let Some(dep) = labels.dependency.and_then(|i| policy.dependency(i)) else {
+            return Ok(None);
+        };
+        let refuse = |reason, in_flight| Refusal {
+            reason,
+            in_flight,
+            retry_after_window_ns: dep.retry_after_window_ns,
+        };
+        let level = labels.criticality.index();
+        let streaming = labels.streaming;
+        let tenant = match (dep.tenant_max, subject) {
+            (None, _) | (_, Subject::None) => None,
+            (Some(max), subject) => {
+                let key = tenant_key(&dep.name, subject);
+                let entries = Some(policy.key_table_entries);
+                let action = tenant_action(&dep.name);
+                let check = |occ: &Counts| {
+                    if occ.total() < max {
+                        Ok(())
+                    } else {
+                        Err(Reason::TenantShare)
+                    }
+                };
+                match self.take(host, &key, entries, &action, now, level, streaming, &check) {
+                    Ok(_) => Some(key),
+                    Err((reason, _)) => return Err(refuse(reason, 0)),
+                }
+            }
+        };
+        let check = |occ: &Counts| admits(dep, &labels, occ);
+        match self.take(host, &dep.key, None, "", now, level, streaming, &check) {
+            Ok(occupancy) => Ok(Some(Ticket {
+                dependency: dep.key.clone(),
+                tenant,
+                level,
+                streaming,
+                in_flight: occupancy.total(),
+            })),
+            Err((reason, occupancy)) => {
+                if let Some(key) = tenant {
+                    self.give(host, &key, now, level, streaming);
+                }
+                Err(refuse(reason, occupancy.total()))
+            }
+        }
+    }
+
+    /// Gives a stream's slot back (every end of a stream: complete, reset,
+    /// local reply, client gone). Never fails: the worker's count is right
+    /// in memory at once; shared data follows now or on the next tick.
+    pub fn release<H: Host>(&mut self, host: &H, ticket: Ticket, now: u64) {
+        let Ticket {
+            dependency,
+            tenant,
+            level,
+            streaming,
+            ..
+        } = ticket;
+        self.give(host, &dependency, now, level, streaming);
+        if let Some(key) = tenant {
+            self.give(host, &key, now, level, streaming);
+        }
+    }
+
+    /// On the tick: publishes what is dirty and renews leases with less
+    /// than [`RENEW_BEFORE_NS`] left; forgets places it holds nothing in
+    /// once shared data agrees.
+    pub fn renew<H: Host>(&mut self, host: &H, now: u64) {
+        let due: Vec<String> = self
+            .held
+            .iter()
+            .filter(|(_, h)| {
+                h.dirty || (!h.counts.is_zero() && h.lease_until < now.saturating_add(RENEW_BEFORE_NS))
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in due {
+            self.publish(host, &key, now);
+        }
+        self.held.retain(|_, h| h.dirty || !h.counts.is_zero());
+    }
+
+    /// Places with a count or a pending write (for tests and stats).
+    pub fn places(&self) -> usize {
+        self.held.len()
+    }
+
+    /// One more slot at `key` if `check(others + own)` passes: one update.
+    /// `Err`: the reason and the occupancy it saw.
+    #[allow(clippy::too_many_arguments)]
+    fn take<H: Host>(
+        &mut self,
+        host: &H,
+        key: &str,
+        table_entries: Option<u64>,
+        overflow_action: &str,
+        now: u64,
+        level: usize,
+        streaming: bool,
+        check: &dyn Fn(&Counts) -> Result<(), Reason>,
+    ) -> Result<Counts, (Reason, Counts)> {
+        let own = self.own(key);
+        let mut after = own;
+        after.add(level, streaming);
+        let written = self.write(
+            host,
+            key,
+            table_entries,
+            overflow_action,
+            now,
+            after,
+            Some(&|others| {
+                let occupancy = others.plus(&own);
+                check(&occupancy).map(|()| occupancy).map_err(|r| (r, occupancy))
+            }),
+        );
+        match written {
+            Ok(Ok(occupancy)) => {
+                self.set(key, table_entries, overflow_action, after, now, false);
+                Ok(occupancy)
+            }
+            Ok(Err(refused)) => Err(refused),
+            Err(reason) => Err((reason, Counts::default())),
+        }
+    }
+
+    /// One slot fewer at `key`, published now if possible.
+    fn give<H: Host>(&mut self, host: &H, key: &str, now: u64, level: usize, streaming: bool) {
+        if let Some(h) = self.held.get_mut(key) {
+            h.counts.sub(level, streaming);
+            h.dirty = true;
+        }
+        self.publish(host, key, now);
+    }
+
+    /// Writes this worker's count at `key` as it is in memory.
+    fn publish<H: Host>(&mut self, host: &H, key: &str, now: u64) {
+        let Some(h) = self.held.get(key) else { return };
+        let (entries, action, counts) = (h.table_entries, h.overflow_action.clone(), h.counts);
+        let written = self.write(host, key, entries, &action, now, counts, None);
+        self.set(key, entries, &action, counts, now, written.is_err());
+    }
+
+    fn set(
+        &mut self,
+        key: &str,
+        table_entries: Option<u64>,
+        action: &str,
+        counts: Counts,
+        now: u64,
+        dirty: bool,
+    ) {
+        let lease_until = now.saturating_add(LEASE_NS);
+        match self.held.get_mut(key) {
+            Some(h) => {
+                h.counts = counts;
+                h.dirty = dirty;
+                if !dirty {
+                    h.lease_until = lease_until;
+                    // Where it was last written (a reload may resize the
+                    // key table: a count left at the old place expires
+                    // with its lease).
+                    h.table_entries = table_entries;
+                    if h.overflow_action != action {
+                        action.clone_into(&mut h.overflow_action);
+                    }
+                }
+            }
+            None => {
+                self.held.insert(
+                    key.to_owned(),
+                    Held {
+                        table_entries,
+                        overflow_action: action.to_owned(),
+                        counts,
+                        lease_until: if dirty { 0 } else { lease_until },
+                        dirty,
+                    },
+                );
+            }
+        }
+    }
+
+    /// The one update of a place: reads every holder, runs `check` on what
+    /// the others hold (if any: a refusal writes nothing), writes `mine`
+    /// with a fresh lease.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn write<H: Host>(
+        &mut self,
+        host: &H,
+        key: &str,
+        table_entries: Option<u64>,
+        overflow_action: &str,
+        now: u64,
+        mine: Counts,
+        check: Option<&dyn Fn(&Counts) -> Result<Counts, (Reason, Counts)>>,
+    ) -> Result<Result<Counts, (Reason, Counts)>, Reason> {
+        let place = match table_entries {
+            None => Place::Fixed { key },
+            Some(entries) => Place::Table {
+                logical: key.as_bytes(),
+                entries,
+                overflow: Overflow {
+                    action: overflow_action,
+                    plan: TENANT_OVERFLOW_PLAN,
+                },
+            },
+        };
+        let me = Holder {
+            worker: self.id,
+            lease_until: now.saturating_add(LEASE_NS),
+            counts: mine,
+        };
+        let updated = table::update(host, &place, &INSERT, now, &mut self.buffers, |records, out| {
+            let listed = holders::of_records(records);
+            let others = holders::others(&listed, me.worker, now);
+            let verdict = match check {
+                Some(check) => check(&others),
+                None => Ok(others),
+            };
+            if verdict.is_err() {
+                return (Commit::Skip, Ok(verdict));
+            }
+            if !holders::write(&listed, &me, now, out) {
+                return (Commit::Skip, Err(Reason::StateUnavailable));
+            }
+            (Commit::Write, Ok(verdict))
+        });
+        match updated {
+            Ok(u) => u.result,
+            Err(f) => Err(failure_reason(f)),
+        }
+    }
+}
+
+/// The decision record of an admission-controlled request, for Envoy's
+/// access log (filter state `wasm.tenantgate_admission`): space-separated
+/// `key=value` fields, values from the policy (names) or numbers, so it
+/// needs no escaping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecisionRecord<'a> {
+    /// `admitted`, or the refusal's reason.
+    pub outcome: &'a str,
+    pub criticality: Criticality,
+    /// `-` without one.
+    pub dependency: &'a str,
+    /// The dependency's live slots at the decision (before this request).
+    pub in_flight: u32,
+    /// Time held in a queue, in milliseconds.
+    pub queue_wait_ms: u64,
+    pub policy_version: &'a str,
+    /// The rate-limit key (`action|t|tenant`).
+    pub limit_key: &'a str,
+}
+
+impl DecisionRecord<'_> {
+    pub fn render(&self) -> String {
+        format!(
+            "outcome={} criticality={} dependency={} in_flight={} queue_wait_ms={} policy={} key={}",
+            self.outcome,
+            self.criticality.as_str(),
+            self.dependency,
+            self.in_flight,
+            self.queue_wait_ms,
+            self.policy_version.replace(' ', "_"),
+            self.limit_key
+        )
+    }
+}
+
+/// The live slots of a dependency, node-wide, as shared data says at `now`
+/// (the in-flight gauge). `None`: shared data could not be read.
+pub fn in_flight<H: Host>(host: &H, dependency_key: &str, now: u64) -> Option<Counts> {
+    let (value, _) = host.shared_get(dependency_key).ok()?;
+    let Some(value) = value else {
+        return Some(Counts::default());
+    };
+    let slots = table::decode_entry(&value)?;
+    let records = slots.first().and_then(|s| table::decode_records(s.records));
+    Some(holders::live(&holders::of_records(records.as_ref()), now))
+}
+
+#[cfg(test)]
+mod tests;

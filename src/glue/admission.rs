@@ -1,0 +1,528 @@
+//! Admission control on Envoy's streams (the core is [`crate::admission`]).
+//!
+//! * Request headers: the class's request checks, then a slot of its
+//!   dependency ([`Admission::on_request_headers`]); the rate limits are
+//!   charged after, and a rate-limit denial gives the slot back at once.
+//! * Request body: a body without `content-length` is counted chunk by
+//!   chunk against `max_body_bytes`.
+//! * Stream end: the slot is released from `on_log` or `on_done`,
+//!   whichever comes first (both come for every end: complete, reset by
+//!   either side, local reply, client gone); the [`Ticket`] is taken out
+//!   of the stream's context, so it is released once.
+//! * A `concurrency_limit` refusal at a level with a queue pauses the
+//!   request in the worker's [`PriorityQueue`] of its dependency
+//!   ([`crate::admission::queue`]); the tick serves it: a request that gets
+//!   its slot is charged its rate limits and resumed (its ticket kept by
+//!   context id until its stream ends), one whose `max_wait` would pass is
+//!   answered 503 `queue_timeout`; a stream that ends while held leaves the
+//!   queue.
+//! * Root tick: the worker renews its leases and publishes what a failed
+//!   write left dirty; every 10th tick the in-flight gauges are set from
+//!   shared data (node-wide: every worker sets the same value).
+//!
+//! Stats: `tenantgate.admission.<outcome>.<criticality>` counters
+//! (outcomes: `admitted` and every refusal reason), counted in memory and
+//! flushed on the tick; the gauge `tenantgate.admission.in_flight.<dependency>`.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use proxy_wasm::types::MetricType;
+
+use super::metrics::Metrics;
+use super::{abi, ProxyHost};
+use crate::admission::queue::{Held, NotHeld, PriorityQueue, Served};
+use crate::admission::request::{self, BodyBudget, Declared};
+use crate::admission::{self, jittered_retry_after_secs, Ticket, Worker};
+use crate::engine::{Decision, Prepared, Reason};
+use crate::host::Host;
+use crate::policy::admission::Criticality;
+use crate::policy::{Mode, Policy};
+use crate::response;
+
+thread_local! {
+    /// The VM's slots (one worker per VM, whatever the roots).
+    static WORKER: RefCell<Option<Worker>> = const { RefCell::new(None) };
+    /// Requests waiting for a slot, per dependency key.
+    static QUEUES: RefCell<HashMap<String, PriorityQueue<Parked>>> = RefCell::new(HashMap::new());
+    /// Slots of requests the queue resumed, by stream context id.
+    static ADMITTED: RefCell<HashMap<u32, Ticket>> = RefCell::new(HashMap::new());
+}
+
+/// A paused request: what resuming it needs.
+#[derive(Debug)]
+pub struct Parked {
+    context_id: u32,
+    policy: Rc<Policy>,
+    prepared: Prepared,
+}
+
+/// Why a request does not go on at once.
+pub enum Refused {
+    /// Answer with this decision.
+    Reply(Decision),
+    /// Paused in its dependency's queue.
+    Held,
+}
+
+/// The outcomes counted per criticality level.
+const OUTCOMES: [Option<Reason>; 10] = [
+    None,
+    Some(Reason::ConcurrencyLimit),
+    Some(Reason::StreamLimit),
+    Some(Reason::TenantShare),
+    Some(Reason::RequestTooLarge),
+    Some(Reason::TimeoutBudget),
+    Some(Reason::Contention),
+    Some(Reason::StateUnavailable),
+    Some(Reason::QueueFull),
+    Some(Reason::QueueTimeout),
+];
+
+fn outcome_name(o: Option<Reason>) -> &'static str {
+    o.map_or("admitted", Reason::as_str)
+}
+
+/// Registers the VM's worker if it has none yet (on configure and on the
+/// tick, until it works).
+pub fn ensure_worker(now: u64) {
+    WORKER.with(|w| {
+        let Ok(mut w) = w.try_borrow_mut() else { return };
+        if w.is_none() {
+            match Worker::register(&ProxyHost, now) {
+                Ok(worker) => *w = Some(worker),
+                Err(reason) => log::warn!("tenantgate: no admission worker id yet: {}", reason.as_str()),
+            }
+        }
+    });
+}
+
+fn with_worker<R>(f: impl FnOnce(&mut Worker) -> R) -> Option<R> {
+    WORKER.with(|w| w.try_borrow_mut().ok()?.as_mut().map(f))
+}
+
+/// Releases a stream's slot.
+pub fn release(ticket: Ticket, now: u64) {
+    let kept = WORKER.with(|w| match w.try_borrow_mut() {
+        Ok(mut guard) => match guard.as_mut() {
+            Some(worker) => {
+                worker.release(&ProxyHost, ticket, now);
+                None
+            }
+            None => Some(ticket),
+        },
+        Err(_) => Some(ticket),
+    });
+    if kept.is_some() {
+        // Unreachable: a ticket exists only if the worker does, and the
+        // worker is never borrowed across a callback.
+        log::error!("tenantgate: an admission slot could not be released");
+    }
+}
+
+/// Forgets a stream: out of its queue, its resumed slot released.
+pub fn stream_done(context_id: u32, now: u64) {
+    QUEUES.with(|q| {
+        if let Ok(mut queues) = q.try_borrow_mut() {
+            for queue in queues.values_mut() {
+                queue.remove(|p| p.context_id == context_id);
+            }
+        }
+    });
+    let ticket = ADMITTED.with(|a| a.try_borrow_mut().ok()?.remove(&context_id));
+    if let Some(t) = ticket {
+        release(t, now);
+    }
+}
+
+/// A stream's admission state.
+#[derive(Debug, Default)]
+pub struct Stream {
+    pub ticket: Option<Ticket>,
+    pub body: Option<BodyBudget>,
+    pub level: Criticality,
+    /// Paused in a dependency's queue, or resumed from it.
+    pub queued: bool,
+}
+
+/// The filter state the decision record is kept under (`wasm.` + this).
+pub const RECORD_PROPERTY: &str = "tenantgate_admission";
+
+/// Writes a request's decision record (on the current stream).
+fn record(policy: &Policy, prepared: &Prepared, outcome: Option<Reason>, in_flight: u32, queue_wait_ns: u64) {
+    let labels = prepared.class.labels;
+    let dependency = labels
+        .dependency
+        .and_then(|i| policy.dependency(i))
+        .map_or("-", |d| d.name.as_str());
+    let key = crate::engine::logical_key(&prepared.class.action, &prepared.subject);
+    let text = admission::DecisionRecord {
+        outcome: outcome_name(outcome),
+        criticality: labels.criticality,
+        dependency,
+        in_flight,
+        queue_wait_ms: queue_wait_ns / 1_000_000,
+        policy_version: &policy.version,
+        limit_key: &key,
+    }
+    .render();
+    if abi::set_property(RECORD_PROPERTY, text.as_bytes()).is_err() {
+        log::debug!("tenantgate: cannot set the admission record");
+    }
+}
+
+/// A refusal's decision, with its jittered `Retry-After`.
+fn refusal_decision(
+    reason: Reason,
+    dependency: &str,
+    window_ns: u64,
+    prepared: &Prepared,
+    context_id: u32,
+    now: u64,
+) -> Decision {
+    let seed = now ^ (u64::from(context_id) << 32);
+    Decision {
+        limit: Some(dependency.to_owned()),
+        retry_after_secs: jittered_retry_after_secs(1, window_ns, seed),
+        subject: prepared.subject.clone(),
+        ..Decision::passed(reason)
+    }
+}
+
+/// The root's admission stats and gauges.
+pub struct Admission {
+    counters: [[Option<u32>; 4]; OUTCOMES.len()],
+    pending: [[Cell<u64>; 4]; OUTCOMES.len()],
+    /// `admission.queued.<criticality>`: requests paused for a slot.
+    queued: [Cell<u64>; 4],
+    queued_ids: [Option<u32>; 4],
+    /// Dependency key → gauge id, for every dependency of every policy
+    /// this root loaded (bounded by the policies).
+    gauges: RefCell<HashMap<String, Option<u32>>>,
+    ticks: Cell<u32>,
+}
+
+impl Admission {
+    pub fn define() -> Admission {
+        Admission {
+            counters: OUTCOMES.map(|o| {
+                Criticality::ALL.map(|c| {
+                    let name = format!("tenantgate.admission.{}.{}", outcome_name(o), c.as_str());
+                    abi::define_metric(MetricType::Counter, &name).ok()
+                })
+            }),
+            pending: Default::default(),
+            queued: Default::default(),
+            queued_ids: Criticality::ALL.map(|c| {
+                abi::define_metric(
+                    MetricType::Counter,
+                    &format!("tenantgate.admission.queued.{}", c.as_str()),
+                )
+                .ok()
+            }),
+            gauges: RefCell::new(HashMap::new()),
+            ticks: Cell::new(0),
+        }
+    }
+
+    /// Defines the gauges of a newly loaded policy's dependencies.
+    pub fn configure(&self, policy: &Policy, now: u64) {
+        if policy.dependencies.is_empty() {
+            return;
+        }
+        Worker::prepare(&ProxyHost, policy, now);
+        ensure_worker(now);
+        let Ok(mut gauges) = self.gauges.try_borrow_mut() else {
+            return;
+        };
+        for d in &policy.dependencies {
+            gauges.entry(d.key.clone()).or_insert_with(|| {
+                let name = format!("tenantgate.admission.in_flight.{}", d.name);
+                abi::define_metric(MetricType::Gauge, &name).ok()
+            });
+        }
+    }
+
+    fn count(&self, outcome: Option<Reason>, level: Criticality) {
+        if let Some(c) = OUTCOMES
+            .iter()
+            .position(|o| *o == outcome)
+            .and_then(|i| self.pending.get(i))
+            .and_then(|row| row.get(level.index()))
+        {
+            c.set(c.get().saturating_add(1));
+        }
+    }
+
+    /// Checks and admits a request of a class with admission labels.
+    /// `Err`: the refusal, as a decision to answer with.
+    pub fn on_request_headers(
+        &self,
+        policy: &Rc<Policy>,
+        prepared: &Prepared,
+        stream: &mut Stream,
+        context_id: u32,
+        now: u64,
+    ) -> Result<(), Refused> {
+        let labels = prepared.class.labels;
+        let level = labels.criticality;
+        stream.level = level;
+        // `mode: shadow`: refusals are counted, never enforced.
+        let shadow = policy.mode == Mode::Shadow;
+        let declared = Declared::read(
+            ProxyHost.request_header("content-length").as_deref(),
+            labels
+                .min_timeout_budget_ns
+                .and(ProxyHost.request_header(request::EXPECTED_TIMEOUT_HEADER))
+                .as_deref(),
+        );
+        if let Err(reason) = request::check(&labels, &declared) {
+            self.count(Some(reason), level);
+            record(policy, prepared, Some(reason), 0, 0);
+            if shadow {
+                return Ok(());
+            }
+            return Err(Refused::Reply(Decision {
+                retry_after_secs: 1,
+                subject: prepared.subject.clone(),
+                ..Decision::passed(reason)
+            }));
+        }
+        if declared.content_length.is_none() && !shadow {
+            stream.body = BodyBudget::of(&labels);
+        }
+        let Some(dep) = labels.dependency.and_then(|i| policy.dependency(i)) else {
+            record(policy, prepared, None, 0, 0);
+            return Ok(());
+        };
+        let acquired =
+            with_worker(|w| w.acquire(&ProxyHost, policy, &prepared.class, &prepared.subject, now))
+                .unwrap_or(Err(admission::Refusal {
+                    reason: Reason::StateUnavailable,
+                    in_flight: 0,
+                    retry_after_window_ns: dep.retry_after_window_ns,
+                }));
+        match acquired {
+            Ok(ticket) => {
+                self.count(None, level);
+                record(
+                    policy,
+                    prepared,
+                    None,
+                    ticket.as_ref().map_or(0, Ticket::in_flight),
+                    0,
+                );
+                stream.ticket = ticket;
+                Ok(())
+            }
+            Err(refusal) => {
+                let mut reason = refusal.reason;
+                let queue = dep.queues.get(level.index()).copied().unwrap_or_default();
+                if reason == Reason::ConcurrencyLimit && queue.max_queue > 0 && !shadow {
+                    let held = Held {
+                        item: Parked {
+                            context_id,
+                            policy: policy.clone(),
+                            prepared: prepared.clone(),
+                        },
+                        level,
+                        tenant: crate::table::fnv1a64(
+                            admission::tenant_key(&dep.name, &prepared.subject).as_bytes(),
+                        ),
+                        enqueued: now,
+                        deadline: now.saturating_add(queue.max_wait_ns),
+                    };
+                    let offered = QUEUES.with(|q| match q.try_borrow_mut() {
+                        Ok(mut queues) => queues
+                            .entry(dep.key.clone())
+                            .or_default()
+                            .offer(held, queue.max_queue),
+                        Err(_) => Err(NotHeld::Full),
+                    });
+                    match offered {
+                        Ok(()) => {
+                            self.count_queued(level);
+                            stream.queued = true;
+                            return Err(Refused::Held);
+                        }
+                        Err(NotHeld::Full) => reason = Reason::QueueFull,
+                        Err(NotHeld::NoQueue) => {}
+                    }
+                }
+                self.count(Some(reason), level);
+                record(policy, prepared, Some(reason), refusal.in_flight, 0);
+                if shadow {
+                    return Ok(());
+                }
+                Err(Refused::Reply(refusal_decision(
+                    reason,
+                    &dep.name,
+                    refusal.retry_after_window_ns,
+                    prepared,
+                    context_id,
+                    now,
+                )))
+            }
+        }
+    }
+
+    fn count_queued(&self, level: Criticality) {
+        if let Some(c) = self.queued.get(level.index()) {
+            c.set(c.get().saturating_add(1));
+        }
+    }
+
+    /// Serves every dependency's queue (see the module header).
+    fn serve_queues(&self, metrics: &Metrics, now: u64) {
+        let served: Vec<Served<Parked, Ticket>> = QUEUES.with(|q| {
+            let Ok(mut queues) = q.try_borrow_mut() else {
+                return Vec::new();
+            };
+            let mut out = Vec::new();
+            for queue in queues.values_mut().filter(|q| !q.is_empty()) {
+                out.extend(queue.serve(now, super::TICK_NS, |h| {
+                    let p = &h.item;
+                    with_worker(|w| {
+                        w.acquire(&ProxyHost, &p.policy, &p.prepared.class, &p.prepared.subject, now)
+                    })
+                    .and_then(Result::ok)
+                    .flatten()
+                }));
+            }
+            out
+        });
+        for s in served {
+            match s {
+                Served::Admitted(h, ticket) => {
+                    let p = h.item;
+                    self.count(None, h.level);
+                    if abi::set_effective_context(p.context_id).is_err() {
+                        // The stream ended meanwhile.
+                        release(ticket, now);
+                        continue;
+                    }
+                    record(
+                        &p.policy,
+                        &p.prepared,
+                        None,
+                        ticket.in_flight(),
+                        now.saturating_sub(h.enqueued),
+                    );
+                    let decision = super::charge(&p.policy, &p.prepared, now);
+                    metrics.record(&decision);
+                    match response::local_reply(
+                        &decision,
+                        &p.policy.version,
+                        p.policy.ratelimit_headers,
+                        None,
+                    ) {
+                        Some(reply) => {
+                            release(ticket, now);
+                            super::send_reply(&reply, metrics);
+                        }
+                        None => {
+                            ADMITTED.with(|a| {
+                                if let Ok(mut a) = a.try_borrow_mut() {
+                                    a.insert(p.context_id, ticket);
+                                }
+                            });
+                            if abi::resume_http_request().is_err() {
+                                log::warn!("tenantgate: cannot resume a request held for a slot");
+                            }
+                        }
+                    }
+                }
+                Served::TimedOut(h) => {
+                    let p = h.item;
+                    self.count(Some(Reason::QueueTimeout), h.level);
+                    if abi::set_effective_context(p.context_id).is_err() {
+                        continue;
+                    }
+                    let Some(dep) = p
+                        .prepared
+                        .class
+                        .labels
+                        .dependency
+                        .and_then(|i| p.policy.dependency(i))
+                    else {
+                        continue;
+                    };
+                    let decision = refusal_decision(
+                        Reason::QueueTimeout,
+                        &dep.name,
+                        dep.retry_after_window_ns,
+                        &p.prepared,
+                        p.context_id,
+                        now,
+                    );
+                    metrics.record(&decision);
+                    let raw = ProxyHost.request_header("x-request-id");
+                    if let Some(reply) = response::local_reply(
+                        &decision,
+                        &p.policy.version,
+                        p.policy.ratelimit_headers,
+                        response::request_id(raw.as_deref()),
+                    ) {
+                        super::send_reply(&reply, metrics);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Counts a streamed body's chunk; `Err`: over `max_body_bytes`.
+    pub fn on_request_body(&self, stream: &mut Stream, bytes: usize) -> Result<(), Decision> {
+        let level = stream.level;
+        let Some(budget) = stream.body.as_mut() else {
+            return Ok(());
+        };
+        budget
+            .add(u64::try_from(bytes).unwrap_or(u64::MAX))
+            .map_err(|reason| {
+                stream.body = None;
+                self.count(Some(reason), level);
+                Decision {
+                    retry_after_secs: 1,
+                    ..Decision::passed(reason)
+                }
+            })
+    }
+
+    /// The root tick: leases, pending stats, gauges.
+    pub fn tick(&self, metrics: &Metrics, now: u64) {
+        let flush = |id: &Option<u32>, p: &Cell<u64>| {
+            let n = p.take();
+            if let (Some(id), true) = (id, n > 0) {
+                let _ = abi::increment_metric(*id, i64::try_from(n).unwrap_or(i64::MAX));
+            }
+        };
+        for (ids, pending) in self.counters.iter().zip(&self.pending) {
+            for (id, p) in ids.iter().zip(pending) {
+                flush(id, p);
+            }
+        }
+        for (id, p) in self.queued_ids.iter().zip(&self.queued) {
+            flush(id, p);
+        }
+        let Ok(gauges) = self.gauges.try_borrow() else {
+            return;
+        };
+        if gauges.is_empty() {
+            return;
+        }
+        ensure_worker(now);
+        with_worker(|w| w.renew(&ProxyHost, now));
+        self.serve_queues(metrics, now);
+        let ticks = self.ticks.get().wrapping_add(1);
+        self.ticks.set(ticks);
+        if ticks % 10 != 0 {
+            return;
+        }
+        for (key, gauge) in gauges.iter() {
+            if let (Some(id), Some(live)) = (gauge, admission::in_flight(&ProxyHost, key, now)) {
+                let _ = abi::record_metric(*id, u64::from(live.total()));
+            }
+        }
+    }
+}

@@ -1,0 +1,370 @@
+//! Admission control in the policy: the `dependencies:` map and the labels
+//! a route class carries (`criticality`, `dependency`, `retryable`,
+//! `streaming`, `max_body_bytes`, `min_timeout_budget`), validated and
+//! compiled. Every default of these fields is defined here, once.
+//!
+//! Everything is optional: a policy that names none of these fields
+//! compiles to [`Labels::default`] on every class and no dependency, and
+//! the filter's request path does exactly what it did before (see
+//! [`Labels::checks_anything`]). How the filter uses them is in
+//! [`crate::admission`].
+
+use std::collections::BTreeMap;
+
+use super::duration::parse_duration_ns;
+use super::error::{FieldPath, PolicyError};
+use super::is_name;
+pub use super::spec::Criticality;
+use super::spec::{DependencySpec, LevelQueueSpec, RouteSpec};
+use crate::limiter::NANOS_PER_SEC;
+
+/// Largest `max_in_flight` and `max_streams`.
+pub const MAX_IN_FLIGHT: i64 = 1_000_000;
+/// Largest `max_body_bytes` (1 TiB).
+pub const MAX_BODY_BYTES: i64 = 1 << 40;
+/// Longest `min_timeout_budget`.
+pub const MAX_TIMEOUT_BUDGET_NS: u64 = 3600 * NANOS_PER_SEC;
+/// Default `retry_after_window`, and its bounds.
+pub const DEFAULT_RETRY_AFTER_WINDOW_NS: u64 = 10 * NANOS_PER_SEC;
+pub const MIN_RETRY_AFTER_WINDOW_NS: u64 = NANOS_PER_SEC;
+pub const MAX_RETRY_AFTER_WINDOW_NS: u64 = 300 * NANOS_PER_SEC;
+/// Bounds of `queues.<level>.max_queue` (default 0: reject at once).
+pub const MAX_LEVEL_QUEUE: i64 = 10_000;
+
+impl Criticality {
+    /// Lowest first: the index of a level in per-level arrays.
+    pub const ALL: [Criticality; 4] = [
+        Criticality::Sheddable,
+        Criticality::Normal,
+        Criticality::Critical,
+        Criticality::System,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Criticality::Sheddable => "sheddable",
+            Criticality::Normal => "normal",
+            Criticality::Critical => "critical",
+            Criticality::System => "system",
+        }
+    }
+
+    /// Its position in [`Criticality::ALL`].
+    pub fn index(self) -> usize {
+        match self {
+            Criticality::Sheddable => 0,
+            Criticality::Normal => 1,
+            Criticality::Critical => 2,
+            Criticality::System => 3,
+        }
+    }
+}
+
+/// A route class's admission labels (defaults: `normal`, not retryable, not
+/// streaming, no dependency, no size or budget check).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Labels {
+    pub criticality: Criticality,
+    pub retryable: bool,
+    /// Counted against the dependency's `max_streams`, not `max_in_flight`.
+    pub streaming: bool,
+    /// Index into the policy's dependencies.
+    pub dependency: Option<usize>,
+    pub max_body_bytes: Option<u64>,
+    pub min_timeout_budget_ns: Option<u64>,
+}
+
+impl Labels {
+    /// Whether a request of this class has any admission check: when not,
+    /// the filter does nothing more than without admission control.
+    pub fn checks_anything(&self) -> bool {
+        self.dependency.is_some() || self.max_body_bytes.is_some() || self.min_timeout_budget_ns.is_some()
+    }
+}
+
+/// A criticality level's queue at a dependency (`max_queue` 0: refuse at
+/// once; see [`crate::admission::queue`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LevelQueue {
+    pub max_queue: u32,
+    pub max_wait_ns: u64,
+}
+
+/// A compiled `dependencies.<name>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dependency {
+    pub name: String,
+    /// Its shared-data key (see [`crate::admission::dependency_key`]).
+    pub key: String,
+    pub max_in_flight: u32,
+    /// The separate budget of streaming classes (`None`: no streaming
+    /// class may name this dependency).
+    pub max_streams: Option<u32>,
+    pub reserved_critical: u32,
+    pub reserved_system: u32,
+    /// Most in-flight requests (and streams) of one tenant, node-wide
+    /// (`tenant_max_share` as a count; `None`: no per-tenant cap).
+    pub tenant_max: Option<u32>,
+    /// Rejections' `Retry-After` is spread over this window.
+    pub retry_after_window_ns: u64,
+    /// Indexed by [`Criticality::index`].
+    pub queues: [LevelQueue; 4],
+}
+
+impl Dependency {
+    /// The shared pool: what neither reservation holds.
+    pub fn general(&self) -> u32 {
+        self.max_in_flight
+            .saturating_sub(self.reserved_critical)
+            .saturating_sub(self.reserved_system)
+    }
+}
+
+fn add(errors: &mut Vec<PolicyError>, path: FieldPath, message: impl Into<String>) {
+    errors.push(PolicyError::new(path, message));
+}
+
+/// `dependencies:` in name order (a route's `dependency` is an index).
+pub fn compile_dependencies(
+    specs: &BTreeMap<String, DependencySpec>,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> Vec<Dependency> {
+    specs
+        .iter()
+        .map(|(name, spec)| compile_dependency(name, spec, &path.key(name), errors))
+        .collect()
+}
+
+fn in_range(value: i64, min: i64, max: i64, path: &FieldPath, errors: &mut Vec<PolicyError>) -> Option<u32> {
+    if (min..=max).contains(&value) {
+        u32::try_from(value).ok()
+    } else {
+        add(errors, path.clone(), format!("must be between {min} and {max}"));
+        None
+    }
+}
+
+fn compile_dependency(
+    name: &str,
+    spec: &DependencySpec,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> Dependency {
+    if !is_name(name) {
+        add(
+            errors,
+            path.clone(),
+            "dependency names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
+        );
+    }
+    let max_in_flight = in_range(
+        spec.max_in_flight,
+        1,
+        MAX_IN_FLIGHT,
+        &path.key("max_in_flight"),
+        errors,
+    )
+    .unwrap_or(1);
+    let max_streams = spec
+        .max_streams
+        .and_then(|n| in_range(n, 1, MAX_IN_FLIGHT, &path.key("max_streams"), errors));
+    let reserved = spec.reserved.as_ref();
+    let reserved_path = path.key("reserved");
+    let mut reservation = |field: &str, value: Option<i64>| {
+        value.map_or(0, |n| {
+            in_range(n, 0, MAX_IN_FLIGHT, &reserved_path.key(field), errors).unwrap_or(0)
+        })
+    };
+    let reserved_critical = reservation("critical", reserved.and_then(|r| r.critical));
+    let reserved_system = reservation("system", reserved.and_then(|r| r.system));
+    let reserved_total = reserved_critical.saturating_add(reserved_system);
+    if reserved_total >= max_in_flight && reserved_total > 0 {
+        add(
+            errors,
+            reserved_path,
+            format!(
+                "reserved.critical + reserved.system ({reserved_total}) must be less than max_in_flight ({max_in_flight}): nothing would be left for normal and sheddable requests"
+            ),
+        );
+    }
+    let tenant_max = spec.tenant_max_share.and_then(|share| {
+        let share_path = path.key("tenant_max_share");
+        if share > 0.0 && share < 1.0 {
+            // A fraction: at least one slot.
+            let slots = (share * f64::from(max_in_flight)).ceil();
+            Some((slots as u32).clamp(1, max_in_flight))
+        } else if share >= 1.0 && share.fract() == 0.0 && share <= f64::from(max_in_flight) {
+            Some(share as u32)
+        } else {
+            add(
+                errors,
+                share_path,
+                format!(
+                    "must be a fraction between 0 and 1 (exclusive) or a whole count from 1 to max_in_flight ({max_in_flight})"
+                ),
+            );
+            None
+        }
+    });
+    let retry_after_window_ns = match spec.retry_after_window.as_deref().map(parse_duration_ns) {
+        None => DEFAULT_RETRY_AFTER_WINDOW_NS,
+        Some(Ok(ns)) if (MIN_RETRY_AFTER_WINDOW_NS..=MAX_RETRY_AFTER_WINDOW_NS).contains(&ns) => ns,
+        Some(Ok(_)) => {
+            add(
+                errors,
+                path.key("retry_after_window"),
+                "must be between 1s and 5m",
+            );
+            DEFAULT_RETRY_AFTER_WINDOW_NS
+        }
+        Some(Err(message)) => {
+            add(errors, path.key("retry_after_window"), message);
+            DEFAULT_RETRY_AFTER_WINDOW_NS
+        }
+    };
+    let mut queues = [LevelQueue::default(); 4];
+    if let Some(q) = &spec.queues {
+        let levels = [
+            (Criticality::Sheddable, &q.sheddable),
+            (Criticality::Normal, &q.normal),
+            (Criticality::Critical, &q.critical),
+            (Criticality::System, &q.system),
+        ];
+        for (level, queue) in levels {
+            if let (Some(queue), Some(slot)) = (queue, queues.get_mut(level.index())) {
+                *slot = compile_level_queue(queue, &path.key("queues").key(level.as_str()), errors);
+            }
+        }
+    }
+    Dependency {
+        name: name.to_owned(),
+        key: crate::admission::dependency_key(name),
+        max_in_flight,
+        max_streams,
+        reserved_critical,
+        reserved_system,
+        tenant_max,
+        retry_after_window_ns,
+        queues,
+    }
+}
+
+fn compile_level_queue(spec: &LevelQueueSpec, path: &FieldPath, errors: &mut Vec<PolicyError>) -> LevelQueue {
+    let max_queue = spec.max_queue.map_or(0, |n| {
+        in_range(n, 0, MAX_LEVEL_QUEUE, &path.key("max_queue"), errors).unwrap_or(0)
+    });
+    let max_wait_ns = match spec.max_wait.as_deref().map(parse_duration_ns) {
+        None => 0,
+        Some(Ok(ns)) if ns > 0 && ns <= super::compile::MAX_QUEUE_WAIT_NS => ns,
+        Some(Ok(_)) => {
+            add(
+                errors,
+                path.key("max_wait"),
+                "must be more than 0 and at most 30s",
+            );
+            0
+        }
+        Some(Err(message)) => {
+            add(errors, path.key("max_wait"), message);
+            0
+        }
+    };
+    if max_queue > 0 && spec.max_wait.is_none() {
+        add(
+            errors,
+            path.key("max_wait"),
+            "required when max_queue is more than 0",
+        );
+    }
+    LevelQueue {
+        max_queue,
+        max_wait_ns,
+    }
+}
+
+/// A route class's labels; `dependencies` are the compiled ones, in the
+/// order of `names`.
+pub fn compile_labels(
+    spec: &RouteSpec,
+    dependencies: &[Dependency],
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> Labels {
+    let dependency = spec.dependency.as_ref().and_then(|d| {
+        let found = dependencies.iter().position(|x| &x.name == d);
+        if found.is_none() {
+            let names: Vec<&str> = dependencies.iter().map(|x| x.name.as_str()).collect();
+            let known = if names.is_empty() {
+                String::from("none defined")
+            } else {
+                names.join(", ")
+            };
+            add(
+                errors,
+                path.key("dependency"),
+                format!("unknown dependency `{d}` (dependencies: {known})"),
+            );
+        }
+        found
+    });
+    if dependency.is_some() && spec.on_limit == super::spec::OnLimit::Queue {
+        add(
+            errors,
+            path.key("dependency"),
+            "an in-flight slot is not held across the rate-limit queue yet: a class with a dependency cannot use on_limit: queue",
+        );
+    }
+    let streaming = spec.streaming.unwrap_or(false);
+    if streaming {
+        match dependency.and_then(|i| dependencies.get(i)) {
+            None => add(
+                errors,
+                path.key("streaming"),
+                "a streaming class counts against its dependency's max_streams: name a dependency",
+            ),
+            Some(d) if d.max_streams.is_none() => add(
+                errors,
+                path.key("streaming"),
+                format!("dependency `{}` has no max_streams for streaming classes", d.name),
+            ),
+            Some(_) => {}
+        }
+    }
+    let max_body_bytes = spec.max_body_bytes.and_then(|n| {
+        if (1..=MAX_BODY_BYTES).contains(&n) {
+            u64::try_from(n).ok()
+        } else {
+            add(
+                errors,
+                path.key("max_body_bytes"),
+                format!("must be between 1 and {MAX_BODY_BYTES}"),
+            );
+            None
+        }
+    });
+    let min_timeout_budget_ns = match spec.min_timeout_budget.as_deref().map(parse_duration_ns) {
+        None => None,
+        Some(Ok(ns)) if ns > 0 && ns <= MAX_TIMEOUT_BUDGET_NS => Some(ns),
+        Some(Ok(_)) => {
+            add(
+                errors,
+                path.key("min_timeout_budget"),
+                "must be more than 0 and at most 1h",
+            );
+            None
+        }
+        Some(Err(message)) => {
+            add(errors, path.key("min_timeout_budget"), message);
+            None
+        }
+    };
+    Labels {
+        criticality: spec.criticality.unwrap_or_default(),
+        retryable: spec.retryable.unwrap_or(false),
+        streaming,
+        dependency,
+        max_body_bytes,
+        min_timeout_budget_ns,
+    }
+}
