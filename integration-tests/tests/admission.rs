@@ -701,6 +701,7 @@ fn an_action_in_flight_limit_holds_across_workers_and_its_slots_come_back() {
     );
     for r in &refused {
         assert_refused(r, "concurrency_limit");
+        assert_eq!(r.json()["limit"], "action:search", "{r:?}");
     }
     assert!(wait_for(WAIT, || action_gauge(&envoy, "search") == Some(3)));
     // Another action of the same dependency is not limited by it.

@@ -116,6 +116,10 @@ pub fn dependency_key(name: &str) -> String {
     format!("tg2|d|{name}")
 }
 
+/// How a refusal by an action's limit names it (decision record `limit=`,
+/// the problem's `limit`): `action:<action>` (no dependency name has a `:`).
+pub const ACTION_LIMIT_PREFIX: &str = "action:";
+
 /// The shared-data key of an action's in-flight entry (`actions.<name>`).
 pub fn action_key(name: &str) -> String {
     format!("tg2|a|{name}")

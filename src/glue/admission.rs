@@ -159,7 +159,7 @@ fn limit_name(policy: &Policy, prepared: &Prepared, limit: Limited) -> String {
         .and_then(|i| policy.dependency(i))
         .map_or("-", |d| d.name.as_str());
     match limit {
-        Limited::Action => format!("action:{}", prepared.class.action),
+        Limited::Action => format!("{}{}", admission::ACTION_LIMIT_PREFIX, prepared.class.action),
         Limited::Dependency => format!("dependency:{dependency}"),
         Limited::Tenant => format!("tenant:{dependency}"),
     }
