@@ -218,6 +218,13 @@ fn compile_dependency(
             path.clone(),
             "dependency names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
         );
+    } else if crate::admission::dependency_key(name) == crate::admission::WORKERS_KEY {
+        // Its entry would be the worker-id counter's.
+        add(
+            errors,
+            path.clone(),
+            format!("`{name}` is reserved (the filter's worker counter): name the dependency otherwise"),
+        );
     }
     let max_in_flight = in_range(
         spec.max_in_flight,
