@@ -190,9 +190,9 @@ impl Envoy {
         Envoy::start_with_upstream_logged(policy_yaml, upstream_port, classes, None)
     }
 
-    /// [`Envoy::start_with_upstream`], with an access log of the demo
-    /// listener written to `access_log`: `<path> <status> <admission record>`
-    /// per request (the record as in `envoy/demo.yaml`'s format).
+    /// [`Envoy::start_with_upstream`], with the demo listener's access log
+    /// (`envoy/demo.yaml`'s format: `<path> <status> <admission record>`)
+    /// written to `access_log` instead of Envoy's stdout.
     pub fn start_with_upstream_logged(
         policy_yaml: &str,
         upstream_port: u16,
@@ -229,15 +229,16 @@ impl Envoy {
                 1,
             );
             if let Some(path) = access_log {
-                let prefix = "          stat_prefix: demo\n";
+                // The demo's own access log (its format), to a file.
+                let stdout = "          - name: envoy.access_loggers.stdout\n            typed_config:\n              \"@type\": type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog\n";
                 assert!(
-                    b.contains(prefix),
-                    "envoy/demo.yaml no longer has stat_prefix: demo"
+                    b.contains(stdout),
+                    "envoy/demo.yaml no longer has the demo listener's stdout access log"
                 );
                 b = b.replacen(
-                    prefix,
+                    stdout,
                     &format!(
-                        "{prefix}          access_log: [ {{ name: envoy.access_loggers.file, typed_config: {{ \"@type\": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog, path: {path}, log_format: {{ text_format: \"%REQ(:PATH)% %RESPONSE_CODE% %FILTER_STATE(wasm.tenantgate_admission:PLAIN)%\\n\" }} }} }} ]\n"
+                        "          - name: envoy.access_loggers.file\n            typed_config:\n              \"@type\": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog\n              path: {path}\n"
                     ),
                     1,
                 );
