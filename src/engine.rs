@@ -679,8 +679,11 @@ struct GlobalChecked {
 ///
 /// A denial's wait is never shorter than when the request could really
 /// pass: an exhausted lease grows by about its share per interval, so a
-/// request of `cost` waits `ceil((cost − left) / share)` intervals (one at
-/// least: the next lease comes with the next answer).
+/// request of `cost` waits `ceil((cost − left) / share)` intervals, with
+/// the exact (fractional) share the service sent: at 100/min over nine
+/// nodes a share is 0.19 units per 1 s interval, and a cost of 5 waits
+/// 28 intervals, not 5 ([`Allowance::intervals_for`]; one at least: the
+/// next lease comes with the next answer).
 fn check_global(record: Option<&Record<'_>>, view: &NodeView, ctx: &Ctx) -> GlobalChecked {
     let mut demanded = record
         .filter(|r| r.kind == KIND_GLOBAL_ALLOWANCE)
@@ -703,7 +706,7 @@ fn check_global(record: Option<&Record<'_>>, view: &NodeView, ctx: &Ctx) -> Glob
         },
         Err(_) => {
             let missing = ctx.cost.saturating_sub(demanded.available(ctx.now));
-            let intervals = missing.div_ceil(demanded.share.max(1)).max(1);
+            let intervals = demanded.intervals_for(missing);
             GlobalChecked {
                 outcome: Outcome::Deny {
                     wait_ns: view.interval_ns.saturating_mul(intervals),

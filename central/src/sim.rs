@@ -175,6 +175,10 @@ pub struct Outcome {
     pub key_starts_per_node: u64,
     /// Keys the key-spraying adversary sent, over all nodes.
     pub sprayed_keys: u64,
+    /// Retrying clients: requests sent again at their `Retry-After`, and
+    /// how many of those were admitted.
+    pub retries: u64,
+    pub retries_admitted: u64,
     pub admitted: u64,
     pub demand: u64,
     pub admitted_by: ByKind,
@@ -303,6 +307,8 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
         first_requests_denied: trace.first_denied,
         key_starts_per_node: trace.max_starts,
         sprayed_keys: trace.sprayed,
+        retries: trace.retries,
+        retries_admitted: trace.retries_admitted,
         admitted: trace.admitted.iter().sum(),
         demand: trace.demand.iter().sum(),
         admitted_by: trace.by_kind,

@@ -86,6 +86,10 @@ pub fn lease(lease: &mut Lease, bound: &LeaseBound, interval_ns: u64, max_ttl_ms
     for (value, max) in [
         (&mut lease.tokens, bound.burst),
         (&mut lease.share, bound.flow_per(interval_ns)),
+        (
+            &mut lease.share_milli,
+            bound.flow_per(interval_ns).saturating_mul(1000),
+        ),
         (&mut lease.ttl_ms, max_ttl_ms),
     ] {
         if *value > max {
@@ -165,6 +169,7 @@ mod tests {
             limit: "g".into(),
             tokens,
             share,
+            share_milli: 0,
             ttl_ms,
         }
     }

@@ -109,6 +109,32 @@ const NANOS_PER_MS: u64 = 1_000_000;
 /// zero counts if need be) so that its lease is renewed: one minute.
 pub const LEASE_KEEP_ALIVE_NS: u64 = 60_000 * NANOS_PER_MS;
 
+/// A lease as the node installs it (from the answer, clamped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Granted {
+    pub tokens: u64,
+    /// Units per interval.
+    pub share: u64,
+    /// Thousandths of a unit per interval (0: unknown).
+    pub share_milli: u64,
+    pub ttl_ns: u64,
+}
+
+impl Allowance {
+    /// How many intervals until the lease can carry `missing` more units,
+    /// at the share's pace (one at least: the next lease comes with the
+    /// next answer). The exact share when the service sent it, else the
+    /// whole-unit share (at least one unit per interval).
+    pub fn intervals_for(&self, missing: u64) -> u64 {
+        let intervals = if self.share_milli > 0 {
+            missing.saturating_mul(1000).div_ceil(self.share_milli)
+        } else {
+            missing.div_ceil(self.share.max(1))
+        };
+        intervals.max(1)
+    }
+}
+
 /// Why a request was admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Admitted {
@@ -213,6 +239,9 @@ pub struct Allowance {
     pub lease_used: u64,
     /// The last share, units per sync interval.
     pub share: u64,
+    /// The last share exactly, in thousandths of a unit per interval (0:
+    /// the service did not say; see `Lease::share_milli`).
+    pub share_milli: u64,
     /// `fail_open_local`'s bucket (rate `share` per interval, capacity
     /// `share`): its theoretical arrival time, once started.
     pub local_tat: Option<u64>,
@@ -233,6 +262,7 @@ impl Allowance {
             pending: Counts::default(),
             lease_used: 0,
             share: 0,
+            share_milli: 0,
             local_tat: None,
             awaiting_since: None,
             last_demand_at: None,
@@ -389,12 +419,13 @@ impl Allowance {
     /// Installs a lease of `tokens` (counted from when the report was
     /// sent; `used_since_send` were admitted on leases since then) with
     /// `ttl_ns` from `now`.
-    pub fn install(&mut self, tokens: u64, share: u64, ttl_ns: u64, used_since_send: u64, now: u64) {
+    pub fn install(&mut self, lease: Granted, used_since_send: u64, now: u64) {
         self.lease = Some(LeaseState {
-            tokens_left: tokens.saturating_sub(used_since_send),
-            expires_at: now.saturating_add(ttl_ns),
+            tokens_left: lease.tokens.saturating_sub(used_since_send),
+            expires_at: now.saturating_add(lease.ttl_ns),
         });
-        self.share = share;
+        self.share = lease.share;
+        self.share_milli = lease.share_milli;
         self.local_tat = None;
         self.awaiting_since = None;
     }

@@ -166,8 +166,19 @@ pub struct Lease {
     pub tokens: u64,
     /// The node's share of the global rate, units per sync interval.
     pub share: u64,
+    /// The same share exactly, in thousandths of a unit per interval
+    /// (`share` is it in whole units, the fraction carried from interval to
+    /// interval): how fast the node's lease grows while the bucket is
+    /// scarce, which a denial's `Retry-After` is computed from. 0 (what an
+    /// older service sends): unknown, `share` is used.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub share_milli: u64,
     /// Lifetime from receipt, milliseconds.
     pub ttl_ms: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// A message that cannot be used.
@@ -354,6 +365,7 @@ mod tests {
                 limit: "free".into(),
                 tokens: 40,
                 share: 25,
+                share_milli: 25_000,
                 ttl_ms: 3000,
             }],
         };

@@ -74,7 +74,7 @@
 
 use std::collections::BTreeMap;
 
-use super::node::{ApplyError, Applying, BreakerState, Counts, FailureMode, SyncState};
+use super::node::{ApplyError, Applying, BreakerState, Counts, FailureMode, Granted, SyncState};
 use super::protocol::{NodeSettings, Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
 use super::stored::{self, Carried, SYNC_CARRIED_KEY, SYNC_STATE_KEY};
 use crate::host::{CasResult, Host, HostError};
@@ -480,6 +480,7 @@ struct Ack {
 struct NewLease {
     tokens: u64,
     share: u64,
+    share_milli: u64,
     ttl_ns: u64,
 }
 
@@ -608,6 +609,7 @@ pub fn accept<H: Host>(
         limit(&mut updates, l.key.as_bytes().to_vec(), hash).lease = Some(NewLease {
             tokens: l.tokens,
             share: l.share,
+            share_milli: l.share_milli,
             ttl_ns: ttl(l.ttl_ms),
         });
     }
@@ -756,7 +758,13 @@ fn update_slot<H: Host>(
                         if let Some(l) = lease {
                             let ttl_ns = l.ttl_ns.min(settings.max_ttl_ns);
                             let used = a.lease_used.wrapping_sub(mark);
-                            a.install(l.tokens, l.share, ttl_ns, used, received_at);
+                            let granted = Granted {
+                                tokens: l.tokens,
+                                share: l.share,
+                                share_milli: l.share_milli,
+                                ttl_ns,
+                            };
+                            a.install(granted, used, received_at);
                             leases += 1;
                         }
                         table::push_record_with(out, r.name_hash, r.kind, r.p1, r.p2, |o| {

@@ -487,14 +487,16 @@ impl KeyState {
                 limit: id.1.clone(),
                 tokens: 0,
                 share: 0,
+                share_milli: 0,
                 ttl_ms: 0,
             };
         };
-        let (share, level, credit) = match nk.share {
+        let (share, share_milli, level, credit) = match nk.share {
             // A node may draw one interval's share ahead of its credit
             // (its lease must last until the next one arrives).
             Some(share) => (
                 share,
+                nk.share_milli,
                 nk.level,
                 u64::try_from(nk.credit.saturating_add_unsigned(nk.share_milli).max(0)).unwrap_or(0) / MILLI,
             ),
@@ -505,7 +507,7 @@ impl KeyState {
                 let demand = nk.demand.ceil() as u64;
                 let share = demand.min(flow / nodes_hint.max(1)).max(cfg.node_floor);
                 let level = share.saturating_mul(cfg.lease_factor_pct).div_ceil(100);
-                (share, level.max(max_cost), 0)
+                (share, share.saturating_mul(MILLI), level.max(max_cost), 0)
             }
         };
         let before = nk.reserve;
@@ -541,6 +543,7 @@ impl KeyState {
             limit: id.1.clone(),
             tokens,
             share,
+            share_milli: share_milli.min(flow.saturating_sub(others).saturating_mul(MILLI)),
             ttl_ms: cfg.lease_ttl_ns / NANOS_PER_MS,
         }
     }

@@ -446,6 +446,42 @@ fn equal_demand_gets_equal_admission_even_below_one_unit_per_node_and_interval()
     assert!(got.iter().sum::<u64>() >= 90, "{got:?}");
 }
 
+/// A lease carries the node's share exactly, in thousandths per interval:
+/// at 100/min over ten nodes each share is 0.167 units per 1 s interval,
+/// sent as 0 or 1 whole units (the fraction carried) and as 166 or 167
+/// thousandths, which the node's `Retry-After` is computed from. The
+/// exact shares never sum above the flow.
+#[test]
+fn leases_carry_the_exact_share_in_thousandths() {
+    let mut c = cfg(FailureMode::FailOpenLocal);
+    c.limits = BTreeMap::from([(
+        "l".to_owned(),
+        GlobalLimit {
+            limit: 100,
+            window_ns: 60 * S,
+            burst: 100,
+            max_cost: 1,
+        },
+    )]);
+    let mut a = Allocator::new(c).unwrap();
+    let nodes = ["n0", "n1", "n2", "n3", "n4", "n5", "n6", "n7", "n8", "n9"];
+    let mut last = vec![(0u64, 0u64); nodes.len()];
+    for k in 0..120u64 {
+        for (i, node) in nodes.iter().enumerate() {
+            let now = T0 + k * S + (i as u64 * 37 + 5) * MS;
+            let req = Req::new(node, "r1", k + 1, k).counts(0, 0, 5);
+            let resp = a.handle(&req.build(), now).unwrap();
+            last[i] = (resp.leases[0].share, resp.leases[0].share_milli);
+        }
+    }
+    assert!(
+        last.iter().all(|&(_, milli)| (160..=170).contains(&milli)),
+        "{last:?}"
+    );
+    assert!(last.iter().all(|&(whole, _)| whole <= 1), "{last:?}");
+    assert!(last.iter().map(|l| l.1).sum::<u64>() <= 1_667, "{last:?}");
+}
+
 /// Regression: leases were at most about 1.5 × the node's share (1–2
 /// units at 100/min), so a cost-5 route was never admitted.
 #[test]

@@ -41,6 +41,9 @@ pub struct Scenario {
     /// The key-spraying adversary: new keys (other tenants) per second and
     /// node, filling the key table so that idle slots are reclaimed.
     pub spray_per_s: f64,
+    /// Clients that send a denied request again when its `Retry-After`
+    /// says, up to this many times (0: clients that give up at once).
+    pub retries: u32,
 }
 
 const BASE_LOSS: f64 = 0.01;
@@ -58,6 +61,7 @@ fn base(name: &'static str, about: &'static str, shape: Shape) -> Scenario {
         loss: BASE_LOSS,
         latency_ms: BASE_LATENCY_MS,
         spray_per_s: 0.0,
+        retries: 0,
     }
 }
 
@@ -169,6 +173,25 @@ pub fn users() -> Vec<Scenario> {
             },
         ),
     ]
+}
+
+/// Clients that honour `Retry-After` (a denied request is sent again when
+/// its `Retry-After` says, up to 3 times), at `level` times the limit,
+/// evenly on every node: what real clients do, and the test of the promise
+/// a `Retry-After` makes.
+pub fn retrying(level: f64) -> Scenario {
+    Scenario {
+        retries: 3,
+        ..base(
+            if level < 1.0 {
+                "retrying_under"
+            } else {
+                "retrying_over"
+            },
+            "evenly on every node; denied clients retry at Retry-After (3 times)",
+            Shape::Uniform { level },
+        )
+    }
 }
 
 /// The key-spraying adversary (issue 7): on every node, 5 new keys per

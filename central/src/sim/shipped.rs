@@ -38,6 +38,8 @@ pub struct Charged {
     /// The request found no global allowance for its key (in its slot or
     /// its overflow entry) and left one: a key start.
     pub start: bool,
+    /// A denial's `Retry-After`, in seconds (0 when admitted).
+    pub retry_after_secs: u64,
 }
 
 struct Stored {
@@ -154,7 +156,12 @@ impl ShippedNode {
                 _ => Admitted::FailOpen,
             }
         });
-        Charged { admitted, start }
+        let retry_after_secs = if admitted.is_some() { 0 } else { d.retry_after_secs };
+        Charged {
+            admitted,
+            start,
+            retry_after_secs,
+        }
     }
 
     fn provisional(&self) -> u64 {

@@ -51,6 +51,10 @@ pub struct Trace {
     /// Per node: units admitted per tick, and its region.
     pub admitted_by_node: Vec<Vec<u64>>,
     pub regions: Vec<usize>,
+    /// Retrying clients ([`Scenario::retries`]): requests sent again at
+    /// their `Retry-After`, and how many of them were admitted.
+    pub retries: u64,
+    pub retries_admitted: u64,
 }
 
 struct SimNode {
@@ -68,6 +72,8 @@ struct SimNode {
     seen: bool,
     /// Ticks at which the key started afresh on this node.
     starts: Vec<usize>,
+    /// Denied requests to send again: when, and the retries left after it.
+    retries: Vec<(u64, u32)>,
 }
 
 impl SimNode {
@@ -138,6 +144,7 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                 sprayed: 0,
                 seen: false,
                 starts: Vec::new(),
+                retries: Vec::new(),
             })
         })
         .collect::<Result<_, ConfigError>>()?;
@@ -160,6 +167,8 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
         service: None,
         admitted_by_node: vec![vec![0; ticks]; nodes.len()],
         regions: nodes.iter().map(|n| n.region).collect(),
+        retries: 0,
+        retries_admitted: 0,
     };
     let cost = cfg.max_cost.max(1);
     let mut last_interval = None;
@@ -236,9 +245,33 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                 trace.sprayed += 1;
                 let _ = n.node.request(&format!("spray-{i}-{}", n.sprayed), clock);
             }
-            for _ in 0..count as u64 + spec.burst(t_s, tick_s) {
+            // Retries due now (clients that waited their `Retry-After`),
+            // then the new requests; a retry is not new demand.
+            let mut due = Vec::new();
+            n.retries.retain(|&(at, left)| {
+                if at <= now {
+                    due.push(left);
+                }
+                at > now
+            });
+            let fresh = count as u64 + spec.burst(t_s, tick_s);
+            for retry in due.into_iter().map(Some).chain((0..fresh).map(|_| None)) {
                 let charged = n.node.request(TENANT, clock);
-                trace.demand[tick] += cost;
+                let left = match retry {
+                    Some(left) => {
+                        trace.retries += 1;
+                        trace.retries_admitted += u64::from(charged.admitted.is_some());
+                        left
+                    }
+                    None => {
+                        trace.demand[tick] += cost;
+                        spec.retries
+                    }
+                };
+                if charged.admitted.is_none() && left > 0 {
+                    let wait = charged.retry_after_secs.max(1).saturating_mul(1_000_000_000);
+                    n.retries.push((now.saturating_add(wait), left - 1));
+                }
                 if !n.seen {
                     n.seen = true;
                     trace.first_requests += 1;

@@ -204,7 +204,13 @@ impl Node {
                 continue;
             };
             let used = e.allowance.lease_used.wrapping_sub(e.used_at_send);
-            e.allowance.install(lease.tokens, lease.share, ttl_ns, used, now);
+            let granted = super::Granted {
+                tokens: lease.tokens,
+                share: lease.share,
+                share_milli: lease.share_milli,
+                ttl_ns,
+            };
+            e.allowance.install(granted, used, now);
             longest = longest.max(ttl_ns);
             taken += 1;
         }

@@ -31,6 +31,7 @@ fn lease(tokens: u64, share: u64, ttl_ms: u64) -> WireLease {
         limit: "l".into(),
         tokens,
         share,
+        share_milli: 0,
         ttl_ms,
     }
 }

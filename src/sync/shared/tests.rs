@@ -115,6 +115,7 @@ fn response(req: &SyncRequest, tokens: u64) -> SyncResponse {
                 limit: r.limit.clone(),
                 tokens,
                 share: tokens,
+                share_milli: 0,
                 ttl_ms: 3000,
             })
             .collect(),
@@ -443,6 +444,31 @@ fn retry_after_of_a_costly_request_counts_the_intervals_its_lease_needs() {
     let d = w.decide("search", "acme", T0 + S + 2 * MS);
     assert_eq!(d.reason, Reason::RateLimited);
     assert_eq!(d.retry_after_secs, 2);
+}
+
+/// A fractional share (100/min over nine nodes: 0.185 units per 1 s
+/// interval, sent as 0 whole units and 185 thousandths) makes a cost-5
+/// request on an empty lease wait 28 intervals, the time its lease needs
+/// to grow by 5, not 5 intervals (the whole-unit share, rounded up to 1);
+/// a service that sends no exact share keeps the whole-unit estimate.
+#[test]
+fn retry_after_with_a_fractional_share_counts_the_intervals_it_really_needs() {
+    for (share, share_milli, expected) in [(0, 185, 28), (0, 0, 5), (2, 2_000, 3), (1, 1_667, 3)] {
+        let w = World::new("fail_closed");
+        assert_eq!(w.admitted("acme", 1, T0), 1);
+        let req = w.report(T0 + S).unwrap();
+        let mut resp = response(&req, 0);
+        for l in &mut resp.leases {
+            (l.share, l.share_milli) = (share, share_milli);
+        }
+        apply(&w.host(), &w.policy, w.settings(), &resp, T0 + S + MS).unwrap();
+        let d = w.decide("search", "acme", T0 + S + 2 * MS);
+        assert_eq!(d.reason, Reason::RateLimited);
+        assert_eq!(
+            d.retry_after_secs, expected,
+            "share {share}, {share_milli} thousandths"
+        );
+    }
 }
 
 /// Regression: the scan's report was stamped at claim time, so a scan

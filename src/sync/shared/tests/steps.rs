@@ -336,6 +336,7 @@ fn leases_beyond_the_report_bound_are_ignored() {
         limit: "global".to_owned(),
         tokens: 10,
         share: 10,
+        share_milli: 0,
         ttl_ms: 3000,
     });
     resp.leases.extend(extra);
