@@ -1,5 +1,7 @@
 //! A controllable test upstream: an HTTP/1.1 server on a loopback port
-//! whose latency can be set during a test, which can **hold** every
+//! whose latency and concurrency capacity can be set during a test (beyond
+//! its capacity a request waits for a free place before its latency
+//! starts, like a saturated backend), which can **hold** every
 //! request until released, and which records how many requests it had in
 //! flight at once. With [`Envoy::start_with_upstream`], routes
 //! `/up/<class>` (route metadata `class: <class>`) go to it.
@@ -18,6 +20,11 @@ pub const MAX_HOLD: Duration = Duration::from_secs(30);
 #[derive(Default)]
 struct State {
     latency_ms: AtomicU64,
+    /// Requests served at once; 0: no limit.
+    capacity: AtomicU64,
+    /// Requests in their latency (under the capacity).
+    busy: Mutex<u64>,
+    freed: Condvar,
     in_flight: AtomicU64,
     max_in_flight: AtomicU64,
     served: AtomicU64,
@@ -58,6 +65,13 @@ impl Upstream {
     pub fn set_latency(&self, latency: Duration) {
         let ms = u64::try_from(latency.as_millis()).unwrap_or(u64::MAX);
         self.state.latency_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// At most `n` requests are served at once (0: no limit); the others
+    /// wait for a place (at most [`MAX_HOLD`]).
+    pub fn set_capacity(&self, n: u64) {
+        self.state.capacity.store(n, Ordering::SeqCst);
+        self.state.freed.notify_all();
     }
 
     /// Requests wait (at most [`MAX_HOLD`]) until [`Upstream::release`].
@@ -130,6 +144,18 @@ fn serve(stream: TcpStream, s: &State) {
         }
         let now = s.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
         s.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        let arrived = Instant::now();
+        {
+            let mut busy = s.busy.lock().unwrap();
+            loop {
+                let cap = s.capacity.load(Ordering::SeqCst);
+                if cap == 0 || *busy < cap || arrived.elapsed() >= MAX_HOLD || s.stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                busy = s.freed.wait_timeout(busy, Duration::from_millis(50)).unwrap().0;
+            }
+            *busy += 1;
+        }
         let latency = Duration::from_millis(s.latency_ms.load(Ordering::SeqCst));
         let start = Instant::now();
         {
@@ -145,6 +171,8 @@ fn serve(stream: TcpStream, s: &State) {
         if let Some(rest) = latency.checked_sub(start.elapsed()) {
             std::thread::sleep(rest);
         }
+        *s.busy.lock().unwrap() -= 1;
+        s.freed.notify_one();
         s.in_flight.fetch_sub(1, Ordering::SeqCst);
         let answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 3\r\n\r\nok\n";
         if reader.get_mut().write_all(answer).is_err() {
@@ -162,9 +190,9 @@ impl Envoy {
         Envoy::start_with_upstream_logged(policy_yaml, upstream_port, classes, None)
     }
 
-    /// [`Envoy::start_with_upstream`], with an access log of the demo
-    /// listener written to `access_log`: `<path> <status> <admission record>`
-    /// per request (the record as in `envoy/demo.yaml`'s format).
+    /// [`Envoy::start_with_upstream`], with the demo listener's access log
+    /// (`envoy/demo.yaml`'s format: `<path> <status> <admission record>`)
+    /// written to `access_log` instead of Envoy's stdout.
     pub fn start_with_upstream_logged(
         policy_yaml: &str,
         upstream_port: u16,
@@ -201,15 +229,16 @@ impl Envoy {
                 1,
             );
             if let Some(path) = access_log {
-                let prefix = "          stat_prefix: demo\n";
+                // The demo's own access log (its format), to a file.
+                let stdout = "          - name: envoy.access_loggers.stdout\n            typed_config:\n              \"@type\": type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog\n";
                 assert!(
-                    b.contains(prefix),
-                    "envoy/demo.yaml no longer has stat_prefix: demo"
+                    b.contains(stdout),
+                    "envoy/demo.yaml no longer has the demo listener's stdout access log"
                 );
                 b = b.replacen(
-                    prefix,
+                    stdout,
                     &format!(
-                        "{prefix}          access_log: [ {{ name: envoy.access_loggers.file, typed_config: {{ \"@type\": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog, path: {path}, log_format: {{ text_format: \"%REQ(:PATH)% %RESPONSE_CODE% %FILTER_STATE(wasm.tenantgate_admission:PLAIN)%\\n\" }} }} }} ]\n"
+                        "          - name: envoy.access_loggers.file\n            typed_config:\n              \"@type\": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog\n              path: {path}\n"
                     ),
                     1,
                 );

@@ -493,6 +493,37 @@ fn held_requests_get_the_slots_that_free_up() {
 }
 
 #[test]
+fn the_queue_depth_gauge_counts_held_requests_node_wide_and_returns_to_zero() {
+    let (upstream, envoy) = start();
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let mut all: Vec<JoinHandle<()>> = (0..2)
+        .map(|_| spawn_get(envoy.port, "/up/jobs", "acme", &tx))
+        .collect();
+    assert!(wait_for(WAIT, || upstream.in_flight() == 2));
+    let depth = || envoy.stat("wasmcustom.tenantgate.admission.queue_depth.batch");
+    let oldest = || envoy.stat("wasmcustom.tenantgate.admission.queue_oldest_ms.batch");
+    assert_eq!(depth(), Some(0));
+    // Four critical requests on fresh connections (both workers) are held.
+    all.extend((0..4).map(|_| spawn_get(envoy.port, "/up/urgent", "acme", &tx)));
+    assert!(wait_for(WAIT, || depth() == Some(4)), "depth {:?}", depth());
+    // The oldest held request's age grows while it waits.
+    assert!(
+        wait_for(WAIT, || oldest().is_some_and(|ms| ms >= 200)),
+        "oldest {:?}",
+        oldest()
+    );
+    upstream.release();
+    for h in all {
+        h.join().unwrap();
+    }
+    assert_eq!(rx.try_iter().filter(|r| r.status == 200).count(), 6);
+    assert!(wait_for(WAIT, || depth() == Some(0)), "depth {:?}", depth());
+    assert!(wait_for(WAIT, || oldest() == Some(0)), "oldest {:?}", oldest());
+    assert!(wait_for(WAIT, || gauge(&envoy, "batch") == Some(0)));
+}
+
+#[test]
 fn shadow_mode_counts_admission_refusals_and_enforces_none() {
     let upstream = Upstream::start();
     let shadow = policy("adm-shadow", 5).replace("identity:", "mode: shadow\nidentity:");
@@ -636,6 +667,280 @@ fn the_decision_record_reaches_the_access_log() {
         "{text}"
     );
     assert!(text.contains("/api/x 200 -"), "{text}");
+}
+
+/// The spike test's dependency: `svc`, 8 slots (the upstream's capacity),
+/// 4 reserved for critical work, one slot per tenant, queues for normal
+/// and sheddable work.
+const SPIKE_POLICY: &str = r#"
+version: "spike-1"
+identity: { header: x-tenant-id }
+plans:
+  free: { limits: [ { rate: 1000000, per: 1s } ] }
+default_plan: free
+anonymous: { plan: free }
+dependencies:
+  svc:
+    max_in_flight: 8
+    reserved: { critical: 4 }
+    tenant_max_share: 1
+    queues:
+      normal: { max_queue: 8, max_wait: 300ms }
+      sheddable: { max_queue: 8, max_wait: 250ms }
+routes:
+  checkout: { criticality: critical, dependency: svc }
+  browse: { dependency: svc }
+  report: { criticality: sheddable, dependency: svc }
+"#;
+
+/// The upstream's concurrency capacity and latency: 160 requests/s.
+const SPIKE_CAPACITY: u64 = 8;
+const SPIKE_LATENCY: Duration = Duration::from_millis(50);
+const STEADY: Duration = Duration::from_secs(5);
+const SPIKE: Duration = Duration::from_secs(8);
+/// The p99 bound's absolute slack, for a shared 2-core machine.
+const P99_SLACK: Duration = Duration::from_millis(5);
+
+/// One answer of the spike test's load.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    /// Sent after the flood started.
+    during: bool,
+    ok: bool,
+    sheddable: bool,
+    latency: Duration,
+}
+
+/// A client on its own keep-alive connection: one request every `period`
+/// (never two at once: a late request is sent at once, with no catch-up
+/// burst), from `from` until `until`, at most `max` requests.
+#[allow(clippy::too_many_arguments)]
+fn paced(
+    port: u16,
+    path: &'static str,
+    tenant: String,
+    period: Duration,
+    t0: std::time::Instant,
+    from: Duration,
+    until: Duration,
+    max: usize,
+) -> JoinHandle<Vec<Sample>> {
+    std::thread::spawn(move || {
+        while t0.elapsed() < from {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut conn = Conn::open(port).unwrap();
+        let mut out = Vec::new();
+        let mut next = t0 + from;
+        while t0.elapsed() < until && out.len() < max {
+            let now = std::time::Instant::now();
+            if next > now {
+                std::thread::sleep(next - now);
+            }
+            next = std::time::Instant::now().max(next) + period;
+            let sent = std::time::Instant::now();
+            let during = t0.elapsed() >= STEADY;
+            let r = match conn.get(path, &[("x-tenant-id", &tenant)]) {
+                Ok(r) => r,
+                Err(_) => {
+                    conn = Conn::open(port).unwrap();
+                    continue;
+                }
+            };
+            out.push(Sample {
+                during,
+                ok: r.status == 200,
+                sheddable: path.contains("report"),
+                latency: sent.elapsed(),
+            });
+            if r.header("connection") == Some("close") {
+                conn = Conn::open(port).unwrap();
+            }
+        }
+        out
+    })
+}
+
+fn p99(samples: &[Sample]) -> Duration {
+    let mut l: Vec<Duration> = samples.iter().map(|s| s.latency).collect();
+    l.sort_unstable();
+    let i = (l.len() * 99).div_ceil(100).saturating_sub(1);
+    l.get(i).copied().unwrap_or_default()
+}
+
+fn success(samples: &[Sample]) -> f64 {
+    samples.iter().filter(|s| s.ok).count() as f64 / samples.len().max(1) as f64
+}
+
+/// Issue #10's 20× spike: steady mixed traffic at 0.6× the upstream's
+/// capacity, then one tenant floods the sheddable route at 20× capacity.
+#[test]
+fn a_twenty_fold_spike_on_a_sheddable_route_spares_critical_work_and_the_quiet_tenant() {
+    let upstream = Upstream::start();
+    upstream.set_capacity(SPIKE_CAPACITY);
+    upstream.set_latency(SPIKE_LATENCY);
+    let envoy = Envoy::start_with_upstream(SPIKE_POLICY, upstream.port, &["checkout", "browse", "report"]);
+    let port = envoy.port;
+    // Warm up every route (and both workers' key tables).
+    for path in ["/up/checkout", "/up/browse", "/up/report"] {
+        assert_eq!(get(port, path, &[("x-tenant-id", "warm")]).status, 200);
+    }
+    let capacity_rps = SPIKE_CAPACITY as f64 / SPIKE_LATENCY.as_secs_f64();
+    let end = STEADY + SPIKE;
+    let t0 = std::time::Instant::now();
+    let cap = |rps: f64| (rps * end.as_secs_f64()) as usize + 10;
+    // Steady load, 0.6 × 8 = 4.8 slots busy on average: critical 3.0
+    // (4 clients × 15/s), normal 1.3 (3 × 26/3 per s), the quiet tenant's
+    // sheddable reports 0.5 (10/s).
+    let mut critical = Vec::new();
+    for i in 0..4 {
+        critical.push(paced(
+            port,
+            "/up/checkout",
+            format!("shop-{i}"),
+            Duration::from_micros(66_667),
+            t0,
+            Duration::ZERO,
+            end,
+            cap(15.0),
+        ));
+    }
+    let mut normal = Vec::new();
+    for i in 0..3 {
+        normal.push(paced(
+            port,
+            "/up/browse",
+            format!("browser-{i}"),
+            Duration::from_micros(115_385),
+            t0,
+            Duration::ZERO,
+            end,
+            cap(8.7),
+        ));
+    }
+    let quiet = paced(
+        port,
+        "/up/report",
+        "quiet".to_owned(),
+        Duration::from_millis(100),
+        t0,
+        Duration::ZERO,
+        end,
+        cap(10.0),
+    );
+    // The flood: 20 × capacity (3,200/s), 48 clients × 67/s, from 5 s on
+    // (many clients: one whose request is held waits for its answer).
+    let flood_rps = 20.0 * capacity_rps;
+    let flood_clients = 48;
+    let flood: Vec<_> = (0..flood_clients)
+        .map(|_| {
+            let per_client = flood_rps / f64::from(flood_clients);
+            paced(
+                port,
+                "/up/report",
+                "flood".to_owned(),
+                Duration::from_secs_f64(1.0 / per_client),
+                t0,
+                STEADY,
+                end,
+                cap(per_client),
+            )
+        })
+        .collect();
+
+    let join = |hs: Vec<JoinHandle<Vec<Sample>>>| -> Vec<Sample> {
+        hs.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    };
+    let critical = join(critical);
+    let normal = join(normal);
+    let quiet = quiet.join().unwrap();
+    let flood = join(flood);
+    let split = |s: &[Sample]| -> (Vec<Sample>, Vec<Sample>) { s.iter().partition(|x| !x.during) };
+    let (crit_before, crit_during) = split(&critical);
+    let (quiet_before, quiet_during) = split(&quiet);
+    let all: Vec<&Sample> = critical
+        .iter()
+        .chain(&normal)
+        .chain(&quiet)
+        .chain(&flood)
+        .collect();
+    let rejected: Vec<&&Sample> = all.iter().filter(|s| !s.ok).collect();
+    let rejected_sheddable = rejected.iter().filter(|s| s.sheddable).count();
+    let sheddable_share = rejected_sheddable as f64 / rejected.len().max(1) as f64;
+    let flood_sent = flood.len() as f64 / SPIKE.as_secs_f64();
+    let mut fl: Vec<Duration> = flood.iter().map(|s| s.latency).collect();
+    fl.sort_unstable();
+    println!(
+        "flood: answered in {:?} (median), {:?} (p90); {} admitted",
+        fl.get(fl.len() / 2).copied().unwrap_or_default(),
+        fl.get(fl.len() * 9 / 10).copied().unwrap_or_default(),
+        flood.iter().filter(|s| s.ok).count()
+    );
+    println!(
+        "capacity {capacity_rps:.0}/s ({SPIKE_CAPACITY} at {} ms); flood offered {flood_sent:.0}/s (target {flood_rps:.0}/s, {} requests)",
+        SPIKE_LATENCY.as_millis(),
+        flood.len()
+    );
+    println!(
+        "critical: success {:.2} % before ({} requests), {:.2} % during ({}); p99 {:.1} ms before, {:.1} ms during",
+        100.0 * success(&crit_before),
+        crit_before.len(),
+        100.0 * success(&crit_during),
+        crit_during.len(),
+        p99(&crit_before).as_secs_f64() * 1e3,
+        p99(&crit_during).as_secs_f64() * 1e3,
+    );
+    println!(
+        "normal: success {:.2} % ({} requests); rejections {}: {:.2} % sheddable",
+        100.0 * success(&normal),
+        normal.len(),
+        rejected.len(),
+        100.0 * sheddable_share
+    );
+    println!(
+        "quiet tenant: success {:.2} % before ({}), {:.2} % during ({})",
+        100.0 * success(&quiet_before),
+        quiet_before.len(),
+        100.0 * success(&quiet_during),
+        quiet_during.len()
+    );
+    let fair_drops: u64 = (0..16)
+        .map(|b| envoy.tg_stat(&format!("admission.fair_drops.b{b:02}")))
+        .sum();
+    println!(
+        "sheddable refusals: tenant_share {} concurrency_limit {} queue_full {} (of which {fair_drops} fair-queue drops) queue_timeout {} contention {}; upstream at most {} in flight",
+        envoy.tg_stat("admission.tenant_share.sheddable"),
+        envoy.tg_stat("admission.concurrency_limit.sheddable"),
+        envoy.tg_stat("admission.queue_full.sheddable"),
+        envoy.tg_stat("admission.queue_timeout.sheddable"),
+        envoy.tg_stat("admission.contention.sheddable"),
+        upstream.max_in_flight()
+    );
+    assert!(
+        crit_before.len() >= 100 && crit_during.len() >= 100,
+        "{} / {}",
+        crit_before.len(),
+        crit_during.len()
+    );
+    assert!(success(&crit_during) >= 0.99, "critical success during the spike");
+    let bound = p99(&crit_before).mul_f64(1.5) + P99_SLACK;
+    assert!(
+        p99(&crit_during) <= bound,
+        "critical p99 {:?} > {bound:?}",
+        p99(&crit_during)
+    );
+    assert!(
+        !rejected.is_empty() && sheddable_share >= 0.95,
+        "{sheddable_share}"
+    );
+    assert!(
+        success(&quiet_during) >= 0.9 * success(&quiet_before),
+        "the quiet tenant's success fell"
+    );
+    // The flood was a flood: at least 10× capacity offered.
+    assert!(flood_sent >= 10.0 * capacity_rps, "flood {flood_sent:.0}/s");
+    assert!(upstream.max_in_flight() <= SPIKE_CAPACITY);
+    assert!(wait_for(WAIT, || gauge(&envoy, "svc") == Some(0)));
 }
 
 /// `search` (action, 3 in flight) through `db` and without a dependency

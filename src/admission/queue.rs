@@ -23,7 +23,16 @@
 //!   waiting there (deficit round robin with unit costs), one request per
 //!   turn. A tenant's flood waits behind its own requests: a quiet tenant's
 //!   request is served within (tenants waiting at its level) turns of that
-//!   level, whatever the flood's size.
+//!   level, whatever the flood's size. A tenant that cannot take a slot
+//!   now (it holds its `tenant_max_share`) loses its turn, never blocks
+//!   the tenants behind it ([`Attempt::TenantFull`]).
+//! * **A full level drops from the longest line.** When `max_queue`
+//!   requests of a level are held and a tenant with fewer held there than
+//!   the longest line arrives, the newest request of the longest line is
+//!   dropped (503 `queue_full`, counted as a fair-queue drop of its
+//!   tenant's bucket) and the newcomer is held: a flood cannot fill the
+//!   queue and keep a quiet tenant out of it. A newcomer whose own line
+//!   is (one of) the longest is refused at once.
 //!
 //! **Wake-up latency**: a slot freed on any worker is seen by every other
 //! worker at its next tick (10 ms): shared data is read, not signalled.
@@ -49,6 +58,27 @@ pub struct Held<T> {
     pub tenant: u64,
     pub enqueued: u64,
     pub deadline: u64,
+}
+
+/// What a try to take a slot for a held request gave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attempt<A> {
+    /// It got its slot.
+    Admitted(A),
+    /// No slot for its level: the level is not tried further this tick.
+    LevelFull,
+    /// Its tenant cannot take a slot now (`tenant_share`): the tenant
+    /// loses its turn and the next tenant of the level is tried.
+    TenantFull,
+}
+
+/// What holding a request did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Offered<T> {
+    Held,
+    /// Held, and this request of the longest tenant line was dropped to
+    /// make room (answer it 503 `queue_full`).
+    Displaced(Held<T>),
 }
 
 /// Why a request was not held.
@@ -107,6 +137,40 @@ impl<T> Level<T> {
             self.len = self.len.saturating_sub(1);
         }
         held
+    }
+
+    /// Moves the front tenant to the back (it loses its turn).
+    fn skip(&mut self) {
+        if let Some(line) = self.lines.pop_front() {
+            self.lines.push_back(line);
+        }
+    }
+
+    fn line_len(&self, tenant: u64) -> usize {
+        self.lines
+            .iter()
+            .find(|l| l.tenant == tenant)
+            .map_or(0, |l| l.items.len())
+    }
+
+    /// Removes the newest request of the longest line if that line is
+    /// longer than `than` (ties: the line nearest the back).
+    fn drop_longest(&mut self, than: usize) -> Option<Held<T>> {
+        let (i, _) = self
+            .lines
+            .iter()
+            .enumerate()
+            .max_by_key(|(i, l)| (l.items.len(), *i))
+            .filter(|(_, l)| l.items.len() > than)?;
+        let line = self.lines.get_mut(i)?;
+        let dropped = line.items.pop_back();
+        if line.items.is_empty() {
+            self.lines.remove(i);
+        }
+        if dropped.is_some() {
+            self.len = self.len.saturating_sub(1);
+        }
+        dropped
     }
 
     fn push(&mut self, held: Held<T>) {
@@ -177,19 +241,31 @@ impl<T> PriorityQueue<T> {
         self.levels.get(level.index()).map_or(0, |l| l.len)
     }
 
-    /// Holds a request if its level has room (`max_queue` per worker).
-    pub fn offer(&mut self, held: Held<T>, max_queue: u32) -> Result<(), NotHeld> {
+    /// Holds a request if its level has room (`max_queue` per worker), or
+    /// if a longer tenant line gives up its newest request (see the
+    /// module header).
+    pub fn offer(&mut self, held: Held<T>, max_queue: u32) -> Result<Offered<T>, NotHeld> {
         if max_queue == 0 {
             return Err(NotHeld::NoQueue);
         }
         let Some(level) = self.levels.get_mut(held.level.index()) else {
             return Err(NotHeld::NoQueue);
         };
+        let mut offered = Offered::Held;
         if level.len >= max_queue as usize {
-            return Err(NotHeld::Full);
+            let own = level.line_len(held.tenant);
+            match level.drop_longest(own.saturating_add(1)) {
+                Some(dropped) => offered = Offered::Displaced(dropped),
+                None => return Err(NotHeld::Full),
+            }
         }
         level.push(held);
-        Ok(())
+        Ok(offered)
+    }
+
+    /// The enqueue time of the oldest request held, at any level.
+    pub fn oldest(&self) -> Option<u64> {
+        self.levels.iter().filter_map(Level::oldest).min()
     }
 
     /// Forgets the requests matching `f` (their streams ended).
@@ -216,14 +292,15 @@ impl<T> PriorityQueue<T> {
     }
 
     /// Serves the queue at `now`; the next tick comes `tick_ns` later.
-    /// `admit` tries to take a slot for a request (`None`: none free for
-    /// it). Each level is tried in order until it cannot admit its next
-    /// request; at most [`PriorityQueue::len`] admissions.
+    /// `admit` tries to take a slot for a request ([`Attempt`]). Each
+    /// level is tried in order until no slot is left for it or every
+    /// tenant waiting there lost its turn; at most [`PriorityQueue::len`]
+    /// admissions and as many skips.
     pub fn serve<A>(
         &mut self,
         now: u64,
         tick_ns: u64,
-        mut admit: impl FnMut(&Held<T>) -> Option<A>,
+        mut admit: impl FnMut(&Held<T>) -> Attempt<A>,
     ) -> Vec<Served<T, A>> {
         let next_tick = now.saturating_add(tick_ns);
         let mut served: Vec<Served<T, A>> = self
@@ -236,14 +313,24 @@ impl<T> PriorityQueue<T> {
             let Some(level) = self.levels.get_mut(i) else {
                 continue;
             };
+            // Tenants that lost their turn in a row: all of them stops it.
+            let mut skipped = 0usize;
             while let Some(next) = level.next() {
+                if skipped >= level.lines.len() {
+                    break;
+                }
                 match admit(next) {
-                    Some(a) => {
+                    Attempt::Admitted(a) => {
+                        skipped = 0;
                         if let Some(h) = level.pop() {
                             served.push(Served::Admitted(h, a));
                         }
                     }
-                    None => break,
+                    Attempt::LevelFull => break,
+                    Attempt::TenantFull => {
+                        skipped = skipped.saturating_add(1);
+                        level.skip();
+                    }
                 }
             }
         }
@@ -273,9 +360,12 @@ mod tests {
     fn serve_with(q: &mut PriorityQueue<u32>, now: u64, free: &mut u32) -> (Vec<u32>, Vec<u32>) {
         let (mut admitted, mut timed_out) = (Vec::new(), Vec::new());
         for s in q.serve(now, TICK, |_| {
-            (*free > 0).then(|| {
+            if *free > 0 {
                 *free -= 1;
-            })
+                Attempt::Admitted(())
+            } else {
+                Attempt::LevelFull
+            }
         }) {
             match s {
                 Served::Admitted(h, ()) => admitted.push(h.item),
@@ -403,6 +493,79 @@ mod tests {
             }
         }
         assert_eq!(answered, [0, 1, 2]);
+    }
+
+    #[test]
+    fn a_tenant_at_its_share_loses_its_turn_and_blocks_nobody() {
+        let mut q = PriorityQueue::default();
+        // The flood (tenant 1) is first in line; the quiet tenant behind it.
+        for id in 0..5 {
+            q.offer(held(id, Criticality::Sheddable, 1, T0, 10_000 * MS), 100)
+                .unwrap();
+        }
+        q.offer(held(100, Criticality::Sheddable, 2, T0 + MS, 10_000 * MS), 100)
+            .unwrap();
+        let mut admitted = Vec::new();
+        let served = q.serve(T0 + TICK, TICK, |h| {
+            if h.tenant == 1 {
+                Attempt::TenantFull
+            } else {
+                Attempt::Admitted(())
+            }
+        });
+        for s in served {
+            if let Served::Admitted(h, ()) = s {
+                admitted.push(h.item);
+            }
+        }
+        assert_eq!(admitted, [100]);
+        assert_eq!(q.len(), 5);
+        // Every tenant at its share: the level stops after one try each.
+        let mut tries = 0;
+        assert!(q
+            .serve(T0 + 2 * TICK, TICK, |_| {
+                tries += 1;
+                Attempt::<()>::TenantFull
+            })
+            .is_empty());
+        assert_eq!(tries, 1);
+    }
+
+    #[test]
+    fn a_flood_cannot_fill_the_queue_and_keep_a_quiet_tenant_out() {
+        let mut q = PriorityQueue::default();
+        for id in 0..4 {
+            assert_eq!(
+                q.offer(held(id, Criticality::Sheddable, 1, T0, 10_000 * MS), 4),
+                Ok(Offered::Held)
+            );
+        }
+        // The flood's own next request is refused at once...
+        assert_eq!(
+            q.offer(held(4, Criticality::Sheddable, 1, T0, 10_000 * MS), 4),
+            Err(NotHeld::Full)
+        );
+        // ...a quiet tenant's is held, and the flood's newest dropped.
+        match q.offer(held(100, Criticality::Sheddable, 2, T0, 10_000 * MS), 4) {
+            Ok(Offered::Displaced(d)) => assert_eq!((d.item, d.tenant), (3, 1)),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(q.len(), 4);
+        // Two lines of 3 and 1: the quiet tenant may hold one more (the
+        // flood's line stays the longer), then lines are even: refused.
+        assert!(matches!(
+            q.offer(held(101, Criticality::Sheddable, 2, T0, 10_000 * MS), 4),
+            Ok(Offered::Displaced(_))
+        ));
+        assert_eq!(
+            q.offer(held(102, Criticality::Sheddable, 2, T0, 10_000 * MS), 4),
+            Err(NotHeld::Full)
+        );
+        assert_eq!(q.oldest(), Some(T0));
+        let mut free = 4;
+        let (mut order, _) = serve_with(&mut q, T0 + TICK, &mut free);
+        order.sort_unstable();
+        assert_eq!(order, [0, 1, 100, 101]);
     }
 
     #[test]

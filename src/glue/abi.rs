@@ -132,6 +132,7 @@ extern "C" {
     ) -> u32;
     fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
     fn proxy_record_metric(metric_id: u32, value: u64) -> u32;
+    fn proxy_get_metric(metric_id: u32, return_value: *mut u64) -> u32;
 }
 
 fn ok(status: u32) -> Result<(), HostStatus> {
@@ -334,4 +335,11 @@ pub fn increment_metric(id: u32, by: i64) -> Result<(), HostStatus> {
 pub fn record_metric(id: u32, value: u64) -> Result<(), HostStatus> {
     // SAFETY: no pointers.
     ok(unsafe { proxy_record_metric(id, value) })
+}
+
+pub fn get_metric(id: u32) -> Result<u64, HostStatus> {
+    let mut value: u64 = 0;
+    // SAFETY: the host writes the value during the call.
+    ok(unsafe { proxy_get_metric(id, &mut value) })?;
+    Ok(value)
 }

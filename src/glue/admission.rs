@@ -24,7 +24,18 @@
 //! (outcomes: `admitted` and every refusal reason), counted in memory and
 //! flushed on the tick; the gauges `tenantgate.admission.in_flight.<dependency>`
 //! and `tenantgate.admission.action_in_flight.<action>` (an action's
-//! `actions.<action>.max_in_flight` slots).
+//! `actions.<action>.max_in_flight` slots);
+//! per dependency, set on every tick:
+//! * `queue_depth.<dependency>`: requests held, **node-wide**: each worker
+//!   adds the change of its own queue's length to the one shared gauge;
+//! * `queue_oldest_ms.<dependency>`: the oldest held request's age, the
+//!   **largest any worker reported** in its last tick: a worker sets it
+//!   when its own age is at least the gauge's value, or when the value is
+//!   the one it set last (so it can lower it), so the value is at most one
+//!   tick (10 ms) stale;
+//! * `fair_drops.b<NN>` counters: requests dropped from the longest tenant
+//!   line of a full level (see [`crate::admission::queue`]), by tenant
+//!   hash bucket ([`FAIR_DROP_BUCKETS`] of them, never one per tenant).
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -34,7 +45,7 @@ use proxy_wasm::types::MetricType;
 
 use super::metrics::Metrics;
 use super::{abi, ProxyHost};
-use crate::admission::queue::{Held, NotHeld, PriorityQueue, Served};
+use crate::admission::queue::{Attempt, Held, NotHeld, Offered, PriorityQueue, Served};
 use crate::admission::request::{self, BodyBudget, Declared};
 use crate::admission::{self, jittered_retry_after_secs, Limited, Ticket, Worker};
 use crate::engine::{Decision, Prepared, Reason};
@@ -50,6 +61,59 @@ thread_local! {
     static QUEUES: RefCell<HashMap<String, PriorityQueue<Parked>>> = RefCell::new(HashMap::new());
     /// Slots of requests the queue resumed, by stream context id.
     static ADMITTED: RefCell<HashMap<u32, Ticket>> = RefCell::new(HashMap::new());
+}
+
+/// The number of tenant buckets fair-queue drops are counted in.
+pub const FAIR_DROP_BUCKETS: usize = 16;
+
+/// A dependency's gauges (ids) and what this root last gave them.
+struct DependencyGauges {
+    in_flight: Option<u32>,
+    depth: Option<u32>,
+    oldest_ms: Option<u32>,
+    /// This worker's queue length as last added to `depth`.
+    reported_depth: Cell<u64>,
+    /// The value this root last set `oldest_ms` to.
+    reported_oldest_ms: Cell<u64>,
+}
+
+impl DependencyGauges {
+    fn define(name: &str) -> DependencyGauges {
+        let gauge = |what: &str| {
+            abi::define_metric(MetricType::Gauge, &format!("tenantgate.admission.{what}.{name}")).ok()
+        };
+        DependencyGauges {
+            in_flight: gauge("in_flight"),
+            depth: gauge("queue_depth"),
+            oldest_ms: gauge("queue_oldest_ms"),
+            reported_depth: Cell::new(0),
+            reported_oldest_ms: Cell::new(0),
+        }
+    }
+
+    /// Reports this worker's queue (see the module header).
+    fn report(&self, depth: u64, oldest_ms: u64) {
+        if let Some(id) = self.depth {
+            let before = self.reported_depth.get();
+            if depth != before {
+                let delta = i64::try_from(depth)
+                    .unwrap_or(i64::MAX)
+                    .saturating_sub(i64::try_from(before).unwrap_or(i64::MAX));
+                if abi::increment_metric(id, delta).is_ok() {
+                    self.reported_depth.set(depth);
+                }
+            }
+        }
+        if let Some(id) = self.oldest_ms {
+            let Ok(value) = abi::get_metric(id) else { return };
+            let ours = value == self.reported_oldest_ms.get();
+            if (oldest_ms >= value || ours)
+                && (oldest_ms == value || abi::record_metric(id, oldest_ms).is_ok())
+            {
+                self.reported_oldest_ms.set(oldest_ms);
+            }
+        }
+    }
 }
 
 /// A paused request: what resuming it needs.
@@ -223,10 +287,14 @@ pub struct Admission {
     /// `admission.queued.<criticality>`: requests paused for a slot.
     queued: [Cell<u64>; 4],
     queued_ids: [Option<u32>; 4],
-    /// Dependency or action key → gauge id, for every dependency and
-    /// action limit of every policy this root loaded (bounded by the
-    /// policies).
-    gauges: RefCell<HashMap<String, Option<u32>>>,
+    /// Dependency key → its gauges, for every dependency of every policy
+    /// this root loaded (bounded by the policies).
+    gauges: RefCell<HashMap<String, DependencyGauges>>,
+    /// Action key → its `action_in_flight` gauge id, for every action limit
+    /// of every policy this root loaded (bounded by the policies).
+    action_gauges: RefCell<HashMap<String, Option<u32>>>,
+    /// `admission.fair_drops.b<NN>`, by tenant hash bucket.
+    fair_drops: [Option<u32>; FAIR_DROP_BUCKETS],
     ticks: Cell<u32>,
 }
 
@@ -249,6 +317,14 @@ impl Admission {
                 .ok()
             }),
             gauges: RefCell::new(HashMap::new()),
+            action_gauges: RefCell::new(HashMap::new()),
+            fair_drops: std::array::from_fn(|b| {
+                abi::define_metric(
+                    MetricType::Counter,
+                    &format!("tenantgate.admission.fair_drops.b{b:02}"),
+                )
+                .ok()
+            }),
             ticks: Cell::new(0),
         }
     }
@@ -265,13 +341,15 @@ impl Admission {
             return;
         };
         for d in &policy.dependencies {
-            gauges.entry(d.key.clone()).or_insert_with(|| {
-                let name = format!("tenantgate.admission.in_flight.{}", d.name);
-                abi::define_metric(MetricType::Gauge, &name).ok()
-            });
+            gauges
+                .entry(d.key.clone())
+                .or_insert_with(|| DependencyGauges::define(&d.name));
         }
+        let Ok(mut action_gauges) = self.action_gauges.try_borrow_mut() else {
+            return;
+        };
         for a in &policy.actions {
-            gauges.entry(a.key.clone()).or_insert_with(|| {
+            action_gauges.entry(a.key.clone()).or_insert_with(|| {
                 let name = format!("tenantgate.admission.action_in_flight.{}", a.name);
                 abi::define_metric(MetricType::Gauge, &name).ok()
             });
@@ -385,9 +463,14 @@ impl Admission {
                         Err(_) => Err(NotHeld::Full),
                     });
                     match offered {
-                        Ok(()) => {
+                        Ok(offered) => {
                             self.count_queued(level);
                             stream.queued = true;
+                            if let Offered::Displaced(dropped) = offered {
+                                self.fair_drop(dropped, now);
+                                // Back on this request's stream.
+                                let _ = abi::set_effective_context(context_id);
+                            }
                             return Err(Refused::Held);
                         }
                         Err(NotHeld::Full) => reason = Reason::QueueFull,
@@ -416,6 +499,75 @@ impl Admission {
         }
     }
 
+    /// Answers a request dropped from the longest tenant line of a full
+    /// level: 503 `queue_full`, counted in its tenant's bucket.
+    fn fair_drop(&self, dropped: Held<Parked>, now: u64) {
+        let bucket = usize::try_from(dropped.tenant % FAIR_DROP_BUCKETS as u64).unwrap_or(0);
+        if let Some(Some(id)) = self.fair_drops.get(bucket) {
+            let _ = abi::increment_metric(*id, 1);
+        }
+        self.count(Some(Reason::QueueFull), dropped.level);
+        self.answer_held(dropped, Reason::QueueFull, None, now);
+    }
+
+    /// Answers a held request with a refusal (on its own stream).
+    fn answer_held(&self, h: Held<Parked>, reason: Reason, metrics: Option<&Metrics>, now: u64) {
+        let p = h.item;
+        if abi::set_effective_context(p.context_id).is_err() {
+            return;
+        }
+        let Some(dep) = p
+            .prepared
+            .class
+            .labels
+            .dependency
+            .and_then(|i| p.policy.dependency(i))
+        else {
+            return;
+        };
+        // A queue is its dependency's: it names what refused.
+        let limit = limit_name(&p.policy, &p.prepared, Limited::Dependency);
+        record(
+            &p.policy,
+            &p.prepared,
+            Some(reason),
+            0,
+            now.saturating_sub(h.enqueued),
+            &limit,
+        );
+        let decision = refusal_decision(
+            reason,
+            &dep.name,
+            dep.retry_after_window_ns,
+            &p.prepared,
+            p.context_id,
+            now,
+        );
+        if let Some(m) = metrics {
+            m.record(&decision);
+        }
+        let raw = ProxyHost.request_header("x-request-id");
+        if let Some(reply) = response::local_reply(
+            &decision,
+            &p.policy.version,
+            p.policy.ratelimit_headers,
+            response::request_id(raw.as_deref()),
+        ) {
+            match metrics {
+                Some(m) => {
+                    super::send_reply(&reply, m);
+                }
+                None => {
+                    let headers: Vec<(&str, &str)> =
+                        reply.headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                    if abi::send_local_response(reply.status, &headers, reply.body.as_bytes()).is_err() {
+                        log::warn!("tenantgate: cannot answer a request dropped from a full queue");
+                    }
+                }
+            }
+        }
+    }
+
     fn count_queued(&self, level: Criticality) {
         if let Some(c) = self.queued.get(level.index()) {
             c.set(c.get().saturating_add(1));
@@ -432,11 +584,14 @@ impl Admission {
             for queue in queues.values_mut().filter(|q| !q.is_empty()) {
                 out.extend(queue.serve(now, super::TICK_NS, |h| {
                     let p = &h.item;
-                    with_worker(|w| {
+                    let tried = with_worker(|w| {
                         w.acquire(&ProxyHost, &p.policy, &p.prepared.class, &p.prepared.subject, now)
-                    })
-                    .and_then(Result::ok)
-                    .flatten()
+                    });
+                    match tried {
+                        Some(Ok(Some(ticket))) => Attempt::Admitted(ticket),
+                        Some(Err(r)) if r.reason == Reason::TenantShare => Attempt::TenantFull,
+                        _ => Attempt::LevelFull,
+                    }
                 }));
             }
             out
@@ -484,38 +639,8 @@ impl Admission {
                     }
                 }
                 Served::TimedOut(h) => {
-                    let p = h.item;
                     self.count(Some(Reason::QueueTimeout), h.level);
-                    if abi::set_effective_context(p.context_id).is_err() {
-                        continue;
-                    }
-                    let Some(dep) = p
-                        .prepared
-                        .class
-                        .labels
-                        .dependency
-                        .and_then(|i| p.policy.dependency(i))
-                    else {
-                        continue;
-                    };
-                    let decision = refusal_decision(
-                        Reason::QueueTimeout,
-                        &dep.name,
-                        dep.retry_after_window_ns,
-                        &p.prepared,
-                        p.context_id,
-                        now,
-                    );
-                    metrics.record(&decision);
-                    let raw = ProxyHost.request_header("x-request-id");
-                    if let Some(reply) = response::local_reply(
-                        &decision,
-                        &p.policy.version,
-                        p.policy.ratelimit_headers,
-                        response::request_id(raw.as_deref()),
-                    ) {
-                        super::send_reply(&reply, metrics);
-                    }
+                    self.answer_held(h, Reason::QueueTimeout, Some(metrics), now);
                 }
             }
         }
@@ -555,23 +680,36 @@ impl Admission {
         for (id, p) in self.queued_ids.iter().zip(&self.queued) {
             flush(id, p);
         }
-        let Ok(gauges) = self.gauges.try_borrow() else {
+        let (Ok(gauges), Ok(action_gauges)) = (self.gauges.try_borrow(), self.action_gauges.try_borrow())
+        else {
             return;
         };
-        if gauges.is_empty() {
+        if gauges.is_empty() && action_gauges.is_empty() {
             return;
         }
         ensure_worker(now);
         with_worker(|w| w.renew(&ProxyHost, now));
         self.serve_queues(metrics, now);
+        QUEUES.with(|q| {
+            let Ok(queues) = q.try_borrow() else { return };
+            for (key, g) in gauges.iter() {
+                let queue = queues.get(key);
+                let depth = queue.map_or(0, |q| q.len() as u64);
+                let oldest_ms = queue
+                    .and_then(PriorityQueue::oldest)
+                    .map_or(0, |at| now.saturating_sub(at) / 1_000_000);
+                g.report(depth, oldest_ms);
+            }
+        });
         let ticks = self.ticks.get().wrapping_add(1);
         self.ticks.set(ticks);
         if ticks % 10 != 0 {
             return;
         }
-        for (key, gauge) in gauges.iter() {
-            if let (Some(id), Some(live)) = (gauge, admission::in_flight(&ProxyHost, key, now)) {
-                let _ = abi::record_metric(*id, u64::from(live.total()));
+        let in_flight = gauges.iter().map(|(key, g)| (key, g.in_flight));
+        for (key, id) in in_flight.chain(action_gauges.iter().map(|(key, id)| (key, *id))) {
+            if let (Some(id), Some(live)) = (id, admission::in_flight(&ProxyHost, key, now)) {
+                let _ = abi::record_metric(id, u64::from(live.total()));
             }
         }
     }
