@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`make bench`: what tenantgate costs Envoy, measured against baselines.
 
-Seven configurations of Envoy 1.40 serve a direct_response route (no
+Eight configurations of Envoy 1.40 serve a direct_response route (no
 upstream), interleaved over BENCH_ROUNDS rounds on this machine:
 
   (a) no filter
@@ -15,6 +15,9 @@ upstream), interleaved over BENCH_ROUNDS rounds on this machine:
       configure for per-tenant limits on one node)
   (g) tenantgate, 1 tenant, its limit global: leased by `tenantgate serve`
       (bench/policies/global.yaml), which runs beside Envoy
+  (h) tenantgate, 1 tenant, admission control on: (d) plus an in-flight
+      slot of one dependency per request, never at its limit
+      (bench/policies/admission.yaml)
 
 Then (a), (c) and (d) again at one connection (BENCH_LATENCY_CONNECTIONS=1)
 for their p50 latency, the same number of rounds.
@@ -311,7 +314,7 @@ def ten_thousand_tenants_policy(path: Path) -> Path:
 
 
 class Config:
-    def __init__(self, key: str, label: str, filter_name: str, headers_check=None, wrk_args=(), serve=False):
+    def __init__(self, key: str, label: str, filter_name: str, headers_check=None, wrk_args=(), serve=False, admission=False):
         self.key = key
         self.label = label
         # none | local_ratelimit | local_ratelimit_tenants | empty | tenantgate
@@ -321,6 +324,8 @@ class Config:
         self.wrk_args = list(wrk_args)
         # Runs `tenantgate serve` with the policy beside Envoy (g).
         self.serve = serve
+        # Every request must take an admission slot (h).
+        self.admission = admission
 
 
 class Envoy:
@@ -554,6 +559,18 @@ def measure(config: Config, rnd: int, connections: int) -> dict:
         result["decisions_allowed"] = decided.get("allowed", 0)
         if set(decided) - set(passed) or not decided:
             raise BenchError(f"{config.label}: the filter did not let every request through: {stats}")
+        if config.admission:
+            # Every request admitted through its dependency, none refused.
+            # (Counters by outcome and level only: gauges are per dependency.)
+            levels = ("system", "critical", "normal", "sheddable")
+            outcomes = {
+                k.split(".admission.", 1)[1]: v
+                for k, v in stats.items()
+                if ".admission." in k and k.rsplit(".", 1)[1] in levels and v
+            }
+            result["admission_admitted"] = outcomes.get("admitted.normal", 0)
+            if set(outcomes) != {"admitted.normal"}:
+                raise BenchError(f"{config.label}: not every request was admitted through its dependency: {outcomes}")
     if w["non_2xx"] or w["socket_errors"]:
         starved = not w["non_2xx"] and w["socket_errors"] == w["timeouts"] and result["envoy_cpu_util"] < MIN_UTIL
         raise (Disturbed if starved else BenchError)(
@@ -652,11 +669,13 @@ def main() -> int:
         Config("e", f"(e) tenantgate, {TENANTS:,} tenants x 2 limits", "tenantgate", has_ratelimit, tenants_lua),
         Config("f", f"(f) native local_ratelimit, {TENANTS:,} tenants", "local_ratelimit_tenants", None, tenants_lua),
         Config("g", "(g) tenantgate, 1 tenant, global (serve)", "tenantgate", has_ratelimit, serve=True),
+        Config("h", "(h) tenantgate, 1 tenant, admission", "tenantgate", has_ratelimit, admission=True),
     ]
     by_key = {c.key: c for c in configs}
     by_key["d"].policy = BENCH / "policies/one-tenant.yaml"
     by_key["e"].policy = ten_thousand_tenants_policy(OUT / "10k-tenants.yaml")
     by_key["g"].policy = BENCH / "policies/global.yaml"
+    by_key["h"].policy = BENCH / "policies/admission.yaml"
     latency_configs = [by_key[k] for k in ("a", "c", "d")]
     # The ablation: (d) with one part of the work taken away at a time,
     # each a configuration users can run (nothing is patched out).
@@ -704,6 +723,7 @@ def main() -> int:
             raw[config.key][-1]["ratio_to_a"] = round(raw[config.key][-1]["rps"] / base, 4)
         raw["d"][-1]["ratio_to_c"] = round(raw["d"][-1]["rps"] / raw["c"][-1]["rps"], 4)
         raw["g"][-1]["ratio_to_d"] = round(raw["g"][-1]["rps"] / raw["d"][-1]["rps"], 4)
+        raw["h"][-1]["ratio_to_d"] = round(raw["h"][-1]["rps"] / raw["d"][-1]["rps"], 4)
 
     latency: dict[str, list[dict]] = {c.key: [] for c in latency_configs}
     for rnd in range(1, ROUNDS + 1):
@@ -751,6 +771,7 @@ def main() -> int:
         }
     summary["d"]["median"]["ratio_to_c"] = median(r["ratio_to_c"] for r in raw["d"])
     summary["g"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["g"])
+    summary["h"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["h"])
     for config in latency_configs:
         rows = latency[config.key]
         summary[config.key]["one_connection"] = {
@@ -824,6 +845,11 @@ def main() -> int:
     print(f"  (d) - (c): {fmt(d_minus_c_us, '+.1f')} us")
     for t in targets:
         print(f"target ({t['config']}) {t['target']}: {fmt(t['measured'], '.2f')}  {t['result']}")
+    h_cpu, d_cpu = summary["h"]["median"]["cpu_us_per_req"], summary["d"]["median"]["cpu_us_per_req"]
+    print(
+        f"admission (h) vs (d): {fmt(summary['h']['median']['ratio_to_d'], '.2f')} x by throughput, "
+        f"{fmt(h_cpu - d_cpu if h_cpu is not None and d_cpu is not None else None, '+.1f')} us CPU/req"
+    )
     print(
         f"CAS, 2 workers, 1 hot tenant, {CAS_CONNECTIONS} connections: {cas['cas_retries']:,} retries / "
         f"{cas['decisions']:,} decisions = {fmt(cas['cas_retries_per_request'], '.4f')} retries per request "

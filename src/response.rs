@@ -71,6 +71,24 @@ pub fn local_reply(
             ),
         ),
         Reason::ConcurrencyLimit
+            if decision
+                .limit
+                .as_deref()
+                .is_some_and(|l| l.starts_with(crate::admission::ACTION_LIMIT_PREFIX)) =>
+        {
+            (
+                "Service Unavailable",
+                format!(
+                    "The API action \"{}\" is at its in-flight limit; retry in {retry_after} s.",
+                    decision
+                        .limit
+                        .as_deref()
+                        .and_then(|l| l.strip_prefix(crate::admission::ACTION_LIMIT_PREFIX))
+                        .unwrap_or("")
+                ),
+            )
+        }
+        Reason::ConcurrencyLimit
         | Reason::StreamLimit
         | Reason::TenantShare
         | Reason::QueueFull
@@ -166,6 +184,33 @@ mod tests {
         assert!(
             body.contains("could not record this request (contention)"),
             "{body}"
+        );
+    }
+
+    #[test]
+    fn an_action_limit_refusal_names_the_action_not_a_dependency() {
+        let body = |limit: &str| {
+            let decision = Decision {
+                limit: Some(limit.into()),
+                retry_after_secs: 3,
+                ..Decision::passed(Reason::ConcurrencyLimit)
+            };
+            let reply = local_reply(&decision, "v1", true, None).unwrap();
+            assert_eq!(reply.status, 503);
+            serde_json::from_str::<serde_json::Value>(&reply.body).unwrap()
+        };
+        let action = body("action:search");
+        assert_eq!(
+            action["detail"],
+            "The API action \"search\" is at its in-flight limit; retry in 3 s."
+        );
+        assert_eq!(
+            (action["limit"].as_str(), action["reason"].as_str()),
+            (Some("action:search"), Some("concurrency_limit"))
+        );
+        assert_eq!(
+            body("db")["detail"],
+            "The dependency \"db\" is at its in-flight limit for this request's priority; retry in 3 s."
         );
     }
 }

@@ -462,6 +462,9 @@ pub fn diff(old: &Policy, new: &Policy) -> (String, bool) {
                         l.min_timeout_budget_ns
                             .map_or_else(|| "none".to_owned(), |ns| format!("{} ms", ns / 1_000_000)),
                     );
+                    if let Some(a) = l.action_limit.and_then(|i| p.action_limit(i)) {
+                        let _ = write!(summary, ", action max_in_flight {}", a.max_in_flight);
+                    }
                 }
                 (c.name.clone(), summary)
             })
@@ -519,6 +522,22 @@ pub fn diff(old: &Policy, new: &Policy) -> (String, bool) {
             names(new)
         );
     }
+    if old.actions != new.actions {
+        differs = true;
+        let limits = |p: &Policy| {
+            p.actions
+                .iter()
+                .map(|a| format!("{} {}", a.name, a.max_in_flight))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let _ = writeln!(
+            out,
+            "actions: in-flight limits changed ({} -> {}): slots in flight carry over and count against the new limits",
+            limits(old),
+            limits(new)
+        );
+    }
     if !differs {
         let _ = writeln!(out, "no change to live state");
     }
@@ -539,7 +558,18 @@ fn explain_admission(policy: &Policy, class: &tenantgate::policy::RouteClass, ou
         if l.retryable { ", retryable" } else { "" },
         if l.streaming { ", streaming" } else { "" }
     );
+    let action = l.action_limit.and_then(|i| policy.action_limit(i));
+    if let Some(a) = action {
+        let _ = writeln!(
+            out,
+            "  action limit: {} (max_in_flight {}, node-wide, every class of the action; 503 concurrency_limit when full)",
+            a.name, a.max_in_flight
+        );
+    }
     match l.dependency.and_then(|i| policy.dependency(i)) {
+        None if action.is_some() => {
+            let _ = writeln!(out, "  dependency: none");
+        }
         None => {
             let _ = writeln!(out, "  dependency: none (no in-flight limit)");
         }

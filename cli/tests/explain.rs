@@ -173,6 +173,23 @@ fn explain_shows_a_classs_admission_labels() {
 }
 
 #[test]
+fn explain_shows_a_classs_action_limit() {
+    golden(
+        "explain-admission-reports.txt",
+        &[
+            "policy",
+            "explain",
+            "policies/admission.yaml",
+            "--tenant",
+            "acme",
+            "--class",
+            "reports",
+        ],
+        0,
+    );
+}
+
+#[test]
 fn diff_shows_admission_label_and_dependency_changes() {
     golden(
         "diff-admission-reload.txt",

@@ -6,7 +6,8 @@
 //! 1,000 simultaneous rejections with spread `Retry-After`, and the request
 //! checks (body size, timeout budget), and the queues: a full level
 //! refuses at once, a held request never waits past its `max_wait`, and
-//! held requests get the slots that free up.
+//! held requests get the slots that free up; and an API action's in-flight
+//! limit (`actions:`) across both workers with a slow upstream.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -654,7 +655,7 @@ fn the_decision_record_reaches_the_access_log() {
     let text = lines();
     println!("{text}");
     assert!(
-        text.contains("/up/orders 503 outcome=concurrency_limit criticality=normal dependency=db in_flight=4 queue_wait_ms=0 policy=adm-log key=orders|t|acme"),
+        text.contains("/up/orders 503 outcome=concurrency_limit criticality=normal dependency=db in_flight=4 queue_wait_ms=0 policy=adm-log key=orders|t|acme limit=dependency:db"),
         "{text}"
     );
     assert_eq!(
@@ -940,4 +941,148 @@ fn a_twenty_fold_spike_on_a_sheddable_route_spares_critical_work_and_the_quiet_t
     assert!(flood_sent >= 10.0 * capacity_rps, "flood {flood_sent:.0}/s");
     assert!(upstream.max_in_flight() <= SPIKE_CAPACITY);
     assert!(wait_for(WAIT, || gauge(&envoy, "svc") == Some(0)));
+}
+
+/// `search` (action, 3 in flight) through `db` and without a dependency
+/// (`search-bulk`); `lookup` is another action of `db`, not limited by it.
+fn action_policy() -> String {
+    r#"
+version: "adm-act"
+identity: { header: x-tenant-id }
+plans:
+  free: { limits: [ { rate: 1000000, per: 1s } ] }
+default_plan: free
+anonymous: { plan: free }
+dependencies:
+  db: { max_in_flight: 50 }
+actions:
+  search: { max_in_flight: 3 }
+routes:
+  search: { dependency: db }
+  search-bulk: { action: search, criticality: sheddable }
+  lookup: { dependency: db }
+"#
+    .to_owned()
+}
+
+fn action_gauge(envoy: &Envoy, action: &str) -> Option<u64> {
+    envoy.stat(&format!(
+        "wasmcustom.tenantgate.admission.action_in_flight.{action}"
+    ))
+}
+
+#[test]
+fn an_action_in_flight_limit_holds_across_workers_and_its_slots_come_back() {
+    let upstream = Upstream::start();
+    let log = Envoy::temp_dir().join("access.log");
+    let envoy = Envoy::start_with_upstream_logged(
+        &action_policy(),
+        upstream.port,
+        &["search", "search-bulk", "lookup"],
+        Some(&log),
+    );
+    // Held upstream: 3 of 5 `search` requests (both classes) reach it.
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let paths = [
+        "/up/search",
+        "/up/search-bulk",
+        "/up/search",
+        "/up/search-bulk",
+        "/up/search",
+    ];
+    let held: Vec<JoinHandle<()>> = paths
+        .iter()
+        .map(|p| spawn_get(envoy.port, p, "acme", &tx))
+        .collect();
+    let mut refused = Vec::new();
+    assert!(
+        wait_for(WAIT, || {
+            refused.extend(rx.try_iter());
+            upstream.in_flight() == 3 && refused.len() == 2
+        }),
+        "in flight {}, refused {refused:?}",
+        upstream.in_flight()
+    );
+    for r in &refused {
+        assert_refused(r, "concurrency_limit");
+        assert_eq!(r.json()["limit"], "action:search", "{r:?}");
+    }
+    assert!(wait_for(WAIT, || action_gauge(&envoy, "search") == Some(3)));
+    // Another action of the same dependency is not limited by it.
+    let lookup = spawn_get(envoy.port, "/up/lookup", "acme", &tx);
+    assert!(wait_for(WAIT, || upstream.in_flight() == 4));
+    upstream.release();
+    for h in held.into_iter().chain([lookup]) {
+        h.join().unwrap();
+    }
+    let answered: Vec<u16> = rx.try_iter().map(|r| r.status).collect();
+    assert_eq!(answered, [200; 4], "{answered:?}");
+    assert!(wait_for(WAIT, || action_gauge(&envoy, "search") == Some(0)));
+    // The decision record names the action that refused.
+    let lines = || std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(wait_for(WAIT, || lines().lines().count() >= 6), "{}", lines());
+    let text = lines();
+    let refusals: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("outcome=concurrency_limit"))
+        .collect();
+    assert_eq!(refusals.len(), 2, "{text}");
+    for l in refusals {
+        assert!(
+            l.contains(" in_flight=3 ") && l.ends_with(" key=search|t|acme limit=action:search"),
+            "{l}"
+        );
+    }
+
+    // A slow upstream (150 ms) under 8 concurrent clients of `search`, each
+    // on a new connection per request (spread over both workers): the
+    // upstream never sees more than 3 at once, node-wide.
+    upstream.set_latency(Duration::from_millis(150));
+    upstream.reset_max();
+    let port = envoy.port;
+    let clients: Vec<JoinHandle<Vec<u16>>> = (0..8)
+        .map(|c| {
+            std::thread::spawn(move || {
+                let path = if c % 2 == 0 {
+                    "/up/search"
+                } else {
+                    "/up/search-bulk"
+                };
+                (0..6)
+                    .map(|_| {
+                        let r = get(port, path, &[("x-tenant-id", "acme")]);
+                        if r.status == 503 {
+                            assert_eq!(r.header("x-tenantgate-reason"), Some("concurrency_limit"));
+                        }
+                        r.status
+                    })
+                    .collect()
+            })
+        })
+        .collect();
+    let statuses: Vec<u16> = clients.into_iter().flat_map(|h| h.join().unwrap()).collect();
+    let ok = statuses.iter().filter(|s| **s == 200).count();
+    let limited = statuses.iter().filter(|s| **s == 503).count();
+    assert_eq!(ok + limited, 48, "{statuses:?}");
+    assert!(ok >= 3 && limited >= 1, "{ok} admitted, {limited} refused");
+    assert!(
+        upstream.max_in_flight() <= 3,
+        "upstream saw {} at once",
+        upstream.max_in_flight()
+    );
+    let [w0, w1] = envoy.worker_connections();
+    assert!(w0 > 0 && w1 > 0, "connections per worker: {w0}, {w1}");
+    // Traffic stopped: every slot is back.
+    assert!(
+        wait_for(WAIT, || action_gauge(&envoy, "search") == Some(0)),
+        "gauge {:?}",
+        action_gauge(&envoy, "search")
+    );
+    assert!(wait_for(WAIT, || gauge(&envoy, "db") == Some(0)));
+    assert_eq!(
+        envoy.tg_stat("admission.concurrency_limit.normal")
+            + envoy.tg_stat("admission.concurrency_limit.sheddable"),
+        2 + limited as u64
+    );
 }

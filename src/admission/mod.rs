@@ -10,7 +10,13 @@
 //! * `stream_limit`: a `streaming` class and `max_streams` streams are open
 //!   (streams never take `max_in_flight` slots, so a long stream cannot hold
 //!   them);
-//! * `concurrency_limit`: the level's share of `max_in_flight` is full.
+//! * `concurrency_limit`: the level's share of `max_in_flight` is full,
+//!   or the class's action has `actions.<action>.max_in_flight` requests
+//!   (and streams) in flight, node-wide, over every class of the action
+//!   (no levels, no reservations: a plain count).
+//!
+//! The tenant's share is taken first, then the action's slot, then the
+//! dependency's; a refusal gives back what was taken before it.
 //!
 //! With `G = max_in_flight − reserved.critical − reserved.system` (the
 //! shared pool) and `s, c, n, d` the system, critical, normal and
@@ -33,7 +39,8 @@
 //! truth for its streams, so a release never needs shared data to be
 //! right and can never drive a count below zero. It publishes them, with
 //! a **lease**, in the dependency's fixed entry (`tg2|d|<name>`) and, with
-//! a tenant cap, in the tenant's key-table slot (`~d.<name>|t|<tenant>`),
+//! a tenant cap, in the tenant's key-table slot (`~d.<name>|t|<tenant>`);
+//! an action limit's in its fixed entry (`tg2|a|<action>`),
 //! each through [`crate::table::update`], the one compare-and-swap
 //! primitive. A decision reads every live holder of the entry (see
 //! [`holders`]), adds its own counts and writes its new count in the same
@@ -84,7 +91,7 @@ use hashbrown::HashMap;
 use crate::engine::{Reason, Subject};
 use crate::host::Host;
 use crate::limiter::NANOS_PER_SEC;
-use crate::policy::admission::{Criticality, Dependency, Labels};
+use crate::policy::admission::{Criticality, Dependency, Labels, DEFAULT_RETRY_AFTER_WINDOW_NS};
 use crate::policy::{Policy, RouteClass};
 use crate::table::{self, push_record_with, Commit, Failure, Overflow, Place, Reach, Record};
 pub use holders::{Counts, Holder, KIND_IN_FLIGHT};
@@ -109,6 +116,15 @@ pub fn dependency_key(name: &str) -> String {
     format!("tg2|d|{name}")
 }
 
+/// How a refusal by an action's limit names it (decision record `limit=`,
+/// the problem's `limit`): `action:<action>` (no dependency name has a `:`).
+pub const ACTION_LIMIT_PREFIX: &str = "action:";
+
+/// The shared-data key of an action's in-flight entry (`actions.<name>`).
+pub fn action_key(name: &str) -> String {
+    format!("tg2|a|{name}")
+}
+
 /// The key-table key of a subject's slots at a dependency.
 pub fn tenant_key(dependency: &str, subject: &Subject) -> String {
     crate::engine::logical_key(&tenant_action(dependency), subject)
@@ -129,33 +145,48 @@ pub struct Refusal {
     pub reason: Reason,
     /// The dependency's live slots (requests + streams) at the decision.
     pub in_flight: u32,
-    /// The dependency's `retry_after_window`.
+    /// The dependency's `retry_after_window` (the default without one).
     pub retry_after_window_ns: u64,
+    pub limit: Limited,
 }
 
-/// A slot held by one stream. Not `Clone`: [`Worker::release`] takes it,
-/// so it is given back exactly once.
+/// Which limit refused a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limited {
+    /// The tenant's `tenant_max_share` of the dependency.
+    Tenant,
+    /// The action's `actions.<action>.max_in_flight`.
+    Action,
+    /// The dependency's `max_in_flight` or `max_streams`.
+    Dependency,
+}
+
+/// The slots held by one stream (its dependency's, its action's, its
+/// tenant's share). Not `Clone`: [`Worker::release`] takes it, so it is
+/// given back exactly once.
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "a ticket must be released when its stream ends"]
 pub struct Ticket {
-    dependency: String,
+    dependency: Option<String>,
+    action: Option<String>,
     tenant: Option<String>,
     level: usize,
     streaming: bool,
-    /// The dependency's live slots before this one (for the record).
+    /// The dependency's live slots before this one (the action's, for a
+    /// class without a dependency), for the record.
     in_flight: u32,
 }
 
 impl Ticket {
     /// The dependency's live slots (requests + streams) when it was taken,
-    /// not counting itself.
+    /// not counting itself (the action's, for a class without a dependency).
     pub fn in_flight(&self) -> u32 {
         self.in_flight
     }
 
-    /// The dependency's shared-data key.
-    pub fn dependency_key(&self) -> &str {
-        &self.dependency
+    /// The dependency's shared-data key (`None`: an action limit only).
+    pub fn dependency_key(&self) -> Option<&str> {
+        self.dependency.as_deref()
     }
 }
 
@@ -284,7 +315,7 @@ impl Worker {
     }
 
     /// Creates the shared entries a policy's admission control writes to
-    /// (each dependency's, and the worker counter) if they are absent, with
+    /// (each dependency's and action limit's, and the worker counter) if they are absent, with
     /// nothing in them. Called on configure, before any request: Envoy's
     /// shared data has no create-if-absent, so two workers writing a key
     /// that does not exist yet both write unconditionally and one write is
@@ -297,6 +328,7 @@ impl Worker {
             .dependencies
             .iter()
             .map(|d| (d.key.as_str(), KIND_IN_FLIGHT))
+            .chain(policy.actions.iter().map(|a| (a.key.as_str(), KIND_IN_FLIGHT)))
             .chain([(WORKERS_KEY, KIND_WORKER_COUNTER)]);
         for (key, kind) in keys {
             let _ = table::update(
@@ -342,8 +374,10 @@ impl Worker {
         self.held.get(key).map(|h| h.counts).unwrap_or_default()
     }
 
-    /// Takes a slot for a request of `class` (see the module header).
-    /// `Ok(None)`: the class has no dependency.
+    /// Takes a slot for a request of `class` (see the module header): its
+    /// tenant's share, then its action's limit, then its dependency, each
+    /// given back if a later one refuses. `Ok(None)`: the class has
+    /// neither a dependency nor an action limit.
     pub fn acquire<H: Host>(
         &mut self,
         host: &H,
@@ -353,19 +387,23 @@ impl Worker {
         now: u64,
     ) -> Result<Option<Ticket>, Refusal> {
         let labels = class.labels;
-        let Some(dep) = labels.dependency.and_then(|i| policy.dependency(i)) else {
+        let dep = labels.dependency.and_then(|i| policy.dependency(i));
+        let action = labels.action_limit.and_then(|i| policy.action_limit(i));
+        if dep.is_none() && action.is_none() {
             return Ok(None);
-        };
-        let refuse = |reason, in_flight| Refusal {
+        }
+        let retry_after_window_ns = dep.map_or(DEFAULT_RETRY_AFTER_WINDOW_NS, |d| d.retry_after_window_ns);
+        let refuse = |reason, in_flight, limit| Refusal {
             reason,
             in_flight,
-            retry_after_window_ns: dep.retry_after_window_ns,
+            retry_after_window_ns,
+            limit,
         };
         let level = labels.criticality.index();
         let streaming = labels.streaming;
-        let tenant = match (dep.tenant_max, subject) {
+        let tenant = match (dep.and_then(|d| d.tenant_max.map(|max| (d, max))), subject) {
             (None, _) | (_, Subject::None) => None,
-            (Some(max), subject) => {
+            (Some((dep, max)), subject) => {
                 let key = tenant_key(&dep.name, subject);
                 let entries = Some(policy.key_table_entries);
                 let action = tenant_action(&dep.name);
@@ -378,26 +416,62 @@ impl Worker {
                 };
                 match self.take(host, &key, entries, &action, now, level, streaming, &check) {
                     Ok(_) => Some(key),
-                    Err((reason, _)) => return Err(refuse(reason, 0)),
+                    Err((reason, _)) => return Err(refuse(reason, 0, Limited::Tenant)),
                 }
             }
         };
-        let check = |occ: &Counts| admits(dep, &labels, occ);
-        match self.take(host, &dep.key, None, "", now, level, streaming, &check) {
-            Ok(occupancy) => Ok(Some(Ticket {
-                dependency: dep.key.clone(),
-                tenant,
-                level,
-                streaming,
-                in_flight: occupancy.total(),
-            })),
-            Err((reason, occupancy)) => {
-                if let Some(key) = tenant {
-                    self.give(host, &key, now, level, streaming);
+        let mut in_flight = 0;
+        let action_key = match action {
+            None => None,
+            Some(a) => {
+                let max = a.max_in_flight;
+                let check = |occ: &Counts| {
+                    if occ.total() < max {
+                        Ok(())
+                    } else {
+                        Err(Reason::ConcurrencyLimit)
+                    }
+                };
+                match self.take(host, &a.key, None, "", now, level, streaming, &check) {
+                    Ok(occupancy) => {
+                        in_flight = occupancy.total();
+                        Some(a.key.clone())
+                    }
+                    Err((reason, occupancy)) => {
+                        if let Some(key) = tenant {
+                            self.give(host, &key, now, level, streaming);
+                        }
+                        return Err(refuse(reason, occupancy.total(), Limited::Action));
+                    }
                 }
-                Err(refuse(reason, occupancy.total()))
             }
-        }
+        };
+        let dependency = match dep {
+            None => None,
+            Some(dep) => {
+                let check = |occ: &Counts| admits(dep, &labels, occ);
+                match self.take(host, &dep.key, None, "", now, level, streaming, &check) {
+                    Ok(occupancy) => {
+                        in_flight = occupancy.total();
+                        Some(dep.key.clone())
+                    }
+                    Err((reason, occupancy)) => {
+                        for key in [action_key, tenant].into_iter().flatten() {
+                            self.give(host, &key, now, level, streaming);
+                        }
+                        return Err(refuse(reason, occupancy.total(), Limited::Dependency));
+                    }
+                }
+            }
+        };
+        Ok(Some(Ticket {
+            dependency,
+            action: action_key,
+            tenant,
+            level,
+            streaming,
+            in_flight,
+        }))
     }
 
     /// Gives a stream's slot back (every end of a stream: complete, reset,
@@ -406,13 +480,13 @@ impl Worker {
     pub fn release<H: Host>(&mut self, host: &H, ticket: Ticket, now: u64) {
         let Ticket {
             dependency,
+            action,
             tenant,
             level,
             streaming,
             ..
         } = ticket;
-        self.give(host, &dependency, now, level, streaming);
-        if let Some(key) = tenant {
+        for key in [dependency, action, tenant].into_iter().flatten() {
             self.give(host, &key, now, level, streaming);
         }
     }
@@ -606,19 +680,24 @@ pub struct DecisionRecord<'a> {
     pub policy_version: &'a str,
     /// The rate-limit key (`action|t|tenant`).
     pub limit_key: &'a str,
+    /// What refused a slot: `action:<name>`, `dependency:<name>`,
+    /// `tenant:<dependency>`; `-` when admitted or refused by a request
+    /// check.
+    pub limit: &'a str,
 }
 
 impl DecisionRecord<'_> {
     pub fn render(&self) -> String {
         format!(
-            "outcome={} criticality={} dependency={} in_flight={} queue_wait_ms={} policy={} key={}",
+            "outcome={} criticality={} dependency={} in_flight={} queue_wait_ms={} policy={} key={} limit={}",
             self.outcome,
             self.criticality.as_str(),
             self.dependency,
             self.in_flight,
             self.queue_wait_ms,
             self.policy_version.replace(' ', "_"),
-            self.limit_key
+            self.limit_key,
+            self.limit
         )
     }
 }

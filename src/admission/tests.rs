@@ -700,10 +700,11 @@ fn the_decision_record_is_one_line_of_plain_fields() {
         queue_wait_ms: 390,
         policy_version: "v 1",
         limit_key: "orders|t|acme",
+        limit: "action:orders",
     };
     assert_eq!(
         r.render(),
-        "outcome=queue_timeout criticality=sheddable dependency=db in_flight=7 queue_wait_ms=390 policy=v_1 key=orders|t|acme"
+        "outcome=queue_timeout criticality=sheddable dependency=db in_flight=7 queue_wait_ms=390 policy=v_1 key=orders|t|acme limit=action:orders"
     );
 }
 
@@ -758,4 +759,148 @@ fn a_count_lost_to_the_first_write_race_is_republished_at_the_next_renewal() {
     release(&node, &mut a, ta, now);
     release(&node, &mut b, tb, now);
     assert_eq!(node.total(now), 0);
+}
+
+/// `search` (action `search`, max 3 in flight) through `db` and without a
+/// dependency (`search-bulk`); `orders` fills `db` (pool 7) on its own.
+fn action_policy() -> Rc<Policy> {
+    let json = r#"{
+        "version": "adm-act",
+        "identity": {"header": "x-tenant-id"},
+        "plans": {"free": {"limits": [{"rate": 1000000, "per": "1s"}]}},
+        "default_plan": "free",
+        "anonymous": {"plan": "free"},
+        "dependencies": {"db": {"max_in_flight": 10, "reserved": {"critical": 2, "system": 1}}},
+        "actions": {"search": {"max_in_flight": 3}},
+        "routes": {
+            "search": {"dependency": "db"},
+            "search-bulk": {"action": "search", "criticality": "sheddable"},
+            "orders": {"dependency": "db"}
+        }
+    }"#;
+    match Policy::from_json(json.as_bytes()) {
+        Ok(p) => Rc::new(p),
+        Err(e) => panic!("test policy invalid: {e}"),
+    }
+}
+
+impl Node {
+    fn try_acquire(&self, w: &mut Worker, p: &Policy, class: &str, now: u64) -> Result<Ticket, Refusal> {
+        let (host, prep) = self.prepared(p, class, "acme");
+        match w.acquire(&host, p, &prep.class, &prep.subject, now) {
+            Ok(Some(t)) => Ok(t),
+            Ok(None) => panic!("{class} has no limit"),
+            Err(r) => Err(r),
+        }
+    }
+}
+
+#[test]
+fn an_action_limit_is_counted_node_wide_over_every_class_of_the_action() {
+    let p = action_policy();
+    let node = Node::new();
+    let (mut a, mut b) = (Worker::with_id(1), Worker::with_id(2));
+    // Three slots of `search`, from both workers and both classes.
+    let t1 = node.try_acquire(&mut a, &p, "search", T0).unwrap();
+    let t2 = node.try_acquire(&mut b, &p, "search-bulk", T0).unwrap();
+    let t3 = node.try_acquire(&mut b, &p, "search", T0).unwrap();
+    assert_eq!(t3.in_flight(), 1, "the dependency's count before it (t1)");
+    assert_eq!(node.live("tg2|a|search", T0).total(), 3);
+    assert_eq!(node.total(T0), 2, "search-bulk has no dependency");
+    for w in [&mut a, &mut b] {
+        for class in ["search", "search-bulk"] {
+            let refused = node.try_acquire(w, &p, class, T0).unwrap_err();
+            assert_eq!(
+                (refused.reason, refused.limit, refused.in_flight),
+                (Reason::ConcurrencyLimit, Limited::Action, 3),
+                "{class}"
+            );
+            assert_eq!(refused.retry_after_window_ns, 10 * S);
+        }
+    }
+    // A refusal by the action takes nothing from the dependency, and other
+    // actions of the dependency are not limited by it.
+    assert_eq!(node.total(T0), 2);
+    let other = node.try_acquire(&mut a, &p, "orders", T0).unwrap();
+    // A slot freed on one worker is usable from the other.
+    release(&node, &mut b, t2, T0 + 1);
+    let t4 = node.try_acquire(&mut a, &p, "search-bulk", T0 + 2).unwrap();
+    assert_eq!(t4.in_flight(), 2, "the action's count, without a dependency");
+    release(&node, &mut b, t3, T0 + 3);
+    for t in [t1, t4, other] {
+        release(&node, &mut a, t, T0 + 3);
+    }
+    assert!(node.live("tg2|a|search", T0 + 3).is_zero());
+    assert!(node.live("tg2|d|db", T0 + 3).is_zero());
+    // Nothing held: the next tick forgets both places.
+    let host = FakeHost::new(node.store.clone());
+    a.renew(&host, T0 + 4);
+    b.renew(&host, T0 + 4);
+    assert_eq!((a.places(), b.places()), (0, 0));
+}
+
+#[test]
+fn a_dependency_refusal_gives_the_action_slot_back() {
+    let p = action_policy();
+    let node = Node::new();
+    let (mut a, mut b) = (Worker::with_id(1), Worker::with_id(2));
+    // `orders` fills db's pool (7) from worker b.
+    let full: Vec<Ticket> = (0..7)
+        .map(|_| node.try_acquire(&mut b, &p, "orders", T0).unwrap())
+        .collect();
+    for now in [T0, T0 + 1, T0 + 2] {
+        let refused = node.try_acquire(&mut a, &p, "search", now).unwrap_err();
+        assert_eq!(
+            (refused.reason, refused.limit),
+            (Reason::ConcurrencyLimit, Limited::Dependency)
+        );
+        assert!(node.live("tg2|a|search", now).is_zero(), "never leaks");
+        assert!(a.own("tg2|a|search").is_zero());
+    }
+    // The action itself still has all three slots.
+    let bulk: Vec<Ticket> = (0..3)
+        .map(|_| node.try_acquire(&mut a, &p, "search-bulk", T0 + 3).unwrap())
+        .collect();
+    for t in full {
+        release(&node, &mut b, t, T0 + 4);
+    }
+    for t in bulk {
+        release(&node, &mut a, t, T0 + 4);
+    }
+    assert!(node.live("tg2|a|search", T0 + 4).is_zero());
+    assert!(node.live("tg2|d|db", T0 + 4).is_zero());
+}
+
+#[test]
+fn a_dead_workers_action_slots_stop_counting_after_the_lease() {
+    let p = action_policy();
+    let node = Node::new();
+    let (mut dead, mut live) = (Worker::with_id(1), Worker::with_id(2));
+    let leaked: Vec<Ticket> = (0..3)
+        .map(|_| node.try_acquire(&mut dead, &p, "search-bulk", T0).unwrap())
+        .collect();
+    std::mem::forget(leaked);
+    // Until the lease passes the dead worker's slots count...
+    let refused = node
+        .try_acquire(&mut live, &p, "search", T0 + LEASE_NS)
+        .unwrap_err();
+    assert_eq!(refused.limit, Limited::Action);
+    // ...and not a nanosecond after.
+    let t = node
+        .try_acquire(&mut live, &p, "search", T0 + LEASE_NS + 1)
+        .unwrap();
+    assert_eq!(node.live("tg2|a|search", T0 + LEASE_NS + 1).total(), 1);
+    release(&node, &mut live, t, T0 + LEASE_NS + 2);
+    assert!(node.live("tg2|a|search", T0 + LEASE_NS + 2).is_zero());
+}
+
+#[test]
+fn prepare_creates_the_action_entries() {
+    let p = action_policy();
+    let node = Node::new();
+    Worker::prepare(&FakeHost::new(node.store.clone()), &p, T0);
+    let store = node.store.borrow();
+    for key in ["tg2|a|search", "tg2|d|db", WORKERS_KEY] {
+        assert!(store.get(key).is_some(), "{key}");
+    }
 }

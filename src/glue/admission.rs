@@ -1,7 +1,7 @@
 //! Admission control on Envoy's streams (the core is [`crate::admission`]).
 //!
 //! * Request headers: the class's request checks, then a slot of its
-//!   dependency ([`Admission::on_request_headers`]); the rate limits are
+//!   action's limit and of its dependency ([`Admission::on_request_headers`]); the rate limits are
 //!   charged after, and a rate-limit denial gives the slot back at once.
 //! * Request body: a body without `content-length` is counted chunk by
 //!   chunk against `max_body_bytes`.
@@ -22,7 +22,9 @@
 //!
 //! Stats: `tenantgate.admission.<outcome>.<criticality>` counters
 //! (outcomes: `admitted` and every refusal reason), counted in memory and
-//! flushed on the tick; the gauge `tenantgate.admission.in_flight.<dependency>`;
+//! flushed on the tick; the gauges `tenantgate.admission.in_flight.<dependency>`
+//! and `tenantgate.admission.action_in_flight.<action>` (an action's
+//! `actions.<action>.max_in_flight` slots);
 //! per dependency, set on every tick:
 //! * `queue_depth.<dependency>`: requests held, **node-wide**: each worker
 //!   adds the change of its own queue's length to the one shared gauge;
@@ -45,7 +47,7 @@ use super::metrics::Metrics;
 use super::{abi, ProxyHost};
 use crate::admission::queue::{Attempt, Held, NotHeld, Offered, PriorityQueue, Served};
 use crate::admission::request::{self, BodyBudget, Declared};
-use crate::admission::{self, jittered_retry_after_secs, Ticket, Worker};
+use crate::admission::{self, jittered_retry_after_secs, Limited, Ticket, Worker};
 use crate::engine::{Decision, Prepared, Reason};
 use crate::host::Host;
 use crate::policy::admission::Criticality;
@@ -213,8 +215,30 @@ pub struct Stream {
 /// The filter state the decision record is kept under (`wasm.` + this).
 pub const RECORD_PROPERTY: &str = "tenantgate_admission";
 
-/// Writes a request's decision record (on the current stream).
-fn record(policy: &Policy, prepared: &Prepared, outcome: Option<Reason>, in_flight: u32, queue_wait_ns: u64) {
+/// What refused a slot, as the decision record names it.
+fn limit_name(policy: &Policy, prepared: &Prepared, limit: Limited) -> String {
+    let labels = prepared.class.labels;
+    let dependency = labels
+        .dependency
+        .and_then(|i| policy.dependency(i))
+        .map_or("-", |d| d.name.as_str());
+    match limit {
+        Limited::Action => format!("{}{}", admission::ACTION_LIMIT_PREFIX, prepared.class.action),
+        Limited::Dependency => format!("dependency:{dependency}"),
+        Limited::Tenant => format!("tenant:{dependency}"),
+    }
+}
+
+/// Writes a request's decision record (on the current stream); `limit`:
+/// what refused a slot (see [`admission::DecisionRecord::limit`]).
+fn record(
+    policy: &Policy,
+    prepared: &Prepared,
+    outcome: Option<Reason>,
+    in_flight: u32,
+    queue_wait_ns: u64,
+    limit: &str,
+) {
     let labels = prepared.class.labels;
     let dependency = labels
         .dependency
@@ -229,6 +253,7 @@ fn record(policy: &Policy, prepared: &Prepared, outcome: Option<Reason>, in_flig
         queue_wait_ms: queue_wait_ns / 1_000_000,
         policy_version: &policy.version,
         limit_key: &key,
+        limit,
     }
     .render();
     if abi::set_property(RECORD_PROPERTY, text.as_bytes()).is_err() {
@@ -236,10 +261,11 @@ fn record(policy: &Policy, prepared: &Prepared, outcome: Option<Reason>, in_flig
     }
 }
 
-/// A refusal's decision, with its jittered `Retry-After`.
+/// A refusal's decision, with its jittered `Retry-After`; `limit` names
+/// what refused (a dependency or an action).
 fn refusal_decision(
     reason: Reason,
-    dependency: &str,
+    limit: &str,
     window_ns: u64,
     prepared: &Prepared,
     context_id: u32,
@@ -247,7 +273,7 @@ fn refusal_decision(
 ) -> Decision {
     let seed = now ^ (u64::from(context_id) << 32);
     Decision {
-        limit: Some(dependency.to_owned()),
+        limit: Some(limit.to_owned()),
         retry_after_secs: jittered_retry_after_secs(1, window_ns, seed),
         subject: prepared.subject.clone(),
         ..Decision::passed(reason)
@@ -264,6 +290,9 @@ pub struct Admission {
     /// Dependency key → its gauges, for every dependency of every policy
     /// this root loaded (bounded by the policies).
     gauges: RefCell<HashMap<String, DependencyGauges>>,
+    /// Action key → its `action_in_flight` gauge id, for every action limit
+    /// of every policy this root loaded (bounded by the policies).
+    action_gauges: RefCell<HashMap<String, Option<u32>>>,
     /// `admission.fair_drops.b<NN>`, by tenant hash bucket.
     fair_drops: [Option<u32>; FAIR_DROP_BUCKETS],
     ticks: Cell<u32>,
@@ -288,6 +317,7 @@ impl Admission {
                 .ok()
             }),
             gauges: RefCell::new(HashMap::new()),
+            action_gauges: RefCell::new(HashMap::new()),
             fair_drops: std::array::from_fn(|b| {
                 abi::define_metric(
                     MetricType::Counter,
@@ -299,9 +329,10 @@ impl Admission {
         }
     }
 
-    /// Defines the gauges of a newly loaded policy's dependencies.
+    /// Defines the gauges of a newly loaded policy's dependencies and
+    /// action limits.
     pub fn configure(&self, policy: &Policy, now: u64) {
-        if policy.dependencies.is_empty() {
+        if policy.dependencies.is_empty() && policy.actions.is_empty() {
             return;
         }
         Worker::prepare(&ProxyHost, policy, now);
@@ -313,6 +344,15 @@ impl Admission {
             gauges
                 .entry(d.key.clone())
                 .or_insert_with(|| DependencyGauges::define(&d.name));
+        }
+        let Ok(mut action_gauges) = self.action_gauges.try_borrow_mut() else {
+            return;
+        };
+        for a in &policy.actions {
+            action_gauges.entry(a.key.clone()).or_insert_with(|| {
+                let name = format!("tenantgate.admission.action_in_flight.{}", a.name);
+                abi::define_metric(MetricType::Gauge, &name).ok()
+            });
         }
     }
 
@@ -351,7 +391,7 @@ impl Admission {
         );
         if let Err(reason) = request::check(&labels, &declared) {
             self.count(Some(reason), level);
-            record(policy, prepared, Some(reason), 0, 0);
+            record(policy, prepared, Some(reason), 0, 0, "-");
             if shadow {
                 return Ok(());
             }
@@ -364,16 +404,21 @@ impl Admission {
         if declared.content_length.is_none() && !shadow {
             stream.body = BodyBudget::of(&labels);
         }
-        let Some(dep) = labels.dependency.and_then(|i| policy.dependency(i)) else {
-            record(policy, prepared, None, 0, 0);
+        let dep = labels.dependency.and_then(|i| policy.dependency(i));
+        if dep.is_none() && labels.action_limit.is_none() {
+            record(policy, prepared, None, 0, 0, "-");
             return Ok(());
-        };
+        }
         let acquired =
             with_worker(|w| w.acquire(&ProxyHost, policy, &prepared.class, &prepared.subject, now))
                 .unwrap_or(Err(admission::Refusal {
                     reason: Reason::StateUnavailable,
                     in_flight: 0,
-                    retry_after_window_ns: dep.retry_after_window_ns,
+                    retry_after_window_ns: dep
+                        .map_or(crate::policy::admission::DEFAULT_RETRY_AFTER_WINDOW_NS, |d| {
+                            d.retry_after_window_ns
+                        }),
+                    limit: Limited::Dependency,
                 }));
         match acquired {
             Ok(ticket) => {
@@ -384,14 +429,19 @@ impl Admission {
                     None,
                     ticket.as_ref().map_or(0, Ticket::in_flight),
                     0,
+                    "-",
                 );
                 stream.ticket = ticket;
                 Ok(())
             }
             Err(refusal) => {
                 let mut reason = refusal.reason;
-                let queue = dep.queues.get(level.index()).copied().unwrap_or_default();
-                if reason == Reason::ConcurrencyLimit && queue.max_queue > 0 && !shadow {
+                // A dependency's queue holds a request refused by its
+                // action's limit too: the tick retries the whole acquire.
+                let queue = dep
+                    .and_then(|d| d.queues.get(level.index()).copied().map(|q| (d, q)))
+                    .filter(|_| reason == Reason::ConcurrencyLimit && !shadow);
+                if let Some((dep, queue)) = queue.filter(|(_, q)| q.max_queue > 0) {
                     let held = Held {
                         item: Parked {
                             context_id,
@@ -428,13 +478,18 @@ impl Admission {
                     }
                 }
                 self.count(Some(reason), level);
-                record(policy, prepared, Some(reason), refusal.in_flight, 0);
+                let limit = limit_name(policy, prepared, refusal.limit);
+                record(policy, prepared, Some(reason), refusal.in_flight, 0, &limit);
                 if shadow {
                     return Ok(());
                 }
+                let name = match refusal.limit {
+                    Limited::Action => limit.as_str(),
+                    Limited::Dependency | Limited::Tenant => dep.map_or("-", |d| d.name.as_str()),
+                };
                 Err(Refused::Reply(refusal_decision(
                     reason,
-                    &dep.name,
+                    name,
                     refusal.retry_after_window_ns,
                     prepared,
                     context_id,
@@ -470,12 +525,15 @@ impl Admission {
         else {
             return;
         };
+        // A queue is its dependency's: it names what refused.
+        let limit = limit_name(&p.policy, &p.prepared, Limited::Dependency);
         record(
             &p.policy,
             &p.prepared,
             Some(reason),
             0,
             now.saturating_sub(h.enqueued),
+            &limit,
         );
         let decision = refusal_decision(
             reason,
@@ -554,6 +612,7 @@ impl Admission {
                         None,
                         ticket.in_flight(),
                         now.saturating_sub(h.enqueued),
+                        "-",
                     );
                     let decision = super::charge(&p.policy, &p.prepared, now);
                     metrics.record(&decision);
@@ -621,10 +680,11 @@ impl Admission {
         for (id, p) in self.queued_ids.iter().zip(&self.queued) {
             flush(id, p);
         }
-        let Ok(gauges) = self.gauges.try_borrow() else {
+        let (Ok(gauges), Ok(action_gauges)) = (self.gauges.try_borrow(), self.action_gauges.try_borrow())
+        else {
             return;
         };
-        if gauges.is_empty() {
+        if gauges.is_empty() && action_gauges.is_empty() {
             return;
         }
         ensure_worker(now);
@@ -646,8 +706,9 @@ impl Admission {
         if ticks % 10 != 0 {
             return;
         }
-        for (key, g) in gauges.iter() {
-            if let (Some(id), Some(live)) = (g.in_flight, admission::in_flight(&ProxyHost, key, now)) {
+        let in_flight = gauges.iter().map(|(key, g)| (key, g.in_flight));
+        for (key, id) in in_flight.chain(action_gauges.iter().map(|(key, id)| (key, *id))) {
+            if let (Some(id), Some(live)) = (id, admission::in_flight(&ProxyHost, key, now)) {
                 let _ = abi::record_metric(id, u64::from(live.total()));
             }
         }

@@ -1,4 +1,5 @@
-//! Admission control in the policy: the `dependencies:` map and the labels
+//! Admission control in the policy: the `dependencies:` and `actions:` maps
+//! and the labels
 //! a route class carries (`criticality`, `dependency`, `retryable`,
 //! `streaming`, `max_body_bytes`, `min_timeout_budget`), validated and
 //! compiled. Every default of these fields is defined here, once.
@@ -15,7 +16,7 @@ use super::duration::parse_duration_ns;
 use super::error::{FieldPath, PolicyError};
 use super::is_name;
 pub use super::spec::Criticality;
-use super::spec::{DependencySpec, LevelQueueSpec, RouteSpec};
+use super::spec::{ActionSpec, DependencySpec, LevelQueueSpec, RouteSpec};
 use crate::limiter::NANOS_PER_SEC;
 
 /// Largest `max_in_flight` and `max_streams`.
@@ -72,13 +73,19 @@ pub struct Labels {
     pub dependency: Option<usize>,
     pub max_body_bytes: Option<u64>,
     pub min_timeout_budget_ns: Option<u64>,
+    /// Index into the policy's action limits: the class's `action` has an
+    /// in-flight limit (`actions.<action>.max_in_flight`).
+    pub action_limit: Option<usize>,
 }
 
 impl Labels {
     /// Whether a request of this class has any admission check: when not,
     /// the filter does nothing more than without admission control.
     pub fn checks_anything(&self) -> bool {
-        self.dependency.is_some() || self.max_body_bytes.is_some() || self.min_timeout_budget_ns.is_some()
+        self.dependency.is_some()
+            || self.action_limit.is_some()
+            || self.max_body_bytes.is_some()
+            || self.min_timeout_budget_ns.is_some()
     }
 }
 
@@ -120,6 +127,60 @@ impl Dependency {
     }
 }
 
+/// A compiled `actions.<action>`: an API action's in-flight limit,
+/// counted node-wide over every class with that `action` (requests and
+/// streams together), in the same slots as a dependency's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ActionLimit {
+    pub name: String,
+    /// Its shared-data key (see [`crate::admission::action_key`]).
+    pub key: String,
+    pub max_in_flight: u32,
+}
+
+/// `actions:` in name order (a class's `action_limit` is an index).
+/// `route_actions`: every route class's action (an entry naming none is an
+/// error: it would limit nothing).
+pub fn compile_actions<'a>(
+    specs: &BTreeMap<String, ActionSpec>,
+    route_actions: impl Iterator<Item = &'a str> + Clone,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> Vec<ActionLimit> {
+    specs
+        .iter()
+        .map(|(name, spec)| {
+            let at = path.key(name);
+            if !route_actions.clone().any(|a| a == name) {
+                let mut known: Vec<&str> = route_actions.clone().collect();
+                known.sort_unstable();
+                known.dedup();
+                add(
+                    errors,
+                    at.clone(),
+                    format!(
+                        "no route class has action `{name}` (actions: {}): set `routes.<class>.action`, or the class name is its action",
+                        known.join(", ")
+                    ),
+                );
+            }
+            let max_in_flight = in_range(
+                spec.max_in_flight,
+                1,
+                MAX_IN_FLIGHT,
+                &at.key("max_in_flight"),
+                errors,
+            )
+            .unwrap_or(1);
+            ActionLimit {
+                name: name.clone(),
+                key: crate::admission::action_key(name),
+                max_in_flight,
+            }
+        })
+        .collect()
+}
+
 fn add(errors: &mut Vec<PolicyError>, path: FieldPath, message: impl Into<String>) {
     errors.push(PolicyError::new(path, message));
 }
@@ -156,6 +217,13 @@ fn compile_dependency(
             errors,
             path.clone(),
             "dependency names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
+        );
+    } else if crate::admission::dependency_key(name) == crate::admission::WORKERS_KEY {
+        // Its entry would be the worker-id counter's.
+        add(
+            errors,
+            path.clone(),
+            format!("`{name}` is reserved (the filter's worker counter): name the dependency otherwise"),
         );
     }
     let max_in_flight = in_range(
@@ -283,14 +351,26 @@ fn compile_level_queue(spec: &LevelQueueSpec, path: &FieldPath, errors: &mut Vec
     }
 }
 
-/// A route class's labels; `dependencies` are the compiled ones, in the
-/// order of `names`.
+/// A route class's labels; `dependencies` and `actions` are the compiled
+/// ones, `action` the class's action.
 pub fn compile_labels(
     spec: &RouteSpec,
+    action: &str,
     dependencies: &[Dependency],
+    actions: &[ActionLimit],
     path: &FieldPath,
     errors: &mut Vec<PolicyError>,
 ) -> Labels {
+    let action_limit = actions.iter().position(|a| a.name == action);
+    if action_limit.is_some() && spec.on_limit == super::spec::OnLimit::Queue {
+        add(
+            errors,
+            path.key("on_limit"),
+            format!(
+                "an in-flight slot is not held across the rate-limit queue yet: action `{action}` has actions.{action}.max_in_flight, so its classes cannot use on_limit: queue"
+            ),
+        );
+    }
     let dependency = spec.dependency.as_ref().and_then(|d| {
         let found = dependencies.iter().position(|x| &x.name == d);
         if found.is_none() {
@@ -366,5 +446,6 @@ pub fn compile_labels(
         dependency,
         max_body_bytes,
         min_timeout_budget_ns,
+        action_limit,
     }
 }

@@ -145,6 +145,13 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
     let dependencies =
         super::admission::compile_dependencies(&spec.dependencies, &root.key("dependencies"), &mut errors.0);
 
+    let route_actions = spec
+        .routes
+        .iter()
+        .map(|(name, r)| r.action.as_deref().unwrap_or(name.as_str()));
+    let actions =
+        super::admission::compile_actions(&spec.actions, route_actions, &root.key("actions"), &mut errors.0);
+
     // Route classes.
     let routes_path = root.key("routes");
     if spec.routes.is_empty() {
@@ -205,7 +212,8 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
             }
         }
         let on_limit = compile_on_limit(r, &path, &mut errors);
-        let labels = super::admission::compile_labels(r, &dependencies, &path, &mut errors.0);
+        let labels =
+            super::admission::compile_labels(r, &action, &dependencies, &actions, &path, &mut errors.0);
         let class = RouteClass {
             name: name.clone(),
             action,
@@ -289,6 +297,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         effective_from_ns: 0,
         quotas,
         dependencies,
+        actions,
     })
 }
 

@@ -74,6 +74,8 @@ pub struct Policy {
     pub quotas: quota::Quotas,
     /// `dependencies:` in name order (admission control).
     pub dependencies: Vec<admission::Dependency>,
+    /// `actions:` in name order: in-flight limits per API action.
+    pub actions: Vec<admission::ActionLimit>,
 }
 
 /// How the filter finds a request's route class: always from route
@@ -272,6 +274,11 @@ impl Policy {
     /// A dependency by index (a class's `labels.dependency`).
     pub fn dependency(&self, index: usize) -> Option<&admission::Dependency> {
         self.dependencies.get(index)
+    }
+
+    /// An action's in-flight limit by index (a class's `labels.action_limit`).
+    pub fn action_limit(&self, index: usize) -> Option<&admission::ActionLimit> {
+        self.actions.get(index)
     }
 
     pub fn guard(&self, index: usize) -> Option<&Guard> {

@@ -93,6 +93,17 @@ pub struct PolicySpec {
     /// requests are limited (`super::admission`).
     #[serde(default)]
     pub dependencies: BTreeMap<String, DependencySpec>,
+    /// Admission control per API action (a route class's `action`): its
+    /// in-flight limit, node-wide (`super::admission`).
+    #[serde(default)]
+    pub actions: BTreeMap<String, ActionSpec>,
+}
+
+/// `actions.<action>:` an API action's admission limits.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ActionSpec {
+    pub max_in_flight: i64,
 }
 
 /// `routes.<class>.criticality:` how important a class's requests are

@@ -221,6 +221,7 @@ fn admission_labels_and_dependencies_compile_with_their_defaults() {
             dependency: Some(0),
             max_body_bytes: Some(1024),
             min_timeout_budget_ns: Some(250_000_000),
+            action_limit: None,
         }
     );
     assert_eq!(
@@ -228,6 +229,85 @@ fn admission_labels_and_dependencies_compile_with_their_defaults() {
         Criticality::Normal
     );
     assert_eq!(p.route_class(Some("feed")).unwrap().labels.dependency, Some(1));
+}
+
+#[test]
+fn action_in_flight_limits_compile_onto_every_class_of_the_action() {
+    let json = with(
+        r#""routes": {"default": {}, "search": {"action": "search", "cost": 5}}"#,
+        r#""dependencies": {"db": {"max_in_flight": 10}},
+        "actions": {"search": {"max_in_flight": 3}, "default": {"max_in_flight": 1000000}},
+        "routes": {
+            "default": {},
+            "search": {"action": "search", "dependency": "db"},
+            "search-v2": {"action": "search"},
+            "other": {"dependency": "db"}
+        }"#,
+    );
+    let p = Policy::from_json(json.as_bytes()).unwrap();
+    let names: Vec<(&str, &str, u32)> = p
+        .actions
+        .iter()
+        .map(|a| (a.name.as_str(), a.key.as_str(), a.max_in_flight))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            ("default", "tg2|a|default", 1_000_000),
+            ("search", "tg2|a|search", 3)
+        ]
+    );
+    let limit = |class: &str| p.route_class(Some(class)).unwrap().labels.action_limit;
+    // Both classes of the action share one limit; a class of another
+    // action without one has none.
+    assert_eq!((limit("search"), limit("search-v2")), (Some(1), Some(1)));
+    assert_eq!((limit("default"), limit("other")), (Some(0), None));
+    // An action limit alone is an admission check.
+    assert!(p.route_class(Some("search-v2")).unwrap().labels.checks_anything());
+}
+
+#[test]
+fn action_limit_errors_name_their_field_path() {
+    let policy = |actions: &str, route: &str| {
+        with(
+            r#""routes": {"default": {}, "search": {"action": "search", "cost": 5}}"#,
+            &format!(r#""actions": {actions}, "routes": {{"default": {{}}, "r": {route}}}"#),
+        )
+    };
+    for (actions, route, error) in [
+        (
+            r#"{"r": {"max_in_flight": 0}}"#,
+            r#"{}"#,
+            "actions.r.max_in_flight: must be between 1 and 1000000",
+        ),
+        (
+            r#"{"r": {"max_in_flight": 1000001}}"#,
+            r#"{}"#,
+            "actions.r.max_in_flight: must be between 1 and 1000000",
+        ),
+        (
+            r#"{"serch": {"max_in_flight": 2}}"#,
+            r#"{"action": "search"}"#,
+            "actions.serch: no route class has action `serch` (actions: default, search): set `routes.<class>.action`, or the class name is its action",
+        ),
+        (
+            r#"{"r": {"max_in_flight": 2, "max_queue": 3}}"#,
+            r#"{}"#,
+            "actions.r.max_queue: unknown field `max_queue`, expected `max_in_flight`",
+        ),
+        (
+            r#"{"r": {}}"#,
+            r#"{}"#,
+            "actions.r: missing field `max_in_flight`",
+        ),
+        (
+            r#"{"r": {"max_in_flight": 2}}"#,
+            r#"{"on_limit": "queue", "max_wait": "1s"}"#,
+            "routes.r.on_limit: an in-flight slot is not held across the rate-limit queue yet: action `r` has actions.r.max_in_flight, so its classes cannot use on_limit: queue",
+        ),
+    ] {
+        assert_eq!(errors(&policy(actions, route)), [error], "{actions} {route}");
+    }
 }
 
 #[test]
@@ -268,6 +348,11 @@ fn admission_errors_name_their_field_path() {
             r#"{"db": {"max_in_flight": 4, "queues": {"normal": {"max_queue": 1, "max_wait": "31s"}}}}"#,
             r#"{}"#,
             "dependencies.db.queues.normal.max_wait: must be more than 0 and at most 30s",
+        ),
+        (
+            r#"{"workers": {"max_in_flight": 4}}"#,
+            r#"{}"#,
+            "dependencies.workers: `workers` is reserved (the filter's worker counter): name the dependency otherwise",
         ),
         (
             r#"{"db": {"max_in_flight": 4, "max_flight": 3}}"#,
