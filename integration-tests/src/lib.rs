@@ -677,6 +677,34 @@ impl Drop for SyncServer {
     }
 }
 
+/// Reads one HTTP/1.1 request head from a keep-alive connection (blank
+/// lines before it are skipped); returns its `content-length` (0 if none),
+/// or `None` once the connection is closed or fails.
+pub(crate) fn read_request_head(reader: &mut BufReader<TcpStream>) -> Option<usize> {
+    let mut content_length = 0usize;
+    let mut first = true;
+    loop {
+        let mut line = String::new();
+        match reader.read_line(&mut line) {
+            Ok(0) | Err(_) => return None,
+            Ok(_) => {}
+        }
+        let line = line.trim_end();
+        if line.is_empty() {
+            if first {
+                continue;
+            }
+            return Some(content_length);
+        }
+        first = false;
+        if let Some((k, v)) = line.split_once(':') {
+            if k.trim().eq_ignore_ascii_case("content-length") {
+                content_length = v.trim().parse().unwrap_or(0);
+            }
+        }
+    }
+}
+
 fn serve_sync(
     stream: TcpStream,
     mode: &std::sync::Mutex<SyncMode>,
@@ -690,28 +718,9 @@ fn serve_sync(
     loop {
         // One request: headers, then a content-length body (Envoy's async
         // client sends one).
-        let mut len = 0usize;
-        let mut first = true;
-        loop {
-            let mut line = String::new();
-            match reader.read_line(&mut line) {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-            let line = line.trim_end();
-            if line.is_empty() {
-                if first {
-                    continue;
-                }
-                break;
-            }
-            first = false;
-            if let Some((k, v)) = line.split_once(':') {
-                if k.eq_ignore_ascii_case("content-length") {
-                    len = v.trim().parse().unwrap_or(0);
-                }
-            }
-        }
+        let Some(len) = read_request_head(&mut reader) else {
+            return;
+        };
         let mut body = vec![0; len];
         if reader.read_exact(&mut body).is_err() {
             return;

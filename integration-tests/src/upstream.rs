@@ -6,7 +6,7 @@
 //! flight at once. With [`Envoy::start_with_upstream`], routes
 //! `/up/<class>` (route metadata `class: <class>`) go to it.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -116,28 +116,9 @@ fn serve(stream: TcpStream, s: &State) {
     let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
     let mut reader = BufReader::new(stream);
     loop {
-        let mut content_length = 0usize;
-        let mut first = true;
-        loop {
-            let mut line = String::new();
-            match reader.read_line(&mut line) {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-            let line = line.trim_end();
-            if line.is_empty() {
-                if first {
-                    continue;
-                }
-                break;
-            }
-            first = false;
-            if let Some((k, v)) = line.split_once(':') {
-                if k.trim().eq_ignore_ascii_case("content-length") {
-                    content_length = v.trim().parse().unwrap_or(0);
-                }
-            }
-        }
+        let Some(content_length) = crate::read_request_head(&mut reader) else {
+            return;
+        };
         let mut body = vec![0; content_length];
         if reader.read_exact(&mut body).is_err() {
             return;

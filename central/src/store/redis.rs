@@ -123,6 +123,27 @@ impl RedisStore {
         })
     }
 
+    /// A node's session record (its version and value) and the number of
+    /// sessions, in one round trip.
+    async fn read_session(
+        &self,
+        conn: &mut ConnectionManager,
+        record: &str,
+    ) -> Result<(Version, Option<Session>, u64), StoreError> {
+        let ((version, bytes), count): ((Version, Option<Vec<u8>>), u64) = redis::pipe()
+            .cmd("HMGET")
+            .arg(record)
+            .arg("v")
+            .arg("d")
+            .cmd("SCARD")
+            .arg(self.nodes_set())
+            .query_async(conn)
+            .await
+            .map_err(map_err)?;
+        let session = bytes.map(|b| decode(record, &b)).transpose()?;
+        Ok((version, session, count))
+    }
+
     async fn conn(&self) -> Result<ConnectionManager, StoreError> {
         let conn = self
             .conn
@@ -235,17 +256,7 @@ impl Store for RedisStore {
         let mut conn = self.conn().await?;
         let record = self.session_record(node);
         for _ in 0..MAX_ATTEMPTS {
-            let ((version, bytes), count): ((Version, Option<Vec<u8>>), u64) = redis::pipe()
-                .cmd("HMGET")
-                .arg(&record)
-                .arg("v")
-                .arg("d")
-                .cmd("SCARD")
-                .arg(self.nodes_set())
-                .query_async(&mut conn)
-                .await
-                .map_err(map_err)?;
-            let mut slot: Option<Session> = bytes.map(|b| decode(&record, &b)).transpose()?;
+            let (version, mut slot, count) = self.read_session(&mut conn, &record).await?;
             let created = slot.is_none();
             if !f(&mut slot) {
                 return Ok(count);
@@ -270,7 +281,7 @@ impl Store for RedisStore {
                 pipe.cmd("SADD").arg(self.nodes_set()).arg(node);
                 let (written, added): (i64, i64) = pipe.query_async(&mut conn).await.map_err(map_err)?;
                 if written == 1 {
-                    return Ok(count + u64::try_from(added).unwrap_or(0));
+                    return Ok(count.saturating_add(u64::try_from(added).unwrap_or(0)));
                 }
             } else {
                 let (written,): (i64,) = pipe.query_async(&mut conn).await.map_err(map_err)?;
@@ -289,17 +300,7 @@ impl Store for RedisStore {
         let mut conn = self.conn().await?;
         let record = self.session_record(node);
         for _ in 0..MAX_ATTEMPTS {
-            let ((version, bytes), count): ((Version, Option<Vec<u8>>), u64) = redis::pipe()
-                .cmd("HMGET")
-                .arg(&record)
-                .arg("v")
-                .arg("d")
-                .cmd("SCARD")
-                .arg(self.nodes_set())
-                .query_async(&mut conn)
-                .await
-                .map_err(map_err)?;
-            let mut session: Option<Session> = bytes.map(|b| decode(&record, &b)).transpose()?;
+            let (version, mut session, count) = self.read_session(&mut conn, &record).await?;
             let Some(ids) = txn.begin(&mut session, count) else {
                 return Ok(count);
             };
