@@ -59,10 +59,21 @@ pub enum Reason {
     QueueFull,
     /// Admission: no slot came within the level's `max_wait`: 503.
     QueueTimeout,
+    /// Admission: the dependency's circuit breaker is open: 503.
+    CircuitOpen,
+    /// Admission: the breaker is half-open and its probes are all in flight: 503.
+    CircuitProbeLimit,
+    /// Admission: the dependency is `paused: true` in the policy: 503.
+    Paused,
+    /// Admission: a retry over the dependency's retry budget: 503.
+    RetryBudget,
+    /// A degradable request found no response fresh enough to answer
+    /// from while its dependency refused it: 503.
+    DependencyUnavailable,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 15] = [
+    pub const ALL: [Reason; 20] = [
         Reason::Allowed,
         Reason::RateLimited,
         Reason::ShadowLimited,
@@ -78,6 +89,11 @@ impl Reason {
         Reason::TimeoutBudget,
         Reason::QueueFull,
         Reason::QueueTimeout,
+        Reason::CircuitOpen,
+        Reason::CircuitProbeLimit,
+        Reason::Paused,
+        Reason::RetryBudget,
+        Reason::DependencyUnavailable,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -97,6 +113,11 @@ impl Reason {
             Reason::TimeoutBudget => "timeout_budget",
             Reason::QueueFull => "queue_full",
             Reason::QueueTimeout => "queue_timeout",
+            Reason::CircuitOpen => "circuit_open",
+            Reason::CircuitProbeLimit => "circuit_probe_limit",
+            Reason::Paused => "paused",
+            Reason::RetryBudget => "retry_budget",
+            Reason::DependencyUnavailable => "dependency_unavailable",
         }
     }
 
@@ -113,7 +134,12 @@ impl Reason {
             | Reason::TenantShare
             | Reason::TimeoutBudget
             | Reason::QueueFull
-            | Reason::QueueTimeout => Some(503),
+            | Reason::QueueTimeout
+            | Reason::CircuitOpen
+            | Reason::CircuitProbeLimit
+            | Reason::Paused
+            | Reason::RetryBudget
+            | Reason::DependencyUnavailable => Some(503),
             _ => None,
         }
     }

@@ -106,6 +106,24 @@ pub fn local_reply(
                 }
             ),
         ),
+        Reason::CircuitOpen
+        | Reason::CircuitProbeLimit
+        | Reason::Paused
+        | Reason::RetryBudget
+        | Reason::DependencyUnavailable => (
+            "Service Unavailable",
+            format!(
+                "The dependency \"{}\" {}; retry in {retry_after} s.",
+                decision.limit.as_deref().unwrap_or(""),
+                match reason {
+                    Reason::CircuitOpen => "is failing and its circuit breaker is open",
+                    Reason::CircuitProbeLimit => "is being probed after failing and its probes are all in flight",
+                    Reason::Paused => "is paused by the operator",
+                    Reason::RetryBudget => "has spent its retry budget, so this retry is not sent",
+                    _ => "is unavailable and no recent enough response can be served in its place",
+                }
+            ),
+        ),
         Reason::RequestTooLarge => (
             "Content Too Large",
             String::from("The request body is larger than this route accepts."),

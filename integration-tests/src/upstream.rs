@@ -3,7 +3,10 @@
 //! its capacity a request waits for a free place before its latency
 //! starts, like a saturated backend), which can **hold** every
 //! request until released, and which records how many requests it had in
-//! flight at once. With [`Envoy::start_with_upstream`], routes
+//! flight at once. Its answers' status can be set (a failing backend:
+//! [`Upstream::set_status`]); each carries the version set by
+//! [`Upstream::set_version`] as its `etag` and in its body. With
+//! [`Envoy::start_with_upstream`], routes
 //! `/up/<class>` (route metadata `class: <class>`) go to it.
 
 use std::io::{BufReader, Read, Write};
@@ -20,6 +23,12 @@ pub const MAX_HOLD: Duration = Duration::from_secs(30);
 #[derive(Default)]
 struct State {
     latency_ms: AtomicU64,
+    /// The answers' status; 0: 200.
+    status: AtomicU64,
+    /// The answers' `etag` and body.
+    version: AtomicU64,
+    /// Requests read (served or not).
+    received: AtomicU64,
     /// Requests served at once; 0: no limit.
     capacity: AtomicU64,
     /// Requests in their latency (under the capacity).
@@ -74,6 +83,22 @@ impl Upstream {
         self.state.freed.notify_all();
     }
 
+    /// Every later answer has this status (200 again with `set_status(200)`).
+    pub fn set_status(&self, status: u16) {
+        self.state.status.store(u64::from(status), Ordering::SeqCst);
+    }
+
+    /// Every later answer carries `etag: "v<version>"` and the body
+    /// `ok v<version>` (the version starts at 0).
+    pub fn set_version(&self, version: u64) {
+        self.state.version.store(version, Ordering::SeqCst);
+    }
+
+    /// Requests that reached it (answered or not yet): the upstream attempts.
+    pub fn received(&self) -> u64 {
+        self.state.received.load(Ordering::SeqCst)
+    }
+
     /// Requests wait (at most [`MAX_HOLD`]) until [`Upstream::release`].
     pub fn hold(&self) {
         *self.state.hold.lock().unwrap() = true;
@@ -123,6 +148,7 @@ fn serve(stream: TcpStream, s: &State) {
         if reader.read_exact(&mut body).is_err() {
             return;
         }
+        s.received.fetch_add(1, Ordering::SeqCst);
         let now = s.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
         s.max_in_flight.fetch_max(now, Ordering::SeqCst);
         let arrived = Instant::now();
@@ -155,8 +181,17 @@ fn serve(stream: TcpStream, s: &State) {
         *s.busy.lock().unwrap() -= 1;
         s.freed.notify_one();
         s.in_flight.fetch_sub(1, Ordering::SeqCst);
-        let answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 3\r\n\r\nok\n";
-        if reader.get_mut().write_all(answer).is_err() {
+        let status = match s.status.load(Ordering::SeqCst) {
+            0 => 200,
+            n => n,
+        };
+        let body = format!("ok v{}\n", s.version.load(Ordering::SeqCst));
+        let answer = format!(
+            "HTTP/1.1 {status} Status\r\ncontent-type: text/plain\r\netag: \"v{}\"\r\ncontent-length: {}\r\n\r\n{body}",
+            s.version.load(Ordering::SeqCst),
+            body.len()
+        );
+        if reader.get_mut().write_all(answer.as_bytes()).is_err() {
             return;
         }
         s.served.fetch_add(1, Ordering::SeqCst);
@@ -166,7 +201,8 @@ fn serve(stream: TcpStream, s: &State) {
 impl Envoy {
     /// [`Envoy::start`] with routes `/up/<class>` for each of `classes`
     /// (route metadata `class: <class>`, 30 s route timeout) to the test
-    /// upstream on `upstream_port`, before the demo's routes.
+    /// upstream on `upstream_port`, before the demo's routes; the demo
+    /// listener balances connections exactly over the workers.
     pub fn start_with_upstream(policy_yaml: &str, upstream_port: u16, classes: &[&str]) -> Envoy {
         Envoy::start_with_upstream_logged(policy_yaml, upstream_port, classes, None)
     }
@@ -197,6 +233,18 @@ impl Envoy {
                 })
                 .collect();
             let mut b = bootstrap.replacen(anchor, &format!("{anchor}{routes}"), 1);
+            // Connections alternate between the workers (tests that show a
+            // limit holds node-wide need both workers to take part).
+            let listener = "  - name: demo\n";
+            assert!(
+                b.contains(listener),
+                "envoy/demo.yaml no longer names the demo listener"
+            );
+            b = b.replacen(
+                listener,
+                &format!("{listener}    connection_balance_config: {{ exact_balance: {{}} }}\n"),
+                1,
+            );
             // Loopback clients are internal (like a mesh hop): Envoy keeps
             // their `x-envoy-*` headers (`x-envoy-expected-rq-timeout-ms`).
             let remote = "          use_remote_address: true\n";

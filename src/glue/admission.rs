@@ -133,7 +133,7 @@ pub enum Refused {
 }
 
 /// The outcomes counted per criticality level.
-const OUTCOMES: [Option<Reason>; 10] = [
+const OUTCOMES: [Option<Reason>; 15] = [
     None,
     Some(Reason::ConcurrencyLimit),
     Some(Reason::StreamLimit),
@@ -144,6 +144,11 @@ const OUTCOMES: [Option<Reason>; 10] = [
     Some(Reason::StateUnavailable),
     Some(Reason::QueueFull),
     Some(Reason::QueueTimeout),
+    Some(Reason::CircuitOpen),
+    Some(Reason::CircuitProbeLimit),
+    Some(Reason::Paused),
+    Some(Reason::RetryBudget),
+    Some(Reason::DependencyUnavailable),
 ];
 
 fn outcome_name(o: Option<Reason>) -> &'static str {
