@@ -82,6 +82,7 @@
 //!
 //! Pure: time is `now`, the host is [`Host`].
 
+pub mod breaker;
 pub mod holders;
 pub mod queue;
 pub mod request;
@@ -147,7 +148,97 @@ pub struct Refusal {
     pub in_flight: u32,
     /// The dependency's `retry_after_window` (the default without one).
     pub retry_after_window_ns: u64,
+    /// The shortest honest `Retry-After` (≥ 1 s): for `circuit_open`, the
+    /// time until half-open, rounded up.
+    pub retry_after_secs: u64,
     pub limit: Limited,
+}
+
+/// What this worker's tick last read of a dependency's node-wide control
+/// state (its copy, at most one tick stale; see [`breaker`]). The default
+/// caps nothing: a dependency without part-2 settings is admitted exactly
+/// as without it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Control {
+    /// The node's breaker for the dependency as last read (`None`: not
+    /// read yet, or no breaker: closed).
+    pub breaker: Option<breaker::Breaker>,
+}
+
+impl Control {
+    /// What the dependency's breaker says at `now` ([`breaker::Gate::Free`]
+    /// without one).
+    pub fn gate(&self, dep: &Dependency, now: u64) -> breaker::Gate {
+        match (dep.breaker.as_ref(), self.breaker.as_ref()) {
+            (Some(s), Some(b)) => b.gate(s, now),
+            _ => breaker::Gate::Free,
+        }
+    }
+}
+
+/// The limits [`admits_within`] applies to a dependency: its policy's
+/// (`max_in_flight`, `max_streams`, reservations), or those capped by its
+/// breaker ([`effective_limits`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub max_in_flight: u32,
+    pub max_streams: Option<u32>,
+    pub reserved_critical: u32,
+    pub reserved_system: u32,
+    /// Below the policy's `max_in_flight`: in flight (every level) must
+    /// also stay below it, whatever was admitted under a higher limit.
+    pub capped: bool,
+}
+
+impl Limits {
+    /// The policy's limits.
+    pub fn of(dep: &Dependency) -> Limits {
+        Limits {
+            max_in_flight: dep.max_in_flight,
+            max_streams: dep.max_streams,
+            reserved_critical: dep.reserved_critical,
+            reserved_system: dep.reserved_system,
+            capped: false,
+        }
+    }
+
+    /// The shared pool: what neither reservation holds.
+    pub fn general(&self) -> u32 {
+        self.max_in_flight
+            .saturating_sub(self.reserved_critical)
+            .saturating_sub(self.reserved_system)
+    }
+}
+
+/// **The one effective limit** of a dependency: `cap = gate.cap(max_in_flight)`
+/// (half-open: the probe count; ramping: floor → all). Below
+/// `max_in_flight`, the reservations shrink in proportion (rounded down,
+/// so they stay below `cap` together) and the same ceilings apply to the
+/// smaller pool, so the shedding order and "no level borrows a
+/// reservation" hold at every limit; streams are capped the same way.
+pub fn effective_limits(dep: &Dependency, gate: &breaker::Gate) -> Limits {
+    let cap = gate.cap(dep.max_in_flight);
+    if cap >= dep.max_in_flight {
+        return Limits::of(dep);
+    }
+    let scale = |n: u32| {
+        let scaled = u64::from(n) * u64::from(cap) / u64::from(dep.max_in_flight.max(1));
+        u32::try_from(scaled).unwrap_or(0)
+    };
+    Limits {
+        max_in_flight: cap,
+        max_streams: dep.max_streams.map(|m| gate.cap(m)),
+        reserved_critical: scale(dep.reserved_critical),
+        reserved_system: scale(dep.reserved_system),
+        capped: true,
+    }
+}
+
+/// A refusal by `paused` or the breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct GateRefusal {
+    reason: Reason,
+    retry_after_secs: u64,
 }
 
 /// Which limit refused a request.
@@ -220,7 +311,7 @@ fn failure_reason(f: Failure) -> Reason {
 }
 
 /// The pool use `u` of the module header.
-fn pool_use(dep: &Dependency, c: &Counts) -> u64 {
+fn pool_use(dep: &Limits, c: &Counts) -> u64 {
     let [d, n, crit, sys] = c.levels.map(u64::from);
     d + n
         + crit.saturating_sub(u64::from(dep.reserved_critical))
@@ -230,6 +321,11 @@ fn pool_use(dep: &Dependency, c: &Counts) -> u64 {
 /// Whether one more request of `labels` fits `occupancy` (everything live,
 /// this worker included), per the module header.
 pub fn admits(dep: &Dependency, labels: &Labels, occupancy: &Counts) -> Result<(), Reason> {
+    admits_within(&Limits::of(dep), labels, occupancy)
+}
+
+/// [`admits`] at a dependency's effective limits ([`effective_limits`]).
+pub fn admits_within(dep: &Limits, labels: &Labels, occupancy: &Counts) -> Result<(), Reason> {
     if labels.streaming {
         let max = dep.max_streams.unwrap_or(0);
         return if occupancy.streams < max {
@@ -246,7 +342,7 @@ pub fn admits(dep: &Dependency, labels: &Labels, occupancy: &Counts) -> Result<(
         Criticality::System => held < dep.reserved_system || used < general,
         Criticality::Critical => held < dep.reserved_critical || used < general,
         Criticality::Normal | Criticality::Sheddable => used < ceiling(general, level, labels.retryable),
-    };
+    } && (!dep.capped || occupancy.in_flight() < dep.max_in_flight);
     if ok {
         Ok(())
     } else {
@@ -386,6 +482,23 @@ impl Worker {
         subject: &Subject,
         now: u64,
     ) -> Result<Option<Ticket>, Refusal> {
+        self.acquire_with(host, policy, class, subject, &mut Control::default(), now)
+    }
+
+    /// [`Worker::acquire`] with the dependency's control state (this
+    /// worker's copy, see [`Control`]): `paused` and the breaker refuse
+    /// first, before any slot is taken; a half-open probe takes its ticket
+    /// (and refreshes `control`); the dependency's slot is taken at its
+    /// [`effective_limits`].
+    pub fn acquire_with<H: Host>(
+        &mut self,
+        host: &H,
+        policy: &Policy,
+        class: &RouteClass,
+        subject: &Subject,
+        control: &mut Control,
+        now: u64,
+    ) -> Result<Option<Ticket>, Refusal> {
         let labels = class.labels;
         let dep = labels.dependency.and_then(|i| policy.dependency(i));
         let action = labels.action_limit.and_then(|i| policy.action_limit(i));
@@ -397,7 +510,15 @@ impl Worker {
             reason,
             in_flight,
             retry_after_window_ns,
+            retry_after_secs: 1,
             limit,
+        };
+        let gate = match dep {
+            Some(d) => self.gate(host, d, control, now).map_err(|r| Refusal {
+                retry_after_secs: r.retry_after_secs,
+                ..refuse(r.reason, 0, Limited::Dependency)
+            })?,
+            None => breaker::Gate::Free,
         };
         let level = labels.criticality.index();
         let streaming = labels.streaming;
@@ -449,7 +570,16 @@ impl Worker {
         let dependency = match dep {
             None => None,
             Some(dep) => {
-                let check = |occ: &Counts| admits(dep, &labels, occ);
+                let limits = effective_limits(dep, &gate);
+                let probing = matches!(gate, breaker::Gate::Probe { .. });
+                let check = |occ: &Counts| {
+                    admits_within(&limits, &labels, occ).map_err(|r| match r {
+                        Reason::ConcurrencyLimit | Reason::StreamLimit if probing => {
+                            Reason::CircuitProbeLimit
+                        }
+                        other => other,
+                    })
+                };
                 match self.take(host, &dep.key, None, "", now, level, streaming, &check) {
                     Ok(occupancy) => {
                         in_flight = occupancy.total();
@@ -472,6 +602,51 @@ impl Worker {
             streaming,
             in_flight,
         }))
+    }
+
+    /// `paused`, then the breaker (see [`breaker`]): the gate a request
+    /// passes, or its refusal (`retry_after_secs` set).
+    fn gate<H: Host>(
+        &mut self,
+        host: &H,
+        dep: &Dependency,
+        control: &mut Control,
+        now: u64,
+    ) -> Result<breaker::Gate, GateRefusal> {
+        let refused = |reason| GateRefusal {
+            reason,
+            retry_after_secs: 1,
+        };
+        let open = |half_open_at: u64| GateRefusal {
+            reason: Reason::CircuitOpen,
+            retry_after_secs: half_open_at.saturating_sub(now).div_ceil(NANOS_PER_SEC).max(1),
+        };
+        if dep.paused {
+            return Err(refused(Reason::Paused));
+        }
+        let Some(settings) = dep.breaker.as_ref() else {
+            return Ok(breaker::Gate::Free);
+        };
+        match control.gate(dep, now) {
+            breaker::Gate::Open { half_open_at } => Err(open(half_open_at)),
+            breaker::Gate::Probe { left: 0, .. } => Err(refused(Reason::CircuitProbeLimit)),
+            gate @ breaker::Gate::Probe { .. } => {
+                let probe = breaker::take_probe(host, &dep.breaker_key, settings, now, &mut self.buffers)
+                    .map_err(|f| refused(failure_reason(f)))?;
+                control.breaker = Some(probe.breaker);
+                if probe.taken {
+                    return Ok(gate);
+                }
+                // Another worker took the last ticket, or it is no longer
+                // half-open (this copy was stale).
+                match probe.breaker.gate(settings, now) {
+                    breaker::Gate::Open { half_open_at } => Err(open(half_open_at)),
+                    breaker::Gate::Probe { .. } => Err(refused(Reason::CircuitProbeLimit)),
+                    other => Ok(other),
+                }
+            }
+            other => Ok(other),
+        }
     }
 
     /// Gives a stream's slot back (every end of a stream: complete, reset,
@@ -684,6 +859,9 @@ pub struct DecisionRecord<'a> {
     /// `tenant:<dependency>`; `-` when admitted or refused by a request
     /// check.
     pub limit: &'a str,
+    /// The dependency's breaker phase at the decision (`breaker=`; absent
+    /// without a `circuit_breaker`).
+    pub breaker: Option<&'a str>,
 }
 
 impl DecisionRecord<'_> {
@@ -698,7 +876,7 @@ impl DecisionRecord<'_> {
             self.policy_version.replace(' ', "_"),
             self.limit_key,
             self.limit
-        )
+        ) + &self.breaker.map(|b| format!(" breaker={b}")).unwrap_or_default()
     }
 }
 
