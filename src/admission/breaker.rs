@@ -469,22 +469,46 @@ const EXISTING_OR_NEW: Reach<'static> = Reach::Insert {
     is_idle: &|_, _| false,
 };
 
+/// Creates the breaker's entry, closed, if it is absent (on configure:
+/// shared data has no create-if-absent, see [`crate::admission::Worker::prepare`]).
+pub fn prepare<H: Host>(host: &H, key: &str, now: u64, buffers: &mut table::Buffers) {
+    let _ = table::update(
+        host,
+        &Place::Fixed { key },
+        &EXISTING_OR_NEW,
+        now,
+        buffers,
+        |records, out| {
+            if records.is_some() {
+                return (Commit::Skip, ());
+            }
+            write(&fresh(now), out);
+            (Commit::BestEffort, ())
+        },
+    );
+}
+
+fn fresh(now: u64) -> Breaker {
+    Breaker {
+        window_start: now,
+        ..Breaker::default()
+    }
+}
+
 /// The node's breaker as stored (`None`: shared data could not be read;
 /// an absent or unreadable entry is a closed breaker whose window starts
 /// at `now`).
 pub fn read<H: Host>(host: &H, key: &str, now: u64) -> Option<Breaker> {
     let (value, _) = host.shared_get(key).ok()?;
-    let fresh = Breaker {
-        window_start: now,
-        ..Breaker::default()
+    let Some(value) = value else {
+        return Some(fresh(now));
     };
-    let Some(value) = value else { return Some(fresh) };
     let slots = table::decode_entry(&value);
     let records = slots
         .as_ref()
         .and_then(|s| s.first())
         .and_then(|s| table::decode_records(s.records));
-    Some(of_records(records.as_ref()).unwrap_or(fresh))
+    Some(of_records(records.as_ref()).unwrap_or(fresh(now)))
 }
 
 /// A fold's result: the breaker as written and the transitions it made.
@@ -514,10 +538,7 @@ pub fn fold<H: Host>(
         now,
         buffers,
         |records, out| {
-            let mut b = of_records(records).unwrap_or(Breaker {
-                window_start: now,
-                ..Breaker::default()
-            });
+            let mut b = of_records(records).unwrap_or(fresh(now));
             let before = b;
             let transitions = b.observe(s, seen, now, seed);
             if b == before && records.is_some() {
@@ -548,6 +569,8 @@ pub fn fold<H: Host>(
 pub struct Probe {
     pub taken: bool,
     pub breaker: Breaker,
+    /// This write made the open → half-open transition (count it).
+    pub half_opened: bool,
 }
 
 /// Takes a half-open probe ticket node-wide.
@@ -565,27 +588,19 @@ pub fn take_probe<H: Host>(
         now,
         buffers,
         |records, out| {
-            let mut b = of_records(records).unwrap_or(Breaker {
-                window_start: now,
-                ..Breaker::default()
-            });
-            if !b.take_probe(s, now) {
-                return (
-                    Commit::Skip,
-                    Probe {
-                        taken: false,
-                        breaker: b,
-                    },
-                );
+            let mut b = of_records(records).unwrap_or(fresh(now));
+            let was_open = b.phase == Phase::Open;
+            let taken = b.take_probe(s, now);
+            let probe = Probe {
+                taken,
+                breaker: b,
+                half_opened: taken && was_open,
+            };
+            if !taken {
+                return (Commit::Skip, probe);
             }
             write(&b, out);
-            (
-                Commit::Write,
-                Probe {
-                    taken: true,
-                    breaker: b,
-                },
-            )
+            (Commit::Write, probe)
         },
     )?;
     Ok(updated.result)

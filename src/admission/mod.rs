@@ -426,6 +426,9 @@ impl Worker {
             .map(|d| (d.key.as_str(), KIND_IN_FLIGHT))
             .chain(policy.actions.iter().map(|a| (a.key.as_str(), KIND_IN_FLIGHT)))
             .chain([(WORKERS_KEY, KIND_WORKER_COUNTER)]);
+        for d in policy.dependencies.iter().filter(|d| d.breaker.is_some()) {
+            breaker::prepare(host, &d.breaker_key, now, &mut buffers);
+        }
         for (key, kind) in keys {
             let _ = table::update(
                 host,

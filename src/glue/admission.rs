@@ -155,6 +155,17 @@ fn outcome_name(o: Option<Reason>) -> &'static str {
     o.map_or("admitted", Reason::as_str)
 }
 
+/// The breakers' tick (see [`super::breaker`]), before the queues are served.
+pub fn tick_breakers(policy: &Policy, now: u64) {
+    if policy.dependencies.iter().all(|d| d.breaker.is_none()) {
+        return;
+    }
+    ensure_worker(now);
+    if let Some(id) = with_worker(|w| w.id()) {
+        super::breaker::tick(policy, id, now);
+    }
+}
+
 /// Registers the VM's worker if it has none yet (on configure and on the
 /// tick, until it works).
 pub fn ensure_worker(now: u64) {
@@ -201,6 +212,7 @@ pub fn stream_done(context_id: u32, now: u64) {
             }
         }
     });
+    super::breaker::forget(context_id);
     let ticket = ADMITTED.with(|a| a.try_borrow_mut().ok()?.remove(&context_id));
     if let Some(t) = ticket {
         release(t, now);
@@ -215,6 +227,8 @@ pub struct Stream {
     pub level: Criticality,
     /// Paused in a dependency's queue, or resumed from it.
     pub queued: bool,
+    /// The breaker key its response is a signal for (see [`super::breaker`]).
+    pub signal: Option<String>,
 }
 
 /// The filter state the decision record is kept under (`wasm.` + this).
@@ -243,12 +257,11 @@ fn record(
     in_flight: u32,
     queue_wait_ns: u64,
     limit: &str,
+    now: u64,
 ) {
     let labels = prepared.class.labels;
-    let dependency = labels
-        .dependency
-        .and_then(|i| policy.dependency(i))
-        .map_or("-", |d| d.name.as_str());
+    let dep = labels.dependency.and_then(|i| policy.dependency(i));
+    let dependency = dep.map_or("-", |d| d.name.as_str());
     let key = crate::engine::logical_key(&prepared.class.action, &prepared.subject);
     let text = admission::DecisionRecord {
         outcome: outcome_name(outcome),
@@ -259,6 +272,7 @@ fn record(
         policy_version: &policy.version,
         limit_key: &key,
         limit,
+        breaker: super::breaker::phase_name(dep, now),
     }
     .render();
     if abi::set_property(RECORD_PROPERTY, text.as_bytes()).is_err() {
@@ -268,9 +282,11 @@ fn record(
 
 /// A refusal's decision, with its jittered `Retry-After`; `limit` names
 /// what refused (a dependency or an action).
+#[allow(clippy::too_many_arguments)]
 fn refusal_decision(
     reason: Reason,
     limit: &str,
+    min_secs: u64,
     window_ns: u64,
     prepared: &Prepared,
     context_id: u32,
@@ -279,7 +295,7 @@ fn refusal_decision(
     let seed = now ^ (u64::from(context_id) << 32);
     Decision {
         limit: Some(limit.to_owned()),
-        retry_after_secs: jittered_retry_after_secs(1, window_ns, seed),
+        retry_after_secs: jittered_retry_after_secs(min_secs, window_ns, seed),
         subject: prepared.subject.clone(),
         ..Decision::passed(reason)
     }
@@ -341,6 +357,7 @@ impl Admission {
             return;
         }
         Worker::prepare(&ProxyHost, policy, now);
+        super::breaker::configure(policy);
         ensure_worker(now);
         let Ok(mut gauges) = self.gauges.try_borrow_mut() else {
             return;
@@ -396,7 +413,7 @@ impl Admission {
         );
         if let Err(reason) = request::check(&labels, &declared) {
             self.count(Some(reason), level);
-            record(policy, prepared, Some(reason), 0, 0, "-");
+            record(policy, prepared, Some(reason), 0, 0, "-", now);
             if shadow {
                 return Ok(());
             }
@@ -411,20 +428,37 @@ impl Admission {
         }
         let dep = labels.dependency.and_then(|i| policy.dependency(i));
         if dep.is_none() && labels.action_limit.is_none() {
-            record(policy, prepared, None, 0, 0, "-");
+            record(policy, prepared, None, 0, 0, "-", now);
             return Ok(());
         }
-        let acquired =
-            with_worker(|w| w.acquire(&ProxyHost, policy, &prepared.class, &prepared.subject, now))
-                .unwrap_or(Err(admission::Refusal {
-                    reason: Reason::StateUnavailable,
-                    in_flight: 0,
-                    retry_after_window_ns: dep
-                        .map_or(crate::policy::admission::DEFAULT_RETRY_AFTER_WINDOW_NS, |d| {
-                            d.retry_after_window_ns
-                        }),
-                    limit: Limited::Dependency,
-                }));
+        let mut control = dep.map(super::breaker::control).unwrap_or_default();
+        let gate = dep.map(|d| control.gate(d, now)).unwrap_or_default();
+        let before = control;
+        let acquired = with_worker(|w| {
+            w.acquire_with(
+                &ProxyHost,
+                policy,
+                &prepared.class,
+                &prepared.subject,
+                &mut control,
+                now,
+            )
+        })
+        .unwrap_or(Err(admission::Refusal {
+            reason: Reason::StateUnavailable,
+            in_flight: 0,
+            retry_after_window_ns: dep.map_or(crate::policy::admission::DEFAULT_RETRY_AFTER_WINDOW_NS, |d| {
+                d.retry_after_window_ns
+            }),
+            retry_after_secs: 1,
+            limit: Limited::Dependency,
+        }));
+        let half_opened = control != before
+            && before.breaker.map(|b| b.phase) == Some(admission::breaker::Phase::Open)
+            && control.breaker.map(|b| b.phase) == Some(admission::breaker::Phase::HalfOpen);
+        if let Some(d) = dep.filter(|_| control != before) {
+            super::breaker::keep(d, control);
+        }
         match acquired {
             Ok(ticket) => {
                 self.count(None, level);
@@ -435,7 +469,12 @@ impl Admission {
                     ticket.as_ref().map_or(0, Ticket::in_flight),
                     0,
                     "-",
+                    now,
                 );
+                if let (Some(d), Some(_)) = (dep, ticket.as_ref()) {
+                    super::breaker::admitted(d, &gate, half_opened);
+                    stream.signal = super::breaker::signal_key(d);
+                }
                 stream.ticket = ticket;
                 Ok(())
             }
@@ -484,7 +523,7 @@ impl Admission {
                 }
                 self.count(Some(reason), level);
                 let limit = limit_name(policy, prepared, refusal.limit);
-                record(policy, prepared, Some(reason), refusal.in_flight, 0, &limit);
+                record(policy, prepared, Some(reason), refusal.in_flight, 0, &limit, now);
                 if shadow {
                     return Ok(());
                 }
@@ -495,6 +534,7 @@ impl Admission {
                 Err(Refused::Reply(refusal_decision(
                     reason,
                     name,
+                    refusal.retry_after_secs,
                     refusal.retry_after_window_ns,
                     prepared,
                     context_id,
@@ -539,10 +579,12 @@ impl Admission {
             0,
             now.saturating_sub(h.enqueued),
             &limit,
+            now,
         );
         let decision = refusal_decision(
             reason,
             &dep.name,
+            1,
             dep.retry_after_window_ns,
             &p.prepared,
             p.context_id,
@@ -589,9 +631,21 @@ impl Admission {
             for queue in queues.values_mut().filter(|q| !q.is_empty()) {
                 out.extend(queue.serve(now, super::TICK_NS, |h| {
                     let p = &h.item;
+                    let dep = p
+                        .prepared
+                        .class
+                        .labels
+                        .dependency
+                        .and_then(|i| p.policy.dependency(i));
+                    let mut control = dep.map(super::breaker::control).unwrap_or_default();
+                    let before = control;
                     let tried = with_worker(|w| {
-                        w.acquire(&ProxyHost, &p.policy, &p.prepared.class, &p.prepared.subject, now)
+                        let (class, subject) = (&p.prepared.class, &p.prepared.subject);
+                        w.acquire_with(&ProxyHost, &p.policy, class, subject, &mut control, now)
                     });
+                    if let Some(d) = dep.filter(|_| control != before) {
+                        super::breaker::keep(d, control);
+                    }
                     match tried {
                         Some(Ok(Some(ticket))) => Attempt::Admitted(ticket),
                         Some(Err(r)) if r.reason == Reason::TenantShare => Attempt::TenantFull,
@@ -618,6 +672,7 @@ impl Admission {
                         ticket.in_flight(),
                         now.saturating_sub(h.enqueued),
                         "-",
+                        now,
                     );
                     let decision = super::charge(&p.policy, &p.prepared, now);
                     metrics.record(&decision);
@@ -632,6 +687,15 @@ impl Admission {
                             super::send_reply(&reply, metrics);
                         }
                         None => {
+                            let dep = p
+                                .prepared
+                                .class
+                                .labels
+                                .dependency
+                                .and_then(|i| p.policy.dependency(i));
+                            if let Some(key) = dep.and_then(super::breaker::signal_key) {
+                                super::breaker::expect_resumed(p.context_id, key);
+                            }
                             ADMITTED.with(|a| {
                                 if let Ok(mut a) = a.try_borrow_mut() {
                                     a.insert(p.context_id, ticket);

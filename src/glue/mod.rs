@@ -14,6 +14,7 @@
 
 mod abi;
 mod admission;
+mod breaker;
 mod metrics;
 mod sync;
 
@@ -209,6 +210,9 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         self.metrics.flush();
         let Some(now) = now_ns() else { return };
+        if let Some(policy) = self.policy.as_deref() {
+            admission::tick_breakers(policy, now);
+        }
         self.admission.tick(&self.metrics, now);
         if let Some(policy) = self.policy.clone() {
             self.sync.tick(&policy, &self.metrics, now);
@@ -362,6 +366,9 @@ impl HttpContext for Request {
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        if self.stream.signal.is_some() || self.stream.queued {
+            breaker::on_response_headers(self.stream.signal.take(), self.context_id);
+        }
         let headers = self
             .response_headers
             .take()
