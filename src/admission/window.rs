@@ -46,17 +46,19 @@
 //!   memory for the next tick; a tally is bounded (counts saturate).
 //! * **Percentiles**: latencies are counted in [`BUCKETS`] fixed log-linear
 //!   buckets (8 per power of two, from 1 µs to [`MAX_LATENCY_US`] µs, about
-//!   134 s; longer ones count in the top bucket); a percentile is reported
-//!   as its bucket's midpoint, within **±6.25 %** of a latency in that bucket
-//!   (exact below 8 µs). The minimum is exact (nanoseconds).
+//!   134 s; longer ones count in the top bucket): a bucket is 12.5 % wide,
+//!   its midpoint within **±6.25 %** of any latency in it (exact below
+//!   8 µs). A percentile is interpolated by rank inside its bucket
+//!   ([`Tally::quantile_ns`]): within one bucket width (12.5 %) of the
+//!   true sample percentile. The minimum is exact (nanoseconds).
 //! * p95 counts successes and timeouts (a timeout is the overload signal),
 //!   not errors: a fast failure (connection refused) would look like spare
 //!   capacity. The minimum counts successes only.
 //!
 //! # Sizes
-//! A [`Tally`] is 832 bytes (the buckets are `u32`s); a worker keeps one
+//! A [`Tally`] is 836 bytes (the buckets are `u32`s); a worker keeps one
 //! per dependency with a window. The entry's record is [`ENTRY_STATE_LEN`]
-//! (1,689) bytes, one fixed shared-data key per dependency. A worker makes
+//! (1,697) bytes, one fixed shared-data key per dependency. A worker makes
 //! one read and one compare-and-swap per tick and dependency while it has
 //! samples, and only at a window's end while it has none.
 //!
@@ -80,7 +82,7 @@ const WINDOW_NAME_HASH: u32 = 0x0000_1f18;
 const VERSION: u8 = 1;
 const NANOS_PER_US: u64 = 1_000;
 /// Bytes of an encoded [`Tally`].
-const TALLY_LEN: usize = 4 * 4 + 8 + 8 + 4 * BUCKETS;
+const TALLY_LEN: usize = 4 * 4 + 8 + 8 + 4 + 4 * BUCKETS;
 /// Bytes of the window record's state: version, window length, open index,
 /// windows closed, two tallies.
 pub const ENTRY_STATE_LEN: usize = 1 + 8 + 8 + 8 + 2 * TALLY_LEN;
@@ -105,6 +107,10 @@ pub struct Outcome {
     /// From the slot taken to the response's headers (or the stream's end).
     pub latency_ns: u64,
     pub kind: OutcomeKind,
+    /// The dependency's live slots node-wide when this stream took its
+    /// slot, itself included ([`super::Ticket::in_flight`] + 1): the
+    /// controller raises a limit only when it was used.
+    pub in_flight: u32,
 }
 
 /// Envoy's `response.code_details` and the response status, classified
@@ -153,6 +159,22 @@ pub fn bucket_of(latency_ns: u64) -> usize {
     (8 + (e - 3) * 8 + mantissa).min(BUCKETS - 1)
 }
 
+/// A bucket's bounds `[low, high)`, in nanoseconds.
+pub fn bucket_bounds_ns(bucket: usize) -> (u64, u64) {
+    if bucket < 8 {
+        let low = bucket as u64 * NANOS_PER_US;
+        return (low, low + NANOS_PER_US);
+    }
+    let e = (bucket - 8) / 8 + 3;
+    let mantissa = ((bucket - 8) % 8) as u64;
+    let width = 1u64 << (e - 3);
+    let low = (8 + mantissa) << (e - 3);
+    (
+        low.saturating_mul(NANOS_PER_US),
+        low.saturating_add(width).saturating_mul(NANOS_PER_US),
+    )
+}
+
 /// A bucket's representative latency (its midpoint), in nanoseconds.
 pub fn bucket_value_ns(bucket: usize) -> u64 {
     if bucket < 8 {
@@ -177,6 +199,8 @@ pub struct Tally {
     pub min_ns: u64,
     /// The oldest queued request's age seen.
     pub oldest_queue_ns: u64,
+    /// The most slots in flight any recorded stream saw when it took its.
+    pub peak_in_flight: u32,
     /// Successes and timeouts by latency bucket ([`bucket_of`]).
     pub buckets: [u32; BUCKETS],
 }
@@ -190,6 +214,7 @@ impl Default for Tally {
             not_counted: 0,
             min_ns: u64::MAX,
             oldest_queue_ns: 0,
+            peak_in_flight: 0,
             buckets: [0; BUCKETS],
         }
     }
@@ -218,6 +243,7 @@ impl Tally {
             OutcomeKind::NotCounted => &mut self.not_counted,
         };
         *counted = counted.saturating_add(1);
+        self.peak_in_flight = self.peak_in_flight.max(o.in_flight);
         if matches!(o.kind, OutcomeKind::Success | OutcomeKind::Timeout) {
             if let Some(b) = self.buckets.get_mut(bucket_of(o.latency_ns)) {
                 *b = b.saturating_add(1);
@@ -232,13 +258,18 @@ impl Tally {
         self.not_counted = self.not_counted.saturating_add(other.not_counted);
         self.min_ns = self.min_ns.min(other.min_ns);
         self.oldest_queue_ns = self.oldest_queue_ns.max(other.oldest_queue_ns);
+        self.peak_in_flight = self.peak_in_flight.max(other.peak_in_flight);
         for (a, b) in self.buckets.iter_mut().zip(other.buckets.iter()) {
             *a = a.saturating_add(*b);
         }
     }
 
-    /// The latency at quantile `q` (0–1] of the bucketed samples, as its
-    /// bucket's midpoint; `None` without samples.
+    /// The latency at quantile `q` (0–1] of the bucketed samples: in the
+    /// bucket of that rank, interpolated linearly by rank inside it (so the
+    /// estimate moves smoothly with the samples, not in 12.5 % steps);
+    /// `None` without samples. It lies in the true quantile's bucket: at
+    /// most one bucket width (12.5 %) from it, and within ±6.25 % when the
+    /// samples of the bucket sit at its middle.
     pub fn quantile_ns(&self, q: f64) -> Option<u64> {
         let n: u64 = self.buckets.iter().map(|&b| u64::from(b)).sum();
         if n == 0 {
@@ -247,9 +278,14 @@ impl Tally {
         let rank = ((q.clamp(0.0, 1.0) * n as f64).ceil() as u64).clamp(1, n);
         let mut seen = 0u64;
         for (i, &b) in self.buckets.iter().enumerate() {
+            let before = seen;
             seen = seen.saturating_add(u64::from(b));
             if seen >= rank {
-                return Some(bucket_value_ns(i));
+                let (low, high) = bucket_bounds_ns(i);
+                // The rank's place among the bucket's samples, at their
+                // midpoints: (k − ½) / count.
+                let at = ((rank - before) as f64 - 0.5) / f64::from(b.max(1));
+                return Some(low.saturating_add(((high - low) as f64 * at) as u64));
             }
         }
         None
@@ -261,6 +297,7 @@ impl Tally {
         }
         out.extend_from_slice(&self.min_ns.to_le_bytes());
         out.extend_from_slice(&self.oldest_queue_ns.to_le_bytes());
+        out.extend_from_slice(&self.peak_in_flight.to_le_bytes());
         for b in &self.buckets {
             out.extend_from_slice(&b.to_le_bytes());
         }
@@ -274,6 +311,7 @@ impl Tally {
             not_counted: r.u32()?,
             min_ns: r.u64()?,
             oldest_queue_ns: r.u64()?,
+            peak_in_flight: r.u32()?,
             ..Tally::default()
         };
         for b in t.buckets.iter_mut() {
@@ -303,6 +341,8 @@ pub struct WindowSummary {
     pub min_ns: Option<u64>,
     /// The oldest queued request's age any worker reported in it.
     pub oldest_queue_ns: u64,
+    /// The most slots in flight a stream of it saw (see [`Outcome::in_flight`]).
+    pub peak_in_flight: u32,
 }
 
 impl WindowSummary {
@@ -327,6 +367,7 @@ impl WindowSummary {
             p95_ns: t.quantile_ns(0.95),
             min_ns: (t.min_ns != u64::MAX).then_some(t.min_ns),
             oldest_queue_ns: t.oldest_queue_ns,
+            peak_in_flight: t.peak_in_flight,
         }
     }
 }
