@@ -139,6 +139,37 @@ pub struct DependencySpec {
     pub retry_after_window: Option<String>,
     #[serde(default)]
     pub queues: Option<LevelQueuesSpec>,
+    #[serde(default)]
+    pub adaptive: Option<AdaptiveSpec>,
+}
+
+/// `dependencies.<name>.adaptive:` the adaptive concurrency controller
+/// (defaults and bounds: [`super::admission::Adaptive`]).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdaptiveSpec {
+    #[serde(default)]
+    pub window: Option<String>,
+    #[serde(default)]
+    pub min: Option<i64>,
+    #[serde(default)]
+    pub max: Option<i64>,
+    #[serde(default)]
+    pub buffer: Option<f64>,
+    #[serde(default)]
+    pub dead_zone: Option<f64>,
+    #[serde(default)]
+    pub smoothing: Option<f64>,
+    #[serde(default)]
+    pub max_increase: Option<f64>,
+    #[serde(default)]
+    pub backoff: Option<f64>,
+    #[serde(default)]
+    pub error_rate: Option<f64>,
+    #[serde(default)]
+    pub queue_age: Option<String>,
+    #[serde(default)]
+    pub baseline_refresh: Option<String>,
 }
 
 /// `dependencies.<name>.reserved:` in-flight slots only one level may use.
