@@ -67,7 +67,7 @@ use crate::policy::admission::BreakerSettings;
 use crate::table::{self, push_record_with, Commit, Failure, Place, Reach, Records};
 
 /// The kind byte of a breaker record.
-pub const KIND_BREAKER: u8 = 18;
+pub const KIND_BREAKER: u8 = 19;
 const VERSION: u8 = 1;
 /// An encoded breaker state: version, phase, reopens, 5 instants and counts, probes.
 pub const ENCODED_LEN: usize = 1 + 1 + 4 + 5 * 8 + 4;

@@ -86,6 +86,7 @@ pub mod breaker;
 pub mod holders;
 pub mod queue;
 pub mod request;
+pub mod window;
 
 use hashbrown::HashMap;
 

@@ -144,6 +144,8 @@ pub struct DependencySpec {
     pub paused: Option<bool>,
     #[serde(default)]
     pub circuit_breaker: Option<CircuitBreakerSpec>,
+    #[serde(default)]
+    pub adaptive: Option<AdaptiveSpec>,
 }
 
 /// `dependencies.<name>.circuit_breaker:` open on errors, probe, ramp up
@@ -169,6 +171,35 @@ pub struct CircuitBreakerSpec {
     /// The ramp's first level, a fraction of the limit in (0, 1].
     #[serde(default)]
     pub ramp_floor: Option<f64>,
+}
+
+/// `dependencies.<name>.adaptive:` the adaptive concurrency controller
+/// (defaults and bounds: [`super::admission::Adaptive`]).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdaptiveSpec {
+    #[serde(default)]
+    pub window: Option<String>,
+    #[serde(default)]
+    pub min: Option<i64>,
+    #[serde(default)]
+    pub max: Option<i64>,
+    #[serde(default)]
+    pub buffer: Option<f64>,
+    #[serde(default)]
+    pub dead_zone: Option<f64>,
+    #[serde(default)]
+    pub smoothing: Option<f64>,
+    #[serde(default)]
+    pub max_increase: Option<f64>,
+    #[serde(default)]
+    pub backoff: Option<f64>,
+    #[serde(default)]
+    pub error_rate: Option<f64>,
+    #[serde(default)]
+    pub queue_age: Option<String>,
+    #[serde(default)]
+    pub baseline_refresh: Option<String>,
 }
 
 /// `dependencies.<name>.reserved:` in-flight slots only one level may use.
