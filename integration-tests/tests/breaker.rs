@@ -43,7 +43,7 @@ dependencies:
     circuit_breaker:
       error_rate: 0.5
       min_volume: {MIN_VOLUME}
-      window: 1s
+      window: 250ms
       open_for: 1s
       max_open_for: 4s
       probes: {PROBES}
@@ -85,29 +85,39 @@ fn a_failing_upstream_opens_the_breaker_probes_only_then_recovers_through_a_ramp
     assert_eq!(orders(&envoy).status, 200);
     assert!(wait_for(WAIT, || phase(&envoy) == Some(0)));
 
-    // (a) 100 % failures, one client at a time: it opens within the
-    // minimum volume (plus what arrives before the fold that trips it
-    // reaches both workers: two ticks).
+    // (a) 100 % failures, one client at a time: it opens once the minimum
+    // volume has failed, at the close of that signal window (250 ms, plus
+    // the window's 50 ms grace and a tick for the other worker to read it).
     upstream.set_status(503);
     let before = upstream.received();
     let started = Instant::now();
+    let mut volume_at = None;
     let mut first_open = None;
-    for _ in 0..500 {
+    for _ in 0..5_000 {
         let r = orders(&envoy);
         if reason(&r) == Some("circuit_open") {
-            first_open = Some(upstream.received() - before);
+            first_open = Some((upstream.received() - before, Instant::now()));
             break;
         }
         assert_eq!(r.status, 503);
+        if volume_at.is_none() && upstream.received() - before >= MIN_VOLUME {
+            volume_at = Some(Instant::now());
+        }
         if started.elapsed() > WAIT {
             break;
         }
     }
-    let to_open = first_open.expect("the breaker never opened");
-    println!("upstream calls until the breaker opened: {to_open} (min_volume {MIN_VOLUME})");
+    let (to_open, opened_at) = first_open.expect("the breaker never opened");
+    let after_volume = opened_at - volume_at.expect("never reached the volume");
+    println!(
+        "upstream calls until the breaker opened: {to_open} (min_volume {MIN_VOLUME}); \
+         open {} ms after the {MIN_VOLUME}th failure (window 250 ms + 50 ms grace)",
+        after_volume.as_millis()
+    );
+    assert!(to_open >= MIN_VOLUME, "opened before the minimum volume: {to_open}");
     assert!(
-        (MIN_VOLUME..=MIN_VOLUME + 10).contains(&to_open),
-        "{to_open} upstream calls before it opened"
+        after_volume <= Duration::from_millis(600),
+        "open {after_volume:?} after the minimum volume"
     );
     assert!(wait_for(WAIT, || phase(&envoy).is_some_and(|p| p != 0)));
 

@@ -51,14 +51,21 @@
 //! # Where it lives
 //! Node-wide in the fixed entry `tg2|b|<dependency>` ([`key`]), one record
 //! of kind [`KIND_BREAKER`] ([`encode`]: 50 bytes), changed only through
-//! [`crate::table::update`]. Each worker folds what its streams observed
-//! into it on its tick ([`fold`]); the fold that trips a transition makes
-//! it, in the same compare-and-swap, so one worker makes each transition
-//! (and counts it). Every worker reads it on its tick into memory
-//! ([`read`]); a request's check ([`Breaker::gate`]) reads that copy: no
-//! hostcall on the request path except a half-open probe's ticket. The
-//! copy is at most one tick (10 ms) stale: a transition to open reaches
-//! the other workers within a tick.
+//! [`crate::table::update`]. Its input is the dependency's stream-end
+//! signal windows ([`super::window`]): the one worker that closes a window
+//! folds its summary (completed; errors + timeouts) into the breaker
+//! ([`fold`]), and the transitions that trips are made in the same
+//! compare-and-swap, so each is made (and counted) once. The breaker's own
+//! `window` sums the signal windows that close within it (a signal window
+//! is `adaptive.window`, or the breaker's `window` up to 500 ms), so it
+//! opens at the first signal window close at which `min_volume` and the
+//! rate are reached: **at most one signal window + its 50 ms grace after
+//! the `min_volume`-th failure**. Every worker reads the entry on its tick
+//! into memory ([`read`]); a request's check ([`Breaker::gate`]) reads
+//! that copy: no hostcall on the request path except a half-open probe's
+//! ticket. The copy is at most one tick (10 ms) stale; time-based
+//! transitions (open → half-open, the ramp's end) are computed from it at
+//! `now` and written by the next fold or probe.
 //!
 //! Pure: time is `now`, the host is [`Host`].
 

@@ -155,14 +155,15 @@ fn outcome_name(o: Option<Reason>) -> &'static str {
     o.map_or("admitted", Reason::as_str)
 }
 
-/// The breakers' tick (see [`super::breaker`]), before the queues are served.
-pub fn tick_breakers(policy: &Policy, now: u64) {
-    if policy.dependencies.iter().all(|d| d.breaker.is_none()) {
+/// The signal windows' tick (see [`super::window`]), before the queues
+/// are served.
+pub fn tick_windows(policy: &Policy, now: u64) {
+    if policy.dependencies.iter().all(|d| d.signal_window_ns().is_none()) {
         return;
     }
     ensure_worker(now);
     if let Some(id) = with_worker(|w| w.id()) {
-        super::breaker::tick(policy, id, now);
+        super::window::tick(policy, id, now);
     }
 }
 
@@ -212,7 +213,6 @@ pub fn stream_done(context_id: u32, now: u64) {
             }
         }
     });
-    super::breaker::forget(context_id);
     let ticket = ADMITTED.with(|a| a.try_borrow_mut().ok()?.remove(&context_id));
     if let Some(t) = ticket {
         release(t, now);
@@ -227,8 +227,9 @@ pub struct Stream {
     pub level: Criticality,
     /// Paused in a dependency's queue, or resumed from it.
     pub queued: bool,
-    /// The breaker key its response is a signal for (see [`super::breaker`]).
-    pub signal: Option<String>,
+    /// What its end records for its dependency's signal window (see
+    /// [`super::window`]).
+    pub signal: Option<super::window::Signal>,
 }
 
 /// The filter state the decision record is kept under (`wasm.` + this).
@@ -358,6 +359,7 @@ impl Admission {
         }
         Worker::prepare(&ProxyHost, policy, now);
         super::breaker::configure(policy);
+        super::window::configure(policy, now);
         ensure_worker(now);
         let Ok(mut gauges) = self.gauges.try_borrow_mut() else {
             return;
@@ -471,9 +473,9 @@ impl Admission {
                     "-",
                     now,
                 );
-                if let (Some(d), Some(_)) = (dep, ticket.as_ref()) {
+                if let (Some(d), Some(t)) = (dep, ticket.as_ref()) {
                     super::breaker::admitted(d, &gate, half_opened);
-                    stream.signal = super::breaker::signal_key(d);
+                    stream.signal = super::window::signal(d, t.in_flight(), now);
                 }
                 stream.ticket = ticket;
                 Ok(())
@@ -693,8 +695,10 @@ impl Admission {
                                 .labels
                                 .dependency
                                 .and_then(|i| p.policy.dependency(i));
-                            if let Some(key) = dep.and_then(super::breaker::signal_key) {
-                                super::breaker::expect_resumed(p.context_id, key);
+                            if let Some(signal) =
+                                dep.and_then(|d| super::window::signal(d, ticket.in_flight(), now))
+                            {
+                                super::window::expect_resumed(p.context_id, signal);
                             }
                             ADMITTED.with(|a| {
                                 if let Ok(mut a) = a.try_borrow_mut() {

@@ -1,20 +1,15 @@
 //! Circuit breakers on Envoy's streams (the core is
-//! [`crate::admission::breaker`]).
+//! [`crate::admission::breaker`]; its input is the stream-end signal
+//! windows of [`super::window`]).
 //!
-//! * Response headers of a stream that holds a slot of a dependency with a
-//!   breaker: its `:status` is one signal (5xx an error, 504 a timeout,
-//!   anything else a success), added to the worker's tally in memory (no
-//!   shared data). A stream without response headers (a client reset) and
-//!   tenantgate's own refusals (they hold no slot) count for nothing.
-//! * Root tick: per dependency with a breaker, the worker folds its tally
-//!   into the node's breaker ([`breaker::fold`]: one read, and a
-//!   compare-and-swap only when something changed), keeps the result as its
-//!   [`Control`] copy for the next tick's requests, counts the transitions
-//!   its fold made and sets the gauges.
-//!
-//! This is the breaker's own, minimal input path; `WindowSummary`s of
-//! `admission::window` can replace the tally (the fold takes an
-//! [`Observed`]).
+//! * The worker that closes a dependency's signal window runs the breaker
+//!   on the window's summary ([`breaker::fold`]: completed, errors +
+//!   timeouts), in the compare-and-swap that writes `tg2|b|<dep>`, and
+//!   counts the transitions it made; every other worker reads the entry on
+//!   its tick (one read). Each keeps the result as its [`Control`] copy
+//!   for its requests until its next tick (10 ms).
+//! * A request's check reads that copy (no hostcall), except a half-open
+//!   probe's ticket, which refreshes it.
 //!
 //! Stats per dependency with a breaker: gauges
 //! `tenantgate.admission.breaker_state.<dep>` ([`Phase`] as a number) and
@@ -26,10 +21,11 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-use proxy_wasm::types::{MapType, MetricType};
+use proxy_wasm::types::MetricType;
 
 use super::abi;
 use crate::admission::breaker::{self, Observed, Phase, Transition};
+use crate::admission::window::WindowSummary;
 use crate::admission::Control;
 use crate::policy::admission::Dependency;
 use crate::policy::Policy;
@@ -38,11 +34,6 @@ use crate::table;
 thread_local! {
     /// Each dependency's control copy (by dependency key), read on the tick.
     static CONTROLS: RefCell<HashMap<String, Control>> = RefCell::new(HashMap::new());
-    /// What this worker's streams saw since its last fold (by breaker key).
-    static TALLY: RefCell<HashMap<String, Observed>> = RefCell::new(HashMap::new());
-    /// Breaker keys of streams resumed from a queue (by context id), for
-    /// their response.
-    static RESUMED: RefCell<HashMap<u32, String>> = RefCell::new(HashMap::new());
     /// Stats ids by dependency key.
     static STATS: RefCell<HashMap<String, Stats>> = RefCell::new(HashMap::new());
     static BUFFERS: RefCell<table::Buffers> = RefCell::new(table::Buffers::default());
@@ -153,62 +144,22 @@ pub fn admitted(dep: &Dependency, before: &breaker::Gate, half_opened: bool) {
     });
 }
 
-/// The breaker key a stream's response is a signal for (`None`: no breaker).
-pub fn signal_key(dep: &Dependency) -> Option<String> {
-    dep.breaker.is_some().then(|| dep.breaker_key.clone())
-}
-
-/// A stream resumed from a queue: its response is a signal.
-pub fn expect_resumed(context_id: u32, key: String) {
-    RESUMED.with(|r| {
-        if let Ok(mut r) = r.try_borrow_mut() {
-            r.insert(context_id, key);
-        }
-    });
-}
-
-/// A stream ended: forget a resumed stream's pending signal.
-pub fn forget(context_id: u32) {
-    RESUMED.with(|r| {
-        if let Ok(mut r) = r.try_borrow_mut() {
-            r.remove(&context_id);
-        }
-    });
-}
-
-/// Response headers: one signal for the stream's breaker, if it has one.
-pub fn on_response_headers(signal: Option<String>, context_id: u32) {
-    let key = signal.or_else(|| RESUMED.with(|r| r.try_borrow_mut().ok()?.remove(&context_id)));
-    let Some(key) = key else { return };
-    let status = abi::header(MapType::HttpResponseHeaders, ":status")
-        .ok()
-        .flatten()
-        .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u16>().ok());
-    let Some(status) = status else { return };
-    let failed = (500..600).contains(&status);
-    TALLY.with(|t| {
-        if let Ok(mut t) = t.try_borrow_mut() {
-            t.entry(key).or_default().add(Observed {
-                completed: 1,
-                failures: u64::from(failed),
-            });
-        }
-    });
-}
-
-/// The tick (see the module header).
-pub fn tick(policy: &Policy, worker_id: u64, now: u64) {
-    for dep in policy.dependencies.iter() {
-        let Some(settings) = dep.breaker.as_ref() else {
-            continue;
+/// After a dependency's window tick: the worker that closed a window runs
+/// the breaker on its summary (and writes `tg2|b|<dep>`); every worker
+/// then holds the node's breaker as its copy and sets the gauges.
+pub fn on_window(dep: &Dependency, closed: Option<&WindowSummary>, worker_id: u64, now: u64) {
+    let Some(settings) = dep.breaker.as_ref() else {
+        return;
+    };
+    let folded = closed.and_then(|summary| {
+        let seen = Observed {
+            completed: u64::from(summary.completed),
+            failures: u64::from(summary.errors).saturating_add(u64::from(summary.timeouts)),
         };
-        let seen = TALLY
-            .with(|t| t.try_borrow_mut().ok()?.remove(&dep.breaker_key))
-            .unwrap_or_default();
-        let folded = BUFFERS.with(|b| {
+        let seed = worker_id ^ now.rotate_left(17);
+        BUFFERS.with(|b| {
             let mut buffers = b.try_borrow_mut().ok()?;
-            let seed = worker_id ^ now.rotate_left(17);
-            Some(breaker::fold(
+            breaker::fold(
                 &super::ProxyHost,
                 &dep.breaker_key,
                 settings,
@@ -216,46 +167,41 @@ pub fn tick(policy: &Policy, worker_id: u64, now: u64) {
                 now,
                 seed,
                 &mut buffers,
-            ))
-        });
-        let current = match folded {
-            Some(Ok(f)) => {
-                STATS.with(|s| {
-                    if let Some(st) = s.try_borrow().ok().as_ref().and_then(|s| s.get(&dep.key)) {
-                        for t in f.transitions.iter() {
-                            st.count(t);
-                        }
+            )
+            .ok()
+        })
+    });
+    let current = match folded {
+        Some(f) => {
+            STATS.with(|s| {
+                if let Some(st) = s.try_borrow().ok().as_ref().and_then(|s| s.get(&dep.key)) {
+                    for t in f.transitions.iter() {
+                        st.count(t);
                     }
-                });
-                Some(f.breaker)
-            }
-            _ => {
-                // Kept for the next tick; the copy from a plain read.
-                if !seen.is_empty() {
-                    TALLY.with(|t| {
-                        if let Ok(mut t) = t.try_borrow_mut() {
-                            t.entry(dep.breaker_key.clone()).or_default().add(seen);
-                        }
-                    });
                 }
-                breaker::read(&super::ProxyHost, &dep.breaker_key, now)
-            }
-        };
-        let Some(current) = current else { continue };
-        let control = Control {
+            });
+            Some(f.breaker)
+        }
+        // Not the closer, or its fold failed (the window's counts are
+        // then lost to the breaker: it errs toward staying as it is).
+        None => breaker::read(&super::ProxyHost, &dep.breaker_key, now),
+    };
+    let Some(current) = current else { return };
+    keep(
+        dep,
+        Control {
             breaker: Some(current),
-        };
-        keep(dep, control);
-        let gate = current.gate(settings, now);
-        STATS.with(|s| {
-            let Ok(stats) = s.try_borrow() else { return };
-            let Some(st) = stats.get(&dep.key) else { return };
-            if let Some(id) = st.state {
-                let _ = abi::record_metric(id, current.phase_at(settings, now) as u64);
-            }
-            if let Some(id) = st.ramp {
-                let _ = abi::record_metric(id, u64::from(gate.permille()));
-            }
-        });
-    }
+        },
+    );
+    let gate = current.gate(settings, now);
+    STATS.with(|s| {
+        let Ok(stats) = s.try_borrow() else { return };
+        let Some(st) = stats.get(&dep.key) else { return };
+        if let Some(id) = st.state {
+            let _ = abi::record_metric(id, current.phase_at(settings, now) as u64);
+        }
+        if let Some(id) = st.ramp {
+            let _ = abi::record_metric(id, u64::from(gate.permille()));
+        }
+    });
 }

@@ -17,6 +17,7 @@ mod admission;
 mod breaker;
 mod metrics;
 mod sync;
+mod window;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -211,7 +212,7 @@ impl RootContext for Root {
         self.metrics.flush();
         let Some(now) = now_ns() else { return };
         if let Some(policy) = self.policy.as_deref() {
-            admission::tick_breakers(policy, now);
+            admission::tick_windows(policy, now);
         }
         self.admission.tick(&self.metrics, now);
         if let Some(policy) = self.policy.clone() {
@@ -280,6 +281,9 @@ struct Request {
 impl Request {
     /// Gives the stream's slot back, once (from `on_log` or `on_done`).
     fn release_slot(&mut self) {
+        if self.stream.signal.is_some() || self.stream.queued {
+            window::on_stream_end(self.stream.signal.take(), self.context_id, now_ns().unwrap_or(0));
+        }
         if let Some(ticket) = self.stream.ticket.take() {
             admission::release(ticket, now_ns().unwrap_or(0));
         }
@@ -325,7 +329,9 @@ impl HttpContext for Request {
         }
         let decision = charge(&policy, &prepared, now);
         if decision.deny_status().is_some() {
-            // A rate-limit denial gives its slot back at once.
+            // A rate-limit denial gives its slot back at once (and is no
+            // signal of the upstream's health).
+            self.stream.signal = None;
             if let Some(ticket) = self.stream.ticket.take() {
                 admission::release(ticket, now);
             }
@@ -367,7 +373,7 @@ impl HttpContext for Request {
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
         if self.stream.signal.is_some() || self.stream.queued {
-            breaker::on_response_headers(self.stream.signal.take(), self.context_id);
+            window::on_response_headers(&mut self.stream.signal, self.context_id, now_ns().unwrap_or(0));
         }
         let headers = self
             .response_headers

@@ -411,6 +411,17 @@ impl Dependency {
             .saturating_sub(self.reserved_critical)
             .saturating_sub(self.reserved_system)
     }
+
+    /// The length of its stream-end signal windows
+    /// ([`crate::admission::window`]), `None` without a consumer: the
+    /// controller's `adaptive.window`, else (a breaker alone) the breaker's
+    /// `window` up to [`DEFAULT_ADAPTIVE_WINDOW_NS`], so it is judged at
+    /// least every 500 ms over its own (longer) window.
+    pub fn signal_window_ns(&self) -> Option<u64> {
+        self.adaptive
+            .map(|a| a.window_ns)
+            .or_else(|| self.breaker.map(|b| b.window_ns.min(DEFAULT_ADAPTIVE_WINDOW_NS)))
+    }
 }
 
 /// A compiled `actions.<action>`: an API action's in-flight limit,
