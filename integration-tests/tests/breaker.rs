@@ -114,7 +114,10 @@ fn a_failing_upstream_opens_the_breaker_probes_only_then_recovers_through_a_ramp
          open {} ms after the {MIN_VOLUME}th failure (window 250 ms + 50 ms grace)",
         after_volume.as_millis()
     );
-    assert!(to_open >= MIN_VOLUME, "opened before the minimum volume: {to_open}");
+    assert!(
+        to_open >= MIN_VOLUME,
+        "opened before the minimum volume: {to_open}"
+    );
     assert!(
         after_volume <= Duration::from_millis(600),
         "open {after_volume:?} after the minimum volume"
