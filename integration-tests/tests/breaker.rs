@@ -291,7 +291,10 @@ fn a_failing_upstream_opens_the_breaker_probes_only_then_recovers_through_a_ramp
 
 #[test]
 fn paused_by_a_reload_refuses_at_once_with_no_upstream_call_and_unpausing_lets_traffic_through() {
-    let (upstream, envoy) = start(false);
+    let upstream = Upstream::start();
+    let log = Envoy::temp_dir().join("access.log");
+    let envoy =
+        Envoy::start_with_upstream_logged(&policy("brk-1", false), upstream.port, &["orders"], Some(&log));
     assert_eq!(orders(&envoy).status, 200);
     let loads = envoy.tg_stat("config.loads");
     let (ok, err) = envoy.apply(&policy("brk-paused", true));
@@ -316,4 +319,18 @@ fn paused_by_a_reload_refuses_at_once_with_no_upstream_call_and_unpausing_lets_t
         upstream.received() - calls
     );
     assert_eq!(upstream.received() - calls, 20);
+    // The decision record names the breaker's phase.
+    let lines = || std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(wait_for(WAIT, || lines().lines().count() >= 71), "{}", lines());
+    let text = lines();
+    assert!(
+        text.contains("/up/orders 503 outcome=paused criticality=normal dependency=db in_flight=0 queue_wait_ms=0 policy=brk-paused key=orders|t|acme limit=dependency:db breaker=closed"),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("/up/orders 200 outcome=admitted ")
+                && l.ends_with(" policy=brk-unpaused key=orders|t|acme limit=- breaker=closed")),
+        "{text}"
+    );
 }

@@ -49,9 +49,10 @@ pub struct Signal {
 /// The signal of a stream that took a slot of `dep` at `now` (`None`: the
 /// dependency has no signal window).
 pub fn signal(dep: &Dependency, in_flight_before: u32, now: u64) -> Option<Signal> {
+    let window_ns = dep.signal_window_ns()?;
     Some(Signal {
         dependency: dep.name.clone(),
-        window_ns: dep.signal_window_ns()?,
+        window_ns,
         taken_at: now,
         in_flight: in_flight_before.saturating_add(1),
         answered: None,
