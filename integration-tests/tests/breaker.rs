@@ -118,8 +118,10 @@ fn a_failing_upstream_opens_the_breaker_probes_only_then_recovers_through_a_ramp
         to_open >= MIN_VOLUME,
         "opened before the minimum volume: {to_open}"
     );
+    // (1 s: one window and its grace, with room for a loaded machine's
+    // late ticks.)
     assert!(
-        after_volume <= Duration::from_millis(600),
+        after_volume <= Duration::from_secs(1),
         "open {after_volume:?} after the minimum volume"
     );
     assert!(wait_for(WAIT, || phase(&envoy).is_some_and(|p| p != 0)));
