@@ -554,11 +554,19 @@ impl Admission {
             let _ = abi::increment_metric(*id, 1);
         }
         self.count(Some(Reason::QueueFull), dropped.level);
-        self.answer_held(dropped, Reason::QueueFull, None, now);
+        self.answer_held(dropped, Reason::QueueFull, 1, None, now);
     }
 
     /// Answers a held request with a refusal (on its own stream).
-    fn answer_held(&self, h: Held<Parked>, reason: Reason, metrics: Option<&Metrics>, now: u64) {
+    /// `min_secs`: the refusal's shortest honest `Retry-After`.
+    fn answer_held(
+        &self,
+        h: Held<Parked>,
+        reason: Reason,
+        min_secs: u64,
+        metrics: Option<&Metrics>,
+        now: u64,
+    ) {
         let p = h.item;
         if abi::set_effective_context(p.context_id).is_err() {
             return;
@@ -586,7 +594,7 @@ impl Admission {
         let decision = refusal_decision(
             reason,
             &dep.name,
-            1,
+            min_secs,
             dep.retry_after_window_ns,
             &p.prepared,
             p.context_id,
@@ -625,7 +633,7 @@ impl Admission {
 
     /// Serves every dependency's queue (see the module header).
     fn serve_queues(&self, metrics: &Metrics, now: u64) {
-        let served: Vec<Served<Parked, Ticket>> = QUEUES.with(|q| {
+        let served: Vec<Served<Parked, Ticket, admission::Refusal>> = QUEUES.with(|q| {
             let Ok(mut queues) = q.try_borrow_mut() else {
                 return Vec::new();
             };
@@ -651,6 +659,11 @@ impl Admission {
                     match tried {
                         Some(Ok(Some(ticket))) => Attempt::Admitted(ticket),
                         Some(Err(r)) if r.reason == Reason::TenantShare => Attempt::TenantFull,
+                        // Its breaker opened, or it was paused: answered now,
+                        // not held until its max_wait.
+                        Some(Err(r)) if matches!(r.reason, Reason::CircuitOpen | Reason::Paused) => {
+                            Attempt::Refused(r)
+                        }
                         _ => Attempt::LevelFull,
                     }
                 }));
@@ -713,7 +726,11 @@ impl Admission {
                 }
                 Served::TimedOut(h) => {
                     self.count(Some(Reason::QueueTimeout), h.level);
-                    self.answer_held(h, Reason::QueueTimeout, Some(metrics), now);
+                    self.answer_held(h, Reason::QueueTimeout, 1, Some(metrics), now);
+                }
+                Served::Refused(h, r) => {
+                    self.count(Some(r.reason), h.level);
+                    self.answer_held(h, r.reason, r.retry_after_secs, Some(metrics), now);
                 }
             }
         }
