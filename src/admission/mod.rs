@@ -82,6 +82,7 @@
 //!
 //! Pure: time is `now`, the host is [`Host`].
 
+pub mod controller;
 pub mod holders;
 pub mod queue;
 pub mod request;
@@ -210,6 +211,8 @@ pub struct Worker {
     id: u64,
     held: HashMap<String, Held>,
     buffers: table::Buffers,
+    /// Dependency key → its control state as last read on the tick.
+    controls: HashMap<String, Control>,
 }
 
 /// Every failure of the table is a refusal, never an admission.
@@ -228,9 +231,36 @@ fn pool_use(dep: &Dependency, c: &Counts) -> u64 {
         + sys.saturating_sub(u64::from(dep.reserved_system))
 }
 
+/// What a worker knows of a dependency's node-wide control state, as it
+/// read it on its last tick (at most one tick, 10 ms, stale): the request
+/// path reads this copy, never shared data. `Default`: no control state
+/// (the static `max_in_flight` applies).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Control {
+    /// The adaptive controller's limit (see [`controller`]).
+    pub limit: Option<u32>,
+}
+
+/// The in-flight limit [`admits`] uses for a dependency: its static
+/// `max_in_flight`, or the controller's limit when it has one (never more
+/// than `max_in_flight`). Reservations and level ceilings apply below it
+/// as they do below `max_in_flight`.
+pub fn effective_limit(dep: &Dependency, control: &Control) -> u32 {
+    control
+        .limit
+        .map_or(dep.max_in_flight, |l| l.clamp(1, dep.max_in_flight))
+}
+
 /// Whether one more request of `labels` fits `occupancy` (everything live,
-/// this worker included), per the module header.
+/// this worker included) under the static `max_in_flight`, per the module
+/// header.
 pub fn admits(dep: &Dependency, labels: &Labels, occupancy: &Counts) -> Result<(), Reason> {
+    admits_at(dep, dep.max_in_flight, labels, occupancy)
+}
+
+/// [`admits`] under an in-flight limit of `limit` (see [`effective_limit`]):
+/// the shared pool is `limit − reserved.critical − reserved.system`.
+pub fn admits_at(dep: &Dependency, limit: u32, labels: &Labels, occupancy: &Counts) -> Result<(), Reason> {
     if labels.streaming {
         let max = dep.max_streams.unwrap_or(0);
         return if occupancy.streams < max {
@@ -239,7 +269,11 @@ pub fn admits(dep: &Dependency, labels: &Labels, occupancy: &Counts) -> Result<(
             Err(Reason::StreamLimit)
         };
     }
-    let general = u64::from(dep.general());
+    let general = u64::from(
+        limit
+            .saturating_sub(dep.reserved_critical)
+            .saturating_sub(dep.reserved_system),
+    );
     let used = pool_use(dep, occupancy);
     let level = labels.criticality;
     let held = occupancy.levels.get(level.index()).copied().unwrap_or(0);
@@ -363,7 +397,30 @@ impl Worker {
             id,
             held: HashMap::new(),
             buffers: table::Buffers::default(),
+            controls: HashMap::new(),
         }
+    }
+
+    /// Changes a dependency's control state (on the tick, from shared
+    /// data): each part (the controller's limit, …) sets its own fields.
+    pub fn update_control(&mut self, dependency_key: &str, change: impl FnOnce(&mut Control)) {
+        let mut control = self.control(dependency_key);
+        change(&mut control);
+        if control == Control::default() {
+            self.controls.remove(dependency_key);
+        } else if let Some(c) = self.controls.get_mut(dependency_key) {
+            *c = control;
+        } else {
+            self.controls.insert(dependency_key.to_owned(), control);
+        }
+    }
+
+    /// A dependency's control state as this worker knows it.
+    pub fn control(&self, dependency_key: &str) -> Control {
+        if self.controls.is_empty() {
+            return Control::default();
+        }
+        self.controls.get(dependency_key).copied().unwrap_or_default()
     }
 
     pub fn id(&self) -> u64 {
@@ -450,7 +507,8 @@ impl Worker {
         let dependency = match dep {
             None => None,
             Some(dep) => {
-                let check = |occ: &Counts| admits(dep, &labels, occ);
+                let limit = effective_limit(dep, &self.control(&dep.key));
+                let check = |occ: &Counts| admits_at(dep, limit, &labels, occ);
                 match self.take(host, &dep.key, None, "", now, level, streaming, &check) {
                     Ok(occupancy) => {
                         in_flight = occupancy.total();
