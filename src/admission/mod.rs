@@ -83,6 +83,7 @@
 //! Pure: time is `now`, the host is [`Host`].
 
 pub mod breaker;
+pub mod controller;
 pub mod holders;
 pub mod queue;
 pub mod request;
@@ -155,17 +156,6 @@ pub struct Refusal {
     pub limit: Limited,
 }
 
-/// What this worker's tick last read of a dependency's node-wide control
-/// state (its copy, at most one tick stale; see [`breaker`]). The default
-/// caps nothing: a dependency without part-2 settings is admitted exactly
-/// as without it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Control {
-    /// The node's breaker for the dependency as last read (`None`: not
-    /// read yet, or no breaker: closed).
-    pub breaker: Option<breaker::Breaker>,
-}
-
 impl Control {
     /// What the dependency's breaker says at `now` ([`breaker::Gate::Free`]
     /// without one).
@@ -194,8 +184,15 @@ pub struct Limits {
 impl Limits {
     /// The policy's limits.
     pub fn of(dep: &Dependency) -> Limits {
+        Limits::at(dep, dep.max_in_flight)
+    }
+
+    /// The policy's limits with an in-flight limit of `limit` (the
+    /// controller's, clamped to 1–`max_in_flight`): the reservations stay,
+    /// the pool is what is left.
+    pub fn at(dep: &Dependency, limit: u32) -> Limits {
         Limits {
-            max_in_flight: dep.max_in_flight,
+            max_in_flight: limit.clamp(1, dep.max_in_flight.max(1)),
             max_streams: dep.max_streams,
             reserved_critical: dep.reserved_critical,
             reserved_system: dep.reserved_system,
@@ -211,19 +208,25 @@ impl Limits {
     }
 }
 
-/// **The one effective limit** of a dependency: `cap = gate.cap(max_in_flight)`
-/// (half-open: the probe count; ramping: floor → all). Below
-/// `max_in_flight`, the reservations shrink in proportion (rounded down,
-/// so they stay below `cap` together) and the same ceilings apply to the
-/// smaller pool, so the shedding order and "no level borrows a
-/// reservation" hold at every limit; streams are capped the same way.
-pub fn effective_limits(dep: &Dependency, gate: &breaker::Gate) -> Limits {
-    let cap = gate.cap(dep.max_in_flight);
-    if cap >= dep.max_in_flight {
-        return Limits::of(dep);
+/// **The one effective limit** of a dependency: `min(target, the breaker's
+/// cap)`, `target` the static `max_in_flight` or the controller's limit
+/// ([`effective_limit`]), the cap `gate.cap(target)` (half-open: the probe
+/// count; ramping: floor → target). Under the breaker's cap the
+/// reservations shrink in proportion (rounded down, so they stay below
+/// the cap together: probes never exceed `probes`, whatever the level),
+/// the same ceilings apply to the smaller pool (so the shedding order and
+/// "no level borrows a reservation" hold at every level), in flight must
+/// stay below the cap whatever was admitted before it, and streams are
+/// capped the same way.
+pub fn effective_limits(dep: &Dependency, target: u32, gate: &breaker::Gate) -> Limits {
+    let base = Limits::at(dep, target);
+    let target = base.max_in_flight;
+    let cap = gate.cap(target);
+    if cap >= target {
+        return base;
     }
     let scale = |n: u32| {
-        let scaled = u64::from(n) * u64::from(cap) / u64::from(dep.max_in_flight.max(1));
+        let scaled = u64::from(n) * u64::from(cap) / u64::from(target.max(1));
         u32::try_from(scaled).unwrap_or(0)
     };
     Limits {
@@ -301,6 +304,19 @@ pub struct Worker {
     id: u64,
     held: HashMap<String, Held>,
     buffers: table::Buffers,
+    /// Dependency key → its control state as last read on the tick.
+    controls: HashMap<String, Control>,
+    /// Dependency key → half-open probes this worker took since the glue
+    /// last asked ([`Worker::take_probe_events`]).
+    probe_events: HashMap<String, ProbeEvents>,
+}
+
+/// Half-open probe tickets a worker took, for the stats.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProbeEvents {
+    pub probes: u64,
+    /// Of those, the ones whose write made the open → half-open transition.
+    pub half_opened: u64,
 }
 
 /// Every failure of the table is a refusal, never an admission.
@@ -319,10 +335,40 @@ fn pool_use(dep: &Limits, c: &Counts) -> u64 {
         + sys.saturating_sub(u64::from(dep.reserved_system))
 }
 
+/// What a worker knows of a dependency's node-wide control state, as it
+/// read it on its last tick (at most one tick, 10 ms, stale): the request
+/// path reads this copy, never shared data. `Default`: no control state
+/// (the static `max_in_flight` applies).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Control {
+    /// The adaptive controller's limit (see [`controller`]).
+    pub limit: Option<u32>,
+    /// The node's breaker for the dependency as last read (see
+    /// [`breaker`]; `None`: no breaker, or not read yet: closed).
+    pub breaker: Option<breaker::Breaker>,
+}
+
+/// The in-flight limit [`admits`] uses for a dependency: its static
+/// `max_in_flight`, or the controller's limit when it has one (never more
+/// than `max_in_flight`). Reservations and level ceilings apply below it
+/// as they do below `max_in_flight`.
+pub fn effective_limit(dep: &Dependency, control: &Control) -> u32 {
+    control
+        .limit
+        .map_or(dep.max_in_flight, |l| l.clamp(1, dep.max_in_flight))
+}
+
 /// Whether one more request of `labels` fits `occupancy` (everything live,
-/// this worker included), per the module header.
+/// this worker included) under the static `max_in_flight`, per the module
+/// header.
 pub fn admits(dep: &Dependency, labels: &Labels, occupancy: &Counts) -> Result<(), Reason> {
     admits_within(&Limits::of(dep), labels, occupancy)
+}
+
+/// [`admits`] under an in-flight limit of `limit` (see [`effective_limit`]):
+/// the shared pool is `limit − reserved.critical − reserved.system`.
+pub fn admits_at(dep: &Dependency, limit: u32, labels: &Labels, occupancy: &Counts) -> Result<(), Reason> {
+    admits_within(&Limits::at(dep, limit), labels, occupancy)
 }
 
 /// [`admits`] at a dependency's effective limits ([`effective_limits`]).
@@ -462,7 +508,39 @@ impl Worker {
             id,
             held: HashMap::new(),
             buffers: table::Buffers::default(),
+            controls: HashMap::new(),
+            probe_events: HashMap::new(),
         }
+    }
+
+    /// Changes a dependency's control state (on the tick, from shared
+    /// data): each part (the controller's limit, …) sets its own fields.
+    pub fn update_control(&mut self, dependency_key: &str, change: impl FnOnce(&mut Control)) {
+        let mut control = self.control(dependency_key);
+        change(&mut control);
+        if control == Control::default() {
+            self.controls.remove(dependency_key);
+        } else if let Some(c) = self.controls.get_mut(dependency_key) {
+            *c = control;
+        } else {
+            self.controls.insert(dependency_key.to_owned(), control);
+        }
+    }
+
+    /// The probes taken at a dependency since the last call (stats).
+    pub fn take_probe_events(&mut self, dependency_key: &str) -> ProbeEvents {
+        if self.probe_events.is_empty() {
+            return ProbeEvents::default();
+        }
+        self.probe_events.remove(dependency_key).unwrap_or_default()
+    }
+
+    /// A dependency's control state as this worker knows it.
+    pub fn control(&self, dependency_key: &str) -> Control {
+        if self.controls.is_empty() {
+            return Control::default();
+        }
+        self.controls.get(dependency_key).copied().unwrap_or_default()
     }
 
     pub fn id(&self) -> u64 {
@@ -486,23 +564,6 @@ impl Worker {
         subject: &Subject,
         now: u64,
     ) -> Result<Option<Ticket>, Refusal> {
-        self.acquire_with(host, policy, class, subject, &mut Control::default(), now)
-    }
-
-    /// [`Worker::acquire`] with the dependency's control state (this
-    /// worker's copy, see [`Control`]): `paused` and the breaker refuse
-    /// first, before any slot is taken; a half-open probe takes its ticket
-    /// (and refreshes `control`); the dependency's slot is taken at its
-    /// [`effective_limits`].
-    pub fn acquire_with<H: Host>(
-        &mut self,
-        host: &H,
-        policy: &Policy,
-        class: &RouteClass,
-        subject: &Subject,
-        control: &mut Control,
-        now: u64,
-    ) -> Result<Option<Ticket>, Refusal> {
         let labels = class.labels;
         let dep = labels.dependency.and_then(|i| policy.dependency(i));
         let action = labels.action_limit.and_then(|i| policy.action_limit(i));
@@ -518,7 +579,7 @@ impl Worker {
             limit,
         };
         let gate = match dep {
-            Some(d) => self.gate(host, d, control, now).map_err(|r| Refusal {
+            Some(d) => self.gate(host, d, now).map_err(|r| Refusal {
                 retry_after_secs: r.retry_after_secs,
                 ..refuse(r.reason, 0, Limited::Dependency)
             })?,
@@ -574,7 +635,8 @@ impl Worker {
         let dependency = match dep {
             None => None,
             Some(dep) => {
-                let limits = effective_limits(dep, &gate);
+                let target = effective_limit(dep, &self.control(&dep.key));
+                let limits = effective_limits(dep, target, &gate);
                 let probing = matches!(gate, breaker::Gate::Probe { .. });
                 let check = |occ: &Counts| {
                     admits_within(&limits, &labels, occ).map_err(|r| match r {
@@ -610,13 +672,7 @@ impl Worker {
 
     /// `paused`, then the breaker (see [`breaker`]): the gate a request
     /// passes, or its refusal (`retry_after_secs` set).
-    fn gate<H: Host>(
-        &mut self,
-        host: &H,
-        dep: &Dependency,
-        control: &mut Control,
-        now: u64,
-    ) -> Result<breaker::Gate, GateRefusal> {
+    fn gate<H: Host>(&mut self, host: &H, dep: &Dependency, now: u64) -> Result<breaker::Gate, GateRefusal> {
         let refused = |reason| GateRefusal {
             reason,
             retry_after_secs: 1,
@@ -631,14 +687,17 @@ impl Worker {
         let Some(settings) = dep.breaker.as_ref() else {
             return Ok(breaker::Gate::Free);
         };
-        match control.gate(dep, now) {
+        match self.control(&dep.key).gate(dep, now) {
             breaker::Gate::Open { half_open_at } => Err(open(half_open_at)),
             breaker::Gate::Probe { left: 0, .. } => Err(refused(Reason::CircuitProbeLimit)),
             gate @ breaker::Gate::Probe { .. } => {
                 let probe = breaker::take_probe(host, &dep.breaker_key, settings, now, &mut self.buffers)
                     .map_err(|f| refused(failure_reason(f)))?;
-                control.breaker = Some(probe.breaker);
+                self.update_control(&dep.key, |c| c.breaker = Some(probe.breaker));
                 if probe.taken {
+                    let events = self.probe_events.entry(dep.key.clone()).or_default();
+                    events.probes = events.probes.saturating_add(1);
+                    events.half_opened = events.half_opened.saturating_add(u64::from(probe.half_opened));
                     return Ok(gate);
                 }
                 // Another worker took the last ticket, or it is no longer

@@ -181,7 +181,7 @@ pub fn ensure_worker(now: u64) {
     });
 }
 
-fn with_worker<R>(f: impl FnOnce(&mut Worker) -> R) -> Option<R> {
+pub(super) fn with_worker<R>(f: impl FnOnce(&mut Worker) -> R) -> Option<R> {
     WORKER.with(|w| w.try_borrow_mut().ok()?.as_mut().map(f))
 }
 
@@ -433,34 +433,18 @@ impl Admission {
             record(policy, prepared, None, 0, 0, "-", now);
             return Ok(());
         }
-        let mut control = dep.map(super::breaker::control).unwrap_or_default();
-        let gate = dep.map(|d| control.gate(d, now)).unwrap_or_default();
-        let before = control;
-        let acquired = with_worker(|w| {
-            w.acquire_with(
-                &ProxyHost,
-                policy,
-                &prepared.class,
-                &prepared.subject,
-                &mut control,
-                now,
-            )
-        })
-        .unwrap_or(Err(admission::Refusal {
-            reason: Reason::StateUnavailable,
-            in_flight: 0,
-            retry_after_window_ns: dep.map_or(crate::policy::admission::DEFAULT_RETRY_AFTER_WINDOW_NS, |d| {
-                d.retry_after_window_ns
-            }),
-            retry_after_secs: 1,
-            limit: Limited::Dependency,
-        }));
-        let half_opened = control != before
-            && before.breaker.map(|b| b.phase) == Some(admission::breaker::Phase::Open)
-            && control.breaker.map(|b| b.phase) == Some(admission::breaker::Phase::HalfOpen);
-        if let Some(d) = dep.filter(|_| control != before) {
-            super::breaker::keep(d, control);
-        }
+        let acquired =
+            with_worker(|w| w.acquire(&ProxyHost, policy, &prepared.class, &prepared.subject, now))
+                .unwrap_or(Err(admission::Refusal {
+                    reason: Reason::StateUnavailable,
+                    in_flight: 0,
+                    retry_after_window_ns: dep
+                        .map_or(crate::policy::admission::DEFAULT_RETRY_AFTER_WINDOW_NS, |d| {
+                            d.retry_after_window_ns
+                        }),
+                    retry_after_secs: 1,
+                    limit: Limited::Dependency,
+                }));
         match acquired {
             Ok(ticket) => {
                 self.count(None, level);
@@ -474,7 +458,6 @@ impl Admission {
                     now,
                 );
                 if let (Some(d), Some(t)) = (dep, ticket.as_ref()) {
-                    super::breaker::admitted(d, &gate, half_opened);
                     stream.signal = super::window::signal(d, t.in_flight(), now);
                 }
                 stream.ticket = ticket;
@@ -641,21 +624,9 @@ impl Admission {
             for queue in queues.values_mut().filter(|q| !q.is_empty()) {
                 out.extend(queue.serve(now, super::TICK_NS, |h| {
                     let p = &h.item;
-                    let dep = p
-                        .prepared
-                        .class
-                        .labels
-                        .dependency
-                        .and_then(|i| p.policy.dependency(i));
-                    let mut control = dep.map(super::breaker::control).unwrap_or_default();
-                    let before = control;
                     let tried = with_worker(|w| {
-                        let (class, subject) = (&p.prepared.class, &p.prepared.subject);
-                        w.acquire_with(&ProxyHost, &p.policy, class, subject, &mut control, now)
+                        w.acquire(&ProxyHost, &p.policy, &p.prepared.class, &p.prepared.subject, now)
                     });
-                    if let Some(d) = dep.filter(|_| control != before) {
-                        super::breaker::keep(d, control);
-                    }
                     match tried {
                         Some(Ok(Some(ticket))) => Attempt::Admitted(ticket),
                         Some(Err(r)) if r.reason == Reason::TenantShare => Attempt::TenantFull,

@@ -6,8 +6,9 @@
 //!   on the window's summary ([`breaker::fold`]: completed, errors +
 //!   timeouts), in the compare-and-swap that writes `tg2|b|<dep>`, and
 //!   counts the transitions it made; every other worker reads the entry on
-//!   its tick (one read). Each keeps the result as its [`Control`] copy
-//!   for its requests until its next tick (10 ms).
+//!   its tick (one read). Each keeps the result in its worker's
+//!   [`crate::admission::Control`] for its requests until its next tick
+//!   (10 ms).
 //! * A request's check reads that copy (no hostcall), except a half-open
 //!   probe's ticket, which refreshes it.
 //!
@@ -26,14 +27,11 @@ use proxy_wasm::types::MetricType;
 use super::abi;
 use crate::admission::breaker::{self, Observed, Phase, Transition};
 use crate::admission::window::WindowSummary;
-use crate::admission::Control;
 use crate::policy::admission::Dependency;
 use crate::policy::Policy;
 use crate::table;
 
 thread_local! {
-    /// Each dependency's control copy (by dependency key), read on the tick.
-    static CONTROLS: RefCell<HashMap<String, Control>> = RefCell::new(HashMap::new());
     /// Stats ids by dependency key.
     static STATS: RefCell<HashMap<String, Stats>> = RefCell::new(HashMap::new());
     static BUFFERS: RefCell<table::Buffers> = RefCell::new(table::Buffers::default());
@@ -89,59 +87,13 @@ pub fn configure(policy: &Policy) {
     });
 }
 
-/// This worker's copy of a dependency's control state.
-pub fn control(dep: &Dependency) -> Control {
-    if dep.breaker.is_none() {
-        return Control::default();
-    }
-    CONTROLS.with(|c| {
-        c.try_borrow()
-            .ok()
-            .and_then(|c| c.get(&dep.key).copied())
-            .unwrap_or_default()
-    })
-}
-
-/// Keeps a request's refreshed copy (a probe ticket reads the node's state).
-pub fn keep(dep: &Dependency, control: Control) {
-    if dep.breaker.is_none() {
-        return;
-    }
-    CONTROLS.with(|c| {
-        if let Ok(mut c) = c.try_borrow_mut() {
-            c.insert(dep.key.clone(), control);
-        }
-    });
-}
-
 /// The breaker's phase for the decision record (`None`: no breaker).
 pub fn phase_name(dep: Option<&Dependency>, now: u64) -> Option<&'static str> {
     let dep = dep?;
     let settings = dep.breaker.as_ref()?;
-    let phase = control(dep)
-        .breaker
-        .map_or(Phase::Closed, |b| b.phase_at(settings, now));
+    let copy = super::admission::with_worker(|w| w.control(&dep.key).breaker).flatten();
+    let phase = copy.map_or(Phase::Closed, |b| b.phase_at(settings, now));
     Some(phase.as_str())
-}
-
-/// Counts an admitted probe (`before`: the gate the request met).
-pub fn admitted(dep: &Dependency, before: &breaker::Gate, half_opened: bool) {
-    if !matches!(before, breaker::Gate::Probe { .. }) && !half_opened {
-        return;
-    }
-    STATS.with(|s| {
-        let Ok(stats) = s.try_borrow() else { return };
-        let Some(st) = stats.get(&dep.key) else { return };
-        if let (Some(id), breaker::Gate::Probe { .. }) = (st.probes, before) {
-            let _ = abi::increment_metric(id, 1);
-        }
-        if half_opened {
-            st.count(Transition {
-                from: Phase::Open,
-                to: Phase::HalfOpen,
-            });
-        }
-    });
 }
 
 /// After a dependency's window tick: the worker that closed a window runs
@@ -186,17 +138,22 @@ pub fn on_window(dep: &Dependency, closed: Option<&WindowSummary>, worker_id: u6
         // then lost to the breaker: it errs toward staying as it is).
         None => breaker::read(&super::ProxyHost, &dep.breaker_key, now),
     };
+    let probes = super::admission::with_worker(|w| w.take_probe_events(&dep.key)).unwrap_or_default();
     let Some(current) = current else { return };
-    keep(
-        dep,
-        Control {
-            breaker: Some(current),
-        },
-    );
+    super::admission::with_worker(|w| w.update_control(&dep.key, |c| c.breaker = Some(current)));
     let gate = current.gate(settings, now);
     STATS.with(|s| {
         let Ok(stats) = s.try_borrow() else { return };
         let Some(st) = stats.get(&dep.key) else { return };
+        if let (Some(id), true) = (st.probes, probes.probes > 0) {
+            let _ = abi::increment_metric(id, i64::try_from(probes.probes).unwrap_or(i64::MAX));
+        }
+        for _ in 0..probes.half_opened.min(16) {
+            st.count(Transition {
+                from: Phase::Open,
+                to: Phase::HalfOpen,
+            });
+        }
         if let Some(id) = st.state {
             let _ = abi::record_metric(id, current.phase_at(settings, now) as u64);
         }

@@ -186,11 +186,11 @@ pub const MIN_ADAPTIVE_WINDOW_NS: u64 = 250 * NANOS_PER_MS;
 pub const MAX_ADAPTIVE_WINDOW_NS: u64 = 5 * NANOS_PER_SEC;
 /// `adaptive.buffer`: how far above its baseline p95 may be and still be
 /// healthy.
-pub const DEFAULT_BUFFER_PPM: u32 = 100_000;
+pub const DEFAULT_BUFFER_PPM: u32 = 20_000;
 /// `adaptive.dead_zone`: the band above the buffer where the limit holds.
-pub const DEFAULT_DEAD_ZONE_PPM: u32 = 100_000;
+pub const DEFAULT_DEAD_ZONE_PPM: u32 = 40_000;
 /// `adaptive.smoothing`: the share of a window's move that is taken.
-pub const DEFAULT_SMOOTHING_PPM: u32 = 500_000;
+pub const DEFAULT_SMOOTHING_PPM: u32 = 250_000;
 /// `adaptive.max_increase`: the largest rise per window, of the limit.
 pub const DEFAULT_MAX_INCREASE_PPM: u32 = 250_000;
 /// `adaptive.backoff`: the multiplicative decrease.

@@ -7,7 +7,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use super::*;
-use crate::admission::{Control, Worker};
+use crate::admission::Worker;
 use crate::engine::{self, Reason};
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::Policy;
@@ -378,10 +378,10 @@ fn policy(extra: &str) -> Rc<Policy> {
 }
 
 /// A node of `workers` worker VMs over one shared store, each with its
-/// own copy of the breaker, read on its tick.
+/// own copy of the breaker (its `Control`), read on its tick.
 struct Node {
     store: Rc<RefCell<SharedStore>>,
-    workers: Vec<(Worker, Control)>,
+    workers: Vec<Worker>,
     policy: Rc<Policy>,
 }
 
@@ -389,9 +389,7 @@ impl Node {
     fn new(workers: u64, policy: Rc<Policy>) -> Node {
         Node {
             store: SharedStore::new(),
-            workers: (1..=workers)
-                .map(|id| (Worker::with_id(id), Control::default()))
-                .collect(),
+            workers: (1..=workers).map(Worker::with_id).collect(),
             policy,
         }
     }
@@ -402,19 +400,21 @@ impl Node {
             .header("x-tenant-id", "acme")
     }
 
-    /// Every worker's tick: fold its part, then read the node's state.
+    /// Every worker's tick: fold its part (as the worker closing a signal
+    /// window does with the window's summary), then read the node's state.
     fn tick(&mut self, parts: &[Observed], now: u64) -> Vec<Transition> {
         let host = FakeHost::new(self.store.clone());
         let dep = self.policy.dependency(0).unwrap().clone();
         let s = dep.breaker.unwrap();
         let mut made = Vec::new();
         let mut buffers = table::Buffers::default();
-        for (i, (w, c)) in self.workers.iter_mut().enumerate() {
+        for (i, w) in self.workers.iter_mut().enumerate() {
             let part = parts.get(i).copied().unwrap_or_default();
             let folded = fold(&host, &dep.breaker_key, &s, part, now, w.id() ^ now, &mut buffers).unwrap();
             made.extend(folded.transitions.iter());
             w.renew(&host, now);
-            c.breaker = read(&host, &dep.breaker_key, now);
+            let b = read(&host, &dep.breaker_key, now);
+            w.update_control(&dep.key, |c| c.breaker = b);
         }
         made
     }
@@ -429,8 +429,7 @@ impl Node {
         let host = self.host(class);
         let prep = engine::prepare(&self.policy, &host).unwrap();
         let policy = self.policy.clone();
-        let (w, c) = &mut self.workers[i];
-        match w.acquire_with(&host, &policy, &prep.class, &prep.subject, c, now) {
+        match self.workers[i].acquire(&host, &policy, &prep.class, &prep.subject, now) {
             Ok(Some(t)) => Ok(t),
             Ok(None) => panic!("no dependency"),
             Err(r) => Err((r.reason, r.retry_after_secs)),
@@ -439,7 +438,7 @@ impl Node {
 
     fn release(&mut self, i: usize, t: crate::admission::Ticket, now: u64) {
         let host = FakeHost::new(self.store.clone());
-        self.workers[i].0.release(&host, t, now);
+        self.workers[i].release(&host, t, now);
     }
 }
 
@@ -461,8 +460,9 @@ fn no_upstream_call_while_open_and_at_most_probes_while_half_open_node_wide() {
     // Workers that read before the fold that tripped it see it on their
     // next tick (the copy is at most one tick stale).
     node.tick(&[], now);
-    let b = node.workers[0].1.breaker.unwrap();
-    assert!(node.workers.iter().all(|(_, c)| c.breaker == Some(b)));
+    let copy = |w: &Worker| w.control("tg2|d|db").breaker;
+    let b = copy(&node.workers[0]).unwrap();
+    assert!(node.workers.iter().all(|w| copy(w) == Some(b)));
     assert_eq!(b.phase, Phase::Open);
     // Open: every request on every worker refused, with a Retry-After that
     // is never earlier than half-open.
@@ -495,7 +495,7 @@ fn no_upstream_call_while_open_and_at_most_probes_while_half_open_node_wide() {
                         Reason::CircuitProbeLimit,
                         "worker {i} at {} ms: {:?}",
                         (now - T0) / MS,
-                        node.workers[i].1
+                        node.workers[i].control("tg2|d|db")
                     ),
                 }
             }
@@ -556,10 +556,55 @@ fn paused_refuses_at_once_and_takes_nothing() {
         Err((Reason::Paused, 1))
     );
     assert_eq!(node.request(0, "pay", T0).map(|_| ()), Err((Reason::Paused, 1)));
-    assert_eq!(node.workers[0].0.places(), 0);
+    assert_eq!(node.workers[0].places(), 0);
     let keys_after: Vec<String> = node.store.borrow().keys().cloned().collect();
     assert_eq!(keys_before, keys_after, "no slot written");
     // Unpaused by a reload: admitted.
     node.policy = policy("");
     assert!(node.request(0, "orders", T0).is_ok());
+}
+
+#[test]
+fn the_effective_limit_is_the_least_of_the_controllers_and_the_breakers() {
+    use crate::admission::{effective_limit, effective_limits, Control, Limits};
+    let p = policy("");
+    let db = p.dependency(0).unwrap();
+    // No controller, breaker closed: the policy's limits, unchanged.
+    assert_eq!(
+        effective_limits(db, db.max_in_flight, &Gate::Free),
+        Limits::of(db)
+    );
+    // The controller at 10 of 20: the reservation (2) stays, the pool is 8.
+    let control = Control {
+        limit: Some(10),
+        breaker: None,
+    };
+    let at = effective_limits(db, effective_limit(db, &control), &Gate::Free);
+    assert_eq!(
+        (at.max_in_flight, at.reserved_critical, at.general(), at.capped),
+        (10, 2, 8, false)
+    );
+    // Ramping at 50 % of the controller's 10: 5, the reservation scaled to 1.
+    let ramp = effective_limits(db, 10, &Gate::Ramp { permille: 500 });
+    assert_eq!(
+        (
+            ramp.max_in_flight,
+            ramp.reserved_critical,
+            ramp.general(),
+            ramp.capped
+        ),
+        (5, 1, 4, true)
+    );
+    // Half-open: the probe count, whatever the controller says; no reservation
+    // survives a cap of 2 (2 · 2 / 20 rounds down to 0).
+    let probe = effective_limits(db, 20, &Gate::Probe { probes: 2, left: 2 });
+    assert_eq!(
+        (probe.max_in_flight, probe.reserved_critical, probe.general()),
+        (2, 0, 2)
+    );
+    // The floor is at least one request.
+    assert_eq!(
+        effective_limits(db, 1, &Gate::Ramp { permille: 1 }).max_in_flight,
+        1
+    );
 }
