@@ -125,6 +125,9 @@ fn a_failing_upstream_opens_the_breaker_probes_only_then_recovers_through_a_ramp
         "open {after_volume:?} after the minimum volume"
     );
     assert!(wait_for(WAIT, || phase(&envoy).is_some_and(|p| p != 0)));
+    // Both workers have read it (their copy is at most a tick old): a few
+    // ticks each.
+    envoy.settle();
 
     // While open and half-open, 8 clients for 3 s: the upstream sees only
     // the probes (at most PROBES per half-open episode), everyone else gets

@@ -27,12 +27,13 @@
 //!   request is refused (`circuit_open`): **zero upstream calls while
 //!   open**. Its `Retry-After` is the time until half-open, rounded up,
 //!   never earlier, plus the dependency's `retry_after_window` jitter.
-//! * **Half-open**: at most `probes` requests are admitted per window,
-//!   node-wide (each takes a probe ticket by compare-and-swap on the
-//!   breaker's entry: the only request-path write, and only in this
+//! * **Half-open**: at most `probes` requests are admitted per half-open
+//!   period, node-wide (each takes a probe ticket by compare-and-swap on
+//!   the breaker's entry: the only request-path write, and only in this
 //!   state), and at most `probes` at once (the effective limit); the rest
-//!   are refused `circuit_probe_limit`. Unused tickets come back when a
-//!   window ends.
+//!   are refused `circuit_probe_limit`. Probes that are never answered
+//!   (lost) give their tickets back after [`LOST_PROBE_FOLDS`] folds in a
+//!   row without an answer.
 //! * **Ramping** (slow start): the dependency's effective limit is
 //!   `max(1, ⌈L · p / 1000⌉)` for its limit `L` with
 //!   `p(t) = floor + (1000 − floor) · (t − since) / ramp` permille, a
@@ -50,7 +51,7 @@
 //!
 //! # Where it lives
 //! Node-wide in the fixed entry `tg2|b|<dependency>` ([`key`]), one record
-//! of kind [`KIND_BREAKER`] ([`encode`]: 50 bytes), changed only through
+//! of kind [`KIND_BREAKER`] ([`encode`]: 51 bytes), changed only through
 //! [`crate::table::update`]. Its input is the dependency's stream-end
 //! signal windows ([`super::window`]): the one worker that closes a window
 //! folds its summary (completed; errors + timeouts) into the breaker
@@ -76,9 +77,15 @@ use crate::table::{self, push_record_with, Commit, Failure, Place, Reach, Record
 /// The kind byte of a breaker record.
 pub const KIND_BREAKER: u8 = 19;
 const VERSION: u8 = 1;
-/// An encoded breaker state: version, phase, reopens, 5 instants and counts, probes.
-pub const ENCODED_LEN: usize = 1 + 1 + 4 + 5 * 8 + 4;
+/// An encoded breaker state: version, phase, reopens, 5 instants and
+/// counts, probes, empty folds.
+pub const ENCODED_LEN: usize = 1 + 1 + 4 + 5 * 8 + 4 + 1;
 const PERMILLE: u64 = 1000;
+/// Half-open: folds in a row without an answer after which the probe
+/// tickets come back (lost probes). Two, so that the signal window open
+/// when it went half-open (whose close may come before its probes'
+/// answers) is not enough.
+pub const LOST_PROBE_FOLDS: u8 = 2;
 
 /// The shared-data key of a dependency's breaker.
 pub fn key(dependency: &str) -> String {
@@ -165,8 +172,10 @@ pub struct Breaker {
     /// The current window's start, and what it saw so far.
     pub window_start: u64,
     pub window: Observed,
-    /// Probe tickets taken in this half-open window.
+    /// Probe tickets taken in this half-open period.
     pub probes_taken: u32,
+    /// Half-open folds in a row that brought no answer.
+    pub empty_folds: u8,
 }
 
 /// What a request of the dependency meets (from [`Breaker::gate`]).
@@ -246,11 +255,7 @@ impl Breaker {
             }
             Phase::HalfOpen => Gate::Probe {
                 probes: s.probes,
-                left: if self.window_ended(s, now) {
-                    s.probes
-                } else {
-                    s.probes.saturating_sub(self.probes_taken)
-                },
+                left: s.probes.saturating_sub(self.probes_taken),
             },
             Phase::Ramping => match ramp_permille(s, self.since, now) {
                 1000 => Gate::Free,
@@ -280,6 +285,7 @@ impl Breaker {
         self.window_start = now;
         self.window = Observed::default();
         self.probes_taken = 0;
+        self.empty_folds = 0;
         Transition { from, to: phase }
     }
 
@@ -365,6 +371,19 @@ impl Breaker {
         if let Some(t) = judged {
             made.push(t);
         }
+        if self.phase == Phase::HalfOpen {
+            // Probes never answered (lost): their tickets come back after
+            // LOST_PROBE_FOLDS folds in a row without an answer.
+            if seen.completed == 0 {
+                self.empty_folds = self.empty_folds.saturating_add(1);
+                if self.empty_folds >= LOST_PROBE_FOLDS {
+                    self.probes_taken = 0;
+                    self.empty_folds = 0;
+                }
+            } else {
+                self.empty_folds = 0;
+            }
+        }
         if self.window_ended(s, now) {
             if self.phase == Phase::HalfOpen && self.window.completed > 0 {
                 // Some probes answered, none tripped it: ramp up.
@@ -372,7 +391,6 @@ impl Breaker {
             } else {
                 self.window_start = now;
                 self.window = Observed::default();
-                self.probes_taken = 0;
             }
         }
         made
@@ -384,11 +402,6 @@ impl Breaker {
         let _ = self.advance(s, now);
         if self.phase != Phase::HalfOpen {
             return false;
-        }
-        if self.window_ended(s, now) {
-            self.window_start = now;
-            self.window = Observed::default();
-            self.probes_taken = 0;
         }
         if self.probes_taken < s.probes {
             self.probes_taken = self.probes_taken.saturating_add(1);
@@ -418,7 +431,7 @@ impl Transitions {
 }
 
 /// The record's bytes (little-endian):
-/// `[version u8][phase u8][reopens u32][since u64][until u64][window_start u64][completed u64][failures u64][probes_taken u32]`.
+/// `[version u8][phase u8][reopens u32][since u64][until u64][window_start u64][completed u64][failures u64][probes_taken u32][empty_folds u8]`.
 pub fn encode(b: &Breaker, out: &mut Vec<u8>) {
     out.push(VERSION);
     out.push(b.phase as u8);
@@ -433,6 +446,7 @@ pub fn encode(b: &Breaker, out: &mut Vec<u8>) {
         out.extend_from_slice(&v.to_le_bytes());
     }
     out.extend_from_slice(&b.probes_taken.to_le_bytes());
+    out.push(b.empty_folds);
 }
 
 /// Decodes a record's state (`None`: another version or malformed: the
@@ -457,6 +471,7 @@ pub fn decode(state: &[u8]) -> Option<Breaker> {
         window_start,
         window,
         probes_taken: r.u32()?,
+        empty_folds: r.u8()?,
     })
 }
 

@@ -153,18 +153,29 @@ fn a_half_open_window_with_a_success_and_no_trip_ramps_at_its_end() {
 }
 
 #[test]
-fn unused_probe_tickets_come_back_when_a_half_open_window_ends() {
+fn lost_probes_give_their_tickets_back_after_two_folds_without_an_answer() {
     let s = settings();
     let mut b = fresh(T0);
     b.observe(&s, seen(10, 10), T0, 1);
     let half = b.until;
     assert!(b.take_probe(&s, half));
     assert!(b.take_probe(&s, half));
-    assert!(!b.take_probe(&s, half + S - 1));
-    // No answer in the whole window (lost probes): two more tickets.
-    assert!(b.take_probe(&s, half + S));
-    assert!(b.take_probe(&s, half + S));
-    assert!(!b.take_probe(&s, half + S));
+    // However long the half-open period: no new ticket by time alone.
+    assert!(!b.take_probe(&s, half + 10 * S));
+    // One fold without an answer (the window open when it went half-open
+    // may close before its probes answer): still none.
+    b.observe(&s, seen(0, 0), half + 20 * MS, 1);
+    assert!(!b.take_probe(&s, half + 20 * MS));
+    // An answer resets the count (a success of two: not yet a ramp).
+    b.observe(&s, seen(1, 0), half + 30 * MS, 1);
+    assert_eq!(b.phase, Phase::HalfOpen);
+    b.observe(&s, seen(0, 0), half + 40 * MS, 1);
+    assert!(!b.take_probe(&s, half + 40 * MS));
+    // Two folds in a row without an answer: the tickets come back.
+    b.observe(&s, seen(0, 0), half + 50 * MS, 1);
+    assert!(b.take_probe(&s, half + 50 * MS));
+    assert!(b.take_probe(&s, half + 50 * MS));
+    assert!(!b.take_probe(&s, half + 50 * MS));
 }
 
 #[test]
@@ -330,6 +341,7 @@ fn the_record_round_trips_and_garbage_reads_as_closed() {
         window_start: 4,
         window: seen(5, 6),
         probes_taken: 7,
+        empty_folds: 1,
     };
     let mut out = Vec::new();
     encode(&b, &mut out);
