@@ -743,6 +743,9 @@ pub struct DecisionRecord<'a> {
     /// `tenant:<dependency>`; `-` when admitted or refused by a request
     /// check.
     pub limit: &'a str,
+    /// An adaptive dependency's limit as this worker applied it
+    /// (`controller_limit=`; the field is absent for other requests).
+    pub controller_limit: Option<u32>,
 }
 
 impl DecisionRecord<'_> {
@@ -757,7 +760,9 @@ impl DecisionRecord<'_> {
             self.policy_version.replace(' ', "_"),
             self.limit_key,
             self.limit
-        )
+        ) + &self
+            .controller_limit
+            .map_or(String::new(), |l| format!(" controller_limit={l}"))
     }
 }
 

@@ -209,7 +209,7 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         self.metrics.flush();
         let Some(now) = now_ns() else { return };
-        self.admission.tick(&self.metrics, now);
+        self.admission.tick(&self.metrics, self.policy.as_deref(), now);
         if let Some(policy) = self.policy.clone() {
             self.sync.tick(&policy, &self.metrics, now);
         }
@@ -274,8 +274,12 @@ struct Request {
 }
 
 impl Request {
-    /// Gives the stream's slot back, once (from `on_log` or `on_done`).
+    /// Gives the stream's slot back, once (from `on_log` or `on_done`),
+    /// and records its outcome for an adaptive dependency.
     fn release_slot(&mut self) {
+        if self.stream.ticket.is_some() || self.stream.queued {
+            admission::end_signal(self.context_id, now_ns().unwrap_or(0));
+        }
         if let Some(ticket) = self.stream.ticket.take() {
             admission::release(ticket, now_ns().unwrap_or(0));
         }
@@ -289,6 +293,8 @@ impl Request {
 impl Context for Request {
     fn on_done(&mut self) -> bool {
         self.release_slot();
+        // Whatever path the stream took, nothing of it stays behind.
+        admission::forget_signal(self.context_id);
         if self.held && QUEUE.with(|q| q.borrow_mut().remove(self.context_id)) {
             self.metrics.queue_cancelled();
         }
@@ -324,6 +330,7 @@ impl HttpContext for Request {
             // A rate-limit denial gives its slot back at once.
             if let Some(ticket) = self.stream.ticket.take() {
                 admission::release(ticket, now);
+                admission::forget_signal(self.context_id);
             }
         }
         if decision.deny_status() == Some(429) {
@@ -362,6 +369,9 @@ impl HttpContext for Request {
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        if self.stream.ticket.is_some() || self.stream.queued {
+            admission::on_response_headers(self.context_id);
+        }
         let headers = self
             .response_headers
             .take()
@@ -382,6 +392,8 @@ impl Request {
     fn finish(&mut self, policy: &Policy, decision: Decision) -> Action {
         self.metrics.record(&decision);
         if decision.deny_status().is_some() {
+            // tenantgate answers: not a health signal of the upstream.
+            admission::forget_signal(self.context_id);
             // Only a denial echoes the request id: read it only then.
             let raw = ProxyHost.request_header("x-request-id");
             let request_id = response::request_id(raw.as_deref());
