@@ -128,6 +128,31 @@ fn start_signal(policy: &Policy, prepared: &Prepared, context_id: u32, ticket: &
     });
 }
 
+/// A request refused for its adaptive dependency's limit: demand the
+/// controller counts (memory only).
+fn note_refused(policy: &Policy, prepared: &Prepared, reason: Reason, now: u64) {
+    if !matches!(
+        reason,
+        Reason::ConcurrencyLimit | Reason::QueueFull | Reason::QueueTimeout
+    ) {
+        return;
+    }
+    let Some(dep) = prepared
+        .class
+        .labels
+        .dependency
+        .and_then(|i| policy.dependency(i))
+    else {
+        return;
+    };
+    let Some(a) = dep.adaptive else { return };
+    WINDOWS.with(|w| {
+        if let Ok(mut w) = w.try_borrow_mut() {
+            w.note_refused(&dep.name, a.window_ns, now);
+        }
+    });
+}
+
 /// The response's headers of a stream: stamps its signal (if it has one).
 pub fn on_response_headers(context_id: u32) {
     SIGNALS.with(|s| {
@@ -660,6 +685,9 @@ impl Admission {
                     }
                 }
                 self.count(Some(reason), level);
+                if refusal.limit == Limited::Dependency {
+                    note_refused(policy, prepared, reason, now);
+                }
                 let limit = limit_name(policy, prepared, refusal.limit);
                 record(policy, prepared, Some(reason), refusal.in_flight, 0, &limit);
                 if shadow {
@@ -708,6 +736,7 @@ impl Admission {
             return;
         };
         // A queue is its dependency's: it names what refused.
+        note_refused(&p.policy, &p.prepared, reason, now);
         let limit = limit_name(&p.policy, &p.prepared, Limited::Dependency);
         record(
             &p.policy,
