@@ -68,10 +68,16 @@
 //! transitions (open → half-open, the ramp's end) are computed from it at
 //! `now` and written by the next fold or probe.
 //!
+//! [`tick`] is a worker's whole breaker step, run by the glue on every
+//! tick after the controller's.
+//!
 //! Pure: time is `now`, the host is [`Host`].
 
+use super::window::{WindowSummary, Windows};
+use super::{controller, ProbeEvents, Worker};
 use crate::host::Host;
 use crate::policy::admission::BreakerSettings;
+use crate::policy::Policy;
 use crate::table::{self, push_record_with, Commit, Failure, Place, Reach, Records};
 
 /// The kind byte of a breaker record.
@@ -626,6 +632,84 @@ pub fn take_probe<H: Host>(
         },
     )?;
     Ok(updated.result)
+}
+
+/// What a worker's tick did for one dependency with a breaker (stats).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ticked {
+    /// Index into the policy's dependencies.
+    pub dependency: usize,
+    /// The node's breaker as this worker now holds it (`None`: shared data
+    /// could not be read; the worker keeps its last copy).
+    pub breaker: Option<Breaker>,
+    /// The transitions this worker's fold made (each is made by one worker).
+    pub transitions: Transitions,
+    /// The probe tickets this worker took since its last tick.
+    pub probes: ProbeEvents,
+}
+
+impl From<&WindowSummary> for Observed {
+    fn from(w: &WindowSummary) -> Observed {
+        Observed {
+            completed: u64::from(w.completed),
+            failures: u64::from(w.errors).saturating_add(u64::from(w.timeouts)),
+        }
+    }
+}
+
+/// A worker's tick for every dependency of `policy` with a breaker (the
+/// glue and the tests both run this), after [`controller::tick`]: the
+/// window this worker closed (for an adaptive dependency, the one the
+/// controller's tick closed, in `controlled`; otherwise its own
+/// [`Windows::tick`] closes it) is folded into the node's breaker
+/// ([`fold`]); the breaker then goes into the worker's
+/// [`super::Control`]. A dependency without a breaker has its copy cleared
+/// (a reload that removed it).
+pub fn tick<H: Host>(
+    host: &H,
+    policy: &Policy,
+    worker: &mut Worker,
+    windows: &mut Windows,
+    controlled: &[controller::Ticked],
+    now: u64,
+    buffers: &mut table::Buffers,
+) -> Vec<Ticked> {
+    let mut out = Vec::new();
+    for (i, dep) in policy.dependencies.iter().enumerate() {
+        let (Some(s), Some(window_ns)) = (dep.breaker.as_ref(), dep.signal_window_ns()) else {
+            if worker.control(&dep.key).breaker.is_some() {
+                worker.update_control(&dep.key, |c| c.breaker = None);
+            }
+            continue;
+        };
+        let closed = if dep.adaptive.is_some() {
+            controlled
+                .iter()
+                .find(|t| t.dependency == i)
+                .and_then(|t| t.closed)
+        } else {
+            windows.tick(host, &dep.name, window_ns, now).closed
+        };
+        let seed = worker.id() ^ now.rotate_left(17);
+        let folded =
+            closed.and_then(|w| fold(host, &dep.breaker_key, s, Observed::from(&w), now, seed, buffers).ok());
+        let (breaker, transitions) = match folded {
+            Some(f) => (Some(f.breaker), f.transitions),
+            // Not the closer, or its fold failed (that window is then lost
+            // to the breaker: it stays as it is).
+            None => (read(host, &dep.breaker_key, now), Transitions::default()),
+        };
+        if let Some(b) = breaker {
+            worker.update_control(&dep.key, |c| c.breaker = Some(b));
+        }
+        out.push(Ticked {
+            dependency: i,
+            breaker,
+            transitions,
+            probes: worker.take_probe_events(&dep.key),
+        });
+    }
+    out
 }
 
 #[cfg(test)]

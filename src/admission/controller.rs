@@ -27,10 +27,12 @@
 //! dead zone, where the upstream's own queue keeps p95 within about
 //! `(1 + b)/(1 − dz)` of the baseline: **10–20 % above the capacity** at
 //! the defaults (the simulation in this module's tests measures it: the
-//! upstream stays busy, its queue short). "Used": the window's peak in
-//! flight reached [`UTILIZED_PPM`] (80 %) of the limit, so a dependency
+//! upstream stays busy, its queue short). "Used": the window refused a
+//! request for the limit (or its level's share of it), or its peak in
+//! flight reached [`UTILIZED_PPM`] (80 %) of the limit; so a dependency
 //! with little demand (fast answers, few requests) does not inflate its
-//! limit towards `max`. A queue behind healthy latency is demand, not
+//! limit towards `max`, and one whose traffic is all sheddable (which
+//! fills at most 70–80 % of the pool) still rises when it is refused. A queue behind healthy latency is demand, not
 //! overload (lowering the limit would only lengthen it), so queue age
 //! counts only when latency is unhealthy or nothing completed at all.
 //! Windows with fewer than [`MIN_SAMPLES`] completions hold the limit: it
@@ -400,7 +402,7 @@ pub fn step(a: &Adaptive, seed: u64, before: &State, s: &WindowSummary) -> State
     }
     let alpha = ratio(a.smoothing_ppm);
     // Against the whole slots requests saw (the limit rounded).
-    let used = f64::from(s.peak_in_flight) >= f64::from(st.limit(a)) * ratio(UTILIZED_PPM);
+    let used = s.refused > 0 || f64::from(s.peak_in_flight) >= f64::from(st.limit(a)) * ratio(UTILIZED_PPM);
     let (target, mv) = match g {
         None => (limit, Move::Idle),
         Some(g) if g < dead_zone => (limit * g, Move::Gradient),

@@ -925,6 +925,9 @@ pub struct DecisionRecord<'a> {
     /// The dependency's breaker phase at the decision (`breaker=`; absent
     /// without a `circuit_breaker`).
     pub breaker: Option<&'a str>,
+    /// An adaptive dependency's limit as this worker applied it
+    /// (`controller_limit=`; the field is absent for other requests).
+    pub controller_limit: Option<u32>,
 }
 
 impl DecisionRecord<'_> {
@@ -939,7 +942,10 @@ impl DecisionRecord<'_> {
             self.policy_version.replace(' ', "_"),
             self.limit_key,
             self.limit
-        ) + &self.breaker.map(|b| format!(" breaker={b}")).unwrap_or_default()
+        ) + &self
+            .controller_limit
+            .map_or(String::new(), |l| format!(" controller_limit={l}"))
+            + &self.breaker.map(|b| format!(" breaker={b}")).unwrap_or_default()
     }
 }
 

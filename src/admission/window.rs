@@ -56,9 +56,9 @@
 //!   capacity. The minimum counts successes only.
 //!
 //! # Sizes
-//! A [`Tally`] is 836 bytes (the buckets are `u32`s); a worker keeps one
+//! A [`Tally`] is 840 bytes (the buckets are `u32`s); a worker keeps one
 //! per dependency with a window. The entry's record is [`ENTRY_STATE_LEN`]
-//! (1,697) bytes, one fixed shared-data key per dependency. A worker makes
+//! (1,705) bytes, one fixed shared-data key per dependency. A worker makes
 //! one read and one compare-and-swap per tick and dependency while it has
 //! samples, and only at a window's end while it has none.
 //!
@@ -82,7 +82,7 @@ const WINDOW_NAME_HASH: u32 = 0x0000_1f18;
 const VERSION: u8 = 1;
 const NANOS_PER_US: u64 = 1_000;
 /// Bytes of an encoded [`Tally`].
-const TALLY_LEN: usize = 4 * 4 + 8 + 8 + 4 + 4 * BUCKETS;
+const TALLY_LEN: usize = 4 * 4 + 8 + 8 + 4 + 4 + 4 * BUCKETS;
 /// Bytes of the window record's state: version, window length, open index,
 /// windows closed, two tallies.
 pub const ENTRY_STATE_LEN: usize = 1 + 8 + 8 + 8 + 2 * TALLY_LEN;
@@ -201,6 +201,10 @@ pub struct Tally {
     pub oldest_queue_ns: u64,
     /// The most slots in flight any recorded stream saw when it took its.
     pub peak_in_flight: u32,
+    /// Requests refused a slot of the dependency for its limit
+    /// (`concurrency_limit`, `queue_full`, `queue_timeout`): demand the
+    /// limit did not let through.
+    pub refused: u32,
     /// Successes and timeouts by latency bucket ([`bucket_of`]).
     pub buckets: [u32; BUCKETS],
 }
@@ -215,6 +219,7 @@ impl Default for Tally {
             min_ns: u64::MAX,
             oldest_queue_ns: 0,
             peak_in_flight: 0,
+            refused: 0,
             buckets: [0; BUCKETS],
         }
     }
@@ -259,6 +264,7 @@ impl Tally {
         self.min_ns = self.min_ns.min(other.min_ns);
         self.oldest_queue_ns = self.oldest_queue_ns.max(other.oldest_queue_ns);
         self.peak_in_flight = self.peak_in_flight.max(other.peak_in_flight);
+        self.refused = self.refused.saturating_add(other.refused);
         for (a, b) in self.buckets.iter_mut().zip(other.buckets.iter()) {
             *a = a.saturating_add(*b);
         }
@@ -298,6 +304,7 @@ impl Tally {
         out.extend_from_slice(&self.min_ns.to_le_bytes());
         out.extend_from_slice(&self.oldest_queue_ns.to_le_bytes());
         out.extend_from_slice(&self.peak_in_flight.to_le_bytes());
+        out.extend_from_slice(&self.refused.to_le_bytes());
         for b in &self.buckets {
             out.extend_from_slice(&b.to_le_bytes());
         }
@@ -312,6 +319,7 @@ impl Tally {
             min_ns: r.u64()?,
             oldest_queue_ns: r.u64()?,
             peak_in_flight: r.u32()?,
+            refused: r.u32()?,
             ..Tally::default()
         };
         for b in t.buckets.iter_mut() {
@@ -343,6 +351,8 @@ pub struct WindowSummary {
     pub oldest_queue_ns: u64,
     /// The most slots in flight a stream of it saw (see [`Outcome::in_flight`]).
     pub peak_in_flight: u32,
+    /// Requests refused for the dependency's limit (see [`Tally::refused`]).
+    pub refused: u32,
 }
 
 impl WindowSummary {
@@ -368,6 +378,7 @@ impl WindowSummary {
             min_ns: (t.min_ns != u64::MAX).then_some(t.min_ns),
             oldest_queue_ns: t.oldest_queue_ns,
             peak_in_flight: t.peak_in_flight,
+            refused: t.refused,
         }
     }
 }
@@ -520,6 +531,14 @@ impl Windows {
     /// Records one stream's end (memory only).
     pub fn record(&mut self, dependency: &str, window_ns: u64, outcome: Outcome, now: u64) {
         self.with(dependency, window_ns, now, |t| t.add(outcome));
+    }
+
+    /// Notes a request refused a slot for the dependency's limit (memory
+    /// only).
+    pub fn note_refused(&mut self, dependency: &str, window_ns: u64, now: u64) {
+        self.with(dependency, window_ns, now, |t| {
+            t.refused = t.refused.saturating_add(1)
+        });
     }
 
     /// Notes the age of this worker's oldest queued request for the

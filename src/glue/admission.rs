@@ -19,6 +19,13 @@
 //! * Root tick: the worker renews its leases and publishes what a failed
 //!   write left dirty; every 10th tick the in-flight gauges are set from
 //!   shared data (node-wide: every worker sets the same value).
+//! * Adaptive dependencies ([`crate::admission::controller`]): a stream
+//!   that took a slot of one gets a [`Signal`] (memory only); its response
+//!   headers stamp the time and status (one clock read, one header read);
+//!   at its end `response.code_details` is read (one property) and the
+//!   [`Outcome`] goes into the worker's [`Windows`]. The tick runs
+//!   [`controller::tick`] (fold, close, apply, read the limit into the
+//!   worker's `Control`) and sets the controller's gauges.
 //!
 //! Stats: `tenantgate.admission.<outcome>.<criticality>` counters
 //! (outcomes: `admitted` and every refusal reason), counted in memory and
@@ -35,19 +42,26 @@
 //!   tick (10 ms) stale;
 //! * `fair_drops.b<NN>` counters: requests dropped from the longest tenant
 //!   line of a full level (see [`crate::admission::queue`]), by tenant
-//!   hash bucket ([`FAIR_DROP_BUCKETS`] of them, never one per tenant).
+//!   hash bucket ([`FAIR_DROP_BUCKETS`] of them, never one per tenant);
+//! * adaptive dependencies only, from the node-wide controller state
+//!   (every 10th tick; every worker sets the same values): `limit.<dep>`
+//!   (the limit requests see, cut during a baseline refresh),
+//!   `baseline_us.<dep>`, and the last window's inputs `latency_p95_us.<dep>`,
+//!   `latency_min_us.<dep>`, `error_rate_ppm.<dep>` (errors and timeouts
+//!   per million completed), `window_queue_age_ms.<dep>`.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use proxy_wasm::types::MetricType;
+use proxy_wasm::types::{MapType, MetricType};
 
 use super::metrics::Metrics;
 use super::{abi, ProxyHost};
 use crate::admission::queue::{Attempt, Held, NotHeld, Offered, PriorityQueue, Served};
 use crate::admission::request::{self, BodyBudget, Declared};
-use crate::admission::{self, jittered_retry_after_secs, Limited, Ticket, Worker};
+use crate::admission::window::{self, Outcome, Windows};
+use crate::admission::{self, breaker, controller, jittered_retry_after_secs, Limited, Ticket, Worker};
 use crate::engine::{Decision, Prepared, Reason};
 use crate::host::Host;
 use crate::policy::admission::Criticality;
@@ -61,14 +75,190 @@ thread_local! {
     static QUEUES: RefCell<HashMap<String, PriorityQueue<Parked>>> = RefCell::new(HashMap::new());
     /// Slots of requests the queue resumed, by stream context id.
     static ADMITTED: RefCell<HashMap<u32, Ticket>> = RefCell::new(HashMap::new());
+    /// Streams of adaptive dependencies, by context id: what their end
+    /// records.
+    static SIGNALS: RefCell<HashMap<u32, Signal>> = RefCell::new(HashMap::new());
+    /// The worker's stream-end windows.
+    static WINDOWS: RefCell<Windows> = RefCell::new(Windows::default());
+    /// The controller's shared-data buffers.
+    static CONTROL_BUFFERS: RefCell<crate::table::Buffers> = RefCell::new(crate::table::Buffers::default());
+}
+
+/// What a stream of a dependency with a signal window (a controller's or
+/// a breaker's) records at its end.
+#[derive(Debug, Clone)]
+pub struct Signal {
+    /// The dependency's name and window length.
+    dependency: String,
+    window_ns: u64,
+    /// When its slot was taken (headers, or the queue's admission).
+    admitted_at: u64,
+    /// Its dependency's live slots then, itself included.
+    in_flight: u32,
+    /// When its response headers came, and their status.
+    response_at: Option<u64>,
+    status: Option<u32>,
+}
+
+/// Starts a stream's signal if its class's dependency has a signal window.
+fn start_signal(policy: &Policy, prepared: &Prepared, context_id: u32, ticket: &Ticket, now: u64) {
+    let Some(dep) = prepared
+        .class
+        .labels
+        .dependency
+        .and_then(|i| policy.dependency(i))
+    else {
+        return;
+    };
+    // A controller's or a breaker's dependency.
+    let Some(window_ns) = dep.signal_window_ns() else {
+        return;
+    };
+    if ticket.dependency_key().is_none() {
+        return;
+    }
+    let signal = Signal {
+        dependency: dep.name.clone(),
+        window_ns,
+        admitted_at: now,
+        in_flight: ticket.in_flight().saturating_add(1),
+        response_at: None,
+        status: None,
+    };
+    SIGNALS.with(|s| {
+        if let Ok(mut s) = s.try_borrow_mut() {
+            s.insert(context_id, signal);
+        }
+    });
+}
+
+/// A request refused for its adaptive dependency's limit: demand the
+/// controller counts (memory only).
+fn note_refused(policy: &Policy, prepared: &Prepared, reason: Reason, now: u64) {
+    if !matches!(
+        reason,
+        Reason::ConcurrencyLimit | Reason::QueueFull | Reason::QueueTimeout
+    ) {
+        return;
+    }
+    let Some(dep) = prepared
+        .class
+        .labels
+        .dependency
+        .and_then(|i| policy.dependency(i))
+    else {
+        return;
+    };
+    let Some(a) = dep.adaptive else { return };
+    WINDOWS.with(|w| {
+        if let Ok(mut w) = w.try_borrow_mut() {
+            w.note_refused(&dep.name, a.window_ns, now);
+        }
+    });
+}
+
+/// The response's headers of a stream: stamps its signal (if it has one).
+pub fn on_response_headers(context_id: u32) {
+    SIGNALS.with(|s| {
+        let Ok(mut s) = s.try_borrow_mut() else { return };
+        if s.is_empty() {
+            return;
+        }
+        if let Some(sig) = s.get_mut(&context_id) {
+            sig.response_at = super::now_ns();
+            sig.status = abi::header(MapType::HttpResponseHeaders, ":status")
+                .ok()
+                .flatten()
+                .and_then(|v| std::str::from_utf8(&v).ok()?.parse().ok());
+        }
+    });
+}
+
+/// tenantgate answers the stream itself: its end is not a health signal.
+pub fn forget_signal(context_id: u32) {
+    SIGNALS.with(|s| {
+        if let Ok(mut s) = s.try_borrow_mut() {
+            if !s.is_empty() {
+                s.remove(&context_id);
+            }
+        }
+    });
+}
+
+/// The stream ended: records its outcome in the worker's window.
+pub fn end_signal(context_id: u32, now: u64) {
+    let signal = SIGNALS.with(|s| {
+        let mut s = s.try_borrow_mut().ok()?;
+        if s.is_empty() {
+            return None;
+        }
+        s.remove(&context_id)
+    });
+    let Some(sig) = signal else { return };
+    let details = abi::property(&["response", "code_details"]).ok().flatten();
+    let details = details.as_deref().and_then(|d| std::str::from_utf8(d).ok());
+    let outcome = Outcome {
+        latency_ns: sig.response_at.unwrap_or(now).saturating_sub(sig.admitted_at),
+        kind: window::classify(details, sig.status, false),
+        in_flight: sig.in_flight,
+    };
+    WINDOWS.with(|w| {
+        if let Ok(mut w) = w.try_borrow_mut() {
+            w.record(&sig.dependency, sig.window_ns, outcome, now);
+        }
+    });
 }
 
 /// The number of tenant buckets fair-queue drops are counted in.
 pub const FAIR_DROP_BUCKETS: usize = 16;
 
+/// The controller's gauges of an adaptive dependency.
+struct ControllerGauges {
+    limit: Option<u32>,
+    baseline_us: Option<u32>,
+    p95_us: Option<u32>,
+    min_us: Option<u32>,
+    error_rate_ppm: Option<u32>,
+    queue_age_ms: Option<u32>,
+}
+
+impl ControllerGauges {
+    fn define(name: &str) -> ControllerGauges {
+        let gauge = |what: &str| {
+            abi::define_metric(MetricType::Gauge, &format!("tenantgate.admission.{what}.{name}")).ok()
+        };
+        ControllerGauges {
+            limit: gauge("limit"),
+            baseline_us: gauge("baseline_us"),
+            p95_us: gauge("latency_p95_us"),
+            min_us: gauge("latency_min_us"),
+            error_rate_ppm: gauge("error_rate_ppm"),
+            queue_age_ms: gauge("window_queue_age_ms"),
+        }
+    }
+
+    fn set(&self, state: &controller::State, cap: u32) {
+        let i = &state.inputs;
+        for (id, value) in [
+            (self.limit, u64::from(cap)),
+            (self.baseline_us, state.baseline_ns / 1_000),
+            (self.p95_us, i.p95_ns / 1_000),
+            (self.min_us, i.min_ns / 1_000),
+            (self.error_rate_ppm, u64::from(i.error_ppm)),
+            (self.queue_age_ms, i.oldest_queue_ns / 1_000_000),
+        ] {
+            if let Some(id) = id {
+                let _ = abi::record_metric(id, value);
+            }
+        }
+    }
+}
+
 /// A dependency's gauges (ids) and what this root last gave them.
 struct DependencyGauges {
     in_flight: Option<u32>,
+    /// Defined once the dependency is adaptive in a loaded policy.
+    controller: Option<ControllerGauges>,
     depth: Option<u32>,
     oldest_ms: Option<u32>,
     /// This worker's queue length as last added to `depth`.
@@ -84,6 +274,7 @@ impl DependencyGauges {
         };
         DependencyGauges {
             in_flight: gauge("in_flight"),
+            controller: None,
             depth: gauge("queue_depth"),
             oldest_ms: gauge("queue_oldest_ms"),
             reported_depth: Cell::new(0),
@@ -155,18 +346,6 @@ fn outcome_name(o: Option<Reason>) -> &'static str {
     o.map_or("admitted", Reason::as_str)
 }
 
-/// The signal windows' tick (see [`super::window`]), before the queues
-/// are served.
-pub fn tick_windows(policy: &Policy, now: u64) {
-    if policy.dependencies.iter().all(|d| d.signal_window_ns().is_none()) {
-        return;
-    }
-    ensure_worker(now);
-    if let Some(id) = with_worker(|w| w.id()) {
-        super::window::tick(policy, id, now);
-    }
-}
-
 /// Registers the VM's worker if it has none yet (on configure and on the
 /// tick, until it works).
 pub fn ensure_worker(now: u64) {
@@ -227,9 +406,6 @@ pub struct Stream {
     pub level: Criticality,
     /// Paused in a dependency's queue, or resumed from it.
     pub queued: bool,
-    /// What its end records for its dependency's signal window (see
-    /// [`super::window`]).
-    pub signal: Option<super::window::Signal>,
 }
 
 /// The filter state the decision record is kept under (`wasm.` + this).
@@ -264,6 +440,11 @@ fn record(
     let dep = labels.dependency.and_then(|i| policy.dependency(i));
     let dependency = dep.map_or("-", |d| d.name.as_str());
     let key = crate::engine::logical_key(&prepared.class.action, &prepared.subject);
+    let controller_limit = labels
+        .dependency
+        .and_then(|i| policy.dependency(i))
+        .filter(|d| d.adaptive.is_some())
+        .and_then(|d| with_worker(|w| admission::effective_limit(d, &w.control(&d.key))));
     let text = admission::DecisionRecord {
         outcome: outcome_name(outcome),
         criticality: labels.criticality,
@@ -274,6 +455,7 @@ fn record(
         limit_key: &key,
         limit,
         breaker: super::breaker::phase_name(dep, now),
+        controller_limit,
     }
     .render();
     if abi::set_property(RECORD_PROPERTY, text.as_bytes()).is_err() {
@@ -359,15 +541,20 @@ impl Admission {
         }
         Worker::prepare(&ProxyHost, policy, now);
         super::breaker::configure(policy);
-        super::window::configure(policy, now);
         ensure_worker(now);
         let Ok(mut gauges) = self.gauges.try_borrow_mut() else {
             return;
         };
         for d in &policy.dependencies {
-            gauges
+            let g = gauges
                 .entry(d.key.clone())
                 .or_insert_with(|| DependencyGauges::define(&d.name));
+            if let Some(window_ns) = d.signal_window_ns() {
+                window::prepare(&ProxyHost, &d.name, window_ns, now);
+            }
+            if d.adaptive.is_some() && g.controller.is_none() {
+                g.controller = Some(ControllerGauges::define(&d.name));
+            }
         }
         let Ok(mut action_gauges) = self.action_gauges.try_borrow_mut() else {
             return;
@@ -448,6 +635,9 @@ impl Admission {
         match acquired {
             Ok(ticket) => {
                 self.count(None, level);
+                if let Some(t) = &ticket {
+                    start_signal(policy, prepared, context_id, t, now);
+                }
                 record(
                     policy,
                     prepared,
@@ -457,9 +647,6 @@ impl Admission {
                     "-",
                     now,
                 );
-                if let (Some(d), Some(t)) = (dep, ticket.as_ref()) {
-                    stream.signal = super::window::signal(d, t.in_flight(), now);
-                }
                 stream.ticket = ticket;
                 Ok(())
             }
@@ -507,6 +694,9 @@ impl Admission {
                     }
                 }
                 self.count(Some(reason), level);
+                if refusal.limit == Limited::Dependency {
+                    note_refused(policy, prepared, reason, now);
+                }
                 let limit = limit_name(policy, prepared, refusal.limit);
                 record(policy, prepared, Some(reason), refusal.in_flight, 0, &limit, now);
                 if shadow {
@@ -564,6 +754,7 @@ impl Admission {
             return;
         };
         // A queue is its dependency's: it names what refused.
+        note_refused(&p.policy, &p.prepared, reason, now);
         let limit = limit_name(&p.policy, &p.prepared, Limited::Dependency);
         record(
             &p.policy,
@@ -673,17 +864,7 @@ impl Admission {
                             super::send_reply(&reply, metrics);
                         }
                         None => {
-                            let dep = p
-                                .prepared
-                                .class
-                                .labels
-                                .dependency
-                                .and_then(|i| p.policy.dependency(i));
-                            if let Some(signal) =
-                                dep.and_then(|d| super::window::signal(d, ticket.in_flight(), now))
-                            {
-                                super::window::expect_resumed(p.context_id, signal);
-                            }
+                            start_signal(&p.policy, &p.prepared, p.context_id, &ticket, now);
                             ADMITTED.with(|a| {
                                 if let Ok(mut a) = a.try_borrow_mut() {
                                     a.insert(p.context_id, ticket);
@@ -707,6 +888,51 @@ impl Admission {
         }
     }
 
+    /// The breakers' tick (see [`breaker::tick`]), after the controller's.
+    fn breakers(&self, policy: &Policy, controlled: &[controller::Ticked], now: u64) -> Vec<breaker::Ticked> {
+        WINDOWS.with(|windows| {
+            CONTROL_BUFFERS.with(|buffers| {
+                let (Ok(mut windows), Ok(mut buffers)) = (windows.try_borrow_mut(), buffers.try_borrow_mut())
+                else {
+                    return Vec::new();
+                };
+                with_worker(|w| {
+                    breaker::tick(&ProxyHost, policy, w, &mut windows, controlled, now, &mut buffers)
+                })
+                .unwrap_or_default()
+            })
+        })
+    }
+
+    /// The adaptive controller's tick (see [`controller::tick`]).
+    fn control(&self, policy: &Policy, now: u64) -> Vec<controller::Ticked> {
+        let ages = QUEUES.with(|q| {
+            q.try_borrow()
+                .map(|queues| {
+                    queues
+                        .iter()
+                        .filter_map(|(key, queue)| {
+                            queue.oldest().map(|at| (key.clone(), now.saturating_sub(at)))
+                        })
+                        .collect::<HashMap<String, u64>>()
+                })
+                .unwrap_or_default()
+        });
+        let age = |d: &crate::policy::admission::Dependency| ages.get(&d.key).copied().unwrap_or(0);
+        WINDOWS.with(|windows| {
+            CONTROL_BUFFERS.with(|buffers| {
+                let (Ok(mut windows), Ok(mut buffers)) = (windows.try_borrow_mut(), buffers.try_borrow_mut())
+                else {
+                    return Vec::new();
+                };
+                with_worker(|w| {
+                    controller::tick(&ProxyHost, policy, w, &mut windows, &age, now, &mut buffers)
+                })
+                .unwrap_or_default()
+            })
+        })
+    }
+
     /// Counts a streamed body's chunk; `Err`: over `max_body_bytes`.
     pub fn on_request_body(&self, stream: &mut Stream, bytes: usize) -> Result<(), Decision> {
         let level = stream.level;
@@ -725,8 +951,9 @@ impl Admission {
             })
     }
 
-    /// The root tick: leases, pending stats, gauges.
-    pub fn tick(&self, metrics: &Metrics, now: u64) {
+    /// The root tick: leases, pending stats, gauges, and the adaptive
+    /// controller of `policy`'s dependencies.
+    pub fn tick(&self, metrics: &Metrics, policy: Option<&Policy>, now: u64) {
         let flush = |id: &Option<u32>, p: &Cell<u64>| {
             let n = p.take();
             if let (Some(id), true) = (id, n > 0) {
@@ -751,6 +978,30 @@ impl Admission {
         ensure_worker(now);
         with_worker(|w| w.renew(&ProxyHost, now));
         self.serve_queues(metrics, now);
+        let ticks = self.ticks.get().wrapping_add(1);
+        let ticked = match policy.filter(|p| p.dependencies.iter().any(|d| d.adaptive.is_some())) {
+            Some(policy) => self.control(policy, now),
+            None => Vec::new(),
+        };
+        if let Some(policy) = policy.filter(|p| p.dependencies.iter().any(|d| d.breaker.is_some())) {
+            for t in self.breakers(policy, &ticked, now) {
+                if let Some(dep) = policy.dependency(t.dependency) {
+                    super::breaker::report(dep, &t, now);
+                }
+            }
+        }
+        if ticks % 10 == 0 {
+            for t in &ticked {
+                let (Some(dep), Some(state), Some(cap)) =
+                    (policy.and_then(|p| p.dependency(t.dependency)), t.state, t.cap)
+                else {
+                    continue;
+                };
+                if let Some(c) = gauges.get(&dep.key).and_then(|g| g.controller.as_ref()) {
+                    c.set(&state, cap);
+                }
+            }
+        }
         QUEUES.with(|q| {
             let Ok(queues) = q.try_borrow() else { return };
             for (key, g) in gauges.iter() {
@@ -762,7 +1013,6 @@ impl Admission {
                 g.report(depth, oldest_ms);
             }
         });
-        let ticks = self.ticks.get().wrapping_add(1);
         self.ticks.set(ticks);
         if ticks % 10 != 0 {
             return;

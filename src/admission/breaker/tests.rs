@@ -620,3 +620,69 @@ fn the_effective_limit_is_the_least_of_the_controllers_and_the_breakers() {
         1
     );
 }
+
+#[test]
+fn the_worker_that_closes_a_signal_window_runs_the_breaker_and_every_worker_then_refuses() {
+    use crate::admission::window::{Outcome, OutcomeKind, Windows};
+    let p = policy("");
+    let dep = p.dependency(0).unwrap();
+    // A breaker alone: signal windows of its window (1 s) up to 500 ms.
+    assert_eq!(dep.signal_window_ns(), Some(500 * MS));
+    let store = SharedStore::new();
+    let host = FakeHost::new(store.clone());
+    let mut workers = [Worker::with_id(1), Worker::with_id(2)];
+    let mut windows = [Windows::default(), Windows::default()];
+    let mut buffers = table::Buffers::default();
+    // Window-aligned start; 6 + 6 upstream errors in one window.
+    let start = (T0 / (500 * MS)) * (500 * MS);
+    let error = Outcome {
+        latency_ns: MS,
+        kind: OutcomeKind::Error,
+        in_flight: 1,
+    };
+    for w in windows.iter_mut() {
+        for k in 0..6 {
+            w.record(&dep.name, 500 * MS, error, start + k * MS);
+        }
+    }
+    let mut tick_all = |now: u64| -> Vec<Ticked> {
+        let mut all = Vec::new();
+        for (w, win) in workers.iter_mut().zip(windows.iter_mut()) {
+            all.extend(tick(&host, &p, w, win, &[], now, &mut buffers));
+        }
+        all
+    };
+    // Mid-window: folded, not closed: still closed.
+    let t = tick_all(start + 100 * MS);
+    assert!(t.iter().all(|t| t.transitions.iter().count() == 0));
+    assert!(t
+        .iter()
+        .all(|t| t.breaker.map(|b| b.phase) == Some(Phase::Closed)));
+    // After the window's end and its grace, one worker closes it: 12
+    // errors ≥ min_volume 10 at 100 %: open, made once.
+    let t = tick_all(start + 560 * MS);
+    let made: Vec<Transition> = t.iter().flat_map(|t| t.transitions.iter()).collect();
+    assert_eq!(
+        made,
+        [Transition {
+            from: Phase::Closed,
+            to: Phase::Open
+        }]
+    );
+    // Both workers hold it (the second read it in the same tick) and refuse.
+    let mut node = Node {
+        store: store.clone(),
+        workers: workers.into_iter().collect(),
+        policy: p.clone(),
+    };
+    for i in 0..2 {
+        assert_eq!(
+            node.workers[i].control(&dep.key).breaker.map(|b| b.phase),
+            Some(Phase::Open)
+        );
+        assert!(matches!(
+            node.request(i, "orders", start + 570 * MS),
+            Err((Reason::CircuitOpen, _))
+        ));
+    }
+}

@@ -62,6 +62,7 @@ fn summary(index: u64, completed: u32, p95_ms: u64, peak: u32) -> WindowSummary 
         min_ns: (completed > 0).then_some(MS),
         oldest_queue_ns: 0,
         peak_in_flight: peak,
+        refused: 0,
     }
 }
 
@@ -136,6 +137,12 @@ fn each_rule_moves_the_limit_within_its_bound() {
     // Healthy but unused (peak 50 of 100): held, never inflated.
     let unused = step(&a, 1, &st, &summary(2, 500, 20, 50));
     assert_eq!((unused.last_move, unused.limit(&a)), (Move::Held, 100));
+    // ... unless requests were refused for the limit (a level's share).
+    let refused = WindowSummary {
+        refused: 3,
+        ..summary(2, 500, 20, 50)
+    };
+    assert_eq!(step(&a, 1, &st, &refused).last_move, Move::Increase);
     // Errors over the threshold: the multiplicative backoff.
     let mut errs = summary(2, 500, 20, 100);
     errs.errors = 60;
@@ -411,6 +418,7 @@ impl Sim {
             Ok(None) => panic!("orders has a dependency"),
             Err(_) => {
                 self.refused += 1;
+                self.windows[w].note_refused("db", self.a.window_ns, self.now);
                 return;
             }
         };

@@ -138,6 +138,8 @@ fn two_workers_fold_into_one_window_and_one_closes_it() {
     b.record("db", W, of(OutcomeKind::NotCounted, 1), T0 + 20 * MS);
     b.record("db", W, ok(5), T0 + 30 * MS);
     b.note_queue_age("db", W, 40 * MS, T0 + 30 * MS);
+    b.note_refused("db", W, T0 + 30 * MS);
+    a.note_refused("db", W, T0 + 30 * MS);
     b.record(
         "db",
         W,
@@ -170,7 +172,7 @@ fn two_workers_fold_into_one_window_and_one_closes_it() {
     assert_eq!(s.min_ns, Some(5 * MS));
     assert_eq!(s.oldest_queue_ns, 40 * MS);
     assert!((s.error_rate() - 2.0 / 14.0).abs() < 1e-12);
-    assert_eq!(s.peak_in_flight, 9);
+    assert_eq!((s.peak_in_flight, s.refused), (9, 2));
     let p95 = s.p95_ns.unwrap_or(0);
     assert!(p95 >= 280 * MS, "the timeout is the top 5 %: {p95}");
     assert_eq!(open_window(&host, "db"), Some((T0 / W + 1, 1)));
@@ -295,8 +297,8 @@ fn the_entry_size_is_as_stated() {
     let node = Node::new();
     let host = node.host();
     prepare(&host, "db", W, T0);
-    assert_eq!(TALLY_LEN, 836);
-    assert_eq!(ENTRY_STATE_LEN, 1_697);
+    assert_eq!(TALLY_LEN, 840);
+    assert_eq!(ENTRY_STATE_LEN, 1_705);
     let value = node.store.borrow().get(&window_key("db")).map(<[u8]>::len);
     // Entry and record headers around the state.
     assert!(
