@@ -15,10 +15,10 @@
 //!   (`failures` clamped to `completed`; compared as
 //!   `failures · 1000 ≥ error_permille · completed` in `u128`, so any `u64`
 //!   counts are exact). A window with 0 completed never trips.
-//! * The window is `s.window_ns` long; its counts reset when it ends. A
-//!   closed breaker is judged on every fold (the window so far), so it
-//!   opens as soon as `min_volume` completions are in, not at the window's
-//!   end.
+//! * The window is `s.window_ns` long; its counts reset when it ends. It
+//!   is judged at every fold (each signal window's close, see below) on
+//!   the window so far, so a long window opens as soon as `min_volume`
+//!   completions are in, not at its end.
 //! * **Open** lasts `w_k · (1 − j/5)` with `w_k = min(max_open_for,
 //!   open_for · 2^k)`, `j ∈ [0, 1)` from a seed (a jitter of up to 20 %
 //!   downwards, so nodes and dependencies do not probe in lockstep), `k`
