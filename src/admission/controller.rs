@@ -14,13 +14,15 @@
 //! errors + timeouts ≥ error_rate of completed    →  L' = L·backoff
 //! queue age ≥ queue_age, and ḡ < 1 − ε − dz
 //!   or nothing completed (a hung upstream)       →  L' = L·backoff
-//! ḡ < 1 − ε − dz                                 →  L' = L + α·(L·ḡ − L)
+//! ḡ < 1 − ε − dz                                 →  L' = L + 2α·(L·ḡ − L)   (2α at most 1)
 //! 1 − ε − dz ≤ ḡ < 1 − ε                         →  L' = L          (the dead zone)
 //! ḡ ≥ 1 − ε and the limit was used               →  L' = L + max(1, α·(L·ḡ + √(L·ḡ) − L))
 //! otherwise (idle, < MIN_SAMPLES, unused)        →  L' = L
 //! then  L' ≤ L + max(1, L·max_increase),  L' ≥ L/2,  L' = clamp(min, max, L')
 //! ```
-//! On the way up this is Envoy's gradient (`L·g + √(L·g)`). On the way
+//! Down moves take twice the smoothing's share of the way up's: an
+//! overload costs more than spare capacity. On the way up this is
+//! Envoy's gradient (`L·g + √(L·g)`). On the way
 //! down its `√(L·g)` headroom is left out: with it the limit settles
 //! where `1 − g ≈ 1/√L`, a queue of about `√L` past the capacity (for a
 //! capacity of 20, 30 % above it). Without it the limit settles in the
@@ -408,6 +410,12 @@ pub fn step(a: &Adaptive, seed: u64, before: &State, s: &WindowSummary) -> State
         Some(g) if g < dead_zone => (limit * g, Move::Gradient),
         Some(g) if g < healthy || !used => (limit, Move::Held),
         Some(g) => (limit * g + (limit * g).sqrt(), Move::Increase),
+    };
+    // Down twice as fast as up: an overload costs more than spare capacity.
+    let alpha = if target < limit {
+        (2.0 * alpha).min(1.0)
+    } else {
+        alpha
     };
     let mut smoothed = limit + alpha * (target - limit);
     if mv == Move::Increase {

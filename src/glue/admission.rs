@@ -22,8 +22,9 @@
 //! * Adaptive dependencies ([`crate::admission::controller`]): a stream
 //!   that took a slot of one gets a [`Signal`] (memory only); its response
 //!   headers stamp the time and status (one clock read, one header read);
-//!   at its end `response.code_details` is read (one property) and the
-//!   [`Outcome`] goes into the worker's [`Windows`]. The tick runs
+//!   at its end, for a 5xx or no response at all, `response.code_details`
+//!   is read (one property) and the [`Outcome`] goes into the worker's
+//!   [`Windows`]. The tick runs
 //!   [`controller::tick`] (fold, close, apply, read the limit into the
 //!   worker's `Control`) and sets the controller's gauges.
 //!
@@ -191,7 +192,15 @@ pub fn end_signal(context_id: u32, now: u64) {
         s.remove(&context_id)
     });
     let Some(sig) = signal else { return };
-    let details = abi::property(&["response", "code_details"]).ok().flatten();
+    // Below 500 an answer is a success whoever sent it (tenantgate's own
+    // replies forgot their signal): Envoy's details are read only for a
+    // 5xx or a stream that ended without response headers, to tell the
+    // upstream's failures from the rest (one property read fewer per
+    // request).
+    let details = match sig.status {
+        Some(status) if status < 500 => None,
+        _ => abi::property(&["response", "code_details"]).ok().flatten(),
+    };
     let details = details.as_deref().and_then(|d| std::str::from_utf8(d).ok());
     let outcome = Outcome {
         latency_ns: sig.response_at.unwrap_or(now).saturating_sub(sig.admitted_at),
