@@ -6,7 +6,7 @@
 //! # The formula (per closed window, `L` the limit before it)
 //! With `B` the baseline (the p95 measured at reduced concurrency, below),
 //! `p` the window's p95 (successes and timeouts) over `n` of them, `b` =
-//! `buffer`, `dz` = `dead_zone`, `α` = `smoothing`, `ε = 0.5/√n` (the
+//! `buffer`, `dz` = `dead_zone`, `α` = `smoothing`, `ε = 0.3/√n` (the
 //! p95's sampling noise, [`NOISE`]):
 //! ```text
 //! g  = clamp(0.5, 2, B·(1 + b) / p)                   the gradient
@@ -106,11 +106,12 @@ pub const REFRESH_JITTER_PPM: u32 = 250_000;
 /// A window's peak in flight must reach this share of the limit for it
 /// to rise.
 pub const UTILIZED_PPM: u32 = 800_000;
-/// The dead zone widens by `NOISE/√n` for a window of `n` latency
-/// samples: a p95 of `n` samples varies by about `0.6/√n` (relative, for
-/// a lognormal service time of σ = 0.3), so a window of 25 samples gets
-/// 10 % more, one of 500 gets 2 %.
-pub const NOISE: f64 = 0.5;
+/// Both thresholds allow `NOISE/√n` for a window of `n` latency samples:
+/// a p95 of `n` samples varies by about `0.6/√n` (relative, for a
+/// lognormal service time of σ = 0.3); half a standard deviation keeps the
+/// dead zone tight where samples are many (1.3 % at 500) and widens it
+/// where they are few (6 % at 25).
+pub const NOISE: f64 = 0.3;
 /// The kind byte of a control record.
 pub const KIND_CONTROL: u8 = 19;
 const CONTROL_NAME_HASH: u32 = 0x0000_1f19;

@@ -117,8 +117,8 @@ fn each_rule_moves_the_limit_within_its_bound() {
     let down = step(&a, 1, &st, &summary(2, 500, 200, 100));
     assert_eq!(down.last_move, Move::Gradient);
     assert_eq!(down.limit_milli, 75_000);
-    // In the dead zone: g = 20·1.02/21 = 0.971, between 1 − 0.04 − 0.5/√500
-    // = 0.938 and 1 − 0.5/√500 = 0.978: held.
+    // In the dead zone: g = 20·1.02/21 = 0.971, between 1 − 0.04 − 0.3/√500
+    // = 0.947 and 1 − 0.3/√500 = 0.987: held.
     let held = step(&a, 1, &st, &summary(2, 500, 21, 100));
     assert_eq!((held.last_move, held.limit(&a)), (Move::Held, 100));
     // Healthy and used: up by α·(L·g + √(L·g) − L), g = 1.02.
