@@ -548,10 +548,11 @@ async fn overflowing_counts_do_not_panic_the_allocator(b: Backend) {
     a.shutdown().await;
 }
 
+/// The nearest-rank percentile: for 100 samples, p99 is the 99th smallest.
 fn percentile(mut samples: Vec<Duration>, pct: usize) -> Duration {
     samples.sort();
-    let i = (samples.len() * pct / 100).min(samples.len().saturating_sub(1));
-    samples[i]
+    let rank = (samples.len() * pct).div_ceil(100);
+    samples[rank.saturating_sub(1).min(samples.len().saturating_sub(1))]
 }
 
 /// An honest node's sync latencies: `n` requests, one at a time.
