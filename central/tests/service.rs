@@ -409,6 +409,26 @@ async fn lost_and_duplicate_reports_counted_once(b: Backend) {
             .as_deref(),
         Some("1")
     );
+    // `top` counts the same deduplicated demand: 5 + 6 at one replica, the
+    // retry's 3 new at the other (not its 8), 14 in all.
+    let top_demand = |i: &Instance| {
+        let i = i.admin;
+        async move {
+            let (status, body) = http(i, "GET", "/v1/top", "").await;
+            assert_eq!(status, 200, "{body}");
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            v["regions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|r| r["by_demand"].as_array().unwrap().clone())
+                .filter(|e| e["key"] == "t|api")
+                .map(|e| e["count"].as_f64().unwrap())
+                .sum::<f64>()
+        }
+    };
+    assert_eq!(top_demand(&a).await, 11.0);
+    assert_eq!(top_demand(&c).await, 3.0);
     a.shutdown().await;
     c.shutdown().await;
 }

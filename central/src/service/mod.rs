@@ -434,9 +434,18 @@ impl Service {
         if let Some(e) = txn.refused {
             return Err(e);
         }
-        if txn.begun.is_none() {
+        let Some(begun) = txn.begun.as_ref() else {
             return Err(SyncError::Stale(req.seq));
-        }
+        };
+        self.top.record(
+            &req.region,
+            begun.deltas().iter().map(|((key, _), c)| top::Seen {
+                key,
+                demand: c.demand,
+                consumed: c.consumed,
+            }),
+            now,
+        );
         self.metrics.reports.fetch_add(req.reports.len() as u64, Relaxed);
         let capped = txn.capped;
         if capped > 0 {
@@ -452,7 +461,6 @@ impl Service {
             .fetch_add(unknown.saturating_sub(capped), Relaxed);
         let resp = alloc::respond(&cfg, req, visits);
         self.metrics.leases.fetch_add(resp.leases.len() as u64, Relaxed);
-        self.top.record(&req.region, &req.reports, now);
         Ok(resp)
     }
 
