@@ -226,6 +226,11 @@ fn the_breaker_cuts_callouts_to_a_failing_service_and_its_probe_brings_leases_ba
         envoy.tg_stat("sync.failed") >= 3,
         "three failures before it opened"
     );
+    let gauge = envoy.tg_stat("sync.breaker");
+    assert!(
+        gauge == 1 || gauge == 2,
+        "the sync.breaker gauge shows it open (1) or probing (2): {gauge}"
+    );
     // Once the backoff reached its cap: count what the service receives
     // over 2.4 s (12 intervals without the breaker).
     std::thread::sleep(Duration::from_millis(1500));
@@ -284,6 +289,7 @@ fn the_breaker_cuts_callouts_to_a_failing_service_and_its_probe_brings_leases_ba
     std::thread::sleep(Duration::from_secs(1));
     let received = server.requests().len() - reqs0;
     println!("breaker closed: {received} sync requests in 1 s");
+    assert_eq!(envoy.tg_stat("sync.breaker"), 0, "the gauge shows it closed");
     assert!(
         received >= 3,
         "closed: about 5 reports per second, got {received}"
