@@ -85,6 +85,7 @@
 pub mod holders;
 pub mod queue;
 pub mod request;
+pub mod retry;
 
 use hashbrown::HashMap;
 

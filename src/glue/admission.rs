@@ -47,6 +47,7 @@ use super::metrics::Metrics;
 use super::{abi, ProxyHost};
 use crate::admission::queue::{Attempt, Held, NotHeld, Offered, PriorityQueue, Served};
 use crate::admission::request::{self, BodyBudget, Declared};
+use crate::admission::retry::{self, Primaries};
 use crate::admission::{self, jittered_retry_after_secs, Limited, Ticket, Worker};
 use crate::engine::{Decision, Prepared, Reason};
 use crate::host::Host;
@@ -61,6 +62,9 @@ thread_local! {
     static QUEUES: RefCell<HashMap<String, PriorityQueue<Parked>>> = RefCell::new(HashMap::new());
     /// Slots of requests the queue resumed, by stream context id.
     static ADMITTED: RefCell<HashMap<u32, Ticket>> = RefCell::new(HashMap::new());
+    /// Primary requests of retry-budgeted dependencies not yet in shared
+    /// data (folded on the tick), and the retries' updates.
+    static PRIMARIES: RefCell<Primaries> = RefCell::new(Primaries::default());
 }
 
 /// The number of tenant buckets fair-queue drops are counted in.
@@ -71,6 +75,14 @@ struct DependencyGauges {
     in_flight: Option<u32>,
     depth: Option<u32>,
     oldest_ms: Option<u32>,
+    /// `retries.<dependency>`: retries admitted by its budget.
+    retries: Option<u32>,
+    pending_retries: Cell<u64>,
+    /// `retry_amplification_permille.<dependency>`: attempts ÷ primaries
+    /// over the budget's window, node-wide.
+    amplification: Option<u32>,
+    /// The dependency's budget in the last policy loaded.
+    budget: RefCell<Option<crate::policy::admission::RetryBudget>>,
     /// This worker's queue length as last added to `depth`.
     reported_depth: Cell<u64>,
     /// The value this root last set `oldest_ms` to.
@@ -86,6 +98,14 @@ impl DependencyGauges {
             in_flight: gauge("in_flight"),
             depth: gauge("queue_depth"),
             oldest_ms: gauge("queue_oldest_ms"),
+            retries: abi::define_metric(
+                MetricType::Counter,
+                &format!("tenantgate.admission.retries.{name}"),
+            )
+            .ok(),
+            pending_retries: Cell::new(0),
+            amplification: gauge("retry_amplification_permille"),
+            budget: RefCell::new(None),
             reported_depth: Cell::new(0),
             reported_oldest_ms: Cell::new(0),
         }
@@ -122,6 +142,8 @@ pub struct Parked {
     context_id: u32,
     policy: Rc<Policy>,
     prepared: Prepared,
+    /// A primary request of a retry-budgeted dependency: counted when admitted.
+    primary: bool,
 }
 
 /// Why a request does not go on at once.
@@ -171,6 +193,15 @@ pub fn ensure_worker(now: u64) {
 
 fn with_worker<R>(f: impl FnOnce(&mut Worker) -> R) -> Option<R> {
     WORKER.with(|w| w.try_borrow_mut().ok()?.as_mut().map(f))
+}
+
+/// Counts a primary request of a retry-budgeted dependency (memory only).
+fn note_primary(budget: &crate::policy::admission::RetryBudget) {
+    PRIMARIES.with(|p| {
+        if let Ok(mut p) = p.try_borrow_mut() {
+            p.note(budget);
+        }
+    });
 }
 
 /// Releases a stream's slot.
@@ -346,9 +377,12 @@ impl Admission {
             return;
         };
         for d in &policy.dependencies {
-            gauges
+            let g = gauges
                 .entry(d.key.clone())
                 .or_insert_with(|| DependencyGauges::define(&d.name));
+            if let Ok(mut b) = g.budget.try_borrow_mut() {
+                b.clone_from(&d.retry_budget);
+            }
         }
         let Ok(mut action_gauges) = self.action_gauges.try_borrow_mut() else {
             return;
@@ -414,6 +448,46 @@ impl Admission {
             record(policy, prepared, None, 0, 0, "-");
             return Ok(());
         }
+        let budget = dep.and_then(|d| d.retry_budget.as_ref());
+        let is_retry = budget.is_some_and(|b| retry::is_retry(b, &ProxyHost));
+        if let (Some(b), true) = (budget, is_retry) {
+            let taken = PRIMARIES.with(|p| match p.try_borrow_mut() {
+                Ok(mut p) => p.take_retry(&ProxyHost, b, now),
+                Err(_) => Err(retry::RetryRefusal {
+                    reason: Reason::StateUnavailable,
+                    retry_after_secs: 1,
+                    totals: retry::Totals::default(),
+                }),
+            });
+            match taken {
+                Ok(_) => self.count_retry(dep),
+                Err(refused) => {
+                    let reason = refused.reason;
+                    self.count(Some(reason), level);
+                    let name = dep.map_or("-", |d| d.name.as_str());
+                    record(
+                        policy,
+                        prepared,
+                        Some(reason),
+                        0,
+                        0,
+                        &format!("dependency:{name}"),
+                    );
+                    if !shadow {
+                        let window = dep
+                            .map_or(crate::policy::admission::DEFAULT_RETRY_AFTER_WINDOW_NS, |d| {
+                                d.retry_after_window_ns
+                            });
+                        let mut decision = refusal_decision(reason, name, window, prepared, context_id, now);
+                        let seed = now ^ (u64::from(context_id) << 32);
+                        decision.retry_after_secs =
+                            jittered_retry_after_secs(refused.retry_after_secs, window, seed);
+                        return Err(Refused::Reply(decision));
+                    }
+                }
+            }
+        }
+        let primary = budget.filter(|_| !is_retry);
         let acquired =
             with_worker(|w| w.acquire(&ProxyHost, policy, &prepared.class, &prepared.subject, now))
                 .unwrap_or(Err(admission::Refusal {
@@ -428,6 +502,9 @@ impl Admission {
         match acquired {
             Ok(ticket) => {
                 self.count(None, level);
+                if let Some(b) = primary {
+                    note_primary(b);
+                }
                 record(
                     policy,
                     prepared,
@@ -452,6 +529,7 @@ impl Admission {
                             context_id,
                             policy: policy.clone(),
                             prepared: prepared.clone(),
+                            primary: primary.is_some(),
                         },
                         level,
                         tenant: crate::table::fnv1a64(
@@ -573,6 +651,16 @@ impl Admission {
         }
     }
 
+    /// Counts a retry its budget admitted (flushed on the tick).
+    fn count_retry(&self, dep: Option<&crate::policy::admission::Dependency>) {
+        let Some(dep) = dep else { return };
+        if let Ok(gauges) = self.gauges.try_borrow() {
+            if let Some(g) = gauges.get(dep.key.as_str()) {
+                g.pending_retries.set(g.pending_retries.get().saturating_add(1));
+            }
+        }
+    }
+
     fn count_queued(&self, level: Criticality) {
         if let Some(c) = self.queued.get(level.index()) {
             c.set(c.get().saturating_add(1));
@@ -606,6 +694,16 @@ impl Admission {
                 Served::Admitted(h, ticket) => {
                     let p = h.item;
                     self.count(None, h.level);
+                    if p.primary {
+                        let labels = p.prepared.class.labels;
+                        if let Some(b) = labels
+                            .dependency
+                            .and_then(|i| p.policy.dependency(i))
+                            .and_then(|d| d.retry_budget.as_ref())
+                        {
+                            note_primary(b);
+                        }
+                    }
                     if abi::set_effective_context(p.context_id).is_err() {
                         // The stream ended meanwhile.
                         release(ticket, now);
@@ -694,6 +792,14 @@ impl Admission {
         }
         ensure_worker(now);
         with_worker(|w| w.renew(&ProxyHost, now));
+        PRIMARIES.with(|p| {
+            if let Ok(mut p) = p.try_borrow_mut() {
+                p.fold(&ProxyHost, now);
+            }
+        });
+        for g in gauges.values() {
+            flush(&g.retries, &g.pending_retries);
+        }
         self.serve_queues(metrics, now);
         QUEUES.with(|q| {
             let Ok(queues) = q.try_borrow() else { return };
@@ -710,6 +816,14 @@ impl Admission {
         self.ticks.set(ticks);
         if ticks % 10 != 0 {
             return;
+        }
+        for g in gauges.values() {
+            let budget = g.budget.try_borrow().ok().and_then(|b| b.clone());
+            if let (Some(id), Some(b)) = (g.amplification, budget) {
+                if let Some(t) = retry::totals(&ProxyHost, &b, now) {
+                    let _ = abi::record_metric(id, t.amplification_permille());
+                }
+            }
         }
         let in_flight = gauges.iter().map(|(key, g)| (key, g.in_flight));
         for (key, id) in in_flight.chain(action_gauges.iter().map(|(key, id)| (key, *id))) {

