@@ -4,6 +4,7 @@
 //! answers (the last good response, with its age, capture time, version
 //! and a marker) for refused GETs of a degradable class.
 
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use tenantgate_integration_tests::upstream::Upstream;
@@ -158,7 +159,6 @@ fn assert_refused(r: &Response, reason: &str) {
     assert!(r.header("x-tenantgate-degraded").is_none(), "{r:?}");
 }
 
-#[allow(dead_code)]
 fn post(port: u16, path: &str, tenant: &str) -> Response {
     request(
         port,
@@ -167,4 +167,147 @@ fn post(port: u16, path: &str, tenant: &str) -> Response {
         &[("x-tenant-id", tenant), ("content-length", "0")],
     )
     .unwrap_or_else(|e| panic!("POST {path}: {e}"))
+}
+
+/// The degraded answer's headers as a client sees them.
+fn assert_degraded(r: &Response, body: &str, version: &str, reason: &str, max_age: u64) {
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(String::from_utf8_lossy(&r.body), body, "{r:?}");
+    assert_eq!(r.header("etag"), Some(version), "{r:?}");
+    assert_eq!(r.header("x-tenantgate-degraded"), Some(reason), "{r:?}");
+    assert_eq!(r.header("content-type"), Some("text/plain"), "{r:?}");
+    assert_eq!(r.header("cache-control"), Some("no-store"), "{r:?}");
+    let age: u64 = r.header("age").and_then(|v| v.parse().ok()).unwrap_or(u64::MAX);
+    assert!(age <= max_age, "age {age}: {r:?}");
+    let captured = r.header("x-tenantgate-captured-at").unwrap_or("");
+    // IMF-fixdate: "Tue, 01 Dec 2026 13:40:00 GMT".
+    assert!(
+        captured.len() == 29 && captured.ends_with(" GMT") && captured.as_bytes()[3] == b',',
+        "{captured:?}"
+    );
+}
+
+#[test]
+fn shed_gets_get_the_last_good_answer_writes_their_refusal_and_tenants_only_their_own() {
+    let upstream = Upstream::start();
+    let log = Envoy::temp_dir().join("degraded-access.log");
+    let envoy =
+        Envoy::start_with_upstream_logged(&policy(1), upstream.port, &["items", "catalog"], Some(&log));
+    let port = envoy.port;
+    let path = "/up/catalog/items?page=2";
+    // Two tenants read the same path at two versions: each answer is kept
+    // under its own tenant.
+    upstream.set_version(1);
+    let acme = get(port, path, &[("x-tenant-id", "acme")]);
+    assert_eq!(
+        (acme.status, acme.header("etag")),
+        (200, Some("\"v1\"")),
+        "{acme:?}"
+    );
+    let captured = Instant::now();
+    upstream.set_version(2);
+    let globex = get(port, path, &[("x-tenant-id", "globex")]);
+    assert_eq!(
+        (globex.status, globex.header("etag")),
+        (200, Some("\"v2\"")),
+        "{globex:?}"
+    );
+    assert!(
+        wait_for(WAIT, || envoy.tg_stat("admission.degraded.stores") >= 2),
+        "stores {}",
+        envoy.tg_stat("admission.degraded.stores")
+    );
+    // Saturate `cat` (2 slots): two requests held by the upstream.
+    upstream.hold();
+    let (tx, rx) = mpsc::channel();
+    let holders: Vec<_> = (0..2)
+        .map(|i| {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                let r = get(
+                    port,
+                    &format!("/up/catalog/hold{i}"),
+                    &[("x-tenant-id", "holder")],
+                );
+                let _ = tx.send(r.status);
+            })
+        })
+        .collect();
+    assert!(
+        wait_for(WAIT, || upstream.in_flight() == 2),
+        "in flight {}",
+        upstream.in_flight()
+    );
+    let received = upstream.received();
+    // Shed GETs: each tenant gets its own last good answer, marked.
+    let r = get(port, path, &[("x-tenant-id", "acme")]);
+    assert_degraded(&r, "ok v1\n", "\"v1\"", "concurrency_limit", 3);
+    let r = get(port, path, &[("x-tenant-id", "globex")]);
+    assert_degraded(&r, "ok v2\n", "\"v2\"", "concurrency_limit", 3);
+    // A tenant that never read it gets no one else's answer.
+    let r = get(port, path, &[("x-tenant-id", "initech")]);
+    assert_refused(&r, "dependency_unavailable");
+    assert!(!String::from_utf8_lossy(&r.body).contains("ok v"), "{r:?}");
+    // Another path of the same tenant: no answer either.
+    assert_refused(
+        &get(port, "/up/catalog/items?page=3", &[("x-tenant-id", "acme")]),
+        "dependency_unavailable",
+    );
+    // Anonymous clients get none (the policy does not say `anonymous: true`).
+    assert_refused(&get(port, path, &[]), "concurrency_limit");
+    // A write on the same route gets its refusal, never the cached body.
+    let w = post(port, path, "acme");
+    assert_refused(&w, "concurrency_limit");
+    assert!(!String::from_utf8_lossy(&w.body).contains("ok v"), "{w:?}");
+    // Nothing of this reached the upstream.
+    assert_eq!(upstream.received(), received);
+    // Past max_stale (3 s): 503 dependency_unavailable, never an older answer.
+    let mut last = None;
+    assert!(
+        wait_for(WAIT, || {
+            let r = get(port, path, &[("x-tenant-id", "acme")]);
+            let stale = r.status == 503;
+            last = Some(r);
+            stale
+        }),
+        "{last:?}"
+    );
+    let stale_after = captured.elapsed();
+    let r = last.unwrap();
+    assert_refused(&r, "dependency_unavailable");
+    assert!(
+        stale_after >= Duration::from_secs(3),
+        "stale after {stale_after:?}"
+    );
+    println!("degraded: the answer captured at t=0 was served until {stale_after:?} (max_stale 3s)");
+    upstream.release();
+    for h in holders {
+        h.join().unwrap();
+    }
+    assert_eq!(rx.try_iter().collect::<Vec<_>>(), [200, 200]);
+    assert!(envoy.tg_stat("admission.degraded.answered") >= 2);
+    assert!(envoy.tg_stat("admission.degraded.unavailable") >= 3);
+    assert!(envoy.tg_stat("admission.degraded.stale") >= 1);
+    assert!(
+        envoy.tg_stat("admission.degraded.age_le_1s") + envoy.tg_stat("admission.degraded.age_le_10s") >= 2
+    );
+    // The decision record notes the degraded answer.
+    let mut lines = String::new();
+    assert!(
+        wait_for(WAIT, || {
+            lines = std::fs::read_to_string(&log).unwrap_or_default();
+            lines.contains("degraded_age_ms=")
+        }),
+        "{lines}"
+    );
+    let line = lines
+        .lines()
+        .find(|l| l.contains("degraded_age_ms="))
+        .unwrap_or("");
+    println!("access log: {line}");
+    assert!(
+        line.starts_with("/up/catalog/items?page=2 200 outcome=concurrency_limit "),
+        "{line}"
+    );
+    assert!(lines.contains(" 503 outcome=dependency_unavailable "), "{lines}");
 }

@@ -41,10 +41,11 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use proxy_wasm::types::MetricType;
+use proxy_wasm::types::{BufferType, MapType, MetricType};
 
 use super::metrics::Metrics;
 use super::{abi, ProxyHost};
+use crate::admission::degraded::{self, Cached, Lookup};
 use crate::admission::queue::{Attempt, Held, NotHeld, Offered, PriorityQueue, Served};
 use crate::admission::request::{self, BodyBudget, Declared};
 use crate::admission::retry::{self, Primaries};
@@ -52,7 +53,7 @@ use crate::admission::{self, jittered_retry_after_secs, Limited, Ticket, Worker}
 use crate::engine::{Decision, Prepared, Reason};
 use crate::host::Host;
 use crate::policy::admission::Criticality;
-use crate::policy::{Mode, Policy};
+use crate::policy::{Mode, Policy, RouteClass};
 use crate::response;
 
 thread_local! {
@@ -65,6 +66,10 @@ thread_local! {
     /// Primary requests of retry-budgeted dependencies not yet in shared
     /// data (folded on the tick), and the retries' updates.
     static PRIMARIES: RefCell<Primaries> = RefCell::new(Primaries::default());
+    /// Degraded-answer slot key → (cache key hash, when this worker last
+    /// stored it): a key is stored at most once per `refresh` per worker.
+    static STORED: RefCell<HashMap<String, (u64, u64)>> = RefCell::new(HashMap::new());
+    static CACHE_BUFFERS: RefCell<crate::table::Buffers> = RefCell::new(crate::table::Buffers::default());
 }
 
 /// The number of tenant buckets fair-queue drops are counted in.
@@ -152,6 +157,73 @@ pub enum Refused {
     Reply(Decision),
     /// Paused in its dependency's queue.
     Held,
+    /// Refused, and answered 200 from its class's degraded-answer cache.
+    Degraded(degraded::Reply),
+}
+
+/// Sends a degraded answer on the current stream; false if Envoy refused it.
+pub fn send_degraded(reply: &degraded::Reply) -> bool {
+    let headers: Vec<(&str, &str)> = reply
+        .headers
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    abi::send_local_response(reply.status, &headers, &reply.body).is_ok()
+}
+
+/// Where a refusal was decided, for its record.
+struct Decided<'a> {
+    in_flight: u32,
+    queue_wait_ns: u64,
+    limit: &'a str,
+}
+
+/// What the degraded-answer cache has for a refused request.
+enum Degrade {
+    /// Not a degradable read refused for a shedding reason: its refusal.
+    No,
+    /// The answer, and its age in milliseconds.
+    Answer(degraded::Reply, u64),
+    /// No answer fresh enough: 503 `dependency_unavailable`.
+    Unavailable,
+}
+
+/// The degraded-answer counters (`tenantgate.admission.degraded.<name>`).
+const DEGRADED_COUNTERS: [&str; 11] = [
+    "answered",
+    "unavailable",
+    "stale",
+    "miss",
+    "stores",
+    "evictions",
+    "too_large",
+    "age_le_1s",
+    "age_le_10s",
+    "age_le_60s",
+    "age_gt_60s",
+];
+const ANSWERED: usize = 0;
+const UNAVAILABLE: usize = 1;
+const STALE: usize = 2;
+const MISS: usize = 3;
+const STORES: usize = 4;
+const EVICTIONS: usize = 5;
+const TOO_LARGE: usize = 6;
+const AGE_BUCKETS: usize = 7;
+/// Upper bounds of the age buckets, in milliseconds (the last is open).
+const AGE_BOUNDS_MS: [u64; 3] = [1_000, 10_000, 60_000];
+/// Most slots a worker remembers its last store of (then it forgets all).
+const MAX_REMEMBERED_STORES: usize = 65_536;
+
+/// A response being captured for its class's degraded-answer cache.
+#[derive(Debug)]
+pub struct Capture {
+    class: Rc<RouteClass>,
+    slot: String,
+    key: Vec<u8>,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    captured_at: u64,
 }
 
 /// The outcomes counted per criticality level.
@@ -246,6 +318,8 @@ pub struct Stream {
     pub level: Criticality,
     /// Paused in a dependency's queue, or resumed from it.
     pub queued: bool,
+    /// The response is being captured for the degraded-answer cache.
+    pub capture: Option<Capture>,
 }
 
 /// The filter state the decision record is kept under (`wasm.` + this).
@@ -274,6 +348,7 @@ fn record(
     in_flight: u32,
     queue_wait_ns: u64,
     limit: &str,
+    degraded_age_ms: Option<u64>,
 ) {
     let labels = prepared.class.labels;
     let dependency = labels
@@ -290,6 +365,7 @@ fn record(
         policy_version: &policy.version,
         limit_key: &key,
         limit,
+        degraded_age_ms,
     }
     .render();
     if abi::set_property(RECORD_PROPERTY, text.as_bytes()).is_err() {
@@ -331,6 +407,11 @@ pub struct Admission {
     action_gauges: RefCell<HashMap<String, Option<u32>>>,
     /// `admission.fair_drops.b<NN>`, by tenant hash bucket.
     fair_drops: [Option<u32>; FAIR_DROP_BUCKETS],
+    /// `admission.degraded.<name>` ([`DEGRADED_COUNTERS`]).
+    degraded_ids: [Option<u32>; DEGRADED_COUNTERS.len()],
+    degraded_pending: [Cell<u64>; DEGRADED_COUNTERS.len()],
+    /// `admission.degraded.last_age_ms`: the age of the last degraded answer.
+    degraded_age: Option<u32>,
     ticks: Cell<u32>,
 }
 
@@ -361,6 +442,16 @@ impl Admission {
                 )
                 .ok()
             }),
+            degraded_ids: DEGRADED_COUNTERS.map(|name| {
+                abi::define_metric(
+                    MetricType::Counter,
+                    &format!("tenantgate.admission.degraded.{name}"),
+                )
+                .ok()
+            }),
+            degraded_pending: Default::default(),
+            degraded_age: abi::define_metric(MetricType::Gauge, "tenantgate.admission.degraded.last_age_ms")
+                .ok(),
             ticks: Cell::new(0),
         }
     }
@@ -430,7 +521,7 @@ impl Admission {
         );
         if let Err(reason) = request::check(&labels, &declared) {
             self.count(Some(reason), level);
-            record(policy, prepared, Some(reason), 0, 0, "-");
+            record(policy, prepared, Some(reason), 0, 0, "-", None);
             if shadow {
                 return Ok(());
             }
@@ -445,7 +536,7 @@ impl Admission {
         }
         let dep = labels.dependency.and_then(|i| policy.dependency(i));
         if dep.is_none() && labels.action_limit.is_none() {
-            record(policy, prepared, None, 0, 0, "-");
+            record(policy, prepared, None, 0, 0, "-", None);
             return Ok(());
         }
         let budget = dep.and_then(|d| d.retry_budget.as_ref());
@@ -465,15 +556,10 @@ impl Admission {
                     let reason = refused.reason;
                     self.count(Some(reason), level);
                     let name = dep.map_or("-", |d| d.name.as_str());
-                    record(
-                        policy,
-                        prepared,
-                        Some(reason),
-                        0,
-                        0,
-                        &format!("dependency:{name}"),
-                    );
-                    if !shadow {
+                    let limit = format!("dependency:{name}");
+                    if shadow {
+                        record(policy, prepared, Some(reason), 0, 0, &limit, None);
+                    } else {
                         let window = dep
                             .map_or(crate::policy::admission::DEFAULT_RETRY_AFTER_WINDOW_NS, |d| {
                                 d.retry_after_window_ns
@@ -482,7 +568,12 @@ impl Admission {
                         let seed = now ^ (u64::from(context_id) << 32);
                         decision.retry_after_secs =
                             jittered_retry_after_secs(refused.retry_after_secs, window, seed);
-                        return Err(Refused::Reply(decision));
+                        let at = Decided {
+                            in_flight: 0,
+                            queue_wait_ns: 0,
+                            limit: &limit,
+                        };
+                        return Err(self.refuse(policy, prepared, decision, &at, now));
                     }
                 }
             }
@@ -512,7 +603,9 @@ impl Admission {
                     ticket.as_ref().map_or(0, Ticket::in_flight),
                     0,
                     "-",
+                    None,
                 );
+                self.plan_capture(prepared, stream, now);
                 stream.ticket = ticket;
                 Ok(())
             }
@@ -562,22 +655,28 @@ impl Admission {
                 }
                 self.count(Some(reason), level);
                 let limit = limit_name(policy, prepared, refusal.limit);
-                record(policy, prepared, Some(reason), refusal.in_flight, 0, &limit);
                 if shadow {
+                    record(policy, prepared, Some(reason), refusal.in_flight, 0, &limit, None);
                     return Ok(());
                 }
                 let name = match refusal.limit {
                     Limited::Action => limit.as_str(),
                     Limited::Dependency | Limited::Tenant => dep.map_or("-", |d| d.name.as_str()),
                 };
-                Err(Refused::Reply(refusal_decision(
+                let decision = refusal_decision(
                     reason,
                     name,
                     refusal.retry_after_window_ns,
                     prepared,
                     context_id,
                     now,
-                )))
+                );
+                let at = Decided {
+                    in_flight: refusal.in_flight,
+                    queue_wait_ns: 0,
+                    limit: &limit,
+                };
+                Err(self.refuse(policy, prepared, decision, &at, now))
             }
         }
     }
@@ -610,14 +709,6 @@ impl Admission {
         };
         // A queue is its dependency's: it names what refused.
         let limit = limit_name(&p.policy, &p.prepared, Limited::Dependency);
-        record(
-            &p.policy,
-            &p.prepared,
-            Some(reason),
-            0,
-            now.saturating_sub(h.enqueued),
-            &limit,
-        );
         let decision = refusal_decision(
             reason,
             &dep.name,
@@ -626,6 +717,21 @@ impl Admission {
             p.context_id,
             now,
         );
+        let at = Decided {
+            in_flight: 0,
+            queue_wait_ns: now.saturating_sub(h.enqueued),
+            limit: &limit,
+        };
+        let decision = match self.refuse(&p.policy, &p.prepared, decision, &at, now) {
+            Refused::Reply(d) => d,
+            Refused::Held => return,
+            Refused::Degraded(reply) => {
+                if !send_degraded(&reply) {
+                    log::warn!("tenantgate: cannot send a degraded answer to a held request");
+                }
+                return;
+            }
+        };
         if let Some(m) = metrics {
             m.record(&decision);
         }
@@ -648,6 +754,240 @@ impl Admission {
                     }
                 }
             }
+        }
+    }
+
+    fn count_degraded(&self, counter: usize) {
+        if let Some(c) = self.degraded_pending.get(counter) {
+            c.set(c.get().saturating_add(1));
+        }
+    }
+
+    /// A refusal's answer: for a degradable read refused for a shedding
+    /// reason, the cached answer or 503 `dependency_unavailable`; else the
+    /// refusal. Writes the decision record with the final outcome.
+    fn refuse(
+        &self,
+        policy: &Policy,
+        prepared: &Prepared,
+        decision: Decision,
+        at: &Decided<'_>,
+        now: u64,
+    ) -> Refused {
+        let reason = decision.reason;
+        let rec = |outcome, age| {
+            record(
+                policy,
+                prepared,
+                Some(outcome),
+                at.in_flight,
+                at.queue_wait_ns,
+                at.limit,
+                age,
+            )
+        };
+        match self.degrade(prepared, reason, now) {
+            Degrade::No => {
+                rec(reason, None);
+                Refused::Reply(decision)
+            }
+            Degrade::Answer(reply, age_ms) => {
+                rec(reason, Some(age_ms));
+                Refused::Degraded(reply)
+            }
+            Degrade::Unavailable => {
+                rec(Reason::DependencyUnavailable, None);
+                Refused::Reply(Decision {
+                    reason: Reason::DependencyUnavailable,
+                    ..decision
+                })
+            }
+        }
+    }
+
+    /// Looks a refused request up in its class's degraded-answer cache.
+    fn degrade(&self, prepared: &Prepared, reason: Reason, now: u64) -> Degrade {
+        let Some(deg) = prepared.class.degradable.as_ref() else {
+            return Degrade::No;
+        };
+        if !degraded::serves(reason) {
+            return Degrade::No;
+        }
+        let method = ProxyHost.request_header(":method").unwrap_or_default();
+        // A write is never answered from the cache: it gets its refusal.
+        if !degraded::readable(&method) {
+            return Degrade::No;
+        }
+        let path = ProxyHost.request_header(":path").unwrap_or_default();
+        let Some(key) = degraded::cache_key(deg, &prepared.subject, &path) else {
+            return Degrade::No;
+        };
+        match degraded::lookup(&ProxyHost, deg, &key, now) {
+            Lookup::Fresh(cached) => {
+                let age_ms = now.saturating_sub(cached.captured_at) / 1_000_000;
+                self.count_degraded(ANSWERED);
+                let bucket = AGE_BOUNDS_MS
+                    .iter()
+                    .position(|b| age_ms <= *b)
+                    .unwrap_or(AGE_BOUNDS_MS.len());
+                self.count_degraded(AGE_BUCKETS.saturating_add(bucket));
+                if let Some(id) = self.degraded_age {
+                    let _ = abi::record_metric(id, age_ms);
+                }
+                Degrade::Answer(degraded::reply(&cached, reason, now, method == b"HEAD"), age_ms)
+            }
+            Lookup::Stale { .. } => {
+                self.count_degraded(UNAVAILABLE);
+                self.count_degraded(STALE);
+                Degrade::Unavailable
+            }
+            Lookup::Miss => {
+                self.count_degraded(UNAVAILABLE);
+                self.count_degraded(MISS);
+                Degrade::Unavailable
+            }
+        }
+    }
+
+    /// An admitted GET of a degradable class: capture its response unless
+    /// this worker stored its key within `refresh`.
+    fn plan_capture(&self, prepared: &Prepared, stream: &mut Stream, now: u64) {
+        let Some(deg) = prepared.class.degradable.as_ref() else {
+            return;
+        };
+        if ProxyHost.request_header(":method").as_deref() != Some(b"GET") {
+            return;
+        }
+        let path = ProxyHost.request_header(":path").unwrap_or_default();
+        let Some(key) = degraded::cache_key(deg, &prepared.subject, &path) else {
+            return;
+        };
+        let slot = degraded::slot_key(deg, &key);
+        let hash = crate::table::fnv1a64(&key);
+        let recent = STORED.with(|s| {
+            s.try_borrow()
+                .ok()
+                .and_then(|s| s.get(&slot).copied())
+                .is_some_and(|(h, at)| h == hash && now.saturating_sub(at) < deg.refresh_ns)
+        });
+        if !recent {
+            stream.capture = Some(Capture {
+                class: prepared.class.clone(),
+                slot,
+                key,
+                headers: Vec::new(),
+                body: Vec::new(),
+                captured_at: now,
+            });
+        }
+    }
+
+    /// The response's headers: a 200 is kept on, with its kept headers;
+    /// anything else ends the capture.
+    pub fn on_response_headers(&self, stream: &mut Stream, end_of_stream: bool, now: u64) {
+        let Some(mut c) = stream.capture.take() else {
+            return;
+        };
+        let Some(deg) = c.class.degradable.as_ref() else {
+            return;
+        };
+        let header = |name: &str| abi::header(MapType::HttpResponseHeaders, name).ok().flatten();
+        if header(":status").as_deref() != Some(b"200") {
+            return;
+        }
+        let declared = header("content-length").and_then(|v| {
+            core::str::from_utf8(&v)
+                .ok()
+                .and_then(|t| t.trim().parse::<u64>().ok())
+        });
+        if declared.is_some_and(|n| n > u64::from(deg.max_body_bytes)) {
+            self.count_degraded(TOO_LARGE);
+            return;
+        }
+        let mut size = 0usize;
+        for name in degraded::kept_headers(deg) {
+            if let Some(value) = header(name).and_then(|v| String::from_utf8(v).ok()) {
+                size = size.saturating_add(name.len()).saturating_add(value.len());
+                c.headers.push((name.to_owned(), value));
+            }
+        }
+        if size > degraded::MAX_KEPT_HEADERS_BYTES {
+            self.count_degraded(TOO_LARGE);
+            return;
+        }
+        c.captured_at = now;
+        if end_of_stream {
+            self.store(c);
+        } else {
+            stream.capture = Some(c);
+        }
+    }
+
+    /// A chunk of the response's body (read as it passes: nothing is
+    /// buffered or delayed); at its end the answer is stored.
+    pub fn on_response_body(&self, stream: &mut Stream, body_size: usize, end_of_stream: bool) {
+        let Some(mut c) = stream.capture.take() else {
+            return;
+        };
+        let max = c
+            .class
+            .degradable
+            .as_ref()
+            .map_or(0, |d| d.max_body_bytes as usize);
+        if body_size > 0 {
+            if c.body.len().saturating_add(body_size) > max {
+                self.count_degraded(TOO_LARGE);
+                return;
+            }
+            match abi::buffer(BufferType::HttpResponseBody, 0, body_size) {
+                Ok(Some(chunk)) => c.body.extend_from_slice(&chunk),
+                Ok(None) => {}
+                Err(_) => return,
+            }
+            if c.body.len() > max {
+                self.count_degraded(TOO_LARGE);
+                return;
+            }
+        }
+        if end_of_stream {
+            self.store(c);
+        } else {
+            stream.capture = Some(c);
+        }
+    }
+
+    fn store(&self, c: Capture) {
+        let Some(deg) = c.class.degradable.as_ref() else {
+            return;
+        };
+        let answer = Cached {
+            key: c.key,
+            captured_at: c.captured_at,
+            headers: c.headers,
+            body: c.body,
+        };
+        let stored = CACHE_BUFFERS.with(|b| match b.try_borrow_mut() {
+            Ok(mut buffers) => degraded::store(&ProxyHost, deg, &answer, &mut buffers),
+            Err(_) => Err(degraded::NotStored::Failed),
+        });
+        match stored {
+            Ok(s) => {
+                self.count_degraded(STORES);
+                if s.evicted {
+                    self.count_degraded(EVICTIONS);
+                }
+                let hash = crate::table::fnv1a64(&answer.key);
+                STORED.with(|m| {
+                    if let Ok(mut m) = m.try_borrow_mut() {
+                        if m.len() >= MAX_REMEMBERED_STORES {
+                            m.clear();
+                        }
+                        m.insert(c.slot, (hash, answer.captured_at));
+                    }
+                });
+            }
+            Err(degraded::NotStored::TooLarge) => self.count_degraded(TOO_LARGE),
+            Err(degraded::NotStored::Failed) => {}
         }
     }
 
@@ -716,6 +1056,7 @@ impl Admission {
                         ticket.in_flight(),
                         now.saturating_sub(h.enqueued),
                         "-",
+                        None,
                     );
                     let decision = super::charge(&p.policy, &p.prepared, now);
                     metrics.record(&decision);
@@ -781,6 +1122,9 @@ impl Admission {
             }
         }
         for (id, p) in self.queued_ids.iter().zip(&self.queued) {
+            flush(id, p);
+        }
+        for (id, p) in self.degraded_ids.iter().zip(&self.degraded_pending) {
             flush(id, p);
         }
         let (Ok(gauges), Ok(action_gauges)) = (self.gauges.try_borrow(), self.action_gauges.try_borrow())
