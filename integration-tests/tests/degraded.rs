@@ -4,6 +4,8 @@
 //! answers (the last good response, with its age, capture time, version
 //! and a marker) for refused GETs of a degradable class.
 
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -12,6 +14,7 @@ use tenantgate_integration_tests::{get, request, wait_for, Conn, Envoy, Response
 
 const WAIT: Duration = Duration::from_secs(20);
 const RETRY_HEADER: &str = "x-retry-attempt";
+const CLASSES: [&str; 3] = ["items", "catalog", "shelf"];
 
 /// `db` with a retry budget (ratio 0.2, floor `min_per_second`), and `cat`
 /// with 2 slots for the degradable `catalog` class.
@@ -29,9 +32,14 @@ dependencies:
     max_in_flight: 1000
     retry_budget: {{ ratio: 0.2, min_per_second: {min_per_second}, window: 10s, retry_header: {RETRY_HEADER} }}
   cat: {{ max_in_flight: 2 }}
+  store:
+    max_in_flight: 1
+    queues: {{ normal: {{ max_queue: 4, max_wait: 300ms }} }}
+    retry_budget: {{ ratio: 0.2, min_per_second: 0, retry_header: {RETRY_HEADER} }}
 routes:
   items: {{ dependency: db }}
   catalog: {{ dependency: cat, degradable: {{ max_stale: 3s, slots: 64 }} }}
+  shelf: {{ dependency: store, degradable: {{ max_stale: 30s }} }}
   api: {{}}
 "#
     )
@@ -70,7 +78,7 @@ fn operation(conn: &mut Option<Conn>, port: u16, path: &str, tenant: &str, attem
 #[test]
 fn under_100_percent_errors_retrying_clients_add_at_most_a_fifth_of_the_primaries() {
     let upstream = Upstream::start();
-    let envoy = Envoy::start_with_upstream(&policy(0), upstream.port, &["items", "catalog"]);
+    let envoy = Envoy::start_with_upstream(&policy(0), upstream.port, &CLASSES);
     upstream.set_status(503);
     // 8 clients × 100 operations, each retrying every failure up to 3
     // attempts in all: without a budget, 3 upstream attempts per operation.
@@ -191,8 +199,7 @@ fn assert_degraded(r: &Response, body: &str, version: &str, reason: &str, max_ag
 fn shed_gets_get_the_last_good_answer_writes_their_refusal_and_tenants_only_their_own() {
     let upstream = Upstream::start();
     let log = Envoy::temp_dir().join("degraded-access.log");
-    let envoy =
-        Envoy::start_with_upstream_logged(&policy(1), upstream.port, &["items", "catalog"], Some(&log));
+    let envoy = Envoy::start_with_upstream_logged(&policy(1), upstream.port, &CLASSES, Some(&log));
     let port = envoy.port;
     let path = "/up/catalog/items?page=2";
     // Two tenants read the same path at two versions: each answer is kept
@@ -310,4 +317,96 @@ fn shed_gets_get_the_last_good_answer_writes_their_refusal_and_tenants_only_thei
         "{line}"
     );
     assert!(lines.contains(" 503 outcome=dependency_unavailable "), "{lines}");
+}
+
+/// A raw HEAD request: the status line and headers, and the bytes after.
+fn head(port: u16, path: &str, tenant: &str) -> (String, Vec<u8>) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "HEAD {path} HTTP/1.1\r\nhost: t\r\nx-tenant-id: {tenant}\r\nconnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let end = text.find("\r\n\r\n").map_or(text.len(), |e| e + 4);
+    (
+        text[..end].to_ascii_lowercase(),
+        raw[end.min(raw.len())..].to_vec(),
+    )
+}
+
+#[test]
+fn a_queued_get_a_timed_out_one_a_retry_over_the_budget_and_a_head_get_the_stale_answer() {
+    let upstream = Upstream::start();
+    let envoy = Envoy::start_with_upstream(&policy(1), upstream.port, &CLASSES);
+    let port = envoy.port;
+    let hold = |tx: &mpsc::Sender<u16>| {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let r = get(port, "/up/shelf/hold", &[("x-tenant-id", "holder")]);
+            let _ = tx.send(r.status);
+        })
+    };
+    let (tx, rx) = mpsc::channel();
+    // `store` has 1 slot: a holder takes it, acme's GET waits in the queue,
+    // is admitted when the holder is released, and its answer is kept.
+    upstream.set_version(7);
+    upstream.hold();
+    let holder = hold(&tx);
+    assert!(wait_for(WAIT, || upstream.in_flight() == 1));
+    let queued = std::thread::spawn(move || get(port, "/up/shelf/a", &[("x-tenant-id", "acme")]));
+    assert!(
+        wait_for(WAIT, || envoy
+            .stat("wasmcustom.tenantgate.admission.queue_depth.store")
+            == Some(1)),
+        "queue depth {:?}",
+        envoy.stat("wasmcustom.tenantgate.admission.queue_depth.store")
+    );
+    upstream.release();
+    let r = queued.join().unwrap();
+    assert_eq!((r.status, r.header("etag")), (200, Some("\"v7\"")), "{r:?}");
+    holder.join().unwrap();
+    assert!(
+        wait_for(WAIT, || envoy.tg_stat("admission.degraded.stores") >= 2),
+        "stores {}",
+        envoy.tg_stat("admission.degraded.stores")
+    );
+    // Now the slot is held again: a GET queues, times out after 300 ms and
+    // gets the answer the queued request left.
+    upstream.set_version(8);
+    upstream.hold();
+    let holder = hold(&tx);
+    assert!(wait_for(WAIT, || upstream.in_flight() == 1));
+    let received = upstream.received();
+    let r = get(port, "/up/shelf/a", &[("x-tenant-id", "acme")]);
+    assert_degraded(&r, "ok v7\n", "\"v7\"", "queue_timeout", 30);
+    // A retry over the budget (ratio 0.2 of a few primaries, no floor: 0)
+    // is not sent; it gets the stale answer instead.
+    let r = get(
+        port,
+        "/up/shelf/a",
+        &[("x-tenant-id", "acme"), (RETRY_HEADER, "2")],
+    );
+    assert_degraded(&r, "ok v7\n", "\"v7\"", "retry_budget", 30);
+    // HEAD: the same headers, no body.
+    let (headers, body) = head(port, "/up/shelf/a", "acme");
+    assert!(headers.starts_with("http/1.1 200"), "{headers}");
+    assert!(headers.contains("\r\netag: \"v7\"\r\n"), "{headers}");
+    assert!(
+        headers.contains("\r\nx-tenantgate-degraded: queue_timeout\r\n"),
+        "{headers}"
+    );
+    assert!(headers.contains("\r\nage: "), "{headers}");
+    assert!(body.is_empty(), "{body:?}");
+    // A POST times out in the queue like any request and gets its refusal.
+    let w = post(port, "/up/shelf/a", "acme");
+    assert_refused(&w, "queue_timeout");
+    assert_eq!(upstream.received(), received);
+    upstream.release();
+    holder.join().unwrap();
+    assert_eq!(rx.try_iter().collect::<Vec<_>>(), [200, 200]);
+    assert!(envoy.tg_stat("admission.degraded.answered") >= 3);
 }

@@ -14,7 +14,7 @@
 //! class's `version_header` (default `etag`), at most
 //! [`MAX_KEPT_HEADERS_BYTES`], and the capture time. A bigger answer, or a
 //! key over [`MAX_CACHE_KEY_LEN`], is not kept (counted:
-//! `degraded.too_large`). A worker stores a key's answer at most once per
+//! `degraded.too_large`), nor one with `cache-control: no-store`. A worker stores a key's answer at most once per
 //! `refresh` (each store writes the whole answer to shared data).
 //!
 //! # Where, and how much memory

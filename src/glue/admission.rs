@@ -70,6 +70,9 @@ thread_local! {
     /// stored it): a key is stored at most once per `refresh` per worker.
     static STORED: RefCell<HashMap<String, (u64, u64)>> = RefCell::new(HashMap::new());
     static CACHE_BUFFERS: RefCell<crate::table::Buffers> = RefCell::new(crate::table::Buffers::default());
+    /// Captures of requests the queue resumed, by stream context id
+    /// (taken by their stream at its response headers).
+    static QUEUED_CAPTURES: RefCell<HashMap<u32, Capture>> = RefCell::new(HashMap::new());
 }
 
 /// The number of tenant buckets fair-queue drops are counted in.
@@ -276,6 +279,38 @@ fn note_primary(budget: &crate::policy::admission::RetryBudget) {
     });
 }
 
+/// The capture planned for a request the queue resumed, if any.
+pub fn take_queued_capture(context_id: u32) -> Option<Capture> {
+    QUEUED_CAPTURES.with(|c| c.try_borrow_mut().ok()?.remove(&context_id))
+}
+
+/// An admitted GET of a degradable class (on the current stream): capture
+/// its response unless this worker stored its key within `refresh`.
+fn plan_capture(prepared: &Prepared, now: u64) -> Option<Capture> {
+    let deg = prepared.class.degradable.as_ref()?;
+    if ProxyHost.request_header(":method").as_deref() != Some(b"GET") {
+        return None;
+    }
+    let path = ProxyHost.request_header(":path").unwrap_or_default();
+    let key = degraded::cache_key(deg, &prepared.subject, &path)?;
+    let slot = degraded::slot_key(deg, &key);
+    let hash = crate::table::fnv1a64(&key);
+    let recent = STORED.with(|s| {
+        s.try_borrow()
+            .ok()
+            .and_then(|s| s.get(&slot).copied())
+            .is_some_and(|(h, at)| h == hash && now.saturating_sub(at) < deg.refresh_ns)
+    });
+    (!recent).then(|| Capture {
+        class: prepared.class.clone(),
+        slot,
+        key,
+        headers: Vec::new(),
+        body: Vec::new(),
+        captured_at: now,
+    })
+}
+
 /// Releases a stream's slot.
 pub fn release(ticket: Ticket, now: u64) {
     let kept = WORKER.with(|w| match w.try_borrow_mut() {
@@ -304,6 +339,7 @@ pub fn stream_done(context_id: u32, now: u64) {
             }
         }
     });
+    let _ = take_queued_capture(context_id);
     let ticket = ADMITTED.with(|a| a.try_borrow_mut().ok()?.remove(&context_id));
     if let Some(t) = ticket {
         release(t, now);
@@ -605,7 +641,7 @@ impl Admission {
                     "-",
                     None,
                 );
-                self.plan_capture(prepared, stream, now);
+                stream.capture = plan_capture(prepared, now);
                 stream.ticket = ticket;
                 Ok(())
             }
@@ -849,39 +885,6 @@ impl Admission {
         }
     }
 
-    /// An admitted GET of a degradable class: capture its response unless
-    /// this worker stored its key within `refresh`.
-    fn plan_capture(&self, prepared: &Prepared, stream: &mut Stream, now: u64) {
-        let Some(deg) = prepared.class.degradable.as_ref() else {
-            return;
-        };
-        if ProxyHost.request_header(":method").as_deref() != Some(b"GET") {
-            return;
-        }
-        let path = ProxyHost.request_header(":path").unwrap_or_default();
-        let Some(key) = degraded::cache_key(deg, &prepared.subject, &path) else {
-            return;
-        };
-        let slot = degraded::slot_key(deg, &key);
-        let hash = crate::table::fnv1a64(&key);
-        let recent = STORED.with(|s| {
-            s.try_borrow()
-                .ok()
-                .and_then(|s| s.get(&slot).copied())
-                .is_some_and(|(h, at)| h == hash && now.saturating_sub(at) < deg.refresh_ns)
-        });
-        if !recent {
-            stream.capture = Some(Capture {
-                class: prepared.class.clone(),
-                slot,
-                key,
-                headers: Vec::new(),
-                body: Vec::new(),
-                captured_at: now,
-            });
-        }
-    }
-
     /// The response's headers: a 200 is kept on, with its kept headers;
     /// anything else ends the capture.
     pub fn on_response_headers(&self, stream: &mut Stream, end_of_stream: bool, now: u64) {
@@ -893,6 +896,12 @@ impl Admission {
         };
         let header = |name: &str| abi::header(MapType::HttpResponseHeaders, name).ok().flatten();
         if header(":status").as_deref() != Some(b"200") {
+            return;
+        }
+        // The upstream says its answer must not be stored.
+        if header("cache-control")
+            .is_some_and(|v| v.to_ascii_lowercase().windows(8).any(|w| w == b"no-store"))
+        {
             return;
         }
         let declared = header("content-length").and_then(|v| {
@@ -1076,6 +1085,13 @@ impl Admission {
                                     a.insert(p.context_id, ticket);
                                 }
                             });
+                            if let Some(capture) = plan_capture(&p.prepared, now) {
+                                QUEUED_CAPTURES.with(|c| {
+                                    if let Ok(mut c) = c.try_borrow_mut() {
+                                        c.insert(p.context_id, capture);
+                                    }
+                                });
+                            }
                             if abi::resume_http_request().is_err() {
                                 log::warn!("tenantgate: cannot resume a request held for a slot");
                             }

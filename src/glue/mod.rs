@@ -379,6 +379,9 @@ impl HttpContext for Request {
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
+        if self.stream.queued && self.stream.capture.is_none() {
+            self.stream.capture = admission::take_queued_capture(self.context_id);
+        }
         if self.stream.capture.is_some() {
             let now = now_ns().unwrap_or(0);
             self.admission
