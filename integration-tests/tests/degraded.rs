@@ -219,6 +219,11 @@ fn shed_gets_get_the_last_good_answer_writes_their_refusal_and_tenants_only_thei
         (200, Some("\"v2\"")),
         "{globex:?}"
     );
+    // An answer the upstream marks `cache-control: no-store` is not kept.
+    upstream.set_header(Some(("cache-control", "private, no-store")));
+    let hooli = get(port, path, &[("x-tenant-id", "hooli")]);
+    assert_eq!(hooli.status, 200, "{hooli:?}");
+    upstream.set_header(None);
     assert!(
         wait_for(WAIT, || envoy.tg_stat("admission.degraded.stores") >= 2),
         "stores {}",
@@ -251,6 +256,11 @@ fn shed_gets_get_the_last_good_answer_writes_their_refusal_and_tenants_only_thei
     assert_degraded(&r, "ok v1\n", "\"v1\"", "concurrency_limit", 3);
     let r = get(port, path, &[("x-tenant-id", "globex")]);
     assert_degraded(&r, "ok v2\n", "\"v2\"", "concurrency_limit", 3);
+    // The answer marked no-store was not kept.
+    assert_refused(
+        &get(port, path, &[("x-tenant-id", "hooli")]),
+        "dependency_unavailable",
+    );
     // A tenant that never read it gets no one else's answer.
     let r = get(port, path, &[("x-tenant-id", "initech")]);
     assert_refused(&r, "dependency_unavailable");
@@ -293,7 +303,13 @@ fn shed_gets_get_the_last_good_answer_writes_their_refusal_and_tenants_only_thei
     }
     assert_eq!(rx.try_iter().collect::<Vec<_>>(), [200, 200]);
     assert!(envoy.tg_stat("admission.degraded.answered") >= 2);
-    assert!(envoy.tg_stat("admission.degraded.unavailable") >= 3);
+    assert!(envoy.tg_stat("admission.degraded.unavailable") >= 4);
+    // acme's, globex's and the two holders' (hooli's was no-store).
+    assert!(
+        wait_for(WAIT, || envoy.tg_stat("admission.degraded.stores") == 4),
+        "stores {}",
+        envoy.tg_stat("admission.degraded.stores")
+    );
     assert!(envoy.tg_stat("admission.degraded.stale") >= 1);
     assert!(
         envoy.tg_stat("admission.degraded.age_le_1s") + envoy.tg_stat("admission.degraded.age_le_10s") >= 2
