@@ -14,7 +14,7 @@ use tenantgate_integration_tests::{get, request, wait_for, Conn, Envoy, Response
 
 const WAIT: Duration = Duration::from_secs(20);
 const RETRY_HEADER: &str = "x-retry-attempt";
-const CLASSES: [&str; 3] = ["items", "catalog", "shelf"];
+const CLASSES: [&str; 4] = ["items", "catalog", "shelf", "proxied"];
 
 /// `db` with a retry budget (ratio 0.2, floor `min_per_second`), and `cat`
 /// with 2 slots for the degradable `catalog` class.
@@ -36,8 +36,12 @@ dependencies:
     max_in_flight: 1
     queues: {{ normal: {{ max_queue: 4, max_wait: 300ms }} }}
     retry_budget: {{ ratio: 0.2, min_per_second: 0, retry_header: {RETRY_HEADER} }}
+  edge:
+    max_in_flight: 100
+    retry_budget: {{ min_per_second: 0, envoy_attempt_count: true }}
 routes:
   items: {{ dependency: db }}
+  proxied: {{ dependency: edge }}
   catalog: {{ dependency: cat, degradable: {{ max_stale: 3s, slots: 64 }} }}
   shelf: {{ dependency: store, degradable: {{ max_stale: 30s }} }}
   api: {{}}
@@ -75,17 +79,21 @@ fn operation(conn: &mut Option<Conn>, port: u16, path: &str, tenant: &str, attem
     statuses
 }
 
-#[test]
-fn under_100_percent_errors_retrying_clients_add_at_most_a_fifth_of_the_primaries() {
-    let upstream = Upstream::start();
-    let envoy = Envoy::start_with_upstream(&policy(0), upstream.port, &CLASSES);
-    upstream.set_status(503);
-    // 8 clients × 100 operations, each retrying every failure up to 3
-    // attempts in all: without a budget, 3 upstream attempts per operation.
+/// What a retry storm did: client operations, requests sent, requests
+/// answered 503 after the first attempt.
+struct Storm {
+    operations: u64,
+    sent: u64,
+    elapsed: Duration,
+}
+
+/// 8 clients × 100 operations on `/up/items`, each retrying every failure
+/// up to 3 attempts in all: without a budget, 3 upstream attempts per
+/// operation under 100 % errors.
+fn retry_storm(port: u16) -> Storm {
     const CLIENTS: usize = 8;
     const OPERATIONS: usize = 100;
     let started = Instant::now();
-    let port = envoy.port;
     let clients: Vec<_> = (0..CLIENTS)
         .map(|c| {
             std::thread::spawn(move || {
@@ -104,15 +112,30 @@ fn under_100_percent_errors_retrying_clients_add_at_most_a_fifth_of_the_primarie
         .collect();
     let mut operations = 0u64;
     let mut sent = 0u64;
-    let mut budget_refusals = 0u64;
     for c in clients {
         for statuses in c.join().unwrap() {
             operations += 1;
             sent += statuses.len() as u64;
-            budget_refusals += statuses.iter().skip(1).filter(|s| **s == 503).count() as u64;
         }
     }
-    let elapsed = started.elapsed();
+    assert_eq!(operations, (CLIENTS * OPERATIONS) as u64);
+    Storm {
+        operations,
+        sent,
+        elapsed: started.elapsed(),
+    }
+}
+
+#[test]
+fn under_100_percent_errors_retrying_clients_add_at_most_a_fifth_of_the_primaries() {
+    let upstream = Upstream::start();
+    let envoy = Envoy::start_with_upstream(&policy(0), upstream.port, &CLASSES);
+    upstream.set_status(503);
+    let Storm {
+        operations,
+        sent,
+        elapsed,
+    } = retry_storm(envoy.port);
     // Every retry refused by the budget never reached the upstream.
     let attempts = upstream.received();
     let primaries = operations;
@@ -121,9 +144,7 @@ fn under_100_percent_errors_retrying_clients_add_at_most_a_fifth_of_the_primarie
     println!(
         "retry budget (ratio 0.2, floor 0): {operations} operations, {sent} requests sent by clients, {attempts} upstream attempts ({retries} retries admitted), {ratio:.3} attempts per primary, in {elapsed:?}"
     );
-    assert_eq!(operations, (CLIENTS * OPERATIONS) as u64);
     assert!(sent >= 2 * operations, "clients retried: {sent}");
-    assert!(budget_refusals > 0);
     // THE BOUND with no floor: attempts ≤ (1 + ratio) × primaries.
     assert!(
         attempts * 10 <= primaries * 12,
@@ -156,6 +177,70 @@ fn under_100_percent_errors_retrying_clients_add_at_most_a_fifth_of_the_primarie
         &[("x-tenant-id", "t0"), (RETRY_HEADER, "2")],
     );
     assert_refused(&r, "retry_budget");
+}
+
+#[test]
+fn with_the_default_floor_the_retries_are_a_fifth_of_the_primaries_plus_a_window_of_the_floor() {
+    let upstream = Upstream::start();
+    let envoy = Envoy::start_with_upstream(&policy(1), upstream.port, &CLASSES);
+    upstream.set_status(503);
+    let storm = retry_storm(envoy.port);
+    let attempts = upstream.received();
+    let primaries = storm.operations;
+    let retries = attempts.saturating_sub(primaries);
+    println!(
+        "retry budget (ratio 0.2, floor 1/s, window 10 s): {primaries} operations, {} requests sent, {attempts} upstream attempts ({retries} retries), {:.3} attempts per primary, in {:?}",
+        storm.sent,
+        attempts as f64 / primaries as f64,
+        storm.elapsed
+    );
+    // THE BOUND: ⌊0.2 × P⌋ + 1/s × 10 s while the run is shorter than the
+    // window (it takes well under a second).
+    assert!(storm.elapsed < Duration::from_secs(10), "{:?}", storm.elapsed);
+    assert!(
+        retries <= primaries / 5 + 10,
+        "{retries} retries for {primaries} primaries"
+    );
+    assert!(retries >= primaries / 5, "{retries}");
+}
+
+#[test]
+fn x_envoy_attempt_count_of_an_earlier_hop_is_the_retry_signal_when_the_policy_says_so() {
+    let upstream = Upstream::start();
+    let envoy = Envoy::start_with_upstream(&policy(1), upstream.port, &CLASSES);
+    let port = envoy.port;
+    let attempt = |n: &str| {
+        get(
+            port,
+            "/up/proxied",
+            &[("x-tenant-id", "acme"), ("x-envoy-attempt-count", n)],
+        )
+    };
+    // No primaries yet and no floor: a retry has no budget.
+    assert_refused(&attempt("2"), "retry_budget");
+    // Attempt 1 is a primary; 5 of them make room for one retry once a
+    // tick has folded them.
+    for _ in 0..5 {
+        assert_eq!(attempt("1").status, 200);
+    }
+    let mut statuses = Vec::new();
+    assert!(
+        wait_for(WAIT, || {
+            let s = attempt("3").status;
+            statuses.push(s);
+            s == 200
+        }),
+        "{statuses:?}"
+    );
+    assert_refused(&attempt("2"), "retry_budget");
+    // The tenant's own retry header means nothing to this dependency.
+    let r = get(
+        port,
+        "/up/proxied",
+        &[("x-tenant-id", "acme"), (RETRY_HEADER, "2")],
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(envoy.tg_stat("admission.retries.edge"), 1);
 }
 
 fn assert_refused(r: &Response, reason: &str) {

@@ -16,9 +16,19 @@
 //!   context id until its stream ends), one whose `max_wait` would pass is
 //!   answered 503 `queue_timeout`; a stream that ends while held leaves the
 //!   queue.
+//! * A dependency's retry budget ([`crate::admission::retry`]): a request
+//!   marked as a retry by a trusted signal takes its place in the budget
+//!   before its slot (503 `retry_budget` when there is none); an admitted
+//!   primary is counted in the worker's memory.
+//! * A degradable class ([`crate::admission::degraded`]): a GET/HEAD
+//!   refused for a shedding reason (here or from a queue) is answered from
+//!   the cache, or 503 `dependency_unavailable`; an admitted GET's 200
+//!   response is captured as it passes (headers, then body chunks) and
+//!   stored at its end, at most once per `refresh` per key and worker.
 //! * Root tick: the worker renews its leases and publishes what a failed
-//!   write left dirty; every 10th tick the in-flight gauges are set from
-//!   shared data (node-wide: every worker sets the same value).
+//!   write left dirty, and folds its counted primaries into their budgets;
+//!   every 10th tick the in-flight and retry-amplification gauges are set
+//!   from shared data (node-wide: every worker sets the same value).
 //!
 //! Stats: `tenantgate.admission.<outcome>.<criticality>` counters
 //! (outcomes: `admitted` and every refusal reason), counted in memory and
@@ -33,6 +43,11 @@
 //!   when its own age is at least the gauge's value, or when the value is
 //!   the one it set last (so it can lower it), so the value is at most one
 //!   tick (10 ms) stale;
+//! * `retries.<dependency>` counter (retries its budget admitted) and
+//!   `retry_amplification_permille.<dependency>` gauge;
+//! * `degraded.{answered,unavailable,stale,miss,stores,evictions,too_large}`
+//!   and `degraded.age_{le_1s,le_10s,le_60s,gt_60s}` counters, the gauge
+//!   `degraded.last_age_ms`;
 //! * `fair_drops.b<NN>` counters: requests dropped from the longest tenant
 //!   line of a full level (see [`crate::admission::queue`]), by tenant
 //!   hash bucket ([`FAIR_DROP_BUCKETS`] of them, never one per tenant).
