@@ -388,6 +388,9 @@ fn shed_gets_get_the_last_good_answer_writes_their_refusal_and_tenants_only_thei
     }
     assert_eq!(rx.try_iter().collect::<Vec<_>>(), [200, 200]);
     assert!(envoy.tg_stat("admission.degraded.answered") >= 2);
+    // Each shed request is counted once, under its final reason.
+    assert!(envoy.tg_stat("decisions.concurrency_limit") >= 4);
+    assert!(envoy.tg_stat("decisions.dependency_unavailable") >= 3);
     assert!(envoy.tg_stat("admission.degraded.unavailable") >= 4);
     // acme's, globex's and the two holders' (hooli's was no-store).
     assert!(

@@ -175,8 +175,9 @@ pub enum Refused {
     Reply(Decision),
     /// Paused in its dependency's queue.
     Held,
-    /// Refused, and answered 200 from its class's degraded-answer cache.
-    Degraded(degraded::Reply),
+    /// Refused (this decision, counted in `decisions.<reason>` like any
+    /// refusal), and answered 200 from its class's degraded-answer cache.
+    Degraded(degraded::Reply, Decision),
 }
 
 /// Sends a degraded answer on the current stream; false if Envoy refused it.
@@ -776,7 +777,10 @@ impl Admission {
         let decision = match self.refuse(&p.policy, &p.prepared, decision, &at, now) {
             Refused::Reply(d) => d,
             Refused::Held => return,
-            Refused::Degraded(reply) => {
+            Refused::Degraded(reply, decision) => {
+                if let Some(m) = metrics {
+                    m.record(&decision);
+                }
                 if !send_degraded(&reply) {
                     log::warn!("tenantgate: cannot send a degraded answer to a held request");
                 }
@@ -844,7 +848,7 @@ impl Admission {
             }
             Degrade::Answer(reply, age_ms) => {
                 rec(reason, Some(age_ms));
-                Refused::Degraded(reply)
+                Refused::Degraded(reply, decision)
             }
             Degrade::Unavailable => {
                 rec(Reason::DependencyUnavailable, None);

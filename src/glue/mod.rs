@@ -317,7 +317,8 @@ impl HttpContext for Request {
                 Ok(()) => {}
                 Err(admission::Refused::Held) => return Action::Pause,
                 Err(admission::Refused::Reply(refusal)) => return self.finish(&policy, refusal),
-                Err(admission::Refused::Degraded(reply)) => {
+                Err(admission::Refused::Degraded(reply, refusal)) => {
+                    self.metrics.record(&refusal);
                     // If Envoy refused the reply, pausing would hang the request.
                     return if admission::send_degraded(&reply) {
                         Action::Pause
