@@ -31,7 +31,9 @@
 //! R < ⌊P × ratio⌋ + min_per_second × W / 1 s        (ratio default 0.2, min_per_second default 1)
 //! ```
 //!
-//! and is then counted in `R` in the same compare-and-swap. A refusal is
+//! and is then counted in `R` in the same compare-and-swap (before its
+//! slot is taken: a retry a later limit refuses has still spent its
+//! place, which only makes the budget stricter). A refusal is
 //! 503 `retry_budget`, its `Retry-After` the time until the oldest bucket
 //! holding a retry leaves the window (at least 1 s) plus the dependency's
 //! jitter.

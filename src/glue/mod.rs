@@ -371,6 +371,14 @@ impl HttpContext for Request {
         }
     }
 
+    fn on_http_response_trailers(&mut self, _trailers: usize) -> Action {
+        // The body ended before the trailers.
+        if self.stream.capture.is_some() {
+            self.admission.on_response_body(&mut self.stream, 0, true);
+        }
+        Action::Continue
+    }
+
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if self.stream.capture.is_some() {
             self.admission
