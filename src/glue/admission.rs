@@ -610,23 +610,24 @@ impl Admission {
                     let name = dep.map_or("-", |d| d.name.as_str());
                     let limit = format!("dependency:{name}");
                     if shadow {
+                        // Counted and recorded, never enforced (like every
+                        // shadow refusal: no slot is taken either).
                         record(policy, prepared, Some(reason), 0, 0, &limit, None);
-                    } else {
-                        let window = dep
-                            .map_or(crate::policy::admission::DEFAULT_RETRY_AFTER_WINDOW_NS, |d| {
-                                d.retry_after_window_ns
-                            });
-                        let mut decision = refusal_decision(reason, name, window, prepared, context_id, now);
-                        let seed = now ^ (u64::from(context_id) << 32);
-                        decision.retry_after_secs =
-                            jittered_retry_after_secs(refused.retry_after_secs, window, seed);
-                        let at = Decided {
-                            in_flight: 0,
-                            queue_wait_ns: 0,
-                            limit: &limit,
-                        };
-                        return Err(self.refuse(policy, prepared, decision, &at, now));
+                        return Ok(());
                     }
+                    let window = dep.map_or(crate::policy::admission::DEFAULT_RETRY_AFTER_WINDOW_NS, |d| {
+                        d.retry_after_window_ns
+                    });
+                    let mut decision = refusal_decision(reason, name, window, prepared, context_id, now);
+                    let seed = now ^ (u64::from(context_id) << 32);
+                    decision.retry_after_secs =
+                        jittered_retry_after_secs(refused.retry_after_secs, window, seed);
+                    let at = Decided {
+                        in_flight: 0,
+                        queue_wait_ns: 0,
+                        limit: &limit,
+                    };
+                    return Err(self.refuse(policy, prepared, decision, &at, now));
                 }
             }
         }
