@@ -268,3 +268,77 @@ fn contention_refuses_a_retry_never_admits_it() {
     let r = w.take_retry(&host, &b, T0).unwrap_err();
     assert_eq!(r.reason, Reason::Contention);
 }
+
+#[test]
+fn the_bound_holds_in_every_window_under_random_timing_on_two_workers() {
+    // Seeded random primaries and marked retries on two workers whose
+    // ticks come late at random; every window of 10 buckets is checked
+    // against THE BOUND of the module header.
+    let b = budget(r#", "min_per_second": 2, "window": "5s""#);
+    let bucket = bucket_ns(&b);
+    let floor = allowed(&b, 0);
+    let mut seed = 0x5eed_u64;
+    let mut next = |n: u64| {
+        seed = crate::admission::splitmix64(seed);
+        seed % n
+    };
+    let mut n = Two::new();
+    // Primaries per bucket as folded, retries per bucket as admitted.
+    let mut primaries_at: std::collections::BTreeMap<u64, u64> = Default::default();
+    let mut retries_at: std::collections::BTreeMap<u64, u64> = Default::default();
+    let mut pending = [0u64; 2];
+    for step in 0..6000u64 {
+        let now = T0 + step * 10 * MS + next(10 * MS);
+        let w = next(2) as usize;
+        let current = now / bucket;
+        match next(10) {
+            0..=3 => {
+                n.primaries(w, 1, &b);
+                pending[w] += 1;
+            }
+            4..=8 => {
+                let ok = n.retry(w, &b, now).is_ok();
+                *primaries_at.entry(current).or_default() += std::mem::take(&mut pending[w]);
+                if ok {
+                    *retries_at.entry(current).or_default() += 1;
+                }
+            }
+            // A tick, on one worker only (the other is late).
+            _ => {
+                let host = n.host();
+                n.workers[w].fold(&host, now);
+                *primaries_at.entry(current).or_default() += std::mem::take(&mut pending[w]);
+            }
+        }
+    }
+    let sum = |m: &std::collections::BTreeMap<u64, u64>, last: u64| -> u64 {
+        m.range(last.saturating_sub(BUCKETS as u64 - 1)..=last)
+            .map(|(_, v)| v)
+            .sum()
+    };
+    let (first, last) = (T0 / bucket, (T0 + 6000 * 10 * MS) / bucket + 1);
+    let mut checked = 0;
+    for end in first..=last {
+        let r = sum(&retries_at, end);
+        let Some((&at, _)) = retries_at
+            .range(end.saturating_sub(BUCKETS as u64 - 1)..=end)
+            .next_back()
+        else {
+            continue;
+        };
+        let p = sum(&primaries_at, at);
+        assert!(
+            r <= p * u64::from(b.ratio_permille) / 1000 + floor,
+            "window ending at bucket {end}: {r} retries, {p} primaries in the window of its last retry"
+        );
+        checked += 1;
+    }
+    assert!(checked > 100, "{checked}");
+    let total_r: u64 = retries_at.values().sum();
+    let total_p: u64 = primaries_at.values().sum();
+    // The budget was really used, not just closed.
+    assert!(
+        total_r >= total_p / 5,
+        "{total_r} retries for {total_p} primaries"
+    );
+}
