@@ -53,7 +53,9 @@
 //! buckets `(c − 10, c]`, so in any 10 consecutive buckets (one window)
 //! `R ≤ ⌊ratio × P'⌋ + min_per_second × W` where `P'` is the primaries of
 //! the window ending at the last retry admitted in it (at most one window
-//! earlier). Over a span of `k` windows with steady primaries, retries are
+//! earlier; checked in every window under random timing with late ticks:
+//! `the_bound_holds_in_every_window_under_random_timing_on_two_workers`).
+//! Over a span of `k` windows with steady primaries, retries are
 //! at most `ratio × P + k × min_per_second × W` (+ one window's `ratio ×
 //! P` at the edge), so upstream attempts ≤ `(1 + ratio) × P + floor`.
 //! A client **spraying retries** (every one marked) gets at most that
