@@ -82,9 +82,11 @@
 //!
 //! Pure: time is `now`, the host is [`Host`].
 
+pub mod degraded;
 pub mod holders;
 pub mod queue;
 pub mod request;
+pub mod retry;
 
 use hashbrown::HashMap;
 
@@ -684,12 +686,19 @@ pub struct DecisionRecord<'a> {
     /// `tenant:<dependency>`; `-` when admitted or refused by a request
     /// check.
     pub limit: &'a str,
+    /// Refused, and answered 200 from the degraded-answer cache with an
+    /// answer this old (see [`degraded`]): rendered as a last field
+    /// `degraded_age_ms=<n>`, only then.
+    pub degraded_age_ms: Option<u64>,
 }
 
 impl DecisionRecord<'_> {
     pub fn render(&self) -> String {
+        let degraded = self
+            .degraded_age_ms
+            .map_or(String::new(), |age| format!(" degraded_age_ms={age}"));
         format!(
-            "outcome={} criticality={} dependency={} in_flight={} queue_wait_ms={} policy={} key={} limit={}",
+            "outcome={} criticality={} dependency={} in_flight={} queue_wait_ms={} policy={} key={} limit={}{degraded}",
             self.outcome,
             self.criticality.as_str(),
             self.dependency,
