@@ -497,6 +497,12 @@ impl Begun {
         &self.node
     }
 
+    /// Each reported (key, limit) once, with the counts this request adds
+    /// (a retried request adds only what its lost answer had not counted).
+    pub fn deltas(&self) -> &[(KeyId, Counts)] {
+        &self.intake.deltas
+    }
+
     /// The settings the node enforces.
     pub fn terms(&self, cfg: &AllocConfig) -> NodeTerms {
         self.terms.unwrap_or_else(|| cfg.terms())

@@ -409,6 +409,26 @@ async fn lost_and_duplicate_reports_counted_once(b: Backend) {
             .as_deref(),
         Some("1")
     );
+    // `top` counts the same deduplicated demand: 5 + 6 at one replica, the
+    // retry's 3 new at the other (not its 8), 14 in all.
+    let top_demand = |i: &Instance| {
+        let i = i.admin;
+        async move {
+            let (status, body) = http(i, "GET", "/v1/top", "").await;
+            assert_eq!(status, 200, "{body}");
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            v["regions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|r| r["by_demand"].as_array().unwrap().clone())
+                .filter(|e| e["key"] == "t|api")
+                .map(|e| e["count"].as_f64().unwrap())
+                .sum::<f64>()
+        }
+    };
+    assert_eq!(top_demand(&a).await, 11.0);
+    assert_eq!(top_demand(&c).await, 3.0);
     a.shutdown().await;
     c.shutdown().await;
 }
@@ -441,8 +461,8 @@ async fn policy_hot_reload(b: Backend) {
     assert!(resp.leases[0].tokens > 0);
 
     // An invalid policy is refused and logged; v2 stays, still ready.
-    // (The watcher may also catch the file truncated mid-write, an empty
-    // policy, refused too: at least one refusal.)
+    // (The watcher loads a file only once it reads the same twice, so it
+    // never sees this one half-written.)
     std::fs::write(policy.path(), "version: v3\nplans: {}\n").unwrap();
     wait_for("the refusal", || async {
         a.metric("tenantgate_policy_reloads_total{result=\"error\"}")
@@ -548,10 +568,11 @@ async fn overflowing_counts_do_not_panic_the_allocator(b: Backend) {
     a.shutdown().await;
 }
 
+/// The nearest-rank percentile: for 100 samples, p99 is the 99th smallest.
 fn percentile(mut samples: Vec<Duration>, pct: usize) -> Duration {
     samples.sort();
-    let i = (samples.len() * pct / 100).min(samples.len().saturating_sub(1));
-    samples[i]
+    let rank = (samples.len() * pct).div_ceil(100);
+    samples[rank.saturating_sub(1).min(samples.len().saturating_sub(1))]
 }
 
 /// An honest node's sync latencies: `n` requests, one at a time.

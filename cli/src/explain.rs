@@ -466,6 +466,18 @@ pub fn diff(old: &Policy, new: &Policy) -> (String, bool) {
                         let _ = write!(summary, ", action max_in_flight {}", a.max_in_flight);
                     }
                 }
+                if let Some(d) = &c.degradable {
+                    let _ = write!(
+                        summary,
+                        ", degradable max_stale {} ms, version_header {}, max_body_bytes {}, slots {}, anonymous {}, refresh {} ms",
+                        d.max_stale_ns / 1_000_000,
+                        d.version_header,
+                        d.max_body_bytes,
+                        d.slots,
+                        d.anonymous,
+                        d.refresh_ns / 1_000_000
+                    );
+                }
                 (c.name.clone(), summary)
             })
             .collect()

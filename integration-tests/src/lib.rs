@@ -68,6 +68,16 @@ pub fn wait_for(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool 
     }
 }
 
+/// The nearest-rank percentile `pct` (1–100) of `values`: the smallest
+/// value at least `pct` % of them are at or below (for 100 values, p99 is
+/// the 99th smallest, not the largest); zero for no values.
+pub fn percentile(values: impl IntoIterator<Item = Duration>, pct: usize) -> Duration {
+    let mut v: Vec<Duration> = values.into_iter().collect();
+    v.sort_unstable();
+    let rank = (v.len().saturating_mul(pct.min(100))).div_ceil(100);
+    v.get(rank.saturating_sub(1)).copied().unwrap_or_default()
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())

@@ -40,6 +40,8 @@ struct State {
     stop: AtomicBool,
     /// Held while true.
     hold: Mutex<bool>,
+    /// One more header line for every answer (`name: value`), if set.
+    extra_header: Mutex<Option<String>>,
     released: Condvar,
 }
 
@@ -92,6 +94,11 @@ impl Upstream {
     /// `ok v<version>` (the version starts at 0).
     pub fn set_version(&self, version: u64) {
         self.state.version.store(version, Ordering::SeqCst);
+    }
+
+    /// Every later answer carries this header too (`None`: no extra header).
+    pub fn set_header(&self, header: Option<(&str, &str)>) {
+        *self.state.extra_header.lock().unwrap() = header.map(|(n, v)| format!("{n}: {v}\r\n"));
     }
 
     /// Requests that reached it (answered or not yet): the upstream attempts.
@@ -186,8 +193,9 @@ fn serve(stream: TcpStream, s: &State) {
             n => n,
         };
         let body = format!("ok v{}\n", s.version.load(Ordering::SeqCst));
+        let extra = s.extra_header.lock().unwrap().clone().unwrap_or_default();
         let answer = format!(
-            "HTTP/1.1 {status} Status\r\ncontent-type: text/plain\r\netag: \"v{}\"\r\ncontent-length: {}\r\n\r\n{body}",
+            "HTTP/1.1 {status} Status\r\ncontent-type: text/plain\r\netag: \"v{}\"\r\n{extra}content-length: {}\r\n\r\n{body}",
             s.version.load(Ordering::SeqCst),
             body.len()
         );

@@ -36,9 +36,11 @@ routes:
   report: { criticality: sheddable, dependency: svc }
 "#;
 
-/// The upstream: 16 at once, 40 ms each (400 requests/s); then 8.
+/// The upstream: 16 at once, 100 ms each (160 requests/s); then 8 (a long
+/// service time keeps a shared machine's scheduling delays, tens of ms
+/// while other builds run, small beside it).
 const CAPACITY: u64 = 16;
-const LATENCY: Duration = Duration::from_millis(40);
+const LATENCY: Duration = Duration::from_millis(100);
 /// The phases: full capacity, half, full again.
 const FULL: Duration = Duration::from_secs(10);
 const HALF: Duration = Duration::from_secs(10);
@@ -129,27 +131,27 @@ fn the_limit_follows_the_upstream_capacity_down_and_back_and_critical_p99_holds(
     }
     let end = FULL + HALF + BACK;
     let t0 = Instant::now();
-    // Critical: 4 clients × 12.5/s (about 2 slots). Sheddable: 48 clients
-    // × 25/s, about 3× what the upstream serves at full capacity.
+    // Critical: 4 clients × 5/s (about 2 slots). Sheddable: 32 clients ×
+    // at most 10/s, twice what the upstream serves at full capacity.
     let critical: Vec<_> = (0..4)
         .map(|i| {
             paced(
                 port,
                 "/up/checkout",
                 format!("shop-{i}"),
-                Duration::from_millis(80),
+                Duration::from_millis(200),
                 t0,
                 end,
             )
         })
         .collect();
-    let sheddable: Vec<_> = (0..48)
+    let sheddable: Vec<_> = (0..32)
         .map(|i| {
             paced(
                 port,
                 "/up/report",
                 format!("bulk-{}", i % 8),
-                Duration::from_millis(40),
+                Duration::from_millis(100),
                 t0,
                 end,
             )
@@ -187,7 +189,7 @@ fn the_limit_follows_the_upstream_capacity_down_and_back_and_critical_p99_holds(
             .map(|(_, l)| *l)
             .collect()
     };
-    let tail = Duration::from_secs(2);
+    let tail = Duration::from_secs(3);
     let l_full = median(&limits_in(FULL - tail, FULL));
     let l_half = median(&limits_in(FULL + HALF - tail, FULL + HALF));
     let l_back = median(&limits_in(end - tail, end));
@@ -205,7 +207,7 @@ fn the_limit_follows_the_upstream_capacity_down_and_back_and_critical_p99_holds(
     let ok = |s: &[&Sample]| s.iter().filter(|x| x.ok).count() as f64 / s.len().max(1) as f64;
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
-        "limit medians of each phase's last 2 s: full {l_full}, half {l_half}, back {l_back} (upstream capacity {CAPACITY} → {} → {CAPACITY} at {} ms)",
+        "limit medians of each phase's last 3 s: full {l_full}, half {l_half}, back {l_back} (upstream capacity {CAPACITY} → {} → {CAPACITY} at {} ms)",
         CAPACITY / 2,
         LATENCY.as_millis()
     );
@@ -232,7 +234,7 @@ fn the_limit_follows_the_upstream_capacity_down_and_back_and_critical_p99_holds(
     );
     assert!(limits.len() >= 100, "the gauge was read: {}", limits.len());
     assert!(
-        base.len() >= 150 && half_followed.len() >= 250,
+        base.len() >= 60 && half_followed.len() >= 100,
         "{} / {}",
         base.len(),
         half_followed.len()
@@ -253,4 +255,84 @@ fn the_limit_follows_the_upstream_capacity_down_and_back_and_critical_p99_holds(
         "critical p99 {:?} > {bound:?}",
         p99(&half_followed)
     );
+}
+
+/// Upstream 5xx answers are errors: the limit backs off to `min` and the
+/// error-rate gauge shows them; once the upstream answers 200 again the
+/// limit climbs back. (tenantgate's own 503s, the refusals, are never
+/// counted: the refused share of this load is large, yet the limit comes
+/// back.)
+#[test]
+fn upstream_errors_back_the_limit_off_to_min_and_it_recovers() {
+    let upstream = Upstream::start();
+    upstream.set_capacity(CAPACITY);
+    upstream.set_latency(Duration::from_millis(10));
+    let envoy = Envoy::start_with_upstream(POLICY, upstream.port, &["checkout", "report"]);
+    let port = envoy.port;
+    assert_eq!(get(port, "/up/report", &[("x-tenant-id", "warm")]).status, 200);
+    let end = Duration::from_secs(20);
+    let t0 = Instant::now();
+    let load: Vec<_> = (0..24)
+        .map(|i| {
+            paced(
+                port,
+                "/up/report",
+                format!("bulk-{i}"),
+                Duration::from_millis(20),
+                t0,
+                end,
+            )
+        })
+        .collect();
+    let gauge = |name: &str| envoy.stat(&format!("wasmcustom.tenantgate.admission.{name}.svc"));
+    let mut series: Vec<(Duration, u64, u64)> = Vec::new();
+    let mut failing = false;
+    let mut healed = false;
+    while t0.elapsed() < end {
+        let at = t0.elapsed();
+        if !failing && at >= Duration::from_secs(4) {
+            upstream.set_status(503);
+            failing = true;
+        }
+        if !healed && at >= Duration::from_secs(10) {
+            upstream.set_status(0);
+            healed = true;
+        }
+        if let (Some(l), Some(e)) = (gauge("limit"), gauge("error_rate_ppm")) {
+            series.push((at, l, e));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let samples: Vec<Sample> = load.into_iter().flat_map(|h| h.join().unwrap()).collect();
+    let shown: Vec<String> = series
+        .iter()
+        .step_by(2)
+        .map(|(at, l, e)| format!("{:.1}s:{l}/{}%", at.as_secs_f64(), e / 10_000))
+        .collect();
+    println!("limit/error rate (gauges, every 400 ms): {}", shown.join(" "));
+    let at = |from: u64, to: u64| -> Vec<(u64, u64)> {
+        series
+            .iter()
+            .filter(|(t, _, _)| *t >= Duration::from_secs(from) && *t < Duration::from_secs(to))
+            .map(|(_, l, e)| (*l, *e))
+            .collect()
+    };
+    let before = at(3, 4);
+    let failed = at(8, 10);
+    let after = at(18, 20);
+    println!(
+        "{} requests; limit before {:?}, at the end of the failure {:?}, at the end {:?}",
+        samples.len(),
+        before.last(),
+        failed.last(),
+        after.last()
+    );
+    // min = reserved.critical + 1 = 5.
+    assert!(
+        failed.iter().any(|(l, e)| *l == 5 && *e >= 900_000),
+        "backed off to min: {failed:?}"
+    );
+    let recovered = after.iter().map(|(l, _)| *l).max().unwrap_or(0);
+    assert!(recovered >= 10, "the limit climbed back: {after:?}");
+    assert!(after.iter().all(|(_, e)| *e < 100_000), "errors gone: {after:?}");
 }

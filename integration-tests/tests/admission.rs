@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use tenantgate_integration_tests::upstream::Upstream;
-use tenantgate_integration_tests::{get, wait_for, Conn, Envoy, Response};
+use tenantgate_integration_tests::{get, percentile, wait_for, Conn, Envoy, Response};
 
 const CLASSES: [&str; 8] = [
     "orders", "health", "upload", "shared", "jobs", "urgent", "feed", "metered",
@@ -762,10 +762,7 @@ fn paced(
 }
 
 fn p99(samples: &[Sample]) -> Duration {
-    let mut l: Vec<Duration> = samples.iter().map(|s| s.latency).collect();
-    l.sort_unstable();
-    let i = (l.len() * 99).div_ceil(100).saturating_sub(1);
-    l.get(i).copied().unwrap_or_default()
+    percentile(samples.iter().map(|s| s.latency), 99)
 }
 
 fn success(samples: &[Sample]) -> f64 {

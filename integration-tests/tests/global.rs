@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use tenantgate_integration_tests::{get, wait_for, Conn, Envoy, SyncMode, SyncServer};
+use tenantgate_integration_tests::{get, percentile, wait_for, Conn, Envoy, SyncMode, SyncServer};
 
 /// Sync every 500 ms with a 200 ms callout timeout.
 const INTERVAL_MS: u64 = 500;
@@ -65,9 +65,19 @@ fn admitted(results: &[(u16, Duration)]) -> usize {
 }
 
 fn p99(results: &[(u16, Duration)]) -> Duration {
-    let mut l: Vec<Duration> = results.iter().map(|(_, d)| *d).collect();
-    l.sort();
-    l[(l.len() * 99 / 100).min(l.len() - 1)]
+    percentile(results.iter().map(|(_, d)| *d), 99)
+}
+
+/// Requests never waited for a sync callout: nine in ten took under 50 ms,
+/// and none as long as the callout timeout (200 ms), which a request that
+/// waited for a failing callout would take. (The p90, not the p99: on a
+/// loaded 2-core machine one fresh connection in 40 can take 50 ms.)
+fn assert_never_waited(what: &str, results: &[(u16, Duration)]) {
+    let p90 = percentile(results.iter().map(|(_, d)| *d), 90);
+    let max = percentile(results.iter().map(|(_, d)| *d), 100);
+    println!("{what}: p90 {p90:?}, p99 {:?}, max {max:?}", p99(results));
+    assert!(p90 < Duration::from_millis(50), "{what}: {results:?}");
+    assert!(max < Duration::from_millis(200), "{what}: {results:?}");
 }
 
 #[test]
@@ -127,8 +137,7 @@ fn a_service_down_slow_or_garbled_never_slows_requests_and_recovery_brings_lease
         envoy.tg_stat("sync.failed") >= 2,
         "refused connections count as failures"
     );
-    println!("down:    p99 {:?}", p99(&api));
-    assert!(p99(&api) < Duration::from_millis(50));
+    assert_never_waited("down", &api);
 
     for (name, mode, stat) in [
         (
@@ -143,8 +152,7 @@ fn a_service_down_slow_or_garbled_never_slows_requests_and_recovery_brings_lease
         server.set_mode(mode);
         let results = requests(&envoy, "/api/x", "down-a", 60, Duration::from_millis(20));
         assert!(envoy.tg_stat(stat) > before, "{name}: {stat} counted");
-        println!("{name}: p99 {:?}", p99(&results));
-        assert!(p99(&results) < Duration::from_millis(50), "{name}: {results:?}");
+        assert_never_waited(name, &results);
         assert_eq!(admitted(&results), 60, "{name}: still fail_open");
     }
     assert_eq!(envoy.tg_stat("sync.ok"), 0);
@@ -184,16 +192,14 @@ fn an_unknown_cluster_or_one_with_no_healthy_host_fails_the_sync_not_the_request
         "dispatch to an unknown cluster fails"
     );
     assert_eq!(envoy.tg_stat("sync.sent"), 0);
-    assert!(p99(&results) < Duration::from_millis(50), "{results:?}");
-    println!("unknown cluster: p99 {:?}", p99(&results));
+    assert_never_waited("unknown cluster", &results);
 
     let (ok, err) = envoy.apply(&policy("fail_closed", "tenantgate_empty"));
     assert!(ok, "{err}");
     let before = envoy.tg_stat("sync.failed");
     assert!(wait_for(Duration::from_secs(3), || envoy.tg_stat("sync.failed") > before));
     let results = requests(&envoy, "/api/x", "nc-b", 30, Duration::from_millis(20));
-    println!("no healthy host: p99 {:?}", p99(&results));
-    assert!(p99(&results) < Duration::from_millis(50), "{results:?}");
+    assert_never_waited("no healthy host", &results);
     // The node was cut off long ago: fail_closed leaves nothing but the
     // new key's provisional allowance.
     assert!(admitted(&results) <= 2, "{results:?}");
@@ -219,6 +225,11 @@ fn the_breaker_cuts_callouts_to_a_failing_service_and_its_probe_brings_leases_ba
     assert!(
         envoy.tg_stat("sync.failed") >= 3,
         "three failures before it opened"
+    );
+    let gauge = envoy.tg_stat("sync.breaker");
+    assert!(
+        gauge == 1 || gauge == 2,
+        "the sync.breaker gauge shows it open (1) or probing (2): {gauge}"
     );
     // Once the backoff reached its cap: count what the service receives
     // over 2.4 s (12 intervals without the breaker).
@@ -249,7 +260,7 @@ fn the_breaker_cuts_callouts_to_a_failing_service_and_its_probe_brings_leases_ba
         "each failed probe re-opens it"
     );
     assert_eq!(admitted(&during), 24, "fail_open while the breaker is open");
-    assert!(p99(&during) < Duration::from_millis(50), "{during:?}");
+    assert_never_waited("while the breaker is open", &during);
     assert_eq!(envoy.tg_stat("sync.ok"), 0);
 
     // The service comes back: the next probe succeeds and closes the
@@ -278,6 +289,7 @@ fn the_breaker_cuts_callouts_to_a_failing_service_and_its_probe_brings_leases_ba
     std::thread::sleep(Duration::from_secs(1));
     let received = server.requests().len() - reqs0;
     println!("breaker closed: {received} sync requests in 1 s");
+    assert_eq!(envoy.tg_stat("sync.breaker"), 0, "the gauge shows it closed");
     assert!(
         received >= 3,
         "closed: about 5 reports per second, got {received}"
@@ -344,7 +356,7 @@ fn an_answer_of_4096_leases_is_applied_in_steps_and_every_key_gets_its_lease() {
     // The step's work is bounded (256 keys, about 0.6 ms here; the whole
     // answer in one callback took 7–25 ms): the median step, robust to a
     // worker descheduled on a loaded machine, stays well under the latter.
-    let p50 = percentile(&steps, "P50").expect("a median step");
+    let p50 = envoy_quantile(&steps, "P50").expect("a median step");
     assert!(p50 < 3_000.0, "median step {p50} us: {steps}");
     let mut latencies: Vec<Duration> = during.iter().map(|(_, d)| *d).collect();
     latencies.sort();
@@ -355,7 +367,7 @@ fn an_answer_of_4096_leases_is_applied_in_steps_and_every_key_gets_its_lease() {
 }
 
 /// The cumulative value of quantile `q` (`P50`) in Envoy's summary line.
-fn percentile(line: &str, q: &str) -> Option<f64> {
+fn envoy_quantile(line: &str, q: &str) -> Option<f64> {
     let rest = line.split_once(&format!(" {q}("))?.1;
     let (_, cumulative) = rest.split_once(')')?.0.split_once(',')?;
     cumulative.parse().ok()

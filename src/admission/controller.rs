@@ -6,7 +6,7 @@
 //! # The formula (per closed window, `L` the limit before it)
 //! With `B` the baseline (the p95 measured at reduced concurrency, below),
 //! `p` the window's p95 (successes and timeouts) over `n` of them, `b` =
-//! `buffer`, `dz` = `dead_zone`, `α` = `smoothing`, `ε = 0.5/√n` (the
+//! `buffer`, `dz` = `dead_zone`, `α` = `smoothing`, `ε = 0.3/√n` (the
 //! p95's sampling noise, [`NOISE`]):
 //! ```text
 //! g  = clamp(0.5, 2, B·(1 + b) / p)                   the gradient
@@ -14,13 +14,15 @@
 //! errors + timeouts ≥ error_rate of completed    →  L' = L·backoff
 //! queue age ≥ queue_age, and ḡ < 1 − ε − dz
 //!   or nothing completed (a hung upstream)       →  L' = L·backoff
-//! ḡ < 1 − ε − dz                                 →  L' = L + α·(L·ḡ − L)
+//! ḡ < 1 − ε − dz                                 →  L' = L + 2α·(L·ḡ − L)   (2α at most 1)
 //! 1 − ε − dz ≤ ḡ < 1 − ε                         →  L' = L          (the dead zone)
 //! ḡ ≥ 1 − ε and the limit was used               →  L' = L + max(1, α·(L·ḡ + √(L·ḡ) − L))
 //! otherwise (idle, < MIN_SAMPLES, unused)        →  L' = L
 //! then  L' ≤ L + max(1, L·max_increase),  L' ≥ L/2,  L' = clamp(min, max, L')
 //! ```
-//! On the way up this is Envoy's gradient (`L·g + √(L·g)`). On the way
+//! Down moves take twice the smoothing's share of the way up's: an
+//! overload costs more than spare capacity. On the way up this is
+//! Envoy's gradient (`L·g + √(L·g)`). On the way
 //! down its `√(L·g)` headroom is left out: with it the limit settles
 //! where `1 − g ≈ 1/√L`, a queue of about `√L` past the capacity (for a
 //! capacity of 20, 30 % above it). Without it the limit settles in the
@@ -104,11 +106,12 @@ pub const REFRESH_JITTER_PPM: u32 = 250_000;
 /// A window's peak in flight must reach this share of the limit for it
 /// to rise.
 pub const UTILIZED_PPM: u32 = 800_000;
-/// The dead zone widens by `NOISE/√n` for a window of `n` latency
-/// samples: a p95 of `n` samples varies by about `0.6/√n` (relative, for
-/// a lognormal service time of σ = 0.3), so a window of 25 samples gets
-/// 10 % more, one of 500 gets 2 %.
-pub const NOISE: f64 = 0.5;
+/// Both thresholds allow `NOISE/√n` for a window of `n` latency samples:
+/// a p95 of `n` samples varies by about `0.6/√n` (relative, for a
+/// lognormal service time of σ = 0.3); half a standard deviation keeps the
+/// dead zone tight where samples are many (1.3 % at 500) and widens it
+/// where they are few (6 % at 25).
+pub const NOISE: f64 = 0.3;
 /// The kind byte of a control record.
 pub const KIND_CONTROL: u8 = 19;
 const CONTROL_NAME_HASH: u32 = 0x0000_1f19;
@@ -408,6 +411,12 @@ pub fn step(a: &Adaptive, seed: u64, before: &State, s: &WindowSummary) -> State
         Some(g) if g < dead_zone => (limit * g, Move::Gradient),
         Some(g) if g < healthy || !used => (limit, Move::Held),
         Some(g) => (limit * g + (limit * g).sqrt(), Move::Increase),
+    };
+    // Down twice as fast as up: an overload costs more than spare capacity.
+    let alpha = if target < limit {
+        (2.0 * alpha).min(1.0)
+    } else {
+        alpha
     };
     let mut smoothed = limit + alpha * (target - limit);
     if mv == Move::Increase {

@@ -84,9 +84,11 @@
 
 pub mod breaker;
 pub mod controller;
+pub mod degraded;
 pub mod holders;
 pub mod queue;
 pub mod request;
+pub mod retry;
 pub mod window;
 
 use hashbrown::HashMap;
@@ -925,6 +927,10 @@ pub struct DecisionRecord<'a> {
     /// The dependency's breaker phase at the decision (`breaker=`; absent
     /// without a `circuit_breaker`).
     pub breaker: Option<&'a str>,
+    /// Refused, and answered 200 from the degraded-answer cache with an
+    /// answer this old (see [`degraded`]): rendered as a last field
+    /// `degraded_age_ms=<n>`, only then.
+    pub degraded_age_ms: Option<u64>,
     /// An adaptive dependency's limit as this worker applied it
     /// (`controller_limit=`; the field is absent for other requests).
     pub controller_limit: Option<u32>,
@@ -932,8 +938,15 @@ pub struct DecisionRecord<'a> {
 
 impl DecisionRecord<'_> {
     pub fn render(&self) -> String {
+        let controller = self
+            .controller_limit
+            .map_or(String::new(), |l| format!(" controller_limit={l}"));
+        let breaker = self.breaker.map(|b| format!(" breaker={b}")).unwrap_or_default();
+        let degraded = self
+            .degraded_age_ms
+            .map_or(String::new(), |age| format!(" degraded_age_ms={age}"));
         format!(
-            "outcome={} criticality={} dependency={} in_flight={} queue_wait_ms={} policy={} key={} limit={}",
+            "outcome={} criticality={} dependency={} in_flight={} queue_wait_ms={} policy={} key={} limit={}{controller}{breaker}{degraded}",
             self.outcome,
             self.criticality.as_str(),
             self.dependency,
@@ -942,10 +955,7 @@ impl DecisionRecord<'_> {
             self.policy_version.replace(' ', "_"),
             self.limit_key,
             self.limit
-        ) + &self
-            .controller_limit
-            .map_or(String::new(), |l| format!(" controller_limit={l}"))
-            + &self.breaker.map(|b| format!(" breaker={b}")).unwrap_or_default()
+        )
     }
 }
 

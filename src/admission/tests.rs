@@ -702,6 +702,7 @@ fn the_decision_record_is_one_line_of_plain_fields() {
         limit_key: "orders|t|acme",
         limit: "action:orders",
         breaker: None,
+        degraded_age_ms: None,
         controller_limit: None,
     };
     assert_eq!(
@@ -716,6 +717,15 @@ fn the_decision_record_is_one_line_of_plain_fields() {
         }
         .render(),
         "outcome=queue_timeout criticality=sheddable dependency=db in_flight=7 queue_wait_ms=390 policy=v_1 key=orders|t|acme limit=action:orders breaker=half_open"
+    );
+    // A degraded answer says so, in a last field.
+    let degraded = DecisionRecord {
+        degraded_age_ms: Some(1500),
+        ..r
+    };
+    assert_eq!(
+        degraded.render(),
+        "outcome=queue_timeout criticality=sheddable dependency=db in_flight=7 queue_wait_ms=390 policy=v_1 key=orders|t|acme limit=action:orders degraded_age_ms=1500"
     );
     // An adaptive dependency's record ends with the limit applied.
     let r = DecisionRecord {

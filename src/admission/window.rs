@@ -15,9 +15,12 @@
 //!   or failed the connection, or had no healthy host;
 //! * `Timeout`: the upstream did not answer in time (Envoy's route timeout,
 //!   or a 504 from the upstream itself);
-//! * `NotCounted`: tenantgate's own local replies, other filters' local
-//!   replies, and client resets before any answer: none of them says
-//!   anything about the upstream. (Client retries are ordinary requests
+//! * `NotCounted`: tenantgate's own local replies, other filters' 5xx
+//!   local replies, and client resets before any answer: none of them says
+//!   anything about the upstream. (The glue reads Envoy's
+//!   `response.code_details` only for a 5xx or a stream without response
+//!   headers, so a local reply below 500 by a filter after tenantgate
+//!   counts as a success: a misconfiguration's cost, not a signal lost.) (Client retries are ordinary requests
 //!   here: a retry is counted by what its upstream did, never as a signal
 //!   of its own.)
 //!

@@ -16,14 +16,25 @@
 //!   context id until its stream ends), one whose `max_wait` would pass is
 //!   answered 503 `queue_timeout`; a stream that ends while held leaves the
 //!   queue.
+//! * A dependency's retry budget ([`crate::admission::retry`]): a request
+//!   marked as a retry by a trusted signal takes its place in the budget
+//!   before its slot (503 `retry_budget` when there is none); an admitted
+//!   primary is counted in the worker's memory.
+//! * A degradable class ([`crate::admission::degraded`]): a GET/HEAD
+//!   refused for a shedding reason (here or from a queue) is answered from
+//!   the cache, or 503 `dependency_unavailable`; an admitted GET's 200
+//!   response is captured as it passes (headers, then body chunks) and
+//!   stored at its end, at most once per `refresh` per key and worker.
 //! * Root tick: the worker renews its leases and publishes what a failed
-//!   write left dirty; every 10th tick the in-flight gauges are set from
-//!   shared data (node-wide: every worker sets the same value).
+//!   write left dirty, and folds its counted primaries into their budgets;
+//!   every 10th tick the in-flight and retry-amplification gauges are set
+//!   from shared data (node-wide: every worker sets the same value).
 //! * Adaptive dependencies ([`crate::admission::controller`]): a stream
 //!   that took a slot of one gets a [`Signal`] (memory only); its response
 //!   headers stamp the time and status (one clock read, one header read);
-//!   at its end `response.code_details` is read (one property) and the
-//!   [`Outcome`] goes into the worker's [`Windows`]. The tick runs
+//!   at its end, for a 5xx or no response at all, `response.code_details`
+//!   is read (one property) and the [`Outcome`] goes into the worker's
+//!   [`Windows`]. The tick runs
 //!   [`controller::tick`] (fold, close, apply, read the limit into the
 //!   worker's `Control`) and sets the controller's gauges.
 //!
@@ -40,6 +51,11 @@
 //!   when its own age is at least the gauge's value, or when the value is
 //!   the one it set last (so it can lower it), so the value is at most one
 //!   tick (10 ms) stale;
+//! * `retries.<dependency>` counter (retries its budget admitted) and
+//!   `retry_amplification_permille.<dependency>` gauge;
+//! * `degraded.{answered,unavailable,stale,miss,stores,evictions,too_large}`
+//!   and `degraded.age_{le_1s,le_10s,le_60s,gt_60s}` counters, the gauge
+//!   `degraded.last_age_ms`;
 //! * `fair_drops.b<NN>` counters: requests dropped from the longest tenant
 //!   line of a full level (see [`crate::admission::queue`]), by tenant
 //!   hash bucket ([`FAIR_DROP_BUCKETS`] of them, never one per tenant);
@@ -54,18 +70,20 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use proxy_wasm::types::{MapType, MetricType};
+use proxy_wasm::types::{BufferType, MapType, MetricType};
 
 use super::metrics::Metrics;
 use super::{abi, ProxyHost};
+use crate::admission::degraded::{self, Cached, Lookup};
 use crate::admission::queue::{Attempt, Held, NotHeld, Offered, PriorityQueue, Served};
 use crate::admission::request::{self, BodyBudget, Declared};
+use crate::admission::retry::{self, Primaries};
 use crate::admission::window::{self, Outcome, Windows};
 use crate::admission::{self, breaker, controller, jittered_retry_after_secs, Limited, Ticket, Worker};
 use crate::engine::{Decision, Prepared, Reason};
 use crate::host::Host;
 use crate::policy::admission::Criticality;
-use crate::policy::{Mode, Policy};
+use crate::policy::{Mode, Policy, RouteClass};
 use crate::response;
 
 thread_local! {
@@ -75,6 +93,16 @@ thread_local! {
     static QUEUES: RefCell<HashMap<String, PriorityQueue<Parked>>> = RefCell::new(HashMap::new());
     /// Slots of requests the queue resumed, by stream context id.
     static ADMITTED: RefCell<HashMap<u32, Ticket>> = RefCell::new(HashMap::new());
+    /// Primary requests of retry-budgeted dependencies not yet in shared
+    /// data (folded on the tick), and the retries' updates.
+    static PRIMARIES: RefCell<Primaries> = RefCell::new(Primaries::default());
+    /// Degraded-answer slot key → (cache key hash, when this worker last
+    /// stored it): a key is stored at most once per `refresh` per worker.
+    static STORED: RefCell<HashMap<String, (u64, u64)>> = RefCell::new(HashMap::new());
+    static CACHE_BUFFERS: RefCell<crate::table::Buffers> = RefCell::new(crate::table::Buffers::default());
+    /// Captures of requests the queue resumed, by stream context id
+    /// (taken by their stream at its response headers).
+    static QUEUED_CAPTURES: RefCell<HashMap<u32, Capture>> = RefCell::new(HashMap::new());
     /// Streams of adaptive dependencies, by context id: what their end
     /// records.
     static SIGNALS: RefCell<HashMap<u32, Signal>> = RefCell::new(HashMap::new());
@@ -195,7 +223,15 @@ pub fn end_signal(context_id: u32, now: u64) {
         s.remove(&context_id)
     });
     let Some(sig) = signal else { return };
-    let details = abi::property(&["response", "code_details"]).ok().flatten();
+    // Below 500 an answer is a success whoever sent it (tenantgate's own
+    // replies forgot their signal): Envoy's details are read only for a
+    // 5xx or a stream that ended without response headers, to tell the
+    // upstream's failures from the rest (one property read fewer per
+    // request).
+    let details = match sig.status {
+        Some(status) if status < 500 => None,
+        _ => abi::property(&["response", "code_details"]).ok().flatten(),
+    };
     let details = details.as_deref().and_then(|d| std::str::from_utf8(d).ok());
     let outcome = Outcome {
         latency_ns: sig.response_at.unwrap_or(now).saturating_sub(sig.admitted_at),
@@ -261,6 +297,14 @@ struct DependencyGauges {
     controller: Option<ControllerGauges>,
     depth: Option<u32>,
     oldest_ms: Option<u32>,
+    /// `retries.<dependency>`: retries admitted by its budget.
+    retries: Option<u32>,
+    pending_retries: Cell<u64>,
+    /// `retry_amplification_permille.<dependency>`: attempts ÷ primaries
+    /// over the budget's window, node-wide.
+    amplification: Option<u32>,
+    /// The dependency's budget in the last policy loaded.
+    budget: RefCell<Option<crate::policy::admission::RetryBudget>>,
     /// This worker's queue length as last added to `depth`.
     reported_depth: Cell<u64>,
     /// The value this root last set `oldest_ms` to.
@@ -277,6 +321,14 @@ impl DependencyGauges {
             controller: None,
             depth: gauge("queue_depth"),
             oldest_ms: gauge("queue_oldest_ms"),
+            retries: abi::define_metric(
+                MetricType::Counter,
+                &format!("tenantgate.admission.retries.{name}"),
+            )
+            .ok(),
+            pending_retries: Cell::new(0),
+            amplification: gauge("retry_amplification_permille"),
+            budget: RefCell::new(None),
             reported_depth: Cell::new(0),
             reported_oldest_ms: Cell::new(0),
         }
@@ -313,6 +365,8 @@ pub struct Parked {
     context_id: u32,
     policy: Rc<Policy>,
     prepared: Prepared,
+    /// A primary request of a retry-budgeted dependency: counted when admitted.
+    primary: bool,
 }
 
 /// Why a request does not go on at once.
@@ -321,6 +375,74 @@ pub enum Refused {
     Reply(Decision),
     /// Paused in its dependency's queue.
     Held,
+    /// Refused (this decision, counted in `decisions.<reason>` like any
+    /// refusal), and answered 200 from its class's degraded-answer cache.
+    Degraded(degraded::Reply, Decision),
+}
+
+/// Sends a degraded answer on the current stream; false if Envoy refused it.
+pub fn send_degraded(reply: &degraded::Reply) -> bool {
+    let headers: Vec<(&str, &str)> = reply
+        .headers
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    abi::send_local_response(reply.status, &headers, &reply.body).is_ok()
+}
+
+/// Where a refusal was decided, for its record.
+struct Decided<'a> {
+    in_flight: u32,
+    queue_wait_ns: u64,
+    limit: &'a str,
+}
+
+/// What the degraded-answer cache has for a refused request.
+enum Degrade {
+    /// Not a degradable read refused for a shedding reason: its refusal.
+    No,
+    /// The answer, and its age in milliseconds.
+    Answer(degraded::Reply, u64),
+    /// No answer fresh enough: 503 `dependency_unavailable`.
+    Unavailable,
+}
+
+/// The degraded-answer counters (`tenantgate.admission.degraded.<name>`).
+const DEGRADED_COUNTERS: [&str; 11] = [
+    "answered",
+    "unavailable",
+    "stale",
+    "miss",
+    "stores",
+    "evictions",
+    "too_large",
+    "age_le_1s",
+    "age_le_10s",
+    "age_le_60s",
+    "age_gt_60s",
+];
+const ANSWERED: usize = 0;
+const UNAVAILABLE: usize = 1;
+const STALE: usize = 2;
+const MISS: usize = 3;
+const STORES: usize = 4;
+const EVICTIONS: usize = 5;
+const TOO_LARGE: usize = 6;
+const AGE_BUCKETS: usize = 7;
+/// Upper bounds of the age buckets, in milliseconds (the last is open).
+const AGE_BOUNDS_MS: [u64; 3] = [1_000, 10_000, 60_000];
+/// Most slots a worker remembers its last store of (then it forgets all).
+const MAX_REMEMBERED_STORES: usize = 65_536;
+
+/// A response being captured for its class's degraded-answer cache.
+#[derive(Debug)]
+pub struct Capture {
+    class: Rc<RouteClass>,
+    slot: String,
+    key: Vec<u8>,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    captured_at: u64,
 }
 
 /// The outcomes counted per criticality level.
@@ -364,6 +486,47 @@ pub(super) fn with_worker<R>(f: impl FnOnce(&mut Worker) -> R) -> Option<R> {
     WORKER.with(|w| w.try_borrow_mut().ok()?.as_mut().map(f))
 }
 
+/// Counts a primary request of a retry-budgeted dependency (memory only).
+fn note_primary(budget: &crate::policy::admission::RetryBudget) {
+    PRIMARIES.with(|p| {
+        if let Ok(mut p) = p.try_borrow_mut() {
+            p.note(budget);
+        }
+    });
+}
+
+/// The capture planned for a request the queue resumed, if any.
+pub fn take_queued_capture(context_id: u32) -> Option<Capture> {
+    QUEUED_CAPTURES.with(|c| c.try_borrow_mut().ok()?.remove(&context_id))
+}
+
+/// An admitted GET of a degradable class (on the current stream): capture
+/// its response unless this worker stored its key within `refresh`.
+fn plan_capture(prepared: &Prepared, now: u64) -> Option<Capture> {
+    let deg = prepared.class.degradable.as_ref()?;
+    if ProxyHost.request_header(":method").as_deref() != Some(b"GET") {
+        return None;
+    }
+    let path = ProxyHost.request_header(":path").unwrap_or_default();
+    let key = degraded::cache_key(deg, &prepared.subject, &path)?;
+    let slot = degraded::slot_key(deg, &key);
+    let hash = crate::table::fnv1a64(&key);
+    let recent = STORED.with(|s| {
+        s.try_borrow()
+            .ok()
+            .and_then(|s| s.get(&slot).copied())
+            .is_some_and(|(h, at)| h == hash && now.saturating_sub(at) < deg.refresh_ns)
+    });
+    (!recent).then(|| Capture {
+        class: prepared.class.clone(),
+        slot,
+        key,
+        headers: Vec::new(),
+        body: Vec::new(),
+        captured_at: now,
+    })
+}
+
 /// Releases a stream's slot.
 pub fn release(ticket: Ticket, now: u64) {
     let kept = WORKER.with(|w| match w.try_borrow_mut() {
@@ -392,6 +555,7 @@ pub fn stream_done(context_id: u32, now: u64) {
             }
         }
     });
+    let _ = take_queued_capture(context_id);
     let ticket = ADMITTED.with(|a| a.try_borrow_mut().ok()?.remove(&context_id));
     if let Some(t) = ticket {
         release(t, now);
@@ -406,6 +570,8 @@ pub struct Stream {
     pub level: Criticality,
     /// Paused in a dependency's queue, or resumed from it.
     pub queued: bool,
+    /// The response is being captured for the degraded-answer cache.
+    pub capture: Option<Capture>,
 }
 
 /// The filter state the decision record is kept under (`wasm.` + this).
@@ -427,6 +593,7 @@ fn limit_name(policy: &Policy, prepared: &Prepared, limit: Limited) -> String {
 
 /// Writes a request's decision record (on the current stream); `limit`:
 /// what refused a slot (see [`admission::DecisionRecord::limit`]).
+#[allow(clippy::too_many_arguments)]
 fn record(
     policy: &Policy,
     prepared: &Prepared,
@@ -435,6 +602,7 @@ fn record(
     queue_wait_ns: u64,
     limit: &str,
     now: u64,
+    degraded_age_ms: Option<u64>,
 ) {
     let labels = prepared.class.labels;
     let dep = labels.dependency.and_then(|i| policy.dependency(i));
@@ -456,6 +624,7 @@ fn record(
         limit,
         breaker: super::breaker::phase_name(dep, now),
         controller_limit,
+        degraded_age_ms,
     }
     .render();
     if abi::set_property(RECORD_PROPERTY, text.as_bytes()).is_err() {
@@ -499,6 +668,11 @@ pub struct Admission {
     action_gauges: RefCell<HashMap<String, Option<u32>>>,
     /// `admission.fair_drops.b<NN>`, by tenant hash bucket.
     fair_drops: [Option<u32>; FAIR_DROP_BUCKETS],
+    /// `admission.degraded.<name>` ([`DEGRADED_COUNTERS`]).
+    degraded_ids: [Option<u32>; DEGRADED_COUNTERS.len()],
+    degraded_pending: [Cell<u64>; DEGRADED_COUNTERS.len()],
+    /// `admission.degraded.last_age_ms`: the age of the last degraded answer.
+    degraded_age: Option<u32>,
     ticks: Cell<u32>,
 }
 
@@ -529,6 +703,16 @@ impl Admission {
                 )
                 .ok()
             }),
+            degraded_ids: DEGRADED_COUNTERS.map(|name| {
+                abi::define_metric(
+                    MetricType::Counter,
+                    &format!("tenantgate.admission.degraded.{name}"),
+                )
+                .ok()
+            }),
+            degraded_pending: Default::default(),
+            degraded_age: abi::define_metric(MetricType::Gauge, "tenantgate.admission.degraded.last_age_ms")
+                .ok(),
             ticks: Cell::new(0),
         }
     }
@@ -549,6 +733,9 @@ impl Admission {
             let g = gauges
                 .entry(d.key.clone())
                 .or_insert_with(|| DependencyGauges::define(&d.name));
+            if let Ok(mut b) = g.budget.try_borrow_mut() {
+                b.clone_from(&d.retry_budget);
+            }
             if let Some(window_ns) = d.signal_window_ns() {
                 window::prepare(&ProxyHost, &d.name, window_ns, now);
             }
@@ -602,7 +789,7 @@ impl Admission {
         );
         if let Err(reason) = request::check(&labels, &declared) {
             self.count(Some(reason), level);
-            record(policy, prepared, Some(reason), 0, 0, "-", now);
+            record(policy, prepared, Some(reason), 0, 0, "-", now, None);
             if shadow {
                 return Ok(());
             }
@@ -617,9 +804,50 @@ impl Admission {
         }
         let dep = labels.dependency.and_then(|i| policy.dependency(i));
         if dep.is_none() && labels.action_limit.is_none() {
-            record(policy, prepared, None, 0, 0, "-", now);
+            record(policy, prepared, None, 0, 0, "-", now, None);
             return Ok(());
         }
+        let budget = dep.and_then(|d| d.retry_budget.as_ref());
+        let is_retry = budget.is_some_and(|b| retry::is_retry(b, &ProxyHost));
+        if let (Some(b), true) = (budget, is_retry) {
+            let taken = PRIMARIES.with(|p| match p.try_borrow_mut() {
+                Ok(mut p) => p.take_retry(&ProxyHost, b, now),
+                Err(_) => Err(retry::RetryRefusal {
+                    reason: Reason::StateUnavailable,
+                    retry_after_secs: 1,
+                    totals: retry::Totals::default(),
+                }),
+            });
+            match taken {
+                Ok(_) => self.count_retry(dep),
+                Err(refused) => {
+                    let reason = refused.reason;
+                    self.count(Some(reason), level);
+                    let name = dep.map_or("-", |d| d.name.as_str());
+                    let limit = format!("dependency:{name}");
+                    if shadow {
+                        // Counted and recorded, never enforced (like every
+                        // shadow refusal: no slot is taken either).
+                        record(policy, prepared, Some(reason), 0, 0, &limit, now, None);
+                        return Ok(());
+                    }
+                    let window = dep.map_or(crate::policy::admission::DEFAULT_RETRY_AFTER_WINDOW_NS, |d| {
+                        d.retry_after_window_ns
+                    });
+                    let mut decision = refusal_decision(reason, name, 1, window, prepared, context_id, now);
+                    let seed = now ^ (u64::from(context_id) << 32);
+                    decision.retry_after_secs =
+                        jittered_retry_after_secs(refused.retry_after_secs, window, seed);
+                    let at = Decided {
+                        in_flight: 0,
+                        queue_wait_ns: 0,
+                        limit: &limit,
+                    };
+                    return Err(self.refuse(policy, prepared, decision, &at, now));
+                }
+            }
+        }
+        let primary = budget.filter(|_| !is_retry);
         let acquired =
             with_worker(|w| w.acquire(&ProxyHost, policy, &prepared.class, &prepared.subject, now))
                 .unwrap_or(Err(admission::Refusal {
@@ -635,6 +863,9 @@ impl Admission {
         match acquired {
             Ok(ticket) => {
                 self.count(None, level);
+                if let Some(b) = primary {
+                    note_primary(b);
+                }
                 if let Some(t) = &ticket {
                     start_signal(policy, prepared, context_id, t, now);
                 }
@@ -646,7 +877,9 @@ impl Admission {
                     0,
                     "-",
                     now,
+                    None,
                 );
+                stream.capture = plan_capture(prepared, now);
                 stream.ticket = ticket;
                 Ok(())
             }
@@ -663,6 +896,7 @@ impl Admission {
                             context_id,
                             policy: policy.clone(),
                             prepared: prepared.clone(),
+                            primary: primary.is_some(),
                         },
                         level,
                         tenant: crate::table::fnv1a64(
@@ -698,15 +932,24 @@ impl Admission {
                     note_refused(policy, prepared, reason, now);
                 }
                 let limit = limit_name(policy, prepared, refusal.limit);
-                record(policy, prepared, Some(reason), refusal.in_flight, 0, &limit, now);
                 if shadow {
+                    record(
+                        policy,
+                        prepared,
+                        Some(reason),
+                        refusal.in_flight,
+                        0,
+                        &limit,
+                        now,
+                        None,
+                    );
                     return Ok(());
                 }
                 let name = match refusal.limit {
                     Limited::Action => limit.as_str(),
                     Limited::Dependency | Limited::Tenant => dep.map_or("-", |d| d.name.as_str()),
                 };
-                Err(Refused::Reply(refusal_decision(
+                let decision = refusal_decision(
                     reason,
                     name,
                     refusal.retry_after_secs,
@@ -714,7 +957,13 @@ impl Admission {
                     prepared,
                     context_id,
                     now,
-                )))
+                );
+                let at = Decided {
+                    in_flight: refusal.in_flight,
+                    queue_wait_ns: 0,
+                    limit: &limit,
+                };
+                Err(self.refuse(policy, prepared, decision, &at, now))
             }
         }
     }
@@ -756,15 +1005,6 @@ impl Admission {
         // A queue is its dependency's: it names what refused.
         note_refused(&p.policy, &p.prepared, reason, now);
         let limit = limit_name(&p.policy, &p.prepared, Limited::Dependency);
-        record(
-            &p.policy,
-            &p.prepared,
-            Some(reason),
-            0,
-            now.saturating_sub(h.enqueued),
-            &limit,
-            now,
-        );
         let decision = refusal_decision(
             reason,
             &dep.name,
@@ -774,6 +1014,24 @@ impl Admission {
             p.context_id,
             now,
         );
+        let at = Decided {
+            in_flight: 0,
+            queue_wait_ns: now.saturating_sub(h.enqueued),
+            limit: &limit,
+        };
+        let decision = match self.refuse(&p.policy, &p.prepared, decision, &at, now) {
+            Refused::Reply(d) => d,
+            Refused::Held => return,
+            Refused::Degraded(reply, decision) => {
+                if let Some(m) = metrics {
+                    m.record(&decision);
+                }
+                if !send_degraded(&reply) {
+                    log::warn!("tenantgate: cannot send a degraded answer to a held request");
+                }
+                return;
+            }
+        };
         if let Some(m) = metrics {
             m.record(&decision);
         }
@@ -795,6 +1053,224 @@ impl Admission {
                         log::warn!("tenantgate: cannot answer a request dropped from a full queue");
                     }
                 }
+            }
+        }
+    }
+
+    fn count_degraded(&self, counter: usize) {
+        if let Some(c) = self.degraded_pending.get(counter) {
+            c.set(c.get().saturating_add(1));
+        }
+    }
+
+    /// A refusal's answer: for a degradable read refused for a shedding
+    /// reason, the cached answer or 503 `dependency_unavailable`; else the
+    /// refusal. Writes the decision record with the final outcome.
+    fn refuse(
+        &self,
+        policy: &Policy,
+        prepared: &Prepared,
+        decision: Decision,
+        at: &Decided<'_>,
+        now: u64,
+    ) -> Refused {
+        let reason = decision.reason;
+        let rec = |outcome, age| {
+            record(
+                policy,
+                prepared,
+                Some(outcome),
+                at.in_flight,
+                at.queue_wait_ns,
+                at.limit,
+                now,
+                age,
+            )
+        };
+        match self.degrade(prepared, reason, now) {
+            Degrade::No => {
+                rec(reason, None);
+                Refused::Reply(decision)
+            }
+            Degrade::Answer(reply, age_ms) => {
+                rec(reason, Some(age_ms));
+                Refused::Degraded(reply, decision)
+            }
+            Degrade::Unavailable => {
+                rec(Reason::DependencyUnavailable, None);
+                Refused::Reply(Decision {
+                    reason: Reason::DependencyUnavailable,
+                    ..decision
+                })
+            }
+        }
+    }
+
+    /// Looks a refused request up in its class's degraded-answer cache.
+    fn degrade(&self, prepared: &Prepared, reason: Reason, now: u64) -> Degrade {
+        let Some(deg) = prepared.class.degradable.as_ref() else {
+            return Degrade::No;
+        };
+        if !degraded::serves(reason) {
+            return Degrade::No;
+        }
+        let method = ProxyHost.request_header(":method").unwrap_or_default();
+        // A write is never answered from the cache: it gets its refusal.
+        if !degraded::readable(&method) {
+            return Degrade::No;
+        }
+        let path = ProxyHost.request_header(":path").unwrap_or_default();
+        let Some(key) = degraded::cache_key(deg, &prepared.subject, &path) else {
+            return Degrade::No;
+        };
+        match degraded::lookup(&ProxyHost, deg, &key, now) {
+            Lookup::Fresh(cached) => {
+                let age_ms = now.saturating_sub(cached.captured_at) / 1_000_000;
+                self.count_degraded(ANSWERED);
+                let bucket = AGE_BOUNDS_MS
+                    .iter()
+                    .position(|b| age_ms <= *b)
+                    .unwrap_or(AGE_BOUNDS_MS.len());
+                self.count_degraded(AGE_BUCKETS.saturating_add(bucket));
+                if let Some(id) = self.degraded_age {
+                    let _ = abi::record_metric(id, age_ms);
+                }
+                Degrade::Answer(degraded::reply(&cached, reason, now, method == b"HEAD"), age_ms)
+            }
+            Lookup::Stale { .. } => {
+                self.count_degraded(UNAVAILABLE);
+                self.count_degraded(STALE);
+                Degrade::Unavailable
+            }
+            Lookup::Miss => {
+                self.count_degraded(UNAVAILABLE);
+                self.count_degraded(MISS);
+                Degrade::Unavailable
+            }
+        }
+    }
+
+    /// The response's headers: a 200 is kept on, with its kept headers;
+    /// anything else ends the capture.
+    pub fn on_response_headers(&self, stream: &mut Stream, end_of_stream: bool, now: u64) {
+        let Some(mut c) = stream.capture.take() else {
+            return;
+        };
+        let Some(deg) = c.class.degradable.as_ref() else {
+            return;
+        };
+        let header = |name: &str| abi::header(MapType::HttpResponseHeaders, name).ok().flatten();
+        if header(":status").as_deref() != Some(b"200") {
+            return;
+        }
+        // The upstream says its answer must not be stored.
+        if header("cache-control")
+            .is_some_and(|v| v.to_ascii_lowercase().windows(8).any(|w| w == b"no-store"))
+        {
+            return;
+        }
+        let declared = header("content-length").and_then(|v| {
+            core::str::from_utf8(&v)
+                .ok()
+                .and_then(|t| t.trim().parse::<u64>().ok())
+        });
+        if declared.is_some_and(|n| n > u64::from(deg.max_body_bytes)) {
+            self.count_degraded(TOO_LARGE);
+            return;
+        }
+        let mut size = 0usize;
+        for name in degraded::kept_headers(deg) {
+            if let Some(value) = header(name).and_then(|v| String::from_utf8(v).ok()) {
+                size = size.saturating_add(name.len()).saturating_add(value.len());
+                c.headers.push((name.to_owned(), value));
+            }
+        }
+        if size > degraded::MAX_KEPT_HEADERS_BYTES {
+            self.count_degraded(TOO_LARGE);
+            return;
+        }
+        c.captured_at = now;
+        if end_of_stream {
+            self.store(c);
+        } else {
+            stream.capture = Some(c);
+        }
+    }
+
+    /// A chunk of the response's body (read as it passes: nothing is
+    /// buffered or delayed); at its end the answer is stored.
+    pub fn on_response_body(&self, stream: &mut Stream, body_size: usize, end_of_stream: bool) {
+        let Some(mut c) = stream.capture.take() else {
+            return;
+        };
+        let max = c
+            .class
+            .degradable
+            .as_ref()
+            .map_or(0, |d| d.max_body_bytes as usize);
+        if body_size > 0 {
+            if c.body.len().saturating_add(body_size) > max {
+                self.count_degraded(TOO_LARGE);
+                return;
+            }
+            match abi::buffer(BufferType::HttpResponseBody, 0, body_size) {
+                Ok(Some(chunk)) => c.body.extend_from_slice(&chunk),
+                Ok(None) => {}
+                Err(_) => return,
+            }
+            if c.body.len() > max {
+                self.count_degraded(TOO_LARGE);
+                return;
+            }
+        }
+        if end_of_stream {
+            self.store(c);
+        } else {
+            stream.capture = Some(c);
+        }
+    }
+
+    fn store(&self, c: Capture) {
+        let Some(deg) = c.class.degradable.as_ref() else {
+            return;
+        };
+        let answer = Cached {
+            key: c.key,
+            captured_at: c.captured_at,
+            headers: c.headers,
+            body: c.body,
+        };
+        let stored = CACHE_BUFFERS.with(|b| match b.try_borrow_mut() {
+            Ok(mut buffers) => degraded::store(&ProxyHost, deg, &answer, &mut buffers),
+            Err(_) => Err(degraded::NotStored::Failed),
+        });
+        match stored {
+            Ok(s) => {
+                self.count_degraded(STORES);
+                if s.evicted {
+                    self.count_degraded(EVICTIONS);
+                }
+                let hash = crate::table::fnv1a64(&answer.key);
+                STORED.with(|m| {
+                    if let Ok(mut m) = m.try_borrow_mut() {
+                        if m.len() >= MAX_REMEMBERED_STORES {
+                            m.clear();
+                        }
+                        m.insert(c.slot, (hash, answer.captured_at));
+                    }
+                });
+            }
+            Err(degraded::NotStored::TooLarge) => self.count_degraded(TOO_LARGE),
+            Err(degraded::NotStored::Failed) => {}
+        }
+    }
+
+    /// Counts a retry its budget admitted (flushed on the tick).
+    fn count_retry(&self, dep: Option<&crate::policy::admission::Dependency>) {
+        let Some(dep) = dep else { return };
+        if let Ok(gauges) = self.gauges.try_borrow() {
+            if let Some(g) = gauges.get(dep.key.as_str()) {
+                g.pending_retries.set(g.pending_retries.get().saturating_add(1));
             }
         }
     }
@@ -837,6 +1313,16 @@ impl Admission {
                 Served::Admitted(h, ticket) => {
                     let p = h.item;
                     self.count(None, h.level);
+                    if p.primary {
+                        let labels = p.prepared.class.labels;
+                        if let Some(b) = labels
+                            .dependency
+                            .and_then(|i| p.policy.dependency(i))
+                            .and_then(|d| d.retry_budget.as_ref())
+                        {
+                            note_primary(b);
+                        }
+                    }
                     if abi::set_effective_context(p.context_id).is_err() {
                         // The stream ended meanwhile.
                         release(ticket, now);
@@ -850,6 +1336,7 @@ impl Admission {
                         now.saturating_sub(h.enqueued),
                         "-",
                         now,
+                        None,
                     );
                     let decision = super::charge(&p.policy, &p.prepared, now);
                     metrics.record(&decision);
@@ -870,6 +1357,13 @@ impl Admission {
                                     a.insert(p.context_id, ticket);
                                 }
                             });
+                            if let Some(capture) = plan_capture(&p.prepared, now) {
+                                QUEUED_CAPTURES.with(|c| {
+                                    if let Ok(mut c) = c.try_borrow_mut() {
+                                        c.insert(p.context_id, capture);
+                                    }
+                                });
+                            }
                             if abi::resume_http_request().is_err() {
                                 log::warn!("tenantgate: cannot resume a request held for a slot");
                             }
@@ -968,6 +1462,9 @@ impl Admission {
         for (id, p) in self.queued_ids.iter().zip(&self.queued) {
             flush(id, p);
         }
+        for (id, p) in self.degraded_ids.iter().zip(&self.degraded_pending) {
+            flush(id, p);
+        }
         let (Ok(gauges), Ok(action_gauges)) = (self.gauges.try_borrow(), self.action_gauges.try_borrow())
         else {
             return;
@@ -977,6 +1474,14 @@ impl Admission {
         }
         ensure_worker(now);
         with_worker(|w| w.renew(&ProxyHost, now));
+        PRIMARIES.with(|p| {
+            if let Ok(mut p) = p.try_borrow_mut() {
+                p.fold(&ProxyHost, now);
+            }
+        });
+        for g in gauges.values() {
+            flush(&g.retries, &g.pending_retries);
+        }
         self.serve_queues(metrics, now);
         let ticks = self.ticks.get().wrapping_add(1);
         let ticked = match policy.filter(|p| p.dependencies.iter().any(|d| d.adaptive.is_some())) {
@@ -1016,6 +1521,14 @@ impl Admission {
         self.ticks.set(ticks);
         if ticks % 10 != 0 {
             return;
+        }
+        for g in gauges.values() {
+            let budget = g.budget.try_borrow().ok().and_then(|b| b.clone());
+            if let (Some(id), Some(b)) = (g.amplification, budget) {
+                if let Some(t) = retry::totals(&ProxyHost, &b, now) {
+                    let _ = abi::record_metric(id, t.amplification_permille());
+                }
+            }
         }
         let in_flight = gauges.iter().map(|(key, g)| (key, g.in_flight));
         for (key, id) in in_flight.chain(action_gauges.iter().map(|(key, id)| (key, *id))) {

@@ -17,6 +17,7 @@ use proxy_wasm::types::MetricType;
 use super::abi;
 
 use crate::engine::{Decision, Reason, Subject, TableEvent};
+use crate::sync::node::BreakerState;
 
 /// Per-request counts not yet given to Envoy.
 #[derive(Default)]
@@ -63,6 +64,10 @@ pub struct Metrics {
     sync_timeouts: Option<u32>,
     sync_latency: Option<u32>,
     sync_breaker_opened: Option<u32>,
+    /// Gauge: the node's sync breaker (0 closed, 1 open, 2 half-open).
+    sync_breaker: Option<u32>,
+    /// What this root last set `sync_breaker` to.
+    sync_breaker_set: Cell<Option<u64>>,
     sync_skipped: Option<u32>,
     sync_no_lease: Option<u32>,
     sync_clamped: Option<u32>,
@@ -76,6 +81,16 @@ fn counter(name: &str) -> Option<u32> {
         Ok(id) => Some(id),
         Err(status) => {
             log::warn!("tenantgate: cannot define metric {name}: {status:?}");
+            None
+        }
+    }
+}
+
+fn gauge(name: &str) -> Option<u32> {
+    match abi::define_metric(MetricType::Gauge, name) {
+        Ok(id) => Some(id),
+        Err(status) => {
+            log::warn!("tenantgate: cannot define gauge {name}: {status:?}");
             None
         }
     }
@@ -133,6 +148,8 @@ impl Metrics {
             sync_failed: counter("tenantgate.sync.failed"),
             sync_timeouts: counter("tenantgate.sync.timeouts"),
             sync_breaker_opened: counter("tenantgate.sync.breaker_opened"),
+            sync_breaker: gauge("tenantgate.sync.breaker"),
+            sync_breaker_set: Cell::new(None),
             sync_skipped: counter("tenantgate.sync.skipped"),
             sync_no_lease: counter("tenantgate.sync.no_lease"),
             sync_clamped: counter("tenantgate.sync.clamped"),
@@ -235,6 +252,24 @@ impl Metrics {
 
     pub fn sync_breaker_opened(&self) {
         add(self.sync_breaker_opened, 1);
+    }
+
+    /// The node's sync breaker as this worker last read it (set when it
+    /// changes: every worker reads the same node-wide state).
+    pub fn sync_breaker(&self, state: BreakerState) {
+        let value = match state {
+            BreakerState::Closed => 0,
+            BreakerState::Open => 1,
+            BreakerState::HalfOpen => 2,
+        };
+        if self.sync_breaker_set.get() == Some(value) {
+            return;
+        }
+        if let Some(id) = self.sync_breaker {
+            if abi::record_metric(id, value).is_ok() {
+                self.sync_breaker_set.set(Some(value));
+            }
+        }
     }
 
     pub fn sync_skipped(&self) {

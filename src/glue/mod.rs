@@ -324,6 +324,16 @@ impl HttpContext for Request {
                 Ok(()) => {}
                 Err(admission::Refused::Held) => return Action::Pause,
                 Err(admission::Refused::Reply(refusal)) => return self.finish(&policy, refusal),
+                Err(admission::Refused::Degraded(reply, refusal)) => {
+                    self.metrics.record(&refusal);
+                    // If Envoy refused the reply, pausing would hang the request.
+                    return if admission::send_degraded(&reply) {
+                        Action::Pause
+                    } else {
+                        self.metrics.reply_failed();
+                        Action::Continue
+                    };
+                }
             }
         }
         let decision = charge(&policy, &prepared, now);
@@ -369,9 +379,33 @@ impl HttpContext for Request {
         }
     }
 
-    fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_trailers(&mut self, _trailers: usize) -> Action {
+        // The body ended before the trailers.
+        if self.stream.capture.is_some() {
+            self.admission.on_response_body(&mut self.stream, 0, true);
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.stream.capture.is_some() {
+            self.admission
+                .on_response_body(&mut self.stream, body_size, end_of_stream);
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
         if self.stream.ticket.is_some() || self.stream.queued {
             admission::on_response_headers(self.context_id);
+        }
+        if self.stream.queued && self.stream.capture.is_none() {
+            self.stream.capture = admission::take_queued_capture(self.context_id);
+        }
+        if self.stream.capture.is_some() {
+            let now = now_ns().unwrap_or(0);
+            self.admission
+                .on_response_headers(&mut self.stream, end_of_stream, now);
         }
         let headers = self
             .response_headers

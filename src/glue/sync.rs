@@ -179,6 +179,9 @@ impl Syncer {
             Ok(Claim::Lost) => refresh_view(),
             Err(_) => metrics.sync_failed(),
         }
+        if let Some(state) = SYNC_VIEW.with(|v| *v.borrow()) {
+            metrics.sync_breaker(state.breaker(now));
+        }
     }
 
     fn dispatch(

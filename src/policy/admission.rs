@@ -16,7 +16,10 @@ use super::duration::parse_duration_ns;
 use super::error::{FieldPath, PolicyError};
 use super::is_name;
 pub use super::spec::Criticality;
-use super::spec::{ActionSpec, AdaptiveSpec, CircuitBreakerSpec, DependencySpec, LevelQueueSpec, RouteSpec};
+use super::spec::{
+    ActionSpec, AdaptiveSpec, CircuitBreakerSpec, DegradableSpec, DependencySpec, LevelQueueSpec,
+    RetryBudgetSpec, RouteSpec,
+};
 use crate::limiter::NANOS_PER_SEC;
 
 /// Largest `max_in_flight` and `max_streams`.
@@ -172,6 +175,8 @@ pub struct Dependency {
     pub breaker: Option<BreakerSettings>,
     /// Its breaker's shared-data key (see [`crate::admission::breaker::key`]).
     pub breaker_key: String,
+    /// `retry_budget:` (see [`crate::admission::retry`]).
+    pub retry_budget: Option<RetryBudget>,
     /// The adaptive controller (`None`: `max_in_flight` is the limit).
     pub adaptive: Option<Adaptive>,
 }
@@ -272,7 +277,7 @@ fn fraction(
     }
 }
 
-fn duration_in(
+fn duration_between(
     value: Option<&str>,
     default: u64,
     (low, high): (u64, u64),
@@ -302,7 +307,7 @@ fn compile_adaptive(
     errors: &mut Vec<PolicyError>,
 ) -> Adaptive {
     let d = Adaptive::defaults(max_in_flight, reserved);
-    let window_ns = duration_in(
+    let window_ns = duration_between(
         spec.window.as_deref(),
         d.window_ns,
         (MIN_ADAPTIVE_WINDOW_NS, MAX_ADAPTIVE_WINDOW_NS),
@@ -331,7 +336,7 @@ fn compile_adaptive(
             }
         }
     };
-    let baseline_refresh_ns = duration_in(
+    let baseline_refresh_ns = duration_between(
         spec.baseline_refresh.as_deref(),
         d.baseline_refresh_ns,
         (MIN_BASELINE_REFRESH_NS, MAX_BASELINE_REFRESH_NS),
@@ -392,7 +397,7 @@ fn compile_adaptive(
             &path.key("error_rate"),
             errors,
         ),
-        queue_age_ns: duration_in(
+        queue_age_ns: duration_between(
             spec.queue_age.as_deref(),
             d.queue_age_ns,
             (NANOS_PER_MS, MAX_QUEUE_AGE_NS),
@@ -623,6 +628,10 @@ fn compile_dependency(
         paused: spec.paused.unwrap_or(false),
         breaker,
         breaker_key: crate::admission::breaker::key(name),
+        retry_budget: spec
+            .retry_budget
+            .as_ref()
+            .map(|b| compile_retry_budget(name, b, &path.key("retry_budget"), errors)),
         adaptive,
     }
 }
@@ -849,4 +858,227 @@ pub fn compile_labels(
         min_timeout_budget_ns,
         action_limit,
     }
+}
+
+/// Default `retry_budget.ratio`, as parts per thousand (0.2).
+pub const DEFAULT_RETRY_RATIO_PERMILLE: u32 = 200;
+/// Default `retry_budget.min_per_second`.
+pub const DEFAULT_RETRY_MIN_PER_SECOND: u32 = 1;
+/// Largest `retry_budget.min_per_second`.
+pub const MAX_RETRY_MIN_PER_SECOND: i64 = 10_000;
+/// Default `retry_budget.window`, and its bounds.
+pub const DEFAULT_RETRY_WINDOW_NS: u64 = 10 * NANOS_PER_SEC;
+pub const MIN_RETRY_WINDOW_NS: u64 = NANOS_PER_SEC;
+pub const MAX_RETRY_WINDOW_NS: u64 = 60 * NANOS_PER_SEC;
+/// Envoy's attempt-count request header (`include_request_attempt_count`).
+pub const ENVOY_ATTEMPT_COUNT_HEADER: &str = "x-envoy-attempt-count";
+
+/// A compiled `dependencies.<name>.retry_budget`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryBudget {
+    /// Its shared-data key (see [`crate::admission::retry::budget_key`]).
+    pub key: String,
+    /// Retries per thousand recent primary admissions.
+    pub ratio_permille: u32,
+    /// Retries per second the window allows on top (the floor).
+    pub min_per_second: u32,
+    pub window_ns: u64,
+    /// The trusted retry signals: a header holding the attempt number
+    /// (lower-cased), and/or [`ENVOY_ATTEMPT_COUNT_HEADER`].
+    pub retry_header: Option<String>,
+    pub envoy_attempt_count: bool,
+}
+
+/// Whether `name` is an HTTP header name (token characters, ≤ 128).
+pub fn is_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 128
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+fn compile_retry_budget(
+    dependency: &str,
+    spec: &RetryBudgetSpec,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> RetryBudget {
+    let ratio_permille = match spec.ratio {
+        None => DEFAULT_RETRY_RATIO_PERMILLE,
+        Some(r) if (0.0..=1.0).contains(&r) => (r * 1000.0).round() as u32,
+        Some(_) => {
+            add(errors, path.key("ratio"), "must be between 0 and 1");
+            DEFAULT_RETRY_RATIO_PERMILLE
+        }
+    };
+    let min_per_second = spec.min_per_second.map_or(DEFAULT_RETRY_MIN_PER_SECOND, |n| {
+        in_range(
+            n,
+            0,
+            MAX_RETRY_MIN_PER_SECOND,
+            &path.key("min_per_second"),
+            errors,
+        )
+        .unwrap_or(DEFAULT_RETRY_MIN_PER_SECOND)
+    });
+    let window_ns = match spec.window.as_deref().map(parse_duration_ns) {
+        None => DEFAULT_RETRY_WINDOW_NS,
+        Some(Ok(ns)) if (MIN_RETRY_WINDOW_NS..=MAX_RETRY_WINDOW_NS).contains(&ns) => ns,
+        Some(Ok(_)) => {
+            add(errors, path.key("window"), "must be between 1s and 1m");
+            DEFAULT_RETRY_WINDOW_NS
+        }
+        Some(Err(message)) => {
+            add(errors, path.key("window"), message);
+            DEFAULT_RETRY_WINDOW_NS
+        }
+    };
+    let retry_header = spec.retry_header.as_ref().map(|h| {
+        if !is_header_name(h) {
+            add(
+                errors,
+                path.key("retry_header"),
+                "must be an HTTP header name (letters, digits, - _ .)",
+            );
+        }
+        h.to_ascii_lowercase()
+    });
+    let envoy_attempt_count = spec.envoy_attempt_count.unwrap_or(false);
+    if retry_header.is_none() && !envoy_attempt_count {
+        add(
+            errors,
+            path.clone(),
+            "no retry signal: set `retry_header` (a header a trusted earlier hop sets) and/or `envoy_attempt_count: true`",
+        );
+    }
+    RetryBudget {
+        key: crate::admission::retry::budget_key(dependency),
+        ratio_permille,
+        min_per_second,
+        window_ns,
+        retry_header,
+        envoy_attempt_count,
+    }
+}
+
+/// Default `degradable.version_header`.
+pub const DEFAULT_VERSION_HEADER: &str = "etag";
+/// Default and largest `degradable.max_body_bytes` (every cached answer
+/// fits one shared-data record: see [`crate::admission::degraded`]).
+pub const DEFAULT_DEGRADED_BODY_BYTES: u32 = 16 * 1024;
+pub const MAX_DEGRADED_BODY_BYTES: i64 = 48 * 1024;
+/// Default and largest `degradable.slots`.
+pub const DEFAULT_DEGRADED_SLOTS: u32 = 64;
+pub const MAX_DEGRADED_SLOTS: i64 = 4096;
+/// Longest `degradable.max_stale`.
+pub const MAX_STALE_NS: u64 = 24 * 3600 * NANOS_PER_SEC;
+/// Default `degradable.refresh`, and its bounds.
+pub const DEFAULT_DEGRADED_REFRESH_NS: u64 = NANOS_PER_SEC;
+pub const MAX_DEGRADED_REFRESH_NS: u64 = 3600 * NANOS_PER_SEC;
+
+/// A compiled `routes.<class>.degradable`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Degradable {
+    /// The class's name: its cache's shared-data keys start with it.
+    pub class: String,
+    pub max_stale_ns: u64,
+    /// Lower-cased.
+    pub version_header: String,
+    pub max_body_bytes: u32,
+    pub slots: u32,
+    /// Anonymous requests get (and store) answers, shared by every
+    /// anonymous client.
+    pub anonymous: bool,
+    /// A worker stores a cache key's answer at most once per `refresh`.
+    pub refresh_ns: u64,
+}
+
+fn duration_in(
+    value: Option<&str>,
+    default: u64,
+    max: u64,
+    message: &str,
+    path: FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> u64 {
+    match value.map(parse_duration_ns) {
+        None => default,
+        Some(Ok(ns)) if ns > 0 && ns <= max => ns,
+        Some(Ok(_)) => {
+            add(errors, path, message);
+            default
+        }
+        Some(Err(m)) => {
+            add(errors, path, m);
+            default
+        }
+    }
+}
+
+/// `routes.<class>.degradable` (the class must have a dependency: only an
+/// admission refusal is answered from the cache).
+pub fn compile_degradable(
+    class: &str,
+    spec: &RouteSpec,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> Option<Degradable> {
+    let d: &DegradableSpec = spec.degradable.as_ref()?;
+    let path = path.key("degradable");
+    if spec.dependency.is_none() {
+        add(
+            errors,
+            path.clone(),
+            "a degradable class answers from its cache when its dependency refuses it: name a dependency",
+        );
+    }
+    if spec.streaming == Some(true) {
+        add(errors, path.clone(), "a streaming class cannot be degradable");
+    }
+    let max_stale_ns = duration_in(
+        Some(&d.max_stale),
+        NANOS_PER_SEC,
+        MAX_STALE_NS,
+        "must be more than 0 and at most 24h",
+        path.key("max_stale"),
+        errors,
+    );
+    let version_header = match &d.version_header {
+        None => DEFAULT_VERSION_HEADER.to_owned(),
+        Some(h) => {
+            if !is_header_name(h) {
+                add(
+                    errors,
+                    path.key("version_header"),
+                    "must be an HTTP header name (letters, digits, - _ .)",
+                );
+            }
+            h.to_ascii_lowercase()
+        }
+    };
+    let max_body_bytes = d.max_body_bytes.map_or(DEFAULT_DEGRADED_BODY_BYTES, |n| {
+        in_range(n, 0, MAX_DEGRADED_BODY_BYTES, &path.key("max_body_bytes"), errors)
+            .unwrap_or(DEFAULT_DEGRADED_BODY_BYTES)
+    });
+    let slots = d.slots.map_or(DEFAULT_DEGRADED_SLOTS, |n| {
+        in_range(n, 1, MAX_DEGRADED_SLOTS, &path.key("slots"), errors).unwrap_or(DEFAULT_DEGRADED_SLOTS)
+    });
+    let refresh_ns = duration_in(
+        d.refresh.as_deref(),
+        DEFAULT_DEGRADED_REFRESH_NS,
+        MAX_DEGRADED_REFRESH_NS,
+        "must be more than 0 and at most 1h",
+        path.key("refresh"),
+        errors,
+    );
+    Some(Degradable {
+        class: class.to_owned(),
+        max_stale_ns,
+        version_header,
+        max_body_bytes,
+        slots,
+        anonymous: d.anonymous.unwrap_or(false),
+        refresh_ns,
+    })
 }

@@ -222,6 +222,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
             on_limit,
             failure_mode: r.failure_mode,
             labels,
+            degradable: super::admission::compile_degradable(name, r, &path, &mut errors.0),
         };
         routes.insert(name.clone(), Rc::new(class));
     }

@@ -230,6 +230,9 @@ pub struct RouteClass {
     pub failure_mode: Option<FailureMode>,
     /// Admission control (criticality, dependency, request checks).
     pub labels: admission::Labels,
+    /// `degradable:` answered from the last good response when refused
+    /// (see [`crate::admission::degraded`]).
+    pub degradable: Option<admission::Degradable>,
 }
 
 impl Policy {

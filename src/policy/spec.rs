@@ -145,6 +145,8 @@ pub struct DependencySpec {
     #[serde(default)]
     pub circuit_breaker: Option<CircuitBreakerSpec>,
     #[serde(default)]
+    pub retry_budget: Option<RetryBudgetSpec>,
+    #[serde(default)]
     pub adaptive: Option<AdaptiveSpec>,
 }
 
@@ -171,6 +173,25 @@ pub struct CircuitBreakerSpec {
     /// The ramp's first level, a fraction of the limit in (0, 1].
     #[serde(default)]
     pub ramp_floor: Option<f64>,
+}
+
+/// `dependencies.<name>.retry_budget:` how many retries the dependency
+/// takes, as a share of its recent primary requests (`crate::admission::retry`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryBudgetSpec {
+    #[serde(default)]
+    pub ratio: Option<f64>,
+    #[serde(default)]
+    pub min_per_second: Option<i64>,
+    #[serde(default)]
+    pub window: Option<String>,
+    /// A request header a trusted earlier hop sets to the attempt number.
+    #[serde(default)]
+    pub retry_header: Option<String>,
+    /// Envoy's `x-envoy-attempt-count`, set by an earlier Envoy hop.
+    #[serde(default)]
+    pub envoy_attempt_count: Option<bool>,
 }
 
 /// `dependencies.<name>.adaptive:` the adaptive concurrency controller
@@ -378,4 +399,25 @@ pub struct RouteSpec {
     pub max_body_bytes: Option<i64>,
     #[serde(default)]
     pub min_timeout_budget: Option<String>,
+    #[serde(default)]
+    pub degradable: Option<DegradableSpec>,
+}
+
+/// `routes.<class>.degradable:` GET/HEAD requests refused by admission
+/// control may be answered from the last good response
+/// (`crate::admission::degraded`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DegradableSpec {
+    pub max_stale: String,
+    #[serde(default)]
+    pub version_header: Option<String>,
+    #[serde(default)]
+    pub max_body_bytes: Option<i64>,
+    #[serde(default)]
+    pub slots: Option<i64>,
+    #[serde(default)]
+    pub anonymous: Option<bool>,
+    #[serde(default)]
+    pub refresh: Option<String>,
 }

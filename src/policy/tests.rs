@@ -414,7 +414,7 @@ fn admission_errors_name_their_field_path() {
         (
             r#"{"db": {"max_in_flight": 4, "max_flight": 3}}"#,
             r#"{}"#,
-            "dependencies.db.max_flight: unknown field `max_flight`, expected one of `max_in_flight`, `max_streams`, `reserved`, `tenant_max_share`, `retry_after_window`, `queues`, `paused`, `circuit_breaker`, `adaptive`",
+            "dependencies.db.max_flight: unknown field `max_flight`, expected one of `max_in_flight`, `max_streams`, `reserved`, `tenant_max_share`, `retry_after_window`, `queues`, `paused`, `circuit_breaker`, `retry_budget`, `adaptive`",
         ),
         (
             r#"{"db": {"max_in_flight": 40, "adaptive": {"window": "100ms"}}}"#,

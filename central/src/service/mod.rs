@@ -292,7 +292,24 @@ impl Service {
     /// Loads `path` and puts it in force; on an error the policy in force
     /// stays. Counted in `tenantgate_policy_reloads_total`.
     pub fn reload(&self, path: &std::path::Path) -> Result<String, String> {
-        match policy::load(path) {
+        self.put_in_force(policy::load(path), path)
+    }
+
+    /// [`Service::reload`] from contents already read from `path`.
+    pub fn reload_contents(&self, contents: &[u8], path: &std::path::Path) -> Result<String, String> {
+        let parsed = std::str::from_utf8(contents)
+            .map_err(|e| format!("not UTF-8: {e}"))
+            .and_then(policy::parse)
+            .map_err(|e| format!("{}: {e}", path.display()));
+        self.put_in_force(parsed, path)
+    }
+
+    fn put_in_force(
+        &self,
+        loaded: Result<PolicyLimits, String>,
+        path: &std::path::Path,
+    ) -> Result<String, String> {
+        match loaded {
             Ok(p) => {
                 if !p.ambiguous.is_empty() {
                     warn!(limits = ?p.ambiguous, "limit names defined differently by several plans: the strictest applies");
@@ -417,9 +434,18 @@ impl Service {
         if let Some(e) = txn.refused {
             return Err(e);
         }
-        if txn.begun.is_none() {
+        let Some(begun) = txn.begun.as_ref() else {
             return Err(SyncError::Stale(req.seq));
-        }
+        };
+        self.top.record(
+            &req.region,
+            begun.deltas().iter().map(|((key, _), c)| top::Seen {
+                key,
+                demand: c.demand,
+                consumed: c.consumed,
+            }),
+            now,
+        );
         self.metrics.reports.fetch_add(req.reports.len() as u64, Relaxed);
         let capped = txn.capped;
         if capped > 0 {
@@ -435,7 +461,6 @@ impl Service {
             .fetch_add(unknown.saturating_sub(capped), Relaxed);
         let resp = alloc::respond(&cfg, req, visits);
         self.metrics.leases.fetch_add(resp.leases.len() as u64, Relaxed);
-        self.top.record(&req.region, &req.reports, now);
         Ok(resp)
     }
 
@@ -601,30 +626,71 @@ impl crate::store::Txn for SyncTxn<'_> {
     }
 }
 
-/// Watches a policy file: every `poll`, if its contents changed, reloads
-/// it (a refused policy is logged and the old one kept). Runs until the
-/// task is dropped.
+/// Watches a policy file: every `poll`, if its contents changed and then
+/// read the same at the next poll, puts them in force (a refused policy is
+/// logged and the old one kept). Runs until the task is dropped.
+///
+/// Waiting for one unchanged poll means a file caught while an editor or
+/// `cp` is still writing it is not loaded: a truncated policy can be valid
+/// YAML with a limit missing, and it would be in force until the next
+/// poll. The price is one poll (`--policy-poll`) more before a change
+/// takes effect. The contents put in force are the bytes compared, not a
+/// fresh read.
 pub async fn watch_policy(service: Arc<Service>, path: PathBuf, poll: Duration) {
-    let mut last: Option<Vec<u8>> = std::fs::read(&path).ok();
+    let mut watch = PolicyWatch::new(std::fs::read(&path).ok());
     let mut tick = tokio::time::interval(poll);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut unreadable = false;
     loop {
         tick.tick().await;
-        let now = match std::fs::read(&path) {
-            Ok(b) => Some(b),
+        match std::fs::read(&path) {
+            Ok(contents) => {
+                unreadable = false;
+                if let Some(settled) = watch.observe(contents) {
+                    let _ = service.reload_contents(settled, &path);
+                }
+            }
             Err(e) => {
-                if last.is_some() {
+                if !unreadable {
                     warn!(path = %path.display(), error = %e, "policy file unreadable; the policy in force stays");
                 }
-                None
+                unreadable = true;
             }
-        };
-        if now.is_some() && now != last {
-            let _ = service.reload(&path);
         }
-        if now.is_some() {
-            last = now;
+    }
+}
+
+/// What [`watch_policy`] has seen of a policy file.
+#[derive(Debug, Default)]
+pub struct PolicyWatch {
+    /// The contents last put in force (or found at start).
+    applied: Option<Vec<u8>>,
+    /// Contents read once, different from `applied`, not yet confirmed.
+    candidate: Option<Vec<u8>>,
+}
+
+impl PolicyWatch {
+    pub fn new(applied: Option<Vec<u8>>) -> PolicyWatch {
+        PolicyWatch {
+            applied,
+            candidate: None,
         }
+    }
+
+    /// One poll's read: the contents to put in force now, if they are new
+    /// and the same as the previous poll's read.
+    pub fn observe(&mut self, contents: Vec<u8>) -> Option<&[u8]> {
+        if self.applied.as_deref() == Some(contents.as_slice()) {
+            self.candidate = None;
+            return None;
+        }
+        if self.candidate.as_deref() == Some(contents.as_slice()) {
+            self.candidate = None;
+            self.applied = Some(contents);
+            return self.applied.as_deref();
+        }
+        self.candidate = Some(contents);
+        None
     }
 }
 
@@ -648,5 +714,38 @@ pub async fn sweep_every_interval(service: Arc<Service>) {
                 warn!(error = %e, "sweep pass failed; the next one runs as usual");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PolicyWatch;
+
+    #[test]
+    fn a_change_is_put_in_force_once_it_reads_the_same_twice() {
+        let mut w = PolicyWatch::new(Some(b"v1".to_vec()));
+        assert_eq!(w.observe(b"v1".to_vec()), None, "unchanged");
+        // Caught mid-write, then complete: neither half is loaded alone.
+        assert_eq!(w.observe(b"ver".to_vec()), None);
+        assert_eq!(w.observe(b"version: v2".to_vec()), None);
+        assert_eq!(w.observe(b"version: v2".to_vec()), Some(&b"version: v2"[..]));
+        assert_eq!(w.observe(b"version: v2".to_vec()), None, "loaded once");
+        // A write that goes back to what is in force before it settled.
+        assert_eq!(w.observe(b"version: v3".to_vec()), None);
+        assert_eq!(w.observe(b"version: v2".to_vec()), None);
+        assert_eq!(
+            w.observe(b"version: v3".to_vec()),
+            None,
+            "the candidate was dropped"
+        );
+        assert_eq!(w.observe(b"version: v3".to_vec()), Some(&b"version: v3"[..]));
+    }
+
+    #[test]
+    fn a_file_missing_at_start_is_loaded_when_it_appears_and_settles() {
+        let mut w = PolicyWatch::new(None);
+        assert_eq!(w.observe(Vec::new()), None);
+        assert_eq!(w.observe(b"p".to_vec()), None);
+        assert_eq!(w.observe(b"p".to_vec()), Some(&b"p"[..]));
     }
 }

@@ -18,16 +18,24 @@
 //! (≈ 32,768, a few MiB at the longest keys) whatever the number of
 //! tenants. Each report costs O(CAPACITY) (a linear scan for the minimum).
 //!
-//! **What is counted.** Each accepted sync report's `demand` and denials
-//! (`demand − consumed`, saturating), as the node reported them. A node
-//! that retries a report whose answer it lost reports the same counts
-//! again: those are counted twice (the view is approximate by design).
+//! **What is counted.** Each accepted sync report's new `demand` and
+//! denials (`demand − consumed`, saturating), after the allocator's
+//! deduplication: a node that retries a report whose answer it lost
+//! reports the same counts again, and only what was not counted before is
+//! added (a stale or replayed request adds nothing).
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use serde::Serialize;
-use tenantgate::sync::Report;
+
+/// One (key, limit)'s new counts in an accepted sync request.
+#[derive(Debug, Clone, Copy)]
+pub struct Seen<'a> {
+    pub key: &'a str,
+    pub demand: u64,
+    pub consumed: u64,
+}
 
 /// Counters per region and measure.
 pub const CAPACITY: usize = 256;
@@ -156,7 +164,7 @@ pub struct RegionTop {
 
 impl Top {
     /// Counts one accepted sync request's reports.
-    pub fn record(&self, region: &str, reports: &[Report], now_ns: u64) {
+    pub fn record<'a>(&self, region: &str, seen: impl IntoIterator<Item = Seen<'a>>, now_ns: u64) {
         let Ok(mut inner) = self.inner.lock() else { return };
         inner.decay(now_ns);
         let name = if inner.regions.contains_key(region) || inner.regions.len() < MAX_REGIONS {
@@ -167,10 +175,9 @@ impl Top {
         let r = inner.regions.entry(name.to_owned()).or_default();
         r.reports = r.reports.saturating_add(1);
         r.last_report_ns = now_ns;
-        for rep in reports {
-            r.demand.add(&rep.key, rep.demand as f64);
-            r.denials
-                .add(&rep.key, rep.demand.saturating_sub(rep.consumed) as f64);
+        for s in seen {
+            r.demand.add(s.key, s.demand as f64);
+            r.denials.add(s.key, s.demand.saturating_sub(s.consumed) as f64);
         }
     }
 
@@ -266,14 +273,11 @@ pub async fn handler(
 mod tests {
     use super::*;
 
-    fn report(key: &str, demand: u64, consumed: u64) -> Report {
-        Report {
-            key: key.into(),
-            limit: "l".into(),
-            consumed,
-            unleased: 0,
+    fn report(key: &str, demand: u64, consumed: u64) -> Seen<'_> {
+        Seen {
+            key,
             demand,
-            failure_mode: None,
+            consumed,
         }
     }
 
@@ -283,13 +287,14 @@ mod tests {
         let now = 1_000_000_000;
         // 100,000 distinct tenants with 1 unit each, and three heavy ones.
         for i in 0..100_000u64 {
-            let mut reps = vec![report(&format!("api|t|tenant-{i}"), 1, 1)];
+            let tenant = format!("api|t|tenant-{i}");
+            let mut reps = vec![report(&tenant, 1, 1)];
             if i % 100 == 0 {
                 reps.push(report("api|t|heavy-a", 30, 10));
                 reps.push(report("api|t|heavy-b", 20, 20));
                 reps.push(report("api|t|heavy-c", 10, 0));
             }
-            top.record("eu", &reps, now);
+            top.record("eu", reps, now);
         }
         assert!(top.counters() <= 2 * CAPACITY, "{}", top.counters());
         let snap = top.snapshot(3, now);
@@ -308,7 +313,7 @@ mod tests {
         let top = Top::default();
         let now = 1_000_000_000;
         for r in 0..(MAX_REGIONS + 10) {
-            top.record(&format!("r{r}"), &[report("k", 8, 0)], now);
+            top.record(&format!("r{r}"), [report("k", 8, 0)], now);
         }
         let snap = top.snapshot(5, now);
         assert_eq!(snap.len(), MAX_REGIONS + 1);
