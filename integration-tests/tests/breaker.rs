@@ -7,8 +7,9 @@
 //! replay storm of every refused client retrying at once never pushes the
 //! upstream past its capacity; (c) `paused: true` by a policy reload
 //! refuses at once with no upstream call, and a reload back lets traffic
-//! through. Every load loop is bounded in count and time; the figures are
-//! printed.
+//! through; (e) while it is open a `degradable` GET gets the last good
+//! answer (`x-tenantgate-degraded: circuit_open`) and other requests 503.
+//! Every load loop is bounded in count and time; the figures are printed.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -51,6 +52,7 @@ dependencies:
       ramp_floor: 0.1
 routes:
   orders: {{ dependency: db }}
+  catalog: {{ dependency: db, degradable: {{ max_stale: 30s }} }}
   api: {{}}
 "#
     )
@@ -58,7 +60,7 @@ routes:
 
 fn start(paused: bool) -> (Upstream, Envoy) {
     let upstream = Upstream::start();
-    let envoy = Envoy::start_with_upstream(&policy("brk-1", paused), upstream.port, &["orders"]);
+    let envoy = Envoy::start_with_upstream(&policy("brk-1", paused), upstream.port, &["orders", "catalog"]);
     (upstream, envoy)
 }
 
@@ -337,5 +339,57 @@ fn paused_by_a_reload_refuses_at_once_with_no_upstream_call_and_unpausing_lets_t
             .any(|l| l.starts_with("/up/orders 200 outcome=admitted ")
                 && l.ends_with(" policy=brk-unpaused key=orders|t|acme limit=- breaker=closed")),
         "{text}"
+    );
+}
+
+#[test]
+fn while_the_breaker_is_open_a_degradable_get_gets_the_last_good_answer_and_others_503() {
+    let (upstream, envoy) = start(false);
+    let tenant = [("x-tenant-id", "acme")];
+    // A good answer, kept for the degradable route.
+    upstream.set_version(7);
+    let first = get(envoy.port, "/up/catalog/items", &tenant);
+    assert_eq!(
+        (first.status, first.header("etag")),
+        (200, Some("\"v7\"")),
+        "{first:?}"
+    );
+    // 100 % failures until it opens.
+    upstream.set_status(503);
+    let opened = wait_for(WAIT, || reason(&orders(&envoy)) == Some("circuit_open"));
+    assert!(opened, "the breaker never opened");
+    envoy.settle();
+    let calls = upstream.received();
+    for _ in 0..20 {
+        let r = get(envoy.port, "/up/catalog/items", &tenant);
+        assert_eq!(r.status, 200, "{r:?}");
+        assert_eq!(String::from_utf8_lossy(&r.body), "ok v7\n", "{r:?}");
+        assert_eq!(r.header("etag"), Some("\"v7\""), "{r:?}");
+        assert_eq!(r.header("x-tenantgate-degraded"), Some("circuit_open"), "{r:?}");
+        let age: u64 = r.header("age").and_then(|v| v.parse().ok()).unwrap_or(u64::MAX);
+        assert!(age <= 30, "{r:?}");
+        assert!(
+            r.header("x-tenantgate-captured-at")
+                .is_some_and(|c| c.ends_with(" GMT")),
+            "{r:?}"
+        );
+        let other = orders(&envoy);
+        assert_eq!(
+            (other.status, reason(&other)),
+            (503, Some("circuit_open")),
+            "{other:?}"
+        );
+        assert!(other
+            .header("retry-after")
+            .and_then(|v| v.parse::<u64>().ok())
+            .is_some_and(|s| s >= 1));
+    }
+    println!(
+        "open: 20 degradable GETs answered 200 from the last good answer (circuit_open), 20 others 503; {} upstream calls meanwhile",
+        upstream.received() - calls
+    );
+    assert!(
+        upstream.received() - calls <= PROBES,
+        "only probes reach the upstream"
     );
 }
