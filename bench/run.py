@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`make bench`: what tenantgate costs Envoy, measured against baselines.
 
-Eight configurations of Envoy 1.40 serve a direct_response route (no
+Nine configurations of Envoy 1.40 serve a direct_response route (no
 upstream), interleaved over BENCH_ROUNDS rounds on this machine:
 
   (a) no filter
@@ -18,6 +18,10 @@ upstream), interleaved over BENCH_ROUNDS rounds on this machine:
   (h) tenantgate, 1 tenant, admission control on: (d) plus an in-flight
       slot of one dependency per request, never at its limit
       (bench/policies/admission.yaml)
+  (i) tenantgate, 1 tenant, adaptive concurrency on: (h) with the
+      controller on its dependency (stream-end outcomes recorded, windows
+      folded on the tick; the limit holds, never reached:
+      bench/policies/adaptive.yaml)
 
 Then (a), (c) and (d) again at one connection (BENCH_LATENCY_CONNECTIONS=1)
 for their p50 latency, the same number of rounds.
@@ -29,6 +33,11 @@ connections) and the Envoy process's CPU time (utime+stime from
 /proc/<pid>/stat) over the same interval, and stops Envoy. Then one
 2-worker run of (d), unpinned, reports CAS retries per decision from the
 filter's stats.
+
+BENCH_ONLY=i (or a comma-separated list of row keys) runs only those rows,
+BENCH_ROUNDS times, prints them (with their ratio to (d) when (d) is among
+them) and stops: a quick check that a row works, not a measurement (no
+baselines, no filter.json).
 
 Prints a table and writes target/bench/filter.json. Any non-2xx response or
 socket error fails the command (a configuration that denies measures the
@@ -85,6 +94,8 @@ CONNECTIONS = env_int("BENCH_CONNECTIONS", 16)
 LATENCY_CONNECTIONS = env_int("BENCH_LATENCY_CONNECTIONS", 1)
 # 1: also run the ablation (see main); 0: skip it.
 ABLATION = env_int("BENCH_ABLATION", 1, minimum=0)
+# Rows to run alone (see the docstring); empty: the whole bench.
+ONLY = [k.strip() for k in os.environ.get("BENCH_ONLY", "").split(",") if k.strip()]
 CAS_CONNECTIONS = env_int("BENCH_CAS_CONNECTIONS", 64)
 # A pinned single worker under 16 connections is busy all the time. A run in
 # which Envoy used less than MIN_UTIL of its CPU was disturbed (another
@@ -649,6 +660,30 @@ def fmt(x, spec):
     return "—" if x is None else format(x, spec)
 
 
+def only(by_key: dict) -> int:
+    """BENCH_ONLY: the named rows alone (see the docstring)."""
+    unknown = [k for k in ONLY if k not in by_key]
+    if unknown:
+        sys.exit(f"bench: BENCH_ONLY names unknown rows {unknown} (rows: {', '.join(by_key)})")
+    chosen = [by_key[k] for k in ONLY]
+    print(f"tenantgate bench, BENCH_ONLY={','.join(ONLY)}: {ROUNDS} round(s), {SECONDS} s each (a check, not a measurement)", flush=True)
+    raw: dict[str, list[dict]] = {c.key: [] for c in chosen}
+    for rnd in range(1, ROUNDS + 1):
+        for config in chosen:
+            r = one_run(config, rnd)
+            raw[config.key].append(r)
+            print(
+                f"  round {rnd}/{ROUNDS}  {config.label:<40} {r['rps']:>9,.0f} req/s  "
+                f"p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  {r['cpu_us_per_req']:.1f} us CPU/req",
+                flush=True,
+            )
+    if "d" in raw:
+        d = median(r["rps"] for r in raw["d"])
+        for key, rows in raw.items():
+            print(f"  ({key}) / (d): {median(r['rps'] for r in rows) / d:.2f} x")
+    return 0
+
+
 def main() -> int:
     for tool_name in ("wrk", "taskset"):
         if shutil.which(tool_name) is None:
@@ -670,12 +705,16 @@ def main() -> int:
         Config("f", f"(f) native local_ratelimit, {TENANTS:,} tenants", "local_ratelimit_tenants", None, tenants_lua),
         Config("g", "(g) tenantgate, 1 tenant, global (serve)", "tenantgate", has_ratelimit, serve=True),
         Config("h", "(h) tenantgate, 1 tenant, admission", "tenantgate", has_ratelimit, admission=True),
+        Config("i", "(i) tenantgate, 1 tenant, adaptive", "tenantgate", has_ratelimit, admission=True),
     ]
     by_key = {c.key: c for c in configs}
     by_key["d"].policy = BENCH / "policies/one-tenant.yaml"
     by_key["e"].policy = ten_thousand_tenants_policy(OUT / "10k-tenants.yaml")
     by_key["g"].policy = BENCH / "policies/global.yaml"
     by_key["h"].policy = BENCH / "policies/admission.yaml"
+    by_key["i"].policy = BENCH / "policies/adaptive.yaml"
+    if ONLY:
+        return only(by_key)
     latency_configs = [by_key[k] for k in ("a", "c", "d")]
     # The ablation: (d) with one part of the work taken away at a time,
     # each a configuration users can run (nothing is patched out).
@@ -724,6 +763,8 @@ def main() -> int:
         raw["d"][-1]["ratio_to_c"] = round(raw["d"][-1]["rps"] / raw["c"][-1]["rps"], 4)
         raw["g"][-1]["ratio_to_d"] = round(raw["g"][-1]["rps"] / raw["d"][-1]["rps"], 4)
         raw["h"][-1]["ratio_to_d"] = round(raw["h"][-1]["rps"] / raw["d"][-1]["rps"], 4)
+        raw["i"][-1]["ratio_to_d"] = round(raw["i"][-1]["rps"] / raw["d"][-1]["rps"], 4)
+        raw["i"][-1]["ratio_to_h"] = round(raw["i"][-1]["rps"] / raw["h"][-1]["rps"], 4)
 
     latency: dict[str, list[dict]] = {c.key: [] for c in latency_configs}
     for rnd in range(1, ROUNDS + 1):
@@ -772,6 +813,8 @@ def main() -> int:
     summary["d"]["median"]["ratio_to_c"] = median(r["ratio_to_c"] for r in raw["d"])
     summary["g"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["g"])
     summary["h"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["h"])
+    summary["i"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["i"])
+    summary["i"]["median"]["ratio_to_h"] = median(r["ratio_to_h"] for r in raw["i"])
     for config in latency_configs:
         rows = latency[config.key]
         summary[config.key]["one_connection"] = {
@@ -849,6 +892,13 @@ def main() -> int:
     print(
         f"admission (h) vs (d): {fmt(summary['h']['median']['ratio_to_d'], '.2f')} x by throughput, "
         f"{fmt(h_cpu - d_cpu if h_cpu is not None and d_cpu is not None else None, '+.1f')} us CPU/req"
+    )
+    i_cpu = summary["i"]["median"]["cpu_us_per_req"]
+    print(
+        f"adaptive (i) vs (d): {fmt(summary['i']['median']['ratio_to_d'], '.2f')} x by throughput, "
+        f"{fmt(i_cpu - d_cpu if i_cpu is not None and d_cpu is not None else None, '+.1f')} us CPU/req; "
+        f"vs (h): {fmt(summary['i']['median']['ratio_to_h'], '.2f')} x, "
+        f"{fmt(i_cpu - h_cpu if i_cpu is not None and h_cpu is not None else None, '+.1f')} us CPU/req"
     )
     print(
         f"CAS, 2 workers, 1 hot tenant, {CAS_CONNECTIONS} connections: {cas['cas_retries']:,} retries / "

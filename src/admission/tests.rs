@@ -701,11 +701,22 @@ fn the_decision_record_is_one_line_of_plain_fields() {
         policy_version: "v 1",
         limit_key: "orders|t|acme",
         limit: "action:orders",
+        breaker: None,
         degraded_age_ms: None,
+        controller_limit: None,
     };
     assert_eq!(
         r.render(),
         "outcome=queue_timeout criticality=sheddable dependency=db in_flight=7 queue_wait_ms=390 policy=v_1 key=orders|t|acme limit=action:orders"
+    );
+    // With a circuit breaker, its phase comes last.
+    assert_eq!(
+        DecisionRecord {
+            breaker: Some("half_open"),
+            ..r
+        }
+        .render(),
+        "outcome=queue_timeout criticality=sheddable dependency=db in_flight=7 queue_wait_ms=390 policy=v_1 key=orders|t|acme limit=action:orders breaker=half_open"
     );
     // A degraded answer says so, in a last field.
     let degraded = DecisionRecord {
@@ -716,6 +727,55 @@ fn the_decision_record_is_one_line_of_plain_fields() {
         degraded.render(),
         "outcome=queue_timeout criticality=sheddable dependency=db in_flight=7 queue_wait_ms=390 policy=v_1 key=orders|t|acme limit=action:orders degraded_age_ms=1500"
     );
+    // An adaptive dependency's record ends with the limit applied.
+    let r = DecisionRecord {
+        controller_limit: Some(23),
+        ..r
+    };
+    assert!(r.render().ends_with(" limit=action:orders controller_limit=23"));
+}
+
+#[test]
+fn a_controller_limit_keeps_the_reservations_and_the_shedding_order() {
+    // db: 10 slots, 2 reserved for critical, 1 for system. A controller
+    // limit of 6 leaves a pool of 3: normal fills it (ceiling 3), sheddable
+    // stops at 80 % of it (2); critical still has its 2 reserved slots.
+    let p = policy(r#", "adaptive": {"min": 4}"#);
+    let node = Node::new();
+    let mut w = Worker::with_id(1);
+    w.update_control("tg2|d|db", |c| c.limit = Some(6));
+    let dep = p.dependency(0).unwrap();
+    assert_eq!(effective_limit(dep, &w.control("tg2|d|db")), 6);
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(node.acquire(&mut w, &p, "reports", "acme", T0).unwrap());
+    }
+    assert_eq!(
+        node.acquire(&mut w, &p, "reports", "acme", T0),
+        Err(Reason::ConcurrencyLimit)
+    );
+    held.push(node.acquire(&mut w, &p, "orders", "acme", T0).unwrap());
+    assert_eq!(
+        node.acquire(&mut w, &p, "orders", "acme", T0),
+        Err(Reason::ConcurrencyLimit)
+    );
+    for _ in 0..2 {
+        held.push(node.acquire(&mut w, &p, "pay", "acme", T0).unwrap());
+    }
+    assert_eq!(
+        node.acquire(&mut w, &p, "pay", "acme", T0),
+        Err(Reason::ConcurrencyLimit)
+    );
+    held.push(node.acquire(&mut w, &p, "health", "acme", T0).unwrap());
+    assert_eq!(node.total(T0), 6, "in flight = the controller's limit");
+    // The limit never passes max_in_flight, and no control: the static one.
+    w.update_control("tg2|d|db", |c| c.limit = Some(1000));
+    assert_eq!(effective_limit(dep, &w.control("tg2|d|db")), 10);
+    w.update_control("tg2|d|db", |c| c.limit = None);
+    assert_eq!(w.control("tg2|d|db"), Control::default());
+    for t in held {
+        release(&node, &mut w, t, T0);
+    }
 }
 
 #[test]

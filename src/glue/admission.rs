@@ -29,6 +29,14 @@
 //!   write left dirty, and folds its counted primaries into their budgets;
 //!   every 10th tick the in-flight and retry-amplification gauges are set
 //!   from shared data (node-wide: every worker sets the same value).
+//! * Adaptive dependencies ([`crate::admission::controller`]): a stream
+//!   that took a slot of one gets a [`Signal`] (memory only); its response
+//!   headers stamp the time and status (one clock read, one header read);
+//!   at its end, for a 5xx or no response at all, `response.code_details`
+//!   is read (one property) and the [`Outcome`] goes into the worker's
+//!   [`Windows`]. The tick runs
+//!   [`controller::tick`] (fold, close, apply, read the limit into the
+//!   worker's `Control`) and sets the controller's gauges.
 //!
 //! Stats: `tenantgate.admission.<outcome>.<criticality>` counters
 //! (outcomes: `admitted` and every refusal reason), counted in memory and
@@ -50,7 +58,13 @@
 //!   `degraded.last_age_ms`;
 //! * `fair_drops.b<NN>` counters: requests dropped from the longest tenant
 //!   line of a full level (see [`crate::admission::queue`]), by tenant
-//!   hash bucket ([`FAIR_DROP_BUCKETS`] of them, never one per tenant).
+//!   hash bucket ([`FAIR_DROP_BUCKETS`] of them, never one per tenant);
+//! * adaptive dependencies only, from the node-wide controller state
+//!   (every 10th tick; every worker sets the same values): `limit.<dep>`
+//!   (the limit requests see, cut during a baseline refresh),
+//!   `baseline_us.<dep>`, and the last window's inputs `latency_p95_us.<dep>`,
+//!   `latency_min_us.<dep>`, `error_rate_ppm.<dep>` (errors and timeouts
+//!   per million completed), `window_queue_age_ms.<dep>`.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -64,7 +78,8 @@ use crate::admission::degraded::{self, Cached, Lookup};
 use crate::admission::queue::{Attempt, Held, NotHeld, Offered, PriorityQueue, Served};
 use crate::admission::request::{self, BodyBudget, Declared};
 use crate::admission::retry::{self, Primaries};
-use crate::admission::{self, jittered_retry_after_secs, Limited, Ticket, Worker};
+use crate::admission::window::{self, Outcome, Windows};
+use crate::admission::{self, breaker, controller, jittered_retry_after_secs, Limited, Ticket, Worker};
 use crate::engine::{Decision, Prepared, Reason};
 use crate::host::Host;
 use crate::policy::admission::Criticality;
@@ -88,14 +103,198 @@ thread_local! {
     /// Captures of requests the queue resumed, by stream context id
     /// (taken by their stream at its response headers).
     static QUEUED_CAPTURES: RefCell<HashMap<u32, Capture>> = RefCell::new(HashMap::new());
+    /// Streams of adaptive dependencies, by context id: what their end
+    /// records.
+    static SIGNALS: RefCell<HashMap<u32, Signal>> = RefCell::new(HashMap::new());
+    /// The worker's stream-end windows.
+    static WINDOWS: RefCell<Windows> = RefCell::new(Windows::default());
+    /// The controller's shared-data buffers.
+    static CONTROL_BUFFERS: RefCell<crate::table::Buffers> = RefCell::new(crate::table::Buffers::default());
+}
+
+/// What a stream of a dependency with a signal window (a controller's or
+/// a breaker's) records at its end.
+#[derive(Debug, Clone)]
+pub struct Signal {
+    /// The dependency's name and window length.
+    dependency: String,
+    window_ns: u64,
+    /// When its slot was taken (headers, or the queue's admission).
+    admitted_at: u64,
+    /// Its dependency's live slots then, itself included.
+    in_flight: u32,
+    /// When its response headers came, and their status.
+    response_at: Option<u64>,
+    status: Option<u32>,
+}
+
+/// Starts a stream's signal if its class's dependency has a signal window.
+fn start_signal(policy: &Policy, prepared: &Prepared, context_id: u32, ticket: &Ticket, now: u64) {
+    let Some(dep) = prepared
+        .class
+        .labels
+        .dependency
+        .and_then(|i| policy.dependency(i))
+    else {
+        return;
+    };
+    // A controller's or a breaker's dependency.
+    let Some(window_ns) = dep.signal_window_ns() else {
+        return;
+    };
+    if ticket.dependency_key().is_none() {
+        return;
+    }
+    let signal = Signal {
+        dependency: dep.name.clone(),
+        window_ns,
+        admitted_at: now,
+        in_flight: ticket.in_flight().saturating_add(1),
+        response_at: None,
+        status: None,
+    };
+    SIGNALS.with(|s| {
+        if let Ok(mut s) = s.try_borrow_mut() {
+            s.insert(context_id, signal);
+        }
+    });
+}
+
+/// A request refused for its adaptive dependency's limit: demand the
+/// controller counts (memory only).
+fn note_refused(policy: &Policy, prepared: &Prepared, reason: Reason, now: u64) {
+    if !matches!(
+        reason,
+        Reason::ConcurrencyLimit | Reason::QueueFull | Reason::QueueTimeout
+    ) {
+        return;
+    }
+    let Some(dep) = prepared
+        .class
+        .labels
+        .dependency
+        .and_then(|i| policy.dependency(i))
+    else {
+        return;
+    };
+    let Some(a) = dep.adaptive else { return };
+    WINDOWS.with(|w| {
+        if let Ok(mut w) = w.try_borrow_mut() {
+            w.note_refused(&dep.name, a.window_ns, now);
+        }
+    });
+}
+
+/// The response's headers of a stream: stamps its signal (if it has one).
+pub fn on_response_headers(context_id: u32) {
+    SIGNALS.with(|s| {
+        let Ok(mut s) = s.try_borrow_mut() else { return };
+        if s.is_empty() {
+            return;
+        }
+        if let Some(sig) = s.get_mut(&context_id) {
+            sig.response_at = super::now_ns();
+            sig.status = abi::header(MapType::HttpResponseHeaders, ":status")
+                .ok()
+                .flatten()
+                .and_then(|v| std::str::from_utf8(&v).ok()?.parse().ok());
+        }
+    });
+}
+
+/// tenantgate answers the stream itself: its end is not a health signal.
+pub fn forget_signal(context_id: u32) {
+    SIGNALS.with(|s| {
+        if let Ok(mut s) = s.try_borrow_mut() {
+            if !s.is_empty() {
+                s.remove(&context_id);
+            }
+        }
+    });
+}
+
+/// The stream ended: records its outcome in the worker's window.
+pub fn end_signal(context_id: u32, now: u64) {
+    let signal = SIGNALS.with(|s| {
+        let mut s = s.try_borrow_mut().ok()?;
+        if s.is_empty() {
+            return None;
+        }
+        s.remove(&context_id)
+    });
+    let Some(sig) = signal else { return };
+    // Below 500 an answer is a success whoever sent it (tenantgate's own
+    // replies forgot their signal): Envoy's details are read only for a
+    // 5xx or a stream that ended without response headers, to tell the
+    // upstream's failures from the rest (one property read fewer per
+    // request).
+    let details = match sig.status {
+        Some(status) if status < 500 => None,
+        _ => abi::property(&["response", "code_details"]).ok().flatten(),
+    };
+    let details = details.as_deref().and_then(|d| std::str::from_utf8(d).ok());
+    let outcome = Outcome {
+        latency_ns: sig.response_at.unwrap_or(now).saturating_sub(sig.admitted_at),
+        kind: window::classify(details, sig.status, false),
+        in_flight: sig.in_flight,
+    };
+    WINDOWS.with(|w| {
+        if let Ok(mut w) = w.try_borrow_mut() {
+            w.record(&sig.dependency, sig.window_ns, outcome, now);
+        }
+    });
 }
 
 /// The number of tenant buckets fair-queue drops are counted in.
 pub const FAIR_DROP_BUCKETS: usize = 16;
 
+/// The controller's gauges of an adaptive dependency.
+struct ControllerGauges {
+    limit: Option<u32>,
+    baseline_us: Option<u32>,
+    p95_us: Option<u32>,
+    min_us: Option<u32>,
+    error_rate_ppm: Option<u32>,
+    queue_age_ms: Option<u32>,
+}
+
+impl ControllerGauges {
+    fn define(name: &str) -> ControllerGauges {
+        let gauge = |what: &str| {
+            abi::define_metric(MetricType::Gauge, &format!("tenantgate.admission.{what}.{name}")).ok()
+        };
+        ControllerGauges {
+            limit: gauge("limit"),
+            baseline_us: gauge("baseline_us"),
+            p95_us: gauge("latency_p95_us"),
+            min_us: gauge("latency_min_us"),
+            error_rate_ppm: gauge("error_rate_ppm"),
+            queue_age_ms: gauge("window_queue_age_ms"),
+        }
+    }
+
+    fn set(&self, state: &controller::State, cap: u32) {
+        let i = &state.inputs;
+        for (id, value) in [
+            (self.limit, u64::from(cap)),
+            (self.baseline_us, state.baseline_ns / 1_000),
+            (self.p95_us, i.p95_ns / 1_000),
+            (self.min_us, i.min_ns / 1_000),
+            (self.error_rate_ppm, u64::from(i.error_ppm)),
+            (self.queue_age_ms, i.oldest_queue_ns / 1_000_000),
+        ] {
+            if let Some(id) = id {
+                let _ = abi::record_metric(id, value);
+            }
+        }
+    }
+}
+
 /// A dependency's gauges (ids) and what this root last gave them.
 struct DependencyGauges {
     in_flight: Option<u32>,
+    /// Defined once the dependency is adaptive in a loaded policy.
+    controller: Option<ControllerGauges>,
     depth: Option<u32>,
     oldest_ms: Option<u32>,
     /// `retries.<dependency>`: retries admitted by its budget.
@@ -119,6 +318,7 @@ impl DependencyGauges {
         };
         DependencyGauges {
             in_flight: gauge("in_flight"),
+            controller: None,
             depth: gauge("queue_depth"),
             oldest_ms: gauge("queue_oldest_ms"),
             retries: abi::define_metric(
@@ -282,7 +482,7 @@ pub fn ensure_worker(now: u64) {
     });
 }
 
-fn with_worker<R>(f: impl FnOnce(&mut Worker) -> R) -> Option<R> {
+pub(super) fn with_worker<R>(f: impl FnOnce(&mut Worker) -> R) -> Option<R> {
     WORKER.with(|w| w.try_borrow_mut().ok()?.as_mut().map(f))
 }
 
@@ -393,6 +593,7 @@ fn limit_name(policy: &Policy, prepared: &Prepared, limit: Limited) -> String {
 
 /// Writes a request's decision record (on the current stream); `limit`:
 /// what refused a slot (see [`admission::DecisionRecord::limit`]).
+#[allow(clippy::too_many_arguments)]
 fn record(
     policy: &Policy,
     prepared: &Prepared,
@@ -400,14 +601,18 @@ fn record(
     in_flight: u32,
     queue_wait_ns: u64,
     limit: &str,
+    now: u64,
     degraded_age_ms: Option<u64>,
 ) {
     let labels = prepared.class.labels;
-    let dependency = labels
+    let dep = labels.dependency.and_then(|i| policy.dependency(i));
+    let dependency = dep.map_or("-", |d| d.name.as_str());
+    let key = crate::engine::logical_key(&prepared.class.action, &prepared.subject);
+    let controller_limit = labels
         .dependency
         .and_then(|i| policy.dependency(i))
-        .map_or("-", |d| d.name.as_str());
-    let key = crate::engine::logical_key(&prepared.class.action, &prepared.subject);
+        .filter(|d| d.adaptive.is_some())
+        .and_then(|d| with_worker(|w| admission::effective_limit(d, &w.control(&d.key))));
     let text = admission::DecisionRecord {
         outcome: outcome_name(outcome),
         criticality: labels.criticality,
@@ -417,6 +622,8 @@ fn record(
         policy_version: &policy.version,
         limit_key: &key,
         limit,
+        breaker: super::breaker::phase_name(dep, now),
+        controller_limit,
         degraded_age_ms,
     }
     .render();
@@ -427,9 +634,11 @@ fn record(
 
 /// A refusal's decision, with its jittered `Retry-After`; `limit` names
 /// what refused (a dependency or an action).
+#[allow(clippy::too_many_arguments)]
 fn refusal_decision(
     reason: Reason,
     limit: &str,
+    min_secs: u64,
     window_ns: u64,
     prepared: &Prepared,
     context_id: u32,
@@ -438,7 +647,7 @@ fn refusal_decision(
     let seed = now ^ (u64::from(context_id) << 32);
     Decision {
         limit: Some(limit.to_owned()),
-        retry_after_secs: jittered_retry_after_secs(1, window_ns, seed),
+        retry_after_secs: jittered_retry_after_secs(min_secs, window_ns, seed),
         subject: prepared.subject.clone(),
         ..Decision::passed(reason)
     }
@@ -515,6 +724,7 @@ impl Admission {
             return;
         }
         Worker::prepare(&ProxyHost, policy, now);
+        super::breaker::configure(policy);
         ensure_worker(now);
         let Ok(mut gauges) = self.gauges.try_borrow_mut() else {
             return;
@@ -525,6 +735,12 @@ impl Admission {
                 .or_insert_with(|| DependencyGauges::define(&d.name));
             if let Ok(mut b) = g.budget.try_borrow_mut() {
                 b.clone_from(&d.retry_budget);
+            }
+            if let Some(window_ns) = d.signal_window_ns() {
+                window::prepare(&ProxyHost, &d.name, window_ns, now);
+            }
+            if d.adaptive.is_some() && g.controller.is_none() {
+                g.controller = Some(ControllerGauges::define(&d.name));
             }
         }
         let Ok(mut action_gauges) = self.action_gauges.try_borrow_mut() else {
@@ -573,7 +789,7 @@ impl Admission {
         );
         if let Err(reason) = request::check(&labels, &declared) {
             self.count(Some(reason), level);
-            record(policy, prepared, Some(reason), 0, 0, "-", None);
+            record(policy, prepared, Some(reason), 0, 0, "-", now, None);
             if shadow {
                 return Ok(());
             }
@@ -588,7 +804,7 @@ impl Admission {
         }
         let dep = labels.dependency.and_then(|i| policy.dependency(i));
         if dep.is_none() && labels.action_limit.is_none() {
-            record(policy, prepared, None, 0, 0, "-", None);
+            record(policy, prepared, None, 0, 0, "-", now, None);
             return Ok(());
         }
         let budget = dep.and_then(|d| d.retry_budget.as_ref());
@@ -612,13 +828,13 @@ impl Admission {
                     if shadow {
                         // Counted and recorded, never enforced (like every
                         // shadow refusal: no slot is taken either).
-                        record(policy, prepared, Some(reason), 0, 0, &limit, None);
+                        record(policy, prepared, Some(reason), 0, 0, &limit, now, None);
                         return Ok(());
                     }
                     let window = dep.map_or(crate::policy::admission::DEFAULT_RETRY_AFTER_WINDOW_NS, |d| {
                         d.retry_after_window_ns
                     });
-                    let mut decision = refusal_decision(reason, name, window, prepared, context_id, now);
+                    let mut decision = refusal_decision(reason, name, 1, window, prepared, context_id, now);
                     let seed = now ^ (u64::from(context_id) << 32);
                     decision.retry_after_secs =
                         jittered_retry_after_secs(refused.retry_after_secs, window, seed);
@@ -641,6 +857,7 @@ impl Admission {
                         .map_or(crate::policy::admission::DEFAULT_RETRY_AFTER_WINDOW_NS, |d| {
                             d.retry_after_window_ns
                         }),
+                    retry_after_secs: 1,
                     limit: Limited::Dependency,
                 }));
         match acquired {
@@ -649,6 +866,9 @@ impl Admission {
                 if let Some(b) = primary {
                     note_primary(b);
                 }
+                if let Some(t) = &ticket {
+                    start_signal(policy, prepared, context_id, t, now);
+                }
                 record(
                     policy,
                     prepared,
@@ -656,6 +876,7 @@ impl Admission {
                     ticket.as_ref().map_or(0, Ticket::in_flight),
                     0,
                     "-",
+                    now,
                     None,
                 );
                 stream.capture = plan_capture(prepared, now);
@@ -707,9 +928,21 @@ impl Admission {
                     }
                 }
                 self.count(Some(reason), level);
+                if refusal.limit == Limited::Dependency {
+                    note_refused(policy, prepared, reason, now);
+                }
                 let limit = limit_name(policy, prepared, refusal.limit);
                 if shadow {
-                    record(policy, prepared, Some(reason), refusal.in_flight, 0, &limit, None);
+                    record(
+                        policy,
+                        prepared,
+                        Some(reason),
+                        refusal.in_flight,
+                        0,
+                        &limit,
+                        now,
+                        None,
+                    );
                     return Ok(());
                 }
                 let name = match refusal.limit {
@@ -719,6 +952,7 @@ impl Admission {
                 let decision = refusal_decision(
                     reason,
                     name,
+                    refusal.retry_after_secs,
                     refusal.retry_after_window_ns,
                     prepared,
                     context_id,
@@ -742,11 +976,19 @@ impl Admission {
             let _ = abi::increment_metric(*id, 1);
         }
         self.count(Some(Reason::QueueFull), dropped.level);
-        self.answer_held(dropped, Reason::QueueFull, None, now);
+        self.answer_held(dropped, Reason::QueueFull, 1, None, now);
     }
 
     /// Answers a held request with a refusal (on its own stream).
-    fn answer_held(&self, h: Held<Parked>, reason: Reason, metrics: Option<&Metrics>, now: u64) {
+    /// `min_secs`: the refusal's shortest honest `Retry-After`.
+    fn answer_held(
+        &self,
+        h: Held<Parked>,
+        reason: Reason,
+        min_secs: u64,
+        metrics: Option<&Metrics>,
+        now: u64,
+    ) {
         let p = h.item;
         if abi::set_effective_context(p.context_id).is_err() {
             return;
@@ -761,10 +1003,12 @@ impl Admission {
             return;
         };
         // A queue is its dependency's: it names what refused.
+        note_refused(&p.policy, &p.prepared, reason, now);
         let limit = limit_name(&p.policy, &p.prepared, Limited::Dependency);
         let decision = refusal_decision(
             reason,
             &dep.name,
+            min_secs,
             dep.retry_after_window_ns,
             &p.prepared,
             p.context_id,
@@ -839,6 +1083,7 @@ impl Admission {
                 at.in_flight,
                 at.queue_wait_ns,
                 at.limit,
+                now,
                 age,
             )
         };
@@ -1038,7 +1283,7 @@ impl Admission {
 
     /// Serves every dependency's queue (see the module header).
     fn serve_queues(&self, metrics: &Metrics, now: u64) {
-        let served: Vec<Served<Parked, Ticket>> = QUEUES.with(|q| {
+        let served: Vec<Served<Parked, Ticket, admission::Refusal>> = QUEUES.with(|q| {
             let Ok(mut queues) = q.try_borrow_mut() else {
                 return Vec::new();
             };
@@ -1052,6 +1297,11 @@ impl Admission {
                     match tried {
                         Some(Ok(Some(ticket))) => Attempt::Admitted(ticket),
                         Some(Err(r)) if r.reason == Reason::TenantShare => Attempt::TenantFull,
+                        // Its breaker opened, or it was paused: answered now,
+                        // not held until its max_wait.
+                        Some(Err(r)) if matches!(r.reason, Reason::CircuitOpen | Reason::Paused) => {
+                            Attempt::Refused(r)
+                        }
                         _ => Attempt::LevelFull,
                     }
                 }));
@@ -1085,6 +1335,7 @@ impl Admission {
                         ticket.in_flight(),
                         now.saturating_sub(h.enqueued),
                         "-",
+                        now,
                         None,
                     );
                     let decision = super::charge(&p.policy, &p.prepared, now);
@@ -1100,6 +1351,7 @@ impl Admission {
                             super::send_reply(&reply, metrics);
                         }
                         None => {
+                            start_signal(&p.policy, &p.prepared, p.context_id, &ticket, now);
                             ADMITTED.with(|a| {
                                 if let Ok(mut a) = a.try_borrow_mut() {
                                     a.insert(p.context_id, ticket);
@@ -1120,10 +1372,59 @@ impl Admission {
                 }
                 Served::TimedOut(h) => {
                     self.count(Some(Reason::QueueTimeout), h.level);
-                    self.answer_held(h, Reason::QueueTimeout, Some(metrics), now);
+                    self.answer_held(h, Reason::QueueTimeout, 1, Some(metrics), now);
+                }
+                Served::Refused(h, r) => {
+                    self.count(Some(r.reason), h.level);
+                    self.answer_held(h, r.reason, r.retry_after_secs, Some(metrics), now);
                 }
             }
         }
+    }
+
+    /// The breakers' tick (see [`breaker::tick`]), after the controller's.
+    fn breakers(&self, policy: &Policy, controlled: &[controller::Ticked], now: u64) -> Vec<breaker::Ticked> {
+        WINDOWS.with(|windows| {
+            CONTROL_BUFFERS.with(|buffers| {
+                let (Ok(mut windows), Ok(mut buffers)) = (windows.try_borrow_mut(), buffers.try_borrow_mut())
+                else {
+                    return Vec::new();
+                };
+                with_worker(|w| {
+                    breaker::tick(&ProxyHost, policy, w, &mut windows, controlled, now, &mut buffers)
+                })
+                .unwrap_or_default()
+            })
+        })
+    }
+
+    /// The adaptive controller's tick (see [`controller::tick`]).
+    fn control(&self, policy: &Policy, now: u64) -> Vec<controller::Ticked> {
+        let ages = QUEUES.with(|q| {
+            q.try_borrow()
+                .map(|queues| {
+                    queues
+                        .iter()
+                        .filter_map(|(key, queue)| {
+                            queue.oldest().map(|at| (key.clone(), now.saturating_sub(at)))
+                        })
+                        .collect::<HashMap<String, u64>>()
+                })
+                .unwrap_or_default()
+        });
+        let age = |d: &crate::policy::admission::Dependency| ages.get(&d.key).copied().unwrap_or(0);
+        WINDOWS.with(|windows| {
+            CONTROL_BUFFERS.with(|buffers| {
+                let (Ok(mut windows), Ok(mut buffers)) = (windows.try_borrow_mut(), buffers.try_borrow_mut())
+                else {
+                    return Vec::new();
+                };
+                with_worker(|w| {
+                    controller::tick(&ProxyHost, policy, w, &mut windows, &age, now, &mut buffers)
+                })
+                .unwrap_or_default()
+            })
+        })
     }
 
     /// Counts a streamed body's chunk; `Err`: over `max_body_bytes`.
@@ -1144,8 +1445,9 @@ impl Admission {
             })
     }
 
-    /// The root tick: leases, pending stats, gauges.
-    pub fn tick(&self, metrics: &Metrics, now: u64) {
+    /// The root tick: leases, pending stats, gauges, and the adaptive
+    /// controller of `policy`'s dependencies.
+    pub fn tick(&self, metrics: &Metrics, policy: Option<&Policy>, now: u64) {
         let flush = |id: &Option<u32>, p: &Cell<u64>| {
             let n = p.take();
             if let (Some(id), true) = (id, n > 0) {
@@ -1181,6 +1483,30 @@ impl Admission {
             flush(&g.retries, &g.pending_retries);
         }
         self.serve_queues(metrics, now);
+        let ticks = self.ticks.get().wrapping_add(1);
+        let ticked = match policy.filter(|p| p.dependencies.iter().any(|d| d.adaptive.is_some())) {
+            Some(policy) => self.control(policy, now),
+            None => Vec::new(),
+        };
+        if let Some(policy) = policy.filter(|p| p.dependencies.iter().any(|d| d.breaker.is_some())) {
+            for t in self.breakers(policy, &ticked, now) {
+                if let Some(dep) = policy.dependency(t.dependency) {
+                    super::breaker::report(dep, &t, now);
+                }
+            }
+        }
+        if ticks % 10 == 0 {
+            for t in &ticked {
+                let (Some(dep), Some(state), Some(cap)) =
+                    (policy.and_then(|p| p.dependency(t.dependency)), t.state, t.cap)
+                else {
+                    continue;
+                };
+                if let Some(c) = gauges.get(&dep.key).and_then(|g| g.controller.as_ref()) {
+                    c.set(&state, cap);
+                }
+            }
+        }
         QUEUES.with(|q| {
             let Ok(queues) = q.try_borrow() else { return };
             for (key, g) in gauges.iter() {
@@ -1192,7 +1518,6 @@ impl Admission {
                 g.report(depth, oldest_ms);
             }
         });
-        let ticks = self.ticks.get().wrapping_add(1);
         self.ticks.set(ticks);
         if ticks % 10 != 0 {
             return;

@@ -14,6 +14,7 @@
 
 mod abi;
 mod admission;
+mod breaker;
 mod metrics;
 mod sync;
 
@@ -209,7 +210,7 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         self.metrics.flush();
         let Some(now) = now_ns() else { return };
-        self.admission.tick(&self.metrics, now);
+        self.admission.tick(&self.metrics, self.policy.as_deref(), now);
         if let Some(policy) = self.policy.clone() {
             self.sync.tick(&policy, &self.metrics, now);
         }
@@ -274,8 +275,12 @@ struct Request {
 }
 
 impl Request {
-    /// Gives the stream's slot back, once (from `on_log` or `on_done`).
+    /// Gives the stream's slot back, once (from `on_log` or `on_done`),
+    /// and records its outcome for an adaptive dependency.
     fn release_slot(&mut self) {
+        if self.stream.ticket.is_some() || self.stream.queued {
+            admission::end_signal(self.context_id, now_ns().unwrap_or(0));
+        }
         if let Some(ticket) = self.stream.ticket.take() {
             admission::release(ticket, now_ns().unwrap_or(0));
         }
@@ -289,6 +294,8 @@ impl Request {
 impl Context for Request {
     fn on_done(&mut self) -> bool {
         self.release_slot();
+        // Whatever path the stream took, nothing of it stays behind.
+        admission::forget_signal(self.context_id);
         if self.held && QUEUE.with(|q| q.borrow_mut().remove(self.context_id)) {
             self.metrics.queue_cancelled();
         }
@@ -334,6 +341,7 @@ impl HttpContext for Request {
             // A rate-limit denial gives its slot back at once.
             if let Some(ticket) = self.stream.ticket.take() {
                 admission::release(ticket, now);
+                admission::forget_signal(self.context_id);
             }
         }
         if decision.deny_status() == Some(429) {
@@ -388,6 +396,9 @@ impl HttpContext for Request {
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
+        if self.stream.ticket.is_some() || self.stream.queued {
+            admission::on_response_headers(self.context_id);
+        }
         if self.stream.queued && self.stream.capture.is_none() {
             self.stream.capture = admission::take_queued_capture(self.context_id);
         }
@@ -416,6 +427,8 @@ impl Request {
     fn finish(&mut self, policy: &Policy, decision: Decision) -> Action {
         self.metrics.record(&decision);
         if decision.deny_status().is_some() {
+            // tenantgate answers: not a health signal of the upstream.
+            admission::forget_signal(self.context_id);
             // Only a denial echoes the request id: read it only then.
             let raw = ProxyHost.request_header("x-request-id");
             let request_id = response::request_id(raw.as_deref());

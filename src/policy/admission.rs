@@ -16,7 +16,10 @@ use super::duration::parse_duration_ns;
 use super::error::{FieldPath, PolicyError};
 use super::is_name;
 pub use super::spec::Criticality;
-use super::spec::{ActionSpec, DegradableSpec, DependencySpec, LevelQueueSpec, RetryBudgetSpec, RouteSpec};
+use super::spec::{
+    ActionSpec, AdaptiveSpec, CircuitBreakerSpec, DegradableSpec, DependencySpec, LevelQueueSpec,
+    RetryBudgetSpec, RouteSpec,
+};
 use crate::limiter::NANOS_PER_SEC;
 
 /// Largest `max_in_flight` and `max_streams`.
@@ -31,6 +34,57 @@ pub const MIN_RETRY_AFTER_WINDOW_NS: u64 = NANOS_PER_SEC;
 pub const MAX_RETRY_AFTER_WINDOW_NS: u64 = 300 * NANOS_PER_SEC;
 /// Bounds of `queues.<level>.max_queue` (default 0: reject at once).
 pub const MAX_LEVEL_QUEUE: i64 = 10_000;
+
+/// `circuit_breaker:` defaults (one place; `docs/policy.md` lists them).
+/// Error rate that opens the breaker, in permille (50 %).
+pub const DEFAULT_BREAKER_ERROR_PERMILLE: u32 = 500;
+pub const DEFAULT_BREAKER_MIN_VOLUME: u32 = 20;
+pub const DEFAULT_BREAKER_WINDOW_NS: u64 = 10 * NANOS_PER_SEC;
+pub const DEFAULT_BREAKER_OPEN_FOR_NS: u64 = 5 * NANOS_PER_SEC;
+pub const DEFAULT_BREAKER_MAX_OPEN_FOR_NS: u64 = 60 * NANOS_PER_SEC;
+pub const DEFAULT_BREAKER_PROBES: u32 = 3;
+pub const DEFAULT_BREAKER_RAMP_NS: u64 = 30 * NANOS_PER_SEC;
+/// The ramp's first level, in permille of the limit (10 %).
+pub const DEFAULT_BREAKER_RAMP_FLOOR_PERMILLE: u32 = 100;
+/// Bounds: `min_volume`, `probes`; the durations' shortest and longest.
+pub const MAX_BREAKER_MIN_VOLUME: i64 = 1_000_000;
+pub const MAX_BREAKER_PROBES: i64 = 1_000;
+pub const MIN_BREAKER_DURATION_NS: u64 = 100 * 1_000_000;
+pub const MAX_BREAKER_DURATION_NS: u64 = 3600 * NANOS_PER_SEC;
+
+/// A compiled `dependencies.<name>.circuit_breaker` (semantics in
+/// [`crate::admission::breaker`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerSettings {
+    /// (errors + timeouts) ÷ completed, in permille, that opens it (1–1000).
+    pub error_permille: u32,
+    /// Completed requests a window needs before its error rate counts.
+    pub min_volume: u32,
+    pub window_ns: u64,
+    /// The first wait before half-open (doubled at each re-open).
+    pub open_for_ns: u64,
+    pub max_open_for_ns: u64,
+    /// Most probes (upstream calls) per half-open window, node-wide.
+    pub probes: u32,
+    /// Slow start: from `ramp_floor_permille` of the limit to all of it.
+    pub ramp_ns: u64,
+    pub ramp_floor_permille: u32,
+}
+
+impl Default for BreakerSettings {
+    fn default() -> Self {
+        BreakerSettings {
+            error_permille: DEFAULT_BREAKER_ERROR_PERMILLE,
+            min_volume: DEFAULT_BREAKER_MIN_VOLUME,
+            window_ns: DEFAULT_BREAKER_WINDOW_NS,
+            open_for_ns: DEFAULT_BREAKER_OPEN_FOR_NS,
+            max_open_for_ns: DEFAULT_BREAKER_MAX_OPEN_FOR_NS,
+            probes: DEFAULT_BREAKER_PROBES,
+            ramp_ns: DEFAULT_BREAKER_RAMP_NS,
+            ramp_floor_permille: DEFAULT_BREAKER_RAMP_FLOOR_PERMILLE,
+        }
+    }
+}
 
 impl Criticality {
     /// Lowest first: the index of a level in per-level arrays.
@@ -116,8 +170,243 @@ pub struct Dependency {
     pub retry_after_window_ns: u64,
     /// Indexed by [`Criticality::index`].
     pub queues: [LevelQueue; 4],
+    /// `paused: true`: every request is refused at once (`paused`).
+    pub paused: bool,
+    pub breaker: Option<BreakerSettings>,
+    /// Its breaker's shared-data key (see [`crate::admission::breaker::key`]).
+    pub breaker_key: String,
     /// `retry_budget:` (see [`crate::admission::retry`]).
     pub retry_budget: Option<RetryBudget>,
+    /// The adaptive controller (`None`: `max_in_flight` is the limit).
+    pub adaptive: Option<Adaptive>,
+}
+
+/// Parts per million: how the compiled policy keeps a fraction (exact,
+/// comparable).
+pub const PPM: u32 = 1_000_000;
+
+/// `adaptive.window`: default and bounds.
+pub const DEFAULT_ADAPTIVE_WINDOW_NS: u64 = 500 * NANOS_PER_MS;
+pub const MIN_ADAPTIVE_WINDOW_NS: u64 = 250 * NANOS_PER_MS;
+pub const MAX_ADAPTIVE_WINDOW_NS: u64 = 5 * NANOS_PER_SEC;
+/// `adaptive.buffer`: how far above its baseline p95 may be and still be
+/// healthy.
+pub const DEFAULT_BUFFER_PPM: u32 = 20_000;
+/// `adaptive.dead_zone`: the band above the buffer where the limit holds.
+pub const DEFAULT_DEAD_ZONE_PPM: u32 = 40_000;
+/// `adaptive.smoothing`: the share of a window's move that is taken.
+pub const DEFAULT_SMOOTHING_PPM: u32 = 250_000;
+/// `adaptive.max_increase`: the largest rise per window, of the limit.
+pub const DEFAULT_MAX_INCREASE_PPM: u32 = 250_000;
+/// `adaptive.backoff`: the multiplicative decrease.
+pub const DEFAULT_BACKOFF_PPM: u32 = 800_000;
+/// `adaptive.error_rate`: errors and timeouts per completed request at
+/// which the limit backs off.
+pub const DEFAULT_ERROR_RATE_PPM: u32 = 100_000;
+/// `adaptive.queue_age`: the oldest queued request's age at which the
+/// limit backs off (unless latency is healthy); default and bounds.
+pub const DEFAULT_QUEUE_AGE_NS: u64 = 250 * NANOS_PER_MS;
+pub const MAX_QUEUE_AGE_NS: u64 = 30 * NANOS_PER_SEC;
+/// `adaptive.baseline_refresh`: how often the baseline is measured again;
+/// default and bounds (at least 10 windows).
+pub const DEFAULT_BASELINE_REFRESH_NS: u64 = 30 * NANOS_PER_SEC;
+pub const MIN_BASELINE_REFRESH_NS: u64 = 5 * NANOS_PER_SEC;
+pub const MAX_BASELINE_REFRESH_NS: u64 = 600 * NANOS_PER_SEC;
+const NANOS_PER_MS: u64 = 1_000_000;
+
+/// A compiled `dependencies.<name>.adaptive` (the controller is
+/// [`crate::admission::controller`]). Fractions are in [`PPM`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Adaptive {
+    pub window_ns: u64,
+    /// Default: `reserved.critical + reserved.system + 1` (the pool keeps a
+    /// slot).
+    pub min: u32,
+    /// Default and most: `max_in_flight`.
+    pub max: u32,
+    pub buffer_ppm: u32,
+    pub dead_zone_ppm: u32,
+    pub smoothing_ppm: u32,
+    pub max_increase_ppm: u32,
+    pub backoff_ppm: u32,
+    pub error_rate_ppm: u32,
+    pub queue_age_ns: u64,
+    pub baseline_refresh_ns: u64,
+}
+
+impl Adaptive {
+    /// The defaults for a dependency of `max_in_flight` with `reserved`
+    /// slots.
+    pub fn defaults(max_in_flight: u32, reserved: u32) -> Adaptive {
+        Adaptive {
+            window_ns: DEFAULT_ADAPTIVE_WINDOW_NS,
+            min: reserved.saturating_add(1).min(max_in_flight),
+            max: max_in_flight,
+            buffer_ppm: DEFAULT_BUFFER_PPM,
+            dead_zone_ppm: DEFAULT_DEAD_ZONE_PPM,
+            smoothing_ppm: DEFAULT_SMOOTHING_PPM,
+            max_increase_ppm: DEFAULT_MAX_INCREASE_PPM,
+            backoff_ppm: DEFAULT_BACKOFF_PPM,
+            error_rate_ppm: DEFAULT_ERROR_RATE_PPM,
+            queue_age_ns: DEFAULT_QUEUE_AGE_NS,
+            baseline_refresh_ns: DEFAULT_BASELINE_REFRESH_NS,
+        }
+    }
+}
+
+/// A fraction in `[low, high]` (or `(0, high]` when `open_low`) as ppm.
+fn fraction(
+    value: Option<f64>,
+    default: u32,
+    (low, high, open_low): (f64, f64, bool),
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> u32 {
+    let Some(v) = value else { return default };
+    let ok = v.is_finite() && v <= high && (if open_low { v > low } else { v >= low });
+    if ok {
+        (v * f64::from(PPM)).round() as u32
+    } else {
+        let from = if open_low { "more than" } else { "from" };
+        add(
+            errors,
+            path.clone(),
+            format!("must be a number {from} {low} to {high}"),
+        );
+        default
+    }
+}
+
+fn duration_between(
+    value: Option<&str>,
+    default: u64,
+    (low, high): (u64, u64),
+    bounds: &str,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> u64 {
+    match value.map(parse_duration_ns) {
+        None => default,
+        Some(Ok(ns)) if (low..=high).contains(&ns) => ns,
+        Some(Ok(_)) => {
+            add(errors, path.clone(), format!("must be between {bounds}"));
+            default
+        }
+        Some(Err(message)) => {
+            add(errors, path.clone(), message);
+            default
+        }
+    }
+}
+
+fn compile_adaptive(
+    spec: &AdaptiveSpec,
+    max_in_flight: u32,
+    reserved: u32,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> Adaptive {
+    let d = Adaptive::defaults(max_in_flight, reserved);
+    let window_ns = duration_between(
+        spec.window.as_deref(),
+        d.window_ns,
+        (MIN_ADAPTIVE_WINDOW_NS, MAX_ADAPTIVE_WINDOW_NS),
+        "250ms and 5s",
+        &path.key("window"),
+        errors,
+    );
+    let max = spec.max.map_or(d.max, |n| {
+        in_range(n, 1, i64::from(max_in_flight), &path.key("max"), errors).unwrap_or(d.max)
+    });
+    let min = match spec.min {
+        None => d.min.min(max),
+        Some(n) => {
+            let low = i64::from(reserved) + 1;
+            if (low..=i64::from(max)).contains(&n) {
+                u32::try_from(n).unwrap_or(d.min)
+            } else {
+                add(
+                    errors,
+                    path.key("min"),
+                    format!(
+                        "must be between {low} (reserved.critical + reserved.system + 1) and max ({max})"
+                    ),
+                );
+                d.min.min(max)
+            }
+        }
+    };
+    let baseline_refresh_ns = duration_between(
+        spec.baseline_refresh.as_deref(),
+        d.baseline_refresh_ns,
+        (MIN_BASELINE_REFRESH_NS, MAX_BASELINE_REFRESH_NS),
+        "5s and 10m",
+        &path.key("baseline_refresh"),
+        errors,
+    );
+    if baseline_refresh_ns < window_ns.saturating_mul(10) {
+        add(
+            errors,
+            path.key("baseline_refresh"),
+            "must be at least 10 windows",
+        );
+    }
+    Adaptive {
+        window_ns,
+        min,
+        max,
+        buffer_ppm: fraction(
+            spec.buffer,
+            d.buffer_ppm,
+            (0.0, 1.0, false),
+            &path.key("buffer"),
+            errors,
+        ),
+        dead_zone_ppm: fraction(
+            spec.dead_zone,
+            d.dead_zone_ppm,
+            (0.0, 0.5, false),
+            &path.key("dead_zone"),
+            errors,
+        ),
+        smoothing_ppm: fraction(
+            spec.smoothing,
+            d.smoothing_ppm,
+            (0.0, 1.0, true),
+            &path.key("smoothing"),
+            errors,
+        ),
+        max_increase_ppm: fraction(
+            spec.max_increase,
+            d.max_increase_ppm,
+            (0.0, 1.0, true),
+            &path.key("max_increase"),
+            errors,
+        ),
+        backoff_ppm: fraction(
+            spec.backoff,
+            d.backoff_ppm,
+            (0.5, 0.99, false),
+            &path.key("backoff"),
+            errors,
+        ),
+        error_rate_ppm: fraction(
+            spec.error_rate,
+            d.error_rate_ppm,
+            (0.0, 1.0, true),
+            &path.key("error_rate"),
+            errors,
+        ),
+        queue_age_ns: duration_between(
+            spec.queue_age.as_deref(),
+            d.queue_age_ns,
+            (NANOS_PER_MS, MAX_QUEUE_AGE_NS),
+            "1ms and 30s",
+            &path.key("queue_age"),
+            errors,
+        ),
+        baseline_refresh_ns,
+    }
 }
 
 impl Dependency {
@@ -126,6 +415,17 @@ impl Dependency {
         self.max_in_flight
             .saturating_sub(self.reserved_critical)
             .saturating_sub(self.reserved_system)
+    }
+
+    /// The length of its stream-end signal windows
+    /// ([`crate::admission::window`]), `None` without a consumer: the
+    /// controller's `adaptive.window`, else (a breaker alone) the breaker's
+    /// `window` up to [`DEFAULT_ADAPTIVE_WINDOW_NS`], so it is judged at
+    /// least every 500 ms over its own (longer) window.
+    pub fn signal_window_ns(&self) -> Option<u64> {
+        self.adaptive
+            .map(|a| a.window_ns)
+            .or_else(|| self.breaker.map(|b| b.window_ns.min(DEFAULT_ADAPTIVE_WINDOW_NS)))
     }
 }
 
@@ -307,6 +607,14 @@ fn compile_dependency(
             }
         }
     }
+    let breaker = spec
+        .circuit_breaker
+        .as_ref()
+        .map(|b| compile_breaker(b, &path.key("circuit_breaker"), errors));
+    let adaptive = spec
+        .adaptive
+        .as_ref()
+        .map(|a| compile_adaptive(a, max_in_flight, reserved_total, &path.key("adaptive"), errors));
     Dependency {
         name: name.to_owned(),
         key: crate::admission::dependency_key(name),
@@ -317,10 +625,106 @@ fn compile_dependency(
         tenant_max,
         retry_after_window_ns,
         queues,
+        paused: spec.paused.unwrap_or(false),
+        breaker,
+        breaker_key: crate::admission::breaker::key(name),
         retry_budget: spec
             .retry_budget
             .as_ref()
             .map(|b| compile_retry_budget(name, b, &path.key("retry_budget"), errors)),
+        adaptive,
+    }
+}
+
+/// A fraction in (0, 1] as permille (rounded to nearest, at least 1).
+fn fraction_permille(value: f64, path: &FieldPath, errors: &mut Vec<PolicyError>) -> Option<u32> {
+    if value > 0.0 && value <= 1.0 {
+        Some(((value * 1000.0).round() as u32).clamp(1, 1000))
+    } else {
+        add(
+            errors,
+            path.clone(),
+            "must be a fraction more than 0 and at most 1",
+        );
+        None
+    }
+}
+
+/// A breaker duration, [`MIN_BREAKER_DURATION_NS`]–[`MAX_BREAKER_DURATION_NS`].
+fn breaker_duration(
+    text: Option<&str>,
+    default: u64,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> u64 {
+    match text.map(parse_duration_ns) {
+        None => default,
+        Some(Ok(ns)) if (MIN_BREAKER_DURATION_NS..=MAX_BREAKER_DURATION_NS).contains(&ns) => ns,
+        Some(Ok(_)) => {
+            add(errors, path.clone(), "must be between 100ms and 1h");
+            default
+        }
+        Some(Err(message)) => {
+            add(errors, path.clone(), message);
+            default
+        }
+    }
+}
+
+fn compile_breaker(
+    spec: &CircuitBreakerSpec,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> BreakerSettings {
+    let d = BreakerSettings::default();
+    let error_permille = spec
+        .error_rate
+        .and_then(|r| fraction_permille(r, &path.key("error_rate"), errors))
+        .unwrap_or(d.error_permille);
+    let min_volume = spec
+        .min_volume
+        .and_then(|n| in_range(n, 1, MAX_BREAKER_MIN_VOLUME, &path.key("min_volume"), errors))
+        .unwrap_or(d.min_volume);
+    let probes = spec
+        .probes
+        .and_then(|n| in_range(n, 1, MAX_BREAKER_PROBES, &path.key("probes"), errors))
+        .unwrap_or(d.probes);
+    let window_ns = breaker_duration(spec.window.as_deref(), d.window_ns, &path.key("window"), errors);
+    let open_for_ns = breaker_duration(
+        spec.open_for.as_deref(),
+        d.open_for_ns,
+        &path.key("open_for"),
+        errors,
+    );
+    // Without `max_open_for`, at least `open_for` (no backoff past it).
+    let max_default = d.max_open_for_ns.max(open_for_ns);
+    let max_open_for_ns = breaker_duration(
+        spec.max_open_for.as_deref(),
+        max_default,
+        &path.key("max_open_for"),
+        errors,
+    );
+    if max_open_for_ns < open_for_ns {
+        add(
+            errors,
+            path.key("max_open_for"),
+            "must be at least open_for (the first wait)",
+        );
+    }
+    let ramp_ns = breaker_duration(spec.ramp.as_deref(), d.ramp_ns, &path.key("ramp"), errors);
+    let ramp_floor_permille = spec
+        .ramp_floor
+        .and_then(|f| fraction_permille(f, &path.key("ramp_floor"), errors))
+        .unwrap_or(d.ramp_floor_permille);
+    BreakerSettings {
+        error_permille,
+        min_volume,
+        window_ns,
+        open_for_ns,
+        max_open_for_ns: max_open_for_ns.max(open_for_ns),
+        probes,
+        ramp_ns,
+        ramp_floor_permille,
     }
 }
 

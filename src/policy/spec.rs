@@ -139,8 +139,40 @@ pub struct DependencySpec {
     pub retry_after_window: Option<String>,
     #[serde(default)]
     pub queues: Option<LevelQueuesSpec>,
+    /// Refuse every request at once (`paused`), hot-reloadable.
+    #[serde(default)]
+    pub paused: Option<bool>,
+    #[serde(default)]
+    pub circuit_breaker: Option<CircuitBreakerSpec>,
     #[serde(default)]
     pub retry_budget: Option<RetryBudgetSpec>,
+    #[serde(default)]
+    pub adaptive: Option<AdaptiveSpec>,
+}
+
+/// `dependencies.<name>.circuit_breaker:` open on errors, probe, ramp up
+/// (`crate::admission::breaker`). Every field has a default.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CircuitBreakerSpec {
+    /// (errors + timeouts) ÷ completed that opens it, in (0, 1].
+    #[serde(default)]
+    pub error_rate: Option<f64>,
+    #[serde(default)]
+    pub min_volume: Option<i64>,
+    #[serde(default)]
+    pub window: Option<String>,
+    #[serde(default)]
+    pub open_for: Option<String>,
+    #[serde(default)]
+    pub max_open_for: Option<String>,
+    #[serde(default)]
+    pub probes: Option<i64>,
+    #[serde(default)]
+    pub ramp: Option<String>,
+    /// The ramp's first level, a fraction of the limit in (0, 1].
+    #[serde(default)]
+    pub ramp_floor: Option<f64>,
 }
 
 /// `dependencies.<name>.retry_budget:` how many retries the dependency
@@ -160,6 +192,35 @@ pub struct RetryBudgetSpec {
     /// Envoy's `x-envoy-attempt-count`, set by an earlier Envoy hop.
     #[serde(default)]
     pub envoy_attempt_count: Option<bool>,
+}
+
+/// `dependencies.<name>.adaptive:` the adaptive concurrency controller
+/// (defaults and bounds: [`super::admission::Adaptive`]).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdaptiveSpec {
+    #[serde(default)]
+    pub window: Option<String>,
+    #[serde(default)]
+    pub min: Option<i64>,
+    #[serde(default)]
+    pub max: Option<i64>,
+    #[serde(default)]
+    pub buffer: Option<f64>,
+    #[serde(default)]
+    pub dead_zone: Option<f64>,
+    #[serde(default)]
+    pub smoothing: Option<f64>,
+    #[serde(default)]
+    pub max_increase: Option<f64>,
+    #[serde(default)]
+    pub backoff: Option<f64>,
+    #[serde(default)]
+    pub error_rate: Option<f64>,
+    #[serde(default)]
+    pub queue_age: Option<String>,
+    #[serde(default)]
+    pub baseline_refresh: Option<String>,
 }
 
 /// `dependencies.<name>.reserved:` in-flight slots only one level may use.
