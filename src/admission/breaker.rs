@@ -17,8 +17,10 @@
 //!   counts are exact). A window with 0 completed never trips.
 //! * The window is `s.window_ns` long; its counts reset when it ends. It
 //!   is judged at every fold (each signal window's close, see below) on
-//!   the window so far, so a long window opens as soon as `min_volume`
-//!   completions are in, not at its end.
+//!   the window so far, and closed and ramping breakers also at every
+//!   worker's fold of its stream ends ([`Breaker::judge_early`]), so it
+//!   opens as soon as `min_volume` completions are in, not at a window's
+//!   end.
 //! * **Open** lasts `w_k · (1 − j/5)` with `w_k = min(max_open_for,
 //!   open_for · 2^k)`, `j ∈ [0, 1)` from a seed (a jitter of up to 20 %
 //!   downwards, so nodes and dependencies do not probe in lockstep), `k`
@@ -58,10 +60,14 @@
 //! ([`fold`]), and the transitions that trips are made in the same
 //! compare-and-swap, so each is made (and counted) once. The breaker's own
 //! `window` sums the signal windows that close within it (a signal window
-//! is `adaptive.window`, or the breaker's `window` up to 500 ms), so it
-//! opens at the first signal window close at which `min_volume` and the
-//! rate are reached: **at most one signal window + its 50 ms grace after
-//! the `min_volume`-th failure**. Every worker reads the entry on its tick
+//! is `adaptive.window`, or the breaker's `window` up to 500 ms). Between
+//! closes, a worker whose tick folds stream ends gets the node-wide counts
+//! of the signal windows not closed yet ([`super::window::Running`]); if
+//! its copy says they trip a closed or ramping breaker (with its window
+//! so far), it judges them on the entry ([`judge`]: counted there, never
+//! added, since each is added at its close), so **a failing dependency
+//! opens within one tick (10 ms) of its `min_volume`-th failure being
+//! folded**, each failure being folded at its worker's next tick. Every worker reads the entry on its tick
 //! into memory ([`read`]); a request's check ([`Breaker::gate`]) reads
 //! that copy: no hostcall on the request path except a half-open probe's
 //! ticket. The copy is at most one tick (10 ms) stale; time-based
@@ -402,6 +408,37 @@ impl Breaker {
         made
     }
 
+    /// Judges the node's signal windows not closed yet (`running`, see
+    /// [`super::window::Running`]) with the breaker's own window so far,
+    /// without adding them to it (each is added once, when its signal
+    /// window closes): a closed or ramping breaker opens as soon as the
+    /// counts folded so far trip it, not at the signal window's close.
+    /// Half-open and open breakers are judged only at closes.
+    pub fn judge_early(
+        &mut self,
+        s: &BreakerSettings,
+        running: Observed,
+        now: u64,
+        seed: u64,
+    ) -> Option<Transition> {
+        let mut w = if self.window_ended(s, now) {
+            Observed::default()
+        } else {
+            self.window
+        };
+        w.add(running);
+        let trips = match self.phase {
+            Phase::Closed => w.trips(u64::from(s.min_volume), s.error_permille),
+            Phase::Ramping => {
+                let level = u64::from(ramp_permille(s, self.since, now));
+                let volume = u64::from(s.probes).max(u64::from(s.min_volume) * level / PERMILLE);
+                w.trips(volume, s.error_permille)
+            }
+            Phase::HalfOpen | Phase::Open => false,
+        };
+        trips.then(|| self.open(s, now, seed))
+    }
+
     /// Takes a half-open probe ticket at `now`; `false`: none left (or not
     /// half-open: the caller's copy was stale).
     pub fn take_probe(&mut self, s: &BreakerSettings, now: u64) -> bool {
@@ -591,6 +628,51 @@ pub fn fold<H: Host>(
     Ok(updated.result)
 }
 
+/// [`Breaker::judge_early`] on the node's breaker, by compare-and-swap
+/// (nothing written unless it opens). `Err`: nothing written.
+pub fn judge<H: Host>(
+    host: &H,
+    key: &str,
+    s: &BreakerSettings,
+    running: Observed,
+    now: u64,
+    seed: u64,
+    buffers: &mut table::Buffers,
+) -> Result<Folded, Failure> {
+    let updated = table::update(
+        host,
+        &Place::Fixed { key },
+        &EXISTING_OR_NEW,
+        now,
+        buffers,
+        |records, out| {
+            let mut b = of_records(records).unwrap_or(fresh(now));
+            let mut transitions = Transitions::default();
+            match b.judge_early(s, running, now, seed) {
+                Some(t) => transitions.push(t),
+                None => {
+                    return (
+                        Commit::Skip,
+                        Folded {
+                            breaker: b,
+                            transitions,
+                        },
+                    )
+                }
+            }
+            write(&b, out);
+            (
+                Commit::Write,
+                Folded {
+                    breaker: b,
+                    transitions,
+                },
+            )
+        },
+    )?;
+    Ok(updated.result)
+}
+
 /// A probe ticket's answer: whether one was taken, and the breaker after
 /// it (so the caller's copy is fresh).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -682,17 +764,36 @@ pub fn tick<H: Host>(
             }
             continue;
         };
-        let closed = if dep.adaptive.is_some() {
+        let (closed, running) = if dep.adaptive.is_some() {
             controlled
                 .iter()
                 .find(|t| t.dependency == i)
-                .and_then(|t| t.closed)
+                .map_or((None, None), |t| (t.closed, t.running))
         } else {
-            windows.tick(host, &dep.name, window_ns, now).closed
+            let t = windows.tick(host, &dep.name, window_ns, now);
+            (t.closed, t.running)
         };
         let seed = worker.id() ^ now.rotate_left(17);
-        let folded =
-            closed.and_then(|w| fold(host, &dep.breaker_key, s, Observed::from(&w), now, seed, buffers).ok());
+        let folded = match (closed, running) {
+            (Some(w), _) => fold(host, &dep.breaker_key, s, Observed::from(&w), now, seed, buffers).ok(),
+            // Judged early only when this worker's copy says it would open
+            // (a compare-and-swap only then).
+            (None, Some(r)) => {
+                let running = Observed {
+                    completed: r.completed,
+                    failures: r.failures,
+                };
+                // (No copy yet, the worker's first tick: judged by the CAS.)
+                let copy = worker.control(&dep.key).breaker;
+                let trips = copy.is_none_or(|mut b| b.judge_early(s, running, now, seed).is_some());
+                if trips {
+                    judge(host, &dep.breaker_key, s, running, now, seed, buffers).ok()
+                } else {
+                    None
+                }
+            }
+            (None, None) => None,
+        };
         let (breaker, transitions) = match folded {
             Some(f) => (Some(f.breaker), f.transitions),
             // Not the closer, or its fold failed (that window is then lost

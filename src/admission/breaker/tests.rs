@@ -622,7 +622,7 @@ fn the_effective_limit_is_the_least_of_the_controllers_and_the_breakers() {
 }
 
 #[test]
-fn the_worker_that_closes_a_signal_window_runs_the_breaker_and_every_worker_then_refuses() {
+fn a_failing_dependency_opens_at_the_first_fold_that_brings_min_volume_not_at_the_windows_close() {
     use crate::admission::window::{Outcome, OutcomeKind, Windows};
     let p = policy("");
     let dep = p.dependency(0).unwrap();
@@ -633,34 +633,36 @@ fn the_worker_that_closes_a_signal_window_runs_the_breaker_and_every_worker_then
     let mut workers = [Worker::with_id(1), Worker::with_id(2)];
     let mut windows = [Windows::default(), Windows::default()];
     let mut buffers = table::Buffers::default();
-    // Window-aligned start; 6 + 6 upstream errors in one window.
+    // Window-aligned start; 6 + 3 upstream errors: one short of min_volume.
     let start = (T0 / (500 * MS)) * (500 * MS);
     let error = Outcome {
         latency_ns: MS,
         kind: OutcomeKind::Error,
         in_flight: 1,
     };
-    for w in windows.iter_mut() {
-        for k in 0..6 {
+    for (w, n) in windows.iter_mut().zip([6, 3]) {
+        for k in 0..n {
             w.record(&dep.name, 500 * MS, error, start + k * MS);
         }
     }
-    let mut tick_all = |now: u64| -> Vec<Ticked> {
+    let mut tick_all = |windows: &mut [Windows; 2], now: u64| -> Vec<Ticked> {
         let mut all = Vec::new();
         for (w, win) in workers.iter_mut().zip(windows.iter_mut()) {
             all.extend(tick(&host, &p, w, win, &[], now, &mut buffers));
         }
         all
     };
-    // Mid-window: folded, not closed: still closed.
-    let t = tick_all(start + 100 * MS);
+    // Folded, 9 < 10: still closed.
+    let t = tick_all(&mut windows, start + 10 * MS);
     assert!(t.iter().all(|t| t.transitions.iter().count() == 0));
     assert!(t
         .iter()
         .all(|t| t.breaker.map(|b| b.phase) == Some(Phase::Closed)));
-    // After the window's end and its grace, one worker closes it: 12
-    // errors ≥ min_volume 10 at 100 %: open, made once.
-    let t = tick_all(start + 560 * MS);
+    // The 10th error, on the second worker: its next fold (one tick later,
+    // 480 ms before the signal window closes) brings the node's count to
+    // min_volume at 100 %: open, made once.
+    windows[1].record(&dep.name, 500 * MS, error, start + 15 * MS);
+    let t = tick_all(&mut windows, start + 20 * MS);
     let made: Vec<Transition> = t.iter().flat_map(|t| t.transitions.iter()).collect();
     assert_eq!(
         made,
@@ -669,6 +671,10 @@ fn the_worker_that_closes_a_signal_window_runs_the_breaker_and_every_worker_then
             to: Phase::Open
         }]
     );
+    // The window's close later folds its 10 errors into the open breaker:
+    // nothing more happens (open ignores stream ends).
+    let t = tick_all(&mut windows, start + 560 * MS);
+    assert!(t.iter().all(|t| t.transitions.iter().count() == 0));
     // Both workers hold it (the second read it in the same tick) and refuse.
     let mut node = Node {
         store: store.clone(),
