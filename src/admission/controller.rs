@@ -80,7 +80,7 @@
 //!
 //! Pure: time is `now`, the host is [`Host`].
 
-use super::window::{WindowSummary, Windows};
+use super::window::{self, WindowSummary, Windows};
 use super::{splitmix64, Worker};
 use crate::host::Host;
 use crate::policy::admission::{Adaptive, Dependency, PPM};
@@ -525,6 +525,8 @@ pub struct Ticked {
     pub dependency: usize,
     /// The window this worker closed and applied.
     pub closed: Option<WindowSummary>,
+    /// The windows not closed yet, node-wide, after this worker's fold.
+    pub running: Option<window::Running>,
     /// The node-wide state as read on this tick.
     pub state: Option<State>,
     /// The limit requests now see on this worker.
@@ -555,7 +557,8 @@ pub fn tick<H: Host>(
             continue;
         };
         windows.note_queue_age(&dep.name, a.window_ns, queue_age_ns(dep), now);
-        let closed = windows.tick(host, &dep.name, a.window_ns, now).closed;
+        let ticked = windows.tick(host, &dep.name, a.window_ns, now);
+        let (closed, running) = (ticked.closed, ticked.running);
         if let Some(summary) = &closed {
             if let Err(f) = apply(host, dep, a, summary, now, buffers) {
                 // The window is lost to the controller: the limit holds.
@@ -568,6 +571,7 @@ pub fn tick<H: Host>(
         out.push(Ticked {
             dependency: i,
             closed,
+            running,
             state,
             cap,
         });

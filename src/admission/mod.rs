@@ -82,6 +82,7 @@
 //!
 //! Pure: time is `now`, the host is [`Host`].
 
+pub mod breaker;
 pub mod controller;
 pub mod degraded;
 pub mod holders;
@@ -151,7 +152,99 @@ pub struct Refusal {
     pub in_flight: u32,
     /// The dependency's `retry_after_window` (the default without one).
     pub retry_after_window_ns: u64,
+    /// The shortest honest `Retry-After` (≥ 1 s): for `circuit_open`, the
+    /// time until half-open, rounded up.
+    pub retry_after_secs: u64,
     pub limit: Limited,
+}
+
+impl Control {
+    /// What the dependency's breaker says at `now` ([`breaker::Gate::Free`]
+    /// without one).
+    pub fn gate(&self, dep: &Dependency, now: u64) -> breaker::Gate {
+        match (dep.breaker.as_ref(), self.breaker.as_ref()) {
+            (Some(s), Some(b)) => b.gate(s, now),
+            _ => breaker::Gate::Free,
+        }
+    }
+}
+
+/// The limits [`admits_within`] applies to a dependency: its policy's
+/// (`max_in_flight`, `max_streams`, reservations), or those capped by its
+/// breaker ([`effective_limits`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub max_in_flight: u32,
+    pub max_streams: Option<u32>,
+    pub reserved_critical: u32,
+    pub reserved_system: u32,
+    /// Below the policy's `max_in_flight`: in flight (every level) must
+    /// also stay below it, whatever was admitted under a higher limit.
+    pub capped: bool,
+}
+
+impl Limits {
+    /// The policy's limits.
+    pub fn of(dep: &Dependency) -> Limits {
+        Limits::at(dep, dep.max_in_flight)
+    }
+
+    /// The policy's limits with an in-flight limit of `limit` (the
+    /// controller's, clamped to 1–`max_in_flight`): the reservations stay,
+    /// the pool is what is left.
+    pub fn at(dep: &Dependency, limit: u32) -> Limits {
+        Limits {
+            max_in_flight: limit.clamp(1, dep.max_in_flight.max(1)),
+            max_streams: dep.max_streams,
+            reserved_critical: dep.reserved_critical,
+            reserved_system: dep.reserved_system,
+            capped: false,
+        }
+    }
+
+    /// The shared pool: what neither reservation holds.
+    pub fn general(&self) -> u32 {
+        self.max_in_flight
+            .saturating_sub(self.reserved_critical)
+            .saturating_sub(self.reserved_system)
+    }
+}
+
+/// **The one effective limit** of a dependency: `min(target, the breaker's
+/// cap)`, `target` the static `max_in_flight` or the controller's limit
+/// ([`effective_limit`]), the cap `gate.cap(target)` (half-open: the probe
+/// count; ramping: floor → target). Under the breaker's cap the
+/// reservations shrink in proportion (rounded down, so they stay below
+/// the cap together: probes never exceed `probes`, whatever the level),
+/// the same ceilings apply to the smaller pool (so the shedding order and
+/// "no level borrows a reservation" hold at every level), in flight must
+/// stay below the cap whatever was admitted before it, and streams are
+/// capped the same way.
+pub fn effective_limits(dep: &Dependency, target: u32, gate: &breaker::Gate) -> Limits {
+    let base = Limits::at(dep, target);
+    let target = base.max_in_flight;
+    let cap = gate.cap(target);
+    if cap >= target {
+        return base;
+    }
+    let scale = |n: u32| {
+        let scaled = u64::from(n) * u64::from(cap) / u64::from(target.max(1));
+        u32::try_from(scaled).unwrap_or(0)
+    };
+    Limits {
+        max_in_flight: cap,
+        max_streams: dep.max_streams.map(|m| gate.cap(m)),
+        reserved_critical: scale(dep.reserved_critical),
+        reserved_system: scale(dep.reserved_system),
+        capped: true,
+    }
+}
+
+/// A refusal by `paused` or the breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct GateRefusal {
+    reason: Reason,
+    retry_after_secs: u64,
 }
 
 /// Which limit refused a request.
@@ -215,6 +308,17 @@ pub struct Worker {
     buffers: table::Buffers,
     /// Dependency key → its control state as last read on the tick.
     controls: HashMap<String, Control>,
+    /// Dependency key → half-open probes this worker took since the glue
+    /// last asked ([`Worker::take_probe_events`]).
+    probe_events: HashMap<String, ProbeEvents>,
+}
+
+/// Half-open probe tickets a worker took, for the stats.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProbeEvents {
+    pub probes: u64,
+    /// Of those, the ones whose write made the open → half-open transition.
+    pub half_opened: u64,
 }
 
 /// Every failure of the table is a refusal, never an admission.
@@ -226,7 +330,7 @@ fn failure_reason(f: Failure) -> Reason {
 }
 
 /// The pool use `u` of the module header.
-fn pool_use(dep: &Dependency, c: &Counts) -> u64 {
+fn pool_use(dep: &Limits, c: &Counts) -> u64 {
     let [d, n, crit, sys] = c.levels.map(u64::from);
     d + n
         + crit.saturating_sub(u64::from(dep.reserved_critical))
@@ -241,6 +345,9 @@ fn pool_use(dep: &Dependency, c: &Counts) -> u64 {
 pub struct Control {
     /// The adaptive controller's limit (see [`controller`]).
     pub limit: Option<u32>,
+    /// The node's breaker for the dependency as last read (see
+    /// [`breaker`]; `None`: no breaker, or not read yet: closed).
+    pub breaker: Option<breaker::Breaker>,
 }
 
 /// The in-flight limit [`admits`] uses for a dependency: its static
@@ -257,12 +364,17 @@ pub fn effective_limit(dep: &Dependency, control: &Control) -> u32 {
 /// this worker included) under the static `max_in_flight`, per the module
 /// header.
 pub fn admits(dep: &Dependency, labels: &Labels, occupancy: &Counts) -> Result<(), Reason> {
-    admits_at(dep, dep.max_in_flight, labels, occupancy)
+    admits_within(&Limits::of(dep), labels, occupancy)
 }
 
 /// [`admits`] under an in-flight limit of `limit` (see [`effective_limit`]):
 /// the shared pool is `limit − reserved.critical − reserved.system`.
 pub fn admits_at(dep: &Dependency, limit: u32, labels: &Labels, occupancy: &Counts) -> Result<(), Reason> {
+    admits_within(&Limits::at(dep, limit), labels, occupancy)
+}
+
+/// [`admits`] at a dependency's effective limits ([`effective_limits`]).
+pub fn admits_within(dep: &Limits, labels: &Labels, occupancy: &Counts) -> Result<(), Reason> {
     if labels.streaming {
         let max = dep.max_streams.unwrap_or(0);
         return if occupancy.streams < max {
@@ -271,11 +383,7 @@ pub fn admits_at(dep: &Dependency, limit: u32, labels: &Labels, occupancy: &Coun
             Err(Reason::StreamLimit)
         };
     }
-    let general = u64::from(
-        limit
-            .saturating_sub(dep.reserved_critical)
-            .saturating_sub(dep.reserved_system),
-    );
+    let general = u64::from(dep.general());
     let used = pool_use(dep, occupancy);
     let level = labels.criticality;
     let held = occupancy.levels.get(level.index()).copied().unwrap_or(0);
@@ -283,7 +391,7 @@ pub fn admits_at(dep: &Dependency, limit: u32, labels: &Labels, occupancy: &Coun
         Criticality::System => held < dep.reserved_system || used < general,
         Criticality::Critical => held < dep.reserved_critical || used < general,
         Criticality::Normal | Criticality::Sheddable => used < ceiling(general, level, labels.retryable),
-    };
+    } && (!dep.capped || occupancy.in_flight() < dep.max_in_flight);
     if ok {
         Ok(())
     } else {
@@ -367,6 +475,9 @@ impl Worker {
             .map(|d| (d.key.as_str(), KIND_IN_FLIGHT))
             .chain(policy.actions.iter().map(|a| (a.key.as_str(), KIND_IN_FLIGHT)))
             .chain([(WORKERS_KEY, KIND_WORKER_COUNTER)]);
+        for d in policy.dependencies.iter().filter(|d| d.breaker.is_some()) {
+            breaker::prepare(host, &d.breaker_key, now, &mut buffers);
+        }
         for (key, kind) in keys {
             let _ = table::update(
                 host,
@@ -400,6 +511,7 @@ impl Worker {
             held: HashMap::new(),
             buffers: table::Buffers::default(),
             controls: HashMap::new(),
+            probe_events: HashMap::new(),
         }
     }
 
@@ -415,6 +527,14 @@ impl Worker {
         } else {
             self.controls.insert(dependency_key.to_owned(), control);
         }
+    }
+
+    /// The probes taken at a dependency since the last call (stats).
+    pub fn take_probe_events(&mut self, dependency_key: &str) -> ProbeEvents {
+        if self.probe_events.is_empty() {
+            return ProbeEvents::default();
+        }
+        self.probe_events.remove(dependency_key).unwrap_or_default()
     }
 
     /// A dependency's control state as this worker knows it.
@@ -457,7 +577,15 @@ impl Worker {
             reason,
             in_flight,
             retry_after_window_ns,
+            retry_after_secs: 1,
             limit,
+        };
+        let gate = match dep {
+            Some(d) => self.gate(host, d, now).map_err(|r| Refusal {
+                retry_after_secs: r.retry_after_secs,
+                ..refuse(r.reason, 0, Limited::Dependency)
+            })?,
+            None => breaker::Gate::Free,
         };
         let level = labels.criticality.index();
         let streaming = labels.streaming;
@@ -509,8 +637,17 @@ impl Worker {
         let dependency = match dep {
             None => None,
             Some(dep) => {
-                let limit = effective_limit(dep, &self.control(&dep.key));
-                let check = |occ: &Counts| admits_at(dep, limit, &labels, occ);
+                let target = effective_limit(dep, &self.control(&dep.key));
+                let limits = effective_limits(dep, target, &gate);
+                let probing = matches!(gate, breaker::Gate::Probe { .. });
+                let check = |occ: &Counts| {
+                    admits_within(&limits, &labels, occ).map_err(|r| match r {
+                        Reason::ConcurrencyLimit | Reason::StreamLimit if probing => {
+                            Reason::CircuitProbeLimit
+                        }
+                        other => other,
+                    })
+                };
                 match self.take(host, &dep.key, None, "", now, level, streaming, &check) {
                     Ok(occupancy) => {
                         in_flight = occupancy.total();
@@ -533,6 +670,48 @@ impl Worker {
             streaming,
             in_flight,
         }))
+    }
+
+    /// `paused`, then the breaker (see [`breaker`]): the gate a request
+    /// passes, or its refusal (`retry_after_secs` set).
+    fn gate<H: Host>(&mut self, host: &H, dep: &Dependency, now: u64) -> Result<breaker::Gate, GateRefusal> {
+        let refused = |reason| GateRefusal {
+            reason,
+            retry_after_secs: 1,
+        };
+        let open = |half_open_at: u64| GateRefusal {
+            reason: Reason::CircuitOpen,
+            retry_after_secs: half_open_at.saturating_sub(now).div_ceil(NANOS_PER_SEC).max(1),
+        };
+        if dep.paused {
+            return Err(refused(Reason::Paused));
+        }
+        let Some(settings) = dep.breaker.as_ref() else {
+            return Ok(breaker::Gate::Free);
+        };
+        match self.control(&dep.key).gate(dep, now) {
+            breaker::Gate::Open { half_open_at } => Err(open(half_open_at)),
+            breaker::Gate::Probe { left: 0, .. } => Err(refused(Reason::CircuitProbeLimit)),
+            gate @ breaker::Gate::Probe { .. } => {
+                let probe = breaker::take_probe(host, &dep.breaker_key, settings, now, &mut self.buffers)
+                    .map_err(|f| refused(failure_reason(f)))?;
+                self.update_control(&dep.key, |c| c.breaker = Some(probe.breaker));
+                if probe.taken {
+                    let events = self.probe_events.entry(dep.key.clone()).or_default();
+                    events.probes = events.probes.saturating_add(1);
+                    events.half_opened = events.half_opened.saturating_add(u64::from(probe.half_opened));
+                    return Ok(gate);
+                }
+                // Another worker took the last ticket, or it is no longer
+                // half-open (this copy was stale).
+                match probe.breaker.gate(settings, now) {
+                    breaker::Gate::Open { half_open_at } => Err(open(half_open_at)),
+                    breaker::Gate::Probe { .. } => Err(refused(Reason::CircuitProbeLimit)),
+                    other => Ok(other),
+                }
+            }
+            other => Ok(other),
+        }
     }
 
     /// Gives a stream's slot back (every end of a stream: complete, reset,
@@ -745,6 +924,9 @@ pub struct DecisionRecord<'a> {
     /// `tenant:<dependency>`; `-` when admitted or refused by a request
     /// check.
     pub limit: &'a str,
+    /// The dependency's breaker phase at the decision (`breaker=`; absent
+    /// without a `circuit_breaker`).
+    pub breaker: Option<&'a str>,
     /// Refused, and answered 200 from the degraded-answer cache with an
     /// answer this old (see [`degraded`]): rendered as a last field
     /// `degraded_age_ms=<n>`, only then.
@@ -759,11 +941,12 @@ impl DecisionRecord<'_> {
         let controller = self
             .controller_limit
             .map_or(String::new(), |l| format!(" controller_limit={l}"));
+        let breaker = self.breaker.map(|b| format!(" breaker={b}")).unwrap_or_default();
         let degraded = self
             .degraded_age_ms
             .map_or(String::new(), |age| format!(" degraded_age_ms={age}"));
         format!(
-            "outcome={} criticality={} dependency={} in_flight={} queue_wait_ms={} policy={} key={} limit={}{controller}{degraded}",
+            "outcome={} criticality={} dependency={} in_flight={} queue_wait_ms={} policy={} key={} limit={}{controller}{breaker}{degraded}",
             self.outcome,
             self.criticality.as_str(),
             self.dependency,

@@ -62,9 +62,13 @@ pub struct Held<T> {
 
 /// What a try to take a slot for a held request gave.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Attempt<A> {
+pub enum Attempt<A, R = ()> {
     /// It got its slot.
     Admitted(A),
+    /// It is refused for good (its dependency's breaker opened, or the
+    /// dependency was paused): answer it now; the next request of the level
+    /// is tried.
+    Refused(R),
     /// No slot for its level: the level is not tried further this tick.
     LevelFull,
     /// Its tenant cannot take a slot now (`tenant_share`): the tenant
@@ -220,9 +224,11 @@ impl<T> Default for PriorityQueue<T> {
 
 /// What serving the queue did with one request.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Served<T, A> {
+pub enum Served<T, A, R = ()> {
     /// It got its slot (`A`: what the closure returned).
     Admitted(Held<T>, A),
+    /// Refused for good (`R`: what the closure returned): answer it now.
+    Refused(Held<T>, R),
     /// Its deadline would pass before the next tick: 503 `queue_timeout`.
     TimedOut(Held<T>),
 }
@@ -296,14 +302,14 @@ impl<T> PriorityQueue<T> {
     /// level is tried in order until no slot is left for it or every
     /// tenant waiting there lost its turn; at most [`PriorityQueue::len`]
     /// admissions and as many skips.
-    pub fn serve<A>(
+    pub fn serve<A, R>(
         &mut self,
         now: u64,
         tick_ns: u64,
-        mut admit: impl FnMut(&Held<T>) -> Attempt<A>,
-    ) -> Vec<Served<T, A>> {
+        mut admit: impl FnMut(&Held<T>) -> Attempt<A, R>,
+    ) -> Vec<Served<T, A, R>> {
         let next_tick = now.saturating_add(tick_ns);
-        let mut served: Vec<Served<T, A>> = self
+        let mut served: Vec<Served<T, A, R>> = self
             .levels
             .iter_mut()
             .flat_map(|l| l.take_where(|h| h.deadline < next_tick))
@@ -324,6 +330,12 @@ impl<T> PriorityQueue<T> {
                         skipped = 0;
                         if let Some(h) = level.pop() {
                             served.push(Served::Admitted(h, a));
+                        }
+                    }
+                    Attempt::Refused(r) => {
+                        skipped = 0;
+                        if let Some(h) = level.pop() {
+                            served.push(Served::Refused(h, r));
                         }
                     }
                     Attempt::LevelFull => break,
@@ -362,7 +374,7 @@ mod tests {
         for s in q.serve(now, TICK, |_| {
             if *free > 0 {
                 *free -= 1;
-                Attempt::Admitted(())
+                Attempt::<(), ()>::Admitted(())
             } else {
                 Attempt::LevelFull
             }
@@ -370,9 +382,31 @@ mod tests {
             match s {
                 Served::Admitted(h, ()) => admitted.push(h.item),
                 Served::TimedOut(h) => timed_out.push(h.item),
+                Served::Refused(h, ()) => panic!("{} refused", h.item),
             }
         }
         (admitted, timed_out)
+    }
+
+    #[test]
+    fn a_request_refused_for_good_leaves_the_queue_and_the_next_is_tried() {
+        let mut q = PriorityQueue::default();
+        for id in 1..=4 {
+            q.offer(held(id, Criticality::Normal, u64::from(id), T0, 10_000 * MS), 10)
+                .unwrap();
+        }
+        // Its breaker opened: every held request is answered at once, in
+        // one tick, none kept until its max_wait.
+        let served = q.serve(T0 + TICK, TICK, |h| Attempt::<(), u32>::Refused(h.item * 10));
+        let refused: Vec<(u32, u32)> = served
+            .into_iter()
+            .map(|s| match s {
+                Served::Refused(h, r) => (h.item, r),
+                _ => panic!("not refused"),
+            })
+            .collect();
+        assert_eq!(refused, [(1, 10), (2, 20), (3, 30), (4, 40)]);
+        assert!(q.is_empty());
     }
 
     #[test]
@@ -508,7 +542,7 @@ mod tests {
         let mut admitted = Vec::new();
         let served = q.serve(T0 + TICK, TICK, |h| {
             if h.tenant == 1 {
-                Attempt::TenantFull
+                Attempt::<(), ()>::TenantFull
             } else {
                 Attempt::Admitted(())
             }

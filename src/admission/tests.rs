@@ -701,12 +701,22 @@ fn the_decision_record_is_one_line_of_plain_fields() {
         policy_version: "v 1",
         limit_key: "orders|t|acme",
         limit: "action:orders",
+        breaker: None,
         degraded_age_ms: None,
         controller_limit: None,
     };
     assert_eq!(
         r.render(),
         "outcome=queue_timeout criticality=sheddable dependency=db in_flight=7 queue_wait_ms=390 policy=v_1 key=orders|t|acme limit=action:orders"
+    );
+    // With a circuit breaker, its phase comes last.
+    assert_eq!(
+        DecisionRecord {
+            breaker: Some("half_open"),
+            ..r
+        }
+        .render(),
+        "outcome=queue_timeout criticality=sheddable dependency=db in_flight=7 queue_wait_ms=390 policy=v_1 key=orders|t|acme limit=action:orders breaker=half_open"
     );
     // A degraded answer says so, in a last field.
     let degraded = DecisionRecord {

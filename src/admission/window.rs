@@ -508,6 +508,33 @@ pub struct Ticked {
     pub closed: Option<WindowSummary>,
     /// The fold or close failed; the tally is kept for the next tick.
     pub failed: Option<Failure>,
+    /// When this tick folded samples: the node-wide counts of the windows
+    /// not closed yet, right after the fold (the circuit breaker judges
+    /// them early, see [`super::breaker`]).
+    pub running: Option<Running>,
+}
+
+/// Node-wide health signals not yet in a closed window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Running {
+    /// Successes, errors and timeouts.
+    pub completed: u64,
+    /// Errors and timeouts.
+    pub failures: u64,
+}
+
+impl Running {
+    fn of(tallies: [&Tally; 2]) -> Running {
+        let mut r = Running::default();
+        for t in tallies {
+            r.completed = r.completed.saturating_add(u64::from(t.completed()));
+            r.failures = r
+                .failures
+                .saturating_add(u64::from(t.errors))
+                .saturating_add(u64::from(t.timeouts));
+        }
+        r
+    }
 }
 
 /// One dependency's samples in a worker.
@@ -605,15 +632,16 @@ impl Windows {
                 }
                 let closes_at = entry.closes_at();
                 if closed.is_none() && empty && !fresh {
-                    return (Commit::Skip, (None, closes_at));
+                    return (Commit::Skip, (None, closes_at, None));
                 }
+                let running = (!empty).then(|| Running::of([&entry.current, &entry.next]));
                 entry.write(out);
-                (Commit::Write, (closed, closes_at))
+                (Commit::Write, (closed, closes_at, running))
             },
         );
         match updated {
             Ok(u) => {
-                let (closed, closes_at) = u.result;
+                let (closed, closes_at, running) = u.result;
                 if let Some(p) = self.pending.get_mut(dependency) {
                     p.closes_at = closes_at;
                     p.window_ns = window_ns;
@@ -633,6 +661,7 @@ impl Windows {
                 Ticked {
                     closed: if u.written { closed } else { None },
                     failed: None,
+                    running: if u.written { running } else { None },
                 }
             }
             Err(f) => {
@@ -642,6 +671,7 @@ impl Windows {
                 Ticked {
                     closed: None,
                     failed: Some(f),
+                    running: None,
                 }
             }
         }

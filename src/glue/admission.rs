@@ -79,7 +79,7 @@ use crate::admission::queue::{Attempt, Held, NotHeld, Offered, PriorityQueue, Se
 use crate::admission::request::{self, BodyBudget, Declared};
 use crate::admission::retry::{self, Primaries};
 use crate::admission::window::{self, Outcome, Windows};
-use crate::admission::{self, controller, jittered_retry_after_secs, Limited, Ticket, Worker};
+use crate::admission::{self, breaker, controller, jittered_retry_after_secs, Limited, Ticket, Worker};
 use crate::engine::{Decision, Prepared, Reason};
 use crate::host::Host;
 use crate::policy::admission::Criticality;
@@ -112,7 +112,8 @@ thread_local! {
     static CONTROL_BUFFERS: RefCell<crate::table::Buffers> = RefCell::new(crate::table::Buffers::default());
 }
 
-/// What a stream of an adaptive dependency records at its end.
+/// What a stream of a dependency with a signal window (a controller's or
+/// a breaker's) records at its end.
 #[derive(Debug, Clone)]
 pub struct Signal {
     /// The dependency's name and window length.
@@ -127,7 +128,7 @@ pub struct Signal {
     status: Option<u32>,
 }
 
-/// Starts a stream's signal if its class's dependency is adaptive.
+/// Starts a stream's signal if its class's dependency has a signal window.
 fn start_signal(policy: &Policy, prepared: &Prepared, context_id: u32, ticket: &Ticket, now: u64) {
     let Some(dep) = prepared
         .class
@@ -137,13 +138,16 @@ fn start_signal(policy: &Policy, prepared: &Prepared, context_id: u32, ticket: &
     else {
         return;
     };
-    let Some(a) = dep.adaptive else { return };
+    // A controller's or a breaker's dependency.
+    let Some(window_ns) = dep.signal_window_ns() else {
+        return;
+    };
     if ticket.dependency_key().is_none() {
         return;
     }
     let signal = Signal {
         dependency: dep.name.clone(),
-        window_ns: a.window_ns,
+        window_ns,
         admitted_at: now,
         in_flight: ticket.in_flight().saturating_add(1),
         response_at: None,
@@ -478,7 +482,7 @@ pub fn ensure_worker(now: u64) {
     });
 }
 
-fn with_worker<R>(f: impl FnOnce(&mut Worker) -> R) -> Option<R> {
+pub(super) fn with_worker<R>(f: impl FnOnce(&mut Worker) -> R) -> Option<R> {
     WORKER.with(|w| w.try_borrow_mut().ok()?.as_mut().map(f))
 }
 
@@ -589,6 +593,7 @@ fn limit_name(policy: &Policy, prepared: &Prepared, limit: Limited) -> String {
 
 /// Writes a request's decision record (on the current stream); `limit`:
 /// what refused a slot (see [`admission::DecisionRecord::limit`]).
+#[allow(clippy::too_many_arguments)]
 fn record(
     policy: &Policy,
     prepared: &Prepared,
@@ -596,13 +601,12 @@ fn record(
     in_flight: u32,
     queue_wait_ns: u64,
     limit: &str,
+    now: u64,
     degraded_age_ms: Option<u64>,
 ) {
     let labels = prepared.class.labels;
-    let dependency = labels
-        .dependency
-        .and_then(|i| policy.dependency(i))
-        .map_or("-", |d| d.name.as_str());
+    let dep = labels.dependency.and_then(|i| policy.dependency(i));
+    let dependency = dep.map_or("-", |d| d.name.as_str());
     let key = crate::engine::logical_key(&prepared.class.action, &prepared.subject);
     let controller_limit = labels
         .dependency
@@ -618,6 +622,7 @@ fn record(
         policy_version: &policy.version,
         limit_key: &key,
         limit,
+        breaker: super::breaker::phase_name(dep, now),
         controller_limit,
         degraded_age_ms,
     }
@@ -629,9 +634,11 @@ fn record(
 
 /// A refusal's decision, with its jittered `Retry-After`; `limit` names
 /// what refused (a dependency or an action).
+#[allow(clippy::too_many_arguments)]
 fn refusal_decision(
     reason: Reason,
     limit: &str,
+    min_secs: u64,
     window_ns: u64,
     prepared: &Prepared,
     context_id: u32,
@@ -640,7 +647,7 @@ fn refusal_decision(
     let seed = now ^ (u64::from(context_id) << 32);
     Decision {
         limit: Some(limit.to_owned()),
-        retry_after_secs: jittered_retry_after_secs(1, window_ns, seed),
+        retry_after_secs: jittered_retry_after_secs(min_secs, window_ns, seed),
         subject: prepared.subject.clone(),
         ..Decision::passed(reason)
     }
@@ -717,6 +724,7 @@ impl Admission {
             return;
         }
         Worker::prepare(&ProxyHost, policy, now);
+        super::breaker::configure(policy);
         ensure_worker(now);
         let Ok(mut gauges) = self.gauges.try_borrow_mut() else {
             return;
@@ -728,11 +736,11 @@ impl Admission {
             if let Ok(mut b) = g.budget.try_borrow_mut() {
                 b.clone_from(&d.retry_budget);
             }
-            if let Some(a) = d.adaptive {
-                window::prepare(&ProxyHost, &d.name, a.window_ns, now);
-                if g.controller.is_none() {
-                    g.controller = Some(ControllerGauges::define(&d.name));
-                }
+            if let Some(window_ns) = d.signal_window_ns() {
+                window::prepare(&ProxyHost, &d.name, window_ns, now);
+            }
+            if d.adaptive.is_some() && g.controller.is_none() {
+                g.controller = Some(ControllerGauges::define(&d.name));
             }
         }
         let Ok(mut action_gauges) = self.action_gauges.try_borrow_mut() else {
@@ -781,7 +789,7 @@ impl Admission {
         );
         if let Err(reason) = request::check(&labels, &declared) {
             self.count(Some(reason), level);
-            record(policy, prepared, Some(reason), 0, 0, "-", None);
+            record(policy, prepared, Some(reason), 0, 0, "-", now, None);
             if shadow {
                 return Ok(());
             }
@@ -796,7 +804,7 @@ impl Admission {
         }
         let dep = labels.dependency.and_then(|i| policy.dependency(i));
         if dep.is_none() && labels.action_limit.is_none() {
-            record(policy, prepared, None, 0, 0, "-", None);
+            record(policy, prepared, None, 0, 0, "-", now, None);
             return Ok(());
         }
         let budget = dep.and_then(|d| d.retry_budget.as_ref());
@@ -820,13 +828,13 @@ impl Admission {
                     if shadow {
                         // Counted and recorded, never enforced (like every
                         // shadow refusal: no slot is taken either).
-                        record(policy, prepared, Some(reason), 0, 0, &limit, None);
+                        record(policy, prepared, Some(reason), 0, 0, &limit, now, None);
                         return Ok(());
                     }
                     let window = dep.map_or(crate::policy::admission::DEFAULT_RETRY_AFTER_WINDOW_NS, |d| {
                         d.retry_after_window_ns
                     });
-                    let mut decision = refusal_decision(reason, name, window, prepared, context_id, now);
+                    let mut decision = refusal_decision(reason, name, 1, window, prepared, context_id, now);
                     let seed = now ^ (u64::from(context_id) << 32);
                     decision.retry_after_secs =
                         jittered_retry_after_secs(refused.retry_after_secs, window, seed);
@@ -849,6 +857,7 @@ impl Admission {
                         .map_or(crate::policy::admission::DEFAULT_RETRY_AFTER_WINDOW_NS, |d| {
                             d.retry_after_window_ns
                         }),
+                    retry_after_secs: 1,
                     limit: Limited::Dependency,
                 }));
         match acquired {
@@ -867,6 +876,7 @@ impl Admission {
                     ticket.as_ref().map_or(0, Ticket::in_flight),
                     0,
                     "-",
+                    now,
                     None,
                 );
                 stream.capture = plan_capture(prepared, now);
@@ -923,7 +933,16 @@ impl Admission {
                 }
                 let limit = limit_name(policy, prepared, refusal.limit);
                 if shadow {
-                    record(policy, prepared, Some(reason), refusal.in_flight, 0, &limit, None);
+                    record(
+                        policy,
+                        prepared,
+                        Some(reason),
+                        refusal.in_flight,
+                        0,
+                        &limit,
+                        now,
+                        None,
+                    );
                     return Ok(());
                 }
                 let name = match refusal.limit {
@@ -933,6 +952,7 @@ impl Admission {
                 let decision = refusal_decision(
                     reason,
                     name,
+                    refusal.retry_after_secs,
                     refusal.retry_after_window_ns,
                     prepared,
                     context_id,
@@ -956,11 +976,19 @@ impl Admission {
             let _ = abi::increment_metric(*id, 1);
         }
         self.count(Some(Reason::QueueFull), dropped.level);
-        self.answer_held(dropped, Reason::QueueFull, None, now);
+        self.answer_held(dropped, Reason::QueueFull, 1, None, now);
     }
 
     /// Answers a held request with a refusal (on its own stream).
-    fn answer_held(&self, h: Held<Parked>, reason: Reason, metrics: Option<&Metrics>, now: u64) {
+    /// `min_secs`: the refusal's shortest honest `Retry-After`.
+    fn answer_held(
+        &self,
+        h: Held<Parked>,
+        reason: Reason,
+        min_secs: u64,
+        metrics: Option<&Metrics>,
+        now: u64,
+    ) {
         let p = h.item;
         if abi::set_effective_context(p.context_id).is_err() {
             return;
@@ -980,6 +1008,7 @@ impl Admission {
         let decision = refusal_decision(
             reason,
             &dep.name,
+            min_secs,
             dep.retry_after_window_ns,
             &p.prepared,
             p.context_id,
@@ -1054,6 +1083,7 @@ impl Admission {
                 at.in_flight,
                 at.queue_wait_ns,
                 at.limit,
+                now,
                 age,
             )
         };
@@ -1253,7 +1283,7 @@ impl Admission {
 
     /// Serves every dependency's queue (see the module header).
     fn serve_queues(&self, metrics: &Metrics, now: u64) {
-        let served: Vec<Served<Parked, Ticket>> = QUEUES.with(|q| {
+        let served: Vec<Served<Parked, Ticket, admission::Refusal>> = QUEUES.with(|q| {
             let Ok(mut queues) = q.try_borrow_mut() else {
                 return Vec::new();
             };
@@ -1267,6 +1297,11 @@ impl Admission {
                     match tried {
                         Some(Ok(Some(ticket))) => Attempt::Admitted(ticket),
                         Some(Err(r)) if r.reason == Reason::TenantShare => Attempt::TenantFull,
+                        // Its breaker opened, or it was paused: answered now,
+                        // not held until its max_wait.
+                        Some(Err(r)) if matches!(r.reason, Reason::CircuitOpen | Reason::Paused) => {
+                            Attempt::Refused(r)
+                        }
                         _ => Attempt::LevelFull,
                     }
                 }));
@@ -1300,6 +1335,7 @@ impl Admission {
                         ticket.in_flight(),
                         now.saturating_sub(h.enqueued),
                         "-",
+                        now,
                         None,
                     );
                     let decision = super::charge(&p.policy, &p.prepared, now);
@@ -1336,10 +1372,30 @@ impl Admission {
                 }
                 Served::TimedOut(h) => {
                     self.count(Some(Reason::QueueTimeout), h.level);
-                    self.answer_held(h, Reason::QueueTimeout, Some(metrics), now);
+                    self.answer_held(h, Reason::QueueTimeout, 1, Some(metrics), now);
+                }
+                Served::Refused(h, r) => {
+                    self.count(Some(r.reason), h.level);
+                    self.answer_held(h, r.reason, r.retry_after_secs, Some(metrics), now);
                 }
             }
         }
+    }
+
+    /// The breakers' tick (see [`breaker::tick`]), after the controller's.
+    fn breakers(&self, policy: &Policy, controlled: &[controller::Ticked], now: u64) -> Vec<breaker::Ticked> {
+        WINDOWS.with(|windows| {
+            CONTROL_BUFFERS.with(|buffers| {
+                let (Ok(mut windows), Ok(mut buffers)) = (windows.try_borrow_mut(), buffers.try_borrow_mut())
+                else {
+                    return Vec::new();
+                };
+                with_worker(|w| {
+                    breaker::tick(&ProxyHost, policy, w, &mut windows, controlled, now, &mut buffers)
+                })
+                .unwrap_or_default()
+            })
+        })
     }
 
     /// The adaptive controller's tick (see [`controller::tick`]).
@@ -1432,6 +1488,13 @@ impl Admission {
             Some(policy) => self.control(policy, now),
             None => Vec::new(),
         };
+        if let Some(policy) = policy.filter(|p| p.dependencies.iter().any(|d| d.breaker.is_some())) {
+            for t in self.breakers(policy, &ticked, now) {
+                if let Some(dep) = policy.dependency(t.dependency) {
+                    super::breaker::report(dep, &t, now);
+                }
+            }
+        }
         if ticks % 10 == 0 {
             for t in &ticked {
                 let (Some(dep), Some(state), Some(cap)) =

@@ -14,6 +14,7 @@
 
 mod abi;
 mod admission;
+mod breaker;
 mod metrics;
 mod sync;
 

@@ -17,7 +17,8 @@ use super::error::{FieldPath, PolicyError};
 use super::is_name;
 pub use super::spec::Criticality;
 use super::spec::{
-    ActionSpec, AdaptiveSpec, DegradableSpec, DependencySpec, LevelQueueSpec, RetryBudgetSpec, RouteSpec,
+    ActionSpec, AdaptiveSpec, CircuitBreakerSpec, DegradableSpec, DependencySpec, LevelQueueSpec,
+    RetryBudgetSpec, RouteSpec,
 };
 use crate::limiter::NANOS_PER_SEC;
 
@@ -33,6 +34,57 @@ pub const MIN_RETRY_AFTER_WINDOW_NS: u64 = NANOS_PER_SEC;
 pub const MAX_RETRY_AFTER_WINDOW_NS: u64 = 300 * NANOS_PER_SEC;
 /// Bounds of `queues.<level>.max_queue` (default 0: reject at once).
 pub const MAX_LEVEL_QUEUE: i64 = 10_000;
+
+/// `circuit_breaker:` defaults (one place; `docs/policy.md` lists them).
+/// Error rate that opens the breaker, in permille (50 %).
+pub const DEFAULT_BREAKER_ERROR_PERMILLE: u32 = 500;
+pub const DEFAULT_BREAKER_MIN_VOLUME: u32 = 20;
+pub const DEFAULT_BREAKER_WINDOW_NS: u64 = 10 * NANOS_PER_SEC;
+pub const DEFAULT_BREAKER_OPEN_FOR_NS: u64 = 5 * NANOS_PER_SEC;
+pub const DEFAULT_BREAKER_MAX_OPEN_FOR_NS: u64 = 60 * NANOS_PER_SEC;
+pub const DEFAULT_BREAKER_PROBES: u32 = 3;
+pub const DEFAULT_BREAKER_RAMP_NS: u64 = 30 * NANOS_PER_SEC;
+/// The ramp's first level, in permille of the limit (10 %).
+pub const DEFAULT_BREAKER_RAMP_FLOOR_PERMILLE: u32 = 100;
+/// Bounds: `min_volume`, `probes`; the durations' shortest and longest.
+pub const MAX_BREAKER_MIN_VOLUME: i64 = 1_000_000;
+pub const MAX_BREAKER_PROBES: i64 = 1_000;
+pub const MIN_BREAKER_DURATION_NS: u64 = 100 * 1_000_000;
+pub const MAX_BREAKER_DURATION_NS: u64 = 3600 * NANOS_PER_SEC;
+
+/// A compiled `dependencies.<name>.circuit_breaker` (semantics in
+/// [`crate::admission::breaker`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerSettings {
+    /// (errors + timeouts) ÷ completed, in permille, that opens it (1–1000).
+    pub error_permille: u32,
+    /// Completed requests a window needs before its error rate counts.
+    pub min_volume: u32,
+    pub window_ns: u64,
+    /// The first wait before half-open (doubled at each re-open).
+    pub open_for_ns: u64,
+    pub max_open_for_ns: u64,
+    /// Most probes (upstream calls) per half-open window, node-wide.
+    pub probes: u32,
+    /// Slow start: from `ramp_floor_permille` of the limit to all of it.
+    pub ramp_ns: u64,
+    pub ramp_floor_permille: u32,
+}
+
+impl Default for BreakerSettings {
+    fn default() -> Self {
+        BreakerSettings {
+            error_permille: DEFAULT_BREAKER_ERROR_PERMILLE,
+            min_volume: DEFAULT_BREAKER_MIN_VOLUME,
+            window_ns: DEFAULT_BREAKER_WINDOW_NS,
+            open_for_ns: DEFAULT_BREAKER_OPEN_FOR_NS,
+            max_open_for_ns: DEFAULT_BREAKER_MAX_OPEN_FOR_NS,
+            probes: DEFAULT_BREAKER_PROBES,
+            ramp_ns: DEFAULT_BREAKER_RAMP_NS,
+            ramp_floor_permille: DEFAULT_BREAKER_RAMP_FLOOR_PERMILLE,
+        }
+    }
+}
 
 impl Criticality {
     /// Lowest first: the index of a level in per-level arrays.
@@ -118,6 +170,11 @@ pub struct Dependency {
     pub retry_after_window_ns: u64,
     /// Indexed by [`Criticality::index`].
     pub queues: [LevelQueue; 4],
+    /// `paused: true`: every request is refused at once (`paused`).
+    pub paused: bool,
+    pub breaker: Option<BreakerSettings>,
+    /// Its breaker's shared-data key (see [`crate::admission::breaker::key`]).
+    pub breaker_key: String,
     /// `retry_budget:` (see [`crate::admission::retry`]).
     pub retry_budget: Option<RetryBudget>,
     /// The adaptive controller (`None`: `max_in_flight` is the limit).
@@ -359,6 +416,17 @@ impl Dependency {
             .saturating_sub(self.reserved_critical)
             .saturating_sub(self.reserved_system)
     }
+
+    /// The length of its stream-end signal windows
+    /// ([`crate::admission::window`]), `None` without a consumer: the
+    /// controller's `adaptive.window`, else (a breaker alone) the breaker's
+    /// `window` up to [`DEFAULT_ADAPTIVE_WINDOW_NS`], so it is judged at
+    /// least every 500 ms over its own (longer) window.
+    pub fn signal_window_ns(&self) -> Option<u64> {
+        self.adaptive
+            .map(|a| a.window_ns)
+            .or_else(|| self.breaker.map(|b| b.window_ns.min(DEFAULT_ADAPTIVE_WINDOW_NS)))
+    }
 }
 
 /// A compiled `actions.<action>`: an API action's in-flight limit,
@@ -539,6 +607,10 @@ fn compile_dependency(
             }
         }
     }
+    let breaker = spec
+        .circuit_breaker
+        .as_ref()
+        .map(|b| compile_breaker(b, &path.key("circuit_breaker"), errors));
     let adaptive = spec
         .adaptive
         .as_ref()
@@ -553,11 +625,106 @@ fn compile_dependency(
         tenant_max,
         retry_after_window_ns,
         queues,
+        paused: spec.paused.unwrap_or(false),
+        breaker,
+        breaker_key: crate::admission::breaker::key(name),
         retry_budget: spec
             .retry_budget
             .as_ref()
             .map(|b| compile_retry_budget(name, b, &path.key("retry_budget"), errors)),
         adaptive,
+    }
+}
+
+/// A fraction in (0, 1] as permille (rounded to nearest, at least 1).
+fn fraction_permille(value: f64, path: &FieldPath, errors: &mut Vec<PolicyError>) -> Option<u32> {
+    if value > 0.0 && value <= 1.0 {
+        Some(((value * 1000.0).round() as u32).clamp(1, 1000))
+    } else {
+        add(
+            errors,
+            path.clone(),
+            "must be a fraction more than 0 and at most 1",
+        );
+        None
+    }
+}
+
+/// A breaker duration, [`MIN_BREAKER_DURATION_NS`]–[`MAX_BREAKER_DURATION_NS`].
+fn breaker_duration(
+    text: Option<&str>,
+    default: u64,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> u64 {
+    match text.map(parse_duration_ns) {
+        None => default,
+        Some(Ok(ns)) if (MIN_BREAKER_DURATION_NS..=MAX_BREAKER_DURATION_NS).contains(&ns) => ns,
+        Some(Ok(_)) => {
+            add(errors, path.clone(), "must be between 100ms and 1h");
+            default
+        }
+        Some(Err(message)) => {
+            add(errors, path.clone(), message);
+            default
+        }
+    }
+}
+
+fn compile_breaker(
+    spec: &CircuitBreakerSpec,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> BreakerSettings {
+    let d = BreakerSettings::default();
+    let error_permille = spec
+        .error_rate
+        .and_then(|r| fraction_permille(r, &path.key("error_rate"), errors))
+        .unwrap_or(d.error_permille);
+    let min_volume = spec
+        .min_volume
+        .and_then(|n| in_range(n, 1, MAX_BREAKER_MIN_VOLUME, &path.key("min_volume"), errors))
+        .unwrap_or(d.min_volume);
+    let probes = spec
+        .probes
+        .and_then(|n| in_range(n, 1, MAX_BREAKER_PROBES, &path.key("probes"), errors))
+        .unwrap_or(d.probes);
+    let window_ns = breaker_duration(spec.window.as_deref(), d.window_ns, &path.key("window"), errors);
+    let open_for_ns = breaker_duration(
+        spec.open_for.as_deref(),
+        d.open_for_ns,
+        &path.key("open_for"),
+        errors,
+    );
+    // Without `max_open_for`, at least `open_for` (no backoff past it).
+    let max_default = d.max_open_for_ns.max(open_for_ns);
+    let max_open_for_ns = breaker_duration(
+        spec.max_open_for.as_deref(),
+        max_default,
+        &path.key("max_open_for"),
+        errors,
+    );
+    if max_open_for_ns < open_for_ns {
+        add(
+            errors,
+            path.key("max_open_for"),
+            "must be at least open_for (the first wait)",
+        );
+    }
+    let ramp_ns = breaker_duration(spec.ramp.as_deref(), d.ramp_ns, &path.key("ramp"), errors);
+    let ramp_floor_permille = spec
+        .ramp_floor
+        .and_then(|f| fraction_permille(f, &path.key("ramp_floor"), errors))
+        .unwrap_or(d.ramp_floor_permille);
+    BreakerSettings {
+        error_permille,
+        min_volume,
+        window_ns,
+        open_for_ns,
+        max_open_for_ns: max_open_for_ns.max(open_for_ns),
+        probes,
+        ramp_ns,
+        ramp_floor_permille,
     }
 }
 

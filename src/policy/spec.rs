@@ -139,10 +139,40 @@ pub struct DependencySpec {
     pub retry_after_window: Option<String>,
     #[serde(default)]
     pub queues: Option<LevelQueuesSpec>,
+    /// Refuse every request at once (`paused`), hot-reloadable.
+    #[serde(default)]
+    pub paused: Option<bool>,
+    #[serde(default)]
+    pub circuit_breaker: Option<CircuitBreakerSpec>,
     #[serde(default)]
     pub retry_budget: Option<RetryBudgetSpec>,
     #[serde(default)]
     pub adaptive: Option<AdaptiveSpec>,
+}
+
+/// `dependencies.<name>.circuit_breaker:` open on errors, probe, ramp up
+/// (`crate::admission::breaker`). Every field has a default.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CircuitBreakerSpec {
+    /// (errors + timeouts) ÷ completed that opens it, in (0, 1].
+    #[serde(default)]
+    pub error_rate: Option<f64>,
+    #[serde(default)]
+    pub min_volume: Option<i64>,
+    #[serde(default)]
+    pub window: Option<String>,
+    #[serde(default)]
+    pub open_for: Option<String>,
+    #[serde(default)]
+    pub max_open_for: Option<String>,
+    #[serde(default)]
+    pub probes: Option<i64>,
+    #[serde(default)]
+    pub ramp: Option<String>,
+    /// The ramp's first level, a fraction of the limit in (0, 1].
+    #[serde(default)]
+    pub ramp_floor: Option<f64>,
 }
 
 /// `dependencies.<name>.retry_budget:` how many retries the dependency

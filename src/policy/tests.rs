@@ -414,7 +414,7 @@ fn admission_errors_name_their_field_path() {
         (
             r#"{"db": {"max_in_flight": 4, "max_flight": 3}}"#,
             r#"{}"#,
-            "dependencies.db.max_flight: unknown field `max_flight`, expected one of `max_in_flight`, `max_streams`, `reserved`, `tenant_max_share`, `retry_after_window`, `queues`, `retry_budget`, `adaptive`",
+            "dependencies.db.max_flight: unknown field `max_flight`, expected one of `max_in_flight`, `max_streams`, `reserved`, `tenant_max_share`, `retry_after_window`, `queues`, `paused`, `circuit_breaker`, `retry_budget`, `adaptive`",
         ),
         (
             r#"{"db": {"max_in_flight": 40, "adaptive": {"window": "100ms"}}}"#,
@@ -459,4 +459,98 @@ fn admission_errors_name_their_field_path() {
     ] {
         assert_eq!(errors(&policy(deps, route)), [error], "{deps} {route}");
     }
+}
+
+#[test]
+fn paused_and_the_circuit_breaker_compile_with_their_defaults() {
+    use super::admission::BreakerSettings;
+    let policy = |db: &str| {
+        with(
+            r#""routes": {"default": {}, "search": {"action": "search", "cost": 5}}"#,
+            &format!(
+                r#""dependencies": {{"db": {db}}}, "routes": {{"default": {{}}, "r": {{"dependency": "db"}}}}"#
+            ),
+        )
+    };
+    // Without them: not paused, no breaker (admission as in part 1).
+    let p = Policy::from_json(policy(r#"{"max_in_flight": 10}"#).as_bytes()).unwrap();
+    let db = p.dependency(0).unwrap();
+    assert!(!db.paused);
+    assert_eq!(db.breaker, None);
+    assert_eq!(db.breaker_key, "tg2|b|db");
+    // An empty breaker takes every default.
+    let p = Policy::from_json(
+        policy(r#"{"max_in_flight": 10, "paused": true, "circuit_breaker": {}}"#).as_bytes(),
+    )
+    .unwrap();
+    let db = p.dependency(0).unwrap();
+    assert!(db.paused);
+    assert_eq!(
+        db.breaker,
+        Some(BreakerSettings {
+            error_permille: 500,
+            min_volume: 20,
+            window_ns: 10 * NANOS_PER_SEC,
+            open_for_ns: 5 * NANOS_PER_SEC,
+            max_open_for_ns: 60 * NANOS_PER_SEC,
+            probes: 3,
+            ramp_ns: 30 * NANOS_PER_SEC,
+            ramp_floor_permille: 100,
+        })
+    );
+    assert_eq!(db.breaker, Some(BreakerSettings::default()));
+    // Every field set.
+    let p = Policy::from_json(
+        policy(
+            r#"{"max_in_flight": 10, "circuit_breaker": {"error_rate": 0.25, "min_volume": 5, "window": "500ms",
+                "open_for": "2s", "max_open_for": "20s", "probes": 1, "ramp": "3s", "ramp_floor": 0.2}}"#,
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(
+        p.dependency(0).unwrap().breaker,
+        Some(BreakerSettings {
+            error_permille: 250,
+            min_volume: 5,
+            window_ns: 500_000_000,
+            open_for_ns: 2 * NANOS_PER_SEC,
+            max_open_for_ns: 20 * NANOS_PER_SEC,
+            probes: 1,
+            ramp_ns: 3 * NANOS_PER_SEC,
+            ramp_floor_permille: 200,
+        })
+    );
+    // A long open_for without max_open_for: no backoff past it.
+    let p = Policy::from_json(
+        policy(r#"{"max_in_flight": 10, "circuit_breaker": {"open_for": "2m"}}"#).as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(
+        p.dependency(0).unwrap().breaker.unwrap().max_open_for_ns,
+        120 * NANOS_PER_SEC
+    );
+    let cb = |fields: &str| {
+        policy(&format!(
+            r#"{{"max_in_flight": 10, "circuit_breaker": {{{fields}}}}}"#
+        ))
+    };
+    for (fields, error) in [
+        (r#""error_rate": 0"#, "dependencies.db.circuit_breaker.error_rate: must be a fraction more than 0 and at most 1"),
+        (r#""error_rate": 1.01"#, "dependencies.db.circuit_breaker.error_rate: must be a fraction more than 0 and at most 1"),
+        (r#""ramp_floor": 0"#, "dependencies.db.circuit_breaker.ramp_floor: must be a fraction more than 0 and at most 1"),
+        (r#""min_volume": 0"#, "dependencies.db.circuit_breaker.min_volume: must be between 1 and 1000000"),
+        (r#""probes": 1001"#, "dependencies.db.circuit_breaker.probes: must be between 1 and 1000"),
+        (r#""window": "50ms""#, "dependencies.db.circuit_breaker.window: must be between 100ms and 1h"),
+        (r#""ramp": "2h""#, "dependencies.db.circuit_breaker.ramp: must be between 100ms and 1h"),
+        (r#""open_for": "soon""#, r#"dependencies.db.circuit_breaker.open_for: invalid duration "soon": expected a whole number followed by ms, s, m, h or d (e.g. 500ms, 10s, 1m)"#),
+        (r#""open_for": "10s", "max_open_for": "5s""#, "dependencies.db.circuit_breaker.max_open_for: must be at least open_for (the first wait)"),
+        (r#""probe": 3"#, "dependencies.db.circuit_breaker.probe: unknown field `probe`, expected one of `error_rate`, `min_volume`, `window`, `open_for`, `max_open_for`, `probes`, `ramp`, `ramp_floor`"),
+    ] {
+        assert_eq!(errors(&cb(fields)), [error], "{fields}");
+    }
+    assert_eq!(
+        errors(&policy(r#"{"max_in_flight": 10, "paused": "yes"}"#)),
+        [r#"dependencies.db.paused: invalid type: string "yes", expected a boolean"#]
+    );
 }

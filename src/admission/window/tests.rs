@@ -149,7 +149,15 @@ fn two_workers_fold_into_one_window_and_one_closes_it() {
         },
         T0 + 30 * MS,
     );
-    for t in [T0 + 40 * MS, T0 + 450 * MS] {
+    // Folded, not closed; each fold gives the node's running counts: a's
+    // 10 successes, then b's 4 health signals (2 failures) on top.
+    let running = |completed, failures| Ticked {
+        running: Some(Running { completed, failures }),
+        ..Ticked::default()
+    };
+    assert_eq!(a.tick(&host, "db", W, T0 + 40 * MS), running(10, 0));
+    assert_eq!(b.tick(&host, "db", W, T0 + 40 * MS), running(10 + 4, 2));
+    for t in [T0 + 41 * MS, T0 + 450 * MS] {
         assert_eq!(a.tick(&host, "db", W, t), Ticked::default());
         assert_eq!(b.tick(&host, "db", W, t), Ticked::default());
     }
