@@ -27,7 +27,7 @@
 //! where `1 − g ≈ 1/√L`, a queue of about `√L` past the capacity (for a
 //! capacity of 20, 30 % above it). Without it the limit settles in the
 //! dead zone, where the upstream's own queue keeps p95 within about
-//! `(1 + b)/(1 − dz)` of the baseline: **10–20 % above the capacity** at
+//! `(1 + b)/(1 − dz)` of the baseline: **5–15 % above the capacity** at
 //! the defaults (the simulation in this module's tests measures it: the
 //! upstream stays busy, its queue short). "Used": the window refused a
 //! request for the limit (or its level's share of it), or its peak in
