@@ -277,11 +277,13 @@ fn fraction(
     }
 }
 
-fn duration_between(
+/// A duration field: `default` when absent; an error (and `default`) when
+/// it does not parse or is outside `low..=high` (`message` says the range).
+fn duration_in(
     value: Option<&str>,
     default: u64,
     (low, high): (u64, u64),
-    bounds: &str,
+    message: &str,
     path: &FieldPath,
     errors: &mut Vec<PolicyError>,
 ) -> u64 {
@@ -289,11 +291,11 @@ fn duration_between(
         None => default,
         Some(Ok(ns)) if (low..=high).contains(&ns) => ns,
         Some(Ok(_)) => {
-            add(errors, path.clone(), format!("must be between {bounds}"));
+            add(errors, path.clone(), message);
             default
         }
-        Some(Err(message)) => {
-            add(errors, path.clone(), message);
+        Some(Err(m)) => {
+            add(errors, path.clone(), m);
             default
         }
     }
@@ -307,11 +309,11 @@ fn compile_adaptive(
     errors: &mut Vec<PolicyError>,
 ) -> Adaptive {
     let d = Adaptive::defaults(max_in_flight, reserved);
-    let window_ns = duration_between(
+    let window_ns = duration_in(
         spec.window.as_deref(),
         d.window_ns,
         (MIN_ADAPTIVE_WINDOW_NS, MAX_ADAPTIVE_WINDOW_NS),
-        "250ms and 5s",
+        "must be between 250ms and 5s",
         &path.key("window"),
         errors,
     );
@@ -336,11 +338,11 @@ fn compile_adaptive(
             }
         }
     };
-    let baseline_refresh_ns = duration_between(
+    let baseline_refresh_ns = duration_in(
         spec.baseline_refresh.as_deref(),
         d.baseline_refresh_ns,
         (MIN_BASELINE_REFRESH_NS, MAX_BASELINE_REFRESH_NS),
-        "5s and 10m",
+        "must be between 5s and 10m",
         &path.key("baseline_refresh"),
         errors,
     );
@@ -397,11 +399,11 @@ fn compile_adaptive(
             &path.key("error_rate"),
             errors,
         ),
-        queue_age_ns: duration_between(
+        queue_age_ns: duration_in(
             spec.queue_age.as_deref(),
             d.queue_age_ns,
             (NANOS_PER_MS, MAX_QUEUE_AGE_NS),
-            "1ms and 30s",
+            "must be between 1ms and 30s",
             &path.key("queue_age"),
             errors,
         ),
@@ -577,22 +579,14 @@ fn compile_dependency(
             None
         }
     });
-    let retry_after_window_ns = match spec.retry_after_window.as_deref().map(parse_duration_ns) {
-        None => DEFAULT_RETRY_AFTER_WINDOW_NS,
-        Some(Ok(ns)) if (MIN_RETRY_AFTER_WINDOW_NS..=MAX_RETRY_AFTER_WINDOW_NS).contains(&ns) => ns,
-        Some(Ok(_)) => {
-            add(
-                errors,
-                path.key("retry_after_window"),
-                "must be between 1s and 5m",
-            );
-            DEFAULT_RETRY_AFTER_WINDOW_NS
-        }
-        Some(Err(message)) => {
-            add(errors, path.key("retry_after_window"), message);
-            DEFAULT_RETRY_AFTER_WINDOW_NS
-        }
-    };
+    let retry_after_window_ns = duration_in(
+        spec.retry_after_window.as_deref(),
+        DEFAULT_RETRY_AFTER_WINDOW_NS,
+        (MIN_RETRY_AFTER_WINDOW_NS, MAX_RETRY_AFTER_WINDOW_NS),
+        "must be between 1s and 5m",
+        &path.key("retry_after_window"),
+        errors,
+    );
     let mut queues = [LevelQueue::default(); 4];
     if let Some(q) = &spec.queues {
         let levels = [
@@ -657,18 +651,14 @@ fn breaker_duration(
     path: &FieldPath,
     errors: &mut Vec<PolicyError>,
 ) -> u64 {
-    match text.map(parse_duration_ns) {
-        None => default,
-        Some(Ok(ns)) if (MIN_BREAKER_DURATION_NS..=MAX_BREAKER_DURATION_NS).contains(&ns) => ns,
-        Some(Ok(_)) => {
-            add(errors, path.clone(), "must be between 100ms and 1h");
-            default
-        }
-        Some(Err(message)) => {
-            add(errors, path.clone(), message);
-            default
-        }
-    }
+    duration_in(
+        text,
+        default,
+        (MIN_BREAKER_DURATION_NS, MAX_BREAKER_DURATION_NS),
+        "must be between 100ms and 1h",
+        path,
+        errors,
+    )
 }
 
 fn compile_breaker(
@@ -732,22 +722,14 @@ fn compile_level_queue(spec: &LevelQueueSpec, path: &FieldPath, errors: &mut Vec
     let max_queue = spec.max_queue.map_or(0, |n| {
         in_range(n, 0, MAX_LEVEL_QUEUE, &path.key("max_queue"), errors).unwrap_or(0)
     });
-    let max_wait_ns = match spec.max_wait.as_deref().map(parse_duration_ns) {
-        None => 0,
-        Some(Ok(ns)) if ns > 0 && ns <= super::compile::MAX_QUEUE_WAIT_NS => ns,
-        Some(Ok(_)) => {
-            add(
-                errors,
-                path.key("max_wait"),
-                "must be more than 0 and at most 30s",
-            );
-            0
-        }
-        Some(Err(message)) => {
-            add(errors, path.key("max_wait"), message);
-            0
-        }
-    };
+    let max_wait_ns = duration_in(
+        spec.max_wait.as_deref(),
+        0,
+        (1, super::compile::MAX_QUEUE_WAIT_NS),
+        "must be more than 0 and at most 30s",
+        &path.key("max_wait"),
+        errors,
+    );
     if max_queue > 0 && spec.max_wait.is_none() {
         add(
             errors,
@@ -833,21 +815,16 @@ pub fn compile_labels(
             None
         }
     });
-    let min_timeout_budget_ns = match spec.min_timeout_budget.as_deref().map(parse_duration_ns) {
-        None => None,
-        Some(Ok(ns)) if ns > 0 && ns <= MAX_TIMEOUT_BUDGET_NS => Some(ns),
-        Some(Ok(_)) => {
-            add(
-                errors,
-                path.key("min_timeout_budget"),
-                "must be more than 0 and at most 1h",
-            );
-            None
-        }
-        Some(Err(message)) => {
-            add(errors, path.key("min_timeout_budget"), message);
-            None
-        }
+    let min_timeout_budget_ns = match duration_in(
+        spec.min_timeout_budget.as_deref(),
+        0,
+        (1, MAX_TIMEOUT_BUDGET_NS),
+        "must be more than 0 and at most 1h",
+        &path.key("min_timeout_budget"),
+        errors,
+    ) {
+        0 => None,
+        ns => Some(ns),
     };
     Labels {
         criticality: spec.criticality.unwrap_or_default(),
@@ -922,18 +899,14 @@ fn compile_retry_budget(
         )
         .unwrap_or(DEFAULT_RETRY_MIN_PER_SECOND)
     });
-    let window_ns = match spec.window.as_deref().map(parse_duration_ns) {
-        None => DEFAULT_RETRY_WINDOW_NS,
-        Some(Ok(ns)) if (MIN_RETRY_WINDOW_NS..=MAX_RETRY_WINDOW_NS).contains(&ns) => ns,
-        Some(Ok(_)) => {
-            add(errors, path.key("window"), "must be between 1s and 1m");
-            DEFAULT_RETRY_WINDOW_NS
-        }
-        Some(Err(message)) => {
-            add(errors, path.key("window"), message);
-            DEFAULT_RETRY_WINDOW_NS
-        }
-    };
+    let window_ns = duration_in(
+        spec.window.as_deref(),
+        DEFAULT_RETRY_WINDOW_NS,
+        (MIN_RETRY_WINDOW_NS, MAX_RETRY_WINDOW_NS),
+        "must be between 1s and 1m",
+        &path.key("window"),
+        errors,
+    );
     let retry_header = spec.retry_header.as_ref().map(|h| {
         if !is_header_name(h) {
             add(
@@ -994,28 +967,6 @@ pub struct Degradable {
     pub refresh_ns: u64,
 }
 
-fn duration_in(
-    value: Option<&str>,
-    default: u64,
-    max: u64,
-    message: &str,
-    path: FieldPath,
-    errors: &mut Vec<PolicyError>,
-) -> u64 {
-    match value.map(parse_duration_ns) {
-        None => default,
-        Some(Ok(ns)) if ns > 0 && ns <= max => ns,
-        Some(Ok(_)) => {
-            add(errors, path, message);
-            default
-        }
-        Some(Err(m)) => {
-            add(errors, path, m);
-            default
-        }
-    }
-}
-
 /// `routes.<class>.degradable` (the class must have a dependency: only an
 /// admission refusal is answered from the cache).
 pub fn compile_degradable(
@@ -1039,9 +990,9 @@ pub fn compile_degradable(
     let max_stale_ns = duration_in(
         Some(&d.max_stale),
         NANOS_PER_SEC,
-        MAX_STALE_NS,
+        (1, MAX_STALE_NS),
         "must be more than 0 and at most 24h",
-        path.key("max_stale"),
+        &path.key("max_stale"),
         errors,
     );
     let version_header = match &d.version_header {
@@ -1067,9 +1018,9 @@ pub fn compile_degradable(
     let refresh_ns = duration_in(
         d.refresh.as_deref(),
         DEFAULT_DEGRADED_REFRESH_NS,
-        MAX_DEGRADED_REFRESH_NS,
+        (1, MAX_DEGRADED_REFRESH_NS),
         "must be more than 0 and at most 1h",
-        path.key("refresh"),
+        &path.key("refresh"),
         errors,
     );
     Some(Degradable {
