@@ -596,36 +596,8 @@ pub fn fold<H: Host>(
     seed: u64,
     buffers: &mut table::Buffers,
 ) -> Result<Folded, Failure> {
-    let updated = table::update(
-        host,
-        &Place::Fixed { key },
-        &EXISTING_OR_NEW,
-        now,
-        buffers,
-        |records, out| {
-            let mut b = of_records(records).unwrap_or(fresh(now));
-            let before = b;
-            let transitions = b.observe(s, seen, now, seed);
-            if b == before && records.is_some() {
-                return (
-                    Commit::Skip,
-                    Folded {
-                        breaker: b,
-                        transitions,
-                    },
-                );
-            }
-            write(&b, out);
-            (
-                Commit::Write,
-                Folded {
-                    breaker: b,
-                    transitions,
-                },
-            )
-        },
-    )?;
-    Ok(updated.result)
+    let (breaker, transitions) = change(host, key, now, buffers, |b| b.observe(s, seen, now, seed))?;
+    Ok(Folded { breaker, transitions })
 }
 
 /// [`Breaker::judge_early`] on the node's breaker, by compare-and-swap
@@ -639,38 +611,14 @@ pub fn judge<H: Host>(
     seed: u64,
     buffers: &mut table::Buffers,
 ) -> Result<Folded, Failure> {
-    let updated = table::update(
-        host,
-        &Place::Fixed { key },
-        &EXISTING_OR_NEW,
-        now,
-        buffers,
-        |records, out| {
-            let mut b = of_records(records).unwrap_or(fresh(now));
-            let mut transitions = Transitions::default();
-            match b.judge_early(s, running, now, seed) {
-                Some(t) => transitions.push(t),
-                None => {
-                    return (
-                        Commit::Skip,
-                        Folded {
-                            breaker: b,
-                            transitions,
-                        },
-                    )
-                }
-            }
-            write(&b, out);
-            (
-                Commit::Write,
-                Folded {
-                    breaker: b,
-                    transitions,
-                },
-            )
-        },
-    )?;
-    Ok(updated.result)
+    let (breaker, transitions) = change(host, key, now, buffers, |b| {
+        let mut made = Transitions::default();
+        if let Some(t) = b.judge_early(s, running, now, seed) {
+            made.push(t);
+        }
+        made
+    })?;
+    Ok(Folded { breaker, transitions })
 }
 
 /// A probe ticket's answer: whether one was taken, and the breaker after
@@ -691,6 +639,27 @@ pub fn take_probe<H: Host>(
     now: u64,
     buffers: &mut table::Buffers,
 ) -> Result<Probe, Failure> {
+    let (breaker, (taken, was_open)) = change(host, key, now, buffers, |b| {
+        let was_open = b.phase == Phase::Open;
+        (b.take_probe(s, now), was_open)
+    })?;
+    Ok(Probe {
+        taken,
+        breaker,
+        half_opened: taken && was_open,
+    })
+}
+
+/// One compare-and-swap on the node's breaker, the only way it is
+/// written: `f` changes it; written only if it changed (or there was no
+/// record). Returns the breaker after `f` and what `f` said.
+fn change<H: Host, R>(
+    host: &H,
+    key: &str,
+    now: u64,
+    buffers: &mut table::Buffers,
+    f: impl Fn(&mut Breaker) -> R,
+) -> Result<(Breaker, R), Failure> {
     let updated = table::update(
         host,
         &Place::Fixed { key },
@@ -699,18 +668,13 @@ pub fn take_probe<H: Host>(
         buffers,
         |records, out| {
             let mut b = of_records(records).unwrap_or(fresh(now));
-            let was_open = b.phase == Phase::Open;
-            let taken = b.take_probe(s, now);
-            let probe = Probe {
-                taken,
-                breaker: b,
-                half_opened: taken && was_open,
-            };
-            if !taken {
-                return (Commit::Skip, probe);
+            let before = b;
+            let said = f(&mut b);
+            if b == before && records.is_some() {
+                return (Commit::Skip, (b, said));
             }
             write(&b, out);
-            (Commit::Write, probe)
+            (Commit::Write, (b, said))
         },
     )?;
     Ok(updated.result)

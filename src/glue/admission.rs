@@ -248,6 +248,12 @@ pub fn end_signal(context_id: u32, now: u64) {
 /// The number of tenant buckets fair-queue drops are counted in.
 pub const FAIR_DROP_BUCKETS: usize = 16;
 
+/// A per-dependency metric, `tenantgate.admission.<what>.<dependency>`
+/// (`None` if Envoy refused to define it: the stat is then not kept).
+pub(super) fn dependency_metric(kind: MetricType, what: &str, dependency: &str) -> Option<u32> {
+    abi::define_metric(kind, &format!("tenantgate.admission.{what}.{dependency}")).ok()
+}
+
 /// The controller's gauges of an adaptive dependency.
 struct ControllerGauges {
     limit: Option<u32>,
@@ -260,9 +266,7 @@ struct ControllerGauges {
 
 impl ControllerGauges {
     fn define(name: &str) -> ControllerGauges {
-        let gauge = |what: &str| {
-            abi::define_metric(MetricType::Gauge, &format!("tenantgate.admission.{what}.{name}")).ok()
-        };
+        let gauge = |what: &str| dependency_metric(MetricType::Gauge, what, name);
         ControllerGauges {
             limit: gauge("limit"),
             baseline_us: gauge("baseline_us"),
@@ -313,19 +317,13 @@ struct DependencyGauges {
 
 impl DependencyGauges {
     fn define(name: &str) -> DependencyGauges {
-        let gauge = |what: &str| {
-            abi::define_metric(MetricType::Gauge, &format!("tenantgate.admission.{what}.{name}")).ok()
-        };
+        let gauge = |what: &str| dependency_metric(MetricType::Gauge, what, name);
         DependencyGauges {
             in_flight: gauge("in_flight"),
             controller: None,
             depth: gauge("queue_depth"),
             oldest_ms: gauge("queue_oldest_ms"),
-            retries: abi::define_metric(
-                MetricType::Counter,
-                &format!("tenantgate.admission.retries.{name}"),
-            )
-            .ok(),
+            retries: dependency_metric(MetricType::Counter, "retries", name),
             pending_retries: Cell::new(0),
             amplification: gauge("retry_amplification_permille"),
             budget: RefCell::new(None),

@@ -45,8 +45,7 @@ struct Stats {
 
 impl Stats {
     fn define(name: &str) -> Stats {
-        let metric =
-            |t, what: &str| abi::define_metric(t, &format!("tenantgate.admission.{what}.{name}")).ok();
+        let metric = |t, what: &str| super::admission::dependency_metric(t, what, name);
         Stats {
             state: metric(MetricType::Gauge, "breaker_state"),
             ramp: metric(MetricType::Gauge, "breaker_ramp_permille"),
