@@ -1,4 +1,5 @@
-//! Test and benchmark support: a throwaway `redis-server` on loopback.
+//! Test and benchmark support: a throwaway `redis-server` on loopback,
+//! and [`free_port`] for every server a test starts.
 //!
 //! The service tests and `make bench-service` run against a real Redis.
 //! [`RedisServer::start`] runs one on a free port with persistence off, in a
@@ -9,7 +10,51 @@
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
+
+/// Ports below this are never handed out by [`free_port`].
+const LOWEST_PORT: u32 = 10_000;
+
+/// A free loopback port for a server a test starts later (Envoy, Redis,
+/// PostgreSQL, `tenantgate serve`), taken **below the kernel's ephemeral
+/// range** (`net.ipv4.ip_local_port_range`, 32768–60999 by default). A
+/// port from `bind(0)` is in that range, and so is the local port of every
+/// client connection a test makes: between the check and the server's own
+/// bind, one of the thousands of connections a test suite opens can take
+/// it (CI saw Envoy fail with "Address already in use" that way). Below
+/// the range only servers bind, and this process hands each port out
+/// once. Falls back to `bind(0)` if the range leaves no room below it.
+pub fn free_port() -> Result<u16, String> {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let high = ephemeral_low().min(u32::from(u16::MAX));
+    if high > LOWEST_PORT + 1_000 {
+        let span = high - LOWEST_PORT;
+        // Processes start at different places (the tests of several
+        // binaries may run at once), then walk the range.
+        let start = std::process::id().wrapping_mul(7_919) % span;
+        for _ in 0..span.min(4_096) {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            let port = LOWEST_PORT + start.wrapping_add(n) % span;
+            let Ok(port) = u16::try_from(port) else { continue };
+            if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| format!("no free loopback port: {e}"))
+}
+
+/// The lowest ephemeral port (Linux; 32768 if it cannot be read).
+fn ephemeral_low() -> u32 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
+}
 
 /// A `redis-server` child process.
 pub struct RedisServer {
@@ -34,10 +79,7 @@ fn binary() -> PathBuf {
 impl RedisServer {
     /// Starts one and waits (at most 10 s) until it accepts connections.
     pub fn start() -> Result<RedisServer, String> {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .map_err(|e| format!("no free loopback port: {e}"))?;
+        let port = free_port()?;
         let dir = std::env::temp_dir().join(format!("tenantgate-redis-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let bin = binary();
@@ -199,10 +241,7 @@ impl PostgresServer {
     /// The tests pass `-c fsync=off`: they test the service's transactions
     /// and its crashes, not PostgreSQL's own durability on power loss.
     pub fn start_with(extra: &[&str]) -> Result<PostgresServer, String> {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .map_err(|e| format!("no free loopback port: {e}"))?;
+        let port = free_port()?;
         let dir = std::env::temp_dir().join(format!("tenantgate-pg-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;

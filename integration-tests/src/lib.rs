@@ -78,11 +78,10 @@ pub fn percentile(values: impl IntoIterator<Item = Duration>, pct: usize) -> Dur
     v.get(rank.saturating_sub(1)).copied().unwrap_or_default()
 }
 
+/// A free loopback port for a server the test starts (see
+/// [`tenantgate_central::testing::free_port`]: below the ephemeral range).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
+    tenantgate_central::testing::free_port().expect("a free loopback port")
 }
 
 static NEXT_DIR: AtomicU32 = AtomicU32::new(0);
