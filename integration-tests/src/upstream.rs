@@ -1,6 +1,6 @@
 //! A controllable test upstream: an HTTP/1.1 server on a loopback port
 //! whose latency and concurrency capacity can be set during a test (beyond
-//! its capacity a request waits for a free place before its latency
+//! its capacity a request waits, in arrival order, for a free place before its latency
 //! starts, like a saturated backend), which can **hold** every
 //! request until released, and which records how many requests it had in
 //! flight at once. Its answers' status can be set (a failing backend:
@@ -31,8 +31,9 @@ struct State {
     received: AtomicU64,
     /// Requests served at once; 0: no limit.
     capacity: AtomicU64,
-    /// Requests in their latency (under the capacity).
-    busy: Mutex<u64>,
+    /// Requests in their latency (under the capacity), and the line of
+    /// those waiting for a place.
+    line: Mutex<Line>,
     freed: Condvar,
     in_flight: AtomicU64,
     max_in_flight: AtomicU64,
@@ -43,6 +44,37 @@ struct State {
     /// One more header line for every answer (`name: value`), if set.
     extra_header: Mutex<Option<String>>,
     released: Condvar,
+}
+
+/// Beyond its capacity, requests wait in arrival order (like a backend's
+/// accept queue): each takes a ticket, and only the oldest waiting ticket
+/// may take a freed place, so a request's wait is bounded by the requests
+/// ahead of it (a random wake-up order gave unlucky requests unbounded
+/// waits and the tests' p99s their noise).
+#[derive(Default)]
+struct Line {
+    busy: u64,
+    /// The next ticket to hand out.
+    next: u64,
+    /// The ticket whose turn it is.
+    turn: u64,
+    /// Tickets that left before their turn (gave up after [`MAX_HOLD`]).
+    left: std::collections::BTreeSet<u64>,
+}
+
+impl Line {
+    /// `ticket` leaves the line (served or given up): the turn passes on,
+    /// over tickets that already left.
+    fn leave(&mut self, ticket: u64) {
+        if ticket == self.turn {
+            self.turn = self.turn.saturating_add(1);
+            while self.left.remove(&self.turn) {
+                self.turn = self.turn.saturating_add(1);
+            }
+        } else if ticket > self.turn {
+            self.left.insert(ticket);
+        }
+    }
 }
 
 /// The upstream; stops accepting when dropped.
@@ -160,16 +192,22 @@ fn serve(stream: TcpStream, s: &State) {
         s.max_in_flight.fetch_max(now, Ordering::SeqCst);
         let arrived = Instant::now();
         {
-            let mut busy = s.busy.lock().unwrap();
+            let mut line = s.line.lock().unwrap();
+            let ticket = line.next;
+            line.next = line.next.saturating_add(1);
             loop {
                 let cap = s.capacity.load(Ordering::SeqCst);
-                if cap == 0 || *busy < cap || arrived.elapsed() >= MAX_HOLD || s.stop.load(Ordering::SeqCst) {
+                let turn = line.turn == ticket && (cap == 0 || line.busy < cap);
+                if turn || arrived.elapsed() >= MAX_HOLD || s.stop.load(Ordering::SeqCst) {
                     break;
                 }
-                busy = s.freed.wait_timeout(busy, Duration::from_millis(50)).unwrap().0;
+                line = s.freed.wait_timeout(line, Duration::from_millis(50)).unwrap().0;
             }
-            *busy += 1;
+            line.busy += 1;
+            line.leave(ticket);
         }
+        // The next ticket may have a place too.
+        s.freed.notify_all();
         let latency = Duration::from_millis(s.latency_ms.load(Ordering::SeqCst));
         let start = Instant::now();
         {
@@ -185,8 +223,8 @@ fn serve(stream: TcpStream, s: &State) {
         if let Some(rest) = latency.checked_sub(start.elapsed()) {
             std::thread::sleep(rest);
         }
-        *s.busy.lock().unwrap() -= 1;
-        s.freed.notify_one();
+        s.line.lock().unwrap().busy -= 1;
+        s.freed.notify_all();
         s.in_flight.fetch_sub(1, Ordering::SeqCst);
         let status = match s.status.load(Ordering::SeqCst) {
             0 => 200,
