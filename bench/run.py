@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`make bench`: what tenantgate costs Envoy, measured against baselines.
 
-Nine configurations of Envoy 1.40 serve a direct_response route (no
+Ten configurations of Envoy 1.40 serve a direct_response route (no
 upstream), interleaved over BENCH_ROUNDS rounds on this machine:
 
   (a) no filter
@@ -22,9 +22,20 @@ upstream), interleaved over BENCH_ROUNDS rounds on this machine:
       controller on its dependency (stream-end outcomes recorded, windows
       folded on the tick; the limit holds, never reached:
       bench/policies/adaptive.yaml)
+  (j) tenantgate, 1 tenant, in its cheapest trusted configuration: (d)'s
+      policy with `class: api` (the class from the filter instance, nothing
+      looked up) and `ratelimit_headers: false` (headers on denials only)
 
-Then (a), (c) and (d) again at one connection (BENCH_LATENCY_CONNECTIONS=1)
-for their p50 latency, the same number of rounds.
+Then (a), (c), (d) and (j) again at one connection
+(BENCH_LATENCY_CONNECTIONS=1) for their p50 latency, the same number of
+rounds. Then the ablation (BENCH_ABLATION=0 skips it): (d) with one part of
+its work turned off by configuration at a time, with its own (c) and (d).
+Then the hostcall probe (BENCH_PROBE=0 skips it): the empty filter making
+BENCH_PROBE_CALLS (4) calls of one kind per request (bench/empty-filter
+lists the kinds), with its own (c), so (its CPU per request - (c)'s) / 4 is
+the price of one call in this Envoy; and exactly (d)'s and (j)'s hostcalls
+with nothing else, so (d) - "(d)'s hostcalls" is what tenantgate's own code
+costs.
 
 Each run starts a fresh Envoy (`--concurrency 1`, pinned to CPU 0, fresh
 ports, `--disable-hot-restart`), warms it up, then measures BENCH_SECONDS of
@@ -95,6 +106,10 @@ LATENCY_CONNECTIONS = env_int("BENCH_LATENCY_CONNECTIONS", 1)
 # 1: also run the ablation (see main); 0: skip it.
 ABLATION = env_int("BENCH_ABLATION", 1, minimum=0)
 # Rows to run alone (see the docstring); empty: the whole bench.
+# The hostcall probe (bench/empty-filter): BENCH_PROBE_CALLS calls of one
+# kind per request, per kind.
+PROBE = env_int("BENCH_PROBE", 1, minimum=0)
+PROBE_CALLS = env_int("BENCH_PROBE_CALLS", 4)
 ONLY = [k.strip() for k in os.environ.get("BENCH_ONLY", "").split(",") if k.strip()]
 CAS_CONNECTIONS = env_int("BENCH_CAS_CONNECTIONS", 64)
 # A pinned single worker under 16 connections is busy all the time. A run in
@@ -273,8 +288,9 @@ def render_bootstrap(filters: str, port: int, admin: int, sync_port: int) -> str
     return Template("\n".join(lines) + "\n").substitute(LISTEN_PORT=port, ADMIN_PORT=admin, SYNC_PORT=sync_port)
 
 
-def write_empty_ecds(path: Path) -> None:
-    """The ECDS file for (c), the same resource shape `tenantgate policy apply` writes."""
+def write_empty_ecds(path: Path, configuration: str = "") -> None:
+    """The ECDS file for (c) (an empty configuration) or the hostcall probe,
+    the same resource shape `tenantgate policy apply` writes."""
     doc = {
         "resources": [
             {
@@ -292,7 +308,7 @@ def write_empty_ecds(path: Path) -> None:
                         },
                         "configuration": {
                             "@type": "type.googleapis.com/google.protobuf.StringValue",
-                            "value": "",
+                            "value": configuration,
                         },
                     },
                 },
@@ -337,6 +353,11 @@ class Config:
         self.serve = serve
         # Every request must take an admission slot (h).
         self.admission = admission
+        # The empty filter's plugin configuration: "" for (c), else the
+        # hostcalls the probe makes per request (bench/empty-filter).
+        self.probe = ""
+        # How many calls of one kind the probe makes (its price is per call).
+        self.calls = 1
 
 
 class Envoy:
@@ -365,7 +386,7 @@ class Envoy:
             assert config.policy is not None
             apply_policy(config.policy, ecds)
         elif config.filter_name == "empty":
-            write_empty_ecds(ecds)
+            write_empty_ecds(ecds, config.probe)
         bootstrap = self.dir / "bootstrap.yaml"
         bootstrap.write_text(
             render_bootstrap(render_filters(config.filter_name, ecds), self.port, self.admin, self.sync_port)
@@ -706,6 +727,7 @@ def main() -> int:
         Config("g", "(g) tenantgate, 1 tenant, global (serve)", "tenantgate", has_ratelimit, serve=True),
         Config("h", "(h) tenantgate, 1 tenant, admission", "tenantgate", has_ratelimit, admission=True),
         Config("i", "(i) tenantgate, 1 tenant, adaptive", "tenantgate", has_ratelimit, admission=True),
+        Config("j", "(j) tenantgate, 1 tenant, lean config", "tenantgate"),
     ]
     by_key = {c.key: c for c in configs}
     by_key["d"].policy = BENCH / "policies/one-tenant.yaml"
@@ -713,9 +735,12 @@ def main() -> int:
     by_key["g"].policy = BENCH / "policies/global.yaml"
     by_key["h"].policy = BENCH / "policies/admission.yaml"
     by_key["i"].policy = BENCH / "policies/adaptive.yaml"
-    if ONLY:
-        return only(by_key)
-    latency_configs = [by_key[k] for k in ("a", "c", "d")]
+    # (j): (d) in its cheapest trusted configuration: the class from the
+    # filter instance (no lookup), RateLimit headers on denials only.
+    by_key["j"].policy = OUT / "lean.yaml"
+    one_tenant = (BENCH / "policies/one-tenant.yaml").read_text()
+    by_key["j"].policy.write_text(one_tenant.replace("mode: enforce\n", "") + "class: api\nratelimit_headers: false\n")
+    latency_configs = [by_key[k] for k in ("a", "c", "d", "j")]
     # The ablation: (d) with one part of the work taken away at a time,
     # each a configuration users can run (nothing is patched out).
     ablation = []
@@ -732,6 +757,30 @@ def main() -> int:
             c.policy = OUT / f"ablation-{key}.yaml"
             c.policy.write_text(one.replace("mode: enforce\n", "") + extra)
             ablation.append(c)
+
+    # The hostcall probe: the empty filter making PROBE_CALLS calls of one
+    # kind per request, so (its CPU per request - its own (c)'s) / PROBE_CALLS
+    # is one call's price in this Envoy; then exactly the calls (d) makes,
+    # and the fewest a per-tenant limit shared by workers can make, with no
+    # engine behind them.
+    probes = []
+    if PROBE:
+        for kind in ("clock", "header", "metadata", "route_name", "shared_get", "shared_cas", "response_header"):
+            c = Config(f"p-{kind}", f"{PROBE_CALLS} x {kind}", "empty")
+            c.probe = ",".join([kind] * PROBE_CALLS)
+            c.calls = PROBE_CALLS
+            probes.append(c)
+        for key, label, calls in (
+            ("p-d", "(d)'s hostcalls, nothing else", "clock,metadata,header,shared_cas,response_header,response_header"),
+            ("p-j", "(j)'s hostcalls, nothing else", "clock,header,shared_cas"),
+        ):
+            c = Config(key, label, "empty")
+            c.probe = calls
+            c.calls = 1
+            probes.append(c)
+
+    if ONLY:
+        return only({**by_key, **{c.key: c for c in ablation + probes}})
 
     version = envoy_version()
     mach = machine()
@@ -761,6 +810,7 @@ def main() -> int:
         for config in configs:
             raw[config.key][-1]["ratio_to_a"] = round(raw[config.key][-1]["rps"] / base, 4)
         raw["d"][-1]["ratio_to_c"] = round(raw["d"][-1]["rps"] / raw["c"][-1]["rps"], 4)
+        raw["j"][-1]["ratio_to_c"] = round(raw["j"][-1]["rps"] / raw["c"][-1]["rps"], 4)
         raw["g"][-1]["ratio_to_d"] = round(raw["g"][-1]["rps"] / raw["d"][-1]["rps"], 4)
         raw["h"][-1]["ratio_to_d"] = round(raw["h"][-1]["rps"] / raw["d"][-1]["rps"], 4)
         raw["i"][-1]["ratio_to_d"] = round(raw["i"][-1]["rps"] / raw["d"][-1]["rps"], 4)
@@ -777,7 +827,8 @@ def main() -> int:
                 f"p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms",
                 flush=True,
             )
-        latency["d"][-1]["p50_minus_c_us"] = round((latency["d"][-1]["p50_ms"] - latency["c"][-1]["p50_ms"]) * 1000, 1)
+        for key in ("d", "j"):
+            latency[key][-1]["p50_minus_c_us"] = round((latency[key][-1]["p50_ms"] - latency["c"][-1]["p50_ms"]) * 1000, 1)
 
     # Ablation rounds, each with (c) and (d) of its own as the reference.
     abl_configs = [by_key["c"], by_key["d"]] + ablation if ablation else []
@@ -789,6 +840,20 @@ def main() -> int:
             abl[config.key].append(r)
             print(
                 f"  ablation {rnd}/{ROUNDS}  {config.label:<38} {r['rps']:>9,.0f} req/s  "
+                f"{r['cpu_us_per_req']:.1f} us CPU/req  (Envoy CPU {r['envoy_cpu_util']:.0%})",
+                flush=True,
+            )
+
+    # Probe rounds, with a (c) of their own.
+    probe_configs = [by_key["c"]] + probes if probes else []
+    prb: dict[str, list[dict]] = {c.key: [] for c in probe_configs}
+    for rnd in range(1, ROUNDS + 1 if probes else 1):
+        shift = (rnd - 1) % len(probe_configs)
+        for config in probe_configs[shift:] + probe_configs[:shift]:
+            r = one_run(config, rnd)
+            prb[config.key].append(r)
+            print(
+                f"  probe {rnd}/{ROUNDS}  {config.label:<41} {r['rps']:>9,.0f} req/s  "
                 f"{r['cpu_us_per_req']:.1f} us CPU/req  (Envoy CPU {r['envoy_cpu_util']:.0%})",
                 flush=True,
             )
@@ -811,6 +876,7 @@ def main() -> int:
             "rounds": rows,
         }
     summary["d"]["median"]["ratio_to_c"] = median(r["ratio_to_c"] for r in raw["d"])
+    summary["j"]["median"]["ratio_to_c"] = median(r["ratio_to_c"] for r in raw["j"])
     summary["g"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["g"])
     summary["h"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["h"])
     summary["i"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["i"])
@@ -822,8 +888,11 @@ def main() -> int:
             "median": {"p50_ms": median(r["p50_ms"] for r in rows), "p99_ms": median(r["p99_ms"] for r in rows)},
             "rounds": rows,
         }
-    d_minus_c_us = median(r["p50_minus_c_us"] for r in latency["d"])
-    summary["d"]["one_connection"]["median"]["p50_minus_c_us"] = d_minus_c_us
+    p50_over_c = {}
+    for key in ("d", "j"):
+        p50_over_c[key] = median(r["p50_minus_c_us"] for r in latency[key])
+        summary[key]["one_connection"]["median"]["p50_minus_c_us"] = p50_over_c[key]
+    d_minus_c_us = p50_over_c["d"]
 
     targets = []
     for key, against, field, goal in (
@@ -831,6 +900,8 @@ def main() -> int:
         ("d", "c", "ratio_to_c", 0.85),
         ("e", "a", "ratio_to_a", 0.55),
         ("g", "d", "ratio_to_d", 0.90),
+        ("j", "a", "ratio_to_a", 0.60),
+        ("j", "c", "ratio_to_c", 0.85),
     ):
         measured = summary[key]["median"][field]
         targets.append(
@@ -842,15 +913,16 @@ def main() -> int:
                 "result": "PASS" if measured >= goal else "MISS",
             }
         )
-    targets.append(
-        {
-            "config": "d",
-            "against": "c",
-            "target": f"p50 at {LATENCY_CONNECTIONS} connection within 5 us of (c)",
-            "measured": d_minus_c_us,
-            "result": "PASS" if d_minus_c_us is not None and d_minus_c_us <= 5.0 else "MISS",
-        }
-    )
+    for key in ("d", "j"):
+        targets.append(
+            {
+                "config": key,
+                "against": "c",
+                "target": f"p50 at {LATENCY_CONNECTIONS} connection within 5 us of (c)",
+                "measured": p50_over_c[key],
+                "result": "PASS" if p50_over_c[key] is not None and p50_over_c[key] <= 5.0 else "MISS",
+            }
+        )
 
     # ------------------------------------------------------------ table
     a_cpu = summary["a"]["median"]["cpu_us_per_req"]
@@ -885,9 +957,28 @@ def main() -> int:
     print(f"p50 at {LATENCY_CONNECTIONS} connection (medians of {ROUNDS} rounds):", end="")
     for config in latency_configs:
         print(f"  {config.key}: {summary[config.key]['one_connection']['median']['p50_ms']:.3f} ms", end="")
-    print(f"  (d) - (c): {fmt(d_minus_c_us, '+.1f')} us")
+    print(f"  (d) - (c): {fmt(p50_over_c['d'], '+.1f')} us  (j) - (c): {fmt(p50_over_c['j'], '+.1f')} us")
     for t in targets:
         print(f"target ({t['config']}) {t['target']}: {fmt(t['measured'], '.2f')}  {t['result']}")
+    probe_summary = {}
+    if probe_configs:
+        c_cpu = median(r["cpu_us_per_req"] for r in prb["c"])
+        print()
+        print(f"hostcall probe (medians of {ROUNDS} rounds; CPU us/req over its own (c) run: {fmt(c_cpu, '.1f')})")
+        for config in probes:
+            cpu = median(r["cpu_us_per_req"] for r in prb[config.key])
+            over = cpu - c_cpu if cpu is not None and c_cpu is not None else None
+            per_call = over / config.calls if over is not None and config.calls > 1 else None
+            probe_summary[config.key] = {
+                "label": config.label,
+                "calls": config.probe,
+                "median": {"cpu_us_per_req": cpu, "over_c_us": over, "per_call_us": per_call},
+                "rounds": prb[config.key],
+            }
+            each = f"  {fmt(per_call, '>5.2f')} us a call" if per_call is not None else ""
+            print(f"  {config.label:<40} {fmt(cpu, '>6.1f')} us CPU/req  {fmt(over, '>+6.1f')} us vs (c){each}")
+        probe_summary["c"] = {"label": by_key["c"].label, "median": {"cpu_us_per_req": c_cpu}, "rounds": prb["c"]}
+        print()
     h_cpu, d_cpu = summary["h"]["median"]["cpu_us_per_req"], summary["d"]["median"]["cpu_us_per_req"]
     print(
         f"admission (h) vs (d): {fmt(summary['h']['median']['ratio_to_d'], '.2f')} x by throughput, "
@@ -925,6 +1016,7 @@ def main() -> int:
         "configs": summary,
         "targets": targets,
         "ablation": ablation_summary,
+        "probe": probe_summary,
         "cas": cas,
     }
     OUT.mkdir(parents=True, exist_ok=True)
