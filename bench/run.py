@@ -765,7 +765,7 @@ def main() -> int:
     # engine behind them.
     probes = []
     if PROBE:
-        for kind in ("clock", "header", "metadata", "route_name", "shared_get", "shared_cas", "response_header"):
+        for kind in ("clock", "header", "metadata", "route_name", "shared_cas", "response_header"):
             c = Config(f"p-{kind}", f"{PROBE_CALLS} x {kind}", "empty")
             c.probe = ",".join([kind] * PROBE_CALLS)
             c.calls = PROBE_CALLS

@@ -19,7 +19,6 @@
 //! | `header` | `proxy_get_header_map_value` (`x-tenant-id`; a copy into the VM) |
 //! | `metadata` | `proxy_get_property` of the route metadata's `tenantgate.class` |
 //! | `route_name` | `proxy_get_property` of `xds.route_name` |
-//! | `shared_get` | `proxy_get_shared_data` (a copy into the VM) |
 //! | `shared_cas` | `proxy_get_shared_data`, then `proxy_set_shared_data` with its CAS token |
 //! | `response_header` | `proxy_add_header_map_value` on the response headers |
 //!
@@ -49,7 +48,6 @@ mod filter {
         Header,
         Metadata,
         RouteName,
-        SharedGet,
         SharedCas,
         ResponseHeader,
     }
@@ -61,7 +59,6 @@ mod filter {
                 "header" => Call::Header,
                 "metadata" => Call::Metadata,
                 "route_name" => Call::RouteName,
-                "shared_get" => Call::SharedGet,
                 "shared_cas" => Call::SharedCas,
                 "response_header" => Call::ResponseHeader,
                 _ => return None,
@@ -84,7 +81,6 @@ mod filter {
                 ])
                 .map(drop),
                 Call::RouteName => hostcalls::get_property(vec!["xds", "route_name"]).map(drop),
-                Call::SharedGet => hostcalls::get_shared_data("probe").map(drop),
                 Call::SharedCas => hostcalls::get_shared_data("probe")
                     .and_then(|(_, cas)| hostcalls::set_shared_data("probe", Some(b"0123456789abcdef"), cas)),
                 Call::ResponseHeader => {
