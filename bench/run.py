@@ -705,6 +705,24 @@ def only(by_key: dict) -> int:
     return 0
 
 
+def interleaved(name: str, configs: list[Config]) -> dict[str, list[dict]]:
+    """ROUNDS rounds of `configs` (none if empty), the start rotating each
+    round, as the ablation and the probe run: CPU per request is what they
+    compare."""
+    runs: dict[str, list[dict]] = {c.key: [] for c in configs}
+    for rnd in range(1, ROUNDS + 1 if configs else 1):
+        shift = (rnd - 1) % len(configs)
+        for config in configs[shift:] + configs[:shift]:
+            r = one_run(config, rnd)
+            runs[config.key].append(r)
+            print(
+                f"  {name} {rnd}/{ROUNDS}  {config.label:<40} {r['rps']:>9,.0f} req/s  "
+                f"{r['cpu_us_per_req']:.1f} us CPU/req  (Envoy CPU {r['envoy_cpu_util']:.0%})",
+                flush=True,
+            )
+    return runs
+
+
 def main() -> int:
     for tool_name in ("wrk", "taskset"):
         if shutil.which(tool_name) is None:
@@ -830,33 +848,12 @@ def main() -> int:
         for key in ("d", "j"):
             latency[key][-1]["p50_minus_c_us"] = round((latency[key][-1]["p50_ms"] - latency["c"][-1]["p50_ms"]) * 1000, 1)
 
-    # Ablation rounds, each with (c) and (d) of its own as the reference.
+    # Ablation rounds, each with (c) and (d) of their own as the reference;
+    # probe rounds with a (c) of their own.
     abl_configs = [by_key["c"], by_key["d"]] + ablation if ablation else []
-    abl: dict[str, list[dict]] = {c.key: [] for c in abl_configs}
-    for rnd in range(1, ROUNDS + 1 if ablation else 1):
-        shift = (rnd - 1) % len(abl_configs)
-        for config in abl_configs[shift:] + abl_configs[:shift]:
-            r = one_run(config, rnd)
-            abl[config.key].append(r)
-            print(
-                f"  ablation {rnd}/{ROUNDS}  {config.label:<38} {r['rps']:>9,.0f} req/s  "
-                f"{r['cpu_us_per_req']:.1f} us CPU/req  (Envoy CPU {r['envoy_cpu_util']:.0%})",
-                flush=True,
-            )
-
-    # Probe rounds, with a (c) of their own.
+    abl = interleaved("ablation", abl_configs)
     probe_configs = [by_key["c"]] + probes if probes else []
-    prb: dict[str, list[dict]] = {c.key: [] for c in probe_configs}
-    for rnd in range(1, ROUNDS + 1 if probes else 1):
-        shift = (rnd - 1) % len(probe_configs)
-        for config in probe_configs[shift:] + probe_configs[:shift]:
-            r = one_run(config, rnd)
-            prb[config.key].append(r)
-            print(
-                f"  probe {rnd}/{ROUNDS}  {config.label:<41} {r['rps']:>9,.0f} req/s  "
-                f"{r['cpu_us_per_req']:.1f} us CPU/req  (Envoy CPU {r['envoy_cpu_util']:.0%})",
-                flush=True,
-            )
+    prb = interleaved("probe", probe_configs)
 
     print("  2 workers (unpinned), 1 hot tenant: CAS retries ...", flush=True)
     cas = cas_run(by_key["d"])
