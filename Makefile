@@ -71,6 +71,7 @@ setup-wrk: ## Install wrk (Debian package) if missing: make bench and make bench
 
 bench: wasm cli setup-wrk ## Measure the filter against baselines (BENCH_ROUNDS=5, BENCH_SECONDS=4) into target/bench/filter.json
 	cargo build --target $(WASM_TARGET) --profile wasm-release -p tenantgate-bench-empty-filter
+	cargo build --target $(WASM_TARGET) --profile wasm-release -p tenantgate-filter --features self-time --target-dir target/self-time
 	$(PYTHON) bench/run.py
 
 bench-memory: wasm cli setup-wrk ## Envoy RSS with 1, 100k and 1M distinct tenants (bytes per key), then growth once a table is full
@@ -88,6 +89,7 @@ lint: check-glue ## fmt check, clippy (native and wasm32, warnings denied), host
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy --target $(WASM_TARGET) -p tenantgate-filter -p tenantgate-bench-empty-filter -- -D warnings
+	cargo clippy --target $(WASM_TARGET) -p tenantgate-filter --features self-time -- -D warnings
 
 fmt: ## Format the code
 	cargo fmt --all

@@ -34,8 +34,9 @@ Then the hostcall probe (BENCH_PROBE=0 skips it): the empty filter making
 BENCH_PROBE_CALLS (4) calls of one kind per request (bench/empty-filter
 lists the kinds), with its own (c), so (its CPU per request - (c)'s) / 4 is
 the price of one call in this Envoy; and exactly (d)'s and (j)'s hostcalls
-with nothing else, so (d) - "(d)'s hostcalls" is what tenantgate's own code
-costs.
+with nothing else. Last, the engine's own time per decision inside Envoy's
+VM, from the self-time build (`--features self-time`, src/glue/self_time.rs)
+loaded with (d)'s, (e)'s and (j)'s policies.
 
 Each run starts a fresh Envoy (`--concurrency 1`, pinned to CPU 0, fresh
 ports, `--disable-hot-restart`), warms it up, then measures BENCH_SECONDS of
@@ -139,6 +140,8 @@ def tool(env: str, default: Path) -> Path:
 ENVOY = tool("ENVOY_BIN", REPO / ".venv/bin/envoy")
 CLI = tool("TENANTGATE_BIN", REPO / "target/debug/tenantgate")
 WASM = tool("TENANTGATE_WASM", REPO / "target/wasm32-wasip1/wasm-release/tenantgate.wasm")
+# `--features self-time` (src/glue/self_time.rs), built by `make bench`.
+SELF_TIME_WASM = REPO / "target/self-time/wasm32-wasip1/wasm-release/tenantgate.wasm"
 EMPTY_WASM = tool("EMPTY_WASM", REPO / "target/wasm32-wasip1/wasm-release/empty_filter.wasm")
 
 
@@ -318,10 +321,10 @@ def write_empty_ecds(path: Path, configuration: str = "") -> None:
     path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
-def apply_policy(policy: Path, ecds: Path) -> None:
+def apply_policy(policy: Path, ecds: Path, wasm: Path = WASM) -> None:
     """Exactly as in production: the CLI validates and writes the ECDS file."""
     res = subprocess.run(
-        [str(CLI), "policy", "apply", str(policy), "--ecds", str(ecds), "--wasm", str(WASM)],
+        [str(CLI), "policy", "apply", str(policy), "--ecds", str(ecds), "--wasm", str(wasm)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -358,6 +361,8 @@ class Config:
         self.probe = ""
         # How many calls of one kind the probe makes (its price is per call).
         self.calls = 1
+        # The tenantgate build to load (the self-time build for that step).
+        self.wasm = WASM
 
 
 class Envoy:
@@ -384,7 +389,7 @@ class Envoy:
         ecds = self.dir / "ecds.yaml"
         if config.filter_name == "tenantgate":
             assert config.policy is not None
-            apply_policy(config.policy, ecds)
+            apply_policy(config.policy, ecds, config.wasm)
         elif config.filter_name == "empty":
             write_empty_ecds(ecds, config.probe)
         bootstrap = self.dir / "bootstrap.yaml"
@@ -646,6 +651,38 @@ def cas_run(config: Config) -> dict:
     }
 
 
+SELF_TIME_LINE = re.compile(r"self-time: policy \S+ decision (\d+) ns, its (\d+) host calls alone (\d+) ns, engine (\d+) ns")
+
+
+def self_time(configs: list[Config]) -> dict:
+    """The engine's own time per decision inside Envoy's VM: the self-time
+    build decides 20,000 times over an in-memory host on each configuration
+    and logs it (src/glue/self_time.rs); medians over the VM's contexts.
+    Skipped (empty) when that build is missing."""
+    if not SELF_TIME_WASM.exists():
+        print(f"  self-time: {SELF_TIME_WASM.relative_to(REPO)} not built (make bench builds it): skipped", flush=True)
+        return {}
+    out = {}
+    for config in configs:
+        c = Config(config.key, config.label, "tenantgate")
+        c.policy = config.policy
+        c.wasm = SELF_TIME_WASM
+        envoy = Envoy(c, f"{config.key}-self-time", concurrency=1, cpu=ENVOY_CPU)
+        envoy.close()
+        found = SELF_TIME_LINE.findall((envoy.dir / "envoy.log").read_text(errors="replace"))
+        if not found:
+            raise BenchError(f"self-time: no measurement in {envoy.dir / 'envoy.log'}")
+        out[config.key] = {
+            "label": config.label,
+            "samples": len(found),
+            "host_calls": int(found[0][1]),
+            "decision_ns": median(int(f[0]) for f in found),
+            "host_calls_alone_ns": median(int(f[2]) for f in found),
+            "engine_ns": median(int(f[3]) for f in found),
+        }
+    return out
+
+
 # --------------------------------------------------------------- report
 
 
@@ -857,6 +894,8 @@ def main() -> int:
 
     print("  2 workers (unpinned), 1 hot tenant: CAS retries ...", flush=True)
     cas = cas_run(by_key["d"])
+    print("  the engine's own time inside the VM (self-time build) ...", flush=True)
+    engine_time = self_time([by_key[k] for k in ("d", "e", "j")])
 
     summary = {}
     for config in configs:
@@ -988,6 +1027,12 @@ def main() -> int:
         f"vs (h): {fmt(summary['i']['median']['ratio_to_h'], '.2f')} x, "
         f"{fmt(i_cpu - h_cpu if i_cpu is not None and h_cpu is not None else None, '+.1f')} us CPU/req"
     )
+    for key, t in engine_time.items():
+        print(
+            f"engine inside the VM, {t['label']}: {t['decision_ns']:,.0f} ns a decision over an in-memory host, "
+            f"its {t['host_calls']} host calls alone {t['host_calls_alone_ns']:,.0f} ns: "
+            f"engine {t['engine_ns']:,.0f} ns ({t['samples']} contexts)"
+        )
     print(
         f"CAS, 2 workers, 1 hot tenant, {CAS_CONNECTIONS} connections: {cas['cas_retries']:,} retries / "
         f"{cas['decisions']:,} decisions = {fmt(cas['cas_retries_per_request'], '.4f')} retries per request "
@@ -1014,6 +1059,7 @@ def main() -> int:
         "targets": targets,
         "ablation": ablation_summary,
         "probe": probe_summary,
+        "engine_in_vm": engine_time,
         "cas": cas,
     }
     OUT.mkdir(parents=True, exist_ok=True)

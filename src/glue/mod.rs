@@ -16,6 +16,8 @@ mod abi;
 mod admission;
 mod breaker;
 mod metrics;
+#[cfg(feature = "self-time")]
+mod self_time;
 mod sync;
 
 use std::cell::RefCell;
@@ -173,6 +175,10 @@ impl RootContext for Root {
                 self.admission.configure(&policy, policy.effective_from_ns);
                 self.policy = Some(Rc::new(policy));
                 self.metrics.config_loaded();
+                #[cfg(feature = "self-time")]
+                if let Some(policy) = &self.policy {
+                    self_time::report(policy);
+                }
                 // Every configuration serves the queue: requests held under
                 // an earlier one still need answering.
                 let tick_ms = u32::try_from(TICK.as_millis()).unwrap_or(u32::MAX);
