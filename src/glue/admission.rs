@@ -484,6 +484,20 @@ pub(super) fn with_worker<R>(f: impl FnOnce(&mut Worker) -> R) -> Option<R> {
     WORKER.with(|w| w.try_borrow_mut().ok()?.as_mut().map(f))
 }
 
+/// Runs a tick of the controller or the breakers with the worker, its
+/// signal windows and the control buffers (nothing, if one is borrowed).
+fn with_control<R: Default>(f: impl FnOnce(&mut Worker, &mut Windows, &mut crate::table::Buffers) -> R) -> R {
+    WINDOWS.with(|windows| {
+        CONTROL_BUFFERS.with(|buffers| {
+            let (Ok(mut windows), Ok(mut buffers)) = (windows.try_borrow_mut(), buffers.try_borrow_mut())
+            else {
+                return R::default();
+            };
+            with_worker(|w| f(w, &mut windows, &mut buffers)).unwrap_or_default()
+        })
+    })
+}
+
 /// Counts a primary request of a retry-budgeted dependency (memory only).
 fn note_primary(budget: &crate::policy::admission::RetryBudget) {
     PRIMARIES.with(|p| {
@@ -1382,17 +1396,8 @@ impl Admission {
 
     /// The breakers' tick (see [`breaker::tick`]), after the controller's.
     fn breakers(&self, policy: &Policy, controlled: &[controller::Ticked], now: u64) -> Vec<breaker::Ticked> {
-        WINDOWS.with(|windows| {
-            CONTROL_BUFFERS.with(|buffers| {
-                let (Ok(mut windows), Ok(mut buffers)) = (windows.try_borrow_mut(), buffers.try_borrow_mut())
-                else {
-                    return Vec::new();
-                };
-                with_worker(|w| {
-                    breaker::tick(&ProxyHost, policy, w, &mut windows, controlled, now, &mut buffers)
-                })
-                .unwrap_or_default()
-            })
+        with_control(|w, windows, buffers| {
+            breaker::tick(&ProxyHost, policy, w, windows, controlled, now, buffers)
         })
     }
 
@@ -1411,17 +1416,8 @@ impl Admission {
                 .unwrap_or_default()
         });
         let age = |d: &crate::policy::admission::Dependency| ages.get(&d.key).copied().unwrap_or(0);
-        WINDOWS.with(|windows| {
-            CONTROL_BUFFERS.with(|buffers| {
-                let (Ok(mut windows), Ok(mut buffers)) = (windows.try_borrow_mut(), buffers.try_borrow_mut())
-                else {
-                    return Vec::new();
-                };
-                with_worker(|w| {
-                    controller::tick(&ProxyHost, policy, w, &mut windows, &age, now, &mut buffers)
-                })
-                .unwrap_or_default()
-            })
+        with_control(|w, windows, buffers| {
+            controller::tick(&ProxyHost, policy, w, windows, &age, now, buffers)
         })
     }
 

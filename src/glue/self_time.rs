@@ -13,11 +13,10 @@ use std::cell::RefCell;
 
 use crate::engine::{self, Scratch};
 use crate::host::{CasResult, Host, HostError};
-use crate::policy::Policy;
+use crate::policy::{self, Policy};
 use crate::testing::{FakeHost, SharedStore};
 
 const ROUNDS: u64 = 20_000;
-const TENANT_HEADER: &str = "x-tenant-id";
 
 /// One host call a decision made, to replay.
 enum Call {
@@ -25,6 +24,25 @@ enum Call {
     Property(Vec<String>),
     Get(String),
     Set(String, Vec<u8>),
+}
+
+/// A recorded call, borrowed as the engine passes it.
+enum Replay<'a> {
+    Header(&'a str),
+    Property(Vec<&'a str>),
+    Get(&'a str),
+    Set(&'a str, &'a [u8]),
+}
+
+impl Replay<'_> {
+    fn of(call: &Call) -> Replay<'_> {
+        match call {
+            Call::Header(name) => Replay::Header(name),
+            Call::Property(path) => Replay::Property(path.iter().map(String::as_str).collect()),
+            Call::Get(key) => Replay::Get(key),
+            Call::Set(key, value) => Replay::Set(key, value),
+        }
+    }
 }
 
 /// The fake host, recording the calls of one decision.
@@ -65,10 +83,16 @@ pub fn report(policy: &Policy) {
         log::warn!("tenantgate self-time: the policy has no tenant");
         return;
     };
-    let store = SharedStore::new();
-    let mut host = FakeHost::new(store).header(TENANT_HEADER, tenant.as_bytes());
+    let mut host = FakeHost::new(SharedStore::new());
+    if let policy::Identity::Header(name) = &policy.identity {
+        host = host.header(name, tenant.as_bytes());
+    }
+    // The first class, as route metadata and as the route's name: every
+    // way of classifying finds it.
     if let Some(class) = policy.route_classes().next() {
-        host = host.route_class(&class.name);
+        host = host
+            .route_class(&class.name)
+            .property(&engine::ROUTE_NAME_PROPERTY, class.name.as_bytes());
     }
     let now = |fallback: u64| super::now_ns().unwrap_or(fallback);
     let start = now(0);
@@ -97,22 +121,17 @@ pub fn report(policy: &Policy) {
     }
     let t1 = now(t0);
     let mut out = Vec::new();
-    // The paths as the engine passes them (borrowed), built before the clock runs.
-    let paths: Vec<Vec<&str>> = calls
-        .iter()
-        .map(|c| match c {
-            Call::Property(p) => p.iter().map(String::as_str).collect(),
-            _ => Vec::new(),
-        })
-        .collect();
+    // The calls as the engine makes them (borrowed paths), built before the
+    // clock runs.
+    let replay: Vec<Replay<'_>> = calls.iter().map(Replay::of).collect();
     let t2 = now(t1);
     for _ in 0..ROUNDS {
-        for (call, path) in calls.iter().zip(&paths) {
+        for call in &replay {
             match call {
-                Call::Header(name) => drop(std::hint::black_box(host.request_header(name))),
-                Call::Property(_) => drop(std::hint::black_box(Host::property(&host, path))),
-                Call::Get(key) => drop(std::hint::black_box(host.shared_get_into(key, &mut out))),
-                Call::Set(key, value) => drop(std::hint::black_box(host.shared_set(key, value, None))),
+                Replay::Header(name) => drop(std::hint::black_box(host.request_header(name))),
+                Replay::Property(path) => drop(std::hint::black_box(Host::property(&host, path))),
+                Replay::Get(key) => drop(std::hint::black_box(host.shared_get_into(key, &mut out))),
+                Replay::Set(key, value) => drop(std::hint::black_box(host.shared_set(key, value, None))),
             }
         }
     }
