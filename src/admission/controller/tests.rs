@@ -1,11 +1,13 @@
 //! The controller on explicit time: its step function on exact windows
-//! (here) and a simulation of the code that ships ([`sim`]).
+//! (here), a simulation of the code that ships ([`sim`]) and the
+//! controller's guarantees measured on it over many seeds ([`bounds`]).
 
 use std::rc::Rc;
 
 use super::*;
 use crate::testing::{FakeHost, SharedStore};
 
+mod bounds;
 mod sim;
 
 const MS: u64 = 1_000_000;
@@ -103,10 +105,12 @@ fn each_rule_moves_the_limit_within_its_bound() {
     let a = settings(&p);
     let st = with_baseline(&a, 100);
     // Far over the baseline: the gradient (20·1.02/200 clamps to 0.5),
-    // smoothed by 2α = 0.5 on the way down: 100 + 0.5·(50 − 100) = 75.
+    // smoothed by 2α = 0.5 on the way down: 100 + 0.5·(50 − 100) = 75, but
+    // latency alone stops at the floor, 25 % of the 99 slots above min
+    // (1) below the anchor (100): 75.25.
     let down = step(&a, 1, &st, &summary(2, 500, 200, 100));
     assert_eq!(down.last_move, Move::Gradient);
-    assert_eq!(down.limit_milli, 75_000);
+    assert_eq!((down.limit_milli, down.anchor_milli), (75_250, 100_000));
     // In the dead zone: g = 20·1.02/21 = 0.971, between 1 − 0.04 − 0.3/√500
     // = 0.947 and 1 − 0.3/√500 = 0.987: held.
     let held = step(&a, 1, &st, &summary(2, 500, 21, 100));
@@ -208,4 +212,282 @@ fn the_control_state_round_trips_through_shared_data_once_per_window() {
     assert_eq!(apply(&host, &dep, &a, &s, T0, &mut buffers), Ok(None));
     let read_back = read(&host, "db");
     assert_eq!(read_back, first.ok().flatten());
+}
+
+/// Windows of `completed` successes at `p95_ms`, with requests refused
+/// (the limit used), from index `from`.
+fn used(index: u64, completed: u32, p95_ms: u64) -> WindowSummary {
+    WindowSummary {
+        refused: 10,
+        ..summary(index, completed, p95_ms, 1)
+    }
+}
+
+/// Runs `windows` through [`step`] from `st`.
+fn run(a: &Adaptive, st: State, windows: impl IntoIterator<Item = WindowSummary>) -> State {
+    windows.into_iter().fold(st, |st, w| step(a, 1, &st, &w))
+}
+
+/// Used windows of `p95_ms` from index 2 until a refresh starts (at most
+/// 20); the next index and the state.
+fn until_refresh(a: &Adaptive, mut st: State, p95_ms: u64) -> (u64, State) {
+    for i in 2..22 {
+        st = step(a, 1, &st, &used(i, 500, p95_ms));
+        if st.phase == Phase::Draining {
+            return (i + 1, st);
+        }
+    }
+    panic!("no refresh: {st:?}");
+}
+
+#[test]
+fn latency_alone_stops_at_the_floor_where_a_flat_refresh_gives_the_limit_back() {
+    // A baseline 20 % too low (20 ms; the upstream answers in 24 ms at any
+    // concurrency): every window is bad.
+    let p = policy(1000, "{}");
+    let a = settings(&p);
+    let (i, st) = until_refresh(&a, with_baseline(&a, 100), 24);
+    // Down to the floor (75.25) and not below; the window at the floor
+    // starts the experiment.
+    assert_eq!((st.limit_milli, st.refresh_on_bad), (75_250, true));
+    assert_eq!(st.cap(&a), 37);
+    // At the cut the latency is the same (flat) and bad: the baseline is
+    // contradicted and replaced by it; the limit comes back whole and then
+    // to the anchor (100) by max_increase a window.
+    let st = step(&a, 1, &st, &used(i, 500, 24));
+    assert_eq!(st.phase, Phase::Measuring);
+    let st = step(&a, 1, &st, &used(i + 1, 500, 24));
+    assert_eq!(
+        (st.phase, st.last_move, st.baseline_ns),
+        (Phase::Normal, Move::Measured, 24 * MS)
+    );
+    assert_eq!((st.limit(&a), st.recover_milli), (75, 100_000));
+    let back = run(&a, st, (i + 2..i + 4).map(|i| used(i, 500, 24)));
+    assert_eq!(back.limit(&a), 100, "back at the anchor: {back:?}");
+}
+
+#[test]
+fn a_descent_whose_latency_falls_with_the_limit_goes_on() {
+    // The upstream queues: at 75 its p95 is 40 ms, at the cut (37) it is
+    // the baseline's 20 ms: a clear fall. The limit goes on down from
+    // about 75 by the window before's gradient (20·1.02/40 = 0.51): 75 +
+    // 0.5·(38 − 75) ≈ 57, the anchor gone.
+    let p = policy(1000, "{}");
+    let a = settings(&p);
+    let (i, st) = until_refresh(&a, with_baseline(&a, 100), 40);
+    let st = run(&a, st, [used(i, 500, 20), used(i + 1, 500, 20)]);
+    assert_eq!(
+        (st.last_move, st.anchor_milli, st.baseline_ns),
+        (Move::Gradient, 0, 20 * MS)
+    );
+    assert!((56_000..58_000).contains(&st.limit_milli), "{}", st.limit_milli);
+    // Still queued at the cut and halved with it: the limit is the cut.
+    let (i, st) = until_refresh(&a, with_baseline(&a, 100), 80);
+    let st = run(&a, st, [used(i, 500, 40), used(i + 1, 500, 40)]);
+    assert_eq!(
+        (st.last_move, st.limit(&a), st.baseline_ns),
+        (Move::Gradient, 37, 20 * MS)
+    );
+}
+
+#[test]
+fn a_refresh_during_a_step_keeps_the_steps_result() {
+    // A scheduled refresh starts at 100 in a healthy window (20 ms); during
+    // it the upstream slows: at the cut (50) the p95 is 30 ms, worse than
+    // before beyond the band. The limit does not come back: it is the floor
+    // below 100 (75.25), the baseline stays.
+    let p = policy(1000, "{}");
+    let a = settings(&p);
+    let st = State {
+        next_refresh: 2,
+        ..with_baseline(&a, 100)
+    };
+    let st = step(&a, 1, &st, &used(2, 500, 20));
+    assert_eq!((st.phase, st.refresh_on_bad), (Phase::Draining, false));
+    let st = run(&a, st, [used(3, 500, 30), used(4, 500, 30)]);
+    assert_eq!(
+        (st.last_move, st.limit_milli, st.baseline_ns),
+        (Move::Gradient, 75_250, 20 * MS)
+    );
+    // A healthy refresh gives the limit back and averages the baseline.
+    let st = State {
+        next_refresh: 2,
+        ..with_baseline(&a, 100)
+    };
+    let st = run(&a, st, [used(2, 500, 20), used(3, 500, 21), used(4, 500, 21)]);
+    assert_eq!(
+        (st.last_move, st.limit(&a), st.baseline_ns),
+        (Move::Measured, 100, 20_500_000)
+    );
+    // A refresh never starts in a bad window (it would measure a queue).
+    let st = State {
+        next_refresh: 2,
+        ..with_baseline(&a, 100)
+    };
+    assert_eq!(step(&a, 1, &st, &used(2, 500, 40)).last_move, Move::Gradient);
+}
+
+#[test]
+fn at_min_an_unhealthy_window_measures_the_baseline_again_for_free() {
+    // At min (5 with 4 reserved), the windows 10 % over a baseline too
+    // low: the experiment at once, with no cut (the cap stays 5); flat and
+    // unhealthy, the two windows' mean replaces the baseline, with fewer
+    // than MIN_BASELINE_SAMPLES.
+    let p = policy(64, r#"{"min": 5}"#);
+    let a = settings(&p);
+    let st = State {
+        limit_milli: 5_000,
+        ..with_baseline(&a, 5)
+    };
+    let st = step(&a, 1, &st, &used(2, 80, 22));
+    assert_eq!((st.phase, st.cap(&a)), (Phase::Draining, 5));
+    let st = run(&a, st, [used(3, 80, 22), used(4, 80, 22)]);
+    assert_eq!((st.last_move, st.baseline_ns), (Move::Measured, 22 * MS));
+    // Now healthy: up by the gradient, a slot a window at least.
+    let up = step(&a, 1, &st, &used(5, 80, 22));
+    assert_eq!((up.last_move, up.limit(&a)), (Move::Increase, 6));
+}
+
+#[test]
+fn errors_back_off_and_the_limit_comes_back_to_where_they_started() {
+    let p = policy(1000, "{}");
+    let a = settings(&p);
+    let mut errs = used(2, 500, 20);
+    errs.errors = 500;
+    errs.successes = 0;
+    let st = run(
+        &a,
+        with_baseline(&a, 100),
+        (2..12).map(|i| WindowSummary { index: i, ..errs }),
+    );
+    assert_eq!((st.last_move, st.recover_milli), (Move::ErrorBackoff, 100_000));
+    assert!(st.limit(&a) <= 11, "{}", st.limit(&a));
+    // Healthy again: by max_increase (25 %, at least a slot) a window, to
+    // 100 in 10 windows; then by the gradient.
+    let mut limits = Vec::new();
+    let mut st = st;
+    for i in 12..30 {
+        st = step(&a, 1, &st, &used(i, 500, 20));
+        limits.push(st.limit(&a));
+    }
+    for pair in limits.windows(2) {
+        assert!(pair[1] <= pair[0] + (pair[0] / 4).max(1) + 1, "{limits:?}");
+    }
+    assert_eq!(limits.iter().position(|&l| l == 100), Some(9), "{limits:?}");
+    assert_eq!(st.recover_milli, 0);
+}
+
+#[test]
+fn the_dead_zone_tries_one_slot_more_after_probe_windows() {
+    // 21 ms over a 20 ms baseline: the dead zone. Held, then one slot
+    // more every PROBE_WINDOWS windows while the limit is used.
+    let p = policy(1000, "{}");
+    let a = settings(&p);
+    let st = run(
+        &a,
+        with_baseline(&a, 100),
+        (2..2 + u64::from(PROBE_WINDOWS)).map(|i| used(i, 500, 21)),
+    );
+    assert_eq!((st.last_move, st.limit(&a)), (Move::Probe, 101));
+    // Unused, it holds.
+    let idle = run(
+        &a,
+        with_baseline(&a, 100),
+        (2..40).map(|i| summary(i, 500, 21, 10)),
+    );
+    assert_eq!((idle.last_move, idle.limit(&a)), (Move::Held, 100));
+}
+
+#[test]
+fn measured_noise_widens_the_thresholds() {
+    // 6 % over the baseline: bad when the p95 is quiet (noise 0), held in
+    // the dead zone when windows at one limit have differed by 12 % on
+    // average (σ ≈ 10.6 %: ε = 5.3 %).
+    let p = policy(1000, "{}");
+    let a = settings(&p);
+    let quiet = step(&a, 1, &with_baseline(&a, 100), &used(2, 500, 22));
+    assert_eq!(quiet.last_move, Move::Gradient);
+    let noisy = State {
+        noise_ppm: 120_000,
+        ..with_baseline(&a, 100)
+    };
+    assert_eq!(step(&a, 1, &noisy, &used(2, 500, 22)).last_move, Move::Held);
+    // Two windows at one limit feed the measure; a step's jump is capped.
+    let st = run(
+        &a,
+        with_baseline(&a, 100),
+        [summary(2, 500, 21, 10), summary(3, 500, 42, 10)],
+    );
+    assert_eq!(st.noise_ppm, (NOISE_SAMPLE_CAP * f64::from(PPM) / 8.0) as u32);
+}
+
+#[test]
+fn below_the_measurable_level_a_healthy_used_window_probes_a_slot() {
+    // 200 ms answers and 500 ms windows: a window holds 20 completions
+    // from 8 in flight. At 5 it has 12: too few to judge latency, yet
+    // healthy and refused: one slot more (the controller never stays
+    // blind at a limit it set).
+    let p = policy(64, r#"{"min": 5}"#);
+    let a = settings(&p);
+    let st = State {
+        limit_milli: 5_000,
+        baseline_ns: 200 * MS,
+        ..with_baseline(&a, 5)
+    };
+    let st = step(&a, 1, &st, &used(2, 12, 200));
+    assert_eq!((st.last_move, st.limit(&a)), (Move::Probe, 6));
+    // Latency well over the baseline: held.
+    assert_eq!(step(&a, 1, &st, &used(3, 12, 400)).last_move, Move::Idle);
+}
+
+#[test]
+fn a_version_1_control_record_still_decodes() {
+    // The layout before #26: version 1, no noise, anchor, recovery level or
+    // refresh window; it keeps its limit and baseline.
+    let p = policy(100, "{}");
+    let a = settings(&p);
+    let mut v1 = vec![1u8];
+    for v in [42_000u64, 20 * MS, 77, 10] {
+        v1.extend_from_slice(&v.to_le_bytes());
+    }
+    v1.extend_from_slice(&[0, 0]);
+    v1.extend_from_slice(&3u32.to_le_bytes());
+    v1.extend_from_slice(&950_000u32.to_le_bytes());
+    v1.push(Move::Held as u8);
+    for v in [500u32, 0, 40] {
+        v1.extend_from_slice(&v.to_le_bytes());
+    }
+    for v in [25 * MS, MS, 0u64] {
+        v1.extend_from_slice(&v.to_le_bytes());
+    }
+    let record = Record {
+        name_hash: CONTROL_NAME_HASH,
+        kind: KIND_CONTROL,
+        p1: 0,
+        p2: 0,
+        state: &v1,
+    };
+    let st = State::decode(&record);
+    assert!(
+        st.is_some_and(|s| s.limit(&a) == 42 && s.baseline_ns == 20 * MS && s.anchor_milli == 0),
+        "{st:?}"
+    );
+    // And the current layout round-trips.
+    let now = State {
+        noise_ppm: 7,
+        anchor_milli: 9,
+        recover_milli: 11,
+        refresh_p95_ns: 13,
+        refresh_samples: 15,
+        refresh_on_bad: true,
+        held_windows: 3,
+        ..with_baseline(&a, 50)
+    };
+    let mut out = Vec::new();
+    now.encode(&mut out);
+    let record = Record {
+        state: &out,
+        ..record
+    };
+    assert_eq!(State::decode(&record), Some(now));
 }

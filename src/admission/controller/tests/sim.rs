@@ -520,3 +520,58 @@ fn errors_back_off_to_min_and_recover_and_idle_windows_hold() {
         sim.a.min
     );
 }
+
+/// A healthy upstream as the issue saw it: 30 ms a request (σ 0.1: a
+/// proxy's scheduling jitter on a fixed service time),
+/// capacity `capacity`, `noise` of latency per window (the machine's),
+/// `quiet` times faster for its first 3 s; 1.5 times its capacity offered;
+/// `svc` at most 64 in flight, `min` 5 (as with 4 slots reserved).
+pub(super) fn healthy_sim(seed: u64, capacity: u32, noise: f64, quiet: f64) -> Sim {
+    let mut sim = Sim::with_policy(
+        seed,
+        capacity,
+        1.5 * f64::from(capacity) / 0.030,
+        policy(64, r#"{"min": 5}"#),
+    );
+    sim.median_ns = 30.0 * MS as f64;
+    sim.sigma = 0.1;
+    sim.machine_sigma = noise;
+    sim.quiet_until = T0 + 3 * S;
+    sim.quiet_factor = quiet;
+    sim
+}
+
+impl Sim {
+    /// The node's control state.
+    pub(super) fn state(&self) -> State {
+        match read(&self.host(), "db") {
+            Some(st) => st,
+            None => panic!("no control state"),
+        }
+    }
+
+    /// Overwrites the node's control state (a test's starting point).
+    pub(super) fn set_state(&self, st: &State) {
+        let host = self.host();
+        let key = control_key("db");
+        let mut buffers = table::Buffers::default();
+        let written = table::update(
+            &host,
+            &Place::Fixed { key: &key },
+            &FIXED,
+            self.now,
+            &mut buffers,
+            |_, out| {
+                out.push(1);
+                push_record_with(out, CONTROL_NAME_HASH, KIND_CONTROL, 0, 0, |o| st.encode(o));
+                (Commit::Write, ())
+            },
+        );
+        assert!(written.is_ok_and(|u| u.written), "control state written");
+    }
+
+    /// The index of the window that closes next.
+    pub(super) fn open_window(&self) -> u64 {
+        self.now / W
+    }
+}
