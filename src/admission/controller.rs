@@ -109,9 +109,13 @@
 //! A baseline measured at high concurrency would call a saturated upstream
 //! healthy, so it is measured **at reduced concurrency**: a refresh caps
 //! the limit at `max(min, L/2)` ([`REFRESH_CUT_PPM`]; the first, while the
-//! limit is still at `max`, at `L/8`: [`FIRST_REFRESH_CUT_PPM`]) for two
+//! limit is still at `max`, at `L/8`: [`FIRST_REFRESH_CUT_PPM`]), and no
+//! lower than a window can measure (`2·MIN_SAMPLES·B/window`: twice, since
+//! reservations and level shares leave some slots empty), for two
 //! windows: the first drains the requests admitted at the full limit, the
-//! second's p95 `p½` is the measurement. A refresh starts in the first
+//! second's p95 `p½` is the measurement (none with fewer than
+//! [`MIN_SAMPLES`]: the limit comes back, and a descent goes on only from
+//! it). A refresh starts in the first
 //! window with traffic, then every `baseline_refresh` ± 25 % (jittered per
 //! dependency and window) in a window whose latency is not bad (a refresh
 //! inside a descent would measure its queue), and at a descent's floor (or
@@ -352,7 +356,11 @@ impl State {
                     REFRESH_CUT_PPM
                 };
                 let cut = u64::from(limit) * u64::from(share) / u64::from(PPM);
-                (cut as u32).max(a.min)
+                // A cut its window can measure: twice MIN_SAMPLES at the
+                // baseline latency (reservations and level shares leave
+                // some of its slots empty).
+                let measurable = measurable_limit(a, self.baseline_ns, 2 * MIN_SAMPLES) as u32;
+                (cut as u32).max(measurable.min(limit)).max(a.min)
             }
         }
     }
@@ -484,6 +492,14 @@ fn next_refresh(a: &Adaptive, seed: u64, index: u64) -> u64 {
         .saturating_add(jitter)
 }
 
+/// The least limit whose window holds `samples` completions at the
+/// baseline latency, all its slots busy (Little's law): `samples·B/window`.
+fn measurable_limit(a: &Adaptive, baseline_ns: u64, samples: u32) -> f64 {
+    (f64::from(samples) * baseline_ns as f64 / a.window_ns.max(1) as f64)
+        .ceil()
+        .min(f64::from(u32::MAX))
+}
+
 /// A window's latency samples: its successes and timeouts (what its p95
 /// is of).
 fn latency_samples(s: &WindowSummary) -> u32 {
@@ -564,8 +580,7 @@ impl Judged {
     /// anchor (`min` is the reservations' and their own slot: the shared
     /// pool is what latency may cut).
     fn floor(&self, a: &Adaptive, baseline_ns: u64, anchor_milli: u64) -> f64 {
-        let window = a.window_ns.max(1) as f64;
-        let measurable = (f64::from(MIN_SAMPLES) * baseline_ns as f64 / window).ceil();
+        let measurable = measurable_limit(a, baseline_ns, MIN_SAMPLES);
         let anchor = anchor_milli as f64 / MILLI;
         let from = self.lo + (anchor - self.lo).max(0.0) * (1.0 - ratio(DESCENT_STEP_PPM));
         from.max(measurable).max(self.lo).min(self.hi)
@@ -785,6 +800,11 @@ fn descend(a: &Adaptive, mut st: State, w: &Judged, p95: u64, target: f64) -> St
 fn measured(a: &Adaptive, mut st: State, before: &State, w: &Judged) -> State {
     let limit = w.limit;
     let Some(p) = w.p95 else {
+        // Nothing measured at the cut: the limit comes back, and a descent
+        // goes on only from here (the next bad window is no floor's).
+        if st.anchor_milli != 0 {
+            st.anchor_milli = st.limit_milli;
+        }
         return moved(st, limit, limit, Move::Idle);
     };
     st.gradient_ppm = 0;

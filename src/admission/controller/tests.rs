@@ -491,3 +491,29 @@ fn a_version_1_control_record_still_decodes() {
     };
     assert_eq!(State::decode(&record), Some(now));
 }
+
+#[test]
+fn a_refresh_cuts_no_lower_than_its_window_can_measure() {
+    // 200 ms answers, 500 ms windows: 40 completions need 16 in flight.
+    let p = policy(1000, "{}");
+    let a = settings(&p);
+    let refreshing = |limit: u32| State {
+        phase: Phase::Measuring,
+        baseline_ns: 200 * MS,
+        ..with_baseline(&a, limit)
+    };
+    assert_eq!(refreshing(40).cap(&a), 20);
+    assert_eq!(refreshing(20).cap(&a), 16);
+    assert_eq!(refreshing(12).cap(&a), 12);
+    // A cut that measured nothing (fewer than MIN_SAMPLES) gives the limit
+    // back and moves the anchor to it: the next bad window is no floor's.
+    let st = State {
+        anchor_milli: 30_000,
+        ..refreshing(20)
+    };
+    let st = step(&a, 1, &st, &used(2, MIN_SAMPLES - 1, 300));
+    assert_eq!(
+        (st.last_move, st.limit(&a), st.anchor_milli),
+        (Move::Idle, 20, 20_000)
+    );
+}

@@ -68,7 +68,7 @@ fn a_healthy_upstream_with_latency_noise_keeps_the_limit_at_its_capacity() {
         }
         let m = mean(means.iter().copied());
         println!(
-            "healthy upstream, capacity {CAP}, noise {:.0} % a window, first baseline on a {:.0} % faster start ({SEEDS} seeds, windows 20–100): lowest limit {} (per seed {lows:?}), mean {m:.1}, below the capacity in {:.1} % of windows, {:.1} refreshes a seed (3 scheduled, the others experiments)",
+            "healthy upstream, capacity {CAP}, noise {:.0} % a window, first baseline on a {:.0} % faster start ({SEEDS} seeds, windows 20–100): lowest limit {} (per seed {lows:?}), mean {m:.1}, below the capacity in {:.1} % of windows, {:.1} refreshes a seed (one scheduled every 30 s ± 25 %, the rest experiments)",
             noise * 100.0,
             (1.0 - quiet) * 100.0,
             lows.iter().min().unwrap_or(&0),
