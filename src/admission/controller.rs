@@ -675,7 +675,6 @@ fn judged(a: &Adaptive, mut st: State, before: &State, s: &WindowSummary, w: &Ju
         return moved(st, limit, w.backoff, Move::QueueBackoff);
     }
     if bad {
-        st.recover_milli = 0;
         // Never past the latest window's own `L·g`: the smoothing may delay
         // a move down, it does not carry the last window's gradient (of a
         // higher limit) below the capacity.
@@ -785,6 +784,8 @@ fn descend(a: &Adaptive, mut st: State, w: &Judged, p95: u64, target: f64) -> St
         return st;
     }
     // Down twice as fast as up: an overload costs more than spare capacity.
+    // Latency objects to the level a recovery was heading for: it ends.
+    st.recover_milli = 0;
     let alpha = (2.0 * ratio(a.smoothing_ppm)).min(1.0);
     let after = (limit + alpha * (target - limit))
         .max(limit * 0.5)
@@ -882,14 +883,15 @@ fn measured(a: &Adaptive, mut st: State, before: &State, w: &Judged) -> State {
         st.baseline_ns = refreshed_baseline(st.baseline_ns, p);
     }
     st.anchor_milli = 0;
-    st.recover_milli = 0;
     if !fell {
-        // Flat, or a fall within the noise: the limit comes back.
+        // Flat, or a fall within the noise: the limit comes back (and a
+        // recovery goes on).
         return moved(st, limit, limit, Move::Measured);
     }
     // The cut lowered the latency clearly: the window before it queued.
     // The limit goes on down from where it was, by that window's gradient
     // against the baseline.
+    st.recover_milli = 0;
     let alpha = (2.0 * ratio(a.smoothing_ppm)).min(1.0);
     let g = Judged::gradient(a, st.baseline_ns, pre);
     let after = (limit + alpha * (limit * g - limit))
