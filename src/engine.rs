@@ -6,8 +6,11 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::rc::Rc;
 
+use crate::decision::write_logical_key;
+pub use crate::decision::{logical_key, Decision, LimitName, RateLimitHeaders, Reason, Subject};
 use crate::host::Host;
-use crate::limiter::algo::{Algo, Live, Outcome, Stamp, State, KIND_GLOBAL_ALLOWANCE};
+use crate::keys::kind;
+use crate::limiter::algo::{Algo, Live, Outcome, Stamp, State};
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::{
     self, Classification, Limit, Mode, Policy, RouteClass, MAX_LIMITS_PER_PLAN, ROUTE_METADATA_CLASS_FIELD,
@@ -25,140 +28,6 @@ pub use crate::table::TableEvent;
 /// [`Reason::Contention`] (503) and counted: never a silent allow.
 pub use crate::table::MAX_CAS_ATTEMPTS;
 
-/// Why a request got its verdict; `as_str` is the stable machine-readable
-/// reason (the `x-tenantgate-reason` header, the problem body, stats).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reason {
-    /// Within every limit.
-    Allowed,
-    /// Over a limit: 429.
-    RateLimited,
-    /// Over a limit in shadow mode (or over a shadow limit): allowed, counted.
-    ShadowLimited,
-    /// Over a global guard (an aggregate limit per node): 503.
-    GlobalGuard,
-    /// The route has no class and the policy has no `default_route`.
-    Unclassified,
-    /// `mode: off`.
-    Disabled,
-    /// The CAS bound was exhausted: 503.
-    Contention,
-    /// Shared data could not be read or written: 503.
-    StateUnavailable,
-    /// Admission: the dependency's in-flight slots for this level are full: 503.
-    ConcurrencyLimit,
-    /// Admission: the dependency's `max_streams` streams are open: 503.
-    StreamLimit,
-    /// Admission: the tenant holds its `tenant_max_share`: 503.
-    TenantShare,
-    /// The declared or streamed body is over `max_body_bytes`: 413.
-    RequestTooLarge,
-    /// The remaining timeout budget is below `min_timeout_budget`: 503.
-    TimeoutBudget,
-    /// Admission: the level's queue at the dependency is full: 503.
-    QueueFull,
-    /// Admission: no slot came within the level's `max_wait`: 503.
-    QueueTimeout,
-    /// Admission: the dependency's circuit breaker is open: 503.
-    CircuitOpen,
-    /// Admission: the breaker is half-open and its probes are all in flight: 503.
-    CircuitProbeLimit,
-    /// Admission: the dependency is `paused: true` in the policy: 503.
-    Paused,
-    /// Admission: a retry over the dependency's retry budget: 503.
-    RetryBudget,
-    /// A degradable request found no response fresh enough to answer
-    /// from while its dependency refused it: 503.
-    DependencyUnavailable,
-}
-
-impl Reason {
-    pub const ALL: [Reason; 20] = [
-        Reason::Allowed,
-        Reason::RateLimited,
-        Reason::ShadowLimited,
-        Reason::GlobalGuard,
-        Reason::Unclassified,
-        Reason::Disabled,
-        Reason::Contention,
-        Reason::StateUnavailable,
-        Reason::ConcurrencyLimit,
-        Reason::StreamLimit,
-        Reason::TenantShare,
-        Reason::RequestTooLarge,
-        Reason::TimeoutBudget,
-        Reason::QueueFull,
-        Reason::QueueTimeout,
-        Reason::CircuitOpen,
-        Reason::CircuitProbeLimit,
-        Reason::Paused,
-        Reason::RetryBudget,
-        Reason::DependencyUnavailable,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::Allowed => "allowed",
-            Reason::RateLimited => "rate_limited",
-            Reason::ShadowLimited => "shadow_limited",
-            Reason::GlobalGuard => "global_guard",
-            Reason::Unclassified => "unclassified",
-            Reason::Disabled => "disabled",
-            Reason::Contention => "contention",
-            Reason::StateUnavailable => "state_unavailable",
-            Reason::ConcurrencyLimit => "concurrency_limit",
-            Reason::StreamLimit => "stream_limit",
-            Reason::TenantShare => "tenant_share",
-            Reason::RequestTooLarge => "request_too_large",
-            Reason::TimeoutBudget => "timeout_budget",
-            Reason::QueueFull => "queue_full",
-            Reason::QueueTimeout => "queue_timeout",
-            Reason::CircuitOpen => "circuit_open",
-            Reason::CircuitProbeLimit => "circuit_probe_limit",
-            Reason::Paused => "paused",
-            Reason::RetryBudget => "retry_budget",
-            Reason::DependencyUnavailable => "dependency_unavailable",
-        }
-    }
-
-    /// The HTTP status of a denial, `None` if the request goes on.
-    pub fn deny_status(self) -> Option<u32> {
-        match self {
-            Reason::RateLimited => Some(429),
-            Reason::RequestTooLarge => Some(413),
-            Reason::GlobalGuard
-            | Reason::Contention
-            | Reason::StateUnavailable
-            | Reason::ConcurrencyLimit
-            | Reason::StreamLimit
-            | Reason::TenantShare
-            | Reason::TimeoutBudget
-            | Reason::QueueFull
-            | Reason::QueueTimeout
-            | Reason::CircuitOpen
-            | Reason::CircuitProbeLimit
-            | Reason::Paused
-            | Reason::RetryBudget
-            | Reason::DependencyUnavailable => Some(503),
-            _ => None,
-        }
-    }
-}
-
-/// Who the request was counted against (shared text: a decision copies
-/// it without allocating).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Subject {
-    /// Not looked up (unclassified or disabled).
-    None,
-    Tenant(Rc<str>),
-    /// No usable identity: grouped by client address.
-    Anonymous {
-        address: Rc<str>,
-        invalid_identity: bool,
-    },
-}
-
 /// What a worker reuses from one charge to the next, so that charging a
 /// known key allocates nothing (see [`charge_synced`]).
 #[derive(Debug, Default)]
@@ -166,70 +35,6 @@ pub struct Scratch {
     /// The logical key being charged.
     key: String,
     table: table::Buffers,
-}
-
-/// The `RateLimit` / `RateLimit-Policy` field values (draft-10 syntax).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RateLimitHeaders {
-    pub policy: String,
-    pub ratelimit: String,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Decision {
-    pub reason: Reason,
-    pub subject: Subject,
-    /// The denying (or would-be denying) limit's name.
-    pub limit: Option<String>,
-    /// Whole seconds until the request would be admitted (denials only).
-    pub retry_after_secs: u64,
-    pub headers: Option<RateLimitHeaders>,
-    /// CAS conflicts this request retried through.
-    pub cas_retries: u32,
-    /// Exact nanoseconds until the request would be admitted (denials).
-    pub wait_ns: u64,
-    /// What the key table did for this request.
-    pub table: TableEvent,
-    /// A guard denied after the tenant was charged: the charge was given back.
-    pub refunded: bool,
-    /// A global limit got no lease in time and decided by its failure mode
-    /// (see `sync::node`, "Never waiting forever").
-    pub no_lease: bool,
-}
-
-impl Decision {
-    fn pass(reason: Reason, subject: Subject) -> Decision {
-        Decision {
-            reason,
-            subject,
-            limit: None,
-            retry_after_secs: 0,
-            headers: None,
-            cas_retries: 0,
-            wait_ns: 0,
-            table: TableEvent::None,
-            refunded: false,
-            no_lease: false,
-        }
-    }
-
-    /// A final decision that needs no state (see [`prepare`]).
-    pub fn passed(reason: Reason) -> Decision {
-        Decision::pass(reason, Subject::None)
-    }
-
-    /// The host could not give the time or state needed to decide: 503.
-    pub fn unavailable() -> Decision {
-        Decision {
-            retry_after_secs: 1,
-            ..Decision::pass(Reason::StateUnavailable, Subject::None)
-        }
-    }
-
-    /// The status of the local reply, if the request is denied.
-    pub fn deny_status(&self) -> Option<u32> {
-        self.reason.deny_status()
-    }
 }
 
 /// Property path of the route's class in its `filter_metadata`.
@@ -412,10 +217,10 @@ struct Binding {
 /// table's idleness test (its slot can be reclaimed without losing
 /// anything). A record this version cannot read counts as idle.
 pub fn record_is_idle(record: &Record<'_>, now: u64) -> bool {
-    if record.kind == KIND_GLOBAL_ALLOWANCE {
+    if record.kind == kind::GLOBAL_ALLOWANCE {
         return stored::decode_allowance(record.state).is_none_or(|a| a.is_idle(now));
     }
-    if record.kind == crate::admission::KIND_IN_FLIGHT {
+    if record.kind == kind::IN_FLIGHT {
         return crate::admission::holders::record_is_idle(record, now);
     }
     Algo::record_is_idle(record, now)
@@ -492,7 +297,7 @@ impl Applied {
                         ratelimit: item(b.limit),
                     });
                 }
-                d.limit = limits.get(b.limit).map(|l| l.name.clone());
+                d.limit = limits.get(b.limit).map(|l| LimitName::Rate(l.name.clone()));
                 d.wait_ns = b.wait_ns;
                 d.retry_after_secs = ceil_secs(b.wait_ns).max(1);
                 d.reason = if self.denied && !ctx.shadow_mode {
@@ -627,7 +432,7 @@ fn apply<H: Host>(
                         }
                         _ => demanded,
                     };
-                    push_record_with(out, l.name_hash, KIND_GLOBAL_ALLOWANCE, p1, p2, |o| {
+                    push_record_with(out, l.name_hash, kind::GLOBAL_ALLOWANCE, p1, p2, |o| {
                         stored::encode_allowance(stored, o)
                     });
                 }
@@ -712,7 +517,7 @@ struct GlobalChecked {
 /// next lease comes with the next answer).
 fn check_global(record: Option<&Record<'_>>, view: &NodeView, ctx: &Ctx) -> GlobalChecked {
     let mut demanded = record
-        .filter(|r| r.kind == KIND_GLOBAL_ALLOWANCE)
+        .filter(|r| r.kind == kind::GLOBAL_ALLOWANCE)
         .and_then(|r| stored::decode_allowance(r.state))
         .unwrap_or_else(|| Allowance::fresh(view.provisional));
     demanded.note_demand(ctx.cost);
@@ -771,7 +576,9 @@ fn refund<H: Host>(
                 .find(|(_, l)| l.name_hash == r.name_hash);
             match limit {
                 // A lease charge is not given back (it errs toward admitting less).
-                Some((i, l)) if charged & (1 << i) != 0 && !(l.global && r.kind == KIND_GLOBAL_ALLOWANCE) => {
+                Some((i, l))
+                    if charged & (1 << i) != 0 && !(l.global && r.kind == kind::GLOBAL_ALLOWANCE) =>
+                {
                     let current = l.algo.load(Some(r), ctx.effective_from, ctx.now);
                     let refunded = current.algo.refund(&current.state, ctx.cost, ctx.now);
                     push_local(out, r.name_hash, &current, &refunded, ctx.now);
@@ -881,32 +688,6 @@ pub fn client_ip(address: &[u8]) -> Option<&str> {
             .bytes()
             .all(|b| b.is_ascii_hexdigit() || b == b'.' || b == b':');
     plausible.then_some(ip)
-}
-
-/// The logical key of one (subject × action): what a key-table slot holds.
-/// Actions are names (no `|`), tenant ids have no whitespace, addresses
-/// are hex, dots, colons and a `/prefix`.
-pub fn logical_key(action: &str, subject: &Subject) -> String {
-    let mut key = String::new();
-    write_logical_key(&mut key, action, subject);
-    key
-}
-
-/// [`logical_key`] into a reused buffer.
-fn write_logical_key(out: &mut String, action: &str, subject: &Subject) {
-    out.clear();
-    out.push_str(action);
-    match subject {
-        Subject::Tenant(id) => {
-            out.push_str("|t|");
-            out.push_str(id);
-        }
-        Subject::Anonymous { address, .. } => {
-            out.push_str("|a|");
-            out.push_str(address);
-        }
-        Subject::None => out.push_str("|-"),
-    }
 }
 
 fn ceil_secs(ns: u64) -> u64 {

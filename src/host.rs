@@ -1,5 +1,5 @@
 //! What the core needs from the proxy, as a trait: the glue implements it
-//! with proxy-wasm hostcalls, tests with an in-memory fake. Every method is
+//! with proxy-wasm hostcalls, tests and the tools with the in-memory host ([`crate::memory`]). Every method is
 //! infallible or returns a `Result` the core handles; none may trap.
 
 /// The outcome of a compare-and-swap write to shared data.

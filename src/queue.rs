@@ -140,7 +140,7 @@ impl Queue {
 mod tests {
     use super::*;
     use crate::engine::{self, Reason};
-    use crate::testing::{FakeHost, SharedStore};
+    use crate::memory::{MemoryHost, SharedStore};
 
     const MS: u64 = 1_000_000;
     const T0: u64 = 1_796_000_000_000_000_000;
@@ -162,7 +162,7 @@ mod tests {
     fn held_requests_are_admitted_in_order_as_tokens_return_and_never_late() {
         let p = policy();
         let store = SharedStore::new();
-        let host = FakeHost::new(store.clone())
+        let host = MemoryHost::new(store.clone())
             .route_class("jobs")
             .header("x-tenant-id", "acme");
         let prepared = engine::prepare(&p, &host).unwrap();
@@ -214,7 +214,7 @@ mod tests {
     fn waits_beyond_max_wait_and_rejecting_classes_are_not_queued() {
         let p = policy();
         let store = SharedStore::new();
-        let jobs = FakeHost::new(store.clone())
+        let jobs = MemoryHost::new(store.clone())
             .route_class("jobs")
             .header("x-tenant-id", "acme");
         let prepared = engine::prepare(&p, &jobs).unwrap();
@@ -225,7 +225,7 @@ mod tests {
             q.offer(1, &p, &prepared, &denial, T0),
             Err(NotQueued::WaitTooLong)
         );
-        let api = FakeHost::new(store)
+        let api = MemoryHost::new(store)
             .route_class("api")
             .header("x-tenant-id", "acme");
         let prepared = engine::prepare(&p, &api).unwrap();
@@ -240,7 +240,7 @@ mod tests {
     fn a_cancelled_request_leaves_the_queue() {
         let p = policy();
         let store = SharedStore::new();
-        let jobs = FakeHost::new(store)
+        let jobs = MemoryHost::new(store)
             .route_class("jobs")
             .header("x-tenant-id", "acme");
         let prepared = engine::prepare(&p, &jobs).unwrap();

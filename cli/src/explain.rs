@@ -1,7 +1,7 @@
 //! `tenantgate policy explain` and `tenantgate policy diff`: what a policy
 //! does to one request, and what a reload does to live state. Both read the
 //! filter's own compiled [`Policy`]; `explain` decides the request with the
-//! filter's engine over the fake host (`tenantgate::testing`) at a fixed
+//! filter's engine over the in-memory host (`tenantgate::memory`) at a fixed
 //! instant, and `diff` classifies each limit with [`Algo::carry_from`], the
 //! rule the engine's state loader applies. Nothing here re-implements a
 //! decision; the output is plain text, one fact per line, stable for golden
@@ -12,9 +12,10 @@ use std::fmt::Write;
 use std::rc::Rc;
 
 use tenantgate::engine::{self, Subject};
-use tenantgate::limiter::algo::{Algo, Carry, KIND_GLOBAL_ALLOWANCE};
+use tenantgate::keys::kind;
+use tenantgate::limiter::algo::{Algo, Carry};
+use tenantgate::memory::{MemoryHost, SharedStore};
 use tenantgate::policy::{FailureMode, Identity, Limit, OnLimit, Policy};
-use tenantgate::testing::{FakeHost, SharedStore};
 
 /// The instant `explain` decides at (2026-01-01T00:00:00Z, in ns): any
 /// instant gives the same first request, this one keeps output stable.
@@ -96,7 +97,7 @@ pub fn explain(policy: &Policy, req: &Request<'_>) -> String {
     let _ = writeln!(out, "policy: {} (mode {})", policy.version, mode(policy));
 
     let store = SharedStore::new();
-    let mut host = FakeHost::new(Rc::clone(&store))
+    let mut host = MemoryHost::new(Rc::clone(&store))
         .route_class(req.class)
         .source(req.source);
     for (k, v) in req.headers {
@@ -256,7 +257,7 @@ pub fn explain(policy: &Policy, req: &Request<'_>) -> String {
             let _ = writeln!(out, "  status: {status} (reason {})", d.reason.as_str());
             let _ = writeln!(out, "  x-tenantgate-reason: {}", d.reason.as_str());
             if let Some(l) = &d.limit {
-                let _ = writeln!(out, "  limit: {l}");
+                let _ = writeln!(out, "  limit: {}", l.problem_name());
             }
             let _ = writeln!(out, "  retry-after: {}", d.retry_after_secs);
         }
@@ -306,7 +307,7 @@ pub fn diff(old: &Policy, new: &Policy) -> (String, bool) {
         let plan = p.plans().iter().find(|x| x.name == plan)?;
         let l = plan.limits.iter().find(|l| l.name == limit)?;
         let kind = if l.global {
-            KIND_GLOBAL_ALLOWANCE
+            kind::GLOBAL_ALLOWANCE
         } else {
             l.algo.kind()
         };
@@ -331,7 +332,7 @@ pub fn diff(old: &Policy, new: &Policy) -> (String, bool) {
             let after = find(new, plan, name);
             let line = match (&before, &after) {
                 (Some(b), Some(a)) => {
-                    let global = a.0 == KIND_GLOBAL_ALLOWANCE;
+                    let global = a.0 == kind::GLOBAL_ALLOWANCE;
                     // A global limit's record is its allowance (kind 5),
                     // whatever its algorithm; a local one's, its algorithm's.
                     let carry = if b.0 != a.0 {
@@ -354,7 +355,7 @@ pub fn diff(old: &Policy, new: &Policy) -> (String, bool) {
                             "  {name}: keeps its fill level, capped to the new burst (never adds tokens)\n    - {}\n    + {}",
                             b.1, a.1
                         ),
-                        _ if b.0 == KIND_GLOBAL_ALLOWANCE || a.0 == KIND_GLOBAL_ALLOWANCE => format!(
+                        _ if b.0 == kind::GLOBAL_ALLOWANCE || a.0 == kind::GLOBAL_ALLOWANCE => format!(
                             "  {name}: starts fresh (local <-> global)\n    - {}\n    + {}",
                             b.1, a.1
                         ),

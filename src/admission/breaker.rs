@@ -53,7 +53,7 @@
 //!
 //! # Where it lives
 //! Node-wide in the fixed entry `tg2|b|<dependency>` ([`key`]), one record
-//! of kind [`KIND_BREAKER`] ([`encode`]: 51 bytes), changed only through
+//! of kind [`kind::BREAKER`] ([`encode`]: 51 bytes), changed only through
 //! [`crate::table::update`]. Its input is the dependency's stream-end
 //! signal windows ([`super::window`]): the one worker that closes a window
 //! folds its summary (completed; errors + timeouts) into the breaker
@@ -82,12 +82,11 @@
 use super::window::{WindowSummary, Windows};
 use super::{controller, ProbeEvents, Worker};
 use crate::host::Host;
+use crate::keys::kind;
 use crate::policy::admission::BreakerSettings;
 use crate::policy::Policy;
 use crate::table::{self, push_record_with, Commit, Failure, Place, Reach, Records};
 
-/// The kind byte of a breaker record.
-pub const KIND_BREAKER: u8 = 19;
 const VERSION: u8 = 1;
 /// An encoded breaker state: version, phase, reopens, 5 instants and
 /// counts, probes, empty folds.
@@ -98,11 +97,6 @@ const PERMILLE: u64 = 1000;
 /// when it went half-open (whose close may come before its probes'
 /// answers) is not enough.
 pub const LOST_PROBE_FOLDS: u8 = 2;
-
-/// The shared-data key of a dependency's breaker.
-pub fn key(dependency: &str) -> String {
-    format!("tg2|b|{dependency}")
-}
 
 /// Where a breaker is (gauge `admission.breaker_state.<dep>`: the number).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -521,13 +515,13 @@ pub fn decode(state: &[u8]) -> Option<Breaker> {
 fn of_records(records: Option<&Records<'_>>) -> Option<Breaker> {
     records?
         .iter()
-        .find(|r| r.kind == KIND_BREAKER)
+        .find(|r| r.kind == kind::BREAKER)
         .and_then(|r| decode(r.state))
 }
 
 fn write(b: &Breaker, out: &mut Vec<u8>) {
     out.push(1);
-    push_record_with(out, 0, KIND_BREAKER, 0, 0, |o| encode(b, o));
+    push_record_with(out, 0, kind::BREAKER, 0, 0, |o| encode(b, o));
 }
 
 const EXISTING_OR_NEW: Reach<'static> = Reach::Insert {

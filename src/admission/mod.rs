@@ -95,11 +95,12 @@ use hashbrown::HashMap;
 
 use crate::engine::{Reason, Subject};
 use crate::host::Host;
+use crate::keys::{self, kind};
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::admission::{Criticality, Dependency, Labels, DEFAULT_RETRY_AFTER_WINDOW_NS};
 use crate::policy::{Policy, RouteClass};
 use crate::table::{self, push_record_with, Commit, Failure, Overflow, Place, Reach, Record};
-pub use holders::{Counts, Holder, KIND_IN_FLIGHT};
+pub use holders::{Counts, Holder};
 
 /// How long a published count stays counted without a renewal.
 pub const LEASE_NS: u64 = 2 * NANOS_PER_SEC;
@@ -107,28 +108,11 @@ pub const LEASE_NS: u64 = 2 * NANOS_PER_SEC;
 /// (1.5 s: a lease is renewed 500 ms after it was written, so a tick may
 /// be 1.5 s late before others stop counting the worker's slots.)
 pub const RENEW_BEFORE_NS: u64 = LEASE_NS / 4 * 3;
-/// The shared counter worker ids come from.
-pub const WORKERS_KEY: &str = "tg2|d|workers";
 /// Percent of the shared pool each of (sheddable retryable, sheddable,
 /// normal retryable, normal) may fill: the shedding order.
 pub const SHED_CEILING_PCT: [u64; 4] = [70, 80, 90, 100];
 /// The plan name of a tenant-share slot's overflow entry.
 const TENANT_OVERFLOW_PLAN: &str = "tenant";
-const KIND_WORKER_COUNTER: u8 = 17;
-
-/// The shared-data key of a dependency's in-flight entry.
-pub fn dependency_key(name: &str) -> String {
-    format!("tg2|d|{name}")
-}
-
-/// How a refusal by an action's limit names it (decision record `limit=`,
-/// the problem's `limit`): `action:<action>` (no dependency name has a `:`).
-pub const ACTION_LIMIT_PREFIX: &str = "action:";
-
-/// The shared-data key of an action's in-flight entry (`actions.<name>`).
-pub fn action_key(name: &str) -> String {
-    format!("tg2|a|{name}")
-}
 
 /// The key-table key of a subject's slots at a dependency.
 pub fn tenant_key(dependency: &str, subject: &Subject) -> String {
@@ -431,20 +415,22 @@ impl Worker {
         let mut buffers = table::Buffers::default();
         let read = |records: Option<&table::Records<'_>>| {
             records
-                .and_then(|rs| rs.iter().find(|r| r.kind == KIND_WORKER_COUNTER).copied())
+                .and_then(|rs| rs.iter().find(|r| r.kind == kind::WORKER_COUNTER).copied())
                 .and_then(|r: Record<'_>| r.state.try_into().ok())
                 .map_or(0, u64::from_le_bytes)
         };
         let updated = table::update(
             host,
-            &Place::Fixed { key: WORKERS_KEY },
+            &Place::Fixed {
+                key: keys::WORKER_COUNTER,
+            },
             &INSERT,
             now,
             &mut buffers,
             |records, out| {
                 let id = read(records).saturating_add(1);
                 out.push(1);
-                push_record_with(out, 0, KIND_WORKER_COUNTER, 0, 0, |o| {
+                push_record_with(out, 0, kind::WORKER_COUNTER, 0, 0, |o| {
                     o.extend_from_slice(&id.to_le_bytes())
                 });
                 (Commit::Write, id)
@@ -469,16 +455,16 @@ impl Worker {
     /// `LEASE_NS − RENEW_BEFORE_NS` (500 ms) and a tick.)
     pub fn prepare<H: Host>(host: &H, policy: &Policy, now: u64) {
         let mut buffers = table::Buffers::default();
-        let keys = policy
+        let places = policy
             .dependencies
             .iter()
-            .map(|d| (d.key.as_str(), KIND_IN_FLIGHT))
-            .chain(policy.actions.iter().map(|a| (a.key.as_str(), KIND_IN_FLIGHT)))
-            .chain([(WORKERS_KEY, KIND_WORKER_COUNTER)]);
+            .map(|d| (d.key.as_str(), kind::IN_FLIGHT))
+            .chain(policy.actions.iter().map(|a| (a.key.as_str(), kind::IN_FLIGHT)))
+            .chain([(keys::WORKER_COUNTER, kind::WORKER_COUNTER)]);
         for d in policy.dependencies.iter().filter(|d| d.breaker.is_some()) {
             breaker::prepare(host, &d.breaker_key, now, &mut buffers);
         }
-        for (key, kind) in keys {
+        for (key, record_kind) in places {
             let _ = table::update(
                 host,
                 &Place::Fixed { key },
@@ -489,12 +475,12 @@ impl Worker {
                     if records.is_some() {
                         return (Commit::Skip, ());
                     }
-                    if kind == KIND_IN_FLIGHT {
+                    if record_kind == kind::IN_FLIGHT {
                         // An empty holder list.
                         holders::write(&holders::Holders::default(), &Holder::default(), now, out);
                     } else {
                         out.push(1);
-                        push_record_with(out, 0, KIND_WORKER_COUNTER, 0, 0, |o| {
+                        push_record_with(out, 0, kind::WORKER_COUNTER, 0, 0, |o| {
                             o.extend_from_slice(&0u64.to_le_bytes())
                         });
                     }

@@ -80,7 +80,7 @@ use crate::admission::request::{self, BodyBudget, Declared};
 use crate::admission::retry::{self, Primaries};
 use crate::admission::window::{self, Outcome, Windows};
 use crate::admission::{self, breaker, controller, jittered_retry_after_secs, Limited, Ticket, Worker};
-use crate::engine::{Decision, Prepared, Reason};
+use crate::engine::{Decision, LimitName, Prepared, Reason};
 use crate::host::Host;
 use crate::policy::admission::Criticality;
 use crate::policy::{Mode, Policy, RouteClass};
@@ -590,16 +590,17 @@ pub struct Stream {
 pub const RECORD_PROPERTY: &str = "tenantgate_admission";
 
 /// What refused a slot, as the decision record names it.
-fn limit_name(policy: &Policy, prepared: &Prepared, limit: Limited) -> String {
+fn limit_name(policy: &Policy, prepared: &Prepared, limit: Limited) -> LimitName {
     let labels = prepared.class.labels;
     let dependency = labels
         .dependency
         .and_then(|i| policy.dependency(i))
-        .map_or("-", |d| d.name.as_str());
+        .map_or("-", |d| d.name.as_str())
+        .to_owned();
     match limit {
-        Limited::Action => format!("{}{}", admission::ACTION_LIMIT_PREFIX, prepared.class.action),
-        Limited::Dependency => format!("dependency:{dependency}"),
-        Limited::Tenant => format!("tenant:{dependency}"),
+        Limited::Action => LimitName::Action(prepared.class.action.clone()),
+        Limited::Dependency => LimitName::Dependency(dependency),
+        Limited::Tenant => LimitName::Tenant(dependency),
     }
 }
 
@@ -649,7 +650,7 @@ fn record(
 #[allow(clippy::too_many_arguments)]
 fn refusal_decision(
     reason: Reason,
-    limit: &str,
+    limit: LimitName,
     min_secs: u64,
     window_ns: u64,
     prepared: &Prepared,
@@ -658,7 +659,7 @@ fn refusal_decision(
 ) -> Decision {
     let seed = now ^ (u64::from(context_id) << 32);
     Decision {
-        limit: Some(limit.to_owned()),
+        limit: Some(limit),
         retry_after_secs: jittered_retry_after_secs(min_secs, window_ns, seed),
         subject: prepared.subject.clone(),
         ..Decision::passed(reason)
@@ -846,7 +847,15 @@ impl Admission {
                     let window = dep.map_or(crate::policy::admission::DEFAULT_RETRY_AFTER_WINDOW_NS, |d| {
                         d.retry_after_window_ns
                     });
-                    let mut decision = refusal_decision(reason, name, 1, window, prepared, context_id, now);
+                    let mut decision = refusal_decision(
+                        reason,
+                        LimitName::Dependency(name.to_owned()),
+                        1,
+                        window,
+                        prepared,
+                        context_id,
+                        now,
+                    );
                     let seed = now ^ (u64::from(context_id) << 32);
                     decision.retry_after_secs =
                         jittered_retry_after_secs(refused.retry_after_secs, window, seed);
@@ -943,7 +952,8 @@ impl Admission {
                 if refusal.limit == Limited::Dependency {
                     note_refused(policy, prepared, reason, now);
                 }
-                let limit = limit_name(policy, prepared, refusal.limit);
+                let limited = limit_name(policy, prepared, refusal.limit);
+                let limit = limited.record_name();
                 if shadow {
                     record(
                         policy,
@@ -957,13 +967,9 @@ impl Admission {
                     );
                     return Ok(());
                 }
-                let name = match refusal.limit {
-                    Limited::Action => limit.as_str(),
-                    Limited::Dependency | Limited::Tenant => dep.map_or("-", |d| d.name.as_str()),
-                };
                 let decision = refusal_decision(
                     reason,
-                    name,
+                    limited,
                     refusal.retry_after_secs,
                     refusal.retry_after_window_ns,
                     prepared,
@@ -1016,10 +1022,11 @@ impl Admission {
         };
         // A queue is its dependency's: it names what refused.
         note_refused(&p.policy, &p.prepared, reason, now);
-        let limit = limit_name(&p.policy, &p.prepared, Limited::Dependency);
+        let limited = limit_name(&p.policy, &p.prepared, Limited::Dependency);
+        let limit = limited.record_name();
         let decision = refusal_decision(
             reason,
-            &dep.name,
+            limited,
             min_secs,
             dep.retry_after_window_ns,
             &p.prepared,

@@ -2,7 +2,7 @@
 //! VM, for `make bench` (never in a production build).
 //!
 //! On each configuration the filter decides `ROUNDS` times for the policy's
-//! first tenant over an in-memory host (the fake host of the native tests),
+//! first tenant over an in-memory host (the in-memory host ([`crate::memory`])),
 //! timed with Envoy's clock, then replays the same host calls alone, and
 //! logs both at warning level. The difference is what `prepare` and
 //! `charge` cost in the VM without any hostcall: the part of a decision
@@ -13,8 +13,8 @@ use std::cell::RefCell;
 
 use crate::engine::{self, Scratch};
 use crate::host::{CasResult, Host, HostError};
+use crate::memory::{MemoryHost, SharedStore};
 use crate::policy::{self, Policy};
-use crate::testing::{FakeHost, SharedStore};
 
 const ROUNDS: u64 = 20_000;
 
@@ -45,9 +45,9 @@ impl Replay<'_> {
     }
 }
 
-/// The fake host, recording the calls of one decision.
+/// The in-memory host, recording the calls of one decision.
 struct Recording<'a> {
-    host: &'a FakeHost,
+    host: &'a MemoryHost,
     calls: RefCell<Vec<Call>>,
 }
 
@@ -83,7 +83,7 @@ pub fn report(policy: &Policy) {
         log::warn!("tenantgate self-time: the policy has no tenant");
         return;
     };
-    let mut host = FakeHost::new(SharedStore::new());
+    let mut host = MemoryHost::new(SharedStore::new());
     if let policy::Identity::Header(name) = &policy.identity {
         host = host.header(name, tenant.as_bytes());
     }

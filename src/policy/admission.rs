@@ -155,7 +155,7 @@ pub struct LevelQueue {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Dependency {
     pub name: String,
-    /// Its shared-data key (see [`crate::admission::dependency_key`]).
+    /// Its shared-data key (see [`crate::keys::dependency`]).
     pub key: String,
     pub max_in_flight: u32,
     /// The separate budget of streaming classes (`None`: no streaming
@@ -173,7 +173,7 @@ pub struct Dependency {
     /// `paused: true`: every request is refused at once (`paused`).
     pub paused: bool,
     pub breaker: Option<BreakerSettings>,
-    /// Its breaker's shared-data key (see [`crate::admission::breaker::key`]).
+    /// Its breaker's shared-data key (see [`crate::keys::breaker`]).
     pub breaker_key: String,
     /// `retry_budget:` (see [`crate::admission::retry`]).
     pub retry_budget: Option<RetryBudget>,
@@ -437,7 +437,7 @@ impl Dependency {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ActionLimit {
     pub name: String,
-    /// Its shared-data key (see [`crate::admission::action_key`]).
+    /// Its shared-data key (see [`crate::keys::action`]).
     pub key: String,
     pub max_in_flight: u32,
 }
@@ -478,7 +478,7 @@ pub fn compile_actions<'a>(
             .unwrap_or(1);
             ActionLimit {
                 name: name.clone(),
-                key: crate::admission::action_key(name),
+                key: crate::keys::action(name),
                 max_in_flight,
             }
         })
@@ -521,13 +521,6 @@ fn compile_dependency(
             errors,
             path.clone(),
             "dependency names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
-        );
-    } else if crate::admission::dependency_key(name) == crate::admission::WORKERS_KEY {
-        // Its entry would be the worker-id counter's.
-        add(
-            errors,
-            path.clone(),
-            format!("`{name}` is reserved (the filter's worker counter): name the dependency otherwise"),
         );
     }
     let max_in_flight = in_range(
@@ -611,7 +604,7 @@ fn compile_dependency(
         .map(|a| compile_adaptive(a, max_in_flight, reserved_total, &path.key("adaptive"), errors));
     Dependency {
         name: name.to_owned(),
-        key: crate::admission::dependency_key(name),
+        key: crate::keys::dependency(name),
         max_in_flight,
         max_streams,
         reserved_critical,
@@ -621,7 +614,7 @@ fn compile_dependency(
         queues,
         paused: spec.paused.unwrap_or(false),
         breaker,
-        breaker_key: crate::admission::breaker::key(name),
+        breaker_key: crate::keys::breaker(name),
         retry_budget: spec
             .retry_budget
             .as_ref()
@@ -853,7 +846,7 @@ pub const ENVOY_ATTEMPT_COUNT_HEADER: &str = "x-envoy-attempt-count";
 /// A compiled `dependencies.<name>.retry_budget`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RetryBudget {
-    /// Its shared-data key (see [`crate::admission::retry::budget_key`]).
+    /// Its shared-data key (see [`crate::keys::retry_budget`]).
     pub key: String,
     /// Retries per thousand recent primary admissions.
     pub ratio_permille: u32,
@@ -926,7 +919,7 @@ fn compile_retry_budget(
         );
     }
     RetryBudget {
-        key: crate::admission::retry::budget_key(dependency),
+        key: crate::keys::retry_budget(dependency),
         ratio_permille,
         min_per_second,
         window_ns,

@@ -123,7 +123,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         let ratelimit_policy = ratelimit_policy(&limits);
         guards.push(Guard {
             name: name.clone(),
-            key: crate::table::guard_key(name),
+            key: crate::keys::guard(name),
             limits,
             ratelimit_policy,
         });

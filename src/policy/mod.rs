@@ -190,7 +190,7 @@ impl SyncSettings {
 #[derive(Debug)]
 pub struct Guard {
     pub name: String,
-    /// Its shared-data key (see [`crate::table::guard_key`]).
+    /// Its shared-data key (see [`crate::keys::guard`]).
     pub key: String,
     pub limits: Vec<Limit>,
     pub ratelimit_policy: String,

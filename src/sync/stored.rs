@@ -3,7 +3,7 @@
 //! (little-endian, versioned), never JSON.
 //!
 //! * Per (key, global limit): an [`Allowance`], stored as the record of
-//!   that limit (kind [`KIND_GLOBAL_ALLOWANCE`]) in the key's key-table
+//!   that limit (kind [`kind::GLOBAL_ALLOWANCE`]) in the key's key-table
 //!   slot, so it is updated by the same compare-and-swap as the key's
 //!   other limits, all or nothing.
 //! * Node-global: the [`SyncState`] under [`SYNC_STATE_KEY`] (sequence
@@ -14,15 +14,15 @@
 //!   leases when it was built. Kept apart from [`SYNC_STATE_KEY`] so the
 //!   small key every worker reads each tick stays small.
 //!
-//! [`KIND_GLOBAL_ALLOWANCE`]: crate::limiter::algo::KIND_GLOBAL_ALLOWANCE
+//! [`kind::GLOBAL_ALLOWANCE`]: crate::keys::kind::GLOBAL_ALLOWANCE
 
 use super::node::{Allowance, Applying, Counts, InFlight, LeaseState, SyncState};
 use crate::table::layout::Reader;
 
 /// The node-global sync state.
-pub const SYNC_STATE_KEY: &str = "tg2|sync|state";
+pub const SYNC_STATE_KEY: &str = crate::keys::SYNC_STATE;
 /// What the report in flight carried.
-pub const SYNC_CARRIED_KEY: &str = "tg2|sync|carried";
+pub const SYNC_CARRIED_KEY: &str = crate::keys::SYNC_CARRIED;
 
 const ALLOWANCE_VERSION: u8 = 1;
 const SYNC_VERSION: u8 = 1;

@@ -1,6 +1,6 @@
 //! The breaker on explicit time: the state machine on an exact sequence,
 //! the ramp's curve, the re-open backoff, the bounds on upstream calls
-//! (through the shipped admission path over the fake host), and
+//! (through the shipped admission path over the in-memory host), and
 //! adversarial inputs.
 
 use std::cell::RefCell;
@@ -10,8 +10,8 @@ use super::*;
 use crate::admission::Worker;
 use crate::engine::{self, Reason};
 use crate::limiter::NANOS_PER_SEC;
+use crate::memory::{MemoryHost, SharedStore};
 use crate::policy::Policy;
-use crate::testing::{FakeHost, SharedStore};
 
 const S: u64 = NANOS_PER_SEC;
 const MS: u64 = 1_000_000;
@@ -356,7 +356,7 @@ fn the_record_round_trips_and_garbage_reads_as_closed() {
     assert_eq!(decode(&bad_version), None);
     // An unreadable entry in shared data: a fresh, closed breaker.
     let store = SharedStore::new();
-    let host = FakeHost::new(store.clone());
+    let host = MemoryHost::new(store.clone());
     host.shared_set("tg2|b|db", b"garbage", None).unwrap();
     assert_eq!(read(&host, "tg2|b|db", T0), Some(fresh(T0)));
 }
@@ -406,8 +406,8 @@ impl Node {
         }
     }
 
-    fn host(&self, class: &str) -> FakeHost {
-        FakeHost::new(self.store.clone())
+    fn host(&self, class: &str) -> MemoryHost {
+        MemoryHost::new(self.store.clone())
             .route_class(class)
             .header("x-tenant-id", "acme")
     }
@@ -415,7 +415,7 @@ impl Node {
     /// Every worker's tick: fold its part (as the worker closing a signal
     /// window does with the window's summary), then read the node's state.
     fn tick(&mut self, parts: &[Observed], now: u64) -> Vec<Transition> {
-        let host = FakeHost::new(self.store.clone());
+        let host = MemoryHost::new(self.store.clone());
         let dep = self.policy.dependency(0).unwrap().clone();
         let s = dep.breaker.unwrap();
         let mut made = Vec::new();
@@ -449,7 +449,7 @@ impl Node {
     }
 
     fn release(&mut self, i: usize, t: crate::admission::Ticket, now: u64) {
-        let host = FakeHost::new(self.store.clone());
+        let host = MemoryHost::new(self.store.clone());
         self.workers[i].release(&host, t, now);
     }
 }
@@ -629,7 +629,7 @@ fn a_failing_dependency_opens_at_the_first_fold_that_brings_min_volume_not_at_th
     // A breaker alone: signal windows of its window (1 s) up to 500 ms.
     assert_eq!(dep.signal_window_ns(), Some(500 * MS));
     let store = SharedStore::new();
-    let host = FakeHost::new(store.clone());
+    let host = MemoryHost::new(store.clone());
     let mut workers = [Worker::with_id(1), Worker::with_id(2)];
     let mut windows = [Windows::default(), Windows::default()];
     let mut buffers = table::Buffers::default();

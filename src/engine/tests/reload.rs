@@ -106,12 +106,12 @@ fn max_in(admitted: &[u64], d: u64) -> u64 {
     best as u64
 }
 
-fn host(store: &Rc<std::cell::RefCell<SharedStore>>, class: &str) -> FakeHost {
+fn host(store: &Rc<std::cell::RefCell<SharedStore>>, class: &str) -> MemoryHost {
     req(store, class, "acme")
 }
 
 /// Charges up to `n` requests at `now`; returns how many were admitted.
-fn drain(p: &Policy, h: &FakeHost, now: u64, n: u64, admitted: &mut Vec<u64>) -> u64 {
+fn drain(p: &Policy, h: &MemoryHost, now: u64, n: u64, admitted: &mut Vec<u64>) -> u64 {
     let mut got = 0;
     for _ in 0..n {
         if run(p, h, now).reason == Reason::Allowed {
@@ -346,7 +346,7 @@ fn forge(store: &Rc<std::cell::RefCell<SharedStore>>, kind: u8, p1: u64, p2: u64
         ));
         out
     };
-    let h = FakeHost::new(store.clone());
+    let h = MemoryHost::new(store.clone());
     assert_eq!(
         crate::host::Host::shared_set(&h, &key, &entry, None),
         Ok(crate::host::CasResult::Written)

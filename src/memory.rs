@@ -1,6 +1,15 @@
-//! An in-memory [`Host`] for tests: headers, properties and a shared-data
-//! store with Envoy's CAS semantics. Several fakes can share one store, like
-//! the worker VMs of one Envoy share its shared data.
+//! The in-memory host: a [`Host`] over headers, properties and a
+//! shared-data store with Envoy's compare-and-swap semantics, in process
+//! memory. Several hosts can share one store, as the worker VMs of one Envoy
+//! share its shared data.
+//!
+//! Product code, not a test double: `tenantgate policy explain` runs the
+//! filter's pipeline on it, the simulator (`central/src/sim/shipped.rs`)
+//! runs the shipped engine and sync code of many nodes on it, and the
+//! self-time bench build replays a request's calls on it. The core's native
+//! tests use it too, with its fault injection (`fail_shared`,
+//! `forced_conflicts`, `before_write`) standing in for a broken or racing
+//! host.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -41,7 +50,7 @@ impl SharedStore {
 
 /// One request's view of the host.
 #[derive(Debug, Clone)]
-pub struct FakeHost {
+pub struct MemoryHost {
     pub headers: Vec<(String, Vec<u8>)>,
     pub properties: Vec<(Vec<String>, Vec<u8>)>,
     pub store: Rc<RefCell<SharedStore>>,
@@ -54,7 +63,7 @@ pub struct FakeHost {
     pub before_write: Rc<RefCell<Option<Hook>>>,
 }
 
-/// A closure run by [`FakeHost`] (see `before_write`).
+/// A closure run by [`MemoryHost`] (see `before_write`).
 pub struct Hook(pub Box<dyn FnMut()>);
 
 impl std::fmt::Debug for Hook {
@@ -63,9 +72,9 @@ impl std::fmt::Debug for Hook {
     }
 }
 
-impl FakeHost {
-    pub fn new(store: Rc<RefCell<SharedStore>>) -> FakeHost {
-        FakeHost {
+impl MemoryHost {
+    pub fn new(store: Rc<RefCell<SharedStore>>) -> MemoryHost {
+        MemoryHost {
             headers: Vec::new(),
             properties: Vec::new(),
             store,
@@ -96,7 +105,7 @@ impl FakeHost {
     }
 }
 
-impl Host for FakeHost {
+impl Host for MemoryHost {
     fn request_header(&self, name: &str) -> Option<Vec<u8>> {
         let name = name.to_ascii_lowercase();
         self.headers
