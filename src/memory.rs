@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use crate::host::{CasResult, Host, HostError};
+use crate::pipeline::{Metric, Stats};
 
 /// Envoy's shared data: value + CAS token per key; tokens never repeat.
 #[derive(Debug, Default)]
@@ -52,6 +53,9 @@ impl SharedStore {
 #[derive(Debug, Clone)]
 pub struct MemoryHost {
     pub headers: Vec<(String, Vec<u8>)>,
+    /// The response's headers and body chunk (for the response callbacks).
+    pub response_headers: Vec<(String, Vec<u8>)>,
+    pub response_body: Vec<u8>,
     pub properties: Vec<(Vec<String>, Vec<u8>)>,
     pub store: Rc<RefCell<SharedStore>>,
     /// Makes every shared-data call fail, like a broken host.
@@ -76,6 +80,8 @@ impl MemoryHost {
     pub fn new(store: Rc<RefCell<SharedStore>>) -> MemoryHost {
         MemoryHost {
             headers: Vec::new(),
+            response_headers: Vec::new(),
+            response_body: Vec::new(),
             properties: Vec::new(),
             store,
             fail_shared: false,
@@ -86,6 +92,12 @@ impl MemoryHost {
 
     pub fn header(mut self, name: &str, value: impl Into<Vec<u8>>) -> Self {
         self.headers.push((name.to_ascii_lowercase(), value.into()));
+        self
+    }
+
+    pub fn response_header(mut self, name: &str, value: impl Into<Vec<u8>>) -> Self {
+        self.response_headers
+            .push((name.to_ascii_lowercase(), value.into()));
         self
     }
 
@@ -112,6 +124,22 @@ impl Host for MemoryHost {
             .iter()
             .find(|(n, _)| *n == name)
             .map(|(_, v)| v.clone())
+    }
+
+    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+        let name = name.to_ascii_lowercase();
+        self.response_headers
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.clone())
+    }
+
+    fn response_body(&self, len: usize) -> Option<Vec<u8>> {
+        Some(
+            self.response_body
+                .get(..len.min(self.response_body.len()))?
+                .to_vec(),
+        )
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
@@ -187,5 +215,56 @@ impl Host for MemoryHost {
             }
         }
         Ok(CasResult::Written)
+    }
+}
+
+/// Node-wide stats in memory (what `policy explain` prints and the native
+/// tests read): every worker's [`MemoryStats`] clone adds to one map, as
+/// every worker VM of one Envoy adds to one metric.
+#[derive(Debug, Clone, Default)]
+pub struct MemoryStats {
+    values: Rc<RefCell<HashMap<String, i64>>>,
+    name: String,
+}
+
+impl MemoryStats {
+    /// A metric's value by its full name (0 if never defined or changed).
+    pub fn value(&self, name: &str) -> i64 {
+        self.values.borrow().get(name).copied().unwrap_or(0)
+    }
+
+    /// Every metric defined, by name.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.values.borrow().keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    fn with(&mut self, metric: &Metric<'_>, f: impl FnOnce(&mut i64)) {
+        metric.name(&mut self.name);
+        let mut values = self.values.borrow_mut();
+        f(values.entry(self.name.clone()).or_insert(0));
+    }
+}
+
+impl Stats for MemoryStats {
+    fn define(&mut self, metric: &Metric<'_>) {
+        self.with(metric, |_| {});
+    }
+
+    fn add(&mut self, metric: &Metric<'_>, n: i64) {
+        self.with(metric, |v| *v = v.saturating_add(n));
+    }
+
+    fn set(&mut self, metric: &Metric<'_>, value: u64) {
+        self.with(metric, |v| *v = i64::try_from(value).unwrap_or(i64::MAX));
+    }
+
+    fn get(&mut self, metric: &Metric<'_>) -> Option<u64> {
+        metric.name(&mut self.name);
+        self.values
+            .borrow()
+            .get(&self.name)
+            .map(|v| u64::try_from(*v).unwrap_or(0))
     }
 }

@@ -2,6 +2,8 @@
 //! `application/problem+json` body. Built from a [`Decision`]; nothing the
 //! client sent reaches the output unless it passed [`request_id`].
 
+use std::borrow::Cow;
+
 use serde::Serialize;
 
 use crate::decision::{Decision, LimitName, Reason};
@@ -9,12 +11,24 @@ use crate::decision::{Decision, LimitName, Reason};
 /// The header naming the stable reason of a denial.
 pub const REASON_HEADER: &str = "x-tenantgate-reason";
 
-/// A local reply, ready for the host.
+/// A local reply, ready for the host: a refusal, or a degraded answer
+/// from the cache ([`crate::admission::degraded::reply`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalReply {
     pub status: u32,
-    pub headers: Vec<(&'static str, String)>,
-    pub body: String,
+    /// Lower-case names.
+    pub headers: Vec<(Cow<'static, str>, String)>,
+    pub body: Vec<u8>,
+}
+
+impl LocalReply {
+    /// A header's value, if the reply has it.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
 }
 
 #[derive(Serialize)]
@@ -68,20 +82,20 @@ pub fn local_reply(
         policy_version,
         request_id,
     };
-    let body = serde_json::to_string(&problem).unwrap_or_default();
+    let body = serde_json::to_vec(&problem).unwrap_or_default();
 
-    let mut headers = vec![
-        ("content-type", String::from("application/problem+json")),
-        ("cache-control", String::from("no-store")),
-        ("retry-after", retry_after.to_string()),
-        (REASON_HEADER, reason.as_str().to_owned()),
+    let mut headers: Vec<(Cow<'static, str>, String)> = vec![
+        ("content-type".into(), String::from("application/problem+json")),
+        ("cache-control".into(), String::from("no-store")),
+        ("retry-after".into(), retry_after.to_string()),
+        (REASON_HEADER.into(), reason.as_str().to_owned()),
     ];
     if let (true, Some(h)) = (headers_enabled, &decision.headers) {
-        headers.push(("ratelimit-policy", h.policy.clone()));
-        headers.push(("ratelimit", h.ratelimit.clone()));
+        headers.push(("ratelimit-policy".into(), h.policy.clone()));
+        headers.push(("ratelimit".into(), h.ratelimit.clone()));
     }
     if let Some(id) = request_id {
-        headers.push(("x-request-id", id.to_owned()));
+        headers.push(("x-request-id".into(), id.to_owned()));
     }
     Some(LocalReply {
         status,
@@ -184,7 +198,7 @@ mod tests {
         };
         let reply = local_reply(&decision, "v1", true, None).unwrap();
         assert_eq!(reply.status, 503);
-        let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
         assert_eq!(
             body["detail"],
             "The guard \"search-backend\" protecting a shared dependency refused this request (its aggregate limit is reached); retry in 2 s."
@@ -195,7 +209,7 @@ mod tests {
             subject: Subject::None,
             ..Decision::passed(Reason::Contention)
         };
-        let body = local_reply(&contention, "v1", true, None).unwrap().body;
+        let body = String::from_utf8(local_reply(&contention, "v1", true, None).unwrap().body).unwrap();
         assert!(
             body.contains("could not record this request (contention)"),
             "{body}"
@@ -212,7 +226,7 @@ mod tests {
             };
             let reply = local_reply(&decision, "v1", true, None).unwrap();
             assert_eq!(reply.status, 503);
-            serde_json::from_str::<serde_json::Value>(&reply.body).unwrap()
+            serde_json::from_slice::<serde_json::Value>(&reply.body).unwrap()
         };
         let action = body(LimitName::Action("search".into()));
         assert_eq!(

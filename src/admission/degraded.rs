@@ -50,11 +50,14 @@
 //!
 //! Pure: time is `now`, the host is [`Host`].
 
-use crate::engine::{Reason, Subject};
+use std::borrow::Cow;
+
+use crate::decision::{Reason, Subject};
 use crate::host::Host;
 use crate::keys::kind;
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::admission::Degradable;
+use crate::response::LocalReply;
 use crate::table::{self, fnv1a64, layout::Reader, push_record_with, Commit, Failure, Place, Reach, Records};
 
 const FORMAT: u8 = 1;
@@ -300,27 +303,23 @@ pub fn lookup<H: Host>(host: &H, deg: &Degradable, key: &[u8], now: u64) -> Look
     }
 }
 
-/// A degraded answer, ready for the host.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reply {
-    pub status: u32,
-    pub headers: Vec<(String, String)>,
-    pub body: Vec<u8>,
-}
-
 /// The answer to a refused request from `cached` (see the module header);
 /// `head`: headers only.
-pub fn reply(cached: &Cached, reason: Reason, now: u64, head: bool) -> Reply {
+pub fn reply(cached: &Cached, reason: Reason, now: u64, head: bool) -> LocalReply {
     let age_secs = now.saturating_sub(cached.captured_at) / NANOS_PER_SEC;
-    let mut headers = cached.headers.clone();
-    headers.push(("age".to_owned(), age_secs.to_string()));
+    let mut headers: Vec<(Cow<'static, str>, String)> = cached
+        .headers
+        .iter()
+        .map(|(n, v)| (Cow::Owned(n.clone()), v.clone()))
+        .collect();
+    headers.push(("age".into(), age_secs.to_string()));
     headers.push((
-        CAPTURED_AT_HEADER.to_owned(),
+        CAPTURED_AT_HEADER.into(),
         http_date(cached.captured_at / NANOS_PER_SEC),
     ));
-    headers.push((DEGRADED_HEADER.to_owned(), reason.as_str().to_owned()));
-    headers.push(("cache-control".to_owned(), "no-store".to_owned()));
-    Reply {
+    headers.push((DEGRADED_HEADER.into(), reason.as_str().to_owned()));
+    headers.push(("cache-control".into(), "no-store".to_owned()));
+    LocalReply {
         status: 200,
         headers,
         body: if head { Vec::new() } else { cached.body.clone() },

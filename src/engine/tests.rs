@@ -435,7 +435,7 @@ fn denial_replies_are_problem_json_with_every_header() {
     assert_eq!(get("ratelimit-policy"), Some(r#""free";q=10;w=1"#));
     assert_eq!(get("ratelimit"), Some(r#""free";r=0;t=1"#));
     assert_eq!(get("x-request-id"), Some("req-1"));
-    let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
     assert_eq!(body["status"], 429);
     assert_eq!(body["reason"], "rate_limited");
     assert_eq!(body["limit"], "free");

@@ -14,6 +14,7 @@ use std::cell::RefCell;
 use crate::engine::{self, Scratch};
 use crate::host::{CasResult, Host, HostError};
 use crate::memory::{MemoryHost, SharedStore};
+use crate::pipeline::Clock;
 use crate::policy::{self, Policy};
 
 const ROUNDS: u64 = 20_000;
@@ -56,6 +57,12 @@ impl Host for Recording<'_> {
         self.calls.borrow_mut().push(Call::Header(name.to_owned()));
         self.host.request_header(name)
     }
+    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+        self.host.response_header(name)
+    }
+    fn response_body(&self, len: usize) -> Option<Vec<u8>> {
+        self.host.response_body(len)
+    }
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
         let owned = path.iter().map(|p| (*p).to_owned()).collect();
         self.calls.borrow_mut().push(Call::Property(owned));
@@ -94,7 +101,7 @@ pub fn report(policy: &Policy) {
             .route_class(&class.name)
             .property(&engine::ROUTE_NAME_PROPERTY, class.name.as_bytes());
     }
-    let now = |fallback: u64| super::now_ns().unwrap_or(fallback);
+    let now = |fallback: u64| super::WallClock.now().unwrap_or(fallback);
     let start = now(0);
     let mut scratch = Scratch::default();
     // One decision inserts the key; the next, recorded, is the steady state.
