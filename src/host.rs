@@ -49,3 +49,16 @@ pub trait Host {
     /// token writes unconditionally (the key did not exist when read).
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<CasResult, HostError>;
 }
+
+/// The host's wall clock, in nanoseconds since the Unix epoch (`None`: the
+/// host could not tell). The core reads it only when a step needs the
+/// time; a fixed instant is a clock too (the tests' explicit time).
+pub trait Clock {
+    fn now(&self) -> Option<u64>;
+}
+
+impl Clock for u64 {
+    fn now(&self) -> Option<u64> {
+        Some(*self)
+    }
+}

@@ -24,6 +24,7 @@ pub mod memory;
 pub mod pipeline;
 pub mod policy;
 pub mod response;
+pub mod stats;
 pub mod sync;
 pub mod table;
 

@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use crate::host::{CasResult, Host, HostError};
-use crate::pipeline::{Metric, Stats};
+use crate::stats::{Metric, Stats};
 
 /// Envoy's shared data: value + CAS token per key; tokens never repeat.
 #[derive(Debug, Default)]

@@ -9,8 +9,8 @@ use std::collections::HashMap;
 use proxy_wasm::types::MetricType;
 
 use super::abi;
-use crate::pipeline::stats::Kind;
-use crate::pipeline::{Metric, Stats};
+use crate::stats::Kind;
+use crate::stats::{Metric, Stats};
 
 /// Envoy's metric ids by name (`None`: Envoy refused to define it: the
 /// stat is then not kept, and not asked for again).

@@ -28,10 +28,12 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
+use crate::host::Clock;
 use crate::host::{CasResult, Host, HostError};
-use crate::pipeline::{Answer, Callout, Clock, Directive, Metric, Pipeline, Stats, StreamId, Verdict};
+use crate::pipeline::{Answer, Callout, Directive, Pipeline, StreamId, Verdict};
 use crate::policy::Policy;
 use crate::response::LocalReply;
+use crate::stats::{Metric, Stats};
 use crate::sync::syncer::CalloutAnswer;
 use abi::HostStatus;
 use metrics::EnvoyStats;

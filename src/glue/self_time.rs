@@ -12,9 +12,9 @@
 use std::cell::RefCell;
 
 use crate::engine::{self, Scratch};
+use crate::host::Clock;
 use crate::host::{CasResult, Host, HostError};
 use crate::memory::{MemoryHost, SharedStore};
-use crate::pipeline::Clock;
 use crate::policy::{self, Policy};
 
 const ROUNDS: u64 = 20_000;

@@ -10,7 +10,6 @@
 use std::rc::Rc;
 
 use super::hold::{NotQueued, Paused, Read};
-use super::stats::DegradedStat;
 use super::stream::{Signal, Stream};
 use super::{Answer, Clock, Directive, Pipeline, StreamId, Verdict};
 use crate::admission::degraded::{self, Lookup};
@@ -22,10 +21,11 @@ use crate::admission::{
 use crate::decision::{Decision, LimitName, Reason};
 use crate::engine::{self, Prepared};
 use crate::host::Host;
-use crate::pipeline::Metric;
 use crate::policy::admission::{Dependency, DEFAULT_RETRY_AFTER_WINDOW_NS};
 use crate::policy::{Mode, Policy};
 use crate::response::{self, LocalReply};
+use crate::stats::DegradedStat;
+use crate::stats::Metric;
 
 /// What admission control decided for a request.
 enum Admitted {
@@ -437,7 +437,7 @@ impl Pipeline {
     /// A request dropped from the longest tenant line of a full level:
     /// 503 `queue_full`, counted in its tenant's bucket.
     fn fair_drop<H: Host>(&mut self, host: &H, dropped: Held<Paused>, now: u64) {
-        let bucket = dropped.tenant % super::stats::FAIR_DROP_BUCKETS as u64;
+        let bucket = dropped.tenant % crate::stats::FAIR_DROP_BUCKETS as u64;
         self.pending
             .rare(Metric::FairDrop(u8::try_from(bucket).unwrap_or(0)));
         self.pending.admission(Some(Reason::QueueFull), dropped.level);

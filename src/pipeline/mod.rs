@@ -59,7 +59,6 @@
 
 mod admit;
 pub mod hold;
-pub mod stats;
 mod stream;
 mod tick;
 
@@ -71,6 +70,7 @@ use crate::admission::retry::Primaries;
 use crate::admission::window::Windows;
 use crate::admission::Worker;
 use crate::engine::Scratch;
+pub use crate::host::Clock;
 use crate::host::Host;
 use crate::policy::admission::RetryBudget;
 use crate::policy::{Policy, PolicyErrors};
@@ -80,9 +80,8 @@ use crate::sync::syncer::{CalloutAnswer, Syncer};
 use crate::sync::SyncState;
 use crate::table;
 
+use crate::stats::{self, Metric, Pending, Stats};
 pub use hold::Hold;
-use stats::Pending;
-pub use stats::{Metric, Stats};
 use stream::Stream;
 
 /// The host's id of a stream (Envoy's context id).
@@ -90,19 +89,6 @@ pub type StreamId = u32;
 
 /// How often the host calls [`Pipeline::on_tick`], in nanoseconds.
 pub const TICK_NS: u64 = 10_000_000;
-
-/// The host's wall clock, in nanoseconds since the Unix epoch (`None`: the
-/// host could not tell). The pipeline reads it only when a step needs the
-/// time; a fixed instant is a clock too (the tests' explicit time).
-pub trait Clock {
-    fn now(&self) -> Option<u64>;
-}
-
-impl Clock for u64 {
-    fn now(&self) -> Option<u64> {
-        Some(*self)
-    }
-}
 
 /// What the host does with a stream.
 #[derive(Debug, Clone, PartialEq, Eq)]

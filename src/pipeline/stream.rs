@@ -20,7 +20,6 @@
 
 use std::rc::Rc;
 
-use super::stats::{DegradedStat, NamedCounter};
 use super::{Clock, Pipeline, StreamId, MAX_REMEMBERED_STORES};
 use crate::admission::degraded::{self, Cached};
 use crate::admission::request::BodyBudget;
@@ -29,9 +28,10 @@ use crate::admission::Ticket;
 use crate::decision::{RateLimitHeaders, Reason};
 use crate::engine::Prepared;
 use crate::host::Host;
-use crate::pipeline::Metric;
 use crate::policy::admission::Criticality;
 use crate::policy::{Policy, RouteClass};
+use crate::stats::Metric;
+use crate::stats::{DegradedStat, NamedCounter};
 
 /// What the pipeline keeps of a stream between its callbacks.
 #[derive(Debug, Default)]

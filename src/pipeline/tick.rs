@@ -25,15 +25,15 @@
 
 use std::rc::Rc;
 
-use super::stats::{ControllerStat, Metric, Stats};
 use super::{Clock, Pipeline, TICK_NS};
-use crate::admission::breaker::{self, Phase, Transition};
+use crate::admission::breaker::{self, Phase};
 use crate::admission::controller;
 use crate::admission::queue::Attempt;
 use crate::admission::{self, retry, Refusal};
 use crate::decision::Reason;
 use crate::host::Host;
 use crate::policy::Policy;
+use crate::stats::{BreakerPhase, ControllerStat, Metric, Stats};
 
 impl Pipeline {
     /// The worker's tick (see the module header). `policy`: the one in
@@ -205,7 +205,7 @@ impl Pipeline {
             };
             let name = dep.name.as_str();
             for tr in t.transitions.iter() {
-                stats.add(&Metric::BreakerEntered(name, tr.to), 1);
+                stats.add(&Metric::BreakerEntered(name, entered(tr.to)), 1);
             }
             if t.probes.probes > 0 {
                 stats.add(
@@ -213,12 +213,9 @@ impl Pipeline {
                     i64::try_from(t.probes.probes).unwrap_or(i64::MAX),
                 );
             }
-            let half_opened = Transition {
-                from: Phase::Open,
-                to: Phase::HalfOpen,
-            };
-            for _ in 0..t.probes.half_opened.min(16) {
-                stats.add(&Metric::BreakerEntered(name, half_opened.to), 1);
+            if t.probes.half_opened > 0 {
+                let n = i64::try_from(t.probes.half_opened).unwrap_or(i64::MAX);
+                stats.add(&Metric::BreakerEntered(name, BreakerPhase::HalfOpen), n);
             }
             if let Some(b) = t.breaker {
                 stats.set(&Metric::BreakerState(name), b.phase_at(settings, now) as u64);
@@ -290,5 +287,15 @@ fn controller_gauges(stats: &mut dyn Stats, dependency: &str, state: &controller
         (ControllerStat::QueueAgeMs, i.oldest_queue_ns / 1_000_000),
     ] {
         stats.set(&Metric::Controller(dependency, stat), value);
+    }
+}
+
+/// How the transition counters name a breaker phase.
+fn entered(phase: Phase) -> BreakerPhase {
+    match phase {
+        Phase::Open => BreakerPhase::Open,
+        Phase::HalfOpen => BreakerPhase::HalfOpen,
+        Phase::Ramping => BreakerPhase::Ramping,
+        Phase::Closed => BreakerPhase::Closed,
     }
 }

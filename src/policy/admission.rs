@@ -22,6 +22,10 @@ use super::spec::{
 };
 use crate::limiter::NANOS_PER_SEC;
 
+/// Longest `max_wait` of a queue: a route class's (`on_limit: queue`) or a
+/// dependency level's.
+pub const MAX_QUEUE_WAIT_NS: u64 = 30 * NANOS_PER_SEC;
+
 /// Largest `max_in_flight` and `max_streams`.
 pub const MAX_IN_FLIGHT: i64 = 1_000_000;
 /// Largest `max_body_bytes` (1 TiB).
@@ -718,7 +722,7 @@ fn compile_level_queue(spec: &LevelQueueSpec, path: &FieldPath, errors: &mut Vec
     let max_wait_ns = duration_in(
         spec.max_wait.as_deref(),
         0,
-        (1, super::compile::MAX_QUEUE_WAIT_NS),
+        (1, MAX_QUEUE_WAIT_NS),
         "must be more than 0 and at most 30s",
         &path.key("max_wait"),
         errors,

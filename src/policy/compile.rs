@@ -21,8 +21,7 @@ use crate::limiter::{
 };
 use crate::table::{self, SLOTS_PER_ENTRY};
 
-/// Longest `max_wait` of a queueing route class.
-pub const MAX_QUEUE_WAIT_NS: u64 = 30 * NANOS_PER_SEC;
+pub use super::admission::MAX_QUEUE_WAIT_NS;
 /// Default `max_queue`: requests held per worker per class.
 pub const DEFAULT_MAX_QUEUE: i64 = 100;
 
@@ -710,7 +709,7 @@ fn compile_limits(
         .iter()
         .map(|l| {
             let state = if l.global {
-                crate::sync::stored::MAX_ALLOWANCE_LEN
+                super::MAX_ALLOWANCE_LEN
             } else {
                 l.algo.max_stored_len()
             };

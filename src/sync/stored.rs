@@ -53,9 +53,9 @@ fn put_counts(out: &mut Vec<u8>, c: &Counts) {
     put(out, c.demand);
 }
 
-/// The most bytes [`encode_allowance`] writes: version, flags, twelve u64
-/// (every optional field set).
-pub const MAX_ALLOWANCE_LEN: usize = 2 + 12 * 8;
+/// The most bytes [`encode_allowance`] writes (the policy reserves this
+/// much of a key's slot for each global limit; tested below).
+pub use crate::policy::MAX_ALLOWANCE_LEN;
 
 /// `[version][flags] [tokens_left expires_at]? provisional_left consumed
 /// unleased demand lease_used share [local_tat]? [awaiting_since]?

@@ -29,10 +29,11 @@ use hashbrown::HashMap;
 
 use super::shared::{self, Abandoned, Application, Claim, GivenUp, NotApplied, Scan, Step};
 use super::{clamp, ApplyError, BreakerState, SyncResponse, SyncState};
+use crate::host::Clock;
 use crate::host::{Host, HostError};
-use crate::pipeline::stats::SyncStat;
-use crate::pipeline::{Clock, Metric, Stats};
 use crate::policy::{Policy, SyncSettings};
+use crate::stats::SyncStat;
+use crate::stats::{Metric, Stats};
 
 /// The service's sync endpoint.
 pub const SYNC_PATH: &str = "/v1/sync";

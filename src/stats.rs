@@ -13,7 +13,6 @@
 //! the worker down: the sink's counters lag the decisions by at most one
 //! tick. Gauges are set on the tick.
 
-use crate::admission::breaker::Phase;
 use crate::decision::{Decision, Reason, Subject};
 use crate::policy::admission::Criticality;
 use crate::table::TableEvent;
@@ -189,6 +188,34 @@ impl SyncStat {
     }
 }
 
+/// A circuit breaker's phases, as its transition counters name them (the
+/// breaker's own [`crate::admission::breaker::Phase`] maps onto them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BreakerPhase {
+    Open,
+    HalfOpen,
+    Ramping,
+    Closed,
+}
+
+impl BreakerPhase {
+    pub const ALL: [BreakerPhase; 4] = [
+        BreakerPhase::Open,
+        BreakerPhase::HalfOpen,
+        BreakerPhase::Ramping,
+        BreakerPhase::Closed,
+    ];
+
+    fn entered(self) -> &'static str {
+        match self {
+            BreakerPhase::Open => "opened",
+            BreakerPhase::HalfOpen => "half_opened",
+            BreakerPhase::Ramping => "ramping",
+            BreakerPhase::Closed => "closed",
+        }
+    }
+}
+
 /// Every metric the filter reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Metric<'a> {
@@ -255,7 +282,7 @@ pub enum Metric<'a> {
     BreakerRamp(&'a str),
     /// `tenantgate.admission.breaker_<opened|half_opened|ramping|closed>.<dependency>`:
     /// transitions into a phase, each counted once per node.
-    BreakerEntered(&'a str, Phase),
+    BreakerEntered(&'a str, BreakerPhase),
     /// `tenantgate.admission.breaker_probes.<dependency>`: requests let
     /// through as half-open probes.
     BreakerProbes(&'a str),
@@ -323,15 +350,7 @@ impl Metric<'_> {
             Metric::Controller(d, s) => write!(out, "tenantgate.admission.{}.{d}", s.name()),
             Metric::BreakerState(d) => write!(out, "tenantgate.admission.breaker_state.{d}"),
             Metric::BreakerRamp(d) => write!(out, "tenantgate.admission.breaker_ramp_permille.{d}"),
-            Metric::BreakerEntered(d, p) => {
-                let what = match p {
-                    Phase::Open => "opened",
-                    Phase::HalfOpen => "half_opened",
-                    Phase::Ramping => "ramping",
-                    Phase::Closed => "closed",
-                };
-                write!(out, "tenantgate.admission.breaker_{what}.{d}")
-            }
+            Metric::BreakerEntered(d, p) => write!(out, "tenantgate.admission.breaker_{}.{d}", p.entered()),
             Metric::BreakerProbes(d) => write!(out, "tenantgate.admission.breaker_probes.{d}"),
         };
     }
@@ -391,10 +410,7 @@ pub fn policy_metrics(policy: &crate::policy::Policy) -> Vec<Metric<'_>> {
                 Metric::BreakerRamp(n),
                 Metric::BreakerProbes(n),
             ]);
-            all.extend(
-                [Phase::Open, Phase::HalfOpen, Phase::Ramping, Phase::Closed]
-                    .map(|p| Metric::BreakerEntered(n, p)),
-            );
+            all.extend(BreakerPhase::ALL.map(|p| Metric::BreakerEntered(n, p)));
         }
     }
     all.extend(policy.actions.iter().map(|a| Metric::ActionInFlight(&a.name)));
@@ -616,7 +632,7 @@ mod tests {
                 "tenantgate.admission.latency_p95_us.db",
             ),
             (
-                Metric::BreakerEntered("db", Phase::HalfOpen),
+                Metric::BreakerEntered("db", BreakerPhase::HalfOpen),
                 "tenantgate.admission.breaker_half_opened.db",
             ),
             (
