@@ -231,6 +231,41 @@ struct GateRefusal {
     retry_after_secs: u64,
 }
 
+impl GateRefusal {
+    fn of(reason: Reason) -> GateRefusal {
+        GateRefusal {
+            reason,
+            retry_after_secs: 1,
+        }
+    }
+
+    /// `circuit_open`: its `Retry-After` is the time until half-open,
+    /// rounded up, never earlier.
+    fn open(half_open_at: u64, now: u64) -> GateRefusal {
+        GateRefusal {
+            reason: Reason::CircuitOpen,
+            retry_after_secs: half_open_at.saturating_sub(now).div_ceil(NANOS_PER_SEC).max(1),
+        }
+    }
+}
+
+/// Why one try of [`Worker::acquire`] took nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tried<R = Refusal> {
+    Refused(R),
+    /// The breaker's phase changed under this worker's copy: try again.
+    Stale(R),
+}
+
+impl<R> Tried<R> {
+    fn map<S>(self, f: impl FnOnce(R) -> S) -> Tried<S> {
+        match self {
+            Tried::Refused(r) => Tried::Refused(f(r)),
+            Tried::Stale(r) => Tried::Stale(f(r)),
+        }
+    }
+}
+
 /// Which limit refused a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Limited {
@@ -256,9 +291,27 @@ pub struct Ticket {
     /// The dependency's live slots before this one (the action's, for a
     /// class without a dependency), for the record.
     in_flight: u32,
+    /// A half-open breaker's probe ticket, taken last.
+    probe: Option<ProbeTicket>,
+}
+
+/// A half-open breaker's probe ticket (see [`breaker`]): given back by
+/// [`Worker::cancel`] if its request never reaches the dependency, kept
+/// (spent) by [`Worker::release`] at the end of a stream that did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeTicket {
+    /// The breaker's shared-data key.
+    pub breaker_key: String,
+    /// The half-open period it was taken in (the period's start).
+    pub period: u64,
 }
 
 impl Ticket {
+    /// The probe ticket this request holds, if its breaker is half-open.
+    pub fn probe(&self) -> Option<&ProbeTicket> {
+        self.probe.as_ref()
+    }
+
     /// The dependency's live slots (requests + streams) when it was taken,
     /// not counting itself (the action's, for a class without a dependency).
     pub fn in_flight(&self) -> u32 {
@@ -292,16 +345,17 @@ pub struct Worker {
     buffers: table::Buffers,
     /// Dependency key → its control state as last read on the tick.
     controls: HashMap<String, Control>,
-    /// Dependency key → half-open probes this worker took since the glue
-    /// last asked ([`Worker::take_probe_events`]).
+    /// Dependency key → open → half-open transitions this worker's probe
+    /// tickets made since its tick last asked ([`Worker::take_probe_events`]).
     probe_events: HashMap<String, ProbeEvents>,
 }
 
-/// Half-open probe tickets a worker took, for the stats.
+/// What this worker's probe tickets did to a breaker, for the stats. (The
+/// probes themselves are counted by the pipeline when their requests go on
+/// to the dependency: a ticket given back is no probe.)
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ProbeEvents {
-    pub probes: u64,
-    /// Of those, the ones whose write made the open → half-open transition.
+    /// Tickets whose write made the open → half-open transition.
     pub half_opened: u64,
 }
 
@@ -542,8 +596,8 @@ impl Worker {
 
     /// Takes a slot for a request of `class` (see the module header): its
     /// tenant's share, then its action's limit, then its dependency, each
-    /// given back if a later one refuses. `Ok(None)`: the class has
-    /// neither a dependency nor an action limit.
+    /// given back if a later one refuses, then (half-open) a probe ticket.
+    /// `Ok(None)`: the class has neither a dependency nor an action limit.
     pub fn acquire<H: Host>(
         &mut self,
         host: &H,
@@ -552,6 +606,27 @@ impl Worker {
         subject: &Subject,
         now: u64,
     ) -> Result<Option<Ticket>, Refusal> {
+        match self.try_acquire(host, policy, class, subject, now) {
+            // The breaker moved on between this worker's copy and its entry
+            // (half-open ended): once more, with the breaker as it now is.
+            Err(Tried::Stale(_)) => match self.try_acquire(host, policy, class, subject, now) {
+                Err(Tried::Stale(r) | Tried::Refused(r)) => Err(r),
+                Ok(t) => Ok(t),
+            },
+            Err(Tried::Refused(r)) => Err(r),
+            Ok(t) => Ok(t),
+        }
+    }
+
+    /// One try of [`Worker::acquire`].
+    fn try_acquire<H: Host>(
+        &mut self,
+        host: &H,
+        policy: &Policy,
+        class: &RouteClass,
+        subject: &Subject,
+        now: u64,
+    ) -> Result<Option<Ticket>, Tried> {
         let labels = class.labels;
         let dep = labels.dependency.and_then(|i| policy.dependency(i));
         let action = labels.action_limit.and_then(|i| policy.action_limit(i));
@@ -567,19 +642,26 @@ impl Worker {
             limit,
         };
         let gate = match dep {
-            Some(d) => self.gate(host, d, now).map_err(|r| Refusal {
-                retry_after_secs: r.retry_after_secs,
-                ..refuse(r.reason, 0, Limited::Dependency)
+            Some(d) => self.gate(d, now).map_err(|r| {
+                Tried::Refused(Refusal {
+                    retry_after_secs: r.retry_after_secs,
+                    ..refuse(r.reason, 0, Limited::Dependency)
+                })
             })?,
             None => breaker::Gate::Free,
         };
-        let level = labels.criticality.index();
-        let streaming = labels.streaming;
-        let tenant = match (dep.and_then(|d| d.tenant_max.map(|max| (d, max))), subject) {
-            (None, _) | (_, Subject::None) => None,
-            (Some((dep, max)), subject) => {
+        let mut ticket = Ticket {
+            dependency: None,
+            action: None,
+            tenant: None,
+            level: labels.criticality.index(),
+            streaming: labels.streaming,
+            in_flight: 0,
+            probe: None,
+        };
+        if let Some((dep, max)) = dep.and_then(|d| d.tenant_max.map(|max| (d, max))) {
+            if !matches!(subject, Subject::None) {
                 let key = tenant_key(&dep.name, subject);
-                let entries = Some(policy.key_table_entries);
                 let action = tenant_action(&dep.name);
                 let check = |occ: &Counts| {
                     if occ.total() < max {
@@ -588,116 +670,166 @@ impl Worker {
                         Err(Reason::TenantShare)
                     }
                 };
-                match self.take(host, &key, entries, &action, now, level, streaming, &check) {
-                    Ok(_) => Some(key),
-                    Err((reason, _)) => return Err(refuse(reason, 0, Limited::Tenant)),
+                let entries = Some(policy.key_table_entries);
+                let taken = self.take(
+                    host,
+                    &key,
+                    entries,
+                    &action,
+                    now,
+                    ticket.level,
+                    ticket.streaming,
+                    &check,
+                );
+                if let Err((reason, _)) = taken {
+                    return Err(Tried::Refused(refuse(reason, 0, Limited::Tenant)));
+                }
+                ticket.tenant = Some(key);
+            }
+        }
+        if let Some(a) = action {
+            let max = a.max_in_flight;
+            let check = |occ: &Counts| {
+                if occ.total() < max {
+                    Ok(())
+                } else {
+                    Err(Reason::ConcurrencyLimit)
+                }
+            };
+            match self.take(
+                host,
+                &a.key,
+                None,
+                "",
+                now,
+                ticket.level,
+                ticket.streaming,
+                &check,
+            ) {
+                Ok(occupancy) => {
+                    ticket.in_flight = occupancy.total();
+                    ticket.action = Some(a.key.clone());
+                }
+                Err((reason, occupancy)) => {
+                    self.release(host, ticket, now);
+                    return Err(Tried::Refused(refuse(reason, occupancy.total(), Limited::Action)));
                 }
             }
+        }
+        let Some(dep) = dep else {
+            return Ok(Some(ticket));
         };
-        let mut in_flight = 0;
-        let action_key = match action {
-            None => None,
-            Some(a) => {
-                let max = a.max_in_flight;
-                let check = |occ: &Counts| {
-                    if occ.total() < max {
-                        Ok(())
-                    } else {
-                        Err(Reason::ConcurrencyLimit)
-                    }
-                };
-                match self.take(host, &a.key, None, "", now, level, streaming, &check) {
-                    Ok(occupancy) => {
-                        in_flight = occupancy.total();
-                        Some(a.key.clone())
-                    }
-                    Err((reason, occupancy)) => {
-                        if let Some(key) = tenant {
-                            self.give(host, &key, now, level, streaming);
-                        }
-                        return Err(refuse(reason, occupancy.total(), Limited::Action));
-                    }
+        let target = effective_limit(dep, &self.control(&dep.key));
+        let limits = effective_limits(dep, target, &gate);
+        let probing = matches!(gate, breaker::Gate::Probe { .. });
+        let check = |occ: &Counts| {
+            admits_within(&limits, &labels, occ).map_err(|r| match r {
+                Reason::ConcurrencyLimit | Reason::StreamLimit if probing => Reason::CircuitProbeLimit,
+                other => other,
+            })
+        };
+        match self.take(
+            host,
+            &dep.key,
+            None,
+            "",
+            now,
+            ticket.level,
+            ticket.streaming,
+            &check,
+        ) {
+            Ok(occupancy) => {
+                ticket.in_flight = occupancy.total();
+                ticket.dependency = Some(dep.key.clone());
+            }
+            Err((reason, occupancy)) => {
+                self.release(host, ticket, now);
+                return Err(Tried::Refused(refuse(
+                    reason,
+                    occupancy.total(),
+                    Limited::Dependency,
+                )));
+            }
+        }
+        if probing {
+            match self.take_probe(host, dep, now) {
+                Ok(probe) => ticket.probe = Some(probe),
+                Err(tried) => {
+                    self.release(host, ticket, now);
+                    return Err(tried.map(|r| Refusal {
+                        retry_after_secs: r.retry_after_secs,
+                        ..refuse(r.reason, 0, Limited::Dependency)
+                    }));
                 }
             }
-        };
-        let dependency = match dep {
-            None => None,
-            Some(dep) => {
-                let target = effective_limit(dep, &self.control(&dep.key));
-                let limits = effective_limits(dep, target, &gate);
-                let probing = matches!(gate, breaker::Gate::Probe { .. });
-                let check = |occ: &Counts| {
-                    admits_within(&limits, &labels, occ).map_err(|r| match r {
-                        Reason::ConcurrencyLimit | Reason::StreamLimit if probing => {
-                            Reason::CircuitProbeLimit
-                        }
-                        other => other,
-                    })
-                };
-                match self.take(host, &dep.key, None, "", now, level, streaming, &check) {
-                    Ok(occupancy) => {
-                        in_flight = occupancy.total();
-                        Some(dep.key.clone())
-                    }
-                    Err((reason, occupancy)) => {
-                        for key in [action_key, tenant].into_iter().flatten() {
-                            self.give(host, &key, now, level, streaming);
-                        }
-                        return Err(refuse(reason, occupancy.total(), Limited::Dependency));
-                    }
-                }
-            }
-        };
-        Ok(Some(Ticket {
-            dependency,
-            action: action_key,
-            tenant,
-            level,
-            streaming,
-            in_flight,
-        }))
+        }
+        Ok(Some(ticket))
     }
 
-    /// `paused`, then the breaker (see [`breaker`]): the gate a request
-    /// passes, or its refusal (`retry_after_secs` set).
-    fn gate<H: Host>(&mut self, host: &H, dep: &Dependency, now: u64) -> Result<breaker::Gate, GateRefusal> {
-        let refused = |reason| GateRefusal {
-            reason,
-            retry_after_secs: 1,
-        };
-        let open = |half_open_at: u64| GateRefusal {
-            reason: Reason::CircuitOpen,
-            retry_after_secs: half_open_at.saturating_sub(now).div_ceil(NANOS_PER_SEC).max(1),
-        };
+    /// `paused`, then the breaker as this worker's copy says (see
+    /// [`breaker`]): the gate a request passes, or its refusal
+    /// (`retry_after_secs` set). No hostcall: a half-open probe's ticket is
+    /// taken after the request's slots ([`Worker::take_probe`]).
+    fn gate(&self, dep: &Dependency, now: u64) -> Result<breaker::Gate, GateRefusal> {
         if dep.paused {
-            return Err(refused(Reason::Paused));
+            return Err(GateRefusal::of(Reason::Paused));
         }
-        let Some(settings) = dep.breaker.as_ref() else {
+        if dep.breaker.is_none() {
             return Ok(breaker::Gate::Free);
-        };
+        }
         match self.control(&dep.key).gate(dep, now) {
-            breaker::Gate::Open { half_open_at } => Err(open(half_open_at)),
-            breaker::Gate::Probe { left: 0, .. } => Err(refused(Reason::CircuitProbeLimit)),
-            gate @ breaker::Gate::Probe { .. } => {
-                let probe = breaker::take_probe(host, &dep.breaker_key, settings, now, &mut self.buffers)
-                    .map_err(|f| refused(failure_reason(f)))?;
-                self.update_control(&dep.key, |c| c.breaker = Some(probe.breaker));
-                if probe.taken {
-                    let events = self.probe_events.entry(dep.key.clone()).or_default();
-                    events.probes = events.probes.saturating_add(1);
-                    events.half_opened = events.half_opened.saturating_add(u64::from(probe.half_opened));
-                    return Ok(gate);
-                }
-                // Another worker took the last ticket, or it is no longer
-                // half-open (this copy was stale).
-                match probe.breaker.gate(settings, now) {
-                    breaker::Gate::Open { half_open_at } => Err(open(half_open_at)),
-                    breaker::Gate::Probe { .. } => Err(refused(Reason::CircuitProbeLimit)),
-                    other => Ok(other),
-                }
-            }
+            breaker::Gate::Open { half_open_at } => Err(GateRefusal::open(half_open_at, now)),
+            breaker::Gate::Probe { left: 0, .. } => Err(GateRefusal::of(Reason::CircuitProbeLimit)),
             other => Ok(other),
         }
+    }
+
+    /// Takes a half-open probe ticket of `dep`'s breaker node-wide, and
+    /// refreshes this worker's copy. `Err`: none left (refused), or the
+    /// breaker is no longer half-open and lets the request through another
+    /// way (stale: try again).
+    fn take_probe<H: Host>(
+        &mut self,
+        host: &H,
+        dep: &Dependency,
+        now: u64,
+    ) -> Result<ProbeTicket, Tried<GateRefusal>> {
+        let Some(settings) = dep.breaker.as_ref() else {
+            return Err(Tried::Stale(GateRefusal::of(Reason::CircuitProbeLimit)));
+        };
+        let probe = breaker::take_probe(host, &dep.breaker_key, settings, now, &mut self.buffers)
+            .map_err(|f| Tried::Refused(GateRefusal::of(failure_reason(f))))?;
+        self.update_control(&dep.key, |c| c.breaker = Some(probe.breaker));
+        if probe.taken {
+            if probe.half_opened {
+                let events = self.probe_events.entry(dep.key.clone()).or_default();
+                events.half_opened = events.half_opened.saturating_add(1);
+            }
+            return Ok(ProbeTicket {
+                breaker_key: dep.breaker_key.clone(),
+                period: probe.period(),
+            });
+        }
+        // Another worker took the last ticket, or it is no longer
+        // half-open (this copy was stale).
+        Err(match probe.breaker.gate(settings, now) {
+            breaker::Gate::Open { half_open_at } => Tried::Refused(GateRefusal::open(half_open_at, now)),
+            breaker::Gate::Probe { .. } => Tried::Refused(GateRefusal::of(Reason::CircuitProbeLimit)),
+            _ => Tried::Stale(GateRefusal::of(Reason::CircuitProbeLimit)),
+        })
+    }
+
+    /// Gives back everything a request took that never reached its
+    /// dependency (a later check refused it): its slots, and its probe
+    /// ticket to the half-open period it was taken in.
+    pub fn cancel<H: Host>(&mut self, host: &H, mut ticket: Ticket, now: u64) {
+        if let Some(p) = ticket.probe.take() {
+            if let Err(f) = breaker::give_back_probe(host, &p.breaker_key, p.period, now, &mut self.buffers) {
+                // Lost to its period, which the lost-probe rule ends.
+                log::debug!("tenantgate: a probe ticket could not be given back: {f:?}");
+            }
+        }
+        self.release(host, ticket, now);
     }
 
     /// Gives a stream's slot back (every end of a stream: complete, reset,

@@ -101,12 +101,15 @@ impl Pipeline {
         }
         let decision = self.charge(host, policy, &prepared, now);
         if decision.deny_status().is_some() {
-            // A rate-limit denial gives its slots back at once.
+            // A rate-limit denial gives its slots (and a probe ticket) back
+            // at once: the request never reaches the dependency.
             if let Some(ticket) = state.ticket.take() {
-                self.release(host, ticket, now);
+                self.cancel(host, ticket, now);
             }
             state.signal = None;
             state.capture = None;
+        } else {
+            self.count_probe(policy, &prepared, state.ticket.as_ref());
         }
         if decision.deny_status() == Some(429) {
             let paused = paused(host, policy, &prepared, stream, false);
@@ -700,7 +703,7 @@ impl Pipeline {
             match response::local_reply(&decision, &p.policy.version, p.policy.ratelimit_headers, None) {
                 Some(reply) => {
                     if let Some(ticket) = state.ticket.take() {
-                        self.release(host, ticket, now);
+                        self.cancel(host, ticket, now);
                     }
                     state.signal = None;
                     state.capture = None;
@@ -710,6 +713,7 @@ impl Pipeline {
                     }
                 }
                 None => {
+                    self.count_probe(&p.policy, &p.prepared, state.ticket.as_ref());
                     if p.policy.ratelimit_headers {
                         state.headers = decision.headers;
                     }

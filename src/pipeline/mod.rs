@@ -326,4 +326,6 @@ impl Pipeline {
 }
 
 #[cfg(test)]
+mod probe_tests;
+#[cfg(test)]
 mod tests;

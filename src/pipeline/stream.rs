@@ -211,6 +211,32 @@ impl Pipeline {
         }
     }
 
+    /// Gives back everything a request took that never reached its
+    /// dependency: its slots and its probe ticket (see
+    /// [`crate::admission::Worker::cancel`]).
+    pub(super) fn cancel<H: Host>(&mut self, host: &H, ticket: Ticket, now: u64) {
+        match self.worker.as_mut() {
+            Some(w) => w.cancel(host, ticket, now),
+            None => log::error!("tenantgate: an admission slot could not be released"),
+        }
+    }
+
+    /// A request goes on to its dependency holding a probe ticket: one
+    /// half-open probe (`breaker_probes.<dependency>`).
+    pub(super) fn count_probe(&mut self, policy: &Policy, prepared: &Prepared, ticket: Option<&Ticket>) {
+        if ticket.and_then(Ticket::probe).is_none() {
+            return;
+        }
+        if let Some(dep) = prepared
+            .class
+            .labels
+            .dependency
+            .and_then(|i| policy.dependency(i))
+        {
+            self.pending.named(NamedCounter::BreakerProbes, &dep.name);
+        }
+    }
+
     /// A request refused for its adaptive dependency's limit: demand the
     /// controller counts (memory only).
     pub(super) fn note_refused(&mut self, policy: &Policy, prepared: &Prepared, reason: Reason, now: u64) {

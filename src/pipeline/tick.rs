@@ -207,12 +207,6 @@ impl Pipeline {
             for tr in t.transitions.iter() {
                 stats.add(&Metric::BreakerEntered(name, entered(tr.to)), 1);
             }
-            if t.probes.probes > 0 {
-                stats.add(
-                    &Metric::BreakerProbes(name),
-                    i64::try_from(t.probes.probes).unwrap_or(i64::MAX),
-                );
-            }
             if t.probes.half_opened > 0 {
                 let n = i64::try_from(t.probes.half_opened).unwrap_or(i64::MAX);
                 stats.add(&Metric::BreakerEntered(name, BreakerPhase::HalfOpen), n);
