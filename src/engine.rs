@@ -18,8 +18,8 @@ use crate::policy::{
 };
 use crate::sync::{stored, Allowance, NodeView, SyncState};
 use crate::table::{
-    self, push_record, push_record_with, Commit, Failure, Overflow, Place, Reach, Record, MAX_RECORDS,
-    MAX_RECORDS_LEN, RECORD_HEADER_LEN,
+    self, push_record, push_record_with, Commit, Failure, Overflow, Place, Reach, Record, Records,
+    MAX_RECORDS, MAX_RECORDS_LEN, RECORD_HEADER_LEN,
 };
 
 pub use crate::table::TableEvent;
@@ -321,7 +321,8 @@ impl Applied {
 
 /// Checks `limits` for the key at `place` and charges them all if every
 /// enforced limit admits: one update of the key table (see
-/// [`table::update`]), retried on conflict.
+/// [`table::update`]), retried on conflict. Each attempt checks every
+/// limit ([`check_limits`]), then writes the records ([`write_records`]).
 fn apply<H: Host>(
     host: &H,
     place: &Place<'_>,
@@ -332,73 +333,10 @@ fn apply<H: Host>(
     let limits = &limits[..limits.len().min(MAX_LIMITS_PER_PLAN).min(MAX_RECORDS)];
     let updated = table::update(host, place, &CHARGE, ctx.now, buffers, |records, out| {
         let mut applied = Applied::new();
-        let mut changed = false;
         // Per limit: its state as read (migrated, normalised), and the state
         // after charging this request if the limit admits it.
         let mut states: [Option<Loaded>; MAX_RECORDS] = Default::default();
-        for (i, l) in limits.iter().enumerate() {
-            let record = records.and_then(|rs| rs.iter().find(|r| r.name_hash == l.name_hash));
-            let (outcome, loaded) = match (l.global, ctx.sync.as_ref()) {
-                (true, Some(view)) => {
-                    // Demand is counted even when the request is denied, so
-                    // a global limit always writes.
-                    changed = true;
-                    let checked = check_global(record, view, ctx);
-                    applied.no_lease |= checked.no_lease;
-                    (checked.outcome, Loaded::Global(checked.demanded, checked.charged))
-                }
-                _ => {
-                    // Under the reload rule, the parameters may be a newer
-                    // policy's that wrote the record.
-                    let loaded = l.algo.load(record, ctx.effective_from, ctx.now);
-                    changed |= loaded.changed;
-                    match loaded.algo.check(&loaded.state, ctx.now, ctx.cost) {
-                        Outcome::Admit {
-                            state,
-                            remaining,
-                            reset_ns,
-                        } => (
-                            Outcome::Admit {
-                                state: State::TokenBucket { tat: 0 },
-                                remaining,
-                                reset_ns,
-                            },
-                            Loaded::Local(loaded, Some(state)),
-                        ),
-                        deny => (deny, Loaded::Local(loaded, None)),
-                    }
-                }
-            };
-            match outcome {
-                Outcome::Admit {
-                    remaining, reset_ns, ..
-                } => {
-                    applied.report[i] = Standing { remaining, reset_ns };
-                }
-                Outcome::Deny {
-                    wait_ns,
-                    remaining,
-                    reset_ns,
-                } => {
-                    applied.report[i] = Standing { remaining, reset_ns };
-                    if l.shadow {
-                        applied.shadow_denied = true;
-                    } else {
-                        applied.denied = true;
-                    }
-                    // The binding limit: enforced ones first, then the longest wait.
-                    let rank = (!l.shadow, wait_ns);
-                    if applied
-                        .binding
-                        .is_none_or(|b| rank > (!limits[b.limit].shadow, b.wait_ns))
-                    {
-                        applied.binding = Some(Binding { limit: i, wait_ns });
-                    }
-                }
-            }
-            states[i] = Some(loaded);
-        }
-
+        let changed = check_limits(records, limits, ctx, &mut applied, &mut states);
         if applied.denied && ctx.shadow_mode {
             // Shadow mode: as if enforcing (nothing charged), but go on.
             applied.shadow_denied = true;
@@ -408,60 +346,7 @@ fn apply<H: Host>(
         if applied.denied && !changed {
             return (Commit::Skip, applied);
         }
-        let count_at = out.len();
-        out.push(0);
-        let mut count = 0u8;
-        for (i, (l, loaded)) in limits.iter().zip(&states).enumerate() {
-            match loaded {
-                Some(Loaded::Local(loaded, charged)) => {
-                    let stored = match charged {
-                        Some(charged) if !applied.denied => {
-                            applied.charged |= 1 << i;
-                            charged
-                        }
-                        _ => &loaded.state,
-                    };
-                    push_local(out, l.name_hash, loaded, stored, ctx.now);
-                }
-                Some(Loaded::Global(demanded, charged)) => {
-                    let (p1, p2) = l.algo.params();
-                    let stored = match charged {
-                        Some(charged) if !applied.denied => {
-                            applied.charged |= 1 << i;
-                            charged
-                        }
-                        _ => demanded,
-                    };
-                    push_record_with(out, l.name_hash, kind::GLOBAL_ALLOWANCE, p1, p2, |o| {
-                        stored::encode_allowance(stored, o)
-                    });
-                }
-                None => continue,
-            }
-            count += 1;
-        }
-        // Records of limits this plan lacks that a newer policy wrote (this
-        // worker has not reloaded yet, or the request was queued under the
-        // old policy) are kept as they are: dropping them would hand the
-        // newer policy's limit a fresh start on its next charge.
-        for r in records.iter().flat_map(|rs| rs.iter()) {
-            let room = usize::from(count) < MAX_RECORDS
-                && out
-                    .len()
-                    .saturating_add(RECORD_HEADER_LEN)
-                    .saturating_add(r.state.len())
-                    <= MAX_RECORDS_LEN;
-            if !room {
-                break;
-            }
-            if limits.iter().all(|l| l.name_hash != r.name_hash)
-                && Algo::written_by_newer(r, ctx.effective_from, ctx.now)
-            {
-                push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state);
-                count += 1;
-            }
-        }
-        out[count_at] = count;
+        write_records(out, records, limits, &states, ctx, &mut applied);
         // A denial's write is only a best-effort normalisation.
         let commit = if applied.denied {
             Commit::BestEffort
@@ -480,6 +365,168 @@ fn apply<H: Host>(
         Err(Failure::Unavailable { retries }) => Applied::failed(Reason::StateUnavailable, retries),
         Err(Failure::Absent | Failure::TooLarge) => Applied::failed(Reason::StateUnavailable, 0),
     }
+}
+
+/// Checks every limit against its record: its standing and the binding
+/// limit go into `applied`, its state as read and as charged into
+/// `states`. `true` if some record must be written even on a denial
+/// (migrated, normalised, or a global limit's demand).
+fn check_limits(
+    records: Option<&Records<'_>>,
+    limits: &[Limit],
+    ctx: &Ctx,
+    applied: &mut Applied,
+    states: &mut [Option<Loaded>; MAX_RECORDS],
+) -> bool {
+    let mut changed = false;
+    for (i, (l, slot)) in limits.iter().zip(states.iter_mut()).enumerate() {
+        let record = records.and_then(|rs| rs.iter().find(|r| r.name_hash == l.name_hash));
+        let (outcome, loaded) = match (l.global, ctx.sync.as_ref()) {
+            (true, Some(view)) => {
+                // Demand is counted even when the request is denied, so
+                // a global limit always writes.
+                changed = true;
+                let checked = check_global(record, view, ctx);
+                applied.no_lease |= checked.no_lease;
+                (checked.outcome, Loaded::Global(checked.demanded, checked.charged))
+            }
+            _ => {
+                // Under the reload rule, the parameters may be a newer
+                // policy's that wrote the record.
+                let loaded = l.algo.load(record, ctx.effective_from, ctx.now);
+                changed |= loaded.changed;
+                match loaded.algo.check(&loaded.state, ctx.now, ctx.cost) {
+                    Outcome::Admit {
+                        state,
+                        remaining,
+                        reset_ns,
+                    } => (
+                        Outcome::Admit {
+                            state: State::TokenBucket { tat: 0 },
+                            remaining,
+                            reset_ns,
+                        },
+                        Loaded::Local(loaded, Some(state)),
+                    ),
+                    deny => (deny, Loaded::Local(loaded, None)),
+                }
+            }
+        };
+        note_outcome(applied, limits, i, &outcome);
+        *slot = Some(loaded);
+    }
+    changed
+}
+
+/// Limit `i`'s outcome into `applied`: its standing, and whether it denies
+/// (enforced or shadow) and binds: enforced limits first, then the
+/// longest wait.
+fn note_outcome(applied: &mut Applied, limits: &[Limit], i: usize, outcome: &Outcome) {
+    match *outcome {
+        Outcome::Admit {
+            remaining, reset_ns, ..
+        } => {
+            applied.report[i] = Standing { remaining, reset_ns };
+        }
+        Outcome::Deny {
+            wait_ns,
+            remaining,
+            reset_ns,
+        } => {
+            applied.report[i] = Standing { remaining, reset_ns };
+            let shadow = limits.get(i).is_some_and(|l| l.shadow);
+            if shadow {
+                applied.shadow_denied = true;
+            } else {
+                applied.denied = true;
+            }
+            let rank = (!shadow, wait_ns);
+            if applied
+                .binding
+                .is_none_or(|b| rank > (!limits[b.limit].shadow, b.wait_ns))
+            {
+                applied.binding = Some(Binding { limit: i, wait_ns });
+            }
+        }
+    }
+}
+
+/// Writes the key's records into `out`: each limit's state, charged unless
+/// the request is denied (its bit set in `applied.charged`), then the
+/// records a newer policy wrote ([`keep_newer_records`]), after their count.
+fn write_records(
+    out: &mut Vec<u8>,
+    records: Option<&Records<'_>>,
+    limits: &[Limit],
+    states: &[Option<Loaded>; MAX_RECORDS],
+    ctx: &Ctx,
+    applied: &mut Applied,
+) {
+    let count_at = out.len();
+    out.push(0);
+    let mut count = 0u8;
+    for (i, (l, loaded)) in limits.iter().zip(states).enumerate() {
+        match loaded {
+            Some(Loaded::Local(loaded, charged)) => {
+                let stored = match charged {
+                    Some(charged) if !applied.denied => {
+                        applied.charged |= 1 << i;
+                        charged
+                    }
+                    _ => &loaded.state,
+                };
+                push_local(out, l.name_hash, loaded, stored, ctx.now);
+            }
+            Some(Loaded::Global(demanded, charged)) => {
+                let (p1, p2) = l.algo.params();
+                let stored = match charged {
+                    Some(charged) if !applied.denied => {
+                        applied.charged |= 1 << i;
+                        charged
+                    }
+                    _ => demanded,
+                };
+                push_record_with(out, l.name_hash, kind::GLOBAL_ALLOWANCE, p1, p2, |o| {
+                    stored::encode_allowance(stored, o)
+                });
+            }
+            None => continue,
+        }
+        count += 1;
+    }
+    count = keep_newer_records(out, records, limits, ctx, count);
+    out[count_at] = count;
+}
+
+/// Records of limits this plan lacks that a newer policy wrote (this
+/// worker has not reloaded yet, or the request was queued under the old
+/// policy) are kept as they are: dropping them would hand the newer
+/// policy's limit a fresh start on its next charge. Returns the new count.
+fn keep_newer_records(
+    out: &mut Vec<u8>,
+    records: Option<&Records<'_>>,
+    limits: &[Limit],
+    ctx: &Ctx,
+    mut count: u8,
+) -> u8 {
+    for r in records.iter().flat_map(|rs| rs.iter()) {
+        let room = usize::from(count) < MAX_RECORDS
+            && out
+                .len()
+                .saturating_add(RECORD_HEADER_LEN)
+                .saturating_add(r.state.len())
+                <= MAX_RECORDS_LEN;
+        if !room {
+            break;
+        }
+        if limits.iter().all(|l| l.name_hash != r.name_hash)
+            && Algo::written_by_newer(r, ctx.effective_from, ctx.now)
+        {
+            push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state);
+            count += 1;
+        }
+    }
+    count
 }
 
 /// Appends a local limit's record: `state` under the parameters `live`
