@@ -10,7 +10,7 @@
 use std::borrow::Cow;
 use std::rc::Rc;
 
-use crate::table::TableEvent;
+use crate::table::{TableEvent, MAX_RECORDS};
 
 /// Why a request got its verdict; `as_str` is the stable machine-readable
 /// reason (the `x-tenantgate-reason` header, the problem body, stats).
@@ -173,6 +173,20 @@ pub struct Decision {
     /// A global limit got no lease in time and decided by its failure mode
     /// (see `sync::node`, "Never waiting forever").
     pub no_lease: bool,
+    /// Units charged beyond the request's cost, for the worker's lease
+    /// (see `crate::pipeline::lease`).
+    pub leased: u64,
+    /// With a lease: what each limit of the key has left on the node after
+    /// it, for the `RateLimit` headers of the requests the lease serves.
+    pub standings: Option<Box<Standings>>,
+}
+
+/// Each limit's standing on the node after a charge, in the plan's order.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Standings {
+    pub remaining: [u64; MAX_RECORDS],
+    pub reset_ns: [u64; MAX_RECORDS],
+    pub len: usize,
 }
 
 impl Decision {
@@ -189,6 +203,8 @@ impl Decision {
             table: TableEvent::None,
             refunded: false,
             no_lease: false,
+            leased: 0,
+            standings: None,
         }
     }
 

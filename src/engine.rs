@@ -7,7 +7,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::rc::Rc;
 
 use crate::decision::write_logical_key;
-pub use crate::decision::{logical_key, Decision, LimitName, RateLimitHeaders, Reason, Subject};
+pub use crate::decision::{logical_key, Decision, LimitName, RateLimitHeaders, Reason, Standings, Subject};
 use crate::host::Host;
 use crate::keys::kind;
 use crate::limiter::algo::{Algo, Live, Outcome, Stamp, State};
@@ -113,6 +113,24 @@ pub fn charge_synced<H: Host>(
     sync: Option<&SyncState>,
     scratch: &mut Scratch,
 ) -> Decision {
+    charge_leased(policy, req, host, now, sync, req.class.cost, scratch)
+}
+
+/// [`charge_synced`], taking up to `want` units (≥ the request's cost) of
+/// every limit of the key in the same update when they all have them: the
+/// request's cost, and the rest for the worker's lease
+/// ([`Decision::leased`]; see `crate::pipeline::lease`). Only keys whose
+/// every limit is local, enforced and not a sliding log are leased, and
+/// never beside a guard: anything else charges the cost alone.
+pub fn charge_leased<H: Host>(
+    policy: &Policy,
+    req: &Prepared,
+    host: &H,
+    now: u64,
+    sync: Option<&SyncState>,
+    want: u64,
+    scratch: &mut Scratch,
+) -> Decision {
     let Some(plan) = policy.plan(req.plan) else {
         // Unreachable by construction (compile checks every reference).
         return Decision::pass(Reason::Unclassified, req.subject.clone());
@@ -125,11 +143,17 @@ pub fn charge_synced<H: Host>(
         let mode = req.class.failure_mode.unwrap_or(s.failure_mode);
         state.view(mode, s.provisional, s.local_max_ns, s.timeout_ns, now)
     });
+    let leasable = req.class.guard.is_none() && policy.mode == Mode::Enforce && leasable(&plan.limits);
     let ctx = Ctx {
         now,
         effective_from: policy.effective_from_ns,
         shadow_mode: policy.mode == Mode::Shadow,
         cost: req.class.cost,
+        want: if leasable {
+            want.max(req.class.cost)
+        } else {
+            req.class.cost
+        },
         headers: policy.ratelimit_headers,
         sync: view,
     };
@@ -146,6 +170,10 @@ pub fn charge_synced<H: Host>(
     let tenant = apply(host, &tenant_place, &plan.limits, &ctx, table);
     let mut decision = tenant.decision(&plan.limits, &plan.ratelimit_policy, Reason::RateLimited, &ctx);
     decision.subject = req.subject.clone();
+    decision.leased = tenant.extra;
+    if tenant.extra > 0 {
+        decision.standings = Some(Box::new(tenant.standings(plan.limits.len())));
+    }
     if decision.deny_status().is_some() {
         return decision;
     }
@@ -164,7 +192,12 @@ pub fn charge_synced<H: Host>(
     decision.cas_retries += guard_decision.cas_retries;
     if guard_decision.deny_status().is_some() {
         // The guard refused: give the tenant its tokens back.
-        decision.refunded = refund(host, &tenant_place, &plan.limits, tenant.charged, &ctx, table);
+        let back = Back {
+            charged: tenant.charged,
+            units: ctx.cost,
+            charged_at: now,
+        };
+        decision.refunded = refund(host, &tenant_place, &plan.limits, &back, &ctx, table);
         guard_decision.subject = decision.subject;
         guard_decision.table = decision.table;
         guard_decision.refunded = decision.refunded;
@@ -186,6 +219,8 @@ struct Ctx {
     effective_from: u64,
     shadow_mode: bool,
     cost: u64,
+    /// Units to take if every limit has them (the cost, plus a lease).
+    want: u64,
     /// Whether decisions carry `RateLimit` headers (formatted only then).
     headers: bool,
     /// What global limits decide with (`None`: the policy has none).
@@ -248,6 +283,8 @@ struct Applied {
     table: TableEvent,
     /// Some global limit decided by its failure mode for want of a lease.
     no_lease: bool,
+    /// Units charged beyond the request's cost, for the worker's lease.
+    extra: u64,
 }
 
 impl Applied {
@@ -263,7 +300,21 @@ impl Applied {
             cas_retries: 0,
             table: TableEvent::None,
             no_lease: false,
+            extra: 0,
         }
+    }
+
+    /// Each limit's standing after this charge (see [`Decision::standings`]).
+    fn standings(&self, limits: usize) -> Standings {
+        let mut s = Standings {
+            len: limits.min(MAX_RECORDS),
+            ..Standings::default()
+        };
+        for (i, r) in self.report.iter().enumerate().take(s.len) {
+            s.remaining[i] = r.remaining;
+            s.reset_ns[i] = r.reset_ns;
+        }
+        s
     }
 
     fn failed(reason: Reason, cas_retries: u32) -> Applied {
@@ -337,6 +388,9 @@ fn apply<H: Host>(
         // after charging this request if the limit admits it.
         let mut states: [Option<Loaded>; MAX_RECORDS] = Default::default();
         let changed = check_limits(records, limits, ctx, &mut applied, &mut states);
+        if !applied.denied && ctx.want > ctx.cost {
+            lease_states(limits, ctx, &mut applied, &mut states);
+        }
         if applied.denied && ctx.shadow_mode {
             // Shadow mode: as if enforcing (nothing charged), but go on.
             applied.shadow_denied = true;
@@ -416,6 +470,61 @@ fn check_limits(
         *slot = Some(loaded);
     }
     changed
+}
+
+/// Whether a plan's limits can be leased to a worker (see
+/// [`charge_leased`]): every one local, enforced, and not a sliding log
+/// (whose log of instants a lease spent later would make inexact).
+fn leasable(limits: &[Limit]) -> bool {
+    limits
+        .iter()
+        .all(|l| !l.global && !l.shadow && !matches!(l.algo, Algo::SlidingWindowLog(_)))
+}
+
+/// Takes `extra` units more than the request's cost from every limit, the
+/// most all of them have (at most `want − cost`): each limit's state and
+/// standing become the charge of `cost + extra`. Nothing changes unless
+/// every limit admits the larger charge.
+fn lease_states(
+    limits: &[Limit],
+    ctx: &Ctx,
+    applied: &mut Applied,
+    states: &mut [Option<Loaded>; MAX_RECORDS],
+) {
+    let mut extra = ctx.want.saturating_sub(ctx.cost);
+    for (i, loaded) in states.iter().take(limits.len()).enumerate() {
+        match loaded {
+            Some(Loaded::Local(live, Some(_))) if !matches!(live.algo, Algo::SlidingWindowLog(_)) => {
+                extra = extra.min(applied.report.get(i).map_or(0, |r| r.remaining));
+            }
+            _ => extra = 0,
+        }
+    }
+    if extra == 0 {
+        return;
+    }
+    let cost = ctx.cost.saturating_add(extra);
+    let mut leased: [Option<(State, Standing)>; MAX_RECORDS] = Default::default();
+    for (slot, loaded) in leased.iter_mut().zip(states.iter()).take(limits.len()) {
+        let Some(Loaded::Local(live, _)) = loaded else {
+            return;
+        };
+        match live.algo.check(&live.state, ctx.now, cost) {
+            Outcome::Admit {
+                state,
+                remaining,
+                reset_ns,
+            } => *slot = Some((state, Standing { remaining, reset_ns })),
+            Outcome::Deny { .. } => return,
+        }
+    }
+    for (i, (slot, lease)) in states.iter_mut().zip(leased).enumerate().take(limits.len()) {
+        if let (Some(Loaded::Local(_, charged)), Some((state, standing))) = (slot, lease) {
+            *charged = Some(state);
+            applied.report[i] = standing;
+        }
+    }
+    applied.extra = extra;
 }
 
 /// Limit `i`'s outcome into `applied`: its standing, and whether it denies
@@ -601,13 +710,22 @@ fn check_global(record: Option<&Record<'_>>, view: &NodeView, ctx: &Ctx) -> Glob
     }
 }
 
-/// Gives back the charge of the limits in `charged` (a later check denied
-/// the request). Best effort: returns whether it was written.
+/// What [`refund`] gives back: `units` of the limits in `charged`, charged
+/// at `charged_at`.
+struct Back {
+    charged: u32,
+    units: u64,
+    charged_at: u64,
+}
+
+/// Gives back a charge (a later check denied the request, or a worker
+/// returns its lease's unused units). Best effort: returns whether it
+/// was written.
 fn refund<H: Host>(
     host: &H,
     place: &Place<'_>,
     limits: &[Limit],
-    charged: u32,
+    back: &Back,
     ctx: &Ctx,
     buffers: &mut table::Buffers,
 ) -> bool {
@@ -624,10 +742,10 @@ fn refund<H: Host>(
             match limit {
                 // A lease charge is not given back (it errs toward admitting less).
                 Some((i, l))
-                    if charged & (1 << i) != 0 && !(l.global && r.kind == kind::GLOBAL_ALLOWANCE) =>
+                    if back.charged & (1 << i) != 0 && !(l.global && r.kind == kind::GLOBAL_ALLOWANCE) =>
                 {
                     let current = l.algo.load(Some(r), ctx.effective_from, ctx.now);
-                    let refunded = current.algo.refund(&current.state, ctx.cost, ctx.now);
+                    let refunded = current.algo.refund(&current.state, back.units, back.charged_at);
                     push_local(out, r.name_hash, &current, &refunded, ctx.now);
                 }
                 _ => push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state),
@@ -636,6 +754,53 @@ fn refund<H: Host>(
         (Commit::Write, ())
     });
     updated.is_ok_and(|u| u.written)
+}
+
+/// Gives `units` of a worker's lease on `req`'s key back to every limit of
+/// its plan, as charged at `taken_at` (a fixed window or a sliding counter
+/// takes back only within the window they were charged in). Best effort:
+/// units that cannot be given back are lost, which errs toward admitting
+/// less. Returns whether it was written.
+pub fn give_back<H: Host>(
+    policy: &Policy,
+    req: &Prepared,
+    host: &H,
+    units: u64,
+    taken_at: u64,
+    now: u64,
+    scratch: &mut Scratch,
+) -> bool {
+    let Some(plan) = policy.plan(req.plan) else {
+        return false;
+    };
+    let ctx = Ctx {
+        now,
+        effective_from: policy.effective_from_ns,
+        shadow_mode: false,
+        cost: units,
+        want: units,
+        headers: false,
+        sync: None,
+    };
+    let Scratch { key, table } = scratch;
+    write_logical_key(key, &req.class.action, &req.subject);
+    let place = Place::Table {
+        logical: key.as_bytes(),
+        entries: policy.key_table_entries,
+        overflow: Overflow {
+            action: &req.class.action,
+            plan: &plan.name,
+        },
+    };
+    let limits = &plan.limits[..plan.limits.len().min(MAX_LIMITS_PER_PLAN).min(MAX_RECORDS)];
+    let back = Back {
+        charged: 1u32
+            .checked_shl(u32::try_from(limits.len()).unwrap_or(32))
+            .map_or(u32::MAX, |b| b.wrapping_sub(1)),
+        units,
+        charged_at: taken_at,
+    };
+    refund(host, &place, limits, &back, &ctx, table)
 }
 
 /// The route class from trusted route metadata, else the route name, else

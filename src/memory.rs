@@ -19,7 +19,7 @@ use crate::host::{CasResult, Host, HostError};
 use crate::stats::{Metric, Stats};
 
 /// Envoy's shared data: value + CAS token per key; tokens never repeat.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct SharedStore {
     entries: HashMap<String, (Vec<u8>, u32)>,
     next_cas: u32,

@@ -216,6 +216,42 @@ impl BreakerPhase {
     }
 }
 
+/// The worker leases' counters (`tenantgate.lease.<name>`, see
+/// `crate::pipeline::lease`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseStat {
+    /// Requests served from a lease: no shared data.
+    Served,
+    /// Refusals served from a remembered refusal: no shared data.
+    Remembered,
+    /// Leases taken (in a request's own update).
+    Taken,
+    /// Leases given back on the tick (one update each).
+    Returned,
+    /// Units that could not be given back (under-admission).
+    LostUnits,
+}
+
+impl LeaseStat {
+    pub const ALL: [LeaseStat; 5] = [
+        LeaseStat::Served,
+        LeaseStat::Remembered,
+        LeaseStat::Taken,
+        LeaseStat::Returned,
+        LeaseStat::LostUnits,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            LeaseStat::Served => "served",
+            LeaseStat::Remembered => "refusals_remembered",
+            LeaseStat::Taken => "taken",
+            LeaseStat::Returned => "returned",
+            LeaseStat::LostUnits => "lost_units",
+        }
+    }
+}
+
 /// Every metric the filter reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Metric<'a> {
@@ -249,6 +285,8 @@ pub enum Metric<'a> {
     QueueCancelled,
     /// `tenantgate.sync.<name>`.
     Sync(SyncStat),
+    /// `tenantgate.lease.<name>`.
+    Lease(LeaseStat),
     /// `tenantgate.admission.<outcome>.<criticality>` (`admitted` or a
     /// refusal's reason).
     Admission(Option<Reason>, Criticality),
@@ -329,6 +367,7 @@ impl Metric<'_> {
             Metric::QueueFull => write!(out, "tenantgate.queue.full"),
             Metric::QueueCancelled => write!(out, "tenantgate.queue.cancelled"),
             Metric::Sync(s) => write!(out, "tenantgate.sync.{}", s.name()),
+            Metric::Lease(s) => write!(out, "tenantgate.lease.{}", s.name()),
             Metric::Admission(o, c) => write!(
                 out,
                 "tenantgate.admission.{}.{}",
@@ -379,6 +418,7 @@ impl Metric<'_> {
         ];
         all.extend(Reason::ALL.map(Metric::Decision));
         all.extend(SyncStat::ALL.map(Metric::Sync));
+        all.extend(LeaseStat::ALL.map(Metric::Lease));
         for outcome in ADMISSION_OUTCOMES {
             all.extend(Criticality::ALL.map(|c| Metric::Admission(outcome, c)));
         }

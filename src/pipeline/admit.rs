@@ -10,6 +10,7 @@
 use std::rc::Rc;
 
 use super::hold::{NotQueued, Paused, Read};
+use super::lease::{NoClock, Now};
 use super::stream::{Signal, Stream};
 use super::{Answer, Clock, Directive, Pipeline, StreamId, Verdict};
 use crate::admission::degraded::{self, Lookup};
@@ -68,16 +69,17 @@ impl Pipeline {
         stream: StreamId,
     ) -> Directive {
         let mut state = Stream::default();
-        let Some(now) = clock.now() else {
-            return self.finish(host, policy, stream, state, Decision::unavailable(), None);
-        };
         let prepared = match engine::prepare(policy, host) {
             Ok(p) => p,
             Err(reason) => return self.finish(host, policy, stream, state, Decision::passed(reason), None),
         };
+        let mut now = Now::new(clock);
         let mut record = None;
         if prepared.class.labels.checks_anything() {
-            match self.admit(host, policy, &prepared, stream, &mut state, &mut record, now) {
+            let Some(at) = now.get() else {
+                return self.finish(host, policy, stream, state, Decision::unavailable(), None);
+            };
+            match self.admit(host, policy, &prepared, stream, &mut state, &mut record, at) {
                 Admitted::Go => {}
                 Admitted::Held => {
                     state.held = true;
@@ -99,7 +101,12 @@ impl Pipeline {
                 }
             }
         }
-        let decision = self.charge(host, policy, &prepared, now);
+        let decision = match self.charge(host, policy, &prepared, &mut now) {
+            Ok(d) => d,
+            Err(NoClock) => Decision::unavailable(),
+        };
+        // A denial read the clock (only an admission from a lease does not).
+        let now = now.read().unwrap_or(0);
         if decision.deny_status().is_some() {
             // A rate-limit denial gives its slots (and a probe ticket) back
             // at once: the request never reaches the dependency.
@@ -202,19 +209,28 @@ impl Pipeline {
         }
     }
 
-    /// Checks and charges a prepared request's rate limits with the
-    /// worker's buffers and the node's sync view.
+    /// Checks and charges a prepared request's rate limits: from the
+    /// worker's lease of its key if it has one ([`super::lease`]), else
+    /// with the node's entry, taking a lease if the key is hot.
     pub(super) fn charge<H: Host>(
         &mut self,
         host: &H,
-        policy: &Policy,
+        policy: &Rc<Policy>,
         prepared: &Prepared,
-        now: u64,
-    ) -> Decision {
-        // Global limits decide with the node's sync view; limits that are
-        // not global never look at it.
-        let view = policy.sync.as_ref().and(self.sync_view);
-        engine::charge_synced(policy, prepared, host, now, view.as_ref(), &mut self.scratch)
+        now: &mut Now<'_, impl Clock>,
+    ) -> Result<Decision, NoClock> {
+        let Pipeline {
+            leases,
+            scratch,
+            sync_view,
+            ..
+        } = self;
+        leases.charge(policy, prepared, now, |at, want| {
+            // Global limits decide with the node's sync view; limits that
+            // are not global never look at it.
+            let view = policy.sync.as_ref().and(*sync_view);
+            engine::charge_leased(policy, prepared, host, at, view.as_ref(), want, scratch)
+        })
     }
 
     /// Admission control for a request of a class with admission labels
@@ -682,7 +698,14 @@ impl Pipeline {
             limit: None,
         };
         let record = Some(self.record(&p.policy, &p.prepared, None, &at, now, None));
-        let decision = self.charge(host, &p.policy, &p.prepared, now);
+        let decision = engine::charge_synced(
+            &p.policy,
+            &p.prepared,
+            host,
+            now,
+            self.view(&p.policy).as_ref(),
+            &mut self.scratch,
+        );
         self.resume_charged(host, p, state, decision, record, now);
     }
 

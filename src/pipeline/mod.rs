@@ -59,6 +59,7 @@
 
 mod admit;
 pub mod hold;
+pub mod lease;
 mod stream;
 mod tick;
 
@@ -162,6 +163,8 @@ pub struct Pipeline {
     /// it): a key is stored at most once per `refresh` per worker.
     stored: HashMap<String, (u64, u64)>,
     scratch: Scratch,
+    /// Hot keys' units in this worker's memory (see [`lease`]).
+    leases: lease::Leases,
     control_buffers: table::Buffers,
     cache_buffers: table::Buffers,
     /// The node's sync state as last read: global limits decide with it.
@@ -312,9 +315,24 @@ impl Pipeline {
         self.hold.len()
     }
 
+    /// Units this worker holds in leases (tests, stats).
+    pub fn leased_units(&self) -> u64 {
+        self.leases.units()
+    }
+
+    /// Refusals this worker served from memory since its last tick.
+    pub fn remembered_refusals(&self) -> u64 {
+        self.leases.remembered()
+    }
+
     /// This worker's admission slots (`None`: not registered yet).
     pub fn worker(&self) -> Option<&Worker> {
         self.worker.as_ref()
+    }
+
+    /// The node's sync view for a policy's global limits (`None` without).
+    fn view(&self, policy: &Policy) -> Option<SyncState> {
+        policy.sync.as_ref().and(self.sync_view)
     }
 
     /// Keeps a stream's state for its later callbacks (nothing, if it has none).
@@ -325,6 +343,8 @@ impl Pipeline {
     }
 }
 
+#[cfg(test)]
+mod lease_tests;
 #[cfg(test)]
 mod probe_tests;
 #[cfg(test)]

@@ -47,7 +47,9 @@ impl Pipeline {
     ) {
         self.pending.flush(stats);
         stats.add(&Metric::Flushes, 1);
+        self.leases.flush(stats);
         let Some(now) = clock.now() else { return };
+        self.leases.on_tick(host, now, &mut self.scratch);
         let admission = !self.dependencies.is_empty() || !self.actions.is_empty();
         if admission {
             self.ensure_worker(host, now);
