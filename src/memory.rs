@@ -25,6 +25,8 @@ pub struct SharedStore {
     next_cas: u32,
     /// Writes that failed their CAS check.
     pub conflicts: u64,
+    /// Writes that landed.
+    pub writes: u32,
 }
 
 impl SharedStore {
@@ -201,6 +203,7 @@ impl Host for MemoryHost {
             }
         }
         store.next_cas = store.next_cas.wrapping_add(1).max(1);
+        store.writes = store.writes.wrapping_add(1);
         let token = store.next_cas;
         // Rewrites an existing value in place, like Envoy (and so that a
         // test counting the engine's allocations counts only the engine's).

@@ -331,11 +331,44 @@ struct Held {
     table_entries: Option<u64>,
     /// The overflow action of a key-table slot.
     overflow_action: String,
+    /// Slots its streams hold.
     counts: Counts,
+    /// Spare slots it published and holds for its next requests (see
+    /// [`PERMIT_SHARE`]): published = `counts + permits`.
+    permits: Counts,
+    /// Slots taken here this tick and the last (how many permits to ask for).
+    taken: u32,
+    taken_last: u32,
+    /// The occupancy its last shared take saw (a permit's record).
+    occupancy: u32,
     lease_until: u64,
     /// Memory and shared data may differ: publish on the next tick.
     dirty: bool,
 }
+
+impl Held {
+    fn published(&self) -> Counts {
+        self.counts.plus(&self.permits)
+    }
+}
+
+/// Permits: a worker may publish a few spare slots of a normal or
+/// sheddable level of a dependency (or of an action limit) beyond its
+/// streams' and hand them to its next requests with no shared data, while
+/// the place is far from its limit: a take asks for as many as the place
+/// took on this worker in the last tick, and gets at most `1/PERMIT_SHARE`
+/// of the level's ceiling, and only while the occupancy after it (every
+/// worker's published slots, permits included) stays within `1/PERMIT_SHARE`
+/// of the ceiling. Permits are published like any slot, so **in flight
+/// never exceeds any limit**; a released slot becomes a permit again; every
+/// permit is given back on the worker's next tick. Since permits are only
+/// made while the published occupancy is within a quarter of the ceiling,
+/// permits never hold more than a quarter of it node-wide: a request is
+/// refused for permits it cannot use only when a level's streams hold at
+/// least three quarters of its ceiling, and for at most one tick. Never
+/// for a reserved level, a stream, a tenant's share, a dependency under a
+/// breaker's cap or an adaptive controller (whose signals count in flight).
+pub const PERMIT_SHARE: u32 = 4;
 
 /// A worker VM's slots (one per VM; see the module header).
 #[derive(Debug)]
@@ -359,12 +392,44 @@ pub struct ProbeEvents {
     pub half_opened: u64,
 }
 
+/// What a take decides from the others' counts (`Err`: refused, with the
+/// occupancy it saw).
+type Decide<'a> = &'a dyn Fn(&Counts) -> Result<Taken, (Reason, Counts)>;
+
+/// What a worker publishes at a place ([`Worker::write`]).
+enum Publish<'a> {
+    /// These counts, whatever the others hold (a release, a renewal).
+    Exactly(Counts),
+    /// What a take decides.
+    Checked(Decide<'a>),
+}
+
+/// What a take saw and published.
+#[derive(Debug, Clone, Copy)]
+struct Taken {
+    /// Every worker's published slots before it, this one's included.
+    occupancy: Counts,
+    /// What this worker published.
+    mine: Counts,
+    /// Of those, its permits.
+    permits: Counts,
+}
+
 /// Every failure of the table is a refusal, never an admission.
 fn failure_reason(f: Failure) -> Reason {
     match f {
         Failure::Exhausted => Reason::Contention,
         Failure::Unavailable { .. } | Failure::Absent | Failure::TooLarge => Reason::StateUnavailable,
     }
+}
+
+/// Permits a place with a `ceiling` can spare at an occupancy of `used`
+/// (see [`PERMIT_SHARE`]): none unless `used` plus this request and them
+/// stays within a quarter of the ceiling, at most a quarter of it.
+fn permit_room(ceiling: u64, used: u64) -> u32 {
+    let quarter = ceiling / u64::from(PERMIT_SHARE);
+    let room = quarter.saturating_sub(used.saturating_add(1));
+    u32::try_from(room).unwrap_or(u32::MAX)
 }
 
 /// The pool use `u` of the module header.
@@ -680,6 +745,7 @@ impl Worker {
                     ticket.level,
                     ticket.streaming,
                     &check,
+                    &|_| 0,
                 );
                 if let Err((reason, _)) = taken {
                     return Err(Tried::Refused(refuse(reason, 0, Limited::Tenant)));
@@ -696,6 +762,7 @@ impl Worker {
                     Err(Reason::ConcurrencyLimit)
                 }
             };
+            let room = |occ: &Counts| permit_room(u64::from(max), u64::from(occ.total()));
             match self.take(
                 host,
                 &a.key,
@@ -705,6 +772,7 @@ impl Worker {
                 ticket.level,
                 ticket.streaming,
                 &check,
+                &room,
             ) {
                 Ok(occupancy) => {
                     ticket.in_flight = occupancy.total();
@@ -728,6 +796,17 @@ impl Worker {
                 other => other,
             })
         };
+        // Permits only under the plain limits, for the shared levels.
+        let permits = !limits.capped
+            && dep.adaptive.is_none()
+            && matches!(labels.criticality, Criticality::Normal | Criticality::Sheddable);
+        let room = |occ: &Counts| {
+            if !permits {
+                return 0;
+            }
+            let c = ceiling(u64::from(limits.general()), labels.criticality, labels.retryable);
+            permit_room(c, pool_use(&limits, occ))
+        };
         match self.take(
             host,
             &dep.key,
@@ -737,6 +816,7 @@ impl Worker {
             ticket.level,
             ticket.streaming,
             &check,
+            &room,
         ) {
             Ok(occupancy) => {
                 ticket.in_flight = occupancy.total();
@@ -853,6 +933,15 @@ impl Worker {
     /// than [`RENEW_BEFORE_NS`] left; forgets places it holds nothing in
     /// once shared data agrees.
     pub fn renew<H: Host>(&mut self, host: &H, now: u64) {
+        // Every permit goes back (see PERMIT_SHARE); the slots taken this
+        // tick say how many to ask for next.
+        for h in self.held.values_mut() {
+            h.taken_last = std::mem::take(&mut h.taken);
+            if !h.permits.is_zero() {
+                h.permits = Counts::default();
+                h.dirty = true;
+            }
+        }
         let due: Vec<String> = self
             .held
             .iter()
@@ -864,7 +953,8 @@ impl Worker {
         for key in due {
             self.publish(host, &key, now);
         }
-        self.held.retain(|_, h| h.dirty || !h.counts.is_zero());
+        self.held
+            .retain(|_, h| h.dirty || !h.counts.is_zero() || h.taken_last > 0);
     }
 
     /// Places with a count or a pending write (for tests and stats).
@@ -872,8 +962,11 @@ impl Worker {
         self.held.len()
     }
 
-    /// One more slot at `key` if `check(others + own)` passes: one update.
-    /// `Err`: the reason and the occupancy it saw.
+    /// One more slot at `key` if `check(others + own)` passes: from a
+    /// permit of its level (no shared data), else one update, which may
+    /// take permits too (`room`: how many the place can spare at an
+    /// occupancy, see [`PERMIT_SHARE`]). `Err`: the reason and the
+    /// occupancy it saw.
     #[allow(clippy::too_many_arguments)]
     fn take<H: Host>(
         &mut self,
@@ -885,8 +978,26 @@ impl Worker {
         level: usize,
         streaming: bool,
         check: &dyn Fn(&Counts) -> Result<(), Reason>,
+        room: &dyn Fn(&Counts) -> u32,
     ) -> Result<Counts, (Reason, Counts)> {
-        let own = self.own(key);
+        let (own, permits, want) = match self.held.get_mut(key) {
+            Some(h) => {
+                h.taken = h.taken.saturating_add(1);
+                let spare = h.permits.levels.get(level).copied().unwrap_or(0);
+                if !streaming && spare > 0 {
+                    h.permits.sub(level, false);
+                    h.counts.add(level, false);
+                    // The occupancy as last seen (a permit reads nothing).
+                    let mut seen = Counts::default();
+                    if let Some(l) = seen.levels.get_mut(level) {
+                        *l = h.occupancy;
+                    }
+                    return Ok(seen);
+                }
+                (h.counts, h.permits, h.taken_last)
+            }
+            None => (Counts::default(), Counts::default(), 0),
+        };
         let mut after = own;
         after.add(level, streaming);
         let written = self.write(
@@ -895,36 +1006,66 @@ impl Worker {
             table_entries,
             overflow_action,
             now,
-            after,
-            Some(&|others| {
-                let occupancy = others.plus(&own);
-                check(&occupancy).map(|()| occupancy).map_err(|r| (r, occupancy))
+            Publish::Checked(&|others| {
+                let occupancy = others.plus(&own).plus(&permits);
+                check(&occupancy).map_err(|r| (r, occupancy))?;
+                let mut spare = permits;
+                if !streaming && want > 0 {
+                    if let Some(p) = spare.levels.get_mut(level) {
+                        *p = p.saturating_add(want.min(room(&occupancy)));
+                    }
+                }
+                Ok(Taken {
+                    occupancy,
+                    mine: after.plus(&spare),
+                    permits: spare,
+                })
             }),
         );
         match written {
-            Ok(Ok(occupancy)) => {
+            Ok(Ok(taken)) => {
                 self.set(key, table_entries, overflow_action, after, now, false);
-                Ok(occupancy)
+                if let Some(h) = self.held.get_mut(key) {
+                    h.permits = taken.permits;
+                    h.occupancy = taken.occupancy.total();
+                    if h.taken == 0 {
+                        h.taken = 1;
+                    }
+                }
+                Ok(taken.occupancy)
             }
             Ok(Err(refused)) => Err(refused),
             Err(reason) => Err((reason, Counts::default())),
         }
     }
 
-    /// One slot fewer at `key`, published now if possible.
+    /// One slot fewer at `key`: kept as a permit while the place holds
+    /// permits of its level (no shared data), else published now if
+    /// possible.
     fn give<H: Host>(&mut self, host: &H, key: &str, now: u64, level: usize, streaming: bool) {
         if let Some(h) = self.held.get_mut(key) {
             h.counts.sub(level, streaming);
+            let keeps = !streaming && h.permits.levels.get(level).is_some_and(|p| *p > 0);
+            if keeps {
+                h.permits.add(level, false);
+                return;
+            }
             h.dirty = true;
         }
         self.publish(host, key, now);
     }
 
-    /// Writes this worker's count at `key` as it is in memory.
+    /// Writes this worker's count at `key` as it is in memory (its permits
+    /// included).
     fn publish<H: Host>(&mut self, host: &H, key: &str, now: u64) {
         let Some(h) = self.held.get(key) else { return };
-        let (entries, action, counts) = (h.table_entries, h.overflow_action.clone(), h.counts);
-        let written = self.write(host, key, entries, &action, now, counts, None);
+        let (entries, action, counts, published) = (
+            h.table_entries,
+            h.overflow_action.clone(),
+            h.counts,
+            h.published(),
+        );
+        let written = self.write(host, key, entries, &action, now, Publish::Exactly(published));
         self.set(key, entries, &action, counts, now, written.is_err());
     }
 
@@ -941,6 +1082,10 @@ impl Worker {
         match self.held.get_mut(key) {
             Some(h) => {
                 h.counts = counts;
+                if dirty {
+                    // Not written: its permits are not published either.
+                    h.permits = Counts::default();
+                }
                 h.dirty = dirty;
                 if !dirty {
                     h.lease_until = lease_until;
@@ -960,6 +1105,10 @@ impl Worker {
                         table_entries,
                         overflow_action: action.to_owned(),
                         counts,
+                        permits: Counts::default(),
+                        taken: 0,
+                        taken_last: 0,
+                        occupancy: 0,
                         lease_until: if dirty { 0 } else { lease_until },
                         dirty,
                     },
@@ -968,10 +1117,9 @@ impl Worker {
         }
     }
 
-    /// The one update of a place: reads every holder, runs `check` on what
-    /// the others hold (if any: a refusal writes nothing), writes `mine`
+    /// The one update of a place: reads every holder, decides what this
+    /// worker publishes ([`Publish`]; a refusal writes nothing), writes it
     /// with a fresh lease.
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn write<H: Host>(
         &mut self,
         host: &H,
@@ -979,9 +1127,8 @@ impl Worker {
         table_entries: Option<u64>,
         overflow_action: &str,
         now: u64,
-        mine: Counts,
-        check: Option<&dyn Fn(&Counts) -> Result<Counts, (Reason, Counts)>>,
-    ) -> Result<Result<Counts, (Reason, Counts)>, Reason> {
+        publish: Publish<'_>,
+    ) -> Result<Result<Taken, (Reason, Counts)>, Reason> {
         let place = match table_entries {
             None => Place::Fixed { key },
             Some(entries) => Place::Table {
@@ -993,25 +1140,30 @@ impl Worker {
                 },
             },
         };
-        let me = Holder {
-            worker: self.id,
-            lease_until: now.saturating_add(LEASE_NS),
-            counts: mine,
-        };
+        let worker = self.id;
         let updated = table::update(host, &place, &INSERT, now, &mut self.buffers, |records, out| {
             let listed = holders::of_records(records);
-            let others = holders::others(&listed, me.worker, now);
-            let verdict = match check {
-                Some(check) => check(&others),
-                None => Ok(others),
+            let others = holders::others(&listed, worker, now);
+            let verdict = match &publish {
+                Publish::Checked(check) => check(&others),
+                Publish::Exactly(mine) => Ok(Taken {
+                    occupancy: others,
+                    mine: *mine,
+                    permits: Counts::default(),
+                }),
             };
-            if verdict.is_err() {
+            let Ok(taken) = verdict else {
                 return (Commit::Skip, Ok(verdict));
-            }
+            };
+            let me = Holder {
+                worker,
+                lease_until: now.saturating_add(LEASE_NS),
+                counts: taken.mine,
+            };
             if !holders::write(&listed, &me, now, out) {
                 return (Commit::Skip, Err(Reason::StateUnavailable));
             }
-            (Commit::Write, Ok(verdict))
+            (Commit::Write, Ok(Ok(taken)))
         });
         match updated {
             Ok(u) => u.result,
@@ -1089,5 +1241,7 @@ pub fn in_flight<H: Host>(host: &H, dependency_key: &str, now: u64) -> Option<Co
     Some(holders::live(&holders::of_records(records.as_ref()), now))
 }
 
+#[cfg(test)]
+mod permit_tests;
 #[cfg(test)]
 mod tests;

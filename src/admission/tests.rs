@@ -902,10 +902,13 @@ fn an_action_limit_is_counted_node_wide_over_every_class_of_the_action() {
     }
     assert!(node.live("tg2|a|search", T0 + 3).is_zero());
     assert!(node.live("tg2|d|db", T0 + 3).is_zero());
-    // Nothing held: the next tick forgets both places.
+    // Nothing held, and nothing taken for a whole tick (a place's last
+    // tick says how many permits to ask for): forgotten.
     let host = MemoryHost::new(node.store.clone());
-    a.renew(&host, T0 + 4);
-    b.renew(&host, T0 + 4);
+    for now in [T0 + 4, T0 + 5] {
+        a.renew(&host, now);
+        b.renew(&host, now);
+    }
     assert_eq!((a.places(), b.places()), (0, 0));
 }
 
