@@ -189,6 +189,42 @@ fn explain_shows_a_classs_action_limit() {
     );
 }
 
+/// `explain` of an admission class through the filter's pipeline: the
+/// first request, a saturated dependency (critical requests use their
+/// reservation, then the pool), one more of each criticality, the breaker.
+fn explain_admission(class: &str) {
+    golden(
+        &format!("explain-admission-{class}.txt"),
+        &[
+            "policy",
+            "explain",
+            "policies/admission.yaml",
+            "--tenant",
+            "acme",
+            "--class",
+            class,
+        ],
+        0,
+    );
+}
+
+#[test]
+fn explain_holds_a_normal_request_in_its_queue_until_max_wait() {
+    // orders-db's normal queue: the 76th request is held, then answered
+    // queue_timeout at its 200 ms deadline.
+    explain_admission("orders");
+}
+
+#[test]
+fn explain_shows_system_traffic_on_its_reservation() {
+    explain_admission("health");
+}
+
+#[test]
+fn explain_counts_streams_against_max_streams() {
+    explain_admission("feed");
+}
+
 #[test]
 fn diff_shows_admission_label_and_dependency_changes() {
     golden(

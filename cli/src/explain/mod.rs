@@ -1,21 +1,26 @@
 //! `tenantgate policy explain` and `tenantgate policy diff`: what a policy
 //! does to one request, and what a reload does to live state. Both read the
-//! filter's own compiled [`Policy`]; `explain` decides the request with the
-//! filter's engine over the in-memory host (`tenantgate::memory`) at a fixed
-//! instant, and `diff` classifies each limit with [`Algo::carry_from`], the
-//! rule the engine's state loader applies. Nothing here re-implements a
-//! decision; the output is plain text, one fact per line, stable for golden
-//! tests (every listing is sorted).
+//! filter's own compiled [`Policy`]. `explain` decides the request at a
+//! fixed instant over the in-memory host (`tenantgate::memory`): with the
+//! filter's engine for a class without admission checks, with the filter's
+//! whole request pipeline (`tenantgate::pipeline`) for a class with them,
+//! then runs that pipeline through admission scenarios ([`admission`]).
+//! `diff` ([`diff`]) classifies each limit with the rule the engine's state
+//! loader applies. Nothing here re-implements a decision; the output is
+//! plain text, one fact per line, stable for golden tests (every listing is
+//! sorted, time and ids are fixed).
 
+mod admission;
 mod diff;
 
+use std::cell::RefCell;
 use std::fmt::Write;
 use std::rc::Rc;
 
-use tenantgate::engine::{self, Subject};
+use tenantgate::engine::{self, Prepared, Subject};
 use tenantgate::limiter::algo::Algo;
 use tenantgate::memory::{MemoryHost, SharedStore};
-use tenantgate::policy::{FailureMode, Identity, Limit, OnLimit, Policy};
+use tenantgate::policy::{FailureMode, Identity, Limit, OnLimit, Policy, RouteClass};
 
 pub use diff::diff;
 
@@ -33,6 +38,33 @@ pub struct Request<'a> {
     pub headers: &'a [(String, String)],
     /// The connection's address (`ip:port`), for anonymous requests.
     pub source: &'a str,
+}
+
+impl Request<'_> {
+    /// This request's view of the in-memory host over `store`, as a request
+    /// of `class` from `tenant` (the request's own headers and source).
+    fn host(
+        &self,
+        policy: &Policy,
+        store: &Rc<RefCell<SharedStore>>,
+        class: &str,
+        tenant: Option<&str>,
+    ) -> MemoryHost {
+        let mut host = MemoryHost::new(Rc::clone(store))
+            .route_class(class)
+            .source(self.source);
+        for (k, v) in self.headers {
+            host = host.header(k, v.as_bytes());
+        }
+        let Some(t) = tenant else { return host };
+        match &policy.identity {
+            Identity::Header(h) => host.header(h, t.as_bytes()),
+            id @ Identity::JwtClaim { .. } => match id.property_path() {
+                Some(path) => host.property(&path, t.as_bytes()),
+                None => host,
+            },
+        }
+    }
 }
 
 fn algorithm(algo: &Algo) -> &'static str {
@@ -93,64 +125,18 @@ fn mode(p: &Policy) -> String {
     format!("{:?}", p.mode).to_lowercase()
 }
 
-/// How the policy decides `req`, as text.
-pub fn explain(policy: &Policy, req: &Request<'_>) -> String {
+/// How the policy decides `req`, as text: its class, identity and plan,
+/// key, limits and guard, then the first request (and, for a class with
+/// admission checks, the admission scenarios). `json`: the policy's plugin
+/// configuration, which the pipeline is configured with, as Envoy's is.
+pub fn explain(policy: &Policy, json: &str, req: &Request<'_>) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "policy: {} (mode {})", policy.version, mode(policy));
-
+    let Some(class) = explain_class(policy, req, &mut out) else {
+        return out;
+    };
     let store = SharedStore::new();
-    let mut host = MemoryHost::new(Rc::clone(&store))
-        .route_class(req.class)
-        .source(req.source);
-    for (k, v) in req.headers {
-        host = host.header(k, v.as_bytes());
-    }
-    if let Some(t) = req.tenant {
-        host = match &policy.identity {
-            Identity::Header(h) => host.header(h, t.as_bytes()),
-            id @ Identity::JwtClaim { .. } => match id.property_path() {
-                Some(path) => host.property(&path, t.as_bytes()),
-                None => host,
-            },
-        };
-    }
-
-    // Class.
-    let named = policy
-        .route_class(Some(req.class))
-        .filter(|c| c.name == req.class);
-    let class = policy.route_class(Some(req.class));
-    match (named, class) {
-        (Some(c), _) => {
-            let _ = writeln!(
-                out,
-                "class: {} (from the route's metadata filter_metadata.tenantgate.class, or its route name)",
-                c.name
-            );
-        }
-        (None, Some(c)) => {
-            let _ = writeln!(
-                out,
-                "class: {} (default_route: {:?} is not a class)",
-                c.name, req.class
-            );
-        }
-        (None, None) => {
-            let _ = writeln!(
-                out,
-                "class: none ({:?} is not a class and there is no default_route): the request passes unlimited (reason unclassified)",
-                req.class
-            );
-            return out;
-        }
-    }
-    let Some(class) = class else { return out };
-    let _ = writeln!(out, "  action: {}", class.action);
-    let _ = writeln!(out, "  cost: {}", class.cost);
-    let _ = writeln!(out, "  on limit: {}", on_limit(class.on_limit));
-    explain_admission(policy, class, &mut out);
-
-    // Identity and plan, as the engine resolves them.
+    let host = req.host(policy, &store, req.class, req.tenant);
     let prepared = match engine::prepare(policy, &host) {
         Ok(p) => p,
         Err(reason) => {
@@ -162,6 +148,49 @@ pub fn explain(policy: &Policy, req: &Request<'_>) -> String {
             return out;
         }
     };
+    explain_identity(policy, &prepared, &mut out);
+    explain_limits(policy, class, &prepared, &mut out);
+    if class.labels.checks_anything() {
+        admission::explain(json, req, &mut out);
+    } else {
+        first_request(policy, &prepared, &host, &mut out);
+    }
+    out
+}
+
+/// The request's route class and its labels (`None`: it has none, and
+/// passes unlimited).
+fn explain_class<'p>(policy: &'p Policy, req: &Request<'_>, out: &mut String) -> Option<&'p RouteClass> {
+    let Some(class) = policy.route_class(Some(req.class)) else {
+        let _ = writeln!(
+            out,
+            "class: none ({:?} is not a class and there is no default_route): the request passes unlimited (reason unclassified)",
+            req.class
+        );
+        return None;
+    };
+    let _ = if class.name == req.class {
+        writeln!(
+            out,
+            "class: {} (from the route's metadata filter_metadata.tenantgate.class, or its route name)",
+            class.name
+        )
+    } else {
+        writeln!(
+            out,
+            "class: {} (default_route: {:?} is not a class)",
+            class.name, req.class
+        )
+    };
+    let _ = writeln!(out, "  action: {}", class.action);
+    let _ = writeln!(out, "  cost: {}", class.cost);
+    let _ = writeln!(out, "  on limit: {}", on_limit(class.on_limit));
+    admission::labels(policy, class, out);
+    Some(class)
+}
+
+/// The identity and plan, as the engine resolved them, and the limit key.
+fn explain_identity(policy: &Policy, prepared: &Prepared, out: &mut String) {
     let source = match &policy.identity {
         Identity::Header(h) => format!("header {h}"),
         Identity::JwtClaim {
@@ -202,10 +231,12 @@ pub fn explain(policy: &Policy, req: &Request<'_>) -> String {
     let _ = writeln!(
         out,
         "limit key: {}",
-        engine::logical_key(&class.action, &prepared.subject)
+        engine::logical_key(&prepared.class.action, &prepared.subject)
     );
+}
 
-    // Limits.
+/// The plan's limits (with a global limit's failure mode) and the class's guard.
+fn explain_limits(policy: &Policy, class: &RouteClass, prepared: &Prepared, out: &mut String) {
     let _ = writeln!(out, "limits (all must admit; charged all or nothing):");
     let sync_mode = policy.sync.as_ref().map(|s| s.failure_mode);
     if let Some(plan) = policy.plan(prepared.plan) {
@@ -238,10 +269,13 @@ pub fn explain(policy: &Policy, req: &Request<'_>) -> String {
             let _ = writeln!(out, "guard: none");
         }
     }
+}
 
-    // The first request, decided by the engine.
+/// The first request of a class without admission checks, decided by the
+/// engine on an empty state.
+fn first_request(policy: &Policy, prepared: &Prepared, host: &MemoryHost, out: &mut String) {
     let mut scratch = engine::Scratch::default();
-    let d = engine::charge(policy, &prepared, &host, EXPLAIN_NOW_NS, &mut scratch);
+    let d = engine::charge(policy, prepared, host, EXPLAIN_NOW_NS, &mut scratch);
     let global = policy
         .plan(prepared.plan)
         .is_some_and(|p| p.limits.iter().any(|l| l.global));
@@ -275,96 +309,5 @@ pub fn explain(policy: &Policy, req: &Request<'_>) -> String {
         _ => {
             let _ = writeln!(out, "  (no RateLimit headers)");
         }
-    }
-    out
-}
-
-/// The class's admission labels, when it has any (see docs/admission.md).
-fn explain_admission(policy: &Policy, class: &tenantgate::policy::RouteClass, out: &mut String) {
-    use tenantgate::policy::admission::Criticality;
-    let l = class.labels;
-    if l == tenantgate::policy::admission::Labels::default() {
-        return;
-    }
-    let _ = writeln!(
-        out,
-        "  admission: criticality {}{}{}",
-        l.criticality.as_str(),
-        if l.retryable { ", retryable" } else { "" },
-        if l.streaming { ", streaming" } else { "" }
-    );
-    let action = l.action_limit.and_then(|i| policy.action_limit(i));
-    if let Some(a) = action {
-        let _ = writeln!(
-            out,
-            "  action limit: {} (max_in_flight {}, node-wide, every class of the action; 503 concurrency_limit when full)",
-            a.name, a.max_in_flight
-        );
-    }
-    match l.dependency.and_then(|i| policy.dependency(i)) {
-        None if action.is_some() => {
-            let _ = writeln!(out, "  dependency: none");
-        }
-        None => {
-            let _ = writeln!(out, "  dependency: none (no in-flight limit)");
-        }
-        Some(d) => {
-            let general = u64::from(d.general());
-            let uses = if l.streaming {
-                format!("a stream slot of max_streams {}", d.max_streams.unwrap_or(0))
-            } else {
-                match l.criticality {
-                    Criticality::System => format!(
-                        "reserved.system ({}) then the pool ({general})",
-                        d.reserved_system
-                    ),
-                    Criticality::Critical => {
-                        format!(
-                            "reserved.critical ({}) then the pool ({general})",
-                            d.reserved_critical
-                        )
-                    }
-                    level => format!(
-                        "the pool up to {} of {general} (shed before higher levels)",
-                        tenantgate::admission::ceiling(general, level, l.retryable)
-                    ),
-                }
-            };
-            let share = d.tenant_max.map_or_else(
-                || String::from("no cap per tenant"),
-                |n| format!("at most {n} per tenant"),
-            );
-            let queue = d.queues.get(l.criticality.index()).copied().unwrap_or_default();
-            let queue = if queue.max_queue == 0 {
-                String::from("refused at once when full (503 concurrency_limit)")
-            } else {
-                format!(
-                    "held when full, up to {} per worker for at most {} ms",
-                    queue.max_queue,
-                    queue.max_wait_ns / 1_000_000
-                )
-            };
-            let _ = writeln!(
-                out,
-                "  dependency: {} (max_in_flight {}, node-wide): uses {uses}; {share}; {queue}",
-                d.name, d.max_in_flight
-            );
-        }
-    }
-    if l.max_body_bytes.is_some() || l.min_timeout_budget_ns.is_some() {
-        let body = l.max_body_bytes.map_or_else(
-            || String::from("any body size"),
-            |n| format!("body at most {n} bytes (413)"),
-        );
-        let budget = l.min_timeout_budget_ns.map_or_else(
-            || String::from("no timeout budget"),
-            |ns| {
-                format!(
-                    "at least {} ms of timeout left (503 timeout_budget)",
-                    ns / 1_000_000
-                )
-            },
-        );
-        let _ = writeln!(out, "  request checks: {body}; {budget}");
     }
 }
