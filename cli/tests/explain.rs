@@ -238,3 +238,33 @@ fn diff_shows_admission_label_and_dependency_changes() {
         1,
     );
 }
+
+/// Every `$ tenantgate …` example in docs/cli.md prints exactly what the
+/// binary prints (a trailing `; echo "exit $?"` adds the exit code line).
+#[test]
+fn docs_cli_examples_are_the_binarys_output() {
+    let doc = std::fs::read_to_string(repo().join("docs/cli.md")).unwrap();
+    let mut examples = 0;
+    for block in doc.split("```console\n").skip(1) {
+        let block = block.split("```").next().unwrap_or("");
+        for example in block.split("$ tenantgate ").skip(1) {
+            let (command, expected) = example.split_once('\n').unwrap();
+            let (command, with_exit) = match command.strip_suffix("; echo \"exit $?\"") {
+                Some(c) => (c, true),
+                None => (command, false),
+            };
+            let out = Command::new(env!("CARGO_BIN_EXE_tenantgate"))
+                .current_dir(repo())
+                .args(command.split_whitespace())
+                .output()
+                .unwrap();
+            let mut printed = String::from_utf8_lossy(&out.stdout).into_owned();
+            if with_exit {
+                printed.push_str(&format!("exit {}\n", out.status.code().unwrap_or(-1)));
+            }
+            assert_eq!(printed, expected, "docs/cli.md: $ tenantgate {command}");
+            examples += 1;
+        }
+    }
+    assert!(examples >= 3, "{examples} examples found in docs/cli.md");
+}
