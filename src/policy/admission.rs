@@ -305,6 +305,9 @@ fn duration_in(
     }
 }
 
+/// `adaptive:` of a dependency of `max_in_flight` with `reserved` slots:
+/// its window, bounds and baseline refresh, then its gains
+/// ([`adaptive_gains`]); errors in that order.
 fn compile_adaptive(
     spec: &AdaptiveSpec,
     max_in_flight: u32,
@@ -357,10 +360,26 @@ fn compile_adaptive(
             "must be at least 10 windows",
         );
     }
+    let gains = adaptive_gains(spec, d, path, errors);
     Adaptive {
         window_ns,
         min,
         max,
+        baseline_refresh_ns,
+        ..gains
+    }
+}
+
+/// The controller's gains and thresholds (`buffer`, `dead_zone`,
+/// `smoothing`, `max_increase`, `backoff`, `error_rate`, `queue_age`) over
+/// the defaults `d`, which give every other field.
+fn adaptive_gains(
+    spec: &AdaptiveSpec,
+    d: Adaptive,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> Adaptive {
+    Adaptive {
         buffer_ppm: fraction(
             spec.buffer,
             d.buffer_ppm,
@@ -411,7 +430,7 @@ fn compile_adaptive(
             &path.key("queue_age"),
             errors,
         ),
-        baseline_refresh_ns,
+        ..d
     }
 }
 
@@ -514,6 +533,10 @@ fn in_range(value: i64, min: i64, max: i64, path: &FieldPath, errors: &mut Vec<P
     }
 }
 
+/// One `dependencies.<name>`: its slots (`max_in_flight`, `max_streams`,
+/// the reservations), the tenant's share, `Retry-After`'s window, the
+/// level queues, then its breaker, controller and retry budget; errors in
+/// that order.
 fn compile_dependency(
     name: &str,
     spec: &DependencySpec,
@@ -538,44 +561,10 @@ fn compile_dependency(
     let max_streams = spec
         .max_streams
         .and_then(|n| in_range(n, 1, MAX_IN_FLIGHT, &path.key("max_streams"), errors));
-    let reserved = spec.reserved.as_ref();
-    let reserved_path = path.key("reserved");
-    let mut reservation = |field: &str, value: Option<i64>| {
-        value.map_or(0, |n| {
-            in_range(n, 0, MAX_IN_FLIGHT, &reserved_path.key(field), errors).unwrap_or(0)
-        })
-    };
-    let reserved_critical = reservation("critical", reserved.and_then(|r| r.critical));
-    let reserved_system = reservation("system", reserved.and_then(|r| r.system));
-    let reserved_total = reserved_critical.saturating_add(reserved_system);
-    if reserved_total >= max_in_flight && reserved_total > 0 {
-        add(
-            errors,
-            reserved_path,
-            format!(
-                "reserved.critical + reserved.system ({reserved_total}) must be less than max_in_flight ({max_in_flight}): nothing would be left for normal and sheddable requests"
-            ),
-        );
-    }
-    let tenant_max = spec.tenant_max_share.and_then(|share| {
-        let share_path = path.key("tenant_max_share");
-        if share > 0.0 && share < 1.0 {
-            // A fraction: at least one slot.
-            let slots = (share * f64::from(max_in_flight)).ceil();
-            Some((slots as u32).clamp(1, max_in_flight))
-        } else if share >= 1.0 && share.fract() == 0.0 && share <= f64::from(max_in_flight) {
-            Some(share as u32)
-        } else {
-            add(
-                errors,
-                share_path,
-                format!(
-                    "must be a fraction between 0 and 1 (exclusive) or a whole count from 1 to max_in_flight ({max_in_flight})"
-                ),
-            );
-            None
-        }
-    });
+    let reserved = compile_reserved(spec, max_in_flight, &path.key("reserved"), errors);
+    let tenant_max = spec
+        .tenant_max_share
+        .and_then(|share| compile_tenant_max(share, max_in_flight, &path.key("tenant_max_share"), errors));
     let retry_after_window_ns = duration_in(
         spec.retry_after_window.as_deref(),
         DEFAULT_RETRY_AFTER_WINDOW_NS,
@@ -584,20 +573,7 @@ fn compile_dependency(
         &path.key("retry_after_window"),
         errors,
     );
-    let mut queues = [LevelQueue::default(); 4];
-    if let Some(q) = &spec.queues {
-        let levels = [
-            (Criticality::Sheddable, &q.sheddable),
-            (Criticality::Normal, &q.normal),
-            (Criticality::Critical, &q.critical),
-            (Criticality::System, &q.system),
-        ];
-        for (level, queue) in levels {
-            if let (Some(queue), Some(slot)) = (queue, queues.get_mut(level.index())) {
-                *slot = compile_level_queue(queue, &path.key("queues").key(level.as_str()), errors);
-            }
-        }
-    }
+    let queues = compile_queues(spec, &path.key("queues"), errors);
     let breaker = spec
         .circuit_breaker
         .as_ref()
@@ -605,14 +581,14 @@ fn compile_dependency(
     let adaptive = spec
         .adaptive
         .as_ref()
-        .map(|a| compile_adaptive(a, max_in_flight, reserved_total, &path.key("adaptive"), errors));
+        .map(|a| compile_adaptive(a, max_in_flight, reserved.total(), &path.key("adaptive"), errors));
     Dependency {
         name: name.to_owned(),
         key: crate::keys::dependency(name),
         max_in_flight,
         max_streams,
-        reserved_critical,
-        reserved_system,
+        reserved_critical: reserved.critical,
+        reserved_system: reserved.system,
         tenant_max,
         retry_after_window_ns,
         queues,
@@ -625,6 +601,95 @@ fn compile_dependency(
             .map(|b| compile_retry_budget(name, b, &path.key("retry_budget"), errors)),
         adaptive,
     }
+}
+
+/// A dependency's reservations (`reserved.critical`, `reserved.system`).
+struct Reserved {
+    critical: u32,
+    system: u32,
+}
+
+impl Reserved {
+    fn total(&self) -> u32 {
+        self.critical.saturating_add(self.system)
+    }
+}
+
+/// `reserved:`: each in range, and together less than `max_in_flight`
+/// (something must be left for normal and sheddable requests).
+fn compile_reserved(
+    spec: &DependencySpec,
+    max_in_flight: u32,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> Reserved {
+    let reserved = spec.reserved.as_ref();
+    let mut reservation = |field: &str, value: Option<i64>| {
+        value.map_or(0, |n| {
+            in_range(n, 0, MAX_IN_FLIGHT, &path.key(field), errors).unwrap_or(0)
+        })
+    };
+    let reserved = Reserved {
+        critical: reservation("critical", reserved.and_then(|r| r.critical)),
+        system: reservation("system", reserved.and_then(|r| r.system)),
+    };
+    let total = reserved.total();
+    if total >= max_in_flight && total > 0 {
+        add(
+            errors,
+            path.clone(),
+            format!(
+                "reserved.critical + reserved.system ({total}) must be less than max_in_flight ({max_in_flight}): nothing would be left for normal and sheddable requests"
+            ),
+        );
+    }
+    reserved
+}
+
+/// `tenant_max_share`: a fraction of `max_in_flight` (at least one slot)
+/// or a whole count of slots.
+fn compile_tenant_max(
+    share: f64,
+    max_in_flight: u32,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> Option<u32> {
+    if share > 0.0 && share < 1.0 {
+        // A fraction: at least one slot.
+        let slots = (share * f64::from(max_in_flight)).ceil();
+        Some((slots as u32).clamp(1, max_in_flight))
+    } else if share >= 1.0 && share.fract() == 0.0 && share <= f64::from(max_in_flight) {
+        Some(share as u32)
+    } else {
+        add(
+            errors,
+            path.clone(),
+            format!(
+                "must be a fraction between 0 and 1 (exclusive) or a whole count from 1 to max_in_flight ({max_in_flight})"
+            ),
+        );
+        None
+    }
+}
+
+/// `queues:`, one per criticality level (indexed by `Criticality::index`;
+/// a level without one refuses at once).
+fn compile_queues(spec: &DependencySpec, path: &FieldPath, errors: &mut Vec<PolicyError>) -> [LevelQueue; 4] {
+    let mut queues = [LevelQueue::default(); 4];
+    if let Some(q) = &spec.queues {
+        let levels = [
+            (Criticality::Sheddable, &q.sheddable),
+            (Criticality::Normal, &q.normal),
+            (Criticality::Critical, &q.critical),
+            (Criticality::System, &q.system),
+        ];
+        for (level, queue) in levels {
+            if let (Some(queue), Some(slot)) = (queue, queues.get_mut(level.index())) {
+                *slot = compile_level_queue(queue, &path.key(level.as_str()), errors);
+            }
+        }
+    }
+    queues
 }
 
 /// A fraction in (0, 1] as permille (rounded to nearest, at least 1).
