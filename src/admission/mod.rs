@@ -97,7 +97,7 @@ use crate::engine::{Reason, Subject};
 use crate::host::Host;
 use crate::keys::{self, kind};
 use crate::limiter::NANOS_PER_SEC;
-use crate::policy::admission::{Criticality, Dependency, Labels, DEFAULT_RETRY_AFTER_WINDOW_NS};
+use crate::policy::admission::{ActionLimit, Criticality, Dependency, Labels, DEFAULT_RETRY_AFTER_WINDOW_NS};
 use crate::policy::{Policy, RouteClass};
 use crate::table::{self, push_record_with, Commit, Failure, Overflow, Place, Reach, Record};
 pub use holders::{Counts, Holder};
@@ -245,6 +245,31 @@ impl GateRefusal {
         GateRefusal {
             reason: Reason::CircuitOpen,
             retry_after_secs: half_open_at.saturating_sub(now).div_ceil(NANOS_PER_SEC).max(1),
+        }
+    }
+}
+
+/// How a try's refusals are written (the dependency's `retry_after_window`).
+struct Refusing {
+    retry_after_window_ns: u64,
+}
+
+impl Refusing {
+    fn refuse(&self, reason: Reason, in_flight: u32, limit: Limited) -> Refusal {
+        Refusal {
+            reason,
+            in_flight,
+            retry_after_window_ns: self.retry_after_window_ns,
+            retry_after_secs: 1,
+            limit,
+        }
+    }
+
+    /// A refusal by `paused` or the breaker, with its `Retry-After`.
+    fn gate(&self, r: GateRefusal) -> Refusal {
+        Refusal {
+            retry_after_secs: r.retry_after_secs,
+            ..self.refuse(r.reason, 0, Limited::Dependency)
         }
     }
 }
@@ -683,7 +708,9 @@ impl Worker {
         }
     }
 
-    /// One try of [`Worker::acquire`].
+    /// One try of [`Worker::acquire`]: the gate, then each slot in turn
+    /// (tenant share, action, dependency, probe ticket), each later refusal
+    /// giving back what the earlier steps took.
     fn try_acquire<H: Host>(
         &mut self,
         host: &H,
@@ -698,21 +725,11 @@ impl Worker {
         if dep.is_none() && action.is_none() {
             return Ok(None);
         }
-        let retry_after_window_ns = dep.map_or(DEFAULT_RETRY_AFTER_WINDOW_NS, |d| d.retry_after_window_ns);
-        let refuse = |reason, in_flight, limit| Refusal {
-            reason,
-            in_flight,
-            retry_after_window_ns,
-            retry_after_secs: 1,
-            limit,
+        let refusing = Refusing {
+            retry_after_window_ns: dep.map_or(DEFAULT_RETRY_AFTER_WINDOW_NS, |d| d.retry_after_window_ns),
         };
         let gate = match dep {
-            Some(d) => self.gate(d, now).map_err(|r| {
-                Tried::Refused(Refusal {
-                    retry_after_secs: r.retry_after_secs,
-                    ..refuse(r.reason, 0, Limited::Dependency)
-                })
-            })?,
+            Some(d) => self.gate(d, now).map_err(|r| Tried::Refused(refusing.gate(r)))?,
             None => breaker::Gate::Free,
         };
         let mut ticket = Ticket {
@@ -724,74 +741,122 @@ impl Worker {
             in_flight: 0,
             probe: None,
         };
-        if let Some((dep, max)) = dep.and_then(|d| d.tenant_max.map(|max| (d, max))) {
-            if !matches!(subject, Subject::None) {
-                let key = tenant_key(&dep.name, subject);
-                let action = tenant_action(&dep.name);
-                let check = |occ: &Counts| {
-                    if occ.total() < max {
-                        Ok(())
-                    } else {
-                        Err(Reason::TenantShare)
-                    }
-                };
-                let entries = Some(policy.key_table_entries);
-                let taken = self.take(
-                    host,
-                    &key,
-                    entries,
-                    &action,
-                    now,
-                    ticket.level,
-                    ticket.streaming,
-                    &check,
-                    &|_| 0,
-                );
-                if let Err((reason, _)) = taken {
-                    return Err(Tried::Refused(refuse(reason, 0, Limited::Tenant)));
-                }
-                ticket.tenant = Some(key);
-            }
+        let taken = self
+            .take_tenant(host, policy, dep, subject, &mut ticket, now)
+            .map_err(|(reason, _)| refusing.refuse(reason, 0, Limited::Tenant))
+            .and_then(|()| {
+                self.take_action(host, action, &mut ticket, now)
+                    .map_err(|(reason, occ)| refusing.refuse(reason, occ.total(), Limited::Action))
+            })
+            .and_then(|()| match dep {
+                Some(dep) => self
+                    .take_dependency(host, dep, &labels, &gate, &mut ticket, now)
+                    .map_err(|(reason, occ)| refusing.refuse(reason, occ.total(), Limited::Dependency)),
+                None => Ok(()),
+            });
+        if let Err(refusal) = taken {
+            self.release(host, ticket, now);
+            return Err(Tried::Refused(refusal));
         }
-        if let Some(a) = action {
-            let max = a.max_in_flight;
-            let check = |occ: &Counts| {
-                if occ.total() < max {
-                    Ok(())
-                } else {
-                    Err(Reason::ConcurrencyLimit)
-                }
-            };
-            let room = |occ: &Counts| permit_room(u64::from(max), u64::from(occ.total()));
-            match self.take(
-                host,
-                &a.key,
-                None,
-                "",
-                now,
-                ticket.level,
-                ticket.streaming,
-                &check,
-                &room,
-            ) {
-                Ok(occupancy) => {
-                    ticket.in_flight = occupancy.total();
-                    ticket.action = Some(a.key.clone());
-                }
-                Err((reason, occupancy)) => {
+        if let (Some(dep), breaker::Gate::Probe { .. }) = (dep, gate) {
+            match self.take_probe(host, dep, now) {
+                Ok(probe) => ticket.probe = Some(probe),
+                Err(tried) => {
                     self.release(host, ticket, now);
-                    return Err(Tried::Refused(refuse(reason, occupancy.total(), Limited::Action)));
+                    return Err(tried.map(|r| refusing.gate(r)));
                 }
             }
         }
-        let Some(dep) = dep else {
-            return Ok(Some(ticket));
+        Ok(Some(ticket))
+    }
+
+    /// The tenant's share of `dep` (`tenant_max_share`), if it has one and
+    /// the request a subject.
+    fn take_tenant<H: Host>(
+        &mut self,
+        host: &H,
+        policy: &Policy,
+        dep: Option<&Dependency>,
+        subject: &Subject,
+        ticket: &mut Ticket,
+        now: u64,
+    ) -> Result<(), (Reason, Counts)> {
+        let Some((dep, max)) = dep.and_then(|d| d.tenant_max.map(|max| (d, max))) else {
+            return Ok(());
         };
+        if matches!(subject, Subject::None) {
+            return Ok(());
+        }
+        let key = tenant_key(&dep.name, subject);
+        let action = tenant_action(&dep.name);
+        let check = |occ: &Counts| {
+            if occ.total() < max {
+                Ok(())
+            } else {
+                Err(Reason::TenantShare)
+            }
+        };
+        let entries = Some(policy.key_table_entries);
+        let (level, streaming) = (ticket.level, ticket.streaming);
+        self.take(
+            host,
+            &key,
+            entries,
+            &action,
+            now,
+            level,
+            streaming,
+            &check,
+            &|_| 0,
+        )?;
+        ticket.tenant = Some(key);
+        Ok(())
+    }
+
+    /// The action's in-flight limit (`actions.<action>.max_in_flight`).
+    fn take_action<H: Host>(
+        &mut self,
+        host: &H,
+        action: Option<&ActionLimit>,
+        ticket: &mut Ticket,
+        now: u64,
+    ) -> Result<(), (Reason, Counts)> {
+        let Some(a) = action else {
+            return Ok(());
+        };
+        let max = a.max_in_flight;
+        let check = |occ: &Counts| {
+            if occ.total() < max {
+                Ok(())
+            } else {
+                Err(Reason::ConcurrencyLimit)
+            }
+        };
+        let room = |occ: &Counts| permit_room(u64::from(max), u64::from(occ.total()));
+        let (level, streaming) = (ticket.level, ticket.streaming);
+        let occupancy = self.take(host, &a.key, None, "", now, level, streaming, &check, &room)?;
+        ticket.in_flight = occupancy.total();
+        ticket.action = Some(a.key.clone());
+        Ok(())
+    }
+
+    /// The dependency's level, under its effective limits (the controller's
+    /// limit, the breaker's cap: a half-open breaker's refusals are
+    /// `circuit_probe_limit`).
+    fn take_dependency<H: Host>(
+        &mut self,
+        host: &H,
+        dep: &Dependency,
+        labels: &Labels,
+        gate: &breaker::Gate,
+        ticket: &mut Ticket,
+        now: u64,
+    ) -> Result<(), (Reason, Counts)> {
         let target = effective_limit(dep, &self.control(&dep.key));
-        let limits = effective_limits(dep, target, &gate);
+        let limits = effective_limits(dep, target, gate);
         let probing = matches!(gate, breaker::Gate::Probe { .. });
         let check = |occ: &Counts| {
-            admits_within(&limits, &labels, occ).map_err(|r| match r {
+            admits_within(&limits, labels, occ).map_err(|r| match r {
                 Reason::ConcurrencyLimit | Reason::StreamLimit if probing => Reason::CircuitProbeLimit,
                 other => other,
             })
@@ -807,43 +872,11 @@ impl Worker {
             let c = ceiling(u64::from(limits.general()), labels.criticality, labels.retryable);
             permit_room(c, pool_use(&limits, occ))
         };
-        match self.take(
-            host,
-            &dep.key,
-            None,
-            "",
-            now,
-            ticket.level,
-            ticket.streaming,
-            &check,
-            &room,
-        ) {
-            Ok(occupancy) => {
-                ticket.in_flight = occupancy.total();
-                ticket.dependency = Some(dep.key.clone());
-            }
-            Err((reason, occupancy)) => {
-                self.release(host, ticket, now);
-                return Err(Tried::Refused(refuse(
-                    reason,
-                    occupancy.total(),
-                    Limited::Dependency,
-                )));
-            }
-        }
-        if probing {
-            match self.take_probe(host, dep, now) {
-                Ok(probe) => ticket.probe = Some(probe),
-                Err(tried) => {
-                    self.release(host, ticket, now);
-                    return Err(tried.map(|r| Refusal {
-                        retry_after_secs: r.retry_after_secs,
-                        ..refuse(r.reason, 0, Limited::Dependency)
-                    }));
-                }
-            }
-        }
-        Ok(Some(ticket))
+        let (level, streaming) = (ticket.level, ticket.streaming);
+        let occupancy = self.take(host, &dep.key, None, "", now, level, streaming, &check, &room)?;
+        ticket.in_flight = occupancy.total();
+        ticket.dependency = Some(dep.key.clone());
+        Ok(())
     }
 
     /// `paused`, then the breaker as this worker's copy says (see

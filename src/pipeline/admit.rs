@@ -499,8 +499,10 @@ impl Pipeline {
             stream,
             now,
         );
+        // Its record's in-flight count: the dependency's, as it is now.
+        let live = admission::in_flight(host, &dep.key, now).map_or(0, |c| c.total());
         let at = Decided {
-            in_flight: 0,
+            in_flight: live,
             queue_wait_ns: now.saturating_sub(h.enqueued),
             limit: Some(limited),
         };
