@@ -235,8 +235,14 @@ fn a_hot_tenant_on_worker_leases_across_both_workers_stays_within_one_node_budge
          {served} served from worker leases",
         2.0 * (2000.0 + 500.0 * elapsed)
     );
-    assert!((admitted as f64) <= bound, "admitted {admitted} > bound {bound:.0}");
-    assert!((admitted as f64) >= 2000.0 + 500.0 * (elapsed - 0.5), "{admitted}: starved");
+    assert!(
+        (admitted as f64) <= bound,
+        "admitted {admitted} > bound {bound:.0}"
+    );
+    assert!(
+        (admitted as f64) >= 2000.0 + 500.0 * (elapsed - 0.5),
+        "{admitted}: starved"
+    );
     assert!(served > 0, "no request was served from a lease");
 }
 
