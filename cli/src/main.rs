@@ -229,6 +229,12 @@ struct ApplyArgs {
     /// The wasm `vm_id`: filters with the same id share buckets on a node.
     #[arg(long, default_value = ecds::DEFAULT_VM_ID)]
     vm_id: String,
+    /// Write the native module's resource (`envoy.filters.http.dynamic_modules`,
+    /// Envoy 1.40) instead of the wasm filter's: the same policy, the
+    /// library at PATH (made absolute; default: the `make module` build).
+    #[arg(long, value_name = "PATH", num_args = 0..=1,
+          default_missing_value = "target/module-release/libtenantgate_module.so")]
+    module: Option<PathBuf>,
     /// Also write one filter instance per route class, each with its class
     /// fixed (`<name>.<class>` in `<ecds stem>.<class>.<ext>`): enabled per
     /// route with Envoy's `FilterConfig`, they classify with no lookup.
@@ -391,6 +397,11 @@ fn apply(args: &ApplyArgs) -> ExitCode {
         }
     };
     let policy_json = loaded.document.to_json();
+    if args.module.is_some() && args.instances {
+        eprintln!("--instances is for the wasm filter: the module's routes carry their class in their per-route config");
+        eprintln!("not applied: {} is unchanged", args.ecds.display());
+        return ExitCode::FAILURE;
+    }
     if args.instances {
         let instances = match ecds::instances(&policy_json, &args.name, &args.ecds) {
             Ok(list) => list,
@@ -413,6 +424,7 @@ fn apply(args: &ApplyArgs) -> ExitCode {
                 name: &i.resource_name,
                 vm_id: &args.vm_id,
                 wasm: &args.wasm,
+                module: None,
             };
             if let Err(e) = resource.write(&i.policy_json, &i.path) {
                 eprintln!("cannot write {}: {e}", i.path.display());
@@ -425,6 +437,7 @@ fn apply(args: &ApplyArgs) -> ExitCode {
         name: &args.name,
         vm_id: &args.vm_id,
         wasm: &args.wasm,
+        module: args.module.as_deref(),
     };
     match resource.write(&policy_json, &args.ecds) {
         Ok(()) => {
