@@ -9,6 +9,10 @@ WASM_TARGET := wasm32-wasip1
 WASM        := target/$(WASM_TARGET)/wasm-release/tenantgate.wasm
 CLI         := target/debug/tenantgate
 EMPTY_WASM  := target/$(WASM_TARGET)/wasm-release/empty_filter.wasm
+MODULE      := target/module-release/libtenantgate_module.so
+# `make run`'s host: wasm (the proxy-wasm filter) or module (the native
+# Envoy dynamic module).
+HOST        ?= wasm
 POLICY      ?= policies/demo.yaml
 ECDS        := envoy/run/ecds.yaml
 PYTHON      ?= python3
@@ -17,9 +21,10 @@ export ENVOY_BIN      := $(abspath $(ENVOY))
 export TENANTGATE_BIN := $(abspath $(CLI))
 export TENANTGATE_WASM := $(abspath $(WASM))
 export EMPTY_WASM     := $(abspath $(EMPTY_WASM))
+export TENANTGATE_MODULE := $(abspath $(MODULE))
 
 
-.PHONY: help setup setup-redis setup-postgresql setup-prometheus setup-wrk wasm cli ecds run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
+.PHONY: help setup setup-redis setup-postgresql setup-prometheus setup-wrk wasm module cli ecds run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -47,23 +52,26 @@ $(ENVOY):
 wasm: setup ## Build the filter (.wasm, release profile: lto, opt-level 3, panic=abort)
 	cargo build --target $(WASM_TARGET) --profile wasm-release -p tenantgate-filter
 
+module: ## Build the native Envoy dynamic module (libtenantgate_module.so; module-release profile: lto, unwinding panics)
+	cargo build --profile module-release -p tenantgate-module
+
 cli: ## Build the tenantgate command-line tool
 	cargo build -p tenantgate-cli
 
 ecds: wasm cli ## Compile $(POLICY) into the ECDS file Envoy watches ($(ECDS))
 	$(CLI) policy apply $(POLICY) --ecds $(ECDS) --wasm $(WASM)
 
-run: wasm cli ## The whole system: two Envoys (10000 and 11000, two regions) and tenantgate serve (10002, mTLS); Ctrl-C stops it
-	TG_RUN_POLICY=$(POLICY) $(PYTHON) envoy/run.py
+run: wasm module cli ## The whole system: two Envoys (10000 and 11000, two regions) and tenantgate serve (10002, mTLS); HOST=module for the native module; Ctrl-C stops it
+	TG_RUN_POLICY=$(POLICY) TG_RUN_HOST=$(HOST) $(PYTHON) envoy/run.py
 
-test: wasm cli ## Every test tier: core, policy golden, CLI, and real-Envoy integration
+test: wasm module cli ## Every test tier: core, policy golden, CLI, and real-Envoy integration (on both hosts)
 	cargo test --workspace --exclude tenantgate-integration-tests
 	cargo test -p tenantgate-integration-tests -- --test-threads=1
 
 test-unit: setup-redis setup-postgresql ## Only the native tests (core, policy golden, CLI); no Envoy needed
 	cargo test --workspace --exclude tenantgate-integration-tests
 
-test-integration: wasm cli ## Only the real-Envoy tests
+test-integration: wasm module cli ## Only the real-Envoy tests
 	cargo test -p tenantgate-integration-tests -- --test-threads=1 --nocapture
 
 setup-wrk: ## Install wrk (Debian package) if missing: make bench and make bench-memory load Envoy with it
@@ -94,10 +102,13 @@ lint: check-glue ## fmt check, clippy (native and wasm32, warnings denied), host
 fmt: ## Format the code
 	cargo fmt --all
 
-check-glue: ## Fail if anything outside src/glue/ names proxy_wasm
+check-glue: ## Fail if anything outside src/glue/ names proxy_wasm, or outside module/ the dynamic-module ABI
 	@offenders=$$(grep -rln 'proxy_wasm' src --include='*.rs' | grep -v '^src/glue/' || true); \
 	if [ -n "$$offenders" ]; then echo "proxy_wasm named outside src/glue/: $$offenders"; exit 1; fi; \
 	echo "ok: only src/glue/ names proxy_wasm"
+	@offenders=$$(grep -rln 'envoy_dynamic_module' src cli central --include='*.rs' || true); \
+	if [ -n "$$offenders" ]; then echo "the dynamic-module ABI named outside module/: $$offenders"; exit 1; fi; \
+	echo "ok: only module/ names the dynamic-module ABI"
 
 clean: ## Remove build output and the demo's generated files
 	cargo clean

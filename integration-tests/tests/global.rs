@@ -10,7 +10,9 @@
 
 use std::time::{Duration, Instant};
 
-use tenantgate_integration_tests::{get, percentile, wait_for, Conn, Envoy, SyncMode, SyncServer};
+use tenantgate_integration_tests::{
+    get, on_both_hosts, percentile, wait_for, Conn, Envoy, SyncMode, SyncServer,
+};
 
 /// Sync every 500 ms with a 200 ms callout timeout.
 const INTERVAL_MS: u64 = 500;
@@ -118,7 +120,7 @@ fn leases_from_the_service_limit_admissions_across_both_workers() {
     assert_eq!(reqs.last().unwrap()["acked_seq"], seqs[seqs.len() - 2]);
 }
 
-#[test]
+on_both_hosts!(a_service_down_slow_or_garbled_never_slows_requests_and_recovery_brings_leases_back);
 fn a_service_down_slow_or_garbled_never_slows_requests_and_recovery_brings_leases_back() {
     let server = SyncServer::start(SyncMode::Down, INTERVAL_MS);
     let envoy = Envoy::start_with_sync(&policy("fail_open", "tenantgate"), server.port);

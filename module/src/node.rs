@@ -324,14 +324,22 @@ impl Node {
             .get_or_init(|| (0..workers).map(|_| Mutex::new(Worker::default())).collect());
         let id = self.next_config.fetch_add(1, Ordering::Relaxed);
         let host = EnvoyHost::tick(&self.store, &self.identity);
+        // A config with the same policy as a live one (every listener that
+        // names the same ECDS resource gets its own config) shares its
+        // compiled policy on each worker: one policy, one set of worker
+        // leases, one tick (as a wasm VM's one root context for them).
+        let twin = self.configs().into_iter().rev().find(|c| *c.json == *json);
         for index in 0..self.workers().len() {
             let Some(mut w) = self.worker(index) else { continue };
-            match w.pipeline.configure(&host, &SystemClock, &mut stats, json) {
-                Ok(p) => {
-                    w.policies.insert(id, p);
-                }
-                Err(_) => return Err(()),
-            }
+            let shared = twin.as_ref().and_then(|t| w.policies.get(&t.id).cloned());
+            let policy = match shared {
+                Some(p) => p,
+                None => match w.pipeline.configure(&host, &SystemClock, &mut stats, json) {
+                    Ok(p) => p,
+                    Err(_) => return Err(()),
+                },
+            };
+            w.policies.insert(id, policy);
         }
         log::info!(
             "tenantgate: policy {} loaded on {} workers ({} plans, mode {:?})",
@@ -388,8 +396,17 @@ impl Node {
         w.policies.clear();
         let host = EnvoyHost::tick(&self.store, &self.identity);
         let configs = self.configs();
-        for c in &configs {
-            if let Ok(p) = w.pipeline.configure(&host, &SystemClock, &mut c.stats(), &c.json) {
+        for (i, c) in configs.iter().enumerate() {
+            let twin = configs[..i].iter().find(|t| t.json == c.json);
+            let shared = twin.and_then(|t| w.policies.get(&t.id).cloned());
+            let policy = match shared {
+                Some(p) => Some(p),
+                None => w
+                    .pipeline
+                    .configure(&host, &SystemClock, &mut c.stats(), &c.json)
+                    .ok(),
+            };
+            if let Some(p) = policy {
                 w.policies.insert(c.id, p);
             }
         }
@@ -408,19 +425,29 @@ impl Node {
         w.deliver(answers);
     }
 
-    /// Every worker's tick (main thread; see "Ticks").
+    /// Every worker's tick (main thread; see "Ticks"): once per period
+    /// with each distinct policy of the live configs, newest first.
     pub fn tick(&self) {
         self.tick_pending.store(false, Ordering::Release);
         let configs = self.configs();
         let host = EnvoyHost::tick(&self.store, &self.identity);
         for index in 0..self.workers().len() {
-            for config in &configs {
-                let ticked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // By address: no `Rc` of the worker's may leave its lock.
+            let mut ticked: Vec<*const Policy> = Vec::new();
+            for config in configs.iter().rev() {
+                let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     let Some(mut w) = self.worker(index) else { return };
+                    let Some(policy) = w.policies.get(&config.id).cloned() else {
+                        return;
+                    };
+                    if ticked.contains(&Rc::as_ptr(&policy)) {
+                        return;
+                    }
+                    ticked.push(Rc::as_ptr(&policy));
                     crate::fault::tick();
-                    self.tick_one(&mut w, index, config, &host);
+                    self.tick_one(&mut w, index, config, &policy, &host);
                 }));
-                if ticked.is_err() {
+                if done.is_err() {
                     config.count_panic();
                     // Resets the worker the panic left locked mid-tick.
                     drop(self.worker(index));
@@ -429,10 +456,15 @@ impl Node {
         }
     }
 
-    fn tick_one(&self, w: &mut Worker, index: usize, config: &Config, host: &EnvoyHost<'_>) {
-        let Some(policy) = w.policies.get(&config.id).cloned() else {
-            return;
-        };
+    fn tick_one(
+        &self,
+        w: &mut Worker,
+        index: usize,
+        config: &Config,
+        policy: &Rc<Policy>,
+        host: &EnvoyHost<'_>,
+    ) {
+        let policy = policy.clone();
         let mut stats = config.stats();
         w.pipeline.on_tick(host, &SystemClock, &mut stats, Some(&policy));
         for callout in w.pipeline.take_callouts() {
