@@ -58,8 +58,8 @@ module: ## Build the native Envoy dynamic module (libtenantgate_module.so; modul
 cli: ## Build the tenantgate command-line tool
 	cargo build -p tenantgate-cli
 
-ecds: wasm cli ## Compile $(POLICY) into the ECDS file Envoy watches ($(ECDS))
-	$(CLI) policy apply $(POLICY) --ecds $(ECDS) --wasm $(WASM)
+ecds: wasm module cli ## Compile $(POLICY) into the ECDS file Envoy watches ($(ECDS)); HOST=module for the native module
+	$(CLI) policy apply $(POLICY) --ecds $(ECDS) $(if $(filter module,$(HOST)),--module $(MODULE),--wasm $(WASM))
 
 run: wasm module cli ## The whole system: two Envoys (10000 and 11000, two regions) and tenantgate serve (10002, mTLS); HOST=module for the native module; Ctrl-C stops it
 	TG_RUN_POLICY=$(POLICY) TG_RUN_HOST=$(HOST) $(PYTHON) envoy/run.py
@@ -77,14 +77,14 @@ test-integration: wasm module cli ## Only the real-Envoy tests
 setup-wrk: ## Install wrk (Debian package) if missing: make bench and make bench-memory load Envoy with it
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 
-bench: wasm cli setup-wrk ## Measure the filter against baselines (BENCH_ROUNDS=5, BENCH_SECONDS=4) into target/bench/filter.json
+bench: wasm module cli setup-wrk ## Measure the filter against baselines (BENCH_ROUNDS=5, BENCH_SECONDS=4) into target/bench/filter.json
 	cargo build --target $(WASM_TARGET) --profile wasm-release -p tenantgate-bench-empty-filter
 	cargo build --target $(WASM_TARGET) --profile wasm-release -p tenantgate-filter --features self-time --target-dir target/self-time
 	$(PYTHON) bench/run.py
 
-bench-memory: wasm cli setup-wrk ## Envoy RSS with 1, 100k and 1M distinct tenants (bytes per key), then growth once a table is full
-	$(PYTHON) bench/memory.py --max-keys 1000000 --points 1,100000,1000000 --out target/bench/memory.json
-	$(PYTHON) bench/memory.py --max-keys 100000 --points 1,150000,300000,450000 --out target/bench/memory-full.json
+bench-memory: wasm module cli setup-wrk ## Envoy RSS with 1, 100k and 1M distinct tenants (bytes per key), then growth once a table is full; HOST=module for the native module
+	$(PYTHON) bench/memory.py --host $(HOST) --max-keys 1000000 --points 1,100000,1000000 --out target/bench/memory$(if $(filter module,$(HOST)),-module,).json
+	$(PYTHON) bench/memory.py --host $(HOST) --max-keys 100000 --points 1,150000,300000,450000 --out target/bench/memory$(if $(filter module,$(HOST)),-module,)-full.json
 
 bench-service: setup-redis setup-postgresql ## Key reports/s per core of the central service (embedded, Redis, HTTP); quota reserve+commit pairs/s (SQLite, PostgreSQL)
 	cargo run --release -p tenantgate-central --example bench_service
