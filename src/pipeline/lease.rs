@@ -289,6 +289,16 @@ impl Leases {
         self.held = 0;
     }
 
+    /// Units this worker holds in its lease of `action`'s key for `subject`
+    /// under `policy`.
+    pub fn held(&mut self, policy: &Rc<Policy>, action: &str, subject: &crate::decision::Subject) -> u64 {
+        write_logical_key(&mut self.key, action, subject);
+        self.keys
+            .get(&policy_id(policy))
+            .and_then(|k| k.get(self.key.as_str()))
+            .map_or(0, |l| l.units)
+    }
+
     /// Refusals this worker served from memory so far (reset by
     /// [`Leases::flush`]).
     pub fn remembered(&self) -> u64 {

@@ -65,6 +65,9 @@ pub struct Policy {
     /// per entry, rounded up).
     pub key_table_entries: u64,
     pub ratelimit_headers: bool,
+    /// `limits_endpoint:` the path answered with the calling tenant's own
+    /// limits (`None`: off; see `crate::pipeline::limits`).
+    pub limits_endpoint: Option<String>,
     /// How global limits sync with the central cluster (`None`: the policy
     /// has no global limit and no `sync:` block).
     pub sync: Option<SyncSettings>,

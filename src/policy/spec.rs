@@ -80,6 +80,10 @@ pub struct PolicySpec {
     pub class: Option<String>,
     #[serde(default)]
     pub ratelimit_headers: Option<bool>,
+    /// A request path the filter answers itself with the calling tenant's
+    /// own limits (off when absent).
+    #[serde(default)]
+    pub limits_endpoint: Option<String>,
     #[serde(default)]
     pub guards: BTreeMap<String, GuardSpec>,
     #[serde(default)]
