@@ -352,6 +352,7 @@ pub fn node_settings(settings: &SyncSettings) -> NodeSettings {
         local_max_ms: settings.local_max_ns.div_ceil(NANOS_PER_MS),
         interval_ms: settings.interval_ns.div_ceil(NANOS_PER_MS),
         failure_mode: settings.failure_mode,
+        outage_allowance: true,
     }
 }
 
@@ -482,6 +483,7 @@ struct NewLease {
     share: u64,
     share_milli: u64,
     ttl_ns: u64,
+    outage_milli: Option<u64>,
 }
 
 /// One limit's update in a key's slot.
@@ -611,6 +613,7 @@ pub fn accept<H: Host>(
             share: l.share,
             share_milli: l.share_milli,
             ttl_ns: ttl(l.ttl_ms),
+            outage_milli: l.outage_milli,
         });
     }
     let keys = updates
@@ -763,6 +766,7 @@ fn update_slot<H: Host>(
                                 share: l.share,
                                 share_milli: l.share_milli,
                                 ttl_ns,
+                                outage_milli: l.outage_milli,
                             };
                             a.install(granted, used, received_at);
                             leases += 1;

@@ -489,6 +489,7 @@ impl KeyState {
                 share: 0,
                 share_milli: 0,
                 ttl_ms: 0,
+                outage_milli: None,
             };
         };
         let (share, share_milli, level, credit) = match nk.share {
@@ -545,6 +546,7 @@ impl KeyState {
             share,
             share_milli: share_milli.min(flow.saturating_sub(others).saturating_mul(MILLI)),
             ttl_ms: cfg.lease_ttl_ns / NANOS_PER_MS,
+            outage_milli: None,
         }
     }
 

@@ -70,6 +70,7 @@ impl Req {
             local_max_ms,
             interval_ms: 1_000,
             failure_mode: mode,
+            outage_allowance: false,
         });
         self
     }

@@ -208,6 +208,7 @@ impl Node {
                 tokens: lease.tokens,
                 share: lease.share,
                 share_milli: lease.share_milli,
+                outage_milli: lease.outage_milli,
                 ttl_ns,
             };
             e.allowance.install(granted, used, now);

@@ -117,6 +117,7 @@ fn response(req: &SyncRequest, tokens: u64) -> SyncResponse {
                 share: tokens,
                 share_milli: 0,
                 ttl_ms: 3000,
+                outage_milli: None,
             })
             .collect(),
     }
@@ -535,6 +536,7 @@ fn the_request_carries_the_settings_the_node_enforces() {
             local_max_ms: crate::policy::LOCAL_MAX_NS / MS,
             interval_ms: 1000,
             failure_mode: FailureMode::FailOpenLocal,
+            outage_allowance: true,
         })
     );
     assert_eq!(req.reports.len(), 1);
