@@ -254,6 +254,7 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
         provisional: cfg.provisional,
         starts_per_node: trace.max_starts.max(1),
         nodes: topo.nodes(),
+        max_cost: cfg.max_cost,
         outage_ns,
         failure_mode: spec.failure_mode,
         demand_per_window: (spec.peak_level() * cfg.limit as f64).ceil() as u64,
