@@ -20,7 +20,7 @@
 //!     L + B + N·S·P + X(T)
 //!
 //!     X(T) = 0                             fail_closed, or no outage (T = 0)
-//!     X(T) = Σ max(a_i, c) ≤ r·I + N·c     fail_open_local, for any T
+//!     X(T) = Σ (a_i + c) ≤ r·I + N·c       fail_open_local, for any T
 //!     X(T) = A·min(T + I + D, W)           fail_open
 //! ```
 //!
@@ -80,7 +80,8 @@
 //!   starts per node and window;
 //! * `fail_open_local`: each cut-off node admits at most its outage
 //!   allowance `a_i` per interval from a local bucket that starts empty and
-//!   holds at most `max(a_i, c)` (one request of any cost must fit), for
+//!   holds at most `a_i + c` (one interval's allowance and one request of
+//!   any cost, so requests arriving unevenly lose nothing), for
 //!   the node's own `local_max` after its lease died. The service keeps the
 //!   allowances of nodes it has not heard from reserved (until that node's
 //!   `answered_at + D + ttl + local_max`, with its reported values) and
@@ -88,7 +89,7 @@
 //!   that does not fail closed (a `fail_closed` key admits nothing without
 //!   a lease: nothing is kept for it), and it never sends allowances that
 //!   could sum above `r·I`, so local admissions come out of the refill
-//!   except for what the local buckets saved up: `≤ Σ max(a_i, c) ≤ r·I +
+//!   except for what the local buckets saved up: `≤ Σ (a_i + c) ≤ r·I +
 //!   N·c`. (Stated as `Σ shares ≤ r·I` before issue 21, which missed that
 //!   a local bucket holds at least one request: below one unit per node
 //!   and interval, 100/min over three nodes, that is more than a share.)
@@ -202,7 +203,7 @@ use tenantgate::sync::{Counts, FailureMode, Lease, SyncRequest, SyncResponse, PR
 
 use crate::error::{AllocError, ConfigError};
 pub use fair::{max_min_fair, Claim};
-pub use key::{Enforced, KeyState, KeyStats, RegionView};
+pub use key::{Enforced, KeyState, KeyStats, RegionView, Span};
 use session::Intake;
 pub use session::{KeyId, SeqCheck, Session, MAX_SEQ_AHEAD_NS, MAX_SEQ_STEP};
 
@@ -525,6 +526,10 @@ pub struct Begun {
     /// another (rare: indexed only then).
     mode: Option<FailureMode>,
     modes: HashMap<KeyId, FailureMode>,
+    /// The reports of keys that started on the node since their last lease
+    /// and how long ago (`Report::started_ms`, in ns; rare: indexed only
+    /// then).
+    started: HashMap<KeyId, u64>,
 }
 
 impl Begun {
@@ -564,6 +569,12 @@ impl Begun {
         self.terms.unwrap_or_else(|| cfg.terms())
     }
 
+    /// How long before the request `id` started on the node, if it has had
+    /// no lease since (see `Report::started_ms`).
+    pub fn started_ns(&self, id: &KeyId) -> Option<u64> {
+        self.started.get(id).copied()
+    }
+
     /// The failure mode the node runs for `id` once its lease expired.
     pub fn mode_of(&self, id: &KeyId, cfg: &AllocConfig) -> FailureMode {
         self.modes
@@ -582,9 +593,15 @@ pub fn begin(session: &mut Option<Session>, req: &SyncRequest, now: u64) -> Opti
     let held = s.held.clone();
     let intake = s.intake(req, now)?;
     let mut modes = HashMap::new();
+    let mut started = HashMap::new();
     for r in &req.reports {
         if let Some(m) = r.failure_mode {
             modes.entry((r.key.clone(), r.limit.clone())).or_insert(m);
+        }
+        if let Some(ms) = r.started_ms {
+            started
+                .entry((r.key.clone(), r.limit.clone()))
+                .or_insert(ms.saturating_mul(NANOS_PER_MS));
         }
     }
     let terms = req.settings.as_ref().map(NodeTerms::reported);
@@ -600,6 +617,7 @@ pub fn begin(session: &mut Option<Session>, req: &SyncRequest, now: u64) -> Opti
         terms,
         mode: req.settings.map(|st| st.failure_mode),
         modes,
+        started,
     })
 }
 
@@ -663,7 +681,11 @@ pub fn visit(
     };
     let ks = slot.get_or_insert_with(|| KeyState::new(limit, now));
     ks.advance(now, cfg);
-    ks.touch(node, &begun.region, delta, begun.intake.prev_heard_at, now, cfg);
+    let span = Span {
+        prev_heard_at: begun.intake.prev_heard_at,
+        started_ns: begun.started_ns(id),
+    };
+    ks.touch(node, &begun.region, delta, span, now, cfg);
     ks.settle(node, delta, &begun.intake, cfg);
     ks.heard(node, now);
     let enforced = Enforced {

@@ -73,7 +73,7 @@ pub fn bound(b: &BoundInputs) -> Bound {
     } else {
         match b.failure_mode {
             FailureMode::FailClosed => 0,
-            // Σ max(a_i, c) ≤ Σ a_i + N·c ≤ r·I + N·c, rounded up.
+            // Σ (a_i + c) ≤ r·I + N·c, rounded up.
             FailureMode::FailOpenLocal => scale(b.limit, b.interval_ns, b.window_ns)
                 .saturating_add(b.nodes.saturating_mul(b.max_cost.max(1))),
             FailureMode::FailOpen => {

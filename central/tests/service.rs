@@ -235,6 +235,7 @@ fn request(node: &str, seq: u64, acked: u64, reports: &[(&str, &str, u64)]) -> S
                 unleased: 0,
                 demand: *n,
                 failure_mode: None,
+                started_ms: None,
             })
             .collect(),
         settings: None,
@@ -319,6 +320,7 @@ async fn two_instances_share_one_store(b: Backend) {
                     unleased: 0,
                     demand: 500,
                     failure_mode: None,
+                    started_ms: None,
                 }],
                 ..request(node, round, round - 1, &[])
             };

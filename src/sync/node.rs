@@ -69,7 +69,7 @@
 //! * `fail_open`: admit everything (reported as `unleased`);
 //! * `fail_open_local`: a local token bucket at the last lease's **outage
 //!   allowance** `a` (rate `a` per sync interval, in thousandths of a unit,
-//!   capacity `max(a, cost)`), starting **empty**, for at most `local_max`
+//!   capacity `a + cost`), **empty** when the lease expired, for at most `local_max`
 //!   (the filter's 60 s) after the lease expired; then fail closed. From a
 //!   service older than the allowance, at the last whole `share` instead.
 //!   Only for a lease that expired with no response applied since (the node
@@ -78,7 +78,7 @@
 //!   the key at each answer, keeps a silent node's allowance reserved for
 //!   as long, and never lets allowances sum above the rate, so local
 //!   limits together admit at most the global rate plus what their buckets
-//!   saved up (`Σ max(a, cost)`, see `tenantgate-central`'s `alloc`).
+//!   saved up (`Σ (a + cost)`, see `tenantgate-central`'s `alloc`).
 //!
 //! A key that never had a lease and has used its provisional allowance is
 //! denied while the node is connected (its lease is on the way); on a node
@@ -264,6 +264,10 @@ pub struct Allowance {
     pub awaiting_since: Option<u64>,
     /// When a request last asked for this key (admitted or not).
     pub last_demand_at: Option<u64>,
+    /// When the key started (its first request since the node holds it),
+    /// until its first lease: reported as `started_ms`, so the service
+    /// knows over how long its first demand came.
+    pub started_at: Option<u64>,
 }
 
 impl Allowance {
@@ -280,7 +284,15 @@ impl Allowance {
             local_tat: None,
             awaiting_since: None,
             last_demand_at: None,
+            started_at: None,
         }
+    }
+
+    /// For a key with no lease since it started, how long before `now` it
+    /// started, in milliseconds rounded up (see `Report::started_ms`).
+    pub fn started_ms(&self, now: u64) -> Option<u64> {
+        let at = self.started_at.filter(|_| self.lease.is_none())?;
+        Some(now.saturating_sub(at).div_ceil(NANOS_PER_MS))
     }
 
     /// The rate `fail_open_local` runs at, thousandths of a unit per
@@ -326,6 +338,9 @@ impl Allowance {
     /// request's demand must already be counted ([`Allowance::note_demand`]).
     pub fn take(&mut self, view: &NodeView, cost: u64, now: u64) -> Result<Admitted, Denied> {
         self.last_demand_at = Some(now);
+        if self.lease.is_none() {
+            self.started_at.get_or_insert(now);
+        }
         if let Some(ref mut lease) = self.lease {
             if now < lease.expires_at {
                 if lease.tokens_left < cost {
@@ -368,7 +383,8 @@ impl Allowance {
                 if now >= expired_at.saturating_add(view.local_max_ns) {
                     return Err(Denied::FailClosed);
                 }
-                self.local_take(self.local_rate_milli(), view, cost, now)?;
+                // Empty when the lease expired, accruing from then.
+                self.local_take(self.local_rate_milli(), expired_at.min(now), view, cost, now)?;
                 Admitted::FailOpenLocal
             }
         };
@@ -387,7 +403,7 @@ impl Allowance {
                     0 => view.provisional.saturating_mul(MILLI),
                     rate => rate,
                 };
-                self.local_take(rate, view, cost, now)?;
+                self.local_take(rate, now, view, cost, now)?;
                 Admitted::FailOpenLocal
             }
         };
@@ -396,19 +412,28 @@ impl Allowance {
     }
 
     /// `fail_open_local`'s bucket at `rate_milli` thousandths of a unit per
-    /// interval (capacity `rate_milli`, at least the cost so any cost it
-    /// may carry can pass), starting empty: it admits only what accrues
-    /// from its start on. Counted in thousandths, so an allowance below one
-    /// unit per interval (100/min over three nodes: 0.56) admits at its
-    /// exact pace.
-    fn local_take(&mut self, rate_milli: u64, view: &NodeView, cost: u64, now: u64) -> Result<(), Denied> {
+    /// interval, holding one interval's worth plus the request's cost (so
+    /// any cost can pass, and an allowance below one unit per interval
+    /// loses nothing to requests that arrive unevenly), empty at `from`: it
+    /// admits only what accrues from then on. Counted in thousandths, so an
+    /// allowance of 0.56 units per interval (100/min over three nodes)
+    /// admits at its exact pace.
+    fn local_take(
+        &mut self,
+        rate_milli: u64,
+        from: u64,
+        view: &NodeView,
+        cost: u64,
+        now: u64,
+    ) -> Result<(), Denied> {
         let cost_milli = cost.saturating_mul(MILLI);
-        let Some(gcra) = Gcra::new(rate_milli, view.interval_ns.max(1), rate_milli.max(cost_milli)) else {
+        let capacity = rate_milli.saturating_add(cost_milli);
+        let Some(gcra) = Gcra::new(rate_milli, view.interval_ns.max(1), capacity) else {
             return Err(Denied::LocalLimit);
         };
         let tat = *self
             .local_tat
-            .get_or_insert(now.saturating_add(gcra.tolerance_ns()));
+            .get_or_insert(from.saturating_add(gcra.tolerance_ns()));
         match gcra.check(tat, now, cost_milli) {
             Check::Admit { new_tat, .. } => {
                 self.local_tat = Some(new_tat);
@@ -454,6 +479,7 @@ impl Allowance {
         self.outage_milli = lease.outage_milli;
         self.local_tat = None;
         self.awaiting_since = None;
+        self.started_at = None;
     }
 
     /// Nothing to report and a lease that expired longer ago than

@@ -162,6 +162,15 @@ pub struct Report {
     /// charge the key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure_mode: Option<FailureMode>,
+    /// For a key that started on the node (its first request, or its first
+    /// since it was forgotten) and has had no lease since: how long before
+    /// this report it started, in milliseconds (`None` otherwise, and from
+    /// a node older than the field). Its `demand` came within that time:
+    /// the service sizes the key's first lease by that rate, so a burst
+    /// from cold is leased by what it asks per interval, not by the sliver
+    /// of it seen before the node's next report.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_ms: Option<u64>,
 }
 
 /// Service → node, the answer to one [`SyncRequest`].
@@ -307,6 +316,7 @@ mod tests {
                 unleased: 2,
                 demand: 15,
                 failure_mode: None,
+                started_ms: Some(250),
             }],
         }
     }

@@ -276,6 +276,7 @@ pub fn scan_step<H: Host>(host: &H, policy: &Policy, scan: &mut Scan, budget: u6
                     unleased: a.pending.unleased,
                     demand: a.pending.demand,
                     failure_mode: modes.of_key(slot.key).filter(|m| Some(*m) != default_mode),
+                    started_ms: a.started_ms(scan.started_at),
                 });
                 scan.carried.push(Carried {
                     key: slot.key.to_vec(),

@@ -37,6 +37,8 @@ const HAS_SHARE_MILLI: u8 = 16;
 /// The outage allowance follows, even when 0 (absent: none, as written
 /// before it existed).
 const HAS_OUTAGE: u8 = 32;
+/// When the key started follows (until its first lease).
+const HAS_STARTED: u8 = 64;
 
 fn put(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
@@ -56,13 +58,13 @@ fn put_counts(out: &mut Vec<u8>, c: &Counts) {
     put(out, c.demand);
 }
 
-/// The most bytes [`encode_allowance`] writes: version, flags, thirteen
+/// The most bytes [`encode_allowance`] writes: version, flags, fourteen
 /// u64 (every optional field set).
-pub const MAX_ALLOWANCE_LEN: usize = 2 + 13 * 8;
+pub const MAX_ALLOWANCE_LEN: usize = 2 + 14 * 8;
 
 /// `[version][flags] [tokens_left expires_at]? provisional_left consumed
 /// unleased demand lease_used share [local_tat]? [awaiting_since]?
-/// [last_demand_at]? [share_milli]? [outage_milli]?`
+/// [last_demand_at]? [share_milli]? [outage_milli]? [started_at]?`
 pub fn encode_allowance(a: &Allowance, out: &mut Vec<u8>) {
     out.push(ALLOWANCE_VERSION);
     let flags = if a.lease.is_some() { HAS_LEASE } else { 0 }
@@ -74,7 +76,8 @@ pub fn encode_allowance(a: &Allowance, out: &mut Vec<u8>) {
             0
         }
         | if a.share_milli > 0 { HAS_SHARE_MILLI } else { 0 }
-        | if a.outage_milli.is_some() { HAS_OUTAGE } else { 0 };
+        | if a.outage_milli.is_some() { HAS_OUTAGE } else { 0 }
+        | if a.started_at.is_some() { HAS_STARTED } else { 0 };
     out.push(flags);
     if let Some(l) = a.lease {
         put(out, l.tokens_left);
@@ -99,6 +102,9 @@ pub fn encode_allowance(a: &Allowance, out: &mut Vec<u8>) {
     if let Some(v) = a.outage_milli {
         put(out, v);
     }
+    if let Some(v) = a.started_at {
+        put(out, v);
+    }
 }
 
 /// `None` for anything that is not a whole, well-formed allowance.
@@ -108,7 +114,10 @@ pub fn decode_allowance(bytes: &[u8]) -> Option<Allowance> {
         return None;
     }
     let flags = r.u8()?;
-    if flags & !(HAS_LEASE | HAS_LOCAL | HAS_AWAIT | HAS_DEMAND_AT | HAS_SHARE_MILLI | HAS_OUTAGE) != 0 {
+    if flags
+        & !(HAS_LEASE | HAS_LOCAL | HAS_AWAIT | HAS_DEMAND_AT | HAS_SHARE_MILLI | HAS_OUTAGE | HAS_STARTED)
+        != 0
+    {
         return None;
     }
     let lease = if flags & HAS_LEASE != 0 {
@@ -130,6 +139,7 @@ pub fn decode_allowance(bytes: &[u8]) -> Option<Allowance> {
         last_demand_at: r.opt_u64(flags & HAS_DEMAND_AT != 0)?,
         share_milli: r.opt_u64(flags & HAS_SHARE_MILLI != 0)?.unwrap_or(0),
         outage_milli: r.opt_u64(flags & HAS_OUTAGE != 0)?,
+        started_at: r.opt_u64(flags & HAS_STARTED != 0)?,
     };
     r.is_empty().then_some(a)
 }
@@ -297,6 +307,7 @@ mod tests {
         a.last_demand_at = Some(5);
         a.share_milli = 185;
         a.outage_milli = Some(0);
+        a.started_at = Some(6);
         let mut full = Vec::new();
         encode_allowance(&a, &mut full);
         assert_eq!(full.len(), MAX_ALLOWANCE_LEN, "every optional field set");
@@ -305,9 +316,10 @@ mod tests {
         let mut older = a;
         older.share_milli = 0;
         older.outage_milli = None;
+        older.started_at = None;
         let mut out = Vec::new();
         encode_allowance(&older, &mut out);
-        assert_eq!(out.len(), MAX_ALLOWANCE_LEN - 16);
+        assert_eq!(out.len(), MAX_ALLOWANCE_LEN - 24);
         let decoded = decode_allowance(&out);
         assert_eq!(decoded.map(|d| (d.share_milli, d.outage_milli)), Some((0, None)));
         for a in [Allowance::fresh(2), a] {

@@ -61,6 +61,15 @@ pub struct Enforced {
     pub mode: FailureMode,
 }
 
+/// Over how long a report's demand came: since the node's previous
+/// request (`prev_heard_at`), or, for a key that started on the node since
+/// its last lease, since it started (`started_ns` ago) if that is shorter.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Span {
+    pub prev_heard_at: Option<u64>,
+    pub started_ns: Option<u64>,
+}
+
 /// What the service keeps of one (key, limit): the record a store holds
 /// and updates atomically. Opaque outside the allocator; serializable so
 /// that a shared store can keep it.
@@ -370,7 +379,7 @@ impl KeyState {
         node: &str,
         region: &str,
         delta: Counts,
-        prev_heard_at: Option<u64>,
+        span: Span,
         now: u64,
         cfg: &AllocConfig,
     ) {
@@ -384,11 +393,19 @@ impl KeyState {
             nk.kept_local = false;
             nk.share = None;
         }
-        let span = prev_heard_at
+        let since_heard = span
+            .prev_heard_at
             .map(|h| now.saturating_sub(h))
             .filter(|&s| s > 0)
             .unwrap_or(cfg.interval_ns)
             .max(cfg.interval_ns / 4);
+        // A key that started within that time asked for its demand since
+        // it started (a cold burst seen a tenth of an interval in is ten
+        // times that per interval); at least a tenth of an interval, so
+        // one early request is not taken for a flood.
+        let span = span
+            .started_ns
+            .map_or(since_heard, |s| s.max(cfg.interval_ns / 10).min(since_heard));
         let rate = delta.demand as f64 * cfg.interval_ns as f64 / span as f64;
         let fresh = nk.lease_seq == 0 && nk.demand == 0.0;
         nk.demand = if fresh {
@@ -519,10 +536,13 @@ impl KeyState {
                 (share, share.saturating_mul(MILLI), level.max(max_cost), 0)
             }
         };
-        // Beyond its share's level, the node's demand (per interval, for
-        // as long as a lease must last), out of the surplus only: a full
-        // bucket (a cold key's burst) goes to the nodes that ask for it.
-        let by_demand = (nk.demand * cfg.lease_factor_pct as f64 / 100.0).ceil();
+        // Beyond its share's level, one interval of the node's demand, out
+        // of the surplus only: a full bucket (a cold key's burst) goes to
+        // the nodes that ask for it. One interval, not the lease factor's
+        // 1.5: a node's next lease tops it up again an interval later,
+        // while half an interval more would be taken from nodes whose
+        // first report comes later in the interval.
+        let by_demand = nk.demand.ceil();
         let by_demand = if by_demand.is_finite() && by_demand > 0.0 {
             (by_demand as u64).min(self.limit.burst)
         } else {

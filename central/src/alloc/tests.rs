@@ -94,6 +94,7 @@ impl Req {
                 unleased: self.unleased,
                 demand: self.demand,
                 failure_mode: None,
+                started_ms: None,
             }],
             settings: self.settings,
         }
@@ -753,24 +754,37 @@ fn a_silent_nodes_allowance_stays_reserved_and_a_new_node_fits_beside_the_others
 }
 
 /// Issue 21: a cold key's burst. A key that starts with its bucket full
-/// leases the bucket by demand: the first lease of a node asking for 40
-/// per interval carries 1.5 × 40, the next node's the rest of the bucket.
-/// Before, a first lease carried 1.5 × the rate's equal share (1–2 units
-/// at 100/min), and a burst from cold admitted 44 of 100. Once the bucket
-/// is scarce, demand draws only credit, so the refill is still split by
-/// shares; and nothing ever leaves the bucket beyond `B`.
+/// leases the bucket by demand: the first lease of a node asking for 40 per
+/// interval carries 40 (one interval of it), as does the next node's; a
+/// third gets the rest of the bucket. A key that started a tenth of an
+/// interval before its report asked for its demand in that tenth: 4 units
+/// then are 40 per interval. Before, a first lease carried 1.5 × the
+/// rate's equal share (1–2 units at 100/min), and a burst from cold
+/// admitted 44 of 100. Once the bucket is scarce, demand draws only
+/// credit, so the refill is still split by shares; and nothing ever leaves
+/// the bucket beyond `B`.
 #[test]
 fn a_cold_keys_burst_is_leased_by_demand_out_of_the_full_bucket_only() {
     let mut a = per_minute_alloc();
     let first = lease(&mut a, Req::new("a", "r1", 1, 0).counts(2, 2, 40).current(), T0);
-    assert_eq!(first.tokens, 60);
-    let second = lease(
+    assert_eq!(first.tokens, 40);
+    let mut early = Req::new("b", "r2", 1, 0).counts(2, 2, 4).current().build();
+    early.reports[0].started_ms = Some(100);
+    let second = a.handle(&early, T0 + MS).unwrap().leases.remove(0);
+    assert_eq!(second.tokens, 40);
+    // 100 − 3 × 2 (provisional, repaid at once) − 80.
+    let third = lease(
         &mut a,
-        Req::new("b", "r2", 1, 0).counts(2, 2, 40).current(),
-        T0 + MS,
+        Req::new("c", "r2", 1, 0).counts(2, 2, 40).current(),
+        T0 + 2 * MS,
     );
-    // 100 − 2 − 2 (provisional, repaid at once) − 60.
-    assert_eq!(second.tokens, 36);
+    assert_eq!(third.tokens, 14);
+    // A report seen 1 ms after its key started is taken as at most ten
+    // times its demand per interval, not a thousand.
+    let mut b = per_minute_alloc();
+    let mut instant = Req::new("a", "r1", 1, 0).counts(2, 2, 3).current().build();
+    instant.reports[0].started_ms = Some(1);
+    assert_eq!(b.handle(&instant, T0).unwrap().leases[0].tokens, 30);
     let v = view(&a);
     assert!(v.bucket + v.reserved <= 100, "{v:?}");
     // The bucket is spent: a node asking for far more than the rate gets

@@ -156,6 +156,7 @@ impl Node {
                     unleased: c.unleased,
                     demand: c.demand,
                     failure_mode: None,
+                    started_ms: entry.allowance.started_ms(now),
                 });
                 sent.push((key.clone(), limit.clone(), c));
             }

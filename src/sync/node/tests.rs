@@ -218,10 +218,11 @@ fn fail_open_local_runs_at_the_outage_allowance_in_thousandths() {
     let mut zero = with(Some(0));
     assert_eq!(admit_n(&mut zero, 10, at), 0);
     assert_eq!(admit_n(&mut zero, 10, at + 10 * S), 0);
-    // From a service that sent none: the whole share (1 per interval).
+    // From a service that sent none: the whole share (1 per interval;
+    // the bucket holds that and one request).
     let mut old = with(None);
     assert_eq!(admit_n(&mut old, 10, at), 0);
-    assert_eq!(admit_n(&mut old, 10, at + 10 * S), 1);
+    assert_eq!(admit_n(&mut old, 10, at + 10 * S), 2);
 }
 
 #[test]
