@@ -44,8 +44,8 @@
 //! lacks, a key the node's full table charges to its overflow entry, which
 //! is never reported). After waiting `2·I + D` for a lease such a key runs
 //! its failure mode (`tenantgate.sync.no_lease` counts it): `fail_closed`
-//! admits nothing, `fail_open_local` at most its last share (or `P`) per
-//! `I` per node, `fail_open` everything.
+//! admits nothing, `fail_open_local` at most its last outage allowance
+//! or share (or `P`) per `I` per node, `fail_open` everything.
 //!
 //! # Fair shares
 //! Shares are computed in thousandths of a unit and each node's share
