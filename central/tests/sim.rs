@@ -336,8 +336,9 @@ fn a_key_spraying_adversary_stays_within_the_bound_with_its_measured_starts() {
 /// * `cold_burst`: a new key asked for by every node at once (the burst
 ///   every second for 3 s): ≥ 90 % of min(B, demand) within two sync
 ///   intervals of the first request (44 of 100 in `make run`'s demo
-///   before);
-/// and every run within its bound.
+///   before).
+///
+/// Every run stays within its bound.
 #[test]
 fn an_outage_after_a_shift_and_a_cold_burst_serve_the_tenant_within_the_bound() {
     let topo = |regions, nodes_per_region| Topology {

@@ -105,6 +105,8 @@
 //! only differences of it are used, so a node's clock offset changes
 //! nothing.
 
+use core::num::NonZeroU64;
+
 use crate::limiter::token_bucket::{Check, Gcra};
 pub use crate::policy::{BreakerConfig, FailureMode};
 
@@ -266,8 +268,10 @@ pub struct Allowance {
     pub last_demand_at: Option<u64>,
     /// When the key started (its first request since the node holds it),
     /// until its first lease: reported as `started_ms`, so the service
-    /// knows over how long its first demand came.
-    pub started_at: Option<u64>,
+    /// knows over how long its first demand came. (Non-zero: the engine
+    /// keeps an allowance and its charged copy per global limit on the
+    /// stack for every request; eight bytes less each.)
+    pub started_at: Option<NonZeroU64>,
 }
 
 impl Allowance {
@@ -292,7 +296,7 @@ impl Allowance {
     /// started, in milliseconds rounded up (see `Report::started_ms`).
     pub fn started_ms(&self, now: u64) -> Option<u64> {
         let at = self.started_at.filter(|_| self.lease.is_none())?;
-        Some(now.saturating_sub(at).div_ceil(NANOS_PER_MS))
+        Some(now.saturating_sub(at.get()).div_ceil(NANOS_PER_MS))
     }
 
     /// The rate `fail_open_local` runs at, thousandths of a unit per
@@ -338,8 +342,8 @@ impl Allowance {
     /// request's demand must already be counted ([`Allowance::note_demand`]).
     pub fn take(&mut self, view: &NodeView, cost: u64, now: u64) -> Result<Admitted, Denied> {
         self.last_demand_at = Some(now);
-        if self.lease.is_none() {
-            self.started_at.get_or_insert(now);
+        if self.lease.is_none() && self.started_at.is_none() {
+            self.started_at = NonZeroU64::new(now);
         }
         if let Some(ref mut lease) = self.lease {
             if now < lease.expires_at {

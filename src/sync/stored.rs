@@ -16,6 +16,8 @@
 //!
 //! [`KIND_GLOBAL_ALLOWANCE`]: crate::limiter::algo::KIND_GLOBAL_ALLOWANCE
 
+use core::num::NonZeroU64;
+
 use super::node::{Allowance, Applying, Counts, InFlight, LeaseState, SyncState};
 use crate::table::layout::Reader;
 
@@ -103,7 +105,7 @@ pub fn encode_allowance(a: &Allowance, out: &mut Vec<u8>) {
         put(out, v);
     }
     if let Some(v) = a.started_at {
-        put(out, v);
+        put(out, v.get());
     }
 }
 
@@ -139,7 +141,7 @@ pub fn decode_allowance(bytes: &[u8]) -> Option<Allowance> {
         last_demand_at: r.opt_u64(flags & HAS_DEMAND_AT != 0)?,
         share_milli: r.opt_u64(flags & HAS_SHARE_MILLI != 0)?.unwrap_or(0),
         outage_milli: r.opt_u64(flags & HAS_OUTAGE != 0)?,
-        started_at: r.opt_u64(flags & HAS_STARTED != 0)?,
+        started_at: r.opt_u64(flags & HAS_STARTED != 0)?.and_then(NonZeroU64::new),
     };
     r.is_empty().then_some(a)
 }
@@ -307,7 +309,7 @@ mod tests {
         a.last_demand_at = Some(5);
         a.share_milli = 185;
         a.outage_milli = Some(0);
-        a.started_at = Some(6);
+        a.started_at = NonZeroU64::new(6);
         let mut full = Vec::new();
         encode_allowance(&a, &mut full);
         assert_eq!(full.len(), MAX_ALLOWANCE_LEN, "every optional field set");
