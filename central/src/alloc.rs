@@ -138,26 +138,32 @@
 //! # A cold key's burst
 //! While the bucket holds **surplus** (beyond every node's credit and this
 //! interval's refill: a key that starts with its bucket full, or one idle
-//! long enough), a lease is topped up to the node's demand, `1.5 ×` its
-//! reported demand per interval (the lease factor), out of the surplus
-//! only; credit still fills a lease up to its share's level and no
-//! further. So the first leases of a cold key hand out the bucket by
-//! demand, not one share per interval each (a burst of 100 from cold
-//! admitted 44 in two Envoys before). The bound does not move: every lease
+//! long enough), a lease is topped up to one interval of the node's demand,
+//! out of the surplus only; credit still fills a lease up to its share's
+//! level and no further. (One interval, not the lease factor's 1.5: the
+//! next lease tops it up an interval later, and half an interval more
+//! would be taken from nodes whose first report comes later.) A key's
+//! first report from a node says how long ago the key started on it
+//! (`Report::started_ms`): its demand came within that time (at least a
+//! tenth of an interval), so a burst seen a tenth of an interval in is
+//! leased at ten times that per interval. So the first leases of a cold
+//! key hand out the bucket by demand, not one share per interval each (a
+//! burst of 100 from cold admitted 44 in two Envoys before). The bound does not move: every lease
 //! is carved out of the bucket, and `b + Σ R_i ≤ B` holds whoever draws
 //! it. Once the bucket is scarce the surplus is gone, and the refill is
 //! split by shares as before.
 //!
 //! # Allocation
 //! Once per service interval (`now / I`), per (key, limit): the interval's
-//! flow `r·I`, less the shares reserved for silent nodes, is split among
+//! flow `r·I`, less the outage allowances reserved for silent nodes, is split among
 //! regions by recent demand, max-min fair with a floor per region and a cap
 //! of an equal share plus the borrowing ceiling; each region's part is split
 //! among its nodes the same way (floor per node), all in thousandths of a
 //! unit (see "Fair shares"). A node's lease is topped up to its level,
 //! `max(share × lease_factor, max_cost)` (to last until the next lease
-//! arrives), out of the surplus and then its credit, never beyond what `b`
-//! holds. Demand is an average of reported demand
+//! arrives), out of the surplus and then its credit, and beyond it to one
+//! interval of its demand out of the surplus only (see "A cold key's
+//! burst"), never beyond what `b` holds. Demand is an average of reported demand
 //! (denials included) per unit of the service's time.
 //!
 //! # Debt
