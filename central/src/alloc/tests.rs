@@ -785,6 +785,12 @@ fn a_cold_keys_burst_is_leased_by_demand_out_of_the_full_bucket_only() {
     let mut instant = Req::new("a", "r1", 1, 0).counts(2, 2, 3).current().build();
     instant.reports[0].started_ms = Some(1);
     assert_eq!(b.handle(&instant, T0).unwrap().leases[0].tokens, 30);
+    // And one that started u64::MAX ms ago is taken over the time since
+    // the node's previous request, as any report.
+    let mut c = per_minute_alloc();
+    let mut ancient = Req::new("a", "r1", 1, 0).counts(2, 2, 3).current().build();
+    ancient.reports[0].started_ms = Some(u64::MAX);
+    assert_eq!(c.handle(&ancient, T0).unwrap().leases[0].tokens, 3);
     let v = view(&a);
     assert!(v.bucket + v.reserved <= 100, "{v:?}");
     // The bucket is spent: a node asking for far more than the rate gets
