@@ -7,7 +7,7 @@
 //!
 //! It runs the code the filter ships ([`shipped`]: every request goes
 //! through the engine's charge path, every tick through `sync::shared`'s
-//! claim, scan and apply, over the fake host with two workers per node)
+//! claim, scan and apply, over the in-memory host with two workers per node)
 //! and the **real** [`Allocator`], and the sync messages travel as the
 //! protocol's JSON with configurable latency and loss. A worker ticks
 //! every tick; the shared state says when a report is due (every

@@ -78,7 +78,7 @@ use super::node::{ApplyError, Applying, BreakerState, Counts, FailureMode, Grant
 use super::protocol::{NodeSettings, Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
 use super::stored::{self, Carried, SYNC_CARRIED_KEY, SYNC_STATE_KEY};
 use crate::host::{CasResult, Host, HostError};
-use crate::limiter::algo::KIND_GLOBAL_ALLOWANCE;
+use crate::keys::kind;
 use crate::policy::{Policy, SyncSettings};
 use crate::table::{self, Commit, Failure, Overflow, Place, Reach};
 
@@ -257,7 +257,7 @@ pub fn scan_step<H: Host>(host: &H, policy: &Policy, scan: &mut Scan, budget: u6
         };
         for slot in table::decode_entry(&value).unwrap_or_default() {
             for r in table::decode_records(slot.records).unwrap_or_default() {
-                if r.kind != KIND_GLOBAL_ALLOWANCE {
+                if r.kind != kind::GLOBAL_ALLOWANCE {
                     continue;
                 }
                 let (Some(limit), Some(a)) = (
@@ -744,7 +744,7 @@ fn update_slot<H: Host>(
             out.push(records.len() as u8);
             for r in records {
                 let update = limits.iter().find(|u| u.name_hash == r.name_hash);
-                let allowance = (r.kind == KIND_GLOBAL_ALLOWANCE)
+                let allowance = (r.kind == kind::GLOBAL_ALLOWANCE)
                     .then(|| stored::decode_allowance(r.state))
                     .flatten();
                 match (update, allowance) {

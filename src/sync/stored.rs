@@ -3,7 +3,7 @@
 //! (little-endian, versioned), never JSON.
 //!
 //! * Per (key, global limit): an [`Allowance`], stored as the record of
-//!   that limit (kind [`KIND_GLOBAL_ALLOWANCE`]) in the key's key-table
+//!   that limit (kind [`kind::GLOBAL_ALLOWANCE`]) in the key's key-table
 //!   slot, so it is updated by the same compare-and-swap as the key's
 //!   other limits, all or nothing.
 //! * Node-global: the [`SyncState`] under [`SYNC_STATE_KEY`] (sequence
@@ -14,7 +14,7 @@
 //!   leases when it was built. Kept apart from [`SYNC_STATE_KEY`] so the
 //!   small key every worker reads each tick stays small.
 //!
-//! [`KIND_GLOBAL_ALLOWANCE`]: crate::limiter::algo::KIND_GLOBAL_ALLOWANCE
+//! [`kind::GLOBAL_ALLOWANCE`]: crate::keys::kind::GLOBAL_ALLOWANCE
 
 use core::num::NonZeroU64;
 
@@ -22,9 +22,9 @@ use super::node::{Allowance, Applying, Counts, InFlight, LeaseState, SyncState};
 use crate::table::layout::Reader;
 
 /// The node-global sync state.
-pub const SYNC_STATE_KEY: &str = "tg2|sync|state";
+pub const SYNC_STATE_KEY: &str = crate::keys::SYNC_STATE;
 /// What the report in flight carried.
-pub const SYNC_CARRIED_KEY: &str = "tg2|sync|carried";
+pub const SYNC_CARRIED_KEY: &str = crate::keys::SYNC_CARRIED;
 
 const ALLOWANCE_VERSION: u8 = 1;
 const SYNC_VERSION: u8 = 1;
@@ -60,9 +60,9 @@ fn put_counts(out: &mut Vec<u8>, c: &Counts) {
     put(out, c.demand);
 }
 
-/// The most bytes [`encode_allowance`] writes: version, flags, fourteen
-/// u64 (every optional field set).
-pub const MAX_ALLOWANCE_LEN: usize = 2 + 14 * 8;
+/// The most bytes [`encode_allowance`] writes (the policy reserves this
+/// much of a key's slot for each global limit; tested below).
+pub use crate::policy::MAX_ALLOWANCE_LEN;
 
 /// `[version][flags] [tokens_left expires_at]? provisional_left consumed
 /// unleased demand lease_used share [local_tat]? [awaiting_since]?

@@ -1,6 +1,6 @@
 //! The simulation loop: virtual time in fixed ticks, nodes running the
 //! filter's code ([`ShippedNode`]: the engine and `sync::shared` over the
-//! fake host), the real [`Allocator`], and JSON messages carried with
+//! in-memory host), the real [`Allocator`], and JSON messages carried with
 //! latency and loss. One thread, no sleeps.
 
 use std::cmp::Reverse;
@@ -59,7 +59,7 @@ pub struct Trace {
 }
 
 struct SimNode {
-    /// The filter's code: the engine and `sync::shared` over the fake host.
+    /// The filter's code: the engine and `sync::shared` over the in-memory host.
     node: ShippedNode,
     region: usize,
     offset_ns: i64,
