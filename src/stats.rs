@@ -287,6 +287,9 @@ pub enum Metric<'a> {
     Sync(SyncStat),
     /// `tenantgate.lease.<name>`.
     Lease(LeaseStat),
+    /// `tenantgate.limits_endpoint.answers`: the self-service endpoint's
+    /// answers (never counted as decisions).
+    LimitsAnswered,
     /// `tenantgate.admission.<outcome>.<criticality>` (`admitted` or a
     /// refusal's reason).
     Admission(Option<Reason>, Criticality),
@@ -368,6 +371,7 @@ impl Metric<'_> {
             Metric::QueueCancelled => write!(out, "tenantgate.queue.cancelled"),
             Metric::Sync(s) => write!(out, "tenantgate.sync.{}", s.name()),
             Metric::Lease(s) => write!(out, "tenantgate.lease.{}", s.name()),
+            Metric::LimitsAnswered => write!(out, "tenantgate.limits_endpoint.answers"),
             Metric::Admission(o, c) => write!(
                 out,
                 "tenantgate.admission.{}.{}",
@@ -415,6 +419,7 @@ impl Metric<'_> {
             Metric::QueueFull,
             Metric::QueueCancelled,
             Metric::DegradedLastAgeMs,
+            Metric::LimitsAnswered,
         ];
         all.extend(Reason::ALL.map(Metric::Decision));
         all.extend(SyncStat::ALL.map(Metric::Sync));

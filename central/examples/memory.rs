@@ -92,6 +92,7 @@ fn main() {
                             unleased: 0,
                             demand: 1,
                             failure_mode: None,
+                            started_ms: None,
                         })
                         .collect(),
                     settings: None,

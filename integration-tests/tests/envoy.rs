@@ -248,6 +248,60 @@ fn a_hot_tenant_on_worker_leases_across_both_workers_stays_within_one_node_budge
     assert!(served > 0, "no request was served from a lease");
 }
 
+on_both_hosts!(the_limits_endpoint_shows_a_tenant_its_own_limits_only_and_costs_nothing);
+fn the_limits_endpoint_shows_a_tenant_its_own_limits_only_and_costs_nothing() {
+    let policy = POLICY.replace(
+        "version: \"it-1\"",
+        "version: \"it-1\"\nlimits_endpoint: /.well-known/ratelimit",
+    );
+    let envoy = Envoy::start(&policy);
+    let bearer = |t: &str| format!("Bearer {t}");
+    let free = demo_token("demo-free");
+    let limits = |headers: &[(&str, &str)]| {
+        let r = get(envoy.jwt_port, "/.well-known/ratelimit?tenant=demo-paid", headers);
+        assert_eq!(r.status, 200, "{r:?}");
+        assert!(
+            r.header("ratelimit").is_some_and(|v| v.contains("\"orders/")),
+            "{r:?}"
+        );
+        r.json()
+    };
+    let remaining = |v: &serde_json::Value, action: &str| {
+        v["limits"]
+            .as_array()
+            .and_then(|l| l.iter().find(|i| i["action"] == action))
+            .and_then(|i| i["remaining"].as_u64())
+    };
+    // demo-free (verified JWT) spends 2 orders; asking 20 times costs nothing.
+    for _ in 0..2 {
+        let r = get(
+            envoy.jwt_port,
+            "/api/orders",
+            &[("authorization", &bearer(&free))],
+        );
+        assert_eq!(r.status, 200);
+    }
+    for _ in 0..20 {
+        limits(&[("authorization", &bearer(&free))]);
+    }
+    let mine = limits(&[("authorization", &bearer(&free)), ("x-tenant-id", "demo-paid")]);
+    assert_eq!(
+        (mine["tenant"].as_str(), mine["plan"].as_str()),
+        (Some("demo-free"), Some("free"))
+    );
+    // 5 of the burst less 2 (a token may have come back meanwhile).
+    assert!(matches!(remaining(&mine, "orders"), Some(3 | 4)), "{mine}");
+    // A forged x-tenant-id without a token is stripped: the caller is anonymous.
+    let forged = limits(&[("x-tenant-id", "demo-free")]);
+    assert!(
+        forged["tenant"].is_null() && forged["anonymous"].is_string(),
+        "{forged}"
+    );
+    // Answers are not decisions.
+    assert_eq!(envoy.tg_stat("limits_endpoint.answers"), 22);
+    assert_eq!(envoy.tg_stat("decisions.allowed"), 2);
+}
+
 on_both_hosts!(client_headers_cannot_change_class_plan_or_priority_nor_forge_a_jwt_identity);
 fn client_headers_cannot_change_class_plan_or_priority_nor_forge_a_jwt_identity() {
     let envoy = Envoy::start(POLICY);

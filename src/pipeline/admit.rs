@@ -69,6 +69,11 @@ impl Pipeline {
         stream: StreamId,
     ) -> Directive {
         let mut state = Stream::default();
+        if policy.limits_endpoint.is_some()
+            && super::limits::is_endpoint(policy, host.request_header(":path").as_deref())
+        {
+            return self.answer_limits(host, clock, policy);
+        }
         let prepared = match engine::prepare(policy, host) {
             Ok(p) => p,
             Err(reason) => return self.finish(host, policy, stream, state, Decision::passed(reason), None),

@@ -268,8 +268,13 @@ impl Leases {
 
     /// The worker's tick at `now`: every lease's units go back to their
     /// entry, every remembered refusal is forgotten, and the keys' heat
-    /// turns over.
+    /// turns over. Several host configurations (filter instances) sharing one worker
+    /// each tick it: only the first tick of a tick period counts.
     pub fn on_tick<H: Host>(&mut self, host: &H, now: u64, scratch: &mut Scratch) {
+        let period_start = self.next_tick.saturating_sub(super::TICK_NS / 2);
+        if self.next_tick != 0 && now < period_start {
+            return;
+        }
         self.next_tick = now.saturating_add(super::TICK_NS);
         std::mem::swap(&mut self.heat, &mut self.last);
         self.heat.fill(0);
@@ -287,6 +292,16 @@ impl Leases {
             }
         }
         self.held = 0;
+    }
+
+    /// Units this worker holds in its lease of `action`'s key for `subject`
+    /// under `policy`.
+    pub fn held(&mut self, policy: &Rc<Policy>, action: &str, subject: &crate::decision::Subject) -> u64 {
+        write_logical_key(&mut self.key, action, subject);
+        self.keys
+            .get(&policy_id(policy))
+            .and_then(|k| k.get(self.key.as_str()))
+            .map_or(0, |l| l.units)
     }
 
     /// Refusals this worker served from memory so far (reset by

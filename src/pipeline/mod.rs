@@ -60,6 +60,7 @@
 mod admit;
 pub mod hold;
 pub mod lease;
+mod limits;
 mod stream;
 mod tick;
 

@@ -452,3 +452,130 @@ fn a_full_level_drops_the_longest_tenant_line_for_a_quiet_tenant() {
         .sum();
     assert_eq!(drops, 1);
 }
+
+/// The self-service limits endpoint over the pipeline.
+mod limits_endpoint {
+    use super::*;
+
+    const POLICY: &str = r#"{
+        "version": "self-1",
+        "identity": {"header": "x-tenant-id"},
+        "limits_endpoint": "/.well-known/ratelimit",
+        "plans": {
+            "free": {"limits": [{"name": "per_min", "rate": 100, "per": "1m", "burst": 100},
+                                {"name": "per_day", "rate": 1000, "per": "1d"}]},
+            "paid": {"limits": [{"name": "paid", "rate": 10000, "per": "1m"}]}
+        },
+        "tenants": [{"id": "acme", "plan": "free"}, {"id": "rich", "plan": "paid"}],
+        "default_plan": "free",
+        "anonymous": {"plan": "free"},
+        "routes": {"orders": {}, "search": {"action": "search", "cost": 5}}
+    }"#;
+
+    fn limits(
+        w: &mut Worker,
+        node: &Node,
+        tenant: Option<&str>,
+        extra: &[(&str, &str)],
+        now: u64,
+    ) -> serde_json::Value {
+        let mut host = MemoryHost::new(node.store.clone())
+            .header(":path", "/.well-known/ratelimit?tenant=rich")
+            .source("203.0.113.7:4000");
+        if let Some(t) = tenant {
+            host = host.header("x-tenant-id", t);
+        }
+        for (k, v) in extra {
+            host = host.header(k, *v);
+        }
+        let d = w.headers(&host, 9_999, now);
+        let r = reply(&d);
+        assert_eq!(r.status, 200);
+        assert!(r.header("ratelimit").is_some_and(|v| v.starts_with("\"orders/")));
+        serde_json::from_slice(&r.body).unwrap()
+    }
+
+    fn remaining(v: &serde_json::Value, action: &str, limit: &str) -> u64 {
+        v["limits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|i| i["action"] == action && i["limit"] == limit)
+            .and_then(|i| i["remaining"].as_u64())
+            .unwrap()
+    }
+
+    #[test]
+    fn a_tenant_sees_its_own_limits_only_and_asking_costs_nothing() {
+        let node = Node::new();
+        let mut w = node.worker(POLICY, T0);
+        // acme spends 3 orders and one search (cost 5).
+        for id in 1..=3 {
+            let host = node.request("orders", "acme");
+            assert_eq!(w.headers(&host, id, T0).verdict, Verdict::Continue);
+        }
+        assert_eq!(
+            w.headers(&node.request("search", "acme"), 4, T0).verdict,
+            Verdict::Continue
+        );
+        let v = limits(&mut w, &node, Some("acme"), &[], T0);
+        assert_eq!(
+            (v["tenant"].as_str(), v["plan"].as_str()),
+            (Some("acme"), Some("free"))
+        );
+        assert_eq!(remaining(&v, "orders", "per_min"), 97);
+        assert_eq!(remaining(&v, "search", "per_min"), 95);
+        assert_eq!(remaining(&v, "orders", "per_day"), 997);
+        // Asking a hundred times charges nothing.
+        for _ in 0..100 {
+            limits(&mut w, &node, Some("acme"), &[], T0);
+        }
+        assert_eq!(
+            remaining(&limits(&mut w, &node, Some("acme"), &[], T0), "orders", "per_min"),
+            97
+        );
+        // Whatever else it sends (a query, plan and class headers), acme
+        // sees acme; another tenant sees its own whole limits.
+        let forged = [("x-tenant-plan", "paid"), ("x-tenantgate-class", "search")];
+        let v = limits(&mut w, &node, Some("acme"), &forged, T0);
+        assert_eq!(
+            (v["tenant"].as_str(), remaining(&v, "orders", "per_min")),
+            (Some("acme"), 97)
+        );
+        let rich = limits(&mut w, &node, Some("rich"), &[], T0);
+        assert_eq!(
+            (rich["plan"].as_str(), remaining(&rich, "orders", "paid")),
+            (Some("paid"), 10_000)
+        );
+        // No identity: its own address group, never a tenant.
+        let anon = limits(&mut w, &node, None, &[], T0);
+        assert_eq!(
+            (anon["tenant"].is_null(), anon["anonymous"].as_str()),
+            (true, Some("203.0.113.7"))
+        );
+        assert_eq!(remaining(&anon, "orders", "per_min"), 100);
+        w.tick(&node, T0 + TICK_NS);
+        assert_eq!(node.stat("tenantgate.limits_endpoint.answers"), 105);
+        assert_eq!(
+            node.stat("tenantgate.decisions.allowed"),
+            4,
+            "answers are not decisions"
+        );
+    }
+
+    #[test]
+    fn off_by_default_the_path_is_an_ordinary_request() {
+        let node = Node::new();
+        let policy = POLICY.replace("\"limits_endpoint\": \"/.well-known/ratelimit\",", "");
+        let mut w = node.worker(&policy, T0);
+        let host = node
+            .request("orders", "acme")
+            .header(":path", "/.well-known/ratelimit");
+        let d = w.headers(&host, 1, T0);
+        assert_eq!(
+            d.verdict,
+            Verdict::Continue,
+            "charged and sent on like any request"
+        );
+    }
+}

@@ -43,7 +43,8 @@ impl Errors {
 /// Validates a policy and compiles it, step by step in this order (the
 /// errors come in the same order): version, identity, plans, tenants, the
 /// default plan, anonymous, guards, the key table, dependencies, action
-/// limits, route classes, the default route, classification, sync, quotas.
+/// limits, route classes, the default route, classification, sync, quotas,
+/// the limits endpoint.
 pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
     let root = FieldPath::root();
     let mut errors = Errors(Vec::new());
@@ -79,6 +80,11 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         (sync, _) => Some(compile_sync(sync.as_ref(), &root.key("sync"), &mut errors)),
     };
     let quotas = super::quota::compile(&spec.quotas, &root.key("quotas"), &mut errors.0);
+    let limits_endpoint = compile_limits_endpoint(
+        spec.limits_endpoint.as_deref(),
+        &root.key("limits_endpoint"),
+        &mut errors,
+    );
     if !errors.0.is_empty() {
         return Err(PolicyErrors(errors.0));
     }
@@ -96,6 +102,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         guards,
         key_table_entries,
         ratelimit_headers: spec.ratelimit_headers.unwrap_or(true),
+        limits_endpoint,
         sync,
         global_limits,
         effective_from_ns: 0,
@@ -103,6 +110,26 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         dependencies,
         actions,
     })
+}
+
+/// `limits_endpoint`: an absolute request path, 2 to 256 printable ASCII
+/// characters, no query, no fragment, no space.
+fn compile_limits_endpoint(path: Option<&str>, at: &FieldPath, errors: &mut Errors) -> Option<String> {
+    let path = path?;
+    let ok = path.len() >= 2
+        && path.len() <= 256
+        && path.starts_with('/')
+        && path
+            .bytes()
+            .all(|b| (0x21..0x7f).contains(&b) && b != b'?' && b != b'#');
+    if !ok {
+        errors.add(
+            at.clone(),
+            "must be an absolute path of 2 to 256 printable characters, without `?`, `#` or spaces (e.g. /.well-known/ratelimit)",
+        );
+        return None;
+    }
+    Some(path.to_owned())
 }
 
 /// The policy's `version`: 1 to 64 printable ASCII characters, trimmed.

@@ -276,6 +276,7 @@ pub fn scan_step<H: Host>(host: &H, policy: &Policy, scan: &mut Scan, budget: u6
                     unleased: a.pending.unleased,
                     demand: a.pending.demand,
                     failure_mode: modes.of_key(slot.key).filter(|m| Some(*m) != default_mode),
+                    started_ms: a.started_ms(scan.started_at),
                 });
                 scan.carried.push(Carried {
                     key: slot.key.to_vec(),
@@ -352,6 +353,7 @@ pub fn node_settings(settings: &SyncSettings) -> NodeSettings {
         local_max_ms: settings.local_max_ns.div_ceil(NANOS_PER_MS),
         interval_ms: settings.interval_ns.div_ceil(NANOS_PER_MS),
         failure_mode: settings.failure_mode,
+        outage_allowance: true,
     }
 }
 
@@ -482,6 +484,7 @@ struct NewLease {
     share: u64,
     share_milli: u64,
     ttl_ns: u64,
+    outage_milli: Option<u64>,
 }
 
 /// One limit's update in a key's slot.
@@ -611,6 +614,7 @@ pub fn accept<H: Host>(
             share: l.share,
             share_milli: l.share_milli,
             ttl_ns: ttl(l.ttl_ms),
+            outage_milli: l.outage_milli,
         });
     }
     let keys = updates
@@ -763,6 +767,7 @@ fn update_slot<H: Host>(
                                 share: l.share,
                                 share_milli: l.share_milli,
                                 ttl_ns,
+                                outage_milli: l.outage_milli,
                             };
                             a.install(granted, used, received_at);
                             leases += 1;

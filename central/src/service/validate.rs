@@ -287,6 +287,7 @@ mod tests {
             unleased: n,
             demand: n,
             failure_mode: None,
+            started_ms: None,
         }
     }
 

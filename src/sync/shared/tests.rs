@@ -118,6 +118,7 @@ fn response(req: &SyncRequest, tokens: u64) -> SyncResponse {
                 share: tokens,
                 share_milli: 0,
                 ttl_ms: 3000,
+                outage_milli: None,
             })
             .collect(),
     }
@@ -243,9 +244,11 @@ fn when_leases_expire_with_no_answer_the_failure_mode_applies_per_class() {
     );
     let (w, later) = cut_off("fail_closed");
     assert_eq!(w.admitted("acme", 5, later), 0);
-    // fail_open_local: a bucket at the last share (5 per interval), empty at first.
+    // fail_open_local: a bucket at the last share (5 per interval, from a
+    // service that sent no outage allowance), empty when the lease expired
+    // (+4 s): a second of it accrued by +5 s.
     let (w, later) = cut_off("fail_open_local");
-    assert_eq!(w.admitted("acme", 5, later), 0);
+    assert_eq!(w.admitted("acme", 50, later), 5);
     assert_eq!(w.admitted("acme", 50, later + S), 5);
 }
 
@@ -536,6 +539,7 @@ fn the_request_carries_the_settings_the_node_enforces() {
             local_max_ms: crate::policy::LOCAL_MAX_NS / MS,
             interval_ms: 1000,
             failure_mode: FailureMode::FailOpenLocal,
+            outage_allowance: true,
         })
     );
     assert_eq!(req.reports.len(), 1);

@@ -339,6 +339,7 @@ fn leases_beyond_the_report_bound_are_ignored() {
         share: 10,
         share_milli: 0,
         ttl_ms: 3000,
+        outage_milli: None,
     });
     resp.leases.extend(extra);
     let host = w.host();
