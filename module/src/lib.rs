@@ -15,6 +15,7 @@
 //! | workers, configs, ticks, sync callouts | `node.rs` |
 //! | Envoy's metrics as the pipeline's stats sink | `stats.rs` |
 //! | a route's class in its per-route config | [`route`] |
+//! | what a request gets when the module fails inside | `failure.rs` |
 //! | the test-only fault switch | `fault.rs` |
 //!
 //! # Fail-safe
@@ -22,10 +23,10 @@
 //! would abort it, taking every connection down. So every `extern "C"`
 //! entry point runs its work inside [`std::panic::catch_unwind`] (the
 //! `module-release` profile unwinds), and a caught panic becomes the
-//! policy's failure mode for that request ([`node::Failure`]: 503
+//! policy's failure mode for that request (`failure.rs`: 503
 //! `state_unavailable` for a `fail_closed` class, on its way otherwise),
 //! is counted (`tenantgate.module.panics`) and logged, and the worker it
-//! interrupted is made new ([`node::Node`]'s reset). The workspace's lints
+//! interrupted is made new (`node.rs`, `Node::reset`). The workspace's lints
 //! (no `unwrap`, `expect`, `panic!` outside tests) hold here too; the one
 //! `panic!` is the test-only switch's, off unless Envoy's environment turns
 //! it on.
@@ -35,6 +36,7 @@
 pub mod abi;
 #[cfg(not(test))]
 mod entry;
+mod failure;
 #[cfg(not(test))]
 mod fault;
 #[cfg(not(test))]

@@ -45,14 +45,13 @@ use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
 use std::time::Duration;
 
 use hashbrown::HashMap;
-use tenantgate::decision::Decision;
 use tenantgate::pipeline::{Answer, Callout, Directive, Pipeline, StreamId, Verdict, TICK_NS};
-use tenantgate::policy::{FailureMode, Policy};
-use tenantgate::response;
+use tenantgate::policy::Policy;
 use tenantgate::stats::{Metric, Stats};
 use tenantgate::sync::syncer::CalloutAnswer;
 
 use crate::abi::{self, HttpFilterConfigEnvoy, HttpFilterConfigScheduler, HttpFilterScheduler, ModuleBuffer};
+use crate::failure::Failure;
 use crate::host::{EnvoyHost, Identity, SystemClock};
 use crate::stats::{Metrics, ModuleStats};
 use crate::store::Store;
@@ -195,57 +194,6 @@ impl Config {
     /// Counts a caught panic.
     pub fn count_panic(&self) {
         self.metrics.add(PANICS_METRIC, 1);
-    }
-}
-
-/// What a request gets when the module fails inside (a caught panic): the
-/// policy's failure mode for its class (`failure_mode`, else
-/// `sync.failure_mode`, else `fail_open_local`): `fail_closed` answers 503
-/// `state_unavailable`, the others let the request on.
-#[derive(Debug, Clone)]
-pub struct Failure {
-    closed_by_default: bool,
-    /// Classes whose mode differs from the default.
-    differ: Vec<String>,
-    reply: response::LocalReply,
-}
-
-impl Failure {
-    fn of(policy: &Policy) -> Failure {
-        let default = policy
-            .sync
-            .as_ref()
-            .map_or(FailureMode::FailOpenLocal, |s| s.failure_mode);
-        let closed = |m: FailureMode| m == FailureMode::FailClosed;
-        let differ = policy
-            .route_classes()
-            .filter(|c| closed(c.failure_mode.unwrap_or(default)) != closed(default))
-            .map(|c| c.name.clone())
-            .collect();
-        let reply = response::local_reply(&Decision::unavailable(), &policy.version, false, None);
-        Failure {
-            closed_by_default: closed(default),
-            differ,
-            reply: reply.unwrap_or(response::LocalReply {
-                status: 503,
-                headers: Vec::new(),
-                body: Vec::new(),
-            }),
-        }
-    }
-
-    /// The directive for a request of `class` (`None`: unknown).
-    pub fn directive(&self, class: Option<&str>) -> Directive {
-        let differs = class.is_some_and(|c| self.differ.iter().any(|d| d == c));
-        let verdict = if self.closed_by_default != differs {
-            Verdict::Reply(self.reply.clone())
-        } else {
-            Verdict::Continue
-        };
-        Directive {
-            verdict,
-            record: None,
-        }
     }
 }
 
