@@ -284,7 +284,11 @@ impl Node {
                 Some(p) => p,
                 None => match w.pipeline.configure(&host, &SystemClock, &mut stats, json) {
                     Ok(p) => p,
-                    Err(_) => return Err(()),
+                    Err(_) => {
+                        drop(w);
+                        self.forget(id);
+                        return Err(());
+                    }
                 },
             };
             w.policies.insert(id, policy);
@@ -325,9 +329,14 @@ impl Node {
                 abi::envoy_dynamic_module_callback_http_filter_config_scheduler_delete(config.scheduler)
             };
         }
+        self.forget(config.id);
+    }
+
+    /// Drops config `id`'s policy from every worker.
+    fn forget(&self, id: u64) {
         for index in 0..self.workers().len() {
             if let Some(mut w) = self.worker(index) {
-                w.policies.remove(&config.id);
+                w.policies.remove(&id);
             }
         }
     }
