@@ -1477,7 +1477,7 @@ async fn https(
 /// node's id or region is refused and counted; no certificate, or one from
 /// another CA, fails the handshake; plain HTTP gets nothing.
 async fn mtls_binds_nodes_to_their_certificates(b: Backend) {
-    use tenantgate_central::service::tls;
+    use tenantgate_central::listener as tls;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     tls::init_ca(d, &["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();

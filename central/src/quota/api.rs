@@ -61,8 +61,8 @@ use super::metrics::QuotaMetrics;
 use super::{
     error_answer, not_found, Answer, Outcome, QuotaStore, QuotaStoreError, ReserveRequest, RECLAIM_BATCH,
 };
-use crate::service::tls::Peer;
-use crate::service::Clock;
+use crate::clock::Clock;
+use crate::listener::{Peer, DEFAULT_MAX_IN_FLIGHT};
 
 const NANOS_PER_MS: u64 = 1_000_000;
 /// A `ttl` (ms) outside this range is malformed (`400`); inside it but over
@@ -140,10 +140,6 @@ pub struct QuotaApi {
     in_flight: Arc<tokio::sync::Semaphore>,
     max_in_flight: usize,
 }
-
-/// Reservation requests in progress at once unless the service says
-/// otherwise: the sync API's default.
-const DEFAULT_MAX_IN_FLIGHT: usize = crate::service::validate::DEFAULT_MAX_IN_FLIGHT;
 
 /// At most this many last-known query answers are kept.
 const MAX_LAST_KNOWN: usize = 10_000;
@@ -793,9 +789,9 @@ pub async fn reclaim_every(api: Arc<QuotaApi>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::ManualClock;
+    use crate::listener::{Peer, SyncListener};
     use crate::quota::sqlite::SqliteStore;
-    use crate::service::tls::{Peer, SyncListener};
-    use crate::service::ManualClock;
     use std::future::IntoFuture;
 
     #[tokio::test]
