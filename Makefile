@@ -92,7 +92,7 @@ bench-service: setup-redis setup-postgresql ## Key reports/s per core of the cen
 	cargo run --release -p tenantgate-central --example bench_service
 	cargo run --release -p tenantgate-central --example bench_quota
 
-bench-service-memory: ## Service RSS: 100,000 node ids x 10 keys (1M keys) per round, then expiry; flat across rounds
+bench-service-memory: setup-redis ## Service memory: 100,000 node ids x 10 keys (1M keys) per round, then expiry, flat across rounds; bytes per record (embedded) and Redis MEMORY USAGE
 	cargo run --release -p tenantgate-central --example memory
 
 lint: check-glue ## fmt check, clippy (native and wasm32, warnings denied), host-layer check
