@@ -56,13 +56,28 @@ type Result<T> = std::result::Result<T, Error>;
 
 /// Appends `value`'s encoding to `out`.
 pub fn to_writer<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) -> Result<()> {
-    value.serialize(&mut Encoder {
+    // The string tables of the last record this thread wrote, cleared:
+    // most records need them, and allocating them each time cost as much
+    // as the rest of an encode.
+    thread_local! {
+        static TABLES: std::cell::Cell<Option<Tables>> = const { std::cell::Cell::new(None) };
+    }
+    let (strings, seen) = TABLES.with(|t| t.take()).unwrap_or_default();
+    let mut e = Encoder {
         out,
         base: None,
-        strings: Vec::new(),
-        seen: std::collections::HashMap::new(),
-    })
+        strings,
+        seen,
+    };
+    let r = value.serialize(&mut e);
+    let (mut strings, mut seen) = (e.strings, e.seen);
+    strings.clear();
+    seen.clear();
+    TABLES.with(|t| t.set(Some((strings, seen))));
+    r
 }
+
+type Tables = (Vec<(usize, usize)>, hashbrown::HashMap<u64, u32>);
 
 /// Decodes a whole record: every byte must be used.
 pub fn from_slice<'de, T: de::Deserialize<'de>>(bytes: &'de [u8]) -> Result<T> {
@@ -78,7 +93,19 @@ pub fn from_slice<'de, T: de::Deserialize<'de>>(bytes: &'de [u8]) -> Result<T> {
     Ok(v)
 }
 
+fn put_varint64(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        // The low seven bits, with the continuation bit.
+        out.push((v as u8 & 0x7f) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
 fn put_varint(out: &mut Vec<u8>, mut v: u128) {
+    if let Ok(v) = u64::try_from(v) {
+        return put_varint64(out, v);
+    }
     while v >= 0x80 {
         // The low seven bits, with the continuation bit.
         out.push((v as u8 & 0x7f) | 0x80);
@@ -98,9 +125,8 @@ fn unzigzag(v: u128) -> i128 {
 /// `u64`s at or above this start a record's base (see the module header).
 const BASE_MIN: u64 = 1 << 40;
 
-fn varint_len(v: u128) -> usize {
-    let bits = 128 - v.leading_zeros() as usize;
-    bits.div_ceil(7).max(1)
+fn varint_len(v: u64) -> u32 {
+    (64 - v.leading_zeros()).div_ceil(7).max(1)
 }
 
 struct Encoder<'a> {
@@ -109,34 +135,50 @@ struct Encoder<'a> {
     /// Every string written literally: (start in `out`, length).
     strings: Vec<(usize, usize)>,
     /// A hash of each literal string → its index in `strings`.
-    seen: std::collections::HashMap<u64, u32>,
+    seen: hashbrown::HashMap<u64, u32>,
 }
 
+/// The strings' hash: fast, not keyed (a collision only costs a literal:
+/// the bytes are compared before a reference is written).
 fn hash_of(b: &[u8]) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    b.hash(&mut h);
-    h.finish()
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ b.len() as u64;
+    let mut chunks = b.chunks_exact(8);
+    for c in &mut chunks {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(c);
+        h = (h ^ u64::from_le_bytes(w))
+            .wrapping_mul(0x0000_0100_0000_01b3)
+            .rotate_left(23);
+    }
+    for &x in chunks.remainder() {
+        h = (h ^ u64::from(x)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h ^ (h >> 29)
 }
 
 impl Encoder<'_> {
     fn u64(&mut self, v: u64) {
-        let plain = u128::from(v) << 1;
+        // Tagged values need 65 bits only for v ≥ 2^63 (never a count or a
+        // timestamp before 2262): the u128 path is kept for them.
+        let Ok(plain) = u64::try_from(u128::from(v) << 1) else {
+            return put_varint(self.out, u128::from(v) << 1);
+        };
         let Some(base) = self.base else {
             if v >= BASE_MIN {
                 self.base = Some(v);
             }
-            return put_varint(self.out, plain);
+            return put_varint64(self.out, plain);
         };
-        let delta = (zigzag(i128::from(v) - i128::from(base)) << 1) | 1;
-        put_varint(
-            self.out,
-            if varint_len(delta) < varint_len(plain) {
-                delta
-            } else {
-                plain
-            },
-        );
+        // |v − base| < 2^62: the tagged zigzag fits 64 bits.
+        let d = i128::from(v) - i128::from(base);
+        let delta = i64::try_from(d)
+            .ok()
+            .filter(|d| d.unsigned_abs() < 1 << 62)
+            .map(|d| (((d << 1) ^ (d >> 63)) as u64) << 1 | 1);
+        match delta {
+            Some(delta) if varint_len(delta) < varint_len(plain) => put_varint64(self.out, delta),
+            _ => put_varint64(self.out, plain),
+        }
     }
 
     fn string(&mut self, b: &[u8]) {
@@ -368,6 +410,25 @@ impl<'de> Decoder<'de> {
         Ok(b)
     }
 
+    /// A varint of at most 64 bits (the fast path); `None`, with nothing
+    /// consumed, for a longer one or a record that ends inside it.
+    fn varint64(&mut self) -> Option<u64> {
+        let mut v: u64 = 0;
+        for (i, &b) in self.input.iter().enumerate().take(10) {
+            let bits = u64::from(b & 0x7f);
+            let shift = 7 * i as u32;
+            if shift == 63 && bits > 1 {
+                break;
+            }
+            v |= bits << shift;
+            if b & 0x80 == 0 {
+                self.input = self.input.get(i + 1..).unwrap_or_default();
+                return Some(v);
+            }
+        }
+        None
+    }
+
     fn varint(&mut self) -> Result<u128> {
         let mut v: u128 = 0;
         for shift in (0..128).step_by(7) {
@@ -383,7 +444,12 @@ impl<'de> Decoder<'de> {
     }
 
     fn uint<T: TryFrom<u128>>(&mut self) -> Result<T> {
-        T::try_from(self.varint()?).map_err(|_| Error("an integer out of range".to_owned()))
+        let v = match self.varint64() {
+            Some(v) => u128::from(v),
+            // The general path reads it or names the error.
+            None => self.varint()?,
+        };
+        T::try_from(v).map_err(|_| Error("an integer out of range".to_owned()))
     }
 
     fn int<T: TryFrom<i128>>(&mut self) -> Result<T> {
@@ -415,7 +481,7 @@ impl<'de> Decoder<'de> {
     }
 
     fn u64(&mut self) -> Result<u64> {
-        let x = self.varint()?;
+        let x: u128 = self.uint()?;
         let out_of_range = || Error("an integer out of range".to_owned());
         if x & 1 == 0 {
             let v = u64::try_from(x >> 1).map_err(|_| out_of_range())?;

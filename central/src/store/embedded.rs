@@ -28,12 +28,12 @@
 //! once per record a request touches.
 
 use std::collections::BTreeMap;
-use std::hash::{BuildHasher, Hasher, RandomState};
+use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard};
 
 use async_trait::async_trait;
-use hashbrown::HashTable;
+use hashbrown::{DefaultHashBuilder as RandomState, HashTable};
 
 use super::redis::MAX_ATTEMPTS;
 use super::{decode, encode_into, KeySlot, KeyUpdate, Record, SessionUpdate, Store, StoreError, Txn};
@@ -179,7 +179,9 @@ impl Default for EmbeddedStore {
             keys: (0..SHARDS).map(|_| Mutex::new(Table::new())).collect(),
             sessions: Mutex::new(Table::new()),
             next_version: AtomicU64::new(1),
-            hasher: RandomState::new(),
+            // Seeded at random per process: a flood of crafted names
+            // cannot pile into one bucket.
+            hasher: RandomState::default(),
         }
     }
 }
