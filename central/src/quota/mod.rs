@@ -59,6 +59,7 @@
 //! its length); the reclaimer works in batches of [`RECLAIM_BATCH`].
 
 pub mod api;
+pub mod batch;
 pub mod metrics;
 pub mod postgres;
 pub mod sqlite;
