@@ -245,24 +245,41 @@ impl Batcher {
     /// `write` runs one batch of at most `max_batch` operations (1: one
     /// transaction per operation, as before batching) as one transaction:
     /// its answers, in order, or an error with nothing written.
-    pub fn start<F, Fut>(max_batch: usize, write: F) -> Batcher
+    ///
+    /// `writers` batches may be in flight at once (each takes the
+    /// operations queued when it starts): with PostgreSQL, one batch reads
+    /// and waits for the counters' locks while the previous one flushes its
+    /// commit; the locks make them one serial order all the same.
+    pub fn start<F, Fut>(max_batch: usize, writers: usize, write: F) -> Batcher
     where
         F: Fn(Vec<Op>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Vec<Answer>, QuotaStoreError>> + Send + 'static,
     {
-        let (queue, mut rx) = mpsc::unbounded_channel::<Pending>();
-        tokio::spawn(async move {
-            while let Some(first) = rx.recv().await {
-                let mut batch = vec![first];
-                while batch.len() < max_batch.clamp(1, MAX_BATCH) {
-                    match rx.try_recv() {
-                        Ok(p) => batch.push(p),
-                        Err(_) => break,
-                    }
+        let (queue, rx) = mpsc::unbounded_channel::<Pending>();
+        let rx = std::sync::Arc::new(tokio::sync::Mutex::new(rx));
+        let write = std::sync::Arc::new(write);
+        for _ in 0..writers.max(1) {
+            let (rx, write) = (rx.clone(), write.clone());
+            tokio::spawn(async move {
+                loop {
+                    let batch = {
+                        let mut rx = rx.lock().await;
+                        let Some(first) = rx.recv().await else {
+                            return;
+                        };
+                        let mut batch = vec![first];
+                        while batch.len() < max_batch.clamp(1, MAX_BATCH) {
+                            match rx.try_recv() {
+                                Ok(p) => batch.push(p),
+                                Err(_) => break,
+                            }
+                        }
+                        batch
+                    };
+                    run(&*write, batch).await;
                 }
-                run(&write, batch).await;
-            }
-        });
+            });
+        }
         Batcher { queue }
     }
 

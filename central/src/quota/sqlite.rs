@@ -343,7 +343,7 @@ impl SqliteStore {
     async fn batched(&self, op: Op) -> Result<Answer, QuotaStoreError> {
         let batcher = self.batcher.get_or_init(|| {
             let conn = self.conn.clone();
-            Batcher::start(self.max_batch, move |ops: Vec<Op>| {
+            Batcher::start(self.max_batch, 1, move |ops: Vec<Op>| {
                 let conn = conn.clone();
                 async move {
                     tokio::task::spawn_blocking(move || {
