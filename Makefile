@@ -88,7 +88,7 @@ bench-memory: wasm cli setup-wrk ## Envoy RSS with 1, 100k and 1M distinct tenan
 	$(PYTHON) bench/memory.py --max-keys 1000000 --points 1,100000,1000000 --out target/bench/memory.json
 	$(PYTHON) bench/memory.py --max-keys 100000 --points 1,150000,300000,450000 --out target/bench/memory-full.json
 
-bench-service: setup-redis setup-postgresql ## Key reports/s per core of the central service (embedded, Redis, HTTP); quota reserve+commit pairs/s (SQLite, PostgreSQL)
+bench-service: setup-redis setup-postgresql ## Key reports/s per core of the central service (embedded, Redis with its CPU per report, HTTP); quota reserve+commit pairs/s, 64 callers on one resource, batched beside per operation (SQLite, PostgreSQL)
 	cargo run --release -p tenantgate-central --example bench_service
 	cargo run --release -p tenantgate-central --example bench_quota
 
