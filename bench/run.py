@@ -43,7 +43,8 @@ ports, `--disable-hot-restart`), warms it up, then measures BENCH_SECONDS of
 `wrk --latency` (1 thread, pinned to CPU 1, BENCH_CONNECTIONS keep-alive
 connections) and the Envoy process's CPU time (utime+stime from
 /proc/<pid>/stat) over the same interval, and stops Envoy. Then one
-2-worker run of (d), unpinned, reports CAS retries per decision from the
+2-worker run of (d), unpinned, reports CAS retries and shared-data updates
+(src/pipeline/lease.rs) per decision from the
 filter's stats.
 
 BENCH_ONLY=i (or a comma-separated list of row keys) runs only those rows,
@@ -630,6 +631,11 @@ def cas_run(config: Config) -> dict:
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     decisions = sum(v for k, v in delta.items() if ".decisions." in k)
     retries = delta.get("wasmcustom.tenantgate.cas.retries", 0)
+    # Shared-data updates: every decision a lease or a remembered refusal
+    # did not serve made one (its key's entry), and every lease given back
+    # on a tick one more (src/pipeline/lease.rs).
+    lease = lambda name: delta.get(f"wasmcustom.tenantgate.lease.{name}", 0)  # noqa: E731
+    updates = decisions - lease("served") - lease("refusals_remembered") + lease("returned")
     if w["non_2xx"] or w["socket_errors"]:
         raise BenchError(
             f"CAS run: {w['non_2xx']} non-2xx responses, {w['socket_errors']} socket errors "
@@ -647,6 +653,9 @@ def cas_run(config: Config) -> dict:
         "decisions": decisions,
         "cas_retries": retries,
         "cas_retries_per_request": round(retries / decisions, 5) if decisions else None,
+        "shared_updates": updates,
+        "shared_updates_per_request": round(updates / decisions, 5) if decisions else None,
+        "lease_served": lease("served"),
         "decision_counters": {k.removeprefix("wasmcustom.tenantgate."): v for k, v in delta.items() if v},
     }
 
@@ -1035,8 +1044,9 @@ def main() -> int:
         )
     print(
         f"CAS, 2 workers, 1 hot tenant, {CAS_CONNECTIONS} connections: {cas['cas_retries']:,} retries / "
-        f"{cas['decisions']:,} decisions = {fmt(cas['cas_retries_per_request'], '.4f')} retries per request "
-        f"({cas['rps']:,.0f} req/s)"
+        f"{cas['decisions']:,} decisions = {fmt(cas['cas_retries_per_request'], '.4f')} retries per request, "
+        f"{cas['shared_updates']:,} shared-data updates = {fmt(cas['shared_updates_per_request'], '.4f')} per request "
+        f"({cas['lease_served']:,} served from worker leases; {cas['rps']:,.0f} req/s)"
     )
 
     report = {

@@ -111,6 +111,7 @@ fn requests(seq: u64) -> Vec<SyncRequest> {
                     unleased: 0,
                     demand: 4,
                     failure_mode: None,
+                    started_ms: None,
                 })
                 .collect(),
             settings: None,

@@ -77,6 +77,7 @@ fn request(round: u64, n: u64) -> SyncRequest {
                 unleased: 0,
                 demand: 1,
                 failure_mode: None,
+                started_ms: None,
             })
             .collect(),
         settings: None,

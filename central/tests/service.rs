@@ -235,6 +235,7 @@ fn request(node: &str, seq: u64, acked: u64, reports: &[(&str, &str, u64)]) -> S
                 unleased: 0,
                 demand: *n,
                 failure_mode: None,
+                started_ms: None,
             })
             .collect(),
         settings: None,
@@ -319,6 +320,7 @@ async fn two_instances_share_one_store(b: Backend) {
                     unleased: 0,
                     demand: 500,
                     failure_mode: None,
+                    started_ms: None,
                 }],
                 ..request(node, round, round - 1, &[])
             };
@@ -1138,6 +1140,7 @@ async fn reported_settings_are_counted_and_the_deadline_follows_the_policy(b: Ba
         local_max_ms: ms(cfg.local_max_ns),
         interval_ms: 1_000,
         failure_mode: cfg.failure_mode,
+        outage_allowance: true,
     };
     let with = |node: &str, settings: Option<tenantgate::sync::NodeSettings>| SyncRequest {
         settings,
@@ -1205,6 +1208,7 @@ async fn a_session_outlives_its_nodes_own_lease_and_fallback(b: Backend) {
         local_max_ms: 600_000,
         interval_ms: 1_000,
         failure_mode: tenantgate::sync::FailureMode::FailOpenLocal,
+        outage_allowance: true,
     };
     a.lease(&SyncRequest {
         settings: Some(long),

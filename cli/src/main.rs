@@ -181,7 +181,9 @@ enum PolicyCommand {
     /// Validate, then atomically write the Envoy ECDS file (Envoy hot-reloads it).
     Apply(ApplyArgs),
     /// How one request would be decided: class, identity, plan, limit key,
-    /// every limit, and the headers of the first request (the filter's engine).
+    /// every limit, and the headers of the first request (the filter's
+    /// engine); for a class with admission checks, the filter's pipeline:
+    /// the first request, a saturated dependency, its queue and breaker.
     Explain(ExplainArgs),
     /// What reloading OLD -> NEW does to live state. Exit 0: no change,
     /// 1: changes, 2: an error (like `diff`).
@@ -455,7 +457,11 @@ fn explain(args: &ExplainArgs) -> ExitCode {
         headers: &args.headers,
         source: &args.source,
     };
-    print!("{}", tenantgate_cli::explain::explain(&loaded.policy, &req));
+    let json = loaded.document.to_json();
+    print!(
+        "{}",
+        tenantgate_cli::explain::explain(&loaded.policy, &json, &req)
+    );
     ExitCode::SUCCESS
 }
 

@@ -83,6 +83,7 @@
 use super::window::{self, WindowSummary, Windows};
 use super::{splitmix64, Worker};
 use crate::host::Host;
+use crate::keys::kind;
 use crate::policy::admission::{Adaptive, Dependency, PPM};
 use crate::policy::Policy;
 use crate::table::{self, push_record_with, Commit, Failure, Place, Reach, Record, Records};
@@ -112,15 +113,13 @@ pub const UTILIZED_PPM: u32 = 800_000;
 /// dead zone tight where samples are many (1.3 % at 500) and widens it
 /// where they are few (6 % at 25).
 pub const NOISE: f64 = 0.3;
-/// The kind byte of a control record.
-pub const KIND_CONTROL: u8 = 19;
 const CONTROL_NAME_HASH: u32 = 0x0000_1f19;
 const VERSION: u8 = 1;
 const MILLI: f64 = 1000.0;
 
 /// The shared-data key of a dependency's control state.
 pub fn control_key(dependency: &str) -> String {
-    format!("tg2|c|{dependency}")
+    crate::keys::control(dependency)
 }
 
 /// Where the baseline measurement is.
@@ -253,7 +252,7 @@ impl State {
     }
 
     fn decode(record: &Record<'_>) -> Option<State> {
-        if record.kind != KIND_CONTROL {
+        if record.kind != kind::CONTROL {
             return None;
         }
         let mut r = table::layout::Reader(record.state);
@@ -501,7 +500,7 @@ pub fn apply<H: Host>(
             }
             let after = step(a, seed, &before, summary);
             out.push(1);
-            push_record_with(out, CONTROL_NAME_HASH, KIND_CONTROL, 0, 0, |o| after.encode(o));
+            push_record_with(out, CONTROL_NAME_HASH, kind::CONTROL, 0, 0, |o| after.encode(o));
             (Commit::Write, Some(after))
         },
     )?;

@@ -279,6 +279,7 @@ mod tests {
             unleased: n,
             demand: n,
             failure_mode: None,
+            started_ms: None,
         }
     }
 

@@ -240,6 +240,7 @@ mod tests {
                 unleased: 0,
                 demand: 3,
                 failure_mode: None,
+                started_ms: None,
             }],
             settings: None,
         };

@@ -2,7 +2,7 @@
 //! and a **simulation of the code that ships**: a seeded upstream
 //! (lognormal service time, capacity `C`: beyond `C` requests wait, so
 //! latency rises) under open-loop load well above `C`, admitted by two
-//! real [`Worker`]s over the fake host, with their outcomes recorded in
+//! real [`Worker`]s over the in-memory host, with their outcomes recorded in
 //! two real [`Windows`] and every tick running [`tick`] (fold, close,
 //! [`apply`], read into the worker's control): the same functions the
 //! filter's tick runs.
@@ -16,7 +16,7 @@ use super::*;
 use crate::admission::window::{self, Outcome, OutcomeKind};
 use crate::admission::Ticket;
 use crate::engine::{self, Prepared};
-use crate::testing::{FakeHost, SharedStore};
+use crate::memory::{MemoryHost, SharedStore};
 
 const MS: u64 = 1_000_000;
 const S: u64 = 1_000 * MS;
@@ -202,7 +202,7 @@ fn the_refresh_is_spread_over_dependencies() {
 #[test]
 fn the_control_state_round_trips_through_shared_data_once_per_window() {
     let store = SharedStore::new();
-    let host = FakeHost::new(store.clone());
+    let host = MemoryHost::new(store.clone());
     let p = policy(100, "{}");
     let dep = match p.dependency(0) {
         Some(d) => d.clone(),
@@ -308,7 +308,7 @@ impl Sim {
     fn new(seed: u64, capacity: u32, rate: f64) -> Sim {
         let policy = policy(200, "{}");
         let store = SharedStore::new();
-        let host = FakeHost::new(store.clone()).route_class("orders");
+        let host = MemoryHost::new(store.clone()).route_class("orders");
         let prepared = match engine::prepare(&policy, &host) {
             Ok(p) => p,
             Err(r) => panic!("prepare: {r:?}"),
@@ -357,8 +357,8 @@ impl Sim {
         self.events.push(Reverse((t, self.seq, ev)));
     }
 
-    fn host(&self) -> FakeHost {
-        FakeHost::new(self.store.clone())
+    fn host(&self) -> MemoryHost {
+        MemoryHost::new(self.store.clone())
     }
 
     fn service_ns(&mut self) -> u64 {
