@@ -398,7 +398,8 @@ fn a_global_limits_worker_leases_draw_only_from_the_services_lease_and_report_wh
                  "failure_mode": "fail_closed", "node_id": "n1", "region": "r1"}}"#;
     let mut node = Node::new(2, json);
     let mut rng = Rng(42);
-    let (mut granted, mut admitted, mut token) = (2u64 * 1, 0u64, 1u32);
+    // The provisional allowance: 2 units.
+    let (mut granted, mut admitted, mut token) = (2u64, 0u64, 1u32);
     let mut reported = crate::sync::Counts::default();
     for t in 1..=600u64 {
         let now = T0 + t * MS;
