@@ -25,6 +25,9 @@ upstream), interleaved over BENCH_ROUNDS rounds on this machine:
   (j) tenantgate, 1 tenant, in its cheapest trusted configuration: (d)'s
       policy with `class: api` (the class from the filter instance, nothing
       looked up) and `ratelimit_headers: false` (headers on denials only)
+  (k) the native module (libtenantgate_module.so, Envoy's dynamic modules)
+      with (d)'s policy, the route's class in its per-route config
+  (l) the native module with (e)'s 10,000 tenants x 2 limits
 
 Then (a), (c), (d) and (j) again at one connection
 (BENCH_LATENCY_CONNECTIONS=1) for their p50 latency, the same number of
@@ -43,7 +46,8 @@ ports, `--disable-hot-restart`), warms it up, then measures BENCH_SECONDS of
 `wrk --latency` (1 thread, pinned to CPU 1, BENCH_CONNECTIONS keep-alive
 connections) and the Envoy process's CPU time (utime+stime from
 /proc/<pid>/stat) over the same interval, and stops Envoy. Then one
-2-worker run of (d), unpinned, reports CAS retries per decision from the
+2-worker run of (d), unpinned, reports CAS retries and shared-data updates
+(src/pipeline/lease.rs) per decision from the
 filter's stats.
 
 BENCH_ONLY=i (or a comma-separated list of row keys) runs only those rows,
@@ -143,6 +147,8 @@ WASM = tool("TENANTGATE_WASM", REPO / "target/wasm32-wasip1/wasm-release/tenantg
 # `--features self-time` (src/glue/self_time.rs), built by `make bench`.
 SELF_TIME_WASM = REPO / "target/self-time/wasm32-wasip1/wasm-release/tenantgate.wasm"
 EMPTY_WASM = tool("EMPTY_WASM", REPO / "target/wasm32-wasip1/wasm-release/empty_filter.wasm")
+# The native module (`make module`), for (k) and (l).
+MODULE = tool("TENANTGATE_MODULE", REPO / "target/module-release/libtenantgate_module.so")
 
 
 class BenchError(Exception):
@@ -279,15 +285,32 @@ def tenant_descriptors_filter() -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_bootstrap(filters: str, port: int, admin: int, sync_port: int) -> str:
+def per_route_config(indent: str, cls: str) -> list[str]:
+    """The native module's per-route config: the route names its class, and
+    the module reads it with no lookup (module/src/route.rs)."""
+    return [
+        f"{indent}typed_per_filter_config:",
+        f"{indent}  tenantgate:",
+        f'{indent}    "@type": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilterPerRoute',
+        f"{indent}    dynamic_module_config: {{ module: {{ local: {{ filename: {MODULE.resolve()} }} }}, do_not_close: true }}",
+        f"{indent}    per_route_config_name: tenantgate",
+        f'{indent}    filter_config: {{ "@type": type.googleapis.com/google.protobuf.StringValue, value: {cls} }}',
+    ]
+
+
+def render_bootstrap(filters: str, port: int, admin: int, sync_port: int, module: bool = False) -> str:
     template = (BENCH / "envoy/bootstrap.yaml").read_text()
     lines = []
+    marker = "metadata: { filter_metadata: { tenantgate: { class: "
     for line in template.splitlines():
         if line.strip() == "${HTTP_FILTERS}":
             indent = line[: len(line) - len(line.lstrip())]
             lines += [indent + l if l.strip() else l for l in filters.splitlines()]
         else:
             lines.append(line)
+            if module and marker in line:
+                cls = line.split(marker, 1)[1].split(" ", 1)[0].rstrip("}")
+                lines += per_route_config(line[: len(line) - len(line.lstrip())], cls)
     return Template("\n".join(lines) + "\n").substitute(LISTEN_PORT=port, ADMIN_PORT=admin, SYNC_PORT=sync_port)
 
 
@@ -321,10 +344,12 @@ def write_empty_ecds(path: Path, configuration: str = "") -> None:
     path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
-def apply_policy(policy: Path, ecds: Path, wasm: Path = WASM) -> None:
-    """Exactly as in production: the CLI validates and writes the ECDS file."""
+def apply_policy(policy: Path, ecds: Path, wasm: Path = WASM, module: bool = False) -> None:
+    """Exactly as in production: the CLI validates and writes the ECDS file
+    (the native module's with `module`)."""
+    code = ["--module", str(MODULE)] if module else ["--wasm", str(wasm)]
     res = subprocess.run(
-        [str(CLI), "policy", "apply", str(policy), "--ecds", str(ecds), "--wasm", str(wasm)],
+        [str(CLI), "policy", "apply", str(policy), "--ecds", str(ecds)] + code,
         capture_output=True,
         text=True,
         timeout=60,
@@ -348,6 +373,7 @@ class Config:
         self.key = key
         self.label = label
         # none | local_ratelimit | local_ratelimit_tenants | empty | tenantgate
+        # | module (tenantgate as the native module)
         self.filter_name = filter_name
         self.policy: Path | None = None
         self.headers_check = headers_check
@@ -387,15 +413,16 @@ class Envoy:
                 stdin=subprocess.DEVNULL,
             )
         ecds = self.dir / "ecds.yaml"
-        if config.filter_name == "tenantgate":
+        module = config.filter_name == "module"
+        if config.filter_name == "tenantgate" or module:
             assert config.policy is not None
-            apply_policy(config.policy, ecds, config.wasm)
+            apply_policy(config.policy, ecds, config.wasm, module)
         elif config.filter_name == "empty":
             write_empty_ecds(ecds, config.probe)
         bootstrap = self.dir / "bootstrap.yaml"
-        bootstrap.write_text(
-            render_bootstrap(render_filters(config.filter_name, ecds), self.port, self.admin, self.sync_port)
-        )
+        # The ECDS filter is named `tenantgate` on both hosts.
+        filters = render_filters("tenantgate" if module else config.filter_name, ecds)
+        bootstrap.write_text(render_bootstrap(filters, self.port, self.admin, self.sync_port, module))
         argv = [str(ENVOY), "-c", str(bootstrap), "--concurrency", str(concurrency)]
         argv += ["--disable-hot-restart", "-l", "warning"]
         if cpu is not None:
@@ -431,6 +458,15 @@ class Envoy:
             time.sleep(0.05)
         else:
             raise self._fail(f"not serving within 30 s ({last})")
+        if config.filter_name == "module":
+            # The module really is in the chain: its ECDS resource was
+            # accepted and it decided the probe.
+            loaded = counters(self.admin, "extension_config_discovery.http_filter.tenantgate.")
+            decided = counters(self.admin, "wasmcustom.tenantgate.config.loads")
+            if not loaded.get("extension_config_discovery.http_filter.tenantgate.update_success") or not sum(
+                decided.values()
+            ):
+                raise self._fail(f"the module is not loaded: {loaded} {decided}")
         if config.filter_name in ("empty", "tenantgate"):
             # The wasm filter really is in the chain: its ECDS resource was
             # accepted and a V8 VM runs.
@@ -560,7 +596,7 @@ def measure(config: Config, rnd: int, connections: int) -> dict:
         # have followed the demand (the allocator averages it).
         warmup = WARMUP + (SYNC_WARMUP if config.serve else 0)
         run_wrk(envoy.port, warmup, connections, 1, WRK_CPU, config.wrk_args)  # warm-up, discarded
-        tenantgate = config.filter_name == "tenantgate"
+        tenantgate = config.filter_name in ("tenantgate", "module")
         before = counters(envoy.admin, "wasmcustom.tenantgate.") if tenantgate else {}
         cpu0, t0 = envoy.cpu(), time.monotonic()
         w = run_wrk(envoy.port, SECONDS, connections, 1, WRK_CPU, config.wrk_args)
@@ -630,6 +666,11 @@ def cas_run(config: Config) -> dict:
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     decisions = sum(v for k, v in delta.items() if ".decisions." in k)
     retries = delta.get("wasmcustom.tenantgate.cas.retries", 0)
+    # Shared-data updates: every decision a lease or a remembered refusal
+    # did not serve made one (its key's entry), and every lease given back
+    # on a tick one more (src/pipeline/lease.rs).
+    lease = lambda name: delta.get(f"wasmcustom.tenantgate.lease.{name}", 0)  # noqa: E731
+    updates = decisions - lease("served") - lease("refusals_remembered") + lease("returned")
     if w["non_2xx"] or w["socket_errors"]:
         raise BenchError(
             f"CAS run: {w['non_2xx']} non-2xx responses, {w['socket_errors']} socket errors "
@@ -647,6 +688,9 @@ def cas_run(config: Config) -> dict:
         "decisions": decisions,
         "cas_retries": retries,
         "cas_retries_per_request": round(retries / decisions, 5) if decisions else None,
+        "shared_updates": updates,
+        "shared_updates_per_request": round(updates / decisions, 5) if decisions else None,
+        "lease_served": lease("served"),
         "decision_counters": {k.removeprefix("wasmcustom.tenantgate."): v for k, v in delta.items() if v},
     }
 
@@ -783,11 +827,15 @@ def main() -> int:
         Config("h", "(h) tenantgate, 1 tenant, admission", "tenantgate", has_ratelimit, admission=True),
         Config("i", "(i) tenantgate, 1 tenant, adaptive", "tenantgate", has_ratelimit, admission=True),
         Config("j", "(j) tenantgate, 1 tenant, lean config", "tenantgate"),
+        Config("k", "(k) module, 1 tenant", "module", has_ratelimit),
+        Config("l", f"(l) module, {TENANTS:,} tenants x 2 limits", "module", has_ratelimit, tenants_lua),
     ]
     by_key = {c.key: c for c in configs}
     by_key["d"].policy = BENCH / "policies/one-tenant.yaml"
     by_key["e"].policy = ten_thousand_tenants_policy(OUT / "10k-tenants.yaml")
     by_key["g"].policy = BENCH / "policies/global.yaml"
+    by_key["k"].policy = by_key["d"].policy
+    by_key["l"].policy = by_key["e"].policy
     by_key["h"].policy = BENCH / "policies/admission.yaml"
     by_key["i"].policy = BENCH / "policies/adaptive.yaml"
     # (j): (d) in its cheapest trusted configuration: the class from the
@@ -870,6 +918,8 @@ def main() -> int:
         raw["h"][-1]["ratio_to_d"] = round(raw["h"][-1]["rps"] / raw["d"][-1]["rps"], 4)
         raw["i"][-1]["ratio_to_d"] = round(raw["i"][-1]["rps"] / raw["d"][-1]["rps"], 4)
         raw["i"][-1]["ratio_to_h"] = round(raw["i"][-1]["rps"] / raw["h"][-1]["rps"], 4)
+        raw["k"][-1]["ratio_to_d"] = round(raw["k"][-1]["rps"] / raw["d"][-1]["rps"], 4)
+        raw["l"][-1]["ratio_to_f"] = round(raw["l"][-1]["rps"] / raw["f"][-1]["rps"], 4)
 
     latency: dict[str, list[dict]] = {c.key: [] for c in latency_configs}
     for rnd in range(1, ROUNDS + 1):
@@ -894,6 +944,7 @@ def main() -> int:
 
     print("  2 workers (unpinned), 1 hot tenant: CAS retries ...", flush=True)
     cas = cas_run(by_key["d"])
+    cas_module = cas_run(by_key["k"])
     print("  the engine's own time inside the VM (self-time build) ...", flush=True)
     engine_time = self_time([by_key[k] for k in ("d", "e", "j")])
 
@@ -917,6 +968,8 @@ def main() -> int:
     summary["h"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["h"])
     summary["i"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["i"])
     summary["i"]["median"]["ratio_to_h"] = median(r["ratio_to_h"] for r in raw["i"])
+    summary["k"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["k"])
+    summary["l"]["median"]["ratio_to_f"] = median(r["ratio_to_f"] for r in raw["l"])
     for config in latency_configs:
         rows = latency[config.key]
         summary[config.key]["one_connection"] = {
@@ -938,6 +991,8 @@ def main() -> int:
         ("g", "d", "ratio_to_d", 0.90),
         ("j", "a", "ratio_to_a", 0.60),
         ("j", "c", "ratio_to_c", 0.85),
+        ("k", "a", "ratio_to_a", 0.85),
+        ("l", "f", "ratio_to_f", 1.00),
     ):
         measured = summary[key]["median"][field]
         targets.append(
@@ -1027,6 +1082,10 @@ def main() -> int:
         f"vs (h): {fmt(summary['i']['median']['ratio_to_h'], '.2f')} x, "
         f"{fmt(i_cpu - h_cpu if i_cpu is not None and h_cpu is not None else None, '+.1f')} us CPU/req"
     )
+    print(
+        f"module (k) vs wasm (d): {fmt(summary['k']['median']['ratio_to_d'], '.2f')} x by throughput; "
+        f"(l) vs native local_ratelimit with {TENANTS:,} descriptors (f): {fmt(summary['l']['median']['ratio_to_f'], '.2f')} x"
+    )
     for key, t in engine_time.items():
         print(
             f"engine inside the VM, {t['label']}: {t['decision_ns']:,.0f} ns a decision over an in-memory host, "
@@ -1035,8 +1094,16 @@ def main() -> int:
         )
     print(
         f"CAS, 2 workers, 1 hot tenant, {CAS_CONNECTIONS} connections: {cas['cas_retries']:,} retries / "
-        f"{cas['decisions']:,} decisions = {fmt(cas['cas_retries_per_request'], '.4f')} retries per request "
-        f"({cas['rps']:,.0f} req/s)"
+        f"{cas['decisions']:,} decisions = {fmt(cas['cas_retries_per_request'], '.4f')} retries per request, "
+        f"{cas['shared_updates']:,} shared-data updates = {fmt(cas['shared_updates_per_request'], '.4f')} per request "
+        f"({cas['lease_served']:,} served from worker leases; {cas['rps']:,.0f} req/s)"
+    )
+
+    print(
+        f"CAS on the module, 2 workers, 1 hot tenant: {cas_module['cas_retries']:,} retries / "
+        f"{cas_module['decisions']:,} decisions = {fmt(cas_module['cas_retries_per_request'], '.4f')} per request, "
+        f"{fmt(cas_module['shared_updates_per_request'], '.4f')} shared-data updates per request "
+        f"({cas_module['lease_served']:,} from worker leases; {cas_module['rps']:,.0f} req/s)"
     )
 
     report = {
@@ -1061,6 +1128,7 @@ def main() -> int:
         "probe": probe_summary,
         "engine_in_vm": engine_time,
         "cas": cas,
+        "cas_module": cas_module,
     }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "filter.json").write_text(json.dumps(report, indent=2) + "\n")

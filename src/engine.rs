@@ -6,17 +6,20 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::rc::Rc;
 
+use crate::decision::write_logical_key;
+pub use crate::decision::{logical_key, Decision, LimitName, RateLimitHeaders, Reason, Standings, Subject};
 use crate::host::Host;
-use crate::limiter::algo::{Algo, Live, Outcome, Stamp, State, KIND_GLOBAL_ALLOWANCE};
+use crate::keys::kind;
+use crate::limiter::algo::{Algo, Live, Outcome, Stamp, State};
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::{
     self, Classification, Limit, Mode, Policy, RouteClass, MAX_LIMITS_PER_PLAN, ROUTE_METADATA_CLASS_FIELD,
     ROUTE_METADATA_NAMESPACE,
 };
-use crate::sync::{stored, Allowance, NodeView, SyncState};
+use crate::sync::{stored, Admitted, Allowance, NodeView, SyncState};
 use crate::table::{
-    self, push_record, push_record_with, Commit, Failure, Overflow, Place, Reach, Record, MAX_RECORDS,
-    MAX_RECORDS_LEN, RECORD_HEADER_LEN,
+    self, push_record, push_record_with, Commit, Failure, Overflow, Place, Reach, Record, Records,
+    MAX_RECORDS, MAX_RECORDS_LEN, RECORD_HEADER_LEN,
 };
 
 pub use crate::table::TableEvent;
@@ -25,140 +28,6 @@ pub use crate::table::TableEvent;
 /// [`Reason::Contention`] (503) and counted: never a silent allow.
 pub use crate::table::MAX_CAS_ATTEMPTS;
 
-/// Why a request got its verdict; `as_str` is the stable machine-readable
-/// reason (the `x-tenantgate-reason` header, the problem body, stats).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reason {
-    /// Within every limit.
-    Allowed,
-    /// Over a limit: 429.
-    RateLimited,
-    /// Over a limit in shadow mode (or over a shadow limit): allowed, counted.
-    ShadowLimited,
-    /// Over a global guard (an aggregate limit per node): 503.
-    GlobalGuard,
-    /// The route has no class and the policy has no `default_route`.
-    Unclassified,
-    /// `mode: off`.
-    Disabled,
-    /// The CAS bound was exhausted: 503.
-    Contention,
-    /// Shared data could not be read or written: 503.
-    StateUnavailable,
-    /// Admission: the dependency's in-flight slots for this level are full: 503.
-    ConcurrencyLimit,
-    /// Admission: the dependency's `max_streams` streams are open: 503.
-    StreamLimit,
-    /// Admission: the tenant holds its `tenant_max_share`: 503.
-    TenantShare,
-    /// The declared or streamed body is over `max_body_bytes`: 413.
-    RequestTooLarge,
-    /// The remaining timeout budget is below `min_timeout_budget`: 503.
-    TimeoutBudget,
-    /// Admission: the level's queue at the dependency is full: 503.
-    QueueFull,
-    /// Admission: no slot came within the level's `max_wait`: 503.
-    QueueTimeout,
-    /// Admission: the dependency's circuit breaker is open: 503.
-    CircuitOpen,
-    /// Admission: the breaker is half-open and its probes are all in flight: 503.
-    CircuitProbeLimit,
-    /// Admission: the dependency is `paused: true` in the policy: 503.
-    Paused,
-    /// Admission: a retry over the dependency's retry budget: 503.
-    RetryBudget,
-    /// A degradable request found no response fresh enough to answer
-    /// from while its dependency refused it: 503.
-    DependencyUnavailable,
-}
-
-impl Reason {
-    pub const ALL: [Reason; 20] = [
-        Reason::Allowed,
-        Reason::RateLimited,
-        Reason::ShadowLimited,
-        Reason::GlobalGuard,
-        Reason::Unclassified,
-        Reason::Disabled,
-        Reason::Contention,
-        Reason::StateUnavailable,
-        Reason::ConcurrencyLimit,
-        Reason::StreamLimit,
-        Reason::TenantShare,
-        Reason::RequestTooLarge,
-        Reason::TimeoutBudget,
-        Reason::QueueFull,
-        Reason::QueueTimeout,
-        Reason::CircuitOpen,
-        Reason::CircuitProbeLimit,
-        Reason::Paused,
-        Reason::RetryBudget,
-        Reason::DependencyUnavailable,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::Allowed => "allowed",
-            Reason::RateLimited => "rate_limited",
-            Reason::ShadowLimited => "shadow_limited",
-            Reason::GlobalGuard => "global_guard",
-            Reason::Unclassified => "unclassified",
-            Reason::Disabled => "disabled",
-            Reason::Contention => "contention",
-            Reason::StateUnavailable => "state_unavailable",
-            Reason::ConcurrencyLimit => "concurrency_limit",
-            Reason::StreamLimit => "stream_limit",
-            Reason::TenantShare => "tenant_share",
-            Reason::RequestTooLarge => "request_too_large",
-            Reason::TimeoutBudget => "timeout_budget",
-            Reason::QueueFull => "queue_full",
-            Reason::QueueTimeout => "queue_timeout",
-            Reason::CircuitOpen => "circuit_open",
-            Reason::CircuitProbeLimit => "circuit_probe_limit",
-            Reason::Paused => "paused",
-            Reason::RetryBudget => "retry_budget",
-            Reason::DependencyUnavailable => "dependency_unavailable",
-        }
-    }
-
-    /// The HTTP status of a denial, `None` if the request goes on.
-    pub fn deny_status(self) -> Option<u32> {
-        match self {
-            Reason::RateLimited => Some(429),
-            Reason::RequestTooLarge => Some(413),
-            Reason::GlobalGuard
-            | Reason::Contention
-            | Reason::StateUnavailable
-            | Reason::ConcurrencyLimit
-            | Reason::StreamLimit
-            | Reason::TenantShare
-            | Reason::TimeoutBudget
-            | Reason::QueueFull
-            | Reason::QueueTimeout
-            | Reason::CircuitOpen
-            | Reason::CircuitProbeLimit
-            | Reason::Paused
-            | Reason::RetryBudget
-            | Reason::DependencyUnavailable => Some(503),
-            _ => None,
-        }
-    }
-}
-
-/// Who the request was counted against (shared text: a decision copies
-/// it without allocating).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Subject {
-    /// Not looked up (unclassified or disabled).
-    None,
-    Tenant(Rc<str>),
-    /// No usable identity: grouped by client address.
-    Anonymous {
-        address: Rc<str>,
-        invalid_identity: bool,
-    },
-}
-
 /// What a worker reuses from one charge to the next, so that charging a
 /// known key allocates nothing (see [`charge_synced`]).
 #[derive(Debug, Default)]
@@ -166,70 +35,6 @@ pub struct Scratch {
     /// The logical key being charged.
     key: String,
     table: table::Buffers,
-}
-
-/// The `RateLimit` / `RateLimit-Policy` field values (draft-10 syntax).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RateLimitHeaders {
-    pub policy: String,
-    pub ratelimit: String,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Decision {
-    pub reason: Reason,
-    pub subject: Subject,
-    /// The denying (or would-be denying) limit's name.
-    pub limit: Option<String>,
-    /// Whole seconds until the request would be admitted (denials only).
-    pub retry_after_secs: u64,
-    pub headers: Option<RateLimitHeaders>,
-    /// CAS conflicts this request retried through.
-    pub cas_retries: u32,
-    /// Exact nanoseconds until the request would be admitted (denials).
-    pub wait_ns: u64,
-    /// What the key table did for this request.
-    pub table: TableEvent,
-    /// A guard denied after the tenant was charged: the charge was given back.
-    pub refunded: bool,
-    /// A global limit got no lease in time and decided by its failure mode
-    /// (see `sync::node`, "Never waiting forever").
-    pub no_lease: bool,
-}
-
-impl Decision {
-    fn pass(reason: Reason, subject: Subject) -> Decision {
-        Decision {
-            reason,
-            subject,
-            limit: None,
-            retry_after_secs: 0,
-            headers: None,
-            cas_retries: 0,
-            wait_ns: 0,
-            table: TableEvent::None,
-            refunded: false,
-            no_lease: false,
-        }
-    }
-
-    /// A final decision that needs no state (see [`prepare`]).
-    pub fn passed(reason: Reason) -> Decision {
-        Decision::pass(reason, Subject::None)
-    }
-
-    /// The host could not give the time or state needed to decide: 503.
-    pub fn unavailable() -> Decision {
-        Decision {
-            retry_after_secs: 1,
-            ..Decision::pass(Reason::StateUnavailable, Subject::None)
-        }
-    }
-
-    /// The status of the local reply, if the request is denied.
-    pub fn deny_status(&self) -> Option<u32> {
-        self.reason.deny_status()
-    }
 }
 
 /// Property path of the route's class in its `filter_metadata`.
@@ -308,6 +113,24 @@ pub fn charge_synced<H: Host>(
     sync: Option<&SyncState>,
     scratch: &mut Scratch,
 ) -> Decision {
+    charge_leased(policy, req, host, now, sync, req.class.cost, scratch)
+}
+
+/// [`charge_synced`], taking up to `want` units (≥ the request's cost) of
+/// every limit of the key in the same update when they all have them: the
+/// request's cost, and the rest for the worker's lease
+/// ([`Decision::leased`]; see `crate::pipeline::lease`). Only keys whose
+/// every limit is local, enforced and not a sliding log are leased, and
+/// never beside a guard: anything else charges the cost alone.
+pub fn charge_leased<H: Host>(
+    policy: &Policy,
+    req: &Prepared,
+    host: &H,
+    now: u64,
+    sync: Option<&SyncState>,
+    want: u64,
+    scratch: &mut Scratch,
+) -> Decision {
     let Some(plan) = policy.plan(req.plan) else {
         // Unreachable by construction (compile checks every reference).
         return Decision::pass(Reason::Unclassified, req.subject.clone());
@@ -320,11 +143,17 @@ pub fn charge_synced<H: Host>(
         let mode = req.class.failure_mode.unwrap_or(s.failure_mode);
         state.view(mode, s.provisional, s.local_max_ns, s.timeout_ns, now)
     });
+    let leasable = req.class.guard.is_none() && policy.mode == Mode::Enforce && leasable(&plan.limits);
     let ctx = Ctx {
         now,
         effective_from: policy.effective_from_ns,
         shadow_mode: policy.mode == Mode::Shadow,
         cost: req.class.cost,
+        want: if leasable {
+            want.max(req.class.cost)
+        } else {
+            req.class.cost
+        },
         headers: policy.ratelimit_headers,
         sync: view,
     };
@@ -341,6 +170,10 @@ pub fn charge_synced<H: Host>(
     let tenant = apply(host, &tenant_place, &plan.limits, &ctx, table);
     let mut decision = tenant.decision(&plan.limits, &plan.ratelimit_policy, Reason::RateLimited, &ctx);
     decision.subject = req.subject.clone();
+    decision.leased = tenant.extra;
+    if tenant.extra > 0 {
+        decision.standings = Some(Box::new(tenant.standings(plan.limits.len())));
+    }
     if decision.deny_status().is_some() {
         return decision;
     }
@@ -359,7 +192,13 @@ pub fn charge_synced<H: Host>(
     decision.cas_retries += guard_decision.cas_retries;
     if guard_decision.deny_status().is_some() {
         // The guard refused: give the tenant its tokens back.
-        decision.refunded = refund(host, &tenant_place, &plan.limits, tenant.charged, &ctx, table);
+        let back = Back {
+            charged: tenant.charged,
+            units: ctx.cost,
+            charged_at: now,
+            lease: None,
+        };
+        decision.refunded = refund(host, &tenant_place, &plan.limits, &back, &ctx, table);
         guard_decision.subject = decision.subject;
         guard_decision.table = decision.table;
         guard_decision.refunded = decision.refunded;
@@ -381,6 +220,8 @@ struct Ctx {
     effective_from: u64,
     shadow_mode: bool,
     cost: u64,
+    /// Units to take if every limit has them (the cost, plus a lease).
+    want: u64,
     /// Whether decisions carry `RateLimit` headers (formatted only then).
     headers: bool,
     /// What global limits decide with (`None`: the policy has none).
@@ -412,10 +253,10 @@ struct Binding {
 /// table's idleness test (its slot can be reclaimed without losing
 /// anything). A record this version cannot read counts as idle.
 pub fn record_is_idle(record: &Record<'_>, now: u64) -> bool {
-    if record.kind == KIND_GLOBAL_ALLOWANCE {
+    if record.kind == kind::GLOBAL_ALLOWANCE {
         return stored::decode_allowance(record.state).is_none_or(|a| a.is_idle(now));
     }
-    if record.kind == crate::admission::KIND_IN_FLIGHT {
+    if record.kind == kind::IN_FLIGHT {
         return crate::admission::holders::record_is_idle(record, now);
     }
     Algo::record_is_idle(record, now)
@@ -443,6 +284,8 @@ struct Applied {
     table: TableEvent,
     /// Some global limit decided by its failure mode for want of a lease.
     no_lease: bool,
+    /// Units charged beyond the request's cost, for the worker's lease.
+    extra: u64,
 }
 
 impl Applied {
@@ -458,7 +301,21 @@ impl Applied {
             cas_retries: 0,
             table: TableEvent::None,
             no_lease: false,
+            extra: 0,
         }
+    }
+
+    /// Each limit's standing after this charge (see [`Decision::standings`]).
+    fn standings(&self, limits: usize) -> Standings {
+        let mut s = Standings {
+            len: limits.min(MAX_RECORDS),
+            ..Standings::default()
+        };
+        for (i, r) in self.report.iter().enumerate().take(s.len) {
+            s.remaining[i] = r.remaining;
+            s.reset_ns[i] = r.reset_ns;
+        }
+        s
     }
 
     fn failed(reason: Reason, cas_retries: u32) -> Applied {
@@ -492,7 +349,7 @@ impl Applied {
                         ratelimit: item(b.limit),
                     });
                 }
-                d.limit = limits.get(b.limit).map(|l| l.name.clone());
+                d.limit = limits.get(b.limit).map(|l| LimitName::Rate(l.name.clone()));
                 d.wait_ns = b.wait_ns;
                 d.retry_after_secs = ceil_secs(b.wait_ns).max(1);
                 d.reason = if self.denied && !ctx.shadow_mode {
@@ -516,7 +373,8 @@ impl Applied {
 
 /// Checks `limits` for the key at `place` and charges them all if every
 /// enforced limit admits: one update of the key table (see
-/// [`table::update`]), retried on conflict.
+/// [`table::update`]), retried on conflict. Each attempt checks every
+/// limit ([`check_limits`]), then writes the records ([`write_records`]).
 fn apply<H: Host>(
     host: &H,
     place: &Place<'_>,
@@ -527,73 +385,13 @@ fn apply<H: Host>(
     let limits = &limits[..limits.len().min(MAX_LIMITS_PER_PLAN).min(MAX_RECORDS)];
     let updated = table::update(host, place, &CHARGE, ctx.now, buffers, |records, out| {
         let mut applied = Applied::new();
-        let mut changed = false;
         // Per limit: its state as read (migrated, normalised), and the state
         // after charging this request if the limit admits it.
         let mut states: [Option<Loaded>; MAX_RECORDS] = Default::default();
-        for (i, l) in limits.iter().enumerate() {
-            let record = records.and_then(|rs| rs.iter().find(|r| r.name_hash == l.name_hash));
-            let (outcome, loaded) = match (l.global, ctx.sync.as_ref()) {
-                (true, Some(view)) => {
-                    // Demand is counted even when the request is denied, so
-                    // a global limit always writes.
-                    changed = true;
-                    let checked = check_global(record, view, ctx);
-                    applied.no_lease |= checked.no_lease;
-                    (checked.outcome, Loaded::Global(checked.demanded, checked.charged))
-                }
-                _ => {
-                    // Under the reload rule, the parameters may be a newer
-                    // policy's that wrote the record.
-                    let loaded = l.algo.load(record, ctx.effective_from, ctx.now);
-                    changed |= loaded.changed;
-                    match loaded.algo.check(&loaded.state, ctx.now, ctx.cost) {
-                        Outcome::Admit {
-                            state,
-                            remaining,
-                            reset_ns,
-                        } => (
-                            Outcome::Admit {
-                                state: State::TokenBucket { tat: 0 },
-                                remaining,
-                                reset_ns,
-                            },
-                            Loaded::Local(loaded, Some(state)),
-                        ),
-                        deny => (deny, Loaded::Local(loaded, None)),
-                    }
-                }
-            };
-            match outcome {
-                Outcome::Admit {
-                    remaining, reset_ns, ..
-                } => {
-                    applied.report[i] = Standing { remaining, reset_ns };
-                }
-                Outcome::Deny {
-                    wait_ns,
-                    remaining,
-                    reset_ns,
-                } => {
-                    applied.report[i] = Standing { remaining, reset_ns };
-                    if l.shadow {
-                        applied.shadow_denied = true;
-                    } else {
-                        applied.denied = true;
-                    }
-                    // The binding limit: enforced ones first, then the longest wait.
-                    let rank = (!l.shadow, wait_ns);
-                    if applied
-                        .binding
-                        .is_none_or(|b| rank > (!limits[b.limit].shadow, b.wait_ns))
-                    {
-                        applied.binding = Some(Binding { limit: i, wait_ns });
-                    }
-                }
-            }
-            states[i] = Some(loaded);
+        let changed = check_limits(records, limits, ctx, &mut applied, &mut states);
+        if !applied.denied && ctx.want > ctx.cost {
+            lease_states(limits, ctx, &mut applied, &mut states);
         }
-
         if applied.denied && ctx.shadow_mode {
             // Shadow mode: as if enforcing (nothing charged), but go on.
             applied.shadow_denied = true;
@@ -603,60 +401,7 @@ fn apply<H: Host>(
         if applied.denied && !changed {
             return (Commit::Skip, applied);
         }
-        let count_at = out.len();
-        out.push(0);
-        let mut count = 0u8;
-        for (i, (l, loaded)) in limits.iter().zip(&states).enumerate() {
-            match loaded {
-                Some(Loaded::Local(loaded, charged)) => {
-                    let stored = match charged {
-                        Some(charged) if !applied.denied => {
-                            applied.charged |= 1 << i;
-                            charged
-                        }
-                        _ => &loaded.state,
-                    };
-                    push_local(out, l.name_hash, loaded, stored, ctx.now);
-                }
-                Some(Loaded::Global(demanded, charged)) => {
-                    let (p1, p2) = l.algo.params();
-                    let stored = match charged {
-                        Some(charged) if !applied.denied => {
-                            applied.charged |= 1 << i;
-                            charged
-                        }
-                        _ => demanded,
-                    };
-                    push_record_with(out, l.name_hash, KIND_GLOBAL_ALLOWANCE, p1, p2, |o| {
-                        stored::encode_allowance(stored, o)
-                    });
-                }
-                None => continue,
-            }
-            count += 1;
-        }
-        // Records of limits this plan lacks that a newer policy wrote (this
-        // worker has not reloaded yet, or the request was queued under the
-        // old policy) are kept as they are: dropping them would hand the
-        // newer policy's limit a fresh start on its next charge.
-        for r in records.iter().flat_map(|rs| rs.iter()) {
-            let room = usize::from(count) < MAX_RECORDS
-                && out
-                    .len()
-                    .saturating_add(RECORD_HEADER_LEN)
-                    .saturating_add(r.state.len())
-                    <= MAX_RECORDS_LEN;
-            if !room {
-                break;
-            }
-            if limits.iter().all(|l| l.name_hash != r.name_hash)
-                && Algo::written_by_newer(r, ctx.effective_from, ctx.now)
-            {
-                push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state);
-                count += 1;
-            }
-        }
-        out[count_at] = count;
+        write_records(out, records, limits, &states, ctx, &mut applied);
         // A denial's write is only a best-effort normalisation.
         let commit = if applied.denied {
             Commit::BestEffort
@@ -675,6 +420,251 @@ fn apply<H: Host>(
         Err(Failure::Unavailable { retries }) => Applied::failed(Reason::StateUnavailable, retries),
         Err(Failure::Absent | Failure::TooLarge) => Applied::failed(Reason::StateUnavailable, 0),
     }
+}
+
+/// Checks every limit against its record: its standing and the binding
+/// limit go into `applied`, its state as read and as charged into
+/// `states`. `true` if some record must be written even on a denial
+/// (migrated, normalised, or a global limit's demand).
+fn check_limits(
+    records: Option<&Records<'_>>,
+    limits: &[Limit],
+    ctx: &Ctx,
+    applied: &mut Applied,
+    states: &mut [Option<Loaded>; MAX_RECORDS],
+) -> bool {
+    let mut changed = false;
+    for (i, (l, slot)) in limits.iter().zip(states.iter_mut()).enumerate() {
+        let record = records.and_then(|rs| rs.iter().find(|r| r.name_hash == l.name_hash));
+        let (outcome, loaded) = match (l.global, ctx.sync.as_ref()) {
+            (true, Some(view)) => {
+                // Demand is counted even when the request is denied, so
+                // a global limit always writes.
+                changed = true;
+                let checked = check_global(record, view, ctx);
+                applied.no_lease |= checked.no_lease;
+                (checked.outcome, Loaded::Global(checked.demanded, checked.charged))
+            }
+            _ => {
+                // Under the reload rule, the parameters may be a newer
+                // policy's that wrote the record.
+                let loaded = l.algo.load(record, ctx.effective_from, ctx.now);
+                changed |= loaded.changed;
+                match loaded.algo.check(&loaded.state, ctx.now, ctx.cost) {
+                    Outcome::Admit {
+                        state,
+                        remaining,
+                        reset_ns,
+                    } => (
+                        Outcome::Admit {
+                            state: State::TokenBucket { tat: 0 },
+                            remaining,
+                            reset_ns,
+                        },
+                        Loaded::Local(loaded, Some(state)),
+                    ),
+                    deny => (deny, Loaded::Local(loaded, None)),
+                }
+            }
+        };
+        note_outcome(applied, limits, i, &outcome);
+        *slot = Some(loaded);
+    }
+    changed
+}
+
+/// Whether a plan's limits can be leased to a worker (see
+/// [`charge_leased`]): every one enforced and not a sliding log (whose log
+/// of instants a lease spent later would make inexact). A global limit
+/// leases only from the node's live service lease.
+fn leasable(limits: &[Limit]) -> bool {
+    limits
+        .iter()
+        .all(|l| !l.shadow && !matches!(l.algo, Algo::SlidingWindowLog(_)))
+}
+
+/// Takes `extra` units more than the request's cost from every limit, the
+/// most all of them have (at most `want − cost`): each limit's state and
+/// standing become the charge of `cost + extra`. Nothing changes unless
+/// every limit admits the larger charge.
+fn lease_states(
+    limits: &[Limit],
+    ctx: &Ctx,
+    applied: &mut Applied,
+    states: &mut [Option<Loaded>; MAX_RECORDS],
+) {
+    let mut extra = ctx.want.saturating_sub(ctx.cost);
+    for (i, loaded) in states.iter().take(limits.len()).enumerate() {
+        match loaded {
+            Some(Loaded::Local(live, Some(_))) if !matches!(live.algo, Algo::SlidingWindowLog(_)) => {
+                extra = extra.min(applied.report.get(i).map_or(0, |r| r.remaining));
+            }
+            Some(Loaded::Global(_, Some(charged))) => extra = extra.min(charged.leasable(ctx.now)),
+            _ => extra = 0,
+        }
+    }
+    if extra == 0 {
+        return;
+    }
+    let cost = ctx.cost.saturating_add(extra);
+    let mut leased: [Option<(Leased, Standing)>; MAX_RECORDS] = Default::default();
+    for (slot, loaded) in leased.iter_mut().zip(states.iter()).take(limits.len()) {
+        *slot = match loaded {
+            Some(Loaded::Local(live, _)) => match live.algo.check(&live.state, ctx.now, cost) {
+                Outcome::Admit {
+                    state,
+                    remaining,
+                    reset_ns,
+                } => Some((Leased::Local(state), Standing { remaining, reset_ns })),
+                Outcome::Deny { .. } => return,
+            },
+            Some(Loaded::Global(_, Some(charged))) => {
+                let (Some(view), mut more) = (ctx.sync.as_ref(), *charged) else {
+                    return;
+                };
+                if more.take(view, extra, ctx.now) != Ok(Admitted::Lease) {
+                    return;
+                }
+                let standing = Standing {
+                    remaining: more.available(ctx.now),
+                    reset_ns: view.interval_ns,
+                };
+                Some((Leased::Global(more), standing))
+            }
+            _ => return,
+        };
+    }
+    for (i, (slot, lease)) in states.iter_mut().zip(leased).enumerate().take(limits.len()) {
+        match (slot, lease) {
+            (Some(Loaded::Local(_, charged)), Some((Leased::Local(state), standing))) => {
+                *charged = Some(state);
+                applied.report[i] = standing;
+            }
+            (Some(Loaded::Global(_, charged)), Some((Leased::Global(a), standing))) => {
+                *charged = Some(a);
+                applied.report[i] = standing;
+            }
+            _ => {}
+        }
+    }
+    applied.extra = extra;
+}
+
+/// A limit's state after a lease's take (see [`lease_states`]).
+enum Leased {
+    Local(State),
+    Global(Allowance),
+}
+
+/// Limit `i`'s outcome into `applied`: its standing, and whether it denies
+/// (enforced or shadow) and binds: enforced limits first, then the
+/// longest wait.
+fn note_outcome(applied: &mut Applied, limits: &[Limit], i: usize, outcome: &Outcome) {
+    match *outcome {
+        Outcome::Admit {
+            remaining, reset_ns, ..
+        } => {
+            applied.report[i] = Standing { remaining, reset_ns };
+        }
+        Outcome::Deny {
+            wait_ns,
+            remaining,
+            reset_ns,
+        } => {
+            applied.report[i] = Standing { remaining, reset_ns };
+            let shadow = limits.get(i).is_some_and(|l| l.shadow);
+            if shadow {
+                applied.shadow_denied = true;
+            } else {
+                applied.denied = true;
+            }
+            let rank = (!shadow, wait_ns);
+            if applied
+                .binding
+                .is_none_or(|b| rank > (!limits[b.limit].shadow, b.wait_ns))
+            {
+                applied.binding = Some(Binding { limit: i, wait_ns });
+            }
+        }
+    }
+}
+
+/// Writes the key's records into `out`: each limit's state, charged unless
+/// the request is denied (its bit set in `applied.charged`), then the
+/// records a newer policy wrote ([`keep_newer_records`]), after their count.
+fn write_records(
+    out: &mut Vec<u8>,
+    records: Option<&Records<'_>>,
+    limits: &[Limit],
+    states: &[Option<Loaded>; MAX_RECORDS],
+    ctx: &Ctx,
+    applied: &mut Applied,
+) {
+    let count_at = out.len();
+    out.push(0);
+    let mut count = 0u8;
+    for (i, (l, loaded)) in limits.iter().zip(states).enumerate() {
+        match loaded {
+            Some(Loaded::Local(loaded, charged)) => {
+                let stored = match charged {
+                    Some(charged) if !applied.denied => {
+                        applied.charged |= 1 << i;
+                        charged
+                    }
+                    _ => &loaded.state,
+                };
+                push_local(out, l.name_hash, loaded, stored, ctx.now);
+            }
+            Some(Loaded::Global(demanded, charged)) => {
+                let (p1, p2) = l.algo.params();
+                let stored = match charged {
+                    Some(charged) if !applied.denied => {
+                        applied.charged |= 1 << i;
+                        charged
+                    }
+                    _ => demanded,
+                };
+                push_record_with(out, l.name_hash, kind::GLOBAL_ALLOWANCE, p1, p2, |o| {
+                    stored::encode_allowance(stored, o)
+                });
+            }
+            None => continue,
+        }
+        count += 1;
+    }
+    count = keep_newer_records(out, records, limits, ctx, count);
+    out[count_at] = count;
+}
+
+/// Records of limits this plan lacks that a newer policy wrote (this
+/// worker has not reloaded yet, or the request was queued under the old
+/// policy) are kept as they are: dropping them would hand the newer
+/// policy's limit a fresh start on its next charge. Returns the new count.
+fn keep_newer_records(
+    out: &mut Vec<u8>,
+    records: Option<&Records<'_>>,
+    limits: &[Limit],
+    ctx: &Ctx,
+    mut count: u8,
+) -> u8 {
+    for r in records.iter().flat_map(|rs| rs.iter()) {
+        let room = usize::from(count) < MAX_RECORDS
+            && out
+                .len()
+                .saturating_add(RECORD_HEADER_LEN)
+                .saturating_add(r.state.len())
+                <= MAX_RECORDS_LEN;
+        if !room {
+            break;
+        }
+        if limits.iter().all(|l| l.name_hash != r.name_hash)
+            && Algo::written_by_newer(r, ctx.effective_from, ctx.now)
+        {
+            push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state);
+            count += 1;
+        }
+    }
+    count
 }
 
 /// Appends a local limit's record: `state` under the parameters `live`
@@ -712,7 +702,7 @@ struct GlobalChecked {
 /// next lease comes with the next answer).
 fn check_global(record: Option<&Record<'_>>, view: &NodeView, ctx: &Ctx) -> GlobalChecked {
     let mut demanded = record
-        .filter(|r| r.kind == KIND_GLOBAL_ALLOWANCE)
+        .filter(|r| r.kind == kind::GLOBAL_ALLOWANCE)
         .and_then(|r| stored::decode_allowance(r.state))
         .unwrap_or_else(|| Allowance::fresh(view.provisional));
     demanded.note_demand(ctx.cost);
@@ -749,13 +739,30 @@ fn check_global(record: Option<&Record<'_>>, view: &NodeView, ctx: &Ctx) -> Glob
     }
 }
 
-/// Gives back the charge of the limits in `charged` (a later check denied
-/// the request). Best effort: returns whether it was written.
+/// What [`refund`] gives back: `units` of the limits in `charged`, charged
+/// at `charged_at`. `lease`: a worker's lease going back, whose `spent`
+/// units its requests used (a global limit's allowance takes it back too,
+/// and counts them as demand); otherwise a refused request's charge, which
+/// a global limit keeps (it errs toward admitting less).
+struct Back {
+    charged: u32,
+    units: u64,
+    charged_at: u64,
+    lease: Option<Spent>,
+}
+
+/// The units a worker's requests spent from its lease.
+#[derive(Debug, Clone, Copy)]
+struct Spent(u64);
+
+/// Gives back a charge (a later check denied the request, or a worker
+/// returns its lease's unused units). Best effort: returns whether it
+/// was written.
 fn refund<H: Host>(
     host: &H,
     place: &Place<'_>,
     limits: &[Limit],
-    charged: u32,
+    back: &Back,
     ctx: &Ctx,
     buffers: &mut table::Buffers,
 ) -> bool {
@@ -770,10 +777,22 @@ fn refund<H: Host>(
                 .enumerate()
                 .find(|(_, l)| l.name_hash == r.name_hash);
             match limit {
-                // A lease charge is not given back (it errs toward admitting less).
-                Some((i, l)) if charged & (1 << i) != 0 && !(l.global && r.kind == KIND_GLOBAL_ALLOWANCE) => {
+                Some((i, _)) if back.charged & (1 << i) != 0 && r.kind == kind::GLOBAL_ALLOWANCE => {
+                    let allowance = stored::decode_allowance(r.state);
+                    match (back.lease, allowance) {
+                        (Some(Spent(spent)), Some(mut a)) => {
+                            a.give_back(back.units, spent, ctx.now);
+                            push_record_with(out, r.name_hash, r.kind, r.p1, r.p2, |o| {
+                                stored::encode_allowance(&a, o)
+                            });
+                        }
+                        // A refused request's lease charge is not given back.
+                        _ => push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state),
+                    }
+                }
+                Some((i, l)) if back.charged & (1 << i) != 0 => {
                     let current = l.algo.load(Some(r), ctx.effective_from, ctx.now);
-                    let refunded = current.algo.refund(&current.state, ctx.cost, ctx.now);
+                    let refunded = current.algo.refund(&current.state, back.units, back.charged_at);
                     push_local(out, r.name_hash, &current, &refunded, ctx.now);
                 }
                 _ => push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state),
@@ -782,6 +801,153 @@ fn refund<H: Host>(
         (Commit::Write, ())
     });
     updated.is_ok_and(|u| u.written)
+}
+
+/// Gives `units` of a worker's lease on `req`'s key back to every limit of
+/// its plan, as charged at `taken_at` (a fixed window or a sliding counter
+/// takes back only within the window they were charged in). Best effort:
+/// units that cannot be given back are lost, which errs toward admitting
+/// less. Returns whether it was written.
+#[allow(clippy::too_many_arguments)]
+pub fn give_back<H: Host>(
+    policy: &Policy,
+    req: &Prepared,
+    host: &H,
+    units: u64,
+    spent: u64,
+    taken_at: u64,
+    now: u64,
+    scratch: &mut Scratch,
+) -> bool {
+    let Some(plan) = policy.plan(req.plan) else {
+        return false;
+    };
+    let ctx = Ctx {
+        now,
+        effective_from: policy.effective_from_ns,
+        shadow_mode: false,
+        cost: units,
+        want: units,
+        headers: false,
+        sync: None,
+    };
+    let Scratch { key, table } = scratch;
+    write_logical_key(key, &req.class.action, &req.subject);
+    let place = Place::Table {
+        logical: key.as_bytes(),
+        entries: policy.key_table_entries,
+        overflow: Overflow {
+            action: &req.class.action,
+            plan: &plan.name,
+        },
+    };
+    let limits = &plan.limits[..plan.limits.len().min(MAX_LIMITS_PER_PLAN).min(MAX_RECORDS)];
+    let back = Back {
+        charged: 1u32
+            .checked_shl(u32::try_from(limits.len()).unwrap_or(32))
+            .map_or(u32::MAX, |b| b.wrapping_sub(1)),
+        units,
+        charged_at: taken_at,
+        lease: Some(Spent(spent)),
+    };
+    refund(host, &place, limits, &back, &ctx, table)
+}
+
+/// A key of the key table: an action's, for a subject on its plan.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyOf<'a> {
+    pub action: &'a str,
+    pub subject: &'a Subject,
+    pub plan: usize,
+}
+
+/// One limit's standing on a key, read without charging it (see [`peek`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peeked {
+    /// What could be admitted now, in cost units.
+    pub remaining: u64,
+    /// Nanoseconds until the limit is whole again.
+    pub reset_ns: u64,
+}
+
+/// What each limit of `plan` has left for `subject` on `action`'s key, as
+/// this node's entry says at `now`: read, never charged, never written (a
+/// key not in the table has every limit whole). A global limit reports its
+/// allowance on this node (`sync`, as for [`charge_synced`]). `None`:
+/// shared data could not be read.
+pub fn peek<H: Host>(
+    policy: &Policy,
+    key: &KeyOf<'_>,
+    host: &H,
+    now: u64,
+    sync: Option<&SyncState>,
+    scratch: &mut Scratch,
+) -> Option<Vec<Peeked>> {
+    let (action, subject) = (key.action, key.subject);
+    let plan = policy.plan(key.plan)?;
+    let Scratch { key, table } = scratch;
+    write_logical_key(key, action, subject);
+    let place = Place::Table {
+        logical: key.as_bytes(),
+        entries: policy.key_table_entries,
+        overflow: Overflow {
+            action,
+            plan: &plan.name,
+        },
+    };
+    let effective_from = policy.effective_from_ns.min(now);
+    let view = policy.sync.as_ref().map(|s| {
+        let state = sync
+            .copied()
+            .unwrap_or_else(|| SyncState::new(effective_from, s.interval_ns, s.timeout_ns));
+        state.view(s.failure_mode, s.provisional, s.local_max_ns, s.timeout_ns, now)
+    });
+    let peek_all = |records: Option<&Records<'_>>| -> Vec<Peeked> {
+        plan.limits
+            .iter()
+            .map(|l| {
+                let record = records.and_then(|rs| rs.iter().find(|r| r.name_hash == l.name_hash));
+                peek_limit(l, record, view.as_ref(), policy.effective_from_ns, now)
+            })
+            .collect()
+    };
+    match table::update(host, &place, &Reach::Existing, now, table, |records, _| {
+        (Commit::Skip, peek_all(records))
+    }) {
+        Ok(u) => Some(u.result),
+        // Not in the table: every limit whole.
+        Err(Failure::Absent) => Some(peek_all(None)),
+        Err(_) => None,
+    }
+}
+
+/// One limit's standing from its record (`None`: whole).
+fn peek_limit(
+    l: &Limit,
+    record: Option<&Record<'_>>,
+    view: Option<&NodeView>,
+    effective_from: u64,
+    now: u64,
+) -> Peeked {
+    if let (true, Some(view)) = (l.global, view) {
+        let a = record
+            .filter(|r| r.kind == kind::GLOBAL_ALLOWANCE)
+            .and_then(|r| stored::decode_allowance(r.state))
+            .unwrap_or_else(|| Allowance::fresh(view.provisional));
+        return Peeked {
+            remaining: a.available(now),
+            reset_ns: view.interval_ns,
+        };
+    }
+    let live = l.algo.load(record, effective_from, now);
+    match live.algo.check(&live.state, now, 0) {
+        Outcome::Admit {
+            remaining, reset_ns, ..
+        }
+        | Outcome::Deny {
+            remaining, reset_ns, ..
+        } => Peeked { remaining, reset_ns },
+    }
 }
 
 /// The route class from trusted route metadata, else the route name, else
@@ -798,7 +964,9 @@ fn classify<'p, H: Host>(policy: &'p Policy, host: &H) -> Option<&'p Rc<RouteCla
     policy.route_class(name.as_deref().and_then(|b| core::str::from_utf8(b).ok()))
 }
 
-fn identify<H: Host>(policy: &Policy, host: &H) -> (Subject, usize) {
+/// Who a request is (the trusted identity, else the anonymous address
+/// group) and its plan.
+pub fn identify<H: Host>(policy: &Policy, host: &H) -> (Subject, usize) {
     let raw = match &policy.identity {
         policy::Identity::Header(name) => host.request_header(name),
         id @ policy::Identity::JwtClaim { .. } => id.property_path().and_then(|p| host.property(&p)),
@@ -881,32 +1049,6 @@ pub fn client_ip(address: &[u8]) -> Option<&str> {
             .bytes()
             .all(|b| b.is_ascii_hexdigit() || b == b'.' || b == b':');
     plausible.then_some(ip)
-}
-
-/// The logical key of one (subject × action): what a key-table slot holds.
-/// Actions are names (no `|`), tenant ids have no whitespace, addresses
-/// are hex, dots, colons and a `/prefix`.
-pub fn logical_key(action: &str, subject: &Subject) -> String {
-    let mut key = String::new();
-    write_logical_key(&mut key, action, subject);
-    key
-}
-
-/// [`logical_key`] into a reused buffer.
-fn write_logical_key(out: &mut String, action: &str, subject: &Subject) {
-    out.clear();
-    out.push_str(action);
-    match subject {
-        Subject::Tenant(id) => {
-            out.push_str("|t|");
-            out.push_str(id);
-        }
-        Subject::Anonymous { address, .. } => {
-            out.push_str("|a|");
-            out.push_str(address);
-        }
-        Subject::None => out.push_str("|-"),
-    }
 }
 
 fn ceil_secs(ns: u64) -> u64 {

@@ -1,6 +1,7 @@
 //! What the core needs from the proxy, as a trait: the glue implements it
-//! with proxy-wasm hostcalls, tests with an in-memory fake. Every method is
-//! infallible or returns a `Result` the core handles; none may trap.
+//! with proxy-wasm hostcalls, the tools and the native tests with the
+//! in-memory host ([`crate::memory`]). Every method is infallible or
+//! returns a `Result` the core handles; none may trap.
 
 /// The outcome of a compare-and-swap write to shared data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,6 +18,13 @@ pub struct HostError;
 pub trait Host {
     /// A request header's raw bytes (names are matched case-insensitively).
     fn request_header(&self, name: &str) -> Option<Vec<u8>>;
+
+    /// A response header's raw bytes (on the response's callbacks).
+    fn response_header(&self, name: &str) -> Option<Vec<u8>>;
+
+    /// The first `len` bytes of the response body chunk being delivered
+    /// (on the response body's callback).
+    fn response_body(&self, len: usize) -> Option<Vec<u8>>;
 
     /// A property's raw bytes, e.g. `["xds", "route_name"]`.
     fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
@@ -40,4 +48,17 @@ pub trait Host {
     /// Writes a shared-data value if its CAS token still is `cas`. A `None`
     /// token writes unconditionally (the key did not exist when read).
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<CasResult, HostError>;
+}
+
+/// The host's wall clock, in nanoseconds since the Unix epoch (`None`: the
+/// host could not tell). The core reads it only when a step needs the
+/// time; a fixed instant is a clock too (the tests' explicit time).
+pub trait Clock {
+    fn now(&self) -> Option<u64>;
+}
+
+impl Clock for u64 {
+    fn now(&self) -> Option<u64> {
+        Some(*self)
+    }
 }

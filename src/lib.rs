@@ -15,17 +15,18 @@
 //! on the root tick for policies with global limits.
 
 pub mod admission;
+pub mod decision;
 pub mod engine;
 pub mod host;
+pub mod keys;
 pub mod limiter;
+pub mod memory;
+pub mod pipeline;
 pub mod policy;
-pub mod queue;
 pub mod response;
+pub mod stats;
 pub mod sync;
 pub mod table;
-
-#[cfg(any(test, feature = "testing"))]
-pub mod testing;
 
 #[cfg(target_arch = "wasm32")]
 mod glue;

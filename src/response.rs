@@ -2,19 +2,33 @@
 //! `application/problem+json` body. Built from a [`Decision`]; nothing the
 //! client sent reaches the output unless it passed [`request_id`].
 
+use std::borrow::Cow;
+
 use serde::Serialize;
 
-use crate::engine::{Decision, Reason};
+use crate::decision::{Decision, LimitName, Reason};
 
 /// The header naming the stable reason of a denial.
 pub const REASON_HEADER: &str = "x-tenantgate-reason";
 
-/// A local reply, ready for the host.
+/// A local reply, ready for the host: a refusal, or a degraded answer
+/// from the cache ([`crate::admission::degraded::reply`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalReply {
     pub status: u32,
-    pub headers: Vec<(&'static str, String)>,
-    pub body: String,
+    /// Lower-case names.
+    pub headers: Vec<(Cow<'static, str>, String)>,
+    pub body: Vec<u8>,
+}
+
+impl LocalReply {
+    /// A header's value, if the reply has it.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
 }
 
 #[derive(Serialize)]
@@ -55,116 +69,33 @@ pub fn local_reply(
     let status = decision.deny_status()?;
     let reason = decision.reason;
     let retry_after = decision.retry_after_secs.max(1);
-    let (title, detail) = match reason {
-        Reason::RateLimited => (
-            "Too Many Requests",
-            format!(
-                "The rate limit \"{}\" is exhausted; retry in {retry_after} s.",
-                decision.limit.as_deref().unwrap_or("")
-            ),
-        ),
-        Reason::GlobalGuard => (
-            "Service Unavailable",
-            format!(
-                "The guard \"{}\" protecting a shared dependency refused this request (its aggregate limit is reached); retry in {retry_after} s.",
-                decision.limit.as_deref().unwrap_or("")
-            ),
-        ),
-        Reason::ConcurrencyLimit
-            if decision
-                .limit
-                .as_deref()
-                .is_some_and(|l| l.starts_with(crate::admission::ACTION_LIMIT_PREFIX)) =>
-        {
-            (
-                "Service Unavailable",
-                format!(
-                    "The API action \"{}\" is at its in-flight limit; retry in {retry_after} s.",
-                    decision
-                        .limit
-                        .as_deref()
-                        .and_then(|l| l.strip_prefix(crate::admission::ACTION_LIMIT_PREFIX))
-                        .unwrap_or("")
-                ),
-            )
-        }
-        Reason::ConcurrencyLimit
-        | Reason::StreamLimit
-        | Reason::TenantShare
-        | Reason::QueueFull
-        | Reason::QueueTimeout => (
-            "Service Unavailable",
-            format!(
-                "The dependency \"{}\" is at its {} for this request's priority; retry in {retry_after} s.",
-                decision.limit.as_deref().unwrap_or(""),
-                match reason {
-                    Reason::StreamLimit => "limit of open streams",
-                    Reason::TenantShare => "limit for one tenant",
-                    Reason::QueueFull => "in-flight limit and its queue is full",
-                    Reason::QueueTimeout => "in-flight limit and no slot came within the queue's max_wait",
-                    _ => "in-flight limit",
-                }
-            ),
-        ),
-        Reason::CircuitOpen
-        | Reason::CircuitProbeLimit
-        | Reason::Paused
-        | Reason::RetryBudget
-        | Reason::DependencyUnavailable => (
-            "Service Unavailable",
-            format!(
-                "The dependency \"{}\" {}; retry in {retry_after} s.",
-                decision.limit.as_deref().unwrap_or(""),
-                match reason {
-                    Reason::CircuitOpen => "is failing and its circuit breaker is open",
-                    Reason::CircuitProbeLimit => "is being probed after failing and its probes are all in flight",
-                    Reason::Paused => "is paused by the operator",
-                    Reason::RetryBudget => "has spent its retry budget, so this retry is not sent",
-                    _ => "is unavailable and no recent enough response can be served in its place",
-                }
-            ),
-        ),
-        Reason::RequestTooLarge => (
-            "Content Too Large",
-            String::from("The request body is larger than this route accepts."),
-        ),
-        Reason::TimeoutBudget => (
-            "Service Unavailable",
-            format!("The request's remaining timeout is too short for this route; retry in {retry_after} s with a longer timeout."),
-        ),
-        _ => (
-            "Service Unavailable",
-            format!(
-                "The rate limiter could not record this request ({}); retry shortly.",
-                reason.as_str()
-            ),
-        ),
-    };
+    let limit = decision.limit.as_ref().map(LimitName::problem_name);
+    let (title, detail) = explain(reason, decision.limit.as_ref(), retry_after);
     let problem = Problem {
         kind: format!("urn:tenantgate:problem:{}", reason.as_str()),
         title,
         status,
         detail,
         reason: reason.as_str(),
-        limit: decision.limit.as_deref(),
+        limit: limit.as_deref(),
         retry_after,
         policy_version,
         request_id,
     };
-    let body = serde_json::to_string(&problem).unwrap_or_default();
+    let body = serde_json::to_vec(&problem).unwrap_or_default();
 
-    let mut headers = vec![
-        ("content-type", String::from("application/problem+json")),
-        ("cache-control", String::from("no-store")),
-        ("retry-after", retry_after.to_string()),
-        (REASON_HEADER, reason.as_str().to_owned()),
+    let mut headers: Vec<(Cow<'static, str>, String)> = vec![
+        ("content-type".into(), String::from("application/problem+json")),
+        ("cache-control".into(), String::from("no-store")),
+        ("retry-after".into(), retry_after.to_string()),
+        (REASON_HEADER.into(), reason.as_str().to_owned()),
     ];
     if let (true, Some(h)) = (headers_enabled, &decision.headers) {
-        headers.push(("ratelimit-policy", h.policy.clone()));
-        headers.push(("ratelimit", h.ratelimit.clone()));
+        headers.push(("ratelimit-policy".into(), h.policy.clone()));
+        headers.push(("ratelimit".into(), h.ratelimit.clone()));
     }
     if let Some(id) = request_id {
-        headers.push(("x-request-id", id.to_owned()));
+        headers.push(("x-request-id".into(), id.to_owned()));
     }
     Some(LocalReply {
         status,
@@ -173,21 +104,101 @@ pub fn local_reply(
     })
 }
 
+/// The problem's title and its one-sentence detail for a refusal of
+/// `reason` by `limit`.
+fn explain(reason: Reason, limit: Option<&LimitName>, retry_after: u64) -> (&'static str, String) {
+    const UNAVAILABLE: &str = "Service Unavailable";
+    let name = limit.map_or("", LimitName::name);
+    match reason {
+        Reason::RateLimited => (
+            "Too Many Requests",
+            format!("The rate limit \"{name}\" is exhausted; retry in {retry_after} s."),
+        ),
+        Reason::GlobalGuard => (
+            UNAVAILABLE,
+            format!(
+                "The guard \"{name}\" protecting a shared dependency refused this request (its aggregate limit is reached); retry in {retry_after} s."
+            ),
+        ),
+        Reason::ConcurrencyLimit if matches!(limit, Some(LimitName::Action(_))) => (
+            UNAVAILABLE,
+            format!("The API action \"{name}\" is at its in-flight limit; retry in {retry_after} s."),
+        ),
+        Reason::ConcurrencyLimit
+        | Reason::StreamLimit
+        | Reason::TenantShare
+        | Reason::QueueFull
+        | Reason::QueueTimeout => (
+            UNAVAILABLE,
+            format!(
+                "The dependency \"{name}\" is at its {} for this request's priority; retry in {retry_after} s.",
+                at_its(reason)
+            ),
+        ),
+        Reason::CircuitOpen
+        | Reason::CircuitProbeLimit
+        | Reason::Paused
+        | Reason::RetryBudget
+        | Reason::DependencyUnavailable => (
+            UNAVAILABLE,
+            format!("The dependency \"{name}\" {}; retry in {retry_after} s.", why_unavailable(reason)),
+        ),
+        Reason::RequestTooLarge => (
+            "Content Too Large",
+            String::from("The request body is larger than this route accepts."),
+        ),
+        Reason::TimeoutBudget => (
+            UNAVAILABLE,
+            format!("The request's remaining timeout is too short for this route; retry in {retry_after} s with a longer timeout."),
+        ),
+        _ => (
+            UNAVAILABLE,
+            format!(
+                "The rate limiter could not record this request ({}); retry shortly.",
+                reason.as_str()
+            ),
+        ),
+    }
+}
+
+/// What a dependency is at, for a refusal by one of its limits.
+fn at_its(reason: Reason) -> &'static str {
+    match reason {
+        Reason::StreamLimit => "limit of open streams",
+        Reason::TenantShare => "limit for one tenant",
+        Reason::QueueFull => "in-flight limit and its queue is full",
+        Reason::QueueTimeout => "in-flight limit and no slot came within the queue's max_wait",
+        _ => "in-flight limit",
+    }
+}
+
+/// Why a dependency is unavailable, for a refusal by its breaker, its
+/// pause, its retry budget or its empty degraded-answer cache.
+fn why_unavailable(reason: Reason) -> &'static str {
+    match reason {
+        Reason::CircuitOpen => "is failing and its circuit breaker is open",
+        Reason::CircuitProbeLimit => "is being probed after failing and its probes are all in flight",
+        Reason::Paused => "is paused by the operator",
+        Reason::RetryBudget => "has spent its retry budget, so this retry is not sent",
+        _ => "is unavailable and no recent enough response can be served in its place",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::{Reason, Subject};
+    use crate::decision::Subject;
 
     #[test]
     fn a_guard_refusal_says_a_guard_protecting_a_dependency_refused() {
         let decision = Decision {
-            limit: Some("search-backend".into()),
+            limit: Some(LimitName::Rate("search-backend".into())),
             retry_after_secs: 2,
             ..Decision::passed(Reason::GlobalGuard)
         };
         let reply = local_reply(&decision, "v1", true, None).unwrap();
         assert_eq!(reply.status, 503);
-        let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
         assert_eq!(
             body["detail"],
             "The guard \"search-backend\" protecting a shared dependency refused this request (its aggregate limit is reached); retry in 2 s."
@@ -198,7 +209,7 @@ mod tests {
             subject: Subject::None,
             ..Decision::passed(Reason::Contention)
         };
-        let body = local_reply(&contention, "v1", true, None).unwrap().body;
+        let body = String::from_utf8(local_reply(&contention, "v1", true, None).unwrap().body).unwrap();
         assert!(
             body.contains("could not record this request (contention)"),
             "{body}"
@@ -207,17 +218,17 @@ mod tests {
 
     #[test]
     fn an_action_limit_refusal_names_the_action_not_a_dependency() {
-        let body = |limit: &str| {
+        let body = |limit: LimitName| {
             let decision = Decision {
-                limit: Some(limit.into()),
+                limit: Some(limit),
                 retry_after_secs: 3,
                 ..Decision::passed(Reason::ConcurrencyLimit)
             };
             let reply = local_reply(&decision, "v1", true, None).unwrap();
             assert_eq!(reply.status, 503);
-            serde_json::from_str::<serde_json::Value>(&reply.body).unwrap()
+            serde_json::from_slice::<serde_json::Value>(&reply.body).unwrap()
         };
-        let action = body("action:search");
+        let action = body(LimitName::Action("search".into()));
         assert_eq!(
             action["detail"],
             "The API action \"search\" is at its in-flight limit; retry in 3 s."
@@ -227,7 +238,7 @@ mod tests {
             (Some("action:search"), Some("concurrency_limit"))
         );
         assert_eq!(
-            body("db")["detail"],
+            body(LimitName::Dependency("db".into()))["detail"],
             "The dependency \"db\" is at its in-flight limit for this request's priority; retry in 3 s."
         );
     }

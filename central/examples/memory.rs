@@ -9,6 +9,13 @@
 //! records are gone. Memory is flat when the RSS after each round's expiry
 //! stays where the first round's was (the allocator keeps freed pages for
 //! reuse, so RSS does not drop to the start; it must not grow).
+//!
+//! Per (key, limit): the RSS growth over the keys (everything: records,
+//! sessions, tables, malloc's overhead), and the store's own account of
+//! its key records alone (each record with its name, version and table
+//! slot, `EmbeddedStore::footprint`); sessions are per node (here each
+//! holds 10 keys, so a tenth of one is charged to each key in the RSS
+//! figure). Target: ≤ 256 B per (key, limit) record.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a benchmark
 
@@ -17,7 +24,8 @@ use std::time::{Duration, Instant};
 
 use tenantgate::sync::{Report, SyncRequest, PROTOCOL_VERSION};
 use tenantgate_central::service::{policy, IntakeLimits, ManualClock, Service, Settings, StateLimits};
-use tenantgate_central::store::{EmbeddedStore, Store};
+use tenantgate_central::store::{EmbeddedStore, RedisStore, Store};
+use tenantgate_central::testing::RedisServer;
 
 const POLICY: &str = r#"
 version: "memory"
@@ -25,7 +33,7 @@ identity: { header: x-tenant-id }
 plans:
   free:
     limits:
-      - { name: per-min, rate: 6000, per: 1m, burst: 1000 }
+      - { name: per-min, rate: 6000, per: 1m, burst: 1000, global: true }
 tenants: []
 default_plan: free
 anonymous: { plan: free }
@@ -34,8 +42,13 @@ routes:
 "#;
 
 const NODES: u64 = 100_000;
+/// Node ids the Redis phase fills (× `KEYS_PER_NODE` keys).
+const REDIS_NODES: u64 = 100_000;
 const KEYS_PER_NODE: u64 = 10;
 const ROUNDS: u64 = 3;
+/// 2026-12-01 in ns since the epoch: the service's clock is the system
+/// clock, and its timestamps are this large in every record.
+const NOW_2026_NS: u64 = 1_796_083_200_000_000_000;
 
 fn rss_mib() -> f64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
@@ -47,6 +60,111 @@ fn rss_mib() -> f64 {
     kib / 1024.0
 }
 
+fn request(round: u64, n: u64) -> SyncRequest {
+    SyncRequest {
+        version: PROTOCOL_VERSION,
+        node_id: format!("node-{round}-{n}"),
+        region: format!("region-{}", n % 3),
+        policy_version: "memory".into(),
+        seq: 1,
+        boot: 1,
+        acked_seq: 0,
+        reports: (0..KEYS_PER_NODE)
+            .map(|k| Report {
+                key: format!("tenant-{round}-{n}-{k}|api"),
+                limit: "per-min".into(),
+                consumed: 1,
+                unleased: 0,
+                demand: 1,
+                failure_mode: None,
+                started_ms: None,
+            })
+            .collect(),
+        settings: None,
+    }
+}
+
+/// Redis: `MEMORY USAGE` of the records (a sample of 1,000 of each kind)
+/// and `used_memory`'s growth per key, with every key of the embedded
+/// phase's first round in one `redis-server`.
+async fn redis_phase(clock: Arc<ManualClock>) {
+    let server = RedisServer::start().unwrap();
+    let store = Arc::new(RedisStore::new(&server.url(), "tg").unwrap());
+    let service = Service::with_limits(
+        store.clone(),
+        clock,
+        Settings::default(),
+        IntakeLimits::default(),
+        StateLimits {
+            max_sessions: REDIS_NODES * 2,
+            max_keys: REDIS_NODES * KEYS_PER_NODE * 2,
+            ..StateLimits::default()
+        },
+    );
+    service.set_policy(&policy::parse(POLICY).unwrap());
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let used = |info: String| -> f64 {
+        info.lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    let before: String = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    for n in 0..REDIS_NODES {
+        service.sync(&request(0, n)).await.unwrap();
+    }
+    let after: String = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let keys = REDIS_NODES * KEYS_PER_NODE;
+    let usage = |names: Vec<String>| {
+        let mut conn = conn.clone();
+        async move {
+            let mut pipe = redis::pipe();
+            for n in &names {
+                pipe.cmd("MEMORY").arg("USAGE").arg(n).arg("SAMPLES").arg(0);
+            }
+            let sizes: Vec<u64> = pipe.query_async(&mut conn).await.unwrap();
+            sizes.iter().sum::<u64>() as f64 / sizes.len().max(1) as f64
+        }
+    };
+    let per_key = usage(
+        (0..1000u64)
+            .map(|i| {
+                format!(
+                    "tg:{{tenant-0-{}-{}|api}}:per-min",
+                    i * 97 % REDIS_NODES,
+                    i % KEYS_PER_NODE
+                )
+            })
+            .collect(),
+    )
+    .await;
+    let per_session = usage(
+        (0..1000u64)
+            .map(|i| format!("tg:n:{{node-0-{}}}", i * 97 % REDIS_NODES))
+            .collect(),
+    )
+    .await;
+    let grown = used(after) - used(before);
+    println!(
+        "redis: {keys} keys, {REDIS_NODES} sessions ({:.1} s): MEMORY USAGE {per_key:.0} B per (key, limit) [{}: target 256], \
+         {per_session:.0} B per session of {KEYS_PER_NODE} keys; used_memory grew {:.0} MiB ({:.0} B per key, sessions and the nodes set included)",
+        started.elapsed().as_secs_f64(),
+        if per_key <= 256.0 { "PASS" } else { "MISS" },
+        grown / 1024.0 / 1024.0,
+        grown / keys as f64,
+    );
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -54,7 +172,7 @@ fn main() {
         .unwrap();
     rt.block_on(async {
         let store = Arc::new(EmbeddedStore::new());
-        let clock = Arc::new(ManualClock::new(1_000_000_000_000));
+        let clock = Arc::new(ManualClock::new(NOW_2026_NS));
         let service = Service::with_limits(
             store.clone(),
             clock.clone(),
@@ -71,34 +189,17 @@ fn main() {
             "{NODES} node ids × {KEYS_PER_NODE} keys per round ({} distinct keys), {ROUNDS} rounds",
             NODES * KEYS_PER_NODE
         );
-        println!("start: RSS {:.0} MiB", rss_mib());
+        let start = rss_mib();
+        println!("start: RSS {start:.0} MiB");
         let mut after_expiry = Vec::new();
         for round in 0..ROUNDS {
             let started = Instant::now();
             for n in 0..NODES {
-                let req = SyncRequest {
-                    version: PROTOCOL_VERSION,
-                    node_id: format!("node-{round}-{n}"),
-                    region: format!("region-{}", n % 3),
-                    policy_version: "memory".into(),
-                    seq: 1,
-                    boot: 1,
-                    acked_seq: 0,
-                    reports: (0..KEYS_PER_NODE)
-                        .map(|k| Report {
-                            key: format!("tenant-{round}-{n}-{k}|api"),
-                            limit: "per-min".into(),
-                            consumed: 1,
-                            unleased: 0,
-                            demand: 1,
-                            failure_mode: None,
-                        })
-                        .collect(),
-                    settings: None,
-                };
+                let req = request(round, n);
                 service.sync(&req).await.unwrap();
             }
             let filled = rss_mib();
+            let f = store.footprint();
             let (keys, sessions) = (
                 store.key_count().await.unwrap(),
                 store.session_count().await.unwrap(),
@@ -117,11 +218,18 @@ fn main() {
             let expired = rss_mib();
             after_expiry.push(expired);
             println!(
-                "round {}: {keys} keys, {sessions} sessions → RSS {filled:.0} MiB; after expiry ({sweeps} sweeps) 0 keys, 0 sessions → RSS {expired:.0} MiB ({:.1} s)",
+                "round {}: {keys} keys, {sessions} sessions → RSS {filled:.0} MiB ({:.0} B per key, sessions included); \
+                 records: {:.0} B per (key, limit) [{}: target 256], {:.0} B per session of {KEYS_PER_NODE} keys; \
+                 after expiry ({sweeps} sweeps) 0 keys, 0 sessions → RSS {expired:.0} MiB ({:.1} s)",
                 round + 1,
+                (filled - start) * 1024.0 * 1024.0 / keys.max(1) as f64,
+                f.key_bytes as f64 / f.keys.max(1) as f64,
+                if f.key_bytes <= 256 * f.keys { "PASS" } else { "MISS" },
+                f.session_bytes as f64 / f.sessions.max(1) as f64,
                 started.elapsed().as_secs_f64()
             );
         }
+        redis_phase(clock.clone()).await;
         let first = after_expiry[0];
         let last = after_expiry[after_expiry.len() - 1];
         println!(

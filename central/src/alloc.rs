@@ -11,15 +11,17 @@
 //! TTL `ttl`; the provisional allowance `P` (`sync.provisional`, units per
 //! node and key start); `S` the most key starts one node makes within one
 //! window (see below; 1 for a key the node keeps in its table); a central
-//! outage of length `T`; `A` the aggregate demand rate. The units admitted
-//! across all nodes in **any** window of length `W` are at most
+//! outage of length `T`; `A` the aggregate demand rate; `a_i` node `i`'s
+//! outage allowance (units per interval, see "Outage allowances") and `c`
+//! the limit's largest route cost (`max_cost`). The units admitted across
+//! all nodes in **any** window of length `W` are at most
 //!
 //! ```text
 //!     L + B + N·S·P + X(T)
 //!
-//!     X(T) = 0                        fail_closed, or no outage (T = 0)
-//!     X(T) = Σ shares ≤ r·I           fail_open_local, for any T
-//!     X(T) = A·min(T + I + D, W)      fail_open
+//!     X(T) = 0                             fail_closed, or no outage (T = 0)
+//!     X(T) = Σ (a_i + c) ≤ r·I + N·c       fail_open_local, for any T
+//!     X(T) = A·min(T + I + D, W)           fail_open
 //! ```
 //!
 //! with each (key, limit)'s failure mode as its node reports it (a route
@@ -42,8 +44,8 @@
 //! lacks, a key the node's full table charges to its overflow entry, which
 //! is never reported). After waiting `2·I + D` for a lease such a key runs
 //! its failure mode (`tenantgate.sync.no_lease` counts it): `fail_closed`
-//! admits nothing, `fail_open_local` at most its last share (or `P`) per
-//! `I` per node, `fail_open` everything.
+//! admits nothing, `fail_open_local` at most its last outage allowance
+//! or share (or `P`) per `I` per node, `fail_open` everything.
 //!
 //! # Fair shares
 //! Shares are computed in thousandths of a unit and each node's share
@@ -76,17 +78,21 @@
 //! charged to `b` when reported (or becomes debt), hence the extra terms:
 //! * provisional allowances: at most `P` per node and key start, `S`
 //!   starts per node and window;
-//! * `fail_open_local`: each cut-off node admits at most its last share per
-//!   interval from a local bucket that starts empty and holds at most one
-//!   share, for the node's own `local_max` after its lease died. The
-//!   service keeps the shares of nodes it has not heard from reserved
-//!   (until that node's `answered_at + D + ttl + local_max`, with its
-//!   reported values) and charges them to `b` as time passes (before any
-//!   grant), for every key that does not fail closed (a `fail_closed` key
-//!   admits nothing without a lease: nothing is kept for it), and
-//!   it never sends shares that could sum above `r·I`, so local admissions
-//!   come out of the refill except for what the local buckets saved up
-//!   (`≤ Σ shares ≤ r·I`).
+//! * `fail_open_local`: each cut-off node admits at most its outage
+//!   allowance `a_i` per interval from a local bucket that starts empty and
+//!   holds at most `a_i + c` (one interval's allowance and one request of
+//!   any cost, so requests arriving unevenly lose nothing), for
+//!   the node's own `local_max` after its lease died. The service keeps the
+//!   allowances of nodes it has not heard from reserved (until that node's
+//!   `answered_at + D + ttl + local_max`, with its reported values) and
+//!   charges them to `b` as time passes (before any grant), for every key
+//!   that does not fail closed (a `fail_closed` key admits nothing without
+//!   a lease: nothing is kept for it), and it never sends allowances that
+//!   could sum above `r·I`, so local admissions come out of the refill
+//!   except for what the local buckets saved up: `≤ Σ (a_i + c) ≤ r·I +
+//!   N·c`. (Stated as `Σ shares ≤ r·I` before issue 21, which missed that
+//!   a local bucket holds at least one request: below one unit per node
+//!   and interval, 100/min over three nodes, that is more than a share.)
 //! * `fail_open`: everything demanded while in the failure mode, which lasts
 //!   at most the outage plus one sync (`T + I + D`) and at most `W` of it
 //!   falls in one window.
@@ -105,16 +111,59 @@
 //! bound. A node silent past that keeps its reservation for `settle_ns`
 //! more, then it is written off as consumed.
 //!
+//! # Outage allowances
+//! Each lease carries the node's outage allowance `a_i` (thousandths of a
+//! unit per interval): what its `fail_open_local` admits once the lease
+//! expired with no new one. The rule: the rate `r·I` (in thousandths,
+//! rounded down), less the allowances kept for silent nodes, split
+//! **equally** among the nodes active on the key (that reported it within
+//! the last three intervals: a node reports a key for a minute after its
+//! last request), whatever their demand; each capped at `r·I` less every
+//! other node's largest allowance it may still hold (acknowledged, or sent
+//! since), so `Σ a_i ≤ r·I` at every instant, as nodes join and leave (a
+//! joining node gets what is left until the others acknowledged their
+//! smaller allowances, within two intervals). Why equal: during an outage
+//! the service sees no demand, and the demand at its last answer is no
+//! guide once demand moved. With last shares, three Envoys whose demand
+//! had just shifted to one of them admitted 0 and 55 of 100 over an
+//! outage's minute. Utilisation: the nodes admit `Σ_i min(d_i, a_i)` per
+//! interval over an outage (`d_i` node `i`'s demand), so all of the rate
+//! once every active node asks for at least `r·I / n`, and at least
+//! `min(d_i, r·I / n)` on every active node. A node with no request in the
+//! minute before the outage has neither an allowance nor a lease to fall
+//! back from. A node older than allowances (no `outage_allowance` in its
+//! settings) runs its local limit at its whole share: that is what is
+//! reserved, charged and capped for it instead.
+//!
+//! # A cold key's burst
+//! While the bucket holds **surplus** (beyond every node's credit and this
+//! interval's refill: a key that starts with its bucket full, or one idle
+//! long enough), a lease is topped up to one interval of the node's demand,
+//! out of the surplus only; credit still fills a lease up to its share's
+//! level and no further. (One interval, not the lease factor's 1.5: the
+//! next lease tops it up an interval later, and half an interval more
+//! would be taken from nodes whose first report comes later.) A key's
+//! first report from a node says how long ago the key started on it
+//! (`Report::started_ms`): its demand came within that time (at least a
+//! tenth of an interval), so a burst seen a tenth of an interval in is
+//! leased at ten times that per interval. So the first leases of a cold
+//! key hand out the bucket by demand, not one share per interval each (a
+//! burst of 100 from cold admitted 44 in two Envoys before). The bound does not move: every lease
+//! is carved out of the bucket, and `b + Σ R_i ≤ B` holds whoever draws
+//! it. Once the bucket is scarce the surplus is gone, and the refill is
+//! split by shares as before.
+//!
 //! # Allocation
 //! Once per service interval (`now / I`), per (key, limit): the interval's
-//! flow `r·I`, less the shares reserved for silent nodes, is split among
+//! flow `r·I`, less the outage allowances reserved for silent nodes, is split among
 //! regions by recent demand, max-min fair with a floor per region and a cap
 //! of an equal share plus the borrowing ceiling; each region's part is split
 //! among its nodes the same way (floor per node), all in thousandths of a
 //! unit (see "Fair shares"). A node's lease is topped up to its level,
 //! `max(share × lease_factor, max_cost)` (to last until the next lease
-//! arrives), out of the surplus and then its credit, never beyond what `b`
-//! holds. Demand is an average of reported demand
+//! arrives), out of the surplus and then its credit, and beyond it to one
+//! interval of its demand out of the surplus only (see "A cold key's
+//! burst"), never beyond what `b` holds. Demand is an average of reported demand
 //! (denials included) per unit of the service's time.
 //!
 //! # Debt
@@ -160,7 +209,7 @@ use tenantgate::sync::{Counts, FailureMode, Lease, SyncRequest, SyncResponse, PR
 
 use crate::error::{AllocError, ConfigError};
 pub use fair::{max_min_fair, Claim};
-pub use key::{Enforced, KeyState, KeyStats, RegionView};
+pub use key::{Enforced, KeyState, KeyStats, RegionView, Span};
 use session::Intake;
 pub use session::{KeyId, SeqCheck, Session, MAX_SEQ_AHEAD_NS, MAX_SEQ_STEP};
 
@@ -275,6 +324,10 @@ pub struct NodeTerms {
     pub timeout_ns: u64,
     /// How long the node's `fail_open_local` lasts.
     pub local_max_ns: u64,
+    /// The node runs `fail_open_local` at each lease's outage allowance
+    /// (`false`: a node older than it, which runs it at its whole share).
+    #[serde(default)]
+    pub outage_allowance: bool,
 }
 
 /// How a request's reported settings compare with the service's policy.
@@ -295,6 +348,7 @@ impl AllocConfig {
         NodeTerms {
             timeout_ns: self.response_timeout_ns,
             local_max_ns: self.local_max_ns,
+            outage_allowance: false,
         }
     }
 
@@ -303,10 +357,7 @@ impl AllocConfig {
         let Some(s) = &req.settings else {
             return (self.terms(), SettingsCheck::Unreported);
         };
-        let terms = NodeTerms {
-            timeout_ns: s.timeout_ms.saturating_mul(NANOS_PER_MS),
-            local_max_ns: s.local_max_ms.saturating_mul(NANOS_PER_MS),
-        };
+        let terms = NodeTerms::reported(s);
         // The node reports whole milliseconds, rounded up.
         let ms = |ns: u64| ns.div_ceil(NANOS_PER_MS);
         let same = s.timeout_ms == ms(self.response_timeout_ns)
@@ -328,6 +379,15 @@ impl AllocConfig {
 }
 
 impl NodeTerms {
+    /// What a node's reported settings say it enforces.
+    pub fn reported(s: &tenantgate::sync::NodeSettings) -> NodeTerms {
+        NodeTerms {
+            timeout_ns: s.timeout_ms.saturating_mul(NANOS_PER_MS),
+            local_max_ns: s.local_max_ms.saturating_mul(NANOS_PER_MS),
+            outage_allowance: s.outage_allowance,
+        }
+    }
+
     /// The longest a lease granted at `t` can be used: `t + D + ttl`.
     pub fn lease_life_ns(&self, cfg: &AllocConfig) -> u64 {
         self.timeout_ns.saturating_add(cfg.lease_ttl_ns)
@@ -354,6 +414,9 @@ pub struct KeyView {
     pub regions: BTreeMap<String, RegionView>,
     /// Each node's current share (units per interval).
     pub shares: BTreeMap<String, u64>,
+    /// Each node's last outage allowance sent, thousandths of a unit per
+    /// interval (nodes that run it only).
+    pub outage_milli: BTreeMap<String, u64>,
 }
 
 /// The reconciliation state of the central cluster, in memory: the
@@ -469,6 +532,10 @@ pub struct Begun {
     /// another (rare: indexed only then).
     mode: Option<FailureMode>,
     modes: HashMap<KeyId, FailureMode>,
+    /// The reports of keys that started on the node since their last lease
+    /// and how long ago (`Report::started_ms`, in ns; rare: indexed only
+    /// then).
+    started: HashMap<KeyId, u64>,
 }
 
 impl Begun {
@@ -508,6 +575,12 @@ impl Begun {
         self.terms.unwrap_or_else(|| cfg.terms())
     }
 
+    /// How long before the request `id` started on the node, if it has had
+    /// no lease since (see `Report::started_ms`).
+    pub fn started_ns(&self, id: &KeyId) -> Option<u64> {
+        self.started.get(id).copied()
+    }
+
     /// The failure mode the node runs for `id` once its lease expired.
     pub fn mode_of(&self, id: &KeyId, cfg: &AllocConfig) -> FailureMode {
         self.modes
@@ -526,15 +599,18 @@ pub fn begin(session: &mut Option<Session>, req: &SyncRequest, now: u64) -> Opti
     let held = s.held.clone();
     let intake = s.intake(req, now)?;
     let mut modes = HashMap::new();
+    let mut started = HashMap::new();
     for r in &req.reports {
         if let Some(m) = r.failure_mode {
             modes.entry((r.key.clone(), r.limit.clone())).or_insert(m);
         }
+        if let Some(ms) = r.started_ms {
+            started
+                .entry((r.key.clone(), r.limit.clone()))
+                .or_insert(ms.saturating_mul(NANOS_PER_MS));
+        }
     }
-    let terms = req.settings.map(|st| NodeTerms {
-        timeout_ns: st.timeout_ms.saturating_mul(NANOS_PER_MS),
-        local_max_ns: st.local_max_ms.saturating_mul(NANOS_PER_MS),
-    });
+    let terms = req.settings.as_ref().map(NodeTerms::reported);
     if let Some(t) = terms {
         s.enforced(t);
     }
@@ -547,6 +623,7 @@ pub fn begin(session: &mut Option<Session>, req: &SyncRequest, now: u64) -> Opti
         terms,
         mode: req.settings.map(|st| st.failure_mode),
         modes,
+        started,
     })
 }
 
@@ -610,7 +687,11 @@ pub fn visit(
     };
     let ks = slot.get_or_insert_with(|| KeyState::new(limit, now));
     ks.advance(now, cfg);
-    ks.touch(node, &begun.region, delta, begun.intake.prev_heard_at, now, cfg);
+    let span = Span {
+        prev_heard_at: begun.intake.prev_heard_at,
+        started_ns: begun.started_ns(id),
+    };
+    ks.touch(node, &begun.region, delta, span, now, cfg);
     ks.settle(node, delta, &begun.intake, cfg);
     ks.heard(node, now);
     let enforced = Enforced {

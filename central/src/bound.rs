@@ -6,7 +6,7 @@ use tenantgate::sync::FailureMode;
 
 /// The formula, as printed beside measurements.
 pub const FORMULA: &str = "L + B + N*S*P + X(T); X = 0 (fail_closed or T = 0), \
-     r*I (fail_open_local), A*min(T + I + D, W) (fail_open)";
+     r*I + N*c (fail_open_local), A*min(T + I + D, W) (fail_open)";
 
 /// The parameters the bound depends on (times in nanoseconds).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -28,6 +28,9 @@ pub struct BoundInputs {
     pub starts_per_node: u64,
     /// `N`.
     pub nodes: u64,
+    /// `c`: the largest route cost (a local limit holds at least one
+    /// request of it).
+    pub max_cost: u64,
     /// `T`: central outage (0: none).
     pub outage_ns: u64,
     pub failure_mode: FailureMode,
@@ -70,8 +73,9 @@ pub fn bound(b: &BoundInputs) -> Bound {
     } else {
         match b.failure_mode {
             FailureMode::FailClosed => 0,
-            // Σ shares ≤ r·I, rounded up.
-            FailureMode::FailOpenLocal => scale(b.limit, b.interval_ns, b.window_ns),
+            // Σ (a_i + c) ≤ r·I + N·c, rounded up.
+            FailureMode::FailOpenLocal => scale(b.limit, b.interval_ns, b.window_ns)
+                .saturating_add(b.nodes.saturating_mul(b.max_cost.max(1))),
             FailureMode::FailOpen => {
                 let span = b
                     .outage_ns
@@ -108,6 +112,7 @@ mod tests {
             provisional: 2,
             starts_per_node: 1,
             nodes: 100,
+            max_cost: 1,
             outage_ns,
             failure_mode: mode,
             demand_per_window: 15_000,
@@ -122,9 +127,15 @@ mod tests {
             (12_000, 200, 0)
         );
         assert_eq!(steady.max_window(), 12_200);
-        // fail_open_local: one interval of the global rate, whatever T.
-        assert_eq!(bound(&inputs(FailureMode::FailOpenLocal, 30 * S)).outage, 1_000);
-        assert_eq!(bound(&inputs(FailureMode::FailOpenLocal, 3 * S)).outage, 1_000);
+        // fail_open_local: one interval of the global rate, plus one
+        // request's cost per node, whatever T.
+        assert_eq!(bound(&inputs(FailureMode::FailOpenLocal, 30 * S)).outage, 1_100);
+        assert_eq!(bound(&inputs(FailureMode::FailOpenLocal, 3 * S)).outage, 1_100);
+        let costly = BoundInputs {
+            max_cost: 5,
+            ..inputs(FailureMode::FailOpenLocal, 3 * S)
+        };
+        assert_eq!(bound(&costly).outage, 1_500);
         assert_eq!(bound(&inputs(FailureMode::FailClosed, 30 * S)).outage, 0);
         // fail_open: all demand for T + I + D, at most a window of it.
         assert_eq!(bound(&inputs(FailureMode::FailOpen, 2 * S)).outage, 5_250);

@@ -11,13 +11,18 @@
 //!
 //! * [`store`]: where the allocator's records live (embedded, Redis).
 //! * [`service`]: `tenantgate serve`, the allocator over HTTP/JSON.
+//! * [`quota`]: quota reservations, their stores and their HTTP API.
+//! * [`clock`] and [`listener`]: plumbing beneath both APIs (the service's
+//!   clock; the API listener, its mTLS identity and in-flight default).
 //!
 //! The allocator is pure like the filter's core: time is always an
 //! argument; the service supplies its own clock.
 
 pub mod alloc;
 pub mod bound;
+pub mod clock;
 pub mod error;
+pub mod listener;
 pub mod quota;
 pub mod service;
 pub mod sim;

@@ -7,7 +7,7 @@
 //!
 //! It runs the code the filter ships ([`shipped`]: every request goes
 //! through the engine's charge path, every tick through `sync::shared`'s
-//! claim, scan and apply, over the fake host with two workers per node)
+//! claim, scan and apply, over the in-memory host with two workers per node)
 //! and the **real** [`Allocator`], and the sync messages travel as the
 //! protocol's JSON with configurable latency and loss. A worker ticks
 //! every tick; the shared state says when a report is due (every
@@ -196,6 +196,16 @@ pub struct Outcome {
     /// over those windows (after the first `window_s`); `null` if no
     /// region of two nodes or more admitted 10 units per node in one.
     pub fairness_min: Option<f64>,
+    /// Issue 21, for a run with an outage: the units admitted over the
+    /// outage's first window (at most its length), % of the limit over
+    /// that time.
+    pub outage_window_pct: Option<f64>,
+    /// The least, among the nodes with demand over that window, of what a
+    /// node admitted ÷ its equal share of the limit over it, %.
+    pub outage_node_min_pct: Option<f64>,
+    /// Issue 21, for a burst from cold: the units admitted within two sync
+    /// intervals of the key's first request ÷ min(B, demand then), %.
+    pub burst_pct: Option<f64>,
 }
 
 /// A finished run: its outcome and per-second series.
@@ -254,6 +264,7 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
         provisional: cfg.provisional,
         starts_per_node: trace.max_starts.max(1),
         nodes: topo.nodes(),
+        max_cost: cfg.max_cost,
         outage_ns,
         failure_mode: spec.failure_mode,
         demand_per_window: (spec.peak_level() * cfg.limit as f64).ceil() as u64,
@@ -272,6 +283,13 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
         window_ticks,
         10.0,
     );
+    let (outage_window_pct, outage_node_min_pct) = match spec.outage_s {
+        Some((from, to)) => outage_window(&trace, cfg, from, to),
+        None => (None, None),
+    };
+    let burst_pct = matches!(spec.shape, scenario::Shape::Burst { .. })
+        .then(|| burst_admitted(&trace, cfg))
+        .flatten();
     let outcome = Outcome {
         scenario: spec.name,
         topology: topo.name(),
@@ -318,6 +336,9 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
         min_admitted_in_window: min_window,
         fairness_window_s: secs(cfg.window_ns) * windows as f64,
         fairness_min: fairness_min.map(|j| (j * 1000.0).floor() / 1000.0),
+        outage_window_pct,
+        outage_node_min_pct,
+        burst_pct,
     };
     Ok(Run {
         outcome,
@@ -325,6 +346,49 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
         demand_per_s,
         rate_per_s,
     })
+}
+
+/// Over the outage `[from_s, to_s)`'s first window (at most its length):
+/// admitted ÷ the limit's flow over it, and the least, among nodes with
+/// demand then, of a node's admissions ÷ its equal share, both %.
+fn outage_window(
+    trace: &world::Trace,
+    cfg: &SimConfig,
+    from_s: f64,
+    to_s: f64,
+) -> (Option<f64>, Option<f64>) {
+    let tick_s = cfg.tick_ns as f64 / NANOS_PER_SEC as f64;
+    let start = (from_s / tick_s).round() as usize;
+    let span = ((to_s - from_s).min(cfg.window_ns as f64 / NANOS_PER_SEC as f64) / tick_s).round() as usize;
+    let end = start.saturating_add(span).min(trace.admitted.len());
+    if end <= start {
+        return (None, None);
+    }
+    let flow =
+        cfg.limit as f64 * ((end - start) as f64 * tick_s) * NANOS_PER_SEC as f64 / cfg.window_ns as f64;
+    let sum = |v: &[u64]| v.get(start..end).map_or(0, |s| s.iter().sum::<u64>());
+    let total = sum(&trace.admitted);
+    let nodes = trace.admitted_by_node.len().max(1) as f64;
+    let least = trace
+        .admitted_by_node
+        .iter()
+        .zip(&trace.demand_by_node)
+        .filter(|(_, d)| sum(d) > 0)
+        .map(|(a, _)| 100.0 * sum(a) as f64 / (flow / nodes))
+        .reduce(f64::min);
+    (Some(round2(100.0 * total as f64 / flow)), least.map(round2))
+}
+
+/// Units admitted within two sync intervals of the first request (over
+/// all nodes) ÷ min(B, demand then), %.
+fn burst_admitted(trace: &world::Trace, cfg: &SimConfig) -> Option<f64> {
+    let first = trace.demand.iter().position(|&d| d > 0)?;
+    let span = (2 * cfg.interval_ns / cfg.tick_ns.max(1)) as usize;
+    let end = first.saturating_add(span).min(trace.admitted.len());
+    let admitted: u64 = trace.admitted.get(first..end)?.iter().sum();
+    let demand: u64 = trace.demand.get(first..end)?.iter().sum();
+    let of = demand.min(cfg.burst).max(1);
+    Some(round2(100.0 * admitted as f64 / of as f64))
 }
 
 fn round2(x: f64) -> f64 {

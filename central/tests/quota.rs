@@ -288,11 +288,16 @@ async fn state_machine_and_idempotency(b: Backend) {
         body(&s.commit("r5", None, T0).await.unwrap().body)["error"],
         "expired"
     );
-    // A commit of more than reserved is invalid (400 naming amount).
+    // A commit of more than reserved conflicts with the reservation (409
+    // naming amount; the request itself is well-formed).
     let over = s.commit("r6", Some(21), T0).await.unwrap();
     assert_eq!(
-        (over.status, body(&over.body)["field"].as_str()),
-        (400, Some("amount"))
+        (
+            over.status,
+            body(&over.body)["error"].as_str(),
+            body(&over.body)["field"].as_str()
+        ),
+        (409, Some("conflict"), Some("amount"))
     );
     assert_eq!(s.commit("nope", None, T0).await.unwrap().status, 404);
     // A reload lowers the project limit below what is in use (r6: 20 of

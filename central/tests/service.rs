@@ -235,6 +235,7 @@ fn request(node: &str, seq: u64, acked: u64, reports: &[(&str, &str, u64)]) -> S
                 unleased: 0,
                 demand: *n,
                 failure_mode: None,
+                started_ms: None,
             })
             .collect(),
         settings: None,
@@ -319,6 +320,7 @@ async fn two_instances_share_one_store(b: Backend) {
                     unleased: 0,
                     demand: 500,
                     failure_mode: None,
+                    started_ms: None,
                 }],
                 ..request(node, round, round - 1, &[])
             };
@@ -649,7 +651,14 @@ async fn under_load(
 /// lease is unchanged.
 async fn hostile_nodes_change_nothing(b: Backend) {
     const MAX_SESSIONS: u64 = 2_000;
-    let policy = policy_file(POLICY_V1);
+    // A 1 s deadline (half the callout timeout): what is under test is that
+    // hostile requests change nothing and leave the honest node served, not
+    // the default 250 ms deadline on a loaded machine (CI saw an honest
+    // request answered 503 at 250 ms with the load average at 11).
+    let policy = policy_file(&POLICY_V1.replace(
+        "sync: { cluster: tenantgate }",
+        "sync: { cluster: tenantgate, interval: 4s, timeout: 2s }",
+    ));
     let clock = Arc::new(ManualClock::new(T0));
     let service = Service::with_limits(
         b.store(),
@@ -852,8 +861,18 @@ async fn hostile_nodes_change_nothing(b: Backend) {
     // p90, not p99: of a few hundred samples on a shared 2-core machine,
     // the p99 is one or two requests a descheduled thread delayed (CI once
     // saw 51.7 ms against 23.3 ms with other builds running).
+    //
+    // With a floor: since records became compact (issue 22), a known
+    // node's request on Redis costs about 7 ms at p90 here where it cost
+    // 17 ms, while the flood's p90 stayed where it was on the build before
+    // (17-20 ms on both, measured interleaved at load average 7-12): the
+    // ratio alone had started to measure the store's speed-up, not the
+    // flood's harm. The floor is the flood's p90 on the build before; a
+    // starved node (the 250 ms deadline, or a multiple of the floor) still
+    // fails.
+    let floor = Duration::from_millis(25);
     assert!(
-        during_p90 < base_p90 * 2,
+        during_p90 < (base_p90 * 2).max(floor),
         "honest p90 {during_p90:?} during the flood, {base_p90:?} under the same load from known nodes"
     );
     assert_eq!(lease_during.leases, lease_before.leases);
@@ -1138,6 +1157,7 @@ async fn reported_settings_are_counted_and_the_deadline_follows_the_policy(b: Ba
         local_max_ms: ms(cfg.local_max_ns),
         interval_ms: 1_000,
         failure_mode: cfg.failure_mode,
+        outage_allowance: true,
     };
     let with = |node: &str, settings: Option<tenantgate::sync::NodeSettings>| SyncRequest {
         settings,
@@ -1205,6 +1225,7 @@ async fn a_session_outlives_its_nodes_own_lease_and_fallback(b: Backend) {
         local_max_ms: 600_000,
         interval_ms: 1_000,
         failure_mode: tenantgate::sync::FailureMode::FailOpenLocal,
+        outage_allowance: true,
     };
     a.lease(&SyncRequest {
         settings: Some(long),
@@ -1477,7 +1498,7 @@ async fn https(
 /// node's id or region is refused and counted; no certificate, or one from
 /// another CA, fails the handshake; plain HTTP gets nothing.
 async fn mtls_binds_nodes_to_their_certificates(b: Backend) {
-    use tenantgate_central::service::tls;
+    use tenantgate_central::listener as tls;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     tls::init_ca(d, &["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();

@@ -13,15 +13,29 @@ use serde_json::json;
 pub const DEFAULT_RESOURCE_NAME: &str = "tenantgate";
 pub const DEFAULT_VM_ID: &str = "tenantgate";
 
+/// The metrics namespace of the native module's stats: the wasm filter's,
+/// so both hosts report `wasmcustom.tenantgate.*` (`tenantgate_*` in
+/// Prometheus) and one dashboard serves both.
+pub const MODULE_METRICS_NAMESPACE: &str = "wasmcustom";
+
 pub struct Resource<'a> {
     pub name: &'a str,
     pub vm_id: &'a str,
     pub wasm: &'a Path,
+    /// The native module (`libtenantgate_module.so`): set, the resource
+    /// loads it (`envoy.filters.http.dynamic_modules`) instead of the
+    /// `.wasm`.
+    pub module: Option<&'a Path>,
 }
 
 impl Resource<'_> {
-    /// The ECDS discovery file (JSON, which Envoy also reads as YAML).
-    pub fn render(&self, policy_json: &str, wasm: &Path) -> String {
+    /// The ECDS discovery file (JSON, which Envoy also reads as YAML);
+    /// `code` is the `.wasm`, or with [`Resource::module`] the `.so`.
+    pub fn render(&self, policy_json: &str, code: &Path) -> String {
+        if self.module.is_some() {
+            return self.render_module(policy_json, code);
+        }
+        let wasm = code;
         let doc = json!({
             "resources": [{
                 "@type": "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig",
@@ -48,17 +62,45 @@ impl Resource<'_> {
         format!("{doc:#}\n")
     }
 
+    /// The native module's resource: the same policy JSON as the filter's
+    /// configuration (a `StringValue`), the library by absolute path, kept
+    /// loaded (`do_not_close`: its process-memory state and its tick thread
+    /// outlive any one config), its stats in the wasm filter's namespace.
+    fn render_module(&self, policy_json: &str, module: &Path) -> String {
+        let doc = json!({
+            "resources": [{
+                "@type": "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig",
+                "name": self.name,
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+                    "dynamic_module_config": {
+                        "module": {"local": {"filename": module.display().to_string()}},
+                        "do_not_close": true,
+                        "metrics_namespace": MODULE_METRICS_NAMESPACE
+                    },
+                    "filter_name": "tenantgate",
+                    "filter_config": {
+                        "@type": "type.googleapis.com/google.protobuf.StringValue",
+                        "value": policy_json
+                    }
+                }
+            }]
+        });
+        format!("{doc:#}\n")
+    }
+
     pub fn write(&self, policy_json: &str, target: &Path) -> std::io::Result<()> {
-        let wasm = std::fs::canonicalize(self.wasm).map_err(|e| {
+        let (code, what, hint) = match self.module {
+            Some(m) => (m, "module", "make module, or pass --module PATH"),
+            None => (self.wasm, "wasm file", "make wasm, or pass --wasm"),
+        };
+        let code = std::fs::canonicalize(code).map_err(|e| {
             std::io::Error::new(
                 e.kind(),
-                format!(
-                    "wasm file {}: {e} (build it with `make wasm`, or pass --wasm)",
-                    self.wasm.display()
-                ),
+                format!("{what} {}: {e} (build it with `{hint}`)", code.display()),
             )
         })?;
-        let text = self.render(policy_json, &wasm);
+        let text = self.render(policy_json, &code);
         write_atomically(target, text.as_bytes())
     }
 }
@@ -153,6 +195,7 @@ mod tests {
             name: "tenantgate",
             vm_id: "tg",
             wasm: Path::new("x.wasm"),
+            module: None,
         };
         let text = r.render(r#"{"version":"1"}"#, Path::new("/abs/x.wasm"));
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -160,6 +203,31 @@ mod tests {
         assert_eq!(config["configuration"]["value"], r#"{"version":"1"}"#);
         assert_eq!(config["vm_config"]["vm_id"], "tg");
         assert_eq!(config["vm_config"]["code"]["local"]["filename"], "/abs/x.wasm");
+    }
+
+    #[test]
+    fn the_module_resource_carries_the_same_policy_and_the_library() {
+        let r = Resource {
+            name: "tenantgate",
+            vm_id: "tg",
+            wasm: Path::new("x.wasm"),
+            module: Some(Path::new("libtenantgate_module.so")),
+        };
+        let text = r.render(r#"{"version":"1"}"#, Path::new("/abs/libtenantgate_module.so"));
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let config = &v["resources"][0]["typed_config"];
+        assert_eq!(
+            config["@type"],
+            "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter"
+        );
+        assert_eq!(config["filter_config"]["value"], r#"{"version":"1"}"#);
+        let module = &config["dynamic_module_config"];
+        assert_eq!(
+            module["module"]["local"]["filename"],
+            "/abs/libtenantgate_module.so"
+        );
+        assert_eq!(module["do_not_close"], true);
+        assert_eq!(module["metrics_namespace"], "wasmcustom");
     }
 
     #[test]

@@ -181,7 +181,9 @@ enum PolicyCommand {
     /// Validate, then atomically write the Envoy ECDS file (Envoy hot-reloads it).
     Apply(ApplyArgs),
     /// How one request would be decided: class, identity, plan, limit key,
-    /// every limit, and the headers of the first request (the filter's engine).
+    /// every limit, and the headers of the first request (the filter's
+    /// engine); for a class with admission checks, the filter's pipeline:
+    /// the first request, a saturated dependency, its queue and breaker.
     Explain(ExplainArgs),
     /// What reloading OLD -> NEW does to live state. Exit 0: no change,
     /// 1: changes, 2: an error (like `diff`).
@@ -227,6 +229,12 @@ struct ApplyArgs {
     /// The wasm `vm_id`: filters with the same id share buckets on a node.
     #[arg(long, default_value = ecds::DEFAULT_VM_ID)]
     vm_id: String,
+    /// Write the native module's resource (`envoy.filters.http.dynamic_modules`,
+    /// Envoy 1.40) instead of the wasm filter's: the same policy, the
+    /// library at PATH (made absolute; default: the `make module` build).
+    #[arg(long, value_name = "PATH", num_args = 0..=1,
+          default_missing_value = "target/module-release/libtenantgate_module.so")]
+    module: Option<PathBuf>,
     /// Also write one filter instance per route class, each with its class
     /// fixed (`<name>.<class>` in `<ecds stem>.<class>.<ext>`): enabled per
     /// route with Envoy's `FilterConfig`, they classify with no lookup.
@@ -262,7 +270,7 @@ fn serve(args: &ServeArgs) -> ExitCode {
         ..defaults
     };
     let tls = match (&args.tls_cert, &args.tls_key, &args.client_ca) {
-        (Some(cert), Some(key), Some(ca)) => Some(service::tls::TlsFiles {
+        (Some(cert), Some(key), Some(ca)) => Some(tenantgate_central::listener::TlsFiles {
             cert: cert.clone(),
             key: key.clone(),
             client_ca: ca.clone(),
@@ -305,7 +313,7 @@ fn serve(args: &ServeArgs) -> ExitCode {
 }
 
 fn certs(c: &CertsCommand) -> ExitCode {
-    use tenantgate_central::service::tls;
+    use tenantgate_central::listener as tls;
     let result = match c {
         CertsCommand::Init { dir, hosts } => tls::init_ca(dir, hosts),
         CertsCommand::Node {
@@ -389,6 +397,11 @@ fn apply(args: &ApplyArgs) -> ExitCode {
         }
     };
     let policy_json = loaded.document.to_json();
+    if args.module.is_some() && args.instances {
+        eprintln!("--instances is for the wasm filter: the module's routes carry their class in their per-route config");
+        eprintln!("not applied: {} is unchanged", args.ecds.display());
+        return ExitCode::FAILURE;
+    }
     if args.instances {
         let instances = match ecds::instances(&policy_json, &args.name, &args.ecds) {
             Ok(list) => list,
@@ -411,6 +424,7 @@ fn apply(args: &ApplyArgs) -> ExitCode {
                 name: &i.resource_name,
                 vm_id: &args.vm_id,
                 wasm: &args.wasm,
+                module: None,
             };
             if let Err(e) = resource.write(&i.policy_json, &i.path) {
                 eprintln!("cannot write {}: {e}", i.path.display());
@@ -423,6 +437,7 @@ fn apply(args: &ApplyArgs) -> ExitCode {
         name: &args.name,
         vm_id: &args.vm_id,
         wasm: &args.wasm,
+        module: args.module.as_deref(),
     };
     match resource.write(&policy_json, &args.ecds) {
         Ok(()) => {
@@ -455,7 +470,11 @@ fn explain(args: &ExplainArgs) -> ExitCode {
         headers: &args.headers,
         source: &args.source,
     };
-    print!("{}", tenantgate_cli::explain::explain(&loaded.policy, &req));
+    let json = loaded.document.to_json();
+    print!(
+        "{}",
+        tenantgate_cli::explain::explain(&loaded.policy, &json, &req)
+    );
     ExitCode::SUCCESS
 }
 

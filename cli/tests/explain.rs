@@ -189,6 +189,42 @@ fn explain_shows_a_classs_action_limit() {
     );
 }
 
+/// `explain` of an admission class through the filter's pipeline: the
+/// first request, a saturated dependency (critical requests use their
+/// reservation, then the pool), one more of each criticality, the breaker.
+fn explain_admission(class: &str) {
+    golden(
+        &format!("explain-admission-{class}.txt"),
+        &[
+            "policy",
+            "explain",
+            "policies/admission.yaml",
+            "--tenant",
+            "acme",
+            "--class",
+            class,
+        ],
+        0,
+    );
+}
+
+#[test]
+fn explain_holds_a_normal_request_in_its_queue_until_max_wait() {
+    // orders-db's normal queue: the 76th request is held, then answered
+    // queue_timeout at its 200 ms deadline.
+    explain_admission("orders");
+}
+
+#[test]
+fn explain_shows_system_traffic_on_its_reservation() {
+    explain_admission("health");
+}
+
+#[test]
+fn explain_counts_streams_against_max_streams() {
+    explain_admission("feed");
+}
+
 #[test]
 fn diff_shows_admission_label_and_dependency_changes() {
     golden(
@@ -201,4 +237,34 @@ fn diff_shows_admission_label_and_dependency_changes() {
         ],
         1,
     );
+}
+
+/// Every `$ tenantgate …` example in docs/cli.md prints exactly what the
+/// binary prints (a trailing `; echo "exit $?"` adds the exit code line).
+#[test]
+fn docs_cli_examples_are_the_binarys_output() {
+    let doc = std::fs::read_to_string(repo().join("docs/cli.md")).unwrap();
+    let mut examples = 0;
+    for block in doc.split("```console\n").skip(1) {
+        let block = block.split("```").next().unwrap_or("");
+        for example in block.split("$ tenantgate ").skip(1) {
+            let (command, expected) = example.split_once('\n').unwrap();
+            let (command, with_exit) = match command.strip_suffix("; echo \"exit $?\"") {
+                Some(c) => (c, true),
+                None => (command, false),
+            };
+            let out = Command::new(env!("CARGO_BIN_EXE_tenantgate"))
+                .current_dir(repo())
+                .args(command.split_whitespace())
+                .output()
+                .unwrap();
+            let mut printed = String::from_utf8_lossy(&out.stdout).into_owned();
+            if with_exit {
+                printed.push_str(&format!("exit {}\n", out.status.code().unwrap_or(-1)));
+            }
+            assert_eq!(printed, expected, "docs/cli.md: $ tenantgate {command}");
+            examples += 1;
+        }
+    }
+    assert!(examples >= 3, "{examples} examples found in docs/cli.md");
 }

@@ -17,6 +17,9 @@ use std::time::{Duration, Instant};
 
 use crate::{Envoy, NodeSpec};
 
+/// The most arrival instants kept (see [`Upstream::record_arrivals`]).
+pub const MAX_ARRIVALS: usize = 100_000;
+
 /// The longest a held request waits for [`Upstream::release`].
 pub const MAX_HOLD: Duration = Duration::from_secs(30);
 
@@ -29,6 +32,9 @@ struct State {
     version: AtomicU64,
     /// Requests read (served or not).
     received: AtomicU64,
+    /// When each request was read, while [`Upstream::record_arrivals`] is on
+    /// (bounded by [`MAX_ARRIVALS`]).
+    arrivals: Mutex<Option<Vec<Instant>>>,
     /// Requests served at once; 0: no limit.
     capacity: AtomicU64,
     /// Requests in their latency (under the capacity), and the line of
@@ -138,6 +144,17 @@ impl Upstream {
         self.state.received.load(Ordering::SeqCst)
     }
 
+    /// From now on, the instant each request reaches it is kept (at most
+    /// [`MAX_ARRIVALS`]); [`Upstream::arrivals`] returns them.
+    pub fn record_arrivals(&self) {
+        *self.state.arrivals.lock().unwrap() = Some(Vec::new());
+    }
+
+    /// The instants requests reached it since [`Upstream::record_arrivals`].
+    pub fn arrivals(&self) -> Vec<Instant> {
+        self.state.arrivals.lock().unwrap().clone().unwrap_or_default()
+    }
+
     /// Requests wait (at most [`MAX_HOLD`]) until [`Upstream::release`].
     pub fn hold(&self) {
         *self.state.hold.lock().unwrap() = true;
@@ -188,6 +205,15 @@ fn serve(stream: TcpStream, s: &State) {
             return;
         }
         s.received.fetch_add(1, Ordering::SeqCst);
+        if let Some(log) = s
+            .arrivals
+            .lock()
+            .unwrap()
+            .as_mut()
+            .filter(|l| l.len() < MAX_ARRIVALS)
+        {
+            log.push(Instant::now());
+        }
         let now = s.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
         s.max_in_flight.fetch_max(now, Ordering::SeqCst);
         let arrived = Instant::now();

@@ -305,6 +305,147 @@ fn a_failing_upstream_opens_the_breaker_probes_only_then_recovers_through_a_ramp
     assert!(opened >= 2 && closed == 1, "opened {opened} closed {closed}");
 }
 
+/// Probes per half-open period: a short cycle (a 100 ms window, 150 ms
+/// open) so that many periods pass in a few seconds. The tenant `spent`
+/// is always over its rate limit: its requests take probe tickets and are
+/// then refused 429, so they must give them back at once.
+fn probe_policy() -> String {
+    format!(
+        r#"
+version: "brk-probes"
+identity: {{ header: x-tenant-id }}
+plans:
+  free: {{ limits: [ {{ rate: 1000000, per: 1s }} ] }}
+  tiny: {{ limits: [ {{ rate: 1, per: 1h, burst: 1 }} ] }}
+tenants:
+  - {{ id: spent, plan: tiny }}
+default_plan: free
+anonymous: {{ plan: free }}
+dependencies:
+  db:
+    max_in_flight: {LIMIT}
+    circuit_breaker:
+      error_rate: 0.5
+      min_volume: 4
+      window: 100ms
+      open_for: 150ms
+      max_open_for: 150ms
+      probes: {PROBES}
+      ramp: 1s
+      ramp_floor: 0.5
+routes:
+  orders: {{ dependency: db }}
+"#
+    )
+}
+
+/// Clients from `tenants`, each in a loop until `until` (bounded in count).
+fn flood(port: u16, tenants: &[&'static str], until: Instant) -> Vec<JoinHandle<u64>> {
+    tenants
+        .iter()
+        .map(|tenant| {
+            let tenant = *tenant;
+            std::thread::spawn(move || {
+                let mut sent = 0;
+                while Instant::now() < until && sent < 20_000 {
+                    let _ = get(port, "/up/orders", &[("x-tenant-id", tenant)]);
+                    sent += 1;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                sent
+            })
+        })
+        .collect()
+}
+
+/// Upstream arrivals grouped into half-open periods: consecutive arrivals
+/// less than `gap` apart (a period's probes arrive at its start; periods
+/// are at least the open wait, 120 ms, apart).
+fn periods(arrivals: &[Instant], gap: Duration) -> Vec<Vec<Instant>> {
+    let mut out: Vec<Vec<Instant>> = Vec::new();
+    for a in arrivals {
+        match out.last_mut() {
+            Some(p) if p.last().is_some_and(|l| a.duration_since(*l) < gap) => p.push(*a),
+            _ => out.push(vec![*a]),
+        }
+    }
+    out
+}
+
+#[test]
+fn each_half_open_period_lets_exactly_probes_through_and_a_refused_ticket_comes_back_at_once() {
+    let upstream = Upstream::start();
+    let envoy = Envoy::start_with_upstream(&probe_policy(), upstream.port, &["orders"]);
+    upstream.set_latency(Duration::from_millis(2));
+    upstream.set_status(503);
+    // Trip it, then count every upstream call per half-open period while
+    // three clients of a tenant within its limits and three of `spent` send.
+    let tenants = ["acme", "acme", "acme", "spent", "spent", "spent"];
+    for _ in 0..20 {
+        let _ = orders(&envoy);
+    }
+    assert!(wait_for(WAIT, || phase(&envoy).is_some_and(|p| p == 1 || p == 2)));
+    let half_opened = |e: &Envoy| stat(e, "breaker_half_opened").unwrap_or(0);
+    let probes_stat = |e: &Envoy| stat(e, "breaker_probes").unwrap_or(0);
+    envoy.settle();
+    let (episodes_before, probes_before) = (half_opened(&envoy), probes_stat(&envoy));
+    upstream.record_arrivals();
+    let clients = flood(envoy.port, &tenants, Instant::now() + Duration::from_secs(7));
+    let sent: u64 = clients.into_iter().map(|c| c.join().unwrap()).sum();
+    // The last period's probes are answered and counted.
+    std::thread::sleep(Duration::from_millis(300));
+    envoy.settle();
+    let arrivals = upstream.arrivals();
+    let found = periods(&arrivals, Duration::from_millis(60));
+    let counts: Vec<usize> = found.iter().map(Vec::len).collect();
+    let episodes = half_opened(&envoy) - episodes_before;
+    let probes = probes_stat(&envoy) - probes_before;
+    let mut histogram = std::collections::BTreeMap::new();
+    for n in &counts {
+        *histogram.entry(*n).or_insert(0) += 1;
+    }
+    println!(
+        "{sent} requests over 7 s, {} upstream calls in {} half-open periods (stat: {episodes} half-opened, \
+         {probes} probes); calls per period {histogram:?}",
+        arrivals.len(),
+        found.len()
+    );
+    assert!(found.len() >= 20, "only {} periods: {counts:?}", found.len());
+    // Never more than the promised probes, and with requests offered all
+    // the time, exactly that many: no ticket lost to a 429, none given
+    // twice (the last period may have begun as the clients stopped).
+    assert!(counts.iter().all(|n| *n <= PROBES as usize), "{counts:?}");
+    let whole = &counts[..counts.len() - 1];
+    assert!(whole.iter().all(|n| *n == PROBES as usize), "{counts:?}");
+    // The stat counts the requests let through, and each period is one
+    // half-open transition (give or take one that began before the
+    // clients or after them, with no call).
+    assert_eq!(probes, arrivals.len() as u64);
+    assert!(
+        episodes.abs_diff(found.len() as u64) <= 1,
+        "{episodes} transitions, {counts:?}"
+    );
+
+    // Recovery: the upstream heals; the period's second probe follows the
+    // first at once (a refused request's ticket comes back at once, not
+    // after the lost-probe rule's two windows), and the ramp begins.
+    upstream.set_status(200);
+    upstream.record_arrivals();
+    let clients = flood(envoy.port, &tenants, Instant::now() + Duration::from_secs(2));
+    assert!(wait_for(WAIT, || phase(&envoy).is_some_and(|p| p == 3 || p == 0)));
+    for c in clients {
+        c.join().unwrap();
+    }
+    let healed = upstream.arrivals();
+    assert!(healed.len() >= 2, "{} calls after healing", healed.len());
+    let second = healed[1].duration_since(healed[0]);
+    println!(
+        "healed: the second probe {} ms after the first",
+        second.as_millis()
+    );
+    assert!(second < Duration::from_millis(100), "{second:?}");
+}
+
 #[test]
 fn paused_by_a_reload_refuses_at_once_with_no_upstream_call_and_unpausing_lets_traffic_through() {
     let upstream = Upstream::start();

@@ -29,13 +29,25 @@
 //!   request is refused (`circuit_open`): **zero upstream calls while
 //!   open**. Its `Retry-After` is the time until half-open, rounded up,
 //!   never earlier, plus the dependency's `retry_after_window` jitter.
-//! * **Half-open**: at most `probes` requests are admitted per half-open
-//!   period, node-wide (each takes a probe ticket by compare-and-swap on
-//!   the breaker's entry: the only request-path write, and only in this
-//!   state), and at most `probes` at once (the effective limit); the rest
-//!   are refused `circuit_probe_limit`. Probes that are never answered
-//!   (lost) give their tickets back after [`LOST_PROBE_FOLDS`] folds in a
-//!   row without an answer.
+//! * **Half-open**: **at most `probes` requests reach the dependency per
+//!   half-open period, node-wide**, and at most `probes` at once (the
+//!   effective limit); the rest are refused `circuit_probe_limit`. A
+//!   request takes a probe ticket by compare-and-swap on the breaker's
+//!   entry (the only request-path write, and only in this state) after
+//!   every other slot of its admission (tenant share, action, dependency
+//!   level) is taken; a request that is then refused by any later check
+//!   (its rate limits, a guard, the hold) gives its ticket back at once
+//!   ([`give_back_probe`]: only in the period it was taken in, so a ticket
+//!   never counts twice), and so does a request whose slots were refused
+//!   after its ticket. A ticket's request that goes on to the dependency
+//!   keeps it until the period ends: that is the count the promise is
+//!   about. A period's tickets are never handed out again; **lost probes**
+//!   (taken, let through, never answered: the worker died, or the
+//!   dependency is slower than the windows) end the period instead: after
+//!   [`LOST_PROBE_FOLDS`] folds in a row without an answer since the last
+//!   ticket was taken, a new half-open period begins with fresh tickets
+//!   (counted as a half-open transition), while the effective limit still
+//!   holds in flight at `probes`.
 //! * **Ramping** (slow start): the dependency's effective limit is
 //!   `max(1, ⌈L · p / 1000⌉)` for its limit `L` with
 //!   `p(t) = floor + (1000 − floor) · (t − since) / ramp` permille, a
@@ -53,7 +65,7 @@
 //!
 //! # Where it lives
 //! Node-wide in the fixed entry `tg2|b|<dependency>` ([`key`]), one record
-//! of kind [`KIND_BREAKER`] ([`encode`]: 51 bytes), changed only through
+//! of kind [`kind::BREAKER`] ([`encode`]: 51 bytes), changed only through
 //! [`crate::table::update`]. Its input is the dependency's stream-end
 //! signal windows ([`super::window`]): the one worker that closes a window
 //! folds its summary (completed; errors + timeouts) into the breaker
@@ -82,27 +94,21 @@
 use super::window::{WindowSummary, Windows};
 use super::{controller, ProbeEvents, Worker};
 use crate::host::Host;
+use crate::keys::kind;
 use crate::policy::admission::BreakerSettings;
 use crate::policy::Policy;
 use crate::table::{self, push_record_with, Commit, Failure, Place, Reach, Records};
 
-/// The kind byte of a breaker record.
-pub const KIND_BREAKER: u8 = 19;
 const VERSION: u8 = 1;
 /// An encoded breaker state: version, phase, reopens, 5 instants and
 /// counts, probes, empty folds.
 pub const ENCODED_LEN: usize = 1 + 1 + 4 + 5 * 8 + 4 + 1;
 const PERMILLE: u64 = 1000;
-/// Half-open: folds in a row without an answer after which the probe
-/// tickets come back (lost probes). Two, so that the signal window open
-/// when it went half-open (whose close may come before its probes'
-/// answers) is not enough.
+/// Half-open: folds in a row without an answer, counted from the last
+/// probe ticket taken, after which the period's probes are lost and a new
+/// period begins. Two, so that the signal window open when a probe was
+/// taken (whose close may come before that probe's answer) is not enough.
 pub const LOST_PROBE_FOLDS: u8 = 2;
-
-/// The shared-data key of a dependency's breaker.
-pub fn key(dependency: &str) -> String {
-    format!("tg2|b|{dependency}")
-}
 
 /// Where a breaker is (gauge `admission.breaker_state.<dep>`: the number).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -186,7 +192,8 @@ pub struct Breaker {
     pub window: Observed,
     /// Probe tickets taken in this half-open period.
     pub probes_taken: u32,
-    /// Half-open folds in a row that brought no answer.
+    /// Half-open folds in a row that brought no answer since the last
+    /// probe ticket was taken.
     pub empty_folds: u8,
 }
 
@@ -383,14 +390,14 @@ impl Breaker {
         if let Some(t) = judged {
             made.push(t);
         }
-        if self.phase == Phase::HalfOpen {
-            // Probes never answered (lost): their tickets come back after
-            // LOST_PROBE_FOLDS folds in a row without an answer.
+        if self.phase == Phase::HalfOpen && self.probes_taken > 0 {
+            // Probes never answered (lost): after LOST_PROBE_FOLDS folds in
+            // a row without an answer, a new period (never the same
+            // period's tickets again: see the module header).
             if seen.completed == 0 {
                 self.empty_folds = self.empty_folds.saturating_add(1);
                 if self.empty_folds >= LOST_PROBE_FOLDS {
-                    self.probes_taken = 0;
-                    self.empty_folds = 0;
+                    made.push(self.enter(Phase::HalfOpen, now));
                 }
             } else {
                 self.empty_folds = 0;
@@ -440,7 +447,8 @@ impl Breaker {
     }
 
     /// Takes a half-open probe ticket at `now`; `false`: none left (or not
-    /// half-open: the caller's copy was stale).
+    /// half-open: the caller's copy was stale). A ticket taken restarts the
+    /// count of folds without an answer (lost probes).
     pub fn take_probe(&mut self, s: &BreakerSettings, now: u64) -> bool {
         let _ = self.advance(s, now);
         if self.phase != Phase::HalfOpen {
@@ -448,10 +456,22 @@ impl Breaker {
         }
         if self.probes_taken < s.probes {
             self.probes_taken = self.probes_taken.saturating_add(1);
+            self.empty_folds = 0;
             true
         } else {
             false
         }
+    }
+
+    /// Gives back a probe ticket of the half-open period that began at
+    /// `period` (its request never reached the dependency); `false`: that
+    /// period is over, so the ticket is gone with it.
+    pub fn give_back(&mut self, period: u64) -> bool {
+        if self.phase != Phase::HalfOpen || self.since != period || self.probes_taken == 0 {
+            return false;
+        }
+        self.probes_taken = self.probes_taken.saturating_sub(1);
+        true
     }
 }
 
@@ -521,13 +541,13 @@ pub fn decode(state: &[u8]) -> Option<Breaker> {
 fn of_records(records: Option<&Records<'_>>) -> Option<Breaker> {
     records?
         .iter()
-        .find(|r| r.kind == KIND_BREAKER)
+        .find(|r| r.kind == kind::BREAKER)
         .and_then(|r| decode(r.state))
 }
 
 fn write(b: &Breaker, out: &mut Vec<u8>) {
     out.push(1);
-    push_record_with(out, 0, KIND_BREAKER, 0, 0, |o| encode(b, o));
+    push_record_with(out, 0, kind::BREAKER, 0, 0, |o| encode(b, o));
 }
 
 const EXISTING_OR_NEW: Reach<'static> = Reach::Insert {
@@ -631,6 +651,13 @@ pub struct Probe {
     pub half_opened: bool,
 }
 
+impl Probe {
+    /// The half-open period the ticket belongs to (its start).
+    pub fn period(&self) -> u64 {
+        self.breaker.since
+    }
+}
+
 /// Takes a half-open probe ticket node-wide.
 pub fn take_probe<H: Host>(
     host: &H,
@@ -648,6 +675,20 @@ pub fn take_probe<H: Host>(
         breaker,
         half_opened: taken && was_open,
     })
+}
+
+/// Gives back a probe ticket of the half-open period `period` node-wide
+/// (see [`Breaker::give_back`]): its request was refused after it took the
+/// ticket. `Err`: nothing written (the ticket is then lost to its period,
+/// which the lost-probe rule ends).
+pub fn give_back_probe<H: Host>(
+    host: &H,
+    key: &str,
+    period: u64,
+    now: u64,
+    buffers: &mut table::Buffers,
+) -> Result<bool, Failure> {
+    change(host, key, now, buffers, |b| b.give_back(period)).map(|(_, given)| given)
 }
 
 /// One compare-and-swap on the node's breaker, the only way it is

@@ -166,6 +166,7 @@
 use super::window::{self, WindowSummary, Windows};
 use super::{splitmix64, Worker};
 use crate::host::Host;
+use crate::keys::kind;
 use crate::policy::admission::{Adaptive, Dependency, PPM};
 use crate::policy::Policy;
 use crate::table::{self, push_record_with, Commit, Failure, Place, Reach, Record, Records};
@@ -216,8 +217,6 @@ pub const QUEUED_AT_CUT_PPM: u32 = 600_000;
 /// After this many windows held in the dead zone while used, the limit
 /// tries one slot more (the dead zone is a band, not a wall).
 pub const PROBE_WINDOWS: u32 = 8;
-/// The kind byte of a control record.
-pub const KIND_CONTROL: u8 = 19;
 const CONTROL_NAME_HASH: u32 = 0x0000_1f19;
 /// Version 2 added the noise, the anchor, the recovery level and the
 /// refresh's first window; version 1 records still decode (without them).
@@ -226,7 +225,7 @@ const MILLI: f64 = 1000.0;
 
 /// The shared-data key of a dependency's control state.
 pub fn control_key(dependency: &str) -> String {
-    format!("tg2|c|{dependency}")
+    crate::keys::control(dependency)
 }
 
 /// Where the baseline measurement is.
@@ -408,7 +407,7 @@ impl State {
     }
 
     fn decode(record: &Record<'_>) -> Option<State> {
-        if record.kind != KIND_CONTROL {
+        if record.kind != kind::CONTROL {
             return None;
         }
         let mut r = table::layout::Reader(record.state);
@@ -984,7 +983,7 @@ pub fn apply<H: Host>(
             }
             let after = step(a, seed, &before, summary);
             out.push(1);
-            push_record_with(out, CONTROL_NAME_HASH, KIND_CONTROL, 0, 0, |o| after.encode(o));
+            push_record_with(out, CONTROL_NAME_HASH, kind::CONTROL, 0, 0, |o| after.encode(o));
             (Commit::Write, Some(after))
         },
     )?;

@@ -50,14 +50,16 @@
 //!
 //! Pure: time is `now`, the host is [`Host`].
 
-use crate::engine::{Reason, Subject};
+use std::borrow::Cow;
+
+use crate::decision::{Reason, Subject};
 use crate::host::Host;
+use crate::keys::kind;
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::admission::Degradable;
+use crate::response::LocalReply;
 use crate::table::{self, fnv1a64, layout::Reader, push_record_with, Commit, Failure, Place, Reach, Records};
 
-/// The record kind of a cached answer.
-pub const KIND_DEGRADED: u8 = 19;
 const FORMAT: u8 = 1;
 /// Response headers kept besides the class's `version_header`.
 pub const KEPT_HEADERS: [&str; 4] = [
@@ -118,7 +120,7 @@ pub fn cache_key(deg: &Degradable, subject: &Subject, path: &[u8]) -> Option<Vec
 /// The shared-data key of the slot a cache key lives in.
 pub fn slot_key(deg: &Degradable, cache_key: &[u8]) -> String {
     let slot = fnv1a64(cache_key) % u64::from(deg.slots.max(1));
-    format!("tg2|g|{}|{slot}", deg.class)
+    crate::keys::degraded(&deg.class, slot)
 }
 
 /// The headers a class keeps, lower-cased: [`KEPT_HEADERS`] and its
@@ -173,7 +175,7 @@ impl Cached {
 
     fn encode(&self, out: &mut Vec<u8>) {
         out.push(1);
-        push_record_with(out, 0, KIND_DEGRADED, 0, 0, |o| {
+        push_record_with(out, 0, kind::DEGRADED, 0, 0, |o| {
             let len16 = |n: usize| u16::try_from(n).unwrap_or(u16::MAX).to_le_bytes();
             o.push(FORMAT);
             o.extend_from_slice(&self.captured_at.to_le_bytes());
@@ -192,7 +194,7 @@ impl Cached {
     }
 
     fn decode(records: Option<&Records<'_>>) -> Option<Cached> {
-        let state = records?.iter().find(|r| r.kind == KIND_DEGRADED)?.state;
+        let state = records?.iter().find(|r| r.kind == kind::DEGRADED)?.state;
         let mut r = Reader(state);
         if r.u8()? != FORMAT {
             return None;
@@ -245,7 +247,7 @@ pub fn store<H: Host>(
         buffers,
         |records, out| {
             let evicted = records
-                .and_then(|rs| rs.iter().find(|r| r.kind == KIND_DEGRADED).map(|r| r.state))
+                .and_then(|rs| rs.iter().find(|r| r.kind == kind::DEGRADED).map(|r| r.state))
                 .is_some_and(|state| {
                     let mut r = Reader(state);
                     let mut key_of = || -> Option<&[u8]> {
@@ -301,27 +303,23 @@ pub fn lookup<H: Host>(host: &H, deg: &Degradable, key: &[u8], now: u64) -> Look
     }
 }
 
-/// A degraded answer, ready for the host.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reply {
-    pub status: u32,
-    pub headers: Vec<(String, String)>,
-    pub body: Vec<u8>,
-}
-
 /// The answer to a refused request from `cached` (see the module header);
 /// `head`: headers only.
-pub fn reply(cached: &Cached, reason: Reason, now: u64, head: bool) -> Reply {
+pub fn reply(cached: &Cached, reason: Reason, now: u64, head: bool) -> LocalReply {
     let age_secs = now.saturating_sub(cached.captured_at) / NANOS_PER_SEC;
-    let mut headers = cached.headers.clone();
-    headers.push(("age".to_owned(), age_secs.to_string()));
+    let mut headers: Vec<(Cow<'static, str>, String)> = cached
+        .headers
+        .iter()
+        .map(|(n, v)| (Cow::Owned(n.clone()), v.clone()))
+        .collect();
+    headers.push(("age".into(), age_secs.to_string()));
     headers.push((
-        CAPTURED_AT_HEADER.to_owned(),
+        CAPTURED_AT_HEADER.into(),
         http_date(cached.captured_at / NANOS_PER_SEC),
     ));
-    headers.push((DEGRADED_HEADER.to_owned(), reason.as_str().to_owned()));
-    headers.push(("cache-control".to_owned(), "no-store".to_owned()));
-    Reply {
+    headers.push((DEGRADED_HEADER.into(), reason.as_str().to_owned()));
+    headers.push(("cache-control".into(), "no-store".to_owned()));
+    LocalReply {
         status: 200,
         headers,
         body: if head { Vec::new() } else { cached.body.clone() },

@@ -1,10 +1,10 @@
-//! The degraded-answer cache on explicit time, with the fake host.
+//! The degraded-answer cache on explicit time, with the in-memory host.
 
 use std::rc::Rc;
 
 use super::*;
+use crate::memory::{MemoryHost, SharedStore};
 use crate::policy::Policy;
-use crate::testing::{FakeHost, SharedStore};
 
 const S: u64 = NANOS_PER_SEC;
 const T0: u64 = 1_796_000_000 * S;
@@ -54,8 +54,8 @@ fn answer(deg: &Degradable, subject: &Subject, path: &str, at: u64, body: &str) 
     }
 }
 
-fn host(store: &Rc<std::cell::RefCell<SharedStore>>) -> FakeHost {
-    FakeHost::new(store.clone())
+fn host(store: &Rc<std::cell::RefCell<SharedStore>>) -> MemoryHost {
+    MemoryHost::new(store.clone())
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! The bytes of an in-flight record: who holds how many slots, until when.
 //!
-//! One record (kind [`KIND_IN_FLIGHT`]) per dependency entry or per
+//! One record (kind [`kind::IN_FLIGHT`]) per dependency entry or per
 //! tenant-share slot. Its state lists one **holder** per worker VM that
 //! has published a count, each with the lease it wrote:
 //! ```text
@@ -9,10 +9,9 @@
 //! (little-endian; levels indexed by `Criticality::index`). At most
 //! [`MAX_HOLDERS`] holders: 2,306 bytes. Decoding allocates nothing.
 
+use crate::keys::kind;
 use crate::table::{push_record_with, Record, Records};
 
-/// The kind byte of an in-flight record in the key table.
-pub const KIND_IN_FLIGHT: u8 = 16;
 /// Its name hash (one record per slot).
 pub const IN_FLIGHT_NAME_HASH: u32 = 0x0000_1f11;
 const VERSION: u8 = 1;
@@ -129,7 +128,7 @@ fn u64_at(b: &[u8], at: usize) -> Option<u64> {
 /// Decodes a record's holders (`None`: not an in-flight record of this
 /// version, or malformed: the caller starts from an empty list).
 pub fn decode(record: &Record<'_>) -> Option<Holders> {
-    if record.kind != KIND_IN_FLIGHT {
+    if record.kind != kind::IN_FLIGHT {
         return None;
     }
     let s = record.state;
@@ -162,7 +161,7 @@ pub fn decode(record: &Record<'_>) -> Option<Holders> {
 /// The holders of a slot's records (its in-flight record; empty if none).
 pub fn of_records(records: Option<&Records<'_>>) -> Holders {
     records
-        .and_then(|rs| rs.iter().find(|r| r.kind == KIND_IN_FLIGHT).and_then(decode))
+        .and_then(|rs| rs.iter().find(|r| r.kind == kind::IN_FLIGHT).and_then(decode))
         .unwrap_or_default()
 }
 
@@ -197,7 +196,7 @@ pub fn write(holders: &Holders, mine: &Holder, now: u64, out: &mut Vec<u8>) -> b
         return false;
     }
     out.push(1);
-    push_record_with(out, IN_FLIGHT_NAME_HASH, KIND_IN_FLIGHT, 0, 0, |o| {
+    push_record_with(out, IN_FLIGHT_NAME_HASH, kind::IN_FLIGHT, 0, 0, |o| {
         o.push(VERSION);
         o.push(n8);
         for h in kept.chain((!mine.counts.is_zero()).then_some(mine)) {

@@ -95,11 +95,12 @@ use hashbrown::HashMap;
 
 use crate::engine::{Reason, Subject};
 use crate::host::Host;
+use crate::keys::{self, kind};
 use crate::limiter::NANOS_PER_SEC;
-use crate::policy::admission::{Criticality, Dependency, Labels, DEFAULT_RETRY_AFTER_WINDOW_NS};
+use crate::policy::admission::{ActionLimit, Criticality, Dependency, Labels, DEFAULT_RETRY_AFTER_WINDOW_NS};
 use crate::policy::{Policy, RouteClass};
 use crate::table::{self, push_record_with, Commit, Failure, Overflow, Place, Reach, Record};
-pub use holders::{Counts, Holder, KIND_IN_FLIGHT};
+pub use holders::{Counts, Holder};
 
 /// How long a published count stays counted without a renewal.
 pub const LEASE_NS: u64 = 2 * NANOS_PER_SEC;
@@ -107,28 +108,11 @@ pub const LEASE_NS: u64 = 2 * NANOS_PER_SEC;
 /// (1.5 s: a lease is renewed 500 ms after it was written, so a tick may
 /// be 1.5 s late before others stop counting the worker's slots.)
 pub const RENEW_BEFORE_NS: u64 = LEASE_NS / 4 * 3;
-/// The shared counter worker ids come from.
-pub const WORKERS_KEY: &str = "tg2|d|workers";
 /// Percent of the shared pool each of (sheddable retryable, sheddable,
 /// normal retryable, normal) may fill: the shedding order.
 pub const SHED_CEILING_PCT: [u64; 4] = [70, 80, 90, 100];
 /// The plan name of a tenant-share slot's overflow entry.
 const TENANT_OVERFLOW_PLAN: &str = "tenant";
-const KIND_WORKER_COUNTER: u8 = 17;
-
-/// The shared-data key of a dependency's in-flight entry.
-pub fn dependency_key(name: &str) -> String {
-    format!("tg2|d|{name}")
-}
-
-/// How a refusal by an action's limit names it (decision record `limit=`,
-/// the problem's `limit`): `action:<action>` (no dependency name has a `:`).
-pub const ACTION_LIMIT_PREFIX: &str = "action:";
-
-/// The shared-data key of an action's in-flight entry (`actions.<name>`).
-pub fn action_key(name: &str) -> String {
-    format!("tg2|a|{name}")
-}
 
 /// The key-table key of a subject's slots at a dependency.
 pub fn tenant_key(dependency: &str, subject: &Subject) -> String {
@@ -247,6 +231,66 @@ struct GateRefusal {
     retry_after_secs: u64,
 }
 
+impl GateRefusal {
+    fn of(reason: Reason) -> GateRefusal {
+        GateRefusal {
+            reason,
+            retry_after_secs: 1,
+        }
+    }
+
+    /// `circuit_open`: its `Retry-After` is the time until half-open,
+    /// rounded up, never earlier.
+    fn open(half_open_at: u64, now: u64) -> GateRefusal {
+        GateRefusal {
+            reason: Reason::CircuitOpen,
+            retry_after_secs: half_open_at.saturating_sub(now).div_ceil(NANOS_PER_SEC).max(1),
+        }
+    }
+}
+
+/// How a try's refusals are written (the dependency's `retry_after_window`).
+struct Refusing {
+    retry_after_window_ns: u64,
+}
+
+impl Refusing {
+    fn refuse(&self, reason: Reason, in_flight: u32, limit: Limited) -> Refusal {
+        Refusal {
+            reason,
+            in_flight,
+            retry_after_window_ns: self.retry_after_window_ns,
+            retry_after_secs: 1,
+            limit,
+        }
+    }
+
+    /// A refusal by `paused` or the breaker, with its `Retry-After`.
+    fn gate(&self, r: GateRefusal) -> Refusal {
+        Refusal {
+            retry_after_secs: r.retry_after_secs,
+            ..self.refuse(r.reason, 0, Limited::Dependency)
+        }
+    }
+}
+
+/// Why one try of [`Worker::acquire`] took nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tried<R = Refusal> {
+    Refused(R),
+    /// The breaker's phase changed under this worker's copy: try again.
+    Stale(R),
+}
+
+impl<R> Tried<R> {
+    fn map<S>(self, f: impl FnOnce(R) -> S) -> Tried<S> {
+        match self {
+            Tried::Refused(r) => Tried::Refused(f(r)),
+            Tried::Stale(r) => Tried::Stale(f(r)),
+        }
+    }
+}
+
 /// Which limit refused a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Limited {
@@ -272,9 +316,27 @@ pub struct Ticket {
     /// The dependency's live slots before this one (the action's, for a
     /// class without a dependency), for the record.
     in_flight: u32,
+    /// A half-open breaker's probe ticket, taken last.
+    probe: Option<ProbeTicket>,
+}
+
+/// A half-open breaker's probe ticket (see [`breaker`]): given back by
+/// [`Worker::cancel`] if its request never reaches the dependency, kept
+/// (spent) by [`Worker::release`] at the end of a stream that did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeTicket {
+    /// The breaker's shared-data key.
+    pub breaker_key: String,
+    /// The half-open period it was taken in (the period's start).
+    pub period: u64,
 }
 
 impl Ticket {
+    /// The probe ticket this request holds, if its breaker is half-open.
+    pub fn probe(&self) -> Option<&ProbeTicket> {
+        self.probe.as_ref()
+    }
+
     /// The dependency's live slots (requests + streams) when it was taken,
     /// not counting itself (the action's, for a class without a dependency).
     pub fn in_flight(&self) -> u32 {
@@ -294,11 +356,44 @@ struct Held {
     table_entries: Option<u64>,
     /// The overflow action of a key-table slot.
     overflow_action: String,
+    /// Slots its streams hold.
     counts: Counts,
+    /// Spare slots it published and holds for its next requests (see
+    /// [`PERMIT_SHARE`]): published = `counts + permits`.
+    permits: Counts,
+    /// Slots taken here this tick and the last (how many permits to ask for).
+    taken: u32,
+    taken_last: u32,
+    /// The occupancy its last shared take saw (a permit's record).
+    occupancy: u32,
     lease_until: u64,
     /// Memory and shared data may differ: publish on the next tick.
     dirty: bool,
 }
+
+impl Held {
+    fn published(&self) -> Counts {
+        self.counts.plus(&self.permits)
+    }
+}
+
+/// Permits: a worker may publish a few spare slots of a normal or
+/// sheddable level of a dependency (or of an action limit) beyond its
+/// streams' and hand them to its next requests with no shared data, while
+/// the place is far from its limit: a take asks for as many as the place
+/// took on this worker in the last tick, and gets at most `1/PERMIT_SHARE`
+/// of the level's ceiling, and only while the occupancy after it (every
+/// worker's published slots, permits included) stays within `1/PERMIT_SHARE`
+/// of the ceiling. Permits are published like any slot, so **in flight
+/// never exceeds any limit**; a released slot becomes a permit again; every
+/// permit is given back on the worker's next tick. Since permits are only
+/// made while the published occupancy is within a quarter of the ceiling,
+/// permits never hold more than a quarter of it node-wide: a request is
+/// refused for permits it cannot use only when a level's streams hold at
+/// least three quarters of its ceiling, and for at most one tick. Never
+/// for a reserved level, a stream, a tenant's share, a dependency under a
+/// breaker's cap or an adaptive controller (whose signals count in flight).
+pub const PERMIT_SHARE: u32 = 4;
 
 /// A worker VM's slots (one per VM; see the module header).
 #[derive(Debug)]
@@ -308,17 +403,41 @@ pub struct Worker {
     buffers: table::Buffers,
     /// Dependency key → its control state as last read on the tick.
     controls: HashMap<String, Control>,
-    /// Dependency key → half-open probes this worker took since the glue
-    /// last asked ([`Worker::take_probe_events`]).
+    /// Dependency key → open → half-open transitions this worker's probe
+    /// tickets made since its tick last asked ([`Worker::take_probe_events`]).
     probe_events: HashMap<String, ProbeEvents>,
 }
 
-/// Half-open probe tickets a worker took, for the stats.
+/// What this worker's probe tickets did to a breaker, for the stats. (The
+/// probes themselves are counted by the pipeline when their requests go on
+/// to the dependency: a ticket given back is no probe.)
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ProbeEvents {
-    pub probes: u64,
-    /// Of those, the ones whose write made the open → half-open transition.
+    /// Tickets whose write made the open → half-open transition.
     pub half_opened: u64,
+}
+
+/// What a take decides from the others' counts (`Err`: refused, with the
+/// occupancy it saw).
+type Decide<'a> = &'a dyn Fn(&Counts) -> Result<Taken, (Reason, Counts)>;
+
+/// What a worker publishes at a place ([`Worker::write`]).
+enum Publish<'a> {
+    /// These counts, whatever the others hold (a release, a renewal).
+    Exactly(Counts),
+    /// What a take decides.
+    Checked(Decide<'a>),
+}
+
+/// What a take saw and published.
+#[derive(Debug, Clone, Copy)]
+struct Taken {
+    /// Every worker's published slots before it, this one's included.
+    occupancy: Counts,
+    /// What this worker published.
+    mine: Counts,
+    /// Of those, its permits.
+    permits: Counts,
 }
 
 /// Every failure of the table is a refusal, never an admission.
@@ -327,6 +446,15 @@ fn failure_reason(f: Failure) -> Reason {
         Failure::Exhausted => Reason::Contention,
         Failure::Unavailable { .. } | Failure::Absent | Failure::TooLarge => Reason::StateUnavailable,
     }
+}
+
+/// Permits a place with a `ceiling` can spare at an occupancy of `used`
+/// (see [`PERMIT_SHARE`]): none unless `used` plus this request and them
+/// stays within a quarter of the ceiling, at most a quarter of it.
+fn permit_room(ceiling: u64, used: u64) -> u32 {
+    let quarter = ceiling / u64::from(PERMIT_SHARE);
+    let room = quarter.saturating_sub(used.saturating_add(1));
+    u32::try_from(room).unwrap_or(u32::MAX)
 }
 
 /// The pool use `u` of the module header.
@@ -431,20 +559,22 @@ impl Worker {
         let mut buffers = table::Buffers::default();
         let read = |records: Option<&table::Records<'_>>| {
             records
-                .and_then(|rs| rs.iter().find(|r| r.kind == KIND_WORKER_COUNTER).copied())
+                .and_then(|rs| rs.iter().find(|r| r.kind == kind::WORKER_COUNTER).copied())
                 .and_then(|r: Record<'_>| r.state.try_into().ok())
                 .map_or(0, u64::from_le_bytes)
         };
         let updated = table::update(
             host,
-            &Place::Fixed { key: WORKERS_KEY },
+            &Place::Fixed {
+                key: keys::WORKER_COUNTER,
+            },
             &INSERT,
             now,
             &mut buffers,
             |records, out| {
                 let id = read(records).saturating_add(1);
                 out.push(1);
-                push_record_with(out, 0, KIND_WORKER_COUNTER, 0, 0, |o| {
+                push_record_with(out, 0, kind::WORKER_COUNTER, 0, 0, |o| {
                     o.extend_from_slice(&id.to_le_bytes())
                 });
                 (Commit::Write, id)
@@ -469,16 +599,16 @@ impl Worker {
     /// `LEASE_NS − RENEW_BEFORE_NS` (500 ms) and a tick.)
     pub fn prepare<H: Host>(host: &H, policy: &Policy, now: u64) {
         let mut buffers = table::Buffers::default();
-        let keys = policy
+        let places = policy
             .dependencies
             .iter()
-            .map(|d| (d.key.as_str(), KIND_IN_FLIGHT))
-            .chain(policy.actions.iter().map(|a| (a.key.as_str(), KIND_IN_FLIGHT)))
-            .chain([(WORKERS_KEY, KIND_WORKER_COUNTER)]);
+            .map(|d| (d.key.as_str(), kind::IN_FLIGHT))
+            .chain(policy.actions.iter().map(|a| (a.key.as_str(), kind::IN_FLIGHT)))
+            .chain([(keys::WORKER_COUNTER, kind::WORKER_COUNTER)]);
         for d in policy.dependencies.iter().filter(|d| d.breaker.is_some()) {
             breaker::prepare(host, &d.breaker_key, now, &mut buffers);
         }
-        for (key, kind) in keys {
+        for (key, record_kind) in places {
             let _ = table::update(
                 host,
                 &Place::Fixed { key },
@@ -489,12 +619,12 @@ impl Worker {
                     if records.is_some() {
                         return (Commit::Skip, ());
                     }
-                    if kind == KIND_IN_FLIGHT {
+                    if record_kind == kind::IN_FLIGHT {
                         // An empty holder list.
                         holders::write(&holders::Holders::default(), &Holder::default(), now, out);
                     } else {
                         out.push(1);
-                        push_record_with(out, 0, KIND_WORKER_COUNTER, 0, 0, |o| {
+                        push_record_with(out, 0, kind::WORKER_COUNTER, 0, 0, |o| {
                             o.extend_from_slice(&0u64.to_le_bytes())
                         });
                     }
@@ -556,8 +686,8 @@ impl Worker {
 
     /// Takes a slot for a request of `class` (see the module header): its
     /// tenant's share, then its action's limit, then its dependency, each
-    /// given back if a later one refuses. `Ok(None)`: the class has
-    /// neither a dependency nor an action limit.
+    /// given back if a later one refuses, then (half-open) a probe ticket.
+    /// `Ok(None)`: the class has neither a dependency nor an action limit.
     pub fn acquire<H: Host>(
         &mut self,
         host: &H,
@@ -566,152 +696,253 @@ impl Worker {
         subject: &Subject,
         now: u64,
     ) -> Result<Option<Ticket>, Refusal> {
+        match self.try_acquire(host, policy, class, subject, now) {
+            // The breaker moved on between this worker's copy and its entry
+            // (half-open ended): once more, with the breaker as it now is.
+            Err(Tried::Stale(_)) => match self.try_acquire(host, policy, class, subject, now) {
+                Err(Tried::Stale(r) | Tried::Refused(r)) => Err(r),
+                Ok(t) => Ok(t),
+            },
+            Err(Tried::Refused(r)) => Err(r),
+            Ok(t) => Ok(t),
+        }
+    }
+
+    /// One try of [`Worker::acquire`]: the gate, then each slot in turn
+    /// (tenant share, action, dependency, probe ticket), each later refusal
+    /// giving back what the earlier steps took.
+    fn try_acquire<H: Host>(
+        &mut self,
+        host: &H,
+        policy: &Policy,
+        class: &RouteClass,
+        subject: &Subject,
+        now: u64,
+    ) -> Result<Option<Ticket>, Tried> {
         let labels = class.labels;
         let dep = labels.dependency.and_then(|i| policy.dependency(i));
         let action = labels.action_limit.and_then(|i| policy.action_limit(i));
         if dep.is_none() && action.is_none() {
             return Ok(None);
         }
-        let retry_after_window_ns = dep.map_or(DEFAULT_RETRY_AFTER_WINDOW_NS, |d| d.retry_after_window_ns);
-        let refuse = |reason, in_flight, limit| Refusal {
-            reason,
-            in_flight,
-            retry_after_window_ns,
-            retry_after_secs: 1,
-            limit,
+        let refusing = Refusing {
+            retry_after_window_ns: dep.map_or(DEFAULT_RETRY_AFTER_WINDOW_NS, |d| d.retry_after_window_ns),
         };
         let gate = match dep {
-            Some(d) => self.gate(host, d, now).map_err(|r| Refusal {
-                retry_after_secs: r.retry_after_secs,
-                ..refuse(r.reason, 0, Limited::Dependency)
-            })?,
+            Some(d) => self.gate(d, now).map_err(|r| Tried::Refused(refusing.gate(r)))?,
             None => breaker::Gate::Free,
         };
-        let level = labels.criticality.index();
-        let streaming = labels.streaming;
-        let tenant = match (dep.and_then(|d| d.tenant_max.map(|max| (d, max))), subject) {
-            (None, _) | (_, Subject::None) => None,
-            (Some((dep, max)), subject) => {
-                let key = tenant_key(&dep.name, subject);
-                let entries = Some(policy.key_table_entries);
-                let action = tenant_action(&dep.name);
-                let check = |occ: &Counts| {
-                    if occ.total() < max {
-                        Ok(())
-                    } else {
-                        Err(Reason::TenantShare)
-                    }
-                };
-                match self.take(host, &key, entries, &action, now, level, streaming, &check) {
-                    Ok(_) => Some(key),
-                    Err((reason, _)) => return Err(refuse(reason, 0, Limited::Tenant)),
+        let mut ticket = Ticket {
+            dependency: None,
+            action: None,
+            tenant: None,
+            level: labels.criticality.index(),
+            streaming: labels.streaming,
+            in_flight: 0,
+            probe: None,
+        };
+        let taken = self
+            .take_tenant(host, policy, dep, subject, &mut ticket, now)
+            .map_err(|(reason, _)| refusing.refuse(reason, 0, Limited::Tenant))
+            .and_then(|()| {
+                self.take_action(host, action, &mut ticket, now)
+                    .map_err(|(reason, occ)| refusing.refuse(reason, occ.total(), Limited::Action))
+            })
+            .and_then(|()| match dep {
+                Some(dep) => self
+                    .take_dependency(host, dep, &labels, &gate, &mut ticket, now)
+                    .map_err(|(reason, occ)| refusing.refuse(reason, occ.total(), Limited::Dependency)),
+                None => Ok(()),
+            });
+        if let Err(refusal) = taken {
+            self.release(host, ticket, now);
+            return Err(Tried::Refused(refusal));
+        }
+        if let (Some(dep), breaker::Gate::Probe { .. }) = (dep, gate) {
+            match self.take_probe(host, dep, now) {
+                Ok(probe) => ticket.probe = Some(probe),
+                Err(tried) => {
+                    self.release(host, ticket, now);
+                    return Err(tried.map(|r| refusing.gate(r)));
                 }
             }
-        };
-        let mut in_flight = 0;
-        let action_key = match action {
-            None => None,
-            Some(a) => {
-                let max = a.max_in_flight;
-                let check = |occ: &Counts| {
-                    if occ.total() < max {
-                        Ok(())
-                    } else {
-                        Err(Reason::ConcurrencyLimit)
-                    }
-                };
-                match self.take(host, &a.key, None, "", now, level, streaming, &check) {
-                    Ok(occupancy) => {
-                        in_flight = occupancy.total();
-                        Some(a.key.clone())
-                    }
-                    Err((reason, occupancy)) => {
-                        if let Some(key) = tenant {
-                            self.give(host, &key, now, level, streaming);
-                        }
-                        return Err(refuse(reason, occupancy.total(), Limited::Action));
-                    }
-                }
-            }
-        };
-        let dependency = match dep {
-            None => None,
-            Some(dep) => {
-                let target = effective_limit(dep, &self.control(&dep.key));
-                let limits = effective_limits(dep, target, &gate);
-                let probing = matches!(gate, breaker::Gate::Probe { .. });
-                let check = |occ: &Counts| {
-                    admits_within(&limits, &labels, occ).map_err(|r| match r {
-                        Reason::ConcurrencyLimit | Reason::StreamLimit if probing => {
-                            Reason::CircuitProbeLimit
-                        }
-                        other => other,
-                    })
-                };
-                match self.take(host, &dep.key, None, "", now, level, streaming, &check) {
-                    Ok(occupancy) => {
-                        in_flight = occupancy.total();
-                        Some(dep.key.clone())
-                    }
-                    Err((reason, occupancy)) => {
-                        for key in [action_key, tenant].into_iter().flatten() {
-                            self.give(host, &key, now, level, streaming);
-                        }
-                        return Err(refuse(reason, occupancy.total(), Limited::Dependency));
-                    }
-                }
-            }
-        };
-        Ok(Some(Ticket {
-            dependency,
-            action: action_key,
-            tenant,
-            level,
-            streaming,
-            in_flight,
-        }))
+        }
+        Ok(Some(ticket))
     }
 
-    /// `paused`, then the breaker (see [`breaker`]): the gate a request
-    /// passes, or its refusal (`retry_after_secs` set).
-    fn gate<H: Host>(&mut self, host: &H, dep: &Dependency, now: u64) -> Result<breaker::Gate, GateRefusal> {
-        let refused = |reason| GateRefusal {
-            reason,
-            retry_after_secs: 1,
+    /// The tenant's share of `dep` (`tenant_max_share`), if it has one and
+    /// the request a subject.
+    fn take_tenant<H: Host>(
+        &mut self,
+        host: &H,
+        policy: &Policy,
+        dep: Option<&Dependency>,
+        subject: &Subject,
+        ticket: &mut Ticket,
+        now: u64,
+    ) -> Result<(), (Reason, Counts)> {
+        let Some((dep, max)) = dep.and_then(|d| d.tenant_max.map(|max| (d, max))) else {
+            return Ok(());
         };
-        let open = |half_open_at: u64| GateRefusal {
-            reason: Reason::CircuitOpen,
-            retry_after_secs: half_open_at.saturating_sub(now).div_ceil(NANOS_PER_SEC).max(1),
-        };
-        if dep.paused {
-            return Err(refused(Reason::Paused));
+        if matches!(subject, Subject::None) {
+            return Ok(());
         }
-        let Some(settings) = dep.breaker.as_ref() else {
-            return Ok(breaker::Gate::Free);
-        };
-        match self.control(&dep.key).gate(dep, now) {
-            breaker::Gate::Open { half_open_at } => Err(open(half_open_at)),
-            breaker::Gate::Probe { left: 0, .. } => Err(refused(Reason::CircuitProbeLimit)),
-            gate @ breaker::Gate::Probe { .. } => {
-                let probe = breaker::take_probe(host, &dep.breaker_key, settings, now, &mut self.buffers)
-                    .map_err(|f| refused(failure_reason(f)))?;
-                self.update_control(&dep.key, |c| c.breaker = Some(probe.breaker));
-                if probe.taken {
-                    let events = self.probe_events.entry(dep.key.clone()).or_default();
-                    events.probes = events.probes.saturating_add(1);
-                    events.half_opened = events.half_opened.saturating_add(u64::from(probe.half_opened));
-                    return Ok(gate);
-                }
-                // Another worker took the last ticket, or it is no longer
-                // half-open (this copy was stale).
-                match probe.breaker.gate(settings, now) {
-                    breaker::Gate::Open { half_open_at } => Err(open(half_open_at)),
-                    breaker::Gate::Probe { .. } => Err(refused(Reason::CircuitProbeLimit)),
-                    other => Ok(other),
-                }
+        let key = tenant_key(&dep.name, subject);
+        let action = tenant_action(&dep.name);
+        let check = |occ: &Counts| {
+            if occ.total() < max {
+                Ok(())
+            } else {
+                Err(Reason::TenantShare)
             }
+        };
+        let entries = Some(policy.key_table_entries);
+        let (level, streaming) = (ticket.level, ticket.streaming);
+        self.take(
+            host,
+            &key,
+            entries,
+            &action,
+            now,
+            level,
+            streaming,
+            &check,
+            &|_| 0,
+        )?;
+        ticket.tenant = Some(key);
+        Ok(())
+    }
+
+    /// The action's in-flight limit (`actions.<action>.max_in_flight`).
+    fn take_action<H: Host>(
+        &mut self,
+        host: &H,
+        action: Option<&ActionLimit>,
+        ticket: &mut Ticket,
+        now: u64,
+    ) -> Result<(), (Reason, Counts)> {
+        let Some(a) = action else {
+            return Ok(());
+        };
+        let max = a.max_in_flight;
+        let check = |occ: &Counts| {
+            if occ.total() < max {
+                Ok(())
+            } else {
+                Err(Reason::ConcurrencyLimit)
+            }
+        };
+        let room = |occ: &Counts| permit_room(u64::from(max), u64::from(occ.total()));
+        let (level, streaming) = (ticket.level, ticket.streaming);
+        let occupancy = self.take(host, &a.key, None, "", now, level, streaming, &check, &room)?;
+        ticket.in_flight = occupancy.total();
+        ticket.action = Some(a.key.clone());
+        Ok(())
+    }
+
+    /// The dependency's level, under its effective limits (the controller's
+    /// limit, the breaker's cap: a half-open breaker's refusals are
+    /// `circuit_probe_limit`).
+    fn take_dependency<H: Host>(
+        &mut self,
+        host: &H,
+        dep: &Dependency,
+        labels: &Labels,
+        gate: &breaker::Gate,
+        ticket: &mut Ticket,
+        now: u64,
+    ) -> Result<(), (Reason, Counts)> {
+        let target = effective_limit(dep, &self.control(&dep.key));
+        let limits = effective_limits(dep, target, gate);
+        let probing = matches!(gate, breaker::Gate::Probe { .. });
+        let check = |occ: &Counts| {
+            admits_within(&limits, labels, occ).map_err(|r| match r {
+                Reason::ConcurrencyLimit | Reason::StreamLimit if probing => Reason::CircuitProbeLimit,
+                other => other,
+            })
+        };
+        // Permits only under the plain limits, for the shared levels.
+        let permits = !limits.capped
+            && dep.adaptive.is_none()
+            && matches!(labels.criticality, Criticality::Normal | Criticality::Sheddable);
+        let room = |occ: &Counts| {
+            if !permits {
+                return 0;
+            }
+            let c = ceiling(u64::from(limits.general()), labels.criticality, labels.retryable);
+            permit_room(c, pool_use(&limits, occ))
+        };
+        let (level, streaming) = (ticket.level, ticket.streaming);
+        let occupancy = self.take(host, &dep.key, None, "", now, level, streaming, &check, &room)?;
+        ticket.in_flight = occupancy.total();
+        ticket.dependency = Some(dep.key.clone());
+        Ok(())
+    }
+
+    /// `paused`, then the breaker as this worker's copy says (see
+    /// [`breaker`]): the gate a request passes, or its refusal
+    /// (`retry_after_secs` set). No hostcall: a half-open probe's ticket is
+    /// taken after the request's slots ([`Worker::take_probe`]).
+    fn gate(&self, dep: &Dependency, now: u64) -> Result<breaker::Gate, GateRefusal> {
+        if dep.paused {
+            return Err(GateRefusal::of(Reason::Paused));
+        }
+        if dep.breaker.is_none() {
+            return Ok(breaker::Gate::Free);
+        }
+        match self.control(&dep.key).gate(dep, now) {
+            breaker::Gate::Open { half_open_at } => Err(GateRefusal::open(half_open_at, now)),
+            breaker::Gate::Probe { left: 0, .. } => Err(GateRefusal::of(Reason::CircuitProbeLimit)),
             other => Ok(other),
         }
+    }
+
+    /// Takes a half-open probe ticket of `dep`'s breaker node-wide, and
+    /// refreshes this worker's copy. `Err`: none left (refused), or the
+    /// breaker is no longer half-open and lets the request through another
+    /// way (stale: try again).
+    fn take_probe<H: Host>(
+        &mut self,
+        host: &H,
+        dep: &Dependency,
+        now: u64,
+    ) -> Result<ProbeTicket, Tried<GateRefusal>> {
+        let Some(settings) = dep.breaker.as_ref() else {
+            return Err(Tried::Stale(GateRefusal::of(Reason::CircuitProbeLimit)));
+        };
+        let probe = breaker::take_probe(host, &dep.breaker_key, settings, now, &mut self.buffers)
+            .map_err(|f| Tried::Refused(GateRefusal::of(failure_reason(f))))?;
+        self.update_control(&dep.key, |c| c.breaker = Some(probe.breaker));
+        if probe.taken {
+            if probe.half_opened {
+                let events = self.probe_events.entry(dep.key.clone()).or_default();
+                events.half_opened = events.half_opened.saturating_add(1);
+            }
+            return Ok(ProbeTicket {
+                breaker_key: dep.breaker_key.clone(),
+                period: probe.period(),
+            });
+        }
+        // Another worker took the last ticket, or it is no longer
+        // half-open (this copy was stale).
+        Err(match probe.breaker.gate(settings, now) {
+            breaker::Gate::Open { half_open_at } => Tried::Refused(GateRefusal::open(half_open_at, now)),
+            breaker::Gate::Probe { .. } => Tried::Refused(GateRefusal::of(Reason::CircuitProbeLimit)),
+            _ => Tried::Stale(GateRefusal::of(Reason::CircuitProbeLimit)),
+        })
+    }
+
+    /// Gives back everything a request took that never reached its
+    /// dependency (a later check refused it): its slots, and its probe
+    /// ticket to the half-open period it was taken in.
+    pub fn cancel<H: Host>(&mut self, host: &H, mut ticket: Ticket, now: u64) {
+        if let Some(p) = ticket.probe.take() {
+            if let Err(f) = breaker::give_back_probe(host, &p.breaker_key, p.period, now, &mut self.buffers) {
+                // Lost to its period, which the lost-probe rule ends.
+                log::debug!("tenantgate: a probe ticket could not be given back: {f:?}");
+            }
+        }
+        self.release(host, ticket, now);
     }
 
     /// Gives a stream's slot back (every end of a stream: complete, reset,
@@ -735,6 +966,15 @@ impl Worker {
     /// than [`RENEW_BEFORE_NS`] left; forgets places it holds nothing in
     /// once shared data agrees.
     pub fn renew<H: Host>(&mut self, host: &H, now: u64) {
+        // Every permit goes back (see PERMIT_SHARE); the slots taken this
+        // tick say how many to ask for next.
+        for h in self.held.values_mut() {
+            h.taken_last = std::mem::take(&mut h.taken);
+            if !h.permits.is_zero() {
+                h.permits = Counts::default();
+                h.dirty = true;
+            }
+        }
         let due: Vec<String> = self
             .held
             .iter()
@@ -746,7 +986,8 @@ impl Worker {
         for key in due {
             self.publish(host, &key, now);
         }
-        self.held.retain(|_, h| h.dirty || !h.counts.is_zero());
+        self.held
+            .retain(|_, h| h.dirty || !h.counts.is_zero() || h.taken_last > 0);
     }
 
     /// Places with a count or a pending write (for tests and stats).
@@ -754,8 +995,11 @@ impl Worker {
         self.held.len()
     }
 
-    /// One more slot at `key` if `check(others + own)` passes: one update.
-    /// `Err`: the reason and the occupancy it saw.
+    /// One more slot at `key` if `check(others + own)` passes: from a
+    /// permit of its level (no shared data), else one update, which may
+    /// take permits too (`room`: how many the place can spare at an
+    /// occupancy, see [`PERMIT_SHARE`]). `Err`: the reason and the
+    /// occupancy it saw.
     #[allow(clippy::too_many_arguments)]
     fn take<H: Host>(
         &mut self,
@@ -767,8 +1011,26 @@ impl Worker {
         level: usize,
         streaming: bool,
         check: &dyn Fn(&Counts) -> Result<(), Reason>,
+        room: &dyn Fn(&Counts) -> u32,
     ) -> Result<Counts, (Reason, Counts)> {
-        let own = self.own(key);
+        let (own, permits, want) = match self.held.get_mut(key) {
+            Some(h) => {
+                h.taken = h.taken.saturating_add(1);
+                let spare = h.permits.levels.get(level).copied().unwrap_or(0);
+                if !streaming && spare > 0 {
+                    h.permits.sub(level, false);
+                    h.counts.add(level, false);
+                    // The occupancy as last seen (a permit reads nothing).
+                    let mut seen = Counts::default();
+                    if let Some(l) = seen.levels.get_mut(level) {
+                        *l = h.occupancy;
+                    }
+                    return Ok(seen);
+                }
+                (h.counts, h.permits, h.taken_last)
+            }
+            None => (Counts::default(), Counts::default(), 0),
+        };
         let mut after = own;
         after.add(level, streaming);
         let written = self.write(
@@ -777,36 +1039,66 @@ impl Worker {
             table_entries,
             overflow_action,
             now,
-            after,
-            Some(&|others| {
-                let occupancy = others.plus(&own);
-                check(&occupancy).map(|()| occupancy).map_err(|r| (r, occupancy))
+            Publish::Checked(&|others| {
+                let occupancy = others.plus(&own).plus(&permits);
+                check(&occupancy).map_err(|r| (r, occupancy))?;
+                let mut spare = permits;
+                if !streaming && want > 0 {
+                    if let Some(p) = spare.levels.get_mut(level) {
+                        *p = p.saturating_add(want.min(room(&occupancy)));
+                    }
+                }
+                Ok(Taken {
+                    occupancy,
+                    mine: after.plus(&spare),
+                    permits: spare,
+                })
             }),
         );
         match written {
-            Ok(Ok(occupancy)) => {
+            Ok(Ok(taken)) => {
                 self.set(key, table_entries, overflow_action, after, now, false);
-                Ok(occupancy)
+                if let Some(h) = self.held.get_mut(key) {
+                    h.permits = taken.permits;
+                    h.occupancy = taken.occupancy.total();
+                    if h.taken == 0 {
+                        h.taken = 1;
+                    }
+                }
+                Ok(taken.occupancy)
             }
             Ok(Err(refused)) => Err(refused),
             Err(reason) => Err((reason, Counts::default())),
         }
     }
 
-    /// One slot fewer at `key`, published now if possible.
+    /// One slot fewer at `key`: kept as a permit while the place holds
+    /// permits of its level (no shared data), else published now if
+    /// possible.
     fn give<H: Host>(&mut self, host: &H, key: &str, now: u64, level: usize, streaming: bool) {
         if let Some(h) = self.held.get_mut(key) {
             h.counts.sub(level, streaming);
+            let keeps = !streaming && h.permits.levels.get(level).is_some_and(|p| *p > 0);
+            if keeps {
+                h.permits.add(level, false);
+                return;
+            }
             h.dirty = true;
         }
         self.publish(host, key, now);
     }
 
-    /// Writes this worker's count at `key` as it is in memory.
+    /// Writes this worker's count at `key` as it is in memory (its permits
+    /// included).
     fn publish<H: Host>(&mut self, host: &H, key: &str, now: u64) {
         let Some(h) = self.held.get(key) else { return };
-        let (entries, action, counts) = (h.table_entries, h.overflow_action.clone(), h.counts);
-        let written = self.write(host, key, entries, &action, now, counts, None);
+        let (entries, action, counts, published) = (
+            h.table_entries,
+            h.overflow_action.clone(),
+            h.counts,
+            h.published(),
+        );
+        let written = self.write(host, key, entries, &action, now, Publish::Exactly(published));
         self.set(key, entries, &action, counts, now, written.is_err());
     }
 
@@ -823,6 +1115,10 @@ impl Worker {
         match self.held.get_mut(key) {
             Some(h) => {
                 h.counts = counts;
+                if dirty {
+                    // Not written: its permits are not published either.
+                    h.permits = Counts::default();
+                }
                 h.dirty = dirty;
                 if !dirty {
                     h.lease_until = lease_until;
@@ -842,6 +1138,10 @@ impl Worker {
                         table_entries,
                         overflow_action: action.to_owned(),
                         counts,
+                        permits: Counts::default(),
+                        taken: 0,
+                        taken_last: 0,
+                        occupancy: 0,
                         lease_until: if dirty { 0 } else { lease_until },
                         dirty,
                     },
@@ -850,10 +1150,9 @@ impl Worker {
         }
     }
 
-    /// The one update of a place: reads every holder, runs `check` on what
-    /// the others hold (if any: a refusal writes nothing), writes `mine`
+    /// The one update of a place: reads every holder, decides what this
+    /// worker publishes ([`Publish`]; a refusal writes nothing), writes it
     /// with a fresh lease.
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn write<H: Host>(
         &mut self,
         host: &H,
@@ -861,9 +1160,8 @@ impl Worker {
         table_entries: Option<u64>,
         overflow_action: &str,
         now: u64,
-        mine: Counts,
-        check: Option<&dyn Fn(&Counts) -> Result<Counts, (Reason, Counts)>>,
-    ) -> Result<Result<Counts, (Reason, Counts)>, Reason> {
+        publish: Publish<'_>,
+    ) -> Result<Result<Taken, (Reason, Counts)>, Reason> {
         let place = match table_entries {
             None => Place::Fixed { key },
             Some(entries) => Place::Table {
@@ -875,25 +1173,30 @@ impl Worker {
                 },
             },
         };
-        let me = Holder {
-            worker: self.id,
-            lease_until: now.saturating_add(LEASE_NS),
-            counts: mine,
-        };
+        let worker = self.id;
         let updated = table::update(host, &place, &INSERT, now, &mut self.buffers, |records, out| {
             let listed = holders::of_records(records);
-            let others = holders::others(&listed, me.worker, now);
-            let verdict = match check {
-                Some(check) => check(&others),
-                None => Ok(others),
+            let others = holders::others(&listed, worker, now);
+            let verdict = match &publish {
+                Publish::Checked(check) => check(&others),
+                Publish::Exactly(mine) => Ok(Taken {
+                    occupancy: others,
+                    mine: *mine,
+                    permits: Counts::default(),
+                }),
             };
-            if verdict.is_err() {
+            let Ok(taken) = verdict else {
                 return (Commit::Skip, Ok(verdict));
-            }
+            };
+            let me = Holder {
+                worker,
+                lease_until: now.saturating_add(LEASE_NS),
+                counts: taken.mine,
+            };
             if !holders::write(&listed, &me, now, out) {
                 return (Commit::Skip, Err(Reason::StateUnavailable));
             }
-            (Commit::Write, Ok(verdict))
+            (Commit::Write, Ok(Ok(taken)))
         });
         match updated {
             Ok(u) => u.result,
@@ -971,5 +1274,7 @@ pub fn in_flight<H: Host>(host: &H, dependency_key: &str, now: u64) -> Option<Co
     Some(holders::live(&holders::of_records(records.as_ref()), now))
 }
 
+#[cfg(test)]
+mod permit_tests;
 #[cfg(test)]
 mod tests;

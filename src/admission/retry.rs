@@ -75,20 +75,14 @@ use hashbrown::HashMap;
 
 use crate::engine::Reason;
 use crate::host::Host;
+use crate::keys::kind;
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::admission::{RetryBudget, ENVOY_ATTEMPT_COUNT_HEADER};
 use crate::table::{self, layout::Reader, push_record_with, Commit, Failure, Place, Reach, Records};
 
 /// Buckets of a window.
 pub const BUCKETS: usize = 10;
-/// The record kind of a budget's state.
-pub const KIND_RETRY_BUDGET: u8 = 18;
 const FORMAT: u8 = 1;
-
-/// The shared-data key of a dependency's retry budget.
-pub fn budget_key(dependency: &str) -> String {
-    format!("tg2|r|{dependency}")
-}
 
 /// Whether a request is a retry by the budget's trusted signals (see the
 /// module header): one header read per signal, no shared data.
@@ -188,7 +182,7 @@ impl Window {
     }
 
     fn decode(records: Option<&Records<'_>>) -> Window {
-        let state = records.and_then(|rs| rs.iter().find(|r| r.kind == KIND_RETRY_BUDGET).map(|r| r.state));
+        let state = records.and_then(|rs| rs.iter().find(|r| r.kind == kind::RETRY_BUDGET).map(|r| r.state));
         let mut w = Window::default();
         let Some(state) = state else { return w };
         let mut r = Reader(state);
@@ -210,7 +204,7 @@ impl Window {
 
     fn encode(&self, out: &mut Vec<u8>) {
         out.push(1);
-        push_record_with(out, 0, KIND_RETRY_BUDGET, 0, 0, |o| {
+        push_record_with(out, 0, kind::RETRY_BUDGET, 0, 0, |o| {
             o.push(FORMAT);
             for b in &self.buckets {
                 o.extend_from_slice(&b.index.to_le_bytes());

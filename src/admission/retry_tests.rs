@@ -3,8 +3,8 @@
 use std::rc::Rc;
 
 use super::*;
+use crate::memory::{MemoryHost, SharedStore};
 use crate::policy::Policy;
-use crate::testing::{FakeHost, SharedStore};
 
 const S: u64 = NANOS_PER_SEC;
 const MS: u64 = 1_000_000;
@@ -48,21 +48,21 @@ fn only_a_trusted_attempt_number_of_two_or_more_is_a_retry() {
     let b = budget("");
     assert!(is_retry(
         &b,
-        &FakeHost::new(store.clone()).header("x-attempt", "2")
+        &MemoryHost::new(store.clone()).header("x-attempt", "2")
     ));
     // Envoy's attempt count is not a signal unless the policy says so.
     assert!(!is_retry(
         &b,
-        &FakeHost::new(store.clone()).header("x-envoy-attempt-count", "3")
+        &MemoryHost::new(store.clone()).header("x-envoy-attempt-count", "3")
     ));
     let envoy = budget(r#", "envoy_attempt_count": true"#);
     assert!(is_retry(
         &envoy,
-        &FakeHost::new(store.clone()).header("x-envoy-attempt-count", "3")
+        &MemoryHost::new(store.clone()).header("x-envoy-attempt-count", "3")
     ));
     assert!(!is_retry(
         &envoy,
-        &FakeHost::new(store).header("x-envoy-attempt-count", "1")
+        &MemoryHost::new(store).header("x-envoy-attempt-count", "1")
     ));
 }
 
@@ -121,8 +121,8 @@ impl Two {
             workers: [Primaries::default(), Primaries::default()],
         }
     }
-    fn host(&self) -> FakeHost {
-        FakeHost::new(self.store.clone())
+    fn host(&self) -> MemoryHost {
+        MemoryHost::new(self.store.clone())
     }
     fn primaries(&mut self, w: usize, n: u64, b: &RetryBudget) {
         for _ in 0..n {
@@ -259,11 +259,11 @@ fn contention_refuses_a_retry_never_admits_it() {
     let b = budget("");
     let store = SharedStore::new();
     let mut w = Primaries::default();
-    let mut host = FakeHost::new(store.clone());
+    let mut host = MemoryHost::new(store.clone());
     host.fail_shared = true;
     let r = w.take_retry(&host, &b, T0).unwrap_err();
     assert_eq!(r.reason, Reason::StateUnavailable);
-    let host = FakeHost::new(store);
+    let host = MemoryHost::new(store);
     *host.forced_conflicts.borrow_mut() = 1000;
     let r = w.take_retry(&host, &b, T0).unwrap_err();
     assert_eq!(r.reason, Reason::Contention);

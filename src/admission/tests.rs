@@ -1,4 +1,4 @@
-//! The in-flight core on explicit time, with the fake host: two workers
+//! The in-flight core on explicit time, with the in-memory host: two workers
 //! (two [`Worker`]s over one [`SharedStore`], like two worker VMs).
 
 use std::cell::RefCell;
@@ -7,8 +7,8 @@ use std::rc::Rc;
 use super::request::{self, BodyBudget, Declared};
 use super::*;
 use crate::engine::{self, Prepared};
+use crate::memory::{MemoryHost, SharedStore};
 use crate::policy::Policy;
-use crate::testing::{FakeHost, SharedStore};
 
 const S: u64 = NANOS_PER_SEC;
 const T0: u64 = 1_796_000_000 * S;
@@ -55,13 +55,13 @@ impl Node {
         }
     }
 
-    fn host(&self, class: &str, tenant: &str) -> FakeHost {
-        FakeHost::new(self.store.clone())
+    fn host(&self, class: &str, tenant: &str) -> MemoryHost {
+        MemoryHost::new(self.store.clone())
             .route_class(class)
             .header("x-tenant-id", tenant)
     }
 
-    fn prepared(&self, p: &Policy, class: &str, tenant: &str) -> (FakeHost, Prepared) {
+    fn prepared(&self, p: &Policy, class: &str, tenant: &str) -> (MemoryHost, Prepared) {
         let host = self.host(class, tenant);
         let prepared = engine::prepare(p, &host).unwrap();
         (host, prepared)
@@ -84,7 +84,7 @@ impl Node {
     }
 
     fn live(&self, key: &str, now: u64) -> Counts {
-        in_flight(&FakeHost::new(self.store.clone()), key, now).unwrap()
+        in_flight(&MemoryHost::new(self.store.clone()), key, now).unwrap()
     }
 
     fn total(&self, now: u64) -> u32 {
@@ -93,7 +93,7 @@ impl Node {
 }
 
 fn release(node: &Node, w: &mut Worker, t: Ticket, now: u64) {
-    w.release(&FakeHost::new(node.store.clone()), t, now);
+    w.release(&MemoryHost::new(node.store.clone()), t, now);
 }
 
 #[test]
@@ -280,7 +280,7 @@ fn one_tenant_never_holds_more_than_its_share_across_workers() {
     release(&node, &mut b, q, T0);
     assert_eq!(node.total(T0), 0);
     let key = tenant_key("db", &Subject::Tenant("flood".into()));
-    let host = FakeHost::new(node.store.clone());
+    let host = MemoryHost::new(node.store.clone());
     let updated = table::update(
         &host,
         &Place::Table {
@@ -361,7 +361,7 @@ fn a_worker_that_disappears_has_its_slots_back_within_the_lease() {
     while now <= T0 + LEASE_NS {
         assert_eq!(node.total(now), 6, "at +{} ms", (now - T0) / 1_000_000);
         now += tick;
-        b.renew(&FakeHost::new(node.store.clone()), now);
+        b.renew(&MemoryHost::new(node.store.clone()), now);
     }
     // THE BOUND: LEASE_NS after the last publish, the slots are free.
     assert_eq!(node.total(T0 + LEASE_NS + 1), 1);
@@ -388,7 +388,7 @@ fn a_live_worker_renews_on_its_tick_and_keeps_its_slots_counted() {
     let p = policy("");
     let node = Node::new();
     let mut a = Worker::with_id(1);
-    let host = FakeHost::new(node.store.clone());
+    let host = MemoryHost::new(node.store.clone());
     let t = node.acquire(&mut a, &p, "orders", "acme", T0).unwrap();
     let mut now = T0;
     let mut writes = 0;
@@ -501,7 +501,7 @@ fn random_traffic_on_two_workers_never_leaks_never_goes_negative_never_borrows()
         }
         if step % 100 == 0 {
             for w in &mut workers {
-                w.renew(&FakeHost::new(node.store.clone()), now);
+                w.renew(&MemoryHost::new(node.store.clone()), now);
             }
         }
         let live = node.live("tg2|d|db", now);
@@ -523,7 +523,7 @@ fn random_traffic_on_two_workers_never_leaks_never_goes_negative_never_borrows()
 #[test]
 fn worker_ids_from_the_shared_counter_never_repeat() {
     let store = SharedStore::new();
-    let host = FakeHost::new(store);
+    let host = MemoryHost::new(store);
     let ids: Vec<u64> = (0..5)
         .map(|i| Worker::register(&host, T0 + i).unwrap().id())
         .collect();
@@ -531,8 +531,8 @@ fn worker_ids_from_the_shared_counter_never_repeat() {
     // Two VMs that both created the counter (each saw no key, both wrote
     // unconditionally) get the same count but still different ids.
     let (one, other) = (SharedStore::new(), SharedStore::new());
-    let a = Worker::register(&FakeHost::new(one), T0 + 17).unwrap().id();
-    let b = Worker::register(&FakeHost::new(other), T0 + 18).unwrap().id();
+    let a = Worker::register(&MemoryHost::new(one), T0 + 17).unwrap().id();
+    let b = Worker::register(&MemoryHost::new(other), T0 + 18).unwrap().id();
     assert_eq!(a >> 32, b >> 32);
     assert_ne!(a, b);
 }
@@ -625,9 +625,9 @@ fn two_workers_racing_for_the_last_slot_never_both_get_it() {
     let won: Rc<RefCell<Vec<Ticket>>> = Rc::default();
     let (host, prep) = node.prepared(&p, "orders", "acme");
     let (b2, won2, store, p2) = (b.clone(), won.clone(), node.store.clone(), p.clone());
-    *host.before_write.borrow_mut() = Some(crate::testing::Hook(Box::new(move || {
+    *host.before_write.borrow_mut() = Some(crate::memory::Hook(Box::new(move || {
         if won2.borrow().is_empty() {
-            let h = FakeHost::new(store.clone())
+            let h = MemoryHost::new(store.clone())
                 .route_class("orders")
                 .header("x-tenant-id", "acme");
             let prep = engine::prepare(&p2, &h).unwrap();
@@ -782,12 +782,12 @@ fn a_controller_limit_keeps_the_reservations_and_the_shedding_order() {
 fn prepared_entries_make_the_first_writes_real_compare_and_swaps() {
     let p = policy("");
     let node = Node::new();
-    let host = FakeHost::new(node.store.clone());
+    let host = MemoryHost::new(node.store.clone());
     Worker::prepare(&host, &p, T0);
     // Every key admission writes exists, empty: no live slot, no id taken.
     assert!(node.live("tg2|d|db", T0).is_zero());
     assert!(node.live("tg2|d|events", T0).is_zero());
-    assert!(node.store.borrow().get(WORKERS_KEY).is_some());
+    assert!(node.store.borrow().get(crate::keys::WORKER_COUNTER).is_some());
     assert_eq!(Worker::register(&host, T0).unwrap().id() >> 32, 1);
     // Preparing again changes nothing that is there.
     let mut w = Worker::with_id(9);
@@ -811,11 +811,11 @@ fn a_count_lost_to_the_first_write_race_is_republished_at_the_next_renewal() {
     let fresh = Node::new();
     let tb = fresh.acquire(&mut b, &p, "orders", "acme", T0).unwrap();
     let lost = fresh.store.borrow().get("tg2|d|db").unwrap().to_vec();
-    FakeHost::new(node.store.clone())
+    MemoryHost::new(node.store.clone())
         .shared_set("tg2|d|db", &lost, None)
         .unwrap();
     assert_eq!(node.total(T0), 1, "worker 1's count was overwritten");
-    let host = FakeHost::new(node.store.clone());
+    let host = MemoryHost::new(node.store.clone());
     let mut now = T0;
     while node.total(now) < 2 {
         now += 10_000_000;
@@ -902,10 +902,13 @@ fn an_action_limit_is_counted_node_wide_over_every_class_of_the_action() {
     }
     assert!(node.live("tg2|a|search", T0 + 3).is_zero());
     assert!(node.live("tg2|d|db", T0 + 3).is_zero());
-    // Nothing held: the next tick forgets both places.
-    let host = FakeHost::new(node.store.clone());
-    a.renew(&host, T0 + 4);
-    b.renew(&host, T0 + 4);
+    // Nothing held, and nothing taken for a whole tick (a place's last
+    // tick says how many permits to ask for): forgotten.
+    let host = MemoryHost::new(node.store.clone());
+    for now in [T0 + 4, T0 + 5] {
+        a.renew(&host, now);
+        b.renew(&host, now);
+    }
     assert_eq!((a.places(), b.places()), (0, 0));
 }
 
@@ -968,9 +971,9 @@ fn a_dead_workers_action_slots_stop_counting_after_the_lease() {
 fn prepare_creates_the_action_entries() {
     let p = action_policy();
     let node = Node::new();
-    Worker::prepare(&FakeHost::new(node.store.clone()), &p, T0);
+    Worker::prepare(&MemoryHost::new(node.store.clone()), &p, T0);
     let store = node.store.borrow();
-    for key in ["tg2|a|search", "tg2|d|db", WORKERS_KEY] {
+    for key in ["tg2|a|search", "tg2|d|db", crate::keys::WORKER_COUNTER] {
         assert!(store.get(key).is_some(), "{key}");
     }
 }

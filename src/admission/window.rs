@@ -70,6 +70,7 @@
 use hashbrown::HashMap;
 
 use crate::host::Host;
+use crate::keys::kind;
 use crate::table::{self, push_record_with, Commit, Failure, Place, Reach, Record, Records};
 
 /// How long after a window's end the workers' folds still join it, before
@@ -79,8 +80,6 @@ pub const GRACE_NS: u64 = 50_000_000;
 pub const BUCKETS: usize = 8 + 24 * 8;
 /// Latencies at or above this many microseconds count in the top bucket.
 pub const MAX_LATENCY_US: u64 = 1 << 27;
-/// The kind byte of a window record.
-pub const KIND_WINDOW: u8 = 18;
 const WINDOW_NAME_HASH: u32 = 0x0000_1f18;
 const VERSION: u8 = 1;
 const NANOS_PER_US: u64 = 1_000;
@@ -92,7 +91,7 @@ pub const ENTRY_STATE_LEN: usize = 1 + 8 + 8 + 8 + 2 * TALLY_LEN;
 
 /// The shared-data key of a dependency's window entry.
 pub fn window_key(dependency: &str) -> String {
-    format!("tg2|w|{dependency}")
+    crate::keys::window(dependency)
 }
 
 /// What the upstream did for one stream (see the module header).
@@ -418,7 +417,7 @@ impl Entry {
     }
 
     fn decode(records: Option<&Records<'_>>) -> Option<Entry> {
-        let record: Record<'_> = records?.iter().find(|r| r.kind == KIND_WINDOW).copied()?;
+        let record: Record<'_> = records?.iter().find(|r| r.kind == kind::WINDOW).copied()?;
         let mut r = table::layout::Reader(record.state);
         if r.u8()? != VERSION {
             return None;
@@ -435,7 +434,7 @@ impl Entry {
 
     fn write(&self, out: &mut Vec<u8>) {
         out.push(1);
-        push_record_with(out, WINDOW_NAME_HASH, KIND_WINDOW, 0, 0, |o| {
+        push_record_with(out, WINDOW_NAME_HASH, kind::WINDOW, 0, 0, |o| {
             o.reserve(ENTRY_STATE_LEN);
             o.push(VERSION);
             o.extend_from_slice(&self.window_ns.to_le_bytes());

@@ -1,7 +1,7 @@
 use super::*;
+use crate::memory::{MemoryHost, SharedStore};
 use crate::policy::Policy;
 use crate::response;
-use crate::testing::{FakeHost, SharedStore};
 
 const S: u64 = 1_000_000_000;
 const T0: u64 = 1_796_000_000 * S;
@@ -41,8 +41,8 @@ fn policy(extra: &str) -> Policy {
     }
 }
 
-fn req(store: &std::rc::Rc<std::cell::RefCell<SharedStore>>, class: &str, tenant: &str) -> FakeHost {
-    FakeHost::new(store.clone())
+fn req(store: &std::rc::Rc<std::cell::RefCell<SharedStore>>, class: &str, tenant: &str) -> MemoryHost {
+    MemoryHost::new(store.clone())
         .route_class(class)
         .header("x-tenant-id", tenant)
         .source("10.1.2.3:5555")
@@ -66,11 +66,11 @@ fn table_keys(store: &std::rc::Rc<std::cell::RefCell<SharedStore>>) -> Vec<Strin
     keys
 }
 
-fn run(p: &Policy, host: &FakeHost, now: u64) -> Decision {
+fn run(p: &Policy, host: &MemoryHost, now: u64) -> Decision {
     decide(p, host, now, &mut Scratch::default())
 }
 
-fn admitted(p: &Policy, host: &FakeHost, now: u64, n: usize) -> usize {
+fn admitted(p: &Policy, host: &MemoryHost, now: u64, n: usize) -> usize {
     (0..n)
         .filter(|_| run(p, host, now).reason == Reason::Allowed)
         .count()
@@ -85,7 +85,7 @@ fn a_tenant_gets_its_burst_then_429_with_exact_retry_after_and_headers() {
     let d = run(&p, &h, T0);
     assert_eq!(d.reason, Reason::RateLimited);
     assert_eq!(d.deny_status(), Some(429));
-    assert_eq!(d.limit.as_deref(), Some("free"));
+    assert_eq!(d.limit.as_ref().map(LimitName::name), Some("free"));
     // 10/s: the next token is 100 ms away; Retry-After rounds up to 1 s.
     assert_eq!(d.retry_after_secs, 1);
     let headers = d.headers.clone().unwrap();
@@ -127,7 +127,7 @@ fn route_class_comes_from_metadata_then_route_name_never_headers() {
     let p = policy(r#", "default_route": "api""#);
     let store = SharedStore::new();
     // Route name fallback: a route named "search" costs 5.
-    let by_name = FakeHost::new(store.clone())
+    let by_name = MemoryHost::new(store.clone())
         .property(&ROUTE_NAME_PROPERTY, "search")
         .header("x-tenant-id", "acme");
     assert_eq!(admitted(&p, &by_name, T0, 3), 1);
@@ -149,7 +149,7 @@ fn classify_route_name_reads_only_the_route_name() {
     assert_eq!(p.classification, crate::policy::Classification::RouteName);
     let store = SharedStore::new();
     // Metadata naming `search` is not read: the route named `orders` decides.
-    let h = FakeHost::new(store.clone())
+    let h = MemoryHost::new(store.clone())
         .route_class("search")
         .property(&ROUTE_NAME_PROPERTY, "orders")
         .header("x-tenant-id", "acme")
@@ -166,14 +166,14 @@ fn an_instance_class_is_fixed_by_the_plugin_configuration() {
     let p = policy(r#", "class": "search""#);
     let store = SharedStore::new();
     // Neither route metadata, the route name nor a client header moves it.
-    let h = FakeHost::new(store.clone())
+    let h = MemoryHost::new(store.clone())
         .route_class("api")
         .property(&ROUTE_NAME_PROPERTY, "orders")
         .header("x-tenant-id", "acme")
         .header("x-tenantgate-class", "api");
     assert_eq!(admitted(&p, &h, T0, 3), 1, "search costs 5 of the burst of 5");
     assert_eq!(table_keys(&store), vec!["search|t|acme".to_owned()]);
-    let bare = FakeHost::new(store.clone()).header("x-tenant-id", "bigco");
+    let bare = MemoryHost::new(store.clone()).header("x-tenant-id", "bigco");
     assert_eq!(run(&p, &bare, T0).reason, Reason::Allowed);
 }
 
@@ -181,7 +181,7 @@ fn an_instance_class_is_fixed_by_the_plugin_configuration() {
 fn without_a_default_route_unclassified_requests_pass_and_are_labelled() {
     let p = policy("");
     let store = SharedStore::new();
-    let h = FakeHost::new(store.clone()).header("x-tenant-id", "acme");
+    let h = MemoryHost::new(store.clone()).header("x-tenant-id", "acme");
     let d = run(&p, &h, T0);
     assert_eq!(d.reason, Reason::Unclassified);
     assert!(store.borrow().is_empty());
@@ -202,7 +202,7 @@ fn cost_is_charged_and_must_fit() {
 fn missing_or_invalid_identity_is_anonymous_by_client_address() {
     let p = policy("");
     let store = SharedStore::new();
-    let none = FakeHost::new(store.clone())
+    let none = MemoryHost::new(store.clone())
         .route_class("api")
         .source("192.0.2.7:40000");
     let d = run(&p, &none, T0);
@@ -221,7 +221,7 @@ fn missing_or_invalid_identity_is_anonymous_by_client_address() {
         b"has space".to_vec(),
         b"\x07bell".to_vec(),
     ] {
-        let h = FakeHost::new(store.clone())
+        let h = MemoryHost::new(store.clone())
             .route_class("api")
             .header("x-tenant-id", bad)
             .source("192.0.2.7:1");
@@ -235,7 +235,7 @@ fn missing_or_invalid_identity_is_anonymous_by_client_address() {
             }
         );
     }
-    let v6 = FakeHost::new(store.clone())
+    let v6 = MemoryHost::new(store.clone())
         .route_class("api")
         .source("[2001:db8::1]:443");
     assert!(
@@ -251,7 +251,7 @@ fn ipv4_mapped_ipv6_clients_are_grouped_by_their_ipv4_address() {
     let p = policy("");
     let store = SharedStore::new();
     let subject = |source: &str| {
-        let h = FakeHost::new(store.clone()).route_class("api").source(source);
+        let h = MemoryHost::new(store.clone()).route_class("api").source(source);
         match run(&p, &h, T0).subject {
             Subject::Anonymous { address, .. } => address.to_string(),
             other => panic!("{other:?}"),
@@ -286,7 +286,7 @@ fn jwt_claim_identity_reads_dynamic_metadata_not_headers() {
         "jwt_payload",
         "tenant",
     ];
-    let h = FakeHost::new(store.clone())
+    let h = MemoryHost::new(store.clone())
         .route_class("api")
         .property(&claim, "good")
         .header("x-tenant-id", "forged");
@@ -302,11 +302,14 @@ fn several_limits_are_all_or_nothing() {
     let h = req(&store, "api", "combo");
     // 10/s burst 10 and 15/min: the minute limit binds after 15.
     assert_eq!(admitted(&p, &h, T0, 10), 10);
-    assert_eq!(run(&p, &h, T0).limit.as_deref(), Some("per_second"));
+    assert_eq!(
+        run(&p, &h, T0).limit.as_ref().map(LimitName::name),
+        Some("per_second")
+    );
     assert_eq!(admitted(&p, &h, T0 + S, 10), 5);
     let d = run(&p, &h, T0 + 2 * S);
     assert_eq!(d.reason, Reason::RateLimited);
-    assert_eq!(d.limit.as_deref(), Some("per_minute"));
+    assert_eq!(d.limit.as_ref().map(LimitName::name), Some("per_minute"));
     // 15/min is 4 s a token; the minute bucket is full at T0+60s, so the
     // next token is back at T0+4s: 2 s from now.
     assert_eq!(d.retry_after_secs, 2);
@@ -432,7 +435,7 @@ fn denial_replies_are_problem_json_with_every_header() {
     assert_eq!(get("ratelimit-policy"), Some(r#""free";q=10;w=1"#));
     assert_eq!(get("ratelimit"), Some(r#""free";r=0;t=1"#));
     assert_eq!(get("x-request-id"), Some("req-1"));
-    let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
     assert_eq!(body["status"], 429);
     assert_eq!(body["reason"], "rate_limited");
     assert_eq!(body["limit"], "free");
@@ -586,7 +589,7 @@ fn the_global_guard_limits_all_tenants_together_and_refunds_the_tenant() {
     let d = run(&p, &req(&store, "api", "t9"), T0);
     assert_eq!(d.reason, Reason::GlobalGuard);
     assert_eq!(d.deny_status(), Some(503));
-    assert_eq!(d.limit.as_deref(), Some("db"));
+    assert_eq!(d.limit.as_ref().map(LimitName::name), Some("db"));
     assert!(d.refunded);
     // t9 was refunded: its own bucket is still full (5) once the guard allows.
     let later = T0 + S;
@@ -612,7 +615,7 @@ fn a_shadow_limit_reports_but_never_denies() {
     assert_eq!(&reasons[3..10], &[Reason::ShadowLimited; 7]);
     assert_eq!(reasons[10], Reason::RateLimited); // the enforced limit still binds
     let d = run(&p, &h, T0);
-    assert_eq!(d.limit.as_deref(), Some("enforced"));
+    assert_eq!(d.limit.as_ref().map(LimitName::name), Some("enforced"));
 }
 
 fn anon(
@@ -621,7 +624,7 @@ fn anon(
     source: &str,
     xff: Option<&str>,
 ) -> Subject {
-    let mut h = FakeHost::new(store.clone()).route_class("api").source(source);
+    let mut h = MemoryHost::new(store.clone()).route_class("api").source(source);
     if let Some(x) = xff {
         h = h.header("x-forwarded-for", x);
     }
@@ -703,9 +706,9 @@ fn several_limits_stay_all_or_nothing_when_workers_interleave_at_random() {
     let p = std::rc::Rc::new(p);
     for seed in 1..=25u64 {
         let store = SharedStore::new();
-        let workers: Vec<FakeHost> = (0..4)
+        let workers: Vec<MemoryHost> = (0..4)
             .map(|_| {
-                FakeHost::new(store.clone())
+                MemoryHost::new(store.clone())
                     .header("x-tenant-id", "hot")
                     .source("10.0.0.1:1")
             })
@@ -726,7 +729,7 @@ fn several_limits_stay_all_or_nothing_when_workers_interleave_at_random() {
         // A request of cost 1 (class api) or 3 (class big), on a worker.
         let request = {
             let (p, admitted_cost) = (p.clone(), admitted_cost.clone());
-            move |w: &FakeHost, big: bool| {
+            move |w: &MemoryHost, big: bool| {
                 let h = w.clone().route_class(if big { "big" } else { "api" });
                 let d = run(&p, &h, T0);
                 assert_ne!(d.reason, Reason::Contention);
@@ -740,14 +743,14 @@ fn several_limits_stay_all_or_nothing_when_workers_interleave_at_random() {
         // writes (documented, and pinned by the next test).
         request(&workers[0], false);
         for (i, w) in workers.iter().enumerate() {
-            let others: Vec<FakeHost> = workers
+            let others: Vec<MemoryHost> = workers
                 .iter()
                 .enumerate()
                 .filter(|(j, _)| *j != i)
                 .map(|(_, o)| o.clone())
                 .collect();
             let (request, next) = (request.clone(), next.clone());
-            *w.before_write.borrow_mut() = Some(crate::testing::Hook(Box::new(move || {
+            *w.before_write.borrow_mut() = Some(crate::memory::Hook(Box::new(move || {
                 for _ in 0..next() % 3 {
                     let o = &others[(next() % others.len() as u64) as usize];
                     request(o, next() % 4 == 0);
@@ -805,7 +808,7 @@ fn racing_creators_of_a_new_entry_lose_at_most_one_request_each() {
     let a = req(&store, "api", "acme");
     let b = req(&store, "api", "acme");
     let (p2, b2) = (std::rc::Rc::new(policy("")), b.clone());
-    *a.before_write.borrow_mut() = Some(crate::testing::Hook(Box::new(move || {
+    *a.before_write.borrow_mut() = Some(crate::memory::Hook(Box::new(move || {
         assert_eq!(run(&p2, &b2, T0).reason, Reason::Allowed);
     })));
     assert_eq!(run(&p, &a, T0).reason, Reason::Allowed);
@@ -815,7 +818,7 @@ fn racing_creators_of_a_new_entry_lose_at_most_one_request_each() {
     // Once the entry exists, interleaved writes conflict and retry: exact.
     let (p3, b3) = (std::rc::Rc::new(policy("")), b.clone());
     let once = std::cell::Cell::new(true);
-    *a.before_write.borrow_mut() = Some(crate::testing::Hook(Box::new(move || {
+    *a.before_write.borrow_mut() = Some(crate::memory::Hook(Box::new(move || {
         if once.replace(false) {
             assert_eq!(run(&p3, &b3, T0 + 10 * S).reason, Reason::Allowed);
         }
@@ -844,6 +847,6 @@ fn without_ratelimit_headers_no_header_is_formatted() {
         .iter()
         .find(|d| d.reason == Reason::RateLimited)
         .unwrap();
-    assert_eq!(denied.limit.as_deref(), Some("free"));
+    assert_eq!(denied.limit.as_ref().map(LimitName::name), Some("free"));
     assert!(denied.retry_after_secs >= 1);
 }

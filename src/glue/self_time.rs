@@ -2,7 +2,7 @@
 //! VM, for `make bench` (never in a production build).
 //!
 //! On each configuration the filter decides `ROUNDS` times for the policy's
-//! first tenant over an in-memory host (the fake host of the native tests),
+//! first tenant over an in-memory host (the in-memory host ([`crate::memory`])),
 //! timed with Envoy's clock, then replays the same host calls alone, and
 //! logs both at warning level. The difference is what `prepare` and
 //! `charge` cost in the VM without any hostcall: the part of a decision
@@ -12,9 +12,10 @@
 use std::cell::RefCell;
 
 use crate::engine::{self, Scratch};
+use crate::host::Clock;
 use crate::host::{CasResult, Host, HostError};
+use crate::memory::{MemoryHost, SharedStore};
 use crate::policy::{self, Policy};
-use crate::testing::{FakeHost, SharedStore};
 
 const ROUNDS: u64 = 20_000;
 
@@ -45,9 +46,9 @@ impl Replay<'_> {
     }
 }
 
-/// The fake host, recording the calls of one decision.
+/// The in-memory host, recording the calls of one decision.
 struct Recording<'a> {
-    host: &'a FakeHost,
+    host: &'a MemoryHost,
     calls: RefCell<Vec<Call>>,
 }
 
@@ -55,6 +56,12 @@ impl Host for Recording<'_> {
     fn request_header(&self, name: &str) -> Option<Vec<u8>> {
         self.calls.borrow_mut().push(Call::Header(name.to_owned()));
         self.host.request_header(name)
+    }
+    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+        self.host.response_header(name)
+    }
+    fn response_body(&self, len: usize) -> Option<Vec<u8>> {
+        self.host.response_body(len)
     }
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
         let owned = path.iter().map(|p| (*p).to_owned()).collect();
@@ -83,7 +90,7 @@ pub fn report(policy: &Policy) {
         log::warn!("tenantgate self-time: the policy has no tenant");
         return;
     };
-    let mut host = FakeHost::new(SharedStore::new());
+    let mut host = MemoryHost::new(SharedStore::new());
     if let policy::Identity::Header(name) = &policy.identity {
         host = host.header(name, tenant.as_bytes());
     }
@@ -94,7 +101,7 @@ pub fn report(policy: &Policy) {
             .route_class(&class.name)
             .property(&engine::ROUTE_NAME_PROPERTY, class.name.as_bytes());
     }
-    let now = |fallback: u64| super::now_ns().unwrap_or(fallback);
+    let now = |fallback: u64| super::WallClock.now().unwrap_or(fallback);
     let start = now(0);
     let mut scratch = Scratch::default();
     // One decision inserts the key; the next, recorded, is the steady state.

@@ -111,17 +111,8 @@ use super::sliding_window_counter::{self, SlidingWindowCounter};
 use super::sliding_window_log::{self, SlidingWindowLog};
 use super::token_bucket::{Check, Gcra};
 use super::Verdict;
+use crate::keys::kind;
 use crate::table::Record;
-
-/// Stored `kind` byte of each algorithm (never reuse a value).
-pub const KIND_TOKEN_BUCKET: u8 = 1;
-pub const KIND_FIXED_WINDOW: u8 = 2;
-pub const KIND_SLIDING_WINDOW_LOG: u8 = 3;
-pub const KIND_SLIDING_WINDOW_COUNTER: u8 = 4;
-/// A global limit's allowance on this node (leases from the central
-/// cluster), stored beside the algorithms' records; only its kind byte is
-/// defined here.
-pub const KIND_GLOBAL_ALLOWANCE: u8 = 5;
 
 /// A compiled limit's algorithm and parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -255,10 +246,10 @@ fn map<S>(verdict: Verdict<S>, wrap: impl FnOnce(S) -> State) -> Outcome {
 impl Algo {
     pub fn kind(&self) -> u8 {
         match self {
-            Algo::TokenBucket(_) => KIND_TOKEN_BUCKET,
-            Algo::FixedWindow(_) => KIND_FIXED_WINDOW,
-            Algo::SlidingWindowLog(_) => KIND_SLIDING_WINDOW_LOG,
-            Algo::SlidingWindowCounter(_) => KIND_SLIDING_WINDOW_COUNTER,
+            Algo::TokenBucket(_) => kind::TOKEN_BUCKET,
+            Algo::FixedWindow(_) => kind::FIXED_WINDOW,
+            Algo::SlidingWindowLog(_) => kind::SLIDING_WINDOW_LOG,
+            Algo::SlidingWindowCounter(_) => kind::SLIDING_WINDOW_COUNTER,
         }
     }
 
@@ -303,16 +294,16 @@ impl Algo {
     /// and its stamp; `None` if another kind or malformed.
     fn decode_stored(kind: u8, bytes: &[u8]) -> Option<(State, Stamp)> {
         match kind {
-            KIND_TOKEN_BUCKET => {
+            kind::TOKEN_BUCKET => {
                 let tat = bytes.get(..8).and_then(read_u64);
                 stamped(tat.map(|tat| (State::TokenBucket { tat }, 8)), bytes)
             }
-            KIND_FIXED_WINDOW => {
+            kind::FIXED_WINDOW => {
                 stamped(FixedWindow::decode(bytes), bytes).map(|(s, stamp)| (State::FixedWindow(s), stamp))
             }
-            KIND_SLIDING_WINDOW_LOG => stamped(SlidingWindowLog::decode(bytes), bytes)
+            kind::SLIDING_WINDOW_LOG => stamped(SlidingWindowLog::decode(bytes), bytes)
                 .map(|(s, stamp)| (State::SlidingWindowLog(s), stamp)),
-            KIND_SLIDING_WINDOW_COUNTER => stamped(SlidingWindowCounter::decode(bytes), bytes)
+            kind::SLIDING_WINDOW_COUNTER => stamped(SlidingWindowCounter::decode(bytes), bytes)
                 .map(|(s, stamp)| (State::SlidingWindowCounter(s), stamp)),
             _ => None,
         }
@@ -558,10 +549,12 @@ impl Algo {
     /// The algorithm a stored record was written by, from its parameters.
     fn of_record(r: &Record<'_>) -> Option<Algo> {
         Some(match r.kind {
-            KIND_TOKEN_BUCKET => Algo::TokenBucket(Gcra::from_stored(r.p1, r.p2)?),
-            KIND_FIXED_WINDOW => Algo::FixedWindow(FixedWindow::new(r.p1, r.p2)?),
-            KIND_SLIDING_WINDOW_LOG => Algo::SlidingWindowLog(SlidingWindowLog::new(r.p1, r.p2)?),
-            KIND_SLIDING_WINDOW_COUNTER => Algo::SlidingWindowCounter(SlidingWindowCounter::new(r.p1, r.p2)?),
+            kind::TOKEN_BUCKET => Algo::TokenBucket(Gcra::from_stored(r.p1, r.p2)?),
+            kind::FIXED_WINDOW => Algo::FixedWindow(FixedWindow::new(r.p1, r.p2)?),
+            kind::SLIDING_WINDOW_LOG => Algo::SlidingWindowLog(SlidingWindowLog::new(r.p1, r.p2)?),
+            kind::SLIDING_WINDOW_COUNTER => {
+                Algo::SlidingWindowCounter(SlidingWindowCounter::new(r.p1, r.p2)?)
+            }
             _ => return None,
         })
     }

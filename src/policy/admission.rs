@@ -22,6 +22,10 @@ use super::spec::{
 };
 use crate::limiter::NANOS_PER_SEC;
 
+/// Longest `max_wait` of a queue: a route class's (`on_limit: queue`) or a
+/// dependency level's.
+pub const MAX_QUEUE_WAIT_NS: u64 = 30 * NANOS_PER_SEC;
+
 /// Largest `max_in_flight` and `max_streams`.
 pub const MAX_IN_FLIGHT: i64 = 1_000_000;
 /// Largest `max_body_bytes` (1 TiB).
@@ -155,7 +159,7 @@ pub struct LevelQueue {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Dependency {
     pub name: String,
-    /// Its shared-data key (see [`crate::admission::dependency_key`]).
+    /// Its shared-data key (see [`crate::keys::dependency`]).
     pub key: String,
     pub max_in_flight: u32,
     /// The separate budget of streaming classes (`None`: no streaming
@@ -173,7 +177,7 @@ pub struct Dependency {
     /// `paused: true`: every request is refused at once (`paused`).
     pub paused: bool,
     pub breaker: Option<BreakerSettings>,
-    /// Its breaker's shared-data key (see [`crate::admission::breaker::key`]).
+    /// Its breaker's shared-data key (see [`crate::keys::breaker`]).
     pub breaker_key: String,
     /// `retry_budget:` (see [`crate::admission::retry`]).
     pub retry_budget: Option<RetryBudget>,
@@ -301,6 +305,9 @@ fn duration_in(
     }
 }
 
+/// `adaptive:` of a dependency of `max_in_flight` with `reserved` slots:
+/// its window, bounds and baseline refresh, then its gains
+/// ([`adaptive_gains`]); errors in that order.
 fn compile_adaptive(
     spec: &AdaptiveSpec,
     max_in_flight: u32,
@@ -353,10 +360,26 @@ fn compile_adaptive(
             "must be at least 10 windows",
         );
     }
+    let gains = adaptive_gains(spec, d, path, errors);
     Adaptive {
         window_ns,
         min,
         max,
+        baseline_refresh_ns,
+        ..gains
+    }
+}
+
+/// The controller's gains and thresholds (`buffer`, `dead_zone`,
+/// `smoothing`, `max_increase`, `backoff`, `error_rate`, `queue_age`) over
+/// the defaults `d`, which give every other field.
+fn adaptive_gains(
+    spec: &AdaptiveSpec,
+    d: Adaptive,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> Adaptive {
+    Adaptive {
         buffer_ppm: fraction(
             spec.buffer,
             d.buffer_ppm,
@@ -407,7 +430,7 @@ fn compile_adaptive(
             &path.key("queue_age"),
             errors,
         ),
-        baseline_refresh_ns,
+        ..d
     }
 }
 
@@ -437,7 +460,7 @@ impl Dependency {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ActionLimit {
     pub name: String,
-    /// Its shared-data key (see [`crate::admission::action_key`]).
+    /// Its shared-data key (see [`crate::keys::action`]).
     pub key: String,
     pub max_in_flight: u32,
 }
@@ -478,7 +501,7 @@ pub fn compile_actions<'a>(
             .unwrap_or(1);
             ActionLimit {
                 name: name.clone(),
-                key: crate::admission::action_key(name),
+                key: crate::keys::action(name),
                 max_in_flight,
             }
         })
@@ -510,6 +533,10 @@ fn in_range(value: i64, min: i64, max: i64, path: &FieldPath, errors: &mut Vec<P
     }
 }
 
+/// One `dependencies.<name>`: its slots (`max_in_flight`, `max_streams`,
+/// the reservations), the tenant's share, `Retry-After`'s window, the
+/// level queues, then its breaker, controller and retry budget; errors in
+/// that order.
 fn compile_dependency(
     name: &str,
     spec: &DependencySpec,
@@ -521,13 +548,6 @@ fn compile_dependency(
             errors,
             path.clone(),
             "dependency names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
-        );
-    } else if crate::admission::dependency_key(name) == crate::admission::WORKERS_KEY {
-        // Its entry would be the worker-id counter's.
-        add(
-            errors,
-            path.clone(),
-            format!("`{name}` is reserved (the filter's worker counter): name the dependency otherwise"),
         );
     }
     let max_in_flight = in_range(
@@ -541,44 +561,10 @@ fn compile_dependency(
     let max_streams = spec
         .max_streams
         .and_then(|n| in_range(n, 1, MAX_IN_FLIGHT, &path.key("max_streams"), errors));
-    let reserved = spec.reserved.as_ref();
-    let reserved_path = path.key("reserved");
-    let mut reservation = |field: &str, value: Option<i64>| {
-        value.map_or(0, |n| {
-            in_range(n, 0, MAX_IN_FLIGHT, &reserved_path.key(field), errors).unwrap_or(0)
-        })
-    };
-    let reserved_critical = reservation("critical", reserved.and_then(|r| r.critical));
-    let reserved_system = reservation("system", reserved.and_then(|r| r.system));
-    let reserved_total = reserved_critical.saturating_add(reserved_system);
-    if reserved_total >= max_in_flight && reserved_total > 0 {
-        add(
-            errors,
-            reserved_path,
-            format!(
-                "reserved.critical + reserved.system ({reserved_total}) must be less than max_in_flight ({max_in_flight}): nothing would be left for normal and sheddable requests"
-            ),
-        );
-    }
-    let tenant_max = spec.tenant_max_share.and_then(|share| {
-        let share_path = path.key("tenant_max_share");
-        if share > 0.0 && share < 1.0 {
-            // A fraction: at least one slot.
-            let slots = (share * f64::from(max_in_flight)).ceil();
-            Some((slots as u32).clamp(1, max_in_flight))
-        } else if share >= 1.0 && share.fract() == 0.0 && share <= f64::from(max_in_flight) {
-            Some(share as u32)
-        } else {
-            add(
-                errors,
-                share_path,
-                format!(
-                    "must be a fraction between 0 and 1 (exclusive) or a whole count from 1 to max_in_flight ({max_in_flight})"
-                ),
-            );
-            None
-        }
-    });
+    let reserved = compile_reserved(spec, max_in_flight, &path.key("reserved"), errors);
+    let tenant_max = spec
+        .tenant_max_share
+        .and_then(|share| compile_tenant_max(share, max_in_flight, &path.key("tenant_max_share"), errors));
     let retry_after_window_ns = duration_in(
         spec.retry_after_window.as_deref(),
         DEFAULT_RETRY_AFTER_WINDOW_NS,
@@ -587,6 +573,108 @@ fn compile_dependency(
         &path.key("retry_after_window"),
         errors,
     );
+    let queues = compile_queues(spec, &path.key("queues"), errors);
+    let breaker = spec
+        .circuit_breaker
+        .as_ref()
+        .map(|b| compile_breaker(b, &path.key("circuit_breaker"), errors));
+    let adaptive = spec
+        .adaptive
+        .as_ref()
+        .map(|a| compile_adaptive(a, max_in_flight, reserved.total(), &path.key("adaptive"), errors));
+    Dependency {
+        name: name.to_owned(),
+        key: crate::keys::dependency(name),
+        max_in_flight,
+        max_streams,
+        reserved_critical: reserved.critical,
+        reserved_system: reserved.system,
+        tenant_max,
+        retry_after_window_ns,
+        queues,
+        paused: spec.paused.unwrap_or(false),
+        breaker,
+        breaker_key: crate::keys::breaker(name),
+        retry_budget: spec
+            .retry_budget
+            .as_ref()
+            .map(|b| compile_retry_budget(name, b, &path.key("retry_budget"), errors)),
+        adaptive,
+    }
+}
+
+/// A dependency's reservations (`reserved.critical`, `reserved.system`).
+struct Reserved {
+    critical: u32,
+    system: u32,
+}
+
+impl Reserved {
+    fn total(&self) -> u32 {
+        self.critical.saturating_add(self.system)
+    }
+}
+
+/// `reserved:`: each in range, and together less than `max_in_flight`
+/// (something must be left for normal and sheddable requests).
+fn compile_reserved(
+    spec: &DependencySpec,
+    max_in_flight: u32,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> Reserved {
+    let reserved = spec.reserved.as_ref();
+    let mut reservation = |field: &str, value: Option<i64>| {
+        value.map_or(0, |n| {
+            in_range(n, 0, MAX_IN_FLIGHT, &path.key(field), errors).unwrap_or(0)
+        })
+    };
+    let reserved = Reserved {
+        critical: reservation("critical", reserved.and_then(|r| r.critical)),
+        system: reservation("system", reserved.and_then(|r| r.system)),
+    };
+    let total = reserved.total();
+    if total >= max_in_flight && total > 0 {
+        add(
+            errors,
+            path.clone(),
+            format!(
+                "reserved.critical + reserved.system ({total}) must be less than max_in_flight ({max_in_flight}): nothing would be left for normal and sheddable requests"
+            ),
+        );
+    }
+    reserved
+}
+
+/// `tenant_max_share`: a fraction of `max_in_flight` (at least one slot)
+/// or a whole count of slots.
+fn compile_tenant_max(
+    share: f64,
+    max_in_flight: u32,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> Option<u32> {
+    if share > 0.0 && share < 1.0 {
+        // A fraction: at least one slot.
+        let slots = (share * f64::from(max_in_flight)).ceil();
+        Some((slots as u32).clamp(1, max_in_flight))
+    } else if share >= 1.0 && share.fract() == 0.0 && share <= f64::from(max_in_flight) {
+        Some(share as u32)
+    } else {
+        add(
+            errors,
+            path.clone(),
+            format!(
+                "must be a fraction between 0 and 1 (exclusive) or a whole count from 1 to max_in_flight ({max_in_flight})"
+            ),
+        );
+        None
+    }
+}
+
+/// `queues:`, one per criticality level (indexed by `Criticality::index`;
+/// a level without one refuses at once).
+fn compile_queues(spec: &DependencySpec, path: &FieldPath, errors: &mut Vec<PolicyError>) -> [LevelQueue; 4] {
     let mut queues = [LevelQueue::default(); 4];
     if let Some(q) = &spec.queues {
         let levels = [
@@ -597,37 +685,11 @@ fn compile_dependency(
         ];
         for (level, queue) in levels {
             if let (Some(queue), Some(slot)) = (queue, queues.get_mut(level.index())) {
-                *slot = compile_level_queue(queue, &path.key("queues").key(level.as_str()), errors);
+                *slot = compile_level_queue(queue, &path.key(level.as_str()), errors);
             }
         }
     }
-    let breaker = spec
-        .circuit_breaker
-        .as_ref()
-        .map(|b| compile_breaker(b, &path.key("circuit_breaker"), errors));
-    let adaptive = spec
-        .adaptive
-        .as_ref()
-        .map(|a| compile_adaptive(a, max_in_flight, reserved_total, &path.key("adaptive"), errors));
-    Dependency {
-        name: name.to_owned(),
-        key: crate::admission::dependency_key(name),
-        max_in_flight,
-        max_streams,
-        reserved_critical,
-        reserved_system,
-        tenant_max,
-        retry_after_window_ns,
-        queues,
-        paused: spec.paused.unwrap_or(false),
-        breaker,
-        breaker_key: crate::admission::breaker::key(name),
-        retry_budget: spec
-            .retry_budget
-            .as_ref()
-            .map(|b| compile_retry_budget(name, b, &path.key("retry_budget"), errors)),
-        adaptive,
-    }
+    queues
 }
 
 /// A fraction in (0, 1] as permille (rounded to nearest, at least 1).
@@ -725,7 +787,7 @@ fn compile_level_queue(spec: &LevelQueueSpec, path: &FieldPath, errors: &mut Vec
     let max_wait_ns = duration_in(
         spec.max_wait.as_deref(),
         0,
-        (1, super::compile::MAX_QUEUE_WAIT_NS),
+        (1, MAX_QUEUE_WAIT_NS),
         "must be more than 0 and at most 30s",
         &path.key("max_wait"),
         errors,
@@ -853,7 +915,7 @@ pub const ENVOY_ATTEMPT_COUNT_HEADER: &str = "x-envoy-attempt-count";
 /// A compiled `dependencies.<name>.retry_budget`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RetryBudget {
-    /// Its shared-data key (see [`crate::admission::retry::budget_key`]).
+    /// Its shared-data key (see [`crate::keys::retry_budget`]).
     pub key: String,
     /// Retries per thousand recent primary admissions.
     pub ratio_permille: u32,
@@ -926,7 +988,7 @@ fn compile_retry_budget(
         );
     }
     RetryBudget {
-        key: crate::admission::retry::budget_key(dependency),
+        key: crate::keys::retry_budget(dependency),
         ratio_permille,
         min_per_second,
         window_ns,

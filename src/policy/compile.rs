@@ -3,10 +3,12 @@
 //! Every default of the schema is applied here, in one place (and listed in
 //! the policy reference in docs/policy.md). Validation collects every error it finds.
 
+use std::collections::BTreeMap;
 use std::rc::Rc;
 
 use hashbrown::HashMap;
 
+use super::admission::{ActionLimit, Dependency};
 use super::duration::parse_duration_ns;
 use super::error::{FieldPath, PolicyError, PolicyErrors};
 use super::spec::{self, Classify, IdentitySpec, LimitSpec, PolicySpec};
@@ -21,8 +23,7 @@ use crate::limiter::{
 };
 use crate::table::{self, SLOTS_PER_ENTRY};
 
-/// Longest `max_wait` of a queueing route class.
-pub const MAX_QUEUE_WAIT_NS: u64 = 30 * NANOS_PER_SEC;
+pub use super::admission::MAX_QUEUE_WAIT_NS;
 /// Default `max_queue`: requests held per worker per class.
 pub const DEFAULT_MAX_QUEUE: i64 = 100;
 
@@ -39,58 +40,174 @@ impl Errors {
     }
 }
 
+/// Validates a policy and compiles it, step by step in this order (the
+/// errors come in the same order): version, identity, plans, tenants, the
+/// default plan, anonymous, guards, the key table, dependencies, action
+/// limits, route classes, the default route, classification, sync, quotas,
+/// the limits endpoint.
 pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
     let root = FieldPath::root();
     let mut errors = Errors(Vec::new());
-
-    let version = spec.version.trim().to_owned();
-    if version.is_empty() || version.len() > 64 || !version.bytes().all(|b| (0x20..0x7f).contains(&b)) {
-        errors.add(root.key("version"), "must be 1 to 64 printable ASCII characters");
-    }
-
+    let version = compile_version(&spec.version, &root.key("version"), &mut errors);
     let identity = compile_identity(&spec.identity, &root.key("identity"), &mut errors);
-
-    // Plans, indexed in name order.
-    let plans_path = root.key("plans");
-    if spec.plans.is_empty() {
-        errors.add(plans_path.clone(), "at least one plan is required");
+    let plans = compile_plans(&spec.plans, &root.key("plans"), &mut errors);
+    let tenants = compile_tenants(&spec.tenants, &plans, &root.key("tenants"), &mut errors);
+    let default_plan = plans.resolve(&spec.default_plan, root.key("default_plan"), &mut errors);
+    let anonymous = compile_anonymous(&spec.anonymous, &root.key("anonymous"), &mut errors, &plans);
+    let guards = compile_guards(&spec.guards, &root.key("guards"), &mut errors);
+    let key_table_entries = compile_key_table(spec.key_table.as_ref(), &root.key("key_table"), &mut errors);
+    let dependencies =
+        super::admission::compile_dependencies(&spec.dependencies, &root.key("dependencies"), &mut errors.0);
+    let route_actions = spec
+        .routes
+        .iter()
+        .map(|(name, r)| r.action.as_deref().unwrap_or(name.as_str()));
+    let actions =
+        super::admission::compile_actions(&spec.actions, route_actions, &root.key("actions"), &mut errors.0);
+    let before = Compiled {
+        plans: &plans.plans,
+        guards: &guards,
+        guard_specs: &spec.guards,
+        dependencies: &dependencies,
+        actions: &actions,
+    };
+    let routes = compile_routes(&spec.routes, &before, &root.key("routes"), &mut errors);
+    check_default_route(spec.default_route.as_deref(), &spec.routes, &root, &mut errors);
+    let classification = compile_classification(&spec, &routes, &root, &mut errors);
+    let global_limits = global_limits(&plans.plans);
+    let sync = match (&spec.sync, global_limits.is_empty()) {
+        (None, true) => None,
+        (sync, _) => Some(compile_sync(sync.as_ref(), &root.key("sync"), &mut errors)),
+    };
+    let quotas = super::quota::compile(&spec.quotas, &root.key("quotas"), &mut errors.0);
+    let limits_endpoint = compile_limits_endpoint(
+        spec.limits_endpoint.as_deref(),
+        &root.key("limits_endpoint"),
+        &mut errors,
+    );
+    if !errors.0.is_empty() {
+        return Err(PolicyErrors(errors.0));
     }
-    let mut plans = Vec::with_capacity(spec.plans.len());
-    let mut plan_index = HashMap::new();
-    for (name, plan) in &spec.plans {
-        let path = plans_path.key(name);
+    Ok(Policy {
+        version,
+        mode: spec.mode,
+        identity,
+        plans: plans.plans,
+        tenants,
+        default_plan,
+        anonymous,
+        routes,
+        default_route: spec.default_route,
+        classification,
+        guards,
+        key_table_entries,
+        ratelimit_headers: spec.ratelimit_headers.unwrap_or(true),
+        limits_endpoint,
+        sync,
+        global_limits,
+        effective_from_ns: 0,
+        quotas,
+        dependencies,
+        actions,
+    })
+}
+
+/// `limits_endpoint`: an absolute request path, 2 to 256 printable ASCII
+/// characters, no query, no fragment, no space.
+fn compile_limits_endpoint(path: Option<&str>, at: &FieldPath, errors: &mut Errors) -> Option<String> {
+    let path = path?;
+    let ok = path.len() >= 2
+        && path.len() <= 256
+        && path.starts_with('/')
+        && path
+            .bytes()
+            .all(|b| (0x21..0x7f).contains(&b) && b != b'?' && b != b'#');
+    if !ok {
+        errors.add(
+            at.clone(),
+            "must be an absolute path of 2 to 256 printable characters, without `?`, `#` or spaces (e.g. /.well-known/ratelimit)",
+        );
+        return None;
+    }
+    Some(path.to_owned())
+}
+
+/// The policy's `version`: 1 to 64 printable ASCII characters, trimmed.
+fn compile_version(version: &str, path: &FieldPath, errors: &mut Errors) -> String {
+    let version = version.trim().to_owned();
+    if version.is_empty() || version.len() > 64 || !version.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        errors.add(path.clone(), "must be 1 to 64 printable ASCII characters");
+    }
+    version
+}
+
+/// The compiled plans, indexed in name order, and how a plan's name
+/// resolves to its index.
+struct Plans<'a> {
+    plans: Vec<Plan>,
+    index: HashMap<String, usize>,
+    specs: &'a BTreeMap<String, spec::PlanSpec>,
+}
+
+impl Plans<'_> {
+    /// The index of plan `name`; an unknown name is an error at `path`
+    /// (and resolves to 0, so that validation goes on).
+    fn resolve(&self, name: &str, path: FieldPath, errors: &mut Errors) -> usize {
+        match self.index.get(name) {
+            Some(i) => *i,
+            None => {
+                errors.add(
+                    path,
+                    format!("unknown plan `{name}` (plans: {})", known(self.specs.keys())),
+                );
+                0
+            }
+        }
+    }
+}
+
+/// `plans`: at least one, each with a valid name and its limits.
+fn compile_plans<'a>(
+    specs: &'a BTreeMap<String, spec::PlanSpec>,
+    path: &FieldPath,
+    errors: &mut Errors,
+) -> Plans<'a> {
+    if specs.is_empty() {
+        errors.add(path.clone(), "at least one plan is required");
+    }
+    let mut plans = Vec::with_capacity(specs.len());
+    let mut index = HashMap::new();
+    for (name, plan) in specs {
+        let path = path.key(name);
         if !is_name(name) {
             errors.add(
                 path.clone(),
                 "plan names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
             );
         }
-        let limits = compile_limits(name, &plan.limits, &path.key("limits"), true, &mut errors);
+        let limits = compile_limits(name, &plan.limits, &path.key("limits"), true, errors);
         let ratelimit_policy = ratelimit_policy(&limits);
-        plan_index.insert(name.clone(), plans.len());
+        index.insert(name.clone(), plans.len());
         plans.push(Plan {
             name: name.clone(),
             limits,
             ratelimit_policy,
         });
     }
-    let plan_ref = |name: &str, path: FieldPath, errors: &mut Errors| -> usize {
-        match plan_index.get(name) {
-            Some(i) => *i,
-            None => {
-                errors.add(
-                    path,
-                    format!("unknown plan `{name}` (plans: {})", known(spec.plans.keys())),
-                );
-                0
-            }
-        }
-    };
+    Plans { plans, index, specs }
+}
 
-    let mut tenants: HashMap<String, usize> = HashMap::with_capacity(spec.tenants.len());
-    let mut first_seen: HashMap<&str, usize> = HashMap::with_capacity(spec.tenants.len());
-    for (i, t) in spec.tenants.iter().enumerate() {
-        let path = root.key("tenants").index(i);
+/// The tenant directory: valid, unique ids, each with a known plan.
+fn compile_tenants(
+    specs: &[spec::TenantSpec],
+    plans: &Plans<'_>,
+    path: &FieldPath,
+    errors: &mut Errors,
+) -> HashMap<String, usize> {
+    let mut tenants: HashMap<String, usize> = HashMap::with_capacity(specs.len());
+    let mut first_seen: HashMap<&str, usize> = HashMap::with_capacity(specs.len());
+    for (i, t) in specs.iter().enumerate() {
+        let path = path.index(i);
         if tenant_id(t.id.as_bytes()).is_none() {
             errors.add(
                 path.key("id"),
@@ -103,142 +220,203 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
                 format!("duplicate tenant `{}` (also at tenants[{first}])", t.id),
             );
         }
-        let plan = plan_ref(&t.plan, path.key("plan"), &mut errors);
+        let plan = plans.resolve(&t.plan, path.key("plan"), errors);
         tenants.insert(t.id.clone(), plan);
     }
-    let default_plan = plan_ref(&spec.default_plan, root.key("default_plan"), &mut errors);
-    let anonymous = compile_anonymous(&spec.anonymous, &root.key("anonymous"), &mut errors, plan_ref);
+    tenants
+}
 
-    // Global guards, indexed in name order.
-    let mut guards = Vec::with_capacity(spec.guards.len());
-    for (name, g) in &spec.guards {
-        let path = root.key("guards").key(name);
+/// `guards`: global guards, indexed in name order, each with its limits
+/// (never global: a guard is an aggregate per node).
+fn compile_guards(
+    specs: &BTreeMap<String, spec::GuardSpec>,
+    path: &FieldPath,
+    errors: &mut Errors,
+) -> Vec<Guard> {
+    let mut guards = Vec::with_capacity(specs.len());
+    for (name, g) in specs {
+        let path = path.key(name);
         if !is_name(name) {
             errors.add(
                 path.clone(),
                 "guard names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
             );
         }
-        let limits = compile_limits(name, &g.limits, &path.key("limits"), false, &mut errors);
+        let limits = compile_limits(name, &g.limits, &path.key("limits"), false, errors);
         let ratelimit_policy = ratelimit_policy(&limits);
         guards.push(Guard {
             name: name.clone(),
-            key: crate::table::guard_key(name),
+            key: crate::keys::guard(name),
             limits,
             ratelimit_policy,
         });
     }
+    guards
+}
 
-    let key_table_entries = match spec.key_table.as_ref().and_then(|k| k.max_keys) {
+/// `key_table.max_keys`, as a number of shared-data entries.
+fn compile_key_table(spec: Option<&spec::KeyTableSpec>, path: &FieldPath, errors: &mut Errors) -> u64 {
+    match spec.and_then(|k| k.max_keys) {
         None => DEFAULT_MAX_KEYS,
         Some(n) if n >= SLOTS_PER_ENTRY as i64 && n as u64 <= MAX_MAX_KEYS => n as u64,
         Some(_) => {
             errors.add(
-                root.key("key_table").key("max_keys"),
+                path.key("max_keys"),
                 format!("must be between {SLOTS_PER_ENTRY} and {MAX_MAX_KEYS}"),
             );
             DEFAULT_MAX_KEYS
         }
     }
-    .div_ceil(SLOTS_PER_ENTRY as u64);
+    .div_ceil(SLOTS_PER_ENTRY as u64)
+}
 
-    let dependencies =
-        super::admission::compile_dependencies(&spec.dependencies, &root.key("dependencies"), &mut errors.0);
+/// What a route class refers to, compiled before the classes.
+struct Compiled<'a> {
+    plans: &'a [Plan],
+    guards: &'a [Guard],
+    guard_specs: &'a BTreeMap<String, spec::GuardSpec>,
+    dependencies: &'a [Dependency],
+    actions: &'a [ActionLimit],
+}
 
-    let route_actions = spec
-        .routes
-        .iter()
-        .map(|(name, r)| r.action.as_deref().unwrap_or(name.as_str()));
-    let actions =
-        super::admission::compile_actions(&spec.actions, route_actions, &root.key("actions"), &mut errors.0);
-
-    // Route classes.
-    let routes_path = root.key("routes");
-    if spec.routes.is_empty() {
-        errors.add(routes_path.clone(), "at least one route class is required");
+/// `routes`: at least one route class.
+fn compile_routes(
+    specs: &BTreeMap<String, spec::RouteSpec>,
+    before: &Compiled<'_>,
+    path: &FieldPath,
+    errors: &mut Errors,
+) -> HashMap<String, Rc<RouteClass>> {
+    if specs.is_empty() {
+        errors.add(path.clone(), "at least one route class is required");
     }
-    let mut routes = HashMap::with_capacity(spec.routes.len());
-    for (name, r) in &spec.routes {
-        let path = routes_path.key(name);
-        if !is_name(name) {
-            errors.add(
-                path.clone(),
-                "route class names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
-            );
-        }
-        let action = r.action.clone().unwrap_or_else(|| name.clone());
-        if r.action.is_some() && !is_name(&action) {
-            errors.add(
-                path.key("action"),
-                "actions are 1 to 64 characters of A-Z a-z 0-9 _ - .",
-            );
-        }
-        let guard = r
-            .guard
-            .as_ref()
-            .and_then(|g| match guards.iter().position(|x| &x.name == g) {
-                Some(i) => Some(i),
-                None => {
-                    errors.add(
-                        path.key("guard"),
-                        format!("unknown guard `{g}` (guards: {})", known(spec.guards.keys())),
-                    );
-                    None
-                }
-            });
-        let cost = r.cost.unwrap_or(1);
-        if cost <= 0 {
-            errors.add(path.key("cost"), "must be > 0");
-        } else if cost > MAX_COUNT {
-            errors.add(path.key("cost"), format!("must be at most {MAX_COUNT}"));
-        } else {
-            // A cost above some plan's or the guard's burst could never be admitted.
-            let plan_limits = plans.iter().map(|p| (format!("plans.{}", p.name), &p.limits));
-            let guard_limits = guard
-                .and_then(|i| guards.get(i))
-                .map(|g| (format!("guards.{}", g.name), &g.limits));
-            for (owner, limits) in plan_limits.chain(guard_limits) {
-                for (i, l) in limits.iter().enumerate() {
-                    if cost as u64 > l.burst {
-                        errors.add(
-                            path.key("cost"),
-                            format!(
-                                "{cost} exceeds the burst of {owner}.limits[{i}] ({}): such requests could never be admitted",
-                                l.burst
-                            ),
-                        );
-                    }
-                }
+    specs
+        .iter()
+        .map(|(name, r)| {
+            let class = compile_route(name, r, before, &path.key(name), errors);
+            (name.clone(), Rc::new(class))
+        })
+        .collect()
+}
+
+/// One route class: its name, action, guard, cost, `on_limit`, admission
+/// labels and degraded answers.
+fn compile_route(
+    name: &str,
+    r: &spec::RouteSpec,
+    before: &Compiled<'_>,
+    path: &FieldPath,
+    errors: &mut Errors,
+) -> RouteClass {
+    if !is_name(name) {
+        errors.add(
+            path.clone(),
+            "route class names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
+        );
+    }
+    let action = r.action.clone().unwrap_or_else(|| name.to_owned());
+    if r.action.is_some() && !is_name(&action) {
+        errors.add(
+            path.key("action"),
+            "actions are 1 to 64 characters of A-Z a-z 0-9 _ - .",
+        );
+    }
+    let guard = r
+        .guard
+        .as_ref()
+        .and_then(|g| match before.guards.iter().position(|x| &x.name == g) {
+            Some(i) => Some(i),
+            None => {
+                errors.add(
+                    path.key("guard"),
+                    format!(
+                        "unknown guard `{g}` (guards: {})",
+                        known(before.guard_specs.keys())
+                    ),
+                );
+                None
+            }
+        });
+    let cost = r.cost.unwrap_or(1);
+    check_cost(cost, before, guard, &path.key("cost"), errors);
+    let on_limit = compile_on_limit(r, path, errors);
+    let labels = super::admission::compile_labels(
+        r,
+        &action,
+        before.dependencies,
+        before.actions,
+        path,
+        &mut errors.0,
+    );
+    RouteClass {
+        name: name.to_owned(),
+        action,
+        cost: cost.max(1) as u64,
+        guard,
+        on_limit,
+        failure_mode: r.failure_mode,
+        labels,
+        degradable: super::admission::compile_degradable(name, r, path, &mut errors.0),
+    }
+}
+
+/// A route class's `cost`: in range, and no larger than the burst of any
+/// plan's limit or of its guard's (such requests could never be admitted).
+fn check_cost(cost: i64, before: &Compiled<'_>, guard: Option<usize>, path: &FieldPath, errors: &mut Errors) {
+    if cost <= 0 {
+        errors.add(path.clone(), "must be > 0");
+        return;
+    }
+    if cost > MAX_COUNT {
+        errors.add(path.clone(), format!("must be at most {MAX_COUNT}"));
+        return;
+    }
+    let plan_limits = before
+        .plans
+        .iter()
+        .map(|p| (format!("plans.{}", p.name), &p.limits));
+    let guard_limits = guard
+        .and_then(|i| before.guards.get(i))
+        .map(|g| (format!("guards.{}", g.name), &g.limits));
+    for (owner, limits) in plan_limits.chain(guard_limits) {
+        for (i, l) in limits.iter().enumerate() {
+            if cost as u64 > l.burst {
+                errors.add(
+                    path.clone(),
+                    format!(
+                        "{cost} exceeds the burst of {owner}.limits[{i}] ({}): such requests could never be admitted",
+                        l.burst
+                    ),
+                );
             }
         }
-        let on_limit = compile_on_limit(r, &path, &mut errors);
-        let labels =
-            super::admission::compile_labels(r, &action, &dependencies, &actions, &path, &mut errors.0);
-        let class = RouteClass {
-            name: name.clone(),
-            action,
-            cost: cost.max(1) as u64,
-            guard,
-            on_limit,
-            failure_mode: r.failure_mode,
-            labels,
-            degradable: super::admission::compile_degradable(name, r, &path, &mut errors.0),
-        };
-        routes.insert(name.clone(), Rc::new(class));
     }
-    if let Some(d) = &spec.default_route {
-        if !spec.routes.contains_key(d) {
+}
+
+/// `default_route` names a route class.
+fn check_default_route(
+    default_route: Option<&str>,
+    routes: &BTreeMap<String, spec::RouteSpec>,
+    root: &FieldPath,
+    errors: &mut Errors,
+) {
+    if let Some(d) = default_route {
+        if !routes.contains_key(d) {
             errors.add(
                 root.key("default_route"),
-                format!(
-                    "unknown route class `{d}` (routes: {})",
-                    known(spec.routes.keys())
-                ),
+                format!("unknown route class `{d}` (routes: {})", known(routes.keys())),
             );
         }
     }
+}
 
-    let classification = match (&spec.class, spec.classify) {
+/// How a request's class is found: `classify`, or this instance's fixed `class`.
+fn compile_classification(
+    spec: &PolicySpec,
+    routes: &HashMap<String, Rc<RouteClass>>,
+    root: &FieldPath,
+    errors: &mut Errors,
+) -> Classification {
+    match (&spec.class, spec.classify) {
         (None, None | Some(Classify::RouteMetadata)) => Classification::RouteMetadata,
         (None, Some(Classify::RouteName)) => Classification::RouteName,
         (Some(_), Some(_)) => {
@@ -261,45 +439,17 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
                 Classification::RouteMetadata
             }
         },
-    };
+    }
+}
 
-    let global_limits: HashMap<u32, String> = plans
+/// The plans' global limits, by name hash (what the sync reports).
+fn global_limits(plans: &[Plan]) -> HashMap<u32, String> {
+    plans
         .iter()
         .flat_map(|p| p.limits.iter())
         .filter(|l| l.global)
         .map(|l| (l.name_hash, l.name.clone()))
-        .collect();
-    let sync = match (&spec.sync, global_limits.is_empty()) {
-        (None, true) => None,
-        (sync, _) => Some(compile_sync(sync.as_ref(), &root.key("sync"), &mut errors)),
-    };
-
-    let quotas = super::quota::compile(&spec.quotas, &root.key("quotas"), &mut errors.0);
-
-    if !errors.0.is_empty() {
-        return Err(PolicyErrors(errors.0));
-    }
-    Ok(Policy {
-        version,
-        mode: spec.mode,
-        identity,
-        plans,
-        tenants,
-        default_plan,
-        anonymous,
-        routes,
-        default_route: spec.default_route,
-        classification,
-        guards,
-        key_table_entries,
-        ratelimit_headers: spec.ratelimit_headers.unwrap_or(true),
-        sync,
-        global_limits,
-        effective_from_ns: 0,
-        quotas,
-        dependencies,
-        actions,
-    })
+        .collect()
 }
 
 fn known<'a>(names: impl Iterator<Item = &'a String>) -> String {
@@ -323,9 +473,9 @@ fn compile_anonymous(
     spec: &spec::AnonymousSpec,
     path: &FieldPath,
     errors: &mut Errors,
-    plan_ref: impl Fn(&str, FieldPath, &mut Errors) -> usize,
+    plans: &Plans<'_>,
 ) -> Anonymous {
-    let plan = plan_ref(&spec.plan, path.key("plan"), errors);
+    let plan = plans.resolve(&spec.plan, path.key("plan"), errors);
     let mut bounded = |field: &str, value: Option<i64>, default: i64, min: i64, max: i64| -> i64 {
         match value {
             None => default,
@@ -370,48 +520,11 @@ pub const LOCAL_MAX_NS: u64 = 60 * NANOS_PER_SEC;
 /// Lease TTLs are cut to this many intervals.
 pub const MAX_TTL_INTERVALS: u64 = 10;
 
+/// `sync`: the callout's timing, the provisional allowance, the callout's
+/// breaker, and the names the node reports under (errors in that order).
 fn compile_sync(spec: Option<&spec::SyncSpec>, path: &FieldPath, errors: &mut Errors) -> SyncSettings {
-    let duration = |field: &str, value: Option<&String>, default: u64, errors: &mut Errors| match value
-        .map(|v| parse_duration_ns(v))
-    {
-        None => Some(default),
-        Some(Ok(ns)) => Some(ns),
-        Some(Err(message)) => {
-            errors.add(path.key(field), message);
-            None
-        }
-    };
-    let interval_ns = duration(
-        "interval",
-        spec.and_then(|s| s.interval.as_ref()),
-        DEFAULT_SYNC_INTERVAL_NS,
-        errors,
-    );
-    let interval_ns = match interval_ns {
-        Some(ns) if (MIN_SYNC_INTERVAL_NS..=MAX_SYNC_INTERVAL_NS).contains(&ns) => ns,
-        Some(_) => {
-            errors.add(path.key("interval"), "must be between 100ms and 10m");
-            DEFAULT_SYNC_INTERVAL_NS
-        }
-        None => DEFAULT_SYNC_INTERVAL_NS,
-    };
-    let timeout_ns = duration(
-        "timeout",
-        spec.and_then(|s| s.timeout.as_ref()),
-        DEFAULT_SYNC_TIMEOUT_NS.min(interval_ns / 2),
-        errors,
-    );
-    let timeout_ns = match timeout_ns {
-        Some(ns) if ns > 0 && ns < interval_ns => ns,
-        Some(_) => {
-            errors.add(
-                path.key("timeout"),
-                "must be more than 0 and less than sync.interval",
-            );
-            0
-        }
-        None => 0,
-    };
+    let interval_ns = sync_interval(spec, path, errors);
+    let timeout_ns = sync_timeout(spec, interval_ns, path, errors);
     let provisional = match spec.and_then(|s| s.provisional).unwrap_or(DEFAULT_PROVISIONAL) {
         n @ 0..=MAX_COUNT => n as u64,
         _ => {
@@ -435,41 +548,18 @@ fn compile_sync(spec: Option<&spec::SyncSpec>, path: &FieldPath, errors: &mut Er
             DEFAULT_BREAKER_FAILURES as u32
         }
     };
-    let breaker_max_backoff_ns = match duration(
-        "breaker_max_backoff",
-        spec.and_then(|s| s.breaker_max_backoff.as_ref()),
-        interval_ns.saturating_mul(DEFAULT_BREAKER_MAX_BACKOFF_INTERVALS),
-        errors,
-    ) {
-        Some(ns) if (interval_ns..=MAX_BREAKER_MAX_BACKOFF_NS).contains(&ns) => ns,
-        Some(_) => {
-            errors.add(
-                path.key("breaker_max_backoff"),
-                "must be at least sync.interval and at most 1h",
-            );
-            interval_ns
-        }
-        None => interval_ns,
-    };
+    let breaker_max_backoff_ns = sync_breaker_max_backoff(spec, interval_ns, path, errors);
     let cluster = spec
         .and_then(|s| s.cluster.clone())
         .unwrap_or_else(|| DEFAULT_SYNC_CLUSTER.to_owned());
-    let text_ok = |t: &str| (1..=128).contains(&t.len()) && t.bytes().all(|b| (0x21..0x7f).contains(&b));
-    if !text_ok(&cluster) {
-        errors.add(
-            path.key("cluster"),
-            "must be 1 to 128 printable ASCII characters, no spaces",
-        );
-    }
     let node_id = spec.and_then(|s| s.node_id.clone());
     let region = spec.and_then(|s| s.region.clone());
-    for (field, value) in [("node_id", &node_id), ("region", &region)] {
-        if value.as_deref().is_some_and(|v| !text_ok(v)) {
-            errors.add(
-                path.key(field),
-                "must be 1 to 128 printable ASCII characters, no spaces",
-            );
-        }
+    for (field, value) in [
+        ("cluster", Some(&cluster)),
+        ("node_id", node_id.as_ref()),
+        ("region", region.as_ref()),
+    ] {
+        check_sync_name(value, &path.key(field), errors);
     }
     SyncSettings {
         cluster,
@@ -485,6 +575,104 @@ fn compile_sync(spec: Option<&spec::SyncSpec>, path: &FieldPath, errors: &mut Er
         max_ttl_ns: interval_ns.saturating_mul(MAX_TTL_INTERVALS),
         breaker_failures,
         breaker_max_backoff_ns,
+    }
+}
+
+/// A `sync` duration field: `default` when absent, `None` (with its error)
+/// when it does not parse.
+fn sync_duration(
+    path: &FieldPath,
+    field: &str,
+    value: Option<&String>,
+    default: u64,
+    errors: &mut Errors,
+) -> Option<u64> {
+    match value.map(|v| parse_duration_ns(v)) {
+        None => Some(default),
+        Some(Ok(ns)) => Some(ns),
+        Some(Err(message)) => {
+            errors.add(path.key(field), message);
+            None
+        }
+    }
+}
+
+/// `sync.interval`: 100 ms to 10 min (the default after an error).
+fn sync_interval(spec: Option<&spec::SyncSpec>, path: &FieldPath, errors: &mut Errors) -> u64 {
+    let interval = spec.and_then(|s| s.interval.as_ref());
+    match sync_duration(path, "interval", interval, DEFAULT_SYNC_INTERVAL_NS, errors) {
+        Some(ns) if (MIN_SYNC_INTERVAL_NS..=MAX_SYNC_INTERVAL_NS).contains(&ns) => ns,
+        Some(_) => {
+            errors.add(path.key("interval"), "must be between 100ms and 10m");
+            DEFAULT_SYNC_INTERVAL_NS
+        }
+        None => DEFAULT_SYNC_INTERVAL_NS,
+    }
+}
+
+/// `sync.timeout`: more than 0 and shorter than the interval (0 after an error).
+fn sync_timeout(
+    spec: Option<&spec::SyncSpec>,
+    interval_ns: u64,
+    path: &FieldPath,
+    errors: &mut Errors,
+) -> u64 {
+    let timeout_ns = sync_duration(
+        path,
+        "timeout",
+        spec.and_then(|s| s.timeout.as_ref()),
+        DEFAULT_SYNC_TIMEOUT_NS.min(interval_ns / 2),
+        errors,
+    );
+    match timeout_ns {
+        Some(ns) if ns > 0 && ns < interval_ns => ns,
+        Some(_) => {
+            errors.add(
+                path.key("timeout"),
+                "must be more than 0 and less than sync.interval",
+            );
+            0
+        }
+        None => 0,
+    }
+}
+
+/// `sync.breaker_max_backoff`: from the interval to 1 h (the interval
+/// after an error).
+fn sync_breaker_max_backoff(
+    spec: Option<&spec::SyncSpec>,
+    interval_ns: u64,
+    path: &FieldPath,
+    errors: &mut Errors,
+) -> u64 {
+    match sync_duration(
+        path,
+        "breaker_max_backoff",
+        spec.and_then(|s| s.breaker_max_backoff.as_ref()),
+        interval_ns.saturating_mul(DEFAULT_BREAKER_MAX_BACKOFF_INTERVALS),
+        errors,
+    ) {
+        Some(ns) if (interval_ns..=MAX_BREAKER_MAX_BACKOFF_NS).contains(&ns) => ns,
+        Some(_) => {
+            errors.add(
+                path.key("breaker_max_backoff"),
+                "must be at least sync.interval and at most 1h",
+            );
+            interval_ns
+        }
+        None => interval_ns,
+    }
+}
+
+/// `sync.cluster`, `sync.node_id`, `sync.region` (when set): 1 to 128
+/// printable ASCII characters, no spaces.
+fn check_sync_name(value: Option<&String>, path: &FieldPath, errors: &mut Errors) {
+    let ok = |t: &str| (1..=128).contains(&t.len()) && t.bytes().all(|b| (0x21..0x7f).contains(&b));
+    if value.is_some_and(|v| !ok(v)) {
+        errors.add(
+            path.clone(),
+            "must be 1 to 128 printable ASCII characters, no spaces",
+        );
     }
 }
 
@@ -574,6 +762,9 @@ fn compile_identity(spec: &IdentitySpec, path: &FieldPath, errors: &mut Errors) 
     }
 }
 
+/// The limits of a plan (or a guard, `global_allowed` false): at least one,
+/// at most [`MAX_LIMITS_PER_PLAN`], and together small enough for one
+/// key-table slot.
 fn compile_limits(
     plan: &str,
     specs: &[LimitSpec],
@@ -592,125 +783,185 @@ fn compile_limits(
     }
     let mut limits: Vec<Limit> = Vec::with_capacity(specs.len());
     for (i, spec) in specs.iter().enumerate() {
-        let path = path.index(i);
-        let name = match (&spec.name, specs.len()) {
-            (Some(n), _) => n.clone(),
-            (None, 1) => plan.to_owned(),
-            (None, _) => {
-                errors.add(path.key("name"), "required when a plan has more than one limit");
-                continue;
-            }
+        let owner = Owner {
+            plan,
+            limits: specs.len(),
+            global_allowed,
         };
-        if !is_name(&name) {
-            errors.add(
-                path.key("name"),
-                "limit names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
-            );
+        if let Some(limit) = compile_limit(spec, &owner, &limits, &path.index(i), errors) {
+            limits.push(limit);
         }
-        let name_hash = fnv1a32(name.as_bytes());
-        if limits.iter().any(|l| l.name == name || l.name_hash == name_hash) {
-            errors.add(
-                path.key("name"),
-                format!("duplicate limit name `{name}` in this plan"),
-            );
-        }
-
-        let rate = count(spec.rate, &path.key("rate"), errors);
-        let burst = match spec.burst {
-            Some(b) => count(b, &path.key("burst"), errors),
-            None => rate,
-        };
-        let per_secs = match parse_duration_ns(&spec.per) {
-            Err(message) => {
-                errors.add(path.key("per"), message);
-                None
-            }
-            Ok(ns) if ns < NANOS_PER_SEC || ns % NANOS_PER_SEC != 0 => {
-                errors.add(
-                    path.key("per"),
-                    "must be a whole number of seconds, at least 1s (RateLimit-Policy states w= in seconds)",
-                );
-                None
-            }
-            Ok(ns) if ns / NANOS_PER_SEC > MAX_WINDOW_SECS => {
-                errors.add(path.key("per"), "must be at most 366d");
-                None
-            }
-            Ok(ns) => Some(ns / NANOS_PER_SEC),
-        };
-        let (Some(rate), Some(burst), Some(per_secs)) = (rate, burst, per_secs) else {
-            continue;
-        };
-        let window_ns = per_secs * NANOS_PER_SEC;
-        if spec.algorithm != spec::Algorithm::TokenBucket && spec.burst.is_some() {
-            errors.add(
-                path.key("burst"),
-                "only token_bucket has a burst: a window algorithm admits `rate` per `per`",
-            );
-            continue;
-        }
-        let algo = match spec.algorithm {
-            spec::Algorithm::TokenBucket => match Gcra::new(rate, window_ns, burst) {
-                Some(g) if g.tolerance_ns() / NANOS_PER_SEC <= MAX_WINDOW_SECS => Some(Algo::TokenBucket(g)),
-                _ => {
-                    errors.add(
-                        path.key("burst"),
-                        format!(
-                            "a burst of {burst} at {rate} per {per_secs}s takes longer than 366d to refill"
-                        ),
-                    );
-                    continue;
-                }
-            },
-            spec::Algorithm::FixedWindow => FixedWindow::new(rate, window_ns).map(Algo::FixedWindow),
-            spec::Algorithm::SlidingWindowCounter => {
-                SlidingWindowCounter::new(rate, window_ns).map(Algo::SlidingWindowCounter)
-            }
-            spec::Algorithm::SlidingWindowLog => match SlidingWindowLog::new(rate, window_ns) {
-                Some(a) => Some(Algo::SlidingWindowLog(a)),
-                None => {
-                    errors.add(
-                        path.key("rate"),
-                        format!(
-                            "sliding_window_log keeps one entry per admitted request, at most {MAX_LOG_ENTRIES} per key: lower the rate or use sliding_window_counter"
-                        ),
-                    );
-                    continue;
-                }
-            },
-        };
-        let Some(algo) = algo else {
-            // Rates, windows and bursts are validated above; unreachable.
-            errors.add(path.clone(), "these parameters cannot be represented");
-            continue;
-        };
-        let shadow = spec.shadow.unwrap_or(false);
-        let global = spec.global.unwrap_or(false);
-        if global && !global_allowed {
-            errors.add(
-                path.key("global"),
-                "a guard is an aggregate per node: only plans' limits can be global",
-            );
-        } else if global && spec.algorithm != spec::Algorithm::TokenBucket {
-            errors.add(path.key("global"), "only token_bucket limits can be global");
-        }
-        limits.push(Limit {
-            name,
-            name_hash,
-            rate,
-            per_secs,
-            burst,
-            algo,
-            shadow,
-            global,
-        });
     }
-    // One key's records for all these limits share one key-table slot.
+    check_state_fits(&limits, path, errors);
+    limits
+}
+
+/// The plan or guard a limit belongs to.
+struct Owner<'a> {
+    plan: &'a str,
+    /// How many limits it has.
+    limits: usize,
+    global_allowed: bool,
+}
+
+/// One limit (`None`: it has an error that leaves nothing to compile):
+/// its name, its rate, burst and window, its algorithm, `shadow` and `global`.
+fn compile_limit(
+    spec: &LimitSpec,
+    owner: &Owner<'_>,
+    before: &[Limit],
+    path: &FieldPath,
+    errors: &mut Errors,
+) -> Option<Limit> {
+    let (name, name_hash) = limit_name(spec, owner, before, path, errors)?;
+    let rate = count(spec.rate, &path.key("rate"), errors);
+    let burst = match spec.burst {
+        Some(b) => count(b, &path.key("burst"), errors),
+        None => rate,
+    };
+    let per_secs = limit_per_secs(&spec.per, &path.key("per"), errors);
+    let (Some(rate), Some(burst), Some(per_secs)) = (rate, burst, per_secs) else {
+        return None;
+    };
+    let algo = limit_algo(spec, rate, burst, per_secs, path, errors)?;
+    let shadow = spec.shadow.unwrap_or(false);
+    let global = spec.global.unwrap_or(false);
+    if global && !owner.global_allowed {
+        errors.add(
+            path.key("global"),
+            "a guard is an aggregate per node: only plans' limits can be global",
+        );
+    } else if global && spec.algorithm != spec::Algorithm::TokenBucket {
+        errors.add(path.key("global"), "only token_bucket limits can be global");
+    }
+    Some(Limit {
+        name,
+        name_hash,
+        rate,
+        per_secs,
+        burst,
+        algo,
+        shadow,
+        global,
+    })
+}
+
+/// A limit's name (the plan's, for a plan's only limit) and its hash,
+/// unique among `before`; `None` when a name is required and missing.
+fn limit_name(
+    spec: &LimitSpec,
+    owner: &Owner<'_>,
+    before: &[Limit],
+    path: &FieldPath,
+    errors: &mut Errors,
+) -> Option<(String, u32)> {
+    let name = match (&spec.name, owner.limits) {
+        (Some(n), _) => n.clone(),
+        (None, 1) => owner.plan.to_owned(),
+        (None, _) => {
+            errors.add(path.key("name"), "required when a plan has more than one limit");
+            return None;
+        }
+    };
+    if !is_name(&name) {
+        errors.add(
+            path.key("name"),
+            "limit names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
+        );
+    }
+    let name_hash = fnv1a32(name.as_bytes());
+    if before.iter().any(|l| l.name == name || l.name_hash == name_hash) {
+        errors.add(
+            path.key("name"),
+            format!("duplicate limit name `{name}` in this plan"),
+        );
+    }
+    Some((name, name_hash))
+}
+
+/// A limit's `per`: a whole number of seconds, from 1 s to 366 days.
+fn limit_per_secs(per: &str, path: &FieldPath, errors: &mut Errors) -> Option<u64> {
+    match parse_duration_ns(per) {
+        Err(message) => {
+            errors.add(path.clone(), message);
+            None
+        }
+        Ok(ns) if ns < NANOS_PER_SEC || ns % NANOS_PER_SEC != 0 => {
+            errors.add(
+                path.clone(),
+                "must be a whole number of seconds, at least 1s (RateLimit-Policy states w= in seconds)",
+            );
+            None
+        }
+        Ok(ns) if ns / NANOS_PER_SEC > MAX_WINDOW_SECS => {
+            errors.add(path.clone(), "must be at most 366d");
+            None
+        }
+        Ok(ns) => Some(ns / NANOS_PER_SEC),
+    }
+}
+
+/// A limit's algorithm with its parameters (`None`: they cannot be
+/// represented, with the error that says why).
+fn limit_algo(
+    spec: &LimitSpec,
+    rate: u64,
+    burst: u64,
+    per_secs: u64,
+    path: &FieldPath,
+    errors: &mut Errors,
+) -> Option<Algo> {
+    let window_ns = per_secs * NANOS_PER_SEC;
+    if spec.algorithm != spec::Algorithm::TokenBucket && spec.burst.is_some() {
+        errors.add(
+            path.key("burst"),
+            "only token_bucket has a burst: a window algorithm admits `rate` per `per`",
+        );
+        return None;
+    }
+    let algo = match spec.algorithm {
+        spec::Algorithm::TokenBucket => match Gcra::new(rate, window_ns, burst) {
+            Some(g) if g.tolerance_ns() / NANOS_PER_SEC <= MAX_WINDOW_SECS => Some(Algo::TokenBucket(g)),
+            _ => {
+                errors.add(
+                    path.key("burst"),
+                    format!("a burst of {burst} at {rate} per {per_secs}s takes longer than 366d to refill"),
+                );
+                return None;
+            }
+        },
+        spec::Algorithm::FixedWindow => FixedWindow::new(rate, window_ns).map(Algo::FixedWindow),
+        spec::Algorithm::SlidingWindowCounter => {
+            SlidingWindowCounter::new(rate, window_ns).map(Algo::SlidingWindowCounter)
+        }
+        spec::Algorithm::SlidingWindowLog => match SlidingWindowLog::new(rate, window_ns) {
+            Some(a) => Some(Algo::SlidingWindowLog(a)),
+            None => {
+                errors.add(
+                    path.key("rate"),
+                    format!(
+                        "sliding_window_log keeps one entry per admitted request, at most {MAX_LOG_ENTRIES} per key: lower the rate or use sliding_window_counter"
+                    ),
+                );
+                return None;
+            }
+        },
+    };
+    if algo.is_none() {
+        // Rates, windows and bursts are validated above; unreachable.
+        errors.add(path.clone(), "these parameters cannot be represented");
+    }
+    algo
+}
+
+/// One key's records for all these limits share one key-table slot: their
+/// largest state must fit in it.
+fn check_state_fits(limits: &[Limit], path: &FieldPath, errors: &mut Errors) {
     let records_len = limits
         .iter()
         .map(|l| {
             let state = if l.global {
-                crate::sync::stored::MAX_ALLOWANCE_LEN
+                super::MAX_ALLOWANCE_LEN
             } else {
                 l.algo.max_stored_len()
             };
@@ -726,7 +977,6 @@ fn compile_limits(
             ),
         );
     }
-    limits
 }
 
 /// A positive count no larger than [`MAX_COUNT`].

@@ -29,6 +29,11 @@ pub use spec::{Classify, Mode};
 /// missing (the request is grouped as anonymous) and counted.
 pub const MAX_TENANT_ID_LEN: usize = 128;
 /// Most limits one plan may combine (they share one state entry).
+/// The most bytes a global limit's allowance takes in its key's slot: its
+/// encoding in `crate::sync::stored` (version, flags, fourteen u64 with
+/// every optional field set), which is tested to fit. The policy checks
+/// that a plan's limits fit one slot with it.
+pub const MAX_ALLOWANCE_LEN: usize = 2 + 14 * 8;
 pub const MAX_LIMITS_PER_PLAN: usize = crate::table::MAX_RECORDS;
 /// Default and bounds of `key_table.max_keys`.
 pub const DEFAULT_MAX_KEYS: u64 = 100_000;
@@ -60,6 +65,9 @@ pub struct Policy {
     /// per entry, rounded up).
     pub key_table_entries: u64,
     pub ratelimit_headers: bool,
+    /// `limits_endpoint:` the path answered with the calling tenant's own
+    /// limits (`None`: off; see `crate::pipeline::limits`).
+    pub limits_endpoint: Option<String>,
     /// How global limits sync with the central cluster (`None`: the policy
     /// has no global limit and no `sync:` block).
     pub sync: Option<SyncSettings>,
@@ -190,7 +198,7 @@ impl SyncSettings {
 #[derive(Debug)]
 pub struct Guard {
     pub name: String,
-    /// Its shared-data key (see [`crate::table::guard_key`]).
+    /// Its shared-data key (see [`crate::keys::guard`]).
     pub key: String,
     pub limits: Vec<Limit>,
     pub ratelimit_policy: String,

@@ -169,122 +169,162 @@ fn amount(value: i64, path: FieldPath, errors: &mut Vec<PolicyError>) -> u64 {
     }
 }
 
+/// `quotas:`: every resource, by name.
 pub(super) fn compile(
     spec: &BTreeMap<String, ResourceSpec>,
     path: &FieldPath,
     errors: &mut Vec<PolicyError>,
 ) -> Quotas {
-    let mut resources = BTreeMap::new();
-    for (name, r) in spec {
-        let path = path.key(name);
-        if !is_name(name) {
-            errors.push(PolicyError::new(
-                path.clone(),
-                "resource names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
-            ));
-        }
-        if r.unit.is_empty() || r.unit.len() > 32 || !r.unit.bytes().all(|b| (0x21..0x7f).contains(&b)) {
-            errors.push(PolicyError::new(
-                path.key("unit"),
-                "must be 1 to 32 visible ASCII characters",
-            ));
-        }
-        let lp = path.key("limits");
-        let global = amount(r.limits.global, lp.key("global"), errors);
-        let tenant_default = r
-            .limits
-            .tenant_default
-            .map(|v| amount(v, lp.key("tenant_default"), errors));
-        let project_default = r
-            .limits
-            .project_default
-            .map(|v| amount(v, lp.key("project_default"), errors));
-        let mut tenants = BTreeMap::new();
-        for (t, v) in &r.limits.tenants {
-            let tp = lp.key("tenants").key(t);
-            if tenant_id(t.as_bytes()).is_none() {
-                errors.push(PolicyError::new(
-                    tp.clone(),
-                    "tenant ids are 1 to 128 bytes with no whitespace or control characters",
-                ));
-            }
-            tenants.insert(t.clone(), amount(*v, tp, errors));
-        }
-        let mut projects = BTreeMap::new();
-        for (key, v) in &r.limits.projects {
-            let pp = lp.key("projects").key(key);
-            match key.split_once('/') {
-                Some((t, p)) if tenant_id(t.as_bytes()).is_some() && project_id(p).is_some() => {
-                    projects.insert((t.to_owned(), p.to_owned()), amount(*v, pp, errors));
-                }
-                _ => errors.push(PolicyError::new(
-                    pp,
-                    "project keys are `tenant/project` (each 1 to 128 bytes, no whitespace, no `/` in the project)",
-                )),
-            }
-        }
-        let tenant_share_pct = match r.tenant_share_pct {
-            None => None,
-            Some(v @ 1..=100) => Some(v as u64),
-            Some(_) => {
-                errors.push(PolicyError::new(
-                    path.key("tenant_share_pct"),
-                    "must be between 1 and 100",
-                ));
-                None
-            }
-        };
-        let mut ttl = |field: &str, value: Option<&String>, default: u64| -> u64 {
-            let Some(text) = value else {
-                return default;
-            };
-            match parse_duration_ns(text) {
-                Ok(ns) if (MIN_TTL_NS..=MAX_MAX_TTL_NS).contains(&ns) => ns,
-                Ok(_) => {
-                    errors.push(PolicyError::new(path.key(field), "must be between 1s and 30d"));
-                    default
-                }
-                Err(m) => {
-                    errors.push(PolicyError::new(path.key(field), m));
-                    default
-                }
-            }
-        };
-        let default_ttl_ns = ttl("default_ttl", r.default_ttl.as_ref(), DEFAULT_TTL_NS);
-        let max_ttl_ns = ttl("max_ttl", r.max_ttl.as_ref(), DEFAULT_MAX_TTL_NS);
-        if default_ttl_ns > max_ttl_ns {
-            errors.push(PolicyError::new(
-                path.key("default_ttl"),
-                "must not be longer than max_ttl",
-            ));
-        }
-        if let Some(region) = &r.home_region {
-            if !is_name(region) {
-                errors.push(PolicyError::new(
-                    path.key("home_region"),
-                    "regions are 1 to 64 characters of A-Z a-z 0-9 _ - .",
-                ));
-            }
-        }
-        resources.insert(
-            name.clone(),
-            Resource {
-                name: name.clone(),
-                unit: r.unit.clone(),
-                risk: r.risk,
-                global,
-                tenant_default,
-                tenants,
-                project_default,
-                projects,
-                tenant_share_pct,
-                default_ttl_ns,
-                max_ttl_ns,
-                home_region: r.home_region.clone(),
-            },
-        );
-    }
+    let resources = spec
+        .iter()
+        .map(|(name, r)| (name.clone(), compile_resource(name, r, &path.key(name), errors)))
+        .collect();
     Quotas { resources }
+}
+
+/// One resource: its name and unit, its limits per level, the tenants'
+/// share, its TTLs and home region (errors in that order).
+fn compile_resource(
+    name: &str,
+    r: &ResourceSpec,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> Resource {
+    if !is_name(name) {
+        errors.push(PolicyError::new(
+            path.clone(),
+            "resource names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
+        ));
+    }
+    if r.unit.is_empty() || r.unit.len() > 32 || !r.unit.bytes().all(|b| (0x21..0x7f).contains(&b)) {
+        errors.push(PolicyError::new(
+            path.key("unit"),
+            "must be 1 to 32 visible ASCII characters",
+        ));
+    }
+    let lp = path.key("limits");
+    let global = amount(r.limits.global, lp.key("global"), errors);
+    let tenant_default = r
+        .limits
+        .tenant_default
+        .map(|v| amount(v, lp.key("tenant_default"), errors));
+    let project_default = r
+        .limits
+        .project_default
+        .map(|v| amount(v, lp.key("project_default"), errors));
+    let tenants = tenant_limits(&r.limits.tenants, &lp.key("tenants"), errors);
+    let projects = project_limits(&r.limits.projects, &lp.key("projects"), errors);
+    let tenant_share_pct = match r.tenant_share_pct {
+        None => None,
+        Some(v @ 1..=100) => Some(v as u64),
+        Some(_) => {
+            errors.push(PolicyError::new(
+                path.key("tenant_share_pct"),
+                "must be between 1 and 100",
+            ));
+            None
+        }
+    };
+    let default_ttl_ns = ttl(
+        r.default_ttl.as_ref(),
+        DEFAULT_TTL_NS,
+        &path.key("default_ttl"),
+        errors,
+    );
+    let max_ttl_ns = ttl(
+        r.max_ttl.as_ref(),
+        DEFAULT_MAX_TTL_NS,
+        &path.key("max_ttl"),
+        errors,
+    );
+    if default_ttl_ns > max_ttl_ns {
+        errors.push(PolicyError::new(
+            path.key("default_ttl"),
+            "must not be longer than max_ttl",
+        ));
+    }
+    if let Some(region) = &r.home_region {
+        if !is_name(region) {
+            errors.push(PolicyError::new(
+                path.key("home_region"),
+                "regions are 1 to 64 characters of A-Z a-z 0-9 _ - .",
+            ));
+        }
+    }
+    Resource {
+        name: name.to_owned(),
+        unit: r.unit.clone(),
+        risk: r.risk,
+        global,
+        tenant_default,
+        tenants,
+        project_default,
+        projects,
+        tenant_share_pct,
+        default_ttl_ns,
+        max_ttl_ns,
+        home_region: r.home_region.clone(),
+    }
+}
+
+/// `limits.tenants`: a limit per valid tenant id.
+fn tenant_limits(
+    spec: &BTreeMap<String, i64>,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> BTreeMap<String, u64> {
+    let mut tenants = BTreeMap::new();
+    for (t, v) in spec {
+        let tp = path.key(t);
+        if tenant_id(t.as_bytes()).is_none() {
+            errors.push(PolicyError::new(
+                tp.clone(),
+                "tenant ids are 1 to 128 bytes with no whitespace or control characters",
+            ));
+        }
+        tenants.insert(t.clone(), amount(*v, tp, errors));
+    }
+    tenants
+}
+
+/// `limits.projects`: a limit per `tenant/project` key.
+fn project_limits(
+    spec: &BTreeMap<String, i64>,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> BTreeMap<(String, String), u64> {
+    let mut projects = BTreeMap::new();
+    for (key, v) in spec {
+        let pp = path.key(key);
+        match key.split_once('/') {
+            Some((t, p)) if tenant_id(t.as_bytes()).is_some() && project_id(p).is_some() => {
+                projects.insert((t.to_owned(), p.to_owned()), amount(*v, pp, errors));
+            }
+            _ => errors.push(PolicyError::new(
+                pp,
+                "project keys are `tenant/project` (each 1 to 128 bytes, no whitespace, no `/` in the project)",
+            )),
+        }
+    }
+    projects
+}
+
+/// A reservation TTL field: `default` when absent or invalid, 1 s to 30 days.
+fn ttl(value: Option<&String>, default: u64, path: &FieldPath, errors: &mut Vec<PolicyError>) -> u64 {
+    let Some(text) = value else {
+        return default;
+    };
+    match parse_duration_ns(text) {
+        Ok(ns) if (MIN_TTL_NS..=MAX_MAX_TTL_NS).contains(&ns) => ns,
+        Ok(_) => {
+            errors.push(PolicyError::new(path.clone(), "must be between 1s and 30d"));
+            default
+        }
+        Err(m) => {
+            errors.push(PolicyError::new(path.clone(), m));
+            default
+        }
+    }
 }
 
 /// A project id: 1 to 128 bytes, no whitespace, control characters or `/`.

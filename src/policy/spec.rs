@@ -13,7 +13,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FailureMode {
-    /// Keep enforcing a local limit derived from the node's last share.
+    /// Keep enforcing a local limit at the node's outage allowance (its
+    /// equal part of the global rate, sent with every lease).
     FailOpenLocal,
     /// Deny.
     FailClosed,
@@ -80,6 +81,10 @@ pub struct PolicySpec {
     pub class: Option<String>,
     #[serde(default)]
     pub ratelimit_headers: Option<bool>,
+    /// A request path the filter answers itself with the calling tenant's
+    /// own limits (off when absent).
+    #[serde(default)]
+    pub limits_endpoint: Option<String>,
     #[serde(default)]
     pub guards: BTreeMap<String, GuardSpec>,
     #[serde(default)]

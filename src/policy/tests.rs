@@ -407,11 +407,6 @@ fn admission_errors_name_their_field_path() {
             "dependencies.db.queues.normal.max_wait: must be more than 0 and at most 30s",
         ),
         (
-            r#"{"workers": {"max_in_flight": 4}}"#,
-            r#"{}"#,
-            "dependencies.workers: `workers` is reserved (the filter's worker counter): name the dependency otherwise",
-        ),
-        (
             r#"{"db": {"max_in_flight": 4, "max_flight": 3}}"#,
             r#"{}"#,
             "dependencies.db.max_flight: unknown field `max_flight`, expected one of `max_in_flight`, `max_streams`, `reserved`, `tenant_max_share`, `retry_after_window`, `queues`, `paused`, `circuit_breaker`, `retry_budget`, `adaptive`",

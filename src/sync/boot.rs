@@ -17,7 +17,7 @@
 use crate::host::{Host, HostError};
 
 /// The shared-data key of the session id (8 bytes, little endian).
-pub const BOOT_KEY: &str = "tg2|sync|boot";
+const BOOT_KEY: &str = crate::keys::SYNC_BOOT;
 
 /// splitmix64's finalizer: spreads a clock reading over all 64 bits.
 fn mix(mut z: u64) -> u64 {
@@ -48,17 +48,17 @@ pub fn boot_id<H: Host>(host: &H, now: u64) -> Result<u64, HostError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::FakeHost;
+    use crate::memory::MemoryHost;
 
     #[test]
     fn one_id_per_process_and_a_new_one_after_a_restart() {
-        let host = FakeHost::new(Default::default());
+        let host = MemoryHost::new(Default::default());
         let first = boot_id(&host, 1_000).unwrap();
         assert_ne!(first, 0);
         // Every later sync, on any worker, sends the same id.
         assert_eq!(boot_id(&host, 9_999_999).unwrap(), first);
         // A restarted process has empty shared data: another id.
-        let restarted = FakeHost::new(Default::default());
+        let restarted = MemoryHost::new(Default::default());
         assert_ne!(boot_id(&restarted, 2_000).unwrap(), first);
     }
 }

@@ -10,9 +10,10 @@
 //! * a lease's `tokens` are at most the limit's `burst`: every lease is
 //!   carved out of the service's bucket for the limit, which never holds
 //!   more than `burst` (`tenantgate-central`'s `alloc`: `b + Σ R_i ≤ B`);
-//! * a lease's `share` is at most the limit's flow per interval,
-//!   `ceil(rate × interval / per)` for the (clamped) interval of the
-//!   answer: the service never hands out shares summing above that flow;
+//! * a lease's `share` and its outage allowance (`outage_milli`) are at
+//!   most the limit's flow per interval, `ceil(rate × interval / per)` for
+//!   the (clamped) interval of the answer: the service never hands out
+//!   allowances summing above that flow;
 //! * a lease's `ttl_ms` is at most `sync`'s maximum TTL (ten intervals).
 //!
 //! So one answer can make a node admit at most `burst` on its lease plus
@@ -91,7 +92,14 @@ pub fn lease(lease: &mut Lease, bound: &LeaseBound, interval_ns: u64, max_ttl_ms
             bound.flow_per(interval_ns).saturating_mul(1000),
         ),
         (&mut lease.ttl_ms, max_ttl_ms),
-    ] {
+    ]
+    .into_iter()
+    .chain(
+        lease
+            .outage_milli
+            .as_mut()
+            .map(|v| (v, bound.flow_per(interval_ns).saturating_mul(1000))),
+    ) {
         if *value > max {
             *value = max;
             clamped += 1;
@@ -171,6 +179,7 @@ mod tests {
             share,
             share_milli: 0,
             ttl_ms,
+            outage_milli: None,
         }
     }
 
@@ -205,6 +214,17 @@ mod tests {
         let mut over = answer_of(100, vec![lease_of(5, 18, 1_000)]);
         assert_eq!(answer(&p, &settings, &mut over), 1);
         assert_eq!(over.leases[0].share, 17);
+        // The outage allowance: at most the flow per interval (167 units
+        // at 1 s), in thousandths.
+        let mut outage = answer_of(
+            1_000,
+            vec![Lease {
+                outage_milli: Some(u64::MAX),
+                ..lease_of(5, 1, 1_000)
+            }],
+        );
+        assert_eq!(answer(&p, &settings, &mut outage), 1);
+        assert_eq!(outage.leases[0].outage_milli, Some(167_000));
     }
 
     #[test]

@@ -10,7 +10,9 @@
 //! * [`stored`]: that state's binary form in Envoy shared data.
 //! * [`boot`]: the node's session id, one per Envoy process.
 //! * [`shared`]: one node's sync over shared data (which worker reports,
-//!   the scan, applying the answer), used by the glue.
+//!   the scan, applying the answer).
+//! * [`syncer`]: one worker's part in it, in order, over any host: the
+//!   pipeline's tick runs it and hands the host the callout to send.
 //!
 //! The allocator that answers these messages, the overrun bound and the
 //! simulator that measures it live in the `tenantgate-central` crate, which
@@ -22,6 +24,7 @@ pub mod node;
 pub mod protocol;
 pub mod shared;
 pub mod stored;
+pub mod syncer;
 
 pub use node::{
     Admitted, Allowance, ApplyError, BreakerConfig, BreakerState, Counts, Denied, FailureMode, InFlight,

@@ -11,7 +11,8 @@
 //!   as `unleased` and the service books it as debt.
 //! * **counts since the last acknowledged report**: `consumed`, `unleased`
 //!   and `demand` (demand includes denials).
-//! * the node's last **share** (units per sync interval), for
+//! * the node's last **share** (units per sync interval) and **outage
+//!   allowance** (thousandths of a unit per interval), for
 //!   `fail_open_local`.
 //!
 //! # Reports and acknowledgement
@@ -60,20 +61,24 @@
 //! (never reported), or its report did not fit. It then runs its failure
 //! mode like a key cut off, until a lease comes ([`Allowance::no_lease`]
 //! says so, and the engine counts it). With `fail_open_local` and no
-//! share yet, its local bucket runs at `P` per interval.
+//! allowance or share yet, its local bucket runs at `P` per interval.
 //!
 //! # When the lease expired and no new one came
 //! On a node that is not connected, the failure mode applies:
 //! * `fail_closed`: deny;
 //! * `fail_open`: admit everything (reported as `unleased`);
-//! * `fail_open_local`: a local token bucket at the last share (rate `share`
-//!   per sync interval, capacity `share`), starting **empty**, for at most
-//!   `local_max` (the policy's `sync.local_max`) after the lease expired; then fail closed.
+//! * `fail_open_local`: a local token bucket at the last lease's **outage
+//!   allowance** `a` (rate `a` per sync interval, in thousandths of a unit,
+//!   capacity `a + cost`), **empty** when the lease expired, for at most `local_max`
+//!   (the filter's 60 s) after the lease expired; then fail closed. From a
+//!   service older than the allowance, at the last whole `share` instead.
 //!   Only for a lease that expired with no response applied since (the node
 //!   was cut off while holding it); otherwise it denies.
-//!   The service keeps that share reserved for a silent node for as long,
-//!   and sums of shares never exceed the global rate, so local limits
-//!   together admit at most the global rate plus one interval's shares.
+//!   The service splits the limit's rate equally among the nodes active on
+//!   the key at each answer, keeps a silent node's allowance reserved for
+//!   as long, and never lets allowances sum above the rate, so local
+//!   limits together admit at most the global rate plus what their buckets
+//!   saved up (`Σ (a + cost)`, see `tenantgate-central`'s `alloc`).
 //!
 //! A key that never had a lease and has used its provisional allowance is
 //! denied while the node is connected (its lease is on the way); on a node
@@ -100,10 +105,14 @@
 //! only differences of it are used, so a node's clock offset changes
 //! nothing.
 
+use core::num::NonZeroU64;
+
 use crate::limiter::token_bucket::{Check, Gcra};
 pub use crate::policy::{BreakerConfig, FailureMode};
 
 const NANOS_PER_MS: u64 = 1_000_000;
+/// Shares and allowances travel in thousandths of a unit.
+const MILLI: u64 = 1_000;
 
 /// How long after its last request a key keeps being reported (with
 /// zero counts if need be) so that its lease is renewed: one minute.
@@ -118,6 +127,9 @@ pub struct Granted {
     /// Thousandths of a unit per interval (0: unknown).
     pub share_milli: u64,
     pub ttl_ns: u64,
+    /// The outage allowance, thousandths of a unit per interval (`None`:
+    /// the service sent none; `fail_open_local` runs at `share`).
+    pub outage_milli: Option<u64>,
 }
 
 impl Allowance {
@@ -127,7 +139,7 @@ impl Allowance {
     /// whole-unit share (at least one unit per interval).
     pub fn intervals_for(&self, missing: u64) -> u64 {
         let intervals = if self.share_milli > 0 {
-            missing.saturating_mul(1000).div_ceil(self.share_milli)
+            missing.saturating_mul(MILLI).div_ceil(self.share_milli)
         } else {
             missing.div_ceil(self.share.max(1))
         };
@@ -242,6 +254,9 @@ pub struct Allowance {
     /// The last share exactly, in thousandths of a unit per interval (0:
     /// the service did not say; see `Lease::share_milli`).
     pub share_milli: u64,
+    /// The last lease's outage allowance, thousandths of a unit per
+    /// interval (`None`: the service sent none; see `Lease::outage_milli`).
+    pub outage_milli: Option<u64>,
     /// `fail_open_local`'s bucket (rate `share` per interval, capacity
     /// `share`): its theoretical arrival time, once started.
     pub local_tat: Option<u64>,
@@ -251,6 +266,12 @@ pub struct Allowance {
     pub awaiting_since: Option<u64>,
     /// When a request last asked for this key (admitted or not).
     pub last_demand_at: Option<u64>,
+    /// When the key started (its first request since the node holds it),
+    /// until its first lease: reported as `started_ms`, so the service
+    /// knows over how long its first demand came. (Non-zero: the engine
+    /// keeps an allowance and its charged copy per global limit on the
+    /// stack for every request; eight bytes less each.)
+    pub started_at: Option<NonZeroU64>,
 }
 
 impl Allowance {
@@ -263,10 +284,27 @@ impl Allowance {
             lease_used: 0,
             share: 0,
             share_milli: 0,
+            outage_milli: None,
             local_tat: None,
             awaiting_since: None,
             last_demand_at: None,
+            started_at: None,
         }
+    }
+
+    /// For a key with no lease since it started, how long before `now` it
+    /// started, in milliseconds rounded up (see `Report::started_ms`).
+    pub fn started_ms(&self, now: u64) -> Option<u64> {
+        let at = self.started_at.filter(|_| self.lease.is_none())?;
+        Some(now.saturating_sub(at.get()).div_ceil(NANOS_PER_MS))
+    }
+
+    /// The rate `fail_open_local` runs at, thousandths of a unit per
+    /// interval: the outage allowance, or the whole share from a service
+    /// that sent none.
+    pub fn local_rate_milli(&self) -> u64 {
+        self.outage_milli
+            .unwrap_or_else(|| self.share.saturating_mul(MILLI))
     }
 
     /// Whether the next report must carry this key: it has counts to
@@ -304,6 +342,9 @@ impl Allowance {
     /// request's demand must already be counted ([`Allowance::note_demand`]).
     pub fn take(&mut self, view: &NodeView, cost: u64, now: u64) -> Result<Admitted, Denied> {
         self.last_demand_at = Some(now);
+        if self.lease.is_none() && self.started_at.is_none() {
+            self.started_at = NonZeroU64::new(now);
+        }
         if let Some(ref mut lease) = self.lease {
             if now < lease.expires_at {
                 if lease.tokens_left < cost {
@@ -346,7 +387,8 @@ impl Allowance {
                 if now >= expired_at.saturating_add(view.local_max_ns) {
                     return Err(Denied::FailClosed);
                 }
-                self.local_take(self.share, view, cost, now)?;
+                // Empty when the lease expired, accruing from then.
+                self.local_take(self.local_rate_milli(), expired_at.min(now), view, cost, now)?;
                 Admitted::FailOpenLocal
             }
         };
@@ -361,12 +403,11 @@ impl Allowance {
             FailureMode::FailClosed => return Err(Denied::FailClosed),
             FailureMode::FailOpen => Admitted::FailOpen,
             FailureMode::FailOpenLocal => {
-                let rate = if self.share > 0 {
-                    self.share
-                } else {
-                    view.provisional
+                let rate = match self.local_rate_milli() {
+                    0 => view.provisional.saturating_mul(MILLI),
+                    rate => rate,
                 };
-                self.local_take(rate, view, cost, now)?;
+                self.local_take(rate, now, view, cost, now)?;
                 Admitted::FailOpenLocal
             }
         };
@@ -374,17 +415,30 @@ impl Allowance {
         Ok(admitted)
     }
 
-    /// `fail_open_local`'s bucket at `rate` per interval (capacity `rate`,
-    /// at least the cost so any cost it may carry can pass), starting
-    /// empty: it admits only what accrues from its start on.
-    fn local_take(&mut self, rate: u64, view: &NodeView, cost: u64, now: u64) -> Result<(), Denied> {
-        let Some(gcra) = Gcra::new(rate, view.interval_ns.max(1), rate.max(cost)) else {
+    /// `fail_open_local`'s bucket at `rate_milli` thousandths of a unit per
+    /// interval, holding one interval's worth plus the request's cost (so
+    /// any cost can pass, and an allowance below one unit per interval
+    /// loses nothing to requests that arrive unevenly), empty at `from`: it
+    /// admits only what accrues from then on. Counted in thousandths, so an
+    /// allowance of 0.56 units per interval (100/min over three nodes)
+    /// admits at its exact pace.
+    fn local_take(
+        &mut self,
+        rate_milli: u64,
+        from: u64,
+        view: &NodeView,
+        cost: u64,
+        now: u64,
+    ) -> Result<(), Denied> {
+        let cost_milli = cost.saturating_mul(MILLI);
+        let capacity = rate_milli.saturating_add(cost_milli);
+        let Some(gcra) = Gcra::new(rate_milli, view.interval_ns.max(1), capacity) else {
             return Err(Denied::LocalLimit);
         };
         let tat = *self
             .local_tat
-            .get_or_insert(now.saturating_add(gcra.tolerance_ns()));
-        match gcra.check(tat, now, cost) {
+            .get_or_insert(from.saturating_add(gcra.tolerance_ns()));
+        match gcra.check(tat, now, cost_milli) {
             Check::Admit { new_tat, .. } => {
                 self.local_tat = Some(new_tat);
                 Ok(())
@@ -411,6 +465,34 @@ impl Allowance {
         }
     }
 
+    /// Units a worker's lease may take now beyond a request's cost: only
+    /// from a live lease of the service, never the provisional allowance
+    /// nor a failure mode (see `crate::pipeline::lease`).
+    pub fn leasable(&self, now: u64) -> u64 {
+        match self.lease {
+            Some(l) if now < l.expires_at => l.tokens_left,
+            _ => 0,
+        }
+    }
+
+    /// A worker gives back `units` of its lease it did not spend (they
+    /// were counted consumed when taken: no longer), and counts as demand
+    /// the `spent` units its requests took from the lease (a request a
+    /// lease serves never reads this record). Units go back to the live
+    /// lease, whichever it is now; with none live they are dropped, which
+    /// errs toward admitting less.
+    pub fn give_back(&mut self, units: u64, spent: u64, now: u64) {
+        if let Some(l) = self.lease.as_mut().filter(|l| now < l.expires_at) {
+            l.tokens_left = l.tokens_left.saturating_add(units);
+        }
+        self.pending.consumed = self.pending.consumed.saturating_sub(units);
+        self.lease_used = self.lease_used.wrapping_sub(units);
+        if spent > 0 {
+            self.note_demand(spent);
+            self.last_demand_at = Some(now);
+        }
+    }
+
     /// The report in flight carried `sent` and was acknowledged.
     pub fn ack(&mut self, sent: &Counts) {
         self.pending = self.pending.minus(sent);
@@ -426,8 +508,10 @@ impl Allowance {
         });
         self.share = lease.share;
         self.share_milli = lease.share_milli;
+        self.outage_milli = lease.outage_milli;
         self.local_tat = None;
         self.awaiting_since = None;
+        self.started_at = None;
     }
 
     /// Nothing to report and a lease that expired longer ago than

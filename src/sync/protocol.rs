@@ -26,15 +26,23 @@
 //!   the service never trusts a node's clock, and a node's clock offset
 //!   cannot change any decision.
 //! * `Lease::share` is the node's share of the global rate, in units per
-//!   sync interval. After the lease expires with no new one, the failure
-//!   mode `fail_open_local` enforces it locally.
+//!   sync interval: how fast its lease grows while the bucket is scarce.
+//! * `Lease::outage_milli` is the node's **outage allowance**: what it may
+//!   admit per sync interval, in thousandths of a unit, once the lease
+//!   expired with no new one (the failure mode `fail_open_local`). The
+//!   service keeps the allowances of all nodes summing to at most the
+//!   limit's rate, whatever their demand (see `tenantgate-central`'s
+//!   `alloc`). A service older than the field sends none: the node then
+//!   runs `fail_open_local` at its whole `share`, as nodes did before.
 //!
 //! # Shared settings
 //! The bound the service keeps depends on settings the node enforces, so
 //! the node sends them ([`NodeSettings`]): its callout timeout `D` (how
 //! late an answer it still applies), how long its `fail_open_local` lasts,
 //! its policy's sync interval, and the failure mode of each reported
-//! (key, limit) ([`Report::failure_mode`], absent: the request's default).
+//! (key, limit) ([`Report::failure_mode`], absent: the request's default),
+//! and that it runs `fail_open_local` at each lease's outage allowance
+//! ([`NodeSettings::outage_allowance`]; absent: at its share).
 //! The service computes each node's lease life and local fallback from
 //! these values, not from its own copy of them (see `tenantgate-central`).
 //! A node older than these fields sends none; the service then assumes its
@@ -103,6 +111,16 @@ pub struct NodeSettings {
     pub interval_ms: u64,
     /// The failure mode of a report that names none (`sync.failure_mode`).
     pub failure_mode: FailureMode,
+    /// The node runs `fail_open_local` at each lease's
+    /// [`Lease::outage_milli`] (`false`, what a node older than the field
+    /// sends: at its whole [`Lease::share`]). The service accounts each
+    /// node's local limit by what it runs.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub outage_allowance: bool,
+}
+
+fn is_false(v: &bool) -> bool {
+    !*v
 }
 
 /// The longest `timeout_ms` and `local_max_ms` a service accepts: ten
@@ -144,6 +162,15 @@ pub struct Report {
     /// charge the key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure_mode: Option<FailureMode>,
+    /// For a key that started on the node (its first request, or its first
+    /// since it was forgotten) and has had no lease since: how long before
+    /// this report it started, in milliseconds (`None` otherwise, and from
+    /// a node older than the field). Its `demand` came within that time:
+    /// the service sizes the key's first lease by that rate, so a burst
+    /// from cold is leased by what it asks per interval, not by the sliver
+    /// of it seen before the node's next report.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_ms: Option<u64>,
 }
 
 /// Service → node, the answer to one [`SyncRequest`].
@@ -175,6 +202,14 @@ pub struct Lease {
     pub share_milli: u64,
     /// Lifetime from receipt, milliseconds.
     pub ttl_ms: u64,
+    /// The node's outage allowance: thousandths of a unit per sync
+    /// interval it may admit for this (key, limit) under `fail_open_local`
+    /// once this lease expired with no new one (the service gone silent).
+    /// The service keeps every node's allowance together within the
+    /// limit's rate. `None` (an older service, or a node that did not say
+    /// it runs it): the node runs `fail_open_local` at its whole `share`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outage_milli: Option<u64>,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -272,6 +307,7 @@ mod tests {
                 local_max_ms: 60_000,
                 interval_ms: 1_000,
                 failure_mode: FailureMode::FailOpenLocal,
+                outage_allowance: true,
             }),
             reports: vec![Report {
                 key: "t1|orders".into(),
@@ -280,6 +316,7 @@ mod tests {
                 unleased: 2,
                 demand: 15,
                 failure_mode: None,
+                started_ms: Some(250),
             }],
         }
     }
@@ -290,7 +327,7 @@ mod tests {
         req.reports[0].failure_mode = Some(FailureMode::FailClosed);
         let json = req.to_json();
         assert!(
-            json.contains(r#""settings":{"timeout_ms":500,"local_max_ms":60000,"interval_ms":1000,"failure_mode":"fail_open_local"}"#),
+            json.contains(r#""settings":{"timeout_ms":500,"local_max_ms":60000,"interval_ms":1000,"failure_mode":"fail_open_local","outage_allowance":true}"#),
             "{json}"
         );
         assert!(json.contains(r#""failure_mode":"fail_closed""#), "{json}");
@@ -350,7 +387,10 @@ mod tests {
         let req = request();
         let json = req.to_json();
         assert!(json.starts_with(r#"{"version":1,"node_id":"envoy-1","region":"eu-west""#));
-        assert!(json.contains(r#""failure_mode":"fail_open_local"}"#), "{json}");
+        assert!(
+            json.contains(r#""failure_mode":"fail_open_local","outage_allowance":true}"#),
+            "{json}"
+        );
         assert_eq!(SyncRequest::from_json(json.as_bytes()).unwrap(), req);
     }
 
@@ -367,9 +407,19 @@ mod tests {
                 share: 25,
                 share_milli: 25_000,
                 ttl_ms: 3000,
+                outage_milli: Some(0),
             }],
         };
-        assert_eq!(SyncResponse::from_json(resp.to_json().as_bytes()).unwrap(), resp);
+        let json = resp.to_json();
+        // An allowance of 0 travels (it is not "unknown").
+        assert!(json.contains(r#""outage_milli":0"#), "{json}");
+        assert_eq!(SyncResponse::from_json(json.as_bytes()).unwrap(), resp);
+        // An older service sends none.
+        let old = json.replace(r#","outage_milli":0"#, "");
+        assert_eq!(
+            SyncResponse::from_json(old.as_bytes()).unwrap().leases[0].outage_milli,
+            None
+        );
         let newer = r#"{"version":1,"ack_seq":1,"interval_ms":500,"leases":[],"hint":"x"}"#;
         assert_eq!(
             SyncResponse::from_json(newer.as_bytes()).unwrap().interval_ms,

@@ -78,7 +78,7 @@ use super::node::{ApplyError, Applying, BreakerState, Counts, FailureMode, Grant
 use super::protocol::{NodeSettings, Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
 use super::stored::{self, Carried, SYNC_CARRIED_KEY, SYNC_STATE_KEY};
 use crate::host::{CasResult, Host, HostError};
-use crate::limiter::algo::KIND_GLOBAL_ALLOWANCE;
+use crate::keys::kind;
 use crate::policy::{Policy, SyncSettings};
 use crate::table::{self, Commit, Failure, Overflow, Place, Reach};
 
@@ -257,7 +257,7 @@ pub fn scan_step<H: Host>(host: &H, policy: &Policy, scan: &mut Scan, budget: u6
         };
         for slot in table::decode_entry(&value).unwrap_or_default() {
             for r in table::decode_records(slot.records).unwrap_or_default() {
-                if r.kind != KIND_GLOBAL_ALLOWANCE {
+                if r.kind != kind::GLOBAL_ALLOWANCE {
                     continue;
                 }
                 let (Some(limit), Some(a)) = (
@@ -276,6 +276,7 @@ pub fn scan_step<H: Host>(host: &H, policy: &Policy, scan: &mut Scan, budget: u6
                     unleased: a.pending.unleased,
                     demand: a.pending.demand,
                     failure_mode: modes.of_key(slot.key).filter(|m| Some(*m) != default_mode),
+                    started_ms: a.started_ms(scan.started_at),
                 });
                 scan.carried.push(Carried {
                     key: slot.key.to_vec(),
@@ -352,6 +353,7 @@ pub fn node_settings(settings: &SyncSettings) -> NodeSettings {
         local_max_ms: settings.local_max_ns.div_ceil(NANOS_PER_MS),
         interval_ms: settings.interval_ns.div_ceil(NANOS_PER_MS),
         failure_mode: settings.failure_mode,
+        outage_allowance: true,
     }
 }
 
@@ -482,6 +484,7 @@ struct NewLease {
     share: u64,
     share_milli: u64,
     ttl_ns: u64,
+    outage_milli: Option<u64>,
 }
 
 /// One limit's update in a key's slot.
@@ -611,6 +614,7 @@ pub fn accept<H: Host>(
             share: l.share,
             share_milli: l.share_milli,
             ttl_ns: ttl(l.ttl_ms),
+            outage_milli: l.outage_milli,
         });
     }
     let keys = updates
@@ -740,7 +744,7 @@ fn update_slot<H: Host>(
             out.push(records.len() as u8);
             for r in records {
                 let update = limits.iter().find(|u| u.name_hash == r.name_hash);
-                let allowance = (r.kind == KIND_GLOBAL_ALLOWANCE)
+                let allowance = (r.kind == kind::GLOBAL_ALLOWANCE)
                     .then(|| stored::decode_allowance(r.state))
                     .flatten();
                 match (update, allowance) {
@@ -763,6 +767,7 @@ fn update_slot<H: Host>(
                                 share: l.share,
                                 share_milli: l.share_milli,
                                 ttl_ns,
+                                outage_milli: l.outage_milli,
                             };
                             a.install(granted, used, received_at);
                             leases += 1;

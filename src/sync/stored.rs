@@ -3,7 +3,7 @@
 //! (little-endian, versioned), never JSON.
 //!
 //! * Per (key, global limit): an [`Allowance`], stored as the record of
-//!   that limit (kind [`KIND_GLOBAL_ALLOWANCE`]) in the key's key-table
+//!   that limit (kind [`kind::GLOBAL_ALLOWANCE`]) in the key's key-table
 //!   slot, so it is updated by the same compare-and-swap as the key's
 //!   other limits, all or nothing.
 //! * Node-global: the [`SyncState`] under [`SYNC_STATE_KEY`] (sequence
@@ -14,15 +14,17 @@
 //!   leases when it was built. Kept apart from [`SYNC_STATE_KEY`] so the
 //!   small key every worker reads each tick stays small.
 //!
-//! [`KIND_GLOBAL_ALLOWANCE`]: crate::limiter::algo::KIND_GLOBAL_ALLOWANCE
+//! [`kind::GLOBAL_ALLOWANCE`]: crate::keys::kind::GLOBAL_ALLOWANCE
+
+use core::num::NonZeroU64;
 
 use super::node::{Allowance, Applying, Counts, InFlight, LeaseState, SyncState};
 use crate::table::layout::Reader;
 
 /// The node-global sync state.
-pub const SYNC_STATE_KEY: &str = "tg2|sync|state";
+pub const SYNC_STATE_KEY: &str = crate::keys::SYNC_STATE;
 /// What the report in flight carried.
-pub const SYNC_CARRIED_KEY: &str = "tg2|sync|carried";
+pub const SYNC_CARRIED_KEY: &str = crate::keys::SYNC_CARRIED;
 
 const ALLOWANCE_VERSION: u8 = 1;
 const SYNC_VERSION: u8 = 1;
@@ -34,6 +36,11 @@ const HAS_AWAIT: u8 = 4;
 const HAS_DEMAND_AT: u8 = 8;
 /// The exact share follows (absent: 0, as written before it existed).
 const HAS_SHARE_MILLI: u8 = 16;
+/// The outage allowance follows, even when 0 (absent: none, as written
+/// before it existed).
+const HAS_OUTAGE: u8 = 32;
+/// When the key started follows (until its first lease).
+const HAS_STARTED: u8 = 64;
 
 fn put(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
@@ -53,13 +60,13 @@ fn put_counts(out: &mut Vec<u8>, c: &Counts) {
     put(out, c.demand);
 }
 
-/// The most bytes [`encode_allowance`] writes: version, flags, twelve u64
-/// (every optional field set).
-pub const MAX_ALLOWANCE_LEN: usize = 2 + 12 * 8;
+/// The most bytes [`encode_allowance`] writes (the policy reserves this
+/// much of a key's slot for each global limit; tested below).
+pub use crate::policy::MAX_ALLOWANCE_LEN;
 
 /// `[version][flags] [tokens_left expires_at]? provisional_left consumed
 /// unleased demand lease_used share [local_tat]? [awaiting_since]?
-/// [last_demand_at]? [share_milli]?`
+/// [last_demand_at]? [share_milli]? [outage_milli]? [started_at]?`
 pub fn encode_allowance(a: &Allowance, out: &mut Vec<u8>) {
     out.push(ALLOWANCE_VERSION);
     let flags = if a.lease.is_some() { HAS_LEASE } else { 0 }
@@ -70,7 +77,9 @@ pub fn encode_allowance(a: &Allowance, out: &mut Vec<u8>) {
         } else {
             0
         }
-        | if a.share_milli > 0 { HAS_SHARE_MILLI } else { 0 };
+        | if a.share_milli > 0 { HAS_SHARE_MILLI } else { 0 }
+        | if a.outage_milli.is_some() { HAS_OUTAGE } else { 0 }
+        | if a.started_at.is_some() { HAS_STARTED } else { 0 };
     out.push(flags);
     if let Some(l) = a.lease {
         put(out, l.tokens_left);
@@ -92,6 +101,12 @@ pub fn encode_allowance(a: &Allowance, out: &mut Vec<u8>) {
     if a.share_milli > 0 {
         put(out, a.share_milli);
     }
+    if let Some(v) = a.outage_milli {
+        put(out, v);
+    }
+    if let Some(v) = a.started_at {
+        put(out, v.get());
+    }
 }
 
 /// `None` for anything that is not a whole, well-formed allowance.
@@ -101,7 +116,10 @@ pub fn decode_allowance(bytes: &[u8]) -> Option<Allowance> {
         return None;
     }
     let flags = r.u8()?;
-    if flags & !(HAS_LEASE | HAS_LOCAL | HAS_AWAIT | HAS_DEMAND_AT | HAS_SHARE_MILLI) != 0 {
+    if flags
+        & !(HAS_LEASE | HAS_LOCAL | HAS_AWAIT | HAS_DEMAND_AT | HAS_SHARE_MILLI | HAS_OUTAGE | HAS_STARTED)
+        != 0
+    {
         return None;
     }
     let lease = if flags & HAS_LEASE != 0 {
@@ -122,6 +140,8 @@ pub fn decode_allowance(bytes: &[u8]) -> Option<Allowance> {
         awaiting_since: r.opt_u64(flags & HAS_AWAIT != 0)?,
         last_demand_at: r.opt_u64(flags & HAS_DEMAND_AT != 0)?,
         share_milli: r.opt_u64(flags & HAS_SHARE_MILLI != 0)?.unwrap_or(0),
+        outage_milli: r.opt_u64(flags & HAS_OUTAGE != 0)?,
+        started_at: r.opt_u64(flags & HAS_STARTED != 0)?.and_then(NonZeroU64::new),
     };
     r.is_empty().then_some(a)
 }
@@ -288,16 +308,22 @@ mod tests {
         a.awaiting_since = Some(4);
         a.last_demand_at = Some(5);
         a.share_milli = 185;
+        a.outage_milli = Some(0);
+        a.started_at = NonZeroU64::new(6);
         let mut full = Vec::new();
         encode_allowance(&a, &mut full);
         assert_eq!(full.len(), MAX_ALLOWANCE_LEN, "every optional field set");
-        // Written before the exact share existed (no flag): reads as 0.
+        // Written before the exact share and the outage allowance existed
+        // (no flags): read as 0 and none.
         let mut older = a;
         older.share_milli = 0;
+        older.outage_milli = None;
+        older.started_at = None;
         let mut out = Vec::new();
         encode_allowance(&older, &mut out);
-        assert_eq!(out.len(), MAX_ALLOWANCE_LEN - 8);
-        assert_eq!(decode_allowance(&out).map(|d| d.share_milli), Some(0));
+        assert_eq!(out.len(), MAX_ALLOWANCE_LEN - 24);
+        let decoded = decode_allowance(&out);
+        assert_eq!(decoded.map(|d| (d.share_milli, d.outage_milli)), Some((0, None)));
         for a in [Allowance::fresh(2), a] {
             let mut out = Vec::new();
             encode_allowance(&a, &mut out);

@@ -328,7 +328,7 @@ pub struct EntryKey {
     len: usize,
 }
 
-const ENTRY_KEY_PREFIX: &[u8] = b"tg2|k|";
+const ENTRY_KEY_PREFIX: &[u8] = crate::keys::ENTRY_PREFIX.as_bytes();
 /// The prefix and the 20 digits of `u64::MAX`.
 const ENTRY_KEY_MAX: usize = ENTRY_KEY_PREFIX.len() + 20;
 
@@ -359,16 +359,6 @@ impl EntryKey {
     pub fn as_str(&self) -> &str {
         core::str::from_utf8(&self.buf[..self.len]).unwrap_or_default()
     }
-}
-
-/// The shared-data key of the overflow entry of `action` × `plan`.
-pub fn overflow_key(action: &str, plan: &str) -> String {
-    format!("tg2|o|{action}|{plan}")
-}
-
-/// The shared-data key of a global guard.
-pub fn guard_key(guard: &str) -> String {
-    format!("tg2|g|{guard}")
 }
 
 #[cfg(test)]

@@ -38,9 +38,8 @@ pub mod layout;
 
 use crate::host::{CasResult, Host, HostError};
 pub use layout::{
-    decode_entry, decode_records, encode_entry, fnv1a64, guard_key, overflow_key, push_record,
-    push_record_with, EntryKey, Record, Records, Slot, Slots, MAX_RECORDS, MAX_RECORDS_LEN, PROBES,
-    RECORD_HEADER_LEN, SLOTS_PER_ENTRY,
+    decode_entry, decode_records, encode_entry, fnv1a64, push_record, push_record_with, EntryKey, Record,
+    Records, Slot, Slots, MAX_RECORDS, MAX_RECORDS_LEN, PROBES, RECORD_HEADER_LEN, SLOTS_PER_ENTRY,
 };
 
 /// Attempts of one update (reads and compare-and-swap writes) before it
@@ -356,7 +355,7 @@ fn locate<'a, H: Host>(
     if candidate.is_some() || matches!(reach, Reach::Existing) {
         return Ok(candidate);
     }
-    *overflow_key = layout::overflow_key(overflow.action, overflow.plan);
+    *overflow_key = crate::keys::overflow(overflow.action, overflow.plan);
     let key: &'a String = overflow_key;
     fixed_target(host, key, fixed, TableEvent::Overflow).map(Some)
 }

@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use super::*;
-use crate::testing::{FakeHost, SharedStore};
+use crate::memory::{MemoryHost, SharedStore};
 
 const NOW: u64 = 1_796_000_000_000_000_000;
 
@@ -28,7 +28,7 @@ fn write_count(out: &mut Vec<u8>, count: u64) {
 }
 
 /// Adds `delta` to the key's counter (`Commit::Write`); returns the new count.
-fn add(host: &FakeHost, place: &Place<'_>, reach: &Reach<'_>, delta: u64) -> Result<Updated<u64>, Failure> {
+fn add(host: &MemoryHost, place: &Place<'_>, reach: &Reach<'_>, delta: u64) -> Result<Updated<u64>, Failure> {
     update(
         host,
         place,
@@ -69,9 +69,9 @@ fn slot_keys(store: &Rc<RefCell<SharedStore>>, entry: &str) -> Vec<Vec<u8>> {
     slots.iter().map(|s| s.key.to_vec()).collect()
 }
 
-fn store_with() -> (Rc<RefCell<SharedStore>>, FakeHost) {
+fn store_with() -> (Rc<RefCell<SharedStore>>, MemoryHost) {
     let store = SharedStore::new();
-    let host = FakeHost::new(store.clone());
+    let host = MemoryHost::new(store.clone());
     (store, host)
 }
 

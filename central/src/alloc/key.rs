@@ -61,6 +61,15 @@ pub struct Enforced {
     pub mode: FailureMode,
 }
 
+/// Over how long a report's demand came: since the node's previous
+/// request (`prev_heard_at`), or, for a key that started on the node since
+/// its last lease, since it started (`started_ns` ago) if that is shorter.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Span {
+    pub prev_heard_at: Option<u64>,
+    pub started_ns: Option<u64>,
+}
+
 /// What the service keeps of one (key, limit): the record a store holds
 /// and updates atomically. Opaque outside the allocator; serializable so
 /// that a shared store can keep it.
@@ -204,10 +213,12 @@ impl KeyState {
                 .max(nk.granted_at.saturating_add(cfg.lease_ttl_ns));
             let to = now.min(nk.local_until(cfg));
             if to > from {
-                let share = u128::from(nk.share_bound(from, cfg));
-                let units = share * u128::from(to - from) + nk.charge_carry;
-                nk.charge_carry = units % u128::from(cfg.interval_ns);
-                let amount = u64::try_from(units / u128::from(cfg.interval_ns)).unwrap_or(u64::MAX);
+                // Its allowance per interval, in thousandths, for as long.
+                let rate = u128::from(nk.local_bound_milli(from, cfg));
+                let per = u128::from(cfg.interval_ns.max(1)) * u128::from(MILLI);
+                let units = rate * u128::from(to - from) + nk.charge_carry;
+                nk.charge_carry = units % per;
+                let amount = u64::try_from(units / per).unwrap_or(u64::MAX);
                 nk.assumed = nk.assumed.saturating_add(amount);
                 charges.push((nk.region.clone(), amount));
             }
@@ -259,17 +270,16 @@ impl KeyState {
         let flow_milli = self.flow_of(k, MILLI, cfg);
         let max_cost = self.limit.max_cost.max(1);
         let recent = cfg.interval_ns.saturating_mul(3);
-        let mut reserved = 0u64;
+        let mut reserved_milli = 0u64;
         let mut by_region: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for (id, nk) in &mut self.nodes {
             let stale = now.saturating_sub(nk.last_report_at) > cfg.interval_ns.saturating_mul(2);
             if stale {
                 nk.demand *= 0.5;
             }
-            let local = nk.falls_back(cfg) && nk.silent(now, cfg) && now < nk.local_until(cfg);
-            if local {
-                // It keeps its share: its local limit may be spending it.
-                reserved = reserved.saturating_add(nk.share_bound(now, cfg));
+            if nk.on_local(now, cfg) {
+                // It keeps its allowance: its local limit may be spending it.
+                reserved_milli = reserved_milli.saturating_add(nk.local_bound_milli(now, cfg));
                 nk.share = Some(0);
                 nk.share_milli = 0;
                 nk.kept_local = true;
@@ -284,7 +294,7 @@ impl KeyState {
                 nk.credit = 0;
             }
         }
-        let budget = flow_milli.saturating_sub(reserved.saturating_mul(MILLI));
+        let budget = flow_milli.saturating_sub(reserved_milli);
         let regions = by_region.len() as u64;
         if regions == 0 {
             return;
@@ -369,7 +379,7 @@ impl KeyState {
         node: &str,
         region: &str,
         delta: Counts,
-        prev_heard_at: Option<u64>,
+        span: Span,
         now: u64,
         cfg: &AllocConfig,
     ) {
@@ -383,11 +393,19 @@ impl KeyState {
             nk.kept_local = false;
             nk.share = None;
         }
-        let span = prev_heard_at
+        let since_heard = span
+            .prev_heard_at
             .map(|h| now.saturating_sub(h))
             .filter(|&s| s > 0)
             .unwrap_or(cfg.interval_ns)
             .max(cfg.interval_ns / 4);
+        // A key that started within that time asked for its demand since
+        // it started (a cold burst seen a tenth of an interval in is ten
+        // times that per interval); at least a tenth of an interval, so
+        // one early request is not taken for a flood.
+        let span = span
+            .started_ns
+            .map_or(since_heard, |s| s.max(cfg.interval_ns / 10).min(since_heard));
         let rate = delta.demand as f64 * cfg.interval_ns as f64 / span as f64;
         let fresh = nk.lease_seq == 0 && nk.demand == 0.0;
         nk.demand = if fresh {
@@ -418,6 +436,8 @@ impl KeyState {
             nk.collapsed = true;
             nk.share_acked = nk.share_sent;
             nk.share_unacked = 0;
+            nk.outage_acked = nk.outage_sent;
+            nk.outage_unacked = 0;
             let after = nk.reserve.saturating_sub(on_leases);
             let bound = nk.lease_tokens.saturating_sub(on_leases);
             excess = on_leases.saturating_sub(nk.reserve.max(nk.lease_tokens));
@@ -475,12 +495,17 @@ impl KeyState {
         let flow = self.flow;
         let surplus = self.surplus(now, cfg);
         let max_cost = self.limit.max_cost.max(1);
-        let others: u64 = self
+        // What every other node may admit per interval on its local limit
+        // (thousandths): this node's allowance (or, for an older node, its
+        // share) must fit beside it within the rate.
+        let others_milli: u64 = self
             .nodes
             .iter()
             .filter(|(n, _)| n.as_str() != node)
-            .map(|(_, nk)| nk.share_bound(now, cfg))
+            .map(|(_, nk)| nk.local_bound_milli(now, cfg))
             .fold(0u64, u64::saturating_add);
+        let equal_milli = self.outage_split(now, cfg);
+        let room_milli = self.rate_milli(cfg).saturating_sub(others_milli);
         let Some(nk) = self.nodes.get_mut(node) else {
             return Lease {
                 key: id.0.clone(),
@@ -489,6 +514,7 @@ impl KeyState {
                 share: 0,
                 share_milli: 0,
                 ttl_ms: 0,
+                outage_milli: None,
             };
         };
         let (share, share_milli, level, credit) = match nk.share {
@@ -510,10 +536,25 @@ impl KeyState {
                 (share, share.saturating_mul(MILLI), level.max(max_cost), 0)
             }
         };
+        // Beyond its share's level, one interval of the node's demand, out
+        // of the surplus only: a full bucket (a cold key's burst) goes to
+        // the nodes that ask for it. One interval, not the lease factor's
+        // 1.5: a node's next lease tops it up again an interval later,
+        // while half an interval more would be taken from nodes whose
+        // first report comes later in the interval.
+        let by_demand = nk.demand.ceil();
+        let by_demand = if by_demand.is_finite() && by_demand > 0.0 {
+            (by_demand as u64).min(self.limit.burst)
+        } else {
+            0
+        };
+        let target = level.max(by_demand);
         let before = nk.reserve;
-        let tokens = if level > before {
-            // The surplus first, then the node's credit.
-            let draw = (level - before)
+        let tokens = if target > before {
+            // The surplus first, then the node's credit, which fills the
+            // lease up to its share's level only.
+            let credit = credit.min(level.saturating_sub(before));
+            let draw = (target - before)
                 .min(self.bucket)
                 .min(surplus.saturating_add(credit));
             let from_credit = draw.saturating_sub(surplus);
@@ -524,10 +565,20 @@ impl KeyState {
             self.stats.granted = self.stats.granted.saturating_add(draw);
             before + draw
         } else {
-            level
+            target
         };
         nk.reserve = before.max(tokens);
-        let share = share.min(flow.saturating_sub(others));
+        let (share, share_milli, outage_milli) = if enforced.terms.outage_allowance {
+            // Its local limit runs at the allowance: the share only paces
+            // its lease (and its `Retry-After`).
+            let outage = equal_milli.min(room_milli);
+            nk.outage_sent = outage;
+            nk.outage_unacked = nk.outage_unacked.max(outage);
+            (share, share_milli, Some(outage))
+        } else {
+            // An older node runs its local limit at its whole share.
+            (share.min(room_milli / MILLI), share_milli.min(room_milli), None)
+        };
         nk.share_sent = share;
         nk.share_unacked = nk.share_unacked.max(share);
         nk.lease_tokens = tokens;
@@ -543,9 +594,38 @@ impl KeyState {
             limit: id.1.clone(),
             tokens,
             share,
-            share_milli: share_milli.min(flow.saturating_sub(others).saturating_mul(MILLI)),
+            share_milli,
             ttl_ms: cfg.lease_ttl_ns / NANOS_PER_MS,
+            outage_milli,
         }
+    }
+
+    /// The limit's rate per interval in thousandths of a unit, rounded
+    /// down: what all nodes' local limits may admit together.
+    fn rate_milli(&self, cfg: &AllocConfig) -> u64 {
+        let v = u128::from(self.limit.limit)
+            .saturating_mul(u128::from(cfg.interval_ns))
+            .saturating_mul(u128::from(MILLI))
+            / u128::from(self.limit.window_ns.max(1));
+        u64::try_from(v).unwrap_or(u64::MAX)
+    }
+
+    /// The outage allowance of a node active on the key now: the rate, less
+    /// what silent nodes' local limits may be spending, split equally among
+    /// the nodes that reported the key recently (the module header,
+    /// "Outage allowances").
+    fn outage_split(&self, now: u64, cfg: &AllocConfig) -> u64 {
+        let recent = cfg.interval_ns.saturating_mul(3);
+        let mut reserved = 0u64;
+        let mut active = 0u64;
+        for nk in self.nodes.values() {
+            if nk.on_local(now, cfg) {
+                reserved = reserved.saturating_add(nk.local_bound_milli(now, cfg));
+            } else if now.saturating_sub(nk.last_report_at) <= recent {
+                active += 1;
+            }
+        }
+        self.rate_milli(cfg).saturating_sub(reserved) / active.max(1)
     }
 
     pub fn view(&self) -> KeyView {
@@ -559,6 +639,12 @@ impl KeyState {
                 .nodes
                 .iter()
                 .map(|(id, nk)| (id.clone(), nk.share.unwrap_or(0)))
+                .collect(),
+            outage_milli: self
+                .nodes
+                .iter()
+                .filter(|(_, nk)| nk.terms.is_some_and(|t| t.outage_allowance))
+                .map(|(id, nk)| (id.clone(), nk.outage_sent))
                 .collect(),
         }
     }

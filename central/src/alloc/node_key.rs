@@ -7,6 +7,9 @@ use tenantgate::sync::FailureMode;
 
 use super::{AllocConfig, NodeTerms};
 
+/// Shares and allowances are counted in thousandths of a unit.
+const MILLI: u64 = 1_000;
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct NodeKey {
     pub(super) region: String,
@@ -60,6 +63,16 @@ pub(super) struct NodeKey {
     pub(super) terms: Option<NodeTerms>,
     #[serde(default)]
     pub(super) mode: Option<FailureMode>,
+    /// The outage allowance (thousandths of a unit per interval) sent with
+    /// the last lease, the one the node acknowledged, and the largest sent
+    /// since: what a node that runs it may admit under `fail_open_local`
+    /// (see the `alloc` module header, "Outage allowances").
+    #[serde(default)]
+    pub(super) outage_sent: u64,
+    #[serde(default)]
+    pub(super) outage_acked: u64,
+    #[serde(default)]
+    pub(super) outage_unacked: u64,
 }
 
 impl NodeKey {
@@ -89,6 +102,9 @@ impl NodeKey {
             credit: 0,
             terms: None,
             mode: None,
+            outage_sent: 0,
+            outage_acked: 0,
+            outage_unacked: 0,
         }
     }
 
@@ -114,14 +130,31 @@ impl NodeKey {
             .saturating_add(self.terms(cfg).local_max_ns)
     }
 
-    /// The share the node may hold for `fail_open_local` (0 once its local
-    /// limit has run out, and for a key that fails closed).
-    pub(super) fn share_bound(&self, now: u64, cfg: &AllocConfig) -> u64 {
+    /// The most the node may admit per interval under `fail_open_local`,
+    /// in thousandths of a unit: the largest outage allowance it may hold
+    /// (or, for a node older than allowances, the largest whole share; 0
+    /// once its local limit has run out, and for a key that fails closed).
+    pub(super) fn local_bound_milli(&self, now: u64, cfg: &AllocConfig) -> u64 {
         if !self.falls_back(cfg) || now >= self.local_until(cfg) {
             0
+        } else if self.runs_outage_allowance(cfg) {
+            self.outage_acked.max(self.outage_unacked)
         } else {
-            self.share_acked.max(self.share_unacked)
+            self.share_acked.max(self.share_unacked).saturating_mul(MILLI)
         }
+    }
+
+    /// The node runs `fail_open_local` at its outage allowance (it said so
+    /// in its last request), not at its whole share.
+    pub(super) fn runs_outage_allowance(&self, cfg: &AllocConfig) -> bool {
+        self.terms(cfg).outage_allowance
+    }
+
+    /// Silent since its last grant and within its local limit's time: it
+    /// may be admitting on its local limit, so its allowance stays
+    /// reserved (see the `alloc` module header).
+    pub(super) fn on_local(&self, now: u64, cfg: &AllocConfig) -> bool {
+        self.falls_back(cfg) && self.silent(now, cfg) && now < self.local_until(cfg)
     }
 
     /// Not heard from since its last grant, and past the earliest instant

@@ -287,6 +287,7 @@ mod tests {
                 unleased: 0,
                 demand: consumed,
                 failure_mode: None,
+                started_ms: None,
             }],
             settings: None,
         }
@@ -395,6 +396,7 @@ mod tests {
                     unleased: 0,
                     demand: 1,
                     failure_mode: None,
+                    started_ms: None,
                 })
                 .collect();
             s.intake(&r, seq).unwrap();

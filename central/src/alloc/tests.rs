@@ -70,6 +70,7 @@ impl Req {
             local_max_ms,
             interval_ms: 1_000,
             failure_mode: mode,
+            outage_allowance: false,
         });
         self
     }
@@ -93,6 +94,7 @@ impl Req {
                 unleased: self.unleased,
                 demand: self.demand,
                 failure_mode: None,
+                started_ms: None,
             }],
             settings: self.settings,
         }
@@ -632,4 +634,195 @@ fn reported_settings_are_compared_with_the_policys() {
     let (terms, check) = c.terms_of(&Req::new("a", "eu", 1, 0).build());
     assert_eq!(check, SettingsCheck::Unreported);
     assert_eq!(terms, c.terms());
+}
+
+// ---- issue 21: outage allowances, a cold key's burst ----------------------
+
+/// 100 per minute, burst 100, `I` = 1 s: the plan users run.
+fn per_minute_alloc() -> Allocator {
+    let mut c = cfg(FailureMode::FailOpenLocal);
+    c.limits = BTreeMap::from([(
+        "l".to_owned(),
+        GlobalLimit {
+            limit: 100,
+            window_ns: 60 * S,
+            burst: 100,
+            max_cost: 1,
+        },
+    )]);
+    Allocator::new(c).unwrap()
+}
+
+impl Req {
+    /// A node that runs `fail_open_local` at its outage allowance.
+    fn current(self) -> Req {
+        let mut r = self.enforcing(500, 60_000, FailureMode::FailOpenLocal);
+        if let Some(s) = r.settings.as_mut() {
+            s.outage_allowance = true;
+        }
+        r
+    }
+}
+
+fn lease(a: &mut Allocator, r: Req, now: u64) -> Lease {
+    a.handle(&r.build(), now).unwrap().leases.remove(0)
+}
+
+/// Demand first equal, then shifted so that node `a` carries most of it:
+/// every node's outage allowance stays an equal part of the rate (0.555
+/// units per 1 s interval at 100/min over three nodes), never its demand's
+/// share, and the allowances never sum above the rate (1,666
+/// thousandths). Before, `fail_open_local` ran each node at its last whole
+/// share: 1 or 2 for the hot node, 0 for the others.
+#[test]
+fn outage_allowances_are_an_equal_split_of_the_rate_whatever_the_demand() {
+    let mut a = per_minute_alloc();
+    let nodes = [("a", "r1"), ("b", "r1"), ("c", "r1")];
+    let mut last = [(0u64, 0u64); 3];
+    for k in 0..40u64 {
+        for (i, (node, region)) in nodes.iter().enumerate() {
+            // b and c still report the key (its keep-alive), asking for
+            // nothing.
+            let demand = match (k < 20, i) {
+                (true, _) => 3,
+                (false, 0) => 8,
+                (false, _) => 0,
+            };
+            let now = T0 + k * S + (i as u64 * 97 + 11) * MS;
+            let l = lease(
+                &mut a,
+                Req::new(node, region, k + 1, k).counts(0, 0, demand).current(),
+                now,
+            );
+            last[i] = (l.share_milli, l.outage_milli.unwrap());
+            assert!(last.iter().map(|l| l.1).sum::<u64>() <= 1_666, "+{k} s: {last:?}");
+        }
+    }
+    // Demand shifted: a's share is most of the flow, its allowance is not.
+    assert!(last[0].0 >= 3 * last[1].0, "{last:?}");
+    assert!(last.iter().all(|l| (550..=555).contains(&l.1)), "{last:?}");
+    // An older node (no `outage_allowance`) gets none: it runs its share.
+    let old = lease(&mut a, Req::new("old", "r1", 1, 0).counts(0, 0, 1), T0 + 40 * S);
+    assert_eq!(old.outage_milli, None);
+}
+
+/// A node that goes silent keeps its allowance reserved (its local limit
+/// may be spending it) and is charged for it as time passes; the others'
+/// allowances fit beside it. A node that joins gets what is left, and the
+/// split is equal again once the others acknowledged their smaller ones.
+#[test]
+fn a_silent_nodes_allowance_stays_reserved_and_a_new_node_fits_beside_the_others() {
+    let mut a = per_minute_alloc();
+    let mut seq = [0u64; 4];
+    let names = ["a", "b", "c", "d"];
+    let mut last = [0u64; 4];
+    let mut sync = |a: &mut Allocator, i: usize, now: u64, last: &mut [u64; 4]| {
+        seq[i] += 1;
+        let l = lease(
+            a,
+            Req::new(names[i], "r1", seq[i], seq[i] - 1)
+                .counts(0, 0, 3)
+                .current(),
+            now,
+        );
+        last[i] = l.outage_milli.unwrap();
+    };
+    for k in 0..10u64 {
+        for i in 0..3 {
+            sync(&mut a, i, T0 + k * S + i as u64 * MS, &mut last);
+        }
+    }
+    assert!(last[..3].iter().all(|&v| v == 555), "{last:?}");
+    // c goes silent at +10 s; a and b go on, and d joins at +20 s.
+    for k in 10..40u64 {
+        for i in [0, 1] {
+            sync(&mut a, i, T0 + k * S + i as u64 * MS, &mut last);
+        }
+        if k >= 20 {
+            sync(&mut a, 3, T0 + k * S + 3 * MS, &mut last);
+        }
+        let live: u64 = [0, 1, 3].iter().map(|&i| last[i]).sum();
+        assert!(live + 555 <= 1_666, "+{k} s, c's 555 kept: {last:?}");
+    }
+    // Three active nodes beside c's reserved 555: (1,666 − 555) / 3 each.
+    assert!([0, 1, 3].iter().all(|&i| last[i] == 370), "{last:?}");
+    let charged = view(&a).stats.precharged;
+    // c's last lease (+9 s) expired at +12 s at the earliest: charged at
+    // 0.555/s from then to the last request (+39 s), 15 units, less the
+    // fraction carried.
+    assert!((14..=15).contains(&charged), "{charged}");
+}
+
+/// Issue 21: a cold key's burst. A key that starts with its bucket full
+/// leases the bucket by demand: the first lease of a node asking for 40 per
+/// interval carries 40 (one interval of it), as does the next node's; a
+/// third gets the rest of the bucket. A key that started a tenth of an
+/// interval before its report asked for its demand in that tenth: 4 units
+/// then are 40 per interval. Before, a first lease carried 1.5 × the
+/// rate's equal share (1–2 units at 100/min), and a burst from cold
+/// admitted 44 of 100. Once the bucket is scarce, demand draws only
+/// credit, so the refill is still split by shares; and nothing ever leaves
+/// the bucket beyond `B`.
+#[test]
+fn a_cold_keys_burst_is_leased_by_demand_out_of_the_full_bucket_only() {
+    let mut a = per_minute_alloc();
+    let first = lease(&mut a, Req::new("a", "r1", 1, 0).counts(2, 2, 40).current(), T0);
+    assert_eq!(first.tokens, 40);
+    let mut early = Req::new("b", "r2", 1, 0).counts(2, 2, 4).current().build();
+    early.reports[0].started_ms = Some(100);
+    let second = a.handle(&early, T0 + MS).unwrap().leases.remove(0);
+    assert_eq!(second.tokens, 40);
+    // 100 − 3 × 2 (provisional, repaid at once) − 80.
+    let third = lease(
+        &mut a,
+        Req::new("c", "r2", 1, 0).counts(2, 2, 40).current(),
+        T0 + 2 * MS,
+    );
+    assert_eq!(third.tokens, 14);
+    // A report seen 1 ms after its key started is taken as at most ten
+    // times its demand per interval, not a thousand.
+    let mut b = per_minute_alloc();
+    let mut instant = Req::new("a", "r1", 1, 0).counts(2, 2, 3).current().build();
+    instant.reports[0].started_ms = Some(1);
+    assert_eq!(b.handle(&instant, T0).unwrap().leases[0].tokens, 30);
+    // And one that started u64::MAX ms ago is taken over the time since
+    // the node's previous request, as any report.
+    let mut c = per_minute_alloc();
+    let mut ancient = Req::new("a", "r1", 1, 0).counts(2, 2, 3).current().build();
+    ancient.reports[0].started_ms = Some(u64::MAX);
+    assert_eq!(c.handle(&ancient, T0).unwrap().leases[0].tokens, 3);
+    let v = view(&a);
+    assert!(v.bucket + v.reserved <= 100, "{v:?}");
+    // The bucket is spent: a node asking for far more than the rate gets
+    // its share's level, out of its credit, and no more. (Each node
+    // spends its whole lease before its next report.)
+    let mut spent = [first.tokens, second.tokens];
+    for k in 1..30u64 {
+        let a_lease = lease(
+            &mut a,
+            Req::new("a", "r1", k + 1, k).counts(spent[0], 0, 1_000).current(),
+            T0 + k * S,
+        );
+        let b_lease = lease(
+            &mut a,
+            Req::new("b", "r2", k + 1, k).counts(spent[1], 0, 1_000).current(),
+            T0 + k * S + MS,
+        );
+        spent = [a_lease.tokens, b_lease.tokens];
+        let v = view(&a);
+        assert!(v.bucket + v.reserved <= 100, "{v:?}");
+        if k > 5 {
+            assert!(a_lease.tokens <= 3, "+{k} s: {a_lease:?}");
+        }
+    }
+    // Absurd demand (a node's counts are clamped by the service, not
+    // here): a lease never carries more than the burst.
+    let mut b = per_minute_alloc();
+    let huge = lease(
+        &mut b,
+        Req::new("a", "r1", 1, 0).counts(0, 0, u64::MAX).current(),
+        T0,
+    );
+    assert_eq!(huge.tokens, 100);
+    assert_eq!(huge.outage_milli, Some(1_666));
 }

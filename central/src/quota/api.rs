@@ -10,7 +10,15 @@
 //! | `GET /v1/quotas/{resource}?tenant=&project=` | `200` limit, committed, reserved, remaining per level, `as_of`, `estimate` |
 //! | `POST /v1/quotas/reconcile` | `200` what the reconciliation repaired (callers allowed every tenant) |
 //!
-//! Errors are `{"error": code, "message": …}` plus the fields above. When the
+//! Errors are `{"error": code, "message": …}` plus the fields above.
+//! `400 invalid` means exactly "the OpenAPI document's schema refuses this
+//! request" (a malformed body, a missing parameter, a value out of the
+//! document's range); a well-formed request the policy or the stored state
+//! refuses is `404` (an unknown resource or reservation) or `409` (over a
+//! limit, a `ttl` over the resource's `max_ttl`, a commit of more than was
+//! reserved, another region's resource). A third-party OpenAPI fuzzer
+//! (schemathesis, `cli/tests/quota_serve.rs`) checks both directions
+//! against the real service. When the
 //! database is unreachable every reservation, commit and release fails
 //! closed (`503 quota_unavailable`, nothing debited); a query of a `low`
 //! risk resource answers the last figures this replica saw, with their
@@ -22,8 +30,9 @@
 //! `--quota-clients FILE` to the tenants it may act for (`"*"`: all). With
 //! no such file, every caller the listener admits may act for every
 //! tenant: a loopback listener, or mTLS (the exposure check refuses
-//! anything else). A caller the file does not know: `401`; a tenant it may
-//! not act for: `403`.
+//! anything else). A caller the file does not know: `401`, before anything
+//! else is looked at (it learns nothing, not even whether an id exists); a
+//! tenant it may not act for: `403`.
 //!
 //! # Regions
 //! A resource with `home_region` is served only by replicas of that region
@@ -43,17 +52,23 @@ use axum::routing::{get, post};
 use axum::Router;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tenantgate::policy::quota::{project_id, Quotas, Resource, Risk, MAX_QUOTA_AMOUNT};
+use tenantgate::policy::quota::{
+    project_id, Quotas, Resource, Risk, MAX_MAX_TTL_NS, MAX_QUOTA_AMOUNT, MIN_TTL_NS,
+};
 use tracing::warn;
 
 use super::metrics::QuotaMetrics;
 use super::{
     error_answer, not_found, Answer, Outcome, QuotaStore, QuotaStoreError, ReserveRequest, RECLAIM_BATCH,
 };
-use crate::service::tls::Peer;
-use crate::service::Clock;
+use crate::clock::Clock;
+use crate::listener::{Peer, DEFAULT_MAX_IN_FLIGHT};
 
 const NANOS_PER_MS: u64 = 1_000_000;
+/// A `ttl` (ms) outside this range is malformed (`400`); inside it but over
+/// the resource's `max_ttl`, refused by the policy (`409`).
+const MIN_TTL_MS: u64 = MIN_TTL_NS / NANOS_PER_MS;
+const MAX_TTL_MS: u64 = MAX_MAX_TTL_NS / NANOS_PER_MS;
 
 /// Who may act for which tenants (`--quota-clients`).
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -126,10 +141,6 @@ pub struct QuotaApi {
     max_in_flight: usize,
 }
 
-/// Reservation requests in progress at once unless the service says
-/// otherwise: the sync API's default.
-const DEFAULT_MAX_IN_FLIGHT: usize = crate::service::validate::DEFAULT_MAX_IN_FLIGHT;
-
 /// At most this many last-known query answers are kept.
 const MAX_LAST_KNOWN: usize = 10_000;
 
@@ -152,6 +163,15 @@ fn invalid(field: &str, message: &str) -> Answer {
     )
 }
 
+fn unknown_resource(name: &str) -> Answer {
+    error_answer(
+        404,
+        Outcome::NotFound,
+        &format!("no resource `{name}` in the policy's quotas"),
+        json!({ "field": "resource", "resource": name }),
+    )
+}
+
 fn unavailable(e: &QuotaStoreError) -> Answer {
     error_answer(
         503,
@@ -159,6 +179,18 @@ fn unavailable(e: &QuotaStoreError) -> Answer {
         &format!("the quota database is unavailable; nothing was changed ({e})"),
         json!({ "transient": true }),
     )
+}
+
+/// A JSON whole number up to `max` (JSON Schema's `integer`: `15.0` is one).
+/// Every `max` here is below 2^53, where an `f64` is exact.
+fn whole(v: &Value, max: u64) -> Option<u64> {
+    let n = v.as_u64().or_else(|| {
+        let f = v.as_f64()?;
+        // In range and without a fraction: the cast is exact.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        (f >= 0.0 && f.fract() == 0.0 && f <= max as f64).then_some(f as u64)
+    })?;
+    (n <= max).then_some(n)
 }
 
 fn is_visible_id(s: &str) -> bool {
@@ -218,6 +250,19 @@ impl QuotaApi {
             .unwrap_or_else(|e| e.into_inner().clone())
     }
 
+    /// Who the caller is and the tenants it may act for; `401` for a
+    /// caller `--quota-clients` does not know.
+    fn caller(&self, headers: &HeaderMap, peer: &Peer) -> Result<Grant, Answer> {
+        self.grant(headers, peer).ok_or_else(|| {
+            error_answer(
+                401,
+                Outcome::Invalid,
+                "no known bearer token or identity",
+                json!({}),
+            )
+        })
+    }
+
     fn grant(&self, headers: &HeaderMap, peer: &Peer) -> Option<Grant> {
         let Some(clients) = &self.clients else {
             return Some(Grant::All);
@@ -238,22 +283,17 @@ impl QuotaApi {
         Some(Grant::Tenants(found.tenants.clone()))
     }
 
-    fn authorize(&self, headers: &HeaderMap, peer: &Peer, tenant: &str) -> Result<(), Answer> {
-        match self.grant(headers, peer) {
-            None => Err(error_answer(
-                401,
-                Outcome::Invalid,
-                "no known bearer token or identity",
-                json!({}),
-            )),
-            Some(g) if g.allows(tenant) => Ok(()),
-            Some(_) => Err(error_answer(
-                403,
-                Outcome::Invalid,
-                &format!("this caller may not act for tenant {tenant}"),
-                json!({ "field": "tenant" }),
-            )),
+    /// `403` unless the caller may act for `tenant`.
+    fn authorize(grant: &Grant, tenant: &str) -> Result<(), Answer> {
+        if grant.allows(tenant) {
+            return Ok(());
         }
+        Err(error_answer(
+            403,
+            Outcome::Invalid,
+            &format!("this caller may not act for tenant {tenant}"),
+            json!({ "field": "tenant" }),
+        ))
     }
 
     fn resource(&self, name: &str) -> Result<Resource, Answer> {
@@ -261,7 +301,7 @@ impl QuotaApi {
             .resources
             .get(name)
             .cloned()
-            .ok_or_else(|| invalid("resource", &format!("unknown resource `{name}`")))
+            .ok_or_else(|| unknown_resource(name))
     }
 
     fn home_check(&self, r: &Resource) -> Result<(), Answer> {
@@ -319,7 +359,7 @@ impl QuotaApi {
                 "1 to 128 visible ASCII characters, no `/`",
             ));
         }
-        let resource = self.resource(&text("resource")?)?;
+        let resource_name = text("resource")?;
         let tenant = text("tenant")?;
         if tenantgate::policy::tenant_id(tenant.as_bytes()).is_none() {
             return Err(invalid(
@@ -336,21 +376,38 @@ impl QuotaApi {
         }
         let amount = obj
             .get("amount")
-            .and_then(Value::as_u64)
-            .filter(|a| (1..=MAX_QUOTA_AMOUNT).contains(a))
+            .and_then(|a| whole(a, MAX_QUOTA_AMOUNT))
+            .filter(|a| *a >= 1)
             .ok_or_else(|| {
                 invalid(
                     "amount",
                     &format!("required, a whole number from 1 to {MAX_QUOTA_AMOUNT}"),
                 )
             })?;
+        let ttl = match obj.get("ttl") {
+            None => None,
+            Some(t) => Some(whole(t, MAX_TTL_MS).filter(|t| *t >= MIN_TTL_MS).ok_or_else(|| {
+                invalid("ttl", &format!("milliseconds, from {MIN_TTL_MS} to {MAX_TTL_MS}"))
+            })?),
+        };
+        // Well-formed: from here on a refusal is the policy's, not the
+        // schema's.
+        let resource = self.resource(&resource_name)?;
         let max_ms = resource.max_ttl_ns / NANOS_PER_MS;
-        let ttl_ms = match obj.get("ttl") {
+        let ttl_ms = match ttl {
             None => resource.default_ttl_ns / NANOS_PER_MS,
-            Some(t) => t
-                .as_u64()
-                .filter(|t| (1000..=max_ms).contains(t))
-                .ok_or_else(|| invalid("ttl", &format!("milliseconds, from 1000 to {max_ms}")))?,
+            Some(t) if t <= max_ms => t,
+            Some(t) => {
+                return Err(error_answer(
+                    409,
+                    Outcome::Conflict,
+                    &format!(
+                        "ttl {t} ms is longer than {}'s max_ttl ({max_ms} ms)",
+                        resource.name
+                    ),
+                    json!({ "field": "ttl", "max_ttl": max_ms }),
+                ))
+            }
         };
         Ok((
             ReserveRequest {
@@ -366,11 +423,15 @@ impl QuotaApi {
     }
 
     async fn reserve(&self, headers: &HeaderMap, peer: &Peer, body: &[u8]) -> Answer {
+        let grant = match self.caller(headers, peer) {
+            Ok(g) => g,
+            Err(a) => return a,
+        };
         let (req, resource) = match self.parse_reserve(body) {
             Ok(r) => r,
             Err(a) => return a,
         };
-        if let Err(a) = self.authorize(headers, peer, &req.tenant) {
+        if let Err(a) = Self::authorize(&grant, &req.tenant) {
             return a;
         }
         if let Err(a) = self.home_check(&resource) {
@@ -384,13 +445,15 @@ impl QuotaApi {
         }
     }
 
-    /// Finds the reservation and checks the caller may act for its tenant.
+    /// Knows the caller, finds the reservation and checks the caller may
+    /// act for its tenant.
     async fn owned(&self, headers: &HeaderMap, peer: &Peer, id: &str) -> Result<super::Reservation, Answer> {
+        let grant = self.caller(headers, peer)?;
         match self.timed(self.store.get(id)).await {
             Err(e) => Err(unavailable(&e)),
             Ok(None) => Err(not_found(id)),
             Ok(Some(r)) => {
-                self.authorize(headers, peer, &r.tenant)?;
+                Self::authorize(&grant, &r.tenant)?;
                 if let Ok(res) = self.resource(&r.resource) {
                     self.home_check(&res)?;
                 }
@@ -400,21 +463,31 @@ impl QuotaApi {
     }
 
     async fn commit(&self, headers: &HeaderMap, peer: &Peer, id: &str, body: &[u8]) -> Answer {
-        let amount = if body.iter().all(u8::is_ascii_whitespace) {
+        if let Err(a) = self.caller(headers, peer) {
+            return a;
+        }
+        // No body: all of it. A body is a JSON object (whitespace alone is
+        // not JSON: 400, as the document's schema says).
+        let amount = if body.is_empty() {
             None
         } else {
             let v: Value = match serde_json::from_slice(body) {
                 Ok(v) => v,
                 Err(e) => return invalid("(body)", &format!("invalid JSON: {e}")),
             };
-            if let Some(k) = v.as_object().and_then(|o| o.keys().find(|k| *k != "amount")) {
+            let Some(obj) = v.as_object() else {
+                return invalid("(body)", "expected a JSON object");
+            };
+            if let Some(k) = obj.keys().find(|k| *k != "amount") {
                 return invalid(k, "unknown field");
             }
-            match v.get("amount") {
+            match obj.get("amount") {
                 None => None,
-                Some(a) => match a.as_u64().filter(|a| *a <= MAX_QUOTA_AMOUNT) {
+                Some(a) => match whole(a, MAX_QUOTA_AMOUNT) {
                     Some(a) => Some(a),
-                    None => return invalid("amount", "a whole number, at most the amount reserved"),
+                    None => {
+                        return invalid("amount", &format!("a whole number from 0 to {MAX_QUOTA_AMOUNT}"))
+                    }
                 },
             }
         };
@@ -458,8 +531,8 @@ impl QuotaApi {
         resource: &str,
         q: &BTreeMap<String, String>,
     ) -> Answer {
-        let r = match self.resource(resource) {
-            Ok(r) => r,
+        let grant = match self.caller(headers, peer) {
+            Ok(g) => g,
             Err(a) => return a,
         };
         for k in q.keys() {
@@ -481,7 +554,11 @@ impl QuotaApi {
                 "required: 1 to 128 bytes with no whitespace, control characters or `/`",
             );
         }
-        if let Err(a) = self.authorize(headers, peer, &tenant) {
+        let r = match self.resource(resource) {
+            Ok(r) => r,
+            Err(a) => return a,
+        };
+        if let Err(a) = Self::authorize(&grant, &tenant) {
             return a;
         }
         let limits = r.limits_for(&tenant, &project);
@@ -674,9 +751,11 @@ async fn reconcile_h(
     ConnectInfo(peer): ConnectInfo<Peer>,
     headers: HeaderMap,
 ) -> Response {
-    if api.grant(&headers, &peer) != Some(Grant::All)
-        && !matches!(api.grant(&headers, &peer), Some(Grant::Tenants(t)) if t.iter().any(|x| x == "*"))
-    {
+    let grant = match api.caller(&headers, &peer) {
+        Ok(g) => g,
+        Err(a) => return respond(&a),
+    };
+    if grant != Grant::All && !matches!(&grant, Grant::Tenants(t) if t.iter().any(|x| x == "*")) {
         return respond(&error_answer(
             403,
             Outcome::Invalid,
@@ -710,9 +789,9 @@ pub async fn reclaim_every(api: Arc<QuotaApi>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::ManualClock;
+    use crate::listener::{Peer, SyncListener};
     use crate::quota::sqlite::SqliteStore;
-    use crate::service::tls::{Peer, SyncListener};
-    use crate::service::ManualClock;
     use std::future::IntoFuture;
 
     #[tokio::test]

@@ -40,7 +40,8 @@
 //! first differing field in that order. A refused reserve stores nothing
 //! (capacity may free up; a retry is judged afresh). A commit is stored
 //! with its answer too: the same commit again gets it; a commit of another
-//! amount gets `409 conflict` naming `amount`. Release is repeatable.
+//! amount gets `409 conflict` naming `amount`, and so does a commit of more
+//! than was reserved. Release is repeatable.
 //!
 //! # The ledger
 //! Every reserve, commit, release, expiry and compensation appends one row
@@ -58,6 +59,7 @@
 //! its length); the reclaimer works in batches of [`RECLAIM_BATCH`].
 
 pub mod api;
+pub mod batch;
 pub mod metrics;
 pub mod postgres;
 pub mod sqlite;
@@ -590,11 +592,14 @@ pub fn decide_commit(r: &Reservation, amount: Option<u64>, now_ns: u64) -> Step 
         State::Reserved => {
             let a = amount.unwrap_or(r.amount);
             if a > r.amount {
+                // Well-formed, but more than this reservation holds: a
+                // conflict with its state, not a malformed request (400 is
+                // kept for what the OpenAPI document's schema refuses).
                 return Step::answer(error_answer(
-                    400,
-                    Outcome::Invalid,
+                    409,
+                    Outcome::Conflict,
                     &format!("amount {a} is more than the {} reserved", r.amount),
-                    json!({ "field": "amount" }),
+                    json!({ "field": "amount", "reserved": r.amount }),
                 ));
             }
             let mut reservation = r.clone();

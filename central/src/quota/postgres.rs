@@ -15,12 +15,23 @@
 //! Reconciliation takes `LOCK TABLE counters IN EXCLUSIVE MODE`, so it sees
 //! counters and ledger at rest.
 //!
+//! Reserve, commit and release are applied in batches ([`super::batch`]):
+//! one transaction per batch of the operations that arrived while the
+//! previous one was written, in a fixed number of round trips whatever its
+//! size: the named reservations read (`= ANY`), the counter rows created if
+//! missing and locked (`FOR UPDATE`, in key order, so batches of several
+//! replicas never hold them crosswise), the reservations read again under
+//! the locks, the batch decided in memory, then its new reservations, its
+//! changed reservations, its counters and its ledger rows written with one
+//! `unnest` statement each, and one commit (one WAL flush).
+//!
 //! Migrations are versioned (`schema_migrations`), applied once under an
 //! advisory lock by whichever replica gets there first, on the first
 //! operation (so a replica starts while the database is down and answers
 //! `quota_unavailable` until it is back).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -32,12 +43,14 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{NoTls, Row};
 
+use super::batch::{self, Batcher, Op};
 use super::{
-    decide_commit, decide_expire, decide_release, decide_reserve, drifts, not_found, replay, Answer,
-    CounterKey, LedgerEntry, LedgerKind, QuotaStore, QuotaStoreError, Reclaimed, Reconciliation, Reservation,
-    ReserveRequest, State, Step, Usage, Write,
+    decide_expire, drifts, not_found, replay, Answer, CounterKey, LedgerEntry, LedgerKind, QuotaStore,
+    QuotaStoreError, Reclaimed, Reconciliation, Reservation, ReserveRequest, State, Step, Usage, Write,
 };
 
+/// Batches in flight at once per replica (see [`Batcher::start`]).
+pub const BATCH_WRITERS: usize = 1;
 /// Attempts of a transaction that lost a race (see the module header).
 pub const MAX_ATTEMPTS: u32 = 20;
 /// How long opening a connection may take (an unreachable database is
@@ -79,6 +92,8 @@ const MIGRATION_LOCK: i64 = 0x7465_6e61_6e74_6761;
 pub struct PostgresStore {
     pool: Pool,
     migrated: OnceCell<()>,
+    batcher: std::sync::OnceLock<Batcher>,
+    max_batch: usize,
 }
 
 fn classify(e: tokio_postgres::Error) -> Failure {
@@ -237,19 +252,6 @@ async fn cached_execute(tx: &Transaction<'_>, sql: &str, p: &[&(dyn ToSql + Sync
     Ok(tx.execute(&st, p).await?)
 }
 
-/// The three levels' counters as committed, without locks, and how many
-/// of their rows exist.
-async fn read_levels(tx: &Transaction<'_>, keys: &[CounterKey; 3]) -> Result<([Usage; 3], usize), Failure> {
-    let [g, t, p] = keys;
-    let rows = cached_query(tx,
-            "SELECT tenant, project, reserved, committed FROM counters WHERE resource = $1 \
-             AND ((tenant = '' AND project = '') OR (tenant = $2 AND project = '') OR (tenant = $2 AND project = $3))",
-            &[&g.resource, &t.tenant, &p.project],
-        )
-        .await?;
-    Ok((levels_of(&g.resource, &rows)?, rows.len()))
-}
-
 async fn append(tx: &Transaction<'_>, e: &LedgerEntry) -> Result<(), Failure> {
     cached_execute(tx,
         "INSERT INTO ledger (at_ns, kind, reservation_id, resource, tenant, project, d_reserved, d_committed, note) \
@@ -329,6 +331,230 @@ async fn apply(tx: &Transaction<'_>, w: &Write, now_ns: u64) -> Result<(), Failu
         },
     )
     .await
+}
+
+/// The stored reservations of `ids`.
+async fn load_many(tx: &Transaction<'_>, ids: &[String]) -> Result<HashMap<String, Reservation>, Failure> {
+    let rows = cached_query(
+        tx,
+        &format!("SELECT {RESERVATION_COLUMNS} FROM reservations WHERE id = ANY($1)"),
+        &[&ids],
+    )
+    .await?;
+    let mut out = HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let r = reservation(row)?;
+        out.insert(r.id.clone(), r);
+    }
+    Ok(out)
+}
+
+/// One batch (see the module header): its answers, in order.
+async fn write_batch(tx: &Transaction<'_>, ops: &[Op]) -> Result<Vec<Answer>, Failure> {
+    let mut ids: Vec<String> = ops.iter().map(|o| o.id().to_owned()).collect();
+    ids.sort();
+    ids.dedup();
+    let first = load_many(tx, &ids).await?;
+    let keys = batch::keys_of(ops, &first);
+    let col = |f: fn(&CounterKey) -> &str| keys.iter().map(|k| f(k).to_owned()).collect::<Vec<String>>();
+    let (res, ten, proj) = (col(|k| &k.resource), col(|k| &k.tenant), col(|k| &k.project));
+    cached_execute(
+        tx,
+        "INSERT INTO counters (resource, tenant, project) \
+         SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) ON CONFLICT DO NOTHING",
+        &[&res, &ten, &proj],
+    )
+    .await?;
+    let rows = cached_query(
+        tx,
+        "SELECT c.resource, c.tenant, c.project, c.reserved, c.committed FROM counters c \
+         JOIN unnest($1::text[], $2::text[], $3::text[]) AS k(resource, tenant, project) \
+         ON c.resource = k.resource AND c.tenant = k.tenant AND c.project = k.project \
+         ORDER BY c.resource, c.tenant, c.project FOR UPDATE OF c",
+        &[&res, &ten, &proj],
+    )
+    .await?;
+    let mut counters = BTreeMap::new();
+    for row in &rows {
+        counters.insert(
+            CounterKey {
+                resource: row.try_get(0)?,
+                tenant: row.try_get(1)?,
+                project: row.try_get(2)?,
+            },
+            Usage {
+                reserved: u(row.try_get(3)?),
+                committed: u(row.try_get(4)?),
+            },
+        );
+    }
+    // Under the locks: what the previous holders committed.
+    let found = load_many(tx, &ids).await?;
+    // A refusal's retry hint needs a query per level that binds: decide
+    // once to learn which, fetch them, decide again (the same decisions).
+    let mut asked: Vec<CounterKey> = Vec::new();
+    let mut decided = batch::decide(ops, found.clone(), counters.clone(), &mut |k| {
+        asked.push(k.clone());
+        None
+    });
+    if !asked.is_empty() {
+        asked.sort();
+        asked.dedup();
+        let mut hints = HashMap::new();
+        for k in asked {
+            let h = earliest_expiry(tx, &k).await?;
+            hints.insert(k, h);
+        }
+        decided = batch::decide(ops, found, counters, &mut |k| hints.get(k).copied().flatten());
+    }
+    write_decided(tx, &decided).await?;
+    Ok(decided.answers)
+}
+
+async fn write_decided(tx: &Transaction<'_>, d: &batch::Decided) -> Result<(), Failure> {
+    let (new, changed): (Vec<&Reservation>, Vec<&Reservation>) = {
+        let mut new = Vec::new();
+        let mut changed = Vec::new();
+        for (r, insert) in &d.reservations {
+            if *insert {
+                new.push(r);
+            } else {
+                changed.push(r);
+            }
+        }
+        (new, changed)
+    };
+    // Four independent statements, pipelined on the connection: one round
+    // trip's wait instead of four.
+    let (a, b, c, e) = tokio::join!(
+        write_new(tx, &new),
+        write_changed(tx, &changed),
+        write_counters(tx, &d.counters),
+        write_ledger(tx, &d.ledger)
+    );
+    a?;
+    b?;
+    c?;
+    e
+}
+
+async fn write_new(tx: &Transaction<'_>, new: &[&Reservation]) -> Result<(), Failure> {
+    if !new.is_empty() {
+        let text = |f: fn(&Reservation) -> &str| new.iter().map(|r| f(r).to_owned()).collect::<Vec<String>>();
+        let int = |f: fn(&Reservation) -> u64| new.iter().map(|r| i(f(r))).collect::<Vec<i64>>();
+        let finished: Vec<Option<i64>> = new.iter().map(|r| r.finished_ns.map(i)).collect();
+        let commit_body: Vec<Option<String>> = new.iter().map(|r| r.commit_body.clone()).collect();
+        let state: Vec<String> = new.iter().map(|r| r.state.as_str().to_owned()).collect();
+        // A plain INSERT: an id another replica inserted meanwhile is a
+        // unique violation, and the batch is retried (never overwritten).
+        cached_execute(
+            tx,
+            &format!(
+                "INSERT INTO reservations ({RESERVATION_COLUMNS}) SELECT * FROM unnest($1::text[], $2::text[], \
+                 $3::text[], $4::text[], $5::int8[], $6::int8[], $7::text[], $8::int8[], $9::int8[], $10::int8[], \
+                 $11::int8[], $12::text[], $13::text[])"
+            ),
+            &[
+                &text(|r| &r.id),
+                &text(|r| &r.resource),
+                &text(|r| &r.tenant),
+                &text(|r| &r.project),
+                &int(|r| r.amount),
+                &int(|r| r.ttl_ms),
+                &state,
+                &int(|r| r.created_ns),
+                &int(|r| r.expires_ns),
+                &int(|r| r.committed),
+                &finished,
+                &text(|r| &r.reserve_body),
+                &commit_body,
+            ],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+async fn write_changed(tx: &Transaction<'_>, changed: &[&Reservation]) -> Result<(), Failure> {
+    if !changed.is_empty() {
+        let id: Vec<String> = changed.iter().map(|r| r.id.clone()).collect();
+        let state: Vec<String> = changed.iter().map(|r| r.state.as_str().to_owned()).collect();
+        let committed: Vec<i64> = changed.iter().map(|r| i(r.committed)).collect();
+        let finished: Vec<Option<i64>> = changed.iter().map(|r| r.finished_ns.map(i)).collect();
+        let commit_body: Vec<Option<String>> = changed.iter().map(|r| r.commit_body.clone()).collect();
+        cached_execute(
+            tx,
+            "UPDATE reservations r SET state = v.state, committed = v.committed, finished_ns = v.finished_ns, \
+             commit_body = v.commit_body FROM unnest($1::text[], $2::text[], $3::int8[], $4::int8[], $5::text[]) \
+             AS v(id, state, committed, finished_ns, commit_body) WHERE r.id = v.id",
+            &[&id, &state, &committed, &finished, &commit_body],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+async fn write_counters(tx: &Transaction<'_>, counters: &[(CounterKey, Usage)]) -> Result<(), Failure> {
+    if !counters.is_empty() {
+        let col = |f: fn(&CounterKey) -> &str| {
+            counters
+                .iter()
+                .map(|(k, _)| f(k).to_owned())
+                .collect::<Vec<String>>()
+        };
+        let reserved: Vec<i64> = counters.iter().map(|(_, c)| i(c.reserved)).collect();
+        let committed: Vec<i64> = counters.iter().map(|(_, c)| i(c.committed)).collect();
+        cached_execute(
+            tx,
+            "UPDATE counters c SET reserved = v.reserved, committed = v.committed \
+             FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::int8[]) \
+             AS v(resource, tenant, project, reserved, committed) \
+             WHERE c.resource = v.resource AND c.tenant = v.tenant AND c.project = v.project",
+            &[
+                &col(|k| &k.resource),
+                &col(|k| &k.tenant),
+                &col(|k| &k.project),
+                &reserved,
+                &committed,
+            ],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+async fn write_ledger(tx: &Transaction<'_>, l: &[LedgerEntry]) -> Result<(), Failure> {
+    if !l.is_empty() {
+        let at: Vec<i64> = l.iter().map(|e| i(e.at_ns)).collect();
+        let kind: Vec<String> = l.iter().map(|e| e.kind.as_str().to_owned()).collect();
+        let rid: Vec<Option<String>> = l.iter().map(|e| e.reservation_id.clone()).collect();
+        let text = |f: fn(&LedgerEntry) -> &str| l.iter().map(|e| f(e).to_owned()).collect::<Vec<String>>();
+        let dr: Vec<i64> = l.iter().map(|e| e.d_reserved).collect();
+        let dc: Vec<i64> = l.iter().map(|e| e.d_committed).collect();
+        let note: Vec<Option<String>> = l.iter().map(|e| e.note.clone()).collect();
+        // In the batch's order: the identity follows the ordinality.
+        cached_execute(
+            tx,
+            "INSERT INTO ledger (at_ns, kind, reservation_id, resource, tenant, project, d_reserved, d_committed, note) \
+             SELECT at_ns, kind, reservation_id, resource, tenant, project, d_reserved, d_committed, note \
+             FROM unnest($1::int8[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::int8[], \
+             $8::int8[], $9::text[]) WITH ORDINALITY \
+             AS v(at_ns, kind, reservation_id, resource, tenant, project, d_reserved, d_committed, note, n) ORDER BY n",
+            &[
+                &at,
+                &kind,
+                &rid,
+                &text(|e| &e.resource),
+                &text(|e| &e.tenant),
+                &text(|e| &e.project),
+                &dr,
+                &dc,
+                &note,
+            ],
+        )
+        .await?;
+    }
+    Ok(())
 }
 
 async fn earliest_expiry(tx: &Transaction<'_>, key: &CounterKey) -> Result<Option<u64>, Failure> {
@@ -434,6 +660,8 @@ impl PostgresStore {
         Ok(PostgresStore {
             pool,
             migrated: OnceCell::new(),
+            batcher: std::sync::OnceLock::new(),
+            max_batch: batch::MAX_BATCH,
         })
     }
 
@@ -475,10 +703,45 @@ impl PostgresStore {
     }
 
     async fn run_unmigrated<T>(&self, body: Body<'_, T>) -> Result<T, QuotaStoreError> {
+        run_on(&self.pool, body).await
+    }
+
+    /// At most `n` operations per transaction (1: one transaction per
+    /// operation, the path before batching; `make bench-service` compares
+    /// them). Before the first operation only.
+    pub fn with_max_batch(mut self, n: usize) -> PostgresStore {
+        self.max_batch = n;
+        self
+    }
+
+    /// Queues `op` for the next batch (the writer starts on first use).
+    async fn batched(&self, op: Op) -> Result<Answer, QuotaStoreError> {
+        self.migrate().await?;
+        let batcher = self.batcher.get_or_init(|| {
+            let pool = self.pool.clone();
+            Batcher::start(self.max_batch, BATCH_WRITERS, move |ops: Vec<Op>| {
+                let pool = pool.clone();
+                let ops = Arc::new(ops);
+                async move {
+                    let body: Body<'_, Vec<Answer>> = Box::new(move |tx| {
+                        let ops = ops.clone();
+                        Box::pin(async move { write_batch(tx, &ops).await })
+                    });
+                    run_on(&pool, body).await
+                }
+            })
+        });
+        batcher.submit(op).await
+    }
+}
+
+/// Runs `body` in a transaction on a connection of `pool`, retried on a
+/// lost race.
+async fn run_on<T>(pool: &Pool, body: Body<'_, T>) -> Result<T, QuotaStoreError> {
+    {
         let mut last = String::new();
         for _ in 0..MAX_ATTEMPTS {
-            let mut client = self
-                .pool
+            let mut client = pool
                 .get()
                 .await
                 .map_err(|e| QuotaStoreError::Unavailable(e.to_string()))?;
@@ -509,7 +772,9 @@ impl PostgresStore {
             "{MAX_ATTEMPTS} attempts lost a race in a row: {last}"
         )))
     }
+}
 
+impl PostgresStore {
     /// Runs raw SQL outside the service's logic (tests inject drift with it).
     pub async fn execute_raw(&self, sql: &str) -> Result<(), QuotaStoreError> {
         let sql = sql.to_owned();
@@ -572,72 +837,29 @@ impl QuotaStore for PostgresStore {
         limits: LevelLimits,
         now_ns: u64,
     ) -> Result<Answer, QuotaStoreError> {
-        let req = req.clone();
-        let body: Body<'_, Answer> = Box::new(move |tx| {
-            let req = req.clone();
-            Box::pin(async move {
-                // A reservation's parameters and answer never change once
-                // written: a retry is answered from it without the locks.
-                if let Some(existing) = load(tx, &req.reservation_id).await? {
-                    let step = decide_reserve(
-                        &req,
-                        Some(&existing),
-                        &[Usage::default(); 3],
-                        &limits,
-                        now_ns,
-                        &mut |_| None,
-                    );
-                    return Ok(step.answer);
-                }
-                let keys = CounterKey::levels(&req.resource, &req.tenant, &req.project);
-                // A refusal needs no lock: the committed state it read is
-                // over the limit, a valid answer as of that read (and a
-                // read-only transaction costs no WAL flush). A grant locks
-                // the three rows and decides again on what they hold.
-                let (seen, found) = read_levels(tx, &keys).await?;
-                let (usage, existing) = if super::binding_level(&seen, &limits, req.amount).is_some() {
-                    (seen, None)
-                } else {
-                    let usage = lock_levels(tx, &keys, found < 3).await?;
-                    (usage, load(tx, &req.reservation_id).await?)
-                };
-                // The retry hint needs a query: only for the level that
-                // binds, and only if it holds reservations that will expire.
-                let mut hint = None;
-                if existing.is_none() {
-                    if let Some(level) = super::binding_level(&usage, &limits, req.amount) {
-                        let live = usage.get(level as usize).is_some_and(|u| u.reserved > 0);
-                        if let (true, Some(k)) = (live, keys.get(level as usize)) {
-                            hint = earliest_expiry(tx, k).await?;
-                        }
-                    }
-                }
-                let step = decide_reserve(&req, existing.as_ref(), &usage, &limits, now_ns, &mut |_| hint);
-                if let Some(w) = &step.write {
-                    apply(tx, w, now_ns).await?;
-                }
-                Ok(step.answer)
-            })
-        });
-        self.run(body).await
+        self.batched(Op::Reserve {
+            req: req.clone(),
+            limits,
+            now_ns,
+        })
+        .await
     }
 
     async fn commit(&self, id: &str, amount: Option<u64>, now_ns: u64) -> Result<Answer, QuotaStoreError> {
-        match amount {
-            Some(a) => {
-                self.transition(id, now_ns, move |r| decide_commit(r, Some(a), now_ns))
-                    .await
-            }
-            None => {
-                self.transition(id, now_ns, move |r| decide_commit(r, None, now_ns))
-                    .await
-            }
-        }
+        self.batched(Op::Commit {
+            id: id.to_owned(),
+            amount,
+            now_ns,
+        })
+        .await
     }
 
     async fn release(&self, id: &str, now_ns: u64) -> Result<Answer, QuotaStoreError> {
-        self.transition(id, now_ns, move |r| decide_release(r, now_ns))
-            .await
+        self.batched(Op::Release {
+            id: id.to_owned(),
+            now_ns,
+        })
+        .await
     }
 
     async fn get(&self, id: &str) -> Result<Option<Reservation>, QuotaStoreError> {

@@ -3,10 +3,13 @@
 //!
 //! WAL journal, `synchronous=FULL`: a transaction that committed survives a
 //! crash of the process or the machine. One connection, behind a mutex;
-//! every operation runs on tokio's blocking pool and is one `BEGIN
+//! every transaction runs on tokio's blocking pool and is one `BEGIN
 //! IMMEDIATE` transaction, so transactions are serialized (one writer) and
-//! the decision reads what the previous transaction wrote. One process
-//! owns the file: several replicas need [`super::PostgresStore`].
+//! the decision reads what the previous transaction wrote. Reserve, commit
+//! and release are applied in batches ([`super::batch`]): the operations
+//! that arrived while the previous batch was written are one transaction
+//! (one `fsync`). One process owns the file: several replicas need
+//! [`super::PostgresStore`].
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -16,10 +19,10 @@ use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use tenantgate::policy::quota::LevelLimits;
 
+use super::batch::{self, Batcher, Op};
 use super::{
-    decide_commit, decide_expire, decide_release, decide_reserve, drifts, not_found, replay, Answer,
-    CounterKey, LedgerEntry, LedgerKind, QuotaStore, QuotaStoreError, Reclaimed, Reconciliation, Reservation,
-    ReserveRequest, State, Usage, Write,
+    decide_expire, drifts, replay, Answer, CounterKey, LedgerEntry, LedgerKind, QuotaStore, QuotaStoreError,
+    Reclaimed, Reconciliation, Reservation, ReserveRequest, State, Usage, Write,
 };
 
 /// The file inside the data directory.
@@ -55,6 +58,8 @@ CREATE TRIGGER ledger_no_delete BEFORE DELETE ON ledger
 pub struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
     path: PathBuf,
+    batcher: std::sync::OnceLock<Batcher>,
+    max_batch: usize,
 }
 
 fn refused(e: rusqlite::Error) -> QuotaStoreError {
@@ -135,10 +140,11 @@ fn usage_of(tx: &rusqlite::Transaction<'_>, keys: &[CounterKey; 3]) -> rusqlite:
 }
 
 fn append(tx: &rusqlite::Transaction<'_>, e: &LedgerEntry) -> rusqlite::Result<()> {
-    tx.execute(
+    tx.prepare_cached(
         "INSERT INTO ledger (at_ns, kind, reservation_id, resource, tenant, project, d_reserved, d_committed, note) \
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-        params![
+    )?
+    .execute(params![
             i(e.at_ns),
             e.kind.as_str(),
             e.reservation_id,
@@ -148,14 +154,12 @@ fn append(tx: &rusqlite::Transaction<'_>, e: &LedgerEntry) -> rusqlite::Result<(
             e.d_reserved,
             e.d_committed,
             e.note
-        ],
-    )?;
+    ])?;
     Ok(())
 }
 
-fn apply(tx: &rusqlite::Transaction<'_>, w: &Write, now_ns: u64) -> rusqlite::Result<()> {
-    let r = &w.reservation;
-    if w.insert {
+fn write_reservation(tx: &rusqlite::Transaction<'_>, r: &Reservation, insert: bool) -> rusqlite::Result<()> {
+    if insert {
         tx.execute(
             &format!("INSERT INTO reservations ({RESERVATION_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)"),
             params![
@@ -169,6 +173,60 @@ fn apply(tx: &rusqlite::Transaction<'_>, w: &Write, now_ns: u64) -> rusqlite::Re
             params![r.id, r.state.as_str(), i(r.committed), r.finished_ns.map(i), r.commit_body],
         )?;
     }
+    Ok(())
+}
+
+/// One batch of reserve, commit and release (see [`super::batch`]) in
+/// this transaction: the rows it names read, decided in memory, written.
+fn write_batch(tx: &rusqlite::Transaction<'_>, ops: &[Op]) -> rusqlite::Result<Vec<Answer>> {
+    let mut found = std::collections::HashMap::new();
+    for op in ops {
+        if !found.contains_key(op.id()) {
+            if let Some(r) = load(tx, op.id())? {
+                found.insert(r.id.clone(), r);
+            }
+        }
+    }
+    let mut counters = BTreeMap::new();
+    for k in batch::keys_of(ops, &found) {
+        let row = tx
+            .prepare_cached(
+                "SELECT reserved, committed FROM counters WHERE resource = ?1 AND tenant = ?2 AND project = ?3",
+            )?
+            .query_row(params![k.resource, k.tenant, k.project], |r| {
+                Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?))
+            })
+            .optional()?;
+        if let Some((r, c)) = row {
+            counters.insert(
+                k,
+                Usage {
+                    reserved: u(r),
+                    committed: u(c),
+                },
+            );
+        }
+    }
+    let decided = batch::decide(ops, found, counters, &mut |k| earliest_expiry(tx, k));
+    for (r, insert) in &decided.reservations {
+        write_reservation(tx, r, *insert)?;
+    }
+    for (k, c) in &decided.counters {
+        tx.prepare_cached(
+            "INSERT INTO counters (resource, tenant, project, reserved, committed) VALUES (?1, ?2, ?3, ?4, ?5) \
+             ON CONFLICT (resource, tenant, project) DO UPDATE SET reserved = ?4, committed = ?5",
+        )?
+        .execute(params![k.resource, k.tenant, k.project, i(c.reserved), i(c.committed)])?;
+    }
+    for e in &decided.ledger {
+        append(tx, e)?;
+    }
+    Ok(decided.answers)
+}
+
+fn apply(tx: &rusqlite::Transaction<'_>, w: &Write, now_ns: u64) -> rusqlite::Result<()> {
+    let r = &w.reservation;
+    write_reservation(tx, r, w.insert)?;
     for k in r.keys() {
         tx.execute(
             "INSERT INTO counters (resource, tenant, project, reserved, committed) VALUES (?1, ?2, ?3, ?4, ?5) \
@@ -245,6 +303,8 @@ impl SqliteStore {
         Ok(SqliteStore {
             conn: Arc::new(Mutex::new(conn)),
             path,
+            batcher: std::sync::OnceLock::new(),
+            max_batch: batch::MAX_BATCH,
         })
     }
 
@@ -271,26 +331,42 @@ impl SqliteStore {
         .map_err(|e| QuotaStoreError::Refused(format!("the store's task failed: {e}")))?
     }
 
+    /// At most `n` operations per transaction (1: one transaction per
+    /// operation, the path before batching; `make bench-service` compares
+    /// them). Before the first operation only.
+    pub fn with_max_batch(mut self, n: usize) -> SqliteStore {
+        self.max_batch = n;
+        self
+    }
+
+    /// Queues `op` for the next batch (the writer starts on first use).
+    async fn batched(&self, op: Op) -> Result<Answer, QuotaStoreError> {
+        let batcher = self.batcher.get_or_init(|| {
+            let conn = self.conn.clone();
+            Batcher::start(self.max_batch, 1, move |ops: Vec<Op>| {
+                let conn = conn.clone();
+                async move {
+                    tokio::task::spawn_blocking(move || {
+                        let mut c = conn.lock().unwrap_or_else(|e| e.into_inner());
+                        let tx = c
+                            .transaction_with_behavior(TransactionBehavior::Immediate)
+                            .map_err(refused)?;
+                        let answers = write_batch(&tx, &ops).map_err(refused)?;
+                        tx.commit().map_err(refused)?;
+                        Ok(answers)
+                    })
+                    .await
+                    .map_err(|e| QuotaStoreError::Refused(format!("the store's task failed: {e}")))?
+                }
+            })
+        });
+        batcher.submit(op).await
+    }
+
     /// Runs raw SQL outside the service's logic (tests inject drift with it).
     pub async fn execute_raw(&self, sql: &str) -> Result<(), QuotaStoreError> {
         let sql = sql.to_owned();
         self.tx(move |tx| tx.execute_batch(&sql)).await
-    }
-
-    fn transition(
-        tx: &rusqlite::Transaction<'_>,
-        id: &str,
-        now_ns: u64,
-        decide: impl FnOnce(&Reservation) -> super::Step,
-    ) -> rusqlite::Result<Answer> {
-        let Some(r) = load(tx, id)? else {
-            return Ok(not_found(id));
-        };
-        let step = decide(&r);
-        if let Some(w) = &step.write {
-            apply(tx, w, now_ns)?;
-        }
-        Ok(step.answer)
     }
 }
 
@@ -310,32 +386,29 @@ impl QuotaStore for SqliteStore {
         limits: LevelLimits,
         now_ns: u64,
     ) -> Result<Answer, QuotaStoreError> {
-        let req = req.clone();
-        self.tx(move |tx| {
-            let keys = CounterKey::levels(&req.resource, &req.tenant, &req.project);
-            let existing = load(tx, &req.reservation_id)?;
-            let usage = usage_of(tx, &keys)?;
-            let step = decide_reserve(&req, existing.as_ref(), &usage, &limits, now_ns, &mut |level| {
-                earliest_expiry(tx, &keys[level as usize])
-            });
-            if let Some(w) = &step.write {
-                apply(tx, w, now_ns)?;
-            }
-            Ok(step.answer)
+        self.batched(Op::Reserve {
+            req: req.clone(),
+            limits,
+            now_ns,
         })
         .await
     }
 
     async fn commit(&self, id: &str, amount: Option<u64>, now_ns: u64) -> Result<Answer, QuotaStoreError> {
-        let id = id.to_owned();
-        self.tx(move |tx| SqliteStore::transition(tx, &id, now_ns, |r| decide_commit(r, amount, now_ns)))
-            .await
+        self.batched(Op::Commit {
+            id: id.to_owned(),
+            amount,
+            now_ns,
+        })
+        .await
     }
 
     async fn release(&self, id: &str, now_ns: u64) -> Result<Answer, QuotaStoreError> {
-        let id = id.to_owned();
-        self.tx(move |tx| SqliteStore::transition(tx, &id, now_ns, |r| decide_release(r, now_ns)))
-            .await
+        self.batched(Op::Release {
+            id: id.to_owned(),
+            now_ns,
+        })
+        .await
     }
 
     async fn get(&self, id: &str) -> Result<Option<Reservation>, QuotaStoreError> {

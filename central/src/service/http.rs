@@ -34,8 +34,8 @@ use axum::Router;
 use tracing::{info, warn};
 
 use super::metrics::Gauges;
-use super::tls::{Peer, SyncListener, TlsFiles};
 use super::{watch_policy, Service, SyncError};
+use crate::listener::{Peer, SyncListener, TlsFiles};
 use crate::store::Store;
 
 /// The sync API over one service replica (on the sync listener).

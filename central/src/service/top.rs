@@ -16,7 +16,10 @@
 //! folded into [`OTHER_REGION`]); each holds `2 × CAPACITY` counters of a
 //! key of at most the protocol's key length: under 64 × 2 × 256 counters
 //! (≈ 32,768, a few MiB at the longest keys) whatever the number of
-//! tenants. Each report costs O(CAPACITY) (a linear scan for the minimum).
+//! tenants. A report of a counted key costs one hash lookup; a new key
+//! takes the smallest counter from a min-heap of the counts (entries a later
+//! increment made stale are skipped, and the heap is rebuilt once it holds
+//! four entries per counter), O(log CAPACITY) amortized.
 //!
 //! **What is counted.** Each accepted sync report's new `demand` and
 //! denials (`demand − consumed`, saturating), after the allocator's
@@ -24,7 +27,8 @@
 //! reports the same counts again, and only what was not counted before is
 //! added (a stale or replayed request adds nothing).
 
-use std::collections::BTreeMap;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::sync::Mutex;
 
 use serde::Serialize;
@@ -61,6 +65,12 @@ struct Counter {
 #[derive(Debug, Default)]
 struct Summary {
     counters: Vec<Counter>,
+    /// A counter's position by its key.
+    index: HashMap<String, usize>,
+    /// (count's bits, position) of every counter, and stale entries a later
+    /// increment left (counts are never negative, so their bits order like
+    /// them).
+    heap: BinaryHeap<Reverse<(u64, usize)>>,
     total: f64,
 }
 
@@ -70,11 +80,19 @@ impl Summary {
             return;
         }
         self.total += weight;
-        if let Some(c) = self.counters.iter_mut().find(|c| c.key == key) {
-            c.count += weight;
+        if let Some(&i) = self.index.get(key) {
+            if let Some(c) = self.counters.get_mut(i) {
+                c.count += weight;
+                self.heap.push(Reverse((c.count.to_bits(), i)));
+            }
+            if self.heap.len() > 4 * CAPACITY {
+                self.rebuild_heap();
+            }
             return;
         }
         if self.counters.len() < CAPACITY {
+            self.heap.push(Reverse((weight.to_bits(), self.counters.len())));
+            self.index.insert(key.to_owned(), self.counters.len());
             self.counters.push(Counter {
                 key: key.to_owned(),
                 count: weight,
@@ -82,18 +100,39 @@ impl Summary {
             });
             return;
         }
-        let smallest = self
-            .counters
-            .iter_mut()
-            .min_by(|a, b| a.count.total_cmp(&b.count));
-        if let Some(c) = smallest {
+        let Some(i) = self.smallest() else {
+            return;
+        };
+        if let Some(c) = self.counters.get_mut(i) {
             let floor = c.count;
+            self.index.remove(&c.key);
             *c = Counter {
                 key: key.to_owned(),
                 count: floor + weight,
                 error: floor,
             };
+            self.index.insert(key.to_owned(), i);
+            self.heap.push(Reverse((c.count.to_bits(), i)));
         }
+    }
+
+    /// The position of the smallest counter (its heap entry is taken).
+    fn smallest(&mut self) -> Option<usize> {
+        while let Some(Reverse((bits, i))) = self.heap.pop() {
+            if self.counters.get(i).is_some_and(|c| c.count.to_bits() == bits) {
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    fn rebuild_heap(&mut self) {
+        self.heap = self
+            .counters
+            .iter()
+            .enumerate()
+            .map(|(i, c)| Reverse((c.count.to_bits(), i)))
+            .collect();
     }
 
     fn scale(&mut self, factor: f64) {
@@ -104,6 +143,13 @@ impl Summary {
         }
         // Counters decayed to nothing free their place.
         self.counters.retain(|c| c.count >= 0.5);
+        self.index = self
+            .counters
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (c.key.clone(), i))
+            .collect();
+        self.rebuild_heap();
     }
 
     fn top(&self, k: usize) -> Vec<Entry> {

@@ -39,6 +39,7 @@
 //!
 //! `unleased > consumed` is refused by the protocol itself.
 
+use crate::listener::Identity;
 use std::collections::BTreeSet;
 
 use tenantgate::sync::SyncRequest;
@@ -60,7 +61,7 @@ pub const SLACK: u64 = 4;
 /// Defaults of [`IntakeLimits`] (each defined once; docs/central-service.md and docs/security.md list them).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 2 * 1024 * 1024;
 pub const DEFAULT_MAX_REPORTS: usize = 4096;
-pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
+pub use crate::listener::DEFAULT_MAX_IN_FLIGHT;
 
 /// What the service accepts per request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -129,15 +130,6 @@ impl Default for StateLimits {
             session_idle_ns: DEFAULT_SESSION_IDLE_NS,
         }
     }
-}
-
-/// Who a request comes from, as authenticated by the transport (client
-/// certificate) or a bearer token.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Identity {
-    pub node_id: String,
-    /// The region the identity names, if any.
-    pub region: Option<String>,
 }
 
 /// Why a request was refused before the allocator saw it.
@@ -287,6 +279,7 @@ mod tests {
             unleased: n,
             demand: n,
             failure_mode: None,
+            started_ms: None,
         }
     }
 

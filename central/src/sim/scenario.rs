@@ -22,6 +22,19 @@ pub enum Shape {
     /// that re-granted its provisional allowance on every expiry would
     /// admit `P` more each time.
     Paced { every_s: f64, requests: u64 },
+    /// Issue 21's outage after a shift: `level` × the rate, evenly on every
+    /// node; from `shift_at_s` node 0 carries `hot_pct` % of it (the rest
+    /// evenly on the other nodes); from `equal_at_s` evenly again.
+    ShiftThenEqual {
+        level: f64,
+        hot_pct: f64,
+        shift_at_s: f64,
+        equal_at_s: f64,
+    },
+    /// A burst on a key no node has seen: nothing until `at_s`, then
+    /// `level` × the rate evenly on every node for `for_s` seconds, then
+    /// nothing.
+    Burst { at_s: f64, level: f64, for_s: f64 },
 }
 
 /// One scenario: a shape, a network and faults.
@@ -136,7 +149,6 @@ pub fn all() -> Vec<Scenario> {
     ]
 }
 
-/// The scenario called `name`.
 /// The scenarios at the sizes users run (100/min, 6/min; see
 /// `tests/sim.rs`, `users_sizes`): equal, skewed and shifting demand over
 /// the limit, and the paced adversary.
@@ -212,6 +224,43 @@ pub fn spraying() -> Scenario {
     }
 }
 
+/// Issue 21's outage after a shift, at users' sizes (60 s windows): 1.5×
+/// the limit evenly on every node for a minute, then 90 % of it on node 0
+/// for a minute, then the central cluster is down for 65 s (120–185 s)
+/// while demand is even again, then it is back.
+pub fn outage_after_shift() -> Scenario {
+    Scenario {
+        outage_s: Some((120.0, 185.0)),
+        ..base(
+            "outage_after_shift",
+            "1.5x the limit evenly, 90% on one node from 60 s, evenly again and the service down 120-185 s",
+            Shape::ShiftThenEqual {
+                level: 1.5,
+                hot_pct: 90.0,
+                shift_at_s: 60.0,
+                equal_at_s: 120.0,
+            },
+        )
+    }
+}
+
+/// Issue 21's burst from cold: a key no node has seen, asked for at 10 s
+/// by every node at once, 60 × the rate for 3 s: the burst `B` every
+/// second when `B` is the limit per minute (`make run`'s demo loop: 300
+/// requests in about 3 s on a burst of 100).
+pub fn cold_burst() -> Scenario {
+    base(
+        "cold_burst",
+        "a new key: nothing, then 60x the rate (B per second when B = L per minute) evenly for 3 s at 10 s",
+        Shape::Burst {
+            at_s: 10.0,
+            level: 60.0,
+            for_s: 3.0,
+        },
+    )
+}
+
+/// The scenario called `name`.
 pub fn named(name: &str) -> Option<Scenario> {
     all().into_iter().find(|s| s.name == name)
 }
@@ -245,6 +294,38 @@ impl Scenario {
             }
             // Bursts, not a rate: see [`Scenario::burst`].
             Shape::Paced { .. } => 0.0,
+            Shape::ShiftThenEqual { level, .. } => level / regions as f64,
+            Shape::Burst { at_s, level, for_s } => {
+                if t_s >= at_s && t_s < at_s + for_s {
+                    level / regions as f64
+                } else {
+                    0.0
+                }
+            }
+        }
+    }
+
+    /// Demand of node `node` (of `regions × nodes_per_region`, region-major)
+    /// at `t_s`, as a multiple of the global rate.
+    pub fn node_level(&self, node: usize, regions: usize, nodes_per_region: usize, t_s: f64) -> f64 {
+        let nodes = (regions * nodes_per_region).max(1);
+        match self.shape {
+            Shape::ShiftThenEqual {
+                level,
+                hot_pct,
+                shift_at_s,
+                equal_at_s,
+            } if t_s >= shift_at_s && t_s < equal_at_s && nodes > 1 => {
+                if node == 0 {
+                    level * hot_pct / 100.0
+                } else {
+                    level * (100.0 - hot_pct) / 100.0 / (nodes - 1) as f64
+                }
+            }
+            _ => {
+                self.region_level(node / nodes_per_region.max(1), regions, t_s)
+                    / nodes_per_region.max(1) as f64
+            }
         }
     }
 
@@ -276,7 +357,12 @@ impl Scenario {
                     t += every_s;
                 }
             }
-            Shape::Flash { at_s, .. } => at = vec![at_s],
+            Shape::Flash { at_s, .. } | Shape::Burst { at_s, .. } => at = vec![at_s],
+            Shape::ShiftThenEqual {
+                shift_at_s,
+                equal_at_s,
+                ..
+            } => at.extend([shift_at_s, equal_at_s]),
             _ => {}
         }
         for (_, to) in self.outage_s.iter().chain(&self.partition_s) {
@@ -291,7 +377,9 @@ impl Scenario {
             Shape::Uniform { level }
             | Shape::Skewed { level, .. }
             | Shape::Shifting { level, .. }
-            | Shape::Flash { level, .. } => level,
+            | Shape::Flash { level, .. }
+            | Shape::ShiftThenEqual { level, .. }
+            | Shape::Burst { level, .. } => level,
             Shape::Paced { .. } => 0.0,
         }
     }
@@ -318,13 +406,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn region_levels_add_up_to_the_shapes_level() {
-        for s in all() {
+    fn region_and_node_levels_add_up_to_the_shapes_level() {
+        let mut specs = all();
+        specs.extend([outage_after_shift(), cold_burst()]);
+        for s in specs {
             for regions in [1, 3, 10] {
-                let total: f64 = (0..regions).map(|r| s.region_level(r, regions, 50.0)).sum();
+                let t = if s.name == "cold_burst" { 11.0 } else { 50.0 };
+                let total: f64 = (0..regions).map(|r| s.region_level(r, regions, t)).sum();
                 assert!((total - s.peak_level()).abs() < 1e-9, "{} {regions}", s.name);
+                for per in [1, 3] {
+                    for t in [t, 90.0] {
+                        let nodes: f64 = (0..regions * per).map(|n| s.node_level(n, regions, per, t)).sum();
+                        let want: f64 = (0..regions).map(|r| s.region_level(r, regions, t)).sum();
+                        assert!((nodes - want).abs() < 1e-9, "{} {regions}x{per} at {t}", s.name);
+                    }
+                }
             }
         }
+        // The shift puts 90 % on node 0.
+        let shift = outage_after_shift();
+        assert!((shift.node_level(0, 1, 3, 90.0) - 1.35).abs() < 1e-9);
+        assert!((shift.node_level(2, 1, 3, 130.0) - 0.5).abs() < 1e-9);
     }
 
     #[test]

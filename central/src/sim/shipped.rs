@@ -1,6 +1,6 @@
 //! A simulated node that runs the code the filter ships: the engine's
 //! charge path and `sync::shared` (claim, scan, request, sent, apply) over
-//! the fake host, several workers sharing one shared-data store, with the
+//! the in-memory host, several workers sharing one shared-data store, with the
 //! policy compiled from JSON like the filter's plugin configuration.
 
 use std::cell::RefCell;
@@ -8,12 +8,12 @@ use std::rc::Rc;
 
 use tenantgate::engine::{self, Reason};
 use tenantgate::host::Host;
-use tenantgate::limiter::algo::KIND_GLOBAL_ALLOWANCE;
+use tenantgate::keys::kind;
+use tenantgate::memory::{MemoryHost, SharedStore};
 use tenantgate::policy::Policy;
 use tenantgate::sync::shared::{self, Claim, Scan};
 use tenantgate::sync::{stored, Admitted, Allowance, FailureMode, SyncRequest, SyncResponse};
 use tenantgate::table::layout as state;
-use tenantgate::testing::{FakeHost, SharedStore};
 
 use super::{SimConfig, LIMIT};
 use crate::error::ConfigError;
@@ -109,9 +109,9 @@ impl ShippedNode {
         }
     }
 
-    fn worker(&mut self, tenant: &str) -> FakeHost {
+    fn worker(&mut self, tenant: &str) -> MemoryHost {
         self.next = (self.next + 1) % WORKERS;
-        FakeHost::new(self.store.clone())
+        MemoryHost::new(self.store.clone())
             .route_class("api")
             .header("x-tenant-id", tenant)
     }
@@ -130,7 +130,7 @@ impl ShippedNode {
             .plan(prepared.plan)
             .map(|p| p.name.clone())
             .unwrap_or_default();
-        let overflow = state::overflow_key(&prepared.class.action, &plan);
+        let overflow = tenantgate::keys::overflow(&prepared.class.action, &plan);
         let before = self.allowance(&host, logical.as_bytes(), &overflow);
         let Some(scratch) = self.scratch.get_mut(self.next) else {
             return Charged::default();
@@ -170,14 +170,14 @@ impl ShippedNode {
 
     /// The global allowance stored for `logical` in its table slot, and
     /// the one of its overflow entry.
-    fn allowance(&self, host: &FakeHost, logical: &[u8], overflow: &str) -> Stored {
+    fn allowance(&self, host: &MemoryHost, logical: &[u8], overflow: &str) -> Stored {
         let global = |value: &[u8], slot_key: Option<&[u8]>| {
             state::decode_entry(value)?
                 .iter()
                 .find(|s| slot_key.is_none_or(|k| s.key == k))
                 .and_then(|s| state::decode_records(s.records))?
                 .iter()
-                .find(|r| r.kind == KIND_GLOBAL_ALLOWANCE)
+                .find(|r| r.kind == kind::GLOBAL_ALLOWANCE)
                 .and_then(|r| stored::decode_allowance(r.state))
         };
         let entries = self.policy.key_table_entries.max(1);
@@ -225,7 +225,7 @@ impl ShippedNode {
         let Some(settings) = self.policy.sync.clone() else {
             return;
         };
-        let host = FakeHost::new(self.store.clone());
+        let host = MemoryHost::new(self.store.clone());
         let _ = shared::apply(&host, &self.policy, &settings, resp, now);
     }
 }

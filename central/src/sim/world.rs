@@ -1,6 +1,6 @@
 //! The simulation loop: virtual time in fixed ticks, nodes running the
 //! filter's code ([`ShippedNode`]: the engine and `sync::shared` over the
-//! fake host), the real [`Allocator`], and JSON messages carried with
+//! in-memory host), the real [`Allocator`], and JSON messages carried with
 //! latency and loss. One thread, no sleeps.
 
 use std::cmp::Reverse;
@@ -48,8 +48,9 @@ pub struct Trace {
     pub messages_sent: u64,
     pub messages_lost: u64,
     pub service: Option<KeyView>,
-    /// Per node: units admitted per tick, and its region.
+    /// Per node: units admitted and demanded per tick, and its region.
     pub admitted_by_node: Vec<Vec<u64>>,
+    pub demand_by_node: Vec<Vec<u64>>,
     pub regions: Vec<usize>,
     /// Retrying clients ([`Scenario::retries`]): requests sent again at
     /// their `Retry-After`, and how many of them were admitted.
@@ -58,7 +59,7 @@ pub struct Trace {
 }
 
 struct SimNode {
-    /// The filter's code: the engine and `sync::shared` over the fake host.
+    /// The filter's code: the engine and `sync::shared` over the in-memory host.
     node: ShippedNode,
     region: usize,
     offset_ns: i64,
@@ -166,6 +167,7 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
         messages_lost: 0,
         service: None,
         admitted_by_node: vec![vec![0; ticks]; nodes.len()],
+        demand_by_node: vec![vec![0; ticks]; nodes.len()],
         regions: nodes.iter().map(|n| n.region).collect(),
         retries: 0,
         retries_admitted: 0,
@@ -230,7 +232,7 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
         }
 
         for (i, n) in nodes.iter_mut().enumerate() {
-            let level = spec.region_level(n.region, topo.regions, t_s) / topo.nodes_per_region as f64;
+            let level = spec.node_level(i, topo.regions, topo.nodes_per_region, t_s);
             // Units of demand; requests of `cost` units each.
             n.carry += level * rate_per_s * tick_s * (0.5 + traffic.unit());
             let count = (n.carry / cost as f64).floor();
@@ -265,6 +267,7 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                     }
                     None => {
                         trace.demand[tick] += cost;
+                        trace.demand_by_node[i][tick] += cost;
                         spec.retries
                     }
                 };

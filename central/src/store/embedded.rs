@@ -17,45 +17,182 @@
 //! here) leaves every record as it was, and the call fails with
 //! [`StoreError::Refused`]; nothing is ever swapped out for a placeholder
 //! that a panic could leave behind.
+//!
+//! # Memory
+//! Records are kept encoded (format 3, `store::codec`), each in one
+//! allocation with its name and version ([`Entry`]), in hash tables of
+//! those entries alone: a (key, limit) one node holds takes 188 bytes with
+//! its name, version and share of the table (`make bench-service-memory`;
+//! decoded records took 4.7 KiB per key, sessions included). A copy is a
+//! decode, a write an encode: the same work as the clone it replaces, done
+//! once per record a request touches.
 
-use std::collections::hash_map::DefaultHasher;
-use std::collections::{BTreeMap, HashMap};
-use std::hash::{Hash, Hasher};
+use std::collections::BTreeMap;
+use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard};
 
 use async_trait::async_trait;
+use hashbrown::{DefaultHashBuilder as RandomState, HashTable};
 
 use super::redis::MAX_ATTEMPTS;
-use super::{KeySlot, KeyUpdate, SessionUpdate, Store, StoreError, Txn};
+use super::{decode, encode_into, KeySlot, KeyUpdate, Record, SessionUpdate, Store, StoreError, Txn};
 use crate::alloc::{KeyId, KeyState, Session};
 
 const SHARDS: usize = 64;
 
-/// A record and the version it was last written at (unique across the
-/// store: a record deleted and created again never has an old version).
-struct Versioned<T> {
-    version: u64,
-    record: T,
+/// One record in one allocation: `[key length: u16][limit length: u16]
+/// [key][limit][version: u64][format byte][record]` (little-endian). A
+/// session's name is its node id, with an empty limit. The version is the
+/// one it was last written at, unique across the store: a record deleted
+/// and created again never has an old version.
+struct Entry(Box<[u8]>);
+
+const HEAD: usize = 4;
+const VERSION_LEN: usize = 8;
+
+impl Entry {
+    fn new<T: Record>(key: &str, limit: &str, version: u64, record: &T) -> Result<Entry, StoreError> {
+        let too_long = || StoreError::Refused(format!("record name {key}|{limit} over 64 KiB"));
+        let k = u16::try_from(key.len()).map_err(|_| too_long())?;
+        let l = u16::try_from(limit.len()).map_err(|_| too_long())?;
+        let mut b = Vec::with_capacity(HEAD + key.len() + limit.len() + VERSION_LEN + 192);
+        b.extend_from_slice(&k.to_le_bytes());
+        b.extend_from_slice(&l.to_le_bytes());
+        b.extend_from_slice(key.as_bytes());
+        b.extend_from_slice(limit.as_bytes());
+        b.extend_from_slice(&version.to_le_bytes());
+        encode_into(&mut b, key, record)?;
+        Ok(Entry(b.into_boxed_slice()))
+    }
+
+    fn lens(&self) -> (usize, usize) {
+        let n = |i: usize| usize::from(u16::from_le_bytes([self.0[i], self.0[i + 1]]));
+        (n(0), n(2))
+    }
+
+    fn name(&self) -> (&[u8], &[u8]) {
+        let (k, l) = self.lens();
+        (&self.0[HEAD..HEAD + k], &self.0[HEAD + k..HEAD + k + l])
+    }
+
+    fn version(&self) -> u64 {
+        let (k, l) = self.lens();
+        let at = HEAD + k + l;
+        let mut v = [0u8; VERSION_LEN];
+        v.copy_from_slice(&self.0[at..at + VERSION_LEN]);
+        u64::from_le_bytes(v)
+    }
+
+    fn decode<T: Record>(&self) -> Result<T, StoreError> {
+        let (k, l) = self.lens();
+        let (key, _) = self.name();
+        decode(
+            &String::from_utf8_lossy(key),
+            &self.0[HEAD + k + l + VERSION_LEN..],
+        )
+    }
+
+    /// Bytes it takes in the heap (without malloc's overhead).
+    fn size(&self) -> usize {
+        self.0.len()
+    }
 }
 
-type KeyShard = HashMap<KeyId, Versioned<KeyState>>;
+/// Entries by name: a hash table of [`Entry`] alone (no separate key).
+struct Table {
+    entries: HashTable<Entry>,
+}
+
+fn name_hash(hasher: &RandomState, key: &[u8], limit: &[u8]) -> u64 {
+    let mut h = hasher.build_hasher();
+    h.write(key);
+    h.write_u8(0xff); // not in UTF-8: ("ab", "c") and ("a", "bc") differ
+    h.write(limit);
+    h.finish()
+}
+
+impl Table {
+    fn new() -> Table {
+        Table {
+            entries: HashTable::new(),
+        }
+    }
+
+    fn get(&self, hash: u64, key: &str, limit: &str) -> Option<&Entry> {
+        self.entries
+            .find(hash, |e| e.name() == (key.as_bytes(), limit.as_bytes()))
+    }
+
+    /// Writes `entry` under its name (`None`: deletes the name).
+    fn put(&mut self, hasher: &RandomState, hash: u64, key: &str, limit: &str, entry: Option<Entry>) {
+        let found = self
+            .entries
+            .find_entry(hash, |e| e.name() == (key.as_bytes(), limit.as_bytes()));
+        match (found, entry) {
+            (Ok(mut o), Some(e)) => *o.get_mut() = e,
+            (Ok(o), None) => {
+                o.remove();
+            }
+            (Err(_), Some(e)) => {
+                self.entries.insert_unique(hash, e, |e| {
+                    let (k, l) = e.name();
+                    name_hash(hasher, k, l)
+                });
+            }
+            (Err(_), None) => {}
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    fn names(&self) -> impl Iterator<Item = (String, String)> + '_ {
+        self.entries.iter().map(|e| {
+            let (k, l) = e.name();
+            (
+                String::from_utf8_lossy(k).into_owned(),
+                String::from_utf8_lossy(l).into_owned(),
+            )
+        })
+    }
+
+    /// Heap bytes: every entry's allocation and the table's slots.
+    fn bytes(&self) -> usize {
+        let entries: usize = self.entries.iter().map(Entry::size).sum();
+        entries + self.entries.capacity() * (std::mem::size_of::<Entry>() + 1)
+    }
+}
 
 /// The default store: one process, nothing to start, state lost on exit.
 pub struct EmbeddedStore {
-    keys: Vec<Mutex<KeyShard>>,
-    sessions: Mutex<HashMap<String, Versioned<Session>>>,
+    keys: Vec<Mutex<Table>>,
+    sessions: Mutex<Table>,
     next_version: AtomicU64,
+    hasher: RandomState,
 }
 
 impl Default for EmbeddedStore {
     fn default() -> EmbeddedStore {
         EmbeddedStore {
-            keys: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
-            sessions: Mutex::new(HashMap::new()),
+            keys: (0..SHARDS).map(|_| Mutex::new(Table::new())).collect(),
+            sessions: Mutex::new(Table::new()),
             next_version: AtomicU64::new(1),
+            // Seeded at random per process: a flood of crafted names
+            // cannot pile into one bucket.
+            hasher: RandomState::default(),
         }
     }
+}
+
+/// Heap bytes the records take (see [`EmbeddedStore::footprint`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Footprint {
+    pub keys: u64,
+    pub key_bytes: u64,
+    pub sessions: u64,
+    pub session_bytes: u64,
 }
 
 impl EmbeddedStore {
@@ -63,39 +200,54 @@ impl EmbeddedStore {
         EmbeddedStore::default()
     }
 
-    fn shard_of(&self, id: &KeyId) -> usize {
-        let mut h = DefaultHasher::new();
-        id.hash(&mut h);
-        (h.finish() as usize) % self.keys.len()
+    fn hash(&self, id: &KeyId) -> u64 {
+        name_hash(&self.hasher, id.0.as_bytes(), id.1.as_bytes())
     }
 
-    fn lock_shard(&self, i: usize) -> MutexGuard<'_, KeyShard> {
+    fn shard_of(&self, hash: u64) -> usize {
+        // The table uses the hash's top bits; the shard its low ones.
+        (hash as usize) % self.keys.len()
+    }
+
+    fn lock_shard(&self, i: usize) -> MutexGuard<'_, Table> {
         // A panic while holding the lock cannot leave a record half
-        // written: records are replaced whole.
+        // written: entries are replaced whole.
         self.keys[i].lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn shard(&self, id: &KeyId) -> MutexGuard<'_, KeyShard> {
-        self.lock_shard(self.shard_of(id))
-    }
-
-    fn sessions(&self) -> MutexGuard<'_, HashMap<String, Versioned<Session>>> {
+    fn sessions(&self) -> MutexGuard<'_, Table> {
         self.sessions.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn version(&self) -> u64 {
         self.next_version.fetch_add(1, Relaxed)
     }
-}
 
-/// Writes `slot` at `key` of `map` with a new `version` (`None`: delete).
-fn put<K: Hash + Eq, T>(map: &mut HashMap<K, Versioned<T>>, key: K, slot: Option<T>, version: u64) {
-    match slot {
-        Some(record) => {
-            map.insert(key, Versioned { version, record });
+    /// The heap bytes of every record with its name, version and table
+    /// slot (without malloc's per-allocation overhead, 8 to 16 bytes): what
+    /// `make bench-service-memory` divides by the records.
+    pub fn footprint(&self) -> Footprint {
+        let mut f = Footprint::default();
+        for i in 0..self.keys.len() {
+            let t = self.lock_shard(i);
+            f.keys += t.len() as u64;
+            f.key_bytes += t.bytes() as u64;
         }
-        None => {
-            map.remove(&key);
+        let s = self.sessions();
+        f.sessions = s.len() as u64;
+        f.session_bytes = s.bytes() as u64;
+        f
+    }
+
+    fn session_hash(&self, node: &str) -> u64 {
+        name_hash(&self.hasher, node.as_bytes(), b"")
+    }
+
+    /// A decoded copy of an entry and its version.
+    fn read<T: Record>(entry: Option<&Entry>) -> Result<(Option<T>, Option<u64>), StoreError> {
+        match entry {
+            None => Ok((None, None)),
+            Some(e) => Ok((Some(e.decode()?), Some(e.version()))),
         }
     }
 }
@@ -111,43 +263,48 @@ impl Store for EmbeddedStore {
     }
 
     async fn update_session(&self, node: &str, f: &mut SessionUpdate<'_>) -> Result<u64, StoreError> {
+        let hash = self.session_hash(node);
         let mut sessions = self.sessions();
-        let mut slot = sessions.get(node).map(|v| v.record.clone());
+        let (mut slot, _) = Self::read::<Session>(sessions.get(hash, node, ""))?;
         match run_step(|| f(&mut slot)) {
             None => return Err(panicked(node)),
             Some(false) => return Ok(sessions.len() as u64),
             Some(true) => {}
         }
-        put(&mut sessions, node.to_owned(), slot, self.version());
+        let entry = slot
+            .map(|s| Entry::new(node, "", self.version(), &s))
+            .transpose()?;
+        sessions.put(&self.hasher, hash, node, "", entry);
         Ok(sessions.len() as u64)
     }
 
     async fn update_request(&self, node: &str, txn: &mut (dyn Txn + '_)) -> Result<u64, StoreError> {
+        let session_hash = self.session_hash(node);
         for _ in 0..MAX_ATTEMPTS {
-            // Read: copies and their versions, each under its lock briefly.
+            // Read: decoded copies and their versions, each under its lock
+            // briefly.
             let (mut session, session_version, count) = {
                 let sessions = self.sessions();
-                let v = sessions.get(node);
-                (
-                    v.map(|v| v.record.clone()),
-                    v.map(|v| v.version),
-                    sessions.len() as u64,
-                )
+                let (s, v) = Self::read::<Session>(sessions.get(session_hash, node, ""))?;
+                (s, v, sessions.len() as u64)
             };
             let ids = match run_step(|| txn.begin(&mut session, count)) {
                 None => return Err(panicked(node)),
                 Some(None) => return Ok(count),
                 Some(Some(ids)) => ids,
             };
-            let shard_of: Vec<usize> = ids.iter().map(|id| self.shard_of(id)).collect();
+            let hashes: Vec<u64> = ids.iter().map(|id| self.hash(id)).collect();
+            let shard_of: Vec<usize> = hashes.iter().map(|&h| self.shard_of(h)).collect();
             let mut versions: Vec<Option<u64>> = Vec::with_capacity(ids.len());
             let mut slots: Vec<KeySlot> = Vec::with_capacity(ids.len());
-            for (id, &i) in ids.into_iter().zip(&shard_of) {
-                let shard = self.lock_shard(i);
-                let v = shard.get(&id);
-                versions.push(v.map(|v| v.version));
+            for ((id, &i), &h) in ids.into_iter().zip(&shard_of).zip(&hashes) {
+                let (record, version) = {
+                    let shard = self.lock_shard(i);
+                    Self::read::<KeyState>(shard.get(h, &id.0, &id.1))?
+                };
+                versions.push(version);
                 slots.push(KeySlot {
-                    record: v.map(|v| v.record.clone()),
+                    record,
                     id,
                     write: false,
                 });
@@ -157,36 +314,58 @@ impl Store for EmbeddedStore {
                 None => return Err(panicked(node)),
                 Some(w) => w,
             };
+            // Encode before any lock is taken.
+            let version = self.version();
+            let mut writes: Vec<Option<Option<Entry>>> = Vec::with_capacity(slots.len());
+            for slot in &slots {
+                writes.push(if slot.write {
+                    Some(
+                        slot.record
+                            .as_ref()
+                            .map(|ks| Entry::new(&slot.id.0, &slot.id.1, version, ks))
+                            .transpose()?,
+                    )
+                } else {
+                    None
+                });
+            }
+            let session_write = if write_session {
+                Some(
+                    session
+                        .as_ref()
+                        .map(|s| Entry::new(node, "", version, s))
+                        .transpose()?,
+                )
+            } else {
+                None
+            };
             // Commit: every version as read, then every write.
             let mut sessions = self.sessions();
             let mut order = shard_of.clone();
             order.sort_unstable();
             order.dedup();
-            let mut shards: BTreeMap<usize, MutexGuard<'_, KeyShard>> = BTreeMap::new();
+            let mut shards: BTreeMap<usize, MutexGuard<'_, Table>> = BTreeMap::new();
             for i in order {
                 shards.insert(i, self.lock_shard(i));
             }
-            let unmoved = sessions.get(node).map(|v| v.version) == session_version
-                && slots
-                    .iter()
-                    .zip(&shard_of)
-                    .zip(&versions)
-                    .all(|((slot, i), read)| {
+            let unmoved = sessions.get(session_hash, node, "").map(Entry::version) == session_version
+                && slots.iter().zip(shard_of.iter().zip(&hashes)).zip(&versions).all(
+                    |((slot, (i, &h)), read)| {
                         shards
                             .get(i)
-                            .is_some_and(|s| s.get(&slot.id).map(|v| v.version) == *read)
-                    });
+                            .is_some_and(|s| s.get(h, &slot.id.0, &slot.id.1).map(Entry::version) == *read)
+                    },
+                );
             if !unmoved {
                 continue;
             }
-            let version = self.version();
-            for (slot, i) in slots.into_iter().zip(&shard_of) {
-                if let (true, Some(shard)) = (slot.write, shards.get_mut(i)) {
-                    put(shard, slot.id, slot.record, version);
+            for ((slot, write), (i, &h)) in slots.iter().zip(writes).zip(shard_of.iter().zip(&hashes)) {
+                if let (Some(entry), Some(shard)) = (write, shards.get_mut(i)) {
+                    shard.put(&self.hasher, h, &slot.id.0, &slot.id.1, entry);
                 }
             }
-            if write_session {
-                put(&mut sessions, node.to_owned(), session, version);
+            if let Some(entry) = session_write {
+                sessions.put(&self.hasher, session_hash, node, "", entry);
             }
             return Ok(sessions.len() as u64);
         }
@@ -198,14 +377,18 @@ impl Store for EmbeddedStore {
 
     async fn update_keys(&self, ids: &[KeyId], f: &mut KeyUpdate<'_>) -> Result<(), StoreError> {
         for (i, id) in ids.iter().enumerate() {
-            let mut shard = self.shard(id);
-            let mut slot = shard.get(id).map(|v| v.record.clone());
+            let h = self.hash(id);
+            let mut shard = self.lock_shard(self.shard_of(h));
+            let (mut slot, _) = Self::read::<KeyState>(shard.get(h, &id.0, &id.1))?;
             match run_step(|| f(i, &mut slot)) {
                 None => return Err(panicked(&format!("{}|{}", id.0, id.1))),
                 Some(false) => continue,
                 Some(true) => {}
             }
-            put(&mut shard, id.clone(), slot, self.version());
+            let entry = slot
+                .map(|ks| Entry::new(&id.0, &id.1, self.version(), &ks))
+                .transpose()?;
+            shard.put(&self.hasher, h, &id.0, &id.1, entry);
         }
         Ok(())
     }
@@ -213,13 +396,13 @@ impl Store for EmbeddedStore {
     async fn key_ids(&self) -> Result<Vec<KeyId>, StoreError> {
         let mut out = Vec::new();
         for i in 0..self.keys.len() {
-            out.extend(self.lock_shard(i).keys().cloned());
+            out.extend(self.lock_shard(i).names());
         }
         Ok(out)
     }
 
     async fn session_ids(&self) -> Result<Vec<String>, StoreError> {
-        Ok(self.sessions().keys().cloned().collect())
+        Ok(self.sessions().names().map(|(node, _)| node).collect())
     }
 
     async fn session_count(&self) -> Result<u64, StoreError> {
@@ -269,11 +452,12 @@ mod tests {
                 self.runs += 1;
                 if self.runs == 1 {
                     // Another writer lands between our read and our commit.
-                    let mut shard = self.store.shard(&self.id);
-                    if let Some(v) = shard.get_mut(&self.id) {
-                        v.version = self.store.version();
-                        v.record.retarget(limit(7), 1);
-                    }
+                    let h = self.store.hash(&self.id);
+                    let mut shard = self.store.lock_shard(self.store.shard_of(h));
+                    let mut ks: KeyState = shard.get(h, &self.id.0, &self.id.1).unwrap().decode().unwrap();
+                    ks.retarget(limit(7), 1);
+                    let e = Entry::new(&self.id.0, &self.id.1, self.store.version(), &ks).unwrap();
+                    shard.put(&self.store.hasher, h, &self.id.0, &self.id.1, Some(e));
                 }
                 let seen = keys[0].record.as_ref().map(|k| k.limit().limit);
                 keys[0].write = true;

@@ -4,11 +4,15 @@
 //! * `<prefix>:{<key>}:<limit>`: one (key, limit). The hash tag `{<key>}`
 //!   keeps every limit of a key in one cluster slot.
 //! * `<prefix>:n:{<node>}`: one node's session.
-//! * `<prefix>:keys`, `<prefix>:nodes`: sets of the record names, for the
-//!   timer's sweep and the metrics (kept with `SADD` after a record is
-//!   created; they are indexes, not state).
+//! * `<prefix>:nodes`: the set of node ids with a session, for the session
+//!   count each request needs and the session sweep (an index, not state).
+//!   There is no index of the (key, limit) records: the sweep finds them
+//!   with `SCAN` (a set of a million record names cost Redis about 80
+//!   bytes per key, a third of the record itself).
 //!
-//! Each record is a hash `{v: version, d: bytes}` (see `store::encode`).
+//! Each record is one string: its version (8 bytes, big-endian), then its
+//! bytes (`store::encode_into`, format 3): 248 bytes of `MEMORY USAGE` for
+//! a (key, limit) one node holds (`make bench-service-memory`).
 //!
 //! # Atomicity
 //! Optimistic compare-and-set. A sync request ([`Store::update_request`])
@@ -38,54 +42,52 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, RedisError};
 use tokio::sync::OnceCell;
 
-use super::{decode, encode, KeySlot, KeyUpdate, SessionUpdate, Store, StoreError, Txn};
+use super::{decode, KeySlot, KeyUpdate, SessionUpdate, Store, StoreError, Txn};
 use crate::alloc::{KeyId, KeyState, Session};
 
 /// Attempts of one record's compare-and-set before giving up.
 pub const MAX_ATTEMPTS: u32 = 16;
 
-/// `KEYS[1]` record; `ARGV` expected version ("" when absent), new version,
-/// new bytes. Returns 1 if written, 0 if the version moved.
+/// `KEYS[1]` record; `ARGV` expected version ("" when absent), new value
+/// (its version first). Returns 1 if written, 0 if the version moved.
 const CAS: &str = r"
-local v = redis.call('HGET', KEYS[1], 'v')
-if (v or '') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'v', ARGV[2], 'd', ARGV[3])
+local r = redis.call('GET', KEYS[1])
+if (r and string.sub(r, 1, 8) or '') ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2])
 return 1
 ";
 
 /// `KEYS[1]` record; `ARGV[1]` expected version. Deletes the record if its
 /// version is still that. Returns 1 if deleted, 0 if the version moved.
 const CAS_DEL: &str = r"
-local v = redis.call('HGET', KEYS[1], 'v')
-if (v or '') ~= ARGV[1] then return 0 end
+local r = redis.call('GET', KEYS[1])
+if (r and string.sub(r, 1, 8) or '') ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
 return 1
 ";
 
 /// One sync request's writes, all or nothing. `KEYS[1]` the nodes set,
-/// `KEYS[2]` the keys set, then the records (session first). `ARGV`, five
+/// then the records (the session first). `ARGV[1]` the node id, then three
 /// per record: expected version ("" when absent), operation (`c` create,
-/// `w` write, `d` delete, `-` only check), new version, new bytes, member
-/// of its index set (`n|<node>` or `k|<record>`). Every version is checked
-/// before anything is written; returns 1 if written, 0 if a version moved.
+/// `w` write, `d` delete, `-` only check), new value (its version first).
+/// Every version is checked before anything is written; the session's
+/// create and delete also add the node to and remove it from the nodes
+/// set. Returns 1 if written, 0 if a version moved.
 const CAS_ALL: &str = r"
-local n = #KEYS - 2
+local n = #KEYS - 1
 for i = 1, n do
-  local v = redis.call('HGET', KEYS[i + 2], 'v')
-  if (v or '') ~= ARGV[(i - 1) * 5 + 1] then return 0 end
+  local r = redis.call('GET', KEYS[i + 1])
+  if (r and string.sub(r, 1, 8) or '') ~= ARGV[(i - 1) * 3 + 2] then return 0 end
 end
 for i = 1, n do
-  local b = (i - 1) * 5
+  local b = (i - 1) * 3 + 1
   local op = ARGV[b + 2]
-  local set = KEYS[2]
-  local member = string.sub(ARGV[b + 5], 3)
-  if string.sub(ARGV[b + 5], 1, 1) == 'n' then set = KEYS[1] end
   if op == 'c' or op == 'w' then
-    redis.call('HSET', KEYS[i + 2], 'v', ARGV[b + 3], 'd', ARGV[b + 4])
-    if op == 'c' then redis.call('SADD', set, member) end
+    redis.call('SET', KEYS[i + 1], ARGV[b + 3])
+    if op == 'c' and i == 1 then redis.call('SADD', KEYS[1], ARGV[1]) end
   elseif op == 'd' then
-    redis.call('DEL', KEYS[i + 2])
-    redis.call('SREM', set, member)
+    redis.call('DEL', KEYS[i + 1])
+    if i == 1 then redis.call('SREM', KEYS[1], ARGV[1]) end
   end
 end
 return 1
@@ -103,12 +105,39 @@ pub struct RedisStore {
 
 type Version = Option<u64>;
 
-/// What a write did to a record (and so to the index sets).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Change {
-    Created,
-    Updated,
-    Deleted,
+/// Bytes of a record's version, before its bytes.
+const VERSION_LEN: usize = 8;
+
+/// A stored value: its version and its record's bytes (`None`: no record;
+/// a value shorter than a version is corrupt).
+fn split_value(record: &str, value: Option<Vec<u8>>) -> Result<(Version, Option<Vec<u8>>), StoreError> {
+    let Some(mut v) = value else {
+        return Ok((None, None));
+    };
+    if v.len() < VERSION_LEN {
+        return Err(StoreError::Corrupt {
+            record: record.to_owned(),
+            reason: format!("{} bytes: no version", v.len()),
+        });
+    }
+    let mut version = [0u8; VERSION_LEN];
+    version.copy_from_slice(&v[..VERSION_LEN]);
+    v.drain(..VERSION_LEN);
+    Ok((Some(u64::from_be_bytes(version)), Some(v)))
+}
+
+/// The version as the scripts compare it ("" when absent).
+fn version_arg(v: Version) -> Vec<u8> {
+    v.map(|v| v.to_be_bytes().to_vec()).unwrap_or_default()
+}
+
+/// The value that writes `record`'s encoding at the version after `v`.
+fn next_value<T: super::Record>(record: &str, v: Version, value: &T) -> Result<Vec<u8>, StoreError> {
+    let next = v.unwrap_or(0).wrapping_add(1);
+    let mut out = Vec::with_capacity(VERSION_LEN + 192);
+    out.extend_from_slice(&next.to_be_bytes());
+    super::encode_into(&mut out, record, value)?;
+    Ok(out)
 }
 
 impl RedisStore {
@@ -130,16 +159,15 @@ impl RedisStore {
         conn: &mut ConnectionManager,
         record: &str,
     ) -> Result<(Version, Option<Session>, u64), StoreError> {
-        let ((version, bytes), count): ((Version, Option<Vec<u8>>), u64) = redis::pipe()
-            .cmd("HMGET")
+        let (value, count): (Option<Vec<u8>>, u64) = redis::pipe()
+            .cmd("GET")
             .arg(record)
-            .arg("v")
-            .arg("d")
             .cmd("SCARD")
             .arg(self.nodes_set())
             .query_async(conn)
             .await
             .map_err(map_err)?;
+        let (version, bytes) = split_value(record, value)?;
         let session = bytes.map(|b| decode(record, &b)).transpose()?;
         Ok((version, session, count))
     }
@@ -177,8 +205,41 @@ impl RedisStore {
         format!("{}:n:{{{node}}}", self.prefix)
     }
 
-    fn keys_set(&self) -> String {
-        format!("{}:keys", self.prefix)
+    /// `SCAN`'s pattern for every (key, limit) record: the prefix (glob
+    /// characters escaped), then `:{`.
+    fn key_pattern(&self) -> String {
+        let mut p = String::with_capacity(self.prefix.len() + 3);
+        for c in self.prefix.chars() {
+            if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+                p.push('\\');
+            }
+            p.push(c);
+        }
+        p.push_str(":{*");
+        p
+    }
+
+    /// Every (key, limit) record's name, by `SCAN` (a batch at a time).
+    async fn scan_keys(&self, conn: &mut ConnectionManager) -> Result<Vec<String>, StoreError> {
+        let pattern = self.key_pattern();
+        let mut out = Vec::new();
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, names): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(conn)
+                .await
+                .map_err(map_err)?;
+            out.extend(names);
+            if next == 0 {
+                return Ok(out);
+            }
+            cursor = next;
+        }
     }
 
     fn nodes_set(&self) -> String {
@@ -205,19 +266,16 @@ fn cas_del_cmd(pipe: &mut redis::Pipeline, record: &str, version: u64) {
         .arg(CAS_DEL)
         .arg(1)
         .arg(record)
-        .arg(version.to_string());
+        .arg(version_arg(Some(version)));
 }
 
-fn cas_cmd(pipe: &mut redis::Pipeline, record: &str, version: Version, bytes: Vec<u8>) {
-    let expected = version.map(|v| v.to_string()).unwrap_or_default();
-    let next = version.unwrap_or(0) + 1;
+fn cas_cmd(pipe: &mut redis::Pipeline, record: &str, version: Version, value: Vec<u8>) {
     pipe.cmd("EVAL")
         .arg(CAS)
         .arg(1)
         .arg(record)
-        .arg(expected)
-        .arg(next)
-        .arg(bytes);
+        .arg(version_arg(version))
+        .arg(value);
 }
 
 /// What [`CAS_ALL`] does to one record.
@@ -228,16 +286,14 @@ enum Op {
     Delete,
 }
 
-fn push_op(script: &mut redis::Cmd, version: Version, op: Op, member: &str) {
-    let expected = version.map(|v| v.to_string()).unwrap_or_default();
-    let next = (version.unwrap_or(0).saturating_add(1)).to_string();
-    let (code, bytes) = match op {
+fn push_op(script: &mut redis::Cmd, version: Version, op: Op) {
+    let (code, value) = match op {
         Op::Check => ("-", Vec::new()),
         Op::Create(b) => ("c", b),
         Op::Write(b) => ("w", b),
         Op::Delete => ("d", Vec::new()),
     };
-    script.arg(expected).arg(code).arg(next).arg(bytes).arg(member);
+    script.arg(version_arg(version)).arg(code).arg(value);
 }
 
 #[async_trait]
@@ -276,7 +332,12 @@ impl Store for RedisStore {
                 continue;
             };
             let mut pipe = redis::pipe();
-            cas_cmd(&mut pipe, &record, version, encode(&record, &session)?);
+            cas_cmd(
+                &mut pipe,
+                &record,
+                version,
+                next_value(&record, version, &session)?,
+            );
             if created {
                 pipe.cmd("SADD").arg(self.nodes_set()).arg(node);
                 let (written, added): (i64, i64) = pipe.query_async(&mut conn).await.map_err(map_err)?;
@@ -305,18 +366,19 @@ impl Store for RedisStore {
                 return Ok(count);
             };
             let records: Vec<String> = ids.iter().map(|id| self.key_record(id)).collect();
-            let rows: Vec<(Version, Option<Vec<u8>>)> = if records.is_empty() {
+            let rows: Vec<Option<Vec<u8>>> = if records.is_empty() {
                 Vec::new()
             } else {
                 let mut read = redis::pipe();
                 for r in &records {
-                    read.cmd("HMGET").arg(r).arg("v").arg("d");
+                    read.cmd("GET").arg(r);
                 }
                 read.query_async(&mut conn).await.map_err(map_err)?
             };
             let mut versions: Vec<Version> = Vec::with_capacity(rows.len());
             let mut slots: Vec<KeySlot> = Vec::with_capacity(rows.len());
-            for ((id, r), (v, b)) in ids.into_iter().zip(&records).zip(rows) {
+            for ((id, r), value) in ids.into_iter().zip(&records).zip(rows) {
+                let (v, b) = split_value(r, value)?;
                 versions.push(v);
                 slots.push(KeySlot {
                     record: b.map(|b| decode(r, &b)).transpose()?,
@@ -327,33 +389,34 @@ impl Store for RedisStore {
             let write_session = txn.apply(&mut session, &mut slots);
 
             let mut script = redis::cmd("EVAL");
-            script.arg(CAS_ALL).arg(records.len() + 3);
-            script.arg(self.nodes_set()).arg(self.keys_set()).arg(&record);
+            script.arg(CAS_ALL).arg(records.len() + 2);
+            script.arg(self.nodes_set()).arg(&record);
             for r in &records {
                 script.arg(r);
             }
+            script.arg(node);
             let mut after = count;
             let session_op = match (write_session, &session, version) {
                 (false, _, _) | (true, None, None) => Op::Check,
                 (true, Some(s), None) => {
                     after = after.saturating_add(1);
-                    Op::Create(encode(&record, s)?)
+                    Op::Create(next_value(&record, version, s)?)
                 }
-                (true, Some(s), Some(_)) => Op::Write(encode(&record, s)?),
+                (true, Some(s), Some(_)) => Op::Write(next_value(&record, version, s)?),
                 (true, None, Some(_)) => {
                     after = after.saturating_sub(1);
                     Op::Delete
                 }
             };
-            push_op(&mut script, version, session_op, &format!("n|{node}"));
+            push_op(&mut script, version, session_op);
             for ((slot, r), v) in slots.iter().zip(&records).zip(&versions) {
                 let op = match (slot.write, &slot.record, v) {
                     (false, _, _) | (true, None, None) => Op::Check,
-                    (true, Some(ks), None) => Op::Create(encode(r, ks)?),
-                    (true, Some(ks), Some(_)) => Op::Write(encode(r, ks)?),
+                    (true, Some(ks), None) => Op::Create(next_value(r, *v, ks)?),
+                    (true, Some(ks), Some(_)) => Op::Write(next_value(r, *v, ks)?),
                     (true, None, Some(_)) => Op::Delete,
                 };
-                push_op(&mut script, *v, op, &format!("k|{r}"));
+                push_op(&mut script, *v, op);
             }
             let written: i64 = script.query_async(&mut conn).await.map_err(map_err)?;
             if written == 1 {
@@ -376,25 +439,30 @@ impl Store for RedisStore {
         for _ in 0..MAX_ATTEMPTS {
             let mut read = redis::pipe();
             for &i in &pending {
-                read.cmd("HMGET").arg(&records[i]).arg("v").arg("d");
+                read.cmd("GET").arg(&records[i]);
             }
-            let rows: Vec<(Version, Option<Vec<u8>>)> = read.query_async(&mut conn).await.map_err(map_err)?;
+            let rows: Vec<Option<Vec<u8>>> = read.query_async(&mut conn).await.map_err(map_err)?;
             let mut write = redis::pipe();
-            let mut written: Vec<(usize, Change)> = Vec::with_capacity(pending.len());
-            for (&i, (version, bytes)) in pending.iter().zip(rows) {
+            let mut written: Vec<usize> = Vec::with_capacity(pending.len());
+            for (&i, value) in pending.iter().zip(rows) {
+                let (version, bytes) = split_value(&records[i], value)?;
                 let mut slot: Option<KeyState> = bytes.map(|b| decode(&records[i], &b)).transpose()?;
-                let created = slot.is_none();
                 if !f(i, &mut slot) {
                     continue;
                 }
                 match (slot, version) {
                     (Some(ks), _) => {
-                        cas_cmd(&mut write, &records[i], version, encode(&records[i], &ks)?);
-                        written.push((i, if created { Change::Created } else { Change::Updated }));
+                        cas_cmd(
+                            &mut write,
+                            &records[i],
+                            version,
+                            next_value(&records[i], version, &ks)?,
+                        );
+                        written.push(i);
                     }
                     (None, Some(v)) => {
                         cas_del_cmd(&mut write, &records[i], v);
-                        written.push((i, Change::Deleted));
+                        written.push(i);
                     }
                     (None, None) => {}
                 }
@@ -403,22 +471,11 @@ impl Store for RedisStore {
                 return Ok(());
             }
             let results: Vec<i64> = write.query_async(&mut conn).await.map_err(map_err)?;
-            let mut index = redis::pipe();
-            let mut indexed = false;
             pending.clear();
-            for ((i, change), ok) in written.into_iter().zip(results) {
+            for (i, ok) in written.into_iter().zip(results) {
                 if ok != 1 {
                     pending.push(i);
-                } else if change == Change::Created {
-                    index.cmd("SADD").arg(self.keys_set()).arg(&records[i]).ignore();
-                    indexed = true;
-                } else if change == Change::Deleted {
-                    index.cmd("SREM").arg(self.keys_set()).arg(&records[i]).ignore();
-                    indexed = true;
                 }
-            }
-            if indexed {
-                let () = index.query_async(&mut conn).await.map_err(map_err)?;
             }
             if pending.is_empty() {
                 return Ok(());
@@ -432,11 +489,7 @@ impl Store for RedisStore {
 
     async fn key_ids(&self) -> Result<Vec<KeyId>, StoreError> {
         let mut conn = self.conn().await?;
-        let names: Vec<String> = redis::cmd("SMEMBERS")
-            .arg(self.keys_set())
-            .query_async(&mut conn)
-            .await
-            .map_err(map_err)?;
+        let names = self.scan_keys(&mut conn).await?;
         Ok(names.iter().filter_map(|n| self.key_of_record(n)).collect())
     }
 
@@ -458,13 +511,11 @@ impl Store for RedisStore {
             .map_err(map_err)
     }
 
+    /// By `SCAN` (see the module header): linear in the records, for the
+    /// metrics' scrape.
     async fn key_count(&self) -> Result<u64, StoreError> {
         let mut conn = self.conn().await?;
-        redis::cmd("SCARD")
-            .arg(self.keys_set())
-            .query_async(&mut conn)
-            .await
-            .map_err(map_err)
+        Ok(self.scan_keys(&mut conn).await?.len() as u64)
     }
 }
 

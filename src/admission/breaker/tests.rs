@@ -1,6 +1,6 @@
 //! The breaker on explicit time: the state machine on an exact sequence,
 //! the ramp's curve, the re-open backoff, the bounds on upstream calls
-//! (through the shipped admission path over the fake host), and
+//! (through the shipped admission path over the in-memory host), and
 //! adversarial inputs.
 
 use std::cell::RefCell;
@@ -10,8 +10,8 @@ use super::*;
 use crate::admission::Worker;
 use crate::engine::{self, Reason};
 use crate::limiter::NANOS_PER_SEC;
+use crate::memory::{MemoryHost, SharedStore};
 use crate::policy::Policy;
-use crate::testing::{FakeHost, SharedStore};
 
 const S: u64 = NANOS_PER_SEC;
 const MS: u64 = 1_000_000;
@@ -153,29 +153,75 @@ fn a_half_open_window_with_a_success_and_no_trip_ramps_at_its_end() {
 }
 
 #[test]
-fn lost_probes_give_their_tickets_back_after_two_folds_without_an_answer() {
+fn lost_probes_end_their_period_after_two_folds_without_an_answer_since_the_last_ticket() {
+    use Phase::*;
+    let s = settings();
+    let mut b = fresh(T0);
+    b.observe(&s, seen(10, 10), T0, 1);
+    let half = b.until;
+    assert!(b.take_probe(&s, half));
+    let period = b.since;
+    // One fold without an answer (the window open when the probe was taken
+    // may close before its answer): the period goes on.
+    assert!(phases(b.observe(&s, seen(0, 0), half + 20 * MS, 1)).is_empty());
+    // A ticket taken restarts the count: one more fold is not enough.
+    assert!(b.take_probe(&s, half + 25 * MS));
+    assert!(phases(b.observe(&s, seen(0, 0), half + 30 * MS, 1)).is_empty());
+    assert!(
+        !b.take_probe(&s, half + 30 * MS),
+        "the period's tickets are spent"
+    );
+    // However long the period: no ticket comes back by time alone.
+    assert!(!b.take_probe(&s, half + 10 * S));
+    // Two folds in a row without an answer since the last ticket: the
+    // probes are lost and a new period begins, with its own tickets; the
+    // old period's tickets are never handed out again.
+    assert_eq!(
+        phases(b.observe(&s, seen(0, 0), half + 40 * MS, 1)),
+        [(HalfOpen, HalfOpen)]
+    );
+    assert_ne!(b.since, period);
+    assert!(b.take_probe(&s, half + 40 * MS));
+    assert!(b.take_probe(&s, half + 40 * MS));
+    assert!(!b.take_probe(&s, half + 40 * MS));
+    // A half-open period nobody took a ticket in is not lost.
+    let mut idle = fresh(T0);
+    idle.observe(&s, seen(10, 10), T0, 1);
+    let at = idle.until;
+    idle.advance(&s, at);
+    for i in 1..=5 {
+        assert!(phases(idle.observe(&s, seen(0, 0), at + i * 100 * MS, 1)).is_empty());
+    }
+}
+
+#[test]
+fn a_ticket_given_back_is_taken_again_only_in_its_own_period() {
+    use Phase::*;
     let s = settings();
     let mut b = fresh(T0);
     b.observe(&s, seen(10, 10), T0, 1);
     let half = b.until;
     assert!(b.take_probe(&s, half));
     assert!(b.take_probe(&s, half));
-    // However long the half-open period: no new ticket by time alone.
-    assert!(!b.take_probe(&s, half + 10 * S));
-    // One fold without an answer (the window open when it went half-open
-    // may close before its probes answer): still none.
-    b.observe(&s, seen(0, 0), half + 20 * MS, 1);
-    assert!(!b.take_probe(&s, half + 20 * MS));
-    // An answer resets the count (a success of two: not yet a ramp).
-    b.observe(&s, seen(1, 0), half + 30 * MS, 1);
-    assert_eq!(b.phase, Phase::HalfOpen);
-    b.observe(&s, seen(0, 0), half + 40 * MS, 1);
-    assert!(!b.take_probe(&s, half + 40 * MS));
-    // Two folds in a row without an answer: the tickets come back.
-    b.observe(&s, seen(0, 0), half + 50 * MS, 1);
-    assert!(b.take_probe(&s, half + 50 * MS));
-    assert!(b.take_probe(&s, half + 50 * MS));
-    assert!(!b.take_probe(&s, half + 50 * MS));
+    let period = b.since;
+    // A request refused after its ticket gives it back: another takes it.
+    assert!(b.give_back(period));
+    assert!(b.take_probe(&s, half + MS));
+    assert!(!b.take_probe(&s, half + MS));
+    // Never below zero, never into another period.
+    assert!(b.give_back(period));
+    assert!(b.give_back(period));
+    assert!(!b.give_back(period));
+    assert!(!b.give_back(period + 1));
+    // Once the period is over (a probe failed), a late give-back does nothing.
+    assert!(b.take_probe(&s, half + 2 * MS));
+    assert_eq!(
+        phases(b.observe(&s, seen(1, 1), half + 10 * MS, 1)),
+        [(HalfOpen, Open)]
+    );
+    let reopened = b;
+    assert!(!b.give_back(period));
+    assert_eq!(b, reopened);
 }
 
 #[test]
@@ -356,7 +402,7 @@ fn the_record_round_trips_and_garbage_reads_as_closed() {
     assert_eq!(decode(&bad_version), None);
     // An unreadable entry in shared data: a fresh, closed breaker.
     let store = SharedStore::new();
-    let host = FakeHost::new(store.clone());
+    let host = MemoryHost::new(store.clone());
     host.shared_set("tg2|b|db", b"garbage", None).unwrap();
     assert_eq!(read(&host, "tg2|b|db", T0), Some(fresh(T0)));
 }
@@ -406,8 +452,8 @@ impl Node {
         }
     }
 
-    fn host(&self, class: &str) -> FakeHost {
-        FakeHost::new(self.store.clone())
+    fn host(&self, class: &str) -> MemoryHost {
+        MemoryHost::new(self.store.clone())
             .route_class(class)
             .header("x-tenant-id", "acme")
     }
@@ -415,7 +461,7 @@ impl Node {
     /// Every worker's tick: fold its part (as the worker closing a signal
     /// window does with the window's summary), then read the node's state.
     fn tick(&mut self, parts: &[Observed], now: u64) -> Vec<Transition> {
-        let host = FakeHost::new(self.store.clone());
+        let host = MemoryHost::new(self.store.clone());
         let dep = self.policy.dependency(0).unwrap().clone();
         let s = dep.breaker.unwrap();
         let mut made = Vec::new();
@@ -449,7 +495,7 @@ impl Node {
     }
 
     fn release(&mut self, i: usize, t: crate::admission::Ticket, now: u64) {
-        let host = FakeHost::new(self.store.clone());
+        let host = MemoryHost::new(self.store.clone());
         self.workers[i].release(&host, t, now);
     }
 }
@@ -629,7 +675,7 @@ fn a_failing_dependency_opens_at_the_first_fold_that_brings_min_volume_not_at_th
     // A breaker alone: signal windows of its window (1 s) up to 500 ms.
     assert_eq!(dep.signal_window_ns(), Some(500 * MS));
     let store = SharedStore::new();
-    let host = FakeHost::new(store.clone());
+    let host = MemoryHost::new(store.clone());
     let mut workers = [Worker::with_id(1), Worker::with_id(2)];
     let mut windows = [Windows::default(), Windows::default()];
     let mut buffers = table::Buffers::default();

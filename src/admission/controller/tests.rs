@@ -5,7 +5,7 @@
 use std::rc::Rc;
 
 use super::*;
-use crate::testing::{FakeHost, SharedStore};
+use crate::memory::{MemoryHost, SharedStore};
 
 mod bounds;
 mod sim;
@@ -196,7 +196,7 @@ fn the_refresh_is_spread_over_dependencies() {
 #[test]
 fn the_control_state_round_trips_through_shared_data_once_per_window() {
     let store = SharedStore::new();
-    let host = FakeHost::new(store.clone());
+    let host = MemoryHost::new(store.clone());
     let p = policy(100, "{}");
     let dep = match p.dependency(0) {
         Some(d) => d.clone(),
@@ -462,7 +462,7 @@ fn a_version_1_control_record_still_decodes() {
     }
     let record = Record {
         name_hash: CONTROL_NAME_HASH,
-        kind: KIND_CONTROL,
+        kind: kind::CONTROL,
         p1: 0,
         p2: 0,
         state: &v1,

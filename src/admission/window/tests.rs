@@ -1,8 +1,8 @@
-//! Stream-end windows on explicit time with the fake host: two workers
+//! Stream-end windows on explicit time with the in-memory host: two workers
 //! ([`Windows`] over one [`SharedStore`], like two worker VMs).
 
 use super::*;
-use crate::testing::{FakeHost, SharedStore};
+use crate::memory::{MemoryHost, SharedStore};
 
 const MS: u64 = 1_000_000;
 const W: u64 = 500 * MS;
@@ -119,8 +119,8 @@ impl Node {
             store: SharedStore::new(),
         }
     }
-    fn host(&self) -> FakeHost {
-        FakeHost::new(self.store.clone())
+    fn host(&self) -> MemoryHost {
+        MemoryHost::new(self.store.clone())
     }
 }
 

@@ -7,7 +7,8 @@
 use std::rc::Rc;
 
 use super::*;
-use crate::queue::Queue;
+use crate::admission::queue::Attempt;
+use crate::pipeline::hold::{Hold, Paused, Released};
 
 const MIN: u64 = 60 * S;
 const HOUR: u64 = 60 * MIN;
@@ -106,12 +107,12 @@ fn max_in(admitted: &[u64], d: u64) -> u64 {
     best as u64
 }
 
-fn host(store: &Rc<std::cell::RefCell<SharedStore>>, class: &str) -> FakeHost {
+fn host(store: &Rc<std::cell::RefCell<SharedStore>>, class: &str) -> MemoryHost {
     req(store, class, "acme")
 }
 
 /// Charges up to `n` requests at `now`; returns how many were admitted.
-fn drain(p: &Policy, h: &FakeHost, now: u64, n: u64, admitted: &mut Vec<u64>) -> u64 {
+fn drain(p: &Policy, h: &MemoryHost, now: u64, n: u64, admitted: &mut Vec<u64>) -> u64 {
     let mut got = 0;
     for _ in 0..n {
         if run(p, h, now).reason == Reason::Allowed {
@@ -247,24 +248,38 @@ fn queued_across_a_reload(old: Spec, new: Spec) -> Vec<u64> {
     let mut admitted = Vec::new();
     drain(&old_policy, &jobs, T0, 30_000, &mut admitted);
     let prepared = prepare(&old_policy, &jobs).unwrap();
-    let mut q = Queue::default();
+    let mut hold = Hold::default();
     for id in 0..50 {
         let denial = charge(&old_policy, &prepared, &jobs, T0, &mut Scratch::default());
         assert_eq!(denial.reason, Reason::RateLimited);
-        q.offer(id, &old_policy, &prepared, &denial, T0).unwrap();
+        let paused = Paused {
+            stream: id,
+            policy: old_policy.clone(),
+            prepared: prepared.clone(),
+            primary: false,
+            request_id: None,
+            read: None,
+        };
+        hold.offer_rate(paused, &denial, T0).unwrap();
     }
     let tick = 10_000_000;
     let mut now = T0 + S;
     while now < T0 + 12 * S {
         now += tick;
         drain(&new_policy, &api, now, 30_000, &mut admitted);
-        for (w, d) in q.tick(now, tick, |w| {
-            charge(&w.policy, &w.prepared, &jobs, now, &mut Scratch::default())
-        }) {
+        let served = hold.serve(
+            now,
+            tick,
+            |_| Attempt::<(), ()>::LevelFull,
+            |w| charge(&w.policy, &w.prepared, &jobs, now, &mut Scratch::default()),
+        );
+        for r in served {
+            let Released::Charged(_, d) = r else { continue };
             if d.reason == Reason::Allowed {
                 admitted.push(now);
             }
-            assert!(now <= w.deadline);
+            // Held at T0 with a max_wait of 10 s.
+            assert!(now <= T0 + 10 * S);
         }
     }
     admitted
@@ -346,7 +361,7 @@ fn forge(store: &Rc<std::cell::RefCell<SharedStore>>, kind: u8, p1: u64, p2: u64
         ));
         out
     };
-    let h = FakeHost::new(store.clone());
+    let h = MemoryHost::new(store.clone());
     assert_eq!(
         crate::host::Host::shared_set(&h, &key, &entry, None),
         Ok(crate::host::CasResult::Written)

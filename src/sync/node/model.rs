@@ -156,6 +156,7 @@ impl Node {
                     unleased: c.unleased,
                     demand: c.demand,
                     failure_mode: None,
+                    started_ms: entry.allowance.started_ms(now),
                 });
                 sent.push((key.clone(), limit.clone(), c));
             }
@@ -208,6 +209,7 @@ impl Node {
                 tokens: lease.tokens,
                 share: lease.share,
                 share_milli: lease.share_milli,
+                outage_milli: lease.outage_milli,
                 ttl_ns,
             };
             e.allowance.install(granted, used, now);

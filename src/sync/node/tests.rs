@@ -33,6 +33,7 @@ fn lease(tokens: u64, share: u64, ttl_ms: u64) -> WireLease {
         share,
         share_milli: 0,
         ttl_ms,
+        outage_milli: None,
     }
 }
 
@@ -182,6 +183,46 @@ fn fail_open_local_starts_empty_enforces_the_last_share_and_ends() {
     assert_eq!(admitted, 100);
     // local_max (60 s) after the expiry: fail closed.
     assert_eq!(n.decide("k", "l", 1, at + 60 * S), Err(Denied::FailClosed));
+}
+
+/// Issue 21: the lease's outage allowance, not its share, sets
+/// `fail_open_local`'s rate, exactly in thousandths: 100/min split over
+/// three nodes is 0.556 units per 1 s interval (whole shares of 0 or 1
+/// left a node with nothing or a third too much).
+#[test]
+fn fail_open_local_runs_at_the_outage_allowance_in_thousandths() {
+    let with = |outage: Option<u64>| {
+        let mut n = node(FailureMode::FailOpenLocal);
+        admit_n(&mut n, 1, T0);
+        let req = n.report(T0).unwrap();
+        let l = WireLease {
+            outage_milli: outage,
+            ..lease(2, 1, 3000)
+        };
+        n.apply(&answer(&req, vec![l]), T0 + 10 * MS).unwrap();
+        n
+    };
+    let at = T0 + 3 * S + 10 * MS;
+    let mut n = with(Some(556));
+    // Empty at first: one unit accrues in 1.8 s.
+    assert_eq!(admit_n(&mut n, 5, at), 0);
+    assert_eq!(admit_n(&mut n, 5, at + 1_700 * MS), 0);
+    assert_eq!(admit_n(&mut n, 5, at + 1_800 * MS), 1);
+    let mut admitted = 1;
+    for ms in (1_900..59_900).step_by(100) {
+        admitted += admit_n(&mut n, 2, at + ms * MS);
+    }
+    // 0.556 per second over 59.9 s: 33.
+    assert_eq!(admitted, 33);
+    // An allowance of 0 admits nothing: it is not the share.
+    let mut zero = with(Some(0));
+    assert_eq!(admit_n(&mut zero, 10, at), 0);
+    assert_eq!(admit_n(&mut zero, 10, at + 10 * S), 0);
+    // From a service that sent none: the whole share (1 per interval;
+    // the bucket holds that and one request).
+    let mut old = with(None);
+    assert_eq!(admit_n(&mut old, 10, at), 0);
+    assert_eq!(admit_n(&mut old, 10, at + 10 * S), 2);
 }
 
 #[test]

@@ -1,10 +1,11 @@
-//! The node's sync over shared data, with the fake host: several fakes on
+//! The node's sync over shared data, with the in-memory host: several hosts on
 //! one store are the worker VMs of one Envoy. Time is explicit.
 
 use super::*;
 use crate::engine::{self, Reason};
+use crate::keys::kind;
+use crate::memory::{MemoryHost, SharedStore};
 use crate::sync::protocol::Lease;
-use crate::testing::{FakeHost, SharedStore};
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -52,7 +53,7 @@ impl World {
     }
 
     fn decide(&self, class: &str, tenant: &str, now: u64) -> engine::Decision {
-        let host = FakeHost::new(self.store.clone())
+        let host = MemoryHost::new(self.store.clone())
             .route_class(class)
             .header("x-tenant-id", tenant);
         let state = read_state(&host).unwrap().0;
@@ -73,8 +74,8 @@ impl World {
             .count()
     }
 
-    fn host(&self) -> FakeHost {
-        FakeHost::new(self.store.clone())
+    fn host(&self) -> MemoryHost {
+        MemoryHost::new(self.store.clone())
     }
 
     fn settings(&self) -> &SyncSettings {
@@ -117,6 +118,7 @@ fn response(req: &SyncRequest, tokens: u64) -> SyncResponse {
                 share: tokens,
                 share_milli: 0,
                 ttl_ms: 3000,
+                outage_milli: None,
             })
             .collect(),
     }
@@ -161,10 +163,10 @@ fn exactly_one_worker_wins_each_interval() {
     // Racing: both read the same state; only one write lands (after the
     // unsent report's grace, so that both may give up on it).
     let store = w.store.clone();
-    let racer = FakeHost::new(store);
+    let racer = MemoryHost::new(store);
     let settings = w.settings().clone();
     let later = T0 + 3 * S + SCAN_GRACE_NS;
-    *a.before_write.borrow_mut() = Some(crate::testing::Hook(Box::new(move || {
+    *a.before_write.borrow_mut() = Some(crate::memory::Hook(Box::new(move || {
         let _ = claim(&racer, &settings, later);
     })));
     assert_eq!(claim(&a, w.settings(), later).unwrap(), Claim::Lost);
@@ -182,7 +184,7 @@ fn leases_are_consumed_across_workers_and_counts_reset_on_acknowledgement() {
     // Admitted while the report is in flight: still awaiting its lease.
     assert_eq!(w.admitted("acme", 1, T0 + S + 10 * MS), 0);
     assert_eq!(w.answer(&req, 10, T0 + S + 50 * MS).unwrap().leases, 1);
-    // Ten tokens, whichever worker (fake host) asks.
+    // Ten tokens, whichever worker (host) asks.
     assert_eq!(w.admitted("acme", 30, T0 + S + 60 * MS), 10);
     // The next report carries only what came after the acknowledged one.
     let next = w.report(T0 + 2 * S).unwrap();
@@ -242,9 +244,11 @@ fn when_leases_expire_with_no_answer_the_failure_mode_applies_per_class() {
     );
     let (w, later) = cut_off("fail_closed");
     assert_eq!(w.admitted("acme", 5, later), 0);
-    // fail_open_local: a bucket at the last share (5 per interval), empty at first.
+    // fail_open_local: a bucket at the last share (5 per interval, from a
+    // service that sent no outage allowance), empty when the lease expired
+    // (+4 s): a second of it accrued by +5 s.
     let (w, later) = cut_off("fail_open_local");
-    assert_eq!(w.admitted("acme", 5, later), 0);
+    assert_eq!(w.admitted("acme", 50, later), 5);
     assert_eq!(w.admitted("acme", 50, later + S), 5);
 }
 
@@ -271,8 +275,8 @@ fn global_allowances_go_idle_and_non_global_limits_are_unchanged() {
     let slots = table::decode_entry(store.get(entry).unwrap()).unwrap();
     let records = table::decode_records(slots[0].records).unwrap();
     assert_eq!(records.len(), 2);
-    assert_eq!(records[0].kind, crate::limiter::algo::KIND_TOKEN_BUCKET);
-    assert_eq!(records[1].kind, KIND_GLOBAL_ALLOWANCE);
+    assert_eq!(records[0].kind, kind::TOKEN_BUCKET);
+    assert_eq!(records[1].kind, kind::GLOBAL_ALLOWANCE);
     assert!(!crate::engine::record_is_idle(&records[1], T0 + 2 * S));
     assert!(crate::engine::record_is_idle(&records[1], T0 + 6 * S));
 }
@@ -535,6 +539,7 @@ fn the_request_carries_the_settings_the_node_enforces() {
             local_max_ms: crate::policy::LOCAL_MAX_NS / MS,
             interval_ms: 1000,
             failure_mode: FailureMode::FailOpenLocal,
+            outage_allowance: true,
         })
     );
     assert_eq!(req.reports.len(), 1);

@@ -1,7 +1,7 @@
 //! The simulation of the code that ships: a seeded upstream (lognormal
 //! service time, capacity `C`: beyond `C` requests wait in arrival order,
 //! so latency rises) under open-loop load above `C`, admitted by two real
-//! [`Worker`]s over the fake host, with their outcomes recorded in two real
+//! [`Worker`]s over the in-memory host, with their outcomes recorded in two real
 //! [`Windows`] and every tick running [`tick`] (fold, close, [`apply`], read
 //! into the worker's control): the same functions the filter's tick runs.
 //! A machine's latency noise (one draw per window) and a quiet start (a
@@ -17,7 +17,7 @@ use super::*;
 use crate::admission::window::{self, Outcome, OutcomeKind};
 use crate::admission::Ticket;
 use crate::engine::{self, Prepared};
-use crate::testing::{FakeHost, SharedStore};
+use crate::memory::{MemoryHost, SharedStore};
 
 /// SplitMix64 as a seeded generator.
 struct Rng(u64);
@@ -118,7 +118,7 @@ impl Sim {
 
     pub(super) fn with_policy(seed: u64, capacity: u32, rate: f64, policy: Rc<Policy>) -> Sim {
         let store = SharedStore::new();
-        let host = FakeHost::new(store.clone()).route_class("orders");
+        let host = MemoryHost::new(store.clone()).route_class("orders");
         let prepared = match engine::prepare(&policy, &host) {
             Ok(p) => p,
             Err(r) => panic!("prepare: {r:?}"),
@@ -171,8 +171,8 @@ impl Sim {
         self.events.push(Reverse((t, self.seq, ev)));
     }
 
-    pub(super) fn host(&self) -> FakeHost {
-        FakeHost::new(self.store.clone())
+    pub(super) fn host(&self) -> MemoryHost {
+        MemoryHost::new(self.store.clone())
     }
 
     fn service_ns(&mut self) -> u64 {
@@ -563,7 +563,7 @@ impl Sim {
             &mut buffers,
             |_, out| {
                 out.push(1);
-                push_record_with(out, CONTROL_NAME_HASH, KIND_CONTROL, 0, 0, |o| st.encode(o));
+                push_record_with(out, CONTROL_NAME_HASH, kind::CONTROL, 0, 0, |o| st.encode(o));
                 (Commit::Write, ())
             },
         );

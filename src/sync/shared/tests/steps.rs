@@ -3,6 +3,7 @@
 //! an answer is applied, reloads and stopped workers mid-application.
 
 use super::*;
+use crate::keys::kind;
 use crate::sync::node::Allowance;
 
 /// The glue's tick.
@@ -36,7 +37,7 @@ fn allowance(w: &World, tenant: &str) -> Allowance {
                 continue;
             }
             for r in table::decode_records(slot.records).unwrap() {
-                if r.name_hash == hash && r.kind == KIND_GLOBAL_ALLOWANCE {
+                if r.name_hash == hash && r.kind == kind::GLOBAL_ALLOWANCE {
                     return stored::decode_allowance(r.state).unwrap();
                 }
             }
@@ -338,6 +339,7 @@ fn leases_beyond_the_report_bound_are_ignored() {
         share: 10,
         share_milli: 0,
         ttl_ms: 3000,
+        outage_milli: None,
     });
     resp.leases.extend(extra);
     let host = w.host();
@@ -346,7 +348,7 @@ fn leases_beyond_the_report_bound_are_ignored() {
     assert_eq!(app.remaining(), MAX_REPORTS);
 }
 
-/// One slot update's cost natively (fake host, release build), on a
+/// One slot update's cost natively (in-memory host, release build), on a
 /// second answer (warm memory):
 /// `cargo test -p tenantgate-filter --release apply_step_cost -- --ignored --nocapture`.
 #[test]

@@ -1,20 +1,32 @@
-//! An in-memory [`Host`] for tests: headers, properties and a shared-data
-//! store with Envoy's CAS semantics. Several fakes can share one store, like
-//! the worker VMs of one Envoy share its shared data.
+//! The in-memory host: a [`Host`] over headers, properties and a
+//! shared-data store with Envoy's compare-and-swap semantics, in process
+//! memory. Several hosts can share one store, as the worker VMs of one Envoy
+//! share its shared data.
+//!
+//! Product code, not a test double: `tenantgate policy explain` runs the
+//! filter's pipeline on it, the simulator (`central/src/sim/shipped.rs`)
+//! runs the shipped engine and sync code of many nodes on it, and the
+//! self-time bench build replays a request's calls on it. The core's native
+//! tests use it too, with its fault injection (`fail_shared`,
+//! `forced_conflicts`, `before_write`) standing in for a broken or racing
+//! host.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 
 use crate::host::{CasResult, Host, HostError};
+use crate::stats::{Metric, Stats};
 
 /// Envoy's shared data: value + CAS token per key; tokens never repeat.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct SharedStore {
     entries: HashMap<String, (Vec<u8>, u32)>,
     next_cas: u32,
     /// Writes that failed their CAS check.
     pub conflicts: u64,
+    /// Writes that landed.
+    pub writes: u32,
 }
 
 impl SharedStore {
@@ -41,8 +53,11 @@ impl SharedStore {
 
 /// One request's view of the host.
 #[derive(Debug, Clone)]
-pub struct FakeHost {
+pub struct MemoryHost {
     pub headers: Vec<(String, Vec<u8>)>,
+    /// The response's headers and body chunk (for the response callbacks).
+    pub response_headers: Vec<(String, Vec<u8>)>,
+    pub response_body: Vec<u8>,
     pub properties: Vec<(Vec<String>, Vec<u8>)>,
     pub store: Rc<RefCell<SharedStore>>,
     /// Makes every shared-data call fail, like a broken host.
@@ -54,7 +69,7 @@ pub struct FakeHost {
     pub before_write: Rc<RefCell<Option<Hook>>>,
 }
 
-/// A closure run by [`FakeHost`] (see `before_write`).
+/// A closure run by [`MemoryHost`] (see `before_write`).
 pub struct Hook(pub Box<dyn FnMut()>);
 
 impl std::fmt::Debug for Hook {
@@ -63,10 +78,12 @@ impl std::fmt::Debug for Hook {
     }
 }
 
-impl FakeHost {
-    pub fn new(store: Rc<RefCell<SharedStore>>) -> FakeHost {
-        FakeHost {
+impl MemoryHost {
+    pub fn new(store: Rc<RefCell<SharedStore>>) -> MemoryHost {
+        MemoryHost {
             headers: Vec::new(),
+            response_headers: Vec::new(),
+            response_body: Vec::new(),
             properties: Vec::new(),
             store,
             fail_shared: false,
@@ -77,6 +94,12 @@ impl FakeHost {
 
     pub fn header(mut self, name: &str, value: impl Into<Vec<u8>>) -> Self {
         self.headers.push((name.to_ascii_lowercase(), value.into()));
+        self
+    }
+
+    pub fn response_header(mut self, name: &str, value: impl Into<Vec<u8>>) -> Self {
+        self.response_headers
+            .push((name.to_ascii_lowercase(), value.into()));
         self
     }
 
@@ -96,13 +119,29 @@ impl FakeHost {
     }
 }
 
-impl Host for FakeHost {
+impl Host for MemoryHost {
     fn request_header(&self, name: &str) -> Option<Vec<u8>> {
         let name = name.to_ascii_lowercase();
         self.headers
             .iter()
             .find(|(n, _)| *n == name)
             .map(|(_, v)| v.clone())
+    }
+
+    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+        let name = name.to_ascii_lowercase();
+        self.response_headers
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.clone())
+    }
+
+    fn response_body(&self, len: usize) -> Option<Vec<u8>> {
+        Some(
+            self.response_body
+                .get(..len.min(self.response_body.len()))?
+                .to_vec(),
+        )
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
@@ -164,6 +203,7 @@ impl Host for FakeHost {
             }
         }
         store.next_cas = store.next_cas.wrapping_add(1).max(1);
+        store.writes = store.writes.wrapping_add(1);
         let token = store.next_cas;
         // Rewrites an existing value in place, like Envoy (and so that a
         // test counting the engine's allocations counts only the engine's).
@@ -178,5 +218,56 @@ impl Host for FakeHost {
             }
         }
         Ok(CasResult::Written)
+    }
+}
+
+/// Node-wide stats in memory (what `policy explain` prints and the native
+/// tests read): every worker's [`MemoryStats`] clone adds to one map, as
+/// every worker VM of one Envoy adds to one metric.
+#[derive(Debug, Clone, Default)]
+pub struct MemoryStats {
+    values: Rc<RefCell<HashMap<String, i64>>>,
+    name: String,
+}
+
+impl MemoryStats {
+    /// A metric's value by its full name (0 if never defined or changed).
+    pub fn value(&self, name: &str) -> i64 {
+        self.values.borrow().get(name).copied().unwrap_or(0)
+    }
+
+    /// Every metric defined, by name.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.values.borrow().keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    fn with(&mut self, metric: &Metric<'_>, f: impl FnOnce(&mut i64)) {
+        metric.name(&mut self.name);
+        let mut values = self.values.borrow_mut();
+        f(values.entry(self.name.clone()).or_insert(0));
+    }
+}
+
+impl Stats for MemoryStats {
+    fn define(&mut self, metric: &Metric<'_>) {
+        self.with(metric, |_| {});
+    }
+
+    fn add(&mut self, metric: &Metric<'_>, n: i64) {
+        self.with(metric, |v| *v = v.saturating_add(n));
+    }
+
+    fn set(&mut self, metric: &Metric<'_>, value: u64) {
+        self.with(metric, |v| *v = i64::try_from(value).unwrap_or(i64::MAX));
+    }
+
+    fn get(&mut self, metric: &Metric<'_>) -> Option<u64> {
+        metric.name(&mut self.name);
+        self.values
+            .borrow()
+            .get(&self.name)
+            .map(|v| u64::try_from(*v).unwrap_or(0))
     }
 }

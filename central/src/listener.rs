@@ -1,5 +1,8 @@
-//! mTLS on the sync listener (rustls, ring), the identity a client
-//! certificate names, and the local CA that `tenantgate certs` makes.
+//! The API listener both APIs are mounted on (`/v1/sync` and the
+//! reservation API): plain on loopback or mTLS (rustls, ring), the
+//! identity a client certificate names, the local CA that `tenantgate
+//! certs` makes, and the cap on requests in progress each API starts from.
+//! Plumbing beneath both APIs: it imports neither.
 //!
 //! # Identity
 //! A node's certificate must be signed by the configured client CA
@@ -36,7 +39,18 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Semaphore};
 use tracing::{debug, warn};
 
-use super::validate::Identity;
+/// Requests in progress at once, per API (`/v1/sync` and the reservation
+/// API each count their own), unless `--max-in-flight` says otherwise.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
+
+/// Who a request comes from, as authenticated by the transport (client
+/// certificate) or a bearer token.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Identity {
+    pub node_id: String,
+    /// The region the identity names, if any.
+    pub region: Option<String>,
+}
 
 /// Handshakes in progress at once.
 pub const MAX_HANDSHAKES: usize = 256;
