@@ -145,6 +145,7 @@ fn a_step_down_that_coincides_with_a_refresh_keeps_its_result() {
 #[test]
 fn the_limit_comes_back_from_the_minimum_when_the_upstream_is_healthy() {
     let mut backs = Vec::new();
+    let mut ends = Vec::new();
     for seed in 0..SEEDS {
         let mut sim = healthy_sim(0x4ea3_0000 + seed, CAP, 0.03, 1.0);
         sim.run(30);
@@ -167,12 +168,23 @@ fn the_limit_comes_back_from_the_minimum_when_the_upstream_is_healthy() {
         backs.push(back.map_or(u32::MAX, |b| b as u32 + 1));
         let end = after.last().map_or(0, |p| p.limit);
         assert!(end >= sim.a.min * 2, "seed {seed}: {end} after 60 windows");
+        if back.is_none() {
+            ends.push(end);
+        }
     }
+    let shown: Vec<String> = backs
+        .iter()
+        .map(|&b| match b {
+            u32::MAX => "-".to_owned(),
+            b => b.to_string(),
+        })
+        .collect();
     println!(
-        "from min (5) with a baseline 10 % low ({SEEDS} seeds), windows to the capacity {CAP}: median {}, 90th percentile {}, most {} ({backs:?})",
+        "from min (5) with a baseline 10 % low ({SEEDS} seeds), windows to the capacity {CAP}: median {}, 90th percentile {}; {} of {SEEDS} not back within 60 windows (at {ends:?} after them; per seed {})",
         quantile(&backs, 0.5),
         quantile(&backs, 0.9),
-        quantile(&backs, 1.0),
+        ends.len(),
+        shown.join(" "),
     );
     assert!(quantile(&backs, 0.5) <= 20, "{backs:?}");
     assert!(quantile(&backs, 0.9) <= 40, "{backs:?}");
