@@ -234,6 +234,10 @@ struct ApplyArgs {
     /// route with Envoy's `FilterConfig`, they classify with no lookup.
     #[arg(long)]
     instances: bool,
+    /// Write no capability allow-list: Envoy then calls every callback the
+    /// module exports (see docs/operations.md).
+    #[arg(long)]
+    all_capabilities: bool,
 }
 
 fn main() -> ExitCode {
@@ -391,6 +395,10 @@ fn apply(args: &ApplyArgs) -> ExitCode {
         }
     };
     let policy_json = loaded.document.to_json();
+    // From the whole policy: its instances need the same list, so they
+    // share one VM (see ecds.rs).
+    let capabilities = ecds::Capabilities::for_events(&tenantgate::pipeline::events(&loaded.policy));
+    let capabilities = (!args.all_capabilities).then_some(&capabilities);
     if args.instances {
         let instances = match ecds::instances(&policy_json, &args.name, &args.ecds) {
             Ok(list) => list,
@@ -413,6 +421,7 @@ fn apply(args: &ApplyArgs) -> ExitCode {
                 name: &i.resource_name,
                 vm_id: &args.vm_id,
                 wasm: &args.wasm,
+                capabilities,
             };
             if let Err(e) = resource.write(&i.policy_json, &i.path) {
                 eprintln!("cannot write {}: {e}", i.path.display());
@@ -425,6 +434,7 @@ fn apply(args: &ApplyArgs) -> ExitCode {
         name: &args.name,
         vm_id: &args.vm_id,
         wasm: &args.wasm,
+        capabilities,
     };
     match resource.write(&policy_json, &args.ecds) {
         Ok(()) => {
