@@ -21,12 +21,19 @@
 //! replaced by a stub that logs `Attempted call to restricted …` and
 //! fails; none is left out.
 //!
-//! Envoy reuses a VM whose `vm_id`, VM configuration and code are the same,
-//! whatever its allow-list (proxy-wasm-cpp-host's `makeVmKey`): a reload
-//! whose policy needs other callbacks would keep the old VM and its old
-//! list. So the callbacks are also written as the VM's configuration
-//! (which the filter ignores): a policy that needs other callbacks gets a
-//! VM of its own, one that needs the same ones keeps the running VM.
+//! The allow-list is the VM's, fixed when the VM starts. proxy-wasm-cpp-host
+//! keys a VM by its `vm_id`, configuration and code (`makeVmKey`); Envoy
+//! 1.40 tells VMs apart by their allow-list too (measured: a reload to
+//! another list starts a new VM, a reload to the same list keeps the
+//! running one), but an Envoy whose key is only those three (earlier
+//! releases, read in their source) would keep the old VM, and its old list,
+//! across a reload whose policy needs other callbacks. So the callbacks are
+//! also written as the VM's configuration (which the filter ignores): on
+//! any Envoy a policy that needs other callbacks gets a VM of its own, and
+//! one that needs the same ones keeps the running VM. A new VM starts with
+//! empty worker memory (leases, held requests and slots stay with the old
+//! VM until its streams end); the node's state is shared data, which
+//! survives it.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
