@@ -47,9 +47,20 @@ connections) and the Envoy process's CPU time (utime+stime from
 filter's stats.
 
 BENCH_ONLY=i (or a comma-separated list of row keys) runs only those rows,
-BENCH_ROUNDS times, prints them (with their ratio to (d) when (d) is among
-them) and stops: a quick check that a row works, not a measurement (no
-baselines, no filter.json).
+BENCH_ROUNDS times, prints them (with their ratio to (c) and to (d) when
+they are among them) and stops: a quick check that a row works, not a
+measurement (no baselines, no filter.json). Two rows run only there:
+d-all and j-all, (d) and (j) applied with `--all-capabilities` (no
+capability allow-list), so `BENCH_ONLY=c,d,d-all,j,j-all` shows what the
+allow-list gains in one interleaved run.
+
+Every tenantgate row is applied as in production, by `tenantgate policy
+apply`, with the capability allow-list it writes (Envoy enters the VM only
+for the callbacks the policy needs; docs/operations.md);
+BENCH_CAPABILITIES=0 applies every row with `--all-capabilities` instead.
+(c) and the probe's empty filter run with no allow-list (every callback,
+as any filter gets by default). A run whose Envoy logged a refused call
+(`Attempted call to restricted`) fails the bench.
 
 Prints a table and writes target/bench/filter.json. Any non-2xx response or
 socket error fails the command (a configuration that denies measures the
@@ -112,6 +123,8 @@ ABLATION = env_int("BENCH_ABLATION", 1, minimum=0)
 PROBE = env_int("BENCH_PROBE", 1, minimum=0)
 PROBE_CALLS = env_int("BENCH_PROBE_CALLS", 4)
 ONLY = [k.strip() for k in os.environ.get("BENCH_ONLY", "").split(",") if k.strip()]
+# 1: tenantgate rows get the allow-list `policy apply` writes; 0: none.
+CAPABILITIES = env_int("BENCH_CAPABILITIES", 1, minimum=0)
 CAS_CONNECTIONS = env_int("BENCH_CAS_CONNECTIONS", 64)
 # A pinned single worker under 16 connections is busy all the time. A run in
 # which Envoy used less than MIN_UTIL of its CPU was disturbed (another
@@ -321,10 +334,14 @@ def write_empty_ecds(path: Path, configuration: str = "") -> None:
     path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
-def apply_policy(policy: Path, ecds: Path, wasm: Path = WASM) -> None:
-    """Exactly as in production: the CLI validates and writes the ECDS file."""
+def apply_policy(policy: Path, ecds: Path, wasm: Path = WASM, all_capabilities: bool = False) -> None:
+    """Exactly as in production: the CLI validates and writes the ECDS file
+    (with its capability allow-list unless `all_capabilities`)."""
+    argv = [str(CLI), "policy", "apply", str(policy), "--ecds", str(ecds), "--wasm", str(wasm)]
+    if all_capabilities or not CAPABILITIES:
+        argv.append("--all-capabilities")
     res = subprocess.run(
-        [str(CLI), "policy", "apply", str(policy), "--ecds", str(ecds), "--wasm", str(wasm)],
+        argv,
         capture_output=True,
         text=True,
         timeout=60,
@@ -363,6 +380,8 @@ class Config:
         self.calls = 1
         # The tenantgate build to load (the self-time build for that step).
         self.wasm = WASM
+        # Applied with `--all-capabilities` (no allow-list).
+        self.all_capabilities = False
 
 
 class Envoy:
@@ -389,7 +408,7 @@ class Envoy:
         ecds = self.dir / "ecds.yaml"
         if config.filter_name == "tenantgate":
             assert config.policy is not None
-            apply_policy(config.policy, ecds, config.wasm)
+            apply_policy(config.policy, ecds, config.wasm, config.all_capabilities)
         elif config.filter_name == "empty":
             write_empty_ecds(ecds, config.probe)
         bootstrap = self.dir / "bootstrap.yaml"
@@ -459,6 +478,14 @@ class Envoy:
 
     def cpu(self) -> float:
         return proc_cpu_seconds(self.pid)
+
+    def check_no_refused_call(self) -> None:
+        """The module was refused no capability (its allow-list is complete):
+        a refused call fails and would measure the wrong thing."""
+        self.log.flush()
+        for line in (self.dir / "envoy.log").read_text(errors="replace").splitlines():
+            if "Attempted call to restricted" in line:
+                raise BenchError(f"Envoy ({self.dir}) refused the filter a call: {line}")
 
     def close(self) -> None:
         stop(self.proc)
@@ -574,6 +601,7 @@ def measure(config: Config, rnd: int, connections: int) -> dict:
             stats = {}
     finally:
         envoy.close()
+    envoy.check_no_refused_call()
     wall = t1 - t0
     result = {
         "round": rnd,
@@ -627,6 +655,7 @@ def cas_run(config: Config) -> dict:
         after = counters(envoy.admin, "wasmcustom.tenantgate.")
     finally:
         envoy.close()
+    envoy.check_no_refused_call()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     decisions = sum(v for k, v in delta.items() if ".decisions." in k)
     retries = delta.get("wasmcustom.tenantgate.cas.retries", 0)
@@ -669,6 +698,7 @@ def self_time(configs: list[Config]) -> dict:
         c.wasm = SELF_TIME_WASM
         envoy = Envoy(c, f"{config.key}-self-time", concurrency=1, cpu=ENVOY_CPU)
         envoy.close()
+        envoy.check_no_refused_call()
         found = SELF_TIME_LINE.findall((envoy.dir / "envoy.log").read_text(errors="replace"))
         if not found:
             raise BenchError(f"self-time: no measurement in {envoy.dir / 'envoy.log'}")
@@ -735,10 +765,13 @@ def only(by_key: dict) -> int:
                 f"p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  {r['cpu_us_per_req']:.1f} us CPU/req",
                 flush=True,
             )
-    if "d" in raw:
-        d = median(r["rps"] for r in raw["d"])
+    for base in ("c", "d"):
+        if base not in raw:
+            continue
+        b = median(r["rps"] for r in raw[base])
         for key, rows in raw.items():
-            print(f"  ({key}) / (d): {median(r['rps'] for r in rows) / d:.2f} x")
+            cpu = median(r["cpu_us_per_req"] for r in rows)
+            print(f"  ({key}) / ({base}): {median(r['rps'] for r in rows) / b:.2f} x  ({fmt(cpu, '.1f')} us CPU/req)")
     return 0
 
 
@@ -834,8 +867,16 @@ def main() -> int:
             c.calls = 1
             probes.append(c)
 
+    # Only with BENCH_ONLY: (d) and (j) without the capability allow-list.
+    unrestricted = []
+    for key in ("d", "j"):
+        c = Config(f"{key}-all", f"{by_key[key].label}, no allow-list", "tenantgate", by_key[key].headers_check)
+        c.policy = by_key[key].policy
+        c.all_capabilities = True
+        unrestricted.append(c)
+
     if ONLY:
-        return only({**by_key, **{c.key: c for c in ablation + probes}})
+        return only({**by_key, **{c.key: c for c in ablation + probes + unrestricted}})
 
     version = envoy_version()
     mach = machine()
@@ -1054,6 +1095,7 @@ def main() -> int:
             "order": "interleaved; the start rotates each round",
             "valid_run": f"Envoy busy >= {MIN_UTIL:.0%} of its CPU, else repeated (up to {RETRIES} times)",
             "quiet_wait_max_s": QUIET_WAIT,
+            "capability_allow_list": bool(CAPABILITIES),
         },
         "configs": summary,
         "targets": targets,
