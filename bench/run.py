@@ -482,7 +482,8 @@ class Envoy:
     def check_no_refused_call(self) -> None:
         """The module was refused no capability (its allow-list is complete):
         a refused call fails and would measure the wrong thing."""
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         for line in (self.dir / "envoy.log").read_text(errors="replace").splitlines():
             if "Attempted call to restricted" in line:
                 raise BenchError(f"Envoy ({self.dir}) refused the filter a call: {line}")
