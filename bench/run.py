@@ -54,6 +54,15 @@ d-all and j-all, (d) and (j) applied with `--all-capabilities` (no
 capability allow-list), so `BENCH_ONLY=c,d,d-all,j,j-all` shows what the
 allow-list gains in one interleaved run.
 
+BENCH_PAIR=x,y (two row keys) runs those two rows at once instead, every
+round: both Envoys pinned to CPU 0, their two wrk on CPU 1, so whatever
+else the machine runs slows both alike, and, both saturated, they share CPU
+0 evenly: the ratio of their requests/s is the inverse ratio of their CPU
+per request; each round's difference of CPU per request is measured under
+the same conditions for both, busy or not. A comparison for a busy
+machine, where separate runs are not comparable; printed, not written to
+filter.json.
+
 Every tenantgate row is applied as in production, by `tenantgate policy
 apply`, with the capability allow-list it writes (Envoy enters the VM only
 for the callbacks the policy needs; docs/operations.md);
@@ -123,6 +132,7 @@ ABLATION = env_int("BENCH_ABLATION", 1, minimum=0)
 PROBE = env_int("BENCH_PROBE", 1, minimum=0)
 PROBE_CALLS = env_int("BENCH_PROBE_CALLS", 4)
 ONLY = [k.strip() for k in os.environ.get("BENCH_ONLY", "").split(",") if k.strip()]
+PAIR = [k.strip() for k in os.environ.get("BENCH_PAIR", "").split(",") if k.strip()]
 # 1: tenantgate rows get the allow-list `policy apply` writes; 0: none.
 CAPABILITIES = env_int("BENCH_CAPABILITIES", 1, minimum=0)
 CAS_CONNECTIONS = env_int("BENCH_CAS_CONNECTIONS", 64)
@@ -776,6 +786,94 @@ def only(by_key: dict) -> int:
     return 0
 
 
+def wrk_both(envoys: dict, configs: dict, seconds: int) -> dict:
+    """wrk on every Envoy at once (each 1 thread, CONNECTIONS connections,
+    pinned to WRK_CPU): its results by row key."""
+    import threading
+
+    results: dict = {}
+    errors: list = []
+
+    def one(key):
+        try:
+            results[key] = run_wrk(envoys[key].port, seconds, CONNECTIONS, 1, WRK_CPU, configs[key].wrk_args)
+        except BaseException as e:  # re-raised below, in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in envoys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def paired(by_key: dict) -> int:
+    """BENCH_PAIR: two rows at once (see the docstring)."""
+    if len(PAIR) != 2 or any(k not in by_key for k in PAIR):
+        sys.exit(f"bench: BENCH_PAIR names two of: {', '.join(by_key)}")
+    x, y = by_key[PAIR[0]], by_key[PAIR[1]]
+    configs = {x.key: x, y.key: y}
+    print(
+        f"tenantgate bench, BENCH_PAIR={x.key},{y.key}: {ROUNDS} round(s), {SECONDS} s each, "
+        f"both Envoys on CPU {ENVOY_CPU}, both wrk on CPU {WRK_CPU}",
+        flush=True,
+    )
+    rounds = []
+    for rnd in range(1, ROUNDS + 1):
+        wait_quiet()
+        order = (x, y) if rnd % 2 else (y, x)
+        envoys: dict = {}
+        try:
+            for c in order:
+                envoys[c.key] = Envoy(c, f"pair-{c.key}-round{rnd}", concurrency=1, cpu=ENVOY_CPU)
+            wrk_both(envoys, configs, WARMUP)
+            cpu0, t0 = {k: e.cpu() for k, e in envoys.items()}, time.monotonic()
+            results = wrk_both(envoys, configs, SECONDS)
+            cpu1, t1 = {k: e.cpu() for k, e in envoys.items()}, time.monotonic()
+        finally:
+            for e in envoys.values():
+                e.close()
+        row = {}
+        for key, e in envoys.items():
+            e.check_no_refused_call()
+            w = results[key]
+            if w["non_2xx"] or w["socket_errors"]:
+                raise BenchError(f"{configs[key].label}, round {rnd}: {w['non_2xx']} non-2xx, {w['socket_errors']} socket errors")
+            row[key] = {
+                "rps": w["rps"],
+                "cpu_us_per_req": round((cpu1[key] - cpu0[key]) * 1e6 / w["requests"], 2) if w["requests"] else None,
+                "envoy_cpu_util": round((cpu1[key] - cpu0[key]) / (t1 - t0), 3),
+            }
+        row["ratio"] = round(row[x.key]["rps"] / row[y.key]["rps"], 4)
+        rounds.append(row)
+        print(
+            f"  round {rnd}/{ROUNDS}  " + "  ".join(
+                f"({k}) {row[k]['rps']:>8,.0f} req/s {fmt(row[k]['cpu_us_per_req'], '.1f')} us CPU/req (CPU {row[k]['envoy_cpu_util']:.0%})"
+                for k in (x.key, y.key)
+            ) + f"  ({x.key})/({y.key}) {row['ratio']:.3f}",
+            flush=True,
+        )
+    # Each round's difference, then their median: what the two rows cost
+    # apart under the same conditions.
+    diffs = [
+        r[x.key]["cpu_us_per_req"] - r[y.key]["cpu_us_per_req"]
+        for r in rounds
+        if r[x.key]["cpu_us_per_req"] is not None and r[y.key]["cpu_us_per_req"] is not None
+    ]
+    print(
+        f"  medians: ({x.key})/({y.key}) {median(r['ratio'] for r in rounds):.3f} x by requests/s "
+        f"(a cost ratio only if both Envoys were busy); CPU/req "
+        f"({x.key}) {fmt(median(r[x.key]['cpu_us_per_req'] for r in rounds), '.1f')} us, "
+        f"({y.key}) {fmt(median(r[y.key]['cpu_us_per_req'] for r in rounds), '.1f')} us; "
+        f"({x.key}) - ({y.key}) {fmt(median(diffs, 2), '+.2f')} us a request (median of the rounds' "
+        f"differences, {sum(d < 0 for d in diffs)} of {len(diffs)} rounds below 0)"
+    )
+    return 0
+
+
 def interleaved(name: str, configs: list[Config]) -> dict[str, list[dict]]:
     """ROUNDS rounds of `configs` (none if empty), the start rotating each
     round, as the ablation and the probe run: CPU per request is what they
@@ -876,6 +974,8 @@ def main() -> int:
         c.all_capabilities = True
         unrestricted.append(c)
 
+    if PAIR:
+        return paired({**by_key, **{c.key: c for c in ablation + probes + unrestricted}})
     if ONLY:
         return only({**by_key, **{c.key: c for c in ablation + probes + unrestricted}})
 
