@@ -517,11 +517,26 @@ impl Envoy {
     }
 }
 
+/// What Envoy logs when the module uses a capability its allow-list left
+/// out (proxy-wasm-cpp-host's stubs: `… restricted proxy-wasm capability:
+/// proxy_<name>` or `… restricted WASI capability: <name>`).
+pub const REFUSED_CAPABILITY: &str = "Attempted call to restricted";
+
 impl Drop for Envoy {
+    /// Stops Envoy. Every test runs under the capability allow-list
+    /// `policy apply` writes: one that did not fail already fails here if
+    /// Envoy refused the module a call.
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
         if !std::thread::panicking() {
+            let log = self.log();
+            if let Some(line) = log.lines().find(|l| l.contains(REFUSED_CAPABILITY)) {
+                panic!(
+                    "Envoy refused the filter a capability its allow-list left out: {line}\n(log in {})",
+                    self.dir.display()
+                );
+            }
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }

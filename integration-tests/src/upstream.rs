@@ -288,9 +288,27 @@ impl Envoy {
         classes: &[&str],
         access_log: Option<&std::path::Path>,
     ) -> Envoy {
+        Envoy::start_with_upstream_node(
+            policy_yaml,
+            upstream_port,
+            classes,
+            access_log,
+            &NodeSpec::default(),
+        )
+    }
+
+    /// [`Envoy::start_with_upstream_logged`] as the node `node` (its sync
+    /// cluster on the ports it names).
+    pub fn start_with_upstream_node(
+        policy_yaml: &str,
+        upstream_port: u16,
+        classes: &[&str],
+        access_log: Option<&std::path::Path>,
+        node: &NodeSpec,
+    ) -> Envoy {
         let classes: Vec<String> = classes.iter().map(|c| (*c).to_owned()).collect();
         let access_log = access_log.map(|p| p.display().to_string());
-        Envoy::start_node_with(policy_yaml, &NodeSpec::default(), move |bootstrap| {
+        Envoy::start_node_with(policy_yaml, node, move |bootstrap| {
             let anchor = "              routes:\n              # The class is trusted route metadata: clients cannot change it.\n";
             assert!(
                 bootstrap.contains(anchor),

@@ -54,10 +54,18 @@
 //! each call names the one in force for its stream, and a held request
 //! keeps the policy it was held under.
 //!
+//! # The events a policy needs
+//! [`events`] says which of these events a policy's requests can use (a
+//! policy without admission, degraded answers, streamed bodies or
+//! `RateLimit` headers needs no response and no stream end): a host that
+//! can leave events out delivers only those (`policy apply` writes them
+//! into Envoy's capability allow-list).
+//!
 //! Pure: the clock is the host's ([`Clock`]), read only when a step needs
 //! it; everything else comes through [`Host`].
 
 mod admit;
+pub mod events;
 pub mod hold;
 pub mod lease;
 mod limits;
@@ -83,6 +91,7 @@ use crate::sync::SyncState;
 use crate::table;
 
 use crate::stats::{self, Metric, Pending, Stats};
+pub use events::{events, Events};
 pub use hold::Hold;
 use stream::Stream;
 
