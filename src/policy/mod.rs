@@ -12,6 +12,7 @@ pub mod doc;
 pub mod duration;
 pub mod error;
 pub mod quota;
+pub mod settle;
 pub mod spec;
 
 use std::rc::Rc;
@@ -68,6 +69,12 @@ pub struct Policy {
     /// `limits_endpoint:` the path answered with the calling tenant's own
     /// limits (`None`: off; see `crate::pipeline::limits`).
     pub limits_endpoint: Option<String>,
+    /// `soft_limit_header:` the request (and response) header a soft limit
+    /// marks an over-limit request with (lower-cased).
+    pub soft_limit_header: String,
+    /// Some plan limit is `on_limit: soft` (then every request of the
+    /// policy has the client's copy of `soft_limit_header` removed).
+    pub has_soft_limits: bool,
     /// How global limits sync with the central cluster (`None`: the policy
     /// has no global limit and no `sync:` block).
     pub sync: Option<SyncSettings>,
@@ -148,6 +155,12 @@ pub struct Limit {
     pub shadow: bool,
     /// Enforced through leases from the central cluster (`global: true`).
     pub global: bool,
+    /// `on_limit: soft`: over it a request is admitted, uncharged to this
+    /// limit, and marked for a fallback route (never denies).
+    pub soft: bool,
+    /// How far late-settled costs may take it past its capacity, in units
+    /// (`algo` carries it; see `crate::limiter::token_bucket`, "Debt").
+    pub max_debt: u64,
 }
 
 /// The compiled `sync:` block (defaults applied).
@@ -241,6 +254,9 @@ pub struct RouteClass {
     /// `degradable:` answered from the last good response when refused
     /// (see [`crate::admission::degraded`]).
     pub degradable: Option<admission::Degradable>,
+    /// `settle:` `cost` is an estimate; the real cost is settled when the
+    /// response ends (see [`crate::cost`]).
+    pub settle: Option<settle::Settle>,
 }
 
 impl Policy {
