@@ -537,6 +537,17 @@ impl Algo {
         }
     }
 
+    /// Units `state` owes at `now`: how far late-settled costs took it past
+    /// its capacity (0 when not in debt; a sliding log never owes).
+    pub fn debt(&self, state: &State, now: u64) -> u64 {
+        match (self, state) {
+            (Algo::TokenBucket(g), State::TokenBucket { tat }) => g.debt(*tat, now),
+            (Algo::FixedWindow(a), State::FixedWindow(s)) => a.debt(s, now),
+            (Algo::SlidingWindowCounter(a), State::SlidingWindowCounter(s)) => a.debt(s, now),
+            _ => 0,
+        }
+    }
+
     /// These parameters with a debt allowance of `max_debt` units (a
     /// sliding log has none: it is exact). `None` if the allowance cannot
     /// be represented (policy validation reports it).

@@ -127,6 +127,11 @@ impl FixedWindow {
         ns_until((u128::from(window) + 1) * u128::from(self.window_ns), now)
     }
 
+    /// Units `now`'s window is past its limit (its debt; 0 if none).
+    pub fn debt(&self, state: &State, now: u64) -> u64 {
+        self.current(state, now).1.saturating_sub(self.limit)
+    }
+
     /// Whether a request of `cost` units is admitted at `now`. A count in
     /// debt (past `limit`) denies until its window ends.
     pub fn check(&self, state: &State, now: u64, cost: u64) -> Verdict<State> {

@@ -199,6 +199,12 @@ impl SlidingWindowCounter {
         }
     }
 
+    /// Units the current window's count is past the limit (its debt; the
+    /// previous window's weight is not counted).
+    pub fn debt(&self, state: &State, now: u64) -> u64 {
+        self.at(state, now).curr.saturating_sub(self.limit)
+    }
+
     /// `state` with a `last_ns` ahead of `now` (the clock stepped back)
     /// moved to `now`, its counts kept; `None` if nothing changes.
     pub fn saturate(&self, state: &State, now: u64) -> Option<State> {

@@ -166,7 +166,7 @@ impl Leases {
         charge: impl FnOnce(u64, u64) -> Decision,
     ) -> Result<Decision, NoClock> {
         write_logical_key(&mut self.key, &prepared.class.action, &prepared.subject);
-        let cost = prepared.class.cost;
+        let cost = prepared.cost;
         let heat = &mut self.heat[slot(&self.key)];
         *heat = heat.saturating_add(u32::try_from(cost).unwrap_or(u32::MAX));
         if let Some(d) = self.spend(policy, prepared) {
@@ -186,7 +186,7 @@ impl Leases {
 
     /// Serves a request from its key's lease, if the lease can pay its cost.
     fn spend(&mut self, policy: &Rc<Policy>, prepared: &Prepared) -> Option<Decision> {
-        let cost = prepared.class.cost;
+        let cost = prepared.cost;
         let lease = self
             .keys
             .get_mut(&policy_id(policy))?
@@ -219,7 +219,7 @@ impl Leases {
 
     /// The units to ask for with the key (its cost when cold).
     fn want(&self, policy: &Policy, prepared: &Prepared) -> u64 {
-        let cost = prepared.class.cost;
+        let cost = prepared.cost;
         let Some(plan) = policy.plan(prepared.plan) else {
             return cost;
         };

@@ -915,7 +915,7 @@ fn limit_debt(
 ) -> Option<(Algo, u64)> {
     let log = spec.algorithm == spec::Algorithm::SlidingWindowLog;
     let max_debt = match spec.max_debt {
-        Some(n) if n < 0 || n > MAX_COUNT => {
+        Some(n) if !(0..=MAX_COUNT).contains(&n) => {
             errors.add(path.key("max_debt"), format!("must be between 0 and {MAX_COUNT}"));
             return None;
         }
