@@ -101,6 +101,14 @@ impl Host for ProxyHost {
         abi::buffer(BufferType::HttpResponseBody, 0, len).ok().flatten()
     }
 
+    fn response_trailer(&self, name: &str) -> Option<Vec<u8>> {
+        abi::header(MapType::HttpResponseTrailers, name).ok().flatten()
+    }
+
+    fn request_body(&self, len: usize) -> Option<Vec<u8>> {
+        abi::buffer(BufferType::HttpRequestBody, 0, len).ok().flatten()
+    }
+
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
         abi::property(path).ok().flatten()
     }
