@@ -153,6 +153,12 @@ impl Scanner {
         (self.expect == Expect::Done && !self.broken && self.string.is_none()).then_some(self.found)
     }
 
+    /// What the document said so far (a field's value counts once its
+    /// scalar has ended).
+    pub fn found(&self) -> &Found {
+        &self.found
+    }
+
     /// Whether a syntax error stopped the scan.
     pub fn is_broken(&self) -> bool {
         self.broken

@@ -61,6 +61,7 @@ mod admit;
 pub mod hold;
 pub mod lease;
 mod limits;
+pub mod settle;
 mod stream;
 mod tick;
 
@@ -84,6 +85,7 @@ use crate::table;
 
 use crate::stats::{self, Metric, Pending, Stats};
 pub use hold::Hold;
+pub use stream::ResponseHeaders;
 use stream::Stream;
 
 /// The host's id of a stream (Envoy's context id).
@@ -108,13 +110,30 @@ pub enum Verdict {
 pub struct Directive {
     pub verdict: Verdict,
     /// The decision record for the access log (filter state
-    /// [`RECORD_PROPERTY`]), for a class with admission labels.
+    /// [`RECORD_PROPERTY`]), for a class with admission labels or a
+    /// request over a soft limit.
     pub record: Option<String>,
+    /// A request header to set or remove before the request goes on, after
+    /// which the host has the route picked again (a soft limit's marker).
+    pub mark: Option<RouteMark>,
+}
+
+/// A change to the request's headers that route configuration matches:
+/// the host makes it, then clears the route cache so that the route is
+/// picked again with it (see [`crate::pipeline`]'s soft limits).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteMark {
+    /// The header (the policy's `soft_limit_header`).
+    pub header: String,
+    /// `Some`: set it to this value (replacing any); `None`: remove it
+    /// (a client's own copy).
+    pub value: Option<String>,
 }
 
 impl Directive {
     fn go() -> Directive {
         Directive {
+            mark: None,
             verdict: Verdict::Continue,
             record: None,
         }
@@ -348,5 +367,7 @@ impl Pipeline {
 mod lease_tests;
 #[cfg(test)]
 mod probe_tests;
+#[cfg(test)]
+mod settle_tests;
 #[cfg(test)]
 mod tests;
