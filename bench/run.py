@@ -25,6 +25,11 @@ upstream), interleaved over BENCH_ROUNDS rounds on this machine:
   (j) tenantgate, 1 tenant, in its cheapest trusted configuration: (d)'s
       policy with `class: api` (the class from the filter instance, nothing
       looked up) and `ratelimit_headers: false` (headers on denials only)
+  (k) tenantgate, 1 tenant, its cost settled after the response from a
+      JSON body (bench/policies/settle.yaml): the route answers an
+      OpenAI-style body (usage.total_tokens 12, estimate 1), read for the
+      figure as it passes, and settled in a second shared-data update;
+      printed as a ratio to (d)
 
 Then (a), (c), (d) and (j) again at one connection
 (BENCH_LATENCY_CONNECTIONS=1) for their p50 latency, the same number of
@@ -280,8 +285,21 @@ def tenant_descriptors_filter() -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_bootstrap(filters: str, port: int, admin: int, sync_port: int) -> str:
+# (k)'s answer: an OpenAI-style chat completion (its usage settles the cost).
+SETTLE_BODY = (
+    '{"id":"chatcmpl-bench","object":"chat.completion","model":"bench","choices":[{"index":0,'
+    '"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],'
+    '"usage":{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12}}'
+)
+
+
+def render_bootstrap(filters: str, port: int, admin: int, sync_port: int, body: str | None = None) -> str:
     template = (BENCH / "envoy/bootstrap.yaml").read_text()
+    if body is not None:
+        plain = 'body: { inline_string: "ok\\n" }'
+        if plain not in template:
+            raise BenchError("bench/envoy/bootstrap.yaml no longer answers ok\\n")
+        template = template.replace(plain, "body: { inline_string: " + json.dumps(body) + " }")
     lines = []
     for line in template.splitlines():
         if line.strip() == "${HTTP_FILTERS}":
@@ -364,6 +382,10 @@ class Config:
         self.calls = 1
         # The tenantgate build to load (the self-time build for that step).
         self.wasm = WASM
+        # The direct_response body (None: "ok\n"); (k) answers JSON.
+        self.body: str | None = None
+        # Every request's cost is settled after the response (k).
+        self.settles = False
 
 
 class Envoy:
@@ -395,7 +417,7 @@ class Envoy:
             write_empty_ecds(ecds, config.probe)
         bootstrap = self.dir / "bootstrap.yaml"
         bootstrap.write_text(
-            render_bootstrap(render_filters(config.filter_name, ecds), self.port, self.admin, self.sync_port)
+            render_bootstrap(render_filters(config.filter_name, ecds), self.port, self.admin, self.sync_port, config.body)
         )
         argv = [str(ENVOY), "-c", str(bootstrap), "--concurrency", str(concurrency)]
         argv += ["--disable-hot-restart", "-l", "warning"]
@@ -597,6 +619,12 @@ def measure(config: Config, rnd: int, connections: int) -> dict:
         result["decisions_allowed"] = decided.get("allowed", 0)
         if set(decided) - set(passed) or not decided:
             raise BenchError(f"{config.label}: the filter did not let every request through: {stats}")
+        if config.settles:
+            # Every decision's answer was read and its cost settled.
+            settled = stats.get("wasmcustom.tenantgate.cost.settles.api", 0)
+            result["settles"] = settled
+            if settled < result["decisions_allowed"] * 0.99:
+                raise BenchError(f"{config.label}: {settled} settled of {result['decisions_allowed']} allowed: {stats}")
         if config.admission:
             # Every request admitted through its dependency, none refused.
             # (Counters by outcome and level only: gauges are per dependency.)
@@ -792,6 +820,7 @@ def main() -> int:
         Config("h", "(h) tenantgate, 1 tenant, admission", "tenantgate", has_ratelimit, admission=True),
         Config("i", "(i) tenantgate, 1 tenant, adaptive", "tenantgate", has_ratelimit, admission=True),
         Config("j", "(j) tenantgate, 1 tenant, lean config", "tenantgate"),
+        Config("k", "(k) tenantgate, 1 tenant, settled (JSON)", "tenantgate", has_ratelimit),
     ]
     by_key = {c.key: c for c in configs}
     by_key["d"].policy = BENCH / "policies/one-tenant.yaml"
@@ -799,6 +828,9 @@ def main() -> int:
     by_key["g"].policy = BENCH / "policies/global.yaml"
     by_key["h"].policy = BENCH / "policies/admission.yaml"
     by_key["i"].policy = BENCH / "policies/adaptive.yaml"
+    by_key["k"].policy = BENCH / "policies/settle.yaml"
+    by_key["k"].body = SETTLE_BODY
+    by_key["k"].settles = True
     # (j): (d) in its cheapest trusted configuration: the class from the
     # filter instance (no lookup), RateLimit headers on denials only.
     by_key["j"].policy = OUT / "lean.yaml"
@@ -879,6 +911,7 @@ def main() -> int:
         raw["h"][-1]["ratio_to_d"] = round(raw["h"][-1]["rps"] / raw["d"][-1]["rps"], 4)
         raw["i"][-1]["ratio_to_d"] = round(raw["i"][-1]["rps"] / raw["d"][-1]["rps"], 4)
         raw["i"][-1]["ratio_to_h"] = round(raw["i"][-1]["rps"] / raw["h"][-1]["rps"], 4)
+        raw["k"][-1]["ratio_to_d"] = round(raw["k"][-1]["rps"] / raw["d"][-1]["rps"], 4)
 
     latency: dict[str, list[dict]] = {c.key: [] for c in latency_configs}
     for rnd in range(1, ROUNDS + 1):
@@ -926,6 +959,7 @@ def main() -> int:
     summary["h"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["h"])
     summary["i"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["i"])
     summary["i"]["median"]["ratio_to_h"] = median(r["ratio_to_h"] for r in raw["i"])
+    summary["k"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["k"])
     for config in latency_configs:
         rows = latency[config.key]
         summary[config.key]["one_connection"] = {
@@ -1035,6 +1069,12 @@ def main() -> int:
         f"{fmt(i_cpu - d_cpu if i_cpu is not None and d_cpu is not None else None, '+.1f')} us CPU/req; "
         f"vs (h): {fmt(summary['i']['median']['ratio_to_h'], '.2f')} x, "
         f"{fmt(i_cpu - h_cpu if i_cpu is not None and h_cpu is not None else None, '+.1f')} us CPU/req"
+    )
+    k_cpu = summary["k"]["median"]["cpu_us_per_req"]
+    print(
+        f"settled from a JSON body (k) vs (d): {fmt(summary['k']['median']['ratio_to_d'], '.2f')} x by throughput, "
+        f"{fmt(k_cpu - d_cpu if k_cpu is not None and d_cpu is not None else None, '+.1f')} us CPU/req "
+        f"(the body read as it passes and a second shared-data update per request)"
     )
     for key, t in engine_time.items():
         print(
