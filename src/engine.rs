@@ -802,11 +802,12 @@ fn refund<H: Host>(
 /// Applies `change` to the limits in `charged` (bit i: `limits[i]`) of the
 /// key at `place`, charged at `charged_at`: one update of the key table
 /// (see [`table::update`]); records of other limits are kept as they are.
-/// A global limit's allowance is not changed (a lease charge is not given
-/// back: it errs toward admitting less). Giving back needs the key in the
-/// table; charging more takes a slot if the key lost its own (idle and
-/// reclaimed during a long stream) and starts a missing record fresh.
-/// Best effort: returns what was written.
+/// A global limit's allowance takes it on its lease (see
+/// `crate::sync::node`, "Costs settled after the response"). Giving back
+/// needs the key in the table; charging more takes a slot if the key lost
+/// its own (idle and reclaimed during a long stream) and starts a missing
+/// local record fresh (a missing allowance is not: none of this node's
+/// lease is in it any more). Best effort: returns what was written.
 #[allow(clippy::too_many_arguments)]
 fn adjust<H: Host>(
     host: &H,
@@ -840,6 +841,17 @@ fn adjust<H: Host>(
                     let current = l.algo.load(Some(r), ctx.effective_from, ctx.now);
                     let state = change_state(&current, change, charged_at, ctx.now, &mut adjusted);
                     push_local(out, r.name_hash, &current, &state, ctx.now);
+                }
+                Some((i, l)) if l.global && charged & (1 << i) != 0 && r.kind == kind::GLOBAL_ALLOWANCE => {
+                    match stored::decode_allowance(r.state) {
+                        Some(mut a) => {
+                            change_allowance(&mut a, l, change, ctx.now, &mut adjusted);
+                            push_record_with(out, r.name_hash, r.kind, r.p1, r.p2, |o| {
+                                stored::encode_allowance(&a, o)
+                            });
+                        }
+                        None => push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state),
+                    }
                 }
                 _ => push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state),
             }
@@ -881,6 +893,19 @@ fn change_state(live: &Live, change: Change, charged_at: u64, now: u64, adjusted
     };
     adjusted.owed = adjusted.owed.max(live.algo.debt(&state, now));
     state
+}
+
+/// A global limit's allowance after `change` (see `crate::sync::node`,
+/// "Costs settled after the response"), noting what it wrote off and owes.
+fn change_allowance(a: &mut Allowance, l: &Limit, change: Change, now: u64, adjusted: &mut Adjusted) {
+    match change {
+        Change::Back(units) => a.give_back(units, now),
+        Change::More(units) => {
+            let lost = a.settle_more(units, l.max_debt, now);
+            adjusted.written_off = adjusted.written_off.max(lost);
+        }
+    }
+    adjusted.owed = adjusted.owed.max(a.owed);
 }
 
 /// A late-settled cost's difference to what the request was charged.

@@ -29,12 +29,12 @@ pub use spec::{Classify, Mode};
 /// Longest accepted tenant id, in bytes. Longer identities are treated as
 /// missing (the request is grouped as anonymous) and counted.
 pub const MAX_TENANT_ID_LEN: usize = 128;
-/// Most limits one plan may combine (they share one state entry).
 /// The most bytes a global limit's allowance takes in its key's slot: its
-/// encoding in `crate::sync::stored` (version, flags, fourteen u64 with
+/// encoding in `crate::sync::stored` (version, flags, fifteen u64 with
 /// every optional field set), which is tested to fit. The policy checks
 /// that a plan's limits fit one slot with it.
-pub const MAX_ALLOWANCE_LEN: usize = 2 + 14 * 8;
+pub const MAX_ALLOWANCE_LEN: usize = 2 + 15 * 8;
+/// Most limits one plan may combine (they share one state entry).
 pub const MAX_LIMITS_PER_PLAN: usize = crate::table::MAX_RECORDS;
 /// Default and bounds of `key_table.max_keys`.
 pub const DEFAULT_MAX_KEYS: u64 = 100_000;
