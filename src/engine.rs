@@ -763,7 +763,7 @@ enum Change {
     More(u64),
 }
 
-/// What [`adjust`] did.
+/// What a settlement (or a refund) did to a key's limits.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Adjusted {
     /// The key's entry was written.

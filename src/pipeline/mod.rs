@@ -25,19 +25,24 @@
 //! 5. **Rate limits** ([`crate::engine::charge_synced`]): every limit of
 //!    the tenant's plan all or nothing, then the class's guard. A denial
 //!    gives the slots of step 4 back at once; a 429 of a class with
-//!    `on_limit: queue` **pauses** the request in the hold's rate lane.
+//!    `on_limit: queue` **pauses** the request in the hold's rate lane. A
+//!    class whose cost settles after the response is charged its estimate,
+//!    on the exact path ([`settle`]).
 //! 6. **Reply**: a denial's local reply (status, `Retry-After`, the draft-10
 //!    headers, the problem body), or on its way with the `RateLimit`
-//!    headers kept for its response.
+//!    headers kept for its response; over a soft limit, marked for a
+//!    fallback route (a [`RouteMark`]).
 //!
 //! On its **request body** ([`Pipeline::on_request_body`]): a body without
 //! `content-length` counted against `max_body_bytes` (413).
 //! On its **response** (`stream.rs`): the signal of an adaptive or breaker
 //! dependency stamped, a degradable GET's 200 captured, the `RateLimit`
-//! headers added.
+//! headers added; a settling class's meter fed, and its real cost settled
+//! when the response ends ([`settle`]).
 //! On its **end**, however it ends ([`Pipeline::on_stream_end`]): out of the
-//! hold, its slots back (exactly what it took), its outcome recorded for
-//! the controller and the breaker, its captured answer stored.
+//! hold, a settling class's cost settled by its rule if its response never
+//! completed, its slots back (exactly what it took), its outcome recorded
+//! for the controller and the breaker, its captured answer stored.
 //! On the worker's **tick** every 10 ms ([`Pipeline::on_tick`], `tick.rs`):
 //! the pending stats given to the host, slot leases renewed, retry-budget
 //! primaries folded, the hold served (slot lanes, then the rate lane: each

@@ -4,7 +4,7 @@
 //! * **On the request headers**: its estimate (`cost`, or a trusted
 //!   header's integer) becomes the request's charge ([`Prepared::cost`]),
 //!   charged on the exact path (never a worker lease); admitted, the stream
-//!   keeps a [`Settling`]: what it was charged, when, and its [`Meter`].
+//!   keeps a `Settling`: what it was charged, when, and its [`Meter`].
 //! * **On the request body** (`estimate_body_field`): the field's integer,
 //!   read as the body passes, re-estimates it: the difference is given back,
 //!   or charged with admission (refused 429 if it does not fit: its
