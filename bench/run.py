@@ -28,6 +28,11 @@ upstream), interleaved over BENCH_ROUNDS rounds on this machine:
   (k) the native module (libtenantgate_module.so, Envoy's dynamic modules)
       with (d)'s policy, the route's class in its per-route config
   (l) the native module with (e)'s 10,000 tenants x 2 limits
+  (m) tenantgate, 1 tenant, its cost settled after the response from a
+      JSON body (bench/policies/settle.yaml): the route answers an
+      OpenAI-style body (usage.total_tokens 12, estimate 1), read for the
+      figure as it passes, and settled in a second shared-data update;
+      printed as a ratio to (d)
 
 Then (a), (c), (d) and (j) again at one connection
 (BENCH_LATENCY_CONNECTIONS=1) for their p50 latency, the same number of
@@ -321,8 +326,21 @@ def per_route_config(indent: str, cls: str) -> list[str]:
     ]
 
 
-def render_bootstrap(filters: str, port: int, admin: int, sync_port: int, module: bool = False) -> str:
+# (m)'s answer: an OpenAI-style chat completion (its usage settles the cost).
+SETTLE_BODY = (
+    '{"id":"chatcmpl-bench","object":"chat.completion","model":"bench","choices":[{"index":0,'
+    '"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],'
+    '"usage":{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12}}'
+)
+
+
+def render_bootstrap(filters: str, port: int, admin: int, sync_port: int, module: bool = False, body: str | None = None) -> str:
     template = (BENCH / "envoy/bootstrap.yaml").read_text()
+    if body is not None:
+        plain = 'body: { inline_string: "ok\\n" }'
+        if plain not in template:
+            raise BenchError("bench/envoy/bootstrap.yaml no longer answers ok\\n")
+        template = template.replace(plain, "body: { inline_string: " + json.dumps(body) + " }")
     lines = []
     marker = "metadata: { filter_metadata: { tenantgate: { class: "
     for line in template.splitlines():
@@ -420,6 +438,10 @@ class Config:
         self.wasm = WASM
         # Applied with `--all-capabilities` (no allow-list).
         self.all_capabilities = False
+        # The direct_response body (None: "ok\n"); (m) answers JSON.
+        self.body: str | None = None
+        # Every request's cost is settled after the response (m).
+        self.settles = False
 
 
 class Envoy:
@@ -453,7 +475,7 @@ class Envoy:
         bootstrap = self.dir / "bootstrap.yaml"
         # The ECDS filter is named `tenantgate` on both hosts.
         filters = render_filters("tenantgate" if module else config.filter_name, ecds)
-        bootstrap.write_text(render_bootstrap(filters, self.port, self.admin, self.sync_port, module))
+        bootstrap.write_text(render_bootstrap(filters, self.port, self.admin, self.sync_port, module, config.body))
         argv = [str(ENVOY), "-c", str(bootstrap), "--concurrency", str(concurrency)]
         argv += ["--disable-hot-restart", "-l", "warning"]
         if cpu is not None:
@@ -673,6 +695,12 @@ def measure(config: Config, rnd: int, connections: int) -> dict:
         result["decisions_allowed"] = decided.get("allowed", 0)
         if set(decided) - set(passed) or not decided:
             raise BenchError(f"{config.label}: the filter did not let every request through: {stats}")
+        if config.settles:
+            # Every decision's answer was read and its cost settled.
+            settled = stats.get("wasmcustom.tenantgate.cost.settles.api", 0)
+            result["settles"] = settled
+            if settled < result["decisions_allowed"] * 0.99:
+                raise BenchError(f"{config.label}: {settled} settled of {result['decisions_allowed']} allowed: {stats}")
         if config.admission:
             # Every request admitted through its dependency, none refused.
             # (Counters by outcome and level only: gauges are per dependency.)
@@ -963,6 +991,7 @@ def main() -> int:
         Config("j", "(j) tenantgate, 1 tenant, lean config", "tenantgate"),
         Config("k", "(k) module, 1 tenant", "module", has_ratelimit),
         Config("l", f"(l) module, {TENANTS:,} tenants x 2 limits", "module", has_ratelimit, tenants_lua),
+        Config("m", "(m) tenantgate, 1 tenant, settled (JSON)", "tenantgate", has_ratelimit),
     ]
     by_key = {c.key: c for c in configs}
     by_key["d"].policy = BENCH / "policies/one-tenant.yaml"
@@ -972,6 +1001,9 @@ def main() -> int:
     by_key["l"].policy = by_key["e"].policy
     by_key["h"].policy = BENCH / "policies/admission.yaml"
     by_key["i"].policy = BENCH / "policies/adaptive.yaml"
+    by_key["m"].policy = BENCH / "policies/settle.yaml"
+    by_key["m"].body = SETTLE_BODY
+    by_key["m"].settles = True
     # (j): (d) in its cheapest trusted configuration: the class from the
     # filter instance (no lookup), RateLimit headers on denials only.
     by_key["j"].policy = OUT / "lean.yaml"
@@ -1063,6 +1095,7 @@ def main() -> int:
         raw["i"][-1]["ratio_to_d"] = round(raw["i"][-1]["rps"] / raw["d"][-1]["rps"], 4)
         raw["i"][-1]["ratio_to_h"] = round(raw["i"][-1]["rps"] / raw["h"][-1]["rps"], 4)
         raw["k"][-1]["ratio_to_d"] = round(raw["k"][-1]["rps"] / raw["d"][-1]["rps"], 4)
+        raw["m"][-1]["ratio_to_d"] = round(raw["m"][-1]["rps"] / raw["d"][-1]["rps"], 4)
         raw["l"][-1]["ratio_to_f"] = round(raw["l"][-1]["rps"] / raw["f"][-1]["rps"], 4)
 
     latency: dict[str, list[dict]] = {c.key: [] for c in latency_configs}
@@ -1113,6 +1146,7 @@ def main() -> int:
     summary["i"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["i"])
     summary["i"]["median"]["ratio_to_h"] = median(r["ratio_to_h"] for r in raw["i"])
     summary["k"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["k"])
+    summary["m"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["m"])
     summary["l"]["median"]["ratio_to_f"] = median(r["ratio_to_f"] for r in raw["l"])
     for config in latency_configs:
         rows = latency[config.key]
@@ -1229,6 +1263,12 @@ def main() -> int:
     print(
         f"module (k) vs wasm (d): {fmt(summary['k']['median']['ratio_to_d'], '.2f')} x by throughput; "
         f"(l) vs native local_ratelimit with {TENANTS:,} descriptors (f): {fmt(summary['l']['median']['ratio_to_f'], '.2f')} x"
+    )
+    m_cpu = summary["m"]["median"]["cpu_us_per_req"]
+    print(
+        f"settled from a JSON body (m) vs (d): {fmt(summary['m']['median']['ratio_to_d'], '.2f')} x by throughput, "
+        f"{fmt(m_cpu - d_cpu if m_cpu is not None and d_cpu is not None else None, '+.1f')} us CPU/req "
+        f"(the body read as it passes and a second shared-data update per request)"
     )
     for key, t in engine_time.items():
         print(

@@ -16,6 +16,7 @@
 //! a deadline, never a bare sleep for a condition) and request loops.
 
 pub mod cluster;
+pub mod model;
 pub mod upstream;
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -630,6 +631,24 @@ impl Conn {
         let headers: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (*k, v.as_bytes())).collect();
         self.send("GET", path.as_bytes(), &headers)
     }
+
+    /// Sends one request with a body (`content-length` set).
+    pub fn send_body(
+        &mut self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> std::io::Result<Response> {
+        let mut req = format!("{method} {path} HTTP/1.1\r\nhost: tenantgate.test\r\n").into_bytes();
+        for (name, value) in headers {
+            req.extend_from_slice(format!("{name}: {value}\r\n").as_bytes());
+        }
+        req.extend_from_slice(format!("content-length: {}\r\n\r\n", body.len()).as_bytes());
+        req.extend_from_slice(body);
+        self.reader.get_mut().write_all(&req)?;
+        read_response(&mut self.reader)
+    }
 }
 
 /// One request on a fresh connection (so requests spread over workers).
@@ -844,7 +863,13 @@ impl Drop for SyncServer {
 /// lines before it are skipped); returns its `content-length` (0 if none),
 /// or `None` once the connection is closed or fails.
 pub(crate) fn read_request_head(reader: &mut BufReader<TcpStream>) -> Option<usize> {
+    read_request_line_and_head(reader).map(|(_, len)| len)
+}
+
+/// A request's head: its path and its `content-length` (0 without one).
+pub(crate) fn read_request_line_and_head(reader: &mut BufReader<TcpStream>) -> Option<(String, usize)> {
     let mut content_length = 0usize;
+    let mut path = String::new();
     let mut first = true;
     loop {
         let mut line = String::new();
@@ -857,7 +882,10 @@ pub(crate) fn read_request_head(reader: &mut BufReader<TcpStream>) -> Option<usi
             if first {
                 continue;
             }
-            return Some(content_length);
+            return Some((path, content_length));
+        }
+        if first {
+            path = line.split(' ').nth(1).unwrap_or_default().to_owned();
         }
         first = false;
         if let Some((k, v)) = line.split_once(':') {

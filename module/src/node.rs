@@ -201,6 +201,7 @@ fn go() -> Directive {
     Directive {
         verdict: Verdict::Continue,
         record: None,
+        mark: None,
     }
 }
 

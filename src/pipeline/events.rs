@@ -19,7 +19,14 @@
 //!   capture (a degradable class).
 //! * **Response body and trailers** ([`Pipeline::on_response_body`],
 //!   [`Pipeline::on_response_trailers`]): a degraded capture's body and its
-//!   end; a degradable class.
+//!   end; a degradable class; a settled cost's meter (a class with
+//!   `settle`).
+//! * **Costs settled after the response** (a class with `settle`): its
+//!   response headers (a header source; the body's content type), body and
+//!   trailers (the meter), its stream end (the settlement), and its request
+//!   body when the estimate is a body field. **Soft limits**
+//!   (`on_limit: soft`): the response headers (the marker on the response)
+//!   and the stream end (the marker kept until then).
 //! * **Stream end** ([`Pipeline::on_stream_end`]): whatever a stream keeps
 //!   between its callbacks (the pipeline's `Stream`) is let go only there,
 //!   so it is needed whenever a stream can keep anything: slots (a class
@@ -45,6 +52,7 @@
 //! [`Pipeline::on_stream_end`]: super::Pipeline::on_stream_end
 //! [`Pipeline::on_sync_answer`]: super::Pipeline::on_sync_answer
 
+use crate::policy::settle::Estimate;
 use crate::policy::{OnLimit, Policy, RouteClass};
 
 /// The events a host delivers to the pipeline for one policy (see the
@@ -74,6 +82,10 @@ struct ClassNeeds {
     degradable: bool,
     /// A class holds requests over their rate limit (`on_limit: queue`).
     rate_queue: bool,
+    /// A class settles its cost after the response (`settle`).
+    settles: bool,
+    /// A class's estimate is a field of the request body.
+    estimate_body: bool,
 }
 
 impl ClassNeeds {
@@ -86,6 +98,11 @@ impl ClassNeeds {
             signals: dependency.is_some_and(|d| d.signal_window_ns().is_some()),
             degradable: class.degradable.is_some(),
             rate_queue: matches!(class.on_limit, OnLimit::Queue { .. }),
+            settles: class.settle.is_some(),
+            estimate_body: class
+                .settle
+                .as_ref()
+                .is_some_and(|s| matches!(s.estimate, Estimate::BodyField(_))),
         }
     }
 
@@ -96,6 +113,8 @@ impl ClassNeeds {
             signals: self.signals || other.signals,
             degradable: self.degradable || other.degradable,
             rate_queue: self.rate_queue || other.rate_queue,
+            settles: self.settles || other.settles,
+            estimate_body: self.estimate_body || other.estimate_body,
         }
     }
 }
@@ -110,11 +129,14 @@ pub fn events(policy: &Policy) -> Events {
         .map(|c| ClassNeeds::of(policy, c))
         .fold(ClassNeeds::default(), ClassNeeds::or);
     let headers = policy.ratelimit_headers;
+    let soft = policy.has_soft_limits;
     Events {
-        request_body: needs.body_budget,
-        response_headers: headers || needs.signals || needs.degradable,
-        response_body: needs.degradable,
+        request_body: needs.body_budget || needs.estimate_body,
+        response_headers: headers || needs.signals || needs.degradable || needs.settles || soft,
+        response_body: needs.degradable || needs.settles,
         stream_end: headers
+            || soft
+            || needs.settles
             || needs.slots
             || needs.body_budget
             || needs.signals
@@ -218,6 +240,49 @@ mod tests {
         assert_eq!(
             e,
             Events {
+                stream_end: true,
+                ..BARE
+            }
+        );
+    }
+
+    #[test]
+    fn a_settled_cost_needs_the_whole_response_and_the_stream_end() {
+        let e = events(&policy(
+            r#"{"chat": {"cost": 5, "settle": {"usage": "openai_total", "ceiling": 1000}}}"#,
+            "",
+        ));
+        assert_eq!(
+            e,
+            Events {
+                response_headers: true,
+                response_body: true,
+                stream_end: true,
+                ..BARE
+            }
+        );
+        // An estimate from the request body reads the request body too.
+        let e = events(&policy(
+            r#"{"chat": {"cost": 5, "settle": {"usage": "openai_total", "ceiling": 1000,
+                "estimate_body_field": "max_tokens"}}}"#,
+            "",
+        ));
+        assert!(e.request_body && e.response_body && e.stream_end);
+    }
+
+    #[test]
+    fn a_soft_limit_needs_the_response_headers_for_its_marker_and_the_stream_end() {
+        let json = format!(
+            r#"{{"version": "events-1", "identity": {{"header": "x-tenant-id"}},
+                "plans": {{"free": {{"limits": [{{"name": "primary", "rate": 10, "per": "1s", "on_limit": "soft"}}]}}}},
+                "default_plan": "free", "anonymous": {{"plan": "free"}},
+                "routes": {{"api": {{}}}}{NO_HEADERS}}}"#
+        );
+        let e = events(&compile(&json));
+        assert_eq!(
+            e,
+            Events {
+                response_headers: true,
                 stream_end: true,
                 ..BARE
             }
