@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use tenantgate_integration_tests::model::ModelAnswer;
 use tenantgate_integration_tests::upstream::{Upstream, Upstreams};
-use tenantgate_integration_tests::{get, wait_for, Conn, Envoy, Response};
+use tenantgate_integration_tests::{get, on_both_hosts, wait_for, Conn, Envoy, Response};
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -111,7 +111,7 @@ fn paced(envoy: &Envoy, answer: ModelAnswer, tenant: &str, secs: u64) -> (u64, D
     (admitted, start.elapsed())
 }
 
-#[test]
+on_both_hosts!(a_tenant_on_tokens_a_minute_is_limited_by_tokens_not_requests_within_the_bound);
 fn a_tenant_on_tokens_a_minute_is_limited_by_tokens_not_requests_within_the_bound() {
     let log = Envoy::temp_dir().join("access.log");
     let (_primary, _fallback, envoy) = start(&log);
@@ -157,7 +157,7 @@ fn a_tenant_on_tokens_a_minute_is_limited_by_tokens_not_requests_within_the_boun
     assert!(envoy.tg_stat("decisions.rate_limited") > 0);
 }
 
-#[test]
+on_both_hosts!(answers_below_the_estimate_are_refunded_and_admit_more);
 fn answers_below_the_estimate_are_refunded_and_admit_more() {
     let log = Envoy::temp_dir().join("access.log");
     let (_primary, _fallback, envoy) = start(&log);
@@ -174,7 +174,7 @@ fn answers_below_the_estimate_are_refunded_and_admit_more() {
     assert_eq!(envoy.tg_stat("cost.under_units.chat"), 400 * admitted);
 }
 
-#[test]
+on_both_hosts!(a_key_in_debt_is_refused_with_a_retry_after_that_is_kept);
 fn a_key_in_debt_is_refused_with_a_retry_after_that_is_kept() {
     let log = Envoy::temp_dir().join("access.log");
     let (_primary, _fallback, envoy) = start(&log);
@@ -224,7 +224,7 @@ fn a_key_in_debt_is_refused_with_a_retry_after_that_is_kept() {
     assert!(envoy.tg_stat("cost.in_debt.chat") >= 2);
 }
 
-#[test]
+on_both_hosts!(answers_without_a_usable_figure_settle_at_the_ceiling);
 fn answers_without_a_usable_figure_settle_at_the_ceiling() {
     let log = Envoy::temp_dir().join("access.log");
     let (_primary, _fallback, envoy) = start(&log);
@@ -255,7 +255,7 @@ fn answers_without_a_usable_figure_settle_at_the_ceiling() {
     assert!((24..=25).contains(&retry_after(&refused)), "{refused:?}");
 }
 
-#[test]
+on_both_hosts!(the_client_cannot_change_its_cost_by_any_header_or_body_it_sends);
 fn the_client_cannot_change_its_cost_by_any_header_or_body_it_sends() {
     let log = Envoy::temp_dir().join("access.log");
     let (_primary, _fallback, envoy) = start(&log);
@@ -295,7 +295,7 @@ fn the_client_cannot_change_its_cost_by_any_header_or_body_it_sends() {
     assert_eq!(envoy.tg_stat("cost.estimated_units.metered"), 2 * 500);
 }
 
-#[test]
+on_both_hosts!(a_soft_limit_routes_over_limit_requests_to_the_fallback_and_under_limit_ones_to_the_primary);
 fn a_soft_limit_routes_over_limit_requests_to_the_fallback_and_under_limit_ones_to_the_primary() {
     let log = Envoy::temp_dir().join("access.log");
     let (primary, fallback, envoy) = start(&log);
