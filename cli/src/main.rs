@@ -240,6 +240,10 @@ struct ApplyArgs {
     /// route with Envoy's `FilterConfig`, they classify with no lookup.
     #[arg(long)]
     instances: bool,
+    /// Write no capability allow-list: Envoy then calls every callback the
+    /// module exports (see docs/operations.md).
+    #[arg(long)]
+    all_capabilities: bool,
 }
 
 fn main() -> ExitCode {
@@ -402,6 +406,10 @@ fn apply(args: &ApplyArgs) -> ExitCode {
         eprintln!("not applied: {} is unchanged", args.ecds.display());
         return ExitCode::FAILURE;
     }
+    // From the whole policy: its instances need the same list, so they
+    // share one VM (see ecds.rs).
+    let capabilities = ecds::Capabilities::for_events(&tenantgate::pipeline::events(&loaded.policy));
+    let capabilities = (!args.all_capabilities).then_some(&capabilities);
     if args.instances {
         let instances = match ecds::instances(&policy_json, &args.name, &args.ecds) {
             Ok(list) => list,
@@ -425,6 +433,7 @@ fn apply(args: &ApplyArgs) -> ExitCode {
                 vm_id: &args.vm_id,
                 wasm: &args.wasm,
                 module: None,
+                capabilities,
             };
             if let Err(e) = resource.write(&i.policy_json, &i.path) {
                 eprintln!("cannot write {}: {e}", i.path.display());
@@ -438,6 +447,7 @@ fn apply(args: &ApplyArgs) -> ExitCode {
         vm_id: &args.vm_id,
         wasm: &args.wasm,
         module: args.module.as_deref(),
+        capabilities,
     };
     match resource.write(&policy_json, &args.ecds) {
         Ok(()) => {

@@ -16,6 +16,7 @@
 //! a deadline, never a bare sleep for a condition) and request loops.
 
 pub mod cluster;
+pub mod model;
 pub mod upstream;
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -517,11 +518,26 @@ impl Envoy {
     }
 }
 
+/// What Envoy logs when the module uses a capability its allow-list left
+/// out (proxy-wasm-cpp-host's stubs: `… restricted proxy-wasm capability:
+/// proxy_<name>` or `… restricted WASI capability: <name>`).
+pub const REFUSED_CAPABILITY: &str = "Attempted call to restricted";
+
 impl Drop for Envoy {
+    /// Stops Envoy. Every test runs under the capability allow-list
+    /// `policy apply` writes: one that did not fail already fails here if
+    /// Envoy refused the module a call.
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
         if !std::thread::panicking() {
+            let log = self.log();
+            if let Some(line) = log.lines().find(|l| l.contains(REFUSED_CAPABILITY)) {
+                panic!(
+                    "Envoy refused the filter a capability its allow-list left out: {line}\n(log in {})",
+                    self.dir.display()
+                );
+            }
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
@@ -614,6 +630,24 @@ impl Conn {
     pub fn get(&mut self, path: &str, headers: &[(&str, &str)]) -> std::io::Result<Response> {
         let headers: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (*k, v.as_bytes())).collect();
         self.send("GET", path.as_bytes(), &headers)
+    }
+
+    /// Sends one request with a body (`content-length` set).
+    pub fn send_body(
+        &mut self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> std::io::Result<Response> {
+        let mut req = format!("{method} {path} HTTP/1.1\r\nhost: tenantgate.test\r\n").into_bytes();
+        for (name, value) in headers {
+            req.extend_from_slice(format!("{name}: {value}\r\n").as_bytes());
+        }
+        req.extend_from_slice(format!("content-length: {}\r\n\r\n", body.len()).as_bytes());
+        req.extend_from_slice(body);
+        self.reader.get_mut().write_all(&req)?;
+        read_response(&mut self.reader)
     }
 }
 
@@ -829,7 +863,13 @@ impl Drop for SyncServer {
 /// lines before it are skipped); returns its `content-length` (0 if none),
 /// or `None` once the connection is closed or fails.
 pub(crate) fn read_request_head(reader: &mut BufReader<TcpStream>) -> Option<usize> {
+    read_request_line_and_head(reader).map(|(_, len)| len)
+}
+
+/// A request's head: its path and its `content-length` (0 without one).
+pub(crate) fn read_request_line_and_head(reader: &mut BufReader<TcpStream>) -> Option<(String, usize)> {
     let mut content_length = 0usize;
+    let mut path = String::new();
     let mut first = true;
     loop {
         let mut line = String::new();
@@ -842,7 +882,10 @@ pub(crate) fn read_request_head(reader: &mut BufReader<TcpStream>) -> Option<usi
             if first {
                 continue;
             }
-            return Some(content_length);
+            return Some((path, content_length));
+        }
+        if first {
+            path = line.split(' ').nth(1).unwrap_or_default().to_owned();
         }
         first = false;
         if let Some((k, v)) = line.split_once(':') {

@@ -298,12 +298,12 @@ fn the_breaker_cuts_callouts_to_a_failing_service_and_its_probe_brings_leases_ba
     );
 }
 
+on_both_hosts!(an_answer_of_4096_leases_is_applied_in_steps_and_every_key_gets_its_lease);
 /// The case: an answer of 4,096 leases (a full report) is applied
 /// in steps of at most 256 keys, one per worker callback, so it never
 /// holds a worker for long; every key gets its lease, and requests keep
 /// their latency meanwhile. Prints the step durations Envoy recorded
 /// (`sync.apply_step_us`).
-on_both_hosts!(an_answer_of_4096_leases_is_applied_in_steps_and_every_key_gets_its_lease);
 fn an_answer_of_4096_leases_is_applied_in_steps_and_every_key_gets_its_lease() {
     const KEYS: usize = 4096;
     let server = SyncServer::start(

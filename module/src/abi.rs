@@ -129,6 +129,7 @@ pub type HttpFilterConfigScheduler = *mut c_void;
 pub type HeaderType = u32;
 pub const HEADER_REQUEST: HeaderType = 0;
 pub const HEADER_RESPONSE: HeaderType = 2;
+pub const HEADER_RESPONSE_TRAILER: HeaderType = 3;
 
 /// `envoy_dynamic_module_type_http_body_type`.
 pub type BodyType = u32;
@@ -265,6 +266,17 @@ unsafe extern "C" {
         key: ModuleBuffer,
         value: ModuleBuffer,
     ) -> bool;
+    /// Sets `key` to `value`, replacing every value; a null `value`
+    /// removes the header.
+    pub fn envoy_dynamic_module_callback_http_set_header(
+        filter: HttpFilterEnvoy,
+        header_type: HeaderType,
+        key: ModuleBuffer,
+        value: ModuleBuffer,
+    ) -> bool;
+    /// The stream's route is picked again (with the request headers as
+    /// they are now) before it is routed.
+    pub fn envoy_dynamic_module_callback_http_clear_route_cache(filter: HttpFilterEnvoy);
     pub fn envoy_dynamic_module_callback_http_send_response(
         filter: HttpFilterEnvoy,
         status_code: u32,

@@ -21,7 +21,7 @@ use std::ffi::c_char;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use tenantgate::pipeline::{Directive, StreamId, Verdict};
+use tenantgate::pipeline::{Directive, RouteMark, StreamId, Verdict};
 use tenantgate::response::{LocalReply, REASON_HEADER};
 use tenantgate::sync::syncer::CalloutAnswer;
 
@@ -410,21 +410,62 @@ fn send(envoy: HttpFilterEnvoy, reply: &LocalReply) {
     }
 }
 
-/// Writes the decision record (filter state, for the access log).
+/// Writes the decision record (filter state, for the access log) and
+/// carries out a soft limit's route mark.
 fn record(envoy: HttpFilterEnvoy, directive: &Directive) {
     if let Some(record) = &directive.record {
-        // SAFETY: the current hook's stream; the buffers are ours.
-        let set = unsafe {
-            abi::envoy_dynamic_module_callback_http_set_filter_state_bytes(
-                envoy,
-                ModuleBuffer::of(crate::RECORD_KEY.as_bytes()),
-                ModuleBuffer::of(record.as_bytes()),
-            )
-        };
-        if !set {
-            log::debug!("tenantgate: cannot set the decision record");
-        }
+        filter_state(envoy, crate::RECORD_KEY, record, "decision record");
     }
+    if let Some(mark) = &directive.mark {
+        route_mark(envoy, mark);
+    }
+}
+
+/// Keeps `value` in the stream's filter state under `key` (for the access log).
+fn filter_state(envoy: HttpFilterEnvoy, key: &str, value: &str, what: &str) {
+    // SAFETY: the current hook's stream; the buffers are ours.
+    let set = unsafe {
+        abi::envoy_dynamic_module_callback_http_set_filter_state_bytes(
+            envoy,
+            ModuleBuffer::of(key.as_bytes()),
+            ModuleBuffer::of(value.as_bytes()),
+        )
+    };
+    if !set {
+        log::debug!("tenantgate: cannot set the {what}");
+    }
+}
+
+/// Keeps a settled stream's cost record for the access log.
+fn cost_record(envoy: HttpFilterEnvoy, record: Option<String>) {
+    if let Some(r) = record {
+        filter_state(envoy, crate::COST_KEY, &r, "cost record");
+    }
+}
+
+/// Sets (or removes) a soft limit's marker on the request, then has Envoy
+/// pick the route again with it.
+fn route_mark(envoy: HttpFilterEnvoy, mark: &RouteMark) {
+    let value = mark
+        .value
+        .as_deref()
+        .map_or(ModuleBuffer::NULL, |v| ModuleBuffer::of(v.as_bytes()));
+    // SAFETY: the current hook's stream; the buffers are ours (a null
+    // value removes the header).
+    let set = unsafe {
+        abi::envoy_dynamic_module_callback_http_set_header(
+            envoy,
+            abi::HEADER_REQUEST,
+            ModuleBuffer::of(mark.header.as_bytes()),
+            value,
+        )
+    };
+    if !set {
+        log::warn!("tenantgate: cannot set the {} request header", mark.header);
+        return;
+    }
+    // SAFETY: the current hook's stream.
+    unsafe { abi::envoy_dynamic_module_callback_http_clear_route_cache(envoy) };
 }
 
 /// What a directive becomes on a request callback: `stop` is the status
@@ -479,6 +520,7 @@ fn go() -> Directive {
     Directive {
         verdict: Verdict::Continue,
         record: None,
+        mark: None,
     }
 }
 
@@ -496,7 +538,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
             abi::envoy_dynamic_module_callback_http_get_body_size(envoy, abi::BODY_RECEIVED_REQUEST)
         };
         step(f, envoy, "request_body", |w, policy, host| {
-            let d = w.pipeline.on_request_body(host, policy, f.stream, size);
+            let d = w
+                .pipeline
+                .on_request_body(host, &SystemClock, policy, f.stream, size);
             if d.verdict == Verdict::Pause {
                 w.hold(f.stream, envoy, f.config().id);
             }
@@ -547,14 +591,20 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
 ) -> abi::HeadersStatus {
     // SAFETY: as in `request_headers`.
     let f = unsafe { filter(ptr) };
-    let mut headers = None;
+    let mut response = None;
     response_step(f, envoy, "response_headers", |w, host| {
-        headers = w
-            .pipeline
-            .on_response_headers(host, &SystemClock, f.stream, end_of_stream);
+        response = Some(
+            w.pipeline
+                .on_response_headers(host, &SystemClock, f.stream, end_of_stream),
+        );
     });
-    if let Some(h) = headers {
-        for (name, value) in [("ratelimit-policy", &h.policy), ("ratelimit", &h.ratelimit)] {
+    if let Some(r) = response {
+        let ratelimit = r
+            .ratelimit
+            .iter()
+            .flat_map(|h| [("ratelimit-policy", &h.policy), ("ratelimit", &h.ratelimit)]);
+        let soft = r.soft.iter().map(|(n, v)| (n.as_str(), v));
+        for (name, value) in ratelimit.chain(soft) {
             // SAFETY: the current hook's stream; the buffers are ours.
             let added = unsafe {
                 abi::envoy_dynamic_module_callback_http_add_header(
@@ -568,6 +618,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
                 log::warn!("tenantgate: cannot add the {name} response header");
             }
         }
+        cost_record(envoy, r.cost_record);
     }
     abi::HEADERS_CONTINUE
 }
@@ -580,13 +631,17 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
 ) -> abi::BodyStatus {
     // SAFETY: as in `request_headers`.
     let f = unsafe { filter(ptr) };
+    let mut record = None;
     response_step(f, envoy, "response_body", |w, host| {
         // SAFETY: the current hook's stream.
         let size = unsafe {
             abi::envoy_dynamic_module_callback_http_get_body_size(envoy, abi::BODY_RECEIVED_RESPONSE)
         };
-        w.pipeline.on_response_body(host, f.stream, size, end_of_stream);
+        record = w
+            .pipeline
+            .on_response_body(host, &SystemClock, f.stream, size, end_of_stream);
     });
+    cost_record(envoy, record);
     abi::BODY_CONTINUE
 }
 
@@ -597,9 +652,11 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
 ) -> abi::TrailersStatus {
     // SAFETY: as in `request_headers`.
     let f = unsafe { filter(ptr) };
+    let mut record = None;
     response_step(f, envoy, "response_trailers", |w, host| {
-        w.pipeline.on_response_trailers(host, f.stream);
+        record = w.pipeline.on_response_trailers(host, &SystemClock, f.stream);
     });
+    cost_record(envoy, record);
     abi::TRAILERS_CONTINUE
 }
 
@@ -610,9 +667,11 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
 ) {
     // SAFETY: as in `request_headers`.
     let f = unsafe { filter(ptr) };
+    let mut record = None;
     response_step(f, envoy, "stream_complete", |w, host| {
-        w.pipeline.on_stream_end(host, &SystemClock, f.stream);
+        record = w.pipeline.on_stream_end(host, &SystemClock, f.stream);
     });
+    cost_record(envoy, record);
 }
 
 #[no_mangle]

@@ -55,6 +55,7 @@ impl Failure {
         Directive {
             verdict,
             record: None,
+            mark: None,
         }
     }
 }

@@ -121,6 +121,28 @@ impl<'a> EnvoyHost<'a> {
         ok.then(|| unsafe { value.bytes() }.to_vec())
     }
 
+    /// The first `len` bytes of the body chunk `kind` being delivered.
+    fn body(&self, kind: abi::BodyType, len: usize) -> Option<Vec<u8>> {
+        let filter = self.filter?;
+        // SAFETY: as in `header`; `chunks` has room for every buffer.
+        let count = unsafe { abi::envoy_dynamic_module_callback_http_get_body_chunks_size(filter, kind) };
+        let mut chunks = vec![EnvoyBuffer::EMPTY; count];
+        let ok = unsafe {
+            abi::envoy_dynamic_module_callback_http_get_body_chunks(filter, kind, chunks.as_mut_ptr())
+        };
+        if !ok {
+            return None;
+        }
+        let mut body = Vec::with_capacity(len.min(1 << 16));
+        for chunk in &chunks {
+            // SAFETY: as in `header`.
+            let bytes = unsafe { chunk.bytes() };
+            let room = len.saturating_sub(body.len());
+            body.extend_from_slice(bytes.get(..room.min(bytes.len())).unwrap_or_default());
+        }
+        Some(body)
+    }
+
     /// The route's class: its per-route config, else its metadata.
     fn route_class(&self) -> Option<Vec<u8>> {
         let filter = self.filter?;
@@ -157,25 +179,15 @@ impl Host for EnvoyHost<'_> {
     }
 
     fn response_body(&self, len: usize) -> Option<Vec<u8>> {
-        let filter = self.filter?;
-        let kind = abi::BODY_RECEIVED_RESPONSE;
-        // SAFETY: as in `header`; `chunks` has room for every buffer.
-        let count = unsafe { abi::envoy_dynamic_module_callback_http_get_body_chunks_size(filter, kind) };
-        let mut chunks = vec![EnvoyBuffer::EMPTY; count];
-        let ok = unsafe {
-            abi::envoy_dynamic_module_callback_http_get_body_chunks(filter, kind, chunks.as_mut_ptr())
-        };
-        if !ok {
-            return None;
-        }
-        let mut body = Vec::with_capacity(len.min(1 << 16));
-        for chunk in &chunks {
-            // SAFETY: as in `header`.
-            let bytes = unsafe { chunk.bytes() };
-            let room = len.saturating_sub(body.len());
-            body.extend_from_slice(bytes.get(..room.min(bytes.len())).unwrap_or_default());
-        }
-        Some(body)
+        self.body(abi::BODY_RECEIVED_RESPONSE, len)
+    }
+
+    fn response_trailer(&self, name: &str) -> Option<Vec<u8>> {
+        self.header(abi::HEADER_RESPONSE_TRAILER, name)
+    }
+
+    fn request_body(&self, len: usize) -> Option<Vec<u8>> {
+        self.body(abi::BODY_RECEIVED_REQUEST, len)
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {

@@ -68,6 +68,10 @@ pub fn supported(policy: &Policy) -> Result<(), String> {
 /// format (`%FILTER_STATE(wasm.tenantgate_admission:PLAIN)%`) serves both hosts.
 pub const RECORD_KEY: &str = "wasm.tenantgate_admission";
 
+/// The filter state key of a settled stream's cost record: the wasm
+/// filter's (`wasm.` + [`tenantgate::pipeline::settle::COST_PROPERTY`]).
+pub const COST_KEY: &str = "wasm.tenantgate_cost";
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -75,6 +79,14 @@ mod tests {
         assert_eq!(
             super::RECORD_KEY,
             format!("wasm.{}", tenantgate::pipeline::RECORD_PROPERTY)
+        );
+    }
+
+    #[test]
+    fn the_cost_key_is_the_wasm_filters() {
+        assert_eq!(
+            super::COST_KEY,
+            format!("wasm.{}", tenantgate::pipeline::settle::COST_PROPERTY)
         );
     }
 

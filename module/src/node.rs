@@ -201,6 +201,7 @@ fn go() -> Directive {
     Directive {
         verdict: Verdict::Continue,
         record: None,
+        mark: None,
     }
 }
 
@@ -264,6 +265,13 @@ impl Node {
             log::error!("tenantgate: policy rejected: {why}");
             stats.add(&Metric::ConfigRejections, 1);
             return Err(());
+        }
+        // The metrics its policy names, defined on this config too: a twin
+        // (below) shares a compiled policy but not its config's metrics,
+        // and a worker's counts reach Envoy through whichever config ticks
+        // first (the newest), so each config defines them all.
+        for m in tenantgate::stats::policy_metrics(&policy) {
+            stats.define(&m);
         }
         // SAFETY: on the main thread, as the callback requires.
         let concurrency = unsafe { abi::envoy_dynamic_module_callback_get_concurrency() };

@@ -29,7 +29,7 @@
 //!   or a failure mode), the worker's lease from the entry. Units taken
 //!   count as consumed in the node's report until given back, and the
 //!   units the lease's requests spent count as demand when it goes back
-//!   ([`crate::sync::Allowance::give_back`]). **The global bound is
+//!   ([`crate::sync::Allowance::give_back_lease`]). **The global bound is
 //!   unchanged**: it counts units, and a unit is in the service's lease,
 //!   the entry's allowance or one worker's lease, never two; a unit given
 //!   back goes to the node's live service lease (whose units the bound's
@@ -182,7 +182,7 @@ impl Leases {
         charge: impl FnOnce(u64, u64) -> Decision,
     ) -> Result<Decision, NoClock> {
         write_logical_key(&mut self.key, &prepared.class.action, &prepared.subject);
-        let cost = prepared.class.cost;
+        let cost = prepared.cost;
         let heat = &mut self.heat[slot(&self.key)];
         *heat = heat.saturating_add(u32::try_from(cost).unwrap_or(u32::MAX));
         if let Some(d) = self.spend(policy, prepared) {
@@ -202,7 +202,7 @@ impl Leases {
 
     /// Serves a request from its key's lease, if the lease can pay its cost.
     fn spend(&mut self, policy: &Rc<Policy>, prepared: &Prepared) -> Option<Decision> {
-        let cost = prepared.class.cost;
+        let cost = prepared.cost;
         let lease = self
             .keys
             .get_mut(&policy_id(policy))?
@@ -236,7 +236,7 @@ impl Leases {
 
     /// The units to ask for with the key (its cost when cold).
     fn want(&self, policy: &Policy, prepared: &Prepared) -> u64 {
-        let cost = prepared.class.cost;
+        let cost = prepared.cost;
         let Some(plan) = policy.plan(prepared.plan) else {
             return cost;
         };
