@@ -38,8 +38,8 @@ fn quantile(values: &[u32], q: f64) -> u32 {
 /// Bound 1 (latency alone): a healthy upstream (it never fails, and below
 /// its capacity its latency does not depend on the concurrency) with a
 /// few percent of latency noise a window and a first baseline measured on
-/// a quiet start (the collapse: the shipped controller before
-/// #26 took 12 of 24 such runs, at 3 % and 7 %, to `min` for good). From
+/// a quiet start (the collapse: in one of three runs in Envoy the
+/// limit walked to `min` on such noise and stayed there for 48 s). From
 /// window 20 (10 s: the limit has come down from 64), the limit stays at
 /// or above `min + 0.75·(C − min)` = 13.25 at 3 % of noise; at 5 % and a
 /// 10 % quieter start, the measured figures are reported and held to half
@@ -81,8 +81,8 @@ fn a_healthy_upstream_with_latency_noise_keeps_the_limit_at_its_capacity() {
 }
 
 /// Bound 2: a step down (capacity 16 → 8) that coincides with a refresh
-/// (the second finding: the shipped controller gave back the old
-/// limit after the refresh, 16–17 here, then undershot to 5–6). The
+/// (the second finding: in Envoy the refresh gave back the old
+/// limit, 19–20 for a capacity of 8, then the limit undershot). The
 /// refresh starts in the window that closes next; the capacity halves 250
 /// ms before its end, at its end, or 60 ms, 600 ms or 1,100 ms after (in
 /// the refresh's windows). From the third window after the step the limit
