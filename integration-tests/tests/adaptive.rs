@@ -5,9 +5,11 @@
 //! gauge) falls below twice the new capacity, critical p99 stays within
 //! its baseline plus one service time once the limit has followed (a
 //! queue at the upstream of less than one round of its capacity), and the
-//! limit rises again after the capacity returns. A healthy upstream (issue #26's run) keeps its limit at or
-//! above its capacity, and upstream errors back it off to `min` and it
-//! comes back. Every load loop is bounded in count and time; the tests
+//! limit rises again after the capacity returns. A healthy upstream
+//! (issue #26's run) keeps its limit at or above its capacity (below it
+//! only for an experiment and the climb back, below the controller's
+//! floor only for a refresh's cut), and upstream errors back it off to
+//! `min` and it comes back. Every load loop is bounded in count and time; the tests
 //! print their figures (`cargo test -p tenantgate-integration-tests --test
 //! adaptive -- --nocapture`).
 
