@@ -4,5 +4,6 @@
 pub mod ecds;
 pub mod explain;
 pub mod http;
+pub mod import;
 pub mod policy_file;
 pub mod top;

@@ -188,6 +188,22 @@ enum PolicyCommand {
     /// What reloading OLD -> NEW does to live state. Exit 0: no change,
     /// 1: changes, 2: an error (like `diff`).
     Diff { old: PathBuf, new: PathBuf },
+    /// The equivalent tenantgate policy of envoyproxy/ratelimit
+    /// configuration files (one domain each), on stdout or --out; what does
+    /// not map is reported on stderr.
+    Import(ImportArgs),
+}
+
+#[derive(Args)]
+struct ImportArgs {
+    #[arg(required = true)]
+    files: Vec<PathBuf>,
+    /// Write the policy here (atomically) instead of stdout.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// The policy's `version`.
+    #[arg(long, default_value = "imported")]
+    version: String,
 }
 
 #[derive(Args)]
@@ -243,6 +259,7 @@ fn main() -> ExitCode {
         Command::Policy(PolicyCommand::Apply(args)) => apply(&args),
         Command::Policy(PolicyCommand::Explain(args)) => explain(&args),
         Command::Policy(PolicyCommand::Diff { old, new }) => diff(&old, &new),
+        Command::Policy(PolicyCommand::Import(args)) => import(&args),
         Command::Sim(args) => sim::run(&args),
         Command::Serve(args) => serve(&args),
         Command::Certs(c) => certs(&c),
@@ -478,6 +495,50 @@ fn diff(old: &Path, new: &Path) -> ExitCode {
     let (text, differs) = tenantgate_cli::explain::diff(&a.policy, &b.policy);
     print!("{text}");
     ExitCode::from(u8::from(differs))
+}
+
+fn import(args: &ImportArgs) -> ExitCode {
+    use tenantgate_cli::import::{self, Source};
+    let mut texts = Vec::with_capacity(args.files.len());
+    for file in &args.files {
+        match std::fs::read_to_string(file) {
+            Ok(t) => texts.push((file.display().to_string(), t)),
+            Err(e) => {
+                eprintln!("{}: cannot read: {e}", file.display());
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let sources: Vec<Source<'_>> = texts.iter().map(|(name, text)| Source { name, text }).collect();
+    let imported = match import::import(&sources, &args.version) {
+        Ok(i) => i,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    for line in &imported.report {
+        eprintln!("not mapped: {line}");
+    }
+    eprintln!(
+        "imported: {} rules, {} plans; {} not mapped",
+        imported.rules,
+        imported.plans,
+        imported.report.len()
+    );
+    match &args.out {
+        None => {
+            print!("{}", imported.policy_yaml);
+            ExitCode::SUCCESS
+        }
+        Some(out) => match tenantgate_cli::ecds::write_atomically(out, imported.policy_yaml.as_bytes()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("cannot write {}: {e}", out.display());
+                ExitCode::FAILURE
+            }
+        },
+    }
 }
 
 fn top(args: &TopArgs) -> ExitCode {
