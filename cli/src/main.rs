@@ -36,6 +36,9 @@ enum Command {
     /// Who is being limited now: the service's top keys by demand and by
     /// denials per region (its admin listener's /v1/top). Quit with q.
     Top(TopArgs),
+    /// The filter's .wasm as an OCI image layout (the Wasm image Istio and
+    /// Envoy Gateway pull); prints its digest and the .wasm's sha256.
+    Package(PackageArgs),
 }
 
 #[derive(Args)]
@@ -234,8 +237,8 @@ fn parse_header(s: &str) -> Result<(String, String), String> {
 struct ApplyArgs {
     file: PathBuf,
     /// The ECDS resource file Envoy watches (`path_config_source.path`).
-    #[arg(long)]
-    ecds: PathBuf,
+    #[arg(long, required_unless_present = "manifests")]
+    ecds: Option<PathBuf>,
     /// The filter's .wasm (made absolute in the resource).
     #[arg(long, default_value = "target/wasm32-wasip1/wasm-release/tenantgate.wasm")]
     wasm: PathBuf,
@@ -248,8 +251,47 @@ struct ApplyArgs {
     /// Also write one filter instance per route class, each with its class
     /// fixed (`<name>.<class>` in `<ecds stem>.<class>.<ext>`): enabled per
     /// route with Envoy's `FilterConfig`, they classify with no lookup.
-    #[arg(long)]
+    #[arg(long, requires = "ecds")]
     instances: bool,
+    /// Also write Kubernetes manifests carrying this policy into DIR: Envoy
+    /// Gateway `EnvoyExtensionPolicy` (image and HTTP) and Istio
+    /// `WasmPlugin` and `ExtensionFilter` (docs/kubernetes.md).
+    #[arg(long)]
+    manifests: Option<PathBuf>,
+    /// With --manifests: the filter's OCI image (`make oci`), no scheme.
+    #[arg(long, default_value = "registry.example.internal/tenantgate/filter:0.1.0")]
+    image: String,
+    /// With --manifests: where Envoy Gateway's HTTP variant fetches the .wasm.
+    #[arg(
+        long,
+        default_value = "https://artifacts.example.internal/tenantgate/tenantgate.wasm"
+    )]
+    wasm_url: String,
+    /// With --manifests: the .wasm's sha256 (default: the --wasm file's).
+    #[arg(long)]
+    wasm_sha256: Option<String>,
+    /// With --manifests: the namespace of the manifests.
+    #[arg(long, default_value = "default")]
+    namespace: String,
+    /// With --manifests: the HTTPRoute Envoy Gateway's policy attaches to.
+    #[arg(long, default_value = "api")]
+    http_route: String,
+    /// With --manifests: the `app` label of Istio's workloads.
+    #[arg(long, default_value = "api")]
+    app: String,
+}
+
+#[derive(Args)]
+struct PackageArgs {
+    /// The filter's .wasm.
+    #[arg(long, default_value = "target/wasm32-wasip1/wasm-release/tenantgate.wasm")]
+    wasm: PathBuf,
+    /// The OCI image layout directory to write.
+    #[arg(long, default_value = "target/oci/tenantgate")]
+    out: PathBuf,
+    /// The image's tag in the layout (`oci:DIR:TAG`).
+    #[arg(long, default_value = env!("CARGO_PKG_VERSION"))]
+    tag: String,
 }
 
 fn main() -> ExitCode {
@@ -265,6 +307,7 @@ fn main() -> ExitCode {
         Command::Certs(c) => certs(&c),
         Command::Top(args) => top(&args),
         Command::Quota(args) => quota::run(&args),
+        Command::Package(args) => package(&args),
     }
 }
 
@@ -399,21 +442,35 @@ fn compile(file: &Path, pretty: bool) -> ExitCode {
 }
 
 fn apply(args: &ApplyArgs) -> ExitCode {
+    let unchanged = || match &args.ecds {
+        Some(e) => eprintln!("not applied: {} is unchanged", e.display()),
+        None => eprintln!("not applied"),
+    };
     let loaded = match policy_file::load(&args.file) {
         Ok(l) => l,
         Err(e) => {
             eprintln!("{e}");
-            eprintln!("not applied: {} is unchanged", args.ecds.display());
+            unchanged();
             return ExitCode::FAILURE;
         }
     };
     let policy_json = loaded.document.to_json();
+    if let Some(dir) = &args.manifests {
+        if let Err(e) = write_manifests(args, &policy_json, dir) {
+            eprintln!("{e}");
+            unchanged();
+            return ExitCode::FAILURE;
+        }
+    }
+    let Some(ecds_path) = &args.ecds else {
+        return ExitCode::SUCCESS;
+    };
     if args.instances {
-        let instances = match ecds::instances(&policy_json, &args.name, &args.ecds) {
+        let instances = match ecds::instances(&policy_json, &args.name, ecds_path) {
             Ok(list) => list,
             Err(e) => {
                 eprintln!("{}: {e}", args.file.display());
-                eprintln!("not applied: {} is unchanged", args.ecds.display());
+                unchanged();
                 return ExitCode::FAILURE;
             }
         };
@@ -443,18 +500,87 @@ fn apply(args: &ApplyArgs) -> ExitCode {
         vm_id: &args.vm_id,
         wasm: &args.wasm,
     };
-    match resource.write(&policy_json, &args.ecds) {
+    match resource.write(&policy_json, ecds_path) {
         Ok(()) => {
             println!(
                 "applied: policy {} from {} -> {}",
                 loaded.policy.version,
                 args.file.display(),
-                args.ecds.display()
+                ecds_path.display()
             );
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("cannot write {}: {e}", args.ecds.display());
+            eprintln!("cannot write {}: {e}", ecds_path.display());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `policy apply --manifests DIR`: the Kubernetes manifests of the policy.
+fn write_manifests(args: &ApplyArgs, policy_json: &str, dir: &Path) -> Result<(), String> {
+    use tenantgate_cli::manifests::{self, Code, Target};
+    let sha256 = match &args.wasm_sha256 {
+        Some(h)
+            if h.len() == 64
+                && h.bytes()
+                    .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()) =>
+        {
+            h.clone()
+        }
+        Some(h) => return Err(format!("--wasm-sha256: {h:?} is not 64 lower-case hex digits")),
+        None => match std::fs::read(&args.wasm) {
+            Ok(bytes) => tenantgate_cli::oci::wasm_sha256(&bytes),
+            Err(e) => {
+                return Err(format!(
+                    "{}: {e} (the manifests need its sha256: build it, or pass --wasm-sha256)",
+                    args.wasm.display()
+                ))
+            }
+        },
+    };
+    let code = Code {
+        image: &args.image,
+        wasm_url: &args.wasm_url,
+        wasm_sha256: &sha256,
+    };
+    let target = Target {
+        namespace: &args.namespace,
+        http_route: &args.http_route,
+        app: &args.app,
+    };
+    let source = args.file.display().to_string();
+    let list = manifests::render(policy_json, &source, &code, &target);
+    let written =
+        manifests::write(dir, &list).map_err(|e| format!("cannot write into {}: {e}", dir.display()))?;
+    for path in written {
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn package(args: &PackageArgs) -> ExitCode {
+    let wasm = match std::fs::read(&args.wasm) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("{}: {e} (build it with `make wasm`)", args.wasm.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    match tenantgate_cli::oci::package(&wasm, &args.out, &args.tag) {
+        Ok(p) => {
+            println!("image: oci:{}:{}", args.out.display(), p.tag);
+            println!("digest: {}", p.manifest_digest);
+            println!("wasm sha256: {}", p.wasm_sha256);
+            println!(
+                "layer: {} ({})",
+                p.layer_digest,
+                tenantgate_cli::oci::LAYER_MEDIA_TYPE
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tenantgate package: {}: {e}", args.out.display());
             ExitCode::FAILURE
         }
     }
