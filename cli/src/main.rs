@@ -253,11 +253,21 @@ struct ApplyArgs {
     /// The wasm `vm_id`: filters with the same id share buckets on a node.
     #[arg(long, default_value = ecds::DEFAULT_VM_ID)]
     vm_id: String,
+    /// Write the native module's resource (`envoy.filters.http.dynamic_modules`,
+    /// Envoy 1.40) instead of the wasm filter's: the same policy, the
+    /// library at PATH (made absolute; default: the `make module` build).
+    #[arg(long, value_name = "PATH", num_args = 0..=1,
+          default_missing_value = "target/module-release/libtenantgate_module.so")]
+    module: Option<PathBuf>,
     /// Also write one filter instance per route class, each with its class
     /// fixed (`<name>.<class>` in `<ecds stem>.<class>.<ext>`): enabled per
     /// route with Envoy's `FilterConfig`, they classify with no lookup.
     #[arg(long, requires = "ecds")]
     instances: bool,
+    /// Write no capability allow-list: Envoy then calls every callback the
+    /// module exports (see docs/operations.md).
+    #[arg(long)]
+    all_capabilities: bool,
     /// Also write Kubernetes manifests carrying this policy into DIR: Envoy
     /// Gateway `EnvoyExtensionPolicy` (image and HTTP) and Istio
     /// `WasmPlugin` and `ExtensionFilter` (docs/kubernetes.md).
@@ -461,6 +471,11 @@ fn apply(args: &ApplyArgs) -> ExitCode {
         }
     };
     let policy_json = loaded.document.to_json();
+    if args.module.is_some() && args.instances {
+        eprintln!("--instances is for the wasm filter: the module's routes carry their class in their per-route config");
+        unchanged();
+        return ExitCode::FAILURE;
+    }
     if let Some(dir) = &args.manifests {
         if let Err(e) = write_manifests(args, &policy_json, dir) {
             eprintln!("{e}");
@@ -471,6 +486,10 @@ fn apply(args: &ApplyArgs) -> ExitCode {
     let Some(ecds_path) = &args.ecds else {
         return ExitCode::SUCCESS;
     };
+    // From the whole policy: its instances need the same list, so they
+    // share one VM (see ecds.rs).
+    let capabilities = ecds::Capabilities::for_events(&tenantgate::pipeline::events(&loaded.policy));
+    let capabilities = (!args.all_capabilities).then_some(&capabilities);
     if args.instances {
         let instances = match ecds::instances(&policy_json, &args.name, ecds_path) {
             Ok(list) => list,
@@ -493,6 +512,8 @@ fn apply(args: &ApplyArgs) -> ExitCode {
                 name: &i.resource_name,
                 vm_id: &args.vm_id,
                 wasm: &args.wasm,
+                module: None,
+                capabilities,
             };
             if let Err(e) = resource.write(&i.policy_json, &i.path) {
                 eprintln!("cannot write {}: {e}", i.path.display());
@@ -505,6 +526,8 @@ fn apply(args: &ApplyArgs) -> ExitCode {
         name: &args.name,
         vm_id: &args.vm_id,
         wasm: &args.wasm,
+        module: args.module.as_deref(),
+        capabilities,
     };
     match resource.write(&policy_json, ecds_path) {
         Ok(()) => {

@@ -198,8 +198,8 @@ fn render_double(f: f64) -> String {
     }
 }
 
-#[test]
-fn the_istio_wasmplugin_example_validates_as_istiod_delivers_it() {
+/// The `pluginConfig` of the Istio example's WasmPlugin.
+fn istio_plugin_config() -> Node {
     let text = std::fs::read_to_string(repo().join("envoy/istio/wasmplugin.yaml")).unwrap();
     let mut plugin_configs = Vec::new();
     for doc in text.split("\n---") {
@@ -221,7 +221,12 @@ fn the_istio_wasmplugin_example_validates_as_istiod_delivers_it() {
         plugin_configs.push(config.clone());
     }
     assert_eq!(plugin_configs.len(), 1, "one WasmPlugin in the example");
-    let json = as_istiod_json(&plugin_configs[0]);
+    plugin_configs.remove(0)
+}
+
+#[test]
+fn the_istio_wasmplugin_example_validates_as_istiod_delivers_it() {
+    let json = as_istiod_json(&istio_plugin_config());
     assert!(
         json.contains(".0") || json.contains("e+"),
         "numbers are doubles: {json}"
@@ -242,6 +247,51 @@ fn the_istio_wasmplugin_example_validates_as_istiod_delivers_it() {
         format!("{:?}", policy.plans().iter().collect::<Vec<_>>()),
         format!("{local:?}")
     );
+}
+
+/// The EnvoyFilter variant of the Istio example carries the capability
+/// allow-list and VM configuration `tenantgate policy apply` writes for its
+/// policy, and its policy is the WasmPlugin's.
+#[test]
+fn the_istio_envoyfilter_example_carries_the_list_policy_apply_writes() {
+    use tenantgate_cli::ecds;
+    let text = std::fs::read_to_string(repo().join("envoy/istio/envoyfilter.yaml")).unwrap();
+    let doc: serde_json::Value = serde_norway::from_str(&text).unwrap();
+    let patches = doc["spec"]["configPatches"].as_array().unwrap();
+    let patch = |apply_to: &str| {
+        let found: Vec<_> = patches.iter().filter(|p| p["applyTo"] == apply_to).collect();
+        assert_eq!(found.len(), 1, "one {apply_to} patch");
+        found[0]["patch"]["value"].clone()
+    };
+    let (extension, filter) = (patch("EXTENSION_CONFIG"), patch("HTTP_FILTER"));
+    assert_eq!(filter["name"], extension["name"], "the filter names the resource");
+    let config = &extension["typed_config"]["config"];
+    let policy_json = config["configuration"]["value"].as_str().unwrap();
+    let policy = Policy::from_json(policy_json.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+
+    let caps = ecds::Capabilities::for_events(&tenantgate::pipeline::events(&policy));
+    let resource = ecds::Resource {
+        name: "tenantgate",
+        vm_id: "tenantgate",
+        wasm: Path::new("tenantgate.wasm"),
+        module: None,
+        capabilities: Some(&caps),
+    };
+    let written: serde_json::Value =
+        serde_json::from_str(&resource.render(policy_json, Path::new("/tenantgate.wasm"))).unwrap();
+    let vm = &written["resources"][0]["typed_config"]["config"]["vm_config"];
+    for field in [
+        "capability_restriction_config",
+        "configuration",
+        "vm_id",
+        "runtime",
+    ] {
+        assert_eq!(config["vm_config"][field], vm[field], "vm_config.{field}");
+    }
+
+    let plugin: serde_json::Value = serde_json::from_str(&istio_plugin_config().to_json()).unwrap();
+    let carried: serde_json::Value = serde_json::from_str(policy_json).unwrap();
+    assert_eq!(carried, plugin, "the WasmPlugin's policy");
 }
 
 /// `deploy/wasm/` is what `make manifests` writes from `policies/gateway.yaml`.
