@@ -214,3 +214,194 @@ async fn shadow_mode_answers_ok_and_bounds_refuse_what_is_too_big() {
     let p: RlsPolicy = parse(POLICY).unwrap().rls;
     assert!(p.descriptors.has_domain("shop"));
 }
+
+/// What a client controls cannot panic the service or charge past a
+/// limit: the largest costs (`hits_addend` u32::MAX, a descriptor's
+/// u64::MAX), a descriptor naming the same key many times, Envoy's limit
+/// override, negative hits, the most descriptors and entries allowed.
+#[tokio::test]
+async fn adversarial_requests_are_answered_and_charge_nothing_they_should_not() {
+    for (name, backend) in backends() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let rls = replicas(&backend, POLICY, &clock);
+        // Request-level u32::MAX: refused, nothing charged.
+        assert!(
+            !ok(&ask(&rls[0], &[&[("tenant", "x")]], u32::MAX).await),
+            "{name}"
+        );
+        // Descriptor-level u64::MAX (and one at 0, which counts 1).
+        let mut req = request(&[&[("tenant", "x")], &[("tenant", "y")]], 1);
+        req.descriptors[0].hits_addend =
+            Some(envoy_types::pb::google::protobuf::UInt64Value { value: u64::MAX });
+        req.descriptors[1].hits_addend = Some(envoy_types::pb::google::protobuf::UInt64Value { value: 0 });
+        let r = rls[0].decide(&req).await.unwrap();
+        assert!(!ok(&r), "{name}");
+        assert_eq!(r.statuses[0].code, Code::OverLimit as i32);
+        assert_eq!(r.statuses[1].code, Code::Ok as i32, "{name}: y alone would pass");
+        // The same key 64 times in one request: its costs add up (64 > 5).
+        let same: Vec<&[(&str, &str)]> = (0..64).map(|_| &[("tenant", "x")][..]).collect();
+        assert!(!ok(&ask(&rls[1], &same, 1).await), "{name}");
+        // Nothing of the above was charged: x and y still have 5 each.
+        let r = ask(&rls[1], &[&[("tenant", "x")], &[("tenant", "y")]], 5).await;
+        assert!(ok(&r), "{name}: {r:?}");
+        assert_eq!(
+            (r.statuses[0].limit_remaining, r.statuses[1].limit_remaining),
+            (0, 0)
+        );
+        // Envoy's per-descriptor limit override is not obeyed (the policy
+        // decides), and negative hits are not charged nor credited.
+        let mut req = request(&[&[("tenant", "z")]], 1);
+        req.descriptors[0].limit = Some(
+            envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride {
+                requests_per_unit: 1_000_000,
+                unit: 1,
+            },
+        );
+        assert_eq!(
+            admitted_req(&rls, &req, 8).await,
+            5,
+            "{name}: the override is ignored"
+        );
+        req.descriptors[0].is_negative_hits = true;
+        req.descriptors[0].limit = None;
+        assert!(ok(&rls[0].decide(&req).await.unwrap()));
+        assert!(
+            !ok(&ask(&rls[0], &[&[("tenant", "z")]], 1).await),
+            "{name}: not credited"
+        );
+        // The most a request may carry: 64 descriptors of the deepest
+        // entries, each key at most 256 bytes, answered.
+        let key = "k".repeat(256);
+        let deep: Vec<(&str, &str)> = (0..tenantgate::policy::descriptors::MAX_DEPTH)
+            .map(|_| (key.as_str(), key.as_str()))
+            .collect();
+        let most: Vec<&[(&str, &str)]> = (0..64).map(|_| deep.as_slice()).collect();
+        assert!(
+            ok(&ask(&rls[0], &most, u32::MAX).await),
+            "{name}: matches nothing, limits nothing"
+        );
+    }
+}
+
+async fn admitted_req(rls: &[Rls; 2], req: &RateLimitRequest, n: usize) -> usize {
+    let mut count = 0;
+    for i in 0..n {
+        if ok(&rls[i % 2].decide(req).await.unwrap()) {
+            count += 1;
+        }
+    }
+    count
+}
+
+/// One gRPC call on the wire (h2c): the frame as given, then the answer's
+/// `grpc-status` (from the headers, or the trailers).
+async fn call(addr: std::net::SocketAddr, body: Vec<u8>) -> Option<String> {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut client, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::post(format!(
+        "http://{addr}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+    ))
+    .header("content-type", "application/grpc")
+    .header("te", "trailers")
+    .body(())
+    .unwrap();
+    let (resp, mut send) = client.send_request(req, false).unwrap();
+    send.reserve_capacity(body.len());
+    send.send_data(bytes::Bytes::from(body), true).unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(10), resp)
+        .await
+        .ok()?
+        .ok()?;
+    let status = |h: &http::HeaderMap| {
+        h.get("grpc-status")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    if let Some(s) = status(resp.headers()) {
+        return Some(s);
+    }
+    let mut body = resp.into_body();
+    while let Some(chunk) = body.data().await {
+        let Ok(chunk) = chunk else { return None };
+        let _ = body.flow_control().release_capacity(chunk.len());
+    }
+    body.trailers().await.ok().flatten().as_ref().and_then(status)
+}
+
+fn frame(message: &[u8]) -> Vec<u8> {
+    let mut out = vec![0u8];
+    out.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+    out.extend_from_slice(message);
+    out
+}
+
+/// Malformed gRPC and protobuf on the wire, and requests too big: each
+/// answered with an error status, and the service goes on answering.
+#[tokio::test]
+async fn malformed_and_oversized_requests_on_the_wire_are_refused() {
+    use prost::Message;
+    let clock = Arc::new(ManualClock::new(T0));
+    let backend = Backend::Embedded(Arc::new(MemoryCounters::new(100)));
+    let [rls, _] = replicas(&backend, POLICY, &clock);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, tenantgate_central::grpc::router(Arc::new(rls))).await });
+    let valid = request(&[&[("tenant", "a")]], 1).encode_to_vec();
+    assert_eq!(call(addr, frame(&valid)).await.as_deref(), Some("0"));
+    // Not protobuf: an invalid wire type, a truncated varint, a field
+    // longer than the message, a string that is not UTF-8.
+    for garbage in [
+        vec![0xff; 16],
+        vec![0x0a, 0xff, 0xff, 0xff],
+        vec![0x0a, 0x7f, b's'],
+        vec![0x0a, 0x02, 0xc3, 0x28],
+    ] {
+        let s = call(addr, frame(&garbage)).await;
+        assert!(s.as_deref().is_some_and(|s| s != "0"), "{garbage:?}: {s:?}");
+    }
+    // A compressed frame (no encoding was agreed), a frame shorter than
+    // it says, a frame header alone.
+    let mut compressed = frame(&valid);
+    compressed[0] = 1;
+    for bad in [compressed, frame(&valid)[..8].to_vec(), vec![0, 0, 0]] {
+        let s = call(addr, bad.clone()).await;
+        assert!(s.as_deref() != Some("0"), "{bad:?}: {s:?}");
+    }
+    // Past the message size limit (4 MiB): OUT_OF_RANGE, unread.
+    let s = call(addr, frame(&vec![0u8; 5 << 20])).await;
+    assert_eq!(s.as_deref(), Some("11"));
+    // Under it, 100,000 descriptors: INVALID_ARGUMENT.
+    let many: Vec<&[(&str, &str)]> = (0..100_000).map(|_| &[("tenant", "a")][..]).collect();
+    let huge = request(&many, u32::MAX).encode_to_vec();
+    assert!(huge.len() < 4 << 20);
+    assert_eq!(call(addr, frame(&huge)).await.as_deref(), Some("3"));
+    // And the service still answers, the tenant charged once.
+    assert_eq!(call(addr, frame(&valid)).await.as_deref(), Some("0"));
+    let r = rls_remaining(addr, &valid).await;
+    assert_eq!(r, 2, "a: 5, less the three valid calls");
+}
+
+async fn rls_remaining(addr: std::net::SocketAddr, req: &[u8]) -> u32 {
+    use prost::Message;
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut client, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(conn);
+    let http_req = http::Request::post(format!(
+        "http://{addr}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+    ))
+    .header("content-type", "application/grpc")
+    .header("te", "trailers")
+    .body(())
+    .unwrap();
+    let (resp, mut send) = client.send_request(http_req, false).unwrap();
+    send.send_data(bytes::Bytes::from(frame(req)), true).unwrap();
+    let mut body = resp.await.unwrap().into_body();
+    let mut bytes = Vec::new();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.unwrap();
+        let _ = body.flow_control().release_capacity(chunk.len());
+        bytes.extend_from_slice(&chunk);
+    }
+    RateLimitResponse::decode(&bytes[5..]).unwrap().statuses[0].limit_remaining
+}

@@ -135,6 +135,26 @@ pub fn check_key(
     }
 }
 
+/// How long a key's records must outlive their last write to stay exact:
+/// past it, every limit of `limits` is back to its fresh state whatever the
+/// write (a token bucket's TAT is never more than its tolerance and debt
+/// ahead of its write; a window's count, or a sliding window's previous
+/// one, never outlives two windows), so a store may drop the records then.
+pub fn idle_after_ns(limits: &[KeyLimit]) -> u64 {
+    limits
+        .iter()
+        .map(|l| match l.algo {
+            Algo::TokenBucket(g) => g
+                .tolerance_ns()
+                .saturating_add(g.max_debt().saturating_mul(g.interval_ns())),
+            Algo::FixedWindow(a) => a.window_ns().saturating_mul(2),
+            Algo::SlidingWindowLog(a) => a.window_ns().saturating_mul(2),
+            Algo::SlidingWindowCounter(a) => a.window_ns().saturating_mul(2),
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 fn push_local(out: &mut Vec<u8>, name_hash: u32, algo: &Algo, epoch: u64, state: &State, now: u64) {
     let (p1, p2) = algo.params();
     let stamp = Stamp {
@@ -184,6 +204,28 @@ mod tests {
         let c = check_key(stored.as_deref(), &limits, 0, now + 60 * S, 1);
         assert!(!c.denied);
         assert_eq!(c.standings[1].remaining, 9, "the bucket refilled to 10, less 1");
+    }
+
+    #[test]
+    fn records_outlive_every_limits_refill() {
+        let bucket = KeyLimit {
+            name_hash: 1,
+            // 10 per second with a burst of 100: 10 s to refill.
+            algo: Algo::TokenBucket(Gcra::new(10, S, 100).unwrap()),
+            shadow: false,
+        };
+        let window = KeyLimit {
+            name_hash: 2,
+            algo: Algo::FixedWindow(FixedWindow::new(3, 60 * S).unwrap()),
+            shadow: false,
+        };
+        assert_eq!(idle_after_ns(&[bucket]), 10 * S);
+        assert_eq!(idle_after_ns(&[bucket, window]), 120 * S);
+        assert_eq!(idle_after_ns(&[]), 0);
+        // A bucket emptied at t is full again (a fresh record) at t + 10 s.
+        let c = check_key(None, &[bucket], 0, 0, 100);
+        let full = check_key(Some(&c.charged), &[bucket], 0, idle_after_ns(&[bucket]), 100);
+        assert!(!full.denied);
     }
 
     #[test]

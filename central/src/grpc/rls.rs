@@ -18,7 +18,8 @@
 //! answer is `OVER_LIMIT` and no key is charged; otherwise every key is
 //! charged in one atomic update of the store (embedded, or Redis shared by
 //! every replica). A shadow limit's refusal is reported (`OK`), never
-//! enforced; `mode: shadow` answers `OK` for everything it would refuse,
+//! enforced, and so is a soft limit's (`on_limit: soft`: RLS has no
+//! "admitted but marked"); `mode: shadow` answers `OK` for everything it would refuse,
 //! and `mode: off` answers `OK` without touching state. A descriptor
 //! that matches no rule, or an `unlimited` rule, is `OK` (unlimited with
 //! `limit_remaining` = 2³²−1, as envoyproxy/ratelimit answers).
@@ -44,8 +45,12 @@
 //! (`true`) on its own.
 //!
 //! # Limits
-//! Every value from the network is bounded ([`MAX_DESCRIPTORS`], the
-//! policy's depth and text lengths): beyond, `INVALID_ARGUMENT`. A store
+//! Every value from the network is bounded: a message over 4 MiB (tonic's
+//! decoding limit) is refused unread (`OUT_OF_RANGE`), one that is not
+//! protobuf `INTERNAL`; beyond [`MAX_DESCRIPTORS`], the policy's depth
+//! ([`MAX_DEPTH`] entries) or text lengths ([`MAX_TEXT_LEN`] bytes),
+//! `INVALID_ARGUMENT`. A cost is at most `u64::MAX` and adds up
+//! saturating, so a huge `hits_addend` is refused, never wrapped. A store
 //! that fails answers `UNAVAILABLE`, and Envoy applies its failure mode.
 //! Envoy's per-descriptor `limit` override and `is_negative_hits` are not
 //! supported (the override is ignored; a negative descriptor is answered
@@ -63,7 +68,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use tenantgate::limiter::charge::{check_key, KeyCheck, KeyLimit};
+use tenantgate::limiter::charge::{check_key, idle_after_ns, KeyCheck, KeyLimit};
 use tenantgate::policy::descriptors::{Descriptors, MAX_DEPTH, MAX_TEXT_LEN};
 use tenantgate::policy::{Mode, Policy};
 
@@ -110,7 +115,10 @@ impl RlsPolicy {
                             key: KeyLimit {
                                 name_hash: l.name_hash,
                                 algo: l.algo,
-                                shadow: l.shadow,
+                                // A soft limit never refuses; RLS has no
+                                // "admitted but marked", so it is reported
+                                // as a shadow limit is.
+                                shadow: l.shadow || l.soft,
                             },
                             rate: l.rate,
                             per_secs: l.per_secs,
@@ -129,6 +137,27 @@ pub struct RlsMetrics {
     pub over_limit: AtomicU64,
     pub invalid: AtomicU64,
     pub unavailable: AtomicU64,
+}
+
+impl RlsMetrics {
+    /// Prometheus text (`tenantgate_rls_requests_total{result}`).
+    pub fn render(&self) -> String {
+        let mut out = String::from(
+            "# HELP tenantgate_rls_requests_total Envoy rate limit service (RLS) answers by result.\n# TYPE tenantgate_rls_requests_total counter\n",
+        );
+        for (result, n) in [
+            ("ok", &self.ok),
+            ("over_limit", &self.over_limit),
+            ("invalid", &self.invalid),
+            ("unavailable", &self.unavailable),
+        ] {
+            out.push_str(&format!(
+                "tenantgate_rls_requests_total{{result=\"{result}\"}} {}\n",
+                n.load(Relaxed)
+            ));
+        }
+        out
+    }
 }
 
 /// The policy in force and when it took effect (the reload rule's epoch).
@@ -212,12 +241,14 @@ impl Rls {
         let now = self.clock.now_ns();
         let mut checks: Vec<KeyCheck> = Vec::new();
         let names: Vec<String> = keys.iter().map(|k| k.key.clone()).collect();
+        // Records live until every limit of theirs is back to fresh, and 1 s
+        // more (the store's clock is not ours).
         let ttl = keys
             .iter()
-            .flat_map(|k| k.limits.iter().map(|l| l.per_secs))
+            .map(|k| idle_after_ns(&k.limits.iter().map(|l| l.key).collect::<Vec<_>>()))
             .max()
-            .map_or(Duration::from_secs(1), |s| {
-                Duration::from_secs(s.saturating_mul(2).saturating_add(1))
+            .map_or(Duration::from_secs(1), |ns| {
+                Duration::from_nanos(ns).saturating_add(Duration::from_secs(1))
             });
         let mut decide = |stored: &[Option<Vec<u8>>]| {
             checks = keys

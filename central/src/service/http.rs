@@ -129,6 +129,9 @@ async fn metrics(State(service): State<Arc<Service>>) -> Response {
         let totals = q.store().totals().await.ok();
         text.push_str(&q.metrics.render(totals.as_ref()));
     }
+    if let Some(r) = service.rls() {
+        text.push_str(&r.metrics.render());
+    }
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
