@@ -10,9 +10,10 @@
 use std::process::Command;
 use std::time::Duration;
 
+use tenantgate_central::testing::RedisServer;
 use tenantgate_integration_tests::cluster::Serve;
 use tenantgate_integration_tests::upstream::Upstream;
-use tenantgate_integration_tests::{free_port, get, wait_for, Envoy};
+use tenantgate_integration_tests::{cli_bin, free_port, get, request, wait_for, Envoy};
 
 const POLICY: &str = r#"
 version: "rls-1"
@@ -42,14 +43,34 @@ descriptors:
           plan: search
 "#;
 
-/// Two listeners with the native ratelimit filter in front of `upstream`:
-/// `port` fails open (`failure_mode_deny: false`), `closed_port` fails
-/// closed. `/search` sends (route, search), (tenant, T); `x-cost` sets
-/// the request's `hits_addend`.
-fn bootstrap(port: u16, closed_port: u16, admin: u16, upstream: u16, rls: u16) -> String {
-    let listener = |name: &str, port: u16, deny: bool| {
-        format!(
-            r#"
+/// A listener with the native ratelimit filter in front of `upstream`,
+/// asking the RLS cluster `cluster`, failing open or closed (`deny`).
+/// `/search` sends (route, search), (tenant, T); `x-cost` sets the
+/// request's `hits_addend`.
+struct Listener {
+    name: &'static str,
+    port: u16,
+    deny: bool,
+    cluster: &'static str,
+}
+
+/// An RLS cluster: `tenantgate serve --grpc-listen` replicas, round robin,
+/// over mTLS when `tls` names the CA and the client's certificate and key.
+struct RlsCluster {
+    name: &'static str,
+    ports: Vec<u16>,
+    tls: Option<[std::path::PathBuf; 3]>,
+}
+
+fn listener(l: &Listener) -> String {
+    let Listener {
+        name,
+        port,
+        deny,
+        cluster,
+    } = l;
+    format!(
+        r#"
   - name: {name}
     address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}
     filter_chains:
@@ -96,36 +117,87 @@ fn bootstrap(port: u16, closed_port: u16, admin: u16, upstream: u16, rls: u16) -
               enable_x_ratelimit_headers: DRAFT_VERSION_03
               rate_limit_service:
                 transport_api_version: V3
-                grpc_service: {{ envoy_grpc: {{ cluster_name: rls }} }}
+                grpc_service: {{ envoy_grpc: {{ cluster_name: {cluster} }} }}
           - name: envoy.filters.http.router
             typed_config: {{ "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router }}"#
+    )
+}
+
+fn rls_cluster(c: &RlsCluster) -> String {
+    let endpoints = c
+        .ports
+        .iter()
+        .map(|p| format!("{{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {p} }} }} }} }}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    // As envoy/sync-mtls.yaml, with ALPN h2 (gRPC).
+    let tls = c.tls.as_ref().map_or(String::new(), |[ca, cert, key]| {
+        format!(
+            r#"
+    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        sni: localhost
+        common_tls_context:
+          alpn_protocols: [h2]
+          tls_certificates:
+          - certificate_chain: {{ filename: {cert} }}
+            private_key: {{ filename: {key} }}
+          validation_context:
+            trusted_ca: {{ filename: {ca} }}
+            match_typed_subject_alt_names:
+            - san_type: DNS
+              matcher: {{ exact: localhost }}"#,
+            ca = ca.display(),
+            cert = cert.display(),
+            key = key.display(),
         )
-    };
+    });
+    format!(
+        r#"
+  - name: {name}
+    connect_timeout: 1s
+    lb_policy: ROUND_ROBIN
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{ http2_protocol_options: {{}} }}{tls}
+    load_assignment:
+      cluster_name: {name}
+      endpoints: [ {{ lb_endpoints: [ {endpoints} ] }} ]"#,
+        name = c.name,
+    )
+}
+
+fn bootstrap(listeners: &[Listener], clusters: &[RlsCluster], admin: u16, upstream: u16) -> String {
     format!(
         r#"
 node: {{ id: rls-test, cluster: rls-test }}
 admin: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }} }}
 static_resources:
-  listeners:{open}{closed}
+  listeners:{listeners}
   clusters:
   - name: upstream
     connect_timeout: 1s
     load_assignment:
       cluster_name: upstream
-      endpoints: [ {{ lb_endpoints: [ {{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {upstream} }} }} }} }} ] }} ]
-  - name: rls
-    connect_timeout: 1s
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{ http2_protocol_options: {{}} }}
-    load_assignment:
-      cluster_name: rls
-      endpoints: [ {{ lb_endpoints: [ {{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {rls} }} }} }} }} ] }} ]
+      endpoints: [ {{ lb_endpoints: [ {{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {upstream} }} }} }} }} ] }} ]{clusters}
 "#,
-        open = listener("open", port, false),
-        closed = listener("closed", closed_port, true),
+        listeners = listeners.iter().map(listener).collect::<String>(),
+        clusters = clusters.iter().map(rls_cluster).collect::<String>(),
     )
+}
+
+fn metric(admin_port: u16, line_start: &str) -> u64 {
+    let Ok(r) = request(admin_port, "GET", "/metrics", &[]) else {
+        return 0;
+    };
+    String::from_utf8_lossy(&r.body)
+        .lines()
+        .find_map(|l| l.strip_prefix(line_start))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 fn statuses(port: u16, path: &str, headers: &[(&str, &str)], n: usize) -> Vec<u16> {
@@ -137,7 +209,7 @@ fn envoys_native_ratelimit_filter_decides_with_tenantgate_serve() {
     let dir = Envoy::temp_dir();
     let policy = dir.join("policy.yaml");
     std::fs::write(&policy, POLICY).unwrap();
-    let check = Command::new(tenantgate_integration_tests::cli_bin())
+    let check = Command::new(cli_bin())
         .args(["policy", "check"])
         .arg(&policy)
         .output()
@@ -158,9 +230,28 @@ fn envoys_native_ratelimit_filter_decides_with_tenantgate_serve() {
     );
     let upstream = Upstream::start();
     let (port, closed, admin) = (free_port(), free_port(), free_port());
+    let listeners = [
+        Listener {
+            name: "open",
+            port,
+            deny: false,
+            cluster: "rls",
+        },
+        Listener {
+            name: "closed",
+            port: closed,
+            deny: true,
+            cluster: "rls",
+        },
+    ];
+    let clusters = [RlsCluster {
+        name: "rls",
+        ports: vec![grpc],
+        tls: None,
+    }];
     let envoy = Envoy::launch(
         dir.clone(),
-        &bootstrap(port, closed, admin, upstream.port, grpc),
+        &bootstrap(&listeners, &clusters, admin, upstream.port),
         port,
         closed,
         admin,
@@ -216,6 +307,15 @@ fn envoys_native_ratelimit_filter_decides_with_tenantgate_serve() {
         [200, 200, 200, 200, 200, 429]
     );
 
+    // Every answer counted by the service: 1 + 5 + 1 + 5 + 8 + 3 + 6.
+    let rls_metric = |r: &str| {
+        metric(
+            serve.admin_port,
+            &format!("tenantgate_rls_requests_total{{result=\"{r}\"}}"),
+        )
+    };
+    assert_eq!((rls_metric("ok"), rls_metric("over_limit")), (25, 4));
+
     // The service down: the filter's own failure mode decides.
     let served = upstream.received();
     serve.stop();
@@ -242,4 +342,106 @@ fn envoys_native_ratelimit_filter_decides_with_tenantgate_serve() {
         "the filter counted its errors: {:?}",
         envoy.stat("cluster.upstream.ratelimit.error")
     );
+}
+
+fn certs(args: &[&str]) {
+    let out = Command::new(cli_bin()).arg("certs").args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "tenantgate certs {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Two `tenantgate serve` replicas sharing one Redis, behind one RLS
+/// cluster over mTLS (certificates from `tenantgate certs`), round robin:
+/// a tenant's limit is exact across both; the same replicas refuse the
+/// same Envoy without TLS (the listener asking that way fails closed).
+#[test]
+fn two_replicas_sharing_redis_answer_over_mtls() {
+    let dir = Envoy::temp_dir();
+    let d = dir.display().to_string();
+    certs(&["init", "--dir", &d]);
+    certs(&["node", "--dir", &d, "--node-id", "rls-test"]);
+    let file = |name: &str| dir.join(name);
+    let policy = dir.join("policy.yaml");
+    std::fs::write(&policy, POLICY).unwrap();
+    let redis = RedisServer::start().unwrap_or_else(|e| panic!("{e}"));
+    let tls_args = |grpc: u16| -> Vec<String> {
+        vec![
+            "--tls-cert".into(),
+            file("service.pem").display().to_string(),
+            "--tls-key".into(),
+            file("service.key").display().to_string(),
+            "--client-ca".into(),
+            file("ca.pem").display().to_string(),
+            "--grpc-listen".into(),
+            format!("127.0.0.1:{grpc}"),
+        ]
+    };
+    let grpc = [free_port(), free_port()];
+    let replicas: Vec<Serve> = grpc
+        .iter()
+        .enumerate()
+        .map(|(i, g)| {
+            let log = dir.join(format!("serve-{i}.log"));
+            Serve::start_with(&policy, &redis.url(), 1000, free_port(), &log, &tls_args(*g))
+        })
+        .collect();
+    let upstream = Upstream::start();
+    let (port, plain, admin) = (free_port(), free_port(), free_port());
+    let listeners = [
+        Listener {
+            name: "mtls",
+            port,
+            deny: true,
+            cluster: "rls",
+        },
+        Listener {
+            name: "plain",
+            port: plain,
+            deny: true,
+            cluster: "rls_plain",
+        },
+    ];
+    let clusters = [
+        RlsCluster {
+            name: "rls",
+            ports: grpc.to_vec(),
+            tls: Some([file("ca.pem"), file("rls-test.pem"), file("rls-test.key")]),
+        },
+        RlsCluster {
+            name: "rls_plain",
+            ports: grpc.to_vec(),
+            tls: None,
+        },
+    ];
+    let envoy = Envoy::launch(
+        dir.clone(),
+        &bootstrap(&listeners, &clusters, admin, upstream.port),
+        port,
+        plain,
+        admin,
+        dir.join("unused-ecds.yaml"),
+    );
+    let answers = statuses(port, "/api", &[("x-tenant-id", "r")], 8);
+    assert_eq!(
+        answers,
+        [200, 200, 200, 200, 200, 429, 429, 429],
+        "{}",
+        envoy.log_tail()
+    );
+    // Both replicas answered (round robin), from one count.
+    for r in &replicas {
+        let answered = metric(r.admin_port, "tenantgate_rls_requests_total{result=\"ok\"}")
+            + metric(
+                r.admin_port,
+                "tenantgate_rls_requests_total{result=\"over_limit\"}",
+            );
+        assert!(answered >= 2, "replica on {} answered {answered}", r.port);
+    }
+    // Without TLS the replicas never answer: every request fails closed.
+    assert_eq!(statuses(plain, "/api", &[("x-tenant-id", "q")], 3), [500; 3]);
+    // A tenant on the mTLS listener is untouched by those.
+    assert_eq!(statuses(port, "/api", &[("x-tenant-id", "q")], 5), [200; 5]);
 }
