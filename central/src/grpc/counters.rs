@@ -10,10 +10,16 @@
 //!   bytes), then its bytes, with Redis's own expiry. A request's records
 //!   are read (one `MGET`), decided in Rust, and written by one Lua script
 //!   that first checks every version read, then writes all of them (Redis
-//!   runs a script alone): all or nothing. On a conflict the request is
-//!   re-read and re-decided, at most [`MAX_ATTEMPTS`] times, then it fails
-//!   with a transient [`StoreError::Contention`]. One Redis server, not a
-//!   Redis Cluster (a request's keys span slots), as the allocator's store.
+//!   runs a script alone): all or nothing. Within one replica, requests on
+//!   the same keys take turns (one lock per stripe of [`STRIPES`], taken in
+//!   order), so versions only move under a request because of another
+//!   replica; on such a conflict the request is re-read and re-decided
+//!   after a random pause of up to [`MAX_PAUSE`] × the attempt (at most
+//!   8), at most
+//!   [`MAX_ATTEMPTS`] times, then it fails with a transient
+//!   [`StoreError::Contention`] (Envoy then applies its failure mode). One
+//!   Redis server, not a Redis Cluster (a request's keys span slots), as
+//!   the allocator's store.
 //!
 //! The decision function may run more than once (on a conflict), so it is
 //! a pure function of the records it is given and leaves its results in
@@ -31,7 +37,12 @@ use tokio::sync::OnceCell;
 use crate::store::StoreError;
 
 /// Attempts of one request's compare-and-set before giving up.
-pub const MAX_ATTEMPTS: u32 = 16;
+pub const MAX_ATTEMPTS: u32 = 64;
+/// Stripes of the per-replica locks on keys (Redis).
+pub const STRIPES: usize = 1024;
+/// The longest pause after a first conflict (Redis; the n-th waits up to
+/// `min(n, 8)` times this).
+pub const MAX_PAUSE: Duration = Duration::from_micros(200);
 /// Writes between two sweeps of expired records (embedded).
 pub const SWEEP_EVERY: u64 = 4096;
 
@@ -142,20 +153,55 @@ impl Counters for MemoryCounters {
     }
 }
 
-/// `KEYS` the records; `ARGV[1]` the time to live in ms, then two per
-/// record: expected version ("" when absent), new value (its version
-/// first). Every version is checked before anything is written. Returns 1
-/// if written, 0 if a version moved.
+/// `KEYS` the records, then as many turns; `ARGV[1]` the time to live in
+/// ms, `ARGV[2]` the caller's turn token ("" if it holds none), then two
+/// per record: expected version ("" when absent), new value (its version
+/// first). Every turn and version is checked before anything is written:
+/// another caller's turn on a record, or a version that moved, and nothing
+/// is written. Returns 1 if written (the caller's turns given back), 0 if
+/// not.
 const CAS_ALL: &str = r"
-for i = 1, #KEYS do
+local n = #KEYS / 2
+for i = 1, n do
+  local t = redis.call('GET', KEYS[n + i])
+  if t and t ~= ARGV[2] then return 0 end
   local r = redis.call('GET', KEYS[i])
-  if (r and string.sub(r, 1, 8) or '') ~= ARGV[i * 2] then return 0 end
+  if (r and string.sub(r, 1, 8) or '') ~= ARGV[i * 2 + 1] then return 0 end
 end
-for i = 1, #KEYS do
-  redis.call('SET', KEYS[i], ARGV[i * 2 + 1], 'PX', ARGV[1])
+for i = 1, n do
+  redis.call('SET', KEYS[i], ARGV[i * 2 + 2], 'PX', ARGV[1])
+  if ARGV[2] ~= '' then redis.call('DEL', KEYS[n + i]) end
 end
 return 1
 ";
+
+/// `KEYS` the turns of a request's records, `ARGV[1]` the caller's token,
+/// `ARGV[2]` how long the turn lasts (ms): takes every turn, or none if
+/// another caller holds one. Returns 1 if taken.
+const TAKE_TURN: &str = r"
+for i = 1, #KEYS do
+  local t = redis.call('GET', KEYS[i])
+  if t and t ~= ARGV[1] then return 0 end
+end
+for i = 1, #KEYS do
+  redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[2])
+end
+return 1
+";
+
+/// `KEYS` turns, `ARGV[1]` the caller's token: gives back those it holds.
+const GIVE_TURN: &str = r"
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[1] then redis.call('DEL', KEYS[i]) end
+end
+return 1
+";
+
+/// Conflicts after which a request takes its turn on its records (then
+/// no other replica writes them until it has, or the turn lapses).
+pub const TURN_AFTER: u32 = 4;
+/// How long a turn lasts if its holder never gives it back.
+pub const TURN_LEASE: Duration = Duration::from_millis(100);
 
 /// Every command must answer within this (Envoy's ratelimit filter waits
 /// 20 ms by default; a slower store answers `UNAVAILABLE`).
@@ -167,6 +213,38 @@ pub struct RedisCounters {
     client: Client,
     conn: OnceCell<ConnectionManager>,
     prefix: String,
+    /// Where a request's turns are (`<prefix>:rlt:`).
+    turn_prefix: String,
+    /// This replica's turns on keys, by stripe.
+    stripes: Vec<tokio::sync::Mutex<()>>,
+    /// Compare-and-sets lost to another replica (each one re-decided).
+    pub conflicts: std::sync::atomic::AtomicU64,
+    /// The most attempts one request took to be written.
+    pub max_attempts: std::sync::atomic::AtomicU64,
+}
+
+/// A key's stripe (a fixed hash: the same in every run).
+fn stripe_of(key: &str) -> usize {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    key.hash(&mut h);
+    usize::try_from(h.finish() % STRIPES as u64).unwrap_or(0)
+}
+
+/// A random number (for pauses and turn tokens).
+fn random(seed: u64) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(seed);
+    h.finish()
+}
+
+/// A random pause of up to `MAX_PAUSE × min(attempt, 8)`.
+fn pause(attempt: u32) -> Duration {
+    let max = u64::try_from(MAX_PAUSE.as_nanos())
+        .unwrap_or(u64::MAX)
+        .saturating_mul(u64::from(attempt.min(8)));
+    Duration::from_nanos(random(u64::from(attempt)) % max.max(1))
 }
 
 impl RedisCounters {
@@ -177,6 +255,10 @@ impl RedisCounters {
             client,
             conn: OnceCell::new(),
             prefix: format!("{prefix}:rls:"),
+            turn_prefix: format!("{prefix}:rlt:"),
+            stripes: (0..STRIPES).map(|_| tokio::sync::Mutex::new(())).collect(),
+            conflicts: std::sync::atomic::AtomicU64::new(0),
+            max_attempts: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -228,53 +310,126 @@ impl Counters for RedisCounters {
         }
         let mut conn = self.conn().await?;
         let names: Vec<String> = keys.iter().map(|k| format!("{}{k}", self.prefix)).collect();
+        let turns: Vec<String> = keys.iter().map(|k| format!("{}{k}", self.turn_prefix)).collect();
         let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
-        for _ in 0..MAX_ATTEMPTS {
-            let values: Vec<Option<Vec<u8>>> = redis::cmd("MGET")
-                .arg(&names)
-                .query_async(&mut conn)
-                .await
-                .map_err(map_err)?;
-            let mut versions = Vec::with_capacity(values.len());
-            let mut read = Vec::with_capacity(values.len());
-            for v in values {
-                match v {
-                    Some(v) if v.len() >= VERSION_LEN => {
-                        versions.push(v[..VERSION_LEN].to_vec());
-                        read.push(Some(v[VERSION_LEN..].to_vec()));
-                    }
-                    // Absent, or too short to be ours: written over.
-                    other => {
-                        versions.push(other.unwrap_or_default());
-                        read.push(None);
-                    }
-                }
+        // This replica's turn on every key, stripes in order (no deadlock).
+        let mut stripes: Vec<usize> = keys.iter().map(|k| stripe_of(k)).collect();
+        stripes.sort_unstable();
+        stripes.dedup();
+        let mut held = Vec::with_capacity(stripes.len());
+        for i in stripes {
+            if let Some(m) = self.stripes.get(i) {
+                held.push(m.lock().await);
             }
+        }
+        let token = format!("{:016x}", random(0));
+        let mut turn = false;
+        let result = self
+            .attempts(&mut conn, &names, &turns, ttl_ms, &token, &mut turn, decide)
+            .await;
+        if turn && !matches!(result, Ok(true)) {
+            // Given back unless the write did (best effort: it lapses).
+            let _ = eval_script(&mut conn, GIVE_TURN, &turns, &[token.as_bytes()]).await;
+        }
+        match result {
+            Ok(_) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Runs `script` on `keys` with `args`; its integer answer.
+async fn eval_script(
+    conn: &mut ConnectionManager,
+    script: &str,
+    keys: &[String],
+    args: &[&[u8]],
+) -> Result<i64, StoreError> {
+    let mut eval = redis::cmd("EVAL");
+    eval.arg(script).arg(keys.len()).arg(keys);
+    for a in args {
+        eval.arg(*a);
+    }
+    eval.query_async(conn).await.map_err(map_err)
+}
+
+/// A request's records as read: their versions ("" when absent), their
+/// bytes.
+async fn read_records(
+    conn: &mut ConnectionManager,
+    names: &[String],
+) -> Result<(Vec<Vec<u8>>, Vec<Option<Vec<u8>>>), StoreError> {
+    let values: Vec<Option<Vec<u8>>> = redis::cmd("MGET")
+        .arg(names)
+        .query_async(conn)
+        .await
+        .map_err(map_err)?;
+    let mut versions = Vec::with_capacity(values.len());
+    let mut read = Vec::with_capacity(values.len());
+    for v in values {
+        match v {
+            Some(v) if v.len() >= VERSION_LEN => {
+                versions.push(v[..VERSION_LEN].to_vec());
+                read.push(Some(v[VERSION_LEN..].to_vec()));
+            }
+            // Absent, or too short to be ours: written over.
+            other => {
+                versions.push(other.unwrap_or_default());
+                read.push(None);
+            }
+        }
+    }
+    Ok((versions, read))
+}
+
+impl RedisCounters {
+    /// Read, decide, compare-and-set until written or refused (`Ok(true)`:
+    /// written, which gave back any turn; `Ok(false)`: nothing to write).
+    #[allow(clippy::too_many_arguments)] // one request's state, passed down once
+    async fn attempts(
+        &self,
+        conn: &mut ConnectionManager,
+        names: &[String],
+        turns: &[String],
+        ttl_ms: u64,
+        token: &str,
+        turn: &mut bool,
+        decide: &mut Decide<'_>,
+    ) -> Result<bool, StoreError> {
+        let lease_ms = u64::try_from(TURN_LEASE.as_millis())
+            .unwrap_or(u64::MAX)
+            .to_string();
+        for attempt in 0..MAX_ATTEMPTS {
+            if attempt > 0 {
+                tokio::time::sleep(pause(attempt)).await;
+            }
+            if attempt >= TURN_AFTER && !*turn {
+                *turn =
+                    eval_script(conn, TAKE_TURN, turns, &[token.as_bytes(), lease_ms.as_bytes()]).await? == 1;
+            }
+            let (versions, read) = read_records(conn, names).await?;
             let Some(write) = decide(&read) else {
-                return Ok(());
+                return Ok(false);
             };
-            let mut eval = redis::cmd("EVAL");
-            eval.arg(CAS_ALL).arg(names.len());
-            let mut args: Vec<Vec<u8>> = vec![ttl_ms.to_string().into_bytes()];
-            for ((name, version), bytes) in names.iter().zip(&versions).zip(&write) {
-                let next = version
-                    .get(..VERSION_LEN)
-                    .and_then(|v| <[u8; 8]>::try_from(v).ok())
+            let held = if *turn { token.as_bytes() } else { b"" };
+            let mut args: Vec<Vec<u8>> = vec![ttl_ms.to_string().into_bytes(), held.to_vec()];
+            for (version, bytes) in versions.iter().zip(&write) {
+                let next = <[u8; VERSION_LEN]>::try_from(version.as_slice())
                     .map_or(1, |v| u64::from_be_bytes(v).wrapping_add(1));
                 let mut value = Vec::with_capacity(VERSION_LEN + bytes.len());
                 value.extend_from_slice(&next.to_be_bytes());
                 value.extend_from_slice(bytes);
-                eval.arg(name);
                 args.push(version.clone());
                 args.push(value);
             }
-            for a in &args {
-                eval.arg(a.as_slice());
+            let keys: Vec<String> = names.iter().chain(turns).cloned().collect();
+            let refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+            if eval_script(conn, CAS_ALL, &keys, &refs).await? == 1 {
+                self.max_attempts
+                    .fetch_max(u64::from(attempt) + 1, std::sync::atomic::Ordering::Relaxed);
+                return Ok(true);
             }
-            let written: i64 = eval.query_async(&mut conn).await.map_err(map_err)?;
-            if written == 1 {
-                return Ok(());
-            }
+            self.conflicts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         Err(StoreError::Contention {
             record: names.first().cloned().unwrap_or_default(),
