@@ -445,3 +445,35 @@ fn two_replicas_sharing_redis_answer_over_mtls() {
     // A tenant on the mTLS listener is untouched by those.
     assert_eq!(statuses(port, "/api", &[("x-tenant-id", "q")], 5), [200; 5]);
 }
+
+/// Beyond loopback without mTLS, `tenantgate serve --grpc-listen` refuses
+/// to start (as `--listen` does), and says why.
+#[test]
+fn the_rls_listener_refuses_to_start_exposed_without_mtls() {
+    let dir = Envoy::temp_dir();
+    let policy = dir.join("policy.yaml");
+    std::fs::write(&policy, POLICY).unwrap();
+    let mut child = Command::new(cli_bin())
+        .args(["serve", "--policy"])
+        .arg(&policy)
+        .args(["--admin", &format!("127.0.0.1:{}", free_port())])
+        .args(["--listen", &format!("127.0.0.1:{}", free_port())])
+        .args(["--grpc-listen", &format!("0.0.0.0:{}", free_port())])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let exited = wait_for(Duration::from_secs(10), || {
+        child.try_wait().ok().flatten().is_some()
+    });
+    if !exited {
+        let _ = child.kill();
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(exited && !out.status.success(), "it started");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--grpc-listen 0.0.0.0:") && err.contains("mTLS"),
+        "{err}"
+    );
+}

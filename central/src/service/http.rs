@@ -204,7 +204,14 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     check_exposure(opts.listen, &opts.auth).map_err(std::io::Error::other)?;
     if let Some(grpc) = opts.grpc {
-        check_exposure(grpc, &opts.auth).map_err(std::io::Error::other)?;
+        // The same rule, for Envoy's rate limit service.
+        check_exposure(grpc, &opts.auth).map_err(|_| {
+            std::io::Error::other(format!(
+                "--grpc-listen {grpc} is not a loopback address and no authentication is configured: \
+                 anyone who could reach it would decide every rate limit it serves. Configure mTLS \
+                 (--tls-cert, --tls-key, --client-ca, as for --listen), or pass --insecure on a private network"
+            ))
+        })?;
     }
     let bind = |addr: SocketAddr| async move {
         tokio::net::TcpListener::bind(addr)
