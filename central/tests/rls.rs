@@ -544,3 +544,37 @@ fn request_to(key: &str, hits: u32) -> RateLimitRequest {
         hits_addend: hits,
     }
 }
+
+/// The store down: `UNAVAILABLE` (Envoy applies its failure mode), counted,
+/// answered within the store's deadline, never a guess.
+#[tokio::test]
+async fn a_store_that_does_not_answer_is_unavailable() {
+    let clock = Arc::new(ManualClock::new(T0));
+    // A port nothing listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let counters = Arc::new(RedisCounters::new(&format!("redis://127.0.0.1:{port}"), "t").unwrap());
+    let rls = Rls::new(counters, clock.clone() as Arc<dyn Clock>);
+    rls.set_policy(parse(POLICY).unwrap().rls);
+    let started = std::time::Instant::now();
+    let err = rls.decide(&request(&[&[("tenant", "a")]], 1)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        rls.metrics.unavailable.load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    // A request that touches no key needs no store.
+    assert!(ok(&ask(&rls, &[&[("nothing", "x")]], 1).await));
+    assert!(rls
+        .metrics
+        .render()
+        .contains("tenantgate_rls_requests_total{result=\"unavailable\"} 1"));
+}
