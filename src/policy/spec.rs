@@ -106,6 +106,10 @@ pub struct PolicySpec {
     /// in-flight limit, node-wide (`super::admission`).
     #[serde(default)]
     pub actions: BTreeMap<String, ActionSpec>,
+    /// Envoy rate limit service rules by domain, for `tenantgate serve`'s
+    /// RLS (`super::descriptors`).
+    #[serde(default)]
+    pub descriptors: BTreeMap<String, Vec<super::descriptors::RuleSpec>>,
 }
 
 /// `actions.<action>:` an API action's admission limits.
