@@ -55,6 +55,18 @@ pub trait Host {
     /// Writes a shared-data value if its CAS token still is `cas`. A `None`
     /// token writes unconditionally (the key did not exist when read).
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<CasResult, HostError>;
+
+    /// Writes a key that did not exist when read: `Conflict` if it exists
+    /// now. The default is [`Host::shared_set`] with no token, which is all
+    /// Envoy's shared data offers a wasm filter (a missing key is written
+    /// unconditionally): two workers creating one key at once both write,
+    /// and the later write replaces whatever the earlier one and the
+    /// updates after it stored (see `crate::table`, "Creating an entry").
+    /// A host with a store of its own (the native module) creates a key only
+    /// if it is still absent.
+    fn shared_create(&self, key: &str, value: &[u8]) -> Result<CasResult, HostError> {
+        self.shared_set(key, value, None)
+    }
 }
 
 /// The host's wall clock, in nanoseconds since the Unix epoch (`None`: the

@@ -221,4 +221,8 @@ impl Host for EnvoyHost<'_> {
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<CasResult, HostError> {
         self.store.set(key, value, cas)
     }
+
+    fn shared_create(&self, key: &str, value: &[u8]) -> Result<CasResult, HostError> {
+        self.store.create(key, value)
+    }
 }

@@ -149,6 +149,26 @@ impl Store {
         Ok(CasResult::Written)
     }
 
+    /// Writes `key` only if it is absent (`Conflict` otherwise): the
+    /// create-if-absent Envoy's shared data lacks, so that two threads
+    /// creating one entry at once cannot both write (the later write would
+    /// replace the earlier one's updates).
+    pub fn create(&self, key: &str, value: &[u8]) -> Result<CasResult, HostError> {
+        let key_len = u32::try_from(key.len()).map_err(|_| HostError)?;
+        let hash = tenantgate::table::fnv1a64(key.as_bytes());
+        let mut shard = self.shard(hash)?;
+        if shard.entries.find(hash, |e| e.key() == key.as_bytes()).is_some() {
+            return Ok(CasResult::Conflict);
+        }
+        let entry = Entry {
+            bytes: joined(key, value),
+            key_len,
+            cas: 1,
+        };
+        shard.entries.insert_unique(hash, entry, hash_of);
+        Ok(CasResult::Written)
+    }
+
     /// Keys in the store (tests, stats).
     pub fn len(&self) -> usize {
         self.shards

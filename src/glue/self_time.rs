@@ -88,6 +88,9 @@ impl Host for Recording<'_> {
             .push(Call::Set(key.to_owned(), value.to_vec()));
         self.host.shared_set(key, value, cas)
     }
+    fn shared_create(&self, key: &str, value: &[u8]) -> Result<CasResult, HostError> {
+        self.shared_set(key, value, None)
+    }
 }
 
 /// Runs the measurement and logs it (see the module header).

@@ -28,6 +28,23 @@
 //! rebuilt from scratch when a key is placed in it. [`Reach::Existing`]
 //! only ever updates the key's own slot ([`Failure::Absent`] otherwise).
 //!
+//! # Creating an entry
+//! An entry that did not exist when read is written with
+//! [`Host::shared_create`]. The native module's store creates it only if it
+//! is still absent (a conflict retries from the read, like any other), so
+//! every update is a compare-and-swap there. Envoy's shared data offers a
+//! wasm filter no create-if-absent: a missing key is written
+//! unconditionally. So on the wasm filter, two workers that find the same
+//! entry missing and write it at once both succeed, and the later write
+//! replaces what the earlier one and any update after it stored. It can
+//! happen only while an entry does not exist yet: once per entry for the
+//! life of the process (entries are never deleted; the table has
+//! `key_table_entries` of them), and only inside one worker's read-to-write
+//! window of its first update of that entry. What such a race can lose is
+//! the charges the other workers wrote to that entry in that window (a
+//! limit admits more by at most those); the native module's store, whose
+//! racing-threads test catches it, cannot lose them.
+//!
 //! # Bounds
 //! An update makes at most `MAX_CAS_ATTEMPTS × (PROBES + 1)` reads and
 //! `MAX_CAS_ATTEMPTS` writes. With [`Buffers`] reused across requests it
@@ -242,7 +259,11 @@ pub fn update<H: Host, R>(
                 _ => Err(Failure::TooLarge),
             };
         }
-        match host.shared_set(target.name.as_str(), entry, target.cas) {
+        let written = match target.cas {
+            Some(cas) => host.shared_set(target.name.as_str(), entry, Some(cas)),
+            None => host.shared_create(target.name.as_str(), entry),
+        };
+        match written {
             Ok(CasResult::Written) => {
                 done.written = true;
                 return Ok(done);

@@ -44,6 +44,9 @@ impl Host for StoreHost<'_> {
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<CasResult, HostError> {
         self.0.set(key, value, cas)
     }
+    fn shared_create(&self, key: &str, value: &[u8]) -> Result<CasResult, HostError> {
+        self.0.create(key, value)
+    }
 }
 
 /// Envoy's shared-data contract, case by case, on this store and on the
