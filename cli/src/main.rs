@@ -96,8 +96,9 @@ struct ServeArgs {
     /// Health, readiness and metrics (never the sync API).
     #[arg(long, default_value = tenantgate_central::service::DEFAULT_ADMIN)]
     admin: std::net::SocketAddr,
-    /// Where the allocator's state lives: `embedded` (in this process) or
-    /// `redis://HOST:PORT[/DB]` (shared by every replica).
+    /// Where the allocator's state lives: `embedded` (in this process),
+    /// `redis://HOST:PORT[/DB]` (shared by every replica) or
+    /// `redis+cluster://HOST:PORT,HOST:PORT[?replicas=N]` (a Redis Cluster).
     #[arg(long, default_value = "embedded")]
     store: String,
     /// The sync interval nodes are told to use, in milliseconds.
