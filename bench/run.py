@@ -25,6 +25,14 @@ upstream), interleaved over BENCH_ROUNDS rounds on this machine:
   (j) tenantgate, 1 tenant, in its cheapest trusted configuration: (d)'s
       policy with `class: api` (the class from the filter instance, nothing
       looked up) and `ratelimit_headers: false` (headers on denials only)
+  (k) the native module (libtenantgate_module.so, Envoy's dynamic modules)
+      with (d)'s policy, the route's class in its per-route config
+  (l) the native module with (e)'s 10,000 tenants x 2 limits
+  (m) tenantgate, 1 tenant, its cost settled after the response from a
+      JSON body (bench/policies/settle.yaml): the route answers an
+      OpenAI-style body (usage.total_tokens 12, estimate 1), read for the
+      figure as it passes, and settled in a second shared-data update;
+      printed as a ratio to (d)
 
 Then (a), (c), (d) and (j) again at one connection
 (BENCH_LATENCY_CONNECTIONS=1) for their p50 latency, the same number of
@@ -48,9 +56,29 @@ connections) and the Envoy process's CPU time (utime+stime from
 filter's stats.
 
 BENCH_ONLY=i (or a comma-separated list of row keys) runs only those rows,
-BENCH_ROUNDS times, prints them (with their ratio to (d) when (d) is among
-them) and stops: a quick check that a row works, not a measurement (no
-baselines, no filter.json).
+BENCH_ROUNDS times, prints them (with their ratio to (c) and to (d) when
+they are among them) and stops: a quick check that a row works, not a
+measurement (no baselines, no filter.json). Two rows run only there:
+d-all and j-all, (d) and (j) applied with `--all-capabilities` (no
+capability allow-list), so `BENCH_ONLY=c,d,d-all,j,j-all` shows what the
+allow-list gains in one interleaved run.
+
+BENCH_PAIR=x,y (two row keys) runs those two rows at once instead, every
+round: both Envoys pinned to CPU 0, their two wrk on CPU 1, so whatever
+else the machine runs slows both alike, and, both saturated, they share CPU
+0 evenly: the ratio of their requests/s is the inverse ratio of their CPU
+per request; each round's difference of CPU per request is measured under
+the same conditions for both, busy or not. A comparison for a busy
+machine, where separate runs are not comparable; printed, not written to
+filter.json.
+
+Every tenantgate row is applied as in production, by `tenantgate policy
+apply`, with the capability allow-list it writes (Envoy enters the VM only
+for the callbacks the policy needs; docs/operations.md);
+BENCH_CAPABILITIES=0 applies every row with `--all-capabilities` instead.
+(c) and the probe's empty filter run with no allow-list (every callback,
+as any filter gets by default). A run whose Envoy logged a refused call
+(`Attempted call to restricted`) fails the bench.
 
 Prints a table and writes target/bench/filter.json. Any non-2xx response or
 socket error fails the command (a configuration that denies measures the
@@ -113,6 +141,9 @@ ABLATION = env_int("BENCH_ABLATION", 1, minimum=0)
 PROBE = env_int("BENCH_PROBE", 1, minimum=0)
 PROBE_CALLS = env_int("BENCH_PROBE_CALLS", 4)
 ONLY = [k.strip() for k in os.environ.get("BENCH_ONLY", "").split(",") if k.strip()]
+PAIR = [k.strip() for k in os.environ.get("BENCH_PAIR", "").split(",") if k.strip()]
+# 1: tenantgate rows get the allow-list `policy apply` writes; 0: none.
+CAPABILITIES = env_int("BENCH_CAPABILITIES", 1, minimum=0)
 CAS_CONNECTIONS = env_int("BENCH_CAS_CONNECTIONS", 64)
 # A pinned single worker under 16 connections is busy all the time. A run in
 # which Envoy used less than MIN_UTIL of its CPU was disturbed (another
@@ -144,6 +175,8 @@ WASM = tool("TENANTGATE_WASM", REPO / "target/wasm32-wasip1/wasm-release/tenantg
 # `--features self-time` (src/glue/self_time.rs), built by `make bench`.
 SELF_TIME_WASM = REPO / "target/self-time/wasm32-wasip1/wasm-release/tenantgate.wasm"
 EMPTY_WASM = tool("EMPTY_WASM", REPO / "target/wasm32-wasip1/wasm-release/empty_filter.wasm")
+# The native module (`make module`), for (k) and (l).
+MODULE = tool("TENANTGATE_MODULE", REPO / "target/module-release/libtenantgate_module.so")
 
 
 class BenchError(Exception):
@@ -280,15 +313,45 @@ def tenant_descriptors_filter() -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_bootstrap(filters: str, port: int, admin: int, sync_port: int) -> str:
+def per_route_config(indent: str, cls: str) -> list[str]:
+    """The native module's per-route config: the route names its class, and
+    the module reads it with no lookup (module/src/route.rs)."""
+    return [
+        f"{indent}typed_per_filter_config:",
+        f"{indent}  tenantgate:",
+        f'{indent}    "@type": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilterPerRoute',
+        f"{indent}    dynamic_module_config: {{ module: {{ local: {{ filename: {MODULE.resolve()} }} }}, do_not_close: true }}",
+        f"{indent}    per_route_config_name: tenantgate",
+        f'{indent}    filter_config: {{ "@type": type.googleapis.com/google.protobuf.StringValue, value: {cls} }}',
+    ]
+
+
+# (m)'s answer: an OpenAI-style chat completion (its usage settles the cost).
+SETTLE_BODY = (
+    '{"id":"chatcmpl-bench","object":"chat.completion","model":"bench","choices":[{"index":0,'
+    '"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],'
+    '"usage":{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12}}'
+)
+
+
+def render_bootstrap(filters: str, port: int, admin: int, sync_port: int, module: bool = False, body: str | None = None) -> str:
     template = (BENCH / "envoy/bootstrap.yaml").read_text()
+    if body is not None:
+        plain = 'body: { inline_string: "ok\\n" }'
+        if plain not in template:
+            raise BenchError("bench/envoy/bootstrap.yaml no longer answers ok\\n")
+        template = template.replace(plain, "body: { inline_string: " + json.dumps(body) + " }")
     lines = []
+    marker = "metadata: { filter_metadata: { tenantgate: { class: "
     for line in template.splitlines():
         if line.strip() == "${HTTP_FILTERS}":
             indent = line[: len(line) - len(line.lstrip())]
             lines += [indent + l if l.strip() else l for l in filters.splitlines()]
         else:
             lines.append(line)
+            if module and marker in line:
+                cls = line.split(marker, 1)[1].split(" ", 1)[0].rstrip("}")
+                lines += per_route_config(line[: len(line) - len(line.lstrip())], cls)
     return Template("\n".join(lines) + "\n").substitute(LISTEN_PORT=port, ADMIN_PORT=admin, SYNC_PORT=sync_port)
 
 
@@ -322,10 +385,18 @@ def write_empty_ecds(path: Path, configuration: str = "") -> None:
     path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
-def apply_policy(policy: Path, ecds: Path, wasm: Path = WASM) -> None:
-    """Exactly as in production: the CLI validates and writes the ECDS file."""
+def apply_policy(
+    policy: Path, ecds: Path, wasm: Path = WASM, module: bool = False, all_capabilities: bool = False
+) -> None:
+    """Exactly as in production: the CLI validates and writes the ECDS file
+    (the native module's with `module`; the wasm filter's with its
+    capability allow-list unless `all_capabilities`)."""
+    code = ["--module", str(MODULE)] if module else ["--wasm", str(wasm)]
+    argv = [str(CLI), "policy", "apply", str(policy), "--ecds", str(ecds)] + code
+    if not module and (all_capabilities or not CAPABILITIES):
+        argv.append("--all-capabilities")
     res = subprocess.run(
-        [str(CLI), "policy", "apply", str(policy), "--ecds", str(ecds), "--wasm", str(wasm)],
+        argv,
         capture_output=True,
         text=True,
         timeout=60,
@@ -349,6 +420,7 @@ class Config:
         self.key = key
         self.label = label
         # none | local_ratelimit | local_ratelimit_tenants | empty | tenantgate
+        # | module (tenantgate as the native module)
         self.filter_name = filter_name
         self.policy: Path | None = None
         self.headers_check = headers_check
@@ -364,6 +436,12 @@ class Config:
         self.calls = 1
         # The tenantgate build to load (the self-time build for that step).
         self.wasm = WASM
+        # Applied with `--all-capabilities` (no allow-list).
+        self.all_capabilities = False
+        # The direct_response body (None: "ok\n"); (m) answers JSON.
+        self.body: str | None = None
+        # Every request's cost is settled after the response (m).
+        self.settles = False
 
 
 class Envoy:
@@ -388,15 +466,16 @@ class Envoy:
                 stdin=subprocess.DEVNULL,
             )
         ecds = self.dir / "ecds.yaml"
-        if config.filter_name == "tenantgate":
+        module = config.filter_name == "module"
+        if config.filter_name == "tenantgate" or module:
             assert config.policy is not None
-            apply_policy(config.policy, ecds, config.wasm)
+            apply_policy(config.policy, ecds, config.wasm, module, config.all_capabilities)
         elif config.filter_name == "empty":
             write_empty_ecds(ecds, config.probe)
         bootstrap = self.dir / "bootstrap.yaml"
-        bootstrap.write_text(
-            render_bootstrap(render_filters(config.filter_name, ecds), self.port, self.admin, self.sync_port)
-        )
+        # The ECDS filter is named `tenantgate` on both hosts.
+        filters = render_filters("tenantgate" if module else config.filter_name, ecds)
+        bootstrap.write_text(render_bootstrap(filters, self.port, self.admin, self.sync_port, module, config.body))
         argv = [str(ENVOY), "-c", str(bootstrap), "--concurrency", str(concurrency)]
         argv += ["--disable-hot-restart", "-l", "warning"]
         if cpu is not None:
@@ -432,6 +511,15 @@ class Envoy:
             time.sleep(0.05)
         else:
             raise self._fail(f"not serving within 30 s ({last})")
+        if config.filter_name == "module":
+            # The module really is in the chain: its ECDS resource was
+            # accepted and it decided the probe.
+            loaded = counters(self.admin, "extension_config_discovery.http_filter.tenantgate.")
+            decided = counters(self.admin, "wasmcustom.tenantgate.config.loads")
+            if not loaded.get("extension_config_discovery.http_filter.tenantgate.update_success") or not sum(
+                decided.values()
+            ):
+                raise self._fail(f"the module is not loaded: {loaded} {decided}")
         if config.filter_name in ("empty", "tenantgate"):
             # The wasm filter really is in the chain: its ECDS resource was
             # accepted and a V8 VM runs.
@@ -460,6 +548,15 @@ class Envoy:
 
     def cpu(self) -> float:
         return proc_cpu_seconds(self.pid)
+
+    def check_no_refused_call(self) -> None:
+        """The module was refused no capability (its allow-list is complete):
+        a refused call fails and would measure the wrong thing."""
+        if not self.log.closed:
+            self.log.flush()
+        for line in (self.dir / "envoy.log").read_text(errors="replace").splitlines():
+            if "Attempted call to restricted" in line:
+                raise BenchError(f"Envoy ({self.dir}) refused the filter a call: {line}")
 
     def close(self) -> None:
         stop(self.proc)
@@ -561,7 +658,7 @@ def measure(config: Config, rnd: int, connections: int) -> dict:
         # have followed the demand (the allocator averages it).
         warmup = WARMUP + (SYNC_WARMUP if config.serve else 0)
         run_wrk(envoy.port, warmup, connections, 1, WRK_CPU, config.wrk_args)  # warm-up, discarded
-        tenantgate = config.filter_name == "tenantgate"
+        tenantgate = config.filter_name in ("tenantgate", "module")
         before = counters(envoy.admin, "wasmcustom.tenantgate.") if tenantgate else {}
         cpu0, t0 = envoy.cpu(), time.monotonic()
         w = run_wrk(envoy.port, SECONDS, connections, 1, WRK_CPU, config.wrk_args)
@@ -575,6 +672,7 @@ def measure(config: Config, rnd: int, connections: int) -> dict:
             stats = {}
     finally:
         envoy.close()
+    envoy.check_no_refused_call()
     wall = t1 - t0
     result = {
         "round": rnd,
@@ -597,6 +695,12 @@ def measure(config: Config, rnd: int, connections: int) -> dict:
         result["decisions_allowed"] = decided.get("allowed", 0)
         if set(decided) - set(passed) or not decided:
             raise BenchError(f"{config.label}: the filter did not let every request through: {stats}")
+        if config.settles:
+            # Every decision's answer was read and its cost settled.
+            settled = stats.get("wasmcustom.tenantgate.cost.settles.api", 0)
+            result["settles"] = settled
+            if settled < result["decisions_allowed"] * 0.99:
+                raise BenchError(f"{config.label}: {settled} settled of {result['decisions_allowed']} allowed: {stats}")
         if config.admission:
             # Every request admitted through its dependency, none refused.
             # (Counters by outcome and level only: gauges are per dependency.)
@@ -628,6 +732,7 @@ def cas_run(config: Config) -> dict:
         after = counters(envoy.admin, "wasmcustom.tenantgate.")
     finally:
         envoy.close()
+    envoy.check_no_refused_call()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     decisions = sum(v for k, v in delta.items() if ".decisions." in k)
     retries = delta.get("wasmcustom.tenantgate.cas.retries", 0)
@@ -678,6 +783,7 @@ def self_time(configs: list[Config]) -> dict:
         c.wasm = SELF_TIME_WASM
         envoy = Envoy(c, f"{config.key}-self-time", concurrency=1, cpu=ENVOY_CPU)
         envoy.close()
+        envoy.check_no_refused_call()
         found = SELF_TIME_LINE.findall((envoy.dir / "envoy.log").read_text(errors="replace"))
         if not found:
             raise BenchError(f"self-time: no measurement in {envoy.dir / 'envoy.log'}")
@@ -744,10 +850,101 @@ def only(by_key: dict) -> int:
                 f"p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  {r['cpu_us_per_req']:.1f} us CPU/req",
                 flush=True,
             )
-    if "d" in raw:
-        d = median(r["rps"] for r in raw["d"])
+    for base in ("c", "d"):
+        if base not in raw:
+            continue
+        b = median(r["rps"] for r in raw[base])
         for key, rows in raw.items():
-            print(f"  ({key}) / (d): {median(r['rps'] for r in rows) / d:.2f} x")
+            cpu = median(r["cpu_us_per_req"] for r in rows)
+            print(f"  ({key}) / ({base}): {median(r['rps'] for r in rows) / b:.2f} x  ({fmt(cpu, '.1f')} us CPU/req)")
+    return 0
+
+
+def wrk_both(envoys: dict, configs: dict, seconds: int) -> dict:
+    """wrk on every Envoy at once (each 1 thread, CONNECTIONS connections,
+    pinned to WRK_CPU): its results by row key."""
+    import threading
+
+    results: dict = {}
+    errors: list = []
+
+    def one(key):
+        try:
+            results[key] = run_wrk(envoys[key].port, seconds, CONNECTIONS, 1, WRK_CPU, configs[key].wrk_args)
+        except BaseException as e:  # re-raised below, in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in envoys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def paired(by_key: dict) -> int:
+    """BENCH_PAIR: two rows at once (see the docstring)."""
+    if len(PAIR) != 2 or any(k not in by_key for k in PAIR):
+        sys.exit(f"bench: BENCH_PAIR names two of: {', '.join(by_key)}")
+    x, y = by_key[PAIR[0]], by_key[PAIR[1]]
+    configs = {x.key: x, y.key: y}
+    print(
+        f"tenantgate bench, BENCH_PAIR={x.key},{y.key}: {ROUNDS} round(s), {SECONDS} s each, "
+        f"both Envoys on CPU {ENVOY_CPU}, both wrk on CPU {WRK_CPU}",
+        flush=True,
+    )
+    rounds = []
+    for rnd in range(1, ROUNDS + 1):
+        wait_quiet()
+        order = (x, y) if rnd % 2 else (y, x)
+        envoys: dict = {}
+        try:
+            for c in order:
+                envoys[c.key] = Envoy(c, f"pair-{c.key}-round{rnd}", concurrency=1, cpu=ENVOY_CPU)
+            wrk_both(envoys, configs, WARMUP)
+            cpu0, t0 = {k: e.cpu() for k, e in envoys.items()}, time.monotonic()
+            results = wrk_both(envoys, configs, SECONDS)
+            cpu1, t1 = {k: e.cpu() for k, e in envoys.items()}, time.monotonic()
+        finally:
+            for e in envoys.values():
+                e.close()
+        row = {}
+        for key, e in envoys.items():
+            e.check_no_refused_call()
+            w = results[key]
+            if w["non_2xx"] or w["socket_errors"]:
+                raise BenchError(f"{configs[key].label}, round {rnd}: {w['non_2xx']} non-2xx, {w['socket_errors']} socket errors")
+            row[key] = {
+                "rps": w["rps"],
+                "cpu_us_per_req": round((cpu1[key] - cpu0[key]) * 1e6 / w["requests"], 2) if w["requests"] else None,
+                "envoy_cpu_util": round((cpu1[key] - cpu0[key]) / (t1 - t0), 3),
+            }
+        row["ratio"] = round(row[x.key]["rps"] / row[y.key]["rps"], 4)
+        rounds.append(row)
+        print(
+            f"  round {rnd}/{ROUNDS}  " + "  ".join(
+                f"({k}) {row[k]['rps']:>8,.0f} req/s {fmt(row[k]['cpu_us_per_req'], '.1f')} us CPU/req (CPU {row[k]['envoy_cpu_util']:.0%})"
+                for k in (x.key, y.key)
+            ) + f"  ({x.key})/({y.key}) {row['ratio']:.3f}",
+            flush=True,
+        )
+    # Each round's difference, then their median: what the two rows cost
+    # apart under the same conditions.
+    diffs = [
+        r[x.key]["cpu_us_per_req"] - r[y.key]["cpu_us_per_req"]
+        for r in rounds
+        if r[x.key]["cpu_us_per_req"] is not None and r[y.key]["cpu_us_per_req"] is not None
+    ]
+    print(
+        f"  medians: ({x.key})/({y.key}) {median(r['ratio'] for r in rounds):.3f} x by requests/s "
+        f"(a cost ratio only if both Envoys were busy); CPU/req "
+        f"({x.key}) {fmt(median(r[x.key]['cpu_us_per_req'] for r in rounds), '.1f')} us, "
+        f"({y.key}) {fmt(median(r[y.key]['cpu_us_per_req'] for r in rounds), '.1f')} us; "
+        f"({x.key}) - ({y.key}) {fmt(median(diffs, 2), '+.2f')} us a request (median of the rounds' "
+        f"differences, {sum(d < 0 for d in diffs)} of {len(diffs)} rounds below 0)"
+    )
     return 0
 
 
@@ -792,13 +989,21 @@ def main() -> int:
         Config("h", "(h) tenantgate, 1 tenant, admission", "tenantgate", has_ratelimit, admission=True),
         Config("i", "(i) tenantgate, 1 tenant, adaptive", "tenantgate", has_ratelimit, admission=True),
         Config("j", "(j) tenantgate, 1 tenant, lean config", "tenantgate"),
+        Config("k", "(k) module, 1 tenant", "module", has_ratelimit),
+        Config("l", f"(l) module, {TENANTS:,} tenants x 2 limits", "module", has_ratelimit, tenants_lua),
+        Config("m", "(m) tenantgate, 1 tenant, settled (JSON)", "tenantgate", has_ratelimit),
     ]
     by_key = {c.key: c for c in configs}
     by_key["d"].policy = BENCH / "policies/one-tenant.yaml"
     by_key["e"].policy = ten_thousand_tenants_policy(OUT / "10k-tenants.yaml")
     by_key["g"].policy = BENCH / "policies/global.yaml"
+    by_key["k"].policy = by_key["d"].policy
+    by_key["l"].policy = by_key["e"].policy
     by_key["h"].policy = BENCH / "policies/admission.yaml"
     by_key["i"].policy = BENCH / "policies/adaptive.yaml"
+    by_key["m"].policy = BENCH / "policies/settle.yaml"
+    by_key["m"].body = SETTLE_BODY
+    by_key["m"].settles = True
     # (j): (d) in its cheapest trusted configuration: the class from the
     # filter instance (no lookup), RateLimit headers on denials only.
     by_key["j"].policy = OUT / "lean.yaml"
@@ -843,8 +1048,18 @@ def main() -> int:
             c.calls = 1
             probes.append(c)
 
+    # Only with BENCH_ONLY: (d) and (j) without the capability allow-list.
+    unrestricted = []
+    for key in ("d", "j"):
+        c = Config(f"{key}-all", f"{by_key[key].label}, no allow-list", "tenantgate", by_key[key].headers_check)
+        c.policy = by_key[key].policy
+        c.all_capabilities = True
+        unrestricted.append(c)
+
+    if PAIR:
+        return paired({**by_key, **{c.key: c for c in ablation + probes + unrestricted}})
     if ONLY:
-        return only({**by_key, **{c.key: c for c in ablation + probes}})
+        return only({**by_key, **{c.key: c for c in ablation + probes + unrestricted}})
 
     version = envoy_version()
     mach = machine()
@@ -879,6 +1094,9 @@ def main() -> int:
         raw["h"][-1]["ratio_to_d"] = round(raw["h"][-1]["rps"] / raw["d"][-1]["rps"], 4)
         raw["i"][-1]["ratio_to_d"] = round(raw["i"][-1]["rps"] / raw["d"][-1]["rps"], 4)
         raw["i"][-1]["ratio_to_h"] = round(raw["i"][-1]["rps"] / raw["h"][-1]["rps"], 4)
+        raw["k"][-1]["ratio_to_d"] = round(raw["k"][-1]["rps"] / raw["d"][-1]["rps"], 4)
+        raw["m"][-1]["ratio_to_d"] = round(raw["m"][-1]["rps"] / raw["d"][-1]["rps"], 4)
+        raw["l"][-1]["ratio_to_f"] = round(raw["l"][-1]["rps"] / raw["f"][-1]["rps"], 4)
 
     latency: dict[str, list[dict]] = {c.key: [] for c in latency_configs}
     for rnd in range(1, ROUNDS + 1):
@@ -903,6 +1121,7 @@ def main() -> int:
 
     print("  2 workers (unpinned), 1 hot tenant: CAS retries ...", flush=True)
     cas = cas_run(by_key["d"])
+    cas_module = cas_run(by_key["k"])
     print("  the engine's own time inside the VM (self-time build) ...", flush=True)
     engine_time = self_time([by_key[k] for k in ("d", "e", "j")])
 
@@ -926,6 +1145,9 @@ def main() -> int:
     summary["h"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["h"])
     summary["i"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["i"])
     summary["i"]["median"]["ratio_to_h"] = median(r["ratio_to_h"] for r in raw["i"])
+    summary["k"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["k"])
+    summary["m"]["median"]["ratio_to_d"] = median(r["ratio_to_d"] for r in raw["m"])
+    summary["l"]["median"]["ratio_to_f"] = median(r["ratio_to_f"] for r in raw["l"])
     for config in latency_configs:
         rows = latency[config.key]
         summary[config.key]["one_connection"] = {
@@ -947,6 +1169,8 @@ def main() -> int:
         ("g", "d", "ratio_to_d", 0.90),
         ("j", "a", "ratio_to_a", 0.60),
         ("j", "c", "ratio_to_c", 0.85),
+        ("k", "a", "ratio_to_a", 0.85),
+        ("l", "f", "ratio_to_f", 1.00),
     ):
         measured = summary[key]["median"][field]
         targets.append(
@@ -1036,6 +1260,16 @@ def main() -> int:
         f"vs (h): {fmt(summary['i']['median']['ratio_to_h'], '.2f')} x, "
         f"{fmt(i_cpu - h_cpu if i_cpu is not None and h_cpu is not None else None, '+.1f')} us CPU/req"
     )
+    print(
+        f"module (k) vs wasm (d): {fmt(summary['k']['median']['ratio_to_d'], '.2f')} x by throughput; "
+        f"(l) vs native local_ratelimit with {TENANTS:,} descriptors (f): {fmt(summary['l']['median']['ratio_to_f'], '.2f')} x"
+    )
+    m_cpu = summary["m"]["median"]["cpu_us_per_req"]
+    print(
+        f"settled from a JSON body (m) vs (d): {fmt(summary['m']['median']['ratio_to_d'], '.2f')} x by throughput, "
+        f"{fmt(m_cpu - d_cpu if m_cpu is not None and d_cpu is not None else None, '+.1f')} us CPU/req "
+        f"(the body read as it passes and a second shared-data update per request)"
+    )
     for key, t in engine_time.items():
         print(
             f"engine inside the VM, {t['label']}: {t['decision_ns']:,.0f} ns a decision over an in-memory host, "
@@ -1047,6 +1281,13 @@ def main() -> int:
         f"{cas['decisions']:,} decisions = {fmt(cas['cas_retries_per_request'], '.4f')} retries per request, "
         f"{cas['shared_updates']:,} shared-data updates = {fmt(cas['shared_updates_per_request'], '.4f')} per request "
         f"({cas['lease_served']:,} served from worker leases; {cas['rps']:,.0f} req/s)"
+    )
+
+    print(
+        f"CAS on the module, 2 workers, 1 hot tenant: {cas_module['cas_retries']:,} retries / "
+        f"{cas_module['decisions']:,} decisions = {fmt(cas_module['cas_retries_per_request'], '.4f')} per request, "
+        f"{fmt(cas_module['shared_updates_per_request'], '.4f')} shared-data updates per request "
+        f"({cas_module['lease_served']:,} from worker leases; {cas_module['rps']:,.0f} req/s)"
     )
 
     report = {
@@ -1064,6 +1305,7 @@ def main() -> int:
             "order": "interleaved; the start rotates each round",
             "valid_run": f"Envoy busy >= {MIN_UTIL:.0%} of its CPU, else repeated (up to {RETRIES} times)",
             "quiet_wait_max_s": QUIET_WAIT,
+            "capability_allow_list": bool(CAPABILITIES),
         },
         "configs": summary,
         "targets": targets,
@@ -1071,6 +1313,7 @@ def main() -> int:
         "probe": probe_summary,
         "engine_in_vm": engine_time,
         "cas": cas,
+        "cas_module": cas_module,
     }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "filter.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -10,7 +10,12 @@ Starts, on loopback:
     11001), admin 127.0.0.1:9911.
 Both Envoys load the filter through the same ECDS file (`make ecds`
 hot-reloads both) and sync the demo policy's global limit (tenant
-`demo-global`) with the service over mTLS. Certificates are made by
+`demo-global`) with the service over mTLS. TG_RUN_HOST=module (`HOST=module
+make run`) runs the native module instead of the wasm filter: the ECDS
+resource from `tenantgate policy apply --module`, each demo route's class
+also in its per-route config, and each Envoy's node named in its
+environment (TENANTGATE_NODE_ID, TENANTGATE_REGION: the module's ABI cannot
+read Envoy's node). Certificates are made by
 `tenantgate certs` on first run, under the run directory (gitignored).
 
 Ctrl-C (SIGINT) or SIGTERM stops every process it started (SIGTERM, then
@@ -22,7 +27,8 @@ integration test `integration-tests/tests/run.rs` does, so it never
 collides with a running demo): TG_RUN_DIR, TG_RUN_POLICY, TG_RUN_PORT_A,
 TG_RUN_JWT_PORT_A, TG_RUN_ADMIN_A, TG_RUN_PORT_B, TG_RUN_JWT_PORT_B,
 TG_RUN_ADMIN_B, TG_RUN_SYNC_PORT, TG_RUN_SERVE_ADMIN; binaries from
-ENVOY_BIN, TENANTGATE_BIN, TENANTGATE_WASM (the Makefile exports them).
+ENVOY_BIN, TENANTGATE_BIN, TENANTGATE_WASM, TENANTGATE_MODULE (the
+Makefile exports them).
 Exit status: 0 after a clean stop, 2 if a port is busy or a step fails.
 """
 
@@ -69,6 +75,8 @@ POLICY = env_path("TG_RUN_POLICY", REPO / "policies/demo.yaml")
 ENVOY = env_path("ENVOY_BIN", REPO / ".venv/bin/envoy")
 CLI = env_path("TENANTGATE_BIN", REPO / "target/debug/tenantgate")
 WASM = env_path("TENANTGATE_WASM", REPO / "target/wasm32-wasip1/wasm-release/tenantgate.wasm")
+MODULE = env_path("TENANTGATE_MODULE", REPO / "target/module-release/libtenantgate_module.so")
+HOST = os.environ.get("TG_RUN_HOST") or "wasm"
 CERTS = RUN_DIR / "certs"
 ECDS = RUN_DIR / "ecds.yaml"
 
@@ -149,7 +157,29 @@ def bootstrap(node_id, region, listener, jwt, admin):
         .replace("envoy/run/certs/ca.pem", f"{CERTS}/ca.pem")
     )
     cluster = "  - name: tenantgate\n    type: STATIC\n"
-    return replace_once(text, cluster, cluster + snippet)
+    text = replace_once(text, cluster, cluster + snippet)
+    return with_route_classes(text) if HOST == "module" else text
+
+
+def with_route_classes(text):
+    """The module's way: each route whose metadata names a class names it in
+    its per-route config too (read with no lookup, module/src/route.rs)."""
+    marker = "metadata: { filter_metadata: { tenantgate: { class: "
+    out = []
+    for line in text.splitlines():
+        out.append(line)
+        if marker in line:
+            indent = line[: len(line) - len(line.lstrip())]
+            cls = line.split(marker, 1)[1].split(" ", 1)[0].rstrip("}")
+            out += [
+                f"{indent}typed_per_filter_config:",
+                f"{indent}  tenantgate:",
+                f'{indent}    "@type": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilterPerRoute',
+                f"{indent}    dynamic_module_config: {{ module: {{ local: {{ filename: {MODULE.resolve()} }} }}, do_not_close: true }}",
+                f"{indent}    per_route_config_name: tenantgate",
+                f'{indent}    filter_config: {{ "@type": type.googleapis.com/google.protobuf.StringValue, value: {cls} }}',
+            ]
+    return "\n".join(out) + "\n"
 
 
 def http_ok(url):
@@ -165,13 +195,14 @@ class Supervisor:
         self.children = []  # (name, Popen, log path)
         self.stopping = False
 
-    def start(self, name, argv):
+    def start(self, name, argv, env=None):
         log = RUN_DIR / f"{name}.log"
         with open(log, "wb") as f:
             # Its own session: a terminal's Ctrl-C reaches only this script,
             # which then stops the children in order.
             child = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True
+                argv, stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True,
+                env=None if env is None else {**os.environ, **env},
             )
         self.children.append((name, child, log))
         say(f"started {name} pid {child.pid} (log {log})")
@@ -224,7 +255,8 @@ def banner():
     aa, ba = port("Envoy A admin"), port("Envoy B admin")
     sa = port("tenantgate serve admin")
     say()
-    say("tenantgate: the whole system is up (Ctrl-C stops everything)")
+    host = "the native module" if HOST == "module" else "the wasm filter"
+    say(f"tenantgate ({host}): the whole system is up (Ctrl-C stops everything)")
     say(f"  Envoy A (region eu) http://127.0.0.1:{a}  admin http://127.0.0.1:{aa}")
     say(f"  Envoy B (region us) http://127.0.0.1:{b}  admin http://127.0.0.1:{ba}")
     say(f"  tenantgate serve    sync 127.0.0.1:{port('tenantgate serve sync API')} (mTLS)"
@@ -248,7 +280,11 @@ def main():
         for line in busy:
             say(line)
         return 2
-    for path, how in [(ENVOY, "make setup"), (CLI, "make cli"), (WASM, "make wasm")]:
+    if HOST not in ("wasm", "module"):
+        say(f"make run: HOST={HOST!r}: wasm or module")
+        return 2
+    code = (MODULE, "make module") if HOST == "module" else (WASM, "make wasm")
+    for path, how in [(ENVOY, "make setup"), (CLI, "make cli"), code]:
         if not path.exists():
             say(f"make run: {path} is missing (run `{how}`)")
             return 2
@@ -263,7 +299,8 @@ def main():
     status = 0
     try:
         make_certs()
-        say(cli("policy", "apply", str(POLICY), "--ecds", str(ECDS), "--wasm", str(WASM)).strip())
+        flag = ["--module", str(MODULE)] if HOST == "module" else ["--wasm", str(WASM)]
+        say(cli("policy", "apply", str(POLICY), "--ecds", str(ECDS), *flag).strip())
         sup.start("serve", [
             str(CLI), "serve", "--policy", str(POLICY),
             "--listen", f"127.0.0.1:{port('tenantgate serve sync API')}",
@@ -278,7 +315,7 @@ def main():
             sup.start(name, [
                 str(ENVOY), "-c", str(config), "--concurrency", "2",
                 "--disable-hot-restart", "-l", "warning",
-            ])
+            ], env={"TENANTGATE_NODE_ID": node_id, "TENANTGATE_REGION": region})
         for name, _, _, _, _, admin in NODES:
             sup.wait_ready(name, f"http://127.0.0.1:{port(admin)}/ready")
         banner()

@@ -22,6 +22,9 @@ pub enum Reason {
     RateLimited,
     /// Over a limit in shadow mode (or over a shadow limit): allowed, counted.
     ShadowLimited,
+    /// Over a soft limit (`on_limit: soft`): allowed, uncharged to it, and
+    /// marked for a fallback route.
+    SoftLimited,
     /// Over a global guard (an aggregate limit per node): 503.
     GlobalGuard,
     /// The route has no class and the policy has no `default_route`.
@@ -60,10 +63,11 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 20] = [
+    pub const ALL: [Reason; 21] = [
         Reason::Allowed,
         Reason::RateLimited,
         Reason::ShadowLimited,
+        Reason::SoftLimited,
         Reason::GlobalGuard,
         Reason::Unclassified,
         Reason::Disabled,
@@ -88,6 +92,7 @@ impl Reason {
             Reason::Allowed => "allowed",
             Reason::RateLimited => "rate_limited",
             Reason::ShadowLimited => "shadow_limited",
+            Reason::SoftLimited => "soft_limited",
             Reason::GlobalGuard => "global_guard",
             Reason::Unclassified => "unclassified",
             Reason::Disabled => "disabled",
@@ -179,6 +184,11 @@ pub struct Decision {
     /// With a lease: what each limit of the key has left on the node after
     /// it, for the `RateLimit` headers of the requests the lease serves.
     pub standings: Option<Box<Standings>>,
+    /// Bit i: the plan's limit i was charged (what a late-settled cost is
+    /// settled against, see `crate::cost`).
+    pub charged: u32,
+    /// The class's guard was charged too.
+    pub guard_charged: bool,
 }
 
 /// Each limit's standing on the node after a charge, in the plan's order.
@@ -205,6 +215,8 @@ impl Decision {
             no_lease: false,
             leased: 0,
             standings: None,
+            charged: 0,
+            guard_charged: false,
         }
     }
 

@@ -16,7 +16,7 @@ use crate::policy::{
     self, Classification, Limit, Mode, Policy, RouteClass, MAX_LIMITS_PER_PLAN, ROUTE_METADATA_CLASS_FIELD,
     ROUTE_METADATA_NAMESPACE,
 };
-use crate::sync::{stored, Allowance, NodeView, SyncState};
+use crate::sync::{stored, Admitted, Allowance, NodeView, SyncState};
 use crate::table::{
     self, push_record, push_record_with, Commit, Failure, Overflow, Place, Reach, Record, Records,
     MAX_RECORDS, MAX_RECORDS_LEN, RECORD_HEADER_LEN,
@@ -58,6 +58,10 @@ pub struct Prepared {
     pub class: Rc<RouteClass>,
     pub subject: Subject,
     pub plan: usize,
+    /// What this request is charged on its way in: the class's `cost`, or
+    /// for a class that settles after the response its estimate (see
+    /// `crate::cost`).
+    pub cost: u64,
 }
 
 /// Decides one request.
@@ -82,6 +86,7 @@ pub fn prepare<H: Host>(policy: &Policy, host: &H) -> Result<Prepared, Reason> {
         class: class.clone(),
         subject,
         plan,
+        cost: class.cost,
     })
 }
 
@@ -113,15 +118,16 @@ pub fn charge_synced<H: Host>(
     sync: Option<&SyncState>,
     scratch: &mut Scratch,
 ) -> Decision {
-    charge_leased(policy, req, host, now, sync, req.class.cost, scratch)
+    charge_leased(policy, req, host, now, sync, req.cost, scratch)
 }
 
 /// [`charge_synced`], taking up to `want` units (≥ the request's cost) of
 /// every limit of the key in the same update when they all have them: the
 /// request's cost, and the rest for the worker's lease
 /// ([`Decision::leased`]; see `crate::pipeline::lease`). Only keys whose
-/// every limit is local, enforced and not a sliding log are leased, and
-/// never beside a guard: anything else charges the cost alone.
+/// every limit is local, enforced, hard (not soft) and not a sliding log
+/// are leased, never beside a guard nor for a class whose cost settles
+/// after the response: anything else charges the cost alone.
 pub fn charge_leased<H: Host>(
     policy: &Policy,
     req: &Prepared,
@@ -143,17 +149,16 @@ pub fn charge_leased<H: Host>(
         let mode = req.class.failure_mode.unwrap_or(s.failure_mode);
         state.view(mode, s.provisional, s.local_max_ns, s.timeout_ns, now)
     });
-    let leasable = req.class.guard.is_none() && policy.mode == Mode::Enforce && leasable(&plan.limits);
+    let leasable = req.class.guard.is_none()
+        && req.class.settle.is_none()
+        && policy.mode == Mode::Enforce
+        && leasable(&plan.limits);
     let ctx = Ctx {
         now,
         effective_from: policy.effective_from_ns,
         shadow_mode: policy.mode == Mode::Shadow,
-        cost: req.class.cost,
-        want: if leasable {
-            want.max(req.class.cost)
-        } else {
-            req.class.cost
-        },
+        cost: req.cost,
+        want: if leasable { want.max(req.cost) } else { req.cost },
         headers: policy.ratelimit_headers,
         sync: view,
     };
@@ -171,6 +176,7 @@ pub fn charge_leased<H: Host>(
     let mut decision = tenant.decision(&plan.limits, &plan.ratelimit_policy, Reason::RateLimited, &ctx);
     decision.subject = req.subject.clone();
     decision.leased = tenant.extra;
+    decision.charged = tenant.charged;
     if tenant.extra > 0 {
         decision.standings = Some(Box::new(tenant.standings(plan.limits.len())));
     }
@@ -196,6 +202,7 @@ pub fn charge_leased<H: Host>(
             charged: tenant.charged,
             units: ctx.cost,
             charged_at: now,
+            lease: None,
         };
         decision.refunded = refund(host, &tenant_place, &plan.limits, &back, &ctx, table);
         guard_decision.subject = decision.subject;
@@ -208,6 +215,7 @@ pub fn charge_leased<H: Host>(
         decision.reason = Reason::ShadowLimited;
         decision.limit = guard_decision.limit;
     }
+    decision.guard_charged = guarded.charged != 0;
     decision
 }
 
@@ -274,6 +282,8 @@ struct Applied {
     denied: bool,
     /// Some limit would deny but does not enforce (shadow limit or mode).
     shadow_denied: bool,
+    /// The first soft limit (`on_limit: soft`) that would deny.
+    soft: Option<usize>,
     binding: Option<Binding>,
     /// Per limit, after this request.
     report: [Standing; MAX_RECORDS],
@@ -294,6 +304,7 @@ impl Applied {
             failure: None,
             denied: false,
             shadow_denied: false,
+            soft: None,
             binding: None,
             report: [Standing::default(); MAX_RECORDS],
             charged: 0,
@@ -340,6 +351,22 @@ impl Applied {
             format!("\"{}\";r={};t={}", l.name, s.remaining, ceil_secs(s.reset_ns))
         };
         match self.binding {
+            // Over a soft limit only (and not in shadow mode): admitted,
+            // marked with the soft limit, reported like any admission.
+            _ if !self.denied && !ctx.shadow_mode && self.soft.is_some() => {
+                d.reason = Reason::SoftLimited;
+                d.limit = self
+                    .soft
+                    .and_then(|i| limits.get(i))
+                    .map(|l| LimitName::Rate(l.name.clone()));
+                if ctx.headers {
+                    let ratelimit = (0..limits.len()).map(item).collect::<Vec<_>>().join(", ");
+                    d.headers = Some(RateLimitHeaders {
+                        policy: policy_header.to_owned(),
+                        ratelimit,
+                    });
+                }
+            }
             Some(b) if self.denied || self.shadow_denied => {
                 if ctx.headers {
                     let l = &limits[b.limit];
@@ -473,12 +500,14 @@ fn check_limits(
 }
 
 /// Whether a plan's limits can be leased to a worker (see
-/// [`charge_leased`]): every one local, enforced, and not a sliding log
-/// (whose log of instants a lease spent later would make inexact).
+/// [`charge_leased`]): every one enforced, hard (a soft limit's marking is
+/// decided request by request) and not a sliding log (whose log of instants
+/// a lease spent later would make inexact). A global limit leases only from
+/// the node's live service lease.
 fn leasable(limits: &[Limit]) -> bool {
     limits
         .iter()
-        .all(|l| !l.global && !l.shadow && !matches!(l.algo, Algo::SlidingWindowLog(_)))
+        .all(|l| !l.shadow && !l.soft && !matches!(l.algo, Algo::SlidingWindowLog(_)))
 }
 
 /// Takes `extra` units more than the request's cost from every limit, the
@@ -497,6 +526,7 @@ fn lease_states(
             Some(Loaded::Local(live, Some(_))) if !matches!(live.algo, Algo::SlidingWindowLog(_)) => {
                 extra = extra.min(applied.report.get(i).map_or(0, |r| r.remaining));
             }
+            Some(Loaded::Global(_, Some(charged))) => extra = extra.min(charged.leasable(ctx.now)),
             _ => extra = 0,
         }
     }
@@ -504,27 +534,53 @@ fn lease_states(
         return;
     }
     let cost = ctx.cost.saturating_add(extra);
-    let mut leased: [Option<(State, Standing)>; MAX_RECORDS] = Default::default();
+    let mut leased: [Option<(Leased, Standing)>; MAX_RECORDS] = Default::default();
     for (slot, loaded) in leased.iter_mut().zip(states.iter()).take(limits.len()) {
-        let Some(Loaded::Local(live, _)) = loaded else {
-            return;
+        *slot = match loaded {
+            Some(Loaded::Local(live, _)) => match live.algo.check(&live.state, ctx.now, cost) {
+                Outcome::Admit {
+                    state,
+                    remaining,
+                    reset_ns,
+                } => Some((Leased::Local(state), Standing { remaining, reset_ns })),
+                Outcome::Deny { .. } => return,
+            },
+            Some(Loaded::Global(_, Some(charged))) => {
+                let (Some(view), mut more) = (ctx.sync.as_ref(), *charged) else {
+                    return;
+                };
+                if more.take(view, extra, ctx.now) != Ok(Admitted::Lease) {
+                    return;
+                }
+                let standing = Standing {
+                    remaining: more.available(ctx.now),
+                    reset_ns: view.interval_ns,
+                };
+                Some((Leased::Global(more), standing))
+            }
+            _ => return,
         };
-        match live.algo.check(&live.state, ctx.now, cost) {
-            Outcome::Admit {
-                state,
-                remaining,
-                reset_ns,
-            } => *slot = Some((state, Standing { remaining, reset_ns })),
-            Outcome::Deny { .. } => return,
-        }
     }
     for (i, (slot, lease)) in states.iter_mut().zip(leased).enumerate().take(limits.len()) {
-        if let (Some(Loaded::Local(_, charged)), Some((state, standing))) = (slot, lease) {
-            *charged = Some(state);
-            applied.report[i] = standing;
+        match (slot, lease) {
+            (Some(Loaded::Local(_, charged)), Some((Leased::Local(state), standing))) => {
+                *charged = Some(state);
+                applied.report[i] = standing;
+            }
+            (Some(Loaded::Global(_, charged)), Some((Leased::Global(a), standing))) => {
+                *charged = Some(a);
+                applied.report[i] = standing;
+            }
+            _ => {}
         }
     }
     applied.extra = extra;
+}
+
+/// A limit's state after a lease's take (see [`lease_states`]).
+enum Leased {
+    Local(State),
+    Global(Allowance),
 }
 
 /// Limit `i`'s outcome into `applied`: its standing, and whether it denies
@@ -543,16 +599,23 @@ fn note_outcome(applied: &mut Applied, limits: &[Limit], i: usize, outcome: &Out
             reset_ns,
         } => {
             applied.report[i] = Standing { remaining, reset_ns };
-            let shadow = limits.get(i).is_some_and(|l| l.shadow);
-            if shadow {
+            let soft = limits.get(i).is_some_and(|l| l.soft);
+            let shadow = limits.get(i).is_some_and(|l| l.shadow) || soft;
+            if soft {
+                // Never denies; over it, the request is marked (or, in
+                // shadow mode, counted as shadow_limited).
+                applied.soft = applied.soft.or(Some(i));
+                applied.shadow_denied = true;
+            } else if shadow {
                 applied.shadow_denied = true;
             } else {
                 applied.denied = true;
             }
+            let enforced = |l: &Limit| !l.shadow && !l.soft;
             let rank = (!shadow, wait_ns);
             if applied
                 .binding
-                .is_none_or(|b| rank > (!limits[b.limit].shadow, b.wait_ns))
+                .is_none_or(|b| rank > (enforced(&limits[b.limit]), b.wait_ns))
             {
                 applied.binding = Some(Binding { limit: i, wait_ns });
             }
@@ -711,11 +774,46 @@ fn check_global(record: Option<&Record<'_>>, view: &NodeView, ctx: &Ctx) -> Glob
 }
 
 /// What [`refund`] gives back: `units` of the limits in `charged`, charged
-/// at `charged_at`.
+/// at `charged_at`. `lease`: a worker's lease going back, whose `spent`
+/// units its requests used (a global limit's allowance takes it back too,
+/// and counts them as demand); otherwise a refused request's charge, which
+/// a global limit keeps (it errs toward admitting less).
 struct Back {
     charged: u32,
     units: u64,
     charged_at: u64,
+    lease: Option<Spent>,
+}
+
+/// The units a worker's requests spent from its lease.
+#[derive(Debug, Clone, Copy)]
+struct Spent(u64);
+
+/// A change to a key's charged limits after its charge ([`adjust`]).
+#[derive(Debug, Clone, Copy)]
+enum Change {
+    /// Give `units` back (a refusal later in the chain, a settled cost
+    /// below its estimate).
+    Back(u64),
+    /// A worker's lease returned: `units` it did not spend go back, and
+    /// the `spent` units its requests took count as demand on a global
+    /// limit ([`Allowance::give_back_lease`]); a local limit takes the
+    /// units back as from a refusal.
+    LeaseBack { units: u64, spent: u64 },
+    /// Charge `units` more without admission (a settled cost above its
+    /// estimate), into debt up to each limit's `max_debt`.
+    More(u64),
+}
+
+/// What a settlement (or a refund) did to a key's limits.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Adjusted {
+    /// The key's entry was written.
+    pub written: bool,
+    /// The most units any limit could not take (its debt allowance full).
+    pub written_off: u64,
+    /// The most units any adjusted limit owes afterwards (0: none in debt).
+    pub owed: u64,
 }
 
 /// Gives back a charge (a later check denied the request, or a worker
@@ -729,31 +827,227 @@ fn refund<H: Host>(
     ctx: &Ctx,
     buffers: &mut table::Buffers,
 ) -> bool {
-    let updated = table::update(host, place, &Reach::Existing, ctx.now, buffers, |records, out| {
-        let Some(records) = records else {
-            return (Commit::Skip, ());
-        };
-        out.push(records.len() as u8);
-        for r in records.iter() {
+    let change = match back.lease {
+        Some(Spent(spent)) => Change::LeaseBack {
+            units: back.units,
+            spent,
+        },
+        None => Change::Back(back.units),
+    };
+    adjust(
+        host,
+        place,
+        limits,
+        back.charged,
+        change,
+        back.charged_at,
+        ctx,
+        buffers,
+    )
+    .written
+}
+
+/// Applies `change` to the limits in `charged` (bit i: `limits[i]`) of the
+/// key at `place`, charged at `charged_at`: one update of the key table
+/// (see [`table::update`]); records of other limits are kept as they are.
+/// A global limit's allowance takes it on its lease (see
+/// `crate::sync::node`, "Costs settled after the response"). Giving back
+/// needs the key in the table; charging more takes a slot if the key lost
+/// its own (idle and reclaimed during a long stream) and starts a missing
+/// local record fresh (a missing allowance is not: none of this node's
+/// lease is in it any more). Best effort: returns what was written.
+#[allow(clippy::too_many_arguments)]
+fn adjust<H: Host>(
+    host: &H,
+    place: &Place<'_>,
+    limits: &[Limit],
+    charged: u32,
+    change: Change,
+    charged_at: u64,
+    ctx: &Ctx,
+    buffers: &mut table::Buffers,
+) -> Adjusted {
+    let limits = &limits[..limits.len().min(MAX_LIMITS_PER_PLAN).min(MAX_RECORDS)];
+    let more = matches!(change, Change::More(_));
+    let reach = if more { &CHARGE } else { &Reach::Existing };
+    let is_charged = |i: usize, l: &Limit| charged & (1 << i) != 0 && !l.global;
+    let updated = table::update(host, place, reach, ctx.now, buffers, |records, out| {
+        let mut adjusted = Adjusted::default();
+        if records.is_none() && !more {
+            return (Commit::Skip, adjusted);
+        }
+        let count_at = out.len();
+        out.push(0);
+        let mut count = 0u8;
+        for r in records.iter().flat_map(|rs| rs.iter()) {
             let limit = limits
                 .iter()
                 .enumerate()
                 .find(|(_, l)| l.name_hash == r.name_hash);
             match limit {
-                // A lease charge is not given back (it errs toward admitting less).
-                Some((i, l))
-                    if back.charged & (1 << i) != 0 && !(l.global && r.kind == kind::GLOBAL_ALLOWANCE) =>
-                {
+                Some((i, l)) if is_charged(i, l) && r.kind != kind::GLOBAL_ALLOWANCE => {
                     let current = l.algo.load(Some(r), ctx.effective_from, ctx.now);
-                    let refunded = current.algo.refund(&current.state, back.units, back.charged_at);
-                    push_local(out, r.name_hash, &current, &refunded, ctx.now);
+                    let state = change_state(&current, change, charged_at, ctx.now, &mut adjusted);
+                    push_local(out, r.name_hash, &current, &state, ctx.now);
+                }
+                Some((i, l)) if l.global && charged & (1 << i) != 0 && r.kind == kind::GLOBAL_ALLOWANCE => {
+                    match stored::decode_allowance(r.state) {
+                        Some(mut a) => {
+                            change_allowance(&mut a, l, change, ctx.now, &mut adjusted);
+                            push_record_with(out, r.name_hash, r.kind, r.p1, r.p2, |o| {
+                                stored::encode_allowance(&a, o)
+                            });
+                        }
+                        None => push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state),
+                    }
                 }
                 _ => push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state),
             }
+            count = count.saturating_add(1);
         }
-        (Commit::Write, ())
+        if more {
+            for (i, l) in limits.iter().enumerate() {
+                let stored = records.is_some_and(|rs| rs.iter().any(|r| r.name_hash == l.name_hash));
+                if stored || !is_charged(i, l) || usize::from(count) >= MAX_RECORDS {
+                    continue;
+                }
+                let fresh = l.algo.load(None, ctx.effective_from, ctx.now);
+                let state = change_state(&fresh, change, charged_at, ctx.now, &mut adjusted);
+                push_local(out, l.name_hash, &fresh, &state, ctx.now);
+                count += 1;
+            }
+        }
+        out[count_at] = count;
+        (Commit::Write, adjusted)
     });
-    updated.is_ok_and(|u| u.written)
+    match updated {
+        Ok(u) => Adjusted {
+            written: u.written,
+            ..u.result
+        },
+        Err(_) => Adjusted::default(),
+    }
+}
+
+/// One limit's state after `change`, noting what it wrote off and owes.
+fn change_state(live: &Live, change: Change, charged_at: u64, now: u64, adjusted: &mut Adjusted) -> State {
+    let state = match change {
+        Change::Back(units) | Change::LeaseBack { units, .. } => {
+            live.algo.refund(&live.state, units, charged_at)
+        }
+        Change::More(units) => {
+            let (state, lost) = live.algo.settle_more(&live.state, units, charged_at, now);
+            adjusted.written_off = adjusted.written_off.max(lost);
+            state
+        }
+    };
+    adjusted.owed = adjusted.owed.max(live.algo.debt(&state, now));
+    state
+}
+
+/// A global limit's allowance after `change` (see `crate::sync::node`,
+/// "Costs settled after the response"), noting what it wrote off and owes.
+fn change_allowance(a: &mut Allowance, l: &Limit, change: Change, now: u64, adjusted: &mut Adjusted) {
+    match change {
+        Change::Back(units) => a.give_back(units, now),
+        Change::LeaseBack { units, spent } => a.give_back_lease(units, spent, now),
+        Change::More(units) => {
+            let lost = a.settle_more(units, l.max_debt, now);
+            adjusted.written_off = adjusted.written_off.max(lost);
+        }
+    }
+    adjusted.owed = adjusted.owed.max(a.owed);
+}
+
+/// A late-settled cost's difference to what the request was charged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Difference {
+    /// The real cost was this much more: charged without admission.
+    More(u64),
+    /// The real cost was this much less: given back.
+    Less(u64),
+}
+
+/// What a request was charged, for its late settlement (see `crate::cost`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Charged {
+    /// Bit i: the plan's limit i ([`Decision::charged`]).
+    pub limits: u32,
+    /// The class's guard too ([`Decision::guard_charged`]).
+    pub guard: bool,
+    /// When.
+    pub at: u64,
+}
+
+/// Settles the difference between a request's real cost and what it was
+/// charged: charged without admission (into debt, up to each limit's
+/// `max_debt`) or given back, through the key table's update, to every
+/// limit it was charged against, then to its class's guard. Best effort
+/// (a failed write is lost, like a refund's). Returns the tenant's
+/// key's [`Adjusted`] (the guard's write-offs and debt are not reported).
+pub fn settle<H: Host>(
+    policy: &Policy,
+    req: &Prepared,
+    host: &H,
+    charged: &Charged,
+    difference: Difference,
+    now: u64,
+    scratch: &mut Scratch,
+) -> Adjusted {
+    let Some(plan) = policy.plan(req.plan) else {
+        return Adjusted::default();
+    };
+    let change = match difference {
+        Difference::More(0) | Difference::Less(0) => return Adjusted::default(),
+        Difference::More(units) => Change::More(units),
+        Difference::Less(units) => Change::Back(units),
+    };
+    let ctx = Ctx {
+        now,
+        effective_from: policy.effective_from_ns,
+        shadow_mode: false,
+        cost: 0,
+        want: 0,
+        headers: false,
+        sync: None,
+    };
+    let Scratch { key, table } = scratch;
+    write_logical_key(key, &req.class.action, &req.subject);
+    let place = Place::Table {
+        logical: key.as_bytes(),
+        entries: policy.key_table_entries,
+        overflow: Overflow {
+            action: &req.class.action,
+            plan: &plan.name,
+        },
+    };
+    let adjusted = adjust(
+        host,
+        &place,
+        &plan.limits,
+        charged.limits,
+        change,
+        charged.at,
+        &ctx,
+        table,
+    );
+    if let (true, Some(guard)) = (charged.guard, req.class.guard.and_then(|g| policy.guard(g))) {
+        let every = 1u32
+            .checked_shl(u32::try_from(guard.limits.len()).unwrap_or(32))
+            .map_or(u32::MAX, |b| b.wrapping_sub(1));
+        let place = Place::Fixed { key: &guard.key };
+        adjust(
+            host,
+            &place,
+            &guard.limits,
+            every,
+            change,
+            charged.at,
+            &ctx,
+            table,
+        );
+    }
+    adjusted
 }
 
 /// Gives `units` of a worker's lease on `req`'s key back to every limit of
@@ -761,11 +1055,13 @@ fn refund<H: Host>(
 /// takes back only within the window they were charged in). Best effort:
 /// units that cannot be given back are lost, which errs toward admitting
 /// less. Returns whether it was written.
+#[allow(clippy::too_many_arguments)]
 pub fn give_back<H: Host>(
     policy: &Policy,
     req: &Prepared,
     host: &H,
     units: u64,
+    spent: u64,
     taken_at: u64,
     now: u64,
     scratch: &mut Scratch,
@@ -799,6 +1095,7 @@ pub fn give_back<H: Host>(
             .map_or(u32::MAX, |b| b.wrapping_sub(1)),
         units,
         charged_at: taken_at,
+        lease: Some(Spent(spent)),
     };
     refund(host, &place, limits, &back, &ctx, table)
 }

@@ -26,6 +26,13 @@ pub trait Host {
     /// (on the response body's callback).
     fn response_body(&self, len: usize) -> Option<Vec<u8>>;
 
+    /// A response trailer's raw bytes (on the response trailers' callback).
+    fn response_trailer(&self, name: &str) -> Option<Vec<u8>>;
+
+    /// The first `len` bytes of the request body chunk being delivered (on
+    /// the request body's callback).
+    fn request_body(&self, len: usize) -> Option<Vec<u8>>;
+
     /// A property's raw bytes, e.g. `["xds", "route_name"]`.
     fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
 

@@ -15,6 +15,7 @@
 //! on the root tick for policies with global limits.
 
 pub mod admission;
+pub mod cost;
 pub mod decision;
 pub mod engine;
 pub mod host;

@@ -55,9 +55,12 @@ impl SharedStore {
 #[derive(Debug, Clone)]
 pub struct MemoryHost {
     pub headers: Vec<(String, Vec<u8>)>,
-    /// The response's headers and body chunk (for the response callbacks).
+    /// The response's headers, body chunk and trailers (for the response
+    /// callbacks), and the request's body chunk.
     pub response_headers: Vec<(String, Vec<u8>)>,
     pub response_body: Vec<u8>,
+    pub response_trailers: Vec<(String, Vec<u8>)>,
+    pub request_body: Vec<u8>,
     pub properties: Vec<(Vec<String>, Vec<u8>)>,
     pub store: Rc<RefCell<SharedStore>>,
     /// Makes every shared-data call fail, like a broken host.
@@ -84,6 +87,8 @@ impl MemoryHost {
             headers: Vec::new(),
             response_headers: Vec::new(),
             response_body: Vec::new(),
+            response_trailers: Vec::new(),
+            request_body: Vec::new(),
             properties: Vec::new(),
             store,
             fail_shared: false,
@@ -140,6 +145,22 @@ impl Host for MemoryHost {
         Some(
             self.response_body
                 .get(..len.min(self.response_body.len()))?
+                .to_vec(),
+        )
+    }
+
+    fn response_trailer(&self, name: &str) -> Option<Vec<u8>> {
+        let name = name.to_ascii_lowercase();
+        self.response_trailers
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.clone())
+    }
+
+    fn request_body(&self, len: usize) -> Option<Vec<u8>> {
+        Some(
+            self.request_body
+                .get(..len.min(self.request_body.len()))?
                 .to_vec(),
         )
     }

@@ -252,6 +252,72 @@ impl LeaseStat {
     }
 }
 
+/// A route class's late-settled cost counters and sample
+/// (`tenantgate.cost.<name>.<class>`, see `crate::cost`): bounded by the
+/// policy's classes, never one per tenant (a tenant's costs are in the
+/// access log's `tenantgate_cost` record).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CostStat {
+    /// Units charged on requests as estimates.
+    EstimatedUnits,
+    /// Real costs settled (after the ceiling and the rule).
+    SettledUnits,
+    /// Streams settled.
+    Settles,
+    /// Real costs above their estimates: the units charged at the end.
+    OverUnits,
+    /// Real costs below their estimates: the units given back.
+    UnderUnits,
+    /// Figures above the ceiling, cut to it.
+    Cut,
+    /// Units a limit's debt allowance could not hold.
+    WrittenOffUnits,
+    /// Settlements that left the key in debt.
+    InDebt,
+    /// Streams that ended without a usable figure, by cause.
+    Unusable(crate::cost::Unusable),
+    /// Histogram: the real cost in percent of the estimate (100: exact).
+    RatioPct,
+}
+
+impl CostStat {
+    pub const ALL: [CostStat; 13] = [
+        CostStat::EstimatedUnits,
+        CostStat::SettledUnits,
+        CostStat::Settles,
+        CostStat::OverUnits,
+        CostStat::UnderUnits,
+        CostStat::Cut,
+        CostStat::WrittenOffUnits,
+        CostStat::InDebt,
+        CostStat::Unusable(crate::cost::Unusable::Reset),
+        CostStat::Unusable(crate::cost::Unusable::Missing),
+        CostStat::Unusable(crate::cost::Unusable::Malformed),
+        CostStat::Unusable(crate::cost::Unusable::TooLarge),
+        CostStat::RatioPct,
+    ];
+
+    fn write_name(self, out: &mut String) -> std::fmt::Result {
+        use std::fmt::Write;
+        match self {
+            CostStat::EstimatedUnits => out.write_str("estimated_units"),
+            CostStat::SettledUnits => out.write_str("settled_units"),
+            CostStat::Settles => out.write_str("settles"),
+            CostStat::OverUnits => out.write_str("over_units"),
+            CostStat::UnderUnits => out.write_str("under_units"),
+            CostStat::Cut => out.write_str("cut_to_ceiling"),
+            CostStat::WrittenOffUnits => out.write_str("written_off_units"),
+            CostStat::InDebt => out.write_str("in_debt"),
+            CostStat::Unusable(u) => write!(out, "unusable_{}", u.as_str()),
+            CostStat::RatioPct => out.write_str("ratio_pct"),
+        }
+    }
+
+    fn index(self) -> usize {
+        Self::ALL.iter().position(|s| *s == self).unwrap_or(0)
+    }
+}
+
 /// Every metric the filter reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Metric<'a> {
@@ -327,6 +393,8 @@ pub enum Metric<'a> {
     /// `tenantgate.admission.breaker_probes.<dependency>`: requests let
     /// through as half-open probes.
     BreakerProbes(&'a str),
+    /// `tenantgate.cost.<stat>.<class>`: a route class's settled costs.
+    Cost(&'a str, CostStat),
 }
 
 impl Metric<'_> {
@@ -334,6 +402,7 @@ impl Metric<'_> {
     pub fn kind(&self) -> Kind {
         match self {
             Metric::Sync(s) => s.kind(),
+            Metric::Cost(_, CostStat::RatioPct) => Kind::Histogram,
             Metric::DegradedLastAgeMs
             | Metric::InFlight(_)
             | Metric::ActionInFlight(_)
@@ -395,6 +464,10 @@ impl Metric<'_> {
             Metric::BreakerRamp(d) => write!(out, "tenantgate.admission.breaker_ramp_permille.{d}"),
             Metric::BreakerEntered(d, p) => write!(out, "tenantgate.admission.breaker_{}.{d}", p.entered()),
             Metric::BreakerProbes(d) => write!(out, "tenantgate.admission.breaker_probes.{d}"),
+            Metric::Cost(class, stat) => out
+                .write_str("tenantgate.cost.")
+                .and_then(|()| stat.write_name(out))
+                .and_then(|()| write!(out, ".{class}")),
         };
     }
 
@@ -459,6 +532,9 @@ pub fn policy_metrics(policy: &crate::policy::Policy) -> Vec<Metric<'_>> {
         }
     }
     all.extend(policy.actions.iter().map(|a| Metric::ActionInFlight(&a.name)));
+    for class in policy.route_classes().filter(|c| c.settle.is_some()) {
+        all.extend(CostStat::ALL.map(|s| Metric::Cost(&class.name, s)));
+    }
     all
 }
 
@@ -517,7 +593,13 @@ pub struct Pending {
     rare: Vec<(Metric<'static>, u64)>,
     /// Rare counters named by a dependency: `(metric, dependency)`.
     named: Vec<(NamedCounter, String, u64)>,
+    /// Settled-cost counters by route class, and their ratio samples.
+    costs: Vec<(String, [u64; CostStat::ALL.len()], Vec<u64>)>,
 }
+
+/// The most estimate-ratio samples a worker keeps per class between ticks
+/// (beyond: not sampled until the tick).
+pub const MAX_RATIO_SAMPLES: usize = 64;
 
 /// A counter of one dependency, kept by name until the tick.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -594,6 +676,29 @@ impl Pending {
         }
     }
 
+    /// Adds `n` to a class's settled-cost counter (the ratio histogram
+    /// takes `n` as one sample).
+    pub fn cost(&mut self, class: &str, stat: CostStat, n: u64) {
+        let i = match self.costs.iter().position(|(c, _, _)| c == class) {
+            Some(i) => i,
+            None => {
+                self.costs
+                    .push((class.to_owned(), [0; CostStat::ALL.len()], Vec::new()));
+                self.costs.len() - 1
+            }
+        };
+        let Some((_, counts, samples)) = self.costs.get_mut(i) else {
+            return;
+        };
+        if stat == CostStat::RatioPct {
+            if samples.len() < MAX_RATIO_SAMPLES {
+                samples.push(n);
+            }
+        } else if let Some(c) = counts.get_mut(stat.index()) {
+            bump(c, n);
+        }
+    }
+
     /// Gives every count to `stats` and clears it.
     pub fn flush(&mut self, stats: &mut dyn Stats) {
         let mut give = |m: Metric<'_>, n: &mut u64| {
@@ -634,6 +739,16 @@ impl Pending {
                 NamedCounter::BreakerProbes => Metric::BreakerProbes(&dep),
             };
             give(m, &mut n);
+        }
+        for (class, counts, _) in &mut self.costs {
+            for (s, n) in CostStat::ALL.iter().zip(counts.iter_mut()) {
+                give(Metric::Cost(class, *s), n);
+            }
+        }
+        for (class, _, samples) in &mut self.costs {
+            for v in samples.drain(..) {
+                stats.set(&Metric::Cost(class, CostStat::RatioPct), v);
+            }
         }
     }
 }

@@ -40,6 +40,18 @@
 //! only decide whether a failure mode runs at all. [`crate::bound`]
 //! computes the value.
 //!
+//! **Costs settled after the response** (a route class with `settle:`,
+//! the filter's `cost` module): nodes charge an estimate `E` per request
+//! and settle its real cost (at most the ceiling `C`) at the stream's end,
+//! on their lease, or owed (at most the limit's `max_debt` `D` per node,
+//! paid out of later leases first; beyond, written off): what a node
+//! reports never exceeds its leases on account of it, so this allocator is
+//! unchanged, and counting each request's real cost at its admission a
+//! window admits at most the bound above plus `M·(C − E) + N·D + W_off`
+//! (`M` requests in flight at once over all nodes, `W_off` units written
+//! off in the window). The simulator measures it with
+//! `SimConfig::late` (`tests/sim.rs`, `late_settlement_…`).
+//!
 //! Outside the bound: a key the service cannot lease (a limit its policy
 //! lacks, a key the node's full table charges to its overflow entry, which
 //! is never reported). After waiting `2·I + D` for a lease such a key runs

@@ -22,6 +22,13 @@
 //! the time to converge after each change, and THE BOUND's value beside
 //! the measured overrun.
 //!
+//! With [`SimConfig::late`], the route's cost is known only after the
+//! response (`tenantgate::cost`): each request is charged its estimate `E`
+//! when admitted, its stream lasts a random time, and its real cost `C` (the
+//! ceiling: the adversary) is settled at its end through the filter's own
+//! `engine::settle`. Admissions are counted at their real cost, and the
+//! bound gains the late-settlement term ([`LateReport`]).
+//!
 //! [`Allocator`]: crate::alloc::Allocator
 
 mod metrics;
@@ -99,6 +106,21 @@ pub struct SimConfig {
     pub clock_skew_ns: u64,
     /// The filter's key table: `key_table.max_keys`.
     pub max_keys: u64,
+    /// Costs settled after the response (`None`: every cost is known on
+    /// the request).
+    pub late: Option<LateSettlement>,
+}
+
+/// A route whose cost is known only after the response: `max_cost` is its
+/// estimate `E`, charged on the request; every answer really costs
+/// `ceiling` (`C`, the adversary's), settled when its stream ends, a
+/// uniform `stream_ns` range after it was admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LateSettlement {
+    pub ceiling: u64,
+    /// The global limit's `max_debt` (units a node may owe per key).
+    pub max_debt: u64,
+    pub stream_ns: (u64, u64),
 }
 
 impl Default for SimConfig {
@@ -123,6 +145,7 @@ impl Default for SimConfig {
             tick_ns: 50_000_000,
             clock_skew_ns: 2 * NANOS_PER_SEC,
             max_keys: 64,
+            late: None,
         }
     }
 }
@@ -137,6 +160,29 @@ pub struct BoundReport {
     pub max_window: u64,
     /// Units allowed beyond `L + B`.
     pub extra: u64,
+}
+
+/// Late settlement's term of the bound, beside what was measured: with `M`
+/// requests in flight at once (over all nodes, at most), each settling at
+/// most `C − E` after its window, `N` nodes each owing at most `D` per
+/// key, and `W` units written off in a window, a window admits at most
+/// THE BOUND's `max_window` + `M·(C − E) + N·D + W` in real cost (see the
+/// filter's `cost` module and `sync::node`, "Costs settled after the
+/// response").
+#[derive(Debug, Clone, Serialize)]
+pub struct LateReport {
+    pub estimate: u64,
+    pub ceiling: u64,
+    pub max_debt: u64,
+    /// `M`: the most requests in flight at once, over all nodes.
+    pub max_in_flight: u64,
+    /// Units written off over the run, and the most in any window (`W`).
+    pub written_off: u64,
+    pub written_off_max_window: u64,
+    /// `M·(C − E) + N·D + W`.
+    pub term: u64,
+    /// THE BOUND's `max_window` plus the term.
+    pub max_window: u64,
 }
 
 /// One scenario's result: one JSON object.
@@ -206,6 +252,8 @@ pub struct Outcome {
     /// Issue 21, for a burst from cold: the units admitted within two sync
     /// intervals of the key's first request ÷ min(B, demand then), %.
     pub burst_pct: Option<f64>,
+    /// Issue 24, costs settled after the response ([`SimConfig::late`]).
+    pub late: Option<LateReport>,
 }
 
 /// A finished run: its outcome and per-second series.
@@ -271,6 +319,26 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
     });
     let allowed = cfg.limit + cfg.burst;
     let measured_extra = max as i64 - allowed as i64;
+    let late = cfg.late.map(|l| {
+        let written_off_max_window =
+            metrics::max_window(&trace.written_off, (cfg.window_ns / cfg.tick_ns) as usize);
+        let term = trace
+            .max_in_flight
+            .saturating_mul(l.ceiling.saturating_sub(cfg.max_cost))
+            .saturating_add(topo.nodes().saturating_mul(l.max_debt))
+            .saturating_add(written_off_max_window);
+        LateReport {
+            estimate: cfg.max_cost,
+            ceiling: l.ceiling,
+            max_debt: l.max_debt,
+            max_in_flight: trace.max_in_flight,
+            written_off: trace.written_off.iter().sum(),
+            written_off_max_window,
+            term,
+            max_window: terms.max_window().saturating_add(term),
+        }
+    });
+    let max_window = late.as_ref().map_or(terms.max_window(), |l| l.max_window);
     let window_ticks = (cfg.window_ns / cfg.tick_ns) as usize;
     let min_window = metrics::min_window(&trace.admitted, window_ticks, window_ticks);
     // r·w/N ≥ 10 units: w ≥ 10·N·W/L, rounded up to whole windows.
@@ -311,7 +379,7 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
             max_window: terms.max_window(),
             extra: terms.extra(),
         },
-        within_bound: max <= terms.max_window(),
+        within_bound: max <= max_window,
         utilisation_pct: round2(metrics::utilisation(&admitted_per_s, &demand_per_s, rate_per_s)),
         converge_s: metrics::converge(
             &admitted_per_s,
@@ -339,6 +407,7 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
         outage_window_pct,
         outage_node_min_pct,
         burst_pct,
+        late,
     };
     Ok(Run {
         outcome,

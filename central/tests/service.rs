@@ -677,7 +677,14 @@ async fn under_load(
 /// lease is unchanged.
 async fn hostile_nodes_change_nothing(b: Backend) {
     const MAX_SESSIONS: u64 = 2_000;
-    let policy = policy_file(POLICY_V1);
+    // A 1 s deadline (half the callout timeout): what is under test is that
+    // hostile requests change nothing and leave the honest node served, not
+    // the default 250 ms deadline on a loaded machine (CI saw an honest
+    // request answered 503 at 250 ms with the load average at 11).
+    let policy = policy_file(&POLICY_V1.replace(
+        "sync: { cluster: tenantgate }",
+        "sync: { cluster: tenantgate, interval: 4s, timeout: 2s }",
+    ));
     let clock = Arc::new(ManualClock::new(T0));
     let service = Service::with_limits(
         b.store(),

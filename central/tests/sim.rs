@@ -387,3 +387,75 @@ fn an_outage_after_a_shift_and_a_cold_burst_serve_the_tenant_within_the_bound() 
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// Issue 24 on the filter's code (the engine's charge and `engine::settle`,
+/// `sync::shared` over the fake host, the real allocator): the adversary
+/// whose every answer costs the ceiling `C` against a low estimate `E`,
+/// with streams of 2 to 20 s (many in flight), at 100/min (`E` 5, `C` 50)
+/// and 10,000/min (`E` 10, `C` 100), each limit's `max_debt` its burst, on
+/// 3 and 10 nodes: every window's real cost within THE BOUND plus
+/// `M·(C − E) + N·D + W` (the most requests in flight at once, what nodes
+/// may owe, what was written off), and the long-run rate held.
+#[test]
+fn late_settlement_the_adversary_at_the_ceiling_stays_within_the_restated_bound() {
+    let topo = |regions, nodes_per_region| Topology {
+        regions,
+        nodes_per_region,
+    };
+    const S: u64 = 1_000_000_000;
+    let mut jobs = Vec::new();
+    for (limit, estimate, ceiling) in [(100, 5, 50), (10_000, 10, 100)] {
+        for t in [topo(1, 3), topo(2, 5)] {
+            let cfg = SimConfig {
+                late: Some(sim::LateSettlement {
+                    ceiling,
+                    max_debt: limit,
+                    stream_ns: (2 * S, 20 * S),
+                }),
+                ..per_minute(limit, estimate, 240)
+            };
+            jobs.push((t, cfg));
+        }
+    }
+    let spec = sim::scenario::late_settlement();
+    let run = |(t, cfg): &(Topology, SimConfig)| {
+        let r = sim::run(&spec, *t, cfg, SEED).unwrap();
+        // Real cost admitted after the first window, per window's worth of
+        // the limit: the long-run rate.
+        let after: u64 = r.admitted_per_s.iter().skip(60).sum();
+        let windows = (r.admitted_per_s.len().saturating_sub(60)) as f64 / 60.0;
+        (
+            100.0 * after as f64 / (r.outcome.limit as f64 * windows),
+            r.outcome,
+        )
+    };
+    let (odd, even): (Vec<_>, Vec<_>) = std::thread::scope(|s| {
+        let odd = s.spawn(|| jobs.iter().skip(1).step_by(2).map(run).collect::<Vec<_>>());
+        let even = jobs.iter().step_by(2).map(run).collect::<Vec<_>>();
+        (odd.join().unwrap(), even)
+    });
+    let mut failures = Vec::new();
+    for (used_pct, o) in even.into_iter().chain(odd) {
+        let late = o.late.clone().unwrap();
+        let line = format!(
+            "{} late: E {} C {} D {} M {} written off {} (max in a window {}) term {} bound {}; real cost after the first window {used_pct:.1}% of the limit",
+            users_line(&o),
+            late.estimate,
+            late.ceiling,
+            late.max_debt,
+            late.max_in_flight,
+            late.written_off,
+            late.written_off_max_window,
+            late.term,
+            late.max_window
+        );
+        eprintln!("{line}");
+        if !o.within_bound {
+            failures.push(format!("bound: {line}"));
+        }
+        if late.max_in_flight < 5 {
+            failures.push(format!("too few in flight to test anything: {line}"));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}

@@ -4,5 +4,8 @@
 pub mod ecds;
 pub mod explain;
 pub mod http;
+pub mod import;
+pub mod manifests;
+pub mod oci;
 pub mod policy_file;
 pub mod top;

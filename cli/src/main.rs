@@ -36,6 +36,9 @@ enum Command {
     /// Who is being limited now: the service's top keys by demand and by
     /// denials per region (its admin listener's /v1/top). Quit with q.
     Top(TopArgs),
+    /// The filter's .wasm as an OCI image layout (the Wasm image Istio and
+    /// Envoy Gateway pull); prints its digest and the .wasm's sha256.
+    Package(PackageArgs),
 }
 
 #[derive(Args)]
@@ -189,6 +192,22 @@ enum PolicyCommand {
     /// What reloading OLD -> NEW does to live state. Exit 0: no change,
     /// 1: changes, 2: an error (like `diff`).
     Diff { old: PathBuf, new: PathBuf },
+    /// The equivalent tenantgate policy of envoyproxy/ratelimit
+    /// configuration files (one domain each), on stdout or --out; what does
+    /// not map is reported on stderr.
+    Import(ImportArgs),
+}
+
+#[derive(Args)]
+struct ImportArgs {
+    #[arg(required = true)]
+    files: Vec<PathBuf>,
+    /// Write the policy here (atomically) instead of stdout.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// The policy's `version`.
+    #[arg(long, default_value = "imported")]
+    version: String,
 }
 
 #[derive(Args)]
@@ -219,8 +238,8 @@ fn parse_header(s: &str) -> Result<(String, String), String> {
 struct ApplyArgs {
     file: PathBuf,
     /// The ECDS resource file Envoy watches (`path_config_source.path`).
-    #[arg(long)]
-    ecds: PathBuf,
+    #[arg(long, required_unless_present = "manifests")]
+    ecds: Option<PathBuf>,
     /// The filter's .wasm (made absolute in the resource).
     #[arg(long, default_value = "target/wasm32-wasip1/wasm-release/tenantgate.wasm")]
     wasm: PathBuf,
@@ -230,11 +249,60 @@ struct ApplyArgs {
     /// The wasm `vm_id`: filters with the same id share buckets on a node.
     #[arg(long, default_value = ecds::DEFAULT_VM_ID)]
     vm_id: String,
+    /// Write the native module's resource (`envoy.filters.http.dynamic_modules`,
+    /// Envoy 1.40) instead of the wasm filter's: the same policy, the
+    /// library at PATH (made absolute; default: the `make module` build).
+    #[arg(long, value_name = "PATH", num_args = 0..=1,
+          default_missing_value = "target/module-release/libtenantgate_module.so")]
+    module: Option<PathBuf>,
     /// Also write one filter instance per route class, each with its class
     /// fixed (`<name>.<class>` in `<ecds stem>.<class>.<ext>`): enabled per
     /// route with Envoy's `FilterConfig`, they classify with no lookup.
-    #[arg(long)]
+    #[arg(long, requires = "ecds")]
     instances: bool,
+    /// Write no capability allow-list: Envoy then calls every callback the
+    /// module exports (see docs/operations.md).
+    #[arg(long)]
+    all_capabilities: bool,
+    /// Also write Kubernetes manifests carrying this policy into DIR: Envoy
+    /// Gateway `EnvoyExtensionPolicy` (image and HTTP) and Istio
+    /// `WasmPlugin` and `ExtensionFilter` (docs/kubernetes.md).
+    #[arg(long)]
+    manifests: Option<PathBuf>,
+    /// With --manifests: the filter's OCI image (`make oci`), no scheme.
+    #[arg(long, default_value = "registry.example.internal/tenantgate/filter:0.1.0")]
+    image: String,
+    /// With --manifests: where Envoy Gateway's HTTP variant fetches the .wasm.
+    #[arg(
+        long,
+        default_value = "https://artifacts.example.internal/tenantgate/tenantgate.wasm"
+    )]
+    wasm_url: String,
+    /// With --manifests: the .wasm's sha256 (default: the --wasm file's).
+    #[arg(long)]
+    wasm_sha256: Option<String>,
+    /// With --manifests: the namespace of the manifests.
+    #[arg(long, default_value = "default")]
+    namespace: String,
+    /// With --manifests: the HTTPRoute Envoy Gateway's policy attaches to.
+    #[arg(long, default_value = "api")]
+    http_route: String,
+    /// With --manifests: the `app` label of Istio's workloads.
+    #[arg(long, default_value = "api")]
+    app: String,
+}
+
+#[derive(Args)]
+struct PackageArgs {
+    /// The filter's .wasm.
+    #[arg(long, default_value = "target/wasm32-wasip1/wasm-release/tenantgate.wasm")]
+    wasm: PathBuf,
+    /// The OCI image layout directory to write.
+    #[arg(long, default_value = "target/oci/tenantgate")]
+    out: PathBuf,
+    /// The image's tag in the layout (`oci:DIR:TAG`).
+    #[arg(long, default_value = env!("CARGO_PKG_VERSION"))]
+    tag: String,
 }
 
 fn main() -> ExitCode {
@@ -244,11 +312,13 @@ fn main() -> ExitCode {
         Command::Policy(PolicyCommand::Apply(args)) => apply(&args),
         Command::Policy(PolicyCommand::Explain(args)) => explain(&args),
         Command::Policy(PolicyCommand::Diff { old, new }) => diff(&old, &new),
+        Command::Policy(PolicyCommand::Import(args)) => import(&args),
         Command::Sim(args) => sim::run(&args),
         Command::Serve(args) => serve(&args),
         Command::Certs(c) => certs(&c),
         Command::Top(args) => top(&args),
         Command::Quota(args) => quota::run(&args),
+        Command::Package(args) => package(&args),
     }
 }
 
@@ -383,21 +453,44 @@ fn compile(file: &Path, pretty: bool) -> ExitCode {
 }
 
 fn apply(args: &ApplyArgs) -> ExitCode {
+    let unchanged = || match &args.ecds {
+        Some(e) => eprintln!("not applied: {} is unchanged", e.display()),
+        None => eprintln!("not applied"),
+    };
     let loaded = match policy_file::load(&args.file) {
         Ok(l) => l,
         Err(e) => {
             eprintln!("{e}");
-            eprintln!("not applied: {} is unchanged", args.ecds.display());
+            unchanged();
             return ExitCode::FAILURE;
         }
     };
     let policy_json = loaded.document.to_json();
+    if args.module.is_some() && args.instances {
+        eprintln!("--instances is for the wasm filter: the module's routes carry their class in their per-route config");
+        unchanged();
+        return ExitCode::FAILURE;
+    }
+    if let Some(dir) = &args.manifests {
+        if let Err(e) = write_manifests(args, &policy_json, dir) {
+            eprintln!("{e}");
+            unchanged();
+            return ExitCode::FAILURE;
+        }
+    }
+    let Some(ecds_path) = &args.ecds else {
+        return ExitCode::SUCCESS;
+    };
+    // From the whole policy: its instances need the same list, so they
+    // share one VM (see ecds.rs).
+    let capabilities = ecds::Capabilities::for_events(&tenantgate::pipeline::events(&loaded.policy));
+    let capabilities = (!args.all_capabilities).then_some(&capabilities);
     if args.instances {
-        let instances = match ecds::instances(&policy_json, &args.name, &args.ecds) {
+        let instances = match ecds::instances(&policy_json, &args.name, ecds_path) {
             Ok(list) => list,
             Err(e) => {
                 eprintln!("{}: {e}", args.file.display());
-                eprintln!("not applied: {} is unchanged", args.ecds.display());
+                unchanged();
                 return ExitCode::FAILURE;
             }
         };
@@ -414,6 +507,8 @@ fn apply(args: &ApplyArgs) -> ExitCode {
                 name: &i.resource_name,
                 vm_id: &args.vm_id,
                 wasm: &args.wasm,
+                module: None,
+                capabilities,
             };
             if let Err(e) = resource.write(&i.policy_json, &i.path) {
                 eprintln!("cannot write {}: {e}", i.path.display());
@@ -426,19 +521,90 @@ fn apply(args: &ApplyArgs) -> ExitCode {
         name: &args.name,
         vm_id: &args.vm_id,
         wasm: &args.wasm,
+        module: args.module.as_deref(),
+        capabilities,
     };
-    match resource.write(&policy_json, &args.ecds) {
+    match resource.write(&policy_json, ecds_path) {
         Ok(()) => {
             println!(
                 "applied: policy {} from {} -> {}",
                 loaded.policy.version,
                 args.file.display(),
-                args.ecds.display()
+                ecds_path.display()
             );
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("cannot write {}: {e}", args.ecds.display());
+            eprintln!("cannot write {}: {e}", ecds_path.display());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `policy apply --manifests DIR`: the Kubernetes manifests of the policy.
+fn write_manifests(args: &ApplyArgs, policy_json: &str, dir: &Path) -> Result<(), String> {
+    use tenantgate_cli::manifests::{self, Code, Target};
+    let sha256 = match &args.wasm_sha256 {
+        Some(h)
+            if h.len() == 64
+                && h.bytes()
+                    .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()) =>
+        {
+            h.clone()
+        }
+        Some(h) => return Err(format!("--wasm-sha256: {h:?} is not 64 lower-case hex digits")),
+        None => match std::fs::read(&args.wasm) {
+            Ok(bytes) => tenantgate_cli::oci::wasm_sha256(&bytes),
+            Err(e) => {
+                return Err(format!(
+                    "{}: {e} (the manifests need its sha256: build it, or pass --wasm-sha256)",
+                    args.wasm.display()
+                ))
+            }
+        },
+    };
+    let code = Code {
+        image: &args.image,
+        wasm_url: &args.wasm_url,
+        wasm_sha256: &sha256,
+    };
+    let target = Target {
+        namespace: &args.namespace,
+        http_route: &args.http_route,
+        app: &args.app,
+    };
+    let source = args.file.display().to_string();
+    let list = manifests::render(policy_json, &source, &code, &target);
+    let written =
+        manifests::write(dir, &list).map_err(|e| format!("cannot write into {}: {e}", dir.display()))?;
+    for path in written {
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn package(args: &PackageArgs) -> ExitCode {
+    let wasm = match std::fs::read(&args.wasm) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("{}: {e} (build it with `make wasm`)", args.wasm.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    match tenantgate_cli::oci::package(&wasm, &args.out, &args.tag) {
+        Ok(p) => {
+            println!("image: oci:{}:{}", args.out.display(), p.tag);
+            println!("digest: {}", p.manifest_digest);
+            println!("wasm sha256: {}", p.wasm_sha256);
+            println!(
+                "layer: {} ({})",
+                p.layer_digest,
+                tenantgate_cli::oci::LAYER_MEDIA_TYPE
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tenantgate package: {}: {e}", args.out.display());
             ExitCode::FAILURE
         }
     }
@@ -479,6 +645,50 @@ fn diff(old: &Path, new: &Path) -> ExitCode {
     let (text, differs) = tenantgate_cli::explain::diff(&a.policy, &b.policy);
     print!("{text}");
     ExitCode::from(u8::from(differs))
+}
+
+fn import(args: &ImportArgs) -> ExitCode {
+    use tenantgate_cli::import::{self, Source};
+    let mut texts = Vec::with_capacity(args.files.len());
+    for file in &args.files {
+        match std::fs::read_to_string(file) {
+            Ok(t) => texts.push((file.display().to_string(), t)),
+            Err(e) => {
+                eprintln!("{}: cannot read: {e}", file.display());
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let sources: Vec<Source<'_>> = texts.iter().map(|(name, text)| Source { name, text }).collect();
+    let imported = match import::import(&sources, &args.version) {
+        Ok(i) => i,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    for line in &imported.report {
+        eprintln!("not mapped: {line}");
+    }
+    eprintln!(
+        "imported: {} rules, {} plans; {} not mapped",
+        imported.rules,
+        imported.plans,
+        imported.report.len()
+    );
+    match &args.out {
+        None => {
+            print!("{}", imported.policy_yaml);
+            ExitCode::SUCCESS
+        }
+        Some(out) => match tenantgate_cli::ecds::write_atomically(out, imported.policy_yaml.as_bytes()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("cannot write {}: {e}", out.display());
+                ExitCode::FAILURE
+            }
+        },
+    }
 }
 
 fn top(args: &TopArgs) -> ExitCode {

@@ -58,6 +58,29 @@ fn explain_a_free_tenant_on_orders() {
 }
 
 #[test]
+fn explain_a_class_whose_cost_settles_after_the_response() {
+    for (name, tenant, class) in [
+        ("explain-llm-acme-chat.txt", "acme", "chat"),
+        ("explain-llm-free-priced.txt", "someone", "priced"),
+        ("explain-llm-free-embeddings.txt", "someone", "embeddings"),
+    ] {
+        golden(
+            name,
+            &[
+                "policy",
+                "explain",
+                "policies/llm.yaml",
+                "--tenant",
+                tenant,
+                "--class",
+                class,
+            ],
+            0,
+        );
+    }
+}
+
+#[test]
 fn explain_the_global_tenant() {
     golden(
         "explain-demo-global-orders.txt",

@@ -198,8 +198,8 @@ fn render_double(f: f64) -> String {
     }
 }
 
-#[test]
-fn the_istio_wasmplugin_example_validates_as_istiod_delivers_it() {
+/// The `pluginConfig` of the Istio example's WasmPlugin.
+fn istio_plugin_config() -> Node {
     let text = std::fs::read_to_string(repo().join("envoy/istio/wasmplugin.yaml")).unwrap();
     let mut plugin_configs = Vec::new();
     for doc in text.split("\n---") {
@@ -221,7 +221,12 @@ fn the_istio_wasmplugin_example_validates_as_istiod_delivers_it() {
         plugin_configs.push(config.clone());
     }
     assert_eq!(plugin_configs.len(), 1, "one WasmPlugin in the example");
-    let json = as_istiod_json(&plugin_configs[0]);
+    plugin_configs.remove(0)
+}
+
+#[test]
+fn the_istio_wasmplugin_example_validates_as_istiod_delivers_it() {
+    let json = as_istiod_json(&istio_plugin_config());
     assert!(
         json.contains(".0") || json.contains("e+"),
         "numbers are doubles: {json}"
@@ -242,4 +247,157 @@ fn the_istio_wasmplugin_example_validates_as_istiod_delivers_it() {
         format!("{:?}", policy.plans().iter().collect::<Vec<_>>()),
         format!("{local:?}")
     );
+}
+
+/// The EnvoyFilter variant of the Istio example carries the capability
+/// allow-list and VM configuration `tenantgate policy apply` writes for its
+/// policy, and its policy is the WasmPlugin's.
+#[test]
+fn the_istio_envoyfilter_example_carries_the_list_policy_apply_writes() {
+    use tenantgate_cli::ecds;
+    let text = std::fs::read_to_string(repo().join("envoy/istio/envoyfilter.yaml")).unwrap();
+    let doc: serde_json::Value = serde_norway::from_str(&text).unwrap();
+    let patches = doc["spec"]["configPatches"].as_array().unwrap();
+    let patch = |apply_to: &str| {
+        let found: Vec<_> = patches.iter().filter(|p| p["applyTo"] == apply_to).collect();
+        assert_eq!(found.len(), 1, "one {apply_to} patch");
+        found[0]["patch"]["value"].clone()
+    };
+    let (extension, filter) = (patch("EXTENSION_CONFIG"), patch("HTTP_FILTER"));
+    assert_eq!(filter["name"], extension["name"], "the filter names the resource");
+    let config = &extension["typed_config"]["config"];
+    let policy_json = config["configuration"]["value"].as_str().unwrap();
+    let policy = Policy::from_json(policy_json.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+
+    let caps = ecds::Capabilities::for_events(&tenantgate::pipeline::events(&policy));
+    let resource = ecds::Resource {
+        name: "tenantgate",
+        vm_id: "tenantgate",
+        wasm: Path::new("tenantgate.wasm"),
+        module: None,
+        capabilities: Some(&caps),
+    };
+    let written: serde_json::Value =
+        serde_json::from_str(&resource.render(policy_json, Path::new("/tenantgate.wasm"))).unwrap();
+    let vm = &written["resources"][0]["typed_config"]["config"]["vm_config"];
+    for field in [
+        "capability_restriction_config",
+        "configuration",
+        "vm_id",
+        "runtime",
+    ] {
+        assert_eq!(config["vm_config"][field], vm[field], "vm_config.{field}");
+    }
+
+    let plugin: serde_json::Value = serde_json::from_str(&istio_plugin_config().to_json()).unwrap();
+    let carried: serde_json::Value = serde_json::from_str(policy_json).unwrap();
+    assert_eq!(carried, plugin, "the WasmPlugin's policy");
+}
+
+/// `deploy/wasm/` is what `make manifests` writes from `policies/gateway.yaml`.
+#[test]
+fn the_deploy_manifests_are_what_policy_apply_writes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tenantgate"))
+        .current_dir(repo())
+        .args(["policy", "apply", "policies/gateway.yaml", "--manifests"])
+        .arg(tmp.path())
+        .args(["--wasm-sha256", &"0".repeat(64)])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let committed = repo().join("deploy/wasm");
+    let mut files = 0;
+    for entry in std::fs::read_dir(tmp.path()).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap();
+        let fresh = std::fs::read_to_string(&path).unwrap();
+        let kept = std::fs::read_to_string(committed.join(name))
+            .unwrap_or_else(|e| panic!("deploy/wasm/{}: {e} (run make manifests)", name.to_string_lossy()));
+        assert_eq!(
+            fresh,
+            kept,
+            "deploy/wasm/{} is stale: run make manifests",
+            name.to_string_lossy()
+        );
+        files += 1;
+    }
+    assert_eq!(files, 4);
+}
+
+fn yaml_field<'a>(node: &'a Node, path: &[&str]) -> &'a Node {
+    path.iter().fold(node, |n, key| match n {
+        Node::Map(entries) => entries
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v)
+            .unwrap_or_else(|| panic!("no {key}")),
+        Node::Seq(items) => &items[key.parse::<usize>().unwrap()],
+        _ => panic!("{key}: not a mapping"),
+    })
+}
+
+/// Each manifest `policy apply --manifests` writes carries exactly the
+/// policy JSON that `policy apply --ecds` writes, which is what the
+/// real-Envoy tests load: Envoy Gateway's `config` is that JSON (it reaches
+/// Envoy as a StringValue of it), and Istio's `pluginConfig`, rendered as
+/// istiod renders a Struct, is the same policy to the filter.
+#[test]
+fn the_manifests_carry_exactly_the_policy_the_ecds_resource_carries() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ecds = tmp.path().join("ecds.yaml");
+    let fake_wasm = tmp.path().join("f.wasm");
+    std::fs::write(&fake_wasm, b"\0asm\x01\0\0\0").unwrap();
+    for policy in ["policies/gateway.yaml", "policies/demo.yaml"] {
+        let dir = tmp.path().join("m");
+        let out = Command::new(env!("CARGO_BIN_EXE_tenantgate"))
+            .current_dir(repo())
+            .args(["policy", "apply", policy, "--ecds"])
+            .arg(&ecds)
+            .arg("--wasm")
+            .arg(&fake_wasm)
+            .arg("--manifests")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let resource: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&ecds).unwrap()).unwrap();
+        let ecds_json = resource["resources"][0]["typed_config"]["config"]["configuration"]["value"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let ecds_policy = Policy::from_json(ecds_json.as_bytes()).unwrap();
+        let ecds_value: serde_json::Value = serde_json::from_str(&ecds_json).unwrap();
+        let sha = tenantgate_cli::oci::wasm_sha256(b"\0asm\x01\0\0\0");
+        for (file, path) in [
+            ("envoy-gateway-image.yaml", &["spec", "wasm", "0", "config"][..]),
+            ("envoy-gateway-http.yaml", &["spec", "wasm", "0", "config"][..]),
+            ("istio-wasmplugin.yaml", &["spec", "pluginConfig"][..]),
+            (
+                "istio-extensionfilter.yaml",
+                &["spec", "wasm", "pluginConfig"][..],
+            ),
+        ] {
+            let text = std::fs::read_to_string(dir.join(file)).unwrap();
+            let doc = policy_file::parse_yaml(&text).unwrap();
+            let config = yaml_field(&doc, path);
+            let as_json: serde_json::Value = serde_json::from_str(&config.to_json()).unwrap();
+            assert_eq!(as_json, ecds_value, "{policy}: {file}");
+            let delivered = if file.starts_with("istio") {
+                as_istiod_json(config)
+            } else {
+                config.to_json()
+            };
+            let filter = Policy::from_json(delivered.as_bytes()).unwrap();
+            let (diff, differs) = tenantgate_cli::explain::diff(&ecds_policy, &filter);
+            assert!(!differs, "{policy}: {file}: {diff}");
+            if file == "envoy-gateway-http.yaml" {
+                let Node::Str(s) = yaml_field(&doc, &["spec", "wasm", "0", "code", "http", "sha256"]) else {
+                    panic!("sha256")
+                };
+                assert_eq!(*s, sha, "the --wasm file's sha256");
+            }
+        }
+    }
 }

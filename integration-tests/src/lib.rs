@@ -1,13 +1,22 @@
 //! Harness for end-to-end tests: a real Envoy 1.40 running the built
-//! `tenantgate.wasm` with the demo bootstrap (`envoy/demo.yaml`) on free
-//! loopback ports, the real `tenantgate` CLI, and a small raw HTTP/1.1
-//! client that can send what real clients send (non-UTF-8 bytes, 64 KiB
-//! headers) without a client library normalising it.
+//! `tenantgate.wasm` (or, on the [`Host::Module`] host, the native
+//! `libtenantgate_module.so`) with the demo bootstrap (`envoy/demo.yaml`)
+//! on free loopback ports, the real `tenantgate` CLI, and a small raw
+//! HTTP/1.1 client that can send what real clients send (non-UTF-8 bytes,
+//! 64 KiB headers) without a client library normalising it.
+//!
+//! **Two hosts.** A test written once runs on both with
+//! [`on_both_hosts!`]: the harness's host is per test thread
+//! ([`with_host`]), and every Envoy a test starts runs tenantgate on it (the
+//! ECDS resource from `tenantgate policy apply --wasm` or `--module`; on the
+//! module, routes with a class in their metadata also carry it in their
+//! per-route config, and Envoy's environment names the node for the sync).
 //!
 //! Everything is bounded: Envoy start-up, waits for conditions (always with
 //! a deadline, never a bare sleep for a condition) and request loops.
 
 pub mod cluster;
+pub mod model;
 pub mod upstream;
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -52,6 +61,109 @@ pub fn wasm_file() -> PathBuf {
         repo().join("target/wasm32-wasip1/wasm-release/tenantgate.wasm"),
         "run `make test`, which builds the filter",
     )
+}
+
+/// The native module (`make module`).
+pub fn module_file() -> PathBuf {
+    tool(
+        "TENANTGATE_MODULE",
+        repo().join("target/module-release/libtenantgate_module.so"),
+        "run `make test`, which builds the module",
+    )
+}
+
+/// What runs tenantgate inside the Envoys a test starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Host {
+    /// The proxy-wasm filter (`tenantgate.wasm`).
+    Wasm,
+    /// The Envoy dynamic module (`libtenantgate_module.so`).
+    Module,
+}
+
+thread_local! {
+    static HOST: std::cell::Cell<Host> = const { std::cell::Cell::new(Host::Wasm) };
+    /// Extra environment for this test thread's Envoys ([`with_envoy_env`]).
+    static ENVOY_ENV: std::cell::RefCell<Vec<(String, String)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with these variables in the environment of every Envoy it starts.
+pub fn with_envoy_env<R>(env: &[(&str, &str)], f: impl FnOnce() -> R) -> R {
+    let vars = env
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    let before = ENVOY_ENV.with(|e| e.replace(vars));
+    let result = f();
+    ENVOY_ENV.with(|e| e.replace(before));
+    result
+}
+
+/// The host of this test thread's Envoys ([`Host::Wasm`] unless set).
+pub fn host() -> Host {
+    HOST.with(std::cell::Cell::get)
+}
+
+/// Runs `f` with this thread's Envoys on `host`.
+pub fn with_host<R>(host: Host, f: impl FnOnce() -> R) -> R {
+    let before = HOST.with(|h| h.replace(host));
+    let result = f();
+    HOST.with(|h| h.set(before));
+    result
+}
+
+/// Runs the test function `$name` (no `#[test]` of its own) on both hosts:
+/// tests `$name::wasm` and `$name::module`.
+#[macro_export]
+macro_rules! on_both_hosts {
+    ($name:ident) => {
+        mod $name {
+            #[test]
+            fn wasm() {
+                $crate::with_host($crate::Host::Wasm, super::$name)
+            }
+            #[test]
+            fn module() {
+                $crate::with_host($crate::Host::Module, super::$name)
+            }
+        }
+    };
+}
+
+/// The ECDS type of each host's resource.
+const WASM_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm";
+const MODULE_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter";
+
+/// A demo-style bootstrap for `host`: on the module, the ECDS type is the
+/// module's, and every route whose metadata names a class also names it in
+/// its per-route config (the module's way: no lookup per request).
+pub fn bootstrap_for(host: Host, bootstrap: &str) -> String {
+    if host == Host::Wasm {
+        return bootstrap.to_owned();
+    }
+    let module = module_file();
+    let mut out = String::with_capacity(bootstrap.len() * 2);
+    for line in bootstrap.split_inclusive('\n') {
+        if bootstrap.contains(MODULE_TYPE) {
+            out.push_str(line);
+        } else {
+            out.push_str(&line.replace(WASM_TYPE, MODULE_TYPE));
+        }
+        let marker = "metadata: { filter_metadata: { tenantgate: { class: ";
+        if let Some(at) = line.find(marker) {
+            let indent = &line[..line.len() - line.trim_start().len()];
+            let class = line[at + marker.len()..]
+                .split([' ', '}'])
+                .next()
+                .unwrap_or_default();
+            out.push_str(&format!(
+                "{indent}typed_per_filter_config:\n{indent}  tenantgate:\n{indent}    \"@type\": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilterPerRoute\n{indent}    dynamic_module_config: {{ module: {{ local: {{ filename: {} }} }}, do_not_close: true }}\n{indent}    per_route_config_name: tenantgate\n{indent}    filter_config: {{ \"@type\": type.googleapis.com/google.protobuf.StringValue, value: {class} }}\n",
+                module.display()
+            ));
+        }
+    }
+    out
 }
 
 /// Polls `condition` until it holds or `timeout` passes.
@@ -120,6 +232,8 @@ impl Default for NodeSpec {
 /// A running Envoy with the tenantgate filter; killed on drop.
 pub struct Envoy {
     child: Child,
+    /// What runs tenantgate in it.
+    pub host: Host,
     pub dir: PathBuf,
     /// The demo listener (tenant from `x-tenant-id`).
     pub port: u16,
@@ -168,7 +282,7 @@ impl Envoy {
 
         let policy = dir.join("policy.yaml");
         std::fs::write(&policy, policy_yaml).expect("write policy");
-        let applied = apply_with_cli(&policy, &ecds);
+        let applied = apply_with_cli(host(), &policy, &ecds);
         assert!(applied.0, "initial policy refused: {}", applied.1);
 
         let demo = std::fs::read_to_string(repo().join("envoy/demo.yaml")).expect("envoy/demo.yaml");
@@ -240,8 +354,9 @@ impl Envoy {
         bootstrap.push_str(
             "  - name: tenantgate_empty\n    type: STATIC\n    connect_timeout: 0.25s\n    load_assignment: { cluster_name: tenantgate_empty, endpoints: [] }\n",
         );
-        let bootstrap = edit(bootstrap);
-        Envoy::launch(dir, &bootstrap, port, jwt_port, admin, ecds)
+        let bootstrap = bootstrap_for(host(), &edit(bootstrap));
+        let env = node_env(&node.id, node.region.as_deref());
+        Envoy::launch_with_env(dir, &bootstrap, port, jwt_port, admin, ecds, &env)
     }
 
     /// A fresh directory for one Envoy's files.
@@ -264,6 +379,19 @@ impl Envoy {
         admin: u16,
         ecds: PathBuf,
     ) -> Envoy {
+        Envoy::launch_with_env(dir, bootstrap, port, jwt_port, admin, ecds, &[])
+    }
+
+    /// [`Envoy::launch`] with extra environment variables for Envoy.
+    pub fn launch_with_env(
+        dir: PathBuf,
+        bootstrap: &str,
+        port: u16,
+        jwt_port: u16,
+        admin: u16,
+        ecds: PathBuf,
+        env: &[(String, String)],
+    ) -> Envoy {
         let config = dir.join("bootstrap.yaml");
         std::fs::write(&config, bootstrap).expect("write bootstrap");
 
@@ -278,6 +406,8 @@ impl Envoy {
                 "-l",
                 "info",
             ])
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .envs(ENVOY_ENV.with(|e| e.borrow().clone()))
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log fd"))
             .stderr(log)
@@ -285,6 +415,7 @@ impl Envoy {
             .expect("start envoy");
         let envoy = Envoy {
             child,
+            host: host(),
             dir,
             port,
             jwt_port,
@@ -337,7 +468,7 @@ impl Envoy {
         let n = NEXT_DIR.fetch_add(1, Ordering::SeqCst);
         let policy = self.dir.join(format!("policy-{n}.yaml"));
         std::fs::write(&policy, policy_yaml).expect("write policy");
-        apply_with_cli(&policy, &self.ecds)
+        apply_with_cli(self.host, &policy, &self.ecds)
     }
 
     pub fn admin_get(&self, path: &str) -> Option<Response> {
@@ -387,26 +518,50 @@ impl Envoy {
     }
 }
 
+/// What Envoy logs when the module uses a capability its allow-list left
+/// out (proxy-wasm-cpp-host's stubs: `… restricted proxy-wasm capability:
+/// proxy_<name>` or `… restricted WASI capability: <name>`).
+pub const REFUSED_CAPABILITY: &str = "Attempted call to restricted";
+
 impl Drop for Envoy {
+    /// Stops Envoy. Every test runs under the capability allow-list
+    /// `policy apply` writes: one that did not fail already fails here if
+    /// Envoy refused the module a call.
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
         if !std::thread::panicking() {
+            let log = self.log();
+            if let Some(line) = log.lines().find(|l| l.contains(REFUSED_CAPABILITY)) {
+                panic!(
+                    "Envoy refused the filter a capability its allow-list left out: {line}\n(log in {})",
+                    self.dir.display()
+                );
+            }
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
 }
 
-fn apply_with_cli(policy: &Path, ecds: &Path) -> (bool, String) {
-    let out = Command::new(cli_bin())
-        .args(["policy", "apply"])
-        .arg(policy)
-        .arg("--ecds")
-        .arg(ecds)
-        .arg("--wasm")
-        .arg(wasm_file())
-        .output()
-        .expect("run tenantgate");
+/// Envoy's environment on the module: who the node is (the ABI cannot
+/// read Envoy's `node`; see `module/src/host.rs`). Harmless on wasm.
+fn node_env(id: &str, region: Option<&str>) -> Vec<(String, String)> {
+    let mut env = vec![("TENANTGATE_NODE_ID".to_owned(), id.to_owned())];
+    if let Some(r) = region {
+        env.push(("TENANTGATE_REGION".to_owned(), r.to_owned()));
+    }
+    env
+}
+
+/// `tenantgate policy apply` for `host`; (success, stderr).
+pub fn apply_with_cli(host: Host, policy: &Path, ecds: &Path) -> (bool, String) {
+    let mut cmd = Command::new(cli_bin());
+    cmd.args(["policy", "apply"]).arg(policy).arg("--ecds").arg(ecds);
+    match host {
+        Host::Wasm => cmd.arg("--wasm").arg(wasm_file()),
+        Host::Module => cmd.arg("--module").arg(module_file()),
+    };
+    let out = cmd.output().expect("run tenantgate");
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
@@ -475,6 +630,24 @@ impl Conn {
     pub fn get(&mut self, path: &str, headers: &[(&str, &str)]) -> std::io::Result<Response> {
         let headers: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (*k, v.as_bytes())).collect();
         self.send("GET", path.as_bytes(), &headers)
+    }
+
+    /// Sends one request with a body (`content-length` set).
+    pub fn send_body(
+        &mut self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> std::io::Result<Response> {
+        let mut req = format!("{method} {path} HTTP/1.1\r\nhost: tenantgate.test\r\n").into_bytes();
+        for (name, value) in headers {
+            req.extend_from_slice(format!("{name}: {value}\r\n").as_bytes());
+        }
+        req.extend_from_slice(format!("content-length: {}\r\n\r\n", body.len()).as_bytes());
+        req.extend_from_slice(body);
+        self.reader.get_mut().write_all(&req)?;
+        read_response(&mut self.reader)
     }
 }
 
@@ -690,7 +863,13 @@ impl Drop for SyncServer {
 /// lines before it are skipped); returns its `content-length` (0 if none),
 /// or `None` once the connection is closed or fails.
 pub(crate) fn read_request_head(reader: &mut BufReader<TcpStream>) -> Option<usize> {
+    read_request_line_and_head(reader).map(|(_, len)| len)
+}
+
+/// A request's head: its path and its `content-length` (0 without one).
+pub(crate) fn read_request_line_and_head(reader: &mut BufReader<TcpStream>) -> Option<(String, usize)> {
     let mut content_length = 0usize;
+    let mut path = String::new();
     let mut first = true;
     loop {
         let mut line = String::new();
@@ -703,7 +882,10 @@ pub(crate) fn read_request_head(reader: &mut BufReader<TcpStream>) -> Option<usi
             if first {
                 continue;
             }
-            return Some(content_length);
+            return Some((path, content_length));
+        }
+        if first {
+            path = line.split(' ').nth(1).unwrap_or_default().to_owned();
         }
         first = false;
         if let Some((k, v)) = line.split_once(':') {

@@ -5,7 +5,10 @@
 //! request until released, and which records how many requests it had in
 //! flight at once. Its answers' status can be set (a failing backend:
 //! [`Upstream::set_status`]); each carries the version set by
-//! [`Upstream::set_version`] as its `etag` and in its body. With
+//! [`Upstream::set_version`] as its `etag` and in its body. A path with a
+//! `/model/<answer>` part is answered like a model API instead
+//! ([`crate::model`]: JSON with `usage`, server-sent events whose last
+//! event carries it, usage missing or malformed, reset mid-stream). With
 //! [`Envoy::start_with_upstream`], routes
 //! `/up/<class>` (route metadata `class: <class>`) go to it.
 
@@ -197,7 +200,7 @@ fn serve(stream: TcpStream, s: &State) {
     let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
     let mut reader = BufReader::new(stream);
     loop {
-        let Some(content_length) = crate::read_request_head(&mut reader) else {
+        let Some((path, content_length)) = crate::read_request_line_and_head(&mut reader) else {
             return;
         };
         let mut body = vec![0; content_length];
@@ -205,6 +208,17 @@ fn serve(stream: TcpStream, s: &State) {
             return;
         }
         s.received.fetch_add(1, Ordering::SeqCst);
+        if let Some(answer) = crate::model::ModelAnswer::of_path(&path) {
+            // A model API's answer (crate::model): no latency, no hold.
+            let extra = s.extra_header.lock().unwrap().clone().unwrap_or_default();
+            match crate::model::answer(reader.get_mut(), answer, &extra) {
+                Ok(true) => {
+                    s.served.fetch_add(1, Ordering::SeqCst);
+                    continue;
+                }
+                _ => return,
+            }
+        }
         if let Some(log) = s
             .arrivals
             .lock()
@@ -270,6 +284,19 @@ fn serve(stream: TcpStream, s: &State) {
     }
 }
 
+/// The test upstreams and routes of [`Envoy::start_with_upstreams`].
+pub struct Upstreams<'a> {
+    /// The `upstream` cluster's port (routes `/up/<class>`).
+    pub port: u16,
+    pub classes: &'a [&'a str],
+    pub access_log: Option<&'a std::path::Path>,
+    /// `(header, port)`: requests carrying the header go to the `fallback`
+    /// cluster on that port.
+    pub fallback: Option<(&'a str, u16)>,
+    /// The access log line ends with the cost record.
+    pub cost_log: bool,
+}
+
 impl Envoy {
     /// [`Envoy::start`] with routes `/up/<class>` for each of `classes`
     /// (route metadata `class: <class>`, 30 s route timeout) to the test
@@ -288,9 +315,55 @@ impl Envoy {
         classes: &[&str],
         access_log: Option<&std::path::Path>,
     ) -> Envoy {
-        let classes: Vec<String> = classes.iter().map(|c| (*c).to_owned()).collect();
-        let access_log = access_log.map(|p| p.display().to_string());
-        Envoy::start_node_with(policy_yaml, &NodeSpec::default(), move |bootstrap| {
+        Envoy::start_with_upstream_node(
+            policy_yaml,
+            upstream_port,
+            classes,
+            access_log,
+            &NodeSpec::default(),
+        )
+    }
+
+    /// [`Envoy::start_with_upstream_logged`] as the node `node` (its sync
+    /// cluster on the ports it names).
+    pub fn start_with_upstream_node(
+        policy_yaml: &str,
+        upstream_port: u16,
+        classes: &[&str],
+        access_log: Option<&std::path::Path>,
+        node: &NodeSpec,
+    ) -> Envoy {
+        Envoy::start_with_upstreams_node(
+            policy_yaml,
+            &Upstreams {
+                port: upstream_port,
+                classes,
+                access_log,
+                fallback: None,
+                cost_log: false,
+            },
+            node,
+        )
+    }
+
+    /// [`Envoy::start_with_upstream_logged`] for costs settled after the
+    /// response and soft limits: with `cost_log`, the access log line ends
+    /// with the cost record (`%FILTER_STATE(wasm.tenantgate_cost:PLAIN)%`);
+    /// with a `fallback`, each `/up/<class>` route is preceded by one that
+    /// sends requests carrying its header (a soft limit's marker) to the
+    /// `fallback` cluster on its port.
+    pub fn start_with_upstreams(policy_yaml: &str, up: &Upstreams<'_>) -> Envoy {
+        Envoy::start_with_upstreams_node(policy_yaml, up, &NodeSpec::default())
+    }
+
+    /// [`Envoy::start_with_upstreams`] as the node `node`.
+    pub fn start_with_upstreams_node(policy_yaml: &str, up: &Upstreams<'_>, node: &NodeSpec) -> Envoy {
+        let classes: Vec<String> = up.classes.iter().map(|c| (*c).to_owned()).collect();
+        let access_log = up.access_log.map(|p| p.display().to_string());
+        let fallback = up.fallback.map(|(h, p)| (h.to_owned(), p));
+        let upstream_port = up.port;
+        let cost_log = up.cost_log;
+        Envoy::start_node_with(policy_yaml, node, move |bootstrap| {
             let anchor = "              routes:\n              # The class is trusted route metadata: clients cannot change it.\n";
             assert!(
                 bootstrap.contains(anchor),
@@ -299,8 +372,11 @@ impl Envoy {
             let routes: String = classes
                 .iter()
                 .map(|c| {
+                    let marked = fallback.as_ref().map_or(String::new(), |(header, _)| format!(
+                        "              - name: up-{c}-fallback\n                match: {{ prefix: /up/{c}, headers: [ {{ name: {header}, present_match: true }} ] }}\n                metadata: {{ filter_metadata: {{ tenantgate: {{ class: {c} }} }} }}\n                route: {{ cluster: fallback, timeout: 30s }}\n"
+                    ));
                     format!(
-                        "              - name: up-{c}\n                match: {{ prefix: /up/{c} }}\n                metadata: {{ filter_metadata: {{ tenantgate: {{ class: {c} }} }} }}\n                route: {{ cluster: upstream, timeout: 30s }}\n"
+                        "{marked}              - name: up-{c}\n                match: {{ prefix: /up/{c} }}\n                metadata: {{ filter_metadata: {{ tenantgate: {{ class: {c} }} }} }}\n                route: {{ cluster: upstream, timeout: 30s }}\n"
                     )
                 })
                 .collect();
@@ -343,6 +419,20 @@ impl Envoy {
                     ),
                     1,
                 );
+            }
+            if cost_log {
+                let format = "%FILTER_STATE(wasm.tenantgate_admission:PLAIN)%\\n";
+                assert!(b.contains(format), "envoy/demo.yaml's access log format changed");
+                b = b.replacen(
+                    format,
+                    "%FILTER_STATE(wasm.tenantgate_admission:PLAIN)% %FILTER_STATE(wasm.tenantgate_cost:PLAIN)%\\n",
+                    1,
+                );
+            }
+            if let Some((_, port)) = &fallback {
+                b.push_str(&format!(
+                    "  - name: fallback\n    type: STATIC\n    connect_timeout: 1s\n    load_assignment: {{ cluster_name: fallback, endpoints: [ {{ lb_endpoints: [ {{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }} }} }} ] }} ] }}\n"
+                ));
             }
             b.push_str(&format!(
                 "  - name: upstream\n    type: STATIC\n    connect_timeout: 1s\n    circuit_breakers: {{ thresholds: [ {{ max_connections: 100000, max_pending_requests: 100000, max_requests: 100000 }} ] }}\n    load_assignment: {{ cluster_name: upstream, endpoints: [ {{ lb_endpoints: [ {{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {upstream_port} }} }} }} }} ] }} ] }}\n"

@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use tenantgate_integration_tests::upstream::Upstream;
-use tenantgate_integration_tests::{get, percentile, wait_for, Conn, Envoy, Response};
+use tenantgate_integration_tests::{get, on_both_hosts, percentile, wait_for, Conn, Envoy, Response};
 
 const CLASSES: [&str; 8] = [
     "orders", "health", "upload", "shared", "jobs", "urgent", "feed", "metered",
@@ -390,7 +390,7 @@ fn spawn_timed(port: u16, path: &'static str, tx: &mpsc::Sender<(Response, Durat
     })
 }
 
-#[test]
+on_both_hosts!(a_full_queue_refuses_at_once_and_nobody_waits_past_max_wait);
 fn a_full_queue_refuses_at_once_and_nobody_waits_past_max_wait() {
     let (upstream, envoy) = start();
     upstream.hold();
@@ -628,7 +628,7 @@ fn streams_have_their_own_budget_and_no_slot_outlives_a_rate_limit_denial() {
     assert_eq!(envoy.tg_stat("admission.stream_limit.normal"), 1);
 }
 
-#[test]
+on_both_hosts!(the_decision_record_reaches_the_access_log);
 fn the_decision_record_reaches_the_access_log() {
     let upstream = Upstream::start();
     let log = Envoy::temp_dir().join("access.log");
@@ -769,9 +769,9 @@ fn success(samples: &[Sample]) -> f64 {
     samples.iter().filter(|s| s.ok).count() as f64 / samples.len().max(1) as f64
 }
 
+on_both_hosts!(a_twenty_fold_spike_on_a_sheddable_route_spares_critical_work_and_the_quiet_tenant);
 /// Issue #10's 20× spike: steady mixed traffic at 0.6× the upstream's
 /// capacity, then one tenant floods the sheddable route at 20× capacity.
-#[test]
 fn a_twenty_fold_spike_on_a_sheddable_route_spares_critical_work_and_the_quiet_tenant() {
     let upstream = Upstream::start();
     upstream.set_capacity(SPIKE_CAPACITY);

@@ -4,6 +4,10 @@
 //! bound), close before answering, or answer absurd leases (`u64::MAX`
 //! tokens, share and TTL).
 //!
+//! Each runs on both hosts. On the native module, "never traps" is no
+//! panic caught at the module's boundary (`module.panics` stays 0) and
+//! Envoy serving on; the rest holds as written.
+//!
 //! In each, the wasm VM never traps: Envoy's wasm failure stats for the
 //! plugin stay 0, its log shows no wasm runtime error, and every request
 //! still gets the filter's decision on both workers (a trapped VM answers
@@ -22,7 +26,9 @@
 
 use std::time::Duration;
 
-use tenantgate_integration_tests::{get, wait_for, Envoy, SyncMode, SyncServer, ENVOY_CALLOUT_BUFFER_LIMIT};
+use tenantgate_integration_tests::{
+    get, on_both_hosts, wait_for, Envoy, Host, SyncMode, SyncServer, ENVOY_CALLOUT_BUFFER_LIMIT,
+};
 
 /// A global limit of 100/s with a burst of 50; `api` fails open, `orders`
 /// closed; the breaker out of the way (each failure is looked at alone).
@@ -82,6 +88,15 @@ fn decisions(envoy: &Envoy) -> u64 {
 /// No VM trapped: the plugin's wasm failure stats are 0 and Envoy logged
 /// no wasm runtime error.
 fn assert_no_trap(envoy: &Envoy) {
+    if envoy.host == Host::Module {
+        assert_eq!(envoy.tg_stat("module.panics"), 0);
+        assert!(
+            !envoy.log().contains("panic caught"),
+            "the module panicked:\n{}",
+            envoy.log_tail()
+        );
+        return;
+    }
     for stat in ["wasm.tenantgate.vm_reload", "wasm.tenantgate.vm_reload_failure"] {
         assert_eq!(envoy.stat(stat), Some(0), "{stat}");
     }
@@ -149,7 +164,7 @@ fn failing_callouts_never_trap(mode: SyncMode, interval_ms: u64, timeout_ms: u64
     );
 }
 
-#[test]
+on_both_hosts!(a_reset_after_the_response_headers_never_traps_the_vm);
 fn a_reset_after_the_response_headers_never_traps_the_vm() {
     failing_callouts_never_trap(
         SyncMode::ResetAfterHeaders,
@@ -159,7 +174,7 @@ fn a_reset_after_the_response_headers_never_traps_the_vm() {
     );
 }
 
-#[test]
+on_both_hosts!(a_body_over_envoys_callout_buffer_limit_never_traps_the_vm);
 fn a_body_over_envoys_callout_buffer_limit_never_traps_the_vm() {
     // 33 MiB per answer: a longer interval and timeout, so the buffer
     // limit (not the timeout) ends each callout.
@@ -174,7 +189,7 @@ fn a_body_over_envoys_callout_buffer_limit_never_traps_the_vm() {
     );
 }
 
-#[test]
+on_both_hosts!(a_body_over_the_filters_own_bound_is_refused_unread);
 fn a_body_over_the_filters_own_bound_is_refused_unread() {
     // 5 MiB: within Envoy's limit, over the filter's 4 MiB.
     failing_callouts_never_trap(
@@ -185,7 +200,7 @@ fn a_body_over_the_filters_own_bound_is_refused_unread() {
     );
 }
 
-#[test]
+on_both_hosts!(a_close_before_the_response_headers_never_traps_the_vm);
 fn a_close_before_the_response_headers_never_traps_the_vm() {
     // Envoy's router answers the callout itself (503, upstream reset).
     failing_callouts_never_trap(
@@ -196,7 +211,7 @@ fn a_close_before_the_response_headers_never_traps_the_vm() {
     );
 }
 
-#[test]
+on_both_hosts!(absurd_leases_are_clamped_to_the_limits_burst);
 fn absurd_leases_are_clamped_to_the_limits_burst() {
     // Every answer: u64::MAX tokens, share and TTL for every key.
     let server = SyncServer::start(

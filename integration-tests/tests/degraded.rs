@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use tenantgate_integration_tests::upstream::Upstream;
-use tenantgate_integration_tests::{get, request, wait_for, Conn, Envoy, Response};
+use tenantgate_integration_tests::{get, on_both_hosts, request, wait_for, Conn, Envoy, Response};
 
 const WAIT: Duration = Duration::from_secs(20);
 const RETRY_HEADER: &str = "x-retry-attempt";
@@ -280,7 +280,7 @@ fn assert_degraded(r: &Response, body: &str, version: &str, reason: &str, max_ag
     );
 }
 
-#[test]
+on_both_hosts!(shed_gets_get_the_last_good_answer_writes_their_refusal_and_tenants_only_their_own);
 fn shed_gets_get_the_last_good_answer_writes_their_refusal_and_tenants_only_their_own() {
     let upstream = Upstream::start();
     let log = Envoy::temp_dir().join("degraded-access.log");

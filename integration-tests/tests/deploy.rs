@@ -154,3 +154,40 @@ fn the_dashboard_and_the_rules_name_only_metrics_that_exist() {
         String::from_utf8_lossy(&promtool.stderr)
     );
 }
+
+/// The policy line of a `deploy/wasm/` manifest: its JSON (one line).
+fn manifest_policy(file: &str, field: &str) -> String {
+    let text = std::fs::read_to_string(repo().join("deploy/wasm").join(file)).unwrap();
+    text.lines()
+        .find_map(|l| l.trim_start().strip_prefix(field))
+        .unwrap_or_else(|| panic!("{file}: no {field}"))
+        .to_owned()
+}
+
+/// The policy `deploy/wasm/`'s Envoy Gateway and Istio manifests carry,
+/// loaded into a real Envoy as ECDS carries it: it limits, answers the
+/// limits endpoint, and is the same in all four manifests.
+#[test]
+fn the_deploy_manifests_policy_runs_in_a_real_envoy() {
+    let policy = manifest_policy("envoy-gateway-image.yaml", "config: ");
+    for (file, field) in [
+        ("envoy-gateway-http.yaml", "config: "),
+        ("istio-wasmplugin.yaml", "pluginConfig: "),
+        ("istio-extensionfilter.yaml", "pluginConfig: "),
+    ] {
+        assert_eq!(manifest_policy(file, field), policy, "{file}");
+    }
+    let envoy = Envoy::start(&policy);
+    let paid = get(envoy.port, "/api/x", &[("x-tenant-id", "demo-paid")]);
+    assert_eq!(paid.status, 200);
+    assert_eq!(paid.header("ratelimit-policy"), Some("\"paid\";q=10000;w=60"));
+    let free = get(envoy.port, "/api/x", &[("x-tenant-id", "someone")]);
+    assert_eq!(free.header("ratelimit-policy"), Some("\"free\";q=100;w=60"));
+    let own = get(
+        envoy.port,
+        "/.well-known/ratelimit",
+        &[("x-tenant-id", "demo-paid")],
+    );
+    assert_eq!(own.status, 200);
+    assert_eq!(own.json()["plan"], "paid", "{:?}", own.json());
+}

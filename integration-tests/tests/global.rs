@@ -10,7 +10,9 @@
 
 use std::time::{Duration, Instant};
 
-use tenantgate_integration_tests::{get, percentile, wait_for, Conn, Envoy, SyncMode, SyncServer};
+use tenantgate_integration_tests::{
+    get, on_both_hosts, percentile, wait_for, Conn, Envoy, SyncMode, SyncServer,
+};
 
 /// Sync every 500 ms with a 200 ms callout timeout.
 const INTERVAL_MS: u64 = 500;
@@ -80,7 +82,7 @@ fn assert_never_waited(what: &str, results: &[(u16, Duration)]) {
     assert!(max < Duration::from_millis(200), "{what}: {results:?}");
 }
 
-#[test]
+on_both_hosts!(leases_from_the_service_limit_admissions_across_both_workers);
 fn leases_from_the_service_limit_admissions_across_both_workers() {
     let server = SyncServer::start(
         SyncMode::Leases {
@@ -118,7 +120,7 @@ fn leases_from_the_service_limit_admissions_across_both_workers() {
     assert_eq!(reqs.last().unwrap()["acked_seq"], seqs[seqs.len() - 2]);
 }
 
-#[test]
+on_both_hosts!(a_service_down_slow_or_garbled_never_slows_requests_and_recovery_brings_leases_back);
 fn a_service_down_slow_or_garbled_never_slows_requests_and_recovery_brings_leases_back() {
     let server = SyncServer::start(SyncMode::Down, INTERVAL_MS);
     let envoy = Envoy::start_with_sync(&policy("fail_open", "tenantgate"), server.port);
@@ -183,7 +185,7 @@ fn a_service_down_slow_or_garbled_never_slows_requests_and_recovery_brings_lease
     );
 }
 
-#[test]
+on_both_hosts!(an_unknown_cluster_or_one_with_no_healthy_host_fails_the_sync_not_the_requests);
 fn an_unknown_cluster_or_one_with_no_healthy_host_fails_the_sync_not_the_requests() {
     let envoy = Envoy::start(&policy("fail_open", "nosuch"));
     let results = requests(&envoy, "/api/x", "nc-a", 40, Duration::from_millis(25));
@@ -296,12 +298,12 @@ fn the_breaker_cuts_callouts_to_a_failing_service_and_its_probe_brings_leases_ba
     );
 }
 
+on_both_hosts!(an_answer_of_4096_leases_is_applied_in_steps_and_every_key_gets_its_lease);
 /// The case: an answer of 4,096 leases (a full report) is applied
 /// in steps of at most 256 keys, one per worker callback, so it never
 /// holds a worker for long; every key gets its lease, and requests keep
 /// their latency meanwhile. Prints the step durations Envoy recorded
 /// (`sync.apply_step_us`).
-#[test]
 fn an_answer_of_4096_leases_is_applied_in_steps_and_every_key_gets_its_lease() {
     const KEYS: usize = 4096;
     let server = SyncServer::start(

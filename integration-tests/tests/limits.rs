@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tenantgate_integration_tests::{get, request, Conn, Envoy};
+use tenantgate_integration_tests::{get, on_both_hosts, request, Conn, Envoy};
 
 fn tenant(t: &str) -> [(&str, &str); 1] {
     [("x-tenant-id", t)]
@@ -15,7 +15,7 @@ fn count(statuses: &[u16], status: u16) -> usize {
     statuses.iter().filter(|s| **s == status).count()
 }
 
-#[test]
+on_both_hosts!(the_daily_limit_exhausts_first_names_itself_and_charges_nothing_else);
 fn the_daily_limit_exhausts_first_names_itself_and_charges_nothing_else() {
     let envoy = Envoy::start(
         r#"
@@ -258,7 +258,7 @@ key_table: { max_keys: 1000 }
     assert_eq!(inserts + reclaims + overflows, 200_000);
 }
 
-#[test]
+on_both_hosts!(a_queueing_class_holds_requests_until_a_token_and_answers_by_max_wait);
 fn a_queueing_class_holds_requests_until_a_token_and_answers_by_max_wait() {
     let envoy = Envoy::start(
         r#"
@@ -399,7 +399,7 @@ fn most_in_a_window(admitted: &[Paced], w: u64) -> usize {
         .unwrap_or(0)
 }
 
-#[test]
+on_both_hosts!(every_algorithm_admits_what_its_definition_says_in_envoy);
 fn every_algorithm_admits_what_its_definition_says_in_envoy() {
     let envoy = Envoy::start(
         r#"

@@ -12,7 +12,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tenantgate_integration_tests::{cli_bin, envoy_bin, free_port, get, repo, wait_for, wasm_file};
+use tenantgate_integration_tests::{
+    cli_bin, envoy_bin, free_port, get, host, module_file, on_both_hosts, repo, wait_for, wasm_file, Host,
+};
 
 const PORT_VARS: [&str; 8] = [
     "TG_RUN_PORT_A",
@@ -44,6 +46,10 @@ impl Run {
             .stderr(Stdio::piped());
         for (var, port) in &ports {
             cmd.env(var, port.to_string());
+        }
+        if host() == Host::Module {
+            cmd.env("TG_RUN_HOST", "module")
+                .env("TENANTGATE_MODULE", module_file());
         }
         let mut child = cmd.spawn().expect("python3 envoy/run.py");
         let out = Arc::new(Mutex::new(String::new()));
@@ -129,9 +135,9 @@ fn tenant(t: &str) -> [(&str, &str); 1] {
     [("x-tenant-id", t)]
 }
 
-#[test]
+on_both_hosts!(make_run_starts_the_whole_system_and_ctrl_c_stops_it);
 fn make_run_starts_the_whole_system_and_ctrl_c_stops_it() {
-    let dir = std::env::temp_dir().join(format!("tenantgate-run-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("tenantgate-run-{}-{:?}", std::process::id(), host()));
     let _ = std::fs::remove_dir_all(&dir);
     let mut run = Run::start(free_ports(), &dir);
     assert!(

@@ -23,7 +23,12 @@
 //! the host cannot make is InvalidMemoryAccess for every call returning data.
 //!
 //! `set_property` (the admission decision record) is declared raw too: the
-//! SDK's wrapper accepts only Ok and panics on any other status.
+//! SDK's wrapper accepts only Ok and panics on any other status; so are
+//! `replace_header_map_value` and `remove_header_map_value` (a soft
+//! limit's marker) and `call_foreign_function` (Envoy's
+//! `clear_route_cache`, read in `source/extensions/common/wasm/foreign.cc`:
+//! it returns Ok; proxy-wasm-cpp-host's `call_foreign_function` returns
+//! NotFound for a name the host did not register).
 //!
 //! Every function here returns the raw status as [`HostStatus`] (a plain
 //! `u32`: an unknown value is data, never undefined behaviour) and callers
@@ -120,6 +125,22 @@ extern "C" {
         headers_size: usize,
         grpc_status: i32,
     ) -> u32;
+    fn proxy_replace_header_map_value(
+        map_type: u32,
+        key_data: *const u8,
+        key_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> u32;
+    fn proxy_remove_header_map_value(map_type: u32, key_data: *const u8, key_size: usize) -> u32;
+    fn proxy_call_foreign_function(
+        function_name_data: *const u8,
+        function_name_size: usize,
+        arguments_data: *const u8,
+        arguments_size: usize,
+        results_data: *mut *mut u8,
+        results_size: *mut usize,
+    ) -> u32;
     fn proxy_continue_stream(stream_type: u32) -> u32;
     fn proxy_set_effective_context(context_id: u32) -> u32;
     fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> u32;
@@ -195,6 +216,33 @@ pub fn add_header(map: MapType, name: &str, value: &str) -> Result<(), HostStatu
     ok(unsafe {
         proxy_add_header_map_value(map as u32, name.as_ptr(), name.len(), value.as_ptr(), value.len())
     })
+}
+
+/// Sets a header of a map to one value (replacing any).
+pub fn replace_header(map: MapType, name: &str, value: &str) -> Result<(), HostStatus> {
+    // SAFETY: the host only reads the two slices during the call.
+    ok(unsafe {
+        proxy_replace_header_map_value(map as u32, name.as_ptr(), name.len(), value.as_ptr(), value.len())
+    })
+}
+
+/// Removes a header from a map.
+pub fn remove_header(map: MapType, name: &str) -> Result<(), HostStatus> {
+    // SAFETY: the host only reads the slice during the call.
+    ok(unsafe { proxy_remove_header_map_value(map as u32, name.as_ptr(), name.len()) })
+}
+
+/// Envoy's `clear_route_cache` foreign function: the stream's route is
+/// picked again (with the request headers as they are now) before it is
+/// routed. No arguments, no results.
+pub fn clear_route_cache() -> Result<(), HostStatus> {
+    const NAME: &str = "clear_route_cache";
+    let mut data: *mut u8 = null_mut();
+    let mut size: usize = 0;
+    // SAFETY: the host reads the name during the call and writes the two
+    // out-parameters only (this function allocates no result: they stay
+    // null and 0, and nothing is freed).
+    ok(unsafe { proxy_call_foreign_function(NAME.as_ptr(), NAME.len(), null(), 0, &mut data, &mut size) })
 }
 
 /// Up to `max` bytes of a buffer from `start` (`None`: no such buffer).

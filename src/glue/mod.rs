@@ -30,7 +30,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
 use crate::host::Clock;
 use crate::host::{CasResult, Host, HostError};
-use crate::pipeline::{Answer, Callout, Directive, Pipeline, StreamId, Verdict};
+use crate::pipeline::{Answer, Callout, Directive, Pipeline, RouteMark, StreamId, Verdict};
 use crate::policy::Policy;
 use crate::response::LocalReply;
 use crate::stats::{Metric, Stats};
@@ -99,6 +99,14 @@ impl Host for ProxyHost {
 
     fn response_body(&self, len: usize) -> Option<Vec<u8>> {
         abi::buffer(BufferType::HttpResponseBody, 0, len).ok().flatten()
+    }
+
+    fn response_trailer(&self, name: &str) -> Option<Vec<u8>> {
+        abi::header(MapType::HttpResponseTrailers, name).ok().flatten()
+    }
+
+    fn request_body(&self, len: usize) -> Option<Vec<u8>> {
+        abi::buffer(BufferType::HttpRequestBody, 0, len).ok().flatten()
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
@@ -264,6 +272,9 @@ fn apply(directive: Directive) -> Action {
             log::debug!("tenantgate: cannot set the decision record");
         }
     }
+    if let Some(mark) = &directive.mark {
+        route_mark(mark);
+    }
     match directive.verdict {
         Verdict::Continue => Action::Continue,
         Verdict::Pause => Action::Pause,
@@ -273,12 +284,40 @@ fn apply(directive: Directive) -> Action {
     }
 }
 
+/// Sets (or removes) a soft limit's marker on the request, then has Envoy
+/// pick the route again with it (`clear_route_cache`).
+fn route_mark(mark: &RouteMark) {
+    let changed = match &mark.value {
+        Some(value) => abi::replace_header(MapType::HttpRequestHeaders, &mark.header, value),
+        None => abi::remove_header(MapType::HttpRequestHeaders, &mark.header),
+    };
+    if let Err(status) = changed {
+        log::warn!(
+            "tenantgate: cannot set the {} request header: {status:?}",
+            mark.header
+        );
+        return;
+    }
+    if let Err(status) = abi::clear_route_cache() {
+        log::warn!("tenantgate: cannot clear the route cache: {status:?}");
+    }
+}
+
+/// Keeps a settled stream's cost record for the access log.
+fn cost_record(record: Option<String>) {
+    if let Some(r) = record {
+        if abi::set_property(crate::pipeline::settle::COST_PROPERTY, r.as_bytes()).is_err() {
+            log::debug!("tenantgate: cannot set the cost record");
+        }
+    }
+}
+
 /// Carries out directives for held streams, each on its own stream.
 fn apply_answers(answers: Vec<Answer>) {
     for a in answers {
         if abi::set_effective_context(a.stream).is_err() {
             // The stream is gone: whatever it held goes back.
-            with_worker(|p, _| p.on_stream_end(&ProxyHost, &WallClock, a.stream));
+            let _ = with_worker(|p, _| p.on_stream_end(&ProxyHost, &WallClock, a.stream));
             continue;
         }
         if apply(a.directive) == Action::Continue && abi::resume_http_request().is_err() {
@@ -310,7 +349,8 @@ impl Request {
     }
 
     fn end(&self) {
-        with_worker(|p, _| p.on_stream_end(&ProxyHost, &WallClock, self.stream));
+        let record = with_worker(|p, _| p.on_stream_end(&ProxyHost, &WallClock, self.stream));
+        cost_record(record.flatten());
     }
 }
 
@@ -335,32 +375,42 @@ impl HttpContext for Request {
             return Action::Continue;
         };
         let stream = self.stream;
-        self.step(|p| p.on_request_body(&ProxyHost, &policy, stream, body_size))
+        self.step(|p| p.on_request_body(&ProxyHost, &WallClock, &policy, stream, body_size))
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
         let stream = self.stream;
-        let headers =
-            with_worker(|p, _| p.on_response_headers(&ProxyHost, &WallClock, stream, end_of_stream));
-        if let Some(Some(h)) = headers {
-            for (name, value) in [("ratelimit-policy", &h.policy), ("ratelimit", &h.ratelimit)] {
-                if abi::add_header(MapType::HttpResponseHeaders, name, value).is_err() {
-                    log::warn!("tenantgate: cannot add the {name} response header");
-                }
+        let Some(response) =
+            with_worker(|p, _| p.on_response_headers(&ProxyHost, &WallClock, stream, end_of_stream))
+        else {
+            return Action::Continue;
+        };
+        let ratelimit = response
+            .ratelimit
+            .iter()
+            .flat_map(|h| [("ratelimit-policy", &h.policy), ("ratelimit", &h.ratelimit)]);
+        let soft = response.soft.iter().map(|(n, v)| (n.as_str(), v));
+        for (name, value) in ratelimit.chain(soft) {
+            if abi::add_header(MapType::HttpResponseHeaders, name, value).is_err() {
+                log::warn!("tenantgate: cannot add the {name} response header");
             }
         }
+        cost_record(response.cost_record);
         Action::Continue
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let stream = self.stream;
-        with_worker(|p, _| p.on_response_body(&ProxyHost, stream, body_size, end_of_stream));
+        let record =
+            with_worker(|p, _| p.on_response_body(&ProxyHost, &WallClock, stream, body_size, end_of_stream));
+        cost_record(record.flatten());
         Action::Continue
     }
 
     fn on_http_response_trailers(&mut self, _trailers: usize) -> Action {
         let stream = self.stream;
-        with_worker(|p, _| p.on_response_trailers(&ProxyHost, stream));
+        let record = with_worker(|p, _| p.on_response_trailers(&ProxyHost, &WallClock, stream));
+        cost_record(record.flatten());
         Action::Continue
     }
 

@@ -63,6 +63,12 @@ impl Host for Recording<'_> {
     fn response_body(&self, len: usize) -> Option<Vec<u8>> {
         self.host.response_body(len)
     }
+    fn response_trailer(&self, name: &str) -> Option<Vec<u8>> {
+        self.host.response_trailer(name)
+    }
+    fn request_body(&self, len: usize) -> Option<Vec<u8>> {
+        self.host.request_body(len)
+    }
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
         let owned = path.iter().map(|p| (*p).to_owned()).collect();
         self.calls.borrow_mut().push(Call::Property(owned));

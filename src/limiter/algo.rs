@@ -33,7 +33,9 @@
 //!    record is migrated to `P`'s parameters as of
 //!    `min(now, max(E, write instant, L))`, where `L` is the earliest write
 //!    instant the state itself allows (a TAT is never more than `τ` ahead
-//!    of its write, a window or log entry never starts after it). It is
+//!    of its write, a window or log entry never starts after it; a TAT in
+//!    debt may be `D·T` further ahead, so `L` may then be up to that much
+//!    after the write and the old parameters rule that much longer). It is
 //!    never migrated as of an instant before it was written, so no time is
 //!    credited twice; the old parameters rule until then, `P`'s after.
 //!    Without a write instant (an unstamped record), `now`.
@@ -483,7 +485,7 @@ impl Algo {
     pub fn refund(&self, state: &State, cost: u64, charged_at: u64) -> State {
         match (self, state) {
             (Algo::TokenBucket(g), State::TokenBucket { tat }) => State::TokenBucket {
-                tat: tat.saturating_sub(cost.saturating_mul(g.interval_ns())),
+                tat: g.refund(*tat, cost),
             },
             (Algo::FixedWindow(a), State::FixedWindow(s)) => {
                 let mut s = *s;
@@ -506,6 +508,56 @@ impl Algo {
             }
             (_, other) => other.clone(),
         }
+    }
+
+    /// Charges `units` more, made at `charged_at`, without admission: a
+    /// cost settled after the response, past the limit by at most its debt
+    /// allowance (each algorithm's `settle_more` states how). Returns the
+    /// new state and the units written off.
+    pub fn settle_more(&self, state: &State, units: u64, charged_at: u64, now: u64) -> (State, u64) {
+        match (self, state) {
+            (Algo::TokenBucket(g), State::TokenBucket { tat }) => {
+                let (tat, lost) = g.settle_more(*tat, units, now);
+                (State::TokenBucket { tat }, lost)
+            }
+            (Algo::FixedWindow(a), State::FixedWindow(s)) => {
+                let (s, lost) = a.settle_more(s, units, now);
+                (State::FixedWindow(s), lost)
+            }
+            (Algo::SlidingWindowLog(a), State::SlidingWindowLog(s)) => {
+                let (s, lost) = a.settle_more(s, units, charged_at, now);
+                (State::SlidingWindowLog(s), lost)
+            }
+            (Algo::SlidingWindowCounter(a), State::SlidingWindowCounter(s)) => {
+                let (s, lost) = a.settle_more(s, units, now);
+                (State::SlidingWindowCounter(s), lost)
+            }
+            // A state of another algorithm: `load` never returns one.
+            (_, other) => (other.clone(), units),
+        }
+    }
+
+    /// Units `state` owes at `now`: how far late-settled costs took it past
+    /// its capacity (0 when not in debt; a sliding log never owes).
+    pub fn debt(&self, state: &State, now: u64) -> u64 {
+        match (self, state) {
+            (Algo::TokenBucket(g), State::TokenBucket { tat }) => g.debt(*tat, now),
+            (Algo::FixedWindow(a), State::FixedWindow(s)) => a.debt(s, now),
+            (Algo::SlidingWindowCounter(a), State::SlidingWindowCounter(s)) => a.debt(s, now),
+            _ => 0,
+        }
+    }
+
+    /// These parameters with a debt allowance of `max_debt` units (a
+    /// sliding log has none: it is exact). `None` if the allowance cannot
+    /// be represented (policy validation reports it).
+    pub fn with_debt(self, max_debt: u64) -> Option<Algo> {
+        Some(match self {
+            Algo::TokenBucket(g) => Algo::TokenBucket(g.with_debt(max_debt)?),
+            Algo::FixedWindow(a) => Algo::FixedWindow(a.with_debt(max_debt)),
+            Algo::SlidingWindowCounter(a) => Algo::SlidingWindowCounter(a.with_debt(max_debt)),
+            log @ Algo::SlidingWindowLog(_) => log,
+        })
     }
 
     pub fn encode(state: &State, out: &mut Vec<u8>) {

@@ -47,6 +47,9 @@ use super::{ns_until, Verdict};
 pub struct FixedWindow {
     limit: u64,
     window_ns: u64,
+    /// How far late-settled costs may take a window's count past `limit`
+    /// (see [`FixedWindow::settle_more`]); 0 without a debt allowance.
+    max_debt: u64,
 }
 
 /// Per-key state; `Default` is a fresh key.
@@ -64,7 +67,35 @@ impl FixedWindow {
         if limit == 0 || window_ns == 0 {
             return None;
         }
-        Some(FixedWindow { limit, window_ns })
+        Some(FixedWindow {
+            limit,
+            window_ns,
+            max_debt: 0,
+        })
+    }
+
+    /// These parameters with a debt allowance of `max_debt` units.
+    pub fn with_debt(self, max_debt: u64) -> FixedWindow {
+        FixedWindow { max_debt, ..self }
+    }
+
+    /// Charges `units` more to `now`'s window without admission (a cost
+    /// settled after the response): its count may pass `limit` by at most
+    /// `max_debt`, and the window's later requests are refused until it
+    /// ends (the debt is not carried into the next window). Returns the
+    /// new state and the units written off.
+    pub fn settle_more(&self, state: &State, units: u64, now: u64) -> (State, u64) {
+        let (window, used) = self.current(state, now);
+        let cap = self.limit.saturating_add(self.max_debt).max(used);
+        let total = used.saturating_add(units);
+        let count = total.min(cap);
+        let written_off = units - (count - used);
+        let state = if count == 0 {
+            State::default()
+        } else {
+            State { window, count }
+        };
+        (state, written_off)
     }
 
     pub fn limit(&self) -> u64 {
@@ -96,7 +127,13 @@ impl FixedWindow {
         ns_until((u128::from(window) + 1) * u128::from(self.window_ns), now)
     }
 
-    /// Whether a request of `cost` units is admitted at `now`.
+    /// Units `now`'s window is past its limit (its debt; 0 if none).
+    pub fn debt(&self, state: &State, now: u64) -> u64 {
+        self.current(state, now).1.saturating_sub(self.limit)
+    }
+
+    /// Whether a request of `cost` units is admitted at `now`. A count in
+    /// debt (past `limit`) denies until its window ends.
     pub fn check(&self, state: &State, now: u64, cost: u64) -> Verdict<State> {
         let (window, used) = self.current(state, now);
         let end = self.until_end(window, now);
@@ -193,6 +230,41 @@ mod tests {
         );
         assert!(!take(&f, &mut st, T0 + S - 1, 1));
         assert_eq!((0..9).filter(|_| take(&f, &mut st, T0 + S, 1)).count(), 5);
+    }
+
+    #[test]
+    fn a_settled_cost_takes_the_window_into_debt_until_it_ends() {
+        let f = fw(10, S).with_debt(5);
+        let mut st = State::default();
+        let at = T0 + 200_000_000;
+        assert!(take(&f, &mut st, at, 4));
+        let (owed, lost) = f.settle_more(&st, 13, at);
+        assert_eq!((owed.count, lost), (15, 2));
+        assert_eq!(
+            f.check(&owed, at, 1),
+            Verdict::Deny {
+                wait_ns: 800_000_000,
+                remaining: 0,
+                reset_ns: 800_000_000
+            }
+        );
+        // The next window starts afresh.
+        assert!(f.check(&owed, T0 + S, 10).is_admit());
+        // A settlement after the window ended counts in the current one.
+        let (later, lost) = f.settle_more(&st, 3, T0 + S);
+        assert_eq!(
+            (later, lost),
+            (
+                State {
+                    window: (T0 + S) / S,
+                    count: 3
+                },
+                0
+            )
+        );
+        // Without an allowance nothing passes the limit.
+        let (full, lost) = fw(10, S).settle_more(&st, 9, at);
+        assert_eq!((full.count, lost), (10, 3));
     }
 
     #[test]

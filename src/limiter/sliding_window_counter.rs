@@ -84,6 +84,9 @@ use super::{ns_until, Verdict};
 pub struct SlidingWindowCounter {
     limit: u64,
     window_ns: u64,
+    /// How far late-settled costs may take a window's count past `limit`
+    /// (see [`SlidingWindowCounter::settle_more`]); 0 without a debt allowance.
+    max_debt: u64,
 }
 
 /// Per-key state; `Default` is a fresh key.
@@ -117,7 +120,39 @@ impl SlidingWindowCounter {
         if limit == 0 || window_ns == 0 {
             return None;
         }
-        Some(SlidingWindowCounter { limit, window_ns })
+        Some(SlidingWindowCounter {
+            limit,
+            window_ns,
+            max_debt: 0,
+        })
+    }
+
+    /// These parameters with a debt allowance of `max_debt` units.
+    pub fn with_debt(self, max_debt: u64) -> SlidingWindowCounter {
+        SlidingWindowCounter { max_debt, ..self }
+    }
+
+    /// Charges `units` more to `now`'s window without admission (a cost
+    /// settled after the response): `curr` may pass `limit` by at most
+    /// `max_debt`. The estimate then stays above `limit` (requests are
+    /// refused, with the exact wait) until the debt's weight has decayed
+    /// over the next window. Returns the new state and the units written
+    /// off.
+    pub fn settle_more(&self, state: &State, units: u64, now: u64) -> (State, u64) {
+        let at = self.at(state, now);
+        let cap = self.limit.saturating_add(self.max_debt).max(at.curr);
+        let curr = at.curr.saturating_add(units).min(cap);
+        let written_off = units - (curr - at.curr);
+        let state = if at.prev == 0 && curr == 0 {
+            State::default()
+        } else {
+            State {
+                last_ns: at.tau,
+                prev: at.prev,
+                curr,
+            }
+        };
+        (state, written_off)
     }
 
     pub fn limit(&self) -> u64 {
@@ -162,6 +197,12 @@ impl SlidingWindowCounter {
             prev,
             curr,
         }
+    }
+
+    /// Units the current window's count is past the limit (its debt; the
+    /// previous window's weight is not counted).
+    pub fn debt(&self, state: &State, now: u64) -> u64 {
+        self.at(state, now).curr.saturating_sub(self.limit)
     }
 
     /// `state` with a `last_ns` ahead of `now` (the clock stepped back)
@@ -324,6 +365,27 @@ mod tests {
 
     fn swc(limit: u64, window_ns: u64) -> SlidingWindowCounter {
         SlidingWindowCounter::new(limit, window_ns).unwrap()
+    }
+
+    #[test]
+    fn a_settled_cost_goes_into_debt_that_decays_over_the_next_window() {
+        let c = swc(10, S).with_debt(10);
+        let mut st = State::default();
+        assert!(take(&c, &mut st, T0, 5));
+        let (owed, lost) = c.settle_more(&st, 20, T0);
+        assert_eq!((owed.curr, lost), (20, 5));
+        assert!(!c.check(&owed, T0 + S - 1, 1).is_admit());
+        // 20 in the previous window weigh 20·(W − e)/W: one unit fits once
+        // that is at most 9, i.e. from e = 0.55 s of the next window, as
+        // the denial said.
+        let Verdict::Deny { wait_ns, .. } = c.check(&owed, T0, 1) else {
+            panic!()
+        };
+        assert_eq!(wait_ns, S + 550_000_000);
+        assert!(!c.check(&owed, T0 + S + 550_000_000 - 1, 1).is_admit());
+        assert!(c.check(&owed, T0 + S + 550_000_000, 1).is_admit());
+        let (capped, lost) = swc(10, S).settle_more(&st, 20, T0);
+        assert_eq!((capped.curr, lost), (10, 15));
     }
 
     #[test]

@@ -181,6 +181,32 @@ impl SlidingWindowLog {
         }
     }
 
+    /// Charges `units` more without admission (a cost settled after the
+    /// response) to the entry recorded at `charged_at` (the request's own,
+    /// as [`State::refund`] finds it), else the latest counting entry, else
+    /// a new one at `now`: an exact log has no debt, so the counting costs
+    /// never pass `limit`, and what does not fit is written off (returned).
+    /// No entry is added while one counts, so the log's bound on its
+    /// entries (and its encoded length) holds.
+    pub fn settle_more(&self, state: &State, units: u64, charged_at: u64, now: u64) -> (State, u64) {
+        let live = self.live(state, now);
+        let used: u64 = live.iter().fold(0, |sum, &(_, c)| sum.saturating_add(c));
+        let add = units.min(self.limit.saturating_sub(used));
+        let mut entries = live.to_vec();
+        if add > 0 {
+            let own = entries.iter().rposition(|&(ts, _)| ts == charged_at);
+            match own.or_else(|| entries.len().checked_sub(1)) {
+                Some(i) => {
+                    if let Some(e) = entries.get_mut(i) {
+                        e.1 = e.1.saturating_add(add);
+                    }
+                }
+                None => entries.push((now, add)),
+            }
+        }
+        (State { entries }, units - add)
+    }
+
     /// `state` with the entries stamped after `now` (the clock stepped
     /// back) merged into one at `now`; `None` if there are none. Keeps the
     /// invariants: sorted, non-zero costs, no more entries than before.
@@ -275,6 +301,25 @@ mod tests {
 
     fn log(limit: u64, window_ns: u64) -> SlidingWindowLog {
         SlidingWindowLog::new(limit, window_ns).unwrap()
+    }
+
+    #[test]
+    fn a_settled_cost_fills_the_requests_own_entry_up_to_the_limit() {
+        let log = SlidingWindowLog::new(10, S).unwrap();
+        let mut st = State::default();
+        assert!(take(&log, &mut st, T0, 2));
+        assert!(take(&log, &mut st, T0 + 1, 3));
+        // The first request really cost 7: its own entry, capped at the limit.
+        let (settled, lost) = log.settle_more(&st, 5, T0, T0 + 2);
+        assert_eq!((settled.entries(), lost), (&[(T0, 7), (T0 + 1, 3)][..], 0));
+        let (full, lost) = log.settle_more(&settled, 4, T0, T0 + 2);
+        assert_eq!((full.entries(), lost), (&[(T0, 7), (T0 + 1, 3)][..], 4));
+        // Its entry expired: the latest counting one takes it.
+        let (late, lost) = log.settle_more(&st, 1, T0, T0 + S);
+        assert_eq!((late.entries(), lost), (&[(T0 + 1, 4)][..], 0));
+        // Nothing counts any more: one new entry at now.
+        let (fresh, lost) = log.settle_more(&st, 12, T0, T0 + 5 * S);
+        assert_eq!((fresh.entries(), lost), (&[(T0 + 5 * S, 10)][..], 2));
     }
 
     #[test]

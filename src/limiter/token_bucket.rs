@@ -17,8 +17,22 @@
 //!
 //! An idle period accrues at most `burst` tokens (`max(TAT, now)` forgets
 //! idle time beyond a full bucket). A clock that steps backwards is
-//! saturated: the stored TAT is clamped to `now + τ`, so a bucket is at worst
-//! empty and never owes more than one full refill.
+//! saturated: the stored TAT is clamped to `now + τ` (`now + τ + D·T` with
+//! a debt allowance, below), so a bucket is at worst empty and never owes
+//! more than one full refill (and its debt).
+//!
+//! # Debt
+//! A limit with a debt allowance `D` (`max_debt`, in tokens; 0 unless the
+//! policy settles costs after the response) also takes **charges without
+//! admission** ([`Gcra::settle_more`]): a request's real cost, known only
+//! at its end, beyond the estimate it was admitted with. Such a charge moves
+//! the TAT like any other, `TAT := max(TAT, now) + u·T`, but past the
+//! horizon: the TAT may run ahead of `now + τ` by at most `D·T`, and what
+//! would go further is **written off** (returned to the caller, who counts
+//! it). While `TAT > now + τ` the bucket is in debt: no token is available,
+//! and a request of cost `c` waits `TAT + c·T − τ − now`, the debt's
+//! repayment included (the honest `Retry-After`). The clock's saturation
+//! keeps the debt: a stored TAT is clamped to `now + τ + D·T`.
 //!
 //! # Error and over-admission bound
 //! `T` is rounded *up* to whole nanoseconds, so the limiter admits at most
@@ -26,6 +40,11 @@
 //! `burst + floor(d / T)` tokens are consumed, never more. The rounding
 //! under-admits by less than one token per `T` nanoseconds of error: for
 //! `7/day`, `T` is 1 ns longer than exact, i.e. one token in 10^13.
+//!
+//! With debt, every unit charged (admitted or settled) moves the TAT by
+//! `T`, the TAT stays in `[now − …, now + τ + D·T]` and forgetting idle time
+//! only lowers it: so the units charged in any interval of length `d` are at
+//! most `burst + D + floor(d / T)`, plus what was written off (counted).
 
 /// The immutable parameters of one token-bucket limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +54,9 @@ pub struct Gcra {
     /// `τ = burst × T`: how far the TAT may run ahead of now.
     tolerance_ns: u64,
     burst: u64,
+    /// `D·T`: how far past `now + τ` late-settled costs may push the TAT
+    /// (see "Debt"); 0 without a debt allowance.
+    debt_ns: u64,
 }
 
 /// The outcome of [`Gcra::check`].
@@ -61,6 +83,17 @@ impl Gcra {
             interval_ns,
             tolerance_ns,
             burst,
+            debt_ns: 0,
+        })
+    }
+
+    /// These parameters with a debt allowance of `max_debt` tokens (see
+    /// "Debt"); `None` if `max_debt × T` does not fit a `u64` (policy
+    /// validation reports it).
+    pub fn with_debt(self, max_debt: u64) -> Option<Gcra> {
+        Some(Gcra {
+            debt_ns: max_debt.checked_mul(self.interval_ns)?,
+            ..self
         })
     }
 
@@ -73,6 +106,7 @@ impl Gcra {
             interval_ns,
             tolerance_ns,
             burst: tolerance_ns / interval_ns,
+            debt_ns: 0,
         })
     }
 
@@ -88,25 +122,67 @@ impl Gcra {
         self.burst
     }
 
+    /// The debt allowance in tokens (`max_debt`).
+    pub fn max_debt(&self) -> u64 {
+        self.debt_ns / self.interval_ns
+    }
+
+    /// The furthest the TAT may be ahead of `now`: one refill and the debt.
+    fn max_lead(&self) -> u64 {
+        self.tolerance_ns.saturating_add(self.debt_ns)
+    }
+
     /// The TAT as it stands at `now`: idle time beyond a full bucket is
     /// forgotten and a TAT left ahead by a clock step backwards is clamped.
     fn effective_tat(&self, tat: u64, now: u64) -> u64 {
-        tat.clamp(now, now.saturating_add(self.tolerance_ns))
+        tat.clamp(now, now.saturating_add(self.max_lead()))
     }
 
-    /// `tat` with any debt beyond one full refill forgiven: after a clock
-    /// step backwards the stored TAT can be far ahead of `now`. Callers
-    /// persist this on a denial when it differs from `tat`, so the bucket
-    /// refills from `now` instead of waiting for the old clock.
+    /// `tat` with anything beyond one full refill and the debt allowance
+    /// forgiven: after a clock step backwards the stored TAT can be far
+    /// ahead of `now`. Callers persist this on a denial when it differs
+    /// from `tat`, so the bucket refills from `now` instead of waiting for
+    /// the old clock.
     pub fn saturate(&self, tat: u64, now: u64) -> u64 {
-        tat.min(now.saturating_add(self.tolerance_ns))
+        tat.min(now.saturating_add(self.max_lead()))
     }
 
-    /// Whole tokens available at `now`.
+    /// Whole tokens available at `now` (0 while in debt).
     pub fn available(&self, tat: u64, now: u64) -> u64 {
         let base = self.effective_tat(tat, now);
-        let slack = now.saturating_add(self.tolerance_ns) - base;
+        let slack = now.saturating_add(self.tolerance_ns).saturating_sub(base);
         (slack / self.interval_ns).min(self.burst)
+    }
+
+    /// Whole tokens owed at `now`: how far the TAT is past `now + τ`,
+    /// rounded up (0 when not in debt).
+    pub fn debt(&self, tat: u64, now: u64) -> u64 {
+        let base = self.effective_tat(tat, now);
+        base.saturating_sub(now.saturating_add(self.tolerance_ns))
+            .div_ceil(self.interval_ns)
+    }
+
+    /// Gives `units` tokens back (a charge a later check refused, a lease's
+    /// unspent units, a settled cost below its estimate): a debt is repaid
+    /// first; a bucket never holds more than its burst (a TAT below `now`
+    /// reads as full).
+    pub fn refund(&self, tat: u64, units: u64) -> u64 {
+        tat.saturating_sub(units.saturating_mul(self.interval_ns))
+    }
+
+    /// Charges `units` more tokens at `now` without admission (a cost
+    /// settled after the response, see "Debt"): the new TAT, and the units
+    /// written off because the debt allowance could not hold them.
+    pub fn settle_more(&self, tat: u64, units: u64, now: u64) -> (u64, u64) {
+        let base = self.effective_tat(tat, now);
+        let cap = now.saturating_add(self.max_lead());
+        let wanted = u128::from(base) + u128::from(units) * u128::from(self.interval_ns);
+        if wanted <= u128::from(cap) {
+            // wanted ≤ cap ≤ u64::MAX.
+            return (u64::try_from(wanted).unwrap_or(cap), 0);
+        }
+        let over = (wanted - u128::from(cap)).div_ceil(u128::from(self.interval_ns));
+        (cap.max(base), u64::try_from(over).unwrap_or(u64::MAX).min(units))
     }
 
     /// Nanoseconds until the bucket is full again.
@@ -134,12 +210,22 @@ impl Gcra {
     /// reload never hands out tokens (in particular, never a fresh burst).
     /// The bucket keeps its fill level in tokens, capped at the new burst,
     /// and refills at the new rate from `now`.
+    /// A debt carries over too, in whole tokens (rounded up), at most the
+    /// new debt allowance: a reload neither adds tokens nor forgives more
+    /// debt than the new allowance holds.
     pub fn migrate_tat(&self, old: &Gcra, tat: u64, now: u64) -> u64 {
         if old == self {
             return tat;
         }
         let old_base = old.effective_tat(tat, now);
-        let old_slack = u128::from(now.saturating_add(old.tolerance_ns) - old_base);
+        let horizon = now.saturating_add(old.tolerance_ns);
+        if old_base > horizon {
+            let owed = old.debt(tat, now).min(self.max_debt());
+            return now
+                .saturating_add(self.tolerance_ns)
+                .saturating_add(owed.saturating_mul(self.interval_ns));
+        }
+        let old_slack = u128::from(horizon - old_base);
         // Tokens (as a fraction) = old_slack / old.T; in new nanoseconds:
         let new_slack = old_slack * u128::from(self.interval_ns) / u128::from(old.interval_ns);
         let new_slack = u64::try_from(new_slack)
@@ -346,6 +432,72 @@ mod tests {
                 assert!(new.available(migrated, now) <= new.burst());
             }
         }
+    }
+
+    #[test]
+    fn a_settled_cost_runs_into_debt_up_to_the_allowance_and_the_wait_includes_it() {
+        // 10 per second (T = 100 ms), burst 10, debt up to 20 tokens.
+        let g = limit(10, S, 10).with_debt(20).unwrap();
+        assert_eq!(g.max_debt(), 20);
+        let mut tat = 0;
+        assert!(take(&g, &mut tat, T0, 10));
+        // The real cost was 25 more: 20 owed, 5 written off.
+        let (owed, lost) = g.settle_more(tat, 25, T0);
+        assert_eq!((g.debt(owed, T0), lost), (20, 5));
+        assert_eq!(g.available(owed, T0), 0);
+        // One token needs the debt repaid and one refill: 2.1 s.
+        assert_eq!(
+            g.check(owed, T0, 1),
+            Check::Deny {
+                wait_ns: 2_100_000_000
+            }
+        );
+        assert_eq!(g.time_to_full_ns(owed, T0), 3 * S);
+        let mut t = owed;
+        assert!(!take(&g, &mut t, T0 + 2_100_000_000 - 1, 1));
+        assert!(take(&g, &mut t, T0 + 2_100_000_000, 1));
+        // Saturation keeps the debt (a clock step back does not forgive it).
+        assert_eq!(g.saturate(owed, T0), owed);
+        assert_eq!(g.saturate(owed, T0 - 3600 * S), T0 - 3600 * S + 3 * S);
+        // Without an allowance the whole excess is written off.
+        let plain = limit(10, S, 10);
+        let mut tat = 0;
+        assert!(take(&plain, &mut tat, T0, 10));
+        assert_eq!(plain.settle_more(tat, 7, T0), (tat, 7));
+        // A settled cost that fits the bucket is charged like an admission.
+        let (part, lost) = g.settle_more(0, 4, T0);
+        assert_eq!((g.available(part, T0), lost), (6, 0));
+        // A refund of a settled cost lowers the debt first.
+        let back = g.refund(owed, 15);
+        assert_eq!(g.debt(back, T0), 5);
+    }
+
+    #[test]
+    fn a_reload_carries_a_debt_in_whole_tokens_up_to_the_new_allowance() {
+        let old = limit(10, S, 10).with_debt(20).unwrap();
+        let (owed, _) = old.settle_more(T0 + S, 12, T0);
+        assert_eq!(old.debt(owed, T0), 12);
+        let new = limit(100, S, 50).with_debt(8).unwrap();
+        let moved = new.migrate_tat(&old, owed, T0);
+        assert_eq!((new.available(moved, T0), new.debt(moved, T0)), (0, 8));
+        let none = limit(100, S, 50);
+        let moved = none.migrate_tat(&old, owed, T0);
+        assert_eq!((none.available(moved, T0), none.debt(moved, T0)), (0, 0));
+    }
+
+    #[test]
+    fn settling_never_overflows_and_never_lowers_the_tat() {
+        let g = limit(7, 86_400 * S, 3).with_debt(1_000_000).unwrap();
+        for now in [0, 1, T0, u64::MAX - 1, u64::MAX] {
+            for tat in [0, now, now.saturating_add(g.tolerance_ns()), u64::MAX] {
+                for units in [0, 1, 1_000_000_000, u64::MAX] {
+                    let (after, lost) = g.settle_more(tat, units, now);
+                    assert!(after >= g.saturate(tat.max(now), now), "{now} {tat} {units}");
+                    assert!(lost <= units);
+                }
+            }
+        }
+        assert!(limit(1, S, 1).with_debt(u64::MAX).is_none());
     }
 
     #[test]

@@ -60,8 +60,29 @@ enum Degrade {
 
 impl Pipeline {
     /// A request's headers: its whole decision (steps 1–6 of the module
-    /// header). `policy` is the one in force for the stream.
+    /// header). `policy` is the one in force for the stream. With soft
+    /// limits, the directive also carries the request's routing marker
+    /// (see [`super::settle`]).
     pub fn on_request_headers<H: Host>(
+        &mut self,
+        host: &H,
+        clock: &impl Clock,
+        policy: &Rc<Policy>,
+        stream: StreamId,
+    ) -> Directive {
+        let client_copy = policy.has_soft_limits && host.request_header(&policy.soft_limit_header).is_some();
+        let mut directive = self.decide_headers(host, clock, policy, stream);
+        let soft = self
+            .streams
+            .get(&stream)
+            .and_then(|s| s.soft.as_ref())
+            .map(|(_, limit)| limit.as_str());
+        Self::route_mark(policy, &mut directive, soft, client_copy);
+        directive
+    }
+
+    /// [`Pipeline::on_request_headers`]'s decision.
+    fn decide_headers<H: Host>(
         &mut self,
         host: &H,
         clock: &impl Clock,
@@ -74,10 +95,11 @@ impl Pipeline {
         {
             return self.answer_limits(host, clock, policy);
         }
-        let prepared = match engine::prepare(policy, host) {
+        let mut prepared = match engine::prepare(policy, host) {
             Ok(p) => p,
             Err(reason) => return self.finish(host, policy, stream, state, Decision::passed(reason), None),
         };
+        Self::estimate(host, policy, &mut prepared);
         let mut now = Now::new(clock);
         let mut record = None;
         if prepared.class.labels.checks_anything() {
@@ -90,6 +112,7 @@ impl Pipeline {
                     state.held = true;
                     self.keep(stream, state);
                     return Directive {
+                        mark: None,
                         verdict: Verdict::Pause,
                         record,
                     };
@@ -100,6 +123,7 @@ impl Pipeline {
                 Admitted::Degraded(reply, decision) => {
                     self.pending.decision(&decision);
                     return Directive {
+                        mark: None,
                         verdict: Verdict::Reply(reply),
                         record,
                     };
@@ -122,6 +146,15 @@ impl Pipeline {
             state.capture = None;
         } else {
             self.count_probe(policy, &prepared, state.ticket.as_ref());
+            self.start_settling(policy, &prepared, &decision, now, &mut state);
+            if decision.reason == Reason::SoftLimited {
+                let at = Decided {
+                    in_flight: state.ticket.as_ref().map_or(0, Ticket::in_flight),
+                    queue_wait_ns: 0,
+                    limit: decision.limit.clone(),
+                };
+                record = Some(self.record(policy, &prepared, Some(Reason::SoftLimited), &at, now, None));
+            }
         }
         if decision.deny_status() == Some(429) {
             let paused = paused(host, policy, &prepared, stream, false);
@@ -131,6 +164,7 @@ impl Pipeline {
                     state.held = true;
                     self.keep(stream, state);
                     return Directive {
+                        mark: None,
                         verdict: Verdict::Pause,
                         record,
                     };
@@ -142,14 +176,36 @@ impl Pipeline {
         self.finish(host, policy, stream, state, decision, record)
     }
 
-    /// Counts a streamed request body's chunk against `max_body_bytes`.
+    /// Counts a streamed request body's chunk against `max_body_bytes`, and
+    /// reads a settling class's estimate from it (see [`super::settle`]).
     pub fn on_request_body<H: Host>(
         &mut self,
         host: &H,
+        clock: &impl Clock,
         policy: &Policy,
         stream: StreamId,
         bytes: usize,
     ) -> Directive {
+        let estimating = self
+            .streams
+            .get(&stream)
+            .and_then(|s| s.settling.as_ref())
+            .is_some_and(|s| s.estimates_from_body());
+        if estimating {
+            let now = clock.now().unwrap_or(0);
+            if let Some(refused) = self.settling_body(host, policy, stream, bytes, now) {
+                if let Some(mut state) = self.streams.remove(&stream) {
+                    if let Some(ticket) = state.ticket.take() {
+                        self.cancel(host, ticket, now);
+                    }
+                    state.signal = None;
+                    state.capture = None;
+                    state.headers = None;
+                    self.keep(stream, state);
+                }
+                return refused;
+            }
+        }
         let Some(state) = self.streams.get_mut(&stream) else {
             return Directive::go();
         };
@@ -195,11 +251,13 @@ impl Pipeline {
             self.keep(stream, state);
             if let Some(reply) = reply {
                 return Directive {
+                    mark: None,
                     verdict: Verdict::Reply(reply),
                     record,
                 };
             }
             return Directive {
+                mark: None,
                 verdict: Verdict::Continue,
                 record,
             };
@@ -209,6 +267,7 @@ impl Pipeline {
         }
         self.keep(stream, state);
         Directive {
+            mark: None,
             verdict: Verdict::Continue,
             record,
         }
@@ -216,7 +275,10 @@ impl Pipeline {
 
     /// Checks and charges a prepared request's rate limits: from the
     /// worker's lease of its key if it has one ([`super::lease`]), else
-    /// with the node's entry, taking a lease if the key is hot.
+    /// with the node's entry, taking a lease if the key is hot. A class
+    /// whose cost settles after the response is charged on the exact path
+    /// (no lease spent or taken, no refusal remembered: a settlement may
+    /// change the key's standing at any moment; see [`crate::cost`]).
     pub(super) fn charge<H: Host>(
         &mut self,
         host: &H,
@@ -224,6 +286,19 @@ impl Pipeline {
         prepared: &Prepared,
         now: &mut Now<'_, impl Clock>,
     ) -> Result<Decision, NoClock> {
+        if prepared.class.settle.is_some() {
+            let at = now.get().ok_or(NoClock)?;
+            let view = self.view(policy);
+            return Ok(engine::charge_leased(
+                policy,
+                prepared,
+                host,
+                at,
+                view.as_ref(),
+                prepared.cost,
+                &mut self.scratch,
+            ));
+        }
         let Pipeline {
             leases,
             scratch,
@@ -525,6 +600,7 @@ impl Pipeline {
             Admitted::Degraded(reply, decision) => {
                 self.pending.decision(&decision);
                 Directive {
+                    mark: None,
                     verdict: Verdict::Reply(reply),
                     record,
                 }
@@ -539,6 +615,7 @@ impl Pipeline {
                     request_id,
                 ) {
                     Some(reply) => Directive {
+                        mark: None,
                         verdict: Verdict::Reply(reply),
                         record,
                     },
@@ -729,7 +806,7 @@ impl Pipeline {
     ) {
         state.held = false;
         self.pending.decision(&decision);
-        let directive =
+        let mut directive =
             match response::local_reply(&decision, &p.policy.version, p.policy.ratelimit_headers, None) {
                 Some(reply) => {
                     if let Some(ticket) = state.ticket.take() {
@@ -738,21 +815,27 @@ impl Pipeline {
                     state.signal = None;
                     state.capture = None;
                     Directive {
+                        mark: None,
                         verdict: Verdict::Reply(reply),
                         record,
                     }
                 }
                 None => {
                     self.count_probe(&p.policy, &p.prepared, state.ticket.as_ref());
+                    self.start_settling(&p.policy, &p.prepared, &decision, now, &mut state);
                     if p.policy.ratelimit_headers {
-                        state.headers = decision.headers;
+                        state.headers = decision.headers.clone();
                     }
                     Directive {
+                        mark: None,
                         verdict: Verdict::Continue,
                         record,
                     }
                 }
             };
+        // A client's own marker was removed when it was held.
+        let soft = state.soft.as_ref().map(|(_, limit)| limit.as_str());
+        Self::route_mark(&p.policy, &mut directive, soft, false);
         self.keep(p.stream, state);
         self.answers.push(Answer {
             stream: p.stream,

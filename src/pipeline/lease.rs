@@ -21,10 +21,21 @@
 //!   one, at most [`max_lease`] (an eighth of the smallest burst of the
 //!   key's limits, at most [`MAX_LEASE_UNITS`]). A key whose entry is low
 //!   gets what it has: the update takes the most every limit has.
-//! * Only keys whose limits are all local, enforced and not sliding logs
-//!   are leased, never beside a guard, never in shadow mode: a global
-//!   limit's allowance, a guard's aggregate and a log's instants are
-//!   charged request by request, as before.
+//! * Only keys whose limits are all enforced and not sliding logs are
+//!   leased, never beside a guard, never in shadow mode: a guard's
+//!   aggregate and a log's instants are charged request by request.
+//! * **Global limits**: the entry's allowance draws from the node's live
+//!   lease of the central service (never from the provisional allowance
+//!   or a failure mode), the worker's lease from the entry. Units taken
+//!   count as consumed in the node's report until given back, and the
+//!   units the lease's requests spent count as demand when it goes back
+//!   ([`crate::sync::Allowance::give_back_lease`]). **The global bound is
+//!   unchanged**: it counts units, and a unit is in the service's lease,
+//!   the entry's allowance or one worker's lease, never two; a unit given
+//!   back goes to the node's live service lease (whose units the bound's
+//!   lease term already counts), or is dropped if none is live, and a
+//!   report made while it sat in a worker counts it consumed, which errs
+//!   toward the service granting less.
 //! * A reload never duplicates a unit: a lease belongs to the policy it was
 //!   taken under (a request of another policy never spends it), and its
 //!   units go back to the same entry, at most what was taken (a limit's
@@ -85,6 +96,11 @@ struct Lease {
     prepared: Prepared,
     /// Units left (charged to every limit of the key).
     units: u64,
+    /// Units its requests spent (a global limit counts them as demand
+    /// when the lease goes back).
+    spent: u64,
+    /// The key's plan has a global limit (whose spent units must be told).
+    global: bool,
     taken_at: u64,
     /// The entry's standing after the take (for headers).
     standings: Option<Box<Standings>>,
@@ -166,7 +182,7 @@ impl Leases {
         charge: impl FnOnce(u64, u64) -> Decision,
     ) -> Result<Decision, NoClock> {
         write_logical_key(&mut self.key, &prepared.class.action, &prepared.subject);
-        let cost = prepared.class.cost;
+        let cost = prepared.cost;
         let heat = &mut self.heat[slot(&self.key)];
         *heat = heat.saturating_add(u32::try_from(cost).unwrap_or(u32::MAX));
         if let Some(d) = self.spend(policy, prepared) {
@@ -186,7 +202,7 @@ impl Leases {
 
     /// Serves a request from its key's lease, if the lease can pay its cost.
     fn spend(&mut self, policy: &Rc<Policy>, prepared: &Prepared) -> Option<Decision> {
-        let cost = prepared.class.cost;
+        let cost = prepared.cost;
         let lease = self
             .keys
             .get_mut(&policy_id(policy))?
@@ -195,6 +211,7 @@ impl Leases {
             return None;
         }
         lease.units = lease.units.saturating_sub(cost);
+        lease.spent = lease.spent.saturating_add(cost);
         let mut d = Decision::pass(Reason::Allowed, prepared.subject.clone());
         if policy.ratelimit_headers {
             d.headers = lease_headers(policy, prepared.plan, lease.standings.as_deref(), lease.units);
@@ -219,7 +236,7 @@ impl Leases {
 
     /// The units to ask for with the key (its cost when cold).
     fn want(&self, policy: &Policy, prepared: &Prepared) -> u64 {
-        let cost = prepared.class.cost;
+        let cost = prepared.cost;
         let Some(plan) = policy.plan(prepared.plan) else {
             return cost;
         };
@@ -246,6 +263,10 @@ impl Leases {
                     policy: policy.clone(),
                     prepared: prepared.clone(),
                     units: 0,
+                    spent: 0,
+                    global: policy
+                        .plan(prepared.plan)
+                        .is_some_and(|p| p.limits.iter().any(|l| l.global)),
                     taken_at: now,
                     standings: None,
                     refused_until: 0,
@@ -280,11 +301,12 @@ impl Leases {
         self.heat.fill(0);
         for (_, keys) in self.keys.drain() {
             for (_, lease) in keys {
-                if lease.units == 0 {
+                if lease.units == 0 && !(lease.global && lease.spent > 0) {
                     continue;
                 }
                 let p = &lease.prepared;
-                if engine::give_back(&lease.policy, p, host, lease.units, lease.taken_at, now, scratch) {
+                let (units, spent) = (lease.units, lease.spent);
+                if engine::give_back(&lease.policy, p, host, units, spent, lease.taken_at, now, scratch) {
                     self.returned = self.returned.saturating_add(1);
                 } else {
                     self.lost = self.lost.saturating_add(lease.units);

@@ -366,3 +366,114 @@ fn small_limits_stay_exact() {
     let excess = worst_excess(&got, 100, 60 * S, 10, 0);
     assert!(excess <= 0, "{excess}");
 }
+
+/// A callout answer for the pipeline's own syncer (the service's role).
+struct Answered(Vec<u8>);
+
+impl crate::sync::syncer::CalloutAnswer for Answered {
+    fn has_response(&self) -> bool {
+        true
+    }
+    fn status(&self) -> Result<Option<Vec<u8>>, crate::host::HostError> {
+        Ok(Some(b"200".to_vec()))
+    }
+    fn body_size(&self) -> usize {
+        self.0.len()
+    }
+    fn body(&self) -> Result<Option<Vec<u8>>, crate::host::HostError> {
+        Ok(Some(self.0.clone()))
+    }
+}
+
+#[test]
+fn a_global_limits_worker_leases_draw_only_from_the_services_lease_and_report_what_was_spent() {
+    // One global limit; the "service" answers every report with a lease
+    // of 500 units (10 s) for each key it carries, and the test counts
+    // every unit it ever granted. Two workers, a hot tenant at about 20
+    // requests a millisecond, the pipeline's own syncer on each tick.
+    let json = r#"{"version": "gl-1", "identity": {"header": "x-tenant-id"},
+        "plans": {"p": {"limits": [{"name": "g", "rate": 600000, "per": "1m", "burst": 100000, "global": true}]}},
+        "default_plan": "p", "anonymous": {"plan": "p"}, "routes": {"api": {}}, "default_route": "api",
+        "sync": {"cluster": "tenantgate", "interval": "100ms", "timeout": "50ms", "provisional": 2,
+                 "failure_mode": "fail_closed", "node_id": "n1", "region": "r1"}}"#;
+    let mut node = Node::new(2, json);
+    let mut rng = Rng(42);
+    // The provisional allowance: 2 units.
+    let (mut granted, mut admitted, mut token) = (2u64, 0u64, 1u32);
+    let mut reported = crate::sync::Counts::default();
+    for t in 1..=600u64 {
+        let now = T0 + t * MS;
+        for _ in 0..rng.below(40) {
+            let w = rng.below(2) as usize;
+            admitted += u64::from(node.request(w, "api", now).admitted);
+        }
+        for w in 0..2 {
+            if (t + 3 * w as u64) % 10 != 0 {
+                continue;
+            }
+            node.tick(w, now);
+            let host = MemoryHost::new(node.store.clone());
+            let (p, policy) = &mut node.workers[w];
+            for callout in p.take_callouts() {
+                let req = crate::sync::SyncRequest::from_json(&callout.body).unwrap();
+                for r in &req.reports {
+                    reported.consumed += r.consumed;
+                    reported.demand += r.demand;
+                }
+                p.dispatched(&host, &now, &mut node.stats.clone(), policy, &callout, Ok(token));
+                let leases: Vec<crate::sync::Lease> = req
+                    .reports
+                    .iter()
+                    .map(|r| crate::sync::Lease {
+                        key: r.key.clone(),
+                        limit: r.limit.clone(),
+                        tokens: 500,
+                        share: 500,
+                        share_milli: 0,
+                        ttl_ms: 10_000,
+                        outage_milli: None,
+                    })
+                    .collect();
+                granted += 500 * leases.len() as u64;
+                let resp = crate::sync::SyncResponse {
+                    version: 1,
+                    ack_seq: req.seq,
+                    interval_ms: 100,
+                    leases,
+                };
+                let answer = Answered(resp.to_json().into_bytes());
+                p.on_sync_answer(
+                    &host,
+                    &(now + MS),
+                    &mut node.stats.clone(),
+                    policy,
+                    token,
+                    &answer,
+                );
+                token += 1;
+            }
+        }
+    }
+    node.tick(0, T0 + 700 * MS);
+    node.tick(1, T0 + 700 * MS);
+    let served = node.stat("tenantgate.lease.served");
+    println!("global: {admitted} admitted of {granted} units granted, {served} served from worker leases");
+    // Never more than the service granted (every grant replaces the lease,
+    // so this is generous: each lease's unused units are dropped).
+    assert!(admitted <= granted, "{admitted} > {granted}");
+    assert!(
+        served > admitted / 2,
+        "worker leases served {served} of {admitted}"
+    );
+    // What the node reported consumed never exceeds what it admitted (a
+    // unit in a worker's lease at a report counts consumed, and comes off
+    // once given back), and demand covers every admission served from a lease.
+    assert!(
+        reported.consumed <= admitted + 2 * 4096,
+        "{reported:?} vs {admitted}"
+    );
+    assert!(
+        reported.demand + 2 * 4096 >= admitted,
+        "{reported:?} vs {admitted}"
+    );
+}

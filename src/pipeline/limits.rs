@@ -121,6 +121,7 @@ impl Pipeline {
         .unwrap_or_default();
         self.pending.rare(Metric::LimitsAnswered);
         Directive {
+            mark: None,
             verdict: Verdict::Reply(LocalReply {
                 status: 200,
                 headers: vec![
@@ -144,6 +145,7 @@ fn join(items: &[Item<'_>], f: impl Fn(&Item<'_>) -> String) -> String {
 fn unavailable(policy: &Policy) -> Directive {
     let decision = crate::decision::Decision::unavailable();
     Directive {
+        mark: None,
         verdict: match crate::response::local_reply(&decision, &policy.version, false, None) {
             Some(reply) => Verdict::Reply(reply),
             None => Verdict::Continue,

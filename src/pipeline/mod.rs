@@ -25,19 +25,24 @@
 //! 5. **Rate limits** ([`crate::engine::charge_synced`]): every limit of
 //!    the tenant's plan all or nothing, then the class's guard. A denial
 //!    gives the slots of step 4 back at once; a 429 of a class with
-//!    `on_limit: queue` **pauses** the request in the hold's rate lane.
+//!    `on_limit: queue` **pauses** the request in the hold's rate lane. A
+//!    class whose cost settles after the response is charged its estimate,
+//!    on the exact path ([`settle`]).
 //! 6. **Reply**: a denial's local reply (status, `Retry-After`, the draft-10
 //!    headers, the problem body), or on its way with the `RateLimit`
-//!    headers kept for its response.
+//!    headers kept for its response; over a soft limit, marked for a
+//!    fallback route (a [`RouteMark`]).
 //!
 //! On its **request body** ([`Pipeline::on_request_body`]): a body without
 //! `content-length` counted against `max_body_bytes` (413).
 //! On its **response** (`stream.rs`): the signal of an adaptive or breaker
 //! dependency stamped, a degradable GET's 200 captured, the `RateLimit`
-//! headers added.
+//! headers added; a settling class's meter fed, and its real cost settled
+//! when the response ends ([`settle`]).
 //! On its **end**, however it ends ([`Pipeline::on_stream_end`]): out of the
-//! hold, its slots back (exactly what it took), its outcome recorded for
-//! the controller and the breaker, its captured answer stored.
+//! hold, a settling class's cost settled by its rule if its response never
+//! completed, its slots back (exactly what it took), its outcome recorded
+//! for the controller and the breaker, its captured answer stored.
 //! On the worker's **tick** every 10 ms ([`Pipeline::on_tick`], `tick.rs`):
 //! the pending stats given to the host, slot leases renewed, retry-budget
 //! primaries folded, the hold served (slot lanes, then the rate lane: each
@@ -54,13 +59,22 @@
 //! each call names the one in force for its stream, and a held request
 //! keeps the policy it was held under.
 //!
+//! # The events a policy needs
+//! [`events`] says which of these events a policy's requests can use (a
+//! policy without admission, degraded answers, streamed bodies or
+//! `RateLimit` headers needs no response and no stream end): a host that
+//! can leave events out delivers only those (`policy apply` writes them
+//! into Envoy's capability allow-list).
+//!
 //! Pure: the clock is the host's ([`Clock`]), read only when a step needs
 //! it; everything else comes through [`Host`].
 
 mod admit;
+pub mod events;
 pub mod hold;
 pub mod lease;
 mod limits;
+pub mod settle;
 mod stream;
 mod tick;
 
@@ -83,7 +97,9 @@ use crate::sync::SyncState;
 use crate::table;
 
 use crate::stats::{self, Metric, Pending, Stats};
+pub use events::{events, Events};
 pub use hold::Hold;
+pub use stream::ResponseHeaders;
 use stream::Stream;
 
 /// The host's id of a stream (Envoy's context id).
@@ -108,13 +124,30 @@ pub enum Verdict {
 pub struct Directive {
     pub verdict: Verdict,
     /// The decision record for the access log (filter state
-    /// [`RECORD_PROPERTY`]), for a class with admission labels.
+    /// [`RECORD_PROPERTY`]), for a class with admission labels or a
+    /// request over a soft limit.
     pub record: Option<String>,
+    /// A request header to set or remove before the request goes on, after
+    /// which the host has the route picked again (a soft limit's marker).
+    pub mark: Option<RouteMark>,
+}
+
+/// A change to the request's headers that route configuration matches:
+/// the host makes it, then clears the route cache so that the route is
+/// picked again with it (see [`crate::pipeline`]'s soft limits).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteMark {
+    /// The header (the policy's `soft_limit_header`).
+    pub header: String,
+    /// `Some`: set it to this value (replacing any); `None`: remove it
+    /// (a client's own copy).
+    pub value: Option<String>,
 }
 
 impl Directive {
     fn go() -> Directive {
         Directive {
+            mark: None,
             verdict: Verdict::Continue,
             record: None,
         }
@@ -348,5 +381,7 @@ impl Pipeline {
 mod lease_tests;
 #[cfg(test)]
 mod probe_tests;
+#[cfg(test)]
+mod settle_tests;
 #[cfg(test)]
 mod tests;

@@ -149,7 +149,9 @@ fn run(seed: u64, heal_at: u64, end: u64, upstream_ms: (u64, u64)) -> Seen {
                     });
                 }
                 Verdict::Pause => {}
-                Verdict::Reply(_) => pipeline.on_stream_end(&host, &now, stream),
+                Verdict::Reply(_) => {
+                    let _ = pipeline.on_stream_end(&host, &now, stream);
+                }
             }
         }
         // Answers from the upstream, and client resets.
@@ -187,7 +189,9 @@ fn run(seed: u64, heal_at: u64, end: u64, upstream_ms: (u64, u64)) -> Seen {
                             probe,
                         });
                     }
-                    _ => pipeline.on_stream_end(&host, &now, a.stream),
+                    _ => {
+                        let _ = pipeline.on_stream_end(&host, &now, a.stream);
+                    }
                 }
             }
         }

@@ -15,8 +15,10 @@
 //!   body or headers over their bounds ends the capture.
 //! * **The end**, however it comes (complete, reset by either side, local
 //!   reply, client gone; the host calls [`Pipeline::on_stream_end`] once or
-//!   more, the first call counts): out of the hold, the signal recorded,
-//!   the slots given back exactly once (the [`Ticket`] is moved out).
+//!   more, the first call counts): out of the hold, a settling class's cost
+//!   settled if its response never completed (see [`super::settle`]), the
+//!   signal recorded, the slots given back exactly once (the [`Ticket`] is
+//!   moved out).
 
 use std::rc::Rc;
 
@@ -47,6 +49,11 @@ pub(super) struct Stream {
     pub headers: Option<RateLimitHeaders>,
     /// In the hold.
     pub held: bool,
+    /// A class whose cost settles after the response: what to settle.
+    pub settling: Option<Box<super::settle::Settling>>,
+    /// Over a soft limit: `(soft_limit_header, the limit's name)`, the
+    /// response's marker.
+    pub soft: Option<(String, String)>,
 }
 
 impl Stream {
@@ -57,6 +64,8 @@ impl Stream {
             && self.capture.is_none()
             && self.headers.is_none()
             && !self.held
+            && self.settling.is_none()
+            && self.soft.is_none()
     }
 }
 
@@ -112,18 +121,42 @@ fn status_of(raw: Option<Vec<u8>>) -> Option<u32> {
     std::str::from_utf8(&raw?).ok()?.parse().ok()
 }
 
+/// What the host does on a stream's response headers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResponseHeaders {
+    /// The `RateLimit` headers of its decision.
+    pub ratelimit: Option<RateLimitHeaders>,
+    /// A soft-limited request's marker: `(soft_limit_header, limit)`.
+    pub soft: Option<(String, String)>,
+    /// A settled stream's cost record (see [`super::settle::COST_PROPERTY`]).
+    pub cost_record: Option<String>,
+}
+
 impl Pipeline {
     /// The response's headers: stamps the stream's signal, starts or ends
-    /// its capture, and returns the headers to add to the response (the
-    /// `RateLimit` headers of its decision).
+    /// its capture, feeds a settling class's meter (settled if the headers
+    /// end the response), and returns what to add to the response (the
+    /// `RateLimit` headers of its decision, a soft limit's marker) and a
+    /// cost record.
     pub fn on_response_headers<H: Host>(
         &mut self,
         host: &H,
         clock: &impl Clock,
         stream: StreamId,
         end_of_stream: bool,
-    ) -> Option<RateLimitHeaders> {
-        let mut state = self.streams.remove(&stream)?;
+    ) -> ResponseHeaders {
+        let cost_record = self.meter(
+            host,
+            stream,
+            || clock.now().unwrap_or(0),
+            |m, s| m.on_headers(s, host, end_of_stream),
+        );
+        let Some(mut state) = self.streams.remove(&stream) else {
+            return ResponseHeaders {
+                cost_record,
+                ..ResponseHeaders::default()
+            };
+        };
         if state.signal.is_some() || state.capture.is_some() {
             let now = clock.now();
             if let Some(sig) = state.signal.as_mut() {
@@ -134,52 +167,91 @@ impl Pipeline {
                 state.capture = self.capture_headers(host, c, end_of_stream, now.unwrap_or(0));
             }
         }
-        let headers = state.headers.take();
+        let ratelimit = state.headers.take();
+        let soft = state.soft.take();
         self.keep(stream, state);
-        headers
-    }
-
-    /// A chunk of the response's body (`size` bytes, read as it passes);
-    /// at its end a captured answer is stored.
-    pub fn on_response_body<H: Host>(
-        &mut self,
-        host: &H,
-        stream: StreamId,
-        size: usize,
-        end_of_stream: bool,
-    ) {
-        let Some(capture) = self.streams.get_mut(&stream).and_then(|s| s.capture.take()) else {
-            return;
-        };
-        let kept = self.capture_body(host, capture, size, end_of_stream);
-        if let Some(s) = self.streams.get_mut(&stream) {
-            s.capture = kept;
+        ResponseHeaders {
+            ratelimit,
+            soft,
+            cost_record,
         }
     }
 
-    /// The response's trailers: its body has ended.
-    pub fn on_response_trailers<H: Host>(&mut self, host: &H, stream: StreamId) {
-        self.on_response_body(host, stream, 0, true);
+    /// A chunk of the response's body (`size` bytes, read as it passes):
+    /// at its end a captured answer is stored, and a settling class's cost
+    /// settled (its record returned).
+    pub fn on_response_body<H: Host>(
+        &mut self,
+        host: &H,
+        clock: &impl Clock,
+        stream: StreamId,
+        size: usize,
+        end_of_stream: bool,
+    ) -> Option<String> {
+        let record = self.meter(
+            host,
+            stream,
+            || clock.now().unwrap_or(0),
+            |m, s| m.on_body(s, host, size, end_of_stream),
+        );
+        let capture = self.streams.get_mut(&stream).and_then(|s| s.capture.take());
+        if let Some(capture) = capture {
+            let kept = self.capture_body(host, capture, size, end_of_stream);
+            if let Some(s) = self.streams.get_mut(&stream) {
+                s.capture = kept;
+            }
+        }
+        record
+    }
+
+    /// The response's trailers: its body has ended (a cost from a trailer
+    /// is read, and settled: its record returned).
+    pub fn on_response_trailers<H: Host>(
+        &mut self,
+        host: &H,
+        clock: &impl Clock,
+        stream: StreamId,
+    ) -> Option<String> {
+        let record = self.meter(
+            host,
+            stream,
+            || clock.now().unwrap_or(0),
+            |m, s| m.on_trailers(s, host),
+        );
+        let capture = self.streams.get_mut(&stream).and_then(|s| s.capture.take());
+        if let Some(capture) = capture {
+            let kept = self.capture_body(host, capture, 0, true);
+            if let Some(s) = self.streams.get_mut(&stream) {
+                s.capture = kept;
+            }
+        }
+        record
     }
 
     /// The stream ended, however it ended (see the module header). The
     /// host may call it more than once (Envoy's `on_log` and `on_done`):
-    /// only the first call finds anything.
-    pub fn on_stream_end<H: Host>(&mut self, host: &H, clock: &impl Clock, stream: StreamId) {
-        let Some(mut state) = self.streams.remove(&stream) else {
-            return;
-        };
+    /// only the first call finds anything. Returns the cost record of a
+    /// settling class's stream settled here.
+    pub fn on_stream_end<H: Host>(
+        &mut self,
+        host: &H,
+        clock: &impl Clock,
+        stream: StreamId,
+    ) -> Option<String> {
+        let mut state = self.streams.remove(&stream)?;
         if state.held && self.hold.remove(stream) == Some(true) {
             self.pending.rare(Metric::QueueCancelled);
         }
-        let needs_time = state.signal.is_some() || state.ticket.is_some();
+        let needs_time = state.signal.is_some() || state.ticket.is_some() || state.settling.is_some();
         let now = if needs_time { clock.now().unwrap_or(0) } else { 0 };
+        let record = self.settle_at_end(host, &mut state, now);
         if let Some(sig) = state.signal.take() {
             self.end_signal(host, sig, now);
         }
         if let Some(ticket) = state.ticket.take() {
             self.release(host, ticket, now);
         }
+        record
     }
 
     /// Records a signal's outcome in the worker's windows.

@@ -263,7 +263,7 @@ fn every_way_a_stream_ends_gives_back_exactly_what_it_took() {
     let upload = node.request("upload", "b");
     assert_eq!(w.headers(&upload, 2, now).verdict, Verdict::Continue);
     let policy = w.policy.clone();
-    let d = w.pipeline.on_request_body(&upload, &policy, 2, 11);
+    let d = w.pipeline.on_request_body(&upload, &now, &policy, 2, 11);
     assert_eq!((reply(&d).status, reason(&d)), (413, "request_too_large"));
     assert_eq!(node.in_flight("db", now), 1);
     w.end(&node, 2, now);
@@ -342,7 +342,7 @@ fn the_rate_lane_resumes_in_order_and_answers_429_by_max_wait() {
     assert_eq!(answered, [(6, "resumed", 200), (7, "429", 200), (8, "429", 200)]);
     // A resumed request carries its RateLimit headers to its response.
     let headers = w.pipeline.on_response_headers(&host, &now, 6, true);
-    assert!(headers.is_some_and(|h| h.policy.contains("\"free\"")));
+    assert!(headers.ratelimit.is_some_and(|h| h.policy.contains("\"free\"")));
     w.tick(&node, now + TICK_NS);
     assert_eq!(node.stat("tenantgate.queue.held"), 3);
     assert_eq!(node.stat("tenantgate.queue.admitted"), 1);

@@ -27,8 +27,10 @@ pub use super::admission::MAX_QUEUE_WAIT_NS;
 /// Default `max_queue`: requests held per worker per class.
 pub const DEFAULT_MAX_QUEUE: i64 = 100;
 
-/// Largest `rate`, `burst` and `cost` accepted.
+/// Largest `rate`, `burst`, `cost`, `max_debt` and `settle.ceiling` accepted.
 pub const MAX_COUNT: i64 = 1_000_000_000;
+/// Default `soft_limit_header`.
+pub const DEFAULT_SOFT_LIMIT_HEADER: &str = "x-tenantgate-soft-limit";
 /// Longest `per` window, and longest time a bucket may take to refill.
 pub const MAX_WINDOW_SECS: u64 = 366 * 86_400;
 
@@ -44,17 +46,20 @@ impl Errors {
 /// errors come in the same order): version, identity, plans, tenants, the
 /// default plan, anonymous, guards, the key table, dependencies, action
 /// limits, route classes, the default route, classification, sync, quotas,
-/// the limits endpoint.
+/// descriptors, the limits endpoint.
 pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
     let root = FieldPath::root();
     let mut errors = Errors(Vec::new());
     let version = compile_version(&spec.version, &root.key("version"), &mut errors);
     let identity = compile_identity(&spec.identity, &root.key("identity"), &mut errors);
-    let plans = compile_plans(&spec.plans, &root.key("plans"), &mut errors);
+    // Limits owe late-settled costs (a debt allowance by default) only in
+    // a policy with a class that settles.
+    let settles = spec.routes.values().any(|r| r.settle.is_some());
+    let plans = compile_plans(&spec.plans, settles, &root.key("plans"), &mut errors);
     let tenants = compile_tenants(&spec.tenants, &plans, &root.key("tenants"), &mut errors);
     let default_plan = plans.resolve(&spec.default_plan, root.key("default_plan"), &mut errors);
     let anonymous = compile_anonymous(&spec.anonymous, &root.key("anonymous"), &mut errors, &plans);
-    let guards = compile_guards(&spec.guards, &root.key("guards"), &mut errors);
+    let guards = compile_guards(&spec.guards, settles, &root.key("guards"), &mut errors);
     let key_table_entries = compile_key_table(spec.key_table.as_ref(), &root.key("key_table"), &mut errors);
     let dependencies =
         super::admission::compile_dependencies(&spec.dependencies, &root.key("dependencies"), &mut errors.0);
@@ -80,11 +85,23 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         (sync, _) => Some(compile_sync(sync.as_ref(), &root.key("sync"), &mut errors)),
     };
     let quotas = super::quota::compile(&spec.quotas, &root.key("quotas"), &mut errors.0);
+    let descriptors = super::descriptors::compile(
+        &spec.descriptors,
+        &plans.index,
+        &root.key("descriptors"),
+        &mut errors.0,
+    );
     let limits_endpoint = compile_limits_endpoint(
         spec.limits_endpoint.as_deref(),
         &root.key("limits_endpoint"),
         &mut errors,
     );
+    let soft_limit_header = compile_soft_limit_header(
+        spec.soft_limit_header.as_deref(),
+        &root.key("soft_limit_header"),
+        &mut errors,
+    );
+    let has_soft_limits = plans.plans.iter().flat_map(|p| &p.limits).any(|l| l.soft);
     if !errors.0.is_empty() {
         return Err(PolicyErrors(errors.0));
     }
@@ -103,12 +120,15 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         key_table_entries,
         ratelimit_headers: spec.ratelimit_headers.unwrap_or(true),
         limits_endpoint,
+        soft_limit_header,
+        has_soft_limits,
         sync,
         global_limits,
         effective_from_ns: 0,
         quotas,
         dependencies,
         actions,
+        descriptors,
     })
 }
 
@@ -130,6 +150,18 @@ fn compile_limits_endpoint(path: Option<&str>, at: &FieldPath, errors: &mut Erro
         return None;
     }
     Some(path.to_owned())
+}
+
+/// `soft_limit_header`: a header name (lower-cased), by default
+/// [`DEFAULT_SOFT_LIMIT_HEADER`].
+fn compile_soft_limit_header(name: Option<&str>, at: &FieldPath, errors: &mut Errors) -> String {
+    let Some(name) = name else {
+        return DEFAULT_SOFT_LIMIT_HEADER.to_owned();
+    };
+    if !super::admission::is_header_name(name) || name.starts_with(':') {
+        errors.add(at.clone(), "must be an HTTP header name (letters, digits, - _ .)");
+    }
+    name.to_ascii_lowercase()
 }
 
 /// The policy's `version`: 1 to 64 printable ASCII characters, trimmed.
@@ -169,6 +201,7 @@ impl Plans<'_> {
 /// `plans`: at least one, each with a valid name and its limits.
 fn compile_plans<'a>(
     specs: &'a BTreeMap<String, spec::PlanSpec>,
+    settles: bool,
     path: &FieldPath,
     errors: &mut Errors,
 ) -> Plans<'a> {
@@ -185,7 +218,13 @@ fn compile_plans<'a>(
                 "plan names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
             );
         }
-        let limits = compile_limits(name, &plan.limits, &path.key("limits"), true, errors);
+        let owner = Owner {
+            plan: name,
+            limits: plan.limits.len(),
+            global_allowed: true,
+            settles,
+        };
+        let limits = compile_limits(&owner, &plan.limits, &path.key("limits"), errors);
         let ratelimit_policy = ratelimit_policy(&limits);
         index.insert(name.clone(), plans.len());
         plans.push(Plan {
@@ -230,6 +269,7 @@ fn compile_tenants(
 /// (never global: a guard is an aggregate per node).
 fn compile_guards(
     specs: &BTreeMap<String, spec::GuardSpec>,
+    settles: bool,
     path: &FieldPath,
     errors: &mut Errors,
 ) -> Vec<Guard> {
@@ -242,7 +282,13 @@ fn compile_guards(
                 "guard names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
             );
         }
-        let limits = compile_limits(name, &g.limits, &path.key("limits"), false, errors);
+        let owner = Owner {
+            plan: name,
+            limits: g.limits.len(),
+            global_allowed: false,
+            settles,
+        };
+        let limits = compile_limits(&owner, &g.limits, &path.key("limits"), errors);
         let ratelimit_policy = ratelimit_policy(&limits);
         guards.push(Guard {
             name: name.clone(),
@@ -347,6 +393,7 @@ fn compile_route(
         path,
         &mut errors.0,
     );
+    let settle = super::settle::compile_settle(r, cost.max(1) as u64, path, &mut errors.0);
     RouteClass {
         name: name.to_owned(),
         action,
@@ -356,6 +403,7 @@ fn compile_route(
         failure_mode: r.failure_mode,
         labels,
         degradable: super::admission::compile_degradable(name, r, path, &mut errors.0),
+        settle,
     }
 }
 
@@ -766,10 +814,9 @@ fn compile_identity(spec: &IdentitySpec, path: &FieldPath, errors: &mut Errors) 
 /// at most [`MAX_LIMITS_PER_PLAN`], and together small enough for one
 /// key-table slot.
 fn compile_limits(
-    plan: &str,
+    owner: &Owner<'_>,
     specs: &[LimitSpec],
     path: &FieldPath,
-    global_allowed: bool,
     errors: &mut Errors,
 ) -> Vec<Limit> {
     if specs.is_empty() {
@@ -783,12 +830,7 @@ fn compile_limits(
     }
     let mut limits: Vec<Limit> = Vec::with_capacity(specs.len());
     for (i, spec) in specs.iter().enumerate() {
-        let owner = Owner {
-            plan,
-            limits: specs.len(),
-            global_allowed,
-        };
-        if let Some(limit) = compile_limit(spec, &owner, &limits, &path.index(i), errors) {
+        if let Some(limit) = compile_limit(spec, owner, &limits, &path.index(i), errors) {
             limits.push(limit);
         }
     }
@@ -802,6 +844,8 @@ struct Owner<'a> {
     /// How many limits it has.
     limits: usize,
     global_allowed: bool,
+    /// Some route class of the policy settles its cost (`max_debt`'s default).
+    settles: bool,
 }
 
 /// One limit (`None`: it has an error that leaves nothing to compile):
@@ -834,6 +878,19 @@ fn compile_limit(
     } else if global && spec.algorithm != spec::Algorithm::TokenBucket {
         errors.add(path.key("global"), "only token_bucket limits can be global");
     }
+    let soft = spec.on_limit == Some(spec::LimitOnLimit::Soft);
+    if soft && !owner.global_allowed {
+        errors.add(
+            path.key("on_limit"),
+            "a guard is an aggregate per node: only plans' limits can be soft",
+        );
+    } else if soft && shadow {
+        errors.add(
+            path.key("on_limit"),
+            "a shadow limit never denies: `on_limit: soft` does not apply",
+        );
+    }
+    let (algo, max_debt) = limit_debt(spec, owner, algo, rate, burst, per_secs, path, errors)?;
     Some(Limit {
         name,
         name_hash,
@@ -843,7 +900,65 @@ fn compile_limit(
         algo,
         shadow,
         global,
+        soft,
+        max_debt,
     })
+}
+
+/// A limit's debt allowance for late-settled costs (`max_debt`): by
+/// default its capacity (a token bucket's burst, a window's rate) in a
+/// policy with a class that settles, else 0; a sliding log has none (it is
+/// exact); a token bucket must repay it within 366 days.
+#[allow(clippy::too_many_arguments)]
+fn limit_debt(
+    spec: &LimitSpec,
+    owner: &Owner<'_>,
+    algo: Algo,
+    rate: u64,
+    burst: u64,
+    per_secs: u64,
+    path: &FieldPath,
+    errors: &mut Errors,
+) -> Option<(Algo, u64)> {
+    let log = spec.algorithm == spec::Algorithm::SlidingWindowLog;
+    let max_debt = match spec.max_debt {
+        Some(n) if !(0..=MAX_COUNT).contains(&n) => {
+            errors.add(path.key("max_debt"), format!("must be between 0 and {MAX_COUNT}"));
+            return None;
+        }
+        Some(n) if n > 0 && log => {
+            errors.add(
+                path.key("max_debt"),
+                "a sliding_window_log is exact and cannot owe: a settled cost fills it up to its rate",
+            );
+            return None;
+        }
+        Some(n) => n as u64,
+        None if !owner.settles || log => 0,
+        None if spec.algorithm == spec::Algorithm::TokenBucket => burst,
+        None => rate,
+    };
+    let fits = |a: &Algo| match a {
+        Algo::TokenBucket(g) => {
+            g.tolerance_ns()
+                .saturating_add(g.max_debt().saturating_mul(g.interval_ns()))
+                / NANOS_PER_SEC
+                <= MAX_WINDOW_SECS
+        }
+        _ => true,
+    };
+    match algo.with_debt(max_debt) {
+        Some(a) if fits(&a) => Some((a, max_debt)),
+        _ => {
+            errors.add(
+                path.key("max_debt"),
+                format!(
+                    "a debt of {max_debt} at {rate} per {per_secs}s (with a burst of {burst}) takes longer than 366d to repay"
+                ),
+            );
+            None
+        }
+    }
 }
 
 /// A limit's name (the plan's, for a plan's only limit) and its hash,

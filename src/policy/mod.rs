@@ -8,10 +8,12 @@
 pub mod admission;
 mod compile;
 pub mod de;
+pub mod descriptors;
 pub mod doc;
 pub mod duration;
 pub mod error;
 pub mod quota;
+pub mod settle;
 pub mod spec;
 
 use std::rc::Rc;
@@ -28,12 +30,12 @@ pub use spec::{Classify, Mode};
 /// Longest accepted tenant id, in bytes. Longer identities are treated as
 /// missing (the request is grouped as anonymous) and counted.
 pub const MAX_TENANT_ID_LEN: usize = 128;
-/// Most limits one plan may combine (they share one state entry).
 /// The most bytes a global limit's allowance takes in its key's slot: its
-/// encoding in `crate::sync::stored` (version, flags, fourteen u64 with
+/// encoding in `crate::sync::stored` (version, flags, fifteen u64 with
 /// every optional field set), which is tested to fit. The policy checks
 /// that a plan's limits fit one slot with it.
-pub const MAX_ALLOWANCE_LEN: usize = 2 + 14 * 8;
+pub const MAX_ALLOWANCE_LEN: usize = 2 + 15 * 8;
+/// Most limits one plan may combine (they share one state entry).
 pub const MAX_LIMITS_PER_PLAN: usize = crate::table::MAX_RECORDS;
 /// Default and bounds of `key_table.max_keys`.
 pub const DEFAULT_MAX_KEYS: u64 = 100_000;
@@ -68,6 +70,12 @@ pub struct Policy {
     /// `limits_endpoint:` the path answered with the calling tenant's own
     /// limits (`None`: off; see `crate::pipeline::limits`).
     pub limits_endpoint: Option<String>,
+    /// `soft_limit_header:` the request (and response) header a soft limit
+    /// marks an over-limit request with (lower-cased).
+    pub soft_limit_header: String,
+    /// Some plan limit is `on_limit: soft` (then every request of the
+    /// policy has the client's copy of `soft_limit_header` removed).
+    pub has_soft_limits: bool,
     /// How global limits sync with the central cluster (`None`: the policy
     /// has no global limit and no `sync:` block).
     pub sync: Option<SyncSettings>,
@@ -84,6 +92,9 @@ pub struct Policy {
     pub dependencies: Vec<admission::Dependency>,
     /// `actions:` in name order: in-flight limits per API action.
     pub actions: Vec<admission::ActionLimit>,
+    /// `descriptors:` the rules of Envoy's rate limit service (the central
+    /// service's; the filter only validates them).
+    pub descriptors: descriptors::Descriptors,
 }
 
 /// How the filter finds a request's route class: always from route
@@ -148,6 +159,12 @@ pub struct Limit {
     pub shadow: bool,
     /// Enforced through leases from the central cluster (`global: true`).
     pub global: bool,
+    /// `on_limit: soft`: over it a request is admitted, uncharged to this
+    /// limit, and marked for a fallback route (never denies).
+    pub soft: bool,
+    /// How far late-settled costs may take it past its capacity, in units
+    /// (`algo` carries it; see `crate::limiter::token_bucket`, "Debt").
+    pub max_debt: u64,
 }
 
 /// The compiled `sync:` block (defaults applied).
@@ -241,6 +258,9 @@ pub struct RouteClass {
     /// `degradable:` answered from the last good response when refused
     /// (see [`crate::admission::degraded`]).
     pub degradable: Option<admission::Degradable>,
+    /// `settle:` `cost` is an estimate; the real cost is settled when the
+    /// response ends (see [`crate::cost`]).
+    pub settle: Option<settle::Settle>,
 }
 
 impl Policy {

@@ -85,6 +85,10 @@ pub struct PolicySpec {
     /// own limits (off when absent).
     #[serde(default)]
     pub limits_endpoint: Option<String>,
+    /// The request header a soft limit marks an over-limit request with
+    /// (for route configuration to match), and its response.
+    #[serde(default)]
+    pub soft_limit_header: Option<String>,
     #[serde(default)]
     pub guards: BTreeMap<String, GuardSpec>,
     #[serde(default)]
@@ -102,6 +106,10 @@ pub struct PolicySpec {
     /// in-flight limit, node-wide (`super::admission`).
     #[serde(default)]
     pub actions: BTreeMap<String, ActionSpec>,
+    /// Envoy rate limit service rules by domain, for `tenantgate serve`'s
+    /// RLS (`super::descriptors`).
+    #[serde(default)]
+    pub descriptors: BTreeMap<String, Vec<super::descriptors::RuleSpec>>,
 }
 
 /// `actions.<action>:` an API action's admission limits.
@@ -354,6 +362,25 @@ pub struct LimitSpec {
     pub shadow: Option<bool>,
     #[serde(default)]
     pub global: Option<bool>,
+    /// `reject` (the default) or `soft`: over this limit a request is
+    /// admitted and marked for a fallback route instead.
+    #[serde(default)]
+    pub on_limit: Option<LimitOnLimit>,
+    /// How far late-settled costs may take this limit past its capacity.
+    #[serde(default)]
+    pub max_debt: Option<i64>,
+}
+
+/// `…limits[].on_limit:` what a limit does with a request over it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LimitOnLimit {
+    /// Refuse it (429, or the route class's queue).
+    #[default]
+    Reject,
+    /// Admit it, uncharged to this limit, and mark it (a request header
+    /// that route configuration matches to send it to a fallback cluster).
+    Soft,
 }
 
 #[derive(Debug, Deserialize)]
@@ -406,6 +433,85 @@ pub struct RouteSpec {
     pub min_timeout_budget: Option<String>,
     #[serde(default)]
     pub degradable: Option<DegradableSpec>,
+    /// The cost is known after the response: `cost` is charged on the
+    /// request as an estimate and the real cost settled at its end.
+    #[serde(default)]
+    pub settle: Option<SettleSpec>,
+}
+
+/// `routes.<class>.settle:` where a request's real cost comes from (one of
+/// `header`, `trailer`, `usage`, `fields`: the upstream's response only),
+/// its ceiling, what a stream without a usable figure costs, and where the
+/// estimate charged on the request comes from (`crate::cost`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SettleSpec {
+    /// A response header carrying the cost (an integer).
+    #[serde(default)]
+    pub header: Option<String>,
+    /// A response trailer carrying the cost (an integer).
+    #[serde(default)]
+    pub trailer: Option<String>,
+    /// A ready-made set of fields of a JSON (or server-sent events) body.
+    #[serde(default)]
+    pub usage: Option<UsagePreset>,
+    /// Fields of a JSON (or server-sent events) body, weighted and summed.
+    #[serde(default)]
+    pub fields: Option<Vec<FieldSpec>>,
+    /// No response costs more than this.
+    pub ceiling: i64,
+    /// What a stream that ends without a usable figure costs.
+    #[serde(default)]
+    pub on_missing: Option<OnMissing>,
+    /// Most response body bytes read for the figure.
+    #[serde(default)]
+    pub max_body_bytes: Option<i64>,
+    /// A trusted request header carrying the estimate (else `cost`).
+    #[serde(default)]
+    pub estimate_header: Option<String>,
+    /// A top-level field of the request's JSON body carrying the estimate
+    /// (`max_tokens`; else `cost`).
+    #[serde(default)]
+    pub estimate_body_field: Option<String>,
+}
+
+/// `routes.<class>.settle.usage:` the usage fields of well-known model APIs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UsagePreset {
+    /// OpenAI-style `usage.total_tokens`.
+    OpenaiTotal,
+    /// OpenAI-style `usage.prompt_tokens`.
+    OpenaiPrompt,
+    /// OpenAI-style `usage.completion_tokens`.
+    OpenaiCompletion,
+    /// Anthropic-style `usage.input_tokens + usage.output_tokens` (in a
+    /// stream, `message.usage.input_tokens` of its first event too).
+    Anthropic,
+}
+
+/// `routes.<class>.settle.fields[]:` one field of the response body.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FieldSpec {
+    /// A JSON pointer (RFC 6901), e.g. `/usage/completion_tokens`.
+    pub pointer: String,
+    /// Its weight in the sum (at most three decimals).
+    #[serde(default)]
+    pub weight: Option<f64>,
+}
+
+/// `routes.<class>.settle.on_missing:` the cost of a stream that ends
+/// without a usable figure (reset, missing field, malformed body).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnMissing {
+    /// The estimate charged on the request: nothing more is settled.
+    Estimate,
+    /// The ceiling (the default: a client that cuts a stream short must
+    /// not pay less for it).
+    #[default]
+    Ceiling,
 }
 
 /// `routes.<class>.degradable:` GET/HEAD requests refused by admission

@@ -85,6 +85,24 @@
 //! cut off, the failure mode applies to it too (with no share,
 //! `fail_open_local` denies).
 //!
+//! # Costs settled after the response
+//! A class whose real cost is known only at its stream's end (see
+//! `crate::cost`) charges its estimate like any cost, then settles the
+//! difference here ([`Allowance::settle_more`], [`Allowance::give_back`]):
+//! * more: taken from the live lease (counted as consumed on it, reported
+//!   like any use); what the lease cannot hold the key **owes**, up to the
+//!   limit's `max_debt` (the rest is written off and counted). A key that
+//!   owes pays it out of its leases before it admits anything on them
+//!   (the next lease pays it first, when it is installed). So what a node
+//!   reports never exceeds its leases on account of late settlement: the
+//!   service's accounting, and its bound, are unchanged, and each node owes
+//!   at most `max_debt` per key.
+//! * less: given back to the live lease (a debt first); the units are
+//!   taken off the counts not yet reported where they still are. A unit
+//!   given back after it was reported and spent again is reported twice:
+//!   the service then counts more than the node used (it errs toward
+//!   admitting less). With no live lease it is not given back.
+//!
 //! # Circuit breaker
 //! [`SyncState`] also holds the node's breaker on the callout (the glue
 //! keeps it in shared data, so every worker agrees). A **failure** is any
@@ -272,6 +290,10 @@ pub struct Allowance {
     /// keeps an allowance and its charged copy per global limit on the
     /// stack for every request; eight bytes less each.)
     pub started_at: Option<NonZeroU64>,
+    /// Units a late-settled cost took beyond the lease, to be paid out of
+    /// the next lease tokens before anything is admitted on them (see
+    /// "Costs settled after the response").
+    pub owed: u64,
 }
 
 impl Allowance {
@@ -289,6 +311,7 @@ impl Allowance {
             awaiting_since: None,
             last_demand_at: None,
             started_at: None,
+            owed: 0,
         }
     }
 
@@ -345,9 +368,10 @@ impl Allowance {
         if self.lease.is_none() && self.started_at.is_none() {
             self.started_at = NonZeroU64::new(now);
         }
+        self.pay_owed(now);
         if let Some(ref mut lease) = self.lease {
             if now < lease.expires_at {
-                if lease.tokens_left < cost {
+                if self.owed > 0 || lease.tokens_left < cost {
                     return Err(Denied::LeaseExhausted);
                 }
                 lease.tokens_left -= cost;
@@ -450,18 +474,112 @@ impl Allowance {
         }
     }
 
+    /// Charges `units` more, without admission: a cost settled after the
+    /// response above its estimate (see "Costs settled after the
+    /// response"). Taken from the live lease, the rest owed up to
+    /// `max_debt`; returns the units written off.
+    pub fn settle_more(&mut self, units: u64, max_debt: u64, now: u64) -> u64 {
+        self.pending.demand = self.pending.demand.saturating_add(units);
+        let mut rest = units;
+        if let Some(ref mut lease) = self.lease {
+            if now < lease.expires_at {
+                let take = rest.min(lease.tokens_left);
+                lease.tokens_left -= take;
+                self.pending.consumed = self.pending.consumed.saturating_add(take);
+                self.lease_used = self.lease_used.wrapping_add(take);
+                rest -= take;
+            }
+        }
+        let owed = self.owed.saturating_add(rest);
+        self.owed = owed.min(max_debt.max(self.owed));
+        owed - self.owed
+    }
+
+    /// Gives `units` back: a cost settled after the response below its
+    /// estimate. A debt is lowered first, then the live lease gets them
+    /// (and the counts not yet reported lose them); with no live lease
+    /// they are not given back.
+    pub fn give_back(&mut self, units: u64, now: u64) {
+        let forgiven = units.min(self.owed);
+        self.owed -= forgiven;
+        let rest = units - forgiven;
+        if let Some(ref mut lease) = self.lease {
+            if now < lease.expires_at {
+                lease.tokens_left = lease.tokens_left.saturating_add(rest);
+                self.pending.consumed = self.pending.consumed.saturating_sub(rest);
+            }
+        }
+    }
+
+    /// Pays what the key owes out of its live lease (counted as consumed
+    /// on it).
+    fn pay_owed(&mut self, now: u64) {
+        if self.owed == 0 {
+            return;
+        }
+        if let Some(ref mut lease) = self.lease {
+            if now < lease.expires_at {
+                let pay = self.owed.min(lease.tokens_left);
+                lease.tokens_left -= pay;
+                self.owed -= pay;
+                self.pending.consumed = self.pending.consumed.saturating_add(pay);
+                self.lease_used = self.lease_used.wrapping_add(pay);
+            }
+        }
+    }
+
+    /// Units a request of `cost` lacks now: its cost and what the key
+    /// owes, less what it could take (see [`Allowance::available`]).
+    pub fn missing(&self, cost: u64, now: u64) -> u64 {
+        let raw = match self.lease {
+            Some(l) if now < l.expires_at => l.tokens_left,
+            Some(_) => 0,
+            None => self.provisional_left,
+        };
+        cost.saturating_add(self.owed).saturating_sub(raw)
+    }
+
     fn count_unleased(&mut self, cost: u64) {
         self.pending.consumed = self.pending.consumed.saturating_add(cost);
         self.pending.unleased = self.pending.unleased.saturating_add(cost);
     }
 
     /// Units a request could take now without a failure mode: the live
-    /// lease's tokens, else what is left of the provisional allowance.
+    /// lease's tokens less what the key owes, else what is left of the
+    /// provisional allowance.
     pub fn available(&self, now: u64) -> u64 {
         match self.lease {
-            Some(l) if now < l.expires_at => l.tokens_left,
+            Some(l) if now < l.expires_at => l.tokens_left.saturating_sub(self.owed),
             Some(_) => 0,
             None => self.provisional_left,
+        }
+    }
+
+    /// Units a worker's lease may take now beyond a request's cost: only
+    /// from a live lease of the service, never the provisional allowance
+    /// nor a failure mode (see `crate::pipeline::lease`).
+    pub fn leasable(&self, now: u64) -> u64 {
+        match self.lease {
+            Some(l) if now < l.expires_at => l.tokens_left.saturating_sub(self.owed),
+            _ => 0,
+        }
+    }
+
+    /// A worker gives back `units` of its lease it did not spend (they
+    /// were counted consumed when taken: no longer), and counts as demand
+    /// the `spent` units its requests took from the lease (a request a
+    /// lease serves never reads this record). Units go back to the live
+    /// lease, whichever it is now; with none live they are dropped, which
+    /// errs toward admitting less.
+    pub fn give_back_lease(&mut self, units: u64, spent: u64, now: u64) {
+        if let Some(l) = self.lease.as_mut().filter(|l| now < l.expires_at) {
+            l.tokens_left = l.tokens_left.saturating_add(units);
+        }
+        self.pending.consumed = self.pending.consumed.saturating_sub(units);
+        self.lease_used = self.lease_used.wrapping_sub(units);
+        if spent > 0 {
+            self.note_demand(spent);
+            self.last_demand_at = Some(now);
         }
     }
 
@@ -484,6 +602,8 @@ impl Allowance {
         self.local_tat = None;
         self.awaiting_since = None;
         self.started_at = None;
+        // A late settlement's debt is paid first.
+        self.pay_owed(now);
     }
 
     /// Nothing to report and a lease that expired longer ago than
@@ -492,13 +612,14 @@ impl Allowance {
         let gone = self
             .lease
             .is_some_and(|l| now >= l.expires_at.saturating_add(keep_ns));
-        gone && self.pending.is_zero()
+        gone && self.pending.is_zero() && self.owed == 0
     }
 
-    /// Back to what a fresh key would do, with nothing to report: a slot
-    /// holding it can be reused without losing anything the service needs.
+    /// Back to what a fresh key would do, with nothing to report and
+    /// nothing owed: a slot holding it can be reused without losing
+    /// anything the service needs.
     pub fn is_idle(&self, now: u64) -> bool {
-        self.pending.is_zero() && self.lease.is_none_or(|l| now >= l.expires_at)
+        self.pending.is_zero() && self.owed == 0 && self.lease.is_none_or(|l| now >= l.expires_at)
     }
 }
 

@@ -41,6 +41,8 @@ const HAS_SHARE_MILLI: u8 = 16;
 const HAS_OUTAGE: u8 = 32;
 /// When the key started follows (until its first lease).
 const HAS_STARTED: u8 = 64;
+/// What a late-settled cost left owed follows (absent: 0).
+const HAS_OWED: u8 = 128;
 
 fn put(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
@@ -66,7 +68,7 @@ pub use crate::policy::MAX_ALLOWANCE_LEN;
 
 /// `[version][flags] [tokens_left expires_at]? provisional_left consumed
 /// unleased demand lease_used share [local_tat]? [awaiting_since]?
-/// [last_demand_at]? [share_milli]? [outage_milli]? [started_at]?`
+/// [last_demand_at]? [share_milli]? [outage_milli]? [started_at]? [owed]?`
 pub fn encode_allowance(a: &Allowance, out: &mut Vec<u8>) {
     out.push(ALLOWANCE_VERSION);
     let flags = if a.lease.is_some() { HAS_LEASE } else { 0 }
@@ -79,7 +81,8 @@ pub fn encode_allowance(a: &Allowance, out: &mut Vec<u8>) {
         }
         | if a.share_milli > 0 { HAS_SHARE_MILLI } else { 0 }
         | if a.outage_milli.is_some() { HAS_OUTAGE } else { 0 }
-        | if a.started_at.is_some() { HAS_STARTED } else { 0 };
+        | if a.started_at.is_some() { HAS_STARTED } else { 0 }
+        | if a.owed > 0 { HAS_OWED } else { 0 };
     out.push(flags);
     if let Some(l) = a.lease {
         put(out, l.tokens_left);
@@ -107,6 +110,9 @@ pub fn encode_allowance(a: &Allowance, out: &mut Vec<u8>) {
     if let Some(v) = a.started_at {
         put(out, v.get());
     }
+    if a.owed > 0 {
+        put(out, a.owed);
+    }
 }
 
 /// `None` for anything that is not a whole, well-formed allowance.
@@ -116,12 +122,7 @@ pub fn decode_allowance(bytes: &[u8]) -> Option<Allowance> {
         return None;
     }
     let flags = r.u8()?;
-    if flags
-        & !(HAS_LEASE | HAS_LOCAL | HAS_AWAIT | HAS_DEMAND_AT | HAS_SHARE_MILLI | HAS_OUTAGE | HAS_STARTED)
-        != 0
-    {
-        return None;
-    }
+    // Every bit of `flags` names a field (HAS_OWED is the eighth).
     let lease = if flags & HAS_LEASE != 0 {
         Some(LeaseState {
             tokens_left: r.u64()?,
@@ -142,6 +143,7 @@ pub fn decode_allowance(bytes: &[u8]) -> Option<Allowance> {
         share_milli: r.opt_u64(flags & HAS_SHARE_MILLI != 0)?.unwrap_or(0),
         outage_milli: r.opt_u64(flags & HAS_OUTAGE != 0)?,
         started_at: r.opt_u64(flags & HAS_STARTED != 0)?.and_then(NonZeroU64::new),
+        owed: r.opt_u64(flags & HAS_OWED != 0)?.unwrap_or(0),
     };
     r.is_empty().then_some(a)
 }
@@ -310,6 +312,7 @@ mod tests {
         a.share_milli = 185;
         a.outage_milli = Some(0);
         a.started_at = NonZeroU64::new(6);
+        a.owed = 8;
         let mut full = Vec::new();
         encode_allowance(&a, &mut full);
         assert_eq!(full.len(), MAX_ALLOWANCE_LEN, "every optional field set");
@@ -319,9 +322,10 @@ mod tests {
         older.share_milli = 0;
         older.outage_milli = None;
         older.started_at = None;
+        older.owed = 0;
         let mut out = Vec::new();
         encode_allowance(&older, &mut out);
-        assert_eq!(out.len(), MAX_ALLOWANCE_LEN - 24);
+        assert_eq!(out.len(), MAX_ALLOWANCE_LEN - 32);
         let decoded = decode_allowance(&out);
         assert_eq!(decoded.map(|d| (d.share_milli, d.outage_milli)), Some((0, None)));
         for a in [Allowance::fresh(2), a] {

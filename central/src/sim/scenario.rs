@@ -244,6 +244,17 @@ pub fn outage_after_shift() -> Scenario {
     }
 }
 
+/// Issue 24's adversary (run with [`crate::sim::SimConfig::late`]): 1.5×
+/// the limit in estimates evenly on every node, every answer at the
+/// ceiling, streams long enough that many are in flight at once.
+pub fn late_settlement() -> Scenario {
+    base(
+        "late_settlement_adversary",
+        "1.5x the limit in estimates, evenly; every real cost at the ceiling, settled when its stream ends",
+        Shape::Uniform { level: 1.5 },
+    )
+}
+
 /// Issue 21's burst from cold: a key no node has seen, asked for at 10 s
 /// by every node at once, 60 × the rate for 3 s: the burst `B` every
 /// second when `B` is the limit per minute (`make run`'s demo loop: 300

@@ -40,6 +40,9 @@ pub struct Charged {
     pub start: bool,
     /// A denial's `Retry-After`, in seconds (0 when admitted).
     pub retry_after_secs: u64,
+    /// What an admitted request was charged, for a cost settled after its
+    /// response ([`ShippedNode::settle`]).
+    pub charged: Option<engine::Charged>,
 }
 
 struct Stored {
@@ -69,14 +72,23 @@ fn mode_name(mode: FailureMode) -> &'static str {
     }
 }
 
-/// The filter's policy for a simulation: one plan with the global limit.
+/// The filter's policy for a simulation: one plan with the global limit
+/// (and, with [`SimConfig::late`], the route's cost settled after the
+/// response from a header, up to the ceiling, the limit's `max_debt`).
 pub fn policy(cfg: &SimConfig, mode: FailureMode, effective_from: u64) -> Result<Policy, ConfigError> {
+    let (debt, settle) = match cfg.late {
+        Some(l) => (
+            format!(r#", "max_debt": {}"#, l.max_debt),
+            format!(r#", "settle": {{"header": "x-cost", "ceiling": {}}}"#, l.ceiling),
+        ),
+        None => (String::new(), String::new()),
+    };
     let json = format!(
         r#"{{"version": "sim", "identity": {{"header": "x-tenant-id"}},
         "plans": {{"free": {{"limits": [
-            {{"name": "{LIMIT}", "rate": {rate}, "per": "{per}s", "burst": {burst}, "global": true}}]}}}},
+            {{"name": "{LIMIT}", "rate": {rate}, "per": "{per}s", "burst": {burst}, "global": true{debt}}}]}}}},
         "default_plan": "free", "anonymous": {{"plan": "free"}},
-        "routes": {{"api": {{"cost": {cost}}}}}, "default_route": "api",
+        "routes": {{"api": {{"cost": {cost}{settle}}}}}, "default_route": "api",
         "key_table": {{"max_keys": {max_keys}}},
         "sync": {{"cluster": "tenantgate", "interval": "{interval}ms", "timeout": "{timeout}ms",
             "provisional": {provisional}, "failure_mode": "{mode}"}}}}"#,
@@ -157,11 +169,42 @@ impl ShippedNode {
             }
         });
         let retry_after_secs = if admitted.is_some() { 0 } else { d.retry_after_secs };
+        let charged = admitted.is_some().then_some(engine::Charged {
+            limits: d.charged,
+            guard: d.guard_charged,
+            at: now,
+        });
         Charged {
             admitted,
             start,
             retry_after_secs,
+            charged,
         }
+    }
+
+    /// A request of `tenant` admitted with `charged` ended, its real cost
+    /// `real`: the difference to its estimate settled by the filter's
+    /// `engine::settle` (what it wrote off and what the key owes after).
+    pub fn settle(
+        &mut self,
+        tenant: &str,
+        charged: &engine::Charged,
+        real: u64,
+        now: u64,
+    ) -> engine::Adjusted {
+        let host = self.worker(tenant);
+        let Ok(prepared) = engine::prepare(&self.policy, &host) else {
+            return engine::Adjusted::default();
+        };
+        let difference = if real >= prepared.cost {
+            engine::Difference::More(real - prepared.cost)
+        } else {
+            engine::Difference::Less(prepared.cost - real)
+        };
+        let Some(scratch) = self.scratch.get_mut(self.next) else {
+            return engine::Adjusted::default();
+        };
+        engine::settle(&self.policy, &prepared, &host, charged, difference, now, scratch)
     }
 
     fn provisional(&self) -> u64 {

@@ -56,6 +56,11 @@ pub struct Trace {
     /// their `Retry-After`, and how many of them were admitted.
     pub retries: u64,
     pub retries_admitted: u64,
+    /// Costs settled after the response ([`SimConfig::late`]): the most
+    /// requests in flight at once over all nodes, and the units written
+    /// off per tick.
+    pub max_in_flight: u64,
+    pub written_off: Vec<u64>,
 }
 
 struct SimNode {
@@ -75,6 +80,9 @@ struct SimNode {
     starts: Vec<usize>,
     /// Denied requests to send again: when, and the retries left after it.
     retries: Vec<(u64, u32)>,
+    /// Admitted requests whose cost settles after the response: when their
+    /// stream ends (simulated time), and what they were charged.
+    streams: Vec<(u64, tenantgate::engine::Charged)>,
 }
 
 impl SimNode {
@@ -146,6 +154,7 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                 seen: false,
                 starts: Vec::new(),
                 retries: Vec::new(),
+                streams: Vec::new(),
             })
         })
         .collect::<Result<_, ConfigError>>()?;
@@ -171,8 +180,13 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
         regions: nodes.iter().map(|n| n.region).collect(),
         retries: 0,
         retries_admitted: 0,
+        max_in_flight: 0,
+        written_off: vec![0; ticks],
     };
     let cost = cfg.max_cost.max(1);
+    // What an admitted request really costs (settled at its stream's end).
+    let real = cfg.late.map_or(cost, |l| l.ceiling.max(cost));
+    let mut streams_rng = Rng::new(seed, 5);
     let mut last_interval = None;
     let latency = |net: &mut Rng| net.between(spec.latency_ms.0, spec.latency_ms.1) * NANOS_PER_MS;
 
@@ -231,6 +245,21 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
             queue.push(Reverse((now + latency(&mut net), order, true, i, req.to_json())));
         }
 
+        // Streams that end now settle their real cost (the filter's
+        // `engine::settle`), before this tick's requests.
+        let mut in_flight = 0u64;
+        for n in &mut nodes {
+            let clock = n.clock(now);
+            let (due, open): (Vec<_>, Vec<_>) = n.streams.drain(..).partition(|(end, _)| *end <= now);
+            n.streams = open;
+            for (_, charged) in due {
+                let adjusted = n.node.settle(TENANT, &charged, real, clock);
+                trace.written_off[tick] += adjusted.written_off;
+            }
+            in_flight += n.streams.len() as u64;
+        }
+        trace.max_in_flight = trace.max_in_flight.max(in_flight);
+
         for (i, n) in nodes.iter_mut().enumerate() {
             let level = spec.node_level(i, topo.regions, topo.nodes_per_region, t_s);
             // Units of demand; requests of `cost` units each.
@@ -266,8 +295,8 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                         left
                     }
                     None => {
-                        trace.demand[tick] += cost;
-                        trace.demand_by_node[i][tick] += cost;
+                        trace.demand[tick] += real;
+                        trace.demand_by_node[i][tick] += real;
                         spec.retries
                     }
                 };
@@ -286,13 +315,19 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                 let Some(kind) = charged.admitted else {
                     continue;
                 };
-                trace.admitted[tick] += cost;
-                trace.admitted_by_node[i][tick] += cost;
+                if let (Some(late), Some(c)) = (cfg.late, charged.charged) {
+                    let (shortest, longest) = late.stream_ns;
+                    let end = now.saturating_add(streams_rng.between(shortest, longest.max(shortest)));
+                    n.streams.push((end, c));
+                }
+                // Counted at its real cost, when it was admitted.
+                trace.admitted[tick] += real;
+                trace.admitted_by_node[i][tick] += real;
                 match kind {
-                    Admitted::Lease => trace.by_kind.lease += cost,
-                    Admitted::Provisional => trace.by_kind.provisional += cost,
-                    Admitted::FailOpenLocal => trace.by_kind.fail_open_local += cost,
-                    Admitted::FailOpen => trace.by_kind.fail_open += cost,
+                    Admitted::Lease => trace.by_kind.lease += real,
+                    Admitted::Provisional => trace.by_kind.provisional += real,
+                    Admitted::FailOpenLocal => trace.by_kind.fail_open_local += real,
+                    Admitted::FailOpen => trace.by_kind.fail_open += real,
                 }
             }
         }

@@ -291,6 +291,7 @@ fn first_request(node: &mut Node<'_>, out: &mut String) {
         Verdict::Continue => node
             .pipeline
             .on_response_headers(&sent.host, &node.now, sent.stream, true)
+            .ratelimit
             .map(|h| (h.policy, h.ratelimit)),
         Verdict::Reply(r) => r
             .header("ratelimit-policy")

@@ -20,6 +20,8 @@ use std::rc::Rc;
 use tenantgate::engine::{self, Prepared, Subject};
 use tenantgate::limiter::algo::Algo;
 use tenantgate::memory::{MemoryHost, SharedStore};
+use tenantgate::policy::settle::{Estimate, Source, WEIGHT_SCALE};
+use tenantgate::policy::spec::OnMissing;
 use tenantgate::policy::{FailureMode, Identity, Limit, OnLimit, Policy, RouteClass};
 
 pub use diff::diff;
@@ -101,7 +103,65 @@ fn limit_line(l: &Limit) -> String {
     if l.shadow {
         line.push_str(", shadow (counted, never denies)");
     }
+    if l.soft {
+        line.push_str(", soft (over it: admitted uncharged, marked for a fallback route)");
+    }
+    if l.max_debt > 0 {
+        let _ = write!(line, ", may owe {} after the response", l.max_debt);
+    }
     line
+}
+
+/// A settling class's reserve and settle rule (see `tenantgate::cost`).
+fn settle_lines(class: &RouteClass, out: &mut String) {
+    let Some(s) = &class.settle else { return };
+    let estimate = match &s.estimate {
+        Estimate::Cost => String::from("the cost"),
+        Estimate::Header(h) => format!("the request header {h} (from a trusted hop), else the cost"),
+        Estimate::BodyField(f) => format!(
+            "the cost on the request headers, then the request body's {f} when it passes (the difference charged, 429 if it does not fit, or given back)"
+        ),
+    };
+    let _ = writeln!(
+        out,
+        "  reserve: {estimate}, cut to the ceiling {} and to the smallest burst of the request's limits; charged on the exact path (no worker lease)",
+        s.ceiling
+    );
+    let source = match &s.source {
+        Source::Header(h) => format!("the response header {h}"),
+        Source::Trailer(t) => format!("the response trailer {t}"),
+        Source::Body(fields) => {
+            let sum: Vec<String> = fields
+                .iter()
+                .map(|f| {
+                    let w = f.weight_milli as f64 / WEIGHT_SCALE as f64;
+                    if f.weight_milli == WEIGHT_SCALE {
+                        f.name.clone()
+                    } else {
+                        format!("{w} × {}", f.name)
+                    }
+                })
+                .collect();
+            format!(
+                "the response body's {} (JSON, or the last value in a text/event-stream; at most {} bytes read, rounded up)",
+                sum.join(" + "),
+                s.max_body_bytes
+            )
+        }
+    };
+    let missing = match s.on_missing {
+        OnMissing::Ceiling => format!("the ceiling ({})", s.ceiling),
+        OnMissing::Estimate => String::from("the estimate (nothing more)"),
+    };
+    let _ = writeln!(
+        out,
+        "  settle: at the response's end, {source}, cut to the ceiling {}; the difference to the estimate charged (into debt up to each limit's max_debt, the rest written off) or given back, to every limit charged",
+        s.ceiling
+    );
+    let _ = writeln!(
+        out,
+        "  no usable figure (reset, missing, malformed, too large): {missing}"
+    );
 }
 
 fn on_limit(o: OnLimit) -> String {
@@ -183,7 +243,16 @@ fn explain_class<'p>(policy: &'p Policy, req: &Request<'_>, out: &mut String) ->
         )
     };
     let _ = writeln!(out, "  action: {}", class.action);
-    let _ = writeln!(out, "  cost: {}", class.cost);
+    if class.settle.is_some() {
+        let _ = writeln!(
+            out,
+            "  cost: {} (an estimate: settled after the response)",
+            class.cost
+        );
+    } else {
+        let _ = writeln!(out, "  cost: {}", class.cost);
+    }
+    settle_lines(class, out);
     let _ = writeln!(out, "  on limit: {}", on_limit(class.on_limit));
     admission::labels(policy, class, out);
     Some(class)

@@ -515,3 +515,81 @@ fn the_backoff_counts_from_when_the_next_report_was_due_not_from_the_failure() {
     assert!(s.failed(T0 + S + 500 * MS, &BREAKER));
     assert_eq!(s.open_until, Some(T0 + 3 * S));
 }
+
+/// A connected view (see [`SyncState::view`]).
+fn connected_view() -> NodeView {
+    SyncState::new(T0, S, 500 * MS).view(FailureMode::FailOpenLocal, 2, 60 * S, 500 * MS, T0)
+}
+
+fn leased(tokens: u64) -> Allowance {
+    let mut a = Allowance::fresh(2);
+    a.install(
+        Granted {
+            tokens,
+            share: 10,
+            share_milli: 10_000,
+            ttl_ns: 3 * S,
+            outage_milli: None,
+        },
+        0,
+        T0,
+    );
+    a
+}
+
+#[test]
+fn a_settled_cost_is_taken_from_the_lease_then_owed_up_to_max_debt_and_paid_first() {
+    let view = connected_view();
+    let mut a = leased(100);
+    assert_eq!(a.decide(&view, 10, T0), Ok(Admitted::Lease));
+    // The request really cost 40: 30 more, from the lease, reported.
+    assert_eq!(a.settle_more(30, 50, T0), 0);
+    assert_eq!((a.available(T0), a.pending.consumed, a.owed), (60, 40, 0));
+    // Another costs 100 more than its estimate: 60 from the lease, 40
+    // owed (of at most 50).
+    assert_eq!(a.settle_more(100, 50, T0), 0);
+    assert_eq!((a.available(T0), a.pending.consumed, a.owed), (0, 100, 40));
+    // Past the allowance: written off.
+    assert_eq!(a.settle_more(30, 50, T0), 20);
+    assert_eq!(a.owed, 50);
+    // Owing, nothing is admitted on a lease; a request lacks its cost and
+    // the debt.
+    assert_eq!(a.decide(&view, 1, T0), Err(Denied::LeaseExhausted));
+    assert_eq!(a.missing(1, T0), 51);
+    // The next lease pays the debt first (reported as consumed on it).
+    let consumed = a.pending.consumed;
+    a.install(
+        Granted {
+            tokens: 80,
+            share: 10,
+            share_milli: 10_000,
+            ttl_ns: 3 * S,
+            outage_milli: None,
+        },
+        0,
+        T0 + S,
+    );
+    assert_eq!((a.owed, a.available(T0 + S)), (0, 30));
+    assert_eq!(a.pending.consumed, consumed + 50);
+    assert_eq!(a.decide(&view, 30, T0 + S), Ok(Admitted::Lease));
+    // Nothing reported exceeds the leases: 100 + 80 granted, 180 consumed.
+    assert_eq!(a.pending.consumed, 180);
+}
+
+#[test]
+fn a_settled_cost_below_its_estimate_lowers_a_debt_then_goes_back_to_the_lease() {
+    let view = connected_view();
+    let mut a = leased(20);
+    assert_eq!(a.decide(&view, 20, T0), Ok(Admitted::Lease));
+    assert_eq!(a.settle_more(15, 100, T0), 0);
+    assert_eq!(a.owed, 15);
+    a.give_back(18, T0);
+    assert_eq!((a.owed, a.available(T0), a.pending.consumed), (0, 3, 17));
+    // An owing key is not idle; its record is kept.
+    assert_eq!(a.settle_more(5, 100, T0), 0);
+    assert!(!a.is_idle(T0 + 10 * S));
+    // With no live lease nothing is given back.
+    let mut expired = leased(5);
+    expired.give_back(3, T0 + 4 * S);
+    assert_eq!(expired.available(T0 + 4 * S), 0);
+}

@@ -1,0 +1,165 @@
+//! The test upstream answering like a model API (for costs settled after
+//! the response, `crate::upstream`): a request whose path has a
+//! `/model/<answer>` part gets that answer, chosen by the test through
+//! the path (the upstream's own decision: the filter never reads the
+//! path for a cost).
+//!
+//! | path part | answer |
+//! |---|---|
+//! | `/model/json/<n>` | 200 `application/json`, OpenAI-style, `usage.total_tokens` = n (prompt 10 %, completion the rest) |
+//! | `/model/sse/<n>/<ms>` | 200 `text/event-stream`, chunked: three content events, `<ms>` ms apart, then one with the usage (total n), then `data: [DONE]` |
+//! | `/model/header/<n>` | 200 with `x-usage-tokens: n` and a short body |
+//! | `/model/missing` | 200 JSON without `usage` |
+//! | `/model/malformed` | 200 JSON whose `usage.total_tokens` is a string |
+//! | `/model/reset/<ms>` | 200 `text/event-stream`: two content events, then after `<ms>` ms the connection is closed mid-body (no usage, no end) |
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::time::Duration;
+
+/// One of the answers above, parsed from a request path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelAnswer {
+    Json(u64),
+    Sse { tokens: u64, gap_ms: u64 },
+    Header(u64),
+    Missing,
+    Malformed,
+    Reset { after_ms: u64 },
+}
+
+impl ModelAnswer {
+    /// The answer a path asks for (`None`: not a model path).
+    pub fn of_path(path: &str) -> Option<ModelAnswer> {
+        let path = path.split('?').next().unwrap_or_default();
+        let rest = path.split("/model/").nth(1)?;
+        let mut parts = rest.split('/');
+        let kind = parts.next()?;
+        let mut num = || parts.next().and_then(|n| n.parse::<u64>().ok());
+        Some(match kind {
+            "json" => ModelAnswer::Json(num()?),
+            "sse" => ModelAnswer::Sse {
+                tokens: num()?,
+                gap_ms: num().unwrap_or(0),
+            },
+            "header" => ModelAnswer::Header(num()?),
+            "missing" => ModelAnswer::Missing,
+            "malformed" => ModelAnswer::Malformed,
+            "reset" => ModelAnswer::Reset {
+                after_ms: num().unwrap_or(0),
+            },
+            _ => return None,
+        })
+    }
+
+    /// The `path` suffix that asks for this answer.
+    pub fn path(&self) -> String {
+        match self {
+            ModelAnswer::Json(n) => format!("/model/json/{n}"),
+            ModelAnswer::Sse { tokens, gap_ms } => format!("/model/sse/{tokens}/{gap_ms}"),
+            ModelAnswer::Header(n) => format!("/model/header/{n}"),
+            ModelAnswer::Missing => "/model/missing".into(),
+            ModelAnswer::Malformed => "/model/malformed".into(),
+            ModelAnswer::Reset { after_ms } => format!("/model/reset/{after_ms}"),
+        }
+    }
+}
+
+fn usage(total: u64) -> String {
+    let prompt = total / 10;
+    format!(
+        r#"{{"prompt_tokens":{prompt},"completion_tokens":{},"total_tokens":{total}}}"#,
+        total - prompt
+    )
+}
+
+fn completion(usage: Option<&str>) -> String {
+    let usage = usage.map(|u| format!(r#","usage":{u}"#)).unwrap_or_default();
+    format!(
+        r#"{{"id":"chatcmpl-test","object":"chat.completion","model":"test","choices":[{{"index":0,"message":{{"role":"assistant","content":"Hello from the model, \"usage\": {{\"total_tokens\": 1}}"}},"finish_reason":"stop"}}]{usage}}}"#
+    )
+}
+
+fn chunk(out: &mut TcpStream, data: &str) -> std::io::Result<()> {
+    out.write_all(format!("{:x}\r\n{data}\r\n", data.len()).as_bytes())?;
+    out.flush()
+}
+
+fn sse_head(extra: &str) -> String {
+    format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n{extra}transfer-encoding: chunked\r\n\r\n"
+    )
+}
+
+fn event(delta: &str) -> String {
+    format!(
+        "data: {{\"id\":\"chatcmpl-test\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{delta}\"}}}}],\"usage\":null}}\n\n"
+    )
+}
+
+/// Writes `answer` on `out` (`extra`: more header lines, each ending in
+/// CRLF). `Ok(false)`: the connection was closed on purpose (a reset).
+pub fn answer(out: &mut TcpStream, answer: ModelAnswer, extra: &str) -> std::io::Result<bool> {
+    let json = |body: String, headers: &str| {
+        format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n{headers}{extra}content-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    match answer {
+        ModelAnswer::Json(n) => out.write_all(json(completion(Some(&usage(n))), "").as_bytes())?,
+        ModelAnswer::Header(n) => {
+            out.write_all(json(completion(None), &format!("x-usage-tokens: {n}\r\n")).as_bytes())?
+        }
+        ModelAnswer::Missing => out.write_all(json(completion(None), "").as_bytes())?,
+        ModelAnswer::Malformed => {
+            out.write_all(json(completion(Some(r#"{"total_tokens":"lots"}"#)), "").as_bytes())?
+        }
+        ModelAnswer::Sse { tokens, gap_ms } => {
+            out.write_all(sse_head(extra).as_bytes())?;
+            for delta in ["Hel", "lo", "!"] {
+                chunk(out, &event(delta))?;
+                std::thread::sleep(Duration::from_millis(gap_ms));
+            }
+            let last = format!(
+                "data: {{\"id\":\"chatcmpl-test\",\"choices\":[],\"usage\":{}}}\n\n",
+                usage(tokens)
+            );
+            chunk(out, &last)?;
+            chunk(out, "data: [DONE]\n\n")?;
+            out.write_all(b"0\r\n\r\n")?;
+        }
+        ModelAnswer::Reset { after_ms } => {
+            out.write_all(sse_head(extra).as_bytes())?;
+            for delta in ["Hel", "lo"] {
+                chunk(out, &event(delta))?;
+            }
+            std::thread::sleep(Duration::from_millis(after_ms));
+            // Mid-body: closed without the usage or the last chunk.
+            let _ = out.shutdown(std::net::Shutdown::Both);
+            return Ok(false);
+        }
+    }
+    out.flush()?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_round_trip() {
+        for a in [
+            ModelAnswer::Json(1200),
+            ModelAnswer::Sse { tokens: 9, gap_ms: 5 },
+            ModelAnswer::Header(7),
+            ModelAnswer::Missing,
+            ModelAnswer::Malformed,
+            ModelAnswer::Reset { after_ms: 20 },
+        ] {
+            assert_eq!(ModelAnswer::of_path(&format!("/up/chat{}", a.path())), Some(a));
+        }
+        assert_eq!(ModelAnswer::of_path("/up/chat"), None);
+    }
+}

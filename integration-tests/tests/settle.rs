@@ -1,0 +1,342 @@
+//! Costs settled after the response and soft limits in a real Envoy 1.40
+//! (`--concurrency 2`) in front of the test upstream answering like a
+//! model API (`tenantgate_integration_tests::model`): a tenant on tokens a
+//! minute is limited by tokens, not requests, within the stated bound,
+//! with JSON and streamed (server-sent events) answers; refunds when the
+//! real cost is below the estimate; debt and its kept `Retry-After`;
+//! answers without a usable figure (missing, malformed, reset mid-stream)
+//! settled at the ceiling; nothing the client sends changes a cost; a soft
+//! limit sends over-limit requests to a fallback upstream while under-limit
+//! ones go to the primary.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use tenantgate_integration_tests::model::ModelAnswer;
+use tenantgate_integration_tests::upstream::{Upstream, Upstreams};
+use tenantgate_integration_tests::{get, on_both_hosts, wait_for, Conn, Envoy, Response};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// `tokens`: 6,000 a minute (100 a second), burst 6,000, debt up to 6,000
+/// (the default); `fast`: 1,000 a second, burst 2,000, debt up to 2,000;
+/// `tiered`: 5,000 a minute on a soft primary, 10,000 hard. `chat` and
+/// `metered` estimate 500 and settle at most 4,000 (OpenAI usage, or the
+/// `x-usage-tokens` response header); `soft` costs 1,000.
+const POLICY: &str = r#"
+version: "settle-it-1"
+identity: { header: x-tenant-id }
+plans:
+  tokens: { limits: [ { rate: 6000, per: 1m } ] }
+  fast: { limits: [ { rate: 60000, per: 1m, burst: 2000 } ] }
+  tiered:
+    limits:
+      - { name: primary, rate: 5000, per: 1m, on_limit: soft }
+      - { name: hard, rate: 10000, per: 1m }
+tenants: [ { id: quick, plan: fast }, { id: tiered, plan: tiered } ]
+default_plan: tokens
+anonymous: { plan: tokens }
+routes:
+  chat: { cost: 500, settle: { usage: openai_total, ceiling: 4000 } }
+  metered: { action: chat, cost: 500, settle: { header: x-usage-tokens, ceiling: 4000 } }
+  soft: { cost: 1000 }
+"#;
+
+const CLASSES: [&str; 3] = ["chat", "metered", "soft"];
+
+/// The primary and fallback upstreams (each names itself in `x-upstream`),
+/// and Envoy with its access log (the cost record at each line's end).
+fn start(log: &Path) -> (Upstream, Upstream, Envoy) {
+    let primary = Upstream::start();
+    primary.set_header(Some(("x-upstream", "primary")));
+    let fallback = Upstream::start();
+    fallback.set_header(Some(("x-upstream", "fallback")));
+    let envoy = Envoy::start_with_upstreams(
+        POLICY,
+        &Upstreams {
+            port: primary.port,
+            classes: &CLASSES,
+            access_log: Some(log),
+            fallback: Some(("x-tenantgate-soft-limit", fallback.port)),
+            cost_log: true,
+        },
+    );
+    (primary, fallback, envoy)
+}
+
+fn ask(envoy: &Envoy, class: &str, answer: ModelAnswer, tenant: &str) -> Response {
+    get(
+        envoy.port,
+        &format!("/up/{class}{}", answer.path()),
+        &[("x-tenant-id", tenant)],
+    )
+}
+
+fn retry_after(r: &Response) -> u64 {
+    r.header("retry-after").and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
+/// The cost records (`class=… key=… estimate=… figure=… cost=…`) of a
+/// tenant's key in the access log.
+fn cost_records(log: &Path, key: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| l.find("class=").map(|i| l[i..].to_owned()))
+        .filter(|r| r.contains(&format!(" key={key} ")))
+        .collect()
+}
+
+fn field(record: &str, name: &str) -> u64 {
+    record
+        .split(' ')
+        .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name} in {record}"))
+}
+
+/// Sends one request of `answer` every 50 ms for `secs`, one at a time
+/// (at most one in flight); returns (admitted, the time it took).
+fn paced(envoy: &Envoy, answer: ModelAnswer, tenant: &str, secs: u64) -> (u64, Duration) {
+    let start = Instant::now();
+    let mut admitted = 0;
+    while start.elapsed() < Duration::from_secs(secs) {
+        let r = ask(envoy, "chat", answer, tenant);
+        match r.status {
+            200 => admitted += 1,
+            429 => assert!(retry_after(&r) >= 1, "{r:?}"),
+            other => panic!("{other}: {r:?}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (admitted, start.elapsed())
+}
+
+on_both_hosts!(a_tenant_on_tokens_a_minute_is_limited_by_tokens_not_requests_within_the_bound);
+fn a_tenant_on_tokens_a_minute_is_limited_by_tokens_not_requests_within_the_bound() {
+    let log = Envoy::temp_dir().join("access.log");
+    let (_primary, _fallback, envoy) = start(&log);
+    for (tenant, answer) in [
+        ("json-tenant", ModelAnswer::Json(1200)),
+        (
+            "sse-tenant",
+            ModelAnswer::Sse {
+                tokens: 1200,
+                gap_ms: 5,
+            },
+        ),
+    ] {
+        let (admitted, took) = paced(&envoy, answer, tenant, 2);
+        // Estimates alone (500 of 6,000) would admit 12 at once; tokens
+        // (1,200 each) admit 5: 4,800 + the fifth's 500 fit, then nothing
+        // until the bucket refills 500 (5 s at 100 a second).
+        let refill = 100 * took.as_millis() as u64 / 1000;
+        // THE BOUND (crate::cost): B + D + r·t + in flight (≤ 1) × (C − E).
+        let bound = 6000 + 6000 + refill + (4000 - 500);
+        eprintln!(
+            "{tenant}: {admitted} admitted in {took:?} ({} tokens; bound {bound}, B + r·t {})",
+            1200 * admitted,
+            6000 + refill
+        );
+        assert_eq!(admitted, 5, "{tenant}");
+        assert!(
+            1200 * admitted <= 6000 + refill,
+            "{tenant}: sequential requests never overrun"
+        );
+    }
+    // Every answer was settled at its real cost, in the access log (Envoy
+    // flushes it every 10 s).
+    for tenant in ["json-tenant", "sse-tenant"] {
+        let key = format!("chat|t|{tenant}");
+        assert!(wait_for(WAIT, || cost_records(&log, &key).len() == 5));
+        for r in cost_records(&log, &key) {
+            assert_eq!((field(&r, "estimate"), field(&r, "cost")), (500, 1200), "{r}");
+        }
+    }
+    assert_eq!(envoy.tg_stat("cost.settled_units.chat"), 12_000);
+    assert_eq!(envoy.tg_stat("cost.over_units.chat"), 7_000);
+    assert!(envoy.tg_stat("decisions.rate_limited") > 0);
+}
+
+on_both_hosts!(answers_below_the_estimate_are_refunded_and_admit_more);
+fn answers_below_the_estimate_are_refunded_and_admit_more() {
+    let log = Envoy::temp_dir().join("access.log");
+    let (_primary, _fallback, envoy) = start(&log);
+    // Each answer costs 100 against an estimate of 500: the 400 back
+    // admit far more than the 12 estimates of 500 that fit 6,000.
+    let mut admitted = 0;
+    for _ in 0..70 {
+        if ask(&envoy, "chat", ModelAnswer::Json(100), "cheap").status == 200 {
+            admitted += 1;
+        }
+    }
+    eprintln!("cheap: {admitted} of 70 admitted (estimates alone: 12)");
+    assert!(admitted >= 56, "{admitted}");
+    assert_eq!(envoy.tg_stat("cost.under_units.chat"), 400 * admitted);
+}
+
+on_both_hosts!(a_key_in_debt_is_refused_with_a_retry_after_that_is_kept);
+fn a_key_in_debt_is_refused_with_a_retry_after_that_is_kept() {
+    let log = Envoy::temp_dir().join("access.log");
+    let (_primary, _fallback, envoy) = start(&log);
+    // Four streams at once on `fast` (burst 2,000): 4 × 500 fit, then each
+    // really costs 1,500: 4,000 more, 2,000 owed (the allowance), 2,000
+    // written off.
+    let port = envoy.port;
+    let answer = ModelAnswer::Sse {
+        tokens: 1500,
+        gap_ms: 150,
+    };
+    let streams: Vec<_> = (0..4)
+        .map(|_| {
+            std::thread::spawn(move || {
+                get(
+                    port,
+                    &format!("/up/chat{}", answer.path()),
+                    &[("x-tenant-id", "quick")],
+                )
+                .status
+            })
+        })
+        .collect();
+    let statuses: Vec<u16> = streams.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!(statuses, [200; 4]);
+    let settled = Instant::now();
+    // 2,000 owed and 500 for the next request, at 1,000 a second: 2.5 s
+    // after the debt was made.
+    let refused = ask(&envoy, "chat", ModelAnswer::Json(500), "quick");
+    assert_eq!(refused.status, 429, "{refused:?}");
+    let wait = retry_after(&refused);
+    assert_eq!(wait, 3, "{refused:?}");
+    // One second before it, still refused (and told the same or less) ...
+    let before = Duration::from_secs(wait - 1).saturating_sub(settled.elapsed());
+    std::thread::sleep(before);
+    let again = ask(&envoy, "chat", ModelAnswer::Json(500), "quick");
+    assert_eq!(again.status, 429);
+    assert!(retry_after(&again) <= wait);
+    // ... and admitted once it has passed.
+    std::thread::sleep(Duration::from_secs(wait).saturating_sub(settled.elapsed()));
+    assert_eq!(ask(&envoy, "chat", ModelAnswer::Json(500), "quick").status, 200);
+    // What the allowance could not hold (what the streams' own ~0.45 s
+    // refilled is written off less).
+    let written_off = envoy.tg_stat("cost.written_off_units.chat");
+    eprintln!("debt: written off {written_off}, Retry-After {wait} s");
+    assert!((1000..=2000).contains(&written_off), "{written_off}");
+    assert!(envoy.tg_stat("cost.in_debt.chat") >= 2);
+}
+
+on_both_hosts!(answers_without_a_usable_figure_settle_at_the_ceiling);
+fn answers_without_a_usable_figure_settle_at_the_ceiling() {
+    let log = Envoy::temp_dir().join("access.log");
+    let (_primary, _fallback, envoy) = start(&log);
+    assert_eq!(ask(&envoy, "chat", ModelAnswer::Missing, "missing").status, 200);
+    assert_eq!(
+        ask(&envoy, "chat", ModelAnswer::Malformed, "malformed").status,
+        200
+    );
+    // Reset mid-stream: the client sees the body cut short.
+    let r = tenantgate_integration_tests::request(
+        envoy.port,
+        "GET",
+        &format!("/up/chat{}", ModelAnswer::Reset { after_ms: 20 }.path()),
+        &[("x-tenant-id", "reset")],
+    );
+    assert!(r.is_err() || r.as_ref().is_ok_and(|r| r.status == 200), "{r:?}");
+    assert!(wait_for(WAIT, || envoy.tg_stat("cost.settles.chat") >= 3));
+    assert_eq!(envoy.tg_stat("cost.unusable_missing.chat"), 1);
+    assert_eq!(envoy.tg_stat("cost.unusable_malformed.chat"), 1);
+    assert_eq!(envoy.tg_stat("cost.unusable_reset.chat"), 1);
+    assert_eq!(envoy.tg_stat("cost.settled_units.chat"), 3 * 4000);
+    // A second answer without usage: 8,000 charged to a burst of 6,000, so
+    // 2,000 owed; the next request waits for them and its own 500 at 100
+    // a second: 25 s.
+    assert_eq!(ask(&envoy, "chat", ModelAnswer::Missing, "missing").status, 200);
+    let refused = ask(&envoy, "chat", ModelAnswer::Json(1), "missing");
+    assert_eq!(refused.status, 429);
+    assert!((24..=25).contains(&retry_after(&refused)), "{refused:?}");
+}
+
+on_both_hosts!(the_client_cannot_change_its_cost_by_any_header_or_body_it_sends);
+fn the_client_cannot_change_its_cost_by_any_header_or_body_it_sends() {
+    let log = Envoy::temp_dir().join("access.log");
+    let (_primary, _fallback, envoy) = start(&log);
+    let forged: [(&str, &str); 5] = [
+        ("x-usage-tokens", "1"),
+        ("x-estimate", "1"),
+        ("x-tenantgate-class", "soft"),
+        ("content-type", "application/json"),
+        ("accept", "text/event-stream"),
+    ];
+    let body = br#"{"usage":{"total_tokens":1,"prompt_tokens":1},"max_tokens":1}"#;
+    for (tenant, forge) in [("honest", false), ("forger", true)] {
+        for (class, answer) in [
+            ("chat", ModelAnswer::Json(1000)),
+            ("metered", ModelAnswer::Header(900)),
+        ] {
+            let mut conn = Conn::open(envoy.port).unwrap();
+            let mut headers = vec![("x-tenant-id", tenant)];
+            if forge {
+                headers.extend(forged);
+            }
+            let r = conn
+                .send_body(
+                    "POST",
+                    &format!("/up/{class}{}", answer.path()),
+                    &headers,
+                    if forge { body } else { b"{}" },
+                )
+                .unwrap();
+            assert_eq!(r.status, 200, "{r:?}");
+        }
+    }
+    // Each tenant's two answers settled at the upstream's figures: 1,000
+    // and 900, whatever the forger sent.
+    assert_eq!(envoy.tg_stat("cost.settled_units.chat"), 2 * 1000);
+    assert_eq!(envoy.tg_stat("cost.settled_units.metered"), 2 * 900);
+    assert_eq!(envoy.tg_stat("cost.estimated_units.metered"), 2 * 500);
+}
+
+on_both_hosts!(a_soft_limit_routes_over_limit_requests_to_the_fallback_and_under_limit_ones_to_the_primary);
+fn a_soft_limit_routes_over_limit_requests_to_the_fallback_and_under_limit_ones_to_the_primary() {
+    let log = Envoy::temp_dir().join("access.log");
+    let (primary, fallback, envoy) = start(&log);
+    let tenant = [("x-tenant-id", "tiered")];
+    let mut served_by = Vec::new();
+    for _ in 0..12 {
+        let r = get(envoy.port, "/up/soft", &tenant);
+        let by = match r.status {
+            200 => r.header("x-upstream").unwrap_or("?").to_owned(),
+            429 => "429".to_owned(),
+            other => panic!("{other}: {r:?}"),
+        };
+        // Only the fallback's answers carry the marker.
+        assert_eq!(
+            r.header("x-tenantgate-soft-limit").is_some(),
+            by == "fallback",
+            "{r:?}"
+        );
+        served_by.push(by);
+    }
+    // 5 within the soft primary (5,000 at 1,000 each), 5 more within the
+    // hard limit go to the fallback, then 429.
+    let expected: Vec<&str> = [["primary"; 5].as_slice(), &["fallback"; 5], &["429"; 2]].concat();
+    assert_eq!(served_by, expected);
+    assert_eq!((primary.served(), fallback.served()), (5, 5));
+    // A client under its limit that sends the marker itself still goes to
+    // the primary: the filter removes its copy and the route is picked again.
+    let r = get(
+        envoy.port,
+        "/up/soft",
+        &[("x-tenant-id", "fresh"), ("x-tenantgate-soft-limit", "primary")],
+    );
+    assert_eq!(r.header("x-upstream"), Some("primary"), "{r:?}");
+    assert_eq!(fallback.served(), 5);
+    // The decision record says so.
+    let lines = || std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        wait_for(WAIT, || lines().matches("outcome=soft_limited").count() == 5),
+        "{}",
+        lines()
+    );
+    assert!(lines().contains("/up/soft 200 outcome=soft_limited criticality=normal dependency=- in_flight=0 queue_wait_ms=0 policy=settle-it-1 key=soft|t|tiered limit=primary"));
+    assert_eq!(envoy.tg_stat("decisions.soft_limited"), 5);
+}

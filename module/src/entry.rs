@@ -1,0 +1,800 @@
+//! The entry points Envoy calls (`envoy_dynamic_module_on_*`): each turns
+//! one hook into calls on the stream's worker ([`crate::node`]) and the
+//! pipeline's directive into callbacks, inside [`guard`] (see `lib.rs`,
+//! "Fail-safe"). A callback that may re-enter the module (a local reply, a
+//! resumed request) is never made with a worker's mutex held.
+//!
+//! | Envoy hook | here | core |
+//! |---|---|---|
+//! | `on_program_init` | the logger, the panic hook, the fault switch | returns [`abi::ABI_VERSION`] |
+//! | `on_http_filter_config_new` / `_destroy` | [`Node::configure`] / [`Node::remove`] | `Pipeline::configure` on every worker |
+//! | `on_http_filter_per_route_config_new` | the route's class ([`RouteConfig`]) | |
+//! | `on_http_filter_new` | the stream's worker and id | |
+//! | `on_http_filter_request_headers` / `_body` | [`apply`] the directive | `on_request_headers` / `on_request_body` |
+//! | `on_http_filter_response_headers` / `_body` / `_trailers` | the `RateLimit` headers added | `on_response_*` |
+//! | `on_http_filter_stream_complete`, `_destroy` | the held stream forgotten | `on_stream_end` (the second finds nothing) |
+//! | `on_http_filter_scheduled` | a held stream's answer applied on its worker | (made by the tick) |
+//! | `on_http_filter_config_scheduled` | every worker's tick | `on_tick`, `take_callouts`, `dispatched`, `take_answers` |
+//! | `on_http_filter_config_http_callout_done` | the answer to its worker | `on_sync_answer` |
+
+use std::ffi::c_char;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use tenantgate::pipeline::{Directive, RouteMark, StreamId, Verdict};
+use tenantgate::response::{LocalReply, REASON_HEADER};
+use tenantgate::sync::syncer::CalloutAnswer;
+
+use crate::abi::{
+    self, EnvoyBuffer, EnvoyHttpHeader, HttpFilterConfigEnvoy, HttpFilterConfigModule, HttpFilterEnvoy,
+    HttpFilterModule, HttpFilterPerRouteConfigModule, ModuleBuffer,
+};
+use crate::host::{EnvoyHost, SystemClock};
+use crate::node::{node, Config, Node};
+use crate::route::RouteConfig;
+
+/// Runs `f`; a panic becomes `None` (logged by the panic hook).
+fn guard<R>(f: impl FnOnce() -> R) -> Option<R> {
+    catch_unwind(AssertUnwindSafe(f)).ok()
+}
+
+/// Envoy's log, for the core's `log` calls.
+struct EnvoyLog;
+
+fn level(l: log::Level) -> abi::LogLevel {
+    match l {
+        log::Level::Error => abi::LOG_ERROR,
+        log::Level::Warn => abi::LOG_WARN,
+        log::Level::Info => abi::LOG_INFO,
+        log::Level::Debug | log::Level::Trace => abi::LOG_DEBUG,
+    }
+}
+
+impl log::Log for EnvoyLog {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        // SAFETY: callable from any thread.
+        unsafe { abi::envoy_dynamic_module_callback_log_enabled(level(metadata.level())) }
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        if self.enabled(record.metadata()) {
+            let text = record.args().to_string();
+            // SAFETY: as above; the message is ours for the call.
+            unsafe {
+                abi::envoy_dynamic_module_callback_log(
+                    level(record.level()),
+                    ModuleBuffer::of(text.as_bytes()),
+                )
+            }
+        }
+    }
+
+    fn flush(&self) {}
+}
+
+static LOG: EnvoyLog = EnvoyLog;
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
+    guard(|| {
+        if log::set_logger(&LOG).is_ok() {
+            log::set_max_level(log::LevelFilter::Info);
+        }
+        std::panic::set_hook(Box::new(|info| {
+            log::error!("tenantgate: panic caught at the module's boundary: {info}");
+        }));
+        crate::fault::init();
+        pin();
+        abi::ABI_VERSION_C.as_ptr()
+    })
+    .unwrap_or(std::ptr::null())
+}
+
+/// `Dl_info` (glibc `<dlfcn.h>`).
+#[repr(C)]
+struct DlInfo {
+    fname: *const c_char,
+    fbase: *mut std::ffi::c_void,
+    sname: *const c_char,
+    saddr: *mut std::ffi::c_void,
+}
+
+unsafe extern "C" {
+    fn dladdr(addr: *const std::ffi::c_void, info: *mut DlInfo) -> i32;
+    fn dlopen(filename: *const c_char, flags: i32) -> *mut std::ffi::c_void;
+}
+
+/// glibc's `RTLD_LAZY | RTLD_NOLOAD | RTLD_NODELETE`.
+const PIN_FLAGS: i32 = 0x0001 | 0x0004 | 0x1000;
+
+/// Keeps the library mapped for the life of the process, whatever Envoy's
+/// config says (`do_not_close`): its tick thread and its process-memory
+/// state must never outlive its code. A second `dlopen` of ourselves with
+/// `RTLD_NODELETE` makes a later `dlclose` leave it loaded.
+fn pin() {
+    let mut info = DlInfo {
+        fname: std::ptr::null(),
+        fbase: std::ptr::null_mut(),
+        sname: std::ptr::null(),
+        saddr: std::ptr::null_mut(),
+    };
+    let here = envoy_dynamic_module_on_program_init as *const std::ffi::c_void;
+    // SAFETY: plain libc calls with our own pointers.
+    let pinned = unsafe {
+        dladdr(here, &mut info) != 0 && !info.fname.is_null() && !dlopen(info.fname, PIN_FLAGS).is_null()
+    };
+    if !pinned {
+        log::warn!("tenantgate: cannot pin the module in memory: set do_not_close in its config");
+    }
+}
+
+// ------------------------------------------------------------- configs
+
+/// Our config behind Envoy's pointer.
+///
+/// # Safety
+/// `ptr` came from `on_http_filter_config_new` and is not destroyed.
+unsafe fn config<'a>(ptr: HttpFilterConfigModule) -> &'a Arc<Config> {
+    // SAFETY: the caller's promise.
+    unsafe { &*ptr.cast::<Arc<Config>>() }
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
+    envoy: HttpFilterConfigEnvoy,
+    _name: EnvoyBuffer,
+    json: EnvoyBuffer,
+) -> HttpFilterConfigModule {
+    guard(|| {
+        // SAFETY: Envoy's config bytes, valid for this hook.
+        let json = unsafe { json.bytes() };
+        match node().configure(envoy, json) {
+            Ok(config) => Box::into_raw(Box::new(config)).cast_const().cast(),
+            Err(()) => std::ptr::null(),
+        }
+    })
+    .unwrap_or(std::ptr::null())
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(ptr: HttpFilterConfigModule) {
+    guard(|| {
+        if ptr.is_null() {
+            return;
+        }
+        // SAFETY: made by `config_new`, destroyed once, here.
+        let config = unsafe { Box::from_raw(ptr.cast::<Arc<Config>>().cast_mut()) };
+        node().remove(&config);
+    });
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
+    _envoy: HttpFilterConfigEnvoy,
+    _ptr: HttpFilterConfigModule,
+    _event: u64,
+) {
+    guard(|| node().tick());
+}
+
+/// A callout's answer as Envoy hands it to the hook.
+struct Answered<'a> {
+    ok: bool,
+    headers: &'a [EnvoyHttpHeader],
+    body: &'a [EnvoyBuffer],
+}
+
+impl CalloutAnswer for Answered<'_> {
+    fn has_response(&self) -> bool {
+        self.ok && !self.headers.is_empty()
+    }
+
+    fn status(&self) -> Result<Option<Vec<u8>>, tenantgate::host::HostError> {
+        Ok(self.headers.iter().find_map(|h| {
+            // SAFETY: Envoy's headers, valid for the hook.
+            let key = unsafe { bytes(h.key_ptr, h.key_length) };
+            (key == b":status").then(|| unsafe { bytes(h.value_ptr, h.value_length) }.to_vec())
+        }))
+    }
+
+    fn body_size(&self) -> usize {
+        self.body
+            .iter()
+            .map(|b| b.length)
+            .fold(0usize, usize::saturating_add)
+    }
+
+    fn body(&self) -> Result<Option<Vec<u8>>, tenantgate::host::HostError> {
+        let mut body = Vec::with_capacity(self.body_size());
+        for chunk in self.body {
+            // SAFETY: Envoy's body, valid for the hook.
+            body.extend_from_slice(unsafe { chunk.bytes() });
+        }
+        Ok(Some(body))
+    }
+}
+
+/// # Safety
+/// `(ptr, len)` is null or valid for the current hook.
+unsafe fn bytes<'a>(ptr: *const u8, len: usize) -> &'a [u8] {
+    if ptr.is_null() || len == 0 {
+        return &[];
+    }
+    // SAFETY: the caller's promise.
+    unsafe { std::slice::from_raw_parts(ptr, len) }
+}
+
+/// # Safety
+/// `(ptr, len)` is null or an array Envoy keeps valid for the current hook.
+unsafe fn slice<'a, T>(ptr: *const T, len: usize) -> &'a [T] {
+    if ptr.is_null() || len == 0 {
+        return &[];
+    }
+    // SAFETY: the caller's promise.
+    unsafe { std::slice::from_raw_parts(ptr, len) }
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
+    _envoy: HttpFilterConfigEnvoy,
+    ptr: HttpFilterConfigModule,
+    callout_id: u64,
+    result: abi::CalloutResult,
+    headers: *const EnvoyHttpHeader,
+    headers_size: usize,
+    body: *const EnvoyBuffer,
+    body_size: usize,
+) {
+    guard(|| {
+        // SAFETY: Envoy's config pointer, and its arrays for this hook.
+        let config = unsafe { config(ptr) };
+        let answer = Answered {
+            ok: result == abi::CALLOUT_SUCCESS,
+            headers: unsafe { slice(headers, headers_size) },
+            body: unsafe { slice(body, body_size) },
+        };
+        node().callout_done(config, callout_id, &answer);
+    });
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_new(
+    _name: EnvoyBuffer,
+    config: EnvoyBuffer,
+) -> HttpFilterPerRouteConfigModule {
+    guard(|| {
+        // SAFETY: Envoy's bytes for this hook.
+        match RouteConfig::parse(unsafe { config.bytes() }) {
+            Ok(route) => route.into_ptr(),
+            Err(why) => {
+                log::error!("tenantgate: route config rejected: {why}");
+                std::ptr::null()
+            }
+        }
+    })
+    .unwrap_or(std::ptr::null())
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_destroy(
+    ptr: HttpFilterPerRouteConfigModule,
+) {
+    // SAFETY: made by `per_route_config_new`, destroyed once.
+    guard(|| unsafe { RouteConfig::free(ptr) });
+}
+
+// ------------------------------------------------------------- streams
+
+/// One stream's module state.
+struct Filter {
+    /// Our config: Envoy keeps its config (and so ours) alive while any
+    /// of its streams is.
+    config: *const Config,
+    worker: usize,
+    stream: StreamId,
+}
+
+impl Filter {
+    fn config(&self) -> &Config {
+        // SAFETY: see the field.
+        unsafe { &*self.config }
+    }
+}
+
+/// # Safety
+/// `ptr` came from `on_http_filter_new` and is not destroyed.
+unsafe fn filter<'a>(ptr: HttpFilterModule) -> &'a Filter {
+    // SAFETY: the caller's promise.
+    unsafe { &*ptr.cast::<Filter>() }
+}
+
+thread_local! {
+    /// Stream ids: one counter per worker thread, so ids are unique per
+    /// worker (a pipeline's streams) with no lock.
+    static NEXT_STREAM: std::cell::Cell<StreamId> = const { std::cell::Cell::new(0) };
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
+    config_ptr: HttpFilterConfigModule,
+    envoy: HttpFilterEnvoy,
+) -> HttpFilterModule {
+    guard(|| {
+        // SAFETY: Envoy's config pointer and the new stream, on its worker.
+        let config = unsafe { config(config_ptr) };
+        let worker = unsafe { abi::envoy_dynamic_module_callback_http_filter_get_worker_index(envoy) };
+        let stream = NEXT_STREAM.with(|n| {
+            let id = n.get().wrapping_add(1);
+            n.set(id);
+            id
+        });
+        let filter = Filter {
+            config: Arc::as_ptr(config),
+            worker: usize::try_from(worker).unwrap_or(0),
+            stream,
+        };
+        Box::into_raw(Box::new(filter)).cast_const().cast()
+    })
+    .unwrap_or(std::ptr::null())
+}
+
+/// A stream's step on its worker: `f` with the worker's pipeline, the
+/// stream's policy and host; then the answers it made for other streams
+/// posted. `None`: the worker or policy is unknown. A panic inside is
+/// caught by the caller's [`guard`], which then repairs the worker.
+fn step<R>(
+    f: &Filter,
+    envoy: HttpFilterEnvoy,
+    point: &str,
+    run: impl FnOnce(&mut crate::node::Worker, &std::rc::Rc<tenantgate::policy::Policy>, &EnvoyHost<'_>) -> R,
+) -> Option<R> {
+    let node = node();
+    let mut w = node.worker(f.worker)?;
+    crate::fault::request(envoy, point);
+    let policy = w.policies.get(&f.config().id).cloned()?;
+    let host = EnvoyHost::stream(envoy, &node.store, &node.identity);
+    let result = run(&mut w, &policy, &host);
+    let answers = w.pipeline.take_answers();
+    w.deliver(answers);
+    Some(result)
+}
+
+/// After a caught panic: counted, the worker repaired, and the request's
+/// failure mode.
+fn failed(f: &Filter, envoy: HttpFilterEnvoy) -> Directive {
+    let config = f.config();
+    config.count_panic();
+    drop(node().worker(f.worker));
+    config.failure.directive(class_of(envoy).as_deref())
+}
+
+/// The stream's class as the host knows it without the core: its route's
+/// per-route config, else its route's name.
+fn class_of(envoy: HttpFilterEnvoy) -> Option<String> {
+    // SAFETY: the current hook's stream.
+    let route = unsafe { abi::envoy_dynamic_module_callback_get_most_specific_route_config(envoy) };
+    if let Some(r) = unsafe { RouteConfig::from_ptr(route) } {
+        return Some(r.class.clone());
+    }
+    let mut name = EnvoyBuffer::EMPTY;
+    let ok = unsafe {
+        abi::envoy_dynamic_module_callback_http_filter_get_attribute_string(
+            envoy,
+            abi::ATTRIBUTE_XDS_ROUTE_NAME,
+            &mut name,
+        )
+    };
+    ok.then(|| String::from_utf8_lossy(unsafe { name.bytes() }).into_owned())
+}
+
+/// Sends a local reply on the stream.
+fn send(envoy: HttpFilterEnvoy, reply: &LocalReply) {
+    let mut headers: Vec<abi::ModuleHttpHeader> = reply
+        .headers
+        .iter()
+        .map(|(k, v)| abi::ModuleHttpHeader::of(k, v.as_bytes()))
+        .collect();
+    let details = reply
+        .header(REASON_HEADER)
+        .map_or_else(|| String::from("tenantgate"), |r| format!("tenantgate_{r}"));
+    // SAFETY: the current hook's stream; every buffer outlives the call.
+    unsafe {
+        abi::envoy_dynamic_module_callback_http_send_response(
+            envoy,
+            reply.status,
+            headers.as_mut_ptr(),
+            headers.len(),
+            ModuleBuffer::of(&reply.body),
+            ModuleBuffer::of(details.as_bytes()),
+        );
+    }
+}
+
+/// Writes the decision record (filter state, for the access log) and
+/// carries out a soft limit's route mark.
+fn record(envoy: HttpFilterEnvoy, directive: &Directive) {
+    if let Some(record) = &directive.record {
+        filter_state(envoy, crate::RECORD_KEY, record, "decision record");
+    }
+    if let Some(mark) = &directive.mark {
+        route_mark(envoy, mark);
+    }
+}
+
+/// Keeps `value` in the stream's filter state under `key` (for the access log).
+fn filter_state(envoy: HttpFilterEnvoy, key: &str, value: &str, what: &str) {
+    // SAFETY: the current hook's stream; the buffers are ours.
+    let set = unsafe {
+        abi::envoy_dynamic_module_callback_http_set_filter_state_bytes(
+            envoy,
+            ModuleBuffer::of(key.as_bytes()),
+            ModuleBuffer::of(value.as_bytes()),
+        )
+    };
+    if !set {
+        log::debug!("tenantgate: cannot set the {what}");
+    }
+}
+
+/// Keeps a settled stream's cost record for the access log.
+fn cost_record(envoy: HttpFilterEnvoy, record: Option<String>) {
+    if let Some(r) = record {
+        filter_state(envoy, crate::COST_KEY, &r, "cost record");
+    }
+}
+
+/// Sets (or removes) a soft limit's marker on the request, then has Envoy
+/// pick the route again with it.
+fn route_mark(envoy: HttpFilterEnvoy, mark: &RouteMark) {
+    let value = mark
+        .value
+        .as_deref()
+        .map_or(ModuleBuffer::NULL, |v| ModuleBuffer::of(v.as_bytes()));
+    // SAFETY: the current hook's stream; the buffers are ours (a null
+    // value removes the header).
+    let set = unsafe {
+        abi::envoy_dynamic_module_callback_http_set_header(
+            envoy,
+            abi::HEADER_REQUEST,
+            ModuleBuffer::of(mark.header.as_bytes()),
+            value,
+        )
+    };
+    if !set {
+        log::warn!("tenantgate: cannot set the {} request header", mark.header);
+        return;
+    }
+    // SAFETY: the current hook's stream.
+    unsafe { abi::envoy_dynamic_module_callback_http_clear_route_cache(envoy) };
+}
+
+/// What a directive becomes on a request callback: `stop` is the status
+/// that holds the stream (paused, or answered here).
+fn apply(envoy: HttpFilterEnvoy, directive: Directive, go: u32, stop: u32) -> u32 {
+    record(envoy, &directive);
+    match directive.verdict {
+        Verdict::Continue => go,
+        Verdict::Pause => stop,
+        Verdict::Reply(reply) => {
+            send(envoy, &reply);
+            stop
+        }
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
+    envoy: HttpFilterEnvoy,
+    ptr: HttpFilterModule,
+    _end_of_stream: bool,
+) -> abi::HeadersStatus {
+    // SAFETY: Envoy's pointer to our filter, alive until `destroy`.
+    let f = unsafe { filter(ptr) };
+    let directive = guard(|| {
+        step(f, envoy, "request_headers", |w, policy, host| {
+            let d = w
+                .pipeline
+                .on_request_headers(host, &SystemClock, policy, f.stream);
+            if d.verdict == Verdict::Pause {
+                w.hold(f.stream, envoy, f.config().id);
+            }
+            d
+        })
+    });
+    let directive = match directive {
+        Some(d) => d.unwrap_or_else(go),
+        None => guard(|| failed(f, envoy)).unwrap_or_else(go),
+    };
+    guard(|| {
+        apply(
+            envoy,
+            directive,
+            abi::HEADERS_CONTINUE,
+            abi::HEADERS_STOP_ALL_ITERATION_AND_WATERMARK,
+        )
+    })
+    .unwrap_or(abi::HEADERS_CONTINUE)
+}
+
+fn go() -> Directive {
+    Directive {
+        verdict: Verdict::Continue,
+        record: None,
+        mark: None,
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
+    envoy: HttpFilterEnvoy,
+    ptr: HttpFilterModule,
+    _end_of_stream: bool,
+) -> abi::BodyStatus {
+    // SAFETY: as in `request_headers`.
+    let f = unsafe { filter(ptr) };
+    let directive = guard(|| {
+        // SAFETY: the current hook's stream.
+        let size = unsafe {
+            abi::envoy_dynamic_module_callback_http_get_body_size(envoy, abi::BODY_RECEIVED_REQUEST)
+        };
+        step(f, envoy, "request_body", |w, policy, host| {
+            let d = w
+                .pipeline
+                .on_request_body(host, &SystemClock, policy, f.stream, size);
+            if d.verdict == Verdict::Pause {
+                w.hold(f.stream, envoy, f.config().id);
+            }
+            d
+        })
+    });
+    let directive = match directive {
+        Some(d) => d.unwrap_or_else(go),
+        None => guard(|| failed(f, envoy)).unwrap_or_else(go),
+    };
+    guard(|| {
+        apply(
+            envoy,
+            directive,
+            abi::BODY_CONTINUE,
+            abi::BODY_STOP_ITERATION_NO_BUFFER,
+        )
+    })
+    .unwrap_or(abi::BODY_CONTINUE)
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
+    _envoy: HttpFilterEnvoy,
+    _ptr: HttpFilterModule,
+) -> abi::TrailersStatus {
+    abi::TRAILERS_CONTINUE
+}
+
+/// A response step (nothing to answer; a panic only repairs the worker).
+fn response_step(
+    f: &Filter,
+    envoy: HttpFilterEnvoy,
+    point: &str,
+    run: impl FnOnce(&mut crate::node::Worker, &EnvoyHost<'_>),
+) {
+    let done = guard(|| step(f, envoy, point, |w, _, host| run(w, host)));
+    if done.is_none() {
+        guard(|| failed(f, envoy));
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
+    envoy: HttpFilterEnvoy,
+    ptr: HttpFilterModule,
+    end_of_stream: bool,
+) -> abi::HeadersStatus {
+    // SAFETY: as in `request_headers`.
+    let f = unsafe { filter(ptr) };
+    let mut response = None;
+    response_step(f, envoy, "response_headers", |w, host| {
+        response = Some(
+            w.pipeline
+                .on_response_headers(host, &SystemClock, f.stream, end_of_stream),
+        );
+    });
+    if let Some(r) = response {
+        let ratelimit = r
+            .ratelimit
+            .iter()
+            .flat_map(|h| [("ratelimit-policy", &h.policy), ("ratelimit", &h.ratelimit)]);
+        let soft = r.soft.iter().map(|(n, v)| (n.as_str(), v));
+        for (name, value) in ratelimit.chain(soft) {
+            // SAFETY: the current hook's stream; the buffers are ours.
+            let added = unsafe {
+                abi::envoy_dynamic_module_callback_http_add_header(
+                    envoy,
+                    abi::HEADER_RESPONSE,
+                    ModuleBuffer::of(name.as_bytes()),
+                    ModuleBuffer::of(value.as_bytes()),
+                )
+            };
+            if !added {
+                log::warn!("tenantgate: cannot add the {name} response header");
+            }
+        }
+        cost_record(envoy, r.cost_record);
+    }
+    abi::HEADERS_CONTINUE
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
+    envoy: HttpFilterEnvoy,
+    ptr: HttpFilterModule,
+    end_of_stream: bool,
+) -> abi::BodyStatus {
+    // SAFETY: as in `request_headers`.
+    let f = unsafe { filter(ptr) };
+    let mut record = None;
+    response_step(f, envoy, "response_body", |w, host| {
+        // SAFETY: the current hook's stream.
+        let size = unsafe {
+            abi::envoy_dynamic_module_callback_http_get_body_size(envoy, abi::BODY_RECEIVED_RESPONSE)
+        };
+        record = w
+            .pipeline
+            .on_response_body(host, &SystemClock, f.stream, size, end_of_stream);
+    });
+    cost_record(envoy, record);
+    abi::BODY_CONTINUE
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
+    envoy: HttpFilterEnvoy,
+    ptr: HttpFilterModule,
+) -> abi::TrailersStatus {
+    // SAFETY: as in `request_headers`.
+    let f = unsafe { filter(ptr) };
+    let mut record = None;
+    response_step(f, envoy, "response_trailers", |w, host| {
+        record = w.pipeline.on_response_trailers(host, &SystemClock, f.stream);
+    });
+    cost_record(envoy, record);
+    abi::TRAILERS_CONTINUE
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
+    envoy: HttpFilterEnvoy,
+    ptr: HttpFilterModule,
+) {
+    // SAFETY: as in `request_headers`.
+    let f = unsafe { filter(ptr) };
+    let mut record = None;
+    response_step(f, envoy, "stream_complete", |w, host| {
+        record = w.pipeline.on_stream_end(host, &SystemClock, f.stream);
+    });
+    cost_record(envoy, record);
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(ptr: HttpFilterModule) {
+    guard(|| {
+        if ptr.is_null() {
+            return;
+        }
+        // SAFETY: made by `filter_new`, destroyed once, here.
+        let f = unsafe { Box::from_raw(ptr.cast::<Filter>().cast_mut()) };
+        let node: &Node = node();
+        if let Some(mut w) = node.worker(f.worker) {
+            // Without a stream: the end was already recorded at
+            // `stream_complete`, unless the stream was torn down first.
+            let host = EnvoyHost::tick(&node.store, &node.identity);
+            w.pipeline.on_stream_end(&host, &SystemClock, f.stream);
+            w.held.remove(&f.stream);
+        }
+    });
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
+    envoy: HttpFilterEnvoy,
+    ptr: HttpFilterModule,
+    _event: u64,
+) {
+    // SAFETY: as in `request_headers`.
+    let f = unsafe { filter(ptr) };
+    let answer = guard(|| {
+        let mut w = node().worker(f.worker)?;
+        w.held.get_mut(&f.stream).and_then(|h| h.answer.take())
+    })
+    .flatten();
+    let Some(directive) = answer else { return };
+    guard(|| {
+        record(envoy, &directive);
+        match directive.verdict {
+            // SAFETY: the current hook's stream, paused by us.
+            Verdict::Continue => unsafe {
+                abi::envoy_dynamic_module_callback_http_filter_continue_decoding(envoy)
+            },
+            Verdict::Reply(reply) => send(envoy, &reply),
+            Verdict::Pause => {}
+        }
+    });
+}
+
+// Hooks Envoy requires that tenantgate has no use for: callouts and streams
+// of a stream (the sync's callouts are the config's), watermarks.
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
+    _envoy: HttpFilterEnvoy,
+    _ptr: HttpFilterModule,
+    _callout_id: u64,
+    _result: abi::CalloutResult,
+    _headers: *const EnvoyHttpHeader,
+    _headers_size: usize,
+    _body: *const EnvoyBuffer,
+    _body_size: usize,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_headers(
+    _envoy: HttpFilterEnvoy,
+    _ptr: HttpFilterModule,
+    _stream_id: u64,
+    _headers: *const EnvoyHttpHeader,
+    _headers_size: usize,
+    _end_stream: bool,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_data(
+    _envoy: HttpFilterEnvoy,
+    _ptr: HttpFilterModule,
+    _stream_id: u64,
+    _data: *const EnvoyBuffer,
+    _data_count: usize,
+    _end_stream: bool,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_trailers(
+    _envoy: HttpFilterEnvoy,
+    _ptr: HttpFilterModule,
+    _stream_id: u64,
+    _trailers: *const EnvoyHttpHeader,
+    _trailers_size: usize,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_complete(
+    _envoy: HttpFilterEnvoy,
+    _ptr: HttpFilterModule,
+    _stream_id: u64,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
+    _envoy: HttpFilterEnvoy,
+    _ptr: HttpFilterModule,
+    _stream_id: u64,
+    _reason: u32,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark(
+    _envoy: HttpFilterEnvoy,
+    _ptr: HttpFilterModule,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark(
+    _envoy: HttpFilterEnvoy,
+    _ptr: HttpFilterModule,
+) {
+}

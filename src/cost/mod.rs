@@ -1,0 +1,332 @@
+//! Costs known only after the response (model APIs' tokens): reserve an
+//! estimate on the request, settle the real cost at the stream's end.
+//!
+//! # Semantics
+//! A route class with `settle:` (see [`crate::policy::settle`]) charges an
+//! **estimate** `E` on the request, all or nothing, like any cost: the
+//! class's `cost`, or the integer of a trusted request header, or a
+//! top-level field of the request's JSON body (then `cost` on the headers
+//! and the difference when the body passes), cut to `[1, min(C, the
+//! smallest burst)]`. It is charged on the exact path: never from or into
+//! a worker lease (`crate::pipeline::lease`), so every unit of it is in
+//! the node-wide entry at once.
+//!
+//! The **real cost** `R` comes from the upstream's response only, read as
+//! it passes ([`Meter`]): a response header, a trailer, or fields of a JSON
+//! body or of a server-sent-events stream (the last value seen wins; the
+//! cost is their weighted sum, rounded up), never from anything the client
+//! sends. A figure above the ceiling `C` is cut to `C` (counted). A stream
+//! that ends without a usable figure ([`Unusable`]: reset before the
+//! figure, missing, malformed, or a body past `max_body_bytes`) costs `C`
+//! or `E` (`on_missing`; `C` by default: a client can cut a stream short).
+//!
+//! At the response's end (its last body chunk, its trailers, or headers
+//! that end it), or at the stream's end if the response never completed,
+//! the difference `R − E` is **settled** to every limit the request was
+//! charged against, and its guard (`crate::engine::settle`: one key-table
+//! update per key, nothing when `R = E`): given back, or charged without
+//! admission, past a limit's capacity by at most its `max_debt` `D` (the
+//! key is then **in debt**: its requests are refused, with the `Retry-After`
+//! of the debt's repayment; what does not fit `D` is **written off** and
+//! counted).
+//!
+//! # THE BOUND
+//! For a token bucket of rate `r`, burst `B` and debt allowance `D`, count
+//! each request's real cost as used when it was admitted. The real cost of
+//! the requests admitted in any interval of length `d` is at most
+//!
+//! `B + D + r·d + Σ_unsettled (C − E_i) + Σ_returned (E_j − R_j) + W`
+//!
+//! where *unsettled* are those of the interval's requests still in flight
+//! at its end (at most the requests in flight at once, each `C − E` over
+//! its reservation: **in-flight requests × (ceiling − estimate)**),
+//! *returned* are requests admitted before the interval whose settlements
+//! gave reservation back during it (0 when real costs are never below
+//! estimates, e.g. the adversary whose costs are always at the ceiling),
+//! and `W` the units written off in the interval (0 while the debt never
+//! reaches `D`; `tenantgate.cost.written_off_units`). From the key's first
+//! request on, nothing is returned from before: the total real cost is at
+//! most `B + D + r·t + in-flight × (C − E) + W`.
+//!
+//! Why: every unit charged, estimate or settled difference, moves the key's
+//! TAT by `T = 1/r` and every unit given back moves it back; the TAT stays
+//! within `[now, now + τ + D·T]` (`τ = B·T`, `crate::limiter::token_bucket`,
+//! "Debt") and forgetting idle time only lowers it. So the units charged in
+//! the interval, estimates of its requests plus the differences settled in
+//! it less the written-off ones, are at most `B + D + r·d`. The real cost of
+//! its requests is that, less what requests from before settled in it
+//! (their refunds, added back), plus what its own requests have not
+//! settled yet (at most `C − E` each).
+//!
+//! A fixed window or a sliding counter charges at most `rate + D` to an
+//! aligned window (a late settlement goes to the window current at the
+//! stream's end; a fixed window's debt ends with its window, a counter's
+//! decays over the next); a sliding log, exact, takes a settlement only up
+//! to its rate and writes the rest off. Another class of the same action
+//! served from worker leases adds its own `r·τ` (one tick).
+//!
+//! Tested natively in `src/pipeline/settle_tests.rs` (the pipeline over two
+//! workers on one store, seeded random schedules of estimates, real costs
+//! and stream ends, the bound checked over every interval) and in a real
+//! Envoy (`integration-tests/tests/settle.rs`).
+
+pub mod json;
+pub mod sse;
+
+use json::{Found, Scanner};
+use sse::Events;
+
+use crate::host::Host;
+use crate::policy::settle::{Field, Settle, Source, WEIGHT_SCALE};
+use crate::policy::spec::OnMissing;
+
+/// Why a stream's response gave no usable figure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unusable {
+    /// The stream ended before the figure (reset, client gone, no response).
+    Reset,
+    /// The response ended without it.
+    Missing,
+    /// It was there but not a non-negative integer, or the body was not
+    /// well-formed JSON.
+    Malformed,
+    /// The body was longer than `max_body_bytes` before it ended.
+    TooLarge,
+}
+
+impl Unusable {
+    pub const ALL: [Unusable; 4] = [
+        Unusable::Reset,
+        Unusable::Missing,
+        Unusable::Malformed,
+        Unusable::TooLarge,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Unusable::Reset => "reset",
+            Unusable::Missing => "missing",
+            Unusable::Malformed => "malformed",
+            Unusable::TooLarge => "too_large",
+        }
+    }
+}
+
+/// What a response said of its request's cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Figure {
+    /// The upstream's figure (weighted and summed, before the ceiling).
+    Cost(u64),
+    Unusable(Unusable),
+}
+
+/// What the meter is reading.
+#[derive(Debug, Clone)]
+enum Reading {
+    /// The response's headers have not come yet.
+    Headers,
+    /// Waiting for the trailer.
+    Trailer,
+    Json(Box<Scanner>),
+    Events(Box<Events>),
+    /// Decided.
+    Done(Figure),
+}
+
+/// Reads one stream's response for its real cost (see the module header):
+/// as it passes, in bounded memory, never delaying it.
+#[derive(Debug, Clone)]
+pub struct Meter {
+    reading: Reading,
+    /// Body bytes read so far.
+    read: u64,
+}
+
+impl Default for Meter {
+    fn default() -> Meter {
+        Meter {
+            reading: Reading::Headers,
+            read: 0,
+        }
+    }
+}
+
+/// A figure of a header or trailer value: a non-negative integer.
+fn figure_of(raw: Option<Vec<u8>>) -> Figure {
+    let Some(raw) = raw else {
+        return Figure::Unusable(Unusable::Missing);
+    };
+    let value = std::str::from_utf8(&raw)
+        .ok()
+        .map(str::trim)
+        .filter(|t| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|t| t.parse::<u64>().ok());
+    match value {
+        Some(v) => Figure::Cost(v),
+        None => Figure::Unusable(Unusable::Malformed),
+    }
+}
+
+/// The weighted sum of the fields' values, rounded up (`None` unless every
+/// field has one).
+fn weighted(found: &Found, fields: &[Field]) -> Option<u64> {
+    let mut milli: u128 = 0;
+    for (i, f) in fields.iter().enumerate() {
+        let v = found.values.get(i).copied().flatten()?;
+        milli = milli.saturating_add(u128::from(v) * u128::from(f.weight_milli));
+    }
+    Some(u64::try_from(milli.div_ceil(u128::from(WEIGHT_SCALE))).unwrap_or(u64::MAX))
+}
+
+/// A document's figure.
+fn figure_of_fields(found: Option<Found>, fields: &[Field]) -> Figure {
+    let Some(found) = found else {
+        return Figure::Unusable(Unusable::Malformed);
+    };
+    match weighted(&found, fields) {
+        Some(cost) => Figure::Cost(cost),
+        None if found.malformed => Figure::Unusable(Unusable::Malformed),
+        None => Figure::Unusable(Unusable::Missing),
+    }
+}
+
+impl Meter {
+    /// The response's headers (`end_of_stream`: it has no body).
+    pub fn on_headers<H: Host>(&mut self, settle: &Settle, host: &H, end_of_stream: bool) {
+        if !matches!(self.reading, Reading::Headers) {
+            return;
+        }
+        self.reading = match &settle.source {
+            Source::Header(name) => Reading::Done(figure_of(host.response_header(name))),
+            Source::Trailer(_) if end_of_stream => Reading::Done(Figure::Unusable(Unusable::Missing)),
+            Source::Trailer(_) => Reading::Trailer,
+            Source::Body(_) if end_of_stream => Reading::Done(Figure::Unusable(Unusable::Missing)),
+            Source::Body(_) => {
+                let sse = host.response_header("content-type").is_some_and(|t| {
+                    t.get(..17)
+                        .is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream"))
+                });
+                if sse {
+                    Reading::Events(Box::default())
+                } else {
+                    Reading::Json(Box::default())
+                }
+            }
+        };
+    }
+
+    /// A chunk of the response's body (`size` bytes, read from the host as
+    /// it passes, while the body is within `max_body_bytes`).
+    pub fn on_body<H: Host>(&mut self, settle: &Settle, host: &H, size: usize, end_of_stream: bool) {
+        if matches!(self.reading, Reading::Trailer) && end_of_stream {
+            // The body ended the response: no trailers come.
+            self.reading = Reading::Done(Figure::Unusable(Unusable::Missing));
+        }
+        if !matches!(self.reading, Reading::Json(_) | Reading::Events(_)) {
+            return;
+        }
+        let size64 = u64::try_from(size).unwrap_or(u64::MAX);
+        self.read = self.read.saturating_add(size64);
+        if self.read > settle.max_body_bytes {
+            self.reading = Reading::Done(Figure::Unusable(Unusable::TooLarge));
+            return;
+        }
+        if size > 0 {
+            let chunk = host.response_body(size).unwrap_or_default();
+            let fields = settle.fields();
+            match &mut self.reading {
+                Reading::Json(s) => s.feed(&chunk, fields),
+                Reading::Events(e) => e.feed(&chunk, fields),
+                _ => {}
+            }
+        }
+        if end_of_stream {
+            self.end_body(settle);
+        }
+    }
+
+    /// The response's trailers: its body has ended.
+    pub fn on_trailers<H: Host>(&mut self, settle: &Settle, host: &H) {
+        match (&self.reading, &settle.source) {
+            (Reading::Trailer, Source::Trailer(name)) => {
+                self.reading = Reading::Done(figure_of(host.response_trailer(name)));
+            }
+            (Reading::Json(_) | Reading::Events(_), _) => self.end_body(settle),
+            _ => {}
+        }
+    }
+
+    fn end_body(&mut self, settle: &Settle) {
+        let fields = settle.fields();
+        let figure = match &mut self.reading {
+            Reading::Json(s) => figure_of_fields(s.finish(fields), fields),
+            Reading::Events(e) => figure_of_fields(Some(e.finish(fields)), fields),
+            _ => return,
+        };
+        self.reading = Reading::Done(figure);
+    }
+
+    /// The figure, once the response has said all it will.
+    pub fn figure(&self) -> Option<Figure> {
+        match self.reading {
+            Reading::Done(f) => Some(f),
+            _ => None,
+        }
+    }
+
+    /// The stream ended: the figure, or [`Unusable::Reset`] if the
+    /// response never completed. (A server-sent-events stream cut short
+    /// keeps what its whole events said: its last usage event may have come.)
+    pub fn end(&mut self, settle: &Settle) -> Figure {
+        if let Reading::Events(e) = &mut self.reading {
+            let found = e.finish(settle.fields());
+            if let Figure::Cost(c) = figure_of_fields(Some(found), settle.fields()) {
+                self.reading = Reading::Done(Figure::Cost(c));
+            }
+        }
+        self.figure().unwrap_or(Figure::Unusable(Unusable::Reset))
+    }
+}
+
+/// A stream's real cost, by the policy's rule: the figure cut to the
+/// ceiling, else `on_missing`. `cut`: the figure was above the ceiling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Real {
+    pub cost: u64,
+    pub cut: bool,
+    pub unusable: Option<Unusable>,
+}
+
+/// The real cost of a stream whose estimate was `estimate`.
+pub fn real_cost(settle: &Settle, figure: Figure, estimate: u64) -> Real {
+    match figure {
+        Figure::Cost(c) => Real {
+            cost: c.min(settle.ceiling),
+            cut: c > settle.ceiling,
+            unusable: None,
+        },
+        Figure::Unusable(why) => Real {
+            cost: match settle.on_missing {
+                OnMissing::Ceiling => settle.ceiling,
+                OnMissing::Estimate => estimate,
+            },
+            cut: false,
+            unusable: Some(why),
+        },
+    }
+}
+
+/// A request's estimate from a request header's or body field's raw value:
+/// its integer cut to `[1, max]`; `None` (use `cost`) if it is not one.
+pub fn estimate_of(raw: &[u8], max: u64) -> Option<u64> {
+    let text = std::str::from_utf8(raw).ok()?.trim();
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    // Digits only: an overflow is just a very large estimate.
+    let v = text.parse::<u64>().unwrap_or(u64::MAX);
+    Some(v.clamp(1, max.max(1)))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,180 @@
+//! The meter over the in-memory host: each source, every way a response
+//! can fail to give a figure, the ceiling and the rule.
+
+use super::*;
+use crate::memory::{MemoryHost, SharedStore};
+use crate::policy::Policy;
+
+fn settle(block: &str) -> Settle {
+    let json = format!(
+        r#"{{"version": "m-1", "identity": {{"header": "x-tenant-id"}},
+            "plans": {{"p": {{"limits": [{{"rate": 100000, "per": "1m"}}]}}}},
+            "default_plan": "p", "anonymous": {{"plan": "p"}},
+            "routes": {{"chat": {{"cost": 100, "settle": {block}}}}}}}"#
+    );
+    let policy = Policy::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+    policy.route_class(Some("chat")).unwrap().settle.clone().unwrap()
+}
+
+fn host() -> MemoryHost {
+    MemoryHost::new(SharedStore::new())
+}
+
+/// A whole response through the meter: headers, body in chunks, trailers.
+fn meter(
+    s: &Settle,
+    headers: &[(&str, &str)],
+    body: &str,
+    chunk: usize,
+    trailers: &[(&str, &str)],
+) -> Figure {
+    let mut h = host();
+    for (k, v) in headers {
+        h = h.response_header(k, *v);
+    }
+    let mut m = Meter::default();
+    m.on_headers(s, &h, body.is_empty() && trailers.is_empty());
+    let parts: Vec<&[u8]> = body.as_bytes().chunks(chunk.max(1)).collect();
+    for (i, part) in parts.iter().enumerate() {
+        h.response_body = part.to_vec();
+        m.on_body(s, &h, part.len(), i + 1 == parts.len() && trailers.is_empty());
+    }
+    if !trailers.is_empty() {
+        h.response_trailers = trailers
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), v.as_bytes().to_vec()))
+            .collect();
+        m.on_trailers(s, &h);
+    }
+    m.end(s)
+}
+
+#[test]
+fn a_json_body_an_event_stream_a_header_and_a_trailer_each_give_the_cost() {
+    let usage = settle(r#"{"usage": "openai_total", "ceiling": 8000}"#);
+    let json = r#"{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":7,"completion_tokens":5,"total_tokens":12}}"#;
+    for chunk in [1, 5, 1000] {
+        assert_eq!(
+            meter(&usage, &[("content-type", "application/json")], json, chunk, &[]),
+            Figure::Cost(12)
+        );
+    }
+    let sse = "data: {\"usage\":null}\n\ndata: {\"usage\":{\"total_tokens\":33}}\n\ndata: [DONE]\n\n";
+    let ct = [("content-type", "text/event-stream; charset=utf-8")];
+    assert_eq!(meter(&usage, &ct, sse, 4, &[]), Figure::Cost(33));
+    let header = settle(r#"{"header": "x-usage-tokens", "ceiling": 8000}"#);
+    assert_eq!(
+        meter(&header, &[("x-usage-tokens", " 250 ")], "", 1, &[]),
+        Figure::Cost(250)
+    );
+    let trailer = settle(r#"{"trailer": "x-usage-tokens", "ceiling": 8000}"#);
+    assert_eq!(
+        meter(&trailer, &[], "body", 2, &[("x-usage-tokens", "77")]),
+        Figure::Cost(77)
+    );
+}
+
+#[test]
+fn weighted_fields_sum_and_round_up() {
+    let s = settle(
+        r#"{"ceiling": 100000, "fields": [{"pointer": "/usage/prompt_tokens", "weight": 0.25},
+                                         {"pointer": "/usage/completion_tokens", "weight": 3}]}"#,
+    );
+    let body = r#"{"usage":{"prompt_tokens":10,"completion_tokens":7}}"#;
+    // 10 × 0.25 + 7 × 3 = 23.5 → 24.
+    assert_eq!(meter(&s, &[], body, 3, &[]), Figure::Cost(24));
+    let anthropic = settle(r#"{"usage": "anthropic", "ceiling": 8000}"#);
+    let body = r#"{"type":"message","content":[],"usage":{"input_tokens":20,"output_tokens":9}}"#;
+    assert_eq!(meter(&anthropic, &[], body, 7, &[]), Figure::Cost(29));
+}
+
+#[test]
+fn every_way_to_miss_the_figure_is_named() {
+    let s = settle(r#"{"usage": "openai_total", "ceiling": 8000, "max_body_bytes": 64}"#);
+    let un = |f: Figure| match f {
+        Figure::Unusable(why) => why,
+        Figure::Cost(c) => panic!("a cost of {c}"),
+    };
+    assert_eq!(un(meter(&s, &[], r#"{"usage":{}}"#, 3, &[])), Unusable::Missing);
+    assert_eq!(
+        un(meter(&s, &[], r#"{"usage":{"total_tokens":"12"}}"#, 3, &[])),
+        Unusable::Malformed
+    );
+    assert_eq!(
+        un(meter(&s, &[], r#"{"usage":{"total_tokens":12}"#, 3, &[])),
+        Unusable::Malformed
+    );
+    assert_eq!(
+        un(meter(
+            &s,
+            &[],
+            &format!("{{\"pad\":\"{}\"}}", "x".repeat(80)),
+            16,
+            &[]
+        )),
+        Unusable::TooLarge
+    );
+    assert_eq!(un(meter(&s, &[], "", 1, &[])), Unusable::Missing);
+    // Reset: the body never ended.
+    let mut m = Meter::default();
+    let mut h = host();
+    m.on_headers(&s, &h, false);
+    h.response_body = br#"{"usage":{"total_tok"#.to_vec();
+    m.on_body(&s, &h, h.response_body.len(), false);
+    assert_eq!(m.figure(), None);
+    assert_eq!(m.end(&s), Figure::Unusable(Unusable::Reset));
+    // No response at all.
+    assert_eq!(Meter::default().end(&s), Figure::Unusable(Unusable::Reset));
+    // An event stream cut after its usage event keeps it.
+    let mut m = Meter::default();
+    let h = host().response_header("content-type", "text/event-stream");
+    m.on_headers(&s, &h, false);
+    let mut h = h;
+    h.response_body = b"data: {\"usage\":{\"total_tokens\":5}}\n\ndata: {\"choi".to_vec();
+    m.on_body(&s, &h, h.response_body.len(), false);
+    assert_eq!(m.end(&s), Figure::Cost(5));
+    // A header that is not a number.
+    let header = settle(r#"{"header": "x-usage-tokens", "ceiling": 8000}"#);
+    assert_eq!(
+        un(meter(&header, &[("x-usage-tokens", "-3")], "", 1, &[])),
+        Unusable::Malformed
+    );
+    assert_eq!(un(meter(&header, &[], "", 1, &[])), Unusable::Missing);
+    let trailer = settle(r#"{"trailer": "x-usage-tokens", "ceiling": 8000}"#);
+    assert_eq!(un(meter(&trailer, &[], "body", 4, &[])), Unusable::Missing);
+}
+
+#[test]
+fn the_rule_cuts_at_the_ceiling_and_settles_an_unusable_stream() {
+    let ceiling = settle(r#"{"usage": "openai_total", "ceiling": 8000}"#);
+    assert_eq!(
+        real_cost(&ceiling, Figure::Cost(9000), 100),
+        Real {
+            cost: 8000,
+            cut: true,
+            unusable: None
+        }
+    );
+    assert_eq!(real_cost(&ceiling, Figure::Cost(40), 100).cost, 40);
+    let reset = Figure::Unusable(Unusable::Reset);
+    assert_eq!(real_cost(&ceiling, reset, 100).cost, 8000);
+    let estimate = settle(r#"{"usage": "openai_total", "ceiling": 8000, "on_missing": "estimate"}"#);
+    assert_eq!(
+        real_cost(&estimate, reset, 100),
+        Real {
+            cost: 100,
+            cut: false,
+            unusable: Some(Unusable::Reset)
+        }
+    );
+}
+
+#[test]
+fn an_estimate_is_an_integer_cut_to_its_bounds() {
+    assert_eq!(estimate_of(b"500", 8000), Some(500));
+    assert_eq!(estimate_of(b" 0 ", 8000), Some(1));
+    assert_eq!(estimate_of(b"99999999999999999999999", 8000), Some(8000));
+    for bad in [&b""[..], b"-5", b"1.5", b"12abc", b"\xff"] {
+        assert_eq!(estimate_of(bad, 8000), None);
+    }
+}

@@ -1,0 +1,397 @@
+//! A class whose cost settles after the response, in the pipeline (the
+//! rule and THE BOUND: [`crate::cost`]), and soft limits' markers.
+//!
+//! * **On the request headers**: its estimate (`cost`, or a trusted
+//!   header's integer) becomes the request's charge ([`Prepared::cost`]),
+//!   charged on the exact path (never a worker lease); admitted, the stream
+//!   keeps a `Settling`: what it was charged, when, and its [`Meter`].
+//! * **On the request body** (`estimate_body_field`): the field's integer,
+//!   read as the body passes, re-estimates it: the difference is given back,
+//!   or charged with admission (refused 429 if it does not fit: its
+//!   estimate from the headers is given back too).
+//! * **On the response** (headers, each body chunk, trailers): the meter
+//!   reads the figure; once the response has ended, the difference to the
+//!   estimate is settled ([`crate::engine::settle`]), counted, and its
+//!   record (`tenantgate_cost`) handed to the host for the access log.
+//! * **At the stream's end**, if the response never completed: settled by
+//!   the rule ([`crate::cost::Unusable::Reset`]).
+//!
+//! A request over a soft limit carries the policy's `soft_limit_header`
+//! (its limit's name) to routing ([`RouteMark`]) and to its response;
+//! every other request of a policy with soft limits has a client's own
+//! copy removed, so only the filter picks the fallback route.
+
+use std::rc::Rc;
+
+use super::stream::Stream;
+use super::{Directive, Pipeline, RouteMark, Verdict};
+use crate::cost::{self, json::Scanner, Figure, Meter};
+use crate::decision::{Decision, Reason};
+use crate::engine::{self, Charged, Difference, Prepared};
+use crate::host::Host;
+use crate::policy::settle::{Estimate, Field, Settle};
+use crate::policy::Policy;
+use crate::response;
+use crate::stats::CostStat;
+
+/// The filter state a settled stream's cost record is kept under
+/// (`wasm.` + this in Envoy's access log).
+pub const COST_PROPERTY: &str = "tenantgate_cost";
+
+/// Most request body bytes read for `estimate_body_field`.
+pub const MAX_ESTIMATE_BODY_BYTES: u64 = 64 * 1024;
+
+/// What a stream of a settling class keeps until it is settled.
+#[derive(Debug)]
+pub(super) struct Settling {
+    policy: Rc<Policy>,
+    /// Its key, and its charge (`cost`: the estimate).
+    prepared: Prepared,
+    charged: Charged,
+    meter: Meter,
+    /// Reading the request body for `estimate_body_field`.
+    body_estimate: Option<Box<BodyEstimate>>,
+}
+
+/// The request body's scan for its estimate field.
+#[derive(Debug)]
+struct BodyEstimate {
+    field: [Field; 1],
+    scanner: Scanner,
+    read: u64,
+}
+
+impl Settling {
+    fn settle_rule(&self) -> Option<&Settle> {
+        self.prepared.class.settle.as_ref()
+    }
+
+    /// It still reads its estimate from the request body.
+    pub(super) fn estimates_from_body(&self) -> bool {
+        self.body_estimate.is_some()
+    }
+}
+
+/// The largest estimate a request may be charged: the ceiling, and no more
+/// than any of its limits can ever admit (its plan's and guard's bursts).
+fn max_estimate(policy: &Policy, prepared: &Prepared, settle: &Settle) -> u64 {
+    let plan = policy
+        .plan(prepared.plan)
+        .map(|p| p.limits.as_slice())
+        .unwrap_or_default();
+    let guard = prepared
+        .class
+        .guard
+        .and_then(|g| policy.guard(g))
+        .map(|g| g.limits.as_slice())
+        .unwrap_or_default();
+    plan.iter()
+        .chain(guard)
+        .map(|l| l.burst)
+        .fold(settle.ceiling, u64::min)
+        .max(1)
+}
+
+impl Pipeline {
+    /// A settling class's request: its estimate from a trusted header, if
+    /// the policy names one (else `cost`, as prepared).
+    pub(super) fn estimate<H: Host>(host: &H, policy: &Policy, prepared: &mut Prepared) {
+        let Some(settle) = prepared.class.settle.as_ref() else {
+            return;
+        };
+        if let Estimate::Header(name) = &settle.estimate {
+            let max = max_estimate(policy, prepared, settle);
+            if let Some(e) = host
+                .request_header(name)
+                .and_then(|raw| cost::estimate_of(&raw, max))
+            {
+                prepared.cost = e;
+            }
+        }
+    }
+
+    /// An admitted request of a settling class: what it was charged, to be
+    /// settled at its end; a soft-limited one: its marker for the response.
+    pub(super) fn start_settling(
+        &mut self,
+        policy: &Rc<Policy>,
+        prepared: &Prepared,
+        decision: &Decision,
+        now: u64,
+        state: &mut Stream,
+    ) {
+        if decision.reason == Reason::SoftLimited {
+            if let Some(limit) = &decision.limit {
+                state.soft = Some((policy.soft_limit_header.clone(), limit.name().to_owned()));
+            }
+        }
+        let Some(settle) = prepared.class.settle.as_ref() else {
+            return;
+        };
+        if decision.deny_status().is_some() || (decision.charged == 0 && !decision.guard_charged) {
+            return;
+        }
+        self.pending
+            .cost(&prepared.class.name, CostStat::EstimatedUnits, prepared.cost);
+        let body_estimate = match &settle.estimate {
+            Estimate::BodyField(name) => Some(Box::new(BodyEstimate {
+                field: [Field {
+                    name: name.clone(),
+                    pointers: vec![vec![name.clone()]],
+                    weight_milli: crate::policy::settle::WEIGHT_SCALE,
+                }],
+                scanner: Scanner::default(),
+                read: 0,
+            })),
+            _ => None,
+        };
+        state.settling = Some(Box::new(Settling {
+            policy: policy.clone(),
+            prepared: prepared.clone(),
+            charged: Charged {
+                limits: decision.charged,
+                guard: decision.guard_charged,
+                at: now,
+            },
+            meter: Meter::default(),
+            body_estimate,
+        }));
+    }
+
+    /// A chunk of the request body of a settling class with
+    /// `estimate_body_field`: once the field has come, the estimate is
+    /// replaced by it (see the module header). `Some`: the request is
+    /// refused.
+    pub(super) fn estimate_from_body<H: Host>(
+        &mut self,
+        host: &H,
+        s: &mut Settling,
+        bytes: usize,
+        now: u64,
+    ) -> Option<Decision> {
+        let b = s.body_estimate.as_mut()?;
+        b.read = b.read.saturating_add(u64::try_from(bytes).unwrap_or(u64::MAX));
+        if b.read > MAX_ESTIMATE_BODY_BYTES {
+            s.body_estimate = None;
+            return None;
+        }
+        let chunk = host.request_body(bytes).unwrap_or_default();
+        b.scanner.feed(&chunk, &b.field);
+        let value = b.scanner.found().values[0]?;
+        s.body_estimate = None;
+        let settle = s.settle_rule()?;
+        let e = value.clamp(1, max_estimate(&s.policy, &s.prepared, settle));
+        let before = s.prepared.cost;
+        if e < before {
+            let a = engine::settle(
+                &s.policy,
+                &s.prepared,
+                host,
+                &s.charged,
+                Difference::Less(before - e),
+                now,
+                &mut self.scratch,
+            );
+            if a.written {
+                s.prepared.cost = e;
+            }
+            return None;
+        }
+        if e == before {
+            return None;
+        }
+        let mut more = s.prepared.clone();
+        more.cost = e - before;
+        let view = self.view(&s.policy);
+        let d = engine::charge_synced(&s.policy, &more, host, now, view.as_ref(), &mut self.scratch);
+        let same = d.charged == s.charged.limits && d.guard_charged == s.charged.guard;
+        if d.deny_status().is_none() && same {
+            s.prepared.cost = e;
+            self.pending
+                .cost(&s.prepared.class.name, CostStat::EstimatedUnits, e - before);
+            return None;
+        }
+        // Charged other limits than the headers' (a soft limit passed in
+        // between): the extra is given back and the estimate stays.
+        let extra = Charged {
+            limits: d.charged,
+            guard: d.guard_charged,
+            at: now,
+        };
+        engine::settle(
+            &s.policy,
+            &more,
+            host,
+            &extra,
+            Difference::Less(more.cost),
+            now,
+            &mut self.scratch,
+        );
+        d.deny_status()?;
+        // Refused: the headers' estimate goes back too; nothing to settle.
+        engine::settle(
+            &s.policy,
+            &s.prepared,
+            host,
+            &s.charged,
+            Difference::Less(before),
+            now,
+            &mut self.scratch,
+        );
+        s.charged.limits = 0;
+        s.charged.guard = false;
+        Some(d)
+    }
+
+    /// The request body of a stream that may re-estimate from it.
+    pub(super) fn settling_body<H: Host>(
+        &mut self,
+        host: &H,
+        policy: &Policy,
+        stream: super::StreamId,
+        bytes: usize,
+        now: u64,
+    ) -> Option<Directive> {
+        let mut s = self.streams.get_mut(&stream)?.settling.take()?;
+        let refused = self.estimate_from_body(host, &mut s, bytes, now);
+        let Some(decision) = refused else {
+            if let Some(state) = self.streams.get_mut(&stream) {
+                state.settling = Some(s);
+            }
+            return None;
+        };
+        self.pending.decision(&decision);
+        let raw = host.request_header("x-request-id");
+        let reply = response::local_reply(
+            &decision,
+            &policy.version,
+            policy.ratelimit_headers,
+            response::request_id(raw.as_deref()),
+        )?;
+        Some(Directive {
+            verdict: Verdict::Reply(reply),
+            record: None,
+            mark: None,
+        })
+    }
+
+    /// The response's headers, a body chunk or its trailers went by the
+    /// stream's meter (`part`); settled once the response has ended.
+    /// Returns the cost record for the host to keep.
+    pub(super) fn meter<H: Host>(
+        &mut self,
+        host: &H,
+        stream: super::StreamId,
+        now: impl FnOnce() -> u64,
+        part: impl FnOnce(&mut Meter, &Settle),
+    ) -> Option<String> {
+        let state = self.streams.get_mut(&stream)?;
+        let s = state.settling.as_mut()?;
+        let class = s.prepared.class.clone();
+        part(&mut s.meter, class.settle.as_ref()?);
+        let figure = s.meter.figure()?;
+        let s = state.settling.take()?;
+        Some(self.settle(host, *s, figure, now()))
+    }
+
+    /// Settles a stream that ended before its response did; returns its
+    /// cost record.
+    pub(super) fn settle_at_end<H: Host>(
+        &mut self,
+        host: &H,
+        state: &mut Stream,
+        now: u64,
+    ) -> Option<String> {
+        let mut s = state.settling.take()?;
+        let class = s.prepared.class.clone();
+        let figure = s.meter.end(class.settle.as_ref()?);
+        Some(self.settle(host, *s, figure, now))
+    }
+
+    /// Settles a stream's real cost against its estimate (see the module
+    /// header) and counts it; returns its cost record.
+    fn settle<H: Host>(&mut self, host: &H, s: Settling, figure: Figure, now: u64) -> String {
+        let class = s.prepared.class.name.as_str();
+        let estimate = s.prepared.cost;
+        let Some(rule) = s.settle_rule() else {
+            return String::new();
+        };
+        let real = cost::real_cost(rule, figure, estimate);
+        let difference = if real.cost >= estimate {
+            Difference::More(real.cost - estimate)
+        } else {
+            Difference::Less(estimate - real.cost)
+        };
+        let charged = s.charged.limits != 0 || s.charged.guard;
+        let adjusted = if charged {
+            engine::settle(
+                &s.policy,
+                &s.prepared,
+                host,
+                &s.charged,
+                difference,
+                now,
+                &mut self.scratch,
+            )
+        } else {
+            engine::Adjusted::default()
+        };
+        let p = &mut self.pending;
+        p.cost(class, CostStat::Settles, 1);
+        p.cost(class, CostStat::SettledUnits, real.cost);
+        match difference {
+            Difference::More(n) => p.cost(class, CostStat::OverUnits, n),
+            Difference::Less(n) => p.cost(class, CostStat::UnderUnits, n),
+        }
+        let ratio = u128::from(real.cost) * 100 / u128::from(estimate.max(1));
+        p.cost(
+            class,
+            CostStat::RatioPct,
+            u64::try_from(ratio).unwrap_or(u64::MAX),
+        );
+        if real.cut {
+            p.cost(class, CostStat::Cut, 1);
+        }
+        if let Some(why) = real.unusable {
+            p.cost(class, CostStat::Unusable(why), 1);
+        }
+        if adjusted.written_off > 0 {
+            p.cost(class, CostStat::WrittenOffUnits, adjusted.written_off);
+        }
+        if adjusted.owed > 0 {
+            p.cost(class, CostStat::InDebt, 1);
+        }
+        let figure = match figure {
+            Figure::Cost(c) => c.to_string(),
+            Figure::Unusable(why) => format!("unusable:{}", why.as_str()),
+        };
+        format!(
+            "class={class} key={} estimate={estimate} figure={figure} cost={} written_off={} owed={}",
+            crate::decision::logical_key(&s.prepared.class.action, &s.prepared.subject),
+            real.cost,
+            adjusted.written_off,
+            adjusted.owed
+        )
+    }
+
+    /// The routing marker of a request of a policy with soft limits: the
+    /// soft limit's name on a soft-limited request, else the removal of a
+    /// client's own copy (`client_copy`: it sent one).
+    pub(super) fn route_mark(
+        policy: &Policy,
+        directive: &mut Directive,
+        state_soft: Option<&str>,
+        client_copy: bool,
+    ) {
+        if !policy.has_soft_limits || matches!(directive.verdict, Verdict::Reply(_)) {
+            return;
+        }
+        let value = state_soft.map(str::to_owned);
+        if value.is_some() || client_copy {
+            directive.mark = Some(RouteMark {
+                header: policy.soft_limit_header.clone(),
+                value,
+            });
+        }
+    }
+}

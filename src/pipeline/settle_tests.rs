@@ -1,0 +1,589 @@
+//! Costs settled after the response and soft limits, through the pipeline
+//! over the in-memory host: two workers over one store, explicit time,
+//! every event a host delivers; and THE BOUND of `crate::cost` under
+//! seeded random schedules.
+
+use std::cell::RefCell;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::rc::Rc;
+
+use super::*;
+use crate::limiter::NANOS_PER_SEC;
+use crate::memory::{MemoryHost, MemoryStats, SharedStore};
+
+const S: u64 = NANOS_PER_SEC;
+const MS: u64 = 1_000_000;
+const T0: u64 = 1_796_000_000 * S;
+
+/// `tokens`: 10,000 a minute, burst 10,000 (debt up to 10,000, the default);
+/// `chat`: estimate 100 (or `x-estimate`), ceiling 1,000, OpenAI usage;
+/// `tiered`: three `plain` requests a minute on its primary (soft), five in
+/// all (hard); `fast` (tenant `load`, the random schedules): 10,000 a
+/// second, burst 10,000, debt up to 10,000.
+const POLICY: &str = r#"{
+    "version": "settle-pipe-1",
+    "identity": {"header": "x-tenant-id"},
+    "plans": {"tokens": {"limits": [{"rate": 10000, "per": "1m"}]},
+              "fast": {"limits": [{"rate": 600000, "per": "1m", "burst": 10000}]},
+              "tiered": {"limits": [{"name": "primary", "rate": 300, "per": "1m", "on_limit": "soft"},
+                                    {"name": "hard", "rate": 500, "per": "1m"}]}},
+    "tenants": [{"id": "tiered", "plan": "tiered"}, {"id": "load", "plan": "fast"}],
+    "default_plan": "tokens",
+    "anonymous": {"plan": "tokens"},
+    "routes": {
+        "chat": {"cost": 100, "settle": {"usage": "openai_total", "ceiling": 1000,
+                                         "estimate_header": "x-estimate"}},
+        "stream": {"action": "chat", "cost": 100, "settle": {"usage": "openai_total", "ceiling": 1000,
+                                                              "on_missing": "estimate"}},
+        "metered": {"action": "chat", "cost": 10, "settle": {"header": "x-usage", "ceiling": 1000}},
+        "bodyest": {"action": "chat", "cost": 100, "settle": {"usage": "openai_total", "ceiling": 1000,
+                                                               "estimate_body_field": "max_tokens"}},
+        "plain": {"cost": 100}
+    }
+}"#;
+
+struct Node {
+    store: Rc<RefCell<SharedStore>>,
+    stats: MemoryStats,
+}
+
+struct Worker {
+    pipeline: Pipeline,
+    policy: Rc<Policy>,
+}
+
+impl Node {
+    fn new() -> Node {
+        Node {
+            store: SharedStore::new(),
+            stats: MemoryStats::default(),
+        }
+    }
+
+    fn worker(&self, now: u64) -> Worker {
+        let mut pipeline = Pipeline::default();
+        let host = MemoryHost::new(self.store.clone());
+        let policy = pipeline
+            .configure(&host, &now, &mut self.stats.clone(), POLICY.as_bytes())
+            .unwrap_or_else(|e| panic!("{e}"));
+        Worker { pipeline, policy }
+    }
+
+    fn request(&self, class: &str, tenant: &str) -> MemoryHost {
+        MemoryHost::new(self.store.clone())
+            .route_class(class)
+            .header("x-tenant-id", tenant)
+    }
+
+    fn stat(&self, name: &str) -> i64 {
+        self.stats.value(name)
+    }
+}
+
+/// How a response ends.
+#[derive(Debug, Clone, Copy)]
+enum Answer {
+    /// A JSON body with `usage.total_tokens` = this.
+    Usage(u64),
+    /// A JSON body without usage.
+    NoUsage,
+    /// The stream is reset after half its body.
+    Reset,
+}
+
+impl Worker {
+    fn headers(&mut self, host: &MemoryHost, stream: StreamId, now: u64) -> Directive {
+        let policy = self.policy.clone();
+        self.pipeline.on_request_headers(host, &now, &policy, stream)
+    }
+
+    /// The upstream's whole answer, in 7-byte chunks, then the stream's
+    /// end; returns the cost record.
+    fn respond(&mut self, node: &Node, stream: StreamId, answer: Answer, now: u64) -> Option<String> {
+        let body = match answer {
+            Answer::Usage(n) => {
+                format!(r#"{{"choices":[],"usage":{{"prompt_tokens":1,"total_tokens":{n}}}}}"#)
+            }
+            Answer::NoUsage | Answer::Reset => r#"{"choices":[{"message":{"content":"hi"}}]}"#.to_owned(),
+        };
+        let mut host =
+            MemoryHost::new(node.store.clone()).response_header("content-type", "application/json");
+        let mut record = None;
+        let r = self.pipeline.on_response_headers(&host, &now, stream, false);
+        record = record.or(r.cost_record);
+        let bytes = body.as_bytes();
+        let cut = match answer {
+            Answer::Reset => bytes.len() / 2,
+            _ => bytes.len(),
+        };
+        let chunks: Vec<&[u8]> = bytes[..cut].chunks(7).collect();
+        for (i, c) in chunks.iter().enumerate() {
+            host.response_body = c.to_vec();
+            let eos = i + 1 == chunks.len() && !matches!(answer, Answer::Reset);
+            record = record.or(self.pipeline.on_response_body(&host, &now, stream, c.len(), eos));
+        }
+        record.or(self.pipeline.on_stream_end(&host, &now, stream))
+    }
+}
+
+/// A field of a cost record.
+fn field(record: &str, name: &str) -> u64 {
+    record
+        .split(' ')
+        .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name} in {record}"))
+}
+
+fn admitted(d: &Directive) -> bool {
+    d.verdict == Verdict::Continue
+}
+
+#[test]
+fn a_json_answer_settles_its_real_cost_both_ways_and_counts_it() {
+    let node = Node::new();
+    let mut w = node.worker(T0);
+    let h = node.request("chat", "acme");
+    assert!(admitted(&w.headers(&h, 1, T0)));
+    let record = w.respond(&node, 1, Answer::Usage(40), T0 + S).unwrap();
+    assert_eq!(
+        record,
+        "class=chat key=chat|t|acme estimate=100 figure=40 cost=40 written_off=0 owed=0"
+    );
+    assert!(admitted(&w.headers(&h, 2, T0 + S)));
+    let record = w.respond(&node, 2, Answer::Usage(5000), T0 + 2 * S).unwrap();
+    assert_eq!((field(&record, "figure"), field(&record, "cost")), (5000, 1000));
+    w.pipeline.on_tick(
+        &MemoryHost::new(node.store.clone()),
+        &(T0 + 2 * S),
+        &mut node.stats.clone(),
+        None,
+    );
+    assert_eq!(node.stat("tenantgate.cost.settles.chat"), 2);
+    assert_eq!(node.stat("tenantgate.cost.estimated_units.chat"), 200);
+    assert_eq!(node.stat("tenantgate.cost.settled_units.chat"), 1040);
+    assert_eq!(node.stat("tenantgate.cost.under_units.chat"), 60);
+    assert_eq!(node.stat("tenantgate.cost.over_units.chat"), 900);
+    assert_eq!(node.stat("tenantgate.cost.cut_to_ceiling.chat"), 1);
+    // The key holds 10,000 − 1,040 (the refill of two seconds aside).
+    let peeked = crate::engine::peek(
+        &w.policy,
+        &crate::engine::KeyOf {
+            action: "chat",
+            subject: &crate::decision::Subject::Tenant("acme".into()),
+            plan: w.policy.plan_of_tenant("acme"),
+        },
+        &MemoryHost::new(node.store.clone()),
+        T0 + 2 * S,
+        None,
+        &mut crate::engine::Scratch::default(),
+    )
+    .unwrap();
+    // Full again when the second one ended (the first gave back 60 of a
+    // bucket that refilled anyway), less the 900 its answer added.
+    assert_eq!(peeked[0].remaining, 10_000 - 900);
+}
+
+#[test]
+fn an_answer_without_a_usable_figure_settles_by_the_rule() {
+    let node = Node::new();
+    let mut w = node.worker(T0);
+    let h = node.request("chat", "acme");
+    let mut costs = Vec::new();
+    for (i, a) in [Answer::NoUsage, Answer::Reset].into_iter().enumerate() {
+        let stream = i as u32 + 1;
+        assert!(admitted(&w.headers(&h, stream, T0)));
+        let r = w.respond(&node, stream, a, T0 + S).unwrap_or_default();
+        costs.push(r);
+    }
+    // `chat`: on_missing ceiling; a reset stream is settled at its end.
+    assert_eq!(field(&costs[0], "cost"), 1000);
+    assert!(costs[0].contains("figure=unusable:missing"));
+    assert_eq!(field(&costs[1], "cost"), 1000);
+    assert!(costs[1].contains("figure=unusable:reset"));
+    // `stream`: on_missing estimate, nothing more is charged.
+    let s = node.request("stream", "bob");
+    assert!(admitted(&w.headers(&s, 9, T0)));
+    let r = w.respond(&node, 9, Answer::Reset, T0 + S).unwrap();
+    assert_eq!(field(&r, "cost"), 100);
+    w.pipeline.on_tick(
+        &MemoryHost::new(node.store.clone()),
+        &(T0 + S),
+        &mut node.stats.clone(),
+        None,
+    );
+    assert_eq!(node.stat("tenantgate.cost.unusable_missing.chat"), 1);
+    assert_eq!(node.stat("tenantgate.cost.unusable_reset.chat"), 1);
+    assert_eq!(node.stat("tenantgate.cost.settled_units.chat"), 2000);
+    assert_eq!(node.stat("tenantgate.cost.unusable_reset.stream"), 1);
+    assert_eq!(node.stat("tenantgate.cost.settled_units.stream"), 100);
+    assert_eq!(node.stat("tenantgate.cost.over_units.stream"), 0);
+}
+
+#[test]
+fn the_estimate_comes_from_a_trusted_header_cut_to_the_ceiling() {
+    let node = Node::new();
+    let mut w = node.worker(T0);
+    let h = node.request("chat", "acme").header("x-estimate", "400");
+    assert!(admitted(&w.headers(&h, 1, T0)));
+    let r = w.respond(&node, 1, Answer::Usage(400), T0 + S).unwrap();
+    assert_eq!((field(&r, "estimate"), field(&r, "cost")), (400, 400));
+    let h = node.request("chat", "acme").header("x-estimate", "999999");
+    assert!(admitted(&w.headers(&h, 2, T0)));
+    assert_eq!(
+        field(
+            &w.respond(&node, 2, Answer::Usage(1), T0 + S).unwrap(),
+            "estimate"
+        ),
+        1000
+    );
+    let h = node.request("chat", "acme").header("x-estimate", "lots");
+    assert!(admitted(&w.headers(&h, 3, T0)));
+    assert_eq!(
+        field(
+            &w.respond(&node, 3, Answer::Usage(1), T0 + S).unwrap(),
+            "estimate"
+        ),
+        100
+    );
+}
+
+#[test]
+fn a_cost_in_a_response_header_settles_and_nothing_the_client_sends_changes_it() {
+    let node = Node::new();
+    let mut w = node.worker(T0);
+    // The client sends the header the upstream's answer carries, and a body
+    // with a usage block: neither is read.
+    let mut h = node.request("metered", "acme").header("x-usage", "1");
+    h.request_body = br#"{"usage":{"total_tokens":1}}"#.to_vec();
+    assert!(admitted(&w.headers(&h, 1, T0)));
+    let _ = w
+        .pipeline
+        .on_request_body(&h, &T0, &w.policy.clone(), 1, h.request_body.len());
+    let answer = MemoryHost::new(node.store.clone()).response_header("x-usage", "750");
+    let r = w.pipeline.on_response_headers(&answer, &T0, 1, true);
+    let record = r.cost_record.unwrap();
+    assert_eq!((field(&record, "estimate"), field(&record, "cost")), (10, 750));
+}
+
+#[test]
+fn a_key_in_debt_is_refused_with_the_wait_of_its_repayment_and_admitted_then() {
+    let node = Node::new();
+    let mut w = node.worker(T0);
+    let h = node.request("chat", "acme");
+    // 100 requests of estimate 100 use the whole burst of 10,000 ...
+    for s in 0..100 {
+        assert!(admitted(&w.headers(&h, s, T0)), "{s}");
+    }
+    assert!(!admitted(&w.headers(&h, 1000, T0)));
+    // ... and each really cost 250: 15,000 more, 10,000 owed (the debt
+    // allowance), 5,000 written off.
+    let mut written_off = 0;
+    for s in 0..100 {
+        let r = w.respond(&node, s, Answer::Usage(250), T0).unwrap();
+        written_off += field(&r, "written_off");
+    }
+    assert_eq!(written_off, 5000);
+    // 10,000 owed and 100 for the next: 10,100 units at 6 ms each: 60.6 s.
+    let d = w.headers(&h, 1001, T0);
+    let retry: u64 = match &d.verdict {
+        Verdict::Reply(r) => r.header("retry-after").unwrap().parse().unwrap(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(retry, 61);
+    assert!(!admitted(&w.headers(&h, 1002, T0 + 60_600 * MS - 1)));
+    assert!(admitted(&w.headers(&h, 1003, T0 + 60_600 * MS)));
+}
+
+#[test]
+fn the_estimate_from_the_request_body_is_charged_as_the_body_passes() {
+    let node = Node::new();
+    let mut w = node.worker(T0);
+    let policy = w.policy.clone();
+    let mut h = node.request("bodyest", "acme");
+    assert!(admitted(&w.headers(&h, 1, T0)));
+    let body = br#"{"model":"m","max_tokens":700,"messages":[]}"#;
+    for c in body.chunks(5) {
+        h.request_body = c.to_vec();
+        assert_eq!(
+            w.pipeline.on_request_body(&h, &T0, &policy, 1, c.len()).verdict,
+            Verdict::Continue
+        );
+    }
+    let r = w.respond(&node, 1, Answer::Usage(650), T0).unwrap();
+    assert_eq!((field(&r, "estimate"), field(&r, "cost")), (700, 650));
+    // A body estimate that does not fit: 429 on the body, and the headers'
+    // estimate given back. 10,000 − 650 left: 9 requests of 1,000 fit.
+    for s in 2..11 {
+        assert!(admitted(&w.headers(&h, s, T0)));
+        h.request_body = br#"{"max_tokens":1000}"#.to_vec();
+        let d = w
+            .pipeline
+            .on_request_body(&h, &T0, &policy, s, h.request_body.len());
+        assert_eq!(d.verdict, Verdict::Continue, "{s}");
+    }
+    assert!(
+        admitted(&w.headers(&h, 11, T0)),
+        "250 left: its estimate of 100 fits"
+    );
+    h.request_body = br#"{"max_tokens":1000}"#.to_vec();
+    let d = w
+        .pipeline
+        .on_request_body(&h, &T0, &policy, 11, h.request_body.len());
+    match d.verdict {
+        Verdict::Reply(r) => assert_eq!(r.status, 429),
+        other => panic!("{other:?}"),
+    }
+    w.pipeline.on_stream_end(&h, &T0, 11);
+    // Its 100 came back: 350 left, three requests of estimate 100 fit.
+    for s in 12..15 {
+        assert!(admitted(&w.headers(&h, s, T0)), "{s}");
+    }
+    assert!(!admitted(&w.headers(&h, 15, T0)));
+}
+
+#[test]
+fn a_soft_limit_marks_before_routing_and_the_response_and_strips_a_clients_copy() {
+    let node = Node::new();
+    let mut w = node.worker(T0);
+    let mark = |d: &Directive| d.mark.as_ref().map(|m| (m.header.clone(), m.value.clone()));
+    let h = node.request("plain", "tiered");
+    for s in 0..3 {
+        assert_eq!(mark(&w.headers(&h, s, T0)), None);
+    }
+    for s in 3..5 {
+        let d = w.headers(&h, s, T0);
+        assert_eq!(d.verdict, Verdict::Continue);
+        assert_eq!(
+            mark(&d),
+            Some(("x-tenantgate-soft-limit".into(), Some("primary".into())))
+        );
+        let record = d.record.unwrap();
+        assert!(record.starts_with("outcome=soft_limited "), "{record}");
+        assert!(record.contains(" limit=primary"), "{record}");
+        let r = w.pipeline.on_response_headers(&h, &T0, s, true);
+        assert_eq!(r.soft, Some(("x-tenantgate-soft-limit".into(), "primary".into())));
+    }
+    // The hard limit above it refuses.
+    assert!(!admitted(&w.headers(&h, 5, T0)));
+    // A client's own marker is removed, on any route of the policy.
+    let forged = node
+        .request("plain", "other")
+        .header("x-tenantgate-soft-limit", "primary");
+    let d = w.headers(&forged, 6, T0);
+    assert_eq!(mark(&d), Some(("x-tenantgate-soft-limit".into(), None)));
+    let unclassified = MemoryHost::new(node.store.clone()).header("x-tenantgate-soft-limit", "x");
+    assert_eq!(
+        mark(&w.headers(&unclassified, 7, T0)),
+        Some(("x-tenantgate-soft-limit".into(), None))
+    );
+    w.pipeline.on_tick(
+        &MemoryHost::new(node.store.clone()),
+        &T0,
+        &mut node.stats.clone(),
+        None,
+    );
+    assert_eq!(node.stat("tenantgate.decisions.soft_limited"), 2);
+}
+
+/// One request of a random schedule.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    admitted_at: u64,
+    settled_at: u64,
+    estimate: u64,
+    cost: u64,
+    written_off: u64,
+}
+
+/// A small xorshift: seeded, no dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// Drives `n` requests of `chat` for one tenant over two workers: arrivals
+/// `gap` apart on average, random estimates (header, 50–500), stream
+/// lengths up to `max_stream`, and answers from `answer`. Returns every
+/// admitted request's run, by admission time.
+fn schedule(
+    tenant: &str,
+    seed: u64,
+    n: u32,
+    gap: u64,
+    max_stream: u64,
+    answer: impl Fn(&mut Rng, u64) -> Answer,
+) -> Vec<Run> {
+    let node = Node::new();
+    let mut workers = [node.worker(T0), node.worker(T0)];
+    let mut rng = Rng(seed);
+    // Events by time: (time, request, is_end).
+    let mut events = BinaryHeap::new();
+    let mut t = T0;
+    let mut plans = Vec::new();
+    for i in 0..n {
+        t += rng.below(2 * gap);
+        let estimate = 50 + rng.below(451);
+        let w = rng.below(2) as usize;
+        let end = t + rng.below(max_stream);
+        let a = answer(&mut rng, estimate);
+        plans.push((w, estimate, a, end));
+        events.push(Reverse((t, i, false)));
+    }
+    let mut runs: Vec<Option<Run>> = vec![None; n as usize];
+    while let Some(Reverse((now, i, is_end))) = events.pop() {
+        let (w, estimate, a, end) = plans[i as usize];
+        let worker = &mut workers[w];
+        if !is_end {
+            let h = node
+                .request("chat", tenant)
+                .header("x-estimate", estimate.to_string());
+            if admitted(&worker.headers(&h, i, now)) {
+                runs[i as usize] = Some(Run {
+                    admitted_at: now,
+                    settled_at: end,
+                    estimate,
+                    cost: 0,
+                    written_off: 0,
+                });
+                events.push(Reverse((end, i, true)));
+            }
+        } else {
+            let record = worker.respond(&node, i, a, now);
+            let run = runs[i as usize].as_mut().unwrap();
+            let r = record.unwrap_or_else(|| panic!("request {i} was not settled"));
+            run.cost = field(&r, "cost");
+            run.written_off = field(&r, "written_off");
+        }
+    }
+    let mut runs: Vec<Run> = runs.into_iter().flatten().collect();
+    runs.sort_by_key(|r| r.admitted_at);
+    runs
+}
+
+/// Checks THE BOUND of `crate::cost` over every interval whose ends are
+/// admission or settlement instants: the real cost of the requests
+/// admitted in it is at most `B + D + r·d + Σ unsettled (C − E) +
+/// Σ returned + W`. Returns the largest share of the bound reached, and
+/// the largest real cost over the plain `B + r·d` (the late-settlement
+/// overrun actually seen).
+fn check_bound(runs: &[Run], rate_per_minute: u64) -> (f64, u64) {
+    // The `fast` and `tokens` plans' burst and debt, and `chat`'s ceiling.
+    const B: u64 = 10_000;
+    const D: u64 = 10_000;
+    const C: u64 = 1000;
+    let t_ns = (60 * S).div_ceil(rate_per_minute);
+    // Every admission and settlement, by time: (instant, run, is_settlement).
+    let mut events: Vec<(u64, usize, bool)> = runs
+        .iter()
+        .enumerate()
+        .flat_map(|(i, r)| [(r.admitted_at, i, false), (r.settled_at, i, true)])
+        .collect();
+    events.sort_unstable();
+    let (mut worst, mut overrun) = (0.0f64, 0u64);
+    for start in 0..events.len() {
+        let t1 = events[start].0;
+        if start > 0 && events[start - 1].0 == t1 {
+            continue;
+        }
+        // Sweep t2 over the later instants, one batch of equal instants at
+        // a time, keeping each term of the bound.
+        let (mut real, mut unsettled, mut returned, mut w) = (0u64, 0u64, 0u64, 0u64);
+        let mut k = start;
+        while k < events.len() {
+            let t2 = events[k].0;
+            while k < events.len() && events[k].0 == t2 {
+                let (_, i, settled) = events[k];
+                let r = &runs[i];
+                let ours = r.admitted_at >= t1;
+                match (settled, ours) {
+                    (false, _) => {
+                        real += r.cost;
+                        unsettled += C - r.estimate;
+                    }
+                    (true, true) => unsettled -= C - r.estimate,
+                    (true, false) => returned += r.estimate.saturating_sub(r.cost),
+                }
+                if settled {
+                    w += r.written_off;
+                }
+                k += 1;
+            }
+            let refill = (t2 - t1) / t_ns;
+            let bound = B + D + refill + unsettled + returned + w;
+            assert!(real <= bound, "[{t1}, {t2}]: {real} > {bound}");
+            worst = worst.max(real as f64 / bound as f64);
+            overrun = overrun.max(real.saturating_sub(B + refill));
+        }
+    }
+    (worst, overrun)
+}
+
+#[test]
+fn the_late_settlement_bound_holds_under_seeded_random_schedules_on_two_workers() {
+    for seed in [1, 7, 42] {
+        // Mixed answers: under, over, at and past the ceiling, none, resets.
+        let runs = schedule(
+            "load",
+            seed * 0x9E37_79B9,
+            400,
+            40 * MS,
+            20 * S,
+            |rng, e| match rng.below(10) {
+                0 => Answer::Reset,
+                1 => Answer::NoUsage,
+                2 | 3 => Answer::Usage(rng.below(e)),
+                4 => Answer::Usage(1000 + rng.below(5000)),
+                _ => Answer::Usage(e + rng.below(1000 - e)),
+            },
+        );
+        assert!(runs.len() > 100, "{}", runs.len());
+        let (worst, overrun) = check_bound(&runs, 600_000);
+        let written_off: u64 = runs.iter().map(|r| r.written_off).sum();
+        eprintln!(
+            "seed {seed}: {} admitted, {:.3} of the bound at most, overrun {overrun} over B + r·d, {written_off} written off",
+            runs.len(),
+            worst
+        );
+    }
+}
+
+#[test]
+fn the_adversary_at_the_ceiling_with_low_estimates_and_many_in_flight_stays_within_the_bound() {
+    // Every real cost at the ceiling, estimates as low as the header lets
+    // the client claim (50–500), streams of up to 30 s: many in flight. On
+    // `fast` (10,000 a second) the debt is repaid as it comes; on `tokens`
+    // (10,000 a minute) it fills its allowance and the rest is written off.
+    for (tenant, rate) in [("load", 600_000), ("acme", 10_000)] {
+        let runs = schedule(tenant, 0xAD7E_25A1, 600, 20 * MS, 30 * S, |_, _| {
+            Answer::Usage(1000)
+        });
+        let (worst, overrun) = check_bound(&runs, rate);
+        let in_flight_max = runs
+            .iter()
+            .map(|r| {
+                runs.iter()
+                    .filter(|o| o.admitted_at <= r.admitted_at && o.settled_at > r.admitted_at)
+                    .count()
+            })
+            .max()
+            .unwrap_or(0);
+        let written_off: u64 = runs.iter().map(|r| r.written_off).sum();
+        eprintln!(
+            "adversary at {rate}/min: {} admitted, at most {in_flight_max} in flight, {:.3} of the bound at most, overrun {overrun} over B + r·d, {written_off} written off",
+            runs.len(),
+            worst
+        );
+        assert!(overrun > 0, "the schedule must overrun B + r·d to test anything");
+    }
+}

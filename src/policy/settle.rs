@@ -1,0 +1,335 @@
+//! Costs known only after the response, in the policy: a route class's
+//! `settle:` block (where the real cost comes from, its ceiling, what a
+//! stream without a usable figure costs, where the estimate comes from),
+//! validated and compiled; every default of these fields is here, once.
+//! How the filter reads and settles them is in [`crate::cost`].
+
+use super::admission::is_header_name;
+use super::error::{FieldPath, PolicyError};
+use super::spec::{FieldSpec, OnMissing, RouteSpec, SettleSpec, UsagePreset};
+
+/// Default and largest `settle.max_body_bytes`: the response body bytes
+/// read for the figure (a longer body settles by `on_missing`).
+pub const DEFAULT_SETTLE_MAX_BODY_BYTES: u64 = 1 << 20;
+pub const MAX_SETTLE_MAX_BODY_BYTES: i64 = 16 << 20;
+/// Most `settle.fields`.
+pub const MAX_FIELDS: usize = 4;
+/// Most segments of a field's JSON pointer, and bytes of one segment.
+pub const MAX_POINTER_SEGMENTS: usize = 8;
+pub const MAX_SEGMENT_LEN: usize = 64;
+/// A field's weight is kept in thousandths: at most three decimals, in
+/// `(0, MAX_WEIGHT]`.
+pub const WEIGHT_SCALE: u64 = 1000;
+pub const MAX_WEIGHT: f64 = 1000.0;
+
+/// A compiled `routes.<class>.settle`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settle {
+    pub source: Source,
+    /// No response costs more (a larger figure is cut to it and counted).
+    pub ceiling: u64,
+    pub on_missing: OnMissing,
+    /// Response body bytes read for the figure (body sources only).
+    pub max_body_bytes: u64,
+    pub estimate: Estimate,
+}
+
+/// Where the real cost comes from: always the upstream's response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// A response header (lower-cased).
+    Header(String),
+    /// A response trailer (lower-cased).
+    Trailer(String),
+    /// Fields of the JSON body, or of each event of a `text/event-stream`
+    /// body (the last value seen wins): the cost is their weighted sum.
+    Body(Vec<Field>),
+}
+
+/// One field of the body and its weight.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Field {
+    /// How the policy named it (a pointer, or the preset's), for explain.
+    pub name: String,
+    /// Where it may be (any of these; a preset lists a stream's places too).
+    pub pointers: Vec<Vec<String>>,
+    /// Its weight in thousandths.
+    pub weight_milli: u64,
+}
+
+/// Where the estimate charged on the request comes from (else `cost`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Estimate {
+    /// The class's `cost`.
+    Cost,
+    /// A trusted request header's integer (lower-cased name).
+    Header(String),
+    /// A top-level field of the request's JSON body, read as it passes.
+    BodyField(String),
+}
+
+impl Settle {
+    /// The fields a body source reads (none for a header or trailer).
+    pub fn fields(&self) -> &[Field] {
+        match &self.source {
+            Source::Body(f) => f,
+            Source::Header(_) | Source::Trailer(_) => &[],
+        }
+    }
+}
+
+impl UsagePreset {
+    /// The policy's name of the preset.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UsagePreset::OpenaiTotal => "openai_total",
+            UsagePreset::OpenaiPrompt => "openai_prompt",
+            UsagePreset::OpenaiCompletion => "openai_completion",
+            UsagePreset::Anthropic => "anthropic",
+        }
+    }
+
+    /// The preset's fields, each of weight 1.
+    fn fields(self) -> Vec<Field> {
+        let field = |name: &str, pointers: &[&[&str]]| Field {
+            name: name.to_owned(),
+            pointers: pointers
+                .iter()
+                .map(|p| p.iter().map(|s| (*s).to_owned()).collect())
+                .collect(),
+            weight_milli: WEIGHT_SCALE,
+        };
+        match self {
+            UsagePreset::OpenaiTotal => vec![field("/usage/total_tokens", &[&["usage", "total_tokens"]])],
+            UsagePreset::OpenaiPrompt => vec![field("/usage/prompt_tokens", &[&["usage", "prompt_tokens"]])],
+            UsagePreset::OpenaiCompletion => vec![field(
+                "/usage/completion_tokens",
+                &[&["usage", "completion_tokens"]],
+            )],
+            UsagePreset::Anthropic => vec![
+                field(
+                    "/usage/input_tokens",
+                    &[&["usage", "input_tokens"], &["message", "usage", "input_tokens"]],
+                ),
+                field(
+                    "/usage/output_tokens",
+                    &[
+                        &["usage", "output_tokens"],
+                        &["message", "usage", "output_tokens"],
+                    ],
+                ),
+            ],
+        }
+    }
+}
+
+/// `routes.<class>.settle` (`None` without one, or after an error), for a
+/// class whose `cost` (the default estimate) is `cost`.
+pub fn compile_settle(
+    r: &RouteSpec,
+    cost: u64,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> Option<Settle> {
+    let spec = r.settle.as_ref()?;
+    let path = path.key("settle");
+    let before = errors.len();
+    let source = compile_source(spec, &path, errors);
+    let ceiling = match spec.ceiling {
+        n if n <= 0 => {
+            errors.push(PolicyError::new(path.key("ceiling"), "must be > 0"));
+            0
+        }
+        n if n > super::compile::MAX_COUNT => {
+            errors.push(PolicyError::new(
+                path.key("ceiling"),
+                format!("must be at most {}", super::compile::MAX_COUNT),
+            ));
+            0
+        }
+        n if (n as u64) < cost => {
+            errors.push(PolicyError::new(
+                path.key("ceiling"),
+                format!("{n} is below the class's cost ({cost}), the estimate charged on the request"),
+            ));
+            0
+        }
+        n => n as u64,
+    };
+    let max_body_bytes = match spec.max_body_bytes {
+        None => DEFAULT_SETTLE_MAX_BODY_BYTES,
+        Some(n) if (1..=MAX_SETTLE_MAX_BODY_BYTES).contains(&n) => n as u64,
+        Some(_) => {
+            errors.push(PolicyError::new(
+                path.key("max_body_bytes"),
+                format!("must be between 1 and {MAX_SETTLE_MAX_BODY_BYTES}"),
+            ));
+            0
+        }
+    };
+    let estimate = compile_estimate(spec, &path, errors);
+    if errors.len() > before {
+        return None;
+    }
+    Some(Settle {
+        source: source?,
+        ceiling,
+        on_missing: spec.on_missing.unwrap_or_default(),
+        max_body_bytes,
+        estimate,
+    })
+}
+
+/// Exactly one of `header`, `trailer`, `usage`, `fields`.
+fn compile_source(spec: &SettleSpec, path: &FieldPath, errors: &mut Vec<PolicyError>) -> Option<Source> {
+    let set = [
+        spec.header.is_some(),
+        spec.trailer.is_some(),
+        spec.usage.is_some(),
+        spec.fields.is_some(),
+    ]
+    .iter()
+    .filter(|s| **s)
+    .count();
+    if set != 1 {
+        errors.push(PolicyError::new(
+            path.clone(),
+            "set exactly one of `header`, `trailer`, `usage` or `fields`: where the upstream's response carries the cost",
+        ));
+        return None;
+    }
+    let header = |field: &str, name: &str, errors: &mut Vec<PolicyError>| {
+        if is_header_name(name) {
+            Some(name.to_ascii_lowercase())
+        } else {
+            errors.push(PolicyError::new(
+                path.key(field),
+                "must be an HTTP header name (letters, digits, - _ .)",
+            ));
+            None
+        }
+    };
+    if let Some(h) = &spec.header {
+        return header("header", h, errors).map(Source::Header);
+    }
+    if let Some(t) = &spec.trailer {
+        return header("trailer", t, errors).map(Source::Trailer);
+    }
+    if let Some(u) = spec.usage {
+        return Some(Source::Body(u.fields()));
+    }
+    let specs = spec.fields.as_deref().unwrap_or_default();
+    if specs.is_empty() || specs.len() > MAX_FIELDS {
+        errors.push(PolicyError::new(
+            path.key("fields"),
+            format!("1 to {MAX_FIELDS} fields"),
+        ));
+        return None;
+    }
+    let fields: Vec<Option<Field>> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, f)| compile_field(f, &path.key("fields").index(i), errors))
+        .collect();
+    fields
+        .into_iter()
+        .collect::<Option<Vec<Field>>>()
+        .map(Source::Body)
+}
+
+/// One `fields[]` entry: its pointer and weight.
+fn compile_field(f: &FieldSpec, path: &FieldPath, errors: &mut Vec<PolicyError>) -> Option<Field> {
+    let pointer = match parse_pointer(&f.pointer) {
+        Some(p) => p,
+        None => {
+            errors.push(PolicyError::new(
+                path.key("pointer"),
+                format!(
+                    "must be a JSON pointer like /usage/total_tokens: 1 to {MAX_POINTER_SEGMENTS} segments of 1 to {MAX_SEGMENT_LEN} bytes"
+                ),
+            ));
+            return None;
+        }
+    };
+    let weight = f.weight.unwrap_or(1.0);
+    let milli = weight * WEIGHT_SCALE as f64;
+    if !(weight > 0.0 && weight <= MAX_WEIGHT) || (milli - milli.round()).abs() > 1e-6 {
+        errors.push(PolicyError::new(
+            path.key("weight"),
+            format!("must be more than 0 and at most {MAX_WEIGHT}, with at most three decimals"),
+        ));
+        return None;
+    }
+    Some(Field {
+        name: f.pointer.clone(),
+        pointers: vec![pointer],
+        weight_milli: milli.round() as u64,
+    })
+}
+
+/// An RFC 6901 JSON pointer's segments (`~1` is `/`, `~0` is `~`); `None`
+/// if it is not one, or too deep or long.
+pub fn parse_pointer(pointer: &str) -> Option<Vec<String>> {
+    let rest = pointer.strip_prefix('/')?;
+    let segments: Vec<String> = rest
+        .split('/')
+        .map(|s| s.replace("~1", "/").replace("~0", "~"))
+        .collect();
+    let ok = !segments.is_empty()
+        && segments.len() <= MAX_POINTER_SEGMENTS
+        && segments
+            .iter()
+            .all(|s| !s.is_empty() && s.len() <= MAX_SEGMENT_LEN);
+    ok.then_some(segments)
+}
+
+/// `estimate_header` or `estimate_body_field` (at most one), else `cost`.
+fn compile_estimate(spec: &SettleSpec, path: &FieldPath, errors: &mut Vec<PolicyError>) -> Estimate {
+    match (&spec.estimate_header, &spec.estimate_body_field) {
+        (None, None) => Estimate::Cost,
+        (Some(_), Some(_)) => {
+            errors.push(PolicyError::new(
+                path.key("estimate_body_field"),
+                "set at most one of `estimate_header` or `estimate_body_field`",
+            ));
+            Estimate::Cost
+        }
+        (Some(h), None) if is_header_name(h) => Estimate::Header(h.to_ascii_lowercase()),
+        (Some(_), None) => {
+            errors.push(PolicyError::new(
+                path.key("estimate_header"),
+                "must be an HTTP header name (letters, digits, - _ .)",
+            ));
+            Estimate::Cost
+        }
+        (None, Some(f)) if super::is_name(f) => Estimate::BodyField(f.clone()),
+        (None, Some(_)) => {
+            errors.push(PolicyError::new(
+                path.key("estimate_body_field"),
+                "must be a top-level field name: 1 to 64 characters of A-Z a-z 0-9 _ - .",
+            ));
+            Estimate::Cost
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pointers_follow_rfc_6901_and_are_bounded() {
+        assert_eq!(
+            parse_pointer("/usage/total_tokens"),
+            Some(vec!["usage".to_owned(), "total_tokens".to_owned()])
+        );
+        assert_eq!(
+            parse_pointer("/a~1b/c~0d"),
+            Some(vec!["a/b".into(), "c~d".into()])
+        );
+        for bad in ["", "usage", "/", "/a//b", "/a/b/c/d/e/f/g/h/i"] {
+            assert_eq!(parse_pointer(bad), None, "{bad}");
+        }
+        assert_eq!(parse_pointer(&format!("/{}", "x".repeat(65))), None);
+    }
+}
