@@ -73,14 +73,15 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use futures_util::future::try_join_all;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
-use redis::Value;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
 use tokio::sync::OnceCell;
 
 use super::redis::{
@@ -181,20 +182,48 @@ pub struct RedisClusterStore {
     replicas: u64,
     /// Sessions at the last `SCAN`, plus those this replica created since.
     sessions: AtomicU64,
+    /// Which master serves each slot (`None`: read it again).
+    map: Mutex<Option<Arc<SlotMap>>>,
 }
 
-/// One slot's records of a request: their indexes in the request's order.
+/// One slot's records of a request: the slot, and the records' indexes in
+/// the request's order.
 struct Group {
+    slot: u16,
     members: Vec<usize>,
+}
+
+/// Slots in a Redis Cluster.
+const SLOTS: u16 = 16_384;
+
+/// A record's hash slot, as Redis Cluster computes it: CRC16 (XMODEM) of
+/// the hash tag (what is between the first `{` and the first `}` after
+/// it, if not empty), else of the whole name, modulo 16,384.
+fn slot_of(record: &str) -> u16 {
+    let b = record.as_bytes();
+    let tag = b
+        .iter()
+        .position(|c| *c == b'{')
+        .and_then(|open| {
+            let rest = b.get(open + 1..)?;
+            let close = rest.iter().position(|c| *c == b'}')?;
+            rest.get(..close).filter(|t| !t.is_empty())
+        })
+        .unwrap_or(b);
+    crc16::State::<crc16::XMODEM>::calculate(tag) % SLOTS
 }
 
 /// `records` grouped by slot (in the order each slot first appears).
 fn by_slot(records: &[String]) -> Vec<Group> {
-    let mut index: HashMap<Slot, usize> = HashMap::with_capacity(records.len());
+    let mut index: HashMap<u16, usize> = HashMap::with_capacity(records.len());
     let mut groups: Vec<Group> = Vec::new();
     for (i, r) in records.iter().enumerate() {
-        let g = *index.entry(Slot::for_key(r)).or_insert_with(|| {
-            groups.push(Group { members: Vec::new() });
+        let slot = slot_of(r);
+        let g = *index.entry(slot).or_insert_with(|| {
+            groups.push(Group {
+                slot,
+                members: Vec::new(),
+            });
             groups.len() - 1
         });
         if let Some(g) = groups.get_mut(g) {
@@ -202,6 +231,115 @@ fn by_slot(records: &[String]) -> Vec<Group> {
         }
     }
     groups
+}
+
+/// Which master serves each slot (`CLUSTER SLOTS`), read once and again
+/// after any error: it only *groups* a request's slots by master, one
+/// pipeline each. Every pipeline is still routed by its first slot through
+/// the client's own map (which follows `MOVED` and failovers), so a stale
+/// map costs a `MOVED` answer for a slot that moved (the request fails,
+/// `503`, and the map is read again), never a write to the wrong master. A
+/// failover moves a master's slots together, so it leaves the groups
+/// right.
+#[derive(Default)]
+struct SlotMap {
+    /// (first slot, last slot, master's index), sorted by first slot.
+    ranges: Vec<(u16, u16, usize)>,
+    /// One slot of each master (its lowest), to route a `SCAN` to it.
+    masters: Vec<u16>,
+}
+
+impl SlotMap {
+    /// The map `CLUSTER SLOTS` answered (ranges it cannot read are left
+    /// out: their slots get a pipeline of their own).
+    fn parse(v: Value) -> Result<SlotMap, StoreError> {
+        let Value::Array(ranges) = v else {
+            return Err(StoreError::Refused(format!("CLUSTER SLOTS answered {v:?}")));
+        };
+        let mut by_master: BTreeMap<String, usize> = BTreeMap::new();
+        let mut map = SlotMap::default();
+        for range in ranges {
+            let Value::Array(fields) = range else { continue };
+            let (Some(Value::Int(start)), Some(Value::Int(end)), Some(Value::Array(master))) =
+                (fields.first(), fields.get(1), fields.get(2))
+            else {
+                continue;
+            };
+            let (Ok(start), Ok(end)) = (u16::try_from(*start), u16::try_from(*end)) else {
+                continue;
+            };
+            if end < start || end >= SLOTS {
+                continue;
+            }
+            let id = format!("{:?}", master.get(..2));
+            let next = by_master.len();
+            let m = *by_master.entry(id).or_insert(next);
+            if m == map.masters.len() {
+                map.masters.push(start);
+            }
+            if let Some(lowest) = map.masters.get_mut(m) {
+                *lowest = (*lowest).min(start);
+            }
+            map.ranges.push((start, end, m));
+        }
+        map.ranges.sort_unstable();
+        Ok(map)
+    }
+
+    fn master(&self, slot: u16) -> Option<usize> {
+        let i = self.ranges.partition_point(|r| r.0 <= slot);
+        let r = self.ranges.get(i.checked_sub(1)?)?;
+        (slot <= r.1).then_some(r.2)
+    }
+
+    /// `groups` batched by master: each batch the indexes of its groups
+    /// (a slot no master is known for: a batch of its own).
+    fn batches(&self, groups: &[Group]) -> Vec<Vec<usize>> {
+        let mut index: HashMap<usize, usize> = HashMap::new();
+        let mut out: Vec<Vec<usize>> = Vec::new();
+        for (g, group) in groups.iter().enumerate() {
+            let b = match self.master(group.slot) {
+                Some(m) => *index.entry(m).or_insert_with(|| {
+                    out.push(Vec::new());
+                    out.len() - 1
+                }),
+                None => {
+                    out.push(Vec::new());
+                    out.len() - 1
+                }
+            };
+            if let Some(b) = out.get_mut(b) {
+                b.push(g);
+            }
+        }
+        out
+    }
+}
+
+/// The route to the master that serves `slot`.
+fn to_master(slot: u16) -> SingleNodeRoutingInfo {
+    SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master))
+}
+
+/// A reply in a pipeline, typed; a redirection or a cluster that is down
+/// is transient (`503`: the node retries).
+fn reply<T: redis::FromRedisValue>(v: Value) -> Result<T, StoreError> {
+    let v = v.extract_error().map_err(cluster_err)?;
+    redis::from_redis_value(v).map_err(|e| cluster_err(e.into()))
+}
+
+/// [`map_err`], with the cluster's own transient errors (`MOVED`, `ASK`,
+/// `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `READONLY`) as unavailable.
+fn cluster_err(e: RedisError) -> StoreError {
+    let failing_over = matches!(
+        e.kind(),
+        ErrorKind::Server(ServerErrorKind::MasterDown | ServerErrorKind::ReadOnly)
+    );
+    if e.is_cluster_error() || failing_over {
+        StoreError::Unavailable(e.to_string())
+    } else {
+        map_err(e)
+    }
 }
 
 impl RedisClusterStore {
@@ -228,6 +366,7 @@ impl RedisClusterStore {
             names: Names::new(prefix),
             replicas: spec.replicas,
             sessions: AtomicU64::new(0),
+            map: Mutex::new(None),
         })
     }
 
@@ -260,76 +399,162 @@ impl RedisClusterStore {
         Ok(written == 1)
     }
 
-    /// The records' values, one `MGET` per slot, all slots at once (in
-    /// `records`' order).
-    async fn read(
-        &self,
-        conn: &ClusterConnection,
-        records: &[String],
-        groups: &[Group],
-    ) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
-        let reads = groups.iter().map(|g| {
-            let mut conn = conn.clone();
-            let mut cmd = redis::cmd("MGET");
-            for &i in &g.members {
-                cmd.arg(&records[i]);
-            }
-            async move {
-                let rows: Vec<Option<Vec<u8>>> = cmd.query_async(&mut conn).await.map_err(map_err)?;
-                Ok::<_, StoreError>(rows)
-            }
-        });
-        let mut out: Vec<Option<Vec<u8>>> = vec![None; records.len()];
-        for (g, rows) in groups.iter().zip(try_join_all(reads).await?) {
-            if rows.len() != g.members.len() {
-                return Err(StoreError::Refused(format!(
-                    "MGET of {} records answered {}",
-                    g.members.len(),
-                    rows.len()
-                )));
-            }
-            for (&i, row) in g.members.iter().zip(rows) {
-                out[i] = row;
-            }
+    /// The slot map (read now if this replica has none).
+    async fn slot_map(&self, conn: &mut ClusterConnection) -> Result<Arc<SlotMap>, StoreError> {
+        if let Some(map) = self.map.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            return Ok(map);
         }
-        Ok(out)
-    }
-
-    /// One slot of every master (the lowest it serves), to route a `SCAN`
-    /// to each master in turn. A master that gives its slots away during a
-    /// scan makes that scan miss or repeat records: the sweep and the
-    /// gauges run every interval, so the next one sees them.
-    async fn masters(&self, conn: &mut ClusterConnection) -> Result<Vec<u16>, StoreError> {
         let v = conn
             .route_command(
                 redis::cmd("CLUSTER").arg("SLOTS").clone(),
                 RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary),
             )
             .await
-            .map_err(map_err)?;
-        let Value::Array(ranges) = v else {
-            return Err(StoreError::Refused(format!("CLUSTER SLOTS answered {v:?}")));
-        };
-        let mut by_master: BTreeMap<String, u16> = BTreeMap::new();
-        for range in ranges {
-            let Value::Array(fields) = range else { continue };
-            let (Some(Value::Int(start)), Some(Value::Array(master))) = (fields.first(), fields.get(2))
-            else {
-                continue;
-            };
-            let id = format!("{:?}", master.get(..2));
-            let start = u16::try_from(*start).unwrap_or(0);
-            let slot = by_master.entry(id).or_insert(start);
-            *slot = (*slot).min(start);
+            .map_err(cluster_err)?;
+        let map = Arc::new(SlotMap::parse(v)?);
+        *self.map.lock().unwrap_or_else(|e| e.into_inner()) = Some(map.clone());
+        Ok(map)
+    }
+
+    /// Drops the slot map, so the next request reads it again.
+    fn forget_map(&self) {
+        *self.map.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// One pipeline to the master that serves `slot`: every reply, in
+    /// order (an error reply is the caller's to type). Any failure drops
+    /// the slot map.
+    async fn pipeline(
+        &self,
+        mut conn: ClusterConnection,
+        slot: u16,
+        pipe: redis::Pipeline,
+        count: usize,
+    ) -> Result<Vec<Value>, StoreError> {
+        let replies = conn
+            .route_pipeline(pipe, 0, count, to_master(slot))
+            .await
+            .map_err(cluster_err);
+        if replies.as_ref().map_or(true, |r| r.len() != count) {
+            self.forget_map();
         }
-        Ok(by_master.into_values().collect())
+        let replies = replies?;
+        if replies.len() != count {
+            return Err(StoreError::Refused(format!(
+                "a pipeline of {count} commands answered {}",
+                replies.len()
+            )));
+        }
+        Ok(replies)
+    }
+
+    /// The records' values (in `records`' order): one `MGET` per slot, one
+    /// pipeline per master, all masters at once.
+    async fn read(
+        &self,
+        conn: &ClusterConnection,
+        map: &SlotMap,
+        records: &[String],
+        groups: &[Group],
+    ) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
+        let batches = map.batches(groups);
+        let reads = batches.iter().filter_map(|batch| {
+            let first = groups.get(*batch.first()?)?.slot;
+            let mut pipe = redis::pipe();
+            for g in batch.iter().filter_map(|&g| groups.get(g)) {
+                pipe.cmd("MGET");
+                for &i in &g.members {
+                    pipe.arg(&records[i]);
+                }
+            }
+            Some(self.pipeline(conn.clone(), first, pipe, batch.len()))
+        });
+        let mut out: Vec<Option<Vec<u8>>> = vec![None; records.len()];
+        for (batch, replies) in batches.iter().zip(try_join_all(reads).await?) {
+            for (&g, v) in batch.iter().zip(replies) {
+                let rows: Vec<Option<Vec<u8>>> = reply(v).inspect_err(|_| self.forget_map())?;
+                let members = groups.get(g).map_or(&[][..], |g| &g.members[..]);
+                if rows.len() != members.len() {
+                    return Err(StoreError::Refused(format!(
+                        "MGET of {} records answered {}",
+                        members.len(),
+                        rows.len()
+                    )));
+                }
+                for (&i, row) in members.iter().zip(rows) {
+                    out[i] = row;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every slot's script of a request, one pipeline per master (all
+    /// masters at once), each closed by `WAIT` for `replicas` (see the
+    /// module header): `Ok(true)` every script wrote and every write is
+    /// replicated, `Ok(false)` some version moved (the scripts that found
+    /// theirs wrote, replicated or not).
+    async fn write_slots(
+        &self,
+        conn: &ClusterConnection,
+        map: &SlotMap,
+        groups: &[Group],
+        scripts: Vec<Option<redis::Cmd>>,
+    ) -> Result<bool, StoreError> {
+        let mut scripts = scripts;
+        let runs = map.batches(groups).into_iter().filter_map(|batch| {
+            let mut pipe = redis::pipe();
+            let mut first = None;
+            let mut count = 0;
+            for g in batch {
+                if let (Some(group), Some(script)) =
+                    (groups.get(g), scripts.get_mut(g).and_then(Option::take))
+                {
+                    first.get_or_insert(group.slot);
+                    pipe.add_command(script);
+                    count += 1;
+                }
+            }
+            let first = first?;
+            if self.replicas > 0 {
+                pipe.cmd("WAIT").arg(self.replicas).arg(WAIT_MS);
+            }
+            let total = count + usize::from(self.replicas > 0);
+            Some(async move {
+                let replies = self.pipeline(conn.clone(), first, pipe, total).await?;
+                let mut landed = true;
+                let mut wrote = false;
+                for (n, v) in replies.into_iter().enumerate() {
+                    if n < count {
+                        let ok = reply::<i64>(v).inspect_err(|_| self.forget_map())? == 1;
+                        landed &= ok;
+                        wrote |= ok;
+                    } else {
+                        let acked: u64 = reply(v)?;
+                        if wrote && acked < self.replicas {
+                            return Err(StoreError::Unavailable(format!(
+                                "a write reached {acked} of {} replicas within {WAIT_MS} ms",
+                                self.replicas
+                            )));
+                        }
+                    }
+                }
+                Ok::<_, StoreError>(landed)
+            })
+        });
+        Ok(try_join_all(runs).await?.into_iter().all(|landed| landed))
     }
 
     /// Every record name matching `pattern`, by `SCAN` on every master.
     async fn scan(&self, pattern: &str) -> Result<Vec<String>, StoreError> {
         let mut conn = self.conn().await?;
         let mut out = Vec::new();
-        for slot in self.masters(&mut conn).await? {
+        // A fresh map: a master that gives its slots away during a scan
+        // makes that scan miss or repeat records; the sweep and the gauges
+        // run every interval, so the next one sees them.
+        self.forget_map();
+        let map = self.slot_map(&mut conn).await?;
+        for &slot in &map.masters {
             let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
                 slot,
                 SlotAddr::Master,
@@ -452,7 +677,8 @@ impl Store for RedisClusterStore {
             };
             let records: Vec<String> = ids.iter().map(|id| self.names.key_record(id)).collect();
             let groups = by_slot(&records);
-            let rows = self.read(&conn, &records, &groups).await?;
+            let map = self.slot_map(&mut conn).await?;
+            let rows = self.read(&conn, &map, &records, &groups).await?;
             let mut versions: Vec<Version> = Vec::with_capacity(rows.len());
             let mut slots: Vec<KeySlot> = Vec::with_capacity(rows.len());
             for ((id, r), value) in ids.into_iter().zip(&records).zip(rows) {
@@ -468,7 +694,7 @@ impl Store for RedisClusterStore {
 
             // The records, one script per slot (a slot with nothing to
             // write needs no script: its records are not answered from
-            // anything but what it holds).
+            // anything but what it holds), one pipeline per master.
             let mut scripts = Vec::with_capacity(groups.len());
             for g in &groups {
                 let mut script = redis::cmd("EVAL");
@@ -487,12 +713,9 @@ impl Store for RedisClusterStore {
                     writes |= !matches!(op, Op::Check);
                     push_op(&mut script, v, op);
                 }
-                if writes {
-                    scripts.push(self.write_slot(conn.clone(), script));
-                }
+                scripts.push(writes.then_some(script));
             }
-            let landed = try_join_all(scripts).await?;
-            if landed.iter().any(|ok| !ok) {
+            if !self.write_slots(&conn, &map, &groups, scripts).await? {
                 // Another replica moved a record: run it all again (the
                 // slots that landed count nothing twice).
                 continue;
@@ -531,13 +754,14 @@ impl Store for RedisClusterStore {
         if ids.is_empty() {
             return Ok(());
         }
-        let conn = self.conn().await?;
+        let mut conn = self.conn().await?;
         let records: Vec<String> = ids.iter().map(|id| self.names.key_record(id)).collect();
         let mut pending: Vec<usize> = (0..ids.len()).collect();
         for _ in 0..MAX_ATTEMPTS {
             let names: Vec<String> = pending.iter().map(|&i| records[i].clone()).collect();
             let groups = by_slot(&names);
-            let rows = self.read(&conn, &names, &groups).await?;
+            let map = self.slot_map(&mut conn).await?;
+            let rows = self.read(&conn, &map, &names, &groups).await?;
             // Each record's own compare-and-set, a slot's in one pipeline
             // (the sweep's steps may run again: no `WAIT`).
             let mut pipes: Vec<(Vec<usize>, redis::Pipeline)> = Vec::new();
@@ -649,15 +873,55 @@ mod tests {
     #[test]
     fn every_limit_of_a_key_shares_its_slot_and_sessions_spread() {
         let names = Names::new("tg");
-        let a = Slot::for_key(names.key_record(&("t|orders".into(), "per-min".into())));
-        let b = Slot::for_key(names.key_record(&("t|orders".into(), "per-day".into())));
+        let a = slot_of(&names.key_record(&("t|orders".into(), "per-min".into())));
+        let b = slot_of(&names.key_record(&("t|orders".into(), "per-day".into())));
         assert_eq!(a, b);
         // The slot is CRC16 of the hash tag: `{t|orders}`'s.
-        assert_eq!(a, Slot::for_key("{t|orders}"));
+        assert_eq!(a, slot_of("{t|orders}"));
         assert_ne!(
-            Slot::for_key(names.session_record("n1")),
-            Slot::for_key(names.session_record("n2"))
+            slot_of(&names.session_record("n1")),
+            slot_of(&names.session_record("n2"))
         );
+        // Redis Cluster's own rule, as the client computes it (an empty
+        // tag, a tag never closed, braces in the key).
+        for key in [
+            "tg:{t|orders}:per-min",
+            "foo",
+            "{}x",
+            "a{b",
+            "x{}{y}",
+            "{{a}}",
+            "tg:{we}:ird{|x}:l",
+            "",
+        ] {
+            assert_eq!(
+                Route::new(slot_of(key), SlotAddr::Master),
+                Route::with_slot(redis::cluster_routing::Slot::for_key(key), SlotAddr::Master),
+                "{key}"
+            );
+        }
+        // `CLUSTER SLOTS`' ranges grouped by master.
+        let node = |port: i64| Value::Array(vec![Value::BulkString(b"127.0.0.1".to_vec()), Value::Int(port)]);
+        let range = |a: i64, b: i64, port: i64| Value::Array(vec![Value::Int(a), Value::Int(b), node(port)]);
+        let map = SlotMap::parse(Value::Array(vec![
+            range(10_923, 16_383, 3),
+            range(0, 5_460, 1),
+            range(5_461, 10_922, 2),
+            range(100, 99, 1),
+        ]))
+        .unwrap();
+        assert_eq!(map.master(0), map.master(5_460));
+        assert_ne!(map.master(5_460), map.master(5_461));
+        assert_eq!(map.master(16_383), map.master(10_923));
+        assert_eq!(map.masters.len(), 3);
+        let groups: Vec<Group> = [0, 16_000, 1, 6_000, 11_000]
+            .iter()
+            .map(|&slot| Group {
+                slot,
+                members: vec![],
+            })
+            .collect();
+        assert_eq!(map.batches(&groups), vec![vec![0, 2], vec![1, 4], vec![3]]);
         let records: Vec<String> = ["a", "b", "a"]
             .iter()
             .map(|k| names.key_record(&((*k).into(), "l".into())))
