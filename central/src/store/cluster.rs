@@ -8,16 +8,18 @@
 //! `<prefix>:n:{<node>}` for a node's session (a slot of its own). There is
 //! no index at all: no set of nodes, no set of records. The sweep, the
 //! sessions' expiry and the gauges find records with `SCAN` on every master
-//! (a master at a time, [`RedisClusterStore::masters`]).
+//! (a master at a time, found by `CLUSTER SLOTS`: [`SlotMap`]).
 //!
 //! # A request: one script per slot, each atomic and idempotent
 //! A sync request's records span many slots, so it cannot be one
 //! transaction. It is read (the session, then every record with one `MGET`
-//! per slot, all slots at once), computed in Rust with the allocator's
-//! steps, and written with **one Lua script per slot** ([`CAS_SLOT`]),
-//! which checks that every record of its slot is still at the version
-//! read and only then writes them; the session is written last, by the
-//! same script on its own slot. Each script is atomic on its own; the
+//! per slot), computed in Rust with the allocator's steps, and written with
+//! **one Lua script per slot** ([`CAS_SLOT`]), which checks that every
+//! record of its slot is still at the version read and only then writes
+//! them; the session is written last, by the same script on its own slot.
+//! The reads, and then the scripts, travel as **one pipeline per master**
+//! (all masters at once): a request of 100 keys on three masters is three
+//! pipelines of reads and three of scripts, not 100 of each. Each script is atomic on its own; the
 //! request as a whole is not. What keeps the accounting exact is that
 //! every (key, limit) record deduplicates its own node's counts (the
 //! node's last applied `seq`, its base and what the record counted since:
@@ -44,12 +46,13 @@
 //!
 //! # Acknowledged means replicated
 //! Redis replicates asynchronously: a master that fails right after a
-//! write can lose it to the replica that takes over. So each script is
-//! sent in one pipeline with `WAIT <replicas> <timeout>` on the same
-//! connection ([`WAIT_MS`]); the request is answered only when every slot's
+//! write can lose it to the replica that takes over. So each master's
+//! pipeline of scripts ends with `WAIT <replicas> <timeout>` on the same
+//! connection ([`WAIT_MS`]), which waits for every write before it on
+//! that connection; the request is answered only when every master's
 //! `WAIT` reports the writes on `replicas` replicas (`?replicas=N` in the
 //! URL, 1 by default; 0 for a cluster without replicas, which gives this
-//! up). A slot whose `WAIT` falls short fails the request (`503`): its
+//! up). A master whose `WAIT` falls short fails the request (`503`): its
 //! writes may or may not survive a failover, and either way the node's
 //! retry counts them once. With one replica per master, the replica that
 //! acknowledged is the one a failover promotes; with more, set `replicas`
@@ -57,12 +60,17 @@
 //! but does not promise it).
 //!
 //! # Redirections and failover
-//! The client (`redis::cluster_async`) follows `MOVED` and `ASK`, refreshes
-//! its slot map, and retries a command whose connection broke. A retried
-//! script whose first try ran finds its own version: a conflict, and the
-//! request's next run counts nothing twice. A slot whose master is down
-//! answers errors until its replica is promoted (`cluster-node-timeout`
-//! plus an election): those requests answer `503` and nothing is lost.
+//! The client (`redis::cluster_async`) routes each pipeline by its first
+//! slot with its own slot map, follows `MOVED` and `ASK` for it, refreshes
+//! its map, and retries a command whose connection broke. A retried script
+//! whose first try ran finds its own version: a conflict, and the
+//! request's next run counts nothing twice. Which slots share a pipeline
+//! comes from this store's [`SlotMap`]: a slot that moved to another
+//! master since it was read answers `MOVED` inside the pipeline, which
+//! fails the request (`503`) and drops the map, read again by the next
+//! request. A slot whose master is down answers errors until its replica
+//! is promoted (`cluster-node-timeout` plus an election): those requests
+//! answer `503` and nothing is lost.
 //!
 //! # Sessions counted approximately
 //! With no set of nodes, the session count (the session cap, and the
