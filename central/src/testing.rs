@@ -352,6 +352,100 @@ impl RedisCluster {
                 .all(|n| n.cluster_info().contains("cluster_state:ok"))
     }
 
+    /// Starts moving `key`'s slot to another master, as `redis-cli
+    /// --cluster reshard` does: the slot `MIGRATING` on its master and
+    /// `IMPORTING` on the other, its keys still where they were (a client
+    /// that asks the old master for a key already moved is answered
+    /// `ASK`). Then [`RedisCluster::migrate_keys`] and
+    /// [`RedisCluster::finish_migration`].
+    pub fn begin_migration(&self, key: &str) -> Result<Migration, String> {
+        let slot = self.slot_of(key)?;
+        let from = self
+            .master_of(slot)
+            .ok_or_else(|| format!("no running master serves slot {slot}"))?;
+        let to = (0..self.nodes.len())
+            .find(|&i| {
+                i != from
+                    && self.nodes[i].server.is_some()
+                    && self.nodes[i].replication().contains("role:master")
+            })
+            .ok_or("no other master")?;
+        let id = |i: usize| self.nodes[i].text(redis::cmd("CLUSTER").arg("MYID"));
+        let m = Migration {
+            slot,
+            from,
+            to,
+            from_id: id(from),
+            to_id: id(to),
+        };
+        let set = |node: usize, state: &str, other: &str| {
+            self.nodes[node]
+                .query(
+                    redis::cmd("CLUSTER")
+                        .arg("SETSLOT")
+                        .arg(slot)
+                        .arg(state)
+                        .arg(other),
+                )
+                .map(|_| ())
+        };
+        set(m.to, "IMPORTING", &m.from_id)?;
+        set(m.from, "MIGRATING", &m.to_id)?;
+        Ok(m)
+    }
+
+    /// Moves every key of the migrating slot to its new master (`MIGRATE`).
+    pub fn migrate_keys(&self, m: &Migration) -> Result<usize, String> {
+        let from = &self.nodes[m.from];
+        let mut moved = 0;
+        loop {
+            let keys: Vec<String> = from
+                .query(redis::cmd("CLUSTER").arg("GETKEYSINSLOT").arg(m.slot).arg(100))
+                .and_then(|v| redis::from_redis_value(v).map_err(|e| e.to_string()))?;
+            if keys.is_empty() {
+                return Ok(moved);
+            }
+            let mut cmd = redis::cmd("MIGRATE");
+            cmd.arg("127.0.0.1")
+                .arg(self.nodes[m.to].port)
+                .arg("")
+                .arg(0)
+                .arg(5000)
+                .arg("KEYS")
+                .arg(&keys);
+            from.query(&mut cmd)?;
+            moved += keys.len();
+        }
+    }
+
+    /// Gives the slot to its new master on every master (`SETSLOT NODE`).
+    pub fn finish_migration(&self, m: &Migration) -> Result<(), String> {
+        for i in [m.to, m.from] {
+            self.nodes[i]
+                .query(
+                    redis::cmd("CLUSTER")
+                        .arg("SETSLOT")
+                        .arg(m.slot)
+                        .arg("NODE")
+                        .arg(&m.to_id),
+                )
+                .map(|_| ())?;
+        }
+        for (i, n) in self.nodes.iter().enumerate() {
+            if i != m.to && i != m.from && n.replication().contains("role:master") {
+                n.query(
+                    redis::cmd("CLUSTER")
+                        .arg("SETSLOT")
+                        .arg(m.slot)
+                        .arg("NODE")
+                        .arg(&m.to_id),
+                )
+                .map(|_| ())?;
+            }
+        }
+        Ok(())
+    }
+
     /// Kills every node (an outage of the whole cluster).
     pub fn stop_all(&mut self) {
         for n in &mut self.nodes {
@@ -367,6 +461,16 @@ impl RedisCluster {
         let node = self.nodes.get_mut(i).ok_or("no such node")?;
         node.start()
     }
+}
+
+/// A slot on its way from one master to another
+/// ([`RedisCluster::begin_migration`]).
+pub struct Migration {
+    pub slot: i64,
+    from: usize,
+    to: usize,
+    from_id: String,
+    to_id: String,
 }
 
 /// Whether `CLUSTER NODES`' `myself` line is a master that serves `slot`.

@@ -1597,6 +1597,104 @@ async fn a_master_killed_mid_run_loses_no_count() {
     }
 }
 
+/// One round of every node, each through one of the `replicas` in turn;
+/// how many were answered.
+async fn every_node_reports(
+    nodes: &mut [CountingNode],
+    replicas: &[Instance],
+    keys: &[String],
+    round: u64,
+) -> usize {
+    let mut ok = 0;
+    for (i, node) in nodes.iter_mut().enumerate() {
+        let units: Vec<u64> = (0..keys.len() as u64)
+            .map(|k| (k + round + i as u64) % 3)
+            .collect();
+        let inst = &replicas[(i + round as usize) % replicas.len()];
+        ok += usize::from(node.round(inst, keys, &units).await);
+    }
+    ok
+}
+
+/// Redis Cluster: a key's slot moved to another master while nodes report
+/// it, as `redis-cli --cluster reshard` moves it: the slot `MIGRATING` and
+/// `IMPORTING` (the moved keys answered `ASK` by the old master), its keys
+/// moved, then the slot given to the new master (the old one answers
+/// `MOVED`; the store's map of which slots share a pipeline is stale).
+/// Requests may fail (`503`) while it moves, never miscount: every key's
+/// record ends holding exactly what the nodes admitted, and once the slot
+/// has moved every request is answered again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_moved_mid_run_counts_once() {
+    let cluster = RedisCluster::start().unwrap();
+    let policy = policy_file(POLICY_V1);
+    let clock = Arc::new(ManualClock::new(T0));
+    let store = || Arc::new(RedisClusterStore::new(&cluster.url(), "tgtest").unwrap()) as Arc<dyn Store>;
+    let replicas = [
+        Instance::start(store(), clock.clone(), policy.path()).await,
+        Instance::start(store(), clock.clone(), policy.path()).await,
+    ];
+    let keys: Vec<String> = (0..24).map(|i| format!("tenant-{i}|api")).collect();
+    let mut nodes: Vec<CountingNode> = (0..3)
+        .map(|i| CountingNode {
+            name: format!("node-{i}"),
+            seq: 0,
+            acked: 0,
+            since_acked: vec![0; keys.len()],
+            admitted: vec![0; keys.len()],
+        })
+        .collect();
+    let mut round = 0u64;
+    macro_rules! run {
+        () => {{
+            round += 1;
+            clock.advance(Duration::from_secs(1));
+            every_node_reports(&mut nodes, &replicas, &keys, round).await
+        }};
+    }
+    for _ in 0..2 {
+        assert_eq!(run!(), nodes.len());
+    }
+    let tag = format!("{{{}}}", keys[0]);
+    let migration = cluster.begin_migration(&tag).unwrap();
+    let mut during = run!();
+    let moved = cluster.migrate_keys(&migration).unwrap();
+    assert!(moved >= 1, "the slot's record moved");
+    during += run!();
+    during += run!();
+    cluster.finish_migration(&migration).unwrap();
+    during += run!();
+    // Within a few rounds, every request is answered again (a stale slot
+    // map costs one failed request per replica at most).
+    let mut answered_again = false;
+    for _ in 0..5 {
+        if run!() == nodes.len() {
+            answered_again = true;
+            break;
+        }
+    }
+    assert!(answered_again, "requests still fail after the slot moved");
+    assert_eq!(run!(), nodes.len());
+    let reader = store();
+    for (k, key) in keys.iter().enumerate() {
+        let want: u64 = nodes.iter().map(|n| n.admitted[k]).sum();
+        let got = reader
+            .key(&(key.clone(), "per-10s".to_owned()))
+            .await
+            .unwrap()
+            .map_or(0, |ks| ks.view().stats.consumed);
+        assert_eq!(got, want, "{key}: counted once across the move");
+    }
+    eprintln!(
+        "slot {} moved ({moved} records): {during} of {} requests answered while it moved",
+        migration.slot,
+        4 * nodes.len()
+    );
+    for r in replicas {
+        r.shutdown().await;
+    }
+}
+
 // ---- mTLS ---------------------------------------------------------------------
 
 /// One HTTPS request with (or without) a client certificate; `Err` when

@@ -54,7 +54,10 @@
 //! URL, 1 by default; 0 for a cluster without replicas, which gives this
 //! up). A master whose `WAIT` falls short fails the request (`503`): its
 //! writes may or may not survive a failover, and either way the node's
-//! retry counts them once. With one replica per master, the replica that
+//! retry counts them once. A run of a request that follows one whose
+//! writes landed writes every record it visits again (its `Duplicate`
+//! steps too), so its own `WAIT` covers the earlier writes: a master
+//! replicates its writes in order. With one replica per master, the replica that
 //! acknowledged is the one a failover promotes; with more, set `replicas`
 //! to their number (Redis Cluster prefers the replica with the most data,
 //! but does not promise it).
