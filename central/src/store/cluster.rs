@@ -384,7 +384,7 @@ impl RedisClusterStore {
     async fn conn(&self) -> Result<ClusterConnection, StoreError> {
         let conn = self
             .conn
-            .get_or_try_init(|| async { self.client.get_async_connection().await.map_err(map_err) })
+            .get_or_try_init(|| async { self.client.get_async_connection().await.map_err(cluster_err) })
             .await?;
         Ok(conn.clone())
     }
@@ -396,11 +396,11 @@ impl RedisClusterStore {
         let mut pipe = redis::pipe();
         pipe.add_command(script);
         if self.replicas == 0 {
-            let (written,): (i64,) = pipe.query_async(&mut conn).await.map_err(map_err)?;
+            let (written,): (i64,) = pipe.query_async(&mut conn).await.map_err(cluster_err)?;
             return Ok(written == 1);
         }
         pipe.cmd("WAIT").arg(self.replicas).arg(WAIT_MS);
-        let (written, acked): (i64, u64) = pipe.query_async(&mut conn).await.map_err(map_err)?;
+        let (written, acked): (i64, u64) = pipe.query_async(&mut conn).await.map_err(cluster_err)?;
         if written == 1 && acked < self.replicas {
             return Err(StoreError::Unavailable(format!(
                 "a write reached {acked} of {} replicas within {WAIT_MS} ms",
@@ -584,7 +584,7 @@ impl RedisClusterStore {
                         route.clone(),
                     )
                     .await
-                    .map_err(map_err)?;
+                    .map_err(cluster_err)?;
                 let (next, names): (u64, Vec<String>) =
                     redis::from_redis_value(v).map_err(|e| StoreError::Refused(e.to_string()))?;
                 out.extend(names);
@@ -607,7 +607,7 @@ impl RedisClusterStore {
             .arg(record)
             .query_async(conn)
             .await
-            .map_err(map_err)?;
+            .map_err(cluster_err)?;
         let (version, bytes) = split_value(record, value)?;
         Ok((version, bytes.map(|b| decode(record, &b)).transpose()?))
     }
@@ -636,7 +636,7 @@ impl Store for RedisClusterStore {
                 RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary),
             )
             .await
-            .map_err(map_err)?;
+            .map_err(cluster_err)?;
         let info: String = redis::from_redis_value(v).map_err(|e| StoreError::Refused(e.to_string()))?;
         if info.contains("cluster_state:ok") {
             Ok(())
@@ -773,52 +773,53 @@ impl Store for RedisClusterStore {
             let groups = by_slot(&names);
             let map = self.slot_map(&mut conn).await?;
             let rows = self.read(&conn, &map, &names, &groups).await?;
-            // Each record's own compare-and-set, a slot's in one pipeline
+            // Each record's own compare-and-set, one pipeline per master
             // (the sweep's steps may run again: no `WAIT`).
-            let mut pipes: Vec<(Vec<usize>, redis::Pipeline)> = Vec::new();
-            for g in &groups {
+            let mut pipes: Vec<(u16, Vec<usize>, redis::Pipeline)> = Vec::new();
+            for batch in map.batches(&groups) {
                 let mut pipe = redis::pipe();
                 let mut written = Vec::new();
-                for &j in &g.members {
-                    let i = pending[j];
-                    let (version, bytes) = split_value(&records[i], rows[j].clone())?;
-                    let mut slot: Option<KeyState> = bytes.map(|b| decode(&records[i], &b)).transpose()?;
-                    if !f(i, &mut slot) {
-                        continue;
-                    }
-                    match (slot, version) {
-                        (Some(ks), _) => {
-                            cas_cmd(
-                                &mut pipe,
-                                &records[i],
-                                version,
-                                next_value(&records[i], version, &ks)?,
-                            );
-                            written.push(i);
+                let mut first = None;
+                for g in batch.iter().filter_map(|&g| groups.get(g)) {
+                    for &j in &g.members {
+                        let i = pending[j];
+                        let (version, bytes) = split_value(&records[i], rows[j].clone())?;
+                        let mut slot: Option<KeyState> =
+                            bytes.map(|b| decode(&records[i], &b)).transpose()?;
+                        if !f(i, &mut slot) {
+                            continue;
                         }
-                        (None, Some(v)) => {
-                            cas_del_cmd(&mut pipe, &records[i], v);
-                            written.push(i);
+                        match (slot, version) {
+                            (Some(ks), _) => {
+                                cas_cmd(
+                                    &mut pipe,
+                                    &records[i],
+                                    version,
+                                    next_value(&records[i], version, &ks)?,
+                                );
+                            }
+                            (None, Some(v)) => cas_del_cmd(&mut pipe, &records[i], v),
+                            (None, None) => continue,
                         }
-                        (None, None) => {}
+                        written.push(i);
+                        first.get_or_insert(g.slot);
                     }
                 }
-                if !written.is_empty() {
-                    pipes.push((written, pipe));
+                if let Some(first) = first {
+                    pipes.push((first, written, pipe));
                 }
             }
-            let runs = pipes.iter().map(|(_, pipe)| {
-                let mut conn = conn.clone();
-                async move {
-                    let results: Vec<i64> = pipe.query_async(&mut conn).await.map_err(map_err)?;
-                    Ok::<_, StoreError>(results)
-                }
-            });
+            let (runs, written): (Vec<_>, Vec<_>) = pipes
+                .into_iter()
+                .map(|(first, written, pipe)| {
+                    (self.pipeline(conn.clone(), first, pipe, written.len()), written)
+                })
+                .unzip();
             let results = try_join_all(runs).await?;
             pending.clear();
-            for ((written, _), results) in pipes.iter().zip(results) {
-                for (&i, ok) in written.iter().zip(results) {
-                    if ok != 1 {
+            for (written, replies) in written.iter().zip(results) {
+                for (&i, v) in written.iter().zip(replies) {
+                    if reply::<i64>(v).inspect_err(|_| self.forget_map())? != 1 {
                         pending.push(i);
                     }
                 }
