@@ -262,6 +262,7 @@ fn main() {
             admin: admin.local_addr().unwrap(),
             policy: std::path::PathBuf::from("/nonexistent/policy.yaml"),
             policy_poll: Duration::from_secs(3600),
+            grpc: None,
             auth: Auth::default(),
         };
         let server = tokio::spawn(serve_on(svc.clone(), Listeners { sync, admin }, opts, async {

@@ -22,6 +22,7 @@ pub mod alloc;
 pub mod bound;
 pub mod clock;
 pub mod error;
+pub mod grpc;
 pub mod listener;
 pub mod quota;
 pub mod service;

@@ -203,8 +203,15 @@ impl SyncListener {
     /// TLS with client certificates: accepts and handshakes in a task of
     /// its own (ended when the listener is dropped).
     pub fn tls(listener: TcpListener, files: &TlsFiles) -> std::io::Result<SyncListener> {
+        SyncListener::tls_alpn(listener, files, b"http/1.1")
+    }
+
+    /// [`SyncListener::tls`] negotiating `alpn` (`h2` for the gRPC listener).
+    pub fn tls_alpn(listener: TcpListener, files: &TlsFiles, alpn: &[u8]) -> std::io::Result<SyncListener> {
         let local = listener.local_addr()?;
-        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server_config(files)?));
+        let mut config = server_config(files)?;
+        config.alpn_protocols = vec![alpn.to_vec()];
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
         let (tx, rx) = mpsc::channel::<(Box<dyn Io>, Peer)>(64);
         tokio::spawn(accept_tls(listener, acceptor, tx));
         Ok(SyncListener {

@@ -164,6 +164,7 @@ impl Instance {
             admin: admin_addr,
             policy: policy.to_owned(),
             policy_poll: Duration::from_millis(20),
+            grpc: None,
             auth,
         };
         let serving = serve_on(service.clone(), Listeners { sync, admin }, opts, async {

@@ -8,7 +8,7 @@
 //! aligned to the epoch, and so does tenantgate's `fixed_window` (same
 //! window starts, same counts). Each descriptor becomes a rule of the
 //! policy's `descriptors:` section, in the same tree and order, naming its
-//! plan; `tenantgate serve --rls-listen` answers Envoy's ratelimit filter
+//! plan; `tenantgate serve --grpc-listen` answers Envoy's ratelimit filter
 //! from them (the mapping rule is in `tenantgate::policy::descriptors`).
 //!
 //! What maps one to one: domains, keys, values (exact and with `*`),
@@ -384,7 +384,7 @@ fn render(
     let _ = writeln!(
         out,
         "# Imported by `tenantgate policy import` from {}.\n\
-         # `tenantgate serve --rls-listen` answers Envoy's ratelimit filter from\n\
+         # `tenantgate serve --grpc-listen` answers Envoy's ratelimit filter from\n\
          # `descriptors` and `plans` (docs/migrating.md). What did not map is in the\n\
          # import's report.",
         names.join(", ")

@@ -99,6 +99,11 @@ struct ServeArgs {
     /// Health, readiness and metrics (never the sync API).
     #[arg(long, default_value = tenantgate_central::service::DEFAULT_ADMIN)]
     admin: std::net::SocketAddr,
+    /// Also serve Envoy's rate limit service (RLS, for the native
+    /// ratelimit filter) over gRPC here, from the policy's `descriptors:`,
+    /// with its state in --store. Same authentication as --listen.
+    #[arg(long)]
+    grpc_listen: Option<std::net::SocketAddr>,
     /// Where the allocator's state lives: `embedded` (in this process),
     /// `redis://HOST:PORT[/DB]` (shared by every replica) or
     /// `redis+cluster://HOST:PORT,HOST:PORT[?replicas=N]` (a Redis Cluster).
@@ -351,6 +356,7 @@ fn serve(args: &ServeArgs) -> ExitCode {
             tls,
             insecure: args.insecure,
         },
+        grpc: args.grpc_listen,
     };
     let intake = service::IntakeLimits {
         max_body_bytes: args.max_body_bytes,

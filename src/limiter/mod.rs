@@ -18,6 +18,7 @@
 //! key, `check`, `is_idle`, `encode` and `decode`.
 
 pub mod algo;
+pub mod charge;
 mod codec;
 pub mod fixed_window;
 pub mod sliding_window_counter;

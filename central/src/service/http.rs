@@ -129,6 +129,9 @@ async fn metrics(State(service): State<Arc<Service>>) -> Response {
         let totals = q.store().totals().await.ok();
         text.push_str(&q.metrics.render(totals.as_ref()));
     }
+    if let Some(r) = service.rls() {
+        text.push_str(&r.metrics.render());
+    }
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
@@ -158,6 +161,9 @@ pub struct ServeOptions {
     /// How often the policy file is checked for changes.
     pub policy_poll: Duration,
     pub auth: Auth,
+    /// Envoy's rate limit protocols over gRPC (`--grpc-listen`; `None`:
+    /// not served). Needs [`Service::attach_rls`].
+    pub grpc: Option<SocketAddr>,
 }
 
 /// The default sync address (`--listen`).
@@ -197,6 +203,16 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     check_exposure(opts.listen, &opts.auth).map_err(std::io::Error::other)?;
+    if let Some(grpc) = opts.grpc {
+        // The same rule, for Envoy's rate limit service.
+        check_exposure(grpc, &opts.auth).map_err(|_| {
+            std::io::Error::other(format!(
+                "--grpc-listen {grpc} is not a loopback address and no authentication is configured: \
+                 anyone who could reach it would decide every rate limit it serves. Configure mTLS \
+                 (--tls-cert, --tls-key, --client-ca, as for --listen), or pass --insecure on a private network"
+            ))
+        })?;
+    }
     let bind = |addr: SocketAddr| async move {
         tokio::net::TcpListener::bind(addr)
             .await
@@ -240,6 +256,8 @@ pub async fn serve_on(
         .map(|q| tokio::spawn(crate::quota::api::reclaim_every(q)));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut stop_admin = stop_rx.clone();
+    let grpc_stop = stop_rx.clone();
+    let grpc_service = service.rls().cloned();
     let mut stop_sync = stop_rx;
     let admin = tokio::spawn(
         axum::serve(listeners.admin, admin_router(service.clone()))
@@ -259,7 +277,23 @@ pub async fn serve_on(
         shutdown.await;
         let _ = stop_tx.send(true);
     });
+    let grpc = match (opts.grpc, grpc_service) {
+        (Some(addr), Some(rls)) => Some(tokio::spawn(serve_grpc(
+            addr,
+            opts.auth.tls.clone(),
+            rls,
+            grpc_stop,
+        ))),
+        _ => None,
+    };
     let result = sync.await;
+    if let Some(g) = grpc {
+        match g.await {
+            Ok(Err(e)) => warn!(error = %e, "the gRPC listener failed"),
+            Err(e) => warn!(error = %e, "the gRPC listener failed"),
+            Ok(Ok(())) => {}
+        }
+    }
     let admin_result = match admin.await {
         Ok(r) => r,
         Err(e) => Err(std::io::Error::other(e)),
@@ -272,6 +306,32 @@ pub async fn serve_on(
     }
     info!("tenantgate serve stopped");
     result.and(admin_result)
+}
+
+/// Serves Envoy's rate limit protocols on `addr` (h2c, or mTLS with ALPN
+/// `h2` under the sync listener's certificates) until `stop` turns true.
+async fn serve_grpc(
+    addr: SocketAddr,
+    tls: Option<TlsFiles>,
+    rls: Arc<crate::grpc::rls::Rls>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let tcp = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}")))?;
+    let listener = match &tls {
+        Some(files) => SyncListener::tls_alpn(tcp, files, b"h2")?,
+        None => SyncListener::plain(tcp),
+    };
+    info!(%addr, tls = tls.is_some(), "gRPC (Envoy rate limit service) listening");
+    axum::serve(
+        listener,
+        crate::grpc::router(rls).into_make_service_with_connect_info::<Peer>(),
+    )
+    .with_graceful_shutdown(async move {
+        let _ = stop.wait_for(|s| *s).await;
+    })
+    .await
 }
 
 /// Resolves on SIGTERM or ctrl-c.
@@ -339,6 +399,7 @@ pub fn run(
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    let store_spec = store;
     runtime.block_on(async {
         let store = open_store(store)?;
         let service = Arc::new(Service::with_limits(
@@ -348,6 +409,10 @@ pub fn run(
             intake,
             state,
         ));
+        if opts.grpc.is_some() {
+            let counters = crate::grpc::open_counters(store_spec, service.state_limits().max_keys)?;
+            service.attach_rls(Arc::new(crate::grpc::rls::Rls::new(counters, service.clock())));
+        }
         if let Some(q) = quota {
             let clients = match &q.clients {
                 Some(p) => Some(crate::quota::api::QuotaClients::load(p)?),

@@ -128,6 +128,8 @@ pub struct Service {
     sessions_swept_at: AtomicU64,
     /// The reservation API, when a quota store is configured.
     quota: std::sync::OnceLock<Arc<crate::quota::api::QuotaApi>>,
+    /// Envoy's rate limit service, when `--grpc-listen` serves it.
+    rls: std::sync::OnceLock<Arc<crate::grpc::rls::Rls>>,
 }
 
 impl Service {
@@ -163,7 +165,18 @@ impl Service {
             keys_seen: AtomicU64::new(0),
             sessions_swept_at: AtomicU64::new(0),
             quota: std::sync::OnceLock::new(),
+            rls: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Serves Envoy's rate limit service (set once, before serving; the
+    /// policy's `descriptors:` follow every reload).
+    pub fn attach_rls(&self, rls: Arc<crate::grpc::rls::Rls>) {
+        let _ = self.rls.set(rls);
+    }
+
+    pub fn rls(&self) -> Option<&Arc<crate::grpc::rls::Rls>> {
+        self.rls.get()
     }
 
     /// Serves the reservation API beside the sync API (set once, before
@@ -225,6 +238,9 @@ impl Service {
     pub fn set_policy(&self, p: &PolicyLimits) {
         if let Some(q) = self.quota.get() {
             q.set_quotas(p.quotas.clone());
+        }
+        if let Some(r) = self.rls.get() {
+            r.set_policy(p.rls.clone());
         }
         let cfg = Arc::new(self.settings.alloc_config(p));
         match self.config.write() {

@@ -38,6 +38,9 @@ pub struct PolicyLimits {
     pub ambiguous: Vec<String>,
     /// The `quotas:` section (the reservation API's resources).
     pub quotas: tenantgate::policy::quota::Quotas,
+    /// What the rate limit service (RLS) decides with: `descriptors:` and
+    /// the plans they name.
+    pub rls: crate::grpc::rls::RlsPolicy,
 }
 
 /// Reads and validates a policy file.
@@ -100,6 +103,7 @@ pub fn parse(text: &str) -> Result<PolicyLimits, String> {
         sync: policy.sync.clone(),
         ambiguous,
         quotas: policy.quotas.clone(),
+        rls: crate::grpc::rls::RlsPolicy::of(&policy),
     })
 }
 

@@ -254,6 +254,7 @@ mod tests {
             sync: None,
             ambiguous: vec![],
             quotas: Default::default(),
+            rls: Default::default(),
         })
     }
 

@@ -1,0 +1,39 @@
+//! Envoy's rate limit protocols, served by `tenantgate serve --grpc-listen`
+//! over gRPC (tonic, HTTP/2): the rate limit service ([`rls`], for Envoy's
+//! native `envoy.filters.http.ratelimit`). The protocol types are
+//! `envoy-types`' (generated from Envoy's own protos).
+//!
+//! The gRPC listener follows the sync listener's conventions
+//! (`crate::listener`): plain on loopback (h2c), mTLS (ALPN `h2`) with
+//! client certificates signed by `--client-ca` elsewhere, and it refuses to
+//! start beyond loopback without them unless `--insecure`. Any client the
+//! CA signed may ask (RLS requests name no node).
+
+pub mod counters;
+pub mod rls;
+
+use std::sync::Arc;
+
+use self::counters::{Counters, MemoryCounters, RedisCounters};
+
+/// The RLS's records in the store `--store` names (`embedded` or a
+/// `redis://` URL), at most `max_keys` of them when embedded.
+pub fn open_counters(spec: &str, max_keys: u64) -> Result<Arc<dyn Counters>, String> {
+    if spec == "embedded" {
+        return Ok(Arc::new(MemoryCounters::new(
+            usize::try_from(max_keys).unwrap_or(usize::MAX),
+        )));
+    }
+    if spec.starts_with("redis://") {
+        return RedisCounters::new(spec, "tg")
+            .map(|s| Arc::new(s) as Arc<dyn Counters>)
+            .map_err(|e| e.to_string());
+    }
+    Err(format!("--store {spec}: expected `embedded` or a redis:// URL"))
+}
+
+/// The gRPC services as one axum router (tonic's routes).
+pub fn router(rls: Arc<rls::Rls>) -> axum::Router {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+    tonic::service::Routes::new(RateLimitServiceServer::from_arc(rls)).into_axum_router()
+}
