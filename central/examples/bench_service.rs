@@ -12,7 +12,13 @@
 //! 2. The same against a `redis-server` started here (it runs on the other
 //!    core; the figure is per core of the service), with Redis's own CPU
 //!    per report (`INFO cpu`) beside the service's. Target: ≥ 100,000.
-//! 3. Over HTTP on loopback (embedded store), a bounded number of requests
+//! 3. The same against a Redis Cluster started here (three masters, each
+//!    with a replica, on loopback: six `redis-server`s sharing the other
+//!    core with the service's machine), twice: writes acknowledged after
+//!    `WAIT` for the replica (the default, `?replicas=1`) and without
+//!    (`?replicas=0`); the cluster's CPU per report is all six nodes'.
+//!    No target: the figure to size a cluster with.
+//! 4. Over HTTP on loopback (embedded store), a bounded number of requests
 //!    from 4 concurrent clients: end to end, client included, both cores.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a benchmark
@@ -24,8 +30,8 @@ use tenantgate::sync::{Report, SyncRequest, PROTOCOL_VERSION};
 use tenantgate_central::service::{
     policy, serve_on, Auth, Listeners, ManualClock, ServeOptions, Service, Settings,
 };
-use tenantgate_central::store::{EmbeddedStore, RedisStore, Store};
-use tenantgate_central::testing::RedisServer;
+use tenantgate_central::store::{EmbeddedStore, RedisClusterStore, RedisStore, Store};
+use tenantgate_central::testing::{RedisCluster, RedisServer};
 
 const POLICY: &str = r#"
 version: "bench"
@@ -207,6 +213,36 @@ fn main() {
         redis_cpu as f64 / 1e3 / run.reports.max(1) as f64,
     );
     drop(redis);
+
+    let cluster = RedisCluster::start().unwrap_or_else(|e| panic!("{e}"));
+    for replicas in [1, 0] {
+        let url = format!("{}?replicas={replicas}", cluster.url());
+        let store: Arc<dyn Store> =
+            Arc::new(RedisClusterStore::new(&url, &format!("bench{replicas}")).unwrap());
+        let cpu = |rt: &tokio::runtime::Runtime| -> u64 {
+            cluster
+                .node_urls()
+                .iter()
+                .map(|u| rt.block_on(redis_cpu_ns(u)))
+                .sum()
+        };
+        let rt = one_thread();
+        let before = cpu(&rt);
+        let run = rt.block_on(run_in_process(store, Duration::from_secs(3), 5));
+        let cluster_cpu = cpu(&rt).saturating_sub(before);
+        println!(
+            "cluster (3 masters + 3 replicas, WAIT for {replicas}), in process, 1 core: {:>10.0} key reports/s per core of the service ({} in {:.2} s of CPU, {:.2} s wall: {:.0}/s); \
+             CPU per report: service {:.2} us, the cluster's 6 redis-servers {:.2} us",
+            run.per_core(),
+            run.reports,
+            run.cpu_ns as f64 / 1e9,
+            run.wall.as_secs_f64(),
+            run.per_wall_s(),
+            run.cpu_ns as f64 / 1e3 / run.reports.max(1) as f64,
+            cluster_cpu as f64 / 1e3 / run.reports.max(1) as f64,
+        );
+    }
+    drop(cluster);
 
     // HTTP, embedded store, bounded count.
     let rt = tokio::runtime::Builder::new_multi_thread()

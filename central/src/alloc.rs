@@ -222,6 +222,7 @@ use tenantgate::sync::{Counts, FailureMode, Lease, SyncRequest, SyncResponse, PR
 use crate::error::{AllocError, ConfigError};
 pub use fair::{max_min_fair, Claim};
 pub use key::{Enforced, KeyState, KeyStats, RegionView, Span};
+pub use node_key::{Order, RequestSeq, Seen};
 use session::Intake;
 pub use session::{KeyId, SeqCheck, Session, MAX_SEQ_AHEAD_NS, MAX_SEQ_STEP};
 
@@ -535,7 +536,7 @@ pub struct Begun {
     intake: Intake,
     node: String,
     region: String,
-    seq: u64,
+    seq: RequestSeq,
     /// The (key, limit)s the node held before this request.
     held: BTreeSet<KeyId>,
     /// The node's settings (`None`: unreported, the policy's apply).
@@ -551,35 +552,30 @@ pub struct Begun {
 }
 
 impl Begun {
-    /// The records this request updates, each once, with the request's new
-    /// counts (`None`: a held key the request does not mention, settled
-    /// with zero counts).
+    /// The records this request updates, each once, with the request's
+    /// counts since the node's acknowledged base (`None`: a held key the
+    /// request does not mention, settled with zero counts). Each record
+    /// deduplicates them itself ([`visit`]).
     pub fn visits(&self) -> Vec<(KeyId, Option<Counts>)> {
         // Indexed, so a request's work is linear in its size (a hostile
         // request of thousands of reports must not cost their square).
-        let reported: HashSet<&KeyId> = self.intake.deltas.iter().map(|(d, _)| d).collect();
+        let reported: HashSet<&KeyId> = self.intake.totals.iter().map(|(d, _)| d).collect();
         let mut out: Vec<(KeyId, Option<Counts>)> =
-            Vec::with_capacity(self.held.len().saturating_add(self.intake.deltas.len()));
+            Vec::with_capacity(self.held.len().saturating_add(self.intake.totals.len()));
         for id in &self.held {
             if !reported.contains(id) {
                 out.push((id.clone(), None));
             }
         }
         // The intake holds each (key, limit) once (duplicates summed).
-        for (id, delta) in &self.intake.deltas {
-            out.push((id.clone(), Some(*delta)));
+        for (id, total) in &self.intake.totals {
+            out.push((id.clone(), Some(*total)));
         }
         out
     }
 
     pub fn node(&self) -> &str {
         &self.node
-    }
-
-    /// Each reported (key, limit) once, with the counts this request adds
-    /// (a retried request adds only what its lost answer had not counted).
-    pub fn deltas(&self) -> &[(KeyId, Counts)] {
-        &self.intake.deltas
     }
 
     /// The settings the node enforces.
@@ -603,9 +599,11 @@ impl Begun {
     }
 }
 
-/// Step 1, on the node's session (created if absent): deduplicates the
-/// request's counts. `None` if the request is stale (a duplicate or
-/// overtaken): then the session is unchanged and nothing may be counted.
+/// Step 1, on the node's session (created if absent): orders the request
+/// after the node's last one and sums its counts per (key, limit). `None`
+/// if the request is stale (a duplicate or overtaken): then the session is
+/// unchanged and nothing may be counted. (Which counts are new, each
+/// (key, limit) record decides in [`visit`].)
 pub fn begin(session: &mut Option<Session>, req: &SyncRequest, now: u64) -> Option<Begun> {
     let s = session.get_or_insert_with(|| Session::new(&req.region));
     let held = s.held.clone();
@@ -630,7 +628,11 @@ pub fn begin(session: &mut Option<Session>, req: &SyncRequest, now: u64) -> Opti
         intake,
         node: req.node_id.clone(),
         region: req.region.clone(),
-        seq: req.seq,
+        seq: RequestSeq {
+            boot: req.boot,
+            seq: req.seq,
+            acked: req.acked_seq,
+        },
         held,
         terms,
         mode: req.settings.map(|st| st.failure_mode),
@@ -646,10 +648,15 @@ pub enum Visit {
     Absent,
     /// A held key settled with zero counts; whether the node still holds it.
     Settled { holds: bool },
-    /// A reported key: the node's new lease.
-    Leased(Lease),
+    /// A reported key: the node's new lease, and the counts this record
+    /// had not counted before (what the request added here).
+    Leased { lease: Lease, counted: Counts },
     /// A reported limit the policy does not know: no lease.
     UnknownLimit { holds: bool },
+    /// The record already applied a later request of the node (which
+    /// carried this one's counts): nothing counted, nothing to write, no
+    /// lease.
+    Stale,
 }
 
 impl Visit {
@@ -657,19 +664,33 @@ impl Visit {
         match self {
             Visit::Absent => false,
             Visit::Settled { holds } | Visit::UnknownLimit { holds } => *holds,
-            Visit::Leased(_) => true,
+            Visit::Leased { .. } | Visit::Stale => true,
         }
     }
 }
 
-/// Step 2, on one (key, limit)'s record: brings it to `now`, then settles
-/// the node's counts and, for a reported key, grants its lease.
-/// `nodes_hint` is the number of nodes the service has a session for.
+/// What a request's visits counted, per reported (key, limit): after each
+/// record's deduplication (a retried request adds only what its lost
+/// answer had not counted).
+pub fn counted(visits: &[(KeyId, Visit)]) -> impl Iterator<Item = (&KeyId, Counts)> {
+    visits.iter().filter_map(|(id, v)| match v {
+        Visit::Leased { counted, .. } => Some((id, *counted)),
+        _ => None,
+    })
+}
+
+/// Step 2, on one (key, limit)'s record: brings it to `now`, deduplicates
+/// the node's counts against what this record counted of it (so the step
+/// is idempotent on its own: run twice for one request, it counts once),
+/// settles them and, for a reported key, grants its lease. `total`: the
+/// node's counts since its acknowledged base (`None`: a held key the
+/// request does not report). `nodes_hint` is the number of nodes the
+/// service has a session for.
 pub fn visit(
     cfg: &AllocConfig,
     slot: &mut Option<KeyState>,
     id: &KeyId,
-    delta: Option<Counts>,
+    total: Option<Counts>,
     begun: &Begun,
     nodes_hint: u64,
     now: u64,
@@ -682,11 +703,17 @@ pub fn visit(
             ks.retarget(limit, now);
         }
     }
-    let Some(delta) = delta else {
+    let Some(total) = total else {
         let Some(ks) = slot.as_mut() else {
             return Visit::Absent;
         };
-        ks.settle(node, Counts::default(), &begun.intake, cfg);
+        let Some(seen) = ks.intake(node, begun.seq, None) else {
+            return Visit::Settled { holds: false };
+        };
+        if seen.order == Order::Stale {
+            return Visit::Stale;
+        }
+        ks.settle(node, Counts::default(), &seen, cfg);
         ks.heard(node, now);
         return Visit::Settled {
             holds: ks.holds(node),
@@ -699,19 +726,33 @@ pub fn visit(
     };
     let ks = slot.get_or_insert_with(|| KeyState::new(limit, now));
     ks.advance(now, cfg);
-    let span = Span {
-        prev_heard_at: begun.intake.prev_heard_at,
-        started_ns: begun.started_ns(id),
+    ks.join(node, &begun.region, now);
+    let Some(seen) = ks.intake(node, begun.seq, Some(total)) else {
+        return Visit::Stale;
     };
-    ks.touch(node, &begun.region, delta, span, now, cfg);
-    ks.settle(node, delta, &begun.intake, cfg);
+    match seen.order {
+        Order::Stale => return Visit::Stale,
+        // Its demand was recorded when the request was applied here.
+        Order::Duplicate => {}
+        Order::Next => {
+            let span = Span {
+                prev_heard_at: begun.intake.prev_heard_at,
+                started_ns: begun.started_ns(id),
+            };
+            ks.touch(node, &begun.region, seen.delta, span, now, cfg);
+        }
+    }
+    ks.settle(node, seen.delta, &seen, cfg);
     ks.heard(node, now);
     let enforced = Enforced {
-        seq: begun.seq,
+        seq: begun.seq.seq,
         terms: begun.terms(cfg),
         mode: begun.mode_of(id, cfg),
     };
-    Visit::Leased(ks.grant(id, node, nodes_hint, enforced, now, cfg))
+    Visit::Leased {
+        lease: ks.grant(id, node, nodes_hint, enforced, now, cfg),
+        counted: seen.delta,
+    }
 }
 
 /// Step 3, on the node's session: the keys it holds from now on.
@@ -736,7 +777,7 @@ pub fn advance(cfg: &AllocConfig, ks: &mut KeyState, now: u64) {
 pub fn respond(cfg: &AllocConfig, req: &SyncRequest, visits: Vec<(KeyId, Visit)>) -> SyncResponse {
     let mut leases: Vec<Lease> = Vec::with_capacity(req.reports.len());
     for (_, v) in visits {
-        if let Visit::Leased(lease) = v {
+        if let Visit::Leased { lease, .. } = v {
             leases.push(lease);
         }
     }

@@ -81,6 +81,11 @@ impl RedisServer {
     pub fn start() -> Result<RedisServer, String> {
         let port = free_port()?;
         let dir = std::env::temp_dir().join(format!("tenantgate-redis-{}-{port}", std::process::id()));
+        RedisServer::start_in(dir, port, &[])
+    }
+
+    /// Starts one on `port` with its files in `dir` and `extra` options.
+    fn start_in(dir: PathBuf, port: u16, extra: &[String]) -> Result<RedisServer, String> {
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let bin = binary();
         let child = Command::new(&bin)
@@ -96,6 +101,7 @@ impl RedisServer {
             ])
             .arg("--dir")
             .arg(&dir)
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -142,6 +148,352 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.stop();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A Redis Cluster on loopback: three masters, each with one replica
+/// (`redis-server --cluster-enabled yes`, formed by `redis-cli --cluster
+/// create … --cluster-replicas 1`), persistence off, a node timeout of one
+/// second so a killed master's replica takes over within a few seconds.
+/// Killed and removed when dropped.
+pub struct RedisCluster {
+    nodes: Vec<ClusterNode>,
+}
+
+struct ClusterNode {
+    server: Option<RedisServer>,
+    dir: PathBuf,
+    port: u16,
+    bus_port: u16,
+}
+
+impl ClusterNode {
+    fn args(&self) -> Vec<String> {
+        vec![
+            "--cluster-enabled".into(),
+            "yes".into(),
+            "--cluster-config-file".into(),
+            self.dir.join("nodes.conf").to_string_lossy().into_owned(),
+            "--cluster-node-timeout".into(),
+            "1000".into(),
+            // Its own bus port: `port + 10000` could be another test's.
+            "--cluster-port".into(),
+            self.bus_port.to_string(),
+        ]
+    }
+
+    fn start(&mut self) -> Result<(), String> {
+        let mut server = RedisServer::start_in(self.dir.clone(), self.port, &self.args())?;
+        // The node's files (its nodes.conf) stay for a restart: the
+        // cluster removes them when dropped.
+        server.dir = PathBuf::new();
+        self.server = Some(server);
+        Ok(())
+    }
+
+    fn query(&self, cmd: &mut redis::Cmd) -> Result<redis::Value, String> {
+        let mut c = redis::Client::open(format!("redis://127.0.0.1:{}", self.port))
+            .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(2)))
+            .map_err(|e| format!("node {}: {e}", self.port))?;
+        cmd.query(&mut c).map_err(|e| format!("node {}: {e}", self.port))
+    }
+
+    /// A command's text answer ("" if the node does not answer).
+    fn text(&self, cmd: &mut redis::Cmd) -> String {
+        self.query(cmd)
+            .ok()
+            .and_then(|v| redis::from_redis_value::<String>(v).ok())
+            .unwrap_or_default()
+    }
+
+    fn cluster_info(&self) -> String {
+        self.text(redis::cmd("CLUSTER").arg("INFO"))
+    }
+
+    fn replication(&self) -> String {
+        self.text(redis::cmd("INFO").arg("replication"))
+    }
+}
+
+impl RedisCluster {
+    /// Starts six nodes, forms the cluster and waits (at most 30 s) until
+    /// every slot is served and every master's replica is in sync.
+    pub fn start() -> Result<RedisCluster, String> {
+        let mut nodes = Vec::new();
+        for _ in 0..6 {
+            let port = free_port()?;
+            let bus_port = free_port()?;
+            let dir = std::env::temp_dir().join(format!("tenantgate-rc-{}-{port}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            let mut node = ClusterNode {
+                server: None,
+                dir,
+                port,
+                bus_port,
+            };
+            node.start()?;
+            nodes.push(node);
+        }
+        let cluster = RedisCluster { nodes };
+        let cli = std::env::var_os("TENANTGATE_REDIS_CLI").unwrap_or_else(|| "redis-cli".into());
+        let out = Command::new(&cli)
+            .arg("--cluster")
+            .arg("create")
+            .args(cluster.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)))
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| {
+                format!(
+                    "cannot run {}: {e} (it comes with redis-server)",
+                    cli.to_string_lossy()
+                )
+            })?;
+        if !out.status.success() {
+            return Err(format!(
+                "redis-cli --cluster create: {}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout)
+            ));
+        }
+        cluster.wait_healthy(Duration::from_secs(30))?;
+        Ok(cluster)
+    }
+
+    /// `redis+cluster://` with every node as a seed.
+    pub fn url(&self) -> String {
+        let seeds: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        format!("redis+cluster://{}", seeds.join(","))
+    }
+
+    /// Every node's `redis://` URL (running or not).
+    pub fn node_urls(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|n| format!("redis://127.0.0.1:{}", n.port))
+            .collect()
+    }
+
+    /// Waits until every running node says `cluster_state:ok` and every
+    /// master has a replica online that is caught up.
+    pub fn wait_healthy(&self, within: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + within;
+        loop {
+            let running: Vec<&ClusterNode> = self.nodes.iter().filter(|n| n.server.is_some()).collect();
+            let ok = running
+                .iter()
+                .all(|n| n.cluster_info().contains("cluster_state:ok"));
+            let replicated = running.iter().all(|n| {
+                let r = n.replication();
+                !r.contains("role:master") || r.contains("state=online")
+            });
+            let masters = running
+                .iter()
+                .filter(|n| n.replication().contains("role:master"))
+                .count();
+            if ok && replicated && masters == 3 {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("the cluster did not become healthy within {within:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Kills (SIGKILL) the master that serves `key`'s slot; returns its
+    /// index for [`RedisCluster::failed_over`] and [`RedisCluster::restart`].
+    pub fn kill_master_of(&mut self, key: &str) -> Result<usize, String> {
+        let slot = self.slot_of(key)?;
+        let i = self
+            .master_of(slot)
+            .ok_or_else(|| format!("no running master serves slot {slot}"))?;
+        if let Some(mut s) = self.nodes[i].server.take() {
+            s.stop();
+        }
+        Ok(i)
+    }
+
+    fn slot_of(&self, key: &str) -> Result<i64, String> {
+        let node = self
+            .nodes
+            .iter()
+            .find(|n| n.server.is_some())
+            .ok_or("no node runs")?;
+        node.query(redis::cmd("CLUSTER").arg("KEYSLOT").arg(key))
+            .and_then(|v| redis::from_redis_value(v).map_err(|e| e.to_string()))
+    }
+
+    /// The running node that says it is the master serving `slot`.
+    fn master_of(&self, slot: i64) -> Option<usize> {
+        self.nodes
+            .iter()
+            .position(|n| n.server.is_some() && serves(&n.text(redis::cmd("CLUSTER").arg("NODES")), slot))
+    }
+
+    /// Whether a node other than `killed` now serves `key`'s slot as its
+    /// master, and every running node says every slot is served. (Until
+    /// then, a master restarted without persistence would come back with
+    /// its slots and no data, and its replica would copy the emptiness: the
+    /// classic way to lose a Redis master's data, which this waits out.)
+    pub fn failed_over(&self, key: &str, killed: usize) -> bool {
+        let Ok(slot) = self.slot_of(key) else {
+            return false;
+        };
+        self.master_of(slot).is_some_and(|m| m != killed)
+            && self
+                .nodes
+                .iter()
+                .filter(|n| n.server.is_some())
+                .all(|n| n.cluster_info().contains("cluster_state:ok"))
+    }
+
+    /// Starts moving `key`'s slot to another master, as `redis-cli
+    /// --cluster reshard` does: the slot `MIGRATING` on its master and
+    /// `IMPORTING` on the other, its keys still where they were (a client
+    /// that asks the old master for a key already moved is answered
+    /// `ASK`). Then [`RedisCluster::migrate_keys`] and
+    /// [`RedisCluster::finish_migration`].
+    pub fn begin_migration(&self, key: &str) -> Result<Migration, String> {
+        let slot = self.slot_of(key)?;
+        let from = self
+            .master_of(slot)
+            .ok_or_else(|| format!("no running master serves slot {slot}"))?;
+        let to = (0..self.nodes.len())
+            .find(|&i| {
+                i != from
+                    && self.nodes[i].server.is_some()
+                    && self.nodes[i].replication().contains("role:master")
+            })
+            .ok_or("no other master")?;
+        let id = |i: usize| self.nodes[i].text(redis::cmd("CLUSTER").arg("MYID"));
+        let m = Migration {
+            slot,
+            from,
+            to,
+            from_id: id(from),
+            to_id: id(to),
+        };
+        let set = |node: usize, state: &str, other: &str| {
+            self.nodes[node]
+                .query(
+                    redis::cmd("CLUSTER")
+                        .arg("SETSLOT")
+                        .arg(slot)
+                        .arg(state)
+                        .arg(other),
+                )
+                .map(|_| ())
+        };
+        set(m.to, "IMPORTING", &m.from_id)?;
+        set(m.from, "MIGRATING", &m.to_id)?;
+        Ok(m)
+    }
+
+    /// Moves every key of the migrating slot to its new master (`MIGRATE`).
+    pub fn migrate_keys(&self, m: &Migration) -> Result<usize, String> {
+        let from = &self.nodes[m.from];
+        let mut moved = 0;
+        loop {
+            let keys: Vec<String> = from
+                .query(redis::cmd("CLUSTER").arg("GETKEYSINSLOT").arg(m.slot).arg(100))
+                .and_then(|v| redis::from_redis_value(v).map_err(|e| e.to_string()))?;
+            if keys.is_empty() {
+                return Ok(moved);
+            }
+            let mut cmd = redis::cmd("MIGRATE");
+            cmd.arg("127.0.0.1")
+                .arg(self.nodes[m.to].port)
+                .arg("")
+                .arg(0)
+                .arg(5000)
+                .arg("KEYS")
+                .arg(&keys);
+            from.query(&mut cmd)?;
+            moved += keys.len();
+        }
+    }
+
+    /// Gives the slot to its new master on every master (`SETSLOT NODE`).
+    pub fn finish_migration(&self, m: &Migration) -> Result<(), String> {
+        for i in [m.to, m.from] {
+            self.nodes[i]
+                .query(
+                    redis::cmd("CLUSTER")
+                        .arg("SETSLOT")
+                        .arg(m.slot)
+                        .arg("NODE")
+                        .arg(&m.to_id),
+                )
+                .map(|_| ())?;
+        }
+        for (i, n) in self.nodes.iter().enumerate() {
+            if i != m.to && i != m.from && n.replication().contains("role:master") {
+                n.query(
+                    redis::cmd("CLUSTER")
+                        .arg("SETSLOT")
+                        .arg(m.slot)
+                        .arg("NODE")
+                        .arg(&m.to_id),
+                )
+                .map(|_| ())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Kills every node (an outage of the whole cluster).
+    pub fn stop_all(&mut self) {
+        for n in &mut self.nodes {
+            if let Some(mut s) = n.server.take() {
+                s.stop();
+            }
+        }
+    }
+
+    /// Starts node `i` again (with its cluster state: it rejoins, as a
+    /// replica of whoever took its slots).
+    pub fn restart(&mut self, i: usize) -> Result<(), String> {
+        let node = self.nodes.get_mut(i).ok_or("no such node")?;
+        node.start()
+    }
+}
+
+/// A slot on its way from one master to another
+/// ([`RedisCluster::begin_migration`]).
+pub struct Migration {
+    pub slot: i64,
+    from: usize,
+    to: usize,
+    from_id: String,
+    to_id: String,
+}
+
+/// Whether `CLUSTER NODES`' `myself` line is a master that serves `slot`.
+fn serves(nodes: &str, slot: i64) -> bool {
+    nodes
+        .lines()
+        .find(|l| l.contains("myself") && l.contains("master"))
+        .is_some_and(|l| {
+            l.split_whitespace().skip(8).any(|range| {
+                let (a, b) = range.split_once('-').unwrap_or((range, range));
+                matches!((a.parse::<i64>(), b.parse::<i64>()), (Ok(a), Ok(b)) if (a..=b).contains(&slot))
+            })
+        })
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for n in &mut self.nodes {
+            if let Some(mut s) = n.server.take() {
+                s.stop();
+            }
+            let _ = std::fs::remove_dir_all(&n.dir);
+        }
     }
 }
 

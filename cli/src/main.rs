@@ -104,8 +104,9 @@ struct ServeArgs {
     /// with its state in --store. Same authentication as --listen.
     #[arg(long)]
     grpc_listen: Option<std::net::SocketAddr>,
-    /// Where the allocator's state lives: `embedded` (in this process) or
-    /// `redis://HOST:PORT[/DB]` (shared by every replica).
+    /// Where the allocator's state lives: `embedded` (in this process),
+    /// `redis://HOST:PORT[/DB]` (shared by every replica) or
+    /// `redis+cluster://HOST:PORT,HOST:PORT[?replicas=N]` (a Redis Cluster).
     #[arg(long, default_value = "embedded")]
     store: String,
     /// The sync interval nodes are told to use, in milliseconds.

@@ -8,8 +8,8 @@ use serde::{Deserialize, Serialize};
 use tenantgate::sync::{Counts, FailureMode, Lease};
 
 use super::fair::{max_min_fair, Claim};
-use super::node_key::NodeKey;
-use super::session::{Intake, KeyId};
+use super::node_key::{NodeKey, RequestSeq, Seen};
+use super::session::KeyId;
 use super::{AllocConfig, GlobalLimit, KeyView, NodeTerms, NANOS_PER_MS};
 
 /// The weight of the newest report in a node's demand average: high, so a
@@ -373,6 +373,21 @@ impl KeyState {
         }
     }
 
+    /// The node's entry, created for a node that reports the key for the
+    /// first time (or since it was forgotten).
+    pub fn join(&mut self, node: &str, region: &str, now: u64) {
+        if !self.nodes.contains_key(node) {
+            self.nodes.insert(node.to_owned(), NodeKey::new(region, now));
+        }
+    }
+
+    /// Deduplicates a request's counts against what this record counted
+    /// of the node (see `NodeKey::intake`); `None` if the node has no
+    /// entry here (nothing to count against: see [`KeyState::join`]).
+    pub fn intake(&mut self, node: &str, req: RequestSeq, total: Option<Counts>) -> Option<Seen> {
+        self.nodes.get_mut(node).map(|nk| nk.intake(req, total))
+    }
+
     /// Records a report's demand (units per interval, averaged).
     pub fn touch(
         &mut self,
@@ -418,7 +433,7 @@ impl KeyState {
 
     /// Takes a node's new counts off its reservation and books what it
     /// admitted beyond grants and charges as debt.
-    pub fn settle(&mut self, node: &str, delta: Counts, intake: &Intake, cfg: &AllocConfig) {
+    pub fn settle(&mut self, node: &str, delta: Counts, intake: &Seen, cfg: &AllocConfig) {
         let Some(nk) = self.nodes.get_mut(node) else {
             return;
         };

@@ -3,8 +3,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use tenantgate::sync::FailureMode;
+use tenantgate::sync::{Counts, FailureMode};
 
+use super::session::Tally;
 use super::{AllocConfig, NodeTerms};
 
 /// Shares and allowances are counted in thousandths of a unit.
@@ -73,6 +74,54 @@ pub(super) struct NodeKey {
     pub(super) outage_acked: u64,
     #[serde(default)]
     pub(super) outage_unacked: u64,
+    /// Deduplication of the node's counts at this record (see
+    /// [`NodeKey::intake`]): the `boot` and the last `seq` of the node this
+    /// record applied, the base (`acked_seq`) its counts ran from, and
+    /// what the record counted since that base.
+    #[serde(default)]
+    pub(super) boot: u64,
+    #[serde(default)]
+    pub(super) applied_seq: u64,
+    #[serde(default)]
+    pub(super) base: u64,
+    #[serde(default)]
+    pub(super) counted: Tally,
+}
+
+/// Where a request stands in its node's order, as one record sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Order {
+    /// After the last request of the node this record applied.
+    Next,
+    /// The request this record applied last, again (a store ran its update
+    /// twice, or a retry whose first try landed here): nothing is counted.
+    Duplicate,
+    /// Older than what this record applied (a later request of the node
+    /// carried its counts): nothing is counted, nothing is written.
+    Stale,
+}
+
+/// A request's `boot`, `seq` and `acked_seq`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RequestSeq {
+    pub boot: u64,
+    pub seq: u64,
+    pub acked: u64,
+}
+
+/// What one record made of a request (see [`NodeKey::intake`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Seen {
+    pub order: Order,
+    /// The counts this record had not counted yet.
+    pub delta: Counts,
+    /// The node applied this record's previous answer (the one to
+    /// `prev_seq`).
+    pub acked_last: bool,
+    /// The last `seq` this record applied before this request.
+    pub prev_seq: u64,
+    /// When this record applied that request.
+    pub prev_heard_at: Option<u64>,
 }
 
 impl NodeKey {
@@ -105,7 +154,60 @@ impl NodeKey {
             outage_sent: 0,
             outage_acked: 0,
             outage_unacked: 0,
+            boot: 0,
+            applied_seq: 0,
+            base: 0,
+            counted: Tally::default(),
         }
+    }
+
+    /// Which of a request's counts (`total`: the node's counts since its
+    /// acknowledged base; `None` for a held key the request does not
+    /// report) this record has not counted yet, by the rules of the
+    /// `alloc::session` header; records the request as applied here
+    /// (unless [`Order::Stale`]). Linear in nothing: four numbers and a
+    /// tally per node, so a record's size does not grow with how a node
+    /// reports.
+    pub(super) fn intake(&mut self, req: RequestSeq, total: Option<Counts>) -> Seen {
+        if req.boot != self.boot {
+            // Another life of the node (or a record older than the field):
+            // nothing of its previous life deduplicates this one.
+            self.boot = req.boot;
+            self.applied_seq = 0;
+            self.base = 0;
+            self.counted = Tally::default();
+        }
+        let seen = |order, delta, acked_last| Seen {
+            order,
+            delta,
+            acked_last,
+            prev_seq: self.applied_seq,
+            prev_heard_at: self.heard_at,
+        };
+        if self.applied_seq != 0 && req.seq <= self.applied_seq {
+            let order = if req.seq == self.applied_seq {
+                Order::Duplicate
+            } else {
+                Order::Stale
+            };
+            return seen(order, Counts::default(), false);
+        }
+        let acked_last = self.applied_seq != 0 && req.acked == self.applied_seq;
+        if acked_last || req.acked != self.base {
+            self.base = req.acked;
+            self.counted = Tally::default();
+        }
+        let delta = match total {
+            Some(t) => {
+                let d = self.counted.new_in(t);
+                self.counted = Tally::of(t);
+                d
+            }
+            None => Counts::default(),
+        };
+        let out = seen(Order::Next, delta, acked_last);
+        self.applied_seq = req.seq;
+        out
     }
 
     pub(super) fn terms(&self, cfg: &AllocConfig) -> NodeTerms {
@@ -163,5 +265,109 @@ impl NodeKey {
         self.lease_seq != 0
             && now >= self.granted_at.saturating_add(cfg.lease_ttl_ns)
             && self.heard_at.is_none_or(|h| h <= self.granted_at)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seq(seq: u64, acked: u64) -> RequestSeq {
+        RequestSeq { boot: 0, seq, acked }
+    }
+
+    fn c(consumed: u64) -> Option<Counts> {
+        Some(Counts {
+            consumed,
+            unleased: 0,
+            demand: consumed,
+        })
+    }
+
+    fn fresh() -> NodeKey {
+        NodeKey::new("r", 1)
+    }
+
+    #[test]
+    fn a_lost_response_is_not_counted_twice() {
+        let mut nk = fresh();
+        assert_eq!(nk.intake(seq(10, 0), c(5)).delta.consumed, 5);
+        // Our answer to 10 was lost: 11 carries 5 again, plus 3.
+        let s = nk.intake(seq(11, 0), c(8));
+        assert!(!s.acked_last);
+        assert_eq!(s.delta.consumed, 3);
+        // The node got our answer to 11: 12's counts are all new.
+        let s = nk.intake(seq(12, 11), c(4));
+        assert!(s.acked_last);
+        assert_eq!(s.prev_seq, 11);
+        assert_eq!(s.delta.consumed, 4);
+    }
+
+    #[test]
+    fn a_lost_request_is_counted_once_when_its_counts_come_again() {
+        let mut nk = fresh();
+        nk.intake(seq(10, 0), c(5));
+        // 11 (acked 10, counts 2) was lost; 12 carries them with 1 more.
+        assert_eq!(nk.intake(seq(12, 10), c(3)).delta.consumed, 3);
+    }
+
+    #[test]
+    fn the_same_request_twice_counts_once_and_an_older_one_counts_nothing() {
+        // What makes one record's update idempotent on its own: a store
+        // that ran it twice (Redis Cluster: a script retried after a lost
+        // answer), or the node's retry of a request that landed here but
+        // not in another record.
+        let mut nk = fresh();
+        nk.intake(seq(10, 0), c(5));
+        let again = nk.intake(seq(10, 0), c(5));
+        assert_eq!(again.order, Order::Duplicate);
+        assert_eq!(again.delta, Counts::default());
+        // 12 landed here first (a replica raced 11's slow write).
+        nk.intake(seq(12, 0), c(9));
+        let late = nk.intake(seq(11, 0), c(7));
+        assert_eq!(late.order, Order::Stale);
+        assert_eq!(late.delta, Counts::default());
+        assert_eq!(nk.applied_seq, 12);
+        assert_eq!(nk.counted.consumed, 9);
+    }
+
+    #[test]
+    fn a_record_that_missed_a_request_counts_its_carried_counts_once() {
+        // 11 landed in the session and other records but not here (its
+        // slot's write failed); 12 still acknowledges 10 and carries 11's
+        // counts: all new here.
+        let mut nk = fresh();
+        nk.intake(seq(10, 0), c(5));
+        let s = nk.intake(seq(12, 10), c(6));
+        assert!(s.acked_last);
+        assert_eq!(s.delta.consumed, 6);
+    }
+
+    #[test]
+    fn a_new_boot_or_an_unknown_base_takes_the_counts_whole() {
+        let mut nk = fresh();
+        assert_eq!(nk.intake(seq(50, 42), c(7)).delta.consumed, 7);
+        nk.intake(seq(51, 42), c(9));
+        // Restarted: a lower seq, another boot.
+        let s = nk.intake(
+            RequestSeq {
+                boot: 3,
+                seq: 2,
+                acked: 0,
+            },
+            c(4),
+        );
+        assert_eq!(s.order, Order::Next);
+        assert_eq!(s.delta.consumed, 4);
+    }
+
+    #[test]
+    fn a_held_key_not_reported_keeps_its_tally_until_the_base_moves() {
+        let mut nk = fresh();
+        nk.intake(seq(10, 0), c(5));
+        // 11 does not report it, and its answer to 10 was lost.
+        assert_eq!(nk.intake(seq(11, 0), None).delta, Counts::default());
+        // 12 reports it again from the same base: only what is new.
+        assert_eq!(nk.intake(seq(12, 0), c(6)).delta.consumed, 1);
     }
 }

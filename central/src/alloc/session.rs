@@ -1,20 +1,31 @@
-//! Per-node request bookkeeping: which counts of a report are new.
+//! Per-node request bookkeeping: the order of a node's requests.
 //!
 //! A node's counts run from its last *acknowledged* report (its
 //! `acked_seq`), so a report whose response was lost is merged into the
-//! next one. The session remembers, per (key, limit), what it has already
-//! counted since that base; a new request counts only the difference:
+//! next one. Which of a report's counts are new is decided **per (key,
+//! limit) record**, by the node's entry in that record (`NodeKey::intake`
+//! in `node_key.rs`): it remembers the last `seq` of the node it applied,
+//! the base that `seq` counted from, and what it counted since that base.
+//! So each record deduplicates its own counts, and a store that writes a
+//! request's records in several transactions (Redis Cluster: one per hash
+//! slot) still counts every unit once, whichever of them land (see
+//! `crate::store`). The rules, per record:
 //!
-//! * `acked_seq == last applied seq`: the node got our last response, so
-//!   its counts are all new (the base moves on);
-//! * `acked_seq == base`: our last response was lost; subtract what we
-//!   counted since the base;
+//! * `acked_seq ==` the last `seq` the record applied: the node got that
+//!   response, so its counts are all new (the base moves on);
+//! * `acked_seq ==` the record's base: that response was lost; subtract
+//!   what the record counted since the base;
 //! * anything else (we lost our state, or the node restarted): take the
 //!   counts whole. That can count some units twice, never zero times: the
-//!   error is toward admitting less.
+//!   error is toward admitting less;
+//! * the same `seq` again (a store ran the record's update twice, or a
+//!   retried request whose first try landed here): nothing is counted;
+//! * an older `seq` than the record applied: nothing is counted.
 //!
-//! A request whose `seq` is not above the last applied one is a duplicate
-//! or arrived out of order; it is refused and counts nothing.
+//! The session keeps what is about the node as a whole: its `seq` order (a
+//! request whose `seq` is not above the last applied one is a duplicate or
+//! arrived out of order; it is refused and counts nothing), its `boot`,
+//! when it was last heard, the (key, limit)s it holds and its settings.
 //!
 //! # Sessions (`boot`)
 //! A node's `seq`s live within a session that the node starts: the
@@ -30,7 +41,7 @@
 //! [`MAX_SEQ_AHEAD_NS`] ahead of the service's clock, so nobody can push it
 //! to `u64::MAX` and lock the node out for good.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::{Deserialize, Serialize};
 use tenantgate::sync::{Counts, SyncRequest};
@@ -50,12 +61,6 @@ pub const MAX_SEQ_STEP: u64 = 1 << 20;
 /// service's. Ten minutes.
 pub const MAX_SEQ_AHEAD_NS: u64 = 600 * 1_000_000_000;
 
-/// The most (key, limit)s a session remembers counts for since its base
-/// (four requests of the node's maximum size). Beyond, it forgets them and
-/// takes the next counts whole: an error toward admitting less, and a
-/// session that cannot grow without bound however a node reports.
-pub const MAX_COUNTED: usize = 4 * 4096;
-
 /// How a request's `seq` stands against its node's session.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SeqCheck {
@@ -69,14 +74,13 @@ pub enum SeqCheck {
     Jump,
 }
 
-/// What a request brings, once deduplicated.
+/// What a request brings: its counts per (key, limit), each record to
+/// deduplicate them itself.
 #[derive(Debug, Clone)]
 pub struct Intake {
-    /// New counts per reported (key, limit), in the request's order.
-    pub deltas: Vec<(KeyId, Counts)>,
-    /// The node applied our previous response (the one to `prev_seq`).
-    pub acked_last: bool,
-    pub prev_seq: u64,
+    /// The counts since the node's acknowledged base, per reported (key,
+    /// limit) (a (key, limit) named twice summed), in the request's order.
+    pub totals: Vec<(KeyId, Counts)>,
     /// When we applied and answered the node's previous request (service
     /// clock).
     pub prev_heard_at: Option<u64>,
@@ -92,7 +96,10 @@ pub struct Session {
     #[serde(default)]
     boot: u64,
     last_seq: u64,
+    /// The last request's `acked_seq` (kept for the record's format).
     base: u64,
+    /// Always empty: counts are deduplicated per (key, limit) record since
+    /// issue 22 (kept so that records of either version read).
     counted: BTreeMap<KeyId, Tally>,
     /// When the last request was applied (and answered).
     pub heard_at: Option<u64>,
@@ -115,12 +122,31 @@ struct SessionV1 {
     held: BTreeSet<KeyId>,
 }
 
-/// [`Counts`] as a session stores them.
+/// [`Counts`] as a record stores them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-struct Tally {
-    consumed: u64,
-    unleased: u64,
-    demand: u64,
+pub(super) struct Tally {
+    pub(super) consumed: u64,
+    pub(super) unleased: u64,
+    pub(super) demand: u64,
+}
+
+impl Tally {
+    pub(super) fn of(c: Counts) -> Tally {
+        Tally {
+            consumed: c.consumed,
+            unleased: c.unleased,
+            demand: c.demand,
+        }
+    }
+
+    /// What `total` adds to this.
+    pub(super) fn new_in(&self, total: Counts) -> Counts {
+        Counts {
+            consumed: total.consumed.saturating_sub(self.consumed),
+            unleased: total.unleased.saturating_sub(self.unleased),
+            demand: total.demand.saturating_sub(self.demand),
+        }
+    }
 }
 
 impl Session {
@@ -199,64 +225,52 @@ impl Session {
         }
     }
 
-    /// Deduplicates `req`'s counts; `None` if it is stale or jumps (see
-    /// [`Session::seq_check`]).
+    /// Orders `req` after the session's last request and sums its counts
+    /// per (key, limit); `None` if it is stale or jumps (see
+    /// [`Session::seq_check`]). Which counts are new is each record's to
+    /// decide (the module header).
     pub fn intake(&mut self, req: &SyncRequest, now: u64) -> Option<Intake> {
         match self.seq_check(req, now) {
             SeqCheck::Stale | SeqCheck::Jump => return None,
             SeqCheck::NewSession => {
                 self.boot = req.boot;
                 self.last_seq = 0;
-                self.base = 0;
-                self.counted.clear();
             }
             SeqCheck::Next => {}
         }
-        let acked_last = self.last_seq != 0 && req.acked_seq == self.last_seq;
-        if acked_last || req.acked_seq != self.base || self.counted.len() > MAX_COUNTED {
-            self.base = req.acked_seq;
-            self.counted.clear();
-        }
+        self.base = req.acked_seq;
+        // Sessions written before issue 22 counted here: forgotten.
+        self.counted.clear();
         // A (key, limit) named twice in one report carries two parts of
         // its counts (two slots, a retried scan): they are summed first.
         // (Each report is looked up once in an index: linear in the
         // report, whatever its duplicates.)
-        let mut totals: Vec<(KeyId, Tally)> = Vec::with_capacity(req.reports.len());
-        let mut index: BTreeMap<(&str, &str), usize> = BTreeMap::new();
+        let mut totals: Vec<(KeyId, Counts)> = Vec::with_capacity(req.reports.len());
+        let mut index: HashMap<(&str, &str), usize> = HashMap::with_capacity(req.reports.len());
         for r in &req.reports {
-            let part = Tally {
-                consumed: r.consumed,
-                unleased: r.unleased,
-                demand: r.demand,
-            };
             match index.get(&(r.key.as_str(), r.limit.as_str())) {
                 Some(&i) => {
                     if let Some((_, t)) = totals.get_mut(i) {
-                        t.consumed = t.consumed.saturating_add(part.consumed);
-                        t.unleased = t.unleased.saturating_add(part.unleased);
-                        t.demand = t.demand.saturating_add(part.demand);
+                        t.consumed = t.consumed.saturating_add(r.consumed);
+                        t.unleased = t.unleased.saturating_add(r.unleased);
+                        t.demand = t.demand.saturating_add(r.demand);
                     }
                 }
                 None => {
                     index.insert((r.key.as_str(), r.limit.as_str()), totals.len());
-                    totals.push(((r.key.clone(), r.limit.clone()), part));
+                    totals.push((
+                        (r.key.clone(), r.limit.clone()),
+                        Counts {
+                            consumed: r.consumed,
+                            unleased: r.unleased,
+                            demand: r.demand,
+                        },
+                    ));
                 }
             }
         }
-        let mut deltas = Vec::with_capacity(totals.len());
-        for (id, total) in totals {
-            let before = self.counted.insert(id.clone(), total).unwrap_or_default();
-            let delta = Counts {
-                consumed: total.consumed.saturating_sub(before.consumed),
-                unleased: total.unleased.saturating_sub(before.unleased),
-                demand: total.demand.saturating_sub(before.demand),
-            };
-            deltas.push((id, delta));
-        }
         let intake = Intake {
-            deltas,
-            acked_last,
-            prev_seq: self.last_seq,
+            totals,
             prev_heard_at: self.heard_at,
         };
         self.last_seq = req.seq;
@@ -294,29 +308,7 @@ mod tests {
     }
 
     fn consumed(i: &Intake) -> u64 {
-        i.deltas[0].1.consumed
-    }
-
-    #[test]
-    fn a_lost_response_is_not_counted_twice() {
-        let mut s = Session::new("r");
-        assert_eq!(consumed(&s.intake(&req(10, 0, 5), 1).unwrap()), 5);
-        // Our answer to 10 was lost: 11 carries 5 again, plus 3.
-        let i = s.intake(&req(11, 0, 8), 2).unwrap();
-        assert!(!i.acked_last);
-        assert_eq!(consumed(&i), 3);
-        // The node got our answer to 11: 12's counts are all new.
-        let i = s.intake(&req(12, 11, 4), 3).unwrap();
-        assert!(i.acked_last);
-        assert_eq!(consumed(&i), 4);
-    }
-
-    #[test]
-    fn a_lost_request_is_counted_once_when_its_counts_come_again() {
-        let mut s = Session::new("r");
-        s.intake(&req(10, 0, 5), 1).unwrap();
-        // 11 (acked 10, counts 2) was lost; 12 carries them with 1 more.
-        assert_eq!(consumed(&s.intake(&req(12, 10, 3), 3).unwrap()), 3);
+        i.totals[0].1.consumed
     }
 
     #[test]
@@ -328,19 +320,15 @@ mod tests {
     }
 
     #[test]
-    fn a_key_named_twice_in_one_report_is_summed_not_subtracted() {
+    fn a_key_named_twice_in_one_report_is_summed() {
         // Regression: the second occurrence was taken as "already counted"
         // and only the difference (here 0) was counted.
         let mut s = Session::new("r");
         let mut r = req(10, 0, 5);
         r.reports.push(r.reports[0].clone());
         let i = s.intake(&r, 1).unwrap();
-        assert_eq!(i.deltas.len(), 1);
+        assert_eq!(i.totals.len(), 1);
         assert_eq!(consumed(&i), 10);
-        // The next report carries the sum again (lost answer): nothing new.
-        let mut again = req(11, 0, 5);
-        again.reports.push(again.reports[0].clone());
-        assert_eq!(consumed(&s.intake(&again, 2).unwrap()), 0);
     }
 
     #[test]
@@ -377,14 +365,15 @@ mod tests {
         // Restarted, with seq below its old ones: a new session.
         let i = s.intake(&with_boot(5, 0, 4, 8), 4).unwrap();
         assert_eq!(consumed(&i), 4);
-        assert!(!i.acked_last);
         assert_eq!(s.seq_check(&with_boot(5, 0, 4, 8), 5), SeqCheck::Stale);
         assert_eq!(s.seq_check(&with_boot(6, 5, 4, 8), 5), SeqCheck::Next);
     }
 
     #[test]
-    fn a_session_never_remembers_more_than_its_bound() {
-        // A node that never acknowledges, with new keys in every request.
+    fn a_session_remembers_no_counts_however_a_node_reports() {
+        // Counts are deduplicated per (key, limit) record: a node that
+        // never acknowledges, with new keys in every request, grows no
+        // session (before issue 22 it remembered up to 16,384 tallies).
         let mut s = Session::new("r");
         for seq in 1..=10u64 {
             let mut r = req(seq, 0, 1);
@@ -400,14 +389,7 @@ mod tests {
                 })
                 .collect();
             s.intake(&r, seq).unwrap();
-            assert!(s.counted.len() <= MAX_COUNTED + 4096, "{}", s.counted.len());
+            assert!(s.counted.is_empty());
         }
-    }
-
-    #[test]
-    fn an_unknown_base_takes_the_counts_whole() {
-        // We restarted (or the node did): count everything, erring low.
-        let mut s = Session::new("r");
-        assert_eq!(consumed(&s.intake(&req(50, 42, 7), 1).unwrap()), 7);
     }
 }

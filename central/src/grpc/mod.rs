@@ -29,6 +29,12 @@ pub fn open_counters(spec: &str, max_keys: u64) -> Result<Arc<dyn Counters>, Str
             .map(|s| Arc::new(s) as Arc<dyn Counters>)
             .map_err(|e| e.to_string());
     }
+    if spec.starts_with("redis+cluster://") {
+        return Err(format!(
+            "--store {spec}: --grpc-listen (the RLS) runs on `embedded` or a redis:// URL, not on \
+             Redis Cluster (a request's descriptors are charged all or nothing, and their keys span slots)"
+        ));
+    }
     Err(format!("--store {spec}: expected `embedded` or a redis:// URL"))
 }
 

@@ -362,18 +362,9 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// Builds the store named on the command line: `embedded` or a
-/// `redis://host:port[/db]` URL.
+/// Builds the store named on the command line (see [`crate::store::open`]).
 pub fn open_store(spec: &str) -> Result<Arc<dyn Store>, String> {
-    if spec == "embedded" {
-        return Ok(Arc::new(crate::store::EmbeddedStore::new()));
-    }
-    if spec.starts_with("redis://") {
-        return crate::store::RedisStore::new(spec, "tg")
-            .map(|s| Arc::new(s) as Arc<dyn Store>)
-            .map_err(|e| e.to_string());
-    }
-    Err(format!("--store {spec}: expected `embedded` or a redis:// URL"))
+    crate::store::open(spec)
 }
 
 /// `tenantgate serve`: logs to stderr (`RUST_LOG` filters, default `info`),

@@ -394,12 +394,12 @@ impl Service {
         if let Some(e) = txn.refused {
             return Err(e);
         }
-        let Some(begun) = txn.begun.as_ref() else {
+        if txn.begun.is_none() {
             return Err(SyncError::Stale(req.seq));
-        };
+        }
         self.top.record(
             &req.region,
-            begun.deltas().iter().map(|((key, _), c)| top::Seen {
+            alloc::counted(&txn.visits).map(|((key, _), c)| top::Seen {
                 key,
                 demand: c.demand,
                 consumed: c.consumed,

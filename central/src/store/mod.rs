@@ -19,14 +19,23 @@
 //! * [`EmbeddedStore`]: in the service's process (the default). Nothing to
 //!   run; state is lost when the process exits.
 //! * [`RedisStore`]: shared by every replica, survives their restarts. Each
-//!   record is a hash `{v: version, d: bytes}`; a request's writes are one
-//!   Lua script that checks every record's `v` and then writes them all
-//!   (Redis runs a script alone), retried a bounded number of times.
+//!   record is a string (its version, then its bytes); a request's writes
+//!   are one Lua script that checks every record's version and then writes
+//!   them all (Redis runs a script alone), retried a bounded number of
+//!   times.
+//! * [`RedisClusterStore`]: the same records over a Redis Cluster. A
+//!   request is one script per hash slot, each atomic on its own, not one
+//!   transaction: exactness comes from each (key, limit) record
+//!   deduplicating its own node's counts (`crate::alloc::session`), so a
+//!   request whose slots land in part counts nothing twice and loses
+//!   nothing (its module header says how, and how a write is acknowledged
+//!   only once replicated).
 //!
 //! Errors say whether they are transient ([`StoreError::is_transient`]), so
 //! the caller can answer "try again" (the node then runs its leases to their
 //! expiry and applies its failure mode) rather than "broken".
 
+mod cluster;
 pub mod codec;
 mod embedded;
 mod redis;
@@ -36,6 +45,7 @@ use serde::{de::DeserializeOwned, Serialize};
 
 pub use self::redis::RedisStore;
 use crate::alloc::{KeyId, KeyState, Session};
+pub use cluster::{ClusterSpec, RedisClusterStore, WAIT_MS};
 pub use embedded::{EmbeddedStore, Footprint};
 
 /// Update functions: `FnMut(record) -> write?`. `None` in the slot: no
@@ -103,6 +113,28 @@ pub trait Txn: Send {
     /// records of `begin`'s ids (in its order). Returns whether to write
     /// the session (`None` in the slot: delete it).
     fn apply(&mut self, session: &mut Option<Session>, keys: &mut [KeySlot]) -> bool;
+}
+
+/// Opens the store `--store` names: `embedded`, a `redis://` URL (one
+/// Redis, with replicas) or a `redis+cluster://host:port,…` URL (a Redis
+/// Cluster, see [`ClusterSpec::parse`]).
+pub fn open(spec: &str) -> Result<std::sync::Arc<dyn Store>, String> {
+    if spec == "embedded" {
+        return Ok(std::sync::Arc::new(EmbeddedStore::new()));
+    }
+    if spec.starts_with("redis://") {
+        return RedisStore::new(spec, "tg")
+            .map(|s| std::sync::Arc::new(s) as std::sync::Arc<dyn Store>)
+            .map_err(|e| e.to_string());
+    }
+    if spec.starts_with("redis+cluster://") {
+        return RedisClusterStore::new(spec, "tg")
+            .map(|s| std::sync::Arc::new(s) as std::sync::Arc<dyn Store>)
+            .map_err(|e| e.to_string());
+    }
+    Err(format!(
+        "--store {spec}: expected `embedded`, a redis:// URL or a redis+cluster://host:port,… URL"
+    ))
 }
 
 /// The allocator's records, shared by the service replicas.

@@ -50,7 +50,7 @@ pub const MAX_ATTEMPTS: u32 = 16;
 
 /// `KEYS[1]` record; `ARGV` expected version ("" when absent), new value
 /// (its version first). Returns 1 if written, 0 if the version moved.
-const CAS: &str = r"
+pub(super) const CAS: &str = r"
 local r = redis.call('GET', KEYS[1])
 if (r and string.sub(r, 1, 8) or '') ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[2])
@@ -59,7 +59,7 @@ return 1
 
 /// `KEYS[1]` record; `ARGV[1]` expected version. Deletes the record if its
 /// version is still that. Returns 1 if deleted, 0 if the version moved.
-const CAS_DEL: &str = r"
+pub(super) const CAS_DEL: &str = r"
 local r = redis.call('GET', KEYS[1])
 if (r and string.sub(r, 1, 8) or '') ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
@@ -95,22 +95,25 @@ return 1
 
 /// Every command of a request must answer within this (the node's callout
 /// timeout is longer).
-const RESPONSE_TIMEOUT: Duration = Duration::from_millis(250);
+pub(super) const RESPONSE_TIMEOUT: Duration = Duration::from_millis(250);
 
 pub struct RedisStore {
     client: Client,
     conn: OnceCell<ConnectionManager>,
-    prefix: String,
+    names: Names,
 }
 
-type Version = Option<u64>;
+pub(super) type Version = Option<u64>;
 
 /// Bytes of a record's version, before its bytes.
 const VERSION_LEN: usize = 8;
 
 /// A stored value: its version and its record's bytes (`None`: no record;
 /// a value shorter than a version is corrupt).
-fn split_value(record: &str, value: Option<Vec<u8>>) -> Result<(Version, Option<Vec<u8>>), StoreError> {
+pub(super) fn split_value(
+    record: &str,
+    value: Option<Vec<u8>>,
+) -> Result<(Version, Option<Vec<u8>>), StoreError> {
     let Some(mut v) = value else {
         return Ok((None, None));
     };
@@ -127,17 +130,86 @@ fn split_value(record: &str, value: Option<Vec<u8>>) -> Result<(Version, Option<
 }
 
 /// The version as the scripts compare it ("" when absent).
-fn version_arg(v: Version) -> Vec<u8> {
+pub(super) fn version_arg(v: Version) -> Vec<u8> {
     v.map(|v| v.to_be_bytes().to_vec()).unwrap_or_default()
 }
 
 /// The value that writes `record`'s encoding at the version after `v`.
-fn next_value<T: super::Record>(record: &str, v: Version, value: &T) -> Result<Vec<u8>, StoreError> {
+pub(super) fn next_value<T: super::Record>(
+    record: &str,
+    v: Version,
+    value: &T,
+) -> Result<Vec<u8>, StoreError> {
     let next = v.unwrap_or(0).wrapping_add(1);
     let mut out = Vec::with_capacity(VERSION_LEN + 192);
     out.extend_from_slice(&next.to_be_bytes());
     super::encode_into(&mut out, record, value)?;
     Ok(out)
+}
+
+/// The records' names under a prefix (shared with the cluster store).
+pub(super) struct Names {
+    prefix: String,
+}
+
+impl Names {
+    pub(super) fn new(prefix: &str) -> Names {
+        Names {
+            prefix: prefix.to_owned(),
+        }
+    }
+
+    pub(super) fn key_record(&self, id: &KeyId) -> String {
+        format!("{}:{{{}}}:{}", self.prefix, id.0, id.1)
+    }
+
+    pub(super) fn key_of_record(&self, record: &str) -> Option<KeyId> {
+        // Limit names have no `}` or `:`, so the last `}:` ends the key.
+        let rest = record.strip_prefix(&self.prefix)?.strip_prefix(":{")?;
+        let (key, limit) = rest.rsplit_once("}:")?;
+        Some((key.to_owned(), limit.to_owned()))
+    }
+
+    pub(super) fn session_record(&self, node: &str) -> String {
+        format!("{}:n:{{{node}}}", self.prefix)
+    }
+
+    /// `SCAN`'s pattern for every (key, limit) record: the prefix (glob
+    /// characters escaped), then `:{`.
+    pub(super) fn key_pattern(&self) -> String {
+        let mut p = glob_escaped(&self.prefix);
+        p.push_str(":{*");
+        p
+    }
+
+    /// `SCAN`'s pattern for every session record.
+    pub(super) fn session_pattern(&self) -> String {
+        let mut p = glob_escaped(&self.prefix);
+        p.push_str(":n:{*");
+        p
+    }
+
+    /// The node a session record's name names.
+    pub(super) fn node_of_session(&self, record: &str) -> Option<String> {
+        let rest = record.strip_prefix(&self.prefix)?.strip_prefix(":n:{")?;
+        rest.strip_suffix('}').map(str::to_owned)
+    }
+
+    pub(super) fn nodes_set(&self) -> String {
+        format!("{}:nodes", self.prefix)
+    }
+}
+
+/// `s` with `SCAN`'s glob characters escaped.
+fn glob_escaped(s: &str) -> String {
+    let mut p = String::with_capacity(s.len() + 4);
+    for c in s.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            p.push('\\');
+        }
+        p.push(c);
+    }
+    p
 }
 
 impl RedisStore {
@@ -148,7 +220,7 @@ impl RedisStore {
         Ok(RedisStore {
             client,
             conn: OnceCell::new(),
-            prefix: prefix.to_owned(),
+            names: Names::new(prefix),
         })
     }
 
@@ -163,7 +235,7 @@ impl RedisStore {
             .cmd("GET")
             .arg(record)
             .cmd("SCARD")
-            .arg(self.nodes_set())
+            .arg(self.names.nodes_set())
             .query_async(conn)
             .await
             .map_err(map_err)?;
@@ -190,38 +262,9 @@ impl RedisStore {
         Ok(conn.clone())
     }
 
-    fn key_record(&self, id: &KeyId) -> String {
-        format!("{}:{{{}}}:{}", self.prefix, id.0, id.1)
-    }
-
-    fn key_of_record(&self, record: &str) -> Option<KeyId> {
-        // Limit names have no `}` or `:`, so the last `}:` ends the key.
-        let rest = record.strip_prefix(&self.prefix)?.strip_prefix(":{")?;
-        let (key, limit) = rest.rsplit_once("}:")?;
-        Some((key.to_owned(), limit.to_owned()))
-    }
-
-    fn session_record(&self, node: &str) -> String {
-        format!("{}:n:{{{node}}}", self.prefix)
-    }
-
-    /// `SCAN`'s pattern for every (key, limit) record: the prefix (glob
-    /// characters escaped), then `:{`.
-    fn key_pattern(&self) -> String {
-        let mut p = String::with_capacity(self.prefix.len() + 3);
-        for c in self.prefix.chars() {
-            if matches!(c, '*' | '?' | '[' | ']' | '\\') {
-                p.push('\\');
-            }
-            p.push(c);
-        }
-        p.push_str(":{*");
-        p
-    }
-
     /// Every (key, limit) record's name, by `SCAN` (a batch at a time).
     async fn scan_keys(&self, conn: &mut ConnectionManager) -> Result<Vec<String>, StoreError> {
-        let pattern = self.key_pattern();
+        let pattern = self.names.key_pattern();
         let mut out = Vec::new();
         let mut cursor: u64 = 0;
         loop {
@@ -241,13 +284,9 @@ impl RedisStore {
             cursor = next;
         }
     }
-
-    fn nodes_set(&self) -> String {
-        format!("{}:nodes", self.prefix)
-    }
 }
 
-fn map_err(e: RedisError) -> StoreError {
+pub(super) fn map_err(e: RedisError) -> StoreError {
     if e.is_timeout() {
         StoreError::Timeout(e.to_string())
     } else if e.is_io_error()
@@ -261,7 +300,7 @@ fn map_err(e: RedisError) -> StoreError {
     }
 }
 
-fn cas_del_cmd(pipe: &mut redis::Pipeline, record: &str, version: u64) {
+pub(super) fn cas_del_cmd(pipe: &mut redis::Pipeline, record: &str, version: u64) {
     pipe.cmd("EVAL")
         .arg(CAS_DEL)
         .arg(1)
@@ -269,7 +308,7 @@ fn cas_del_cmd(pipe: &mut redis::Pipeline, record: &str, version: u64) {
         .arg(version_arg(Some(version)));
 }
 
-fn cas_cmd(pipe: &mut redis::Pipeline, record: &str, version: Version, value: Vec<u8>) {
+pub(super) fn cas_cmd(pipe: &mut redis::Pipeline, record: &str, version: Version, value: Vec<u8>) {
     pipe.cmd("EVAL")
         .arg(CAS)
         .arg(1)
@@ -279,14 +318,14 @@ fn cas_cmd(pipe: &mut redis::Pipeline, record: &str, version: Version, value: Ve
 }
 
 /// What [`CAS_ALL`] does to one record.
-enum Op {
+pub(super) enum Op {
     Check,
     Create(Vec<u8>),
     Write(Vec<u8>),
     Delete,
 }
 
-fn push_op(script: &mut redis::Cmd, version: Version, op: Op) {
+pub(super) fn push_op(script: &mut redis::Cmd, version: Version, op: Op) {
     let (code, value) = match op {
         Op::Check => ("-", Vec::new()),
         Op::Create(b) => ("c", b),
@@ -310,7 +349,7 @@ impl Store for RedisStore {
 
     async fn update_session(&self, node: &str, f: &mut SessionUpdate<'_>) -> Result<u64, StoreError> {
         let mut conn = self.conn().await?;
-        let record = self.session_record(node);
+        let record = self.names.session_record(node);
         for _ in 0..MAX_ATTEMPTS {
             let (version, mut slot, count) = self.read_session(&mut conn, &record).await?;
             let created = slot.is_none();
@@ -324,7 +363,7 @@ impl Store for RedisStore {
                 // Deleted (expired).
                 let mut pipe = redis::pipe();
                 cas_del_cmd(&mut pipe, &record, v);
-                pipe.cmd("SREM").arg(self.nodes_set()).arg(node).ignore();
+                pipe.cmd("SREM").arg(self.names.nodes_set()).arg(node).ignore();
                 let (deleted,): (i64,) = pipe.query_async(&mut conn).await.map_err(map_err)?;
                 if deleted == 1 {
                     return Ok(count.saturating_sub(1));
@@ -339,7 +378,7 @@ impl Store for RedisStore {
                 next_value(&record, version, &session)?,
             );
             if created {
-                pipe.cmd("SADD").arg(self.nodes_set()).arg(node);
+                pipe.cmd("SADD").arg(self.names.nodes_set()).arg(node);
                 let (written, added): (i64, i64) = pipe.query_async(&mut conn).await.map_err(map_err)?;
                 if written == 1 {
                     return Ok(count.saturating_add(u64::try_from(added).unwrap_or(0)));
@@ -359,13 +398,13 @@ impl Store for RedisStore {
 
     async fn update_request(&self, node: &str, txn: &mut (dyn Txn + '_)) -> Result<u64, StoreError> {
         let mut conn = self.conn().await?;
-        let record = self.session_record(node);
+        let record = self.names.session_record(node);
         for _ in 0..MAX_ATTEMPTS {
             let (version, mut session, count) = self.read_session(&mut conn, &record).await?;
             let Some(ids) = txn.begin(&mut session, count) else {
                 return Ok(count);
             };
-            let records: Vec<String> = ids.iter().map(|id| self.key_record(id)).collect();
+            let records: Vec<String> = ids.iter().map(|id| self.names.key_record(id)).collect();
             let rows: Vec<Option<Vec<u8>>> = if records.is_empty() {
                 Vec::new()
             } else {
@@ -390,7 +429,7 @@ impl Store for RedisStore {
 
             let mut script = redis::cmd("EVAL");
             script.arg(CAS_ALL).arg(records.len() + 2);
-            script.arg(self.nodes_set()).arg(&record);
+            script.arg(self.names.nodes_set()).arg(&record);
             for r in &records {
                 script.arg(r);
             }
@@ -434,7 +473,7 @@ impl Store for RedisStore {
             return Ok(());
         }
         let mut conn = self.conn().await?;
-        let records: Vec<String> = ids.iter().map(|id| self.key_record(id)).collect();
+        let records: Vec<String> = ids.iter().map(|id| self.names.key_record(id)).collect();
         let mut pending: Vec<usize> = (0..ids.len()).collect();
         for _ in 0..MAX_ATTEMPTS {
             let mut read = redis::pipe();
@@ -490,13 +529,13 @@ impl Store for RedisStore {
     async fn key_ids(&self) -> Result<Vec<KeyId>, StoreError> {
         let mut conn = self.conn().await?;
         let names = self.scan_keys(&mut conn).await?;
-        Ok(names.iter().filter_map(|n| self.key_of_record(n)).collect())
+        Ok(names.iter().filter_map(|n| self.names.key_of_record(n)).collect())
     }
 
     async fn session_ids(&self) -> Result<Vec<String>, StoreError> {
         let mut conn = self.conn().await?;
         redis::cmd("SMEMBERS")
-            .arg(self.nodes_set())
+            .arg(self.names.nodes_set())
             .query_async(&mut conn)
             .await
             .map_err(map_err)
@@ -505,7 +544,7 @@ impl Store for RedisStore {
     async fn session_count(&self) -> Result<u64, StoreError> {
         let mut conn = self.conn().await?;
         redis::cmd("SCARD")
-            .arg(self.nodes_set())
+            .arg(self.names.nodes_set())
             .query_async(&mut conn)
             .await
             .map_err(map_err)
@@ -525,12 +564,15 @@ mod tests {
 
     #[test]
     fn record_names_round_trip_even_with_braces_in_the_key() {
-        let s = RedisStore::new("redis://127.0.0.1:1", "tg").unwrap();
+        let s = Names::new("tg");
         for key in ["tenant-a|orders", "we}:ird{|x", ""] {
             let id = (key.to_owned(), "per-min".to_owned());
             assert_eq!(s.key_of_record(&s.key_record(&id)), Some(id));
         }
         assert_eq!(s.key_record(&("t|a".into(), "l".into())), "tg:{t|a}:l");
+        for node in ["n1", "we}ird{"] {
+            assert_eq!(s.node_of_session(&s.session_record(node)).as_deref(), Some(node));
+        }
     }
 
     #[test]

@@ -1,0 +1,945 @@
+//! The Redis Cluster store: the Redis store's records spread over the
+//! masters of a Redis Cluster, for a platform that outgrew one Redis.
+//!
+//! # Layout
+//! The records and their encoding are the Redis store's
+//! ([`super::redis`]): `<prefix>:{<key>}:<limit>` for a (key, limit), so
+//! the hash tag keeps every limit of one sync key in **one slot**, and
+//! `<prefix>:n:{<node>}` for a node's session (a slot of its own). There is
+//! no index at all: no set of nodes, no set of records. The sweep, the
+//! sessions' expiry and the gauges find records with `SCAN` on every master
+//! (a master at a time, found by `CLUSTER SLOTS`: [`SlotMap`]).
+//!
+//! # A request: one script per slot, each atomic and idempotent
+//! A sync request's records span many slots, so it cannot be one
+//! transaction. It is read (the session, then every record with one `MGET`
+//! per slot), computed in Rust with the allocator's steps, and written with
+//! **one Lua script per slot** ([`CAS_SLOT`]), which checks that every
+//! record of its slot is still at the version read and only then writes
+//! them; the session is written last, by the same script on its own slot.
+//! The reads, and then the scripts, travel as **one pipeline per master**
+//! (all masters at once): a request of 100 keys on three masters is three
+//! pipelines of reads and three of scripts, not 100 of each. Each script is atomic on its own; the
+//! request as a whole is not. What keeps the accounting exact is that
+//! every (key, limit) record deduplicates its own node's counts (the
+//! node's last applied `seq`, its base and what the record counted since:
+//! `alloc::session`'s header): a record that applied a request counts
+//! nothing when the same request (or an older one) reaches it again, and a
+//! record that missed it counts the node's next report, which carries the
+//! same counts, whole. So whichever scripts of a request land:
+//! * all of them: the request is answered;
+//! * some (another replica moved a record: a version conflict): the whole
+//!   request runs again on fresh reads, at most [`MAX_ATTEMPTS`] times; the
+//!   records that landed see their own `seq` again and count nothing (they
+//!   grant the node's lease again, from what they hold, which is what the
+//!   answer then carries);
+//! * some, then an error (a master down, a timeout): the node gets `503`,
+//!   and its next report (the same counts since its acknowledged base) is
+//!   counted once by every record, landed or not (tested with a master
+//!   killed mid-run, `central/tests/service.rs`).
+//!
+//! A record's scripts never answer for a lease that is not written: a
+//! lease is answered only from the run in which every slot landed, and a
+//! grant written in a run that is not answered only reserves more for the
+//! node than it holds (conservative; reclaimed at its next acknowledged
+//! report, as for any lost answer).
+//!
+//! # Acknowledged means replicated
+//! Redis replicates asynchronously: a master that fails right after a
+//! write can lose it to the replica that takes over. So each master's
+//! pipeline of scripts ends with `WAIT <replicas> <timeout>` on the same
+//! connection ([`WAIT_MS`]), which waits for every write before it on
+//! that connection; the request is answered only when every master's
+//! `WAIT` reports the writes on `replicas` replicas (`?replicas=N` in the
+//! URL, 1 by default; 0 for a cluster without replicas, which gives this
+//! up). A master whose `WAIT` falls short fails the request (`503`): its
+//! writes may or may not survive a failover, and either way the node's
+//! retry counts them once. A run of a request that follows one whose
+//! writes landed writes every record it visits again (its `Duplicate`
+//! steps too), so its own `WAIT` covers the earlier writes: a master
+//! replicates its writes in order. With one replica per master, the replica that
+//! acknowledged is the one a failover promotes; with more, set `replicas`
+//! to their number (Redis Cluster prefers the replica with the most data,
+//! but does not promise it).
+//!
+//! # Redirections and failover
+//! The client (`redis::cluster_async`) routes each pipeline by its first
+//! slot with its own slot map, follows `MOVED` and `ASK` for it, refreshes
+//! its map, and retries a command whose connection broke. A retried script
+//! whose first try ran finds its own version: a conflict, and the
+//! request's next run counts nothing twice. Which slots share a pipeline
+//! comes from this store's [`SlotMap`]: a slot that moved to another
+//! master since it was read answers `MOVED` inside the pipeline, which
+//! fails the request (`503`) and drops the map, read again by the next
+//! request. A slot whose master is down answers errors until its replica
+//! is promoted (`cluster-node-timeout` plus an election): those requests
+//! answer `503` and nothing is lost.
+//!
+//! # Sessions counted approximately
+//! With no set of nodes, the session count (the session cap, and the
+//! allocator's node count hint) is the last `SCAN`'s count plus the
+//! sessions this replica created since; the sweep `SCAN`s every interval.
+//! So `--max-sessions` may be passed by what the replicas create within one
+//! interval.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures_util::future::try_join_all;
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
+use tokio::sync::OnceCell;
+
+use super::redis::{
+    cas_cmd, cas_del_cmd, map_err, next_value, push_op, split_value, Names, Op, Version, MAX_ATTEMPTS,
+    RESPONSE_TIMEOUT,
+};
+use super::{decode, KeySlot, KeyUpdate, SessionUpdate, Store, StoreError, Txn};
+use crate::alloc::{KeyId, KeyState, Session};
+
+/// How long a script's `WAIT` waits for its replicas before the request
+/// fails (`503`): well within the request's deadline.
+pub const WAIT_MS: u64 = 100;
+
+/// `SCAN`'s batch.
+const SCAN_COUNT: u64 = 1_000;
+
+/// The writes of one slot, all or nothing: `KEYS` the slot's records;
+/// three `ARGV` per record: expected version ("" when absent), operation
+/// (`c` create, `w` write, `d` delete, `-` only check), new value (its
+/// version first). Every version is checked before anything is written.
+/// Returns 1 if written, 0 if a version moved.
+const CAS_SLOT: &str = r"
+for i = 1, #KEYS do
+  local r = redis.call('GET', KEYS[i])
+  if (r and string.sub(r, 1, 8) or '') ~= ARGV[(i - 1) * 3 + 1] then return 0 end
+end
+for i = 1, #KEYS do
+  local op = ARGV[(i - 1) * 3 + 2]
+  if op == 'c' or op == 'w' then
+    redis.call('SET', KEYS[i], ARGV[(i - 1) * 3 + 3])
+  elseif op == 'd' then
+    redis.call('DEL', KEYS[i])
+  end
+end
+return 1
+";
+
+/// What `--store redis+cluster://…` names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterSpec {
+    /// Seed nodes, each `redis://[user:pass@]host:port`.
+    pub nodes: Vec<String>,
+    /// Replicas every write waits for (`WAIT`).
+    pub replicas: u64,
+}
+
+impl ClusterSpec {
+    /// Parses `redis+cluster://[user:pass@]host:port[,host:port…][/][?replicas=N]`.
+    pub fn parse(url: &str) -> Result<ClusterSpec, String> {
+        let bad =
+            |why: &str| format!("{url}: {why} (expected redis+cluster://host:port,host:port[?replicas=N])");
+        let rest = url
+            .strip_prefix("redis+cluster://")
+            .ok_or_else(|| bad("not a redis+cluster:// URL"))?;
+        let (hosts, query) = match rest.split_once('?') {
+            Some((h, q)) => (h, Some(q)),
+            None => (rest, None),
+        };
+        let hosts = hosts.strip_suffix('/').unwrap_or(hosts);
+        let (auth, hosts) = match hosts.rsplit_once('@') {
+            Some((a, h)) => (Some(a), h),
+            None => (None, hosts),
+        };
+        let mut nodes = Vec::new();
+        for h in hosts.split(',') {
+            let valid = h
+                .rsplit_once(':')
+                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+            if !valid {
+                return Err(bad(&format!("`{h}` is not host:port")));
+            }
+            nodes.push(match auth {
+                Some(a) => format!("redis://{a}@{h}"),
+                None => format!("redis://{h}"),
+            });
+        }
+        let mut replicas = 1;
+        for kv in query.into_iter().flat_map(|q| q.split('&')) {
+            match kv.split_once('=') {
+                Some(("replicas", n)) => {
+                    replicas = n
+                        .parse::<u64>()
+                        .ok()
+                        .filter(|n| *n <= 16)
+                        .ok_or_else(|| bad("replicas must be 0 to 16"))?;
+                }
+                _ => return Err(bad(&format!("unknown parameter `{kv}`"))),
+            }
+        }
+        Ok(ClusterSpec { nodes, replicas })
+    }
+}
+
+pub struct RedisClusterStore {
+    client: ClusterClient,
+    conn: OnceCell<ClusterConnection>,
+    names: Names,
+    replicas: u64,
+    /// Sessions at the last `SCAN`, plus those this replica created since.
+    sessions: AtomicU64,
+    /// Which master serves each slot (`None`: read it again).
+    map: Mutex<Option<Arc<SlotMap>>>,
+}
+
+/// One slot's records of a request: the slot, and the records' indexes in
+/// the request's order.
+struct Group {
+    slot: u16,
+    members: Vec<usize>,
+}
+
+/// Slots in a Redis Cluster.
+const SLOTS: u16 = 16_384;
+
+/// A record's hash slot, as Redis Cluster computes it: CRC16 (XMODEM) of
+/// the hash tag (what is between the first `{` and the first `}` after
+/// it, if not empty), else of the whole name, modulo 16,384.
+fn slot_of(record: &str) -> u16 {
+    let b = record.as_bytes();
+    let tag = b
+        .iter()
+        .position(|c| *c == b'{')
+        .and_then(|open| {
+            let rest = b.get(open + 1..)?;
+            let close = rest.iter().position(|c| *c == b'}')?;
+            rest.get(..close).filter(|t| !t.is_empty())
+        })
+        .unwrap_or(b);
+    crc16::State::<crc16::XMODEM>::calculate(tag) % SLOTS
+}
+
+/// `records` grouped by slot (in the order each slot first appears).
+fn by_slot(records: &[String]) -> Vec<Group> {
+    let mut index: HashMap<u16, usize> = HashMap::with_capacity(records.len());
+    let mut groups: Vec<Group> = Vec::new();
+    for (i, r) in records.iter().enumerate() {
+        let slot = slot_of(r);
+        let g = *index.entry(slot).or_insert_with(|| {
+            groups.push(Group {
+                slot,
+                members: Vec::new(),
+            });
+            groups.len() - 1
+        });
+        if let Some(g) = groups.get_mut(g) {
+            g.members.push(i);
+        }
+    }
+    groups
+}
+
+/// Which master serves each slot (`CLUSTER SLOTS`), read once and again
+/// after any error: it only *groups* a request's slots by master, one
+/// pipeline each. Every pipeline is still routed by its first slot through
+/// the client's own map (which follows `MOVED` and failovers), so a stale
+/// map costs a `MOVED` answer for a slot that moved (the request fails,
+/// `503`, and the map is read again), never a write to the wrong master. A
+/// failover moves a master's slots together, so it leaves the groups
+/// right.
+#[derive(Default)]
+struct SlotMap {
+    /// (first slot, last slot, master's index), sorted by first slot.
+    ranges: Vec<(u16, u16, usize)>,
+    /// One slot of each master (its lowest), to route a `SCAN` to it.
+    masters: Vec<u16>,
+}
+
+impl SlotMap {
+    /// The map `CLUSTER SLOTS` answered (ranges it cannot read are left
+    /// out: their slots get a pipeline of their own).
+    fn parse(v: Value) -> Result<SlotMap, StoreError> {
+        let Value::Array(ranges) = v else {
+            return Err(StoreError::Refused(format!("CLUSTER SLOTS answered {v:?}")));
+        };
+        let mut by_master: BTreeMap<String, usize> = BTreeMap::new();
+        let mut map = SlotMap::default();
+        for range in ranges {
+            let Value::Array(fields) = range else { continue };
+            let (Some(Value::Int(start)), Some(Value::Int(end)), Some(Value::Array(master))) =
+                (fields.first(), fields.get(1), fields.get(2))
+            else {
+                continue;
+            };
+            let (Ok(start), Ok(end)) = (u16::try_from(*start), u16::try_from(*end)) else {
+                continue;
+            };
+            if end < start || end >= SLOTS {
+                continue;
+            }
+            let id = format!("{:?}", master.get(..2));
+            let next = by_master.len();
+            let m = *by_master.entry(id).or_insert(next);
+            if m == map.masters.len() {
+                map.masters.push(start);
+            }
+            if let Some(lowest) = map.masters.get_mut(m) {
+                *lowest = (*lowest).min(start);
+            }
+            map.ranges.push((start, end, m));
+        }
+        map.ranges.sort_unstable();
+        Ok(map)
+    }
+
+    fn master(&self, slot: u16) -> Option<usize> {
+        let i = self.ranges.partition_point(|r| r.0 <= slot);
+        let r = self.ranges.get(i.checked_sub(1)?)?;
+        (slot <= r.1).then_some(r.2)
+    }
+
+    /// `groups` batched by master: each batch the indexes of its groups
+    /// (a slot no master is known for: a batch of its own).
+    fn batches(&self, groups: &[Group]) -> Vec<Vec<usize>> {
+        let mut index: HashMap<usize, usize> = HashMap::new();
+        let mut out: Vec<Vec<usize>> = Vec::new();
+        for (g, group) in groups.iter().enumerate() {
+            let b = match self.master(group.slot) {
+                Some(m) => *index.entry(m).or_insert_with(|| {
+                    out.push(Vec::new());
+                    out.len() - 1
+                }),
+                None => {
+                    out.push(Vec::new());
+                    out.len() - 1
+                }
+            };
+            if let Some(b) = out.get_mut(b) {
+                b.push(g);
+            }
+        }
+        out
+    }
+}
+
+/// The route to the master that serves `slot`.
+fn to_master(slot: u16) -> SingleNodeRoutingInfo {
+    SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master))
+}
+
+/// A reply in a pipeline, typed; a redirection or a cluster that is down
+/// is transient (`503`: the node retries).
+fn reply<T: redis::FromRedisValue>(v: Value) -> Result<T, StoreError> {
+    let v = v.extract_error().map_err(cluster_err)?;
+    redis::from_redis_value(v).map_err(|e| cluster_err(e.into()))
+}
+
+/// [`map_err`], with the cluster's own transient errors (`MOVED`, `ASK`,
+/// `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `READONLY`) as unavailable.
+fn cluster_err(e: RedisError) -> StoreError {
+    let failing_over = matches!(
+        e.kind(),
+        ErrorKind::Server(ServerErrorKind::MasterDown | ServerErrorKind::ReadOnly)
+    );
+    if e.is_cluster_error() || failing_over {
+        StoreError::Unavailable(e.to_string())
+    } else {
+        map_err(e)
+    }
+}
+
+impl RedisClusterStore {
+    /// A store on the cluster `url` names (see [`ClusterSpec::parse`]).
+    /// Connects on first use, so a service starts (not ready) while the
+    /// cluster is down.
+    pub fn new(url: &str, prefix: &str) -> Result<RedisClusterStore, StoreError> {
+        let spec = ClusterSpec::parse(url).map_err(StoreError::Refused)?;
+        RedisClusterStore::with_spec(&spec, prefix)
+    }
+
+    pub fn with_spec(spec: &ClusterSpec, prefix: &str) -> Result<RedisClusterStore, StoreError> {
+        let client = ClusterClient::builder(spec.nodes.clone())
+            .connection_timeout(RESPONSE_TIMEOUT)
+            .response_timeout(RESPONSE_TIMEOUT.saturating_add(Duration::from_millis(WAIT_MS)))
+            .retries(4)
+            .min_retry_wait(10)
+            .max_retry_wait(100)
+            .build()
+            .map_err(|e| StoreError::Refused(format!("{:?}: {e}", spec.nodes)))?;
+        Ok(RedisClusterStore {
+            client,
+            conn: OnceCell::new(),
+            names: Names::new(prefix),
+            replicas: spec.replicas,
+            sessions: AtomicU64::new(0),
+            map: Mutex::new(None),
+        })
+    }
+
+    async fn conn(&self) -> Result<ClusterConnection, StoreError> {
+        let conn = self
+            .conn
+            .get_or_try_init(|| async { self.client.get_async_connection().await.map_err(cluster_err) })
+            .await?;
+        Ok(conn.clone())
+    }
+
+    /// One slot's writes and, on the same connection right after, the
+    /// `WAIT` for its replicas: `Ok(true)` written and replicated,
+    /// `Ok(false)` a version moved (nothing written).
+    async fn write_slot(&self, mut conn: ClusterConnection, script: redis::Cmd) -> Result<bool, StoreError> {
+        let mut pipe = redis::pipe();
+        pipe.add_command(script);
+        if self.replicas == 0 {
+            let (written,): (i64,) = pipe.query_async(&mut conn).await.map_err(cluster_err)?;
+            return Ok(written == 1);
+        }
+        pipe.cmd("WAIT").arg(self.replicas).arg(WAIT_MS);
+        let (written, acked): (i64, u64) = pipe.query_async(&mut conn).await.map_err(cluster_err)?;
+        if written == 1 && acked < self.replicas {
+            return Err(StoreError::Unavailable(format!(
+                "a write reached {acked} of {} replicas within {WAIT_MS} ms",
+                self.replicas
+            )));
+        }
+        Ok(written == 1)
+    }
+
+    /// The slot map (read now if this replica has none).
+    async fn slot_map(&self, conn: &mut ClusterConnection) -> Result<Arc<SlotMap>, StoreError> {
+        if let Some(map) = self.map.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            return Ok(map);
+        }
+        let v = conn
+            .route_command(
+                redis::cmd("CLUSTER").arg("SLOTS").clone(),
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary),
+            )
+            .await
+            .map_err(cluster_err)?;
+        let map = Arc::new(SlotMap::parse(v)?);
+        *self.map.lock().unwrap_or_else(|e| e.into_inner()) = Some(map.clone());
+        Ok(map)
+    }
+
+    /// Drops the slot map, so the next request reads it again.
+    fn forget_map(&self) {
+        *self.map.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// One pipeline to the master that serves `slot`: every reply, in
+    /// order (an error reply is the caller's to type). Any failure drops
+    /// the slot map.
+    async fn pipeline(
+        &self,
+        mut conn: ClusterConnection,
+        slot: u16,
+        pipe: redis::Pipeline,
+        count: usize,
+    ) -> Result<Vec<Value>, StoreError> {
+        let replies = conn
+            .route_pipeline(pipe, 0, count, to_master(slot))
+            .await
+            .map_err(cluster_err);
+        if replies.as_ref().map_or(true, |r| r.len() != count) {
+            self.forget_map();
+        }
+        let replies = replies?;
+        if replies.len() != count {
+            return Err(StoreError::Refused(format!(
+                "a pipeline of {count} commands answered {}",
+                replies.len()
+            )));
+        }
+        Ok(replies)
+    }
+
+    /// The records' values (in `records`' order): one `MGET` per slot, one
+    /// pipeline per master, all masters at once.
+    async fn read(
+        &self,
+        conn: &ClusterConnection,
+        map: &SlotMap,
+        records: &[String],
+        groups: &[Group],
+    ) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
+        let batches = map.batches(groups);
+        let reads = batches.iter().filter_map(|batch| {
+            let first = groups.get(*batch.first()?)?.slot;
+            let mut pipe = redis::pipe();
+            for g in batch.iter().filter_map(|&g| groups.get(g)) {
+                pipe.cmd("MGET");
+                for &i in &g.members {
+                    pipe.arg(&records[i]);
+                }
+            }
+            Some(self.pipeline(conn.clone(), first, pipe, batch.len()))
+        });
+        let mut out: Vec<Option<Vec<u8>>> = vec![None; records.len()];
+        for (batch, replies) in batches.iter().zip(try_join_all(reads).await?) {
+            for (&g, v) in batch.iter().zip(replies) {
+                let rows: Vec<Option<Vec<u8>>> = reply(v).inspect_err(|_| self.forget_map())?;
+                let members = groups.get(g).map_or(&[][..], |g| &g.members[..]);
+                if rows.len() != members.len() {
+                    return Err(StoreError::Refused(format!(
+                        "MGET of {} records answered {}",
+                        members.len(),
+                        rows.len()
+                    )));
+                }
+                for (&i, row) in members.iter().zip(rows) {
+                    out[i] = row;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every slot's script of a request, one pipeline per master (all
+    /// masters at once), each closed by `WAIT` for `replicas` (see the
+    /// module header): `Ok(true)` every script wrote and every write is
+    /// replicated, `Ok(false)` some version moved (the scripts that found
+    /// theirs wrote, replicated or not).
+    async fn write_slots(
+        &self,
+        conn: &ClusterConnection,
+        map: &SlotMap,
+        groups: &[Group],
+        scripts: Vec<Option<redis::Cmd>>,
+    ) -> Result<bool, StoreError> {
+        let mut scripts = scripts;
+        let runs = map.batches(groups).into_iter().filter_map(|batch| {
+            let mut pipe = redis::pipe();
+            let mut first = None;
+            let mut count = 0;
+            for g in batch {
+                if let (Some(group), Some(script)) =
+                    (groups.get(g), scripts.get_mut(g).and_then(Option::take))
+                {
+                    first.get_or_insert(group.slot);
+                    pipe.add_command(script);
+                    count += 1;
+                }
+            }
+            let first = first?;
+            if self.replicas > 0 {
+                pipe.cmd("WAIT").arg(self.replicas).arg(WAIT_MS);
+            }
+            let total = count + usize::from(self.replicas > 0);
+            Some(async move {
+                let replies = self.pipeline(conn.clone(), first, pipe, total).await?;
+                let mut landed = true;
+                let mut wrote = false;
+                for (n, v) in replies.into_iter().enumerate() {
+                    if n < count {
+                        let ok = reply::<i64>(v).inspect_err(|_| self.forget_map())? == 1;
+                        landed &= ok;
+                        wrote |= ok;
+                    } else {
+                        let acked: u64 = reply(v)?;
+                        if wrote && acked < self.replicas {
+                            return Err(StoreError::Unavailable(format!(
+                                "a write reached {acked} of {} replicas within {WAIT_MS} ms",
+                                self.replicas
+                            )));
+                        }
+                    }
+                }
+                Ok::<_, StoreError>(landed)
+            })
+        });
+        Ok(try_join_all(runs).await?.into_iter().all(|landed| landed))
+    }
+
+    /// Every record name matching `pattern`, by `SCAN` on every master.
+    async fn scan(&self, pattern: &str) -> Result<Vec<String>, StoreError> {
+        let mut conn = self.conn().await?;
+        let mut out = Vec::new();
+        // A fresh map: a master that gives its slots away during a scan
+        // makes that scan miss or repeat records; the sweep and the gauges
+        // run every interval, so the next one sees them.
+        self.forget_map();
+        let map = self.slot_map(&mut conn).await?;
+        for &slot in &map.masters {
+            let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
+                slot,
+                SlotAddr::Master,
+            )));
+            let mut cursor: u64 = 0;
+            loop {
+                let v = conn
+                    .route_command(
+                        redis::cmd("SCAN")
+                            .arg(cursor)
+                            .arg("MATCH")
+                            .arg(pattern)
+                            .arg("COUNT")
+                            .arg(SCAN_COUNT)
+                            .clone(),
+                        route.clone(),
+                    )
+                    .await
+                    .map_err(cluster_err)?;
+                let (next, names): (u64, Vec<String>) =
+                    redis::from_redis_value(v).map_err(|e| StoreError::Refused(e.to_string()))?;
+                out.extend(names);
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+        Ok(out)
+    }
+
+    /// A session's version and value.
+    async fn read_session(
+        &self,
+        conn: &mut ClusterConnection,
+        record: &str,
+    ) -> Result<(Version, Option<Session>), StoreError> {
+        let value: Option<Vec<u8>> = redis::cmd("GET")
+            .arg(record)
+            .query_async(conn)
+            .await
+            .map_err(cluster_err)?;
+        let (version, bytes) = split_value(record, value)?;
+        Ok((version, bytes.map(|b| decode(record, &b)).transpose()?))
+    }
+
+    /// The script that writes one record (or only checks it).
+    fn single(record: &str, version: Version, op: Op) -> redis::Cmd {
+        let mut script = redis::cmd("EVAL");
+        script.arg(CAS_SLOT).arg(1).arg(record);
+        push_op(&mut script, version, op);
+        script
+    }
+}
+
+#[async_trait]
+impl Store for RedisClusterStore {
+    fn kind(&self) -> &'static str {
+        "redis-cluster"
+    }
+
+    /// Every slot served (`cluster_state:ok`).
+    async fn ping(&self) -> Result<(), StoreError> {
+        let mut conn = self.conn().await?;
+        let v = conn
+            .route_command(
+                redis::cmd("CLUSTER").arg("INFO").clone(),
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary),
+            )
+            .await
+            .map_err(cluster_err)?;
+        let info: String = redis::from_redis_value(v).map_err(|e| StoreError::Refused(e.to_string()))?;
+        if info.contains("cluster_state:ok") {
+            Ok(())
+        } else {
+            Err(StoreError::Unavailable("cluster_state is not ok".to_owned()))
+        }
+    }
+
+    async fn update_session(&self, node: &str, f: &mut SessionUpdate<'_>) -> Result<u64, StoreError> {
+        let mut conn = self.conn().await?;
+        let record = self.names.session_record(node);
+        for _ in 0..MAX_ATTEMPTS {
+            let (version, mut slot) = self.read_session(&mut conn, &record).await?;
+            let count = self.sessions.load(Relaxed);
+            let created = slot.is_none();
+            if !f(&mut slot) {
+                return Ok(count);
+            }
+            let (op, after) = match (&slot, version) {
+                (None, None) => return Ok(count),
+                (None, Some(_)) => (Op::Delete, count.saturating_sub(1)),
+                (Some(s), _) => (
+                    Op::Write(next_value(&record, version, s)?),
+                    count.saturating_add(u64::from(created)),
+                ),
+            };
+            if self
+                .write_slot(conn.clone(), Self::single(&record, version, op))
+                .await?
+            {
+                self.sessions.store(after, Relaxed);
+                return Ok(after);
+            }
+        }
+        Err(StoreError::Contention {
+            record,
+            attempts: MAX_ATTEMPTS,
+        })
+    }
+
+    async fn update_request(&self, node: &str, txn: &mut (dyn Txn + '_)) -> Result<u64, StoreError> {
+        let mut conn = self.conn().await?;
+        let record = self.names.session_record(node);
+        for _ in 0..MAX_ATTEMPTS {
+            let (version, mut session) = self.read_session(&mut conn, &record).await?;
+            let count = self.sessions.load(Relaxed);
+            let Some(ids) = txn.begin(&mut session, count) else {
+                return Ok(count);
+            };
+            let records: Vec<String> = ids.iter().map(|id| self.names.key_record(id)).collect();
+            let groups = by_slot(&records);
+            let map = self.slot_map(&mut conn).await?;
+            let rows = self.read(&conn, &map, &records, &groups).await?;
+            let mut versions: Vec<Version> = Vec::with_capacity(rows.len());
+            let mut slots: Vec<KeySlot> = Vec::with_capacity(rows.len());
+            for ((id, r), value) in ids.into_iter().zip(&records).zip(rows) {
+                let (v, b) = split_value(r, value)?;
+                versions.push(v);
+                slots.push(KeySlot {
+                    record: b.map(|b| decode(r, &b)).transpose()?,
+                    id,
+                    write: false,
+                });
+            }
+            let write_session = txn.apply(&mut session, &mut slots);
+
+            // The records, one script per slot (a slot with nothing to
+            // write needs no script: its records are not answered from
+            // anything but what it holds), one pipeline per master.
+            let mut scripts = Vec::with_capacity(groups.len());
+            for g in &groups {
+                let mut script = redis::cmd("EVAL");
+                script.arg(CAS_SLOT).arg(g.members.len());
+                for &i in &g.members {
+                    script.arg(&records[i]);
+                }
+                let mut writes = false;
+                for &i in &g.members {
+                    let (slot, r, v) = (&slots[i], &records[i], versions[i]);
+                    let op = match (slot.write, &slot.record, v) {
+                        (false, _, _) | (true, None, None) => Op::Check,
+                        (true, Some(ks), _) => Op::Write(next_value(r, v, ks)?),
+                        (true, None, Some(_)) => Op::Delete,
+                    };
+                    writes |= !matches!(op, Op::Check);
+                    push_op(&mut script, v, op);
+                }
+                scripts.push(writes.then_some(script));
+            }
+            if !self.write_slots(&conn, &map, &groups, scripts).await? {
+                // Another replica moved a record: run it all again (the
+                // slots that landed count nothing twice).
+                continue;
+            }
+
+            // The session last.
+            let (op, after) = match (write_session, &session, version) {
+                (false, _, _) | (true, None, None) => (Op::Check, count),
+                (true, Some(s), None) => (
+                    Op::Create(next_value(&record, version, s)?),
+                    count.saturating_add(1),
+                ),
+                (true, Some(s), Some(_)) => (Op::Write(next_value(&record, version, s)?), count),
+                (true, None, Some(_)) => (Op::Delete, count.saturating_sub(1)),
+            };
+            if matches!(op, Op::Check) {
+                return Ok(after);
+            }
+            if self
+                .write_slot(conn.clone(), Self::single(&record, version, op))
+                .await?
+            {
+                if after > count {
+                    self.sessions.fetch_add(1, Relaxed);
+                }
+                return Ok(after);
+            }
+        }
+        Err(StoreError::Contention {
+            record,
+            attempts: MAX_ATTEMPTS,
+        })
+    }
+
+    async fn update_keys(&self, ids: &[KeyId], f: &mut KeyUpdate<'_>) -> Result<(), StoreError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let mut conn = self.conn().await?;
+        let records: Vec<String> = ids.iter().map(|id| self.names.key_record(id)).collect();
+        let mut pending: Vec<usize> = (0..ids.len()).collect();
+        for _ in 0..MAX_ATTEMPTS {
+            let names: Vec<String> = pending.iter().map(|&i| records[i].clone()).collect();
+            let groups = by_slot(&names);
+            let map = self.slot_map(&mut conn).await?;
+            let rows = self.read(&conn, &map, &names, &groups).await?;
+            // Each record's own compare-and-set, one pipeline per master
+            // (the sweep's steps may run again: no `WAIT`).
+            let mut pipes: Vec<(u16, Vec<usize>, redis::Pipeline)> = Vec::new();
+            for batch in map.batches(&groups) {
+                let mut pipe = redis::pipe();
+                let mut written = Vec::new();
+                let mut first = None;
+                for g in batch.iter().filter_map(|&g| groups.get(g)) {
+                    for &j in &g.members {
+                        let i = pending[j];
+                        let (version, bytes) = split_value(&records[i], rows[j].clone())?;
+                        let mut slot: Option<KeyState> =
+                            bytes.map(|b| decode(&records[i], &b)).transpose()?;
+                        if !f(i, &mut slot) {
+                            continue;
+                        }
+                        match (slot, version) {
+                            (Some(ks), _) => {
+                                cas_cmd(
+                                    &mut pipe,
+                                    &records[i],
+                                    version,
+                                    next_value(&records[i], version, &ks)?,
+                                );
+                            }
+                            (None, Some(v)) => cas_del_cmd(&mut pipe, &records[i], v),
+                            (None, None) => continue,
+                        }
+                        written.push(i);
+                        first.get_or_insert(g.slot);
+                    }
+                }
+                if let Some(first) = first {
+                    pipes.push((first, written, pipe));
+                }
+            }
+            let (runs, written): (Vec<_>, Vec<_>) = pipes
+                .into_iter()
+                .map(|(first, written, pipe)| {
+                    (self.pipeline(conn.clone(), first, pipe, written.len()), written)
+                })
+                .unzip();
+            let results = try_join_all(runs).await?;
+            pending.clear();
+            for (written, replies) in written.iter().zip(results) {
+                for (&i, v) in written.iter().zip(replies) {
+                    if reply::<i64>(v).inspect_err(|_| self.forget_map())? != 1 {
+                        pending.push(i);
+                    }
+                }
+            }
+            if pending.is_empty() {
+                return Ok(());
+            }
+        }
+        Err(StoreError::Contention {
+            record: pending.first().map(|&i| records[i].clone()).unwrap_or_default(),
+            attempts: MAX_ATTEMPTS,
+        })
+    }
+
+    async fn key_ids(&self) -> Result<Vec<KeyId>, StoreError> {
+        let names = self.scan(&self.names.key_pattern()).await?;
+        Ok(names.iter().filter_map(|n| self.names.key_of_record(n)).collect())
+    }
+
+    async fn key_count(&self) -> Result<u64, StoreError> {
+        Ok(self.scan(&self.names.key_pattern()).await?.len() as u64)
+    }
+
+    async fn session_ids(&self) -> Result<Vec<String>, StoreError> {
+        let names = self.scan(&self.names.session_pattern()).await?;
+        let nodes: Vec<String> = names
+            .iter()
+            .filter_map(|n| self.names.node_of_session(n))
+            .collect();
+        self.sessions.store(nodes.len() as u64, Relaxed);
+        Ok(nodes)
+    }
+
+    async fn session_count(&self) -> Result<u64, StoreError> {
+        let n = self.scan(&self.names.session_pattern()).await?.len() as u64;
+        self.sessions.store(n, Relaxed);
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_url_names_its_seeds_and_replicas() {
+        let s = ClusterSpec::parse("redis+cluster://127.0.0.1:7000,127.0.0.1:7001/?replicas=2").unwrap();
+        assert_eq!(s.nodes, vec!["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"]);
+        assert_eq!(s.replicas, 2);
+        let s = ClusterSpec::parse("redis+cluster://u:p@h1:1,h2:2").unwrap();
+        assert_eq!(s.nodes, vec!["redis://u:p@h1:1", "redis://u:p@h2:2"]);
+        assert_eq!(s.replicas, 1);
+        for bad in [
+            "redis://h:1",
+            "redis+cluster://h",
+            "redis+cluster://h:1?replicas=x",
+            "redis+cluster://h:1?wait=1",
+        ] {
+            assert!(ClusterSpec::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn every_limit_of_a_key_shares_its_slot_and_sessions_spread() {
+        let names = Names::new("tg");
+        let a = slot_of(&names.key_record(&("t|orders".into(), "per-min".into())));
+        let b = slot_of(&names.key_record(&("t|orders".into(), "per-day".into())));
+        assert_eq!(a, b);
+        // The slot is CRC16 of the hash tag: `{t|orders}`'s.
+        assert_eq!(a, slot_of("{t|orders}"));
+        assert_ne!(
+            slot_of(&names.session_record("n1")),
+            slot_of(&names.session_record("n2"))
+        );
+        // Redis Cluster's own rule, as the client computes it (an empty
+        // tag, a tag never closed, braces in the key).
+        for key in [
+            "tg:{t|orders}:per-min",
+            "foo",
+            "{}x",
+            "a{b",
+            "x{}{y}",
+            "{{a}}",
+            "tg:{we}:ird{|x}:l",
+            "",
+        ] {
+            assert_eq!(
+                Route::new(slot_of(key), SlotAddr::Master),
+                Route::with_slot(redis::cluster_routing::Slot::for_key(key), SlotAddr::Master),
+                "{key}"
+            );
+        }
+        // `CLUSTER SLOTS`' ranges grouped by master.
+        let node = |port: i64| Value::Array(vec![Value::BulkString(b"127.0.0.1".to_vec()), Value::Int(port)]);
+        let range = |a: i64, b: i64, port: i64| Value::Array(vec![Value::Int(a), Value::Int(b), node(port)]);
+        let map = SlotMap::parse(Value::Array(vec![
+            range(10_923, 16_383, 3),
+            range(0, 5_460, 1),
+            range(5_461, 10_922, 2),
+            range(100, 99, 1),
+        ]))
+        .unwrap();
+        assert_eq!(map.master(0), map.master(5_460));
+        assert_ne!(map.master(5_460), map.master(5_461));
+        assert_eq!(map.master(16_383), map.master(10_923));
+        assert_eq!(map.masters.len(), 3);
+        let groups: Vec<Group> = [0, 16_000, 1, 6_000, 11_000]
+            .iter()
+            .map(|&slot| Group {
+                slot,
+                members: vec![],
+            })
+            .collect();
+        assert_eq!(map.batches(&groups), vec![vec![0, 2], vec![1, 4], vec![3]]);
+        let records: Vec<String> = ["a", "b", "a"]
+            .iter()
+            .map(|k| names.key_record(&((*k).into(), "l".into())))
+            .collect();
+        let groups = by_slot(&records);
+        assert_eq!(groups.len(), 2);
+        assert_eq!(groups[0].members, vec![0, 2]);
+    }
+}
