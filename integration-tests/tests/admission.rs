@@ -304,9 +304,13 @@ fn a_thousand_simultaneous_rejections_carry_spread_retry_after() {
 fn raw(port: u16, head: &str, body: &[u8]) -> (u16, Option<String>) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(head.as_bytes()).unwrap();
-    // The filter may answer before the whole body is sent.
-    let _ = s.write_all(body);
+    // Head and body in one write, so that Envoy reads them together: a
+    // chunk that reached the filter only after the upstream had answered
+    // the head could no longer be refused (the answer would be the
+    // upstream's 200). The filter may answer before the whole body is read.
+    let mut request = head.as_bytes().to_vec();
+    request.extend_from_slice(body);
+    let _ = s.write_all(&request);
     let mut text = Vec::new();
     let _ = s.read_to_end(&mut text);
     let text = String::from_utf8_lossy(&text).into_owned();
