@@ -30,10 +30,11 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManager;
 use redis::Client;
 use tokio::sync::OnceCell;
 
+use crate::store::redis_error as map_err;
 use crate::store::StoreError;
 
 /// Attempts of one request's compare-and-set before giving up.
@@ -203,9 +204,6 @@ pub const TURN_AFTER: u32 = 4;
 /// How long a turn lasts if its holder never gives it back.
 pub const TURN_LEASE: Duration = Duration::from_millis(100);
 
-/// Every command must answer within this (Envoy's ratelimit filter waits
-/// 20 ms by default; a slower store answers `UNAVAILABLE`).
-const RESPONSE_TIMEOUT: Duration = Duration::from_millis(250);
 const VERSION_LEN: usize = 8;
 
 /// The Redis store's records.
@@ -263,31 +261,7 @@ impl RedisCounters {
     }
 
     async fn conn(&self) -> Result<ConnectionManager, StoreError> {
-        let conn = self
-            .conn
-            .get_or_try_init(|| async {
-                let cfg = ConnectionManagerConfig::new()
-                    .set_response_timeout(Some(RESPONSE_TIMEOUT))
-                    .set_connection_timeout(Some(RESPONSE_TIMEOUT))
-                    .set_number_of_retries(1)
-                    .set_max_delay(Duration::from_millis(500));
-                self.client
-                    .get_connection_manager_with_config(cfg)
-                    .await
-                    .map_err(map_err)
-            })
-            .await?;
-        Ok(conn.clone())
-    }
-}
-
-fn map_err(e: redis::RedisError) -> StoreError {
-    if e.is_timeout() {
-        StoreError::Timeout(e.to_string())
-    } else if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
-        StoreError::Unavailable(e.to_string())
-    } else {
-        StoreError::Refused(e.to_string())
+        crate::store::redis_connection(&self.client, &self.conn).await
     }
 }
 

@@ -245,21 +245,7 @@ impl RedisStore {
     }
 
     async fn conn(&self) -> Result<ConnectionManager, StoreError> {
-        let conn = self
-            .conn
-            .get_or_try_init(|| async {
-                let cfg = ConnectionManagerConfig::new()
-                    .set_response_timeout(Some(RESPONSE_TIMEOUT))
-                    .set_connection_timeout(Some(RESPONSE_TIMEOUT))
-                    .set_number_of_retries(1)
-                    .set_max_delay(Duration::from_millis(500));
-                self.client
-                    .get_connection_manager_with_config(cfg)
-                    .await
-                    .map_err(map_err)
-            })
-            .await?;
-        Ok(conn.clone())
+        connection(&self.client, &self.conn).await
     }
 
     /// Every (key, limit) record's name, by `SCAN` (a batch at a time).
@@ -286,7 +272,32 @@ impl RedisStore {
     }
 }
 
-pub(super) fn map_err(e: RedisError) -> StoreError {
+/// The shared connection to `client`, made on first use with the service's
+/// Redis settings (a 250 ms response and connect timeout, one retry): the
+/// store's and the RLS counters' one way to connect.
+pub(crate) async fn connection(
+    client: &redis::Client,
+    cell: &OnceCell<ConnectionManager>,
+) -> Result<ConnectionManager, StoreError> {
+    let conn = cell
+        .get_or_try_init(|| async {
+            let cfg = ConnectionManagerConfig::new()
+                .set_response_timeout(Some(RESPONSE_TIMEOUT))
+                .set_connection_timeout(Some(RESPONSE_TIMEOUT))
+                .set_number_of_retries(1)
+                .set_max_delay(Duration::from_millis(500));
+            client
+                .get_connection_manager_with_config(cfg)
+                .await
+                .map_err(map_err)
+        })
+        .await?;
+    Ok(conn.clone())
+}
+
+/// A Redis error as a store error: timeouts, lost or refused connections
+/// and unrecoverable ones are transient, the rest a refusal.
+pub(crate) fn map_err(e: RedisError) -> StoreError {
     if e.is_timeout() {
         StoreError::Timeout(e.to_string())
     } else if e.is_io_error()
