@@ -30,6 +30,11 @@ plans:
   free: { limits: [ { rate: 10, per: 1s, burst: 5 } ] }
 default_plan: free
 anonymous: { plan: free }
+# `api` holds an in-flight slot to its stream's end, so that end is a step
+# of the pipeline (a stream it keeps nothing of after its response headers
+# is not, and its fault point would never be reached).
+actions:
+  api: { max_in_flight: 1000 }
 routes:
   api: { action: api }
   strict: { action: strict, failure_mode: fail_closed }

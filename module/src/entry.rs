@@ -13,10 +13,16 @@
 //! | `on_http_filter_request_headers` / `_body` | [`apply`] the directive | `on_request_headers` / `on_request_body` |
 //! | `on_http_filter_response_headers` / `_body` / `_trailers` | the `RateLimit` headers added | `on_response_*` |
 //! | `on_http_filter_stream_complete`, `_destroy` | the held stream forgotten | `on_stream_end` (the second finds nothing) |
+//!
+//! Once the response headers' answer says the pipeline keeps nothing of
+//! the stream (`finished`: most requests, which hold no slot and settle no
+//! cost), its body, trailers, end and destroy are no steps at all: no
+//! worker lock, no callback.
 //! | `on_http_filter_scheduled` | a held stream's answer applied on its worker | (made by the tick) |
 //! | `on_http_filter_config_scheduled` | every worker's tick | `on_tick`, `take_callouts`, `dispatched`, `take_answers` |
 //! | `on_http_filter_config_http_callout_done` | the answer to its worker | `on_sync_answer` |
 
+use std::cell::Cell;
 use std::ffi::c_char;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -292,12 +298,25 @@ struct Filter {
     config: *const Config,
     worker: usize,
     stream: StreamId,
+    /// The pipeline keeps nothing of the stream since its response
+    /// headers ([`tenantgate::pipeline::ResponseHeaders::finished`]): its
+    /// body, trailers and end are not steps.
+    finished: Cell<bool>,
+    /// The stream was held once: its worker keeps its scheduler until
+    /// `destroy`.
+    held: Cell<bool>,
 }
 
 impl Filter {
     fn config(&self) -> &Config {
         // SAFETY: see the field.
         unsafe { &*self.config }
+    }
+
+    /// Holds the stream on its worker (the pipeline paused it).
+    fn hold(&self, w: &mut crate::node::Worker, envoy: HttpFilterEnvoy) {
+        w.hold(self.stream, envoy, self.config().id);
+        self.held.set(true);
     }
 }
 
@@ -332,6 +351,8 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
             config: Arc::as_ptr(config),
             worker: usize::try_from(worker).unwrap_or(0),
             stream,
+            finished: Cell::new(false),
+            held: Cell::new(false),
         };
         Box::into_raw(Box::new(filter)).cast_const().cast()
     })
@@ -496,7 +517,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
                 .pipeline
                 .on_request_headers(host, &SystemClock, policy, f.stream);
             if d.verdict == Verdict::Pause {
-                w.hold(f.stream, envoy, f.config().id);
+                f.hold(w, envoy);
             }
             d
         })
@@ -542,7 +563,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
                 .pipeline
                 .on_request_body(host, &SystemClock, policy, f.stream, size);
             if d.verdict == Verdict::Pause {
-                w.hold(f.stream, envoy, f.config().id);
+                f.hold(w, envoy);
             }
             d
         })
@@ -599,6 +620,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
         );
     });
     if let Some(r) = response {
+        f.finished.set(r.finished);
         let ratelimit = r
             .ratelimit
             .iter()
@@ -631,6 +653,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
 ) -> abi::BodyStatus {
     // SAFETY: as in `request_headers`.
     let f = unsafe { filter(ptr) };
+    if f.finished.get() {
+        return abi::BODY_CONTINUE;
+    }
     let mut record = None;
     response_step(f, envoy, "response_body", |w, host| {
         // SAFETY: the current hook's stream.
@@ -652,6 +677,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
 ) -> abi::TrailersStatus {
     // SAFETY: as in `request_headers`.
     let f = unsafe { filter(ptr) };
+    if f.finished.get() {
+        return abi::TRAILERS_CONTINUE;
+    }
     let mut record = None;
     response_step(f, envoy, "response_trailers", |w, host| {
         record = w.pipeline.on_response_trailers(host, &SystemClock, f.stream);
@@ -667,6 +695,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
 ) {
     // SAFETY: as in `request_headers`.
     let f = unsafe { filter(ptr) };
+    if f.finished.get() {
+        return;
+    }
     let mut record = None;
     response_step(f, envoy, "stream_complete", |w, host| {
         record = w.pipeline.on_stream_end(host, &SystemClock, f.stream);
@@ -682,6 +713,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(ptr: HttpFilterMod
         }
         // SAFETY: made by `filter_new`, destroyed once, here.
         let f = unsafe { Box::from_raw(ptr.cast::<Filter>().cast_mut()) };
+        if f.finished.get() && !f.held.get() {
+            return;
+        }
         let node: &Node = node();
         if let Some(mut w) = node.worker(f.worker) {
             // Without a stream: the end was already recorded at

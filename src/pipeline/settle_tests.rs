@@ -111,6 +111,9 @@ impl Worker {
             MemoryHost::new(node.store.clone()).response_header("content-type", "application/json");
         let mut record = None;
         let r = self.pipeline.on_response_headers(&host, &now, stream, false);
+        // A settling stream's body is still to be read: a host must not
+        // skip it.
+        assert!(!r.finished || r.cost_record.is_some(), "{r:?}");
         record = record.or(r.cost_record);
         let bytes = body.as_bytes();
         let cut = match answer {

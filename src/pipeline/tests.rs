@@ -579,3 +579,28 @@ mod limits_endpoint {
         );
     }
 }
+
+#[test]
+fn response_headers_say_when_the_pipeline_keeps_nothing_of_a_stream() {
+    let node = Node::new();
+    let mut w = node.worker(POLICY, T0);
+    // A plain rate-limited request: its RateLimit headers are all it kept.
+    let plain = node.request("plain", "p");
+    assert_eq!(w.headers(&plain, 1, T0).verdict, Verdict::Continue);
+    let r = w.pipeline.on_response_headers(&plain, &T0, 1, false);
+    assert!(r.ratelimit.is_some() && r.finished, "{r:?}");
+    assert_eq!(w.pipeline.streams(), 0);
+    // Its later events find nothing, as `finished` promised.
+    assert_eq!(w.pipeline.on_response_body(&plain, &T0, 1, 10, true), None);
+    assert_eq!(w.pipeline.on_stream_end(&plain, &T0, 1), None);
+    // A request holding a slot of `db` still has its end to come.
+    let orders = node.request("orders", "o");
+    assert_eq!(w.headers(&orders, 2, T0).verdict, Verdict::Continue);
+    let r = w.pipeline.on_response_headers(&orders, &T0, 2, false);
+    assert!(!r.finished, "{r:?}");
+    assert_eq!(node.in_flight("db", T0), 1);
+    w.end(&node, 2, T0);
+    assert_eq!(node.in_flight("db", T0), 0);
+    // A stream the pipeline never saw (or already ended).
+    assert!(w.pipeline.on_response_headers(&orders, &T0, 3, true).finished);
+}
