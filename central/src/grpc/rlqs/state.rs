@@ -389,3 +389,186 @@ impl Book {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::Strategy;
+
+    const S: u64 = NANOS_PER_SEC;
+    const RATE: KeyRate = KeyRate {
+        rate: 30,
+        per_secs: 10,
+        burst: 6,
+    };
+    const LIMITS: Limits = Limits {
+        max_buckets_per_stream: 2,
+        ttl_secs: 15,
+        margin_ns: S,
+        idle_reports: 3,
+    };
+
+    fn usage(tenant: &str, target: Target, allowed: u64) -> Usage {
+        let id = BucketId {
+            bucket: [("tenant".to_owned(), tenant.to_owned())].into_iter().collect(),
+        };
+        Usage {
+            name: vec![("tenant".to_owned(), tenant.to_owned())],
+            id,
+            target,
+            allowed,
+            denied: 0,
+        }
+    }
+
+    fn limited(tenant: &str, allowed: u64) -> Usage {
+        usage(
+            tenant,
+            Target::Limit {
+                key: format!("k|{tenant}"),
+                rate: RATE,
+            },
+            allowed,
+        )
+    }
+
+    /// The token buckets (max_tokens, tokens_per_fill) sent to `stream`.
+    fn buckets(out: &Outcome, stream: StreamId) -> Vec<(u32, u32)> {
+        out.send
+            .get(&stream)
+            .into_iter()
+            .flatten()
+            .filter_map(|a| match &a.bucket_action {
+                Some(Action::QuotaAssignmentAction(q)) => {
+                    match q.rate_limit_strategy.and_then(|s| s.strategy) {
+                        Some(Strategy::TokenBucket(tb)) => {
+                            Some((tb.max_tokens, tb.tokens_per_fill.map_or(0, |v| v.value)))
+                        }
+                        _ => None,
+                    }
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_second_holder_halves_the_first_at_once() {
+        let mut book = Book::default();
+        book.open(1);
+        book.open(2);
+        let out = book.report(1, vec![limited("a", 0)], 0, LIMITS);
+        assert_eq!(buckets(&out, 1), [(6, 30)]);
+        let out = book.report(2, vec![limited("a", 0)], S, LIMITS);
+        // The newcomer answered, the first pushed its half.
+        assert_eq!(buckets(&out, 2), [(3, 15)]);
+        assert_eq!(buckets(&out, 1), [(3, 15)]);
+        assert_eq!(out.changed, 2);
+        // A report renews an unchanged share (no change counted).
+        let out = book.report(1, vec![limited("a", 4)], 5 * S, LIMITS);
+        assert_eq!((buckets(&out, 1), out.changed), (vec![(3, 15)], 0));
+        assert!(!out.send.contains_key(&2));
+    }
+
+    #[test]
+    fn a_closed_streams_share_stays_reserved_until_it_expires() {
+        let mut book = Book::default();
+        book.open(1);
+        book.open(2);
+        book.report(1, vec![limited("a", 0)], 0, LIMITS);
+        book.report(2, vec![limited("a", 0)], 0, LIMITS);
+        book.close(2);
+        // Its last assignment (sent at 0) lives 15 s (+1 s margin) in Envoy.
+        assert!(book.expire(10 * S, LIMITS).send.is_empty());
+        let out = book.report(1, vec![limited("a", 1)], 12 * S, LIMITS);
+        assert_eq!(buckets(&out, 1), [(3, 15)]);
+        let out = book.expire(16 * S + 1, LIMITS);
+        assert_eq!(buckets(&out, 1), [(6, 30)]);
+        assert_eq!(book.holders(), 1);
+        assert_eq!(book.streams(), 1);
+    }
+
+    #[test]
+    fn a_newcomer_shares_what_a_draining_holder_leaves() {
+        let mut book = Book::default();
+        for s in 1..=3 {
+            book.open(s);
+        }
+        book.report(1, vec![limited("a", 0)], 0, LIMITS);
+        book.close(1);
+        // Holder 1 drains with 30 per 10 s and 6 tokens: nothing is left.
+        let out = book.report(2, vec![limited("a", 0)], S, LIMITS);
+        assert!(matches!(
+            out.send.get(&2).and_then(|a| a.first()).and_then(|a| a.bucket_action),
+            Some(Action::QuotaAssignmentAction(q)) if q.rate_limit_strategy == Some(strategy(Grant::DenyAll))
+        ));
+        // Holder 1 expires at 16 s; holder 2 (sent at 1 s) lives to 17 s.
+        let out = book.expire(16 * S + 1, LIMITS);
+        assert_eq!(buckets(&out, 2), [(6, 30)]);
+    }
+
+    #[test]
+    fn an_idle_bucket_is_abandoned_and_its_share_released() {
+        let mut book = Book::default();
+        book.open(1);
+        book.open(2);
+        book.report(1, vec![limited("a", 1)], 0, LIMITS);
+        book.report(2, vec![limited("a", 1)], 0, LIMITS);
+        for i in 1..3 {
+            let out = book.report(2, vec![limited("a", 0)], i * 5 * S, LIMITS);
+            assert_eq!(out.abandoned, 0);
+        }
+        let out = book.report(2, vec![limited("a", 0)], 15 * S, LIMITS);
+        assert_eq!(out.abandoned, 1);
+        assert!(matches!(
+            out.send
+                .get(&2)
+                .and_then(|a| a.first())
+                .and_then(|a| a.bucket_action),
+            Some(Action::AbandonAction(_))
+        ));
+        assert_eq!(buckets(&out, 1), [(6, 30)]);
+    }
+
+    #[test]
+    fn buckets_beyond_the_cap_get_no_answer_and_others_allow_all() {
+        let mut book = Book::default();
+        book.open(1);
+        let out = book.report(
+            1,
+            vec![
+                usage("x", Target::Allow, 0),
+                usage("y", Target::Count { key: "k|y".into() }, 0),
+                limited("z", 0),
+            ],
+            0,
+            LIMITS,
+        );
+        assert_eq!(out.refused, 1);
+        let sent = out.send.get(&1).map_or(0, Vec::len);
+        assert_eq!(sent, 2);
+        assert!(out.send.get(&1).into_iter().flatten().all(|a| matches!(
+            a.bucket_action,
+            Some(Action::QuotaAssignmentAction(q)) if q.rate_limit_strategy == Some(strategy(Grant::AllowAll))
+        )));
+        assert_eq!(book.holders(), 0);
+    }
+
+    #[test]
+    fn a_bucket_moved_to_another_key_leaves_the_first() {
+        let mut book = Book::default();
+        book.open(1);
+        book.report(1, vec![limited("a", 0)], 0, LIMITS);
+        let moved = usage(
+            "a",
+            Target::Limit {
+                key: "other".into(),
+                rate: RATE,
+            },
+            0,
+        );
+        let out = book.report(1, vec![moved], S, LIMITS);
+        assert_eq!(buckets(&out, 1), [(6, 30)]);
+        assert_eq!(book.holders(), 1);
+    }
+}
