@@ -181,7 +181,7 @@ fn place<'e>(
         .collect();
     candidates.sort_unstable();
     for (i, at) in candidates {
-        *steps += 1;
+        *steps = steps.saturating_add(1);
         let Some(rule) = level.rules.get(i) else {
             continue;
         };

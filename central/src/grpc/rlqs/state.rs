@@ -337,7 +337,7 @@ impl Book {
                 continue;
             }
             let grant = split(left, live, j);
-            j += 1;
+            j = j.saturating_add(1);
             if h.sent == Some(grant) && !h.due {
                 continue;
             }
