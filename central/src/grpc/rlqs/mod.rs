@@ -18,11 +18,14 @@
 //!   no rule, an `unlimited` rule, or `mode: off` is sent `ALLOW_ALL`;
 //!   `mode: shadow`, or a plan with only shadow or soft limits, is counted
 //!   and sent `ALLOW_ALL`.
-//! * **The limit a key is enforced with** is its plan's enforced limit of
-//!   least rate per second, as a token bucket: `rate` per `per`, capacity
-//!   `burst` (a window's capacity is its rate). Envoy's filter has one
-//!   token bucket per bucket; the plan's other limits are counted (usage
-//!   is folded into their records) and not enforced on this path.
+//! * **The limit a key's token buckets carry** is its plan's enforced
+//!   limit of shortest window (then lowest rate), as a token bucket: `rate`
+//!   per `per`, capacity `burst` (a window's capacity is its rate). Envoy's
+//!   filter has one token bucket per bucket, so the plan's other enforced
+//!   limits (a daily quota beside a per-minute rate) are enforced through
+//!   the count: when folding usage leaves one of them refusing the next
+//!   request, every holder of the key is sent `DENY_ALL` until it has room
+//!   again, then its token bucket.
 //! * **Allocation.** Every (stream, bucket) on a limited key holds a share
 //!   of it: an even split among the holders on open streams, in the order
 //!   they joined (`share::split`), of what is left after the holders on
@@ -35,7 +38,7 @@
 //!   the store (`--store`, as the RLS charges a request: the same
 //!   records), as far as every limit of the plan has room; what does not
 //!   fit is counted (`tenantgate_rlqs_usage_over_total`). Denials are
-//!   counted.
+//!   counted. A report is answered first, then folded.
 //! * **Release.** A bucket reported idle (no request) for
 //!   [`Settings::idle_reports`] reports in a row is abandoned
 //!   (`AbandonAction`: Envoy forgets it and re-subscribes on its next
@@ -70,7 +73,12 @@
 //! filter's `expired_assignment_behavior` applies, then
 //! `no_assignment_behavior`: those are Envoy's, and outside this bound.
 //! Each replica splits among the streams it serves: run one replica for
-//! RLQS (the bound multiplies by the replicas otherwise).
+//! RLQS (the bound multiplies by the replicas otherwise). A plan's other
+//! limits (enforced through the count) are checked when usage is folded,
+//! so one of them may run past its own limit by what the holders admit
+//! before their next report: at most one reporting interval at the token
+//! buckets' rate, plus their burst; each `DENY_ALL` and each reopening
+//! counts in `A`.
 //!
 //! # Limits
 //! Every value from the network is bounded: a message over 4 MiB (tonic's
@@ -475,29 +483,35 @@ impl Rlqs {
             return;
         };
         let limits: Vec<KeyLimit> = plan_limits.iter().map(|l| l.key).collect();
+        let bucket = bucket_limit(plan_limits).map(|l| l.key.name_hash);
         let now = self.clock.now_ns();
         let ttl = Duration::from_nanos(idle_after_ns(&limits)).saturating_add(Duration::from_secs(1));
         let mut charged = 0u64;
+        let mut closed_for = None;
         let mut decide = |stored: &[Option<Vec<u8>>]| {
             let record = stored.first().and_then(|s| s.as_deref());
             let full = check_key(record, &limits, effective_from, now, n);
             let fits = if full.denied { room(&full, n) } else { n };
-            charged = fits;
-            if fits == 0 {
-                return None;
-            }
             let check = if fits == n {
                 full
             } else {
                 check_key(record, &limits, effective_from, now, fits)
             };
-            if check.denied {
-                charged = 0;
-                return None;
-            }
-            Some(vec![check.charged])
+            let write = fits > 0 && !check.denied;
+            charged = if write { fits } else { 0 };
+            let after = if write {
+                Some(check.charged.as_slice())
+            } else {
+                record
+            };
+            closed_for = exhausted_for(after, plan_limits, bucket, effective_from, now);
+            write.then(|| vec![check.charged.clone()])
         };
-        match self.counters.update(&[key], ttl, now, &mut decide).await {
+        match self
+            .counters
+            .update(std::slice::from_ref(&key), ttl, now, &mut decide)
+            .await
+        {
             Ok(()) => {
                 self.metrics
                     .usage_over
@@ -507,6 +521,11 @@ impl Rlqs {
                 tracing::debug!(error = %e, "RLQS usage not folded");
                 self.metrics.store_errors.fetch_add(1, Relaxed);
             }
+        }
+        if let Some(wait) = closed_for {
+            let limits = self.limits();
+            let out = self.with_book(|b| b.close_key(&key, now.saturating_add(wait), now, limits));
+            self.deliver(out);
         }
     }
 
@@ -566,6 +585,26 @@ impl Rlqs {
     }
 }
 
+/// How long the next request of a key would be refused by an enforced
+/// limit other than the one its token buckets carry (`bucket`, by name
+/// hash), given its records `after` a charge; `None`: it would not be.
+fn exhausted_for(
+    after: Option<&[u8]>,
+    plan_limits: &[RlsLimit],
+    bucket: Option<u32>,
+    effective_from: u64,
+    now: u64,
+) -> Option<u64> {
+    let limits: Vec<KeyLimit> = plan_limits.iter().map(|l| l.key).collect();
+    let next = check_key(after, &limits, effective_from, now, 1);
+    next.standings
+        .iter()
+        .zip(plan_limits)
+        .filter(|(_, l)| !l.key.shadow && Some(l.key.name_hash) != bucket)
+        .filter_map(|(s, _)| s.refused_for_ns)
+        .max()
+}
+
 /// The most of `n` every limit still has room for.
 fn room(check: &tenantgate::limiter::charge::KeyCheck, n: u64) -> u64 {
     check
@@ -603,7 +642,7 @@ fn resolve(policy: &RlsPolicy, domain: &str, id: &BucketId) -> (Target, Option<u
         return (Target::Allow, None);
     };
     let key = format!("{}|{}", found.rule.path, found.tenant);
-    match tightest(limits) {
+    match bucket_limit(limits) {
         Some(l) if policy.mode == Mode::Enforce => (
             Target::Limit {
                 key,
@@ -619,12 +658,14 @@ fn resolve(policy: &RlsPolicy, domain: &str, id: &BucketId) -> (Target, Option<u
     }
 }
 
-/// The enforced limit of least rate per second.
-fn tightest(limits: &[RlsLimit]) -> Option<&RlsLimit> {
-    limits.iter().filter(|l| !l.key.shadow).min_by(|a, b| {
-        (u128::from(a.rate) * u128::from(b.per_secs.max(1)))
-            .cmp(&(u128::from(b.rate) * u128::from(a.per_secs.max(1))))
-    })
+/// The limit a key's token buckets carry: its plan's enforced limit of
+/// shortest window (then lowest rate); the others are enforced through the
+/// count (see the module header).
+fn bucket_limit(limits: &[RlsLimit]) -> Option<&RlsLimit> {
+    limits
+        .iter()
+        .filter(|l| !l.key.shadow)
+        .min_by_key(|l| (l.per_secs, l.rate))
 }
 
 fn text_ok(s: &str) -> bool {
@@ -682,5 +723,259 @@ impl RateLimitQuotaService for RlqsService {
         Ok(tonic::Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::grpc::counters::MemoryCounters;
+    use crate::grpc::rls::Rls;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+
+    const POLICY: &str = r#"
+version: "t"
+identity: { header: x-tenant-id }
+plans:
+  shared: { limits: [ { name: short, rate: 30, per: 10s, burst: 6 }, { name: daily, rate: 1000, per: 1d } ] }
+  quiet:  { limits: [ { rate: 5, per: 1s, shadow: true } ] }
+default_plan: shared
+anonymous: { plan: shared }
+routes: { api: {} }
+default_route: api
+descriptors:
+  shop:
+    - key: tenant
+      plan: shared
+    - key: tenant
+      value: vip
+      unlimited: true
+    - key: watched
+      plan: quiet
+"#;
+
+    fn policy(text: &str) -> RlsPolicy {
+        crate::service::policy::parse(text).unwrap().rls
+    }
+
+    fn id(entries: &[(&str, &str)]) -> BucketId {
+        BucketId {
+            bucket: entries
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        }
+    }
+
+    fn reports(domain: &str, ids: &[BucketId], allowed: u64) -> RateLimitQuotaUsageReports {
+        RateLimitQuotaUsageReports {
+            domain: domain.to_owned(),
+            bucket_quota_usages: ids
+                .iter()
+                .map(|i| BucketQuotaUsage {
+                    bucket_id: Some(i.clone()),
+                    time_elapsed: None,
+                    num_requests_allowed: allowed,
+                    num_requests_denied: 0,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn buckets_resolve_to_the_rls_keys() {
+        let p = policy(POLICY);
+        let (t, plan) = resolve(&p, "shop", &id(&[("tenant", "a")]));
+        assert_eq!(
+            t,
+            Target::Limit {
+                key: "shop.tenant|6:tenant1:a".into(),
+                rate: KeyRate {
+                    rate: 30,
+                    per_secs: 10,
+                    burst: 6
+                }
+            }
+        );
+        let names: Vec<&str> = p.plans[plan.unwrap()].iter().map(|l| l.name.as_str()).collect();
+        assert_eq!(names, ["short", "daily"]);
+        for (domain, entries) in [
+            ("shop", &[("tenant", "vip")][..]),
+            ("shop", &[("team", "x")]),
+            ("other", &[("tenant", "a")]),
+            ("shop", &[("tenant", "a"), ("x", "y")]),
+        ] {
+            assert_eq!(resolve(&p, domain, &id(entries)).0, Target::Allow, "{entries:?}");
+        }
+        assert!(matches!(
+            resolve(&p, "shop", &id(&[("watched", "w")])).0,
+            Target::Count { .. }
+        ));
+        let shadow = policy(&POLICY.replace("version: \"t\"", "version: \"t\"\nmode: shadow"));
+        assert!(matches!(
+            resolve(&shadow, "shop", &id(&[("tenant", "a")])).0,
+            Target::Count { .. }
+        ));
+        let off = policy(&POLICY.replace("version: \"t\"", "version: \"t\"\nmode: off"));
+        assert_eq!(resolve(&off, "shop", &id(&[("tenant", "a")])).0, Target::Allow);
+    }
+
+    #[test]
+    fn messages_out_of_bounds_are_refused() {
+        let ok = reports("shop", &[id(&[("tenant", "a")])], 1);
+        assert!(check_message(&ok, None, 4).is_ok());
+        assert!(check_message(&reports("", &[id(&[("tenant", "a")])], 1), None, 4).is_err());
+        // Later messages may leave the domain out, never change it.
+        assert!(check_message(&reports("", &[id(&[("tenant", "a")])], 1), Some("shop"), 4).is_ok());
+        assert!(check_message(&reports("x", &[id(&[("tenant", "a")])], 1), Some("shop"), 4).is_err());
+        let long = "v".repeat(MAX_TEXT_LEN + 1);
+        let deep: Vec<(String, String)> = (0..=MAX_DEPTH)
+            .map(|i| (format!("k{i}"), "v".to_owned()))
+            .collect();
+        let deep: Vec<(&str, &str)> = deep.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        for bad in [
+            id(&[]),
+            id(&[("tenant", "")]),
+            id(&[("tenant", long.as_str())]),
+            id(&deep),
+        ] {
+            assert!(
+                check_message(&reports("shop", std::slice::from_ref(&bad), 1), None, 4).is_err(),
+                "{bad:?}"
+            );
+        }
+        let many: Vec<BucketId> = (0..5).map(|i| id(&[("tenant", &i.to_string())])).collect();
+        assert!(check_message(&reports("shop", &many, 1), None, 4).is_err());
+        let no_id = RateLimitQuotaUsageReports {
+            domain: "shop".into(),
+            bucket_quota_usages: vec![BucketQuotaUsage::default()],
+        };
+        assert!(check_message(&no_id, None, 4).is_err());
+    }
+
+    /// Usage reported over RLQS is charged to the records the RLS decides
+    /// from: one count per key.
+    #[tokio::test]
+    async fn reported_usage_is_the_rls_count() {
+        let clock = Arc::new(ManualClock::new(1_000_000_000_000));
+        let counters: Arc<dyn Counters> = Arc::new(MemoryCounters::new(100));
+        let rlqs = Rlqs::new(counters.clone(), clock.clone(), Settings::default());
+        let rls = Rls::new(counters, clock);
+        rlqs.set_policy(policy(POLICY));
+        rls.set_policy(policy(POLICY));
+        let (tx, mut rx) = mpsc::channel(8);
+        let stream = rlqs.open(tx).unwrap();
+        let mut domain = None;
+        // 10 admitted by Envoy: 6 fit the burst, 4 are over.
+        rlqs.on_reports(
+            stream,
+            &mut domain,
+            reports("shop", &[id(&[("tenant", "a")])], 10),
+        )
+        .await
+        .unwrap();
+        let answer = rx.try_recv().unwrap().unwrap();
+        assert_eq!(answer.bucket_action.len(), 1);
+        assert_eq!(rlqs.metrics.usage_over.load(Relaxed), 4);
+        assert_eq!(rlqs.metrics.allowed.load(Relaxed), 10);
+        let request = RateLimitRequest {
+            domain: "shop".into(),
+            descriptors: vec![RateLimitDescriptor {
+                entries: vec![Entry {
+                    key: "tenant".into(),
+                    value: "a".into(),
+                }],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let decided = rls.decide(&request).await.unwrap();
+        assert_eq!(decided.overall_code, Code::OverLimit as i32);
+        // A later message changing the domain ends the stream.
+        assert!(rlqs
+            .on_reports(
+                stream,
+                &mut domain,
+                reports("other", &[id(&[("tenant", "a")])], 0)
+            )
+            .await
+            .is_err());
+    }
+
+    /// The plan's other limit (a daily quota beside the rate the token
+    /// buckets carry) is enforced through the count: exhausted, every
+    /// holder is sent DENY_ALL.
+    #[tokio::test]
+    async fn an_exhausted_daily_quota_denies_every_holder() {
+        use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
+        use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
+        let text = POLICY.replace(
+            "{ name: daily, rate: 1000, per: 1d }",
+            "{ name: daily, algorithm: fixed_window, rate: 8, per: 1d }",
+        );
+        let clock = Arc::new(ManualClock::new(1_000_000_000_000));
+        let rlqs = Rlqs::new(
+            Arc::new(MemoryCounters::new(100)),
+            clock.clone(),
+            Settings::default(),
+        );
+        rlqs.set_policy(policy(&text));
+        let (tx, mut rx) = mpsc::channel(8);
+        let stream = rlqs.open(tx).unwrap();
+        let mut domain = None;
+        let a = [id(&[("tenant", "a")])];
+        let strategy = |r: RateLimitQuotaResponse| match r.bucket_action.first().and_then(|a| a.bucket_action)
+        {
+            Some(Action::QuotaAssignmentAction(q)) => q.rate_limit_strategy.and_then(|s| s.strategy),
+            _ => None,
+        };
+        rlqs.on_reports(stream, &mut domain, reports("shop", &a, 6))
+            .await
+            .unwrap();
+        assert!(matches!(
+            strategy(rx.try_recv().unwrap().unwrap()),
+            Some(Strategy::TokenBucket(_))
+        ));
+        assert!(rx.try_recv().is_err(), "6 of 8 a day: still open");
+        clock.advance(Duration::from_secs(10));
+        rlqs.on_reports(stream, &mut domain, reports("shop", &a, 6))
+            .await
+            .unwrap();
+        assert!(matches!(
+            strategy(rx.try_recv().unwrap().unwrap()),
+            Some(Strategy::TokenBucket(_))
+        ));
+        // 2 of the 6 fit the day; it is spent: DENY_ALL pushed.
+        assert_eq!(rlqs.metrics.usage_over.load(Relaxed), 4);
+        assert_eq!(
+            strategy(rx.try_recv().unwrap().unwrap()),
+            Some(Strategy::BlanketRule(BlanketRule::DenyAll as i32))
+        );
+    }
+
+    #[tokio::test]
+    async fn streams_beyond_the_cap_are_refused() {
+        let settings = Settings {
+            max_streams: 1,
+            ..Settings::default()
+        };
+        let rlqs = Rlqs::new(
+            Arc::new(MemoryCounters::new(10)),
+            Arc::new(ManualClock::new(0)),
+            settings,
+        );
+        let (tx, _rx) = mpsc::channel(1);
+        let first = rlqs.open(tx.clone()).unwrap();
+        assert_eq!(
+            rlqs.open(tx.clone()).unwrap_err().code(),
+            tonic::Code::ResourceExhausted
+        );
+        rlqs.close(first);
+        assert!(rlqs.open(tx).is_ok());
     }
 }

@@ -110,6 +110,9 @@ struct Holder {
 struct Holders {
     rate: KeyRate,
     list: Vec<Holder>,
+    /// Until when every holder is sent `DENY_ALL` (another limit of the
+    /// plan is exhausted; 0: open).
+    closed_until: u64,
 }
 
 /// Streams, their buckets, and every limited key's holders.
@@ -266,6 +269,7 @@ impl Book {
         let holders = self.keys.entry(key.to_owned()).or_insert_with(|| Holders {
             rate,
             list: Vec::new(),
+            closed_until: 0,
         });
         holders.rate = rate;
         if holders
@@ -330,13 +334,18 @@ impl Book {
             }
         }
         let live = holders.list.iter().filter(|h| open(h)).count();
+        let closed = holders.closed_until > now;
         let ttl_ns = limits.ttl_secs.saturating_mul(NANOS_PER_SEC);
         let mut j = 0;
         for h in holders.list.iter_mut() {
             if !streams.get(&h.stream).is_some_and(|s| s.open) {
                 continue;
             }
-            let grant = split(left, live, j);
+            let grant = if closed {
+                Grant::DenyAll
+            } else {
+                split(left, live, j)
+            };
             j = j.saturating_add(1);
             if h.sent == Some(grant) && !h.due {
                 continue;
@@ -354,6 +363,24 @@ impl Book {
         }
     }
 
+    /// Another limit of the key's plan refuses until `until`: every holder
+    /// is sent `DENY_ALL` until then (the sweep reopens it).
+    pub fn close_key(&mut self, key: &str, until: u64, now: u64, limits: Limits) -> Outcome {
+        let mut out = Outcome::default();
+        let Some(holders) = self.keys.get_mut(key) else {
+            return out;
+        };
+        if until <= holders.closed_until {
+            return out;
+        }
+        let was_open = holders.closed_until <= now;
+        holders.closed_until = until;
+        if was_open {
+            self.assign(key, now, limits, &mut out);
+        }
+        out
+    }
+
     /// Drops the holders whose assignment has expired on Envoy's side and
     /// re-splits their keys among the rest.
     pub fn expire(&mut self, now: u64, limits: Limits) -> Outcome {
@@ -361,6 +388,10 @@ impl Book {
         let mut dirty = Vec::new();
         let mut gone: Vec<(StreamId, BucketName)> = Vec::new();
         for (key, holders) in &mut self.keys {
+            if holders.closed_until != 0 && holders.closed_until <= now {
+                holders.closed_until = 0;
+                dirty.push(key.clone());
+            }
             let before = holders.list.len();
             holders.list.retain(|h| {
                 let live = h.expires_ns == 0 || h.expires_ns > now;
@@ -369,7 +400,7 @@ impl Book {
                 }
                 live
             });
-            if holders.list.len() != before {
+            if holders.list.len() != before && dirty.last() != Some(key) {
                 dirty.push(key.clone());
             }
         }
