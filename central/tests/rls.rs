@@ -346,7 +346,15 @@ async fn malformed_and_oversized_requests_on_the_wire_are_refused() {
     let [rls, _] = replicas(&backend, POLICY, &clock);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, tenantgate_central::grpc::router(Arc::new(rls))).await });
+    let services = tenantgate_central::grpc::Services {
+        rls: Arc::new(rls),
+        rlqs: Arc::new(tenantgate_central::grpc::rlqs::Rlqs::new(
+            Arc::new(MemoryCounters::new(100)),
+            clock.clone(),
+            Default::default(),
+        )),
+    };
+    tokio::spawn(async move { axum::serve(listener, tenantgate_central::grpc::router(services)).await });
     let valid = request(&[&[("tenant", "a")]], 1).encode_to_vec();
     assert_eq!(call(addr, frame(&valid)).await.as_deref(), Some("0"));
     // Not protobuf: an invalid wire type, a truncated varint, a field

@@ -100,8 +100,10 @@ struct ServeArgs {
     #[arg(long, default_value = tenantgate_central::service::DEFAULT_ADMIN)]
     admin: std::net::SocketAddr,
     /// Also serve Envoy's rate limit service (RLS, for the native
-    /// ratelimit filter) over gRPC here, from the policy's `descriptors:`,
-    /// with its state in --store. Same authentication as --listen.
+    /// ratelimit filter) and rate limit quota service (RLQS, for the native
+    /// rate_limit_quota filter) over gRPC here, from the policy's
+    /// `descriptors:`, with their state in --store. Same authentication as
+    /// --listen.
     #[arg(long)]
     grpc_listen: Option<std::net::SocketAddr>,
     /// Where the allocator's state lives: `embedded` (in this process),

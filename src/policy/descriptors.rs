@@ -138,6 +138,70 @@ impl Descriptors {
         }
         None
     }
+    /// The rule an unordered set of entries matches (an RLQS `BucketId`, a
+    /// map): the entries are put in an order the rule tree reads, one per
+    /// level, and then matched as [`Descriptors::find`] matches that
+    /// descriptor (same rule, same key). The order is the first found
+    /// trying, at each level, the entries not yet placed by their matching
+    /// rule's place in the order written (as `find` matches an entry),
+    /// backtracking when a choice leaves entries no rule reads; at most
+    /// [`MAX_ORDER_STEPS`] tries, then no match.
+    pub fn find_unordered<'a>(&'a self, domain: &str, entries: &[(&str, &str)]) -> Option<Found<'a>> {
+        let level = self.domains.get(domain)?;
+        if entries.is_empty() || entries.len() > MAX_DEPTH {
+            return None;
+        }
+        let mut left: Vec<(&str, &str)> = entries.to_vec();
+        left.sort_unstable();
+        let mut ordered = Vec::with_capacity(entries.len());
+        let mut steps = 0usize;
+        if place(level, &mut left, &mut ordered, &mut steps) {
+            self.find(domain, &ordered)
+        } else {
+            None
+        }
+    }
+}
+
+/// Most rule matches one [`Descriptors::find_unordered`] tries.
+pub const MAX_ORDER_STEPS: usize = 4096;
+
+/// Places every entry of `left` after `ordered`, one per level from
+/// `level` down; the last one's rule has a plan or is `unlimited`.
+fn place<'e>(
+    level: &Level,
+    left: &mut Vec<(&'e str, &'e str)>,
+    ordered: &mut Vec<(&'e str, &'e str)>,
+    steps: &mut usize,
+) -> bool {
+    let mut candidates: Vec<(usize, usize)> = left
+        .iter()
+        .enumerate()
+        .filter_map(|(at, (k, v))| level.matching_index(k, v).map(|i| (i, at)))
+        .collect();
+    candidates.sort_unstable();
+    for (i, at) in candidates {
+        *steps = steps.saturating_add(1);
+        let Some(rule) = level.rules.get(i) else {
+            continue;
+        };
+        if *steps > MAX_ORDER_STEPS || at >= left.len() {
+            return false;
+        }
+        let entry = left.remove(at);
+        ordered.push(entry);
+        let done = if left.is_empty() {
+            rule.plan.is_some() || rule.unlimited
+        } else {
+            place(&rule.children, left, ordered, steps)
+        };
+        if done {
+            return true;
+        }
+        ordered.pop();
+        left.insert(at, entry);
+    }
+    false
 }
 
 /// Appends `s` length-prefixed.
@@ -149,17 +213,22 @@ fn push_part(out: &mut String, s: &str) {
 
 impl Level {
     fn matching(&self, key: &str, value: &str) -> Option<&Rule> {
+        self.matching_index(key, value).and_then(|i| self.rules.get(i))
+    }
+
+    /// The index of the rule [`Level::matching`] picks.
+    fn matching_index(&self, key: &str, value: &str) -> Option<usize> {
         if let Some(&i) = self.exact.get(&(key.to_owned(), value.to_owned())) {
-            return self.rules.get(i);
+            return Some(i);
         }
         let pattern = self
             .patterns
             .iter()
             .find(|(k, parts, _)| k == key && wildcard_match(parts, value));
         if let Some((_, _, i)) = pattern {
-            return self.rules.get(*i);
+            return Some(*i);
         }
-        self.any.get(key).and_then(|&i| self.rules.get(i))
+        self.any.get(key).copied()
     }
 }
 
@@ -467,6 +536,34 @@ mod tests {
         assert!(d.find("dom", &[("ip", "1"), ("x", "y")]).is_none());
         assert!(d.find("other", &[("ip", "1")]).is_none());
         assert!(d.find("dom", &[]).is_none());
+    }
+
+    #[test]
+    fn unordered_entries_are_read_in_the_rule_trees_order() {
+        let d = compiled(vec![
+            rule("tenant", None, Some("p"), vec![]),
+            rule(
+                "route",
+                Some("search"),
+                None,
+                vec![rule("tenant", None, Some("q"), vec![])],
+            ),
+        ]);
+        let nested = d
+            .find_unordered("dom", &[("tenant", "a"), ("route", "search")])
+            .unwrap();
+        assert_eq!(
+            nested,
+            d.find("dom", &[("route", "search"), ("tenant", "a")]).unwrap()
+        );
+        assert_eq!(
+            d.find_unordered("dom", &[("tenant", "a")]),
+            d.find("dom", &[("tenant", "a")])
+        );
+        // An entry no rule of its level has: nothing.
+        assert!(d.find_unordered("dom", &[("tenant", "a"), ("x", "y")]).is_none());
+        assert!(d.find_unordered("dom", &[]).is_none());
+        assert!(d.find_unordered("other", &[("tenant", "a")]).is_none());
     }
 
     #[test]

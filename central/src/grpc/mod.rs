@@ -1,6 +1,8 @@
 //! Envoy's rate limit protocols, served by `tenantgate serve --grpc-listen`
 //! over gRPC (tonic, HTTP/2): the rate limit service ([`rls`], for Envoy's
-//! native `envoy.filters.http.ratelimit`). The protocol types are
+//! native `envoy.filters.http.ratelimit`) and the rate limit quota service
+//! ([`rlqs`], for its native `envoy.filters.http.rate_limit_quota`), from
+//! one policy and one count per key. The protocol types are
 //! `envoy-types`' (generated from Envoy's own protos).
 //!
 //! The gRPC listener follows the sync listener's conventions
@@ -10,6 +12,7 @@
 //! CA signed may ask (RLS requests name no node).
 
 pub mod counters;
+pub mod rlqs;
 pub mod rls;
 
 use std::sync::Arc;
@@ -38,8 +41,18 @@ pub fn open_counters(spec: &str, max_keys: u64) -> Result<Arc<dyn Counters>, Str
     Err(format!("--store {spec}: expected `embedded` or a redis:// URL"))
 }
 
+/// The gRPC services `--grpc-listen` serves.
+#[derive(Clone)]
+pub struct Services {
+    pub rls: Arc<rls::Rls>,
+    pub rlqs: Arc<rlqs::Rlqs>,
+}
+
 /// The gRPC services as one axum router (tonic's routes).
-pub fn router(rls: Arc<rls::Rls>) -> axum::Router {
+pub fn router(services: Services) -> axum::Router {
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
-    tonic::service::Routes::new(RateLimitServiceServer::from_arc(rls)).into_axum_router()
+    tonic::service::Routes::new(RateLimitServiceServer::from_arc(services.rls))
+        .add_service(RateLimitQuotaServiceServer::new(rlqs::RlqsService(services.rlqs)))
+        .into_axum_router()
 }

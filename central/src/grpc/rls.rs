@@ -86,6 +86,9 @@ pub struct RlsLimit {
     pub key: KeyLimit,
     pub rate: u64,
     pub per_secs: u64,
+    /// The capacity (a window's is its rate): what RLQS's token buckets
+    /// hold together.
+    pub burst: u64,
 }
 
 /// What the RLS decides with: the policy's rules and its plans' limits.
@@ -122,6 +125,7 @@ impl RlsPolicy {
                             },
                             rate: l.rate,
                             per_secs: l.per_secs,
+                            burst: l.burst,
                         })
                         .collect()
                 })

@@ -132,6 +132,9 @@ async fn metrics(State(service): State<Arc<Service>>) -> Response {
     if let Some(r) = service.rls() {
         text.push_str(&r.metrics.render());
     }
+    if let Some(r) = service.rlqs() {
+        text.push_str(&r.metrics.render());
+    }
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
@@ -162,7 +165,7 @@ pub struct ServeOptions {
     pub policy_poll: Duration,
     pub auth: Auth,
     /// Envoy's rate limit protocols over gRPC (`--grpc-listen`; `None`:
-    /// not served). Needs [`Service::attach_rls`].
+    /// not served). Needs [`Service::attach_rls`] and [`Service::attach_rlqs`].
     pub grpc: Option<SocketAddr>,
 }
 
@@ -257,7 +260,13 @@ pub async fn serve_on(
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut stop_admin = stop_rx.clone();
     let grpc_stop = stop_rx.clone();
-    let grpc_service = service.rls().cloned();
+    let grpc_service = match (service.rls(), service.rlqs()) {
+        (Some(rls), Some(rlqs)) => Some(crate::grpc::Services {
+            rls: rls.clone(),
+            rlqs: rlqs.clone(),
+        }),
+        _ => None,
+    };
     let mut stop_sync = stop_rx;
     let admin = tokio::spawn(
         axum::serve(listeners.admin, admin_router(service.clone()))
@@ -278,10 +287,10 @@ pub async fn serve_on(
         let _ = stop_tx.send(true);
     });
     let grpc = match (opts.grpc, grpc_service) {
-        (Some(addr), Some(rls)) => Some(tokio::spawn(serve_grpc(
+        (Some(addr), Some(services)) => Some(tokio::spawn(serve_grpc(
             addr,
             opts.auth.tls.clone(),
-            rls,
+            services,
             grpc_stop,
         ))),
         _ => None,
@@ -313,7 +322,7 @@ pub async fn serve_on(
 async fn serve_grpc(
     addr: SocketAddr,
     tls: Option<TlsFiles>,
-    rls: Arc<crate::grpc::rls::Rls>,
+    services: crate::grpc::Services,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let tcp = tokio::net::TcpListener::bind(addr)
@@ -323,10 +332,10 @@ async fn serve_grpc(
         Some(files) => SyncListener::tls_alpn(tcp, files, b"h2")?,
         None => SyncListener::plain(tcp),
     };
-    info!(%addr, tls = tls.is_some(), "gRPC (Envoy rate limit service) listening");
+    info!(%addr, tls = tls.is_some(), "gRPC (Envoy rate limit service and rate limit quota service) listening");
     axum::serve(
         listener,
-        crate::grpc::router(rls).into_make_service_with_connect_info::<Peer>(),
+        crate::grpc::router(services).into_make_service_with_connect_info::<Peer>(),
     )
     .with_graceful_shutdown(async move {
         let _ = stop.wait_for(|s| *s).await;
@@ -411,7 +420,15 @@ pub fn run(
         ));
         if opts.grpc.is_some() {
             let counters = crate::grpc::open_counters(store_spec, service.state_limits().max_keys)?;
-            service.attach_rls(Arc::new(crate::grpc::rls::Rls::new(counters, service.clock())));
+            service.attach_rls(Arc::new(crate::grpc::rls::Rls::new(
+                counters.clone(),
+                service.clock(),
+            )));
+            service.attach_rlqs(Arc::new(crate::grpc::rlqs::Rlqs::new(
+                counters,
+                service.clock(),
+                crate::grpc::rlqs::Settings::default(),
+            )));
         }
         if let Some(q) = quota {
             let clients = match &q.clients {

@@ -130,6 +130,8 @@ pub struct Service {
     quota: std::sync::OnceLock<Arc<crate::quota::api::QuotaApi>>,
     /// Envoy's rate limit service, when `--grpc-listen` serves it.
     rls: std::sync::OnceLock<Arc<crate::grpc::rls::Rls>>,
+    /// Envoy's rate limit quota service, beside the RLS.
+    rlqs: std::sync::OnceLock<Arc<crate::grpc::rlqs::Rlqs>>,
 }
 
 impl Service {
@@ -166,6 +168,7 @@ impl Service {
             sessions_swept_at: AtomicU64::new(0),
             quota: std::sync::OnceLock::new(),
             rls: std::sync::OnceLock::new(),
+            rlqs: std::sync::OnceLock::new(),
         }
     }
 
@@ -177,6 +180,16 @@ impl Service {
 
     pub fn rls(&self) -> Option<&Arc<crate::grpc::rls::Rls>> {
         self.rls.get()
+    }
+
+    /// Serves Envoy's rate limit quota service (set once, before serving;
+    /// it follows the policy's `descriptors:` as the RLS does).
+    pub fn attach_rlqs(&self, rlqs: Arc<crate::grpc::rlqs::Rlqs>) {
+        let _ = self.rlqs.set(rlqs);
+    }
+
+    pub fn rlqs(&self) -> Option<&Arc<crate::grpc::rlqs::Rlqs>> {
+        self.rlqs.get()
     }
 
     /// Serves the reservation API beside the sync API (set once, before
@@ -240,6 +253,9 @@ impl Service {
             q.set_quotas(p.quotas.clone());
         }
         if let Some(r) = self.rls.get() {
+            r.set_policy(p.rls.clone());
+        }
+        if let Some(r) = self.rlqs.get() {
             r.set_policy(p.rls.clone());
         }
         let cfg = Arc::new(self.settings.alloc_config(p));
