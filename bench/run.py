@@ -61,7 +61,9 @@ they are among them) and stops: a quick check that a row works, not a
 measurement (no baselines, no filter.json). Two rows run only there:
 d-all and j-all, (d) and (j) applied with `--all-capabilities` (no
 capability allow-list), so `BENCH_ONLY=c,d,d-all,j,j-all` shows what the
-allow-list gains in one interleaved run.
+allow-list gains in one interleaved run; and l-headers, (l) with
+`ratelimit_headers: false` (the headers on denials only, as (f)'s
+local_ratelimit sends none by default).
 
 BENCH_PAIR=x,y (two row keys) runs those two rows at once instead, every
 round: both Envoys pinned to CPU 0, their two wrk on CPU 1, so whatever
@@ -1056,10 +1058,17 @@ def main() -> int:
         c.all_capabilities = True
         unrestricted.append(c)
 
+    # Only with BENCH_ONLY or BENCH_PAIR: (l) without its RateLimit headers
+    # (on denials only), what (f)'s local_ratelimit sends by default.
+    lean_module = Config("l-headers", f"{by_key['l'].label}, ratelimit_headers: false", "module", None, tenants_lua)
+    lean_module.policy = OUT / "ablation-l-headers.yaml"
+    lean_module.policy.write_text(by_key["e"].policy.read_text() + "ratelimit_headers: false\n")
+    extra = ablation + probes + unrestricted + [lean_module]
+
     if PAIR:
-        return paired({**by_key, **{c.key: c for c in ablation + probes + unrestricted}})
+        return paired({**by_key, **{c.key: c for c in extra}})
     if ONLY:
-        return only({**by_key, **{c.key: c for c in ablation + probes + unrestricted}})
+        return only({**by_key, **{c.key: c for c in extra}})
 
     version = envoy_version()
     mach = machine()
