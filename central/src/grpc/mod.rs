@@ -15,9 +15,52 @@ pub mod counters;
 pub mod rlqs;
 pub mod rls;
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use self::counters::{Counters, MemoryCounters, RedisCounters};
+use self::rls::RlsPolicy;
+
+/// The descriptor rules in force for the RLS and the RLQS, and when they
+/// took effect (the reload rule's epoch: a reload of the same rules keeps
+/// it).
+pub struct PolicyInForce {
+    current: RwLock<InForce>,
+}
+
+struct InForce {
+    policy: Arc<RlsPolicy>,
+    effective_from: u64,
+}
+
+impl Default for PolicyInForce {
+    fn default() -> PolicyInForce {
+        PolicyInForce {
+            current: RwLock::new(InForce {
+                policy: Arc::new(RlsPolicy::default()),
+                effective_from: 0,
+            }),
+        }
+    }
+}
+
+impl PolicyInForce {
+    /// Puts `policy` in force at `now` unless the same rules already are.
+    pub fn set(&self, policy: RlsPolicy, now: u64) {
+        let mut guard = self.current.write().unwrap_or_else(|e| e.into_inner());
+        if *guard.policy != policy {
+            *guard = InForce {
+                policy: Arc::new(policy),
+                effective_from: now,
+            };
+        }
+    }
+
+    /// The rules in force and when they took effect.
+    pub fn get(&self) -> (Arc<RlsPolicy>, u64) {
+        let guard = self.current.read().unwrap_or_else(|e| e.into_inner());
+        (guard.policy.clone(), guard.effective_from)
+    }
+}
 
 /// The RLS's records in the store `--store` names (`embedded` or a
 /// `redis://` URL), at most `max_keys` of them when embedded.

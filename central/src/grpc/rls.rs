@@ -58,7 +58,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
@@ -164,17 +164,11 @@ impl RlsMetrics {
     }
 }
 
-/// The policy in force and when it took effect (the reload rule's epoch).
-struct InForce {
-    policy: Arc<RlsPolicy>,
-    effective_from: u64,
-}
-
 /// The rate limit service of one replica.
 pub struct Rls {
     counters: Arc<dyn Counters>,
     clock: Arc<dyn Clock>,
-    in_force: RwLock<InForce>,
+    in_force: super::PolicyInForce,
     pub metrics: RlsMetrics,
 }
 
@@ -198,35 +192,18 @@ impl Rls {
         Rls {
             counters,
             clock,
-            in_force: RwLock::new(InForce {
-                policy: Arc::new(RlsPolicy::default()),
-                effective_from: 0,
-            }),
+            in_force: Default::default(),
             metrics: RlsMetrics::default(),
         }
     }
 
     /// Puts a policy in force (a reload of the same rules keeps its epoch).
     pub fn set_policy(&self, policy: RlsPolicy) {
-        let now = self.clock.now_ns();
-        let mut guard = match self.in_force.write() {
-            Ok(g) => g,
-            Err(e) => e.into_inner(),
-        };
-        if *guard.policy != policy {
-            *guard = InForce {
-                policy: Arc::new(policy),
-                effective_from: now,
-            };
-        }
+        self.in_force.set(policy, self.clock.now_ns());
     }
 
     fn in_force(&self) -> (Arc<RlsPolicy>, u64) {
-        let guard = match self.in_force.read() {
-            Ok(g) => g,
-            Err(e) => e.into_inner(),
-        };
-        (guard.policy.clone(), guard.effective_from)
+        self.in_force.get()
     }
 
     /// Decides one request (see the module header).

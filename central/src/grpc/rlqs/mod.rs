@@ -99,7 +99,7 @@ pub mod state;
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaService;
@@ -269,12 +269,6 @@ impl RlqsMetrics {
     }
 }
 
-/// The policy in force and when it took effect (the reload rule's epoch).
-struct InForce {
-    policy: Arc<RlsPolicy>,
-    effective_from: u64,
-}
-
 type Reply = Result<RateLimitQuotaResponse, tonic::Status>;
 
 /// The rate limit quota service of one replica.
@@ -282,7 +276,7 @@ pub struct Rlqs {
     counters: Arc<dyn Counters>,
     clock: Arc<dyn Clock>,
     settings: Settings,
-    in_force: RwLock<InForce>,
+    in_force: super::PolicyInForce,
     book: Mutex<Book>,
     senders: Mutex<HashMap<StreamId, mpsc::Sender<Reply>>>,
     next_stream: AtomicU64,
@@ -302,10 +296,7 @@ impl Rlqs {
             counters,
             clock,
             settings,
-            in_force: RwLock::new(InForce {
-                policy: Arc::new(RlsPolicy::default()),
-                effective_from: 0,
-            }),
+            in_force: Default::default(),
             book: Mutex::new(Book::default()),
             senders: Mutex::new(HashMap::new()),
             next_stream: AtomicU64::new(1),
@@ -317,25 +308,11 @@ impl Rlqs {
     /// Puts a policy in force (a reload of the same rules keeps its epoch);
     /// each bucket's key and share follow it at its next report.
     pub fn set_policy(&self, policy: RlsPolicy) {
-        let now = self.clock.now_ns();
-        let mut guard = match self.in_force.write() {
-            Ok(g) => g,
-            Err(e) => e.into_inner(),
-        };
-        if *guard.policy != policy {
-            *guard = InForce {
-                policy: Arc::new(policy),
-                effective_from: now,
-            };
-        }
+        self.in_force.set(policy, self.clock.now_ns());
     }
 
     fn in_force(&self) -> (Arc<RlsPolicy>, u64) {
-        let guard = match self.in_force.read() {
-            Ok(g) => g,
-            Err(e) => e.into_inner(),
-        };
-        (guard.policy.clone(), guard.effective_from)
+        self.in_force.get()
     }
 
     fn limits(&self) -> Limits {
