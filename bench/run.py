@@ -63,7 +63,8 @@ d-all and j-all, (d) and (j) applied with `--all-capabilities` (no
 capability allow-list), so `BENCH_ONLY=c,d,d-all,j,j-all` shows what the
 allow-list gains in one interleaved run; and l-headers, (l) with
 `ratelimit_headers: false` (the headers on denials only, as (f)'s
-local_ratelimit sends none by default).
+local_ratelimit sends none by default), and l-off, (l) with `mode: off`
+(the module called on every stream, deciding nothing).
 
 BENCH_PAIR=x,y (two row keys) runs those two rows at once instead, every
 round: both Envoys pinned to CPU 0, their two wrk on CPU 1, so whatever
@@ -1060,10 +1061,18 @@ def main() -> int:
 
     # Only with BENCH_ONLY or BENCH_PAIR: (l) without its RateLimit headers
     # (on denials only), what (f)'s local_ratelimit sends by default.
-    lean_module = Config("l-headers", f"{by_key['l'].label}, ratelimit_headers: false", "module", None, tenants_lua)
-    lean_module.policy = OUT / "ablation-l-headers.yaml"
-    lean_module.policy.write_text(by_key["e"].policy.read_text() + "ratelimit_headers: false\n")
-    extra = ablation + probes + unrestricted + [lean_module]
+    # And (l) with `mode: off`: the module loaded and called on every
+    # stream, deciding nothing (what Envoy's dynamic-module machinery costs).
+    module_ablation = []
+    for key, label, extra_yaml in (
+        ("l-headers", f"{by_key['l'].label}, ratelimit_headers: false", "ratelimit_headers: false\n"),
+        ("l-off", f"{by_key['l'].label}, mode: off", "mode: off\n"),
+    ):
+        c = Config(key, label, "module", None, tenants_lua)
+        c.policy = OUT / f"ablation-{key}.yaml"
+        c.policy.write_text(by_key["e"].policy.read_text().replace("mode: enforce\n", "") + extra_yaml)
+        module_ablation.append(c)
+    extra = ablation + probes + unrestricted + module_ablation
 
     if PAIR:
         return paired({**by_key, **{c.key: c for c in extra}})

@@ -346,9 +346,17 @@ impl Applied {
             d.retry_after_secs = 1;
             return d;
         }
-        let item = |i: usize| -> String {
-            let (l, s) = (&limits[i], self.report.get(i).copied().unwrap_or_default());
-            format!("\"{}\";r={};t={}", l.name, s.remaining, ceil_secs(s.reset_ns))
+        // The `RateLimit` header's value for limits `which`: one string,
+        // written in place (no string per limit, no join).
+        let ratelimit = |which: std::ops::Range<usize>| -> String {
+            let mut out = String::with_capacity(48 * which.len());
+            for i in which {
+                let (Some(l), s) = (limits.get(i), self.report.get(i).copied().unwrap_or_default()) else {
+                    continue;
+                };
+                RateLimitHeaders::push_item(&mut out, &l.name, s.remaining, ceil_secs(s.reset_ns));
+            }
+            out
         };
         match self.binding {
             // Over a soft limit only (and not in shadow mode): admitted,
@@ -360,10 +368,9 @@ impl Applied {
                     .and_then(|i| limits.get(i))
                     .map(|l| LimitName::Rate(l.name.clone()));
                 if ctx.headers {
-                    let ratelimit = (0..limits.len()).map(item).collect::<Vec<_>>().join(", ");
                     d.headers = Some(RateLimitHeaders {
                         policy: policy_header.to_owned(),
-                        ratelimit,
+                        ratelimit: ratelimit(0..limits.len()),
                     });
                 }
             }
@@ -372,7 +379,7 @@ impl Applied {
                     let l = &limits[b.limit];
                     d.headers = Some(RateLimitHeaders {
                         policy: format!("\"{}\";q={};w={}", l.name, l.rate, l.per_secs),
-                        ratelimit: item(b.limit),
+                        ratelimit: ratelimit(b.limit..b.limit.saturating_add(1)),
                     });
                 }
                 d.limit = limits.get(b.limit).map(|l| LimitName::Rate(l.name.clone()));
@@ -385,10 +392,9 @@ impl Applied {
                 };
             }
             _ if ctx.headers => {
-                let ratelimit = (0..limits.len()).map(item).collect::<Vec<_>>().join(", ");
                 d.headers = Some(RateLimitHeaders {
                     policy: policy_header.to_owned(),
-                    ratelimit,
+                    ratelimit: ratelimit(0..limits.len()),
                 });
             }
             _ => {}
