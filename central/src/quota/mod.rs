@@ -60,6 +60,7 @@
 
 pub mod api;
 pub mod batch;
+pub mod borrow;
 pub mod metrics;
 pub mod postgres;
 pub mod sqlite;
@@ -239,6 +240,10 @@ pub enum LedgerKind {
     Release,
     Expire,
     Compensation,
+    /// A borrowing region's debt moved to the home region
+    /// ([`borrow`]): the borrowed reservation's committed amount leaves
+    /// the borrowing account (usage: `d_committed` = −committed).
+    Repaid,
 }
 
 impl LedgerKind {
@@ -249,6 +254,7 @@ impl LedgerKind {
             LedgerKind::Release => "release",
             LedgerKind::Expire => "expire",
             LedgerKind::Compensation => "compensation",
+            LedgerKind::Repaid => "repaid",
         }
     }
 
@@ -259,6 +265,7 @@ impl LedgerKind {
             "release" => Some(LedgerKind::Release),
             "expire" => Some(LedgerKind::Expire),
             "compensation" => Some(LedgerKind::Compensation),
+            "repaid" => Some(LedgerKind::Repaid),
             _ => None,
         }
     }

@@ -1,0 +1,254 @@
+//! Regional borrowing (`central/src/quota/borrow.rs`): a home region `eu`
+//! on a real PostgreSQL, a borrowing region `us` on SQLite, both serving
+//! the reservation API over HTTP on loopback in this process. The home
+//! database is stopped and restarted; the test checks THE BOUND (the
+//! oversell never exceeds Σ ceilings), that a high-risk resource fails
+//! closed, and that the ledgers reconcile with zero drift and no debt left.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a test crate
+
+use std::collections::BTreeMap;
+use std::future::IntoFuture;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tenantgate::policy::Policy;
+use tenantgate_central::listener::{Peer, SyncListener};
+use tenantgate_central::quota::api::{router, QuotaApi};
+use tenantgate_central::quota::borrow::{self, Borrowing};
+use tenantgate_central::quota::{replay, CounterKey, PostgresStore, QuotaStore, SqliteStore, Usage};
+use tenantgate_central::service::SystemClock;
+use tenantgate_central::testing::{http, PostgresServer};
+
+const POLICY: &str = r#"{"version":"b","identity":{"header":"x-tenant-id"},
+ "plans":{"free":{"limits":[{"rate":1,"per":"1s"}]}},"default_plan":"free","anonymous":{"plan":"free"},
+ "routes":{"api":{}},
+ "quotas":{
+  "seats":{"unit":"seat","risk":"low","home_region":"eu","limits":{"global":100},
+           "borrow":{"ceilings":{"us":10}}},
+  "gpu":{"unit":"hour","risk":"high","home_region":"eu","limits":{"global":100}}}}"#;
+
+/// Σ ceilings of `seats`: THE BOUND on its oversell.
+const BOUND: u64 = 10;
+
+async fn serve(api: Arc<QuotaApi>) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = router(api).into_make_service_with_connect_info::<Peer>();
+    tokio::spawn(axum::serve(SyncListener::plain(listener), app).into_future());
+    addr
+}
+
+async fn call(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, Value) {
+    let (status, text) = http(addr, method, path, body).await.unwrap();
+    let v = serde_json::from_str(&text).unwrap_or(Value::String(text));
+    (status, v)
+}
+
+async fn reserve(addr: SocketAddr, id: &str, resource: &str, amount: u64) -> (u16, Value) {
+    let body = format!(
+        r#"{{"reservation_id":"{id}","resource":"{resource}","tenant":"acme","project":"web","amount":{amount}}}"#
+    );
+    call(addr, "POST", "/v1/reservations", &body).await
+}
+
+fn nonzero(m: &BTreeMap<CounterKey, Usage>) -> BTreeMap<CounterKey, Usage> {
+    m.iter()
+        .filter(|(_, u)| **u != Usage::default())
+        .map(|(k, u)| (k.clone(), *u))
+        .collect()
+}
+
+/// Counters equal the replay of the ledger (zero drift).
+async fn zero_drift(store: &dyn QuotaStore, who: &str) {
+    let ledger = store.ledger().await.unwrap();
+    let counters = store.counters().await.unwrap();
+    assert_eq!(
+        nonzero(&counters),
+        nonzero(&replay(&ledger)),
+        "{who}: counters = ledger replay"
+    );
+}
+
+fn global(m: &BTreeMap<String, Usage>) -> Usage {
+    m.get("seats").copied().unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn borrowing_with_the_home_database_stopped_and_restarted_stays_within_the_bound_and_reconciles() {
+    let started = Instant::now();
+    let mut pg = PostgresServer::start_with(&["-c fsync=off"])
+        .unwrap_or_else(|e| panic!("PostgreSQL did not start: {e}"));
+    let quotas = Policy::from_json(POLICY.as_bytes()).unwrap().quotas;
+    let clock = Arc::new(SystemClock::default());
+
+    let home_store: Arc<dyn QuotaStore> = Arc::new(PostgresStore::connect(&pg.url(), 8).await.unwrap());
+    let home = Arc::new(QuotaApi::new(
+        home_store.clone(),
+        clock.clone(),
+        None,
+        Some("eu".into()),
+    ));
+    home.set_quotas(quotas.clone());
+    let eu = serve(home.clone()).await;
+
+    let main_dir = tempfile::tempdir().unwrap();
+    let account_dir = tempfile::tempdir().unwrap();
+    let account = Arc::new(SqliteStore::open(account_dir.path()).await.unwrap());
+    let us_api = QuotaApi::new(
+        Arc::new(SqliteStore::open(main_dir.path()).await.unwrap()),
+        clock,
+        None,
+        Some("us".into()),
+    )
+    .with_borrowing(Borrowing {
+        account: account.clone(),
+        homes: BTreeMap::from([("eu".to_owned(), eu.to_string())]),
+    });
+    us_api.set_quotas(quotas);
+    let us_api = Arc::new(us_api);
+    let us = serve(us_api.clone()).await;
+
+    // The home answers: 95 of 100 committed there; `us` answers
+    // wrong_region and borrows nothing.
+    assert_eq!(reserve(eu, "h1", "seats", 95).await.0, 201);
+    assert_eq!(call(eu, "POST", "/v1/reservations/h1/commit", "").await.0, 200);
+    let (s, v) = reserve(us, "early", "seats", 1).await;
+    assert_eq!((s, v["error"].as_str()), (409, Some("wrong_region")), "{v}");
+
+    // The home database stops: the home fails closed.
+    pg.stop();
+    let (s, v) = reserve(eu, "h2", "seats", 1).await;
+    assert_eq!((s, v["error"].as_str()), (503, Some("quota_unavailable")), "{v}");
+
+    // `us` borrows exactly its ceiling; the rest is refused with the reason.
+    let mut admitted = Vec::new();
+    for n in 0..25 {
+        let id = format!("b{n}");
+        let (s, v) = reserve(us, &id, "seats", 1).await;
+        match s {
+            201 => {
+                assert_eq!(v["borrowed"], true, "{v}");
+                admitted.push(id);
+            }
+            409 => {
+                assert_eq!(v["error"], "quota_exceeded", "{v}");
+                assert_eq!(v["borrowing_ceiling"], BOUND, "{v}");
+            }
+            other => panic!("{other}: {v}"),
+        }
+    }
+    assert_eq!(admitted.len() as u64, BOUND, "exactly the ceiling is admitted");
+    // A retry of a borrowed id: its original answer.
+    let (s, v) = reserve(us, "b0", "seats", 1).await;
+    assert_eq!((s, v["borrowed"].as_bool()), (201, Some(true)), "{v}");
+    // A high-risk resource never borrows: closed in both regions.
+    let (s, v) = reserve(us, "g1", "gpu", 1).await;
+    assert_eq!((s, v["error"].as_str()), (409, Some("wrong_region")), "{v}");
+    assert_eq!(reserve(eu, "g2", "gpu", 1).await.0, 503);
+
+    // Commit six, release four: the committed debt still counts against
+    // the ceiling, so only four more are admitted.
+    for id in &admitted[..6] {
+        let (s, v) = call(us, "POST", &format!("/v1/reservations/{id}/commit"), "").await;
+        assert_eq!((s, v["borrowed"].as_bool()), (200, Some(true)), "{v}");
+    }
+    for id in &admitted[6..] {
+        assert_eq!(
+            call(us, "POST", &format!("/v1/reservations/{id}/release"), "")
+                .await
+                .0,
+            200
+        );
+    }
+    let mut more = 0u64;
+    for n in 0..10 {
+        let id = format!("c{n}");
+        if reserve(us, &id, "seats", 1).await.0 == 201 {
+            more += 1;
+            assert_eq!(
+                call(us, "POST", &format!("/v1/reservations/{id}/commit"), "")
+                    .await
+                    .0,
+                200
+            );
+        }
+    }
+    assert_eq!(more, 4, "the ceiling counts unrepaid committed debt");
+    assert_eq!(global(&account.totals().await.unwrap()).used(), BOUND);
+    assert!(
+        borrow::repay_once(&us_api).await.is_err(),
+        "the home cannot take debts yet"
+    );
+
+    // The home database is back: the repayer (backoff included) repays.
+    pg.restart().unwrap();
+    let repayer = tokio::spawn(borrow::repay_every(us_api.clone()));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !account.debts(256).await.unwrap().is_empty() {
+        assert!(Instant::now() < deadline, "debts repaid within 30 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    repayer.abort();
+
+    // The home's totals are what both regions used: 95 + 6 + 4.
+    let totals = global(&home_store.totals().await.unwrap());
+    assert_eq!(
+        totals,
+        Usage {
+            reserved: 0,
+            committed: 105
+        }
+    );
+    let oversell = totals.used().saturating_sub(100);
+    assert!(oversell <= BOUND, "oversell {oversell} ≤ Σ ceilings {BOUND}");
+    // What the home took above its limit stays against `us`'s ceiling;
+    // no debt is left unrepaid.
+    let kept = global(&account.totals().await.unwrap()).used();
+    assert_eq!(kept, oversell, "the account keeps exactly the oversell");
+    assert_eq!(us_api.metrics.borrowed.load(Relaxed), 14);
+    assert_eq!(us_api.metrics.borrow_repaid.load(Relaxed), 14);
+    assert_eq!(home.metrics.borrow_over_limit.load(Relaxed), oversell);
+
+    // Repaying again double-counts nothing.
+    let again = r#"{"region":"us","reservation_id":"b0","resource":"seats","tenant":"acme","project":"web","amount":1,"committed":1,"state":"committed"}"#;
+    assert_eq!(call(eu, "POST", "/v1/quotas/debts", again).await.0, 200);
+    assert_eq!(global(&home_store.totals().await.unwrap()), totals);
+    assert!(!account.mark_repaid("b0", 0, 1).await.unwrap());
+
+    // Zero drift on both sides; a reconciliation repairs nothing.
+    zero_drift(home_store.as_ref(), "home").await;
+    zero_drift(account.as_ref(), "account").await;
+    assert_eq!(home.reconcile_once().await.unwrap().drift_units(), 0);
+    let ledger = home_store.ledger().await.unwrap();
+    let repaid_rows = ledger
+        .iter()
+        .filter(|e| {
+            e.reservation_id
+                .as_deref()
+                .is_some_and(|id| id.starts_with("us:"))
+        })
+        .count();
+    assert_eq!(
+        repaid_rows, 28,
+        "14 borrowed reservations, reserved and finished at home"
+    );
+
+    // `us` may borrow again only its ceiling less what it keeps.
+    pg.stop();
+    let mut later = 0u64;
+    for n in 0..10 {
+        if reserve(us, &format!("d{n}"), "seats", 1).await.0 == 201 {
+            later += 1;
+        }
+    }
+    assert_eq!(later, BOUND - oversell);
+    eprintln!(
+        "borrowing: ceiling {BOUND}, admitted 10 + 4 while eu's database was down, oversell {oversell}, \
+         kept {kept}, {} s",
+        started.elapsed().as_secs_f64()
+    );
+}
