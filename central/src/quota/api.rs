@@ -20,7 +20,8 @@
 //! (schemathesis, `cli/tests/quota_serve.rs`) checks both directions
 //! against the real service. When the
 //! database is unreachable every reservation, commit and release fails
-//! closed (`503 quota_unavailable`, nothing debited); a query of a `low`
+//! closed (`503 quota_unavailable`, nothing debited; a borrowing region
+//! reserves from its own account meanwhile, see Regions); a query of a `low`
 //! risk resource answers the last figures this replica saw, with their
 //! `as_of` and `estimate: true`; a `high` risk one answers `503`.
 //!

@@ -288,20 +288,31 @@ impl Borrowing {
             encode(project)
         );
         match call(addr, "GET", &path, "", PROBE_TIMEOUT).await {
-            Ok((200, body)) => !body.contains(r#""estimate":true"#),
+            Ok((200, body)) => {
+                serde_json::from_str::<Value>(&body)
+                    .ok()
+                    .and_then(|v| v.get("estimate").and_then(Value::as_bool))
+                    == Some(false)
+            }
             Ok((s, _)) => (400..500).contains(&s),
             Err(_) => false,
         }
     }
 
     /// Sends one finished borrowed reservation to its home region and
-    /// marks it repaid there once recorded. `Err`: the home did not take
-    /// it (try again later).
-    pub async fn repay(&self, region: &str, home: &str, r: &Reservation, now_ns: u64) -> Result<(), String> {
+    /// marks it repaid here once recorded there. `Err`: not repaid (try
+    /// again later).
+    pub async fn repay(
+        &self,
+        region: &str,
+        home: &str,
+        r: &Reservation,
+        now_ns: u64,
+    ) -> Result<(), RepayError> {
         let addr = self
             .homes
             .get(home)
-            .ok_or_else(|| format!("no --home-region-url for {home}"))?;
+            .ok_or_else(|| RepayError::Refused(format!("no --home-region-url for {home}")))?;
         let body = json!({
             "region": region,
             "reservation_id": r.id,
@@ -313,7 +324,10 @@ impl Borrowing {
             "state": r.state.as_str(),
         })
         .to_string();
-        match call(addr, "POST", "/v1/quotas/debts", &body, PROBE_TIMEOUT).await? {
+        let answer = call(addr, "POST", "/v1/quotas/debts", &body, PROBE_TIMEOUT)
+            .await
+            .map_err(RepayError::Unreachable)?;
+        match answer {
             (200, answer) => {
                 let kept = serde_json::from_str::<Value>(&answer)
                     .ok()
@@ -323,10 +337,13 @@ impl Borrowing {
                 self.account
                     .mark_repaid(&r.id, kept, now_ns)
                     .await
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| RepayError::Unreachable(e.to_string()))?;
                 Ok(())
             }
-            (status, answer) => Err(format!("{home} answered {status}: {answer}")),
+            (status, answer) if status >= 500 => Err(RepayError::Unreachable(format!(
+                "{home} answered {status}: {answer}"
+            ))),
+            (status, answer) => Err(RepayError::Refused(format!("{home} answered {status}: {answer}"))),
         }
     }
 
@@ -336,6 +353,17 @@ impl Borrowing {
         let totals = self.account.totals().await.map_err(|e| e.to_string())?;
         Ok(totals.into_iter().map(|(k, u)| (k, u.used())).collect())
     }
+}
+
+/// Why a debt was not repaid.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RepayError {
+    /// The home (or this account) did not answer or is unavailable: the
+    /// pass stops and backs off.
+    Unreachable(String),
+    /// The home answered and refused this debt (a policy that differs, an
+    /// id taken): the pass goes on with the others; the debt stays.
+    Refused(String),
 }
 
 /// What one repayer pass did.
@@ -364,6 +392,9 @@ pub async fn repay_once(api: &super::api::QuotaApi) -> Result<RepayPass, String>
     };
     let debts = b.account.debts(REPAY_BATCH).await.map_err(|e| e.to_string())?;
     let quotas = api.quotas_now();
+    // One debt the home refuses does not hold up the others; the pass
+    // still fails (and backs off) if any was not taken.
+    let mut first_error = None;
     for r in debts.iter().filter(|r| r.state != State::Reserved) {
         let home = quotas
             .resources
@@ -373,9 +404,16 @@ pub async fn repay_once(api: &super::api::QuotaApi) -> Result<RepayPass, String>
             pass.kept = pass.kept.saturating_add(1);
             continue;
         };
-        b.repay(region, &home, r, api.now_ns()).await?;
-        pass.repaid = pass.repaid.saturating_add(1);
-        api.metrics.borrow_repaid.fetch_add(1, Relaxed);
+        match b.repay(region, &home, r, api.now_ns()).await {
+            Ok(()) => {
+                pass.repaid = pass.repaid.saturating_add(1);
+                api.metrics.borrow_repaid.fetch_add(1, Relaxed);
+            }
+            Err(RepayError::Refused(e)) => {
+                first_error.get_or_insert(e);
+            }
+            Err(RepayError::Unreachable(e)) => return Err(e),
+        }
     }
     let debt = b
         .outstanding()
@@ -383,7 +421,10 @@ pub async fn repay_once(api: &super::api::QuotaApi) -> Result<RepayPass, String>
         .values()
         .fold(0u64, |a, v| a.saturating_add(*v));
     api.metrics.borrow_debt_units.store(debt, Relaxed);
-    Ok(pass)
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(pass),
+    }
 }
 
 /// Runs [`repay_once`] every second, doubling the wait up to

@@ -8,7 +8,10 @@
 //! `limit` is the limit in force when the last reservation at that level was
 //! made (a reload that lowers a limit below usage refuses new reservations
 //! and never cancels existing ones, so usage may then stay above the new
-//! limit until it drains).
+//! limit until it drains). One more exception, bounded: a home region
+//! records the repaid debts of regions that borrowed while it did not
+//! answer whatever its limits say, at most Σ ceilings in all
+//! ([`borrow`]'s THE BOUND).
 //!
 //! Why it holds: a reservation is one transaction that reads the three
 //! levels' counters, checks `committed + reserved + amount ≤ limit` at each
