@@ -57,6 +57,10 @@
 //!   lost or refused; the borrowing region keeps those units against its
 //!   ceiling, so it never oversells more than its ceiling in all.
 //!
+//! The ceiling is enforced by one account: a region must run its
+//! borrowing account on one replica (two replicas with their own accounts
+//! would each borrow the ceiling; nothing detects that yet).
+//!
 //! The home client speaks plain HTTP/1.1 (loopback or a private network):
 //! mTLS to the home region is not supported yet.
 
