@@ -81,14 +81,25 @@ fn global(m: &BTreeMap<String, Usage>) -> Usage {
     m.get("seats").copied().unwrap_or_default()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn borrowing_with_the_home_database_stopped_and_restarted_stays_within_the_bound_and_reconciles() {
-    let started = Instant::now();
-    let mut pg = PostgresServer::start_with(&["-c fsync=off"])
+/// The two regions of the scenario.
+struct Regions {
+    pg: PostgresServer,
+    home: Arc<QuotaApi>,
+    home_store: Arc<dyn QuotaStore>,
+    eu: SocketAddr,
+    us_api: Arc<QuotaApi>,
+    account: Arc<SqliteStore>,
+    us: SocketAddr,
+    _dirs: [tempfile::TempDir; 2],
+}
+
+/// Home `eu` on a fresh PostgreSQL, `us` on SQLite with a borrowing
+/// account that reaches `eu`.
+async fn start() -> Regions {
+    let pg = PostgresServer::start_with(&["-c fsync=off"])
         .unwrap_or_else(|e| panic!("PostgreSQL did not start: {e}"));
     let quotas = Policy::from_json(POLICY.as_bytes()).unwrap().quotas;
     let clock = Arc::new(SystemClock::default());
-
     let home_store: Arc<dyn QuotaStore> = Arc::new(PostgresStore::connect(&pg.url(), 8).await.unwrap());
     let home = Arc::new(QuotaApi::new(
         home_store.clone(),
@@ -98,12 +109,10 @@ async fn borrowing_with_the_home_database_stopped_and_restarted_stays_within_the
     ));
     home.set_quotas(quotas.clone());
     let eu = serve(home.clone()).await;
-
-    let main_dir = tempfile::tempdir().unwrap();
-    let account_dir = tempfile::tempdir().unwrap();
-    let account = Arc::new(SqliteStore::open(account_dir.path()).await.unwrap());
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let account = Arc::new(SqliteStore::open(dirs[1].path()).await.unwrap());
     let us_api = QuotaApi::new(
-        Arc::new(SqliteStore::open(main_dir.path()).await.unwrap()),
+        Arc::new(SqliteStore::open(dirs[0].path()).await.unwrap()),
         clock,
         None,
         Some("us".into()),
@@ -115,21 +124,21 @@ async fn borrowing_with_the_home_database_stopped_and_restarted_stays_within_the
     us_api.set_quotas(quotas);
     let us_api = Arc::new(us_api);
     let us = serve(us_api.clone()).await;
+    Regions {
+        pg,
+        home,
+        home_store,
+        eu,
+        us_api,
+        account,
+        us,
+        _dirs: dirs,
+    }
+}
 
-    // The home answers: 95 of 100 committed there; `us` answers
-    // wrong_region and borrows nothing.
-    assert_eq!(reserve(eu, "h1", "seats", 95).await.0, 201);
-    assert_eq!(call(eu, "POST", "/v1/reservations/h1/commit", "").await.0, 200);
-    let (s, v) = reserve(us, "early", "seats", 1).await;
-    assert_eq!((s, v["error"].as_str()), (409, Some("wrong_region")), "{v}");
-
-    // The home database stops: the home fails closed.
-    pg.stop();
-    let (s, v) = reserve(eu, "h2", "seats", 1).await;
-    assert_eq!((s, v["error"].as_str()), (503, Some("quota_unavailable")), "{v}");
-
-    // `us` borrows exactly its ceiling out of 25 concurrent reserves; the
-    // rest is refused with the reason.
+/// 25 concurrent reserves at `us`: exactly the ceiling is admitted, the
+/// rest refused with the reason. Returns the admitted ids.
+async fn burst_at_the_ceiling(us: SocketAddr) -> Vec<String> {
     let burst = (0..25).map(|n| async move {
         let id = format!("b{n}");
         let answer = reserve(us, &id, "seats", 1).await;
@@ -150,28 +159,20 @@ async fn borrowing_with_the_home_database_stopped_and_restarted_stays_within_the
         }
     }
     assert_eq!(admitted.len() as u64, BOUND, "exactly the ceiling is admitted");
-    // A retry of a borrowed id: its original answer.
-    let (s, v) = reserve(us, &admitted[0], "seats", 1).await;
-    assert_eq!((s, v["borrowed"].as_bool()), (201, Some(true)), "{v}");
-    // A high-risk resource never borrows: closed in both regions.
-    let (s, v) = reserve(us, "g1", "gpu", 1).await;
-    assert_eq!((s, v["error"].as_str()), (409, Some("wrong_region")), "{v}");
-    assert_eq!(reserve(eu, "g2", "gpu", 1).await.0, 503);
+    admitted
+}
 
-    // Commit six, release four: the committed debt still counts against
-    // the ceiling, so only four more are admitted; three are committed
-    // and one is left to expire (the repayer reclaims and repays it).
+/// Commit six, release four: the committed debt still counts against the
+/// ceiling, so only four more are admitted; three are committed and one
+/// is left to expire (the repayer reclaims and repays it).
+async fn settle_and_borrow_again(us: SocketAddr, admitted: &[String]) {
     for id in &admitted[..6] {
         let (s, v) = call(us, "POST", &format!("/v1/reservations/{id}/commit"), "").await;
         assert_eq!((s, v["borrowed"].as_bool()), (200, Some(true)), "{v}");
     }
     for id in &admitted[6..] {
-        assert_eq!(
-            call(us, "POST", &format!("/v1/reservations/{id}/release"), "")
-                .await
-                .0,
-            200
-        );
+        let path = format!("/v1/reservations/{id}/release");
+        assert_eq!(call(us, "POST", &path, "").await.0, 200);
     }
     let mut more = 0u64;
     for n in 0..10 {
@@ -185,26 +186,80 @@ async fn borrowing_with_the_home_database_stopped_and_restarted_stays_within_the
         }
     }
     assert_eq!(more, 4, "the ceiling counts unrepaid committed debt");
-    assert_eq!(global(&account.totals().await.unwrap()).used(), BOUND);
-    assert!(
-        borrow::repay_once(&us_api).await.is_err(),
-        "the home cannot take debts yet"
-    );
+}
 
-    // The home database is back: the repayer (backoff included) repays.
-    pg.restart().unwrap();
-    let repayer = tokio::spawn(borrow::repay_every(us_api.clone()));
+/// Runs the repayer until the account holds no debt (30 s at most).
+async fn repay_everything(r: &Regions) {
+    let repayer = tokio::spawn(borrow::repay_every(r.us_api.clone()));
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !account.debts(256).await.unwrap().is_empty()
-        || global(&account.totals().await.unwrap()).reserved > 0
+    while !r.account.debts(256).await.unwrap().is_empty()
+        || global(&r.account.totals().await.unwrap()).reserved > 0
     {
         assert!(Instant::now() < deadline, "debts repaid within 30 s");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     repayer.abort();
+}
 
+/// Repaying again double-counts nothing; both sides have zero drift and
+/// the home's ledger holds every borrowed reservation.
+async fn idempotent_and_zero_drift(r: &Regions, id: &str, totals: Usage) {
+    let again = format!(
+        r#"{{"region":"us","reservation_id":"{id}","resource":"seats","tenant":"acme","project":"web","amount":1,"committed":1,"state":"committed"}}"#
+    );
+    assert_eq!(call(r.eu, "POST", "/v1/quotas/debts", &again).await.0, 200);
+    assert_eq!(global(&r.home_store.totals().await.unwrap()), totals);
+    assert!(!r.account.mark_repaid(id, 0, 1).await.unwrap());
+    zero_drift(r.home_store.as_ref(), "home").await;
+    zero_drift(r.account.as_ref(), "account").await;
+    assert_eq!(r.home.reconcile_once().await.unwrap().drift_units(), 0);
+    let ledger = r.home_store.ledger().await.unwrap();
+    let rows = ledger
+        .iter()
+        .filter(|e| e.reservation_id.as_deref().is_some_and(|i| i.starts_with("us:")))
+        .count();
+    assert_eq!(
+        rows, 28,
+        "14 borrowed reservations, reserved and finished at home"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn borrowing_with_the_home_database_stopped_and_restarted_stays_within_the_bound_and_reconciles() {
+    let started = Instant::now();
+    let mut r = start().await;
+    let (eu, us) = (r.eu, r.us);
+    // The home answers: 95 of 100 committed there; `us` answers
+    // wrong_region and borrows nothing.
+    assert_eq!(reserve(eu, "h1", "seats", 95).await.0, 201);
+    assert_eq!(call(eu, "POST", "/v1/reservations/h1/commit", "").await.0, 200);
+    let (s, v) = reserve(us, "early", "seats", 1).await;
+    assert_eq!((s, v["error"].as_str()), (409, Some("wrong_region")), "{v}");
+
+    // The home database stops: the home fails closed; `us` borrows.
+    r.pg.stop();
+    let (s, v) = reserve(eu, "h2", "seats", 1).await;
+    assert_eq!((s, v["error"].as_str()), (503, Some("quota_unavailable")), "{v}");
+    let admitted = burst_at_the_ceiling(us).await;
+    // A retry of a borrowed id: its original answer.
+    let (s, v) = reserve(us, &admitted[0], "seats", 1).await;
+    assert_eq!((s, v["borrowed"].as_bool()), (201, Some(true)), "{v}");
+    // A high-risk resource never borrows: closed in both regions.
+    let (s, v) = reserve(us, "g1", "gpu", 1).await;
+    assert_eq!((s, v["error"].as_str()), (409, Some("wrong_region")), "{v}");
+    assert_eq!(reserve(eu, "g2", "gpu", 1).await.0, 503);
+    settle_and_borrow_again(us, &admitted).await;
+    assert_eq!(global(&r.account.totals().await.unwrap()).used(), BOUND);
+    assert!(
+        borrow::repay_once(&r.us_api).await.is_err(),
+        "the home cannot take debts yet"
+    );
+
+    // The home database is back: the repayer (backoff included) repays.
+    r.pg.restart().unwrap();
+    repay_everything(&r).await;
     // The home's totals are what both regions used: 95 + 6 + 3.
-    let totals = global(&home_store.totals().await.unwrap());
+    let totals = global(&r.home_store.totals().await.unwrap());
     assert_eq!(
         totals,
         Usage {
@@ -216,41 +271,15 @@ async fn borrowing_with_the_home_database_stopped_and_restarted_stays_within_the
     assert!(oversell <= BOUND, "oversell {oversell} ≤ Σ ceilings {BOUND}");
     // What the home took above its limit stays against `us`'s ceiling;
     // no debt is left unrepaid.
-    let kept = global(&account.totals().await.unwrap()).used();
+    let kept = global(&r.account.totals().await.unwrap()).used();
     assert_eq!(kept, oversell, "the account keeps exactly the oversell");
-    assert_eq!(us_api.metrics.borrowed.load(Relaxed), 14);
-    assert_eq!(us_api.metrics.borrow_repaid.load(Relaxed), 14);
-    assert_eq!(home.metrics.borrow_over_limit.load(Relaxed), oversell);
-
-    // Repaying again double-counts nothing.
-    let again = format!(
-        r#"{{"region":"us","reservation_id":"{}","resource":"seats","tenant":"acme","project":"web","amount":1,"committed":1,"state":"committed"}}"#,
-        admitted[0]
-    );
-    assert_eq!(call(eu, "POST", "/v1/quotas/debts", &again).await.0, 200);
-    assert_eq!(global(&home_store.totals().await.unwrap()), totals);
-    assert!(!account.mark_repaid(&admitted[0], 0, 1).await.unwrap());
-
-    // Zero drift on both sides; a reconciliation repairs nothing.
-    zero_drift(home_store.as_ref(), "home").await;
-    zero_drift(account.as_ref(), "account").await;
-    assert_eq!(home.reconcile_once().await.unwrap().drift_units(), 0);
-    let ledger = home_store.ledger().await.unwrap();
-    let repaid_rows = ledger
-        .iter()
-        .filter(|e| {
-            e.reservation_id
-                .as_deref()
-                .is_some_and(|id| id.starts_with("us:"))
-        })
-        .count();
-    assert_eq!(
-        repaid_rows, 28,
-        "14 borrowed reservations, reserved and finished at home"
-    );
+    assert_eq!(r.us_api.metrics.borrowed.load(Relaxed), 14);
+    assert_eq!(r.us_api.metrics.borrow_repaid.load(Relaxed), 14);
+    assert_eq!(r.home.metrics.borrow_over_limit.load(Relaxed), oversell);
+    idempotent_and_zero_drift(&r, &admitted[0], totals).await;
 
     // `us` may borrow again only its ceiling less what it keeps.
-    pg.stop();
+    r.pg.stop();
     let mut later = 0u64;
     for n in 0..10 {
         if reserve(us, &format!("d{n}"), "seats", 1).await.0 == 201 {
