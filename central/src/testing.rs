@@ -545,6 +545,8 @@ pub struct PostgresServer {
     as_postgres: bool,
     port: u16,
     running: bool,
+    /// The server options it was started with (a restart uses them again).
+    opts: String,
 }
 
 impl PostgresServer {
@@ -622,6 +624,7 @@ impl PostgresServer {
             as_postgres,
             port,
             running: false,
+            opts: String::new(),
         };
         let data = server.dir.join("data");
         let data = data.to_string_lossy().into_owned();
@@ -638,25 +641,34 @@ impl PostgresServer {
                 "--no-sync",
             ],
         )?;
-        let log = server.dir.join("log").to_string_lossy().into_owned();
-        let opts = format!(
+        server.opts = format!(
             "-c listen_addresses=127.0.0.1 -p {port} -k {} -c max_connections=200 {}",
             server.dir.display(),
             extra.join(" ")
         );
-        server.run(
+        server.restart()?;
+        Ok(server)
+    }
+
+    /// Starts it again after [`PostgresServer::stop`] (same port, same
+    /// data); waits (at most 30 s) until it accepts connections.
+    pub fn restart(&mut self) -> Result<(), String> {
+        let data = self.dir.join("data").to_string_lossy().into_owned();
+        let log = self.dir.join("log").to_string_lossy().into_owned();
+        let opts = self.opts.clone();
+        self.run(
             "pg_ctl",
             &["-D", &data, "-l", &log, "-w", "-t", "30", "-o", &opts, "start"],
         )?;
-        server.running = true;
+        self.running = true;
         let deadline = Instant::now() + Duration::from_secs(30);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
             if Instant::now() > deadline {
-                return Err(format!("postgres did not listen on {port} within 30 s"));
+                return Err(format!("postgres did not listen on {} within 30 s", self.port));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        Ok(server)
+        Ok(())
     }
 
     /// A libpq-style connection string for the `postgres` database.

@@ -154,6 +154,14 @@ struct ServeArgs {
     /// This replica's region: resources with another home_region are refused.
     #[arg(long)]
     region: Option<String>,
+    /// Regional borrowing: this replica's borrowing account, a SQLite
+    /// directory (needs --region and --home-region-url).
+    #[arg(long, requires = "quota_store")]
+    borrow_store: Option<PathBuf>,
+    /// A home region's replica to probe and repay debts to:
+    /// REGION=http://host:port (repeatable).
+    #[arg(long = "home-region-url", requires = "borrow_store")]
+    home_region_url: Vec<String>,
 }
 
 #[derive(Args)]
@@ -375,6 +383,8 @@ fn serve(args: &ServeArgs) -> ExitCode {
         store: q.clone(),
         clients: args.quota_clients.clone(),
         region: args.region.clone(),
+        borrow_store: args.borrow_store.clone(),
+        home_urls: args.home_region_url.clone(),
     });
     match service::run(&args.store, opts, settings, intake, state, quota) {
         Ok(()) => ExitCode::SUCCESS,

@@ -71,6 +71,19 @@ pub struct ResourceSpec {
     pub max_ttl: Option<String>,
     #[serde(default)]
     pub home_region: Option<String>,
+    /// Regional borrowing while the home region cannot be reached.
+    #[serde(default)]
+    pub borrow: Option<BorrowSpec>,
+}
+
+/// `quotas.<resource>.borrow:` how much each named region other than the
+/// home region may reserve on its own while the home region does not
+/// answer (its borrowing ceiling, outstanding debt included).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BorrowSpec {
+    /// Region → ceiling in units.
+    pub ceilings: BTreeMap<String, i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -113,6 +126,10 @@ pub struct Resource {
     /// The only region whose replicas accept reservations of it (`None`:
     /// every region).
     pub home_region: Option<String>,
+    /// Region → borrowing ceiling: what a replica of that region may
+    /// reserve on its own while the home region does not answer (empty:
+    /// no borrowing). Only `risk: low` resources with a `home_region`.
+    pub borrow: BTreeMap<String, u64>,
 }
 
 /// The limits in force for one (tenant, project): what a reservation is
@@ -149,6 +166,13 @@ impl Resource {
             tenant: t,
             project: p,
         }
+    }
+
+    /// The oversell bound of regional borrowing: Σ of the ceilings (the
+    /// most the home region's counters can exceed a limit by once every
+    /// debt is repaid).
+    pub fn borrow_bound(&self) -> u64 {
+        self.borrow.values().fold(0u64, |a, c| a.saturating_add(*c))
     }
 }
 
@@ -251,6 +275,11 @@ fn compile_resource(
             ));
         }
     }
+    let borrow = r
+        .borrow
+        .as_ref()
+        .map(|b| borrow_ceilings(r, b, &path.key("borrow"), errors))
+        .unwrap_or_default();
     Resource {
         name: name.to_owned(),
         unit: r.unit.clone(),
@@ -264,7 +293,53 @@ fn compile_resource(
         default_ttl_ns,
         max_ttl_ns,
         home_region: r.home_region.clone(),
+        borrow,
     }
+}
+
+/// `borrow:`: a ceiling per region other than the home region; only a
+/// `risk: low` resource with a `home_region` may borrow (a high-risk one
+/// keeps failing closed).
+fn borrow_ceilings(
+    r: &ResourceSpec,
+    b: &BorrowSpec,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> BTreeMap<String, u64> {
+    if r.risk == Risk::High {
+        errors.push(PolicyError::new(
+            path.clone(),
+            "a high-risk resource never borrows (it fails closed): remove borrow or set risk: low",
+        ));
+    }
+    let Some(home) = &r.home_region else {
+        errors.push(PolicyError::new(
+            path.clone(),
+            "borrowing needs a home_region to borrow from",
+        ));
+        return BTreeMap::new();
+    };
+    let cp = path.key("ceilings");
+    if b.ceilings.is_empty() {
+        errors.push(PolicyError::new(cp.clone(), "name at least one region"));
+    }
+    let mut out = BTreeMap::new();
+    for (region, v) in &b.ceilings {
+        let rp = cp.key(region);
+        if !is_name(region) {
+            errors.push(PolicyError::new(
+                rp.clone(),
+                "regions are 1 to 64 characters of A-Z a-z 0-9 _ - .",
+            ));
+        } else if region == home {
+            errors.push(PolicyError::new(
+                rp.clone(),
+                "the home region does not borrow from itself",
+            ));
+        }
+        out.insert(region.clone(), amount(*v, rp, errors));
+    }
+    out
 }
 
 /// `limits.tenants`: a limit per valid tenant id.
@@ -387,5 +462,45 @@ mod tests {
             e.contains("quotas.seats.limits.projects.nope: project keys"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn borrowing_ceilings_per_region_and_their_bound() {
+        let p = with_quotas(
+            r#"{"seats":{"unit":"seat","risk":"low","home_region":"eu","limits":{"global":100},
+                "borrow":{"ceilings":{"us":10,"ap":5}}}}"#,
+        )
+        .unwrap();
+        let r = &p.quotas.resources["seats"];
+        assert_eq!(r.borrow.get("us"), Some(&10));
+        assert_eq!(r.borrow_bound(), 15);
+    }
+
+    #[test]
+    fn a_high_risk_resource_or_one_without_a_home_never_borrows() {
+        let e = with_quotas(
+            r#"{"gpu":{"unit":"h","risk":"high","home_region":"eu","limits":{"global":9},
+                "borrow":{"ceilings":{"us":1}}}}"#,
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("quotas.gpu.borrow: a high-risk resource never borrows"),
+            "{e}"
+        );
+        let e = with_quotas(
+            r#"{"s":{"unit":"s","risk":"low","limits":{"global":9},"borrow":{"ceilings":{"us":1}}}}"#,
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("quotas.s.borrow: borrowing needs a home_region"),
+            "{e}"
+        );
+        let e = with_quotas(
+            r#"{"s":{"unit":"s","risk":"low","home_region":"eu","limits":{"global":9},
+                "borrow":{"ceilings":{"eu":1,"us":0}}}}"#,
+        )
+        .unwrap_err();
+        assert!(e.contains("quotas.s.borrow.ceilings.eu: the home region"), "{e}");
+        assert!(e.contains("quotas.s.borrow.ceilings.us: must be > 0"), "{e}");
     }
 }

@@ -20,7 +20,8 @@
 //! (schemathesis, `cli/tests/quota_serve.rs`) checks both directions
 //! against the real service. When the
 //! database is unreachable every reservation, commit and release fails
-//! closed (`503 quota_unavailable`, nothing debited); a query of a `low`
+//! closed (`503 quota_unavailable`, nothing debited; a borrowing region
+//! reserves from its own account meanwhile, see Regions); a query of a `low`
 //! risk resource answers the last figures this replica saw, with their
 //! `as_of` and `estimate: true`; a `high` risk one answers `503`.
 //!
@@ -37,7 +38,10 @@
 //! # Regions
 //! A resource with `home_region` is served only by replicas of that region
 //! (`--region`); others answer `409 wrong_region` naming it, and reserve
-//! nothing. Without `home_region` every replica serves it (one database).
+//! nothing, unless the resource declares a borrowing ceiling for their
+//! region and the home region does not answer: then they reserve from
+//! their borrowing account and repay the debt later ([`super::borrow`]).
+//! Without `home_region` every replica serves it (one database).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -57,6 +61,7 @@ use tenantgate::policy::quota::{
 };
 use tracing::warn;
 
+use super::borrow::{self, Borrowing};
 use super::metrics::QuotaMetrics;
 use super::{
     error_answer, not_found, Answer, Outcome, QuotaStore, QuotaStoreError, ReserveRequest, RECLAIM_BATCH,
@@ -139,6 +144,8 @@ pub struct QuotaApi {
     /// Requests in progress at most (see [`QuotaApi::with_max_in_flight`]).
     in_flight: Arc<tokio::sync::Semaphore>,
     max_in_flight: usize,
+    /// This replica's borrowing account and home regions, if it borrows.
+    borrowing: Option<Arc<Borrowing>>,
 }
 
 /// At most this many last-known query answers are kept.
@@ -215,7 +222,32 @@ impl QuotaApi {
             reclaim_every: std::time::Duration::from_secs(1),
             in_flight: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_IN_FLIGHT)),
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            borrowing: None,
         }
+    }
+
+    /// Borrows for resources homed elsewhere while their home does not
+    /// answer ([`super::borrow`]).
+    pub fn with_borrowing(mut self, b: Borrowing) -> QuotaApi {
+        self.borrowing = Some(Arc::new(b));
+        self
+    }
+
+    pub fn borrowing(&self) -> Option<&Arc<Borrowing>> {
+        self.borrowing.as_ref()
+    }
+
+    pub fn region(&self) -> Option<&str> {
+        self.region.as_deref()
+    }
+
+    pub fn now_ns(&self) -> u64 {
+        self.clock.now_ns()
+    }
+
+    /// The `quotas:` in force.
+    pub fn quotas_now(&self) -> Arc<Quotas> {
+        self.quotas()
     }
 
     /// At most `n` reservation requests in progress at once; beyond that,
@@ -435,7 +467,7 @@ impl QuotaApi {
             return a;
         }
         if let Err(a) = self.home_check(&resource) {
-            return a;
+            return self.borrow_reserve(&req, &resource, a).await;
         }
         let limits = resource.limits_for(&req.tenant, &req.project);
         let now = self.clock.now_ns();
@@ -445,21 +477,122 @@ impl QuotaApi {
         }
     }
 
-    /// Knows the caller, finds the reservation and checks the caller may
-    /// act for its tenant.
-    async fn owned(&self, headers: &HeaderMap, peer: &Peer, id: &str) -> Result<super::Reservation, Answer> {
+    /// A reserve of a resource homed elsewhere: `wrong_region` (as
+    /// `refused`) unless it may borrow here and its home does not answer
+    /// (a retry of a borrowed id gets its original answer at once).
+    async fn borrow_reserve(&self, req: &ReserveRequest, r: &Resource, refused: Answer) -> Answer {
+        let (Some(b), Some(mine), Some(home)) = (&self.borrowing, &self.region, &r.home_region) else {
+            return refused;
+        };
+        let Some(ceiling) = r.borrow.get(mine).copied().filter(|_| r.risk == Risk::Low) else {
+            return refused;
+        };
+        let known = matches!(b.account.get(&req.reservation_id).await, Ok(Some(_)));
+        if !known && b.home_answers(home, r, &req.tenant, &req.project).await {
+            return refused;
+        }
+        let limits = borrow::capped(r.limits_for(&req.tenant, &req.project), ceiling);
+        match self
+            .timed(b.account.reserve(req, limits, self.clock.now_ns()))
+            .await
+        {
+            Ok(a) => {
+                if a.outcome == Outcome::Reserved {
+                    self.metrics
+                        .borrowed
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                borrow::marked(a, home, ceiling)
+            }
+            Err(e) => unavailable(&e),
+        }
+    }
+
+    /// `POST /v1/quotas/debts` at a home replica: records a borrowing
+    /// region's finished reservation ([`super::borrow`]).
+    async fn accept_debt(&self, body: &[u8]) -> Answer {
+        let d: borrow::Debt = match serde_json::from_slice(body) {
+            Ok(d) => d,
+            Err(e) => return invalid("(body)", &e.to_string()),
+        };
+        let r = match self.resource(&d.resource) {
+            Ok(r) => r,
+            Err(a) => return a,
+        };
+        if r.home_region.is_none() || r.home_region != self.region || !r.borrow.contains_key(&d.region) {
+            return error_answer(
+                409,
+                Outcome::WrongRegion,
+                &format!("{} is not homed here with a ceiling for {}", r.name, d.region),
+                json!({ "field": "region" }),
+            );
+        }
+        match borrow::record_debt(self.store.as_ref(), &r, &d, self.clock.now_ns()).await {
+            Ok(a) => {
+                if let Some(over) = serde_json::from_str::<Value>(&a.body)
+                    .ok()
+                    .and_then(|v| v.get("over_limit").and_then(Value::as_u64))
+                {
+                    self.metrics
+                        .borrow_over_limit
+                        .fetch_add(over, std::sync::atomic::Ordering::Relaxed);
+                }
+                a
+            }
+            Err(e) => unavailable(&e),
+        }
+    }
+
+    /// Knows the caller, finds the reservation (in the store, else in the
+    /// borrowing account) and checks the caller may act for its tenant.
+    async fn owned(&self, headers: &HeaderMap, peer: &Peer, id: &str) -> Result<Owned, Answer> {
         let grant = self.caller(headers, peer)?;
         match self.timed(self.store.get(id)).await {
             Err(e) => Err(unavailable(&e)),
-            Ok(None) => Err(not_found(id)),
+            Ok(None) => match self.borrowed(id).await? {
+                Some(o) => {
+                    Self::authorize(&grant, &o.reservation.tenant)?;
+                    Ok(o)
+                }
+                None => Err(not_found(id)),
+            },
             Ok(Some(r)) => {
                 Self::authorize(&grant, &r.tenant)?;
                 if let Ok(res) = self.resource(&r.resource) {
                     self.home_check(&res)?;
                 }
-                Ok(r)
+                Ok(Owned {
+                    reservation: r,
+                    store: self.store.clone(),
+                    borrowed: None,
+                })
             }
         }
+    }
+
+    /// A reservation of the borrowing account, with its home and ceiling.
+    async fn borrowed(&self, id: &str) -> Result<Option<Owned>, Answer> {
+        let Some(b) = &self.borrowing else {
+            return Ok(None);
+        };
+        let Some(r) = self.timed(b.account.get(id)).await.map_err(|e| unavailable(&e))? else {
+            return Ok(None);
+        };
+        let res = self.resource(&r.resource).ok();
+        let home = res
+            .as_ref()
+            .and_then(|x| x.home_region.clone())
+            .unwrap_or_default();
+        let ceiling = res
+            .as_ref()
+            .zip(self.region.as_ref())
+            .and_then(|(x, m)| x.borrow.get(m).copied())
+            .unwrap_or(0);
+        Ok(Some(Owned {
+            reservation: r,
+            store: b.account.clone(),
+            borrowed: Some((home, ceiling)),
+        }))
     }
 
     async fn commit(&self, headers: &HeaderMap, peer: &Peer, id: &str, body: &[u8]) -> Answer {
@@ -491,33 +624,32 @@ impl QuotaApi {
                 },
             }
         };
-        if let Err(a) = self.owned(headers, peer, id).await {
-            return a;
-        }
-        match self
-            .timed(self.store.commit(id, amount, self.clock.now_ns()))
-            .await
-        {
-            Ok(a) => a,
+        let o = match self.owned(headers, peer, id).await {
+            Ok(o) => o,
+            Err(a) => return a,
+        };
+        match self.timed(o.store.commit(id, amount, self.clock.now_ns())).await {
+            Ok(a) => o.mark(a),
             Err(e) => unavailable(&e),
         }
     }
 
     async fn release(&self, headers: &HeaderMap, peer: &Peer, id: &str) -> Answer {
-        if let Err(a) = self.owned(headers, peer, id).await {
-            return a;
-        }
-        match self.timed(self.store.release(id, self.clock.now_ns())).await {
-            Ok(a) => a,
+        let o = match self.owned(headers, peer, id).await {
+            Ok(o) => o,
+            Err(a) => return a,
+        };
+        match self.timed(o.store.release(id, self.clock.now_ns())).await {
+            Ok(a) => o.mark(a),
             Err(e) => unavailable(&e),
         }
     }
 
     async fn get(&self, headers: &HeaderMap, peer: &Peer, id: &str) -> Answer {
         match self.owned(headers, peer, id).await {
-            Ok(r) => Answer {
+            Ok(o) => Answer {
                 status: 200,
-                body: r.view().to_string(),
+                body: o.reservation.view().to_string(),
                 outcome: Outcome::Replayed,
             },
             Err(a) => a,
@@ -632,6 +764,24 @@ impl QuotaApi {
     }
 }
 
+/// A reservation found for a commit, release or get, and where it lives.
+struct Owned {
+    reservation: super::Reservation,
+    store: Arc<dyn QuotaStore>,
+    /// Borrowed: (home region, this region's ceiling).
+    borrowed: Option<(String, u64)>,
+}
+
+impl Owned {
+    /// An answer about a borrowed reservation carries the marker.
+    fn mark(&self, a: Answer) -> Answer {
+        match &self.borrowed {
+            Some((home, ceiling)) => borrow::marked(a, home, *ceiling),
+            None => a,
+        }
+    }
+}
+
 fn query_body(
     r: &Resource,
     tenant: &str,
@@ -660,6 +810,7 @@ pub fn router(api: Arc<QuotaApi>) -> Router {
         .route("/v1/reservations/{id}/commit", post(commit_h))
         .route("/v1/reservations/{id}/release", post(release_h))
         .route("/v1/quotas/reconcile", post(reconcile_h))
+        .route("/v1/quotas/debts", post(debts_h))
         .route("/v1/quotas/{resource}", get(query_h))
         .route_layer(axum::middleware::from_fn_with_state(api.clone(), limit_in_flight))
         .with_state(api)
@@ -746,22 +897,39 @@ async fn query_h(
     respond(&api.query(&headers, &peer, &resource, &q).await)
 }
 
+/// `403` unless the caller may act for every tenant.
+fn every_tenant(api: &QuotaApi, headers: &HeaderMap, peer: &Peer, what: &str) -> Result<(), Answer> {
+    let grant = api.caller(headers, peer)?;
+    if grant != Grant::All && !matches!(&grant, Grant::Tenants(t) if t.iter().any(|x| x == "*")) {
+        return Err(error_answer(
+            403,
+            Outcome::Invalid,
+            &format!("{what} needs a caller allowed every tenant (\"*\")"),
+            json!({}),
+        ));
+    }
+    Ok(())
+}
+
+async fn debts_h(
+    State(api): State<Arc<QuotaApi>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(a) = every_tenant(&api, &headers, &peer, "repaying a debt") {
+        return respond(&a);
+    }
+    respond(&api.accept_debt(&body).await)
+}
+
 async fn reconcile_h(
     State(api): State<Arc<QuotaApi>>,
     ConnectInfo(peer): ConnectInfo<Peer>,
     headers: HeaderMap,
 ) -> Response {
-    let grant = match api.caller(&headers, &peer) {
-        Ok(g) => g,
-        Err(a) => return respond(&a),
-    };
-    if grant != Grant::All && !matches!(&grant, Grant::Tenants(t) if t.iter().any(|x| x == "*")) {
-        return respond(&error_answer(
-            403,
-            Outcome::Invalid,
-            "reconcile needs a caller allowed every tenant (\"*\")",
-            json!({}),
-        ));
+    if let Err(a) = every_tenant(&api, &headers, &peer, "reconcile") {
+        return respond(&a);
     }
     match api.reconcile_once().await {
         Ok(r) => (

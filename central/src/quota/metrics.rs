@@ -41,6 +41,18 @@ pub struct QuotaMetrics {
     db_sum_ns: AtomicU64,
     db_max_ns: AtomicU64,
     pub db_errors: AtomicU64,
+    /// Reservations granted from the borrowing account.
+    pub borrowed: AtomicU64,
+    /// Borrowed reservations repaid to their home region.
+    pub borrow_repaid: AtomicU64,
+    /// Repayer passes that failed (the home did not take a debt).
+    pub borrow_repay_failures: AtomicU64,
+    /// Units the borrowing account holds (outstanding debt, and units kept
+    /// for good because the home took them above a limit), after the last
+    /// repayer pass.
+    pub borrow_debt_units: AtomicU64,
+    /// At a home replica: units of repaid debts that landed above a limit.
+    pub borrow_over_limit: AtomicU64,
 }
 
 impl QuotaMetrics {
@@ -139,6 +151,15 @@ impl QuotaMetrics {
             secs(self.db_max_ns.load(Relaxed)),
             self.db_errors.load(Relaxed),
             u8::from(totals.is_some())
+        );
+        let _ = writeln!(
+            out,
+            "# HELP tenantgate_quota_borrowed_total Reservations granted from this replica's borrowing account (home region unreachable).\n# TYPE tenantgate_quota_borrowed_total counter\ntenantgate_quota_borrowed_total {}\n# HELP tenantgate_quota_borrow_repaid_total Borrowed reservations repaid to their home region.\n# TYPE tenantgate_quota_borrow_repaid_total counter\ntenantgate_quota_borrow_repaid_total {}\n# HELP tenantgate_quota_borrow_repay_failures_total Repayer passes the home region did not complete.\n# TYPE tenantgate_quota_borrow_repay_failures_total counter\ntenantgate_quota_borrow_repay_failures_total {}\n# HELP tenantgate_quota_borrow_debt_units Units the borrowing account holds against its ceilings (outstanding debt and units kept above a home limit).\n# TYPE tenantgate_quota_borrow_debt_units gauge\ntenantgate_quota_borrow_debt_units {}\n# HELP tenantgate_quota_borrow_over_limit_units_total At a home replica: units of repaid debts recorded above a limit (the oversell THE BOUND allows).\n# TYPE tenantgate_quota_borrow_over_limit_units_total counter\ntenantgate_quota_borrow_over_limit_units_total {}",
+            self.borrowed.load(Relaxed),
+            self.borrow_repaid.load(Relaxed),
+            self.borrow_repay_failures.load(Relaxed),
+            self.borrow_debt_units.load(Relaxed),
+            self.borrow_over_limit.load(Relaxed)
         );
         out
     }

@@ -8,7 +8,10 @@
 //! `limit` is the limit in force when the last reservation at that level was
 //! made (a reload that lowers a limit below usage refuses new reservations
 //! and never cancels existing ones, so usage may then stay above the new
-//! limit until it drains).
+//! limit until it drains). One more exception, bounded: a home region
+//! records the repaid debts of regions that borrowed while it did not
+//! answer whatever its limits say, at most Σ ceilings in all
+//! ([`borrow`]'s THE BOUND).
 //!
 //! Why it holds: a reservation is one transaction that reads the three
 //! levels' counters, checks `committed + reserved + amount ≤ limit` at each
@@ -60,6 +63,7 @@
 
 pub mod api;
 pub mod batch;
+pub mod borrow;
 pub mod metrics;
 pub mod postgres;
 pub mod sqlite;
@@ -239,6 +243,10 @@ pub enum LedgerKind {
     Release,
     Expire,
     Compensation,
+    /// A borrowing region's debt moved to the home region
+    /// ([`borrow`]): the borrowed reservation's committed amount leaves
+    /// the borrowing account (usage: `d_committed` = −committed).
+    Repaid,
 }
 
 impl LedgerKind {
@@ -249,6 +257,7 @@ impl LedgerKind {
             LedgerKind::Release => "release",
             LedgerKind::Expire => "expire",
             LedgerKind::Compensation => "compensation",
+            LedgerKind::Repaid => "repaid",
         }
     }
 
@@ -259,6 +268,7 @@ impl LedgerKind {
             "release" => Some(LedgerKind::Release),
             "expire" => Some(LedgerKind::Expire),
             "compensation" => Some(LedgerKind::Compensation),
+            "repaid" => Some(LedgerKind::Repaid),
             _ => None,
         }
     }

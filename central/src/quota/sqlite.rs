@@ -30,7 +30,8 @@ pub const FILE_NAME: &str = "quota.sqlite3";
 
 /// Versioned migrations, applied in order at open; `PRAGMA user_version`
 /// records the last applied.
-const MIGRATIONS: [&str; 1] = [r#"
+const MIGRATIONS: [&str; 2] = [
+    r#"
 CREATE TABLE reservations (
     id TEXT PRIMARY KEY, resource TEXT NOT NULL, tenant TEXT NOT NULL, project TEXT NOT NULL,
     amount INTEGER NOT NULL, ttl_ms INTEGER NOT NULL, state TEXT NOT NULL,
@@ -53,7 +54,11 @@ CREATE TRIGGER ledger_no_update BEFORE UPDATE ON ledger
     BEGIN SELECT RAISE(ABORT, 'the ledger is append-only'); END;
 CREATE TRIGGER ledger_no_delete BEFORE DELETE ON ledger
     BEGIN SELECT RAISE(ABORT, 'the ledger is append-only'); END;
-"#];
+"#,
+    r#"
+CREATE TABLE repaid (reservation_id TEXT PRIMARY KEY, at_ns INTEGER NOT NULL);
+"#,
+];
 
 pub struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
@@ -361,6 +366,74 @@ impl SqliteStore {
             })
         });
         batcher.submit(op).await
+    }
+
+    /// Up to `max` finished reservations (committed, released, expired)
+    /// not yet marked repaid, oldest first: a borrowing account's debts
+    /// ([`super::borrow`]). It reads every reservation of the store (no
+    /// index, so that a store that never borrows pays nothing on its
+    /// writes): linear in what the account ever borrowed.
+    pub async fn debts(&self, max: usize) -> Result<Vec<Reservation>, QuotaStoreError> {
+        self.tx(move |tx| {
+            let mut st = tx.prepare(&format!(
+                "SELECT {RESERVATION_COLUMNS} FROM reservations r WHERE state != 'reserved' \
+                 AND NOT EXISTS (SELECT 1 FROM repaid p WHERE p.reservation_id = r.id) \
+                 ORDER BY finished_ns LIMIT ?1"
+            ))?;
+            let rows = st.query_map(params![i(max as u64)], reservation)?;
+            rows.collect::<rusqlite::Result<_>>()
+        })
+        .await
+    }
+
+    /// Marks a finished reservation repaid (its debt now lives in the
+    /// home region), in one transaction: its committed amount but `kept`
+    /// leaves the counters through one `repaid` ledger row (`kept`: the
+    /// part the home region took above a limit, which stays against the
+    /// borrowing ceiling for good). Idempotent: `false` when it was
+    /// already repaid, is unknown or still reserved.
+    pub async fn mark_repaid(&self, id: &str, kept: u64, now_ns: u64) -> Result<bool, QuotaStoreError> {
+        let id = id.to_owned();
+        self.tx(move |tx| {
+            let Some(r) = load(tx, &id)? else {
+                return Ok(false);
+            };
+            if r.state == State::Reserved {
+                return Ok(false);
+            }
+            let fresh = tx.execute(
+                "INSERT INTO repaid (reservation_id, at_ns) VALUES (?1, ?2) ON CONFLICT DO NOTHING",
+                params![id, i(now_ns)],
+            )? == 1;
+            let moved = r.committed.saturating_sub(kept);
+            if fresh && moved > 0 {
+                let d_committed = -i(moved);
+                for k in r.keys() {
+                    tx.execute(
+                        "UPDATE counters SET committed = committed + ?4 \
+                         WHERE resource = ?1 AND tenant = ?2 AND project = ?3",
+                        params![k.resource, k.tenant, k.project, d_committed],
+                    )?;
+                }
+                append(
+                    tx,
+                    &LedgerEntry {
+                        seq: 0,
+                        at_ns: now_ns,
+                        kind: LedgerKind::Repaid,
+                        reservation_id: Some(r.id.clone()),
+                        resource: r.resource.clone(),
+                        tenant: r.tenant.clone(),
+                        project: r.project.clone(),
+                        d_reserved: 0,
+                        d_committed,
+                        note: (kept > 0).then(|| format!("{kept} kept: over a limit at home")),
+                    },
+                )?;
+            }
+            Ok(fresh)
+        })
+        .await
     }
 
     /// Runs raw SQL outside the service's logic (tests inject drift with it).

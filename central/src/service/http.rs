@@ -257,6 +257,11 @@ pub async fn serve_on(
         .quota()
         .cloned()
         .map(|q| tokio::spawn(crate::quota::api::reclaim_every(q)));
+    let repayer = service
+        .quota()
+        .filter(|q| q.borrowing().is_some())
+        .cloned()
+        .map(|q| tokio::spawn(crate::quota::borrow::repay_every(q)));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut stop_admin = stop_rx.clone();
     let grpc_stop = stop_rx.clone();
@@ -310,7 +315,7 @@ pub async fn serve_on(
     signal.abort();
     watcher.abort();
     sweeper.abort();
-    if let Some(r) = reclaimer {
+    for r in [reclaimer, repayer].into_iter().flatten() {
         r.abort();
     }
     info!("tenantgate serve stopped");
@@ -386,6 +391,35 @@ pub struct QuotaOptions {
     pub clients: Option<PathBuf>,
     /// This replica's region (home-region pinning).
     pub region: Option<String>,
+    /// `--borrow-store DIR`: the borrowing account (SQLite), with
+    /// `--home-region-url REGION=http://host:port` for each home region.
+    pub borrow_store: Option<PathBuf>,
+    pub home_urls: Vec<String>,
+}
+
+/// The borrowing account and home regions the flags name, if any.
+async fn borrowing(q: &QuotaOptions) -> Result<Option<crate::quota::borrow::Borrowing>, String> {
+    let Some(dir) = &q.borrow_store else {
+        if q.home_urls.is_empty() {
+            return Ok(None);
+        }
+        return Err("--home-region-url needs --borrow-store DIR".into());
+    };
+    if q.region.is_none() {
+        return Err("--borrow-store needs --region".into());
+    }
+    let homes = q
+        .home_urls
+        .iter()
+        .map(|h| crate::quota::borrow::parse_home(h))
+        .collect::<Result<_, _>>()?;
+    let account = crate::quota::SqliteStore::open(dir)
+        .await
+        .map_err(|e| format!("--borrow-store {}: {e}", dir.display()))?;
+    Ok(Some(crate::quota::borrow::Borrowing {
+        account: Arc::new(account),
+        homes,
+    }))
 }
 
 pub fn run(
@@ -437,10 +471,13 @@ pub fn run(
             };
             let qstore = crate::quota::open(&q.store).await?;
             let max_in_flight = service.intake_limits().max_in_flight;
-            service.attach_quota(Arc::new(
-                crate::quota::api::QuotaApi::new(qstore, service.clock(), clients, q.region)
-                    .with_max_in_flight(max_in_flight),
-            ));
+            let borrowing = borrowing(&q).await?;
+            let mut api = crate::quota::api::QuotaApi::new(qstore, service.clock(), clients, q.region)
+                .with_max_in_flight(max_in_flight);
+            if let Some(b) = borrowing {
+                api = api.with_borrowing(b);
+            }
+            service.attach_quota(Arc::new(api));
         }
         serve(service, opts, shutdown_signal())
             .await
