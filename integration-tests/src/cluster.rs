@@ -50,6 +50,35 @@ impl Serve {
         serve
     }
 
+    /// `tenantgate serve --grpc-listen` (Envoy's RLS and RLQS) on the
+    /// embedded store: `policy` written into `dir` and checked with
+    /// `tenantgate policy check` first. Returns the replica and its gRPC
+    /// port.
+    pub fn grpc(dir: &Path, policy: &str) -> (Serve, u16) {
+        let path = dir.join("policy.yaml");
+        std::fs::write(&path, policy).expect("write the policy");
+        let check = Command::new(cli_bin())
+            .args(["policy", "check"])
+            .arg(&path)
+            .output()
+            .expect("tenantgate policy check");
+        assert!(
+            check.status.success(),
+            "{}",
+            String::from_utf8_lossy(&check.stderr)
+        );
+        let grpc = crate::free_port();
+        let serve = Serve::start_with(
+            &path,
+            "embedded",
+            1000,
+            crate::free_port(),
+            &dir.join("serve.log"),
+            &["--grpc-listen".to_owned(), format!("127.0.0.1:{grpc}")],
+        );
+        (serve, grpc)
+    }
+
     pub fn ready(&self) -> bool {
         request(self.admin_port, "GET", "/readyz", &[]).is_ok_and(|r| r.status == 200)
     }

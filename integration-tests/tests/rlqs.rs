@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use tenantgate_integration_tests::cluster::Serve;
 use tenantgate_integration_tests::upstream::Upstream;
-use tenantgate_integration_tests::{cli_bin, free_port, get, request, wait_for, Envoy};
+use tenantgate_integration_tests::{free_port, get, request, wait_for, Envoy};
 
 /// 30 per 10 s with a capacity of 6 for each tenant; `vip` unlimited.
 const RATE: u64 = 30;
@@ -181,27 +181,7 @@ fn load(port: u16, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<u64> {
 #[test]
 fn two_envoys_share_one_global_limit_through_rlqs() {
     let dir = Envoy::temp_dir();
-    let policy = dir.join("policy.yaml");
-    std::fs::write(&policy, POLICY).unwrap();
-    let check = std::process::Command::new(cli_bin())
-        .args(["policy", "check"])
-        .arg(&policy)
-        .output()
-        .unwrap();
-    assert!(
-        check.status.success(),
-        "{}",
-        String::from_utf8_lossy(&check.stderr)
-    );
-    let grpc = free_port();
-    let mut serve = Serve::start_with(
-        &policy,
-        "embedded",
-        1000,
-        free_port(),
-        &dir.join("serve.log"),
-        &["--grpc-listen".to_owned(), format!("127.0.0.1:{grpc}")],
-    );
+    let (mut serve, grpc) = Serve::grpc(&dir, POLICY);
     let upstream = Upstream::start();
     let envoys: Vec<(Envoy, u16, u16)> = ["a", "b"]
         .iter()

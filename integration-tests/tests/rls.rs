@@ -207,27 +207,7 @@ fn statuses(port: u16, path: &str, headers: &[(&str, &str)], n: usize) -> Vec<u1
 #[test]
 fn envoys_native_ratelimit_filter_decides_with_tenantgate_serve() {
     let dir = Envoy::temp_dir();
-    let policy = dir.join("policy.yaml");
-    std::fs::write(&policy, POLICY).unwrap();
-    let check = Command::new(cli_bin())
-        .args(["policy", "check"])
-        .arg(&policy)
-        .output()
-        .unwrap();
-    assert!(
-        check.status.success(),
-        "{}",
-        String::from_utf8_lossy(&check.stderr)
-    );
-    let grpc = free_port();
-    let mut serve = Serve::start_with(
-        &policy,
-        "embedded",
-        1000,
-        free_port(),
-        &dir.join("serve.log"),
-        &["--grpc-listen".to_owned(), format!("127.0.0.1:{grpc}")],
-    );
+    let (mut serve, grpc) = Serve::grpc(&dir, POLICY);
     let upstream = Upstream::start();
     let (port, closed, admin) = (free_port(), free_port(), free_port());
     let listeners = [
