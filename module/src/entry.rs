@@ -13,14 +13,14 @@
 //! | `on_http_filter_request_headers` / `_body` | [`apply`] the directive | `on_request_headers` / `on_request_body` |
 //! | `on_http_filter_response_headers` / `_body` / `_trailers` | the `RateLimit` headers added | `on_response_*` |
 //! | `on_http_filter_stream_complete`, `_destroy` | the held stream forgotten | `on_stream_end` (the second finds nothing) |
+//! | `on_http_filter_scheduled` | a held stream's answer applied on its worker | (made by the tick) |
+//! | `on_http_filter_config_scheduled` | every worker's tick | `on_tick`, `take_callouts`, `dispatched`, `take_answers` |
+//! | `on_http_filter_config_http_callout_done` | the answer to its worker | `on_sync_answer` |
 //!
 //! Once the response headers' answer says the pipeline keeps nothing of
 //! the stream (`finished`: most requests, which hold no slot and settle no
 //! cost), its body, trailers, end and destroy are no steps at all: no
-//! worker lock, no callback.
-//! | `on_http_filter_scheduled` | a held stream's answer applied on its worker | (made by the tick) |
-//! | `on_http_filter_config_scheduled` | every worker's tick | `on_tick`, `take_callouts`, `dispatched`, `take_answers` |
-//! | `on_http_filter_config_http_callout_done` | the answer to its worker | `on_sync_answer` |
+//! worker lock, no callback (`destroy` still forgets a stream once held).
 
 use std::cell::Cell;
 use std::ffi::c_char;
