@@ -2,7 +2,7 @@
 //! Envoy's environment when the module loads, a request carrying
 //! `x-tenantgate-test-fault: <point>` makes the module panic at that point
 //! (`request_headers`, `response_headers`, `stream_complete`), or at the
-//! next tick of its worker (`tick`). Off otherwise: one relaxed load, and
+//! next tick of its worker (`tick`, armed once, at the request's headers). Off otherwise: one relaxed load, and
 //! the header is never read. `integration-tests/tests/module.rs` uses it to
 //! show that a panic never brings Envoy down (see `lib.rs`, "Fail-safe").
 
@@ -49,7 +49,12 @@ pub fn request(filter: HttpFilterEnvoy, point: &str) {
     // SAFETY: valid until this hook returns.
     let asked = unsafe { value.bytes() };
     if asked == b"tick" {
-        TICK.store(true, Ordering::Relaxed);
+        // Armed once per request, at its first step: a tick that runs
+        // between this request's steps must not be armed again by a later
+        // one (exactly one tick panics per asking request).
+        if point == "request_headers" {
+            TICK.store(true, Ordering::Relaxed);
+        }
     } else if asked == point.as_bytes() {
         fail(point);
     }
