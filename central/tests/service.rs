@@ -104,9 +104,17 @@ impl Backend {
         match self {
             Backend::Embedded(s) => s.clone(),
             Backend::Redis(r) => Arc::new(RedisStore::new(&r.url(), "tgtest").unwrap()),
-            Backend::Cluster(c) => Arc::new(RedisClusterStore::new(&c.url(), "tgtest").unwrap()),
+            Backend::Cluster(c) => Arc::new(RedisClusterStore::new(&cluster_url(c), "tgtest").unwrap()),
         }
     }
+}
+
+/// The cluster's URL for a test: `WAIT` up to the longest the store
+/// accepts, so replicas that lag on a loaded 2-core machine (six
+/// `redis-server`s beside the tests) answer late rather than fail a test
+/// about something else (`503`, "a write reached 0 of 1 replicas").
+fn cluster_url(c: &RedisCluster) -> String {
+    format!("{}?wait_ms={}", c.url(), tenantgate_central::store::MAX_WAIT_MS)
 }
 
 /// One replica on loopback ports (sync and admin), with its own policy
@@ -1508,7 +1516,7 @@ impl CountingNode {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_killed_mid_run_loses_no_count() {
     let cluster = Arc::new(std::sync::Mutex::new(RedisCluster::start().unwrap()));
-    let url = cluster.lock().unwrap().url();
+    let url = cluster_url(&cluster.lock().unwrap());
     let policy = policy_file(POLICY_V1);
     let clock = Arc::new(ManualClock::new(T0));
     let store = || Arc::new(RedisClusterStore::new(&url, "tgtest").unwrap()) as Arc<dyn Store>;
@@ -1633,7 +1641,8 @@ async fn a_slot_moved_mid_run_counts_once() {
     let cluster = RedisCluster::start().unwrap();
     let policy = policy_file(POLICY_V1);
     let clock = Arc::new(ManualClock::new(T0));
-    let store = || Arc::new(RedisClusterStore::new(&cluster.url(), "tgtest").unwrap()) as Arc<dyn Store>;
+    let url = cluster_url(&cluster);
+    let store = || Arc::new(RedisClusterStore::new(&url, "tgtest").unwrap()) as Arc<dyn Store>;
     let replicas = [
         Instance::start(store(), clock.clone(), policy.path()).await,
         Instance::start(store(), clock.clone(), policy.path()).await,

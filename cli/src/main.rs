@@ -108,7 +108,9 @@ struct ServeArgs {
     grpc_listen: Option<std::net::SocketAddr>,
     /// Where the allocator's state lives: `embedded` (in this process),
     /// `redis://HOST:PORT[/DB]` (shared by every replica) or
-    /// `redis+cluster://HOST:PORT,HOST:PORT[?replicas=N]` (a Redis Cluster).
+    /// `redis+cluster://HOST:PORT,HOST:PORT[?replicas=N&wait_ms=N]` (a Redis
+    /// Cluster: writes wait for N replicas, 1 by default, at most wait_ms,
+    /// 100 by default).
     #[arg(long, default_value = "embedded")]
     store: String,
     /// The sync interval nodes are told to use, in milliseconds.

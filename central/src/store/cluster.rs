@@ -48,7 +48,7 @@
 //! Redis replicates asynchronously: a master that fails right after a
 //! write can lose it to the replica that takes over. So each master's
 //! pipeline of scripts ends with `WAIT <replicas> <timeout>` on the same
-//! connection ([`WAIT_MS`]), which waits for every write before it on
+//! connection (at most [`WAIT_MS`] by default, `?wait_ms=N`), which waits for every write before it on
 //! that connection; the request is answered only when every master's
 //! `WAIT` reports the writes on `replicas` replicas (`?replicas=N` in the
 //! URL, 1 by default; 0 for a cluster without replicas, which gives this
@@ -103,8 +103,13 @@ use super::{decode, KeySlot, KeyUpdate, SessionUpdate, Store, StoreError, Txn};
 use crate::alloc::{KeyId, KeyState, Session};
 
 /// How long a script's `WAIT` waits for its replicas before the request
-/// fails (`503`): well within the request's deadline.
+/// fails (`503`), by default (`?wait_ms=N` in the URL, at most
+/// [`MAX_WAIT_MS`]): well within the request's deadline.
 pub const WAIT_MS: u64 = 100;
+
+/// The longest `?wait_ms` accepted: a node's sync request times out after
+/// a second or so, and an answer it no longer waits for is wasted.
+pub const MAX_WAIT_MS: u64 = 1_000;
 
 /// `SCAN`'s batch.
 const SCAN_COUNT: u64 = 1_000;
@@ -137,13 +142,16 @@ pub struct ClusterSpec {
     pub nodes: Vec<String>,
     /// Replicas every write waits for (`WAIT`).
     pub replicas: u64,
+    /// How long each `WAIT` waits for them, in ms.
+    pub wait_ms: u64,
 }
 
 impl ClusterSpec {
-    /// Parses `redis+cluster://[user:pass@]host:port[,host:port…][/][?replicas=N]`.
+    /// Parses `redis+cluster://[user:pass@]host:port[,host:port…][/][?replicas=N][&wait_ms=N]`.
     pub fn parse(url: &str) -> Result<ClusterSpec, String> {
-        let bad =
-            |why: &str| format!("{url}: {why} (expected redis+cluster://host:port,host:port[?replicas=N])");
+        let bad = |why: &str| {
+            format!("{url}: {why} (expected redis+cluster://host:port,host:port[?replicas=N&wait_ms=N])")
+        };
         let rest = url
             .strip_prefix("redis+cluster://")
             .ok_or_else(|| bad("not a redis+cluster:// URL"))?;
@@ -170,6 +178,7 @@ impl ClusterSpec {
             });
         }
         let mut replicas = 1;
+        let mut wait_ms = WAIT_MS;
         for kv in query.into_iter().flat_map(|q| q.split('&')) {
             match kv.split_once('=') {
                 Some(("replicas", n)) => {
@@ -179,10 +188,21 @@ impl ClusterSpec {
                         .filter(|n| *n <= 16)
                         .ok_or_else(|| bad("replicas must be 0 to 16"))?;
                 }
+                Some(("wait_ms", n)) => {
+                    wait_ms = n
+                        .parse::<u64>()
+                        .ok()
+                        .filter(|n| (1..=MAX_WAIT_MS).contains(n))
+                        .ok_or_else(|| bad(&format!("wait_ms must be 1 to {MAX_WAIT_MS}")))?;
+                }
                 _ => return Err(bad(&format!("unknown parameter `{kv}`"))),
             }
         }
-        Ok(ClusterSpec { nodes, replicas })
+        Ok(ClusterSpec {
+            nodes,
+            replicas,
+            wait_ms,
+        })
     }
 }
 
@@ -191,6 +211,7 @@ pub struct RedisClusterStore {
     conn: OnceCell<ClusterConnection>,
     names: Names,
     replicas: u64,
+    wait_ms: u64,
     /// Sessions at the last `SCAN`, plus those this replica created since.
     sessions: AtomicU64,
     /// Which master serves each slot (`None`: read it again).
@@ -365,7 +386,7 @@ impl RedisClusterStore {
     pub fn with_spec(spec: &ClusterSpec, prefix: &str) -> Result<RedisClusterStore, StoreError> {
         let client = ClusterClient::builder(spec.nodes.clone())
             .connection_timeout(RESPONSE_TIMEOUT)
-            .response_timeout(RESPONSE_TIMEOUT.saturating_add(Duration::from_millis(WAIT_MS)))
+            .response_timeout(RESPONSE_TIMEOUT.saturating_add(Duration::from_millis(spec.wait_ms)))
             .retries(4)
             .min_retry_wait(10)
             .max_retry_wait(100)
@@ -376,6 +397,7 @@ impl RedisClusterStore {
             conn: OnceCell::new(),
             names: Names::new(prefix),
             replicas: spec.replicas,
+            wait_ms: spec.wait_ms,
             sessions: AtomicU64::new(0),
             map: Mutex::new(None),
         })
@@ -399,12 +421,12 @@ impl RedisClusterStore {
             let (written,): (i64,) = pipe.query_async(&mut conn).await.map_err(cluster_err)?;
             return Ok(written == 1);
         }
-        pipe.cmd("WAIT").arg(self.replicas).arg(WAIT_MS);
+        pipe.cmd("WAIT").arg(self.replicas).arg(self.wait_ms);
         let (written, acked): (i64, u64) = pipe.query_async(&mut conn).await.map_err(cluster_err)?;
         if written == 1 && acked < self.replicas {
             return Err(StoreError::Unavailable(format!(
-                "a write reached {acked} of {} replicas within {WAIT_MS} ms",
-                self.replicas
+                "a write reached {acked} of {} replicas within {} ms",
+                self.replicas, self.wait_ms
             )));
         }
         Ok(written == 1)
@@ -528,7 +550,7 @@ impl RedisClusterStore {
             }
             let first = first?;
             if self.replicas > 0 {
-                pipe.cmd("WAIT").arg(self.replicas).arg(WAIT_MS);
+                pipe.cmd("WAIT").arg(self.replicas).arg(self.wait_ms);
             }
             let total = count + usize::from(self.replicas > 0);
             Some(async move {
@@ -544,8 +566,8 @@ impl RedisClusterStore {
                         let acked: u64 = reply(v)?;
                         if wrote && acked < self.replicas {
                             return Err(StoreError::Unavailable(format!(
-                                "a write reached {acked} of {} replicas within {WAIT_MS} ms",
-                                self.replicas
+                                "a write reached {acked} of {} replicas within {} ms",
+                                self.replicas, self.wait_ms
                             )));
                         }
                     }
@@ -872,7 +894,13 @@ mod tests {
         let s = ClusterSpec::parse("redis+cluster://u:p@h1:1,h2:2").unwrap();
         assert_eq!(s.nodes, vec!["redis://u:p@h1:1", "redis://u:p@h2:2"]);
         assert_eq!(s.replicas, 1);
+        assert_eq!(s.wait_ms, WAIT_MS);
+        let s = ClusterSpec::parse("redis+cluster://h:1?replicas=1&wait_ms=1000").unwrap();
+        assert_eq!((s.replicas, s.wait_ms), (1, 1000));
         for bad in [
+            "redis+cluster://h:1?wait_ms=0",
+            "redis+cluster://h:1?wait_ms=1001",
+            "redis+cluster://h:1?wait_ms=x",
             "redis://h:1",
             "redis+cluster://h",
             "redis+cluster://h:1?replicas=x",

@@ -47,7 +47,7 @@ use serde::{de::DeserializeOwned, Serialize};
 
 pub use self::redis::RedisStore;
 use crate::alloc::{KeyId, KeyState, Session};
-pub use cluster::{ClusterSpec, RedisClusterStore, WAIT_MS};
+pub use cluster::{ClusterSpec, RedisClusterStore, MAX_WAIT_MS, WAIT_MS};
 pub use embedded::{EmbeddedStore, Footprint};
 
 /// Update functions: `FnMut(record) -> write?`. `None` in the slot: no
