@@ -33,7 +33,7 @@
 //! per store (per replica), so an operation waits at most for the batch
 //! being written and its own.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 
 use tenantgate::policy::quota::LevelLimits;
@@ -93,7 +93,8 @@ pub struct Decided {
 /// three of every reservation a commit or release names (`found`: the
 /// stored ones).
 pub fn keys_of(ops: &[Op], found: &HashMap<String, Reservation>) -> Vec<CounterKey> {
-    let mut keys: Vec<CounterKey> = Vec::new();
+    // A set: a batch names a few keys many times.
+    let mut keys: BTreeSet<CounterKey> = BTreeSet::new();
     for op in ops {
         match op {
             Op::Reserve { req, .. } => {
@@ -106,9 +107,7 @@ pub fn keys_of(ops: &[Op], found: &HashMap<String, Reservation>) -> Vec<CounterK
             }
         }
     }
-    keys.sort();
-    keys.dedup();
-    keys
+    keys.into_iter().collect()
 }
 
 fn add(v: u64, d: i64) -> u64 {
@@ -129,7 +128,7 @@ pub fn decide(
     // id → inserted by this batch; the ids changed, in first-change order.
     let mut changed: Vec<String> = Vec::new();
     let mut inserted: HashMap<String, bool> = HashMap::new();
-    let mut touched: Vec<CounterKey> = Vec::new();
+    let mut touched: BTreeSet<CounterKey> = BTreeSet::new();
     for op in ops {
         let (step, now_ns) = match op {
             Op::Reserve { req, limits, now_ns } => {
@@ -192,8 +191,6 @@ pub fn decide(
                 .push((r, inserted.get(&id).copied().unwrap_or(false)));
         }
     }
-    touched.sort();
-    touched.dedup();
     for k in touched {
         let v = counters.get(&k).copied().unwrap_or_default();
         out.counters.push((k, v));
@@ -205,15 +202,21 @@ fn apply(
     w: &Write,
     now_ns: u64,
     counters: &mut BTreeMap<CounterKey, Usage>,
-    touched: &mut Vec<CounterKey>,
+    touched: &mut BTreeSet<CounterKey>,
     ledger: &mut Vec<LedgerEntry>,
 ) {
     let r = &w.reservation;
     for k in r.keys() {
-        let c = counters.entry(k.clone()).or_default();
+        // A batch touches a few keys many times: each is cloned once.
+        let c = match counters.get_mut(&k) {
+            Some(c) => c,
+            None => counters.entry(k.clone()).or_default(),
+        };
         c.reserved = add(c.reserved, w.d_reserved);
         c.committed = add(c.committed, w.d_committed);
-        touched.push(k);
+        if !touched.contains(&k) {
+            touched.insert(k);
+        }
     }
     ledger.push(LedgerEntry {
         seq: 0,

@@ -93,8 +93,28 @@ fn i(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
-const RESERVATION_COLUMNS: &str = "id, resource, tenant, project, amount, ttl_ms, state, created_ns, \
-     expires_ns, committed, finished_ns, reserve_body, commit_body";
+/// The reservations' columns, in [`reservation`]'s order: a macro, so the
+/// statements a batch runs per operation are constants, prepared once per
+/// connection (`prepare_cached`) instead of parsed each time.
+macro_rules! reservation_columns {
+    () => {
+        "id, resource, tenant, project, amount, ttl_ms, state, created_ns, \
+         expires_ns, committed, finished_ns, reserve_body, commit_body"
+    };
+}
+const RESERVATION_COLUMNS: &str = reservation_columns!();
+const SELECT_RESERVATION: &str = concat!(
+    "SELECT ",
+    reservation_columns!(),
+    " FROM reservations WHERE id = ?1"
+);
+const INSERT_RESERVATION: &str = concat!(
+    "INSERT INTO reservations (",
+    reservation_columns!(),
+    ") VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)"
+);
+const SELECT_COUNTER: &str =
+    "SELECT reserved, committed FROM counters WHERE resource = ?1 AND tenant = ?2 AND project = ?3";
 
 fn reservation(row: &rusqlite::Row<'_>) -> rusqlite::Result<Reservation> {
     let state: String = row.get(6)?;
@@ -116,23 +136,19 @@ fn reservation(row: &rusqlite::Row<'_>) -> rusqlite::Result<Reservation> {
 }
 
 fn load(tx: &rusqlite::Transaction<'_>, id: &str) -> rusqlite::Result<Option<Reservation>> {
-    tx.query_row(
-        &format!("SELECT {RESERVATION_COLUMNS} FROM reservations WHERE id = ?1"),
-        [id],
-        reservation,
-    )
-    .optional()
+    tx.prepare_cached(SELECT_RESERVATION)?
+        .query_row([id], reservation)
+        .optional()
 }
 
 fn usage_of(tx: &rusqlite::Transaction<'_>, keys: &[CounterKey; 3]) -> rusqlite::Result<[Usage; 3]> {
     let mut out = [Usage::default(); 3];
     for (slot, k) in out.iter_mut().zip(keys) {
         let row = tx
-            .query_row(
-                "SELECT reserved, committed FROM counters WHERE resource = ?1 AND tenant = ?2 AND project = ?3",
-                params![k.resource, k.tenant, k.project],
-                |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)),
-            )
+            .prepare_cached(SELECT_COUNTER)?
+            .query_row(params![k.resource, k.tenant, k.project], |r| {
+                Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?))
+            })
             .optional()?;
         if let Some((r, c)) = row {
             *slot = Usage {
@@ -165,18 +181,26 @@ fn append(tx: &rusqlite::Transaction<'_>, e: &LedgerEntry) -> rusqlite::Result<(
 
 fn write_reservation(tx: &rusqlite::Transaction<'_>, r: &Reservation, insert: bool) -> rusqlite::Result<()> {
     if insert {
-        tx.execute(
-            &format!("INSERT INTO reservations ({RESERVATION_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)"),
-            params![
-                r.id, r.resource, r.tenant, r.project, i(r.amount), i(r.ttl_ms), r.state.as_str(),
-                i(r.created_ns), i(r.expires_ns), i(r.committed), r.finished_ns.map(i), r.reserve_body, r.commit_body
-            ],
-        )?;
+        tx.prepare_cached(INSERT_RESERVATION)?.execute(params![
+            r.id,
+            r.resource,
+            r.tenant,
+            r.project,
+            i(r.amount),
+            i(r.ttl_ms),
+            r.state.as_str(),
+            i(r.created_ns),
+            i(r.expires_ns),
+            i(r.committed),
+            r.finished_ns.map(i),
+            r.reserve_body,
+            r.commit_body
+        ])?;
     } else {
-        tx.execute(
+        tx.prepare_cached(
             "UPDATE reservations SET state = ?2, committed = ?3, finished_ns = ?4, commit_body = ?5 WHERE id = ?1",
-            params![r.id, r.state.as_str(), i(r.committed), r.finished_ns.map(i), r.commit_body],
-        )?;
+        )?
+        .execute(params![r.id, r.state.as_str(), i(r.committed), r.finished_ns.map(i), r.commit_body])?;
     }
     Ok(())
 }
@@ -195,9 +219,7 @@ fn write_batch(tx: &rusqlite::Transaction<'_>, ops: &[Op]) -> rusqlite::Result<V
     let mut counters = BTreeMap::new();
     for k in batch::keys_of(ops, &found) {
         let row = tx
-            .prepare_cached(
-                "SELECT reserved, committed FROM counters WHERE resource = ?1 AND tenant = ?2 AND project = ?3",
-            )?
+            .prepare_cached(SELECT_COUNTER)?
             .query_row(params![k.resource, k.tenant, k.project], |r| {
                 Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?))
             })
