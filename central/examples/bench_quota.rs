@@ -14,7 +14,8 @@
 //! counted). Targets (batched): ≥ 10,000 on SQLite (synchronous=FULL),
 //! ≥ 5,000 on PostgreSQL (fsync on).
 //!
-//! The disk's flush latency bounds both: each caller has one operation
+//! The disk's flush latency is one bound on both (CPU the other, on a disk
+//! that flushes in a fraction of a millisecond): each caller has one operation
 //! outstanding and a pair is two, so a batch holds at most `CALLERS`
 //! operations and pairs/s ≤ `CALLERS / 2` per flush. The median of 50
 //! synced 4 KiB writes in the same directory is printed first, with that

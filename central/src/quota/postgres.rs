@@ -17,13 +17,17 @@
 //!
 //! Reserve, commit and release are applied in batches ([`super::batch`]):
 //! one transaction per batch of the operations that arrived while the
-//! previous one was written, in a fixed number of round trips whatever its
-//! size: the named reservations read (`= ANY`), the counter rows created if
-//! missing and locked (`FOR UPDATE`, in key order, so batches of several
-//! replicas never hold them crosswise), the reservations read again under
-//! the locks, the batch decided in memory, then its new reservations, its
-//! changed reservations, its counters and its ledger rows written with one
-//! `unnest` statement each, and one commit (one WAL flush).
+//! previous one was written, in five round trips whatever its size:
+//! `BEGIN`; the named reservations read (`= ANY`: the counter keys of the
+//! commits and releases); in one round trip, the counter rows created if
+//! missing, locked (`FOR UPDATE`, in key order, so batches of several
+//! replicas never hold them crosswise) and the reservations read again
+//! under the locks (three statements pipelined, which the server runs in
+//! the order sent); the batch decided in memory, then its new
+//! reservations, its changed reservations, its counters and its ledger
+//! rows written with one `unnest` statement each (pipelined: one round
+//! trip); and one commit (one WAL flush). Every connection plans each
+//! execution for its own values ([`PLAN_EACH_EXECUTION`]).
 //!
 //! Migrations are versioned (`schema_migrations`), applied once under an
 //! advisory lock by whichever replica gets there first, on the first
