@@ -218,9 +218,7 @@ fn apply(
         };
         c.reserved = add(c.reserved, w.d_reserved);
         c.committed = add(c.committed, w.d_committed);
-        if !touched.contains(&k) {
-            touched.insert(k);
-        }
+        touched.insert(k);
     }
     ledger.push(LedgerEntry {
         seq: 0,
@@ -239,6 +237,32 @@ fn apply(
 struct Pending {
     op: Op,
     reply: oneshot::Sender<Result<Answer, QuotaStoreError>>,
+}
+
+/// The next batch: the first operation queued (`None`: the queue closed),
+/// and what follows it, at most `max_batch`. The callers the last batch
+/// answered are runnable by then, their next operations on the way: the
+/// writer yields to let them queue, so one batch takes them instead of the
+/// batch after it (without, two half-full batches alternate). No timer: it
+/// stops as soon as a yield brings nothing, so an operation alone does not
+/// wait.
+async fn next_batch(rx: &mut mpsc::UnboundedReceiver<Pending>, max_batch: usize) -> Option<Vec<Pending>> {
+    let mut batch = vec![rx.recv().await?];
+    let max = max_batch.clamp(1, MAX_BATCH);
+    for yields in 0..=MAX_YIELDS {
+        let before = batch.len();
+        while batch.len() < max {
+            match rx.try_recv() {
+                Ok(p) => batch.push(p),
+                Err(_) => break,
+            }
+        }
+        if batch.len() >= max || (yields > 0 && batch.len() == before) || yields == MAX_YIELDS {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    Some(batch)
 }
 
 /// The queue of one store's operations and the task that writes them in
@@ -269,37 +293,8 @@ impl Batcher {
             let (rx, write) = (rx.clone(), write.clone());
             tokio::spawn(async move {
                 loop {
-                    let batch = {
-                        let mut rx = rx.lock().await;
-                        let Some(first) = rx.recv().await else {
-                            return;
-                        };
-                        let mut batch = vec![first];
-                        let max = max_batch.clamp(1, MAX_BATCH);
-                        let mut yields = 0;
-                        loop {
-                            let before = batch.len();
-                            while batch.len() < max {
-                                match rx.try_recv() {
-                                    Ok(p) => batch.push(p),
-                                    Err(_) => break,
-                                }
-                            }
-                            // The callers the last batch answered are
-                            // runnable now, their next operations on the
-                            // way: yielding lets them queue, so one batch
-                            // takes them instead of the batch after it
-                            // (without, two half-full batches alternate).
-                            // No timer: it stops as soon as a yield brings
-                            // nothing.
-                            let grew = batch.len() > before;
-                            if batch.len() >= max || yields >= MAX_YIELDS || (yields > 0 && !grew) {
-                                break;
-                            }
-                            yields += 1;
-                            tokio::task::yield_now().await;
-                        }
-                        batch
+                    let Some(batch) = next_batch(&mut *rx.lock().await, max_batch).await else {
+                        return;
                     };
                     run(&*write, batch).await;
                 }
