@@ -2,8 +2,8 @@
 //! Envoy's environment when the module loads, a request carrying
 //! `x-tenantgate-test-fault: <point>` makes the module panic at that point
 //! (`request_headers`, `response_headers`, `stream_complete`), or at the
-//! next tick of its worker (`tick`, armed once, at the request's headers). Off otherwise: one relaxed load, and
-//! the header is never read. `integration-tests/tests/module.rs` uses it to
+//! next tick of its worker (`tick`, armed once, at the request's headers).
+//! Off otherwise: one relaxed load, and the header is never read. `integration-tests/tests/module.rs` uses it to
 //! show that a panic never brings Envoy down (see `lib.rs`, "Fail-safe").
 
 use std::sync::atomic::{AtomicBool, Ordering};

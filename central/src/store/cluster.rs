@@ -48,11 +48,11 @@
 //! Redis replicates asynchronously: a master that fails right after a
 //! write can lose it to the replica that takes over. So each master's
 //! pipeline of scripts ends with `WAIT <replicas> <timeout>` on the same
-//! connection (at most [`WAIT_MS`] by default, `?wait_ms=N`), which waits for every write before it on
-//! that connection; the request is answered only when every master's
-//! `WAIT` reports the writes on `replicas` replicas (`?replicas=N` in the
-//! URL, 1 by default; 0 for a cluster without replicas, which gives this
-//! up). A master whose `WAIT` falls short fails the request (`503`): its
+//! connection (the timeout [`WAIT_MS`] by default, `?wait_ms=N`), which
+//! waits for every write before it on that connection; the request is
+//! answered only when every master's `WAIT` reports the writes on
+//! `replicas` replicas (`?replicas=N` in the URL, 1 by default; 0 for a
+//! cluster without replicas, which gives this up). A master whose `WAIT` falls short fails the request (`503`): its
 //! writes may or may not survive a failover, and either way the node's
 //! retry counts them once. A run of a request that follows one whose
 //! writes landed writes every record it visits again (its `Duplicate`
