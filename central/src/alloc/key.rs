@@ -75,19 +75,19 @@ pub struct Span {
 /// that a shared store can keep it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct KeyState {
-    limit: GlobalLimit,
-    bucket: u64,
-    origin: u64,
-    credited: u128,
-    nodes: BTreeMap<String, NodeKey>,
-    regions: BTreeMap<String, RegionView>,
-    interval: Option<u64>,
-    advanced_at: Option<u64>,
-    flow: u64,
+    pub(super) limit: GlobalLimit,
+    pub(super) bucket: u64,
+    pub(super) origin: u64,
+    pub(super) credited: u128,
+    pub(super) nodes: BTreeMap<String, NodeKey>,
+    pub(super) regions: BTreeMap<String, RegionView>,
+    pub(super) interval: Option<u64>,
+    pub(super) advanced_at: Option<u64>,
+    pub(super) flow: u64,
     /// Debt repayments taken out of regions' allocations, destroyed out of
     /// the refill as it comes.
-    owed: u64,
-    stats: KeyStats,
+    pub(super) owed: u64,
+    pub(super) stats: KeyStats,
 }
 
 impl KeyState {

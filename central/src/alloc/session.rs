@@ -41,7 +41,9 @@
 //! [`MAX_SEQ_AHEAD_NS`] ahead of the service's clock, so nobody can push it
 //! to `u64::MAX` and lock the node out for good.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
+
+use hashbrown::HashMap;
 
 use serde::{Deserialize, Serialize};
 use tenantgate::sync::{Counts, SyncRequest};

@@ -28,7 +28,9 @@
 //! added (a stale or replayed request adds nothing).
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BinaryHeap};
+
+use hashbrown::HashMap;
 use std::sync::Mutex;
 
 use serde::Serialize;

@@ -24,6 +24,13 @@
 //! knows (written by a newer one) does not decode: `Corrupt`, as with any
 //! format a build cannot read. Fields are never removed or reordered.
 //!
+//! # Records written by hand
+//! A type may write and read itself field by field ([`Compact`]) through
+//! the same [`Encoder`] and [`Decoder`] primitives: the (key, limit)
+//! record does (`crate::alloc::record`), since every key report reads and
+//! writes one, and serde's per-field visitor calls were most of that cost.
+//! The bytes are the same; tests there compare both ways.
+//!
 //! Not self-describing: decoding follows the Rust type (`deserialize_any`
 //! is refused), so `#[serde(flatten)]`, untagged enums and
 //! `skip_serializing_if` cannot be used in a record.
@@ -52,10 +59,23 @@ impl de::Error for Error {
     }
 }
 
-type Result<T> = std::result::Result<T, Error>;
+pub type Result<T> = std::result::Result<T, Error>;
 
 /// Appends `value`'s encoding to `out`.
 pub fn to_writer<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) -> Result<()> {
+    encode_with(out, |e| value.serialize(e))
+}
+
+/// Appends `value`'s encoding to `out`, written by its own [`Compact`]
+/// code: the same bytes as [`to_writer`].
+pub fn to_writer_compact<T: Compact>(out: &mut Vec<u8>, value: &T) -> Result<()> {
+    encode_with(out, |e| {
+        value.write(e);
+        Ok(())
+    })
+}
+
+fn encode_with(out: &mut Vec<u8>, f: impl FnOnce(&mut Encoder<'_>) -> Result<()>) -> Result<()> {
     // The string tables of the last record this thread wrote, cleared:
     // most records need them, and allocating them each time cost as much
     // as the rest of an encode.
@@ -69,7 +89,7 @@ pub fn to_writer<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) -> Result<
         strings,
         seen,
     };
-    let r = value.serialize(&mut e);
+    let r = f(&mut e);
     let (mut strings, mut seen) = (e.strings, e.seen);
     strings.clear();
     seen.clear();
@@ -81,18 +101,44 @@ type Tables = (Vec<(usize, usize)>, hashbrown::HashMap<u64, u32>);
 
 /// Decodes a whole record: every byte must be used.
 pub fn from_slice<'de, T: de::Deserialize<'de>>(bytes: &'de [u8]) -> Result<T> {
+    decode_with(bytes, |d| T::deserialize(d))
+}
+
+/// Decodes a whole record by its own [`Compact`] code: what
+/// [`from_slice`] gives.
+pub fn from_slice_compact<T: Compact>(bytes: &[u8]) -> Result<T> {
+    decode_with(bytes, T::read)
+}
+
+fn decode_with<'de, T>(bytes: &'de [u8], f: impl FnOnce(&mut Decoder<'de>) -> Result<T>) -> Result<T> {
     let mut d = Decoder {
         input: bytes,
         base: None,
-        strings: Vec::new(),
+        // A (key, limit) record held by a few nodes in a few regions
+        // names up to about eight strings: one allocation, no regrowth.
+        strings: Vec::with_capacity(8),
     };
-    let v = T::deserialize(&mut d)?;
+    let v = f(&mut d)?;
     if !d.input.is_empty() {
         return Err(Error(format!("{} bytes after the record", d.input.len())));
     }
     Ok(v)
 }
 
+/// A record type whose format 3 encoding is written by hand rather than
+/// through serde: the (key, limit) record, which every key report decodes
+/// and encodes once (serde's visitors and per-field calls were most of a
+/// key report's CPU). It must give exactly the bytes its `Serialize`
+/// gives, and read them as its `Deserialize` does, fields in declaration
+/// order: a struct is [`Encoder::fields`] then each field, read back
+/// through [`Fields`] (a field past an older record's count takes its
+/// default). `crate::alloc::record`'s tests compare both ways.
+pub trait Compact: Sized {
+    fn write(&self, e: &mut Encoder<'_>);
+    fn read(d: &mut Decoder<'_>) -> Result<Self>;
+}
+
+#[inline(always)]
 fn put_varint64(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         // The low seven bits, with the continuation bit.
@@ -129,7 +175,9 @@ fn varint_len(v: u64) -> u32 {
     (64 - v.leading_zeros()).div_ceil(7).max(1)
 }
 
-struct Encoder<'a> {
+/// Writes format 3 (see the module header); [`Compact`] types call its
+/// methods field by field.
+pub struct Encoder<'a> {
     out: &'a mut Vec<u8>,
     base: Option<u64>,
     /// Every string written literally: (start in `out`, length).
@@ -156,8 +204,70 @@ fn hash_of(b: &[u8]) -> u64 {
     h ^ (h >> 29)
 }
 
+/// The values [`Compact`] code writes, each exactly as serde's path for
+/// its type writes it (see the `Serializer` below).
 impl Encoder<'_> {
-    fn u64(&mut self, v: u64) {
+    /// A struct of `n` fields (then each field, in declaration order).
+    #[inline]
+    pub fn fields(&mut self, n: usize) {
+        put_varint64(self.out, n as u64);
+    }
+
+    /// A map's or sequence's length (then its elements).
+    #[inline]
+    pub fn count(&mut self, n: usize) {
+        put_varint64(self.out, n as u64);
+    }
+
+    /// An unsigned integer other than `u64` (`u8` to `u128`): untagged.
+    #[inline]
+    pub fn uint(&mut self, v: u128) {
+        put_varint(self.out, v);
+    }
+
+    /// A signed integer: zigzag.
+    #[inline]
+    pub fn int(&mut self, v: i128) {
+        put_varint(self.out, zigzag(v));
+    }
+
+    #[inline]
+    pub fn f64(&mut self, v: f64) {
+        put_varint64(self.out, v.to_bits().swap_bytes());
+    }
+
+    #[inline]
+    pub fn bool(&mut self, v: bool) {
+        self.out.push(u8::from(v));
+    }
+
+    /// An `Option`'s tag (then its value when `some`).
+    #[inline]
+    pub fn option(&mut self, some: bool) {
+        self.out.push(u8::from(some));
+    }
+
+    /// A unit enum variant: its index.
+    #[inline]
+    pub fn variant(&mut self, index: u32) {
+        put_varint64(self.out, u64::from(index));
+    }
+
+    #[inline]
+    pub fn str(&mut self, v: &str) {
+        self.string(v.as_bytes());
+    }
+
+    /// A `u64`: tagged, a timestamp as its difference from the record's
+    /// base (see the module header).
+    #[inline(always)]
+    pub fn u64(&mut self, v: u64) {
+        // Most of a record's `u64`s are small counts: below 64 the plain
+        // tagged form is one byte, which no difference can beat.
+        if v < 64 {
+            self.out.push((v as u8) << 1);
+            return;
+        }
         // Tagged values need 65 bits only for v ≥ 2^63 (never a count or a
         // timestamp before 2262): the u128 path is kept for them.
         let Ok(plain) = u64::try_from(u128::from(v) << 1) else {
@@ -238,6 +348,7 @@ impl<'a, 'b> ser::Serializer for &'a mut Encoder<'b> {
 
     unsigned!(serialize_u8: u8, serialize_u16: u16, serialize_u32: u32, serialize_u128: u128);
 
+    #[inline]
     fn serialize_u64(self, v: u64) -> Result<()> {
         self.u64(v);
         Ok(())
@@ -376,6 +487,7 @@ macro_rules! struct_fields {
         impl ser::$tr for &mut Encoder<'_> {
             type Ok = ();
             type Error = Error;
+            #[inline]
             fn serialize_field<T: Serialize + ?Sized>(&mut self, _: &'static str, v: &T) -> Result<()> {
                 v.serialize(&mut **self)
             }
@@ -393,14 +505,90 @@ macro_rules! struct_fields {
 
 struct_fields!(SerializeStruct, SerializeStructVariant);
 
-struct Decoder<'de> {
+/// Reads format 3; [`Compact`] types call its methods field by field.
+pub struct Decoder<'de> {
     input: &'de [u8],
     base: Option<u64>,
     /// Every string read literally, in order.
     strings: Vec<&'de str>,
 }
 
+/// The values [`Compact`] code reads, each exactly as serde's path for its
+/// type reads it (see the `Deserializer` below).
 impl<'de> Decoder<'de> {
+    /// A struct's field count, at most the `known` fields of this build's
+    /// type (more: written by a newer build); read the fields through the
+    /// [`Fields`] it returns.
+    #[inline]
+    pub fn fields(&mut self, known: usize) -> Result<Fields> {
+        let left = self.len()?;
+        if left > known {
+            return Err(Error(format!(
+                "{left} fields, {known} known: written by a newer build"
+            )));
+        }
+        Ok(Fields { left })
+    }
+
+    /// A map's or sequence's length, checked against the bytes left.
+    #[inline]
+    pub fn count(&mut self) -> Result<usize> {
+        self.len()
+    }
+
+    /// An unsigned integer other than `u64`, checked to fit `T`.
+    #[inline]
+    pub fn uint<T: TryFrom<u128>>(&mut self) -> Result<T> {
+        self.uint_of()
+    }
+
+    #[inline]
+    pub fn int<T: TryFrom<i128>>(&mut self) -> Result<T> {
+        T::try_from(unzigzag(self.uint_of()?)).map_err(|_| Error("an integer out of range".to_owned()))
+    }
+
+    #[inline]
+    pub fn f64(&mut self) -> Result<f64> {
+        let bits: u64 = self.uint_of()?;
+        Ok(f64::from_bits(bits.swap_bytes()))
+    }
+
+    #[inline]
+    pub fn bool(&mut self) -> Result<bool> {
+        match self.byte()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            b => Err(Error(format!("a bool of {b}"))),
+        }
+    }
+
+    /// An `Option`'s tag: whether a value follows.
+    #[inline]
+    pub fn option(&mut self) -> Result<bool> {
+        match self.byte()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            b => Err(Error(format!("an option tag of {b}"))),
+        }
+    }
+
+    /// A unit enum variant's index.
+    #[inline]
+    pub fn variant(&mut self) -> Result<u32> {
+        self.uint_of()
+    }
+
+    #[inline]
+    pub fn string(&mut self) -> Result<String> {
+        self.str().map(str::to_owned)
+    }
+
+    /// An error for a value this build does not know (an enum's index).
+    pub fn unknown(what: &str, v: impl std::fmt::Display) -> Error {
+        Error(format!("an unknown {what} {v}"))
+    }
+
+    #[inline]
     fn byte(&mut self) -> Result<u8> {
         let (&b, rest) = self
             .input
@@ -412,7 +600,15 @@ impl<'de> Decoder<'de> {
 
     /// A varint of at most 64 bits (the fast path); `None`, with nothing
     /// consumed, for a longer one or a record that ends inside it.
+    #[inline(always)]
     fn varint64(&mut self) -> Option<u64> {
+        // One byte: most of a record's integers.
+        if let Some((&b, rest)) = self.input.split_first() {
+            if b < 0x80 {
+                self.input = rest;
+                return Some(u64::from(b));
+            }
+        }
         let mut v: u64 = 0;
         for (i, &b) in self.input.iter().enumerate().take(10) {
             let bits = u64::from(b & 0x7f);
@@ -443,17 +639,14 @@ impl<'de> Decoder<'de> {
         Err(Error("a varint too long".to_owned()))
     }
 
-    fn uint<T: TryFrom<u128>>(&mut self) -> Result<T> {
+    #[inline]
+    fn uint_of<T: TryFrom<u128>>(&mut self) -> Result<T> {
         let v = match self.varint64() {
             Some(v) => u128::from(v),
             // The general path reads it or names the error.
             None => self.varint()?,
         };
         T::try_from(v).map_err(|_| Error("an integer out of range".to_owned()))
-    }
-
-    fn int<T: TryFrom<i128>>(&mut self) -> Result<T> {
-        T::try_from(unzigzag(self.varint()?)).map_err(|_| Error("an integer out of range".to_owned()))
     }
 
     /// A length, checked against the bytes left (each element takes at
@@ -480,7 +673,32 @@ impl<'de> Decoder<'de> {
         b
     }
 
-    fn u64(&mut self) -> Result<u64> {
+    /// A `u64` (tagged: see the module header).
+    #[inline(always)]
+    pub fn u64(&mut self) -> Result<u64> {
+        // The common case, a varint of at most 64 bits, without `u128`.
+        if let Some(x) = self.varint64() {
+            if x & 1 == 0 {
+                let v = x >> 1;
+                if self.base.is_none() && v >= BASE_MIN {
+                    self.base = Some(v);
+                }
+                return Ok(v);
+            }
+            let z = x >> 1;
+            let d = ((z >> 1) as i64) ^ -((z & 1) as i64);
+            return self
+                .base
+                .ok_or_else(|| Error("a difference with no base".to_owned()))?
+                .checked_add_signed(d)
+                .ok_or_else(|| Error("an integer out of range".to_owned()));
+        }
+        self.u64_long()
+    }
+
+    /// [`Decoder::u64`] of a varint over 64 bits (a tagged value of 2^63
+    /// or more), or one the record ends inside.
+    fn u64_long(&mut self) -> Result<u64> {
         let x: u128 = self.uint()?;
         let out_of_range = || Error("an integer out of range".to_owned());
         if x & 1 == 0 {
@@ -500,7 +718,7 @@ impl<'de> Decoder<'de> {
     }
 
     fn str(&mut self) -> Result<&'de str> {
-        let x = self.varint()?;
+        let x: u128 = self.uint_of()?;
         if x & 1 == 1 {
             return usize::try_from(x >> 1)
                 .ok()
@@ -517,6 +735,40 @@ impl<'de> Decoder<'de> {
     }
 }
 
+/// The fields of a struct a [`Compact`] type reads, in declaration order:
+/// a field past the record's count (written by an older build) is absent.
+pub struct Fields {
+    left: usize,
+}
+
+impl Fields {
+    /// The next field, read by `read`; `None` past the record's count.
+    #[inline(always)]
+    pub fn next<'de, T>(
+        &mut self,
+        d: &mut Decoder<'de>,
+        read: impl FnOnce(&mut Decoder<'de>) -> Result<T>,
+    ) -> Result<Option<T>> {
+        if self.left == 0 {
+            return Ok(None);
+        }
+        self.left -= 1;
+        read(d).map(Some)
+    }
+
+    /// A field every record has (no serde default): absent is corrupt.
+    #[inline(always)]
+    pub fn required<'de, T>(
+        &mut self,
+        d: &mut Decoder<'de>,
+        name: &str,
+        read: impl FnOnce(&mut Decoder<'de>) -> Result<T>,
+    ) -> Result<T> {
+        self.next(d, read)?
+            .ok_or_else(|| Error(format!("missing field `{name}`")))
+    }
+}
+
 /// `n` elements, then `None` (a struct's missing trailing fields).
 struct Elements<'a, 'de> {
     d: &'a mut Decoder<'de>,
@@ -525,6 +777,7 @@ struct Elements<'a, 'de> {
 
 impl<'de> de::SeqAccess<'de> for Elements<'_, 'de> {
     type Error = Error;
+    #[inline]
     fn next_element_seed<T: DeserializeSeed<'de>>(&mut self, seed: T) -> Result<Option<T::Value>> {
         if self.left == 0 {
             return Ok(None);
@@ -608,6 +861,7 @@ impl<'de> de::Deserializer<'de> for &mut Decoder<'de> {
     decode_uint!(deserialize_u8 => visit_u8, deserialize_u16 => visit_u16, deserialize_u32 => visit_u32,
         deserialize_u128 => visit_u128);
 
+    #[inline]
     fn deserialize_u64<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
         let v = self.u64()?;
         visitor.visit_u64(v)
@@ -650,6 +904,7 @@ impl<'de> de::Deserializer<'de> for &mut Decoder<'de> {
     fn deserialize_byte_buf<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
         self.deserialize_bytes(visitor)
     }
+    #[inline]
     fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
         match self.byte()? {
             0 => visitor.visit_none(),

@@ -56,14 +56,23 @@ impl Entry {
         let too_long = || StoreError::Refused(format!("record name {key}|{limit} over 64 KiB"));
         let k = u16::try_from(key.len()).map_err(|_| too_long())?;
         let l = u16::try_from(limit.len()).map_err(|_| too_long())?;
-        let mut b = Vec::with_capacity(HEAD + key.len() + limit.len() + VERSION_LEN + 192);
+        // Encoded into this thread's scratch buffer, then copied into an
+        // allocation of its exact size (shrinking a `Vec` in place cost a
+        // `realloc` per record).
+        thread_local! {
+            static SCRATCH: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+        }
+        let mut b = SCRATCH.with(|s| s.take());
+        b.clear();
         b.extend_from_slice(&k.to_le_bytes());
         b.extend_from_slice(&l.to_le_bytes());
         b.extend_from_slice(key.as_bytes());
         b.extend_from_slice(limit.as_bytes());
         b.extend_from_slice(&version.to_le_bytes());
-        encode_into(&mut b, key, record)?;
-        Ok(Entry(b.into_boxed_slice()))
+        let encoded = encode_into(&mut b, key, record);
+        let entry = Entry(Box::from(b.as_slice()));
+        SCRATCH.with(|s| s.set(b));
+        encoded.map(|()| entry)
     }
 
     fn lens(&self) -> (usize, usize) {

@@ -202,11 +202,32 @@ pub trait Store: Send + Sync {
 /// Formats 1 and 2 are written back as format 3 on a record's next update.
 pub trait Record: Serialize + DeserializeOwned {
     fn from_v1(bytes: &[u8]) -> Result<Self, String>;
+
+    /// Writes format 3: through serde, unless the type writes its own
+    /// ([`codec::Compact`]: the same bytes, faster).
+    fn to_format3(&self, out: &mut Vec<u8>) -> Result<(), codec::Error> {
+        codec::to_writer(out, self)
+    }
+
+    /// Reads format 3 (as [`Record::to_format3`] writes it).
+    fn from_format3(bytes: &[u8]) -> Result<Self, codec::Error> {
+        codec::from_slice(bytes)
+    }
 }
 
+/// The record every key report reads and writes: its own code
+/// (`crate::alloc::record`).
 impl Record for KeyState {
     fn from_v1(bytes: &[u8]) -> Result<KeyState, String> {
         bincode::deserialize(bytes).map_err(|e| e.to_string())
+    }
+
+    fn to_format3(&self, out: &mut Vec<u8>) -> Result<(), codec::Error> {
+        codec::to_writer_compact(out, self)
+    }
+
+    fn from_format3(bytes: &[u8]) -> Result<KeyState, codec::Error> {
+        codec::from_slice_compact(bytes)
     }
 }
 
@@ -231,7 +252,7 @@ fn encode<T: Record>(record: &str, value: &T) -> Result<Vec<u8>, StoreError> {
 /// Appends the format byte and `value` to `out`.
 pub(crate) fn encode_into<T: Record>(out: &mut Vec<u8>, record: &str, value: &T) -> Result<(), StoreError> {
     out.push(FORMAT);
-    codec::to_writer(out, value).map_err(|e| StoreError::Corrupt {
+    value.to_format3(out).map_err(|e| StoreError::Corrupt {
         record: record.to_owned(),
         reason: e.to_string(),
     })
@@ -243,7 +264,7 @@ pub(crate) fn decode<T: Record>(record: &str, bytes: &[u8]) -> Result<T, StoreEr
         reason,
     };
     match bytes.split_first() {
-        Some((&FORMAT, rest)) => codec::from_slice(rest).map_err(|e| corrupt(e.to_string())),
+        Some((&FORMAT, rest)) => T::from_format3(rest).map_err(|e| corrupt(e.to_string())),
         Some((&FORMAT_NAMED, rest)) => rmp_serde::from_slice(rest).map_err(|e| corrupt(e.to_string())),
         Some((&FORMAT_V1, rest)) => T::from_v1(rest).map_err(corrupt),
         Some((other, _)) => Err(corrupt(format!("unknown format {other}"))),
