@@ -23,6 +23,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a benchmark
 
+/// The allocator `tenantgate serve` runs with.
+#[global_allocator]
+static ALLOCATOR: tenantgate_central::ServiceAllocator = tenantgate_central::ServiceAllocator;
+
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -19,6 +19,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a benchmark
 
+/// The allocator `tenantgate serve` runs with.
+#[global_allocator]
+static ALLOCATOR: tenantgate_central::ServiceAllocator = tenantgate_central::ServiceAllocator;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

@@ -10,6 +10,10 @@ use tenantgate_cli::{ecds, policy_file};
 mod quota;
 mod sim;
 
+/// See [`tenantgate_central::ServiceAllocator`].
+#[global_allocator]
+static ALLOCATOR: tenantgate_central::ServiceAllocator = tenantgate_central::ServiceAllocator;
+
 #[derive(Parser)]
 #[command(name = "tenantgate", version, about = "Multi-tenant rate limiting for Envoy")]
 struct Cli {
