@@ -764,7 +764,9 @@ pub fn visit(
 pub fn finish(session: &mut Session, visits: &[(KeyId, Visit)]) {
     for (id, v) in visits {
         if v.holds() {
-            session.held.insert(id.clone());
+            if !session.held.contains(id) {
+                session.held.insert(id.clone());
+            }
         } else {
             session.held.remove(id);
         }

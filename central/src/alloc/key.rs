@@ -398,10 +398,14 @@ impl KeyState {
         now: u64,
         cfg: &AllocConfig,
     ) {
-        let nk = self
-            .nodes
-            .entry(node.to_owned())
-            .or_insert_with(|| NodeKey::new(region, now));
+        // Looked up before inserting: the node's name is copied only for
+        // a node new to the key, not on every report.
+        if !self.nodes.contains_key(node) {
+            self.nodes.insert(node.to_owned(), NodeKey::new(region, now));
+        }
+        let Some(nk) = self.nodes.get_mut(node) else {
+            return;
+        };
         region.clone_into(&mut nk.region);
         if nk.kept_local {
             // Back from silence: an equal split until the next allocation.
@@ -475,10 +479,10 @@ impl KeyState {
         let from_written_off = excess.min(nk.written_off);
         nk.written_off -= from_written_off;
         debt = debt.saturating_add(excess - from_written_off);
-        let region = nk.region.clone();
+        let region = (debt > 0).then(|| nk.region.clone());
         self.bucket = self.bucket.saturating_add(reclaim);
         self.stats.reclaimed = self.stats.reclaimed.saturating_add(reclaim);
-        if debt > 0 {
+        if let Some(region) = region {
             self.stats.debt_booked = self.stats.debt_booked.saturating_add(debt);
             let now_repaid = debt.min(self.bucket);
             self.bucket -= now_repaid;
