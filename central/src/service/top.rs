@@ -29,9 +29,9 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
+use std::sync::{Arc, Mutex};
 
 use hashbrown::HashMap;
-use std::sync::Mutex;
 
 use serde::Serialize;
 
@@ -58,7 +58,8 @@ pub const DEFAULT_K: usize = 20;
 
 #[derive(Debug, Clone, PartialEq)]
 struct Counter {
-    key: String,
+    /// Shared with the index: one allocation per key taken in.
+    key: Arc<str>,
     count: f64,
     error: f64,
 }
@@ -68,7 +69,7 @@ struct Counter {
 struct Summary {
     counters: Vec<Counter>,
     /// A counter's position by its key.
-    index: HashMap<String, usize>,
+    index: HashMap<Arc<str>, usize>,
     /// (count's bits, position) of every counter, and stale entries a later
     /// increment left (counts are never negative, so their bits order like
     /// them).
@@ -94,9 +95,10 @@ impl Summary {
         }
         if self.counters.len() < CAPACITY {
             self.heap.push(Reverse((weight.to_bits(), self.counters.len())));
-            self.index.insert(key.to_owned(), self.counters.len());
+            let key: Arc<str> = Arc::from(key);
+            self.index.insert(key.clone(), self.counters.len());
             self.counters.push(Counter {
-                key: key.to_owned(),
+                key,
                 count: weight,
                 error: 0.0,
             });
@@ -108,12 +110,13 @@ impl Summary {
         if let Some(c) = self.counters.get_mut(i) {
             let floor = c.count;
             self.index.remove(&c.key);
+            let key: Arc<str> = Arc::from(key);
             *c = Counter {
-                key: key.to_owned(),
+                key: key.clone(),
                 count: floor + weight,
                 error: floor,
             };
-            self.index.insert(key.to_owned(), i);
+            self.index.insert(key, i);
             self.heap.push(Reverse((c.count.to_bits(), i)));
         }
     }
@@ -160,7 +163,7 @@ impl Summary {
         v.into_iter()
             .take(k)
             .map(|c| Entry {
-                key: c.key.clone(),
+                key: c.key.to_string(),
                 count: c.count.round() as u64,
                 error: c.error.round() as u64,
             })
