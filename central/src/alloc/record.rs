@@ -20,21 +20,76 @@ use super::session::Tally;
 use super::{GlobalLimit, NodeTerms};
 use crate::store::codec::{Compact, Decoder, Encoder, Result};
 
-/// An `Option<u64>`, as serde writes it.
-fn put_opt_u64(e: &mut Encoder<'_>, v: Option<u64>) {
-    e.option(v.is_some());
-    if let Some(v) = v {
-        e.u64(v);
+/// A `u64` field (tagged: see the codec).
+impl Compact for u64 {
+    fn write(&self, e: &mut Encoder<'_>) {
+        e.u64(*self);
+    }
+
+    fn read(d: &mut Decoder<'_>) -> Result<u64> {
+        d.u64()
     }
 }
 
-fn opt_u64(d: &mut Decoder<'_>) -> Result<Option<u64>> {
+/// An `Option`, as serde writes it: its tag, then its value.
+fn put_opt<T: Compact>(e: &mut Encoder<'_>, v: Option<&T>) {
+    e.option(v.is_some());
+    if let Some(v) = v {
+        v.write(e);
+    }
+}
+
+fn opt<T: Compact>(d: &mut Decoder<'_>) -> Result<Option<T>> {
     if d.option()? {
-        d.u64().map(Some)
+        T::read(d).map(Some)
     } else {
         Ok(None)
     }
 }
+
+/// A struct of `u64` fields alone, every one in every record (no serde
+/// default).
+macro_rules! u64_struct {
+    ($t:ident { $($f:ident),+ $(,)? }) => {
+        impl Compact for $t {
+            fn write(&self, e: &mut Encoder<'_>) {
+                e.fields([$(stringify!($f)),+].len());
+                $(e.u64(self.$f);)+
+            }
+
+            fn read(d: &mut Decoder<'_>) -> Result<$t> {
+                let mut f = d.fields([$(stringify!($f)),+].len())?;
+                Ok($t {
+                    $($f: f.required(d, stringify!($f), |d| d.u64())?,)+
+                })
+            }
+        }
+    };
+}
+
+u64_struct!(KeyStats {
+    granted,
+    reclaimed,
+    written_off,
+    precharged,
+    debt_booked,
+    repaid,
+    consumed,
+    unleased,
+    demand,
+});
+u64_struct!(RegionView {
+    allocated,
+    fair,
+    debt,
+    borrowed_total,
+    repaid_total,
+});
+u64_struct!(Tally {
+    consumed,
+    unleased,
+    demand,
+});
 
 /// A `BTreeMap<String, T>`, as serde writes it: its length, then each
 /// name and value in order.
@@ -67,8 +122,8 @@ impl Compact for KeyState {
         e.uint(self.credited);
         put_map(e, &self.nodes);
         put_map(e, &self.regions);
-        put_opt_u64(e, self.interval);
-        put_opt_u64(e, self.advanced_at);
+        put_opt(e, self.interval.as_ref());
+        put_opt(e, self.advanced_at.as_ref());
         e.u64(self.flow);
         e.u64(self.owed);
         self.stats.write(e);
@@ -78,15 +133,15 @@ impl Compact for KeyState {
         let mut f = d.fields(11)?;
         Ok(KeyState {
             limit: f.required(d, "limit", GlobalLimit::read)?,
-            bucket: f.required(d, "bucket", Decoder::u64)?,
-            origin: f.required(d, "origin", Decoder::u64)?,
-            credited: f.required(d, "credited", Decoder::uint)?,
+            bucket: f.required(d, "bucket", |d| d.u64())?,
+            origin: f.required(d, "origin", |d| d.u64())?,
+            credited: f.required(d, "credited", |d| d.uint())?,
             nodes: f.required(d, "nodes", map)?,
             regions: f.required(d, "regions", map)?,
-            interval: f.required(d, "interval", opt_u64)?,
-            advanced_at: f.required(d, "advanced_at", opt_u64)?,
-            flow: f.required(d, "flow", Decoder::u64)?,
-            owed: f.required(d, "owed", Decoder::u64)?,
+            interval: f.required(d, "interval", opt)?,
+            advanced_at: f.required(d, "advanced_at", opt)?,
+            flow: f.required(d, "flow", |d| d.u64())?,
+            owed: f.required(d, "owed", |d| d.u64())?,
             stats: f.required(d, "stats", KeyStats::read)?,
         })
     }
@@ -104,85 +159,11 @@ impl Compact for GlobalLimit {
     fn read(d: &mut Decoder<'_>) -> Result<GlobalLimit> {
         let mut f = d.fields(4)?;
         Ok(GlobalLimit {
-            limit: f.required(d, "limit", Decoder::u64)?,
-            window_ns: f.required(d, "window_ns", Decoder::u64)?,
-            burst: f.required(d, "burst", Decoder::u64)?,
+            limit: f.required(d, "limit", |d| d.u64())?,
+            window_ns: f.required(d, "window_ns", |d| d.u64())?,
+            burst: f.required(d, "burst", |d| d.u64())?,
             // `#[serde(default = "one")]`
-            max_cost: f.next(d, Decoder::u64)?.unwrap_or(1),
-        })
-    }
-}
-
-impl Compact for KeyStats {
-    fn write(&self, e: &mut Encoder<'_>) {
-        e.fields(9);
-        for v in [
-            self.granted,
-            self.reclaimed,
-            self.written_off,
-            self.precharged,
-            self.debt_booked,
-            self.repaid,
-            self.consumed,
-            self.unleased,
-            self.demand,
-        ] {
-            e.u64(v);
-        }
-    }
-
-    fn read(d: &mut Decoder<'_>) -> Result<KeyStats> {
-        let mut f = d.fields(9)?;
-        Ok(KeyStats {
-            granted: f.required(d, "granted", Decoder::u64)?,
-            reclaimed: f.required(d, "reclaimed", Decoder::u64)?,
-            written_off: f.required(d, "written_off", Decoder::u64)?,
-            precharged: f.required(d, "precharged", Decoder::u64)?,
-            debt_booked: f.required(d, "debt_booked", Decoder::u64)?,
-            repaid: f.required(d, "repaid", Decoder::u64)?,
-            consumed: f.required(d, "consumed", Decoder::u64)?,
-            unleased: f.required(d, "unleased", Decoder::u64)?,
-            demand: f.required(d, "demand", Decoder::u64)?,
-        })
-    }
-}
-
-impl Compact for RegionView {
-    fn write(&self, e: &mut Encoder<'_>) {
-        e.fields(5);
-        e.u64(self.allocated);
-        e.u64(self.fair);
-        e.u64(self.debt);
-        e.u64(self.borrowed_total);
-        e.u64(self.repaid_total);
-    }
-
-    fn read(d: &mut Decoder<'_>) -> Result<RegionView> {
-        let mut f = d.fields(5)?;
-        Ok(RegionView {
-            allocated: f.required(d, "allocated", Decoder::u64)?,
-            fair: f.required(d, "fair", Decoder::u64)?,
-            debt: f.required(d, "debt", Decoder::u64)?,
-            borrowed_total: f.required(d, "borrowed_total", Decoder::u64)?,
-            repaid_total: f.required(d, "repaid_total", Decoder::u64)?,
-        })
-    }
-}
-
-impl Compact for Tally {
-    fn write(&self, e: &mut Encoder<'_>) {
-        e.fields(3);
-        e.u64(self.consumed);
-        e.u64(self.unleased);
-        e.u64(self.demand);
-    }
-
-    fn read(d: &mut Decoder<'_>) -> Result<Tally> {
-        let mut f = d.fields(3)?;
-        Ok(Tally {
-            consumed: f.required(d, "consumed", Decoder::u64)?,
-            unleased: f.required(d, "unleased", Decoder::u64)?,
-            demand: f.required(d, "demand", Decoder::u64)?,
+            max_cost: f.next(d, |d| d.u64())?.unwrap_or(1),
         })
     }
 }
@@ -198,9 +179,9 @@ impl Compact for NodeTerms {
     fn read(d: &mut Decoder<'_>) -> Result<NodeTerms> {
         let mut f = d.fields(3)?;
         Ok(NodeTerms {
-            timeout_ns: f.required(d, "timeout_ns", Decoder::u64)?,
-            local_max_ns: f.required(d, "local_max_ns", Decoder::u64)?,
-            outage_allowance: f.next(d, Decoder::bool)?.unwrap_or_default(),
+            timeout_ns: f.required(d, "timeout_ns", |d| d.u64())?,
+            local_max_ns: f.required(d, "local_max_ns", |d| d.u64())?,
+            outage_allowance: f.next(d, |d| d.bool())?.unwrap_or_default(),
         })
     }
 }
@@ -226,21 +207,6 @@ impl Compact for FailureMode {
     }
 }
 
-fn put_opt<T: Compact>(e: &mut Encoder<'_>, v: Option<&T>) {
-    e.option(v.is_some());
-    if let Some(v) = v {
-        v.write(e);
-    }
-}
-
-fn opt<T: Compact>(d: &mut Decoder<'_>) -> Result<Option<T>> {
-    if d.option()? {
-        T::read(d).map(Some)
-    } else {
-        Ok(None)
-    }
-}
-
 /// Fields before `share_milli` are in every record; those from it on were
 /// appended with `#[serde(default)]`.
 const NODE_KEY_FIELDS: usize = 31;
@@ -254,7 +220,7 @@ impl Compact for NodeKey {
         e.u64(self.lease_seq);
         e.bool(self.collapsed);
         e.u64(self.granted_at);
-        put_opt_u64(e, self.share);
+        put_opt(e, self.share.as_ref());
         e.bool(self.kept_local);
         e.u64(self.level);
         e.u64(self.share_sent);
@@ -266,7 +232,7 @@ impl Compact for NodeKey {
         e.u64(self.charged_until);
         e.uint(self.charge_carry);
         e.u64(self.written_off);
-        put_opt_u64(e, self.heard_at);
+        put_opt(e, self.heard_at.as_ref());
         e.u64(self.share_milli);
         e.u64(self.share_carry);
         e.int(i128::from(self.credit));
@@ -284,36 +250,36 @@ impl Compact for NodeKey {
     fn read(d: &mut Decoder<'_>) -> Result<NodeKey> {
         let mut f = d.fields(NODE_KEY_FIELDS)?;
         Ok(NodeKey {
-            region: f.required(d, "region", Decoder::string)?,
-            reserve: f.required(d, "reserve", Decoder::u64)?,
-            lease_tokens: f.required(d, "lease_tokens", Decoder::u64)?,
-            lease_seq: f.required(d, "lease_seq", Decoder::u64)?,
-            collapsed: f.required(d, "collapsed", Decoder::bool)?,
-            granted_at: f.required(d, "granted_at", Decoder::u64)?,
-            share: f.required(d, "share", opt_u64)?,
-            kept_local: f.required(d, "kept_local", Decoder::bool)?,
-            level: f.required(d, "level", Decoder::u64)?,
-            share_sent: f.required(d, "share_sent", Decoder::u64)?,
-            share_acked: f.required(d, "share_acked", Decoder::u64)?,
-            share_unacked: f.required(d, "share_unacked", Decoder::u64)?,
-            demand: f.required(d, "demand", Decoder::f64)?,
-            last_report_at: f.required(d, "last_report_at", Decoder::u64)?,
-            assumed: f.required(d, "assumed", Decoder::u64)?,
-            charged_until: f.required(d, "charged_until", Decoder::u64)?,
-            charge_carry: f.required(d, "charge_carry", Decoder::uint)?,
-            written_off: f.required(d, "written_off", Decoder::u64)?,
-            heard_at: f.required(d, "heard_at", opt_u64)?,
-            share_milli: f.next(d, Decoder::u64)?.unwrap_or_default(),
-            share_carry: f.next(d, Decoder::u64)?.unwrap_or_default(),
-            credit: f.next(d, Decoder::int)?.unwrap_or_default(),
+            region: f.required(d, "region", |d| d.string())?,
+            reserve: f.required(d, "reserve", |d| d.u64())?,
+            lease_tokens: f.required(d, "lease_tokens", |d| d.u64())?,
+            lease_seq: f.required(d, "lease_seq", |d| d.u64())?,
+            collapsed: f.required(d, "collapsed", |d| d.bool())?,
+            granted_at: f.required(d, "granted_at", |d| d.u64())?,
+            share: f.required(d, "share", opt)?,
+            kept_local: f.required(d, "kept_local", |d| d.bool())?,
+            level: f.required(d, "level", |d| d.u64())?,
+            share_sent: f.required(d, "share_sent", |d| d.u64())?,
+            share_acked: f.required(d, "share_acked", |d| d.u64())?,
+            share_unacked: f.required(d, "share_unacked", |d| d.u64())?,
+            demand: f.required(d, "demand", |d| d.f64())?,
+            last_report_at: f.required(d, "last_report_at", |d| d.u64())?,
+            assumed: f.required(d, "assumed", |d| d.u64())?,
+            charged_until: f.required(d, "charged_until", |d| d.u64())?,
+            charge_carry: f.required(d, "charge_carry", |d| d.uint())?,
+            written_off: f.required(d, "written_off", |d| d.u64())?,
+            heard_at: f.required(d, "heard_at", opt)?,
+            share_milli: f.next(d, |d| d.u64())?.unwrap_or_default(),
+            share_carry: f.next(d, |d| d.u64())?.unwrap_or_default(),
+            credit: f.next(d, |d| d.int())?.unwrap_or_default(),
             terms: f.next(d, opt)?.unwrap_or_default(),
             mode: f.next(d, opt)?.unwrap_or_default(),
-            outage_sent: f.next(d, Decoder::u64)?.unwrap_or_default(),
-            outage_acked: f.next(d, Decoder::u64)?.unwrap_or_default(),
-            outage_unacked: f.next(d, Decoder::u64)?.unwrap_or_default(),
-            boot: f.next(d, Decoder::u64)?.unwrap_or_default(),
-            applied_seq: f.next(d, Decoder::u64)?.unwrap_or_default(),
-            base: f.next(d, Decoder::u64)?.unwrap_or_default(),
+            outage_sent: f.next(d, |d| d.u64())?.unwrap_or_default(),
+            outage_acked: f.next(d, |d| d.u64())?.unwrap_or_default(),
+            outage_unacked: f.next(d, |d| d.u64())?.unwrap_or_default(),
+            boot: f.next(d, |d| d.u64())?.unwrap_or_default(),
+            applied_seq: f.next(d, |d| d.u64())?.unwrap_or_default(),
+            base: f.next(d, |d| d.u64())?.unwrap_or_default(),
             counted: f.next(d, Tally::read)?.unwrap_or_default(),
         })
     }
@@ -400,14 +366,27 @@ mod tests {
         ks.interval = Some(29_934_720);
         ks.flow = 166;
         ks.owed = 3;
-        ks.stats.granted = 12;
-        ks.stats.demand = 99;
+        // Every field its own value: a field written out of place shows.
+        ks.stats = KeyStats {
+            granted: 12,
+            reclaimed: 13,
+            written_off: 14,
+            precharged: 15,
+            debt_booked: 16,
+            repaid: 17,
+            consumed: 18,
+            unleased: 19,
+            demand: 99,
+        };
         for n in 0..nodes {
             let region = format!("region-{}", n % 3);
             ks.nodes.insert(format!("node-{n}"), node_key(n, &region));
             let r = ks.regions.entry(region).or_default();
             r.allocated += n;
-            r.debt = n * 2;
+            r.fair = 3 + n;
+            r.debt = 5 + n * 2;
+            r.borrowed_total = 7 + n;
+            r.repaid_total = 11 + n;
         }
         ks
     }

@@ -555,20 +555,22 @@ impl<'de> Decoder<'de> {
 
     #[inline]
     pub fn bool(&mut self) -> Result<bool> {
-        match self.byte()? {
-            0 => Ok(false),
-            1 => Ok(true),
-            b => Err(Error(format!("a bool of {b}"))),
-        }
+        self.flag("a bool")
     }
 
     /// An `Option`'s tag: whether a value follows.
     #[inline]
     pub fn option(&mut self) -> Result<bool> {
+        self.flag("an option tag")
+    }
+
+    /// One byte, 0 or 1.
+    #[inline]
+    fn flag(&mut self, what: &str) -> Result<bool> {
         match self.byte()? {
             0 => Ok(false),
             1 => Ok(true),
-            b => Err(Error(format!("an option tag of {b}"))),
+            b => Err(Error(format!("{what} of {b}"))),
         }
     }
 
@@ -873,11 +875,8 @@ impl<'de> de::Deserializer<'de> for &mut Decoder<'de> {
         Err(Error("format 3 is not self-describing".to_owned()))
     }
     fn deserialize_bool<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        match self.byte()? {
-            0 => visitor.visit_bool(false),
-            1 => visitor.visit_bool(true),
-            b => Err(Error(format!("a bool of {b}"))),
-        }
+        let v = self.bool()?;
+        visitor.visit_bool(v)
     }
     fn deserialize_f32<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
         let bits: u32 = self.uint()?;
@@ -906,10 +905,10 @@ impl<'de> de::Deserializer<'de> for &mut Decoder<'de> {
     }
     #[inline]
     fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        match self.byte()? {
-            0 => visitor.visit_none(),
-            1 => visitor.visit_some(self),
-            b => Err(Error(format!("an option tag of {b}"))),
+        if self.option()? {
+            visitor.visit_some(self)
+        } else {
+            visitor.visit_none()
         }
     }
     fn deserialize_unit<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
