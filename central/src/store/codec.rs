@@ -1053,6 +1053,20 @@ mod tests {
     }
 
     #[test]
+    fn forty_strings_each_repeated_are_written_once_each() {
+        // 40 distinct names, each twice: the second of each is an index.
+        let names: Vec<String> = (0..40).map(|i| format!("tenant-{i}|api")).collect();
+        let twice: Vec<&String> = names.iter().chain(names.iter()).collect();
+        let bytes = enc(&twice);
+        let literals: usize = names.iter().map(|n| 1 + n.len()).sum();
+        assert_eq!(bytes.len(), 1 + literals + 40, "each repeat one byte");
+        assert_eq!(
+            from_slice::<Vec<String>>(&bytes).unwrap(),
+            [names.clone(), names].concat()
+        );
+    }
+
+    #[test]
     fn an_appended_defaulted_field_reads_older_records_and_newer_records_are_refused() {
         let old = Old {
             a: 5,
