@@ -8,8 +8,9 @@
 //!    thread (its on-CPU time from `/proc/thread-self/schedstat`), so a
 //!    machine shared with other work gives the same figure as an idle one;
 //!    the wall-clock rate is printed beside it. Both count the service's
-//!    calls only: each pass's requests are built before its clock starts. Target: ≥ 400,000 key
-//!    reports/s per core with the embedded store (PASS/MISS).
+//!    calls only: each pass's requests are built before its clock starts.
+//!    Target: ≥ 400,000 key reports/s per core with the embedded store
+//!    (PASS/MISS).
 //! 2. The same against a `redis-server` started here (it runs on the other
 //!    core; the figure is per core of the service), with Redis's own CPU
 //!    per report (`INFO cpu`) beside the service's. Target: ≥ 100,000.

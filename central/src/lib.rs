@@ -38,5 +38,5 @@ pub use error::{AllocError, ConfigError};
 /// `#[global_allocator] static A: ServiceAllocator = ServiceAllocator;`.
 /// mimalloc: a key report allocates and frees about 45 small blocks (its
 /// records' strings and maps), and glibc's malloc made the embedded store
-/// about 1.4x slower (`docs/central-service.md`, "Throughput").
+/// about 1.3x slower (`docs/central-service.md`, "Throughput").
 pub use mimalloc::MiMalloc as ServiceAllocator;

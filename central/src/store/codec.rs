@@ -210,7 +210,7 @@ impl Encoder<'_> {
     /// A struct of `n` fields (then each field, in declaration order).
     #[inline]
     pub fn fields(&mut self, n: usize) {
-        put_varint64(self.out, n as u64);
+        self.count(n);
     }
 
     /// A map's or sequence's length (then its elements).
@@ -312,7 +312,7 @@ impl Encoder<'_> {
 
     fn len(&mut self, len: Option<usize>) -> Result<()> {
         let len = len.ok_or_else(|| Error("a sequence of unknown length".to_owned()))?;
-        put_varint(self.out, len as u128);
+        self.count(len);
         Ok(())
     }
 }
@@ -521,7 +521,7 @@ impl<'de> Decoder<'de> {
     /// [`Fields`] it returns.
     #[inline]
     pub fn fields(&mut self, known: usize) -> Result<Fields> {
-        let left = self.len()?;
+        let left = self.count()?;
         if left > known {
             return Err(Error(format!(
                 "{left} fields, {known} known: written by a newer build"
@@ -530,26 +530,14 @@ impl<'de> Decoder<'de> {
         Ok(Fields { left })
     }
 
-    /// A map's or sequence's length, checked against the bytes left.
-    #[inline]
-    pub fn count(&mut self) -> Result<usize> {
-        self.len()
-    }
-
-    /// An unsigned integer other than `u64`, checked to fit `T`.
-    #[inline]
-    pub fn uint<T: TryFrom<u128>>(&mut self) -> Result<T> {
-        self.uint_of()
-    }
-
     #[inline]
     pub fn int<T: TryFrom<i128>>(&mut self) -> Result<T> {
-        T::try_from(unzigzag(self.uint_of()?)).map_err(|_| Error("an integer out of range".to_owned()))
+        T::try_from(unzigzag(self.uint()?)).map_err(|_| Error("an integer out of range".to_owned()))
     }
 
     #[inline]
     pub fn f64(&mut self) -> Result<f64> {
-        let bits: u64 = self.uint_of()?;
+        let bits: u64 = self.uint()?;
         Ok(f64::from_bits(bits.swap_bytes()))
     }
 
@@ -577,7 +565,7 @@ impl<'de> Decoder<'de> {
     /// A unit enum variant's index.
     #[inline]
     pub fn variant(&mut self) -> Result<u32> {
-        self.uint_of()
+        self.uint()
     }
 
     #[inline]
@@ -641,8 +629,9 @@ impl<'de> Decoder<'de> {
         Err(Error("a varint too long".to_owned()))
     }
 
+    /// An unsigned integer other than `u64`, checked to fit `T`.
     #[inline]
-    fn uint_of<T: TryFrom<u128>>(&mut self) -> Result<T> {
+    pub fn uint<T: TryFrom<u128>>(&mut self) -> Result<T> {
         let v = match self.varint64() {
             Some(v) => u128::from(v),
             // The general path reads it or names the error.
@@ -651,9 +640,11 @@ impl<'de> Decoder<'de> {
         T::try_from(v).map_err(|_| Error("an integer out of range".to_owned()))
     }
 
-    /// A length, checked against the bytes left (each element takes at
-    /// least one byte, except units, which records do not hold in bulk).
-    fn len(&mut self) -> Result<usize> {
+    /// A map's or sequence's length, checked against the bytes left (each
+    /// element takes at least one byte, except units, which records do not
+    /// hold in bulk).
+    #[inline]
+    pub fn count(&mut self) -> Result<usize> {
         let n: usize = self.uint()?;
         if n > self.input.len() {
             return Err(Error(format!(
@@ -665,7 +656,7 @@ impl<'de> Decoder<'de> {
     }
 
     fn bytes(&mut self) -> Result<&'de [u8]> {
-        let n = self.len()?;
+        let n = self.count()?;
         Ok(self.take(n))
     }
 
@@ -720,7 +711,7 @@ impl<'de> Decoder<'de> {
     }
 
     fn str(&mut self) -> Result<&'de str> {
-        let x: u128 = self.uint_of()?;
+        let x: u128 = self.uint()?;
         if x & 1 == 1 {
             return usize::try_from(x >> 1)
                 .ok()
@@ -921,7 +912,7 @@ impl<'de> de::Deserializer<'de> for &mut Decoder<'de> {
         visitor.visit_newtype_struct(self)
     }
     fn deserialize_seq<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        let left = self.len()?;
+        let left = self.count()?;
         visitor.visit_seq(Elements { d: self, left })
     }
     fn deserialize_tuple<V: Visitor<'de>>(self, len: usize, visitor: V) -> Result<V::Value> {
@@ -936,7 +927,7 @@ impl<'de> de::Deserializer<'de> for &mut Decoder<'de> {
         visitor.visit_seq(Elements { d: self, left: len })
     }
     fn deserialize_map<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        let left = self.len()?;
+        let left = self.count()?;
         visitor.visit_map(Elements { d: self, left })
     }
     fn deserialize_struct<V: Visitor<'de>>(
@@ -945,13 +936,7 @@ impl<'de> de::Deserializer<'de> for &mut Decoder<'de> {
         fields: &'static [&'static str],
         visitor: V,
     ) -> Result<V::Value> {
-        let left = self.len()?;
-        if left > fields.len() {
-            return Err(Error(format!(
-                "{left} fields, {} known: written by a newer build",
-                fields.len()
-            )));
-        }
+        let left = self.fields(fields.len())?.left;
         visitor.visit_seq(Elements { d: self, left })
     }
     fn deserialize_enum<V: Visitor<'de>>(
