@@ -14,7 +14,9 @@ pub struct Loaded {
 /// Why a policy file was refused; prints one `FILE: path: message` per line.
 #[derive(Debug)]
 pub enum LoadError {
-    Read(PathBuf, std::io::Error),
+    /// The file could not be read, or is over the size limit (the message
+    /// names the file).
+    Read(PathBuf, String),
     Yaml(PathBuf, String),
     Invalid(PathBuf, PolicyErrors),
 }
@@ -22,8 +24,8 @@ pub enum LoadError {
 impl fmt::Display for LoadError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            LoadError::Read(p, e) => write!(f, "{}: cannot read: {e}", p.display()),
-            LoadError::Yaml(p, e) => write!(f, "{}: (policy): invalid YAML: {e}", p.display()),
+            LoadError::Read(_, e) => write!(f, "{e}"),
+            LoadError::Yaml(p, e) => write!(f, "{}: {e}", p.display()),
             LoadError::Invalid(p, errors) => {
                 for (i, e) in errors.0.iter().enumerate() {
                     if i > 0 {
@@ -37,16 +39,15 @@ impl fmt::Display for LoadError {
     }
 }
 
-/// Parses YAML text into a document. An empty file is a null document.
+/// Parses YAML text into a document (the service's reader: one reader of
+/// policies). An empty file is a null document.
 pub fn parse_yaml(text: &str) -> Result<Node, String> {
-    if text.trim().is_empty() {
-        return Ok(Node::Null);
-    }
-    serde_norway::from_str::<Node>(text).map_err(|e| e.to_string())
+    tenantgate_central::service::policy::parse_document(text)
 }
 
 pub fn load(path: &Path) -> Result<Loaded, LoadError> {
-    let text = std::fs::read_to_string(path).map_err(|e| LoadError::Read(path.to_owned(), e))?;
+    let text = tenantgate_central::service::policy::read_text(path)
+        .map_err(|e| LoadError::Read(path.to_owned(), e))?;
     let document = parse_yaml(&text).map_err(|e| LoadError::Yaml(path.to_owned(), e))?;
     let policy = Policy::from_node(&document).map_err(|e| LoadError::Invalid(path.to_owned(), e))?;
     Ok(Loaded { document, policy })

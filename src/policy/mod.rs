@@ -27,6 +27,26 @@ pub use error::{FieldPath, PolicyError, PolicyErrors};
 pub use spec::FailureMode;
 pub use spec::{Classify, Mode};
 
+/// The largest policy document accepted, in bytes (its YAML or JSON text,
+/// as read): 1 MiB. A policy of a few hundred tenants and routes is tens of
+/// KiB; the limit keeps a mistaken or hostile file from costing hundreds of
+/// MiB to parse (a 10 MB policy took 337 MB and 4 s) and keeps what the
+/// Kubernetes manifests carry under the API server's object size limit.
+/// Every reader of a policy (the filter, the module, the CLI, the service)
+/// checks it through [`check_size`].
+pub const MAX_POLICY_BYTES: usize = 1 << 20;
+
+/// Refuses a policy document of `len` bytes over [`MAX_POLICY_BYTES`].
+pub fn check_size(len: usize) -> Result<(), PolicyErrors> {
+    if len > MAX_POLICY_BYTES {
+        return Err(PolicyErrors::one(
+            FieldPath::root(),
+            format!("the policy is {len} bytes; the limit is {MAX_POLICY_BYTES} (1 MiB)"),
+        ));
+    }
+    Ok(())
+}
+
 /// Longest accepted tenant id, in bytes. Longer identities are treated as
 /// missing (the request is grouped as anonymous) and counted.
 pub const MAX_TENANT_ID_LEN: usize = 128;
@@ -266,6 +286,7 @@ pub struct RouteClass {
 impl Policy {
     /// Reads a policy from the filter's JSON plugin configuration.
     pub fn from_json(bytes: &[u8]) -> Result<Policy, PolicyErrors> {
+        check_size(bytes.len())?;
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Err(PolicyErrors::one(FieldPath::root(), "the policy is empty"));
         }

@@ -549,3 +549,13 @@ fn paused_and_the_circuit_breaker_compile_with_their_defaults() {
         [r#"dependencies.db.paused: invalid type: string "yes", expected a boolean"#]
     );
 }
+
+#[test]
+fn a_policy_over_one_mib_is_refused_before_parsing() {
+    let mut json = VALID.to_owned();
+    json.push_str(&" ".repeat(MAX_POLICY_BYTES + 1 - json.len()));
+    let errors = Policy::from_json(json.as_bytes()).unwrap_err();
+    assert!(errors.to_string().contains("limit is 1048576"), "{errors}");
+    json.pop();
+    assert!(Policy::from_json(json.as_bytes()).is_ok());
+}

@@ -45,17 +45,56 @@ pub struct PolicyLimits {
 
 /// Reads and validates a policy file.
 pub fn load(path: &Path) -> Result<PolicyLimits, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
+    let text = read_text(path)?;
     parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// A policy file's text, refused past [`tenantgate::policy::MAX_POLICY_BYTES`]
+/// without reading the rest (`PATH: cannot read: ...` or the size error).
+pub fn read_text(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    let limit = tenantgate::policy::MAX_POLICY_BYTES;
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| {
+            f.take(u64::try_from(limit).unwrap_or(u64::MAX).saturating_add(1))
+                .read_to_string(&mut text)
+        })
+        .map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
+    if text.len() > limit {
+        return Err(format!(
+            "{}: (policy): the policy is over {limit} bytes, the limit (1 MiB)",
+            path.display()
+        ));
+    }
+    Ok(text)
+}
+
+/// A policy's YAML (or JSON) text as a document: the one YAML reader of
+/// policies (the CLI's too). Refuses a text over the size limit and says
+/// what an alias bomb is rather than the parser's "repetition limit
+/// exceeded". An empty text is a null document (refused by validation).
+pub fn parse_document(text: &str) -> Result<Node, String> {
+    tenantgate::policy::check_size(text.len()).map_err(|e| e.to_string())?;
+    if text.trim().is_empty() {
+        return Ok(Node::Null);
+    }
+    serde_norway::from_str(text).map_err(|e| {
+        let e = e.to_string();
+        if e.contains("repetition limit exceeded") {
+            format!(
+                "(policy): invalid YAML: its aliases (*name) expand to too many nodes (an alias bomb?); \
+                 write the repeated parts out or use fewer nested aliases ({e})"
+            )
+        } else {
+            format!("(policy): invalid YAML: {e}")
+        }
+    })
 }
 
 /// Validates a policy's YAML (or JSON) text.
 pub fn parse(text: &str) -> Result<PolicyLimits, String> {
-    let doc: Node = if text.trim().is_empty() {
-        Node::Null
-    } else {
-        serde_norway::from_str(text).map_err(|e| format!("(policy): invalid YAML: {e}"))?
-    };
+    let doc = parse_document(text)?;
     let policy = Policy::from_node(&doc).map_err(|errors| {
         errors
             .0
