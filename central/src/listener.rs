@@ -304,6 +304,23 @@ impl axum::serve::Listener for SyncListener {
     }
 }
 
+/// How long `tenantgate certs init`'s CA is valid: 10 years (3,650 days).
+pub const CA_VALIDITY_DAYS: i64 = 3650;
+/// How long the service's and the nodes' certificates are valid: 1 year
+/// (365 days); reissue them with `tenantgate certs node` (and `certs init
+/// --force` for a new CA) before then.
+pub const CERT_VALIDITY_DAYS: i64 = 365;
+/// Certificates are valid from this long before they are made, so a node
+/// whose clock is a little behind accepts them.
+const NOT_BEFORE_SKEW: time::Duration = time::Duration::hours(1);
+
+/// Sets `p`'s validity: from now (less [`NOT_BEFORE_SKEW`]) for `days`.
+fn valid_for(p: &mut rcgen::CertificateParams, days: i64) {
+    let now = time::OffsetDateTime::now_utc();
+    p.not_before = now.saturating_sub(NOT_BEFORE_SKEW);
+    p.not_after = now.saturating_add(time::Duration::days(days));
+}
+
 /// The files `tenantgate certs init` writes.
 #[derive(Debug, Clone)]
 pub struct Issued {
@@ -352,9 +369,9 @@ fn load_ca(dir: &Path) -> Result<(rcgen::CertificateParams, rcgen::KeyPair), Str
 pub fn init_ca(dir: &Path, hosts: &[String]) -> Result<Issued, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let ca_key = rcgen::KeyPair::generate().map_err(rc)?;
-    let ca = ca_params("tenantgate local CA")
-        .self_signed(&ca_key)
-        .map_err(rc)?;
+    let mut params = ca_params("tenantgate local CA");
+    valid_for(&mut params, CA_VALIDITY_DAYS);
+    let ca = params.self_signed(&ca_key).map_err(rc)?;
     let mut files = Vec::new();
     for (name, text, secret) in [
         ("ca.pem", ca.pem(), false),
@@ -391,7 +408,8 @@ pub fn issue_node(dir: &Path, domain: &str, node: &str, region: Option<&str>) ->
     })
 }
 
-fn issue(dir: &Path, name: &str, params: rcgen::CertificateParams) -> Result<Vec<PathBuf>, String> {
+fn issue(dir: &Path, name: &str, mut params: rcgen::CertificateParams) -> Result<Vec<PathBuf>, String> {
+    valid_for(&mut params, CERT_VALIDITY_DAYS);
     let (ca_params, ca_key) = load_ca(dir)?;
     let issuer = rcgen::Issuer::new(ca_params, &ca_key);
     let key = rcgen::KeyPair::generate().map_err(rc)?;
@@ -458,5 +476,28 @@ mod tests {
             client_ca: dir.path().join("ca.pem"),
         })
         .unwrap();
+    }
+
+    #[test]
+    fn the_ca_is_valid_ten_years_and_what_it_issues_one() {
+        let dir = tempfile::tempdir().unwrap();
+        init_ca(dir.path(), &["localhost".to_owned()]).unwrap();
+        issue_node(dir.path(), "tenantgate.local", "envoy-1", None).unwrap();
+        let now = time::OffsetDateTime::now_utc().unix_timestamp();
+        for (file, days) in [
+            ("ca.pem", CA_VALIDITY_DAYS),
+            ("service.pem", CERT_VALIDITY_DAYS),
+            ("envoy-1.pem", CERT_VALIDITY_DAYS),
+        ] {
+            let der = read_certs(&dir.path().join(file)).unwrap();
+            let (_, cert) = x509_parser::parse_x509_certificate(der[0].as_ref()).unwrap();
+            let v = cert.validity();
+            assert!(v.not_before.timestamp() <= now, "{file}: valid from now");
+            let ends = v.not_after.timestamp() - now;
+            assert!(
+                (days * 86_400 - 60..=days * 86_400).contains(&ends),
+                "{file}: {ends} s left"
+            );
+        }
     }
 }
