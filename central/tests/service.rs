@@ -531,6 +531,13 @@ async fn health_ready_and_metrics(mut b: Backend) {
     assert_eq!(status, 503);
     assert!(body.contains("no policy"), "{body}");
     assert_eq!(a.sync(&request("n1", 1, 0, &[])).await.0, 503);
+    // A policy it cannot take: /readyz says why.
+    std::fs::write(&path, "version: v1\nplans: {free: {limits: [{rate: ten}]}}\n").unwrap();
+    wait_for("the refusal in /readyz", || async {
+        let (status, body) = a.get("/readyz").await;
+        status == 503 && body.contains("no policy loaded: ") && body.contains("rate")
+    })
+    .await;
 
     std::fs::write(&path, POLICY_V1).unwrap();
     wait_for("ready", || async { a.get("/readyz").await.0 == 200 }).await;

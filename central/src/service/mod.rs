@@ -115,6 +115,9 @@ pub struct Service {
     clock: Arc<dyn Clock>,
     settings: Settings,
     config: RwLock<Option<Arc<AllocConfig>>>,
+    /// Why the last policy load was refused (cleared by a good one):
+    /// `/readyz` says it while no policy is in force.
+    refused: std::sync::Mutex<Option<String>>,
     pub metrics: Metrics,
     /// The heaviest keys by demand and denials, per region (bounded).
     pub top: top::Top,
@@ -157,6 +160,7 @@ impl Service {
             store,
             clock,
             settings,
+            refused: std::sync::Mutex::new(None),
             config: RwLock::new(None),
             metrics: Metrics::default(),
             top: top::Top::default(),
@@ -291,24 +295,44 @@ impl Service {
                     warn!(limits = ?p.ambiguous, "limit names defined differently by several plans: the strictest applies");
                 }
                 self.set_policy(&p);
+                self.set_refused(None);
                 self.metrics.reloads_ok.fetch_add(1, Relaxed);
                 info!(version = %p.version, limits = p.limits.len(), path = %path.display(), "policy loaded");
                 Ok(p.version)
             }
             Err(e) => {
                 self.metrics.reloads_failed.fetch_add(1, Relaxed);
+                self.set_refused(Some(e.clone()));
                 warn!(error = %e, "policy refused; the one in force stays");
                 Err(e)
             }
         }
     }
 
-    /// Ready: a policy is loaded and the store answers.
+    fn set_refused(&self, why: Option<String>) {
+        match self.refused.lock() {
+            Ok(mut r) => *r = why,
+            Err(e) => *e.into_inner() = why,
+        }
+    }
+
+    /// Ready: a policy is loaded and the store answers. `Err`: why not,
+    /// with the last policy refusal while none is in force.
     pub async fn ready(&self) -> Result<(), String> {
         if self.config().is_none() {
-            return Err("no policy loaded".to_owned());
+            let refused = match self.refused.lock() {
+                Ok(r) => r.clone(),
+                Err(e) => e.into_inner().clone(),
+            };
+            return Err(match refused {
+                Some(why) => format!("no policy loaded: {why}"),
+                None => "no policy loaded".to_owned(),
+            });
         }
-        self.store.ping().await.map_err(|e| e.to_string())
+        self.store
+            .ping()
+            .await
+            .map_err(|e| format!("the store ({}) does not answer: {e}", self.store.kind()))
     }
 
     /// Answers one sync request body from a sender with `identity` (the
