@@ -2,6 +2,7 @@
 //! The binary (`main.rs`) is a thin argument parser over these.
 
 pub mod ecds;
+pub mod exit;
 pub mod explain;
 pub mod http;
 pub mod import;

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
+use tenantgate_cli::exit::{self, code};
 use tenantgate_cli::{ecds, policy_file};
 
 mod quota;
@@ -74,6 +75,10 @@ enum CertsCommand {
         /// DNS names and IP addresses the service is reached at (repeat).
         #[arg(long = "host", default_values_t = [String::from("localhost"), String::from("127.0.0.1")])]
         hosts: Vec<String>,
+        /// Replace an existing CA in DIR (every certificate it issued then
+        /// stops verifying: reissue them).
+        #[arg(long)]
+        force: bool,
     },
     /// A node's client certificate (NODE.pem, NODE.key), signed by DIR's
     /// CA, naming the node (Envoy's node.id) and optionally its region.
@@ -349,12 +354,19 @@ fn serve(args: &ServeArgs) -> ExitCode {
     let interval_ns = args.interval_ms.saturating_mul(1_000_000);
     if interval_ns == 0 || interval_ns > defaults.lease_ttl_ns {
         eprintln!("--interval-ms: must be 1..={}", defaults.lease_ttl_ns / 1_000_000);
-        return ExitCode::FAILURE;
+        return code(exit::USAGE);
     }
     let settings = Settings {
         interval_ns,
         ..defaults
     };
+    // A policy it cannot read or validate at start is a mistake to say now
+    // (exit 1), not a service that never becomes ready. Once running, a
+    // bad reload keeps the policy in force and /readyz says why.
+    if let Err(e) = service::policy::load(&args.policy) {
+        eprintln!("tenantgate serve: {e}");
+        return code(exit::INVALID);
+    }
     let tls = match (&args.tls_cert, &args.tls_key, &args.client_ca) {
         (Some(cert), Some(key), Some(ca)) => Some(tenantgate_central::listener::TlsFiles {
             cert: cert.clone(),
@@ -393,10 +405,10 @@ fn serve(args: &ServeArgs) -> ExitCode {
         home_urls: args.home_region_url.clone(),
     });
     match service::run(&args.store, opts, settings, intake, state, quota) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => code(exit::OK),
         Err(e) => {
             eprintln!("tenantgate serve: {e}");
-            ExitCode::FAILURE
+            code(exit::FAILED)
         }
     }
 }
@@ -404,7 +416,23 @@ fn serve(args: &ServeArgs) -> ExitCode {
 fn certs(c: &CertsCommand) -> ExitCode {
     use tenantgate_central::listener as tls;
     let result = match c {
-        CertsCommand::Init { dir, hosts } => tls::init_ca(dir, hosts),
+        CertsCommand::Init { dir, hosts, force } => {
+            let existing: Vec<_> = ["ca.pem", "ca.key", "service.pem", "service.key"]
+                .iter()
+                .map(|f| dir.join(f))
+                .filter(|p| p.exists())
+                .collect();
+            if !existing.is_empty() && !force {
+                eprintln!(
+                    "tenantgate certs init: {} already exists: a new CA would stop every certificate \
+                     the old one issued from verifying. Keep it, or pass --force to replace it \
+                     (then reissue every node's certificate with `tenantgate certs node`)",
+                    existing[0].display()
+                );
+                return ExitCode::from(exit::INVALID);
+            }
+            tls::init_ca(dir, hosts)
+        }
         CertsCommand::Node {
             dir,
             node_id,
@@ -417,11 +445,11 @@ fn certs(c: &CertsCommand) -> ExitCode {
             for f in issued.files {
                 println!("wrote {}", f.display());
             }
-            ExitCode::SUCCESS
+            code(exit::OK)
         }
         Err(e) => {
             eprintln!("tenantgate certs: {e}");
-            ExitCode::FAILURE
+            code(exit::INVALID)
         }
     }
 }
@@ -447,9 +475,9 @@ fn check(files: &[PathBuf]) -> ExitCode {
         }
     }
     if failed {
-        ExitCode::FAILURE
+        code(exit::INVALID)
     } else {
-        ExitCode::SUCCESS
+        code(exit::OK)
     }
 }
 
@@ -461,17 +489,17 @@ fn compile(file: &Path, pretty: bool) -> ExitCode {
                     Ok(json) => println!("{json}"),
                     Err(e) => {
                         eprintln!("{}: cannot render JSON: {e}", file.display());
-                        return ExitCode::FAILURE;
+                        return code(exit::INVALID);
                     }
                 }
             } else {
                 println!("{}", loaded.document.to_json());
             }
-            ExitCode::SUCCESS
+            code(exit::OK)
         }
         Err(e) => {
             eprintln!("{e}");
-            ExitCode::FAILURE
+            code(exit::INVALID)
         }
     }
 }
@@ -486,24 +514,42 @@ fn apply(args: &ApplyArgs) -> ExitCode {
         Err(e) => {
             eprintln!("{e}");
             unchanged();
-            return ExitCode::FAILURE;
+            return code(exit::INVALID);
         }
     };
     let policy_json = loaded.document.to_json();
+    // What Envoy will be handed is checked as the filter and the module
+    // check it (aliases can make the JSON larger than the YAML).
+    if let Err(errors) = tenantgate::policy::check_size(policy_json.len()) {
+        eprintln!("{} (as JSON): {errors}", args.file.display());
+        unchanged();
+        return code(exit::INVALID);
+    }
+    if let Some(module) = &args.module {
+        if let Err(why) = tenantgate_module::supported(&loaded.policy) {
+            eprintln!(
+                "{}: the native module ({}) would refuse this policy at load: {why}",
+                args.file.display(),
+                module.display()
+            );
+            unchanged();
+            return code(exit::INVALID);
+        }
+    }
     if args.module.is_some() && args.instances {
         eprintln!("--instances is for the wasm filter: the module's routes carry their class in their per-route config");
         unchanged();
-        return ExitCode::FAILURE;
+        return code(exit::INVALID);
     }
     if let Some(dir) = &args.manifests {
         if let Err(e) = write_manifests(args, &policy_json, dir) {
             eprintln!("{e}");
             unchanged();
-            return ExitCode::FAILURE;
+            return code(exit::INVALID);
         }
     }
     let Some(ecds_path) = &args.ecds else {
-        return ExitCode::SUCCESS;
+        return code(exit::OK);
     };
     // From the whole policy: its instances need the same list, so they
     // share one VM (see ecds.rs).
@@ -515,7 +561,7 @@ fn apply(args: &ApplyArgs) -> ExitCode {
             Err(e) => {
                 eprintln!("{}: {e}", args.file.display());
                 unchanged();
-                return ExitCode::FAILURE;
+                return code(exit::INVALID);
             }
         };
         for i in &instances {
@@ -523,7 +569,7 @@ fn apply(args: &ApplyArgs) -> ExitCode {
                 for e in &errors.0 {
                     eprintln!("{} (instance {}): {e}", args.file.display(), i.class);
                 }
-                return ExitCode::FAILURE;
+                return code(exit::INVALID);
             }
         }
         for i in &instances {
@@ -536,7 +582,7 @@ fn apply(args: &ApplyArgs) -> ExitCode {
             };
             if let Err(e) = resource.write(&i.policy_json, &i.path) {
                 eprintln!("cannot write {}: {e}", i.path.display());
-                return ExitCode::FAILURE;
+                return code(exit::FAILED);
             }
             println!("applied: instance {} -> {}", i.resource_name, i.path.display());
         }
@@ -556,11 +602,11 @@ fn apply(args: &ApplyArgs) -> ExitCode {
                 args.file.display(),
                 ecds_path.display()
             );
-            ExitCode::SUCCESS
+            code(exit::OK)
         }
         Err(e) => {
             eprintln!("cannot write {}: {e}", ecds_path.display());
-            ExitCode::FAILURE
+            code(exit::FAILED)
         }
     }
 }
@@ -599,6 +645,13 @@ fn write_manifests(args: &ApplyArgs, policy_json: &str, dir: &Path) -> Result<()
     };
     let source = args.file.display().to_string();
     let list = manifests::render(policy_json, &source, &code, &target);
+    for file in manifests::check_sizes(&list)? {
+        eprintln!(
+            "note: {file} is over {} bytes: apply it with `kubectl apply --server-side` \
+             (a client-side apply copies it into an annotation, limited to 256 KiB)",
+            manifests::MAX_CLIENT_SIDE_APPLY_BYTES
+        );
+    }
     let written =
         manifests::write(dir, &list).map_err(|e| format!("cannot write into {}: {e}", dir.display()))?;
     for path in written {
@@ -612,7 +665,7 @@ fn package(args: &PackageArgs) -> ExitCode {
         Ok(b) => b,
         Err(e) => {
             eprintln!("{}: {e} (build it with `make wasm`)", args.wasm.display());
-            return ExitCode::FAILURE;
+            return code(exit::INVALID);
         }
     };
     match tenantgate_cli::oci::package(&wasm, &args.out, &args.tag) {
@@ -625,11 +678,11 @@ fn package(args: &PackageArgs) -> ExitCode {
                 p.layer_digest,
                 tenantgate_cli::oci::LAYER_MEDIA_TYPE
             );
-            ExitCode::SUCCESS
+            code(exit::OK)
         }
         Err(e) => {
             eprintln!("tenantgate package: {}: {e}", args.out.display());
-            ExitCode::FAILURE
+            code(exit::FAILED)
         }
     }
 }
@@ -639,7 +692,7 @@ fn explain(args: &ExplainArgs) -> ExitCode {
         Ok(l) => l,
         Err(e) => {
             eprintln!("{e}");
-            return ExitCode::FAILURE;
+            return code(exit::INVALID);
         }
     };
     let req = tenantgate_cli::explain::Request {
@@ -653,7 +706,7 @@ fn explain(args: &ExplainArgs) -> ExitCode {
         "{}",
         tenantgate_cli::explain::explain(&loaded.policy, &json, &req)
     );
-    ExitCode::SUCCESS
+    code(exit::OK)
 }
 
 fn diff(old: &Path, new: &Path) -> ExitCode {
@@ -663,12 +716,12 @@ fn diff(old: &Path, new: &Path) -> ExitCode {
             for e in [a.err(), b.err()].into_iter().flatten() {
                 eprintln!("{e}");
             }
-            return ExitCode::from(2);
+            return code(exit::INVALID);
         }
     };
     let (text, differs) = tenantgate_cli::explain::diff(&a.policy, &b.policy);
     print!("{text}");
-    ExitCode::from(u8::from(differs))
+    code(if differs { exit::DIFFERS } else { exit::OK })
 }
 
 fn import(args: &ImportArgs) -> ExitCode {
@@ -679,7 +732,7 @@ fn import(args: &ImportArgs) -> ExitCode {
             Ok(t) => texts.push((file.display().to_string(), t)),
             Err(e) => {
                 eprintln!("{}: cannot read: {e}", file.display());
-                return ExitCode::FAILURE;
+                return code(exit::INVALID);
             }
         }
     }
@@ -688,7 +741,7 @@ fn import(args: &ImportArgs) -> ExitCode {
         Ok(i) => i,
         Err(e) => {
             eprintln!("{e}");
-            return ExitCode::FAILURE;
+            return code(exit::INVALID);
         }
     };
     for line in &imported.report {
@@ -703,13 +756,13 @@ fn import(args: &ImportArgs) -> ExitCode {
     match &args.out {
         None => {
             print!("{}", imported.policy_yaml);
-            ExitCode::SUCCESS
+            code(exit::OK)
         }
         Some(out) => match tenantgate_cli::ecds::write_atomically(out, imported.policy_yaml.as_bytes()) {
-            Ok(()) => ExitCode::SUCCESS,
+            Ok(()) => code(exit::OK),
             Err(e) => {
                 eprintln!("cannot write {}: {e}", out.display());
-                ExitCode::FAILURE
+                code(exit::FAILED)
             }
         },
     }
@@ -733,10 +786,10 @@ fn top(args: &TopArgs) -> ExitCode {
         )
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => code(exit::OK),
         Err(e) => {
             eprintln!("tenantgate top: {e}");
-            ExitCode::FAILURE
+            code(exit::FAILED)
         }
     }
 }

@@ -99,6 +99,35 @@ pub fn render(policy_json: &str, source: &str, code: &Code<'_>, target: &Target<
     ]
 }
 
+/// The largest object the Kubernetes API server stores: etcd's default
+/// request limit, 1.5 MiB (`--max-request-bytes`, 1,572,864 bytes). A
+/// manifest over it is refused here, with the reason, rather than by the
+/// API server after the fact.
+pub const MAX_OBJECT_BYTES: usize = 1_572_864;
+
+/// The most a client-side `kubectl apply` can store: it copies the object
+/// into the `last-applied-configuration` annotation, and annotations are
+/// limited to 256 KiB in all. Above it, `kubectl apply --server-side`.
+pub const MAX_CLIENT_SIDE_APPLY_BYTES: usize = 262_144;
+
+/// `Err`: the first manifest over [`MAX_OBJECT_BYTES`], and why. `Ok`: the
+/// manifests over [`MAX_CLIENT_SIDE_APPLY_BYTES`] (apply them server-side).
+pub fn check_sizes(manifests: &[Manifest]) -> Result<Vec<&'static str>, String> {
+    if let Some(m) = manifests.iter().find(|m| m.text.len() > MAX_OBJECT_BYTES) {
+        return Err(format!(
+            "{} would be {} bytes: the Kubernetes API server refuses objects over {MAX_OBJECT_BYTES} \
+             (1.5 MiB, etcd's request limit); make the policy smaller",
+            m.file,
+            m.text.len()
+        ));
+    }
+    Ok(manifests
+        .iter()
+        .filter(|m| m.text.len() > MAX_CLIENT_SIDE_APPLY_BYTES)
+        .map(|m| m.file)
+        .collect())
+}
+
 /// Writes the manifests into `dir`, each atomically; returns their paths.
 pub fn write(dir: &Path, manifests: &[Manifest]) -> std::io::Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir)?;

@@ -134,7 +134,7 @@ pub fn run(args: &QuotaArgs) -> ExitCode {
         }
         Err(e) => {
             eprintln!("tenantgate quota: {e}");
-            ExitCode::from(2)
+            tenantgate_cli::exit::code(tenantgate_cli::exit::FAILED)
         }
     }
 }

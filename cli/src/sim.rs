@@ -45,7 +45,7 @@ pub(super) fn run(args: &SimArgs) -> ExitCode {
     if let Some(dir) = &args.svg {
         if let Err(e) = std::fs::create_dir_all(dir) {
             eprintln!("cannot create {}: {e}", dir.display());
-            return ExitCode::FAILURE;
+            return tenantgate_cli::exit::code(tenantgate_cli::exit::FAILED);
         }
     }
     let cfg = SimConfig::default();
@@ -76,7 +76,7 @@ pub(super) fn run(args: &SimArgs) -> ExitCode {
                 let path = dir.join(format!("{}-{}.svg", topo.name(), spec.name));
                 if let Err(e) = std::fs::write(&path, run.svg()) {
                     eprintln!("cannot write {}: {e}", path.display());
-                    return ExitCode::FAILURE;
+                    return tenantgate_cli::exit::code(tenantgate_cli::exit::FAILED);
                 }
             }
         }

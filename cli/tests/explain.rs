@@ -147,12 +147,12 @@ fn diff_says_what_a_reload_does_to_live_state() {
             "policies/demo.yaml",
             "cli/tests/golden/demo-reload.yaml",
         ],
-        1,
+        4,
     );
     golden(
         "diff-demo-global.txt",
         &["policy", "diff", "policies/demo.yaml", "policies/global.yaml"],
-        1,
+        4,
     );
     golden(
         "diff-same.txt",
@@ -162,7 +162,7 @@ fn diff_says_what_a_reload_does_to_live_state() {
 }
 
 #[test]
-fn diff_exits_2_on_an_invalid_policy() {
+fn diff_exits_1_on_an_invalid_policy() {
     let out = Command::new(env!("CARGO_BIN_EXE_tenantgate"))
         .current_dir(repo())
         .args([
@@ -173,7 +173,7 @@ fn diff_exits_2_on_an_invalid_policy() {
         ])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr)
         .contains("zero-rate.yaml: plans.free.limits[0].rate: must be > 0"));
 }
@@ -258,7 +258,7 @@ fn diff_shows_admission_label_and_dependency_changes() {
             "policies/admission.yaml",
             "cli/tests/golden/admission-reload.yaml",
         ],
-        1,
+        4,
     );
 }
 
