@@ -37,7 +37,7 @@ export TENANTGATE_MODULE := $(abspath $(MODULE))
 export SCHEMATHESIS_BIN := $(abspath $(SCHEMATHESIS))
 
 
-.PHONY: help setup setup-run setup-test wasm-target setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
+.PHONY: help setup setup-run setup-test wasm-target release setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -136,6 +136,9 @@ bench-service: setup-redis setup-postgresql ## Key reports/s per core of the cen
 
 bench-service-memory: setup-redis ## Service memory: 100,000 node ids x 10 keys (1M keys) per round, then expiry, flat across rounds; bytes per record (embedded) and Redis MEMORY USAGE
 	cargo run --release -p tenantgate-central --example memory
+
+release: wasm module cli setup-skopeo ## The release artefacts in dist/ (.ci/release): the filter's and tenantgate serve's OCI images, the module .so, the static binary, SBOMs, manifests by digest, SHA256SUMS; checked by skopeo and a run of the image's entrypoint
+	.ci/release
 
 lint: check-glue ## fmt check, clippy (native and wasm32, warnings denied), host-layer check
 	cargo fmt --all -- --check

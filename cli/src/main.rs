@@ -15,8 +15,16 @@ mod sim;
 #[global_allocator]
 static ALLOCATOR: tenantgate_central::ServiceAllocator = tenantgate_central::ServiceAllocator;
 
+/// `tenantgate --version`: the version and the commit (cli/build.rs).
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("TENANTGATE_COMMIT"),
+    ")"
+);
+
 #[derive(Parser)]
-#[command(name = "tenantgate", version, about = "Multi-tenant rate limiting for Envoy")]
+#[command(name = "tenantgate", version = VERSION, about = "Multi-tenant rate limiting for Envoy")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -42,7 +50,8 @@ enum Command {
     /// denials per region (its admin listener's /v1/top). Quit with q.
     Top(TopArgs),
     /// The filter's .wasm as an OCI image layout (the Wasm image Istio and
-    /// Envoy Gateway pull); prints its digest and the .wasm's sha256.
+    /// Envoy Gateway pull); prints its digest and the .wasm's sha256. With
+    /// --serve BINARY: the `tenantgate serve` image of that binary.
     Package(PackageArgs),
 }
 
@@ -329,6 +338,10 @@ struct PackageArgs {
     /// The image's tag in the layout (`oci:DIR:TAG`).
     #[arg(long, default_value = env!("CARGO_PKG_VERSION"))]
     tag: String,
+    /// Package this `tenantgate` binary (static: `make release`) as the
+    /// `tenantgate serve` image (linux/amd64, non-root) instead of the .wasm.
+    #[arg(long, value_name = "BINARY", conflicts_with = "wasm")]
+    serve: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -661,6 +674,9 @@ fn write_manifests(args: &ApplyArgs, policy_json: &str, dir: &Path) -> Result<()
 }
 
 fn package(args: &PackageArgs) -> ExitCode {
+    if let Some(binary) = &args.serve {
+        return package_service(binary, args);
+    }
     let wasm = match std::fs::read(&args.wasm) {
         Ok(b) => b,
         Err(e) => {
@@ -672,13 +688,49 @@ fn package(args: &PackageArgs) -> ExitCode {
         Ok(p) => {
             println!("image: oci:{}:{}", args.out.display(), p.tag);
             println!("digest: {}", p.manifest_digest);
-            println!("wasm sha256: {}", p.wasm_sha256);
+            println!("wasm sha256: {}", p.content_sha256);
             println!(
                 "layer: {} ({})",
                 p.layer_digest,
                 tenantgate_cli::oci::LAYER_MEDIA_TYPE
             );
             code(exit::OK)
+        }
+        Err(e) => {
+            eprintln!("tenantgate package: {}: {e}", args.out.display());
+            code(exit::FAILED)
+        }
+    }
+}
+
+fn package_service(binary: &Path, args: &PackageArgs) -> ExitCode {
+    let bytes = match std::fs::read(binary) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("{}: {e} (`make release` builds it)", binary.display());
+            return code(exit::INVALID);
+        }
+    };
+    let image = tenantgate_cli::oci::ServiceImage {
+        binary: &bytes,
+        version: env!("CARGO_PKG_VERSION"),
+        revision: env!("TENANTGATE_COMMIT"),
+    };
+    match tenantgate_cli::oci::package_service(&image, &args.out, &args.tag) {
+        Ok(p) => {
+            println!("image: oci:{}:{}", args.out.display(), p.tag);
+            println!("digest: {}", p.manifest_digest);
+            println!("binary sha256: {}", p.content_sha256);
+            println!(
+                "layer: {} ({})",
+                p.layer_digest,
+                tenantgate_cli::oci::LAYER_MEDIA_TYPE
+            );
+            code(exit::OK)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::Other => {
+            eprintln!("tenantgate package: {}: {e}", binary.display());
+            code(exit::INVALID)
         }
         Err(e) => {
             eprintln!("tenantgate package: {}: {e}", args.out.display());

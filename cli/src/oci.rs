@@ -43,9 +43,10 @@ pub const WASM_FILE_NAME: &str = "plugin.wasm";
 pub struct Packaged {
     /// `sha256:<hex>` of the manifest: the image's digest (`@sha256:…`).
     pub manifest_digest: String,
-    /// The `.wasm`'s own sha256 (hex): Envoy Gateway's `http.sha256`,
-    /// Istio's `sha256` for an `http(s)://` URL.
-    pub wasm_sha256: String,
+    /// The packaged file's own sha256 (hex): the `.wasm`'s (Envoy
+    /// Gateway's `http.sha256`, Istio's `sha256` for an `http(s)://` URL),
+    /// or the service binary's.
+    pub content_sha256: String,
     /// `sha256:<hex>` of the gzipped layer.
     pub layer_digest: String,
     pub tag: String,
@@ -56,8 +57,9 @@ fn sha256_hex(bytes: &[u8]) -> String {
     digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// One ustar header block for a regular file (mode 0644, owner 0, time 0).
-fn tar_header(name: &str, size: usize) -> std::io::Result<[u8; 512]> {
+/// One ustar header block (owner 0, time 0): a regular file of `size`
+/// bytes, or a directory when `dir`.
+fn tar_header(name: &str, size: usize, mode: u32, dir: bool) -> std::io::Result<[u8; 512]> {
     let mut h = [0u8; 512];
     let name = name.as_bytes();
     if name.len() > 100 {
@@ -68,12 +70,12 @@ fn tar_header(name: &str, size: usize) -> std::io::Result<[u8; 512]> {
         let text = format!("{value:0width$o}\0", width = field.len() - 1);
         field.copy_from_slice(text.as_bytes());
     };
-    octal(&mut h[100..108], 0o644);
+    octal(&mut h[100..108], u64::from(mode));
     octal(&mut h[108..116], 0);
     octal(&mut h[116..124], 0);
     octal(&mut h[124..136], size as u64);
     octal(&mut h[136..148], 0);
-    h[156] = b'0';
+    h[156] = if dir { b'5' } else { b'0' };
     h[257..263].copy_from_slice(b"ustar\0");
     h[263..265].copy_from_slice(b"00");
     // The checksum is computed with its own field as spaces.
@@ -84,25 +86,48 @@ fn tar_header(name: &str, size: usize) -> std::io::Result<[u8; 512]> {
     Ok(h)
 }
 
-/// A tar archive of one file, padded to whole records.
-fn tar_of(name: &str, content: &[u8]) -> std::io::Result<Vec<u8>> {
-    let mut out = Vec::with_capacity(content.len() + 2048);
-    out.extend_from_slice(&tar_header(name, content.len())?);
-    out.extend_from_slice(content);
-    let pad = (512 - content.len() % 512) % 512;
-    out.resize(out.len() + pad + 1024, 0); // the end: two zero blocks
+/// One entry of an image layer: a directory (`content: None`) or a file.
+pub struct Entry<'a> {
+    /// The path inside the image, relative (`usr/local/bin/tenantgate`);
+    /// a directory's ends in `/`.
+    pub path: &'a str,
+    pub mode: u32,
+    pub content: Option<&'a [u8]>,
+}
+
+/// A tar archive of `entries`, in order, padded to whole records.
+fn tar_of_entries(entries: &[Entry<'_>]) -> std::io::Result<Vec<u8>> {
+    let mut out = Vec::new();
+    for e in entries {
+        let content = e.content.unwrap_or_default();
+        out.extend_from_slice(&tar_header(e.path, content.len(), e.mode, e.content.is_none())?);
+        out.extend_from_slice(content);
+        let pad = (512 - content.len() % 512) % 512;
+        out.resize(out.len() + pad, 0);
+    }
+    out.resize(out.len() + 1024, 0); // the end: two zero blocks
     let record = 10 * 512;
     let len = out.len().div_ceil(record) * record;
     out.resize(len, 0);
     Ok(out)
 }
 
-/// Gzip with no time and no file name in the header (reproducible).
-fn gzip(bytes: &[u8]) -> std::io::Result<Vec<u8>> {
+/// A tar archive of one file (mode 0644), padded to whole records.
+fn tar_of(name: &str, content: &[u8]) -> std::io::Result<Vec<u8>> {
+    tar_of_entries(&[Entry {
+        path: name,
+        mode: 0o644,
+        content: Some(content),
+    }])
+}
+
+/// Gzip with no time and no file name in the header (reproducible), at
+/// `level`.
+fn gzip(bytes: &[u8], level: Compression) -> std::io::Result<Vec<u8>> {
     let mut enc = flate2::GzBuilder::new()
         .mtime(0)
         .operating_system(255)
-        .write(Vec::new(), Compression::best());
+        .write(Vec::new(), level);
     enc.write_all(bytes)?;
     GzEncoder::finish(enc)
 }
@@ -123,20 +148,59 @@ pub fn package(wasm: &[u8], dir: &Path, tag: &str) -> std::io::Result<Packaged> 
             "not a WebAssembly module (no \\0asm magic)",
         ));
     }
-    if dir.join("blobs").exists() {
-        std::fs::remove_dir_all(dir.join("blobs"))?;
-    }
-    std::fs::create_dir_all(dir)?;
     let tar = tar_of(WASM_FILE_NAME, wasm)?;
-    let layer = gzip(&tar)?;
-    let layer_digest = write_blob(dir, &layer)?;
     let config = json!({
         "architecture": "wasm",
         "os": "wasip1",
         "config": {},
         "rootfs": { "type": "layers", "diff_ids": [format!("sha256:{}", sha256_hex(&tar))] },
     });
-    let config = serde_json::to_vec(&config).map_err(std::io::Error::other)?;
+    let image = write_image(
+        dir,
+        tag,
+        &tar,
+        &config,
+        json!({ "org.opencontainers.image.title": WASM_FILE_NAME }),
+        json!({ "org.opencontainers.image.title": "tenantgate" }),
+    )?;
+    Ok(Packaged {
+        manifest_digest: image.manifest_digest,
+        content_sha256: sha256_hex(wasm),
+        layer_digest: image.layer_digest,
+        tag: tag.to_owned(),
+    })
+}
+
+/// What [`write_image`] wrote.
+struct Written {
+    manifest_digest: String,
+    layer_digest: String,
+}
+
+/// Writes an image layout of one layer (`tar`, gzipped here) and `config`
+/// into `dir`, tagged `tag`; an existing layout in `dir` is replaced.
+fn write_image(
+    dir: &Path,
+    tag: &str,
+    tar: &[u8],
+    config: &serde_json::Value,
+    layer_annotations: serde_json::Value,
+    annotations: serde_json::Value,
+) -> std::io::Result<Written> {
+    if dir.join("blobs").exists() {
+        std::fs::remove_dir_all(dir.join("blobs"))?;
+    }
+    std::fs::create_dir_all(dir)?;
+    // The best compression for the small .wasm; the default level for a
+    // binary of megabytes (a few percent larger, several times faster).
+    let level = if tar.len() > (4 << 20) {
+        Compression::default()
+    } else {
+        Compression::best()
+    };
+    let layer = gzip(tar, level)?;
+    let layer_digest = write_blob(dir, &layer)?;
+    let config = serde_json::to_vec(config).map_err(std::io::Error::other)?;
     let config_digest = write_blob(dir, &config)?;
     let manifest = json!({
         "schemaVersion": 2,
@@ -146,9 +210,9 @@ pub fn package(wasm: &[u8], dir: &Path, tag: &str) -> std::io::Result<Packaged> 
             "mediaType": LAYER_MEDIA_TYPE,
             "digest": layer_digest,
             "size": layer.len(),
-            "annotations": { "org.opencontainers.image.title": WASM_FILE_NAME },
+            "annotations": layer_annotations,
         }],
-        "annotations": { "org.opencontainers.image.title": "tenantgate" },
+        "annotations": annotations,
     });
     let manifest = serde_json::to_vec(&manifest).map_err(std::io::Error::other)?;
     let manifest_digest = write_blob(dir, &manifest)?;
@@ -167,10 +231,108 @@ pub fn package(wasm: &[u8], dir: &Path, tag: &str) -> std::io::Result<Packaged> 
         dir.join("index.json"),
         serde_json::to_vec(&index).map_err(std::io::Error::other)?,
     )?;
-    Ok(Packaged {
+    Ok(Written {
         manifest_digest,
-        wasm_sha256: sha256_hex(wasm),
         layer_digest,
+    })
+}
+
+/// Where the service image keeps the binary (its entrypoint).
+pub const SERVICE_BINARY: &str = "usr/local/bin/tenantgate";
+/// The user the service image runs as: 65532, no name, no home, no shell
+/// (distroless's `nonroot`); Kubernetes' `runAsNonRoot` accepts it.
+pub const SERVICE_USER: &str = "65532:65532";
+
+/// The `tenantgate serve` image: what [`package_service`] puts in it.
+pub struct ServiceImage<'a> {
+    /// The `tenantgate` binary (static: `make release` builds it for
+    /// x86_64-unknown-linux-musl).
+    pub binary: &'a [u8],
+    /// The version and commit, for the image's labels.
+    pub version: &'a str,
+    pub revision: &'a str,
+}
+
+/// Writes the `tenantgate serve` image (linux/amd64) into `dir`, tagged
+/// `tag`: one layer of the binary at `/usr/local/bin/tenantgate`, an
+/// empty `/tmp`, and `/etc/passwd` and `/etc/group` naming the non-root
+/// user it runs as; no shell, no package manager, no other file.
+/// Entrypoint `tenantgate`, command `serve --help` (the deployment gives
+/// `serve` its flags). Reproducible like [`package`].
+pub fn package_service(image: &ServiceImage<'_>, dir: &Path, tag: &str) -> std::io::Result<Packaged> {
+    if !image.binary.starts_with(b"\x7fELF") {
+        return Err(std::io::Error::other("not an ELF executable"));
+    }
+    let passwd = b"nonroot:x:65532:65532:nonroot:/nonexistent:/sbin/nologin\n";
+    let group = b"nonroot:x:65532:\n";
+    let entries = [
+        Entry {
+            path: "etc/",
+            mode: 0o755,
+            content: None,
+        },
+        Entry {
+            path: "etc/group",
+            mode: 0o644,
+            content: Some(group),
+        },
+        Entry {
+            path: "etc/passwd",
+            mode: 0o644,
+            content: Some(passwd),
+        },
+        Entry {
+            path: "tmp/",
+            mode: 0o1777,
+            content: None,
+        },
+        Entry {
+            path: "usr/",
+            mode: 0o755,
+            content: None,
+        },
+        Entry {
+            path: "usr/local/",
+            mode: 0o755,
+            content: None,
+        },
+        Entry {
+            path: "usr/local/bin/",
+            mode: 0o755,
+            content: None,
+        },
+        Entry {
+            path: SERVICE_BINARY,
+            mode: 0o755,
+            content: Some(image.binary),
+        },
+    ];
+    let tar = tar_of_entries(&entries)?;
+    let labels = json!({
+        "org.opencontainers.image.title": "tenantgate",
+        "org.opencontainers.image.description": "tenantgate serve: the central service of tenantgate",
+        "org.opencontainers.image.version": image.version,
+        "org.opencontainers.image.revision": image.revision,
+        "org.opencontainers.image.licenses": "Apache-2.0",
+    });
+    let config = json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {
+            "User": SERVICE_USER,
+            "Entrypoint": [format!("/{SERVICE_BINARY}")],
+            "Cmd": ["serve", "--help"],
+            "WorkingDir": "/",
+            "ExposedPorts": { "10002/tcp": {}, "9902/tcp": {} },
+            "Labels": labels,
+        },
+        "rootfs": { "type": "layers", "diff_ids": [format!("sha256:{}", sha256_hex(&tar))] },
+    });
+    let written = write_image(dir, tag, &tar, &config, json!({}), labels)?;
+    Ok(Packaged {
+        manifest_digest: written.manifest_digest,
+        content_sha256: sha256_hex(image.binary),
+        layer_digest: written.layer_digest,
         tag: tag.to_owned(),
     })
 }
