@@ -183,3 +183,41 @@ fn every_policy_field_of_the_schema_is_in_the_policy_reference() {
         "policy fields not in docs/policy.md \"Policy reference\": {missing:?}"
     );
 }
+
+/// The first screen (issue 33): what it is in at most 15 lines, then the
+/// two commands, a policy that validates, then "Try it"; at most 150 lines.
+#[test]
+fn the_readme_opens_with_what_it_is_the_commands_a_policy_and_try_it() {
+    let text = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines.len() <= 150, "README.md is {} lines", lines.len());
+    let heading = |h: &str| {
+        lines
+            .iter()
+            .position(|l| *l == h)
+            .unwrap_or_else(|| panic!("no {h}"))
+    };
+    let (commands, policy, try_it) = (
+        heading("## Two commands"),
+        heading("## A policy"),
+        heading("## Try it"),
+    );
+    assert!(
+        commands <= 16 && commands < policy && policy < try_it,
+        "{commands} {policy} {try_it}"
+    );
+    let yaml = text
+        .split("```yaml\n")
+        .nth(1)
+        .unwrap()
+        .split("```")
+        .next()
+        .unwrap();
+    let document = tenantgate_cli::policy_file::parse_yaml(yaml).unwrap();
+    tenantgate::policy::Policy::from_node(&document).unwrap();
+    assert!(
+        yaml.lines().count() <= 15,
+        "the policy is {} lines",
+        yaml.lines().count()
+    );
+}
