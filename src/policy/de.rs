@@ -60,6 +60,139 @@ impl de::Error for DeError {
             message: msg.to_string(),
         }
     }
+
+    /// In the policy's words: `expected an integer, got "ten"`.
+    fn invalid_type(unexp: de::Unexpected<'_>, exp: &dyn de::Expected) -> Self {
+        de::Error::custom(format_args!(
+            "expected {}, got {}",
+            expected_words(exp),
+            got(&unexp)
+        ))
+    }
+
+    /// A value of the right kind out of the type's range: the range.
+    fn invalid_value(unexp: de::Unexpected<'_>, exp: &dyn de::Expected) -> Self {
+        let text = exp.to_string();
+        let range = match text.as_str() {
+            "i64" => Some(format!("{}..={}", i64::MIN, i64::MAX)),
+            "i32" => Some(format!("{}..={}", i32::MIN, i32::MAX)),
+            "u64" => Some(format!("0..={}", u64::MAX)),
+            "u32" => Some(format!("0..={}", u32::MAX)),
+            "u16" => Some(format!("0..={}", u16::MAX)),
+            "u8" => Some(format!("0..={}", u8::MAX)),
+            _ => None,
+        };
+        match range {
+            Some(r) => de::Error::custom(format_args!("expected an integer in {r}, got {}", got(&unexp))),
+            None => de::Error::custom(format_args!(
+                "expected {}, got {}",
+                expected_words(exp),
+                got(&unexp)
+            )),
+        }
+    }
+
+    fn unknown_field(field: &str, expected: &'static [&'static str]) -> Self {
+        de::Error::custom(format_args!(
+            "unknown field `{field}`, {}{}",
+            one_of(expected),
+            did_you_mean(field, expected)
+        ))
+    }
+
+    fn unknown_variant(variant: &str, expected: &'static [&'static str]) -> Self {
+        de::Error::custom(format_args!(
+            "unknown variant `{variant}`, {}{}",
+            one_of(expected),
+            did_you_mean(variant, expected)
+        ))
+    }
+}
+
+/// serde's names of Rust types, in the policy's words.
+fn expected_words(exp: &dyn de::Expected) -> String {
+    let text = exp.to_string();
+    match text.as_str() {
+        "i8" | "i16" | "i32" | "i64" | "i128" | "isize" | "u8" | "u16" | "u32" | "u64" | "u128" | "usize" => {
+            "an integer".to_owned()
+        }
+        "f32" | "f64" => "a number".to_owned(),
+        "a map" => "a mapping".to_owned(),
+        "a sequence" => "a list".to_owned(),
+        _ => text,
+    }
+}
+
+/// What the policy holds, as it reads in YAML.
+fn got(unexp: &de::Unexpected<'_>) -> String {
+    use de::Unexpected as U;
+    match unexp {
+        U::Str(s) => format!("{s:?}"),
+        U::Bool(b) => b.to_string(),
+        U::Unsigned(n) => n.to_string(),
+        U::Signed(n) => n.to_string(),
+        U::Float(f) => f.to_string(),
+        U::Unit => "null".to_owned(),
+        U::Seq => "a list".to_owned(),
+        U::Map => "a mapping".to_owned(),
+        other => other.to_string(),
+    }
+}
+
+/// serde's own wording of the names allowed.
+fn one_of(expected: &[&str]) -> String {
+    match expected {
+        [] => "there are none".to_owned(),
+        [one] => format!("expected `{one}`"),
+        [a, b] => format!("expected `{a}` or `{b}`"),
+        many => {
+            let list: Vec<String> = many.iter().map(|n| format!("`{n}`")).collect();
+            format!("expected one of {}", list.join(", "))
+        }
+    }
+}
+
+/// `; did you mean `rate`?` when one allowed name is a typo away: at most
+/// one edit per three characters (a swap of two neighbours is one edit).
+fn did_you_mean(given: &str, expected: &[&str]) -> String {
+    let limit = (given.chars().count() / 3).max(1);
+    expected
+        .iter()
+        .map(|name| (edits(given, name), *name))
+        .filter(|(d, _)| *d <= limit)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, name)| format!("; did you mean `{name}`?"))
+        .unwrap_or_default()
+}
+
+/// Edit distance with adjacent swaps (optimal string alignment), bounded
+/// in work by the names' lengths (policy field names are short): both are
+/// cut at 64 characters, so every value stays at most 128 and every index
+/// inside the table.
+fn edits(a: &str, b: &str) -> usize {
+    let a: Vec<char> = a.chars().take(64).collect();
+    let b: Vec<char> = b.chars().take(64).collect();
+    let width = b.len() + 1;
+    let mut d = vec![0usize; (a.len() + 1) * width];
+    for (i, row) in d.chunks_mut(width).enumerate() {
+        row[0] = i;
+    }
+    for (j, cell) in d.iter_mut().take(width).enumerate() {
+        *cell = j;
+    }
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            let mut best = (d[(i - 1) * width + j] + 1)
+                .min(d[i * width + j - 1] + 1)
+                .min(d[(i - 1) * width + j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                best = best.min(d[(i - 2) * width + j - 2] + 1);
+            }
+            d[i * width + j] = best;
+        }
+    }
+    d[a.len() * width + b.len()]
 }
 
 #[derive(Clone, Copy)]

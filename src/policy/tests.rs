@@ -59,11 +59,11 @@ fn errors_name_their_field_path() {
     );
     assert_eq!(
         errors(&with(r#""per": "1m"}]},"#, r#""per": "1m", "brust": 3}]},"#)),
-        ["plans.free.limits[0].brust: unknown field `brust`, expected one of `name`, `algorithm`, `rate`, `per`, `burst`, `shadow`, `global`, `on_limit`, `max_debt`"]
+        ["plans.free.limits[0].brust: unknown field `brust`, expected one of `name`, `algorithm`, `rate`, `per`, `burst`, `shadow`, `global`, `on_limit`, `max_debt`; did you mean `burst`?"]
     );
     assert_eq!(
         errors(&with(r#""rate": 100,"#, r#""rate": "100","#)),
-        [r#"plans.free.limits[0].rate: invalid type: string "100", expected i64"#]
+        [r#"plans.free.limits[0].rate: expected an integer, got "100""#]
     );
     assert_eq!(
         errors(&with(
@@ -106,7 +106,7 @@ fn istiod_doubles_are_accepted_as_integers() {
     assert_eq!(p.plans()[1].limits[0].rate, 10_000);
     assert_eq!(
         errors(&with(r#""rate": 100,"#, r#""rate": 1.5,"#)),
-        ["plans.free.limits[0].rate: invalid type: floating point `1.5`, expected i64"]
+        ["plans.free.limits[0].rate: expected an integer, got 1.5"]
     );
 }
 
@@ -114,11 +114,11 @@ fn istiod_doubles_are_accepted_as_integers() {
 fn huge_numbers_are_out_of_range_not_wrapped() {
     assert_eq!(
         errors(&with(r#""rate": 100,"#, r#""rate": 99999999999999999999999,"#)),
-        ["plans.free.limits[0].rate: invalid type: floating point `100000000000000000000000.0`, expected i64"]
+        ["plans.free.limits[0].rate: expected an integer, got 100000000000000000000000"]
     );
     assert_eq!(
         errors(&with(r#""rate": 100,"#, r#""rate": 18446744073709551615,"#)),
-        ["plans.free.limits[0].rate: invalid value: integer `18446744073709551615`, expected i64"]
+        ["plans.free.limits[0].rate: expected an integer in -9223372036854775808..=9223372036854775807, got 18446744073709551615"]
     );
     assert_eq!(
         errors(&with(r#""rate": 100,"#, r#""rate": 2000000000,"#)),
@@ -409,7 +409,7 @@ fn admission_errors_name_their_field_path() {
         (
             r#"{"db": {"max_in_flight": 4, "max_flight": 3}}"#,
             r#"{}"#,
-            "dependencies.db.max_flight: unknown field `max_flight`, expected one of `max_in_flight`, `max_streams`, `reserved`, `tenant_max_share`, `retry_after_window`, `queues`, `paused`, `circuit_breaker`, `retry_budget`, `adaptive`",
+            "dependencies.db.max_flight: unknown field `max_flight`, expected one of `max_in_flight`, `max_streams`, `reserved`, `tenant_max_share`, `retry_after_window`, `queues`, `paused`, `circuit_breaker`, `retry_budget`, `adaptive`; did you mean `max_in_flight`?",
         ),
         (
             r#"{"db": {"max_in_flight": 40, "adaptive": {"window": "100ms"}}}"#,
@@ -540,13 +540,13 @@ fn paused_and_the_circuit_breaker_compile_with_their_defaults() {
         (r#""ramp": "2h""#, "dependencies.db.circuit_breaker.ramp: must be between 100ms and 1h"),
         (r#""open_for": "soon""#, r#"dependencies.db.circuit_breaker.open_for: invalid duration "soon": expected a whole number followed by ms, s, m, h or d (e.g. 500ms, 10s, 1m)"#),
         (r#""open_for": "10s", "max_open_for": "5s""#, "dependencies.db.circuit_breaker.max_open_for: must be at least open_for (the first wait)"),
-        (r#""probe": 3"#, "dependencies.db.circuit_breaker.probe: unknown field `probe`, expected one of `error_rate`, `min_volume`, `window`, `open_for`, `max_open_for`, `probes`, `ramp`, `ramp_floor`"),
+        (r#""probe": 3"#, "dependencies.db.circuit_breaker.probe: unknown field `probe`, expected one of `error_rate`, `min_volume`, `window`, `open_for`, `max_open_for`, `probes`, `ramp`, `ramp_floor`; did you mean `probes`?"),
     ] {
         assert_eq!(errors(&cb(fields)), [error], "{fields}");
     }
     assert_eq!(
         errors(&policy(r#"{"max_in_flight": 10, "paused": "yes"}"#)),
-        [r#"dependencies.db.paused: invalid type: string "yes", expected a boolean"#]
+        [r#"dependencies.db.paused: expected a boolean, got "yes""#]
     );
 }
 
