@@ -85,6 +85,18 @@ thread_local! {
     static HOST: std::cell::Cell<Host> = const { std::cell::Cell::new(Host::Wasm) };
     /// Extra environment for this test thread's Envoys ([`with_envoy_env`]).
     static ENVOY_ENV: std::cell::RefCell<Vec<(String, String)>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// `--concurrency` of this test thread's Envoys ([`with_workers`]).
+    static CONCURRENCY: std::cell::Cell<u64> = const { std::cell::Cell::new(WORKERS) };
+}
+
+/// Runs `f` with this thread's Envoys on `workers` worker threads (users
+/// run more workers than the cores they get: `--concurrency 4` on this
+/// 2-core machine is such a case).
+pub fn with_workers<R>(workers: u64, f: impl FnOnce() -> R) -> R {
+    let before = CONCURRENCY.with(|c| c.replace(workers));
+    let result = f();
+    CONCURRENCY.with(|c| c.set(before));
+    result
 }
 
 /// Runs `f` with these variables in the environment of every Envoy it starts.
@@ -368,7 +380,7 @@ impl Envoy {
         dir
     }
 
-    /// Starts Envoy (`--concurrency` [`WORKERS`]) on a bootstrap of the
+    /// Starts Envoy (`--concurrency` [`WORKERS`], or [`with_workers`]) on a bootstrap of the
     /// caller's, written to `dir`, and waits until it is ready and `port`
     /// accepts connections.
     pub fn launch(
@@ -401,7 +413,7 @@ impl Envoy {
             .arg(&config)
             .args([
                 "--concurrency",
-                &WORKERS.to_string(),
+                &CONCURRENCY.with(std::cell::Cell::get).to_string(),
                 "--disable-hot-restart",
                 "-l",
                 "info",
