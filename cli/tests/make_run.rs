@@ -75,7 +75,11 @@ fn make_runs_dependency_chain_calls_no_apt_and_no_sudo() {
     for step in ["1/4: prerequisites", "2/4: Rust target", "3/4: Envoy"] {
         assert!(text.contains(step), "no line for {step:?}:\n{text}");
     }
-    assert!(!calls.exists(), "called: {}", std::fs::read_to_string(&calls).unwrap_or_default());
+    assert!(
+        !calls.exists(),
+        "called: {}",
+        std::fs::read_to_string(&calls).unwrap_or_default()
+    );
 }
 
 #[test]
@@ -118,6 +122,9 @@ fn the_prerequisite_checker_names_each_missing_tool_and_its_fix() {
     for tool in ["cargo", "rustup", "cc"] {
         assert!(text.contains(&format!("MISSING  {tool}")), "{tool}:\n{text}");
     }
-    assert!(text.contains("fix: curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs"), "{text}");
+    assert!(
+        text.contains("fix: curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs"),
+        "{text}"
+    );
     assert!(text.contains("ok       make"), "{text}");
 }
