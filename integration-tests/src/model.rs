@@ -21,11 +21,23 @@ use std::time::Duration;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ModelAnswer {
     Json(u64),
-    Sse { tokens: u64, gap_ms: u64 },
+    Sse {
+        tokens: u64,
+        gap_ms: u64,
+    },
     Header(u64),
     Missing,
     Malformed,
-    Reset { after_ms: u64 },
+    Reset {
+        after_ms: u64,
+    },
+    /// An Anthropic Messages stream: `message_start` (25 input tokens, 1
+    /// output), content deltas, then after `gap_ms` the cumulative
+    /// `message_delta` (`output` tokens) and `message_stop`.
+    Anthropic {
+        output: u64,
+        gap_ms: u64,
+    },
 }
 
 impl ModelAnswer {
@@ -48,6 +60,10 @@ impl ModelAnswer {
             "reset" => ModelAnswer::Reset {
                 after_ms: num().unwrap_or(0),
             },
+            "anthropic" => ModelAnswer::Anthropic {
+                output: num()?,
+                gap_ms: num().unwrap_or(0),
+            },
             _ => return None,
         })
     }
@@ -61,6 +77,7 @@ impl ModelAnswer {
             ModelAnswer::Missing => "/model/missing".into(),
             ModelAnswer::Malformed => "/model/malformed".into(),
             ModelAnswer::Reset { after_ms } => format!("/model/reset/{after_ms}"),
+            ModelAnswer::Anthropic { output, gap_ms } => format!("/model/anthropic/{output}/{gap_ms}"),
         }
     }
 }
@@ -139,6 +156,34 @@ pub fn answer(out: &mut TcpStream, answer: ModelAnswer, extra: &str) -> std::io:
             let _ = out.shutdown(std::net::Shutdown::Both);
             return Ok(false);
         }
+        ModelAnswer::Anthropic { output, gap_ms } => {
+            out.write_all(sse_head(extra).as_bytes())?;
+            let event = |name: &str, data: &str| format!("event: {name}\ndata: {data}\n\n");
+            chunk(
+                out,
+                &event(
+                    "message_start",
+                    r#"{"type":"message_start","message":{"id":"msg_1","type":"message","role":"assistant","content":[],"usage":{"input_tokens":25,"output_tokens":1}}}"#,
+                ),
+            )?;
+            for text in ["Hel", "lo", "!"] {
+                let delta = format!(
+                    r#"{{"type":"content_block_delta","index":0,"delta":{{"type":"text_delta","text":"{text}"}}}}"#
+                );
+                chunk(out, &event("content_block_delta", &delta))?;
+            }
+            chunk(
+                out,
+                &event("content_block_stop", r#"{"type":"content_block_stop","index":0}"#),
+            )?;
+            std::thread::sleep(Duration::from_millis(gap_ms));
+            let delta = format!(
+                r#"{{"type":"message_delta","delta":{{"stop_reason":"end_turn"}},"usage":{{"output_tokens":{output}}}}}"#
+            );
+            chunk(out, &event("message_delta", &delta))?;
+            chunk(out, &event("message_stop", r#"{"type":"message_stop"}"#))?;
+            out.write_all(b"0\r\n\r\n")?;
+        }
     }
     out.flush()?;
     Ok(true)
@@ -157,6 +202,10 @@ mod tests {
             ModelAnswer::Missing,
             ModelAnswer::Malformed,
             ModelAnswer::Reset { after_ms: 20 },
+            ModelAnswer::Anthropic {
+                output: 300,
+                gap_ms: 500,
+            },
         ] {
             assert_eq!(ModelAnswer::of_path(&format!("/up/chat{}", a.path())), Some(a));
         }

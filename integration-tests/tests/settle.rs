@@ -5,7 +5,10 @@
 //! with JSON and streamed (server-sent events) answers; refunds when the
 //! real cost is below the estimate; debt and its kept `Retry-After`;
 //! answers without a usable figure (missing, malformed, reset mid-stream)
-//! settled at the ceiling; nothing the client sends changes a cost; a soft
+//! settled at the ceiling, and a stream the client closes before its usage
+//! too (the abort rule); upstream errors and Envoy's own replies cost
+//! nothing, and requests outside the metered operation (a `GET`, an
+//! `OPTIONS`) are not metered; nothing the client sends changes a cost; a soft
 //! limit sends over-limit requests to a fallback upstream while under-limit
 //! ones go to the primary.
 
@@ -39,10 +42,11 @@ anonymous: { plan: tokens }
 routes:
   chat: { cost: 500, settle: { usage: openai_total, ceiling: 4000 } }
   metered: { action: chat, cost: 500, settle: { header: x-usage-tokens, ceiling: 4000 } }
+  messages: { action: chat, cost: 500, settle: { usage: anthropic, ceiling: 4000 } }
   soft: { cost: 1000 }
 "#;
 
-const CLASSES: [&str; 3] = ["chat", "metered", "soft"];
+const CLASSES: [&str; 4] = ["chat", "metered", "soft", "messages"];
 
 /// The primary and fallback upstreams (each names itself in `x-upstream`),
 /// and Envoy with its access log (the cost record at each line's end).
@@ -64,8 +68,14 @@ fn start(log: &Path) -> (Upstream, Upstream, Envoy) {
     (primary, fallback, envoy)
 }
 
+/// `POST path` (the metered operation's method) on a fresh connection.
+fn post(port: u16, path: &str, headers: &[(&str, &str)]) -> Response {
+    tenantgate_integration_tests::request(port, "POST", path, headers)
+        .unwrap_or_else(|e| panic!("POST {path} on {port}: {e}"))
+}
+
 fn ask(envoy: &Envoy, class: &str, answer: ModelAnswer, tenant: &str) -> Response {
-    get(
+    post(
         envoy.port,
         &format!("/up/{class}{}", answer.path()),
         &[("x-tenant-id", tenant)],
@@ -189,7 +199,7 @@ fn a_key_in_debt_is_refused_with_a_retry_after_that_is_kept() {
     let streams: Vec<_> = (0..4)
         .map(|_| {
             std::thread::spawn(move || {
-                get(
+                post(
                     port,
                     &format!("/up/chat{}", answer.path()),
                     &[("x-tenant-id", "quick")],
@@ -236,7 +246,7 @@ fn answers_without_a_usable_figure_settle_at_the_ceiling() {
     // Reset mid-stream: the client sees the body cut short.
     let r = tenantgate_integration_tests::request(
         envoy.port,
-        "GET",
+        "POST",
         &format!("/up/chat{}", ModelAnswer::Reset { after_ms: 20 }.path()),
         &[("x-tenant-id", "reset")],
     );
@@ -339,4 +349,131 @@ fn a_soft_limit_routes_over_limit_requests_to_the_fallback_and_under_limit_ones_
     );
     assert!(lines().contains("/up/soft 200 outcome=soft_limited criticality=normal dependency=- in_flight=0 queue_wait_ms=0 policy=settle-it-1 key=soft|t|tiered limit=primary"));
     assert_eq!(envoy.tg_stat("decisions.soft_limited"), 5);
+}
+
+/// Sends `path` on a raw connection and reads the answer until `until`
+/// has come, then closes the connection (a client that stops reading).
+fn read_until_then_close(port: u16, path: &str, tenant: &str, until: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nhost: localhost\r\nx-tenant-id: {tenant}\r\ncontent-length: 2\r\n\r\n{{}}"
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains(until) {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => seen.extend_from_slice(&buf[..n]),
+        }
+    }
+    drop(s);
+    String::from_utf8_lossy(&seen).into_owned()
+}
+
+on_both_hosts!(an_anthropic_stream_closed_after_its_content_deltas_costs_the_ceiling);
+fn an_anthropic_stream_closed_after_its_content_deltas_costs_the_ceiling() {
+    let log = Envoy::temp_dir().join("access.log");
+    let (_primary, _fallback, envoy) = start(&log);
+    // The issue's attack: every content delta read (30,000 output tokens
+    // in the issue; `message_delta` comes 2 s later here), then closed
+    // before `message_delta`: `message_start` said 25 + 1.
+    let cut = ModelAnswer::Anthropic {
+        output: 3000,
+        gap_ms: 2000,
+    };
+    let seen = read_until_then_close(
+        envoy.port,
+        &format!("/up/messages{}", cut.path()),
+        "cutter",
+        "content_block_stop",
+    );
+    assert!(
+        seen.contains("message_start") && !seen.contains("message_delta"),
+        "{seen}"
+    );
+    // The same stream read to its end costs its usage: 25 + 3,000.
+    let whole = ModelAnswer::Anthropic {
+        output: 3000,
+        gap_ms: 0,
+    };
+    let seen = read_until_then_close(
+        envoy.port,
+        &format!("/up/messages{}", whole.path()),
+        "reader",
+        "message_stop",
+    );
+    assert!(seen.contains("message_stop"), "{seen}");
+    assert!(wait_for(WAIT, || envoy.tg_stat("cost.settles.messages") == 2));
+    assert_eq!(envoy.tg_stat("cost.unusable_reset.messages"), 1);
+    assert_eq!(envoy.tg_stat("cost.settled_units.messages"), 4000 + 3025);
+    // (A stream settled at its end keeps its record in the log phase,
+    // which the access log may not see: the stats say it.)
+    assert!(wait_for(WAIT, || cost_records(&log, "chat|t|reader").len() == 1));
+    let record = &cost_records(&log, "chat|t|reader")[0];
+    eprintln!("cut: 4,000 (the ceiling); whole: {record}");
+    assert_eq!(field(record, "cost"), 3025, "{record}");
+}
+
+on_both_hosts!(errors_and_unmetered_requests_never_lock_out_an_honest_tenant);
+fn errors_and_unmetered_requests_never_lock_out_an_honest_tenant() {
+    let log = Envoy::temp_dir().join("access.log");
+    let (primary, _fallback, envoy) = start(&log);
+    let tenant = [("x-tenant-id", "unlucky")];
+    // 40 upstream errors in a row: estimates of 500 would fill the 6,000
+    // tokens 3 times over, but each costs nothing (the defaults).
+    for status in [500, 503, 429, 400] {
+        primary.set_status(status);
+        for _ in 0..10 {
+            assert_eq!(post(envoy.port, "/up/chat", &tenant).status, status);
+        }
+    }
+    primary.set_status(200);
+    // Requests outside the metered operation (`settle.methods`: POST by
+    // default) pass uncharged.
+    for method in ["GET", "OPTIONS"] {
+        for _ in 0..20 {
+            let r = tenantgate_integration_tests::request(envoy.port, method, "/up/chat/v1/models", &tenant)
+                .unwrap();
+            assert_eq!(r.status, 200, "{method}: {r:?}");
+        }
+    }
+    // The tenant still has its whole budget: 12 answers of 500 fit 6,000.
+    let mut admitted = 0;
+    for _ in 0..12 {
+        if ask(&envoy, "chat", ModelAnswer::Json(500), "unlucky").status == 200 {
+            admitted += 1;
+        }
+    }
+    eprintln!("after 40 upstream errors and 40 unmetered requests: {admitted} of 12 admitted");
+    assert_eq!(admitted, 12);
+    assert!(wait_for(WAIT, || envoy.tg_stat("cost.settles.chat") == 52));
+    assert_eq!(envoy.tg_stat("cost.unusable_upstream_5xx.chat"), 20);
+    assert_eq!(envoy.tg_stat("cost.unusable_upstream_4xx.chat"), 20);
+    assert_eq!(envoy.tg_stat("cost.settled_units.chat"), 12 * 500);
+    assert_eq!(envoy.tg_stat("decisions.unmetered"), 40);
+    drop(envoy);
+    // Envoy's own replies: an upstream that refuses connections (503).
+    let dead = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    let dead_port = dead.local_addr().unwrap().port();
+    drop(dead);
+    let envoy = Envoy::start_with_upstreams(
+        POLICY,
+        &Upstreams {
+            port: dead_port,
+            classes: &CLASSES,
+            access_log: None,
+            fallback: None,
+            cost_log: false,
+        },
+    );
+    for _ in 0..30 {
+        let r = ask(&envoy, "chat", ModelAnswer::Json(500), "stranded");
+        assert_eq!(r.status, 503, "never 429: {r:?}");
+    }
+    assert!(wait_for(WAIT, || envoy.tg_stat("cost.unusable_local_reply.chat") == 30));
+    assert_eq!(envoy.tg_stat("cost.settled_units.chat"), 0);
 }

@@ -16,9 +16,12 @@
 //! body or of a server-sent-events stream (the last value seen wins; the
 //! cost is their weighted sum, rounded up), never from anything the client
 //! sends. A figure above the ceiling `C` is cut to `C` (counted). A stream
-//! that ends without a usable figure ([`Unusable`]: reset before the
-//! figure, missing, malformed, or a body past `max_body_bytes`) costs `C`
-//! or `E` (`on_missing`; `C` by default: a client can cut a stream short).
+//! that ends before its response did (client abort, upstream reset,
+//! timeout, idle cut) costs `C`, whatever its events said so far: **the
+//! abort rule** ([`Meter::end`] states it per format). A response that
+//! ends without a usable figure ([`Unusable`]: missing, malformed, or a
+//! body past `max_body_bytes`) costs `C` or `E` (`on_missing`; `C` by
+//! default).
 //!
 //! At the response's end (its last body chunk, its trailers, or headers
 //! that end it), or at the stream's end if the response never completed,
@@ -78,7 +81,7 @@ use sse::Events;
 
 use crate::host::Host;
 use crate::policy::settle::{Field, Settle, Source, WEIGHT_SCALE};
-use crate::policy::spec::OnMissing;
+use crate::policy::spec::{Charge, OnMissing};
 
 /// Why a stream's response gave no usable figure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,14 +95,27 @@ pub enum Unusable {
     Malformed,
     /// The body was longer than `max_body_bytes` before it ended.
     TooLarge,
+    /// The upstream answered 500–599 (its body is not read).
+    Upstream5xx,
+    /// The upstream answered 400–499 (its body is not read).
+    Upstream4xx,
+    /// Envoy answered 400–599 itself (`response.code_details` is not
+    /// `via_upstream`): no healthy upstream, a timeout, ...
+    LocalReply,
+    /// The stream ended before any response header.
+    NoResponse,
 }
 
 impl Unusable {
-    pub const ALL: [Unusable; 4] = [
+    pub const ALL: [Unusable; 8] = [
         Unusable::Reset,
         Unusable::Missing,
         Unusable::Malformed,
         Unusable::TooLarge,
+        Unusable::Upstream5xx,
+        Unusable::Upstream4xx,
+        Unusable::LocalReply,
+        Unusable::NoResponse,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -108,8 +124,32 @@ impl Unusable {
             Unusable::Missing => "missing",
             Unusable::Malformed => "malformed",
             Unusable::TooLarge => "too_large",
+            Unusable::Upstream5xx => "upstream_5xx",
+            Unusable::Upstream4xx => "upstream_4xx",
+            Unusable::LocalReply => "local_reply",
+            Unusable::NoResponse => "no_response",
         }
     }
+}
+
+/// The outcome of a response whose status is 400 or more, by who answered
+/// (`None`: below 400, the operation's answer, read for its figure).
+fn outcome_of<H: Host>(host: &H) -> Option<Unusable> {
+    let status: u32 = std::str::from_utf8(&host.response_header(":status")?)
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    if status < 400 {
+        return None;
+    }
+    let details = host.property(&["response", "code_details"]);
+    let upstream = details.as_deref() == Some(b"via_upstream".as_slice());
+    Some(match (upstream, status >= 500) {
+        (false, _) => Unusable::LocalReply,
+        (true, true) => Unusable::Upstream5xx,
+        (true, false) => Unusable::Upstream4xx,
+    })
 }
 
 /// What a response said of its request's cost.
@@ -196,6 +236,10 @@ impl Meter {
         if !matches!(self.reading, Reading::Headers) {
             return;
         }
+        if let Some(outcome) = outcome_of(host) {
+            self.reading = Reading::Done(Figure::Unusable(outcome));
+            return;
+        }
         self.reading = match &settle.source {
             Source::Header(name) => Reading::Done(figure_of(host.response_header(name))),
             Source::Trailer(_) if end_of_stream => Reading::Done(Figure::Unusable(Unusable::Missing)),
@@ -275,16 +319,26 @@ impl Meter {
     }
 
     /// The stream ended: the figure, or [`Unusable::Reset`] if the
-    /// response never completed. (A server-sent-events stream cut short
-    /// keeps what its whole events said: its last usage event may have come.)
-    pub fn end(&mut self, settle: &Settle) -> Figure {
-        if let Reading::Events(e) = &mut self.reading {
-            let found = e.finish(settle.fields());
-            if let Figure::Cost(c) = figure_of_fields(Some(found), settle.fields()) {
-                self.reading = Reading::Done(Figure::Cost(c));
-            }
+    /// response never completed.
+    ///
+    /// **The abort rule**, for every format read here: a response cut
+    /// before its end (client abort, upstream reset, timeout, idle cut)
+    /// gives no figure, whatever its events said so far, because no format
+    /// makes a partial figure an upper bound of the whole answer's:
+    /// Anthropic's `message_start` usage is the first output token and its
+    /// `message_delta` usage is cumulative; Gemini's `usageMetadata` and
+    /// OpenAI-compatible servers' continuous usage stats are running
+    /// totals; OpenAI's `include_usage` chunk comes last, but the same
+    /// fields in a server's earlier chunk would be partial; the Responses
+    /// API's usage comes only with `response.completed`. So the events of
+    /// a stream cut short are never summed: it costs the ceiling
+    /// ([`real_cost`]).
+    pub fn end(&mut self) -> Figure {
+        match self.reading {
+            Reading::Done(f) => f,
+            Reading::Headers => Figure::Unusable(Unusable::NoResponse),
+            _ => Figure::Unusable(Unusable::Reset),
         }
-        self.figure().unwrap_or(Figure::Unusable(Unusable::Reset))
     }
 }
 
@@ -306,13 +360,30 @@ pub fn real_cost(settle: &Settle, figure: Figure, estimate: u64) -> Real {
             unusable: None,
         },
         Figure::Unusable(why) => Real {
-            cost: match settle.on_missing {
-                OnMissing::Ceiling => settle.ceiling,
-                OnMissing::Estimate => estimate,
+            cost: match why {
+                // The abort rule (`Meter::end`): whatever `on_missing` says.
+                Unusable::Reset => settle.ceiling,
+                Unusable::Missing | Unusable::Malformed | Unusable::TooLarge => match settle.on_missing {
+                    OnMissing::Ceiling => settle.ceiling,
+                    OnMissing::Estimate => estimate,
+                },
+                Unusable::Upstream5xx => charge(settle, settle.outcomes.upstream_5xx, estimate),
+                Unusable::Upstream4xx => charge(settle, settle.outcomes.upstream_4xx, estimate),
+                Unusable::LocalReply => charge(settle, settle.outcomes.local_reply, estimate),
+                Unusable::NoResponse => charge(settle, settle.outcomes.no_response, estimate),
             },
             cut: false,
             unusable: Some(why),
         },
+    }
+}
+
+/// An outcome's charge (`settle.on_outcome`).
+fn charge(settle: &Settle, charge: Charge, estimate: u64) -> u64 {
+    match charge {
+        Charge::Nothing => 0,
+        Charge::Estimate => estimate,
+        Charge::Ceiling => settle.ceiling,
     }
 }
 

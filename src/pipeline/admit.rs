@@ -286,6 +286,9 @@ impl Pipeline {
         prepared: &Prepared,
         now: &mut Now<'_, impl Clock>,
     ) -> Result<Decision, NoClock> {
+        if let Some(d) = super::settle::unmetered(prepared) {
+            return Ok(d);
+        }
         if prepared.class.settle.is_some() {
             let at = now.get().ok_or(NoClock)?;
             let view = self.view(policy);
@@ -782,14 +785,16 @@ impl Pipeline {
             limit: None,
         };
         let record = Some(self.record(&p.policy, &p.prepared, None, &at, now, None));
-        let decision = engine::charge_synced(
-            &p.policy,
-            &p.prepared,
-            host,
-            now,
-            self.view(&p.policy).as_ref(),
-            &mut self.scratch,
-        );
+        let decision = super::settle::unmetered(&p.prepared).unwrap_or_else(|| {
+            engine::charge_synced(
+                &p.policy,
+                &p.prepared,
+                host,
+                now,
+                self.view(&p.policy).as_ref(),
+                &mut self.scratch,
+            )
+        });
         self.resume_charged(host, p, state, decision, record, now);
     }
 

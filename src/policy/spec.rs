@@ -473,6 +473,47 @@ pub struct SettleSpec {
     /// (`max_tokens`; else `cost`).
     #[serde(default)]
     pub estimate_body_field: Option<String>,
+    /// The request methods metered (else `[POST]`); others pass uncharged.
+    #[serde(default)]
+    pub methods: Option<Vec<String>>,
+    /// The request path prefixes metered (else every path); others pass
+    /// uncharged.
+    #[serde(default)]
+    pub paths: Option<Vec<String>>,
+    /// What an answer without usable usage costs, by its outcome.
+    #[serde(default)]
+    pub on_outcome: Option<OutcomeSpec>,
+}
+
+/// `routes.<class>.settle.on_outcome:` the cost of an answer that is not
+/// the operation's success, by outcome (each absent: its default).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutcomeSpec {
+    /// The upstream answered 500–599.
+    #[serde(default)]
+    pub upstream_5xx: Option<Charge>,
+    /// The upstream answered 400–499.
+    #[serde(default)]
+    pub upstream_4xx: Option<Charge>,
+    /// Envoy answered 400–599 itself (no healthy upstream, a timeout, ...).
+    #[serde(default)]
+    pub local_reply: Option<Charge>,
+    /// The stream ended before any response header.
+    #[serde(default)]
+    pub no_response: Option<Charge>,
+}
+
+/// What an outcome costs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Charge {
+    /// Nothing: the estimate is given back.
+    Nothing,
+    /// The estimate charged on the request.
+    Estimate,
+    /// The ceiling.
+    Ceiling,
 }
 
 /// `routes.<class>.settle.usage:` the usage fields of well-known model APIs.
