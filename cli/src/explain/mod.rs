@@ -160,7 +160,27 @@ fn settle_lines(class: &RouteClass, out: &mut String) {
     );
     let _ = writeln!(
         out,
-        "  no usable figure (reset, missing, malformed, too large): {missing}"
+        "  no usable figure (missing, malformed, too large): {missing}; a stream cut before its response ended: the ceiling ({})",
+        s.ceiling
+    );
+    let paths = if s.paths.is_empty() {
+        String::from("any path")
+    } else {
+        s.paths.join(", ")
+    };
+    let _ = writeln!(
+        out,
+        "  metered: {} on {paths}; other requests pass charged nothing",
+        s.methods.join(", ")
+    );
+    let o = &s.outcomes;
+    let _ = writeln!(
+        out,
+        "  by outcome: upstream 5xx {}, upstream 4xx {}, Envoy's local reply {}, no response {}",
+        o.upstream_5xx.as_str(),
+        o.upstream_4xx.as_str(),
+        o.local_reply.as_str(),
+        o.no_response.as_str()
     );
 }
 
