@@ -281,7 +281,7 @@ pub enum CostStat {
 }
 
 impl CostStat {
-    pub const ALL: [CostStat; 17] = [
+    pub const ALL: [CostStat; 18] = [
         CostStat::EstimatedUnits,
         CostStat::SettledUnits,
         CostStat::Settles,
@@ -298,6 +298,7 @@ impl CostStat {
         CostStat::Unusable(crate::cost::Unusable::Upstream4xx),
         CostStat::Unusable(crate::cost::Unusable::LocalReply),
         CostStat::Unusable(crate::cost::Unusable::NoResponse),
+        CostStat::Unusable(crate::cost::Unusable::Encoded),
         CostStat::RatioPct,
     ];
 

@@ -114,9 +114,20 @@ fn event(delta: &str) -> String {
     )
 }
 
+/// A body gzip-compressed, as an upstream honouring `accept-encoding`
+/// sends it.
+fn gzipped(body: &str) -> Vec<u8> {
+    use flate2::write::GzEncoder;
+    let mut e = GzEncoder::new(Vec::new(), flate2::Compression::default());
+    e.write_all(body.as_bytes()).unwrap();
+    e.finish().unwrap()
+}
+
 /// Writes `answer` on `out` (`extra`: more header lines, each ending in
-/// CRLF). `Ok(false)`: the connection was closed on purpose (a reset).
-pub fn answer(out: &mut TcpStream, answer: ModelAnswer, extra: &str) -> std::io::Result<bool> {
+/// CRLF; `gzip`: the request accepts gzip, and a JSON answer is sent
+/// compressed, as common servers do). `Ok(false)`: the connection was
+/// closed on purpose (a reset).
+pub fn answer(out: &mut TcpStream, answer: ModelAnswer, extra: &str, gzip: bool) -> std::io::Result<bool> {
     let json = |body: String, headers: &str| {
         format!(
             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n{headers}{extra}content-length: {}\r\n\r\n{body}",
@@ -124,6 +135,17 @@ pub fn answer(out: &mut TcpStream, answer: ModelAnswer, extra: &str) -> std::io:
         )
     };
     match answer {
+        ModelAnswer::Json(n) if gzip => {
+            let body = gzipped(&completion(Some(&usage(n))));
+            out.write_all(
+                format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n{extra}content-length: {}\r\n\r\n",
+                    body.len()
+                )
+                .as_bytes(),
+            )?;
+            out.write_all(&body)?;
+        }
         ModelAnswer::Json(n) => out.write_all(json(completion(Some(&usage(n))), "").as_bytes())?,
         ModelAnswer::Header(n) => {
             out.write_all(json(completion(None), &format!("x-usage-tokens: {n}\r\n")).as_bytes())?

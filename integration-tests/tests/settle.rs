@@ -477,3 +477,53 @@ fn errors_and_unmetered_requests_never_lock_out_an_honest_tenant() {
     assert!(wait_for(WAIT, || envoy.tg_stat("cost.unusable_local_reply.chat") == 30));
     assert_eq!(envoy.tg_stat("cost.settled_units.chat"), 0);
 }
+
+/// `curl --compressed` (it asks for `deflate, gzip, br, zstd`, and decodes
+/// what comes): the status and the decoded body.
+fn curl_compressed(port: u16, method: &str, path: &str, tenant: &str) -> (u16, String) {
+    let out = std::process::Command::new("curl")
+        .args(["-s", "--compressed", "--max-time", "10", "-X", method])
+        .args(["-H", &format!("x-tenant-id: {tenant}")])
+        .args(["-w", "\n%{http_code}"])
+        .arg(format!("http://127.0.0.1:{port}{path}"))
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, status) = text.rsplit_once('\n').unwrap_or_default();
+    (status.trim().parse().unwrap_or(0), body.to_owned())
+}
+
+on_both_hosts!(a_client_that_asks_for_compression_is_metered_by_its_usage);
+fn a_client_that_asks_for_compression_is_metered_by_its_usage() {
+    let log = Envoy::temp_dir().join("access.log");
+    let (primary, _fallback, envoy) = start(&log);
+    let path = format!("/up/chat{}", ModelAnswer::Json(1200).path());
+    // Unmetered (a GET), the client's accept-encoding goes on: the
+    // upstream compresses, curl decodes.
+    let (status, body) = curl_compressed(envoy.port, "GET", &path, "zipper");
+    assert_eq!(status, 200);
+    assert!(body.contains(r#""total_tokens":1200"#), "{body}");
+    let asked = primary.last_accept_encoding().unwrap_or_default();
+    assert!(asked.contains("gzip"), "{asked}");
+    // Metered: the filter asks the upstream for `identity`, so the usage
+    // is read: each answer costs its 1,200, as for a client that asks for
+    // nothing (5 of them fit the 6,000 tokens, then 429).
+    let mut admitted = 0;
+    for _ in 0..8 {
+        let (status, body) = curl_compressed(envoy.port, "POST", &path, "zipper");
+        match status {
+            200 => {
+                assert!(body.contains(r#""total_tokens":1200"#), "{body}");
+                admitted += 1;
+            }
+            429 => {}
+            other => panic!("{other}: {body}"),
+        }
+    }
+    assert_eq!(primary.last_accept_encoding().as_deref(), Some("identity"));
+    eprintln!("curl --compressed: {admitted} of 8 admitted, each settled at its usage");
+    assert_eq!(admitted, 5);
+    assert!(wait_for(WAIT, || envoy.tg_stat("cost.settles.chat") == 5));
+    assert_eq!(envoy.tg_stat("cost.settled_units.chat"), 5 * 1200);
+    assert_eq!(envoy.tg_stat("cost.unusable_encoded.chat"), 0);
+}

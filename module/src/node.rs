@@ -202,6 +202,7 @@ fn go() -> Directive {
         verdict: Verdict::Continue,
         record: None,
         mark: None,
+        identity_encoding: false,
     }
 }
 

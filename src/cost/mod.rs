@@ -33,6 +33,18 @@
 //! of the debt's repayment; what does not fit `D` is **written off** and
 //! counted).
 //!
+//! # Compression
+//! A metered request goes to its upstream with `accept-encoding: identity`
+//! (set by the filter, replacing the client's: `Directive::identity_encoding`),
+//! so the answer the meter reads is uncompressed. Chosen over decoding
+//! gzip, deflate, br and zstd in the filter: nothing to inflate (no
+//! decompression bomb to cap, no decoder state per stream, no four decoders
+//! in a wasm binary), and the answer toward the client can still be
+//! compressed by Envoy's compressor filter placed before tenantgate. An
+//! upstream that compresses anyway (`content-encoding` other than
+//! `identity`) is not read: [`Unusable::Encoded`], charged by
+//! `on_missing`. A leading UTF-8 byte order mark is skipped.
+//!
 //! # THE BOUND
 //! For a token bucket of rate `r`, burst `B` and debt allowance `D`, count
 //! each request's real cost as used when it was admitted. The real cost of
@@ -104,10 +116,13 @@ pub enum Unusable {
     LocalReply,
     /// The stream ended before any response header.
     NoResponse,
+    /// The body is compressed (`content-encoding` other than `identity`)
+    /// although the request asked for `identity`: not read.
+    Encoded,
 }
 
 impl Unusable {
-    pub const ALL: [Unusable; 8] = [
+    pub const ALL: [Unusable; 9] = [
         Unusable::Reset,
         Unusable::Missing,
         Unusable::Malformed,
@@ -116,6 +131,7 @@ impl Unusable {
         Unusable::Upstream4xx,
         Unusable::LocalReply,
         Unusable::NoResponse,
+        Unusable::Encoded,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -128,9 +144,23 @@ impl Unusable {
             Unusable::Upstream4xx => "upstream_4xx",
             Unusable::LocalReply => "local_reply",
             Unusable::NoResponse => "no_response",
+            Unusable::Encoded => "encoded",
         }
     }
 }
+
+/// The response's body is compressed: a `content-encoding` other than
+/// `identity` (the request asked for `identity`: see "Compression").
+fn encoded<H: Host>(host: &H) -> bool {
+    host.response_header("content-encoding").is_some_and(|v| {
+        v.split(|b| *b == b',')
+            .map(<[u8]>::trim_ascii)
+            .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"identity"))
+    })
+}
+
+/// A UTF-8 byte order mark: read before a body's first byte, and skipped.
+const BOM: [u8; 3] = [0xEF, 0xBB, 0xBF];
 
 /// The outcome of a response whose status is 400 or more, by who answered
 /// (`None`: below 400, the operation's answer, read for its figure).
@@ -180,6 +210,8 @@ pub struct Meter {
     reading: Reading,
     /// Body bytes read so far.
     read: u64,
+    /// Bytes of a leading [`BOM`] matched so far (`BOM.len()`: decided).
+    bom: usize,
 }
 
 impl Default for Meter {
@@ -187,6 +219,7 @@ impl Default for Meter {
         Meter {
             reading: Reading::Headers,
             read: 0,
+            bom: 0,
         }
     }
 }
@@ -245,6 +278,7 @@ impl Meter {
             Source::Trailer(_) if end_of_stream => Reading::Done(Figure::Unusable(Unusable::Missing)),
             Source::Trailer(_) => Reading::Trailer,
             Source::Body(_) if end_of_stream => Reading::Done(Figure::Unusable(Unusable::Missing)),
+            Source::Body(_) if encoded(host) => Reading::Done(Figure::Unusable(Unusable::Encoded)),
             Source::Body(_) => {
                 let sse = host.response_header("content-type").is_some_and(|t| {
                     t.get(..17)
@@ -278,15 +312,39 @@ impl Meter {
         if size > 0 {
             let chunk = host.response_body(size).unwrap_or_default();
             let fields = settle.fields();
-            match &mut self.reading {
-                Reading::Json(s) => s.feed(&chunk, fields),
-                Reading::Events(e) => e.feed(&chunk, fields),
-                _ => {}
+            let (held, rest) = self.skip_bom(&chunk);
+            for part in [held, rest] {
+                match &mut self.reading {
+                    Reading::Json(s) => s.feed(part, fields),
+                    Reading::Events(e) => e.feed(part, fields),
+                    _ => {}
+                }
             }
         }
         if end_of_stream {
             self.end_body(settle);
         }
+    }
+
+    /// A body's first bytes without a leading UTF-8 byte order mark (it
+    /// may come a byte at a time): the bytes of a mark's prefix that turned
+    /// out not to be one (to read first), and the rest of `chunk`.
+    fn skip_bom<'a>(&mut self, chunk: &'a [u8]) -> (&'static [u8], &'a [u8]) {
+        let mut rest = chunk;
+        while self.bom < BOM.len() {
+            let Some((first, tail)) = rest.split_first() else {
+                return (&[], rest);
+            };
+            if BOM.get(self.bom) == Some(first) {
+                self.bom += 1;
+                rest = tail;
+            } else {
+                let held = BOM.get(..self.bom).unwrap_or_default();
+                self.bom = BOM.len();
+                return (held, rest);
+            }
+        }
+        (&[], rest)
     }
 
     /// The response's trailers: its body has ended.
@@ -363,10 +421,12 @@ pub fn real_cost(settle: &Settle, figure: Figure, estimate: u64) -> Real {
             cost: match why {
                 // The abort rule (`Meter::end`): whatever `on_missing` says.
                 Unusable::Reset => settle.ceiling,
-                Unusable::Missing | Unusable::Malformed | Unusable::TooLarge => match settle.on_missing {
-                    OnMissing::Ceiling => settle.ceiling,
-                    OnMissing::Estimate => estimate,
-                },
+                Unusable::Missing | Unusable::Malformed | Unusable::TooLarge | Unusable::Encoded => {
+                    match settle.on_missing {
+                        OnMissing::Ceiling => settle.ceiling,
+                        OnMissing::Estimate => estimate,
+                    }
+                }
                 Unusable::Upstream5xx => charge(settle, settle.outcomes.upstream_5xx, estimate),
                 Unusable::Upstream4xx => charge(settle, settle.outcomes.upstream_4xx, estimate),
                 Unusable::LocalReply => charge(settle, settle.outcomes.local_reply, estimate),

@@ -258,3 +258,38 @@ fn the_abort_rule_a_stream_cut_at_any_byte_of_any_format_costs_the_ceiling() {
         8000
     );
 }
+
+#[test]
+fn a_byte_order_mark_is_read_and_a_compressed_body_is_named() {
+    let s = settle(r#"{"usage": "openai_total", "ceiling": 8000}"#);
+    let json = "\u{feff}{\"usage\":{\"total_tokens\":12}}";
+    let sse = "\u{feff}data: {\"usage\":{\"total_tokens\":33}}\n\ndata: [DONE]\n\n";
+    for chunk in [1, 2, 3, 4, 100] {
+        assert_eq!(meter(&s, &[], json, chunk, &[]), Figure::Cost(12), "{chunk}");
+        let ct = [("content-type", "text/event-stream")];
+        assert_eq!(meter(&s, &ct, sse, chunk, &[]), Figure::Cost(33), "{chunk}");
+    }
+    // Half a mark is not one: the document is broken.
+    let mut bytes = vec![0xEF, 0xBB];
+    bytes.extend_from_slice(br#"{"usage":{"total_tokens":12}}"#);
+    let mut h = host();
+    let mut m = Meter::default();
+    m.on_headers(&s, &h, false);
+    h.response_body = bytes;
+    m.on_body(&s, &h, h.response_body.len(), true);
+    assert_eq!(m.end(), Figure::Unusable(Unusable::Malformed));
+    // A compressed answer (the upstream ignored `accept-encoding:
+    // identity`) is not read: `on_missing`.
+    for encoding in ["gzip", "br", "zstd", "deflate", "identity, gzip"] {
+        let headers = [("content-encoding", encoding)];
+        assert_eq!(
+            meter(&s, &headers, json, 7, &[]),
+            Figure::Unusable(Unusable::Encoded),
+            "{encoding}"
+        );
+    }
+    assert_eq!(
+        meter(&s, &[("content-encoding", "identity")], json, 7, &[]),
+        Figure::Cost(12)
+    );
+}

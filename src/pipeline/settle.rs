@@ -289,6 +289,7 @@ impl Pipeline {
             verdict: Verdict::Reply(reply),
             record: None,
             mark: None,
+            identity_encoding: false,
         })
     }
 

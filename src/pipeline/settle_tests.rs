@@ -782,3 +782,32 @@ fn requests_outside_the_metered_operation_are_not_charged_at_all() {
     );
     assert_eq!(node.stat("tenantgate.decisions.unmetered"), 601);
 }
+
+#[test]
+fn a_metered_request_asks_its_upstream_for_an_uncompressed_answer() {
+    let node = Node::new();
+    let mut w = node.worker(T0);
+    let d = w.headers(
+        &node
+            .request("chat", "gzip-client")
+            .header("accept-encoding", "gzip, br"),
+        1,
+        T0,
+    );
+    assert!(admitted(&d) && d.identity_encoding, "{d:?}");
+    // Not metered (a GET), not settled (`plain`), refused: untouched.
+    let get = MemoryHost::new(node.store.clone())
+        .route_class("models")
+        .header(":method", "GET")
+        .header(":path", "/v1/models")
+        .header("x-tenant-id", "gzip-client");
+    let d = w.headers(&get, 2, T0);
+    assert!(admitted(&d) && !d.identity_encoding, "{d:?}");
+    let d = w.headers(&node.request("plain", "gzip-client"), 3, T0);
+    assert!(admitted(&d) && !d.identity_encoding, "{d:?}");
+    let big = node.request("chat", "poor").header("x-estimate", "1000");
+    for stream in 10..30 {
+        let d = w.headers(&big, stream, T0);
+        assert_eq!(d.identity_encoding, admitted(&d), "{d:?}");
+    }
+}
