@@ -202,13 +202,13 @@ fn recorded() -> [(&'static str, Settle, &'static str, u64); 4] {
         ),
         (
             "openai responses",
-            settle(r#"{"fields": [{"pointer": "/response/usage/total_tokens"}], "ceiling": 8000}"#),
+            settle(r#"{"usage": "openai_total", "ceiling": 8000}"#),
             include_str!("recorded/openai_responses.sse"),
             123,
         ),
         (
             "gemini",
-            settle(r#"{"fields": [{"pointer": "/usageMetadata/totalTokenCount"}], "ceiling": 8000}"#),
+            settle(r#"{"usage": "gemini", "ceiling": 8000}"#),
             include_str!("recorded/gemini.sse"),
             11,
         ),
@@ -292,4 +292,59 @@ fn a_byte_order_mark_is_read_and_a_compressed_body_is_named() {
         meter(&s, &[("content-encoding", "identity")], json, 7, &[]),
         Figure::Cost(12)
     );
+}
+
+#[test]
+fn each_preset_reads_its_providers_json_answer() {
+    let cases = [
+        (
+            "openai_total",
+            r#"{"object":"chat.completion","usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}}"#,
+            12,
+        ),
+        (
+            "openai_total",
+            r#"{"object":"response","usage":{"input_tokens":36,"output_tokens":87,"total_tokens":123}}"#,
+            123,
+        ),
+        (
+            "openai_prompt",
+            r#"{"object":"response","usage":{"input_tokens":36,"output_tokens":87,"total_tokens":123}}"#,
+            36,
+        ),
+        (
+            "openai_completion",
+            r#"{"usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}}"#,
+            3,
+        ),
+        (
+            "anthropic",
+            r#"{"type":"message","usage":{"input_tokens":20,"output_tokens":9}}"#,
+            29,
+        ),
+        (
+            "gemini",
+            r#"{"candidates":[],"usageMetadata":{"promptTokenCount":8,"candidatesTokenCount":3,"totalTokenCount":11}}"#,
+            11,
+        ),
+        (
+            "bedrock",
+            r#"{"output":{"message":{"role":"assistant"}},"stopReason":"end_turn","usage":{"inputTokens":30,"outputTokens":628,"totalTokens":658}}"#,
+            658,
+        ),
+        // vLLM and Ollama's OpenAI-compatible /v1 answer like OpenAI.
+        (
+            "openai_total",
+            r#"{"object":"chat.completion","model":"llama3","usage":{"prompt_tokens":26,"completion_tokens":298,"total_tokens":324}}"#,
+            324,
+        ),
+    ];
+    for (preset, body, cost) in cases {
+        let s = settle(&format!(r#"{{"usage": "{preset}", "ceiling": 8000}}"#));
+        assert_eq!(
+            meter(&s, &[], body, 5, &[]),
+            Figure::Cost(cost),
+            "{preset}: {body}"
+        );
+    }
 }

@@ -134,6 +134,8 @@ impl UsagePreset {
             UsagePreset::OpenaiPrompt => "openai_prompt",
             UsagePreset::OpenaiCompletion => "openai_completion",
             UsagePreset::Anthropic => "anthropic",
+            UsagePreset::Gemini => "gemini",
+            UsagePreset::Bedrock => "bedrock",
         }
     }
 
@@ -148,11 +150,36 @@ impl UsagePreset {
             weight_milli: WEIGHT_SCALE,
         };
         match self {
-            UsagePreset::OpenaiTotal => vec![field("/usage/total_tokens", &[&["usage", "total_tokens"]])],
-            UsagePreset::OpenaiPrompt => vec![field("/usage/prompt_tokens", &[&["usage", "prompt_tokens"]])],
+            // Chat Completions (JSON, or a stream's `include_usage` chunk),
+            // the Responses API (JSON, or `response.completed`), and the
+            // OpenAI-compatible servers (vLLM, Ollama's /v1).
+            UsagePreset::OpenaiTotal => vec![field(
+                "/usage/total_tokens",
+                &[&["usage", "total_tokens"], &["response", "usage", "total_tokens"]],
+            )],
+            UsagePreset::OpenaiPrompt => vec![field(
+                "/usage/prompt_tokens",
+                &[
+                    &["usage", "prompt_tokens"],
+                    &["usage", "input_tokens"],
+                    &["response", "usage", "input_tokens"],
+                ],
+            )],
             UsagePreset::OpenaiCompletion => vec![field(
                 "/usage/completion_tokens",
-                &[&["usage", "completion_tokens"]],
+                &[
+                    &["usage", "completion_tokens"],
+                    &["usage", "output_tokens"],
+                    &["response", "usage", "output_tokens"],
+                ],
+            )],
+            UsagePreset::Gemini => vec![field(
+                "/usageMetadata/totalTokenCount",
+                &[&["usageMetadata", "totalTokenCount"]],
+            )],
+            UsagePreset::Bedrock => vec![field(
+                "/usage/totalTokens",
+                &[&["usage", "totalTokens"], &["metadata", "usage", "totalTokens"]],
             )],
             UsagePreset::Anthropic => vec![
                 field(

@@ -529,6 +529,12 @@ pub enum UsagePreset {
     /// Anthropic-style `usage.input_tokens + usage.output_tokens` (in a
     /// stream, `message.usage.input_tokens` of its first event too).
     Anthropic,
+    /// Google Gemini's `usageMetadata.totalTokenCount` (JSON, or the last
+    /// event of a `?alt=sse` stream).
+    Gemini,
+    /// AWS Bedrock Converse's `usage.totalTokens` (JSON; ConverseStream's
+    /// binary event stream is not read).
+    Bedrock,
 }
 
 /// `routes.<class>.settle.fields[]:` one field of the response body.
