@@ -43,10 +43,17 @@ routes:
   chat: { cost: 500, settle: { usage: openai_total, ceiling: 4000 } }
   metered: { action: chat, cost: 500, settle: { header: x-usage-tokens, ceiling: 4000 } }
   messages: { action: chat, cost: 500, settle: { usage: anthropic, ceiling: 4000 } }
+  capped:
+    action: chat
+    cost: 500
+    dependency: model
+    settle: { usage: openai_total, ceiling: 4000, estimate_body_field: max_tokens }
   soft: { cost: 1000 }
+dependencies:
+  model: { max_in_flight: 1000, tenant_max_share: 5 }
 "#;
 
-const CLASSES: [&str; 4] = ["chat", "metered", "soft", "messages"];
+const CLASSES: [&str; 5] = ["chat", "metered", "soft", "messages", "capped"];
 
 /// The primary and fallback upstreams (each names itself in `x-upstream`),
 /// and Envoy with its access log (the cost record at each line's end).
@@ -526,4 +533,67 @@ fn a_client_that_asks_for_compression_is_metered_by_its_usage() {
     assert!(wait_for(WAIT, || envoy.tg_stat("cost.settles.chat") == 5));
     assert_eq!(envoy.tg_stat("cost.settled_units.chat"), 5 * 1200);
     assert_eq!(envoy.tg_stat("cost.unusable_encoded.chat"), 0);
+}
+
+on_both_hosts!(a_tenant_cannot_choose_its_exposure_by_lying_about_max_tokens);
+fn a_tenant_cannot_choose_its_exposure_by_lying_about_max_tokens() {
+    let log = Envoy::temp_dir().join("access.log");
+    let (_primary, _fallback, envoy) = start(&log);
+    // 60 streams at once, each `max_tokens: 1` (an estimate of 1), each
+    // really 3,000 tokens over about 0.9 s: the tenant's 5 streams in
+    // flight (`tenant_max_share: 5` of the `model` dependency) are its
+    // exposure, not the 60 it opened.
+    let port = envoy.port;
+    let answer = ModelAnswer::Sse {
+        tokens: 3000,
+        gap_ms: 300,
+    };
+    let path = format!("/up/capped{}", answer.path());
+    let started = Instant::now();
+    let liars: Vec<_> = (0..60)
+        .map(|_| {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let mut c = Conn::open(port).unwrap();
+                c.send_body("POST", &path, &[("x-tenant-id", "liar")], br#"{"max_tokens":1}"#)
+                    .map(|r| r.status)
+                    .unwrap_or(0)
+            })
+        })
+        .collect();
+    // An honest tenant beside it, one request at a time.
+    let mut honest = 0;
+    for _ in 0..5 {
+        let mut c = Conn::open(port).unwrap();
+        let r = c
+            .send_body(
+                "POST",
+                &path,
+                &[("x-tenant-id", "honest")],
+                br#"{"max_tokens":3000}"#,
+            )
+            .unwrap();
+        if r.status == 200 {
+            honest += 1;
+        }
+    }
+    let statuses: Vec<u16> = liars.into_iter().map(|t| t.join().unwrap()).collect();
+    let took = started.elapsed();
+    let served = statuses.iter().filter(|s| **s == 200).count() as u64;
+    let shared = statuses.iter().filter(|s| **s == 503).count() as u64;
+    let limited = statuses.iter().filter(|s| **s == 429).count() as u64;
+    // THE BOUND (crate::cost): B + D + r·t + in flight (≤ 5) × (C − E).
+    let refill = 100 * took.as_millis() as u64 / 1000;
+    let bound = 6000 + 6000 + refill + 5 * (4000 - 1);
+    eprintln!(
+        "liar: {served} of 60 served ({} tokens; bound {bound}), {shared} refused 503 tenant_share, {limited} 429, in {took:?}; honest: {honest} of 5 served",
+        3000 * served
+    );
+    assert!(shared >= 40, "{statuses:?}");
+    assert!(3000 * served <= bound, "{statuses:?}");
+    assert_eq!(
+        honest, 2,
+        "the honest tenant's 6,000 tokens: two answers of 3,000"
+    );
+    assert!(envoy.tg_stat("decisions.tenant_share") >= 40);
 }

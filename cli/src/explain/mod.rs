@@ -58,6 +58,14 @@ impl Request<'_> {
         for (k, v) in self.headers {
             host = host.header(k, v.as_bytes());
         }
+        // A class that settles its cost: a request of its metered operation.
+        if let Some(s) = policy.route_class(Some(class)).and_then(|c| c.settle.as_ref()) {
+            if let Some(m) = s.methods.first() {
+                host = host.header(":method", m.as_bytes());
+            }
+            let path = s.paths.first().map_or("/", String::as_str);
+            host = host.header(":path", path.as_bytes());
+        }
         let Some(t) = tenant else { return host };
         match &policy.identity {
             Identity::Header(h) => host.header(h, t.as_bytes()),
