@@ -597,3 +597,74 @@ fn a_tenant_cannot_choose_its_exposure_by_lying_about_max_tokens() {
     );
     assert!(envoy.tg_stat("decisions.tenant_share") >= 40);
 }
+
+/// Runs `integration-tests/sdk/clients.py` (the `openai` and `anthropic`
+/// SDKs, `make setup-sdks`) for `case`; its JSON report.
+fn sdk(envoy: &Envoy, case: &str, tenant: &str) -> serde_json::Value {
+    let python = std::env::var("TENANTGATE_PYTHON")
+        .unwrap_or_else(|_| format!("{}/../.venv/bin/python", env!("CARGO_MANIFEST_DIR")));
+    let script = format!("{}/sdk/clients.py", env!("CARGO_MANIFEST_DIR"));
+    let out = std::process::Command::new(&python)
+        .args([script.as_str(), &envoy.port.to_string(), case, tenant])
+        .output()
+        .unwrap_or_else(|e| panic!("{python} (make setup-sdks): {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{case}: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{case}: {e}: {stdout}"))
+}
+
+on_both_hosts!(the_openai_and_anthropic_sdks_are_charged_the_usage_they_report);
+fn the_openai_and_anthropic_sdks_are_charged_the_usage_they_report() {
+    let log = Envoy::temp_dir().join("access.log");
+    let (_primary, _fallback, envoy) = start(&log);
+    // Non-streaming and streaming calls (each SDK asks for gzip, as httpx
+    // does by default): the charged cost is the usage the SDK reports.
+    for (case, tenant, class) in [
+        ("openai_json", "sdk-json", "chat"),
+        ("openai_stream", "sdk-stream", "chat"),
+        ("anthropic_stream", "sdk-claude", "messages"),
+    ] {
+        let report = sdk(&envoy, case, tenant);
+        let usage = report["usage"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{case}: {report}"));
+        let key = format!("chat|t|{tenant}");
+        assert!(wait_for(WAIT, || cost_records(&log, &key).len() == 1), "{case}");
+        let record = cost_records(&log, &key).remove(0);
+        eprintln!("{case}: the SDK reported {usage}; charged {record}");
+        assert!(record.starts_with(&format!("class={class} ")), "{record}");
+        assert_eq!(field(&record, "cost"), usage, "{case}: {record}");
+    }
+    // The SDK's own retry on 429 honours Retry-After: a tenant whose
+    // bucket is empty (answers of 4,000 and 2,000: 6,000 of 6,000) waits
+    // 5 s for the 500 of its next request; the SDK waits as told and its
+    // retry is admitted.
+    for tokens in [4000, 2000] {
+        let r = ask(&envoy, "chat", ModelAnswer::Json(tokens), "sdk-retry");
+        assert_eq!(r.status, 200, "{r:?}");
+    }
+    let refused = ask(&envoy, "chat", ModelAnswer::Json(500), "sdk-retry");
+    assert_eq!(refused.status, 429, "{refused:?}");
+    assert!(retry_after(&refused) >= 4, "{refused:?}");
+    // The SDK starts in about a second or two: it gets 429s with what is
+    // left of the wait, waits each, and its last attempt is admitted.
+    let report = sdk(&envoy, "openai_retry", "sdk-retry");
+    eprintln!("openai retry: {report}");
+    assert_eq!(report["status"].as_u64(), Some(200), "{report}");
+    let answers = report["answers"].as_array().cloned().unwrap_or_default();
+    assert!(answers.len() >= 2, "{report}");
+    for pair in answers.windows(2) {
+        assert_eq!(pair[0][1].as_u64(), Some(429), "{report}");
+        let told: f64 = pair[0][2].as_str().and_then(|v| v.parse().ok()).unwrap_or(0.0);
+        let waited = pair[1][0].as_f64().unwrap_or(0.0) - pair[0][0].as_f64().unwrap_or(0.0);
+        assert!(
+            waited >= told - 0.1,
+            "waited {waited} s for Retry-After {told}: {report}"
+        );
+    }
+    assert_eq!(answers.last().and_then(|a| a[1].as_u64()), Some(200), "{report}");
+}
