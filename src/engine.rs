@@ -204,7 +204,7 @@ pub fn charge_leased<H: Host>(
             charged_at: now,
             lease: None,
         };
-        decision.refunded = refund(host, &tenant_place, &plan.limits, &back, &ctx, table);
+        decision.refunded = refund(host, &tenant_place, &plan.limits, &back, &ctx, table).written;
         guard_decision.subject = decision.subject;
         guard_decision.table = decision.table;
         guard_decision.refunded = decision.refunded;
@@ -482,7 +482,7 @@ fn check_limits(
                 // policy's that wrote the record.
                 let loaded = l.algo.load(record, ctx.effective_from, ctx.now);
                 changed |= loaded.changed;
-                match loaded.algo.check(&loaded.state, ctx.now, ctx.cost) {
+                match loaded.algo.check(&loaded.state, loaded.now, ctx.cost) {
                     Outcome::Admit {
                         state,
                         remaining,
@@ -543,7 +543,7 @@ fn lease_states(
     let mut leased: [Option<(Leased, Standing)>; MAX_RECORDS] = Default::default();
     for (slot, loaded) in leased.iter_mut().zip(states.iter()).take(limits.len()) {
         *slot = match loaded {
-            Some(Loaded::Local(live, _)) => match live.algo.check(&live.state, ctx.now, cost) {
+            Some(Loaded::Local(live, _)) => match live.algo.check(&live.state, live.now, cost) {
                 Outcome::Admit {
                     state,
                     remaining,
@@ -653,7 +653,7 @@ fn write_records(
                     }
                     _ => &loaded.state,
                 };
-                push_local(out, l.name_hash, loaded, stored, ctx.now);
+                push_local(out, l.name_hash, loaded, stored);
             }
             Some(Loaded::Global(demanded, charged)) => {
                 let (p1, p2) = l.algo.params();
@@ -708,12 +708,13 @@ fn keep_newer_records(
 }
 
 /// Appends a local limit's record: `state` under the parameters `live`
-/// was checked under, stamped with its epoch and `now`.
-fn push_local(out: &mut Vec<u8>, name_hash: u32, live: &Live, state: &State, now: u64) {
+/// was checked under, stamped with its epoch and the instant it was read
+/// at (never earlier than the write it follows: [`crate::limiter::algo::reading`]).
+fn push_local(out: &mut Vec<u8>, name_hash: u32, live: &Live, state: &State) {
     let (p1, p2) = live.algo.params();
     let stamp = Stamp {
         epoch: live.epoch,
-        written_at: now,
+        written_at: live.now,
     };
     push_record_with(out, name_hash, live.algo.kind(), p1, p2, |o| {
         Algo::encode_stored(state, stamp, o)
@@ -811,6 +812,15 @@ enum Change {
     More(u64),
 }
 
+impl Change {
+    /// The units this change moves.
+    fn units(self) -> u64 {
+        match self {
+            Change::Back(units) | Change::LeaseBack { units, .. } | Change::More(units) => units,
+        }
+    }
+}
+
 /// What a settlement (or a refund) did to a key's limits.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Adjusted {
@@ -820,11 +830,14 @@ pub struct Adjusted {
     pub written_off: u64,
     /// The most units any adjusted limit owes afterwards (0: none in debt).
     pub owed: u64,
+    /// The most units of a give-back a limit did not take because a reload
+    /// changed its parameters since the charge (see [`Algo::charged_under`]).
+    pub dropped: u64,
 }
 
 /// Gives back a charge (a later check denied the request, or a worker
-/// returns its lease's unused units). Best effort: returns whether it
-/// was written.
+/// returns its lease's unused units). Best effort: returns what was
+/// written and what a reload made it drop.
 fn refund<H: Host>(
     host: &H,
     place: &Place<'_>,
@@ -832,7 +845,7 @@ fn refund<H: Host>(
     back: &Back,
     ctx: &Ctx,
     buffers: &mut table::Buffers,
-) -> bool {
+) -> Adjusted {
     let change = match back.lease {
         Some(Spent(spent)) => Change::LeaseBack {
             units: back.units,
@@ -850,7 +863,6 @@ fn refund<H: Host>(
         ctx,
         buffers,
     )
-    .written
 }
 
 /// Applies `change` to the limits in `charged` (bit i: `limits[i]`) of the
@@ -875,6 +887,7 @@ fn adjust<H: Host>(
 ) -> Adjusted {
     let limits = &limits[..limits.len().min(MAX_LIMITS_PER_PLAN).min(MAX_RECORDS)];
     let more = matches!(change, Change::More(_));
+    let giving_back = !more;
     let reach = if more { &CHARGE } else { &Reach::Existing };
     let is_charged = |i: usize, l: &Limit| charged & (1 << i) != 0 && !l.global;
     let updated = table::update(host, place, reach, ctx.now, buffers, |records, out| {
@@ -891,10 +904,18 @@ fn adjust<H: Host>(
                 .enumerate()
                 .find(|(_, l)| l.name_hash == r.name_hash);
             match limit {
+                Some((i, l)) if is_charged(i, l) && giving_back && !l.algo.charged_under(r) => {
+                    // A give-back goes only to a record still under the
+                    // parameters it was charged under: a reload migrated
+                    // this one, and what the old policy charged is already
+                    // accounted in the fill level it carried over.
+                    adjusted.dropped = adjusted.dropped.max(change.units());
+                    push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state);
+                }
                 Some((i, l)) if is_charged(i, l) && r.kind != kind::GLOBAL_ALLOWANCE => {
                     let current = l.algo.load(Some(r), ctx.effective_from, ctx.now);
-                    let state = change_state(&current, change, charged_at, ctx.now, &mut adjusted);
-                    push_local(out, r.name_hash, &current, &state, ctx.now);
+                    let state = change_state(&current, change, charged_at, &mut adjusted);
+                    push_local(out, r.name_hash, &current, &state);
                 }
                 Some((i, l)) if l.global && charged & (1 << i) != 0 && r.kind == kind::GLOBAL_ALLOWANCE => {
                     match stored::decode_allowance(r.state) {
@@ -918,8 +939,8 @@ fn adjust<H: Host>(
                     continue;
                 }
                 let fresh = l.algo.load(None, ctx.effective_from, ctx.now);
-                let state = change_state(&fresh, change, charged_at, ctx.now, &mut adjusted);
-                push_local(out, l.name_hash, &fresh, &state, ctx.now);
+                let state = change_state(&fresh, change, charged_at, &mut adjusted);
+                push_local(out, l.name_hash, &fresh, &state);
                 count += 1;
             }
         }
@@ -936,7 +957,8 @@ fn adjust<H: Host>(
 }
 
 /// One limit's state after `change`, noting what it wrote off and owes.
-fn change_state(live: &Live, change: Change, charged_at: u64, now: u64, adjusted: &mut Adjusted) -> State {
+fn change_state(live: &Live, change: Change, charged_at: u64, adjusted: &mut Adjusted) -> State {
+    let now = live.now;
     let state = match change {
         Change::Back(units) | Change::LeaseBack { units, .. } => {
             live.algo.refund(&live.state, units, charged_at)
@@ -1060,7 +1082,8 @@ pub fn settle<H: Host>(
 /// its plan, as charged at `taken_at` (a fixed window or a sliding counter
 /// takes back only within the window they were charged in). Best effort:
 /// units that cannot be given back are lost, which errs toward admitting
-/// less. Returns whether it was written.
+/// less, and so are units a reload made worthless ([`Algo::charged_under`]).
+/// Returns what was written and dropped.
 #[allow(clippy::too_many_arguments)]
 pub fn give_back<H: Host>(
     policy: &Policy,
@@ -1071,9 +1094,9 @@ pub fn give_back<H: Host>(
     taken_at: u64,
     now: u64,
     scratch: &mut Scratch,
-) -> bool {
+) -> Adjusted {
     let Some(plan) = policy.plan(req.plan) else {
-        return false;
+        return Adjusted::default();
     };
     let ctx = Ctx {
         now,
@@ -1193,7 +1216,7 @@ fn peek_limit(
         };
     }
     let live = l.algo.load(record, effective_from, now);
-    match live.algo.check(&live.state, now, 0) {
+    match live.algo.check(&live.state, live.now, 0) {
         Outcome::Admit {
             remaining, reset_ns, ..
         }

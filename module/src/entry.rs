@@ -6,7 +6,7 @@
 //!
 //! | Envoy hook | here | core |
 //! |---|---|---|
-//! | `on_program_init` | the logger, the panic hook, the fault switch | returns [`abi::ABI_VERSION`] |
+//! | `on_program_init` | the logger, the panic hook, the fault switch (test builds only) | returns [`abi::ABI_VERSION`] |
 //! | `on_http_filter_config_new` / `_destroy` | [`Node::configure`] / [`Node::remove`] | `Pipeline::configure` on every worker |
 //! | `on_http_filter_per_route_config_new` | the route's class ([`RouteConfig`]) | |
 //! | `on_http_filter_new` | the stream's worker and id | |
@@ -89,6 +89,7 @@ pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
         std::panic::set_hook(Box::new(|info| {
             log::error!("tenantgate: panic caught at the module's boundary: {info}");
         }));
+        #[cfg(feature = "test-faults")]
         crate::fault::init();
         pin();
         abi::ABI_VERSION_C.as_ptr()
@@ -199,6 +200,7 @@ impl CalloutAnswer for Answered<'_> {
         Ok(self.headers.iter().find_map(|h| {
             // SAFETY: Envoy's headers, valid for the hook.
             let key = unsafe { bytes(h.key_ptr, h.key_length) };
+            // SAFETY: as for `key`: Envoy's headers, valid for the hook.
             (key == b":status").then(|| unsafe { bytes(h.value_ptr, h.value_length) }.to_vec())
         }))
     }
@@ -256,7 +258,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
         let config = unsafe { config(ptr) };
         let answer = Answered {
             ok: result == abi::CALLOUT_SUCCESS,
+            // SAFETY: Envoy's header array for this hook.
             headers: unsafe { slice(headers, headers_size) },
+            // SAFETY: Envoy's body array for this hook.
             body: unsafe { slice(body, body_size) },
         };
         node().callout_done(config, callout_id, &answer);
@@ -341,6 +345,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
     guard(|| {
         // SAFETY: Envoy's config pointer and the new stream, on its worker.
         let config = unsafe { config(config_ptr) };
+        // SAFETY: `envoy` is the new stream, on this worker's thread.
         let worker = unsafe { abi::envoy_dynamic_module_callback_http_filter_get_worker_index(envoy) };
         let stream = NEXT_STREAM.with(|n| {
             let id = n.get().wrapping_add(1);
@@ -371,7 +376,10 @@ fn step<R>(
 ) -> Option<R> {
     let node = node();
     let mut w = node.worker(f.worker)?;
+    #[cfg(feature = "test-faults")]
     crate::fault::request(envoy, point);
+    #[cfg(not(feature = "test-faults"))]
+    let _ = (envoy, point);
     let policy = w.policies.get(&f.config().id).cloned()?;
     let host = EnvoyHost::stream(envoy, &node.store, &node.identity);
     let result = run(&mut w, &policy, &host);
@@ -394,10 +402,12 @@ fn failed(f: &Filter, envoy: HttpFilterEnvoy) -> Directive {
 fn class_of(envoy: HttpFilterEnvoy) -> Option<String> {
     // SAFETY: the current hook's stream.
     let route = unsafe { abi::envoy_dynamic_module_callback_get_most_specific_route_config(envoy) };
+    // SAFETY: the route config is ours (`per_route_config_new`), alive while the route is.
     if let Some(r) = unsafe { RouteConfig::from_ptr(route) } {
         return Some(r.class.clone());
     }
     let mut name = EnvoyBuffer::EMPTY;
+    // SAFETY: as above: `name` is Envoy's buffer, written by the call.
     let ok = unsafe {
         abi::envoy_dynamic_module_callback_http_filter_get_attribute_string(
             envoy,
@@ -405,6 +415,7 @@ fn class_of(envoy: HttpFilterEnvoy) -> Option<String> {
             &mut name,
         )
     };
+    // SAFETY: Envoy's buffer, valid for the current hook.
     ok.then(|| String::from_utf8_lossy(unsafe { name.bytes() }).into_owned())
 }
 

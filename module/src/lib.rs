@@ -16,7 +16,7 @@
 //! | Envoy's metrics as the pipeline's stats sink | `stats.rs` |
 //! | a route's class in its per-route config | [`route`] |
 //! | what a request gets when the module fails inside | `failure.rs` |
-//! | the test-only fault switch | `fault.rs` |
+//! | the test-only fault switch (feature `test-faults`, never in a release) | `fault.rs` |
 //!
 //! # Fail-safe
 //! The module runs in Envoy's process: a panic that crossed into Envoy
@@ -28,8 +28,9 @@
 //! is counted (`tenantgate.module.panics`) and logged, and the worker it
 //! interrupted is made new (`node.rs`, `Node::reset`). The workspace's lints
 //! (no `unwrap`, `expect`, `panic!` outside tests) hold here too; the one
-//! `panic!` is the test-only switch's, off unless Envoy's environment turns
-//! it on.
+//! `panic!` is the test-only switch's, compiled only with the `test-faults`
+//! feature (a separate test build, `make module-faults`) and off even there
+//! unless Envoy's environment turns it on.
 
 #![cfg_attr(test, allow(dead_code))]
 
@@ -37,7 +38,7 @@ pub mod abi;
 #[cfg(not(test))]
 mod entry;
 mod failure;
-#[cfg(not(test))]
+#[cfg(all(not(test), feature = "test-faults"))]
 mod fault;
 #[cfg(not(test))]
 mod host;

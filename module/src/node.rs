@@ -184,6 +184,7 @@ pub struct Config {
 // allows: the scheduler from any thread, everything else on the main
 // thread, except the metric callbacks (see `stats.rs`).
 unsafe impl Send for Config {}
+// SAFETY: as for `Send` above.
 unsafe impl Sync for Config {}
 
 impl Config {
@@ -410,6 +411,7 @@ impl Node {
                         return;
                     }
                     ticked.push(Rc::as_ptr(&policy));
+                    #[cfg(feature = "test-faults")]
                     crate::fault::tick();
                     self.tick_one(&mut w, index, config, &policy, &host);
                 }));

@@ -74,7 +74,7 @@ pub fn check_key(
             .as_ref()
             .and_then(|rs| rs.iter().find(|r| r.name_hash == l.name_hash));
         let live = l.algo.load(record, effective_from, now);
-        let (state, standing): (&State, Standing) = match live.algo.check(&live.state, now, cost) {
+        let (state, standing): (&State, Standing) = match live.algo.check(&live.state, live.now, cost) {
             Outcome::Admit {
                 state,
                 remaining,
@@ -85,7 +85,14 @@ pub fn check_key(
                     reset_ns,
                     refused_for_ns: None,
                 };
-                push_local(&mut charged, l.name_hash, &live.algo, live.epoch, &state, now);
+                push_local(
+                    &mut charged,
+                    l.name_hash,
+                    &live.algo,
+                    live.epoch,
+                    &state,
+                    live.now,
+                );
                 count += 1;
                 standings.push(standing);
                 continue;
@@ -110,7 +117,7 @@ pub fn check_key(
                 )
             }
         };
-        push_local(&mut charged, l.name_hash, &live.algo, live.epoch, state, now);
+        push_local(&mut charged, l.name_hash, &live.algo, live.epoch, state, live.now);
         count += 1;
         standings.push(standing);
     }

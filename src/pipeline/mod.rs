@@ -389,6 +389,8 @@ impl Pipeline {
 }
 
 #[cfg(test)]
+mod lease_reload_tests;
+#[cfg(test)]
 mod lease_tests;
 #[cfg(test)]
 mod probe_tests;
