@@ -548,15 +548,16 @@ pub struct FieldSpec {
     pub weight: Option<f64>,
 }
 
-/// `routes.<class>.settle.on_missing:` the cost of a stream that ends
-/// without a usable figure (reset, missing field, malformed body).
+/// `routes.<class>.settle.on_missing:` the cost of an answer that ended
+/// without a usable figure (missing field, malformed or too large body, a
+/// compressed body). A stream cut short costs the ceiling whatever this
+/// says (the abort rule, `crate::cost::Meter::end`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OnMissing {
     /// The estimate charged on the request: nothing more is settled.
     Estimate,
-    /// The ceiling (the default: a client that cuts a stream short must
-    /// not pay less for it).
+    /// The ceiling (the default).
     #[default]
     Ceiling,
 }
