@@ -389,34 +389,22 @@ fn step<R>(
 }
 
 /// After a caught panic: counted, the worker repaired, and the request's
-/// failure mode.
+/// failure mode for the class the core's classifier gives (the rule and the
+/// classifier are the core's: `tenantgate::pipeline::failure`,
+/// `tenantgate::engine::class_of`). If classifying panics too, the
+/// policy's default mode.
 fn failed(f: &Filter, envoy: HttpFilterEnvoy) -> Directive {
     let config = f.config();
     config.count_panic();
-    drop(node().worker(f.worker));
-    config.failure.directive(class_of(envoy).as_deref())
-}
-
-/// The stream's class as the host knows it without the core: its route's
-/// per-route config, else its route's name.
-fn class_of(envoy: HttpFilterEnvoy) -> Option<String> {
-    // SAFETY: the current hook's stream.
-    let route = unsafe { abi::envoy_dynamic_module_callback_get_most_specific_route_config(envoy) };
-    // SAFETY: the route config is ours (`per_route_config_new`), alive while the route is.
-    if let Some(r) = unsafe { RouteConfig::from_ptr(route) } {
-        return Some(r.class.clone());
-    }
-    let mut name = EnvoyBuffer::EMPTY;
-    // SAFETY: as above: `name` is Envoy's buffer, written by the call.
-    let ok = unsafe {
-        abi::envoy_dynamic_module_callback_http_filter_get_attribute_string(
-            envoy,
-            abi::ATTRIBUTE_XDS_ROUTE_NAME,
-            &mut name,
-        )
-    };
-    // SAFETY: Envoy's buffer, valid for the current hook.
-    ok.then(|| String::from_utf8_lossy(unsafe { name.bytes() }).into_owned())
+    let node = node();
+    let class = guard(|| {
+        let w = node.worker(f.worker)?;
+        let policy = w.policies.get(&config.id)?;
+        let host = EnvoyHost::stream(envoy, &node.store, &node.identity);
+        tenantgate::engine::class_of(policy, &host).map(|c| c.name.clone())
+    })
+    .flatten();
+    config.failure.directive(class.as_deref())
 }
 
 /// Sends a local reply on the stream.

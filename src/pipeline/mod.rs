@@ -71,6 +71,7 @@
 
 mod admit;
 pub mod events;
+pub mod failure;
 pub mod hold;
 pub mod lease;
 mod limits;
