@@ -21,6 +21,10 @@
 //! the stream (`finished`: most requests, which hold no slot and settle no
 //! cost), its body, trailers, end and destroy are no steps at all: no
 //! worker lock, no callback (`destroy` still forgets a stream once held).
+//!
+//! Over 800 lines (about 830): one `extern "C"` function per hook of the
+//! ABI, each a few lines of translation inside `catch_unwind`; they read
+//! best side by side in the order Envoy calls them.
 
 use std::cell::Cell;
 use std::ffi::c_char;
@@ -389,34 +393,22 @@ fn step<R>(
 }
 
 /// After a caught panic: counted, the worker repaired, and the request's
-/// failure mode.
+/// failure mode for the class the core's classifier gives (the rule and the
+/// classifier are the core's: `tenantgate::pipeline::failure`,
+/// `tenantgate::engine::class_of`). If classifying panics too, the
+/// policy's default mode.
 fn failed(f: &Filter, envoy: HttpFilterEnvoy) -> Directive {
     let config = f.config();
     config.count_panic();
-    drop(node().worker(f.worker));
-    config.failure.directive(class_of(envoy).as_deref())
-}
-
-/// The stream's class as the host knows it without the core: its route's
-/// per-route config, else its route's name.
-fn class_of(envoy: HttpFilterEnvoy) -> Option<String> {
-    // SAFETY: the current hook's stream.
-    let route = unsafe { abi::envoy_dynamic_module_callback_get_most_specific_route_config(envoy) };
-    // SAFETY: the route config is ours (`per_route_config_new`), alive while the route is.
-    if let Some(r) = unsafe { RouteConfig::from_ptr(route) } {
-        return Some(r.class.clone());
-    }
-    let mut name = EnvoyBuffer::EMPTY;
-    // SAFETY: as above: `name` is Envoy's buffer, written by the call.
-    let ok = unsafe {
-        abi::envoy_dynamic_module_callback_http_filter_get_attribute_string(
-            envoy,
-            abi::ATTRIBUTE_XDS_ROUTE_NAME,
-            &mut name,
-        )
-    };
-    // SAFETY: Envoy's buffer, valid for the current hook.
-    ok.then(|| String::from_utf8_lossy(unsafe { name.bytes() }).into_owned())
+    let node = node();
+    let class = guard(|| {
+        let w = node.worker(f.worker)?;
+        let policy = w.policies.get(&config.id)?;
+        let host = EnvoyHost::stream(envoy, &node.store, &node.identity);
+        tenantgate::engine::class_of(policy, &host).map(|c| c.name.clone())
+    })
+    .flatten();
+    config.failure.directive(class.as_deref())
 }
 
 /// Sends a local reply on the stream.
@@ -442,14 +434,35 @@ fn send(envoy: HttpFilterEnvoy, reply: &LocalReply) {
     }
 }
 
-/// Writes the decision record (filter state, for the access log) and
-/// carries out a soft limit's route mark.
+/// Writes the decision record (filter state, for the access log),
+/// carries out a soft limit's route mark and a metered request's
+/// `accept-encoding: identity`.
 fn record(envoy: HttpFilterEnvoy, directive: &Directive) {
     if let Some(record) = &directive.record {
         filter_state(envoy, crate::RECORD_KEY, record, "decision record");
     }
     if let Some(mark) = &directive.mark {
         route_mark(envoy, mark);
+    }
+    if directive.identity_encoding {
+        identity_encoding(envoy);
+    }
+}
+
+/// Asks the upstream for an uncompressed answer (a metered request).
+fn identity_encoding(envoy: HttpFilterEnvoy) {
+    let name = tenantgate::pipeline::ACCEPT_ENCODING;
+    // SAFETY: the current hook's stream; the buffers are ours.
+    let set = unsafe {
+        abi::envoy_dynamic_module_callback_http_set_header(
+            envoy,
+            abi::HEADER_REQUEST,
+            ModuleBuffer::of(name.as_bytes()),
+            ModuleBuffer::of(tenantgate::pipeline::IDENTITY.as_bytes()),
+        )
+    };
+    if !set {
+        log::warn!("tenantgate: cannot set the {name} request header");
     }
 }
 
@@ -553,6 +566,7 @@ fn go() -> Directive {
         verdict: Verdict::Continue,
         record: None,
         mark: None,
+        identity_encoding: false,
     }
 }
 

@@ -51,10 +51,10 @@ use tenantgate::stats::{Metric, Stats};
 use tenantgate::sync::syncer::CalloutAnswer;
 
 use crate::abi::{self, HttpFilterConfigEnvoy, HttpFilterConfigScheduler, HttpFilterScheduler, ModuleBuffer};
-use crate::failure::Failure;
 use crate::host::{EnvoyHost, Identity, SystemClock};
 use crate::stats::{Metrics, ModuleStats};
 use crate::store::Store;
+use tenantgate::pipeline::failure::Failure;
 
 /// The module's own counter of entry points that panicked (caught, turned
 /// into the failure mode; see `lib.rs`).
@@ -203,6 +203,7 @@ fn go() -> Directive {
         verdict: Verdict::Continue,
         record: None,
         mark: None,
+        identity_encoding: false,
     }
 }
 

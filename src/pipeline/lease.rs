@@ -1,6 +1,6 @@
 //! Worker leases: a hot key's units taken out of its node-wide entry in
 //! one update and spent in the worker's own memory, so that most of its
-//! requests touch no shared data and read no clock.
+//! requests touch no shared data (they read the clock: a lease expires).
 //!
 //! # The rule
 //! The node-wide entry of a key (its key-table slot, through
@@ -9,7 +9,8 @@
 //! and in the same update takes up to `want` units of every limit of the
 //! key ([`crate::engine::charge_leased`]): the request's cost, and the rest
 //! for its **lease**. Later requests of the key on this worker spend the
-//! lease (no hostcall) until it cannot pay their cost; the worker's next
+//! lease (no shared data; one clock read, for its expiry) until it cannot
+//! pay their cost or expires; the worker's next
 //! tick gives what is left back to the entry ([`crate::engine::give_back`])
 //! and forgets the lease. So **units are moved, never copied**: a unit is
 //! in the entry or in exactly one worker's lease, and the node never admits
@@ -189,7 +190,7 @@ fn slot(key: &str) -> usize {
 
 impl Leases {
     /// Checks and charges a request's rate limits (see the module header):
-    /// from its key's lease if the lease can pay (no clock, no shared
+    /// from its key's lease if the lease can pay and has not expired (the clock, no shared
     /// data), else a remembered refusal (the clock), else `charge(now,
     /// want)`, which charges the entry and takes up to `want` units.
     /// `now` is set if the clock was read; `Err`: the clock could not be.
