@@ -44,7 +44,15 @@ fn a_free_tenant_gets_its_burst_then_429_with_retry_after_headers_and_problem_js
         assert_eq!(r.header("ratelimit-policy"), Some(r#""free";q=10;w=1"#));
         assert_eq!(
             r.header("ratelimit"),
-            Some(format!(r#""free";r={expected_remaining};t=1"#).as_str())
+            // draft-11: no more than r within t; the next token is 0.2 s
+            // away while any remain (t=0), at r=0 rounded up (t=1).
+            Some(
+                format!(
+                    r#""free";r={expected_remaining};t={}"#,
+                    u8::from(expected_remaining == 0)
+                )
+                .as_str()
+            )
         );
     }
     let denied = get(envoy.port, "/api/orders", &tenant("burst-a"));
@@ -315,7 +323,7 @@ fn client_headers_cannot_change_class_plan_or_priority_nor_forge_a_jwt_identity(
     let r = get(envoy.port, "/api/orders?class=search&plan=paid", &forged);
     assert_eq!(r.status, 200);
     assert_eq!(r.header("ratelimit-policy"), Some(r#""free";q=10;w=1"#)); // not paid
-    assert_eq!(r.header("ratelimit"), Some(r#""free";r=4;t=1"#)); // cost 1, not 5
+    assert_eq!(r.header("ratelimit"), Some(r#""free";r=4;t=0"#)); // cost 1, not 5
 
     // JWT listener: the verified claim wins over the client's header...
     let paid = demo_token("demo-paid");

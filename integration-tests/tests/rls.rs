@@ -150,12 +150,19 @@ fn listener(l: &Listener) -> String {
 /// let a request through for one: at Envoy's default 20 ms timeout, an
 /// answer late by a delayed ACK (about 40 ms) shows here.
 fn assert_answered_in_time(envoy: &Envoy) {
-    for stat in [
+    assert_eq!(rls_errors(envoy), 0, "{}", envoy.log_tail());
+}
+
+/// The filter's errors (timeouts included) and the requests it let
+/// through for one.
+fn rls_errors(envoy: &Envoy) -> u64 {
+    [
         "cluster.upstream.ratelimit.error",
         "cluster.upstream.ratelimit.failure_mode_allowed",
-    ] {
-        assert_eq!(envoy.stat(stat).unwrap_or(0), 0, "{stat}\n{}", envoy.log_tail());
-    }
+    ]
+    .iter()
+    .map(|s| envoy.stat(s).unwrap_or(0))
+    .sum()
 }
 
 fn rls_cluster(c: &RlsCluster) -> String {
@@ -302,7 +309,7 @@ fn envoys_native_ratelimit_filter_decides_with_tenantgate_serve() {
     assert_eq!(refused.header("x-envoy-ratelimited"), Some("true"), "{refused:?}");
     assert_eq!(
         refused.header("ratelimit"),
-        Some("\"per_tenant\";r=0;t=86400"),
+        Some("\"per_tenant\";r=0;t=17280"),
         "{refused:?}"
     );
     assert_eq!(statuses(port, "/api", &[("x-tenant-id", "b")], 5), [200; 5]);
@@ -490,6 +497,26 @@ fn two_replicas_sharing_redis_answer_over_mtls() {
         admin,
         dir.join("unused-ecds.yaml"),
     );
+    // A new mTLS connection to each replica first: its handshake (the
+    // debug build's, on a machine shared with builds) may take longer than
+    // the 20 ms timeout, once per connection. Warmed until both replicas
+    // answered, then no error at all.
+    let answered = |r: &Serve| {
+        metric(r.admin_port, "tenantgate_rls_requests_total{result=\"ok\"}")
+            + metric(
+                r.admin_port,
+                "tenantgate_rls_requests_total{result=\"over_limit\"}",
+            )
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), || {
+            get(port, "/api", &[("x-tenant-id", "warm")]);
+            replicas.iter().all(|r| answered(r) > 0)
+        }),
+        "{}",
+        envoy.log_tail()
+    );
+    let warm_errors = rls_errors(&envoy);
     let answers = statuses(port, "/api", &[("x-tenant-id", "r")], 8);
     assert_eq!(
         answers,
@@ -506,7 +533,7 @@ fn two_replicas_sharing_redis_answer_over_mtls() {
             );
         assert!(answered >= 2, "replica on {} answered {answered}", r.port);
     }
-    assert_answered_in_time(&envoy);
+    assert_eq!(rls_errors(&envoy), warm_errors, "{}", envoy.log_tail());
     // Without TLS the replicas never answer: every request fails closed.
     assert_eq!(statuses(plain, "/api", &[("x-tenant-id", "q")], 3), [500; 3]);
     // A tenant on the mTLS listener is untouched by those.

@@ -34,6 +34,8 @@ pub struct Standing {
     pub remaining: u64,
     /// Until the limit is whole again.
     pub reset_ns: u64,
+    /// The exact `t` of the `RateLimit` field ([`Algo::quota_window_ns`]).
+    pub t_ns: u64,
     /// `Some(wait)`: this limit refuses the request (shadow or not).
     pub refused_for_ns: Option<u64>,
 }
@@ -83,6 +85,7 @@ pub fn check_key(
                 let standing = Standing {
                     remaining,
                     reset_ns,
+                    t_ns: live.algo.quota_window_ns(&state, now, remaining),
                     refused_for_ns: None,
                 };
                 push_local(&mut charged, l.name_hash, &live.algo, live.epoch, &state, now);
@@ -105,6 +108,7 @@ pub fn check_key(
                     Standing {
                         remaining,
                         reset_ns,
+                        t_ns: live.algo.quota_window_ns(&live.state, now, remaining),
                         refused_for_ns: Some(wait_ns),
                     },
                 )

@@ -34,8 +34,9 @@
 //! `requests_per_unit` and `unit` when its window is one of RLS's units,
 //! else `UNKNOWN`), `limit_remaining` and `duration_until_reset`. The
 //! response adds `RateLimit-Policy` and `RateLimit` headers (the draft-10
-//! syntax the filter sends) for the request's binding limit, which Envoy's
-//! filter adds to the client's response.
+//! syntax the filter sends, `t` as draft-11 defines it and the filter
+//! computes it: `tenantgate::decision::t_secs`) for the request's binding
+//! limit, which Envoy's filter adds to the client's response.
 //!
 //! # THE BOUND
 //! The service is the only decider of an RLS key and each request's update
@@ -72,6 +73,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use tenantgate::decision::t_secs;
 use tenantgate::limiter::charge::{check_key, idle_after_ns, refund_key, KeyCheck, KeyLimit};
 use tenantgate::policy::descriptors::{Descriptors, MAX_DEPTH, MAX_TEXT_LEN};
 use tenantgate::policy::{Mode, Policy};
@@ -467,7 +469,7 @@ fn respond(
                 };
                 let rank = (refuses, u64::MAX - remaining);
                 if headline.is_none_or(|(_, r, _, was)| rank > (was, u64::MAX - r)) {
-                    headline = Some((limit, remaining, s.reset_ns, refuses));
+                    headline = Some((limit, remaining, t_secs(remaining, s.t_ns), refuses));
                 }
                 let unit = unit_of(limit.per_secs);
                 DescriptorStatus {
@@ -485,7 +487,7 @@ fn respond(
         })
         .collect();
     let mut response_headers_to_add = Vec::new();
-    if let Some((limit, remaining, reset_ns, _)) = headline {
+    if let Some((limit, remaining, t, _)) = headline {
         let header = |key: &str, value: String| HeaderValue {
             key: key.to_owned(),
             value,
@@ -497,12 +499,7 @@ fn respond(
         ));
         response_headers_to_add.push(header(
             "ratelimit",
-            format!(
-                "\"{}\";r={};t={}",
-                limit.name,
-                remaining,
-                reset_ns.div_ceil(NANOS_PER_SEC)
-            ),
+            format!("\"{}\";r={};t={}", limit.name, remaining, t),
         ));
     }
     RateLimitResponse {
