@@ -12,6 +12,9 @@ WASM        := target/$(WASM_TARGET)/wasm-release/tenantgate.wasm
 CLI         := target/debug/tenantgate
 EMPTY_WASM  := target/$(WASM_TARGET)/wasm-release/empty_filter.wasm
 MODULE      := target/module-release/libtenantgate_module.so
+# The module with the test-only fault switch (feature test-faults): a debug
+# build in its own target directory, for the fail-safe test only.
+MODULE_FAULTS := target/faults/debug/libtenantgate_module.so
 # `make run`'s host: wasm (the proxy-wasm filter) or module (the native
 # Envoy dynamic module).
 HOST        ?= wasm
@@ -26,10 +29,11 @@ export TENANTGATE_BIN := $(abspath $(CLI))
 export TENANTGATE_WASM := $(abspath $(WASM))
 export EMPTY_WASM     := $(abspath $(EMPTY_WASM))
 export TENANTGATE_MODULE := $(abspath $(MODULE))
+export TENANTGATE_MODULE_FAULTS := $(abspath $(MODULE_FAULTS))
 export SCHEMATHESIS_BIN := $(abspath $(SCHEMATHESIS))
 
 
-.PHONY: help setup setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
+.PHONY: module-faults help setup setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -71,6 +75,9 @@ wasm: setup ## Build the filter (.wasm, release profile: lto, opt-level 3, panic
 module: ## Build the native Envoy dynamic module (libtenantgate_module.so; module-release profile: lto, unwinding panics)
 	cargo build --profile module-release -p tenantgate-module
 
+module-faults: ## Build the module with its test-only fault switch (feature test-faults, target/faults/): the fail-safe test's; never shipped
+	cargo build -p tenantgate-module --features test-faults --target-dir target/faults
+
 cli: ## Build the tenantgate command-line tool
 	cargo build -p tenantgate-cli
 
@@ -86,14 +93,14 @@ manifests: cli ## Regenerate deploy/wasm/ (Envoy Gateway EnvoyExtensionPolicy, I
 run: wasm module cli ## The whole system: two Envoys (10000 and 11000, two regions) and tenantgate serve (10002, mTLS); HOST=module for the native module; Ctrl-C stops it
 	TG_RUN_POLICY=$(POLICY) TG_RUN_HOST=$(HOST) $(PYTHON) envoy/run.py
 
-test: wasm module cli ## Every test tier: core, policy golden, CLI, and real-Envoy integration (on both hosts)
+test: wasm module module-faults cli ## Every test tier: core, policy golden, CLI, and real-Envoy integration (on both hosts)
 	cargo test --workspace --exclude tenantgate-integration-tests
 	cargo test -p tenantgate-integration-tests -- --test-threads=1
 
 test-unit: setup-redis setup-postgresql setup-schemathesis ## Only the native tests (core, policy golden, CLI); no Envoy needed
 	cargo test --workspace --exclude tenantgate-integration-tests
 
-test-integration: wasm module cli ## Only the real-Envoy tests
+test-integration: wasm module module-faults cli ## Only the real-Envoy tests
 	cargo test -p tenantgate-integration-tests -- --test-threads=1 --nocapture
 
 setup-wrk: ## Install wrk (Debian package) if missing: make bench and make bench-memory load Envoy with it
@@ -119,6 +126,7 @@ bench-service-memory: setup-redis ## Service memory: 100,000 node ids x 10 keys 
 lint: check-glue ## fmt check, clippy (native and wasm32, warnings denied), host-layer check
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	cargo clippy -p tenantgate-module --features test-faults -- -D warnings
 	cargo clippy --target $(WASM_TARGET) -p tenantgate-filter -p tenantgate-bench-empty-filter -- -D warnings
 	cargo clippy --target $(WASM_TARGET) -p tenantgate-filter --features self-time -- -D warnings
 

@@ -80,7 +80,7 @@ pub fn prepare<H: Host>(policy: &Policy, host: &H) -> Result<Prepared, Reason> {
     if policy.mode == Mode::Off {
         return Err(Reason::Disabled);
     }
-    let Some(class) = classify(policy, host) else {
+    let Some(class) = class_of(policy, host) else {
         return Err(Reason::Unclassified);
     };
     let (subject, plan) = identify(policy, host);
@@ -148,7 +148,7 @@ pub fn charge_leased<H: Host>(
         let state = sync
             .copied()
             .unwrap_or_else(|| SyncState::new(effective_from, s.interval_ns, s.timeout_ns));
-        let mode = req.class.failure_mode.unwrap_or(s.failure_mode);
+        let mode = policy.failure_mode(Some(&req.class));
         state.view(mode, s.provisional, s.local_max_ns, s.timeout_ns, now)
     });
     let leasable = req.class.guard.is_none()
@@ -206,7 +206,7 @@ pub fn charge_leased<H: Host>(
             charged_at: now,
             lease: None,
         };
-        decision.refunded = refund(host, &tenant_place, &plan.limits, &back, &ctx, table);
+        decision.refunded = refund(host, &tenant_place, &plan.limits, &back, &ctx, table).written;
         guard_decision.subject = decision.subject;
         guard_decision.table = decision.table;
         guard_decision.refunded = decision.refunded;
@@ -491,13 +491,13 @@ fn check_limits(
                 // policy's that wrote the record.
                 let loaded = l.algo.load(record, ctx.effective_from, ctx.now);
                 changed |= loaded.changed;
-                match loaded.algo.check(&loaded.state, ctx.now, ctx.cost) {
+                match loaded.algo.check(&loaded.state, loaded.now, ctx.cost) {
                     Outcome::Admit {
                         state,
                         remaining,
                         reset_ns,
                     } => {
-                        let t_ns = window(ctx, &loaded.algo, &state, remaining);
+                        let t_ns = window(ctx.headers, loaded.now, &loaded.algo, &state, remaining);
                         (
                             Outcome::Admit {
                                 state: State::TokenBucket { tat: 0 },
@@ -512,7 +512,7 @@ fn check_limits(
                         let remaining = match deny {
                             Outcome::Deny { remaining, .. } | Outcome::Admit { remaining, .. } => remaining,
                         };
-                        let t_ns = window(ctx, &loaded.algo, &loaded.state, remaining);
+                        let t_ns = window(ctx.headers, loaded.now, &loaded.algo, &loaded.state, remaining);
                         (deny, Loaded::Local(loaded, None), t_ns)
                     }
                 }
@@ -562,9 +562,9 @@ fn lease_states(
     let mut leased: [Option<(Leased, Standing)>; MAX_RECORDS] = Default::default();
     for (slot, loaded) in leased.iter_mut().zip(states.iter()).take(limits.len()) {
         *slot = match loaded {
-            Some(Loaded::Local(live, _)) => match live.algo.check(&live.state, ctx.now, cost) {
+            Some(Loaded::Local(live, _)) => match live.algo.check(&live.state, live.now, cost) {
                 Outcome::Admit { state, remaining, .. } => {
-                    let t_ns = window(ctx, &live.algo, &state, remaining);
+                    let t_ns = window(ctx.headers, live.now, &live.algo, &state, remaining);
                     Some((Leased::Local(state), Standing { remaining, t_ns }))
                 }
                 Outcome::Deny { .. } => return,
@@ -667,7 +667,7 @@ fn write_records(
                     }
                     _ => &loaded.state,
                 };
-                push_local(out, l.name_hash, loaded, stored, ctx.now);
+                push_local(out, l.name_hash, loaded, stored);
             }
             Some(Loaded::Global(demanded, charged)) => {
                 let (p1, p2) = l.algo.params();
@@ -722,12 +722,13 @@ fn keep_newer_records(
 }
 
 /// Appends a local limit's record: `state` under the parameters `live`
-/// was checked under, stamped with its epoch and `now`.
-fn push_local(out: &mut Vec<u8>, name_hash: u32, live: &Live, state: &State, now: u64) {
+/// was checked under, stamped with its epoch and the instant it was read
+/// at (never earlier than the write it follows: [`crate::limiter::algo::reading`]).
+fn push_local(out: &mut Vec<u8>, name_hash: u32, live: &Live, state: &State) {
     let (p1, p2) = live.algo.params();
     let stamp = Stamp {
         epoch: live.epoch,
-        written_at: now,
+        written_at: live.now,
     };
     push_record_with(out, name_hash, live.algo.kind(), p1, p2, |o| {
         Algo::encode_stored(state, stamp, o)
@@ -825,6 +826,15 @@ enum Change {
     More(u64),
 }
 
+impl Change {
+    /// The units this change moves.
+    fn units(self) -> u64 {
+        match self {
+            Change::Back(units) | Change::LeaseBack { units, .. } | Change::More(units) => units,
+        }
+    }
+}
+
 /// What a settlement (or a refund) did to a key's limits.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Adjusted {
@@ -834,11 +844,14 @@ pub struct Adjusted {
     pub written_off: u64,
     /// The most units any adjusted limit owes afterwards (0: none in debt).
     pub owed: u64,
+    /// The most units of a give-back a limit did not take because a reload
+    /// changed its parameters since the charge (see [`Algo::charged_under`]).
+    pub dropped: u64,
 }
 
 /// Gives back a charge (a later check denied the request, or a worker
-/// returns its lease's unused units). Best effort: returns whether it
-/// was written.
+/// returns its lease's unused units). Best effort: returns what was
+/// written and what a reload made it drop.
 fn refund<H: Host>(
     host: &H,
     place: &Place<'_>,
@@ -846,7 +859,7 @@ fn refund<H: Host>(
     back: &Back,
     ctx: &Ctx,
     buffers: &mut table::Buffers,
-) -> bool {
+) -> Adjusted {
     let change = match back.lease {
         Some(Spent(spent)) => Change::LeaseBack {
             units: back.units,
@@ -864,7 +877,6 @@ fn refund<H: Host>(
         ctx,
         buffers,
     )
-    .written
 }
 
 /// Applies `change` to the limits in `charged` (bit i: `limits[i]`) of the
@@ -889,6 +901,7 @@ fn adjust<H: Host>(
 ) -> Adjusted {
     let limits = &limits[..limits.len().min(MAX_LIMITS_PER_PLAN).min(MAX_RECORDS)];
     let more = matches!(change, Change::More(_));
+    let giving_back = !more;
     let reach = if more { &CHARGE } else { &Reach::Existing };
     let is_charged = |i: usize, l: &Limit| charged & (1 << i) != 0 && !l.global;
     let updated = table::update(host, place, reach, ctx.now, buffers, |records, out| {
@@ -905,10 +918,18 @@ fn adjust<H: Host>(
                 .enumerate()
                 .find(|(_, l)| l.name_hash == r.name_hash);
             match limit {
+                Some((i, l)) if is_charged(i, l) && giving_back && !l.algo.charged_under(r) => {
+                    // A give-back goes only to a record still under the
+                    // parameters it was charged under: a reload migrated
+                    // this one, and what the old policy charged is already
+                    // accounted in the fill level it carried over.
+                    adjusted.dropped = adjusted.dropped.max(change.units());
+                    push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state);
+                }
                 Some((i, l)) if is_charged(i, l) && r.kind != kind::GLOBAL_ALLOWANCE => {
                     let current = l.algo.load(Some(r), ctx.effective_from, ctx.now);
-                    let state = change_state(&current, change, charged_at, ctx.now, &mut adjusted);
-                    push_local(out, r.name_hash, &current, &state, ctx.now);
+                    let state = change_state(&current, change, charged_at, &mut adjusted);
+                    push_local(out, r.name_hash, &current, &state);
                 }
                 Some((i, l)) if l.global && charged & (1 << i) != 0 && r.kind == kind::GLOBAL_ALLOWANCE => {
                     match stored::decode_allowance(r.state) {
@@ -932,8 +953,8 @@ fn adjust<H: Host>(
                     continue;
                 }
                 let fresh = l.algo.load(None, ctx.effective_from, ctx.now);
-                let state = change_state(&fresh, change, charged_at, ctx.now, &mut adjusted);
-                push_local(out, l.name_hash, &fresh, &state, ctx.now);
+                let state = change_state(&fresh, change, charged_at, &mut adjusted);
+                push_local(out, l.name_hash, &fresh, &state);
                 count += 1;
             }
         }
@@ -950,7 +971,8 @@ fn adjust<H: Host>(
 }
 
 /// One limit's state after `change`, noting what it wrote off and owes.
-fn change_state(live: &Live, change: Change, charged_at: u64, now: u64, adjusted: &mut Adjusted) -> State {
+fn change_state(live: &Live, change: Change, charged_at: u64, adjusted: &mut Adjusted) -> State {
+    let now = live.now;
     let state = match change {
         Change::Back(units) | Change::LeaseBack { units, .. } => {
             live.algo.refund(&live.state, units, charged_at)
@@ -1074,7 +1096,8 @@ pub fn settle<H: Host>(
 /// its plan, as charged at `taken_at` (a fixed window or a sliding counter
 /// takes back only within the window they were charged in). Best effort:
 /// units that cannot be given back are lost, which errs toward admitting
-/// less. Returns whether it was written.
+/// less, and so are units a reload made worthless ([`Algo::charged_under`]).
+/// Returns what was written and dropped.
 #[allow(clippy::too_many_arguments)]
 pub fn give_back<H: Host>(
     policy: &Policy,
@@ -1085,9 +1108,9 @@ pub fn give_back<H: Host>(
     taken_at: u64,
     now: u64,
     scratch: &mut Scratch,
-) -> bool {
+) -> Adjusted {
     let Some(plan) = policy.plan(req.plan) else {
-        return false;
+        return Adjusted::default();
     };
     let ctx = Ctx {
         now,
@@ -1210,7 +1233,7 @@ fn peek_limit(
         };
     }
     let live = l.algo.load(record, effective_from, now);
-    match live.algo.check(&live.state, now, 0) {
+    match live.algo.check(&live.state, live.now, 0) {
         Outcome::Admit {
             remaining, reset_ns, ..
         }
@@ -1219,7 +1242,7 @@ fn peek_limit(
         } => Peeked {
             remaining,
             reset_ns,
-            t_ns: live.algo.quota_window_ns(&live.state, now, remaining),
+            t_ns: live.algo.quota_window_ns(&live.state, live.now, remaining),
         },
     }
 }
@@ -1227,7 +1250,9 @@ fn peek_limit(
 /// The route class from trusted route metadata, else the route name, else
 /// the policy's default class. Nothing the client sends is consulted.
 /// With `class:` (one filter instance per class), nothing is read at all.
-fn classify<'p, H: Host>(policy: &'p Policy, host: &H) -> Option<&'p Rc<RouteClass>> {
+/// The one classifier: a host that needs a request's class (the module,
+/// for its failure mode after a caught panic) asks here.
+pub fn class_of<'p, H: Host>(policy: &'p Policy, host: &H) -> Option<&'p Rc<RouteClass>> {
     let name = match &policy.classification {
         Classification::Instance(class) => return Some(class),
         Classification::RouteName => host.property(&ROUTE_NAME_PROPERTY),
@@ -1327,9 +1352,9 @@ pub fn client_ip(address: &[u8]) -> Option<&str> {
 
 /// A local limit's exact `t` on `state` (see [`Standing`]); 0 when the
 /// policy sends no headers (nothing reads it).
-fn window(ctx: &Ctx, algo: &Algo, state: &State, remaining: u64) -> u64 {
-    if ctx.headers {
-        algo.quota_window_ns(state, ctx.now, remaining)
+fn window(headers: bool, now: u64, algo: &Algo, state: &State, remaining: u64) -> u64 {
+    if headers {
+        algo.quota_window_ns(state, now, remaining)
     } else {
         0
     }

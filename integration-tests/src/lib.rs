@@ -72,6 +72,15 @@ pub fn module_file() -> PathBuf {
     )
 }
 
+/// The module built with its test-only fault switch (`make module-faults`).
+pub fn module_faults_file() -> PathBuf {
+    tool(
+        "TENANTGATE_MODULE_FAULTS",
+        repo().join("target/faults/debug/libtenantgate_module.so"),
+        "run `make module-faults`, which builds the module with its test-only fault switch",
+    )
+}
+
 /// What runs tenantgate inside the Envoys a test starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Host {
@@ -85,6 +94,36 @@ thread_local! {
     static HOST: std::cell::Cell<Host> = const { std::cell::Cell::new(Host::Wasm) };
     /// Extra environment for this test thread's Envoys ([`with_envoy_env`]).
     static ENVOY_ENV: std::cell::RefCell<Vec<(String, String)>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The module library of this test thread's Envoys ([`with_module_file`]).
+    static MODULE_FILE: std::cell::RefCell<Option<PathBuf>> = const { std::cell::RefCell::new(None) };
+    /// `--concurrency` of this test thread's Envoys ([`with_workers`]).
+    static CONCURRENCY: std::cell::Cell<u64> = const { std::cell::Cell::new(WORKERS) };
+}
+
+/// Runs `f` with this thread's Envoys loading the module from `file`
+/// (e.g. [`module_faults_file`]) instead of [`module_file`].
+pub fn with_module_file<R>(file: PathBuf, f: impl FnOnce() -> R) -> R {
+    let before = MODULE_FILE.with(|m| m.replace(Some(file)));
+    let result = f();
+    MODULE_FILE.with(|m| m.replace(before));
+    result
+}
+
+/// The module library this thread's Envoys load.
+fn module_in_use() -> PathBuf {
+    MODULE_FILE
+        .with(|m| m.borrow().clone())
+        .unwrap_or_else(module_file)
+}
+
+/// Runs `f` with this thread's Envoys on `workers` worker threads (users
+/// run more workers than the cores they get: `--concurrency 4` on this
+/// 2-core machine is such a case).
+pub fn with_workers<R>(workers: u64, f: impl FnOnce() -> R) -> R {
+    let before = CONCURRENCY.with(|c| c.replace(workers));
+    let result = f();
+    CONCURRENCY.with(|c| c.set(before));
+    result
 }
 
 /// Runs `f` with these variables in the environment of every Envoy it starts.
@@ -142,7 +181,7 @@ pub fn bootstrap_for(host: Host, bootstrap: &str) -> String {
     if host == Host::Wasm {
         return bootstrap.to_owned();
     }
-    let module = module_file();
+    let module = module_in_use();
     let mut out = String::with_capacity(bootstrap.len() * 2);
     for line in bootstrap.split_inclusive('\n') {
         if bootstrap.contains(MODULE_TYPE) {
@@ -368,7 +407,7 @@ impl Envoy {
         dir
     }
 
-    /// Starts Envoy (`--concurrency` [`WORKERS`]) on a bootstrap of the
+    /// Starts Envoy (`--concurrency` [`WORKERS`], or [`with_workers`]) on a bootstrap of the
     /// caller's, written to `dir`, and waits until it is ready and `port`
     /// accepts connections.
     pub fn launch(
@@ -401,7 +440,7 @@ impl Envoy {
             .arg(&config)
             .args([
                 "--concurrency",
-                &WORKERS.to_string(),
+                &CONCURRENCY.with(std::cell::Cell::get).to_string(),
                 "--disable-hot-restart",
                 "-l",
                 "info",
@@ -559,7 +598,7 @@ pub fn apply_with_cli(host: Host, policy: &Path, ecds: &Path) -> (bool, String) 
     cmd.args(["policy", "apply"]).arg(policy).arg("--ecds").arg(ecds);
     match host {
         Host::Wasm => cmd.arg("--wasm").arg(wasm_file()),
-        Host::Module => cmd.arg("--module").arg(module_file()),
+        Host::Module => cmd.arg("--module").arg(module_in_use()),
     };
     let out = cmd.output().expect("run tenantgate");
     (

@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 
 use tenantgate_integration_tests::upstream::Upstream;
 use tenantgate_integration_tests::{
-    cli_bin, get, module_file, wait_for, with_envoy_env, with_host, Conn, Envoy, Host, Response,
+    cli_bin, get, module_faults_file, module_file, wait_for, with_envoy_env, with_host, with_module_file,
+    Conn, Envoy, Host, Response,
 };
 
 const POLICY: &str = r#"
@@ -148,74 +149,99 @@ fn fault(conn: &mut Conn, path: &str, tenant: &str, point: &str) -> Response {
 }
 
 #[test]
+fn the_shipped_module_has_no_fault_switch() {
+    // The switch is compiled only with the test-faults feature, which the
+    // release profiles never enable: neither its header nor its variable is
+    // in the library `make module` ships; the test build has both.
+    let shipped = std::fs::read(module_file()).unwrap();
+    let faults = std::fs::read(module_faults_file()).unwrap();
+    for needle in [&b"x-tenantgate-test-fault"[..], b"TENANTGATE_MODULE_TEST_FAULTS"] {
+        let has = |bytes: &[u8]| bytes.windows(needle.len()).any(|w| w == needle);
+        assert!(
+            !has(&shipped),
+            "the shipped module contains {}",
+            String::from_utf8_lossy(needle)
+        );
+        assert!(
+            has(&faults),
+            "the test build lacks {}",
+            String::from_utf8_lossy(needle)
+        );
+    }
+}
+
+#[test]
 fn a_panic_at_any_entry_point_never_brings_envoy_down() {
     with_host(Host::Module, || {
-        with_envoy_env(&[("TENANTGATE_MODULE_TEST_FAULTS", "1")], || {
-            let upstream = Upstream::start();
-            let mut envoy = Envoy::start_with_upstream(POLICY, upstream.port, &["api", "strict", "export"]);
-            let pid = envoy.pid();
-            let panics = |e: &Envoy| e.tg_stat("module.panics");
-            assert_eq!(panics(&envoy), 0);
+        with_module_file(module_faults_file(), || {
+            with_envoy_env(&[("TENANTGATE_MODULE_TEST_FAULTS", "1")], || {
+                let upstream = Upstream::start();
+                let mut envoy =
+                    Envoy::start_with_upstream(POLICY, upstream.port, &["api", "strict", "export"]);
+                let pid = envoy.pid();
+                let panics = |e: &Envoy| e.tg_stat("module.panics");
+                assert_eq!(panics(&envoy), 0);
 
-            // Two requests held for a token (`export`, burst 5 spent), one
-            // on each worker (exact balance), their connections kept open.
-            let exhausted = (0..5)
-                .filter(|_| get(envoy.port, "/up/export", &[("x-tenant-id", "held")]).status == 200)
-                .count();
-            assert_eq!(exhausted, 5);
-            let held: Vec<_> = (0..2)
-                .map(|_| {
-                    let port = envoy.port;
-                    std::thread::spawn(move || {
-                        let started = Instant::now();
-                        let mut c = Conn::open(port).unwrap();
-                        let r = c.get("/up/export", &[("x-tenant-id", "held")]).unwrap();
-                        (r.status, started.elapsed())
+                // Two requests held for a token (`export`, burst 5 spent), one
+                // on each worker (exact balance), their connections kept open.
+                let exhausted = (0..5)
+                    .filter(|_| get(envoy.port, "/up/export", &[("x-tenant-id", "held")]).status == 200)
+                    .count();
+                assert_eq!(exhausted, 5);
+                let held: Vec<_> = (0..2)
+                    .map(|_| {
+                        let port = envoy.port;
+                        std::thread::spawn(move || {
+                            let started = Instant::now();
+                            let mut c = Conn::open(port).unwrap();
+                            let r = c.get("/up/export", &[("x-tenant-id", "held")]).unwrap();
+                            (r.status, started.elapsed())
+                        })
                     })
-                })
-                .collect();
-            assert!(wait_for(Duration::from_secs(5), || envoy.tg_stat("queue.held") >= 2));
+                    .collect();
+                assert!(wait_for(Duration::from_secs(5), || envoy.tg_stat("queue.held") >= 2));
 
-            // A panic in each worker's request path (two keep-alive
-            // connections, one per worker): the default class goes on, the
-            // fail_closed one gets 503; both workers are made new and
-            // answer what they held (fail-open: on its way, long before
-            // the 5 s max_wait).
-            let (mut a, mut b) = (Conn::open(envoy.port).unwrap(), Conn::open(envoy.port).unwrap());
-            assert_eq!(fault(&mut a, "/up/api", "f", "request_headers").status, 200);
-            let r = fault(&mut b, "/up/strict", "f", "request_headers");
-            assert_eq!(r.status, 503);
-            assert_eq!(r.header("x-tenantgate-reason"), Some("state_unavailable"));
-            for h in held {
-                let (status, waited) = h.join().unwrap();
-                assert_eq!(status, 200);
-                assert!(
-                    waited < Duration::from_secs(4),
-                    "held {waited:?}: not answered by the reset"
-                );
-            }
-            // In the response path and at the stream's end: the answer is
-            // the upstream's.
-            assert_eq!(fault(&mut a, "/up/api", "f", "response_headers").status, 200);
-            assert_eq!(fault(&mut b, "/up/api", "f", "stream_complete").status, 200);
-            // In a tick: the next one panics; ticks go on.
-            assert_eq!(fault(&mut a, "/up/api", "f", "tick").status, 200);
-            assert!(wait_for(Duration::from_secs(5), || panics(&envoy) >= 5));
-            let flushes = envoy.tg_stat("stats.flushes");
-            assert!(wait_for(Duration::from_secs(5), || envoy
-                .tg_stat("stats.flushes")
-                > flushes + 10));
-            assert_eq!(panics(&envoy), 5);
-            assert!(envoy.log().contains("tenantgate test fault at request_headers"));
+                // A panic in each worker's request path (two keep-alive
+                // connections, one per worker): the default class goes on, the
+                // fail_closed one gets 503; both workers are made new and
+                // answer what they held (fail-open: on its way, long before
+                // the 5 s max_wait).
+                let (mut a, mut b) = (Conn::open(envoy.port).unwrap(), Conn::open(envoy.port).unwrap());
+                assert_eq!(fault(&mut a, "/up/api", "f", "request_headers").status, 200);
+                let r = fault(&mut b, "/up/strict", "f", "request_headers");
+                assert_eq!(r.status, 503);
+                assert_eq!(r.header("x-tenantgate-reason"), Some("state_unavailable"));
+                for h in held {
+                    let (status, waited) = h.join().unwrap();
+                    assert_eq!(status, 200);
+                    assert!(
+                        waited < Duration::from_secs(4),
+                        "held {waited:?}: not answered by the reset"
+                    );
+                }
+                // In the response path and at the stream's end: the answer is
+                // the upstream's.
+                assert_eq!(fault(&mut a, "/up/api", "f", "response_headers").status, 200);
+                assert_eq!(fault(&mut b, "/up/api", "f", "stream_complete").status, 200);
+                // In a tick: the next one panics; ticks go on.
+                assert_eq!(fault(&mut a, "/up/api", "f", "tick").status, 200);
+                assert!(wait_for(Duration::from_secs(5), || panics(&envoy) >= 5));
+                let flushes = envoy.tg_stat("stats.flushes");
+                assert!(wait_for(Duration::from_secs(5), || envoy
+                    .tg_stat("stats.flushes")
+                    > flushes + 10));
+                assert_eq!(panics(&envoy), 5);
+                assert!(envoy.log().contains("tenantgate test fault at request_headers"));
 
-            // The same process, still limiting with fresh workers.
-            assert!(envoy.alive());
-            assert_eq!(envoy.pid(), pid);
-            let statuses: Vec<u16> = (0..8)
-                .map(|_| get(envoy.port, "/up/api", &[("x-tenant-id", "after")]).status)
-                .collect();
-            assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 5, "{statuses:?}");
-            assert_eq!(statuses.iter().filter(|s| **s == 429).count(), 3, "{statuses:?}");
+                // The same process, still limiting with fresh workers.
+                assert!(envoy.alive());
+                assert_eq!(envoy.pid(), pid);
+                let statuses: Vec<u16> = (0..8)
+                    .map(|_| get(envoy.port, "/up/api", &[("x-tenant-id", "after")]).status)
+                    .collect();
+                assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 5, "{statuses:?}");
+                assert_eq!(statuses.iter().filter(|s| **s == 429).count(), 3, "{statuses:?}");
+            })
         });
     });
 }

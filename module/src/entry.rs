@@ -6,7 +6,7 @@
 //!
 //! | Envoy hook | here | core |
 //! |---|---|---|
-//! | `on_program_init` | the logger, the panic hook, the fault switch | returns [`abi::ABI_VERSION`] |
+//! | `on_program_init` | the logger, the panic hook, the fault switch (test builds only) | returns [`abi::ABI_VERSION`] |
 //! | `on_http_filter_config_new` / `_destroy` | [`Node::configure`] / [`Node::remove`] | `Pipeline::configure` on every worker |
 //! | `on_http_filter_per_route_config_new` | the route's class ([`RouteConfig`]) | |
 //! | `on_http_filter_new` | the stream's worker and id | |
@@ -89,6 +89,7 @@ pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
         std::panic::set_hook(Box::new(|info| {
             log::error!("tenantgate: panic caught at the module's boundary: {info}");
         }));
+        #[cfg(feature = "test-faults")]
         crate::fault::init();
         pin();
         abi::ABI_VERSION_C.as_ptr()
@@ -199,6 +200,7 @@ impl CalloutAnswer for Answered<'_> {
         Ok(self.headers.iter().find_map(|h| {
             // SAFETY: Envoy's headers, valid for the hook.
             let key = unsafe { bytes(h.key_ptr, h.key_length) };
+            // SAFETY: as for `key`: Envoy's headers, valid for the hook.
             (key == b":status").then(|| unsafe { bytes(h.value_ptr, h.value_length) }.to_vec())
         }))
     }
@@ -256,7 +258,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
         let config = unsafe { config(ptr) };
         let answer = Answered {
             ok: result == abi::CALLOUT_SUCCESS,
+            // SAFETY: Envoy's header array for this hook.
             headers: unsafe { slice(headers, headers_size) },
+            // SAFETY: Envoy's body array for this hook.
             body: unsafe { slice(body, body_size) },
         };
         node().callout_done(config, callout_id, &answer);
@@ -341,6 +345,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
     guard(|| {
         // SAFETY: Envoy's config pointer and the new stream, on its worker.
         let config = unsafe { config(config_ptr) };
+        // SAFETY: `envoy` is the new stream, on this worker's thread.
         let worker = unsafe { abi::envoy_dynamic_module_callback_http_filter_get_worker_index(envoy) };
         let stream = NEXT_STREAM.with(|n| {
             let id = n.get().wrapping_add(1);
@@ -371,7 +376,10 @@ fn step<R>(
 ) -> Option<R> {
     let node = node();
     let mut w = node.worker(f.worker)?;
+    #[cfg(feature = "test-faults")]
     crate::fault::request(envoy, point);
+    #[cfg(not(feature = "test-faults"))]
+    let _ = (envoy, point);
     let policy = w.policies.get(&f.config().id).cloned()?;
     let host = EnvoyHost::stream(envoy, &node.store, &node.identity);
     let result = run(&mut w, &policy, &host);
@@ -381,31 +389,22 @@ fn step<R>(
 }
 
 /// After a caught panic: counted, the worker repaired, and the request's
-/// failure mode.
+/// failure mode for the class the core's classifier gives (the rule and the
+/// classifier are the core's: `tenantgate::pipeline::failure`,
+/// `tenantgate::engine::class_of`). If classifying panics too, the
+/// policy's default mode.
 fn failed(f: &Filter, envoy: HttpFilterEnvoy) -> Directive {
     let config = f.config();
     config.count_panic();
-    drop(node().worker(f.worker));
-    config.failure.directive(class_of(envoy).as_deref())
-}
-
-/// The stream's class as the host knows it without the core: its route's
-/// per-route config, else its route's name.
-fn class_of(envoy: HttpFilterEnvoy) -> Option<String> {
-    // SAFETY: the current hook's stream.
-    let route = unsafe { abi::envoy_dynamic_module_callback_get_most_specific_route_config(envoy) };
-    if let Some(r) = unsafe { RouteConfig::from_ptr(route) } {
-        return Some(r.class.clone());
-    }
-    let mut name = EnvoyBuffer::EMPTY;
-    let ok = unsafe {
-        abi::envoy_dynamic_module_callback_http_filter_get_attribute_string(
-            envoy,
-            abi::ATTRIBUTE_XDS_ROUTE_NAME,
-            &mut name,
-        )
-    };
-    ok.then(|| String::from_utf8_lossy(unsafe { name.bytes() }).into_owned())
+    let node = node();
+    let class = guard(|| {
+        let w = node.worker(f.worker)?;
+        let policy = w.policies.get(&config.id)?;
+        let host = EnvoyHost::stream(envoy, &node.store, &node.identity);
+        tenantgate::engine::class_of(policy, &host).map(|c| c.name.clone())
+    })
+    .flatten();
+    config.failure.directive(class.as_deref())
 }
 
 /// Sends a local reply on the stream.

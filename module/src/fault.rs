@@ -1,4 +1,6 @@
-//! The test-only fault switch: with `TENANTGATE_MODULE_TEST_FAULTS=1` in
+//! The test-only fault switch, compiled only with the `test-faults` feature
+//! (`make module-faults`; no release build enables it): with
+//! `TENANTGATE_MODULE_TEST_FAULTS=1` in
 //! Envoy's environment when the module loads, a request carrying
 //! `x-tenantgate-test-fault: <point>` makes the module panic at that point
 //! (`request_headers`, `response_headers`, `stream_complete`), or at the

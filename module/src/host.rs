@@ -127,6 +127,7 @@ impl<'a> EnvoyHost<'a> {
         // SAFETY: as in `header`; `chunks` has room for every buffer.
         let count = unsafe { abi::envoy_dynamic_module_callback_http_get_body_chunks_size(filter, kind) };
         let mut chunks = vec![EnvoyBuffer::EMPTY; count];
+        // SAFETY: `chunks` has room for the `count` buffers Envoy reported.
         let ok = unsafe {
             abi::envoy_dynamic_module_callback_http_get_body_chunks(filter, kind, chunks.as_mut_ptr())
         };
@@ -149,6 +150,7 @@ impl<'a> EnvoyHost<'a> {
         // SAFETY: the pointer is ours (`per_route_config_new`), alive while
         // the route is (at least this hook).
         let route = unsafe { abi::envoy_dynamic_module_callback_get_most_specific_route_config(filter) };
+        // SAFETY: `route` is ours (`per_route_config_new`) or null.
         if let Some(config) = unsafe { RouteConfig::from_ptr(route) } {
             return Some(config.class.as_bytes().to_vec());
         }

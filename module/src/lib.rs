@@ -15,29 +15,29 @@
 //! | workers, configs, ticks, sync callouts | `node.rs` |
 //! | Envoy's metrics as the pipeline's stats sink | `stats.rs` |
 //! | a route's class in its per-route config | [`route`] |
-//! | what a request gets when the module fails inside | `failure.rs` |
-//! | the test-only fault switch | `fault.rs` |
+//! | what a request gets when the module fails inside | the core's [`tenantgate::pipeline::failure`] |
+//! | the test-only fault switch (feature `test-faults`, never in a release) | `fault.rs` |
 //!
 //! # Fail-safe
 //! The module runs in Envoy's process: a panic that crossed into Envoy
 //! would abort it, taking every connection down. So every `extern "C"`
 //! entry point runs its work inside [`std::panic::catch_unwind`] (the
 //! `module-release` profile unwinds), and a caught panic becomes the
-//! policy's failure mode for that request (`failure.rs`: 503
+//! policy's failure mode for that request (the core's `pipeline::failure`: 503
 //! `state_unavailable` for a `fail_closed` class, on its way otherwise),
 //! is counted (`tenantgate.module.panics`) and logged, and the worker it
 //! interrupted is made new (`node.rs`, `Node::reset`). The workspace's lints
 //! (no `unwrap`, `expect`, `panic!` outside tests) hold here too; the one
-//! `panic!` is the test-only switch's, off unless Envoy's environment turns
-//! it on.
+//! `panic!` is the test-only switch's, compiled only with the `test-faults`
+//! feature (a separate test build, `make module-faults`) and off even there
+//! unless Envoy's environment turns it on.
 
 #![cfg_attr(test, allow(dead_code))]
 
 pub mod abi;
 #[cfg(not(test))]
 mod entry;
-mod failure;
-#[cfg(not(test))]
+#[cfg(all(not(test), feature = "test-faults"))]
 mod fault;
 #[cfg(not(test))]
 mod host;

@@ -51,10 +51,10 @@ use tenantgate::stats::{Metric, Stats};
 use tenantgate::sync::syncer::CalloutAnswer;
 
 use crate::abi::{self, HttpFilterConfigEnvoy, HttpFilterConfigScheduler, HttpFilterScheduler, ModuleBuffer};
-use crate::failure::Failure;
 use crate::host::{EnvoyHost, Identity, SystemClock};
 use crate::stats::{Metrics, ModuleStats};
 use crate::store::Store;
+use tenantgate::pipeline::failure::Failure;
 
 /// The module's own counter of entry points that panicked (caught, turned
 /// into the failure mode; see `lib.rs`).
@@ -184,6 +184,7 @@ pub struct Config {
 // allows: the scheduler from any thread, everything else on the main
 // thread, except the metric callbacks (see `stats.rs`).
 unsafe impl Send for Config {}
+// SAFETY: as for `Send` above.
 unsafe impl Sync for Config {}
 
 impl Config {
@@ -409,6 +410,7 @@ impl Node {
                         return;
                     }
                     ticked.push(Rc::as_ptr(&policy));
+                    #[cfg(feature = "test-faults")]
                     crate::fault::tick();
                     self.tick_one(&mut w, index, config, &policy, &host);
                 }));

@@ -82,7 +82,9 @@ mod tests {
         let ptr = RouteConfig::parse(b"search").unwrap().into_ptr();
         // SAFETY: just made, freed once below.
         assert_eq!(unsafe { RouteConfig::from_ptr(ptr) }.unwrap().class, "search");
+        // SAFETY: made by `into_ptr` above, freed once.
         unsafe { RouteConfig::free(ptr) };
+        // SAFETY: null is always accepted.
         assert!(unsafe { RouteConfig::from_ptr(std::ptr::null()) }.is_none());
     }
 }

@@ -50,6 +50,7 @@ pub struct Metrics {
 // destroyed (the module drops its `Metrics` then); its metric callbacks are
 // thread-safe once definitions are frozen (see the module header).
 unsafe impl Send for Metrics {}
+// SAFETY: as for `Send` above.
 unsafe impl Sync for Metrics {}
 
 /// The process's gauges as the module set them (see the module header).

@@ -860,6 +860,7 @@ fn racing_creators_of_a_new_entry_lose_at_most_one_request_each() {
 mod alloc;
 mod reload;
 mod settle;
+mod stale;
 
 #[test]
 fn without_ratelimit_headers_no_header_is_formatted() {

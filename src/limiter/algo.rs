@@ -220,6 +220,46 @@ pub struct Live {
     /// The state differs from what is stored (the caller then persists it,
     /// on a denial too).
     pub changed: bool,
+    /// The instant to check, charge and stamp at: the caller's `now`, or
+    /// the record's write instant if `now` is a stale reading behind it
+    /// (see [`reading`]). Never earlier than the write it follows.
+    pub now: u64,
+}
+
+/// How far a reading of the clock may lag a record's write instant and
+/// still be taken for a **stale reading**, not a clock that stepped back:
+/// a worker that read `now`, then waited for a core (more workers than
+/// cores) or lost a compare-and-swap to a worker that read the clock
+/// later. One second is hundreds of scheduler slices; NTP slews offsets
+/// below 128 ms and steps only larger ones.
+pub const MAX_STALE_NS: u64 = 1_000_000_000;
+
+/// The instant a charge reads a record at: `now`, or the record's write
+/// instant `written_at` when `now` lags it by at most [`MAX_STALE_NS`].
+///
+/// This is what makes the invariant of the limiter headers hold for any
+/// interleaving of workers: **a record's time never runs backwards by a
+/// write, so a stale reading can only deny, never admit or create
+/// units.** A stale reading taken as it is would find a TAT (a window, a
+/// log entry) ahead of it and saturate it, and a denial persists the
+/// saturation: the units between the stale and the real clock would be
+/// forgiven, once per stale denial (issue 31: 38 units over the bound in
+/// 60 s at four workers on two cores). Read at the write instant, every
+/// state is exactly as its writer left it, and the writer's instant is
+/// no later than the real time of this charge (the writer read the clock
+/// before this charge read the record), so charging there is what a
+/// limiter would do at some instant the request really lived through.
+///
+/// A lag beyond [`MAX_STALE_NS`] is a clock that stepped back: the
+/// reading is kept and the state saturates (each algorithm's header: at
+/// most one refill or window is forgiven), so a step back never blocks a
+/// key for the length of the step.
+pub fn reading(now: u64, written_at: u64) -> u64 {
+    if written_at > now && written_at - now <= MAX_STALE_NS {
+        written_at
+    } else {
+        now
+    }
 }
 
 fn map<S>(verdict: Verdict<S>, wrap: impl FnOnce(S) -> State) -> Outcome {
@@ -321,25 +361,37 @@ impl Algo {
     /// keeps what it counted, but waits at most one refill or window from
     /// `now`, not for the clock).
     pub fn load(&self, record: Option<&Record<'_>>, effective_from: u64, now: u64) -> Live {
+        let decoded = record.map(|r| (r, Algo::decode_stored(r.kind, r.state)));
+        let written_at = match &decoded {
+            Some((_, Some((_, stamp)))) => stamp.written_at,
+            _ => 0,
+        };
+        let now = reading(now, written_at);
         let own = epoch_of(effective_from, now);
-        let (algo, state, epoch, migrated) = self.resolve(record, own, now);
+        let (algo, state, epoch, migrated) = self.resolve(decoded, own, now);
         let (state, saturated) = algo.saturate(state, now);
         Live {
             algo,
             state,
             epoch,
             changed: migrated || saturated,
+            now,
         }
     }
 
     /// Rules 1–3 of the reload rule: the parameters, the state under them
     /// (not yet saturated), the epoch to stamp, and whether the state
     /// differs from the stored one.
-    fn resolve(&self, record: Option<&Record<'_>>, own: u64, now: u64) -> (Algo, State, u64, bool) {
-        let Some(r) = record else {
+    fn resolve(
+        &self,
+        decoded: Option<(&Record<'_>, Option<(State, Stamp)>)>,
+        own: u64,
+        now: u64,
+    ) -> (Algo, State, u64, bool) {
+        let Some((r, decoded)) = decoded else {
             return (*self, self.fresh(), own, false);
         };
-        let Some((stored, stamp)) = Algo::decode_stored(r.kind, r.state) else {
+        let Some((stored, stamp)) = decoded else {
             return (*self, self.fresh(), own, true);
         };
         // A stamp from the future ranks oldest.
@@ -436,6 +488,20 @@ impl Algo {
             Some(s) => (s, true),
             None => (state, false),
         }
+    }
+
+    /// Whether `record` is still under this limit's algorithm and
+    /// parameters: a give-back of units this limit charged (a refusal later
+    /// in the chain, a lease's unspent units, a settled cost below its
+    /// estimate) goes only to such a record. Once a reload migrated it
+    /// (either way: this policy older or newer), the fill level it carried
+    /// over already counts the charge as spent, and units given back to it
+    /// would be units the new parameters never held: a lease of 1,000
+    /// units taken under 50,000/s, returned to a bucket lowered to burst 50
+    /// and drained, would refill it (issue 31). They are dropped instead,
+    /// which errs toward admitting less.
+    pub fn charged_under(&self, record: &Record<'_>) -> bool {
+        self.carry_from(record.kind, (record.p1, record.p2)) == Carry::Keeps
     }
 
     /// What a reload does to a live state written by a limit of the same

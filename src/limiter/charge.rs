@@ -76,7 +76,7 @@ pub fn check_key(
             .as_ref()
             .and_then(|rs| rs.iter().find(|r| r.name_hash == l.name_hash));
         let live = l.algo.load(record, effective_from, now);
-        let (state, standing): (&State, Standing) = match live.algo.check(&live.state, now, cost) {
+        let (state, standing): (&State, Standing) = match live.algo.check(&live.state, live.now, cost) {
             Outcome::Admit {
                 state,
                 remaining,
@@ -85,10 +85,17 @@ pub fn check_key(
                 let standing = Standing {
                     remaining,
                     reset_ns,
-                    t_ns: live.algo.quota_window_ns(&state, now, remaining),
+                    t_ns: live.algo.quota_window_ns(&state, live.now, remaining),
                     refused_for_ns: None,
                 };
-                push_local(&mut charged, l.name_hash, &live.algo, live.epoch, &state, now);
+                push_local(
+                    &mut charged,
+                    l.name_hash,
+                    &live.algo,
+                    live.epoch,
+                    &state,
+                    live.now,
+                );
                 count += 1;
                 standings.push(standing);
                 continue;
@@ -108,13 +115,13 @@ pub fn check_key(
                     Standing {
                         remaining,
                         reset_ns,
-                        t_ns: live.algo.quota_window_ns(&live.state, now, remaining),
+                        t_ns: live.algo.quota_window_ns(&live.state, live.now, remaining),
                         refused_for_ns: Some(wait_ns),
                     },
                 )
             }
         };
-        push_local(&mut charged, l.name_hash, &live.algo, live.epoch, state, now);
+        push_local(&mut charged, l.name_hash, &live.algo, live.epoch, state, live.now);
         count += 1;
         standings.push(standing);
     }
@@ -155,8 +162,8 @@ pub fn refund_key(
             .as_ref()
             .and_then(|rs| rs.iter().find(|r| r.name_hash == l.name_hash));
         let live = l.algo.load(record, effective_from, now);
-        let state = live.algo.refund(&live.state, units, now);
-        push_local(&mut out, l.name_hash, &live.algo, live.epoch, &state, now);
+        let state = live.algo.refund(&live.state, units, live.now);
+        push_local(&mut out, l.name_hash, &live.algo, live.epoch, &state, live.now);
         count += 1;
     }
     keep_newer(records.as_deref(), limits, effective_from, now, &mut out, count);

@@ -21,6 +21,27 @@
 //! a debt allowance, below), so a bucket is at worst empty and never owes
 //! more than one full refill (and its debt).
 //!
+//! # Several workers, stale readings
+//! The TAT is shared by every worker of a node, each with its own reading
+//! of the clock: a worker may read `now`, wait for a core, and find a TAT
+//! another worker wrote at a later instant. THE INVARIANT: **the TAT never
+//! moves backwards by a write except by a give-back of units its own
+//! parameters charged; a stale reading can only deny, never admit what the
+//! limit would not at an instant the request lived through, nor create
+//! units.** It holds because a charge reads a record at
+//! [`crate::limiter::algo::reading`], never before the record's own write
+//! instant (less than [`crate::limiter::algo::MAX_STALE_NS`] behind it:
+//! beyond that it is a clock step, saturated as above), so the clamp of
+//! [`Gcra::saturate`] never meets a TAT a stale reading left ahead; and a
+//! give-back goes only to a record still under the parameters it was
+//! charged under ([`crate::limiter::algo::Algo::charged_under`]). An
+//! admission at a reading `δ` stale is charged `δ` early: over any interval
+//! `d`, at most `burst + floor((d + δ) / T)`. Tested with thousands of
+//! seeded schedules of 2 to 8 workers with stale readings through the
+//! shipped `table::update` (`src/engine/tests/stale.rs`), and in a real
+//! Envoy at `--concurrency 4` on two cores
+//! (`integration-tests/tests/node_bound.rs`).
+//!
 //! # Debt
 //! A limit with a debt allowance `D` (`max_debt`, in tokens; 0 unless the
 //! policy settles costs after the response) also takes **charges without

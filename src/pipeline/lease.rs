@@ -1,6 +1,6 @@
 //! Worker leases: a hot key's units taken out of its node-wide entry in
 //! one update and spent in the worker's own memory, so that most of its
-//! requests touch no shared data and read no clock.
+//! requests touch no shared data (they read the clock: a lease expires).
 //!
 //! # The rule
 //! The node-wide entry of a key (its key-table slot, through
@@ -9,7 +9,8 @@
 //! and in the same update takes up to `want` units of every limit of the
 //! key ([`crate::engine::charge_leased`]): the request's cost, and the rest
 //! for its **lease**. Later requests of the key on this worker spend the
-//! lease (no hostcall) until it cannot pay their cost; the worker's next
+//! lease (no shared data; one clock read, for its expiry) until it cannot
+//! pay their cost or expires; the worker's next
 //! tick gives what is left back to the entry ([`crate::engine::give_back`])
 //! and forgets the lease. So **units are moved, never copied**: a unit is
 //! in the entry or in exactly one worker's lease, and the node never admits
@@ -39,13 +40,22 @@
 //! * A reload never duplicates a unit: a lease belongs to the policy it was
 //!   taken under (a request of another policy never spends it), and its
 //!   units go back to the same entry, at most what was taken (a limit's
-//!   capacity caps them).
+//!   capacity caps them), and only to a record still under the parameters
+//!   they were taken under: once a reload migrated it, they are dropped
+//!   (counted as lost units), because the fill level the migration carried
+//!   over already counts them spent. So from a reload on, a key admits at
+//!   most the new limit's `B + r·(d + τ)`, plus the units held then by the
+//!   leases of workers that have not loaded the new policy yet (each at most
+//!   [`max_lease`] of the old limits, spent within `τ` of its take);
+//!   tested by the adversary of `lease_reload_tests.rs`.
 //!
 //! # THE BOUND
-//! A unit taken at `a` is spent at most one tick later (the lease is given
-//! back at the worker's next tick): an admission is shifted in time by at
-//! most the lease's lifetime `τ` (one tick, 10 ms, plus the host timer's
-//! lateness). For a token bucket of rate `r` and burst `B`, requests
+//! A unit taken at `a` is spent before `a + τ`, `τ` = [`LEASE_TTL_NS`]
+//! (10 ms): the lease carries its expiry, and a request after it goes to
+//! the entry, however late the worker's tick (ticks are late under load:
+//! a worker waiting for a core); the expired units wait for the tick,
+//! which gives them back. An admission is shifted in time by at most `τ`.
+//! For a token bucket of rate `r` and burst `B`, requests
 //! admitted over any interval of length `t` are at most `B + r·(t + τ)`;
 //! for a fixed window or a sliding counter, the window's count moves at
 //! most `τ` earlier. Several limits of a key stay all or nothing: a lease's
@@ -88,6 +98,10 @@ pub const HEAT_SLOTS: usize = 1024;
 pub const MAX_LEASE_UNITS: u64 = 4096;
 /// The most keys with a lease or a remembered refusal on one worker.
 pub const MAX_LEASED_KEYS: usize = 4096;
+/// How long a lease's units may be spent after its take: one tick period.
+/// The lease carries its expiry, so a tick late under load (a worker
+/// waiting for a core) never lengthens it: τ in THE BOUND is this.
+pub const LEASE_TTL_NS: u64 = super::TICK_NS;
 
 /// A lease, or a remembered refusal, of one key on this worker.
 #[derive(Debug)]
@@ -99,9 +113,15 @@ struct Lease {
     /// Units its requests spent (a global limit counts them as demand
     /// when the lease goes back).
     spent: u64,
+    /// Units of a take that expired unspent: no request spends them; they
+    /// go back with the rest on the next tick.
+    expired: u64,
     /// The key's plan has a global limit (whose spent units must be told).
     global: bool,
     taken_at: u64,
+    /// Its units may be spent until this instant ([`LEASE_TTL_NS`] after
+    /// the take), whenever the worker's tick comes.
+    expires_at: u64,
     /// The entry's standing after the take (for headers).
     standings: Option<Box<Standings>>,
     /// A refusal remembered until this instant (0: none), and its decision.
@@ -170,7 +190,7 @@ fn slot(key: &str) -> usize {
 
 impl Leases {
     /// Checks and charges a request's rate limits (see the module header):
-    /// from its key's lease if the lease can pay (no clock, no shared
+    /// from its key's lease if the lease can pay and has not expired (the clock, no shared
     /// data), else a remembered refusal (the clock), else `charge(now,
     /// want)`, which charges the entry and takes up to `want` units.
     /// `now` is set if the clock was read; `Err`: the clock could not be.
@@ -185,11 +205,11 @@ impl Leases {
         let cost = prepared.cost;
         let heat = &mut self.heat[slot(&self.key)];
         *heat = heat.saturating_add(u32::try_from(cost).unwrap_or(u32::MAX));
-        if let Some(d) = self.spend(policy, prepared) {
+        let at = now.get().ok_or(NoClock)?;
+        if let Some(d) = self.spend(policy, prepared, at) {
             self.served = self.served.saturating_add(1);
             return Ok(d);
         }
-        let at = now.get().ok_or(NoClock)?;
         if let Some(d) = self.refused(policy, at) {
             self.remembered = self.remembered.saturating_add(1);
             return Ok(d);
@@ -200,14 +220,15 @@ impl Leases {
         Ok(d)
     }
 
-    /// Serves a request from its key's lease, if the lease can pay its cost.
-    fn spend(&mut self, policy: &Rc<Policy>, prepared: &Prepared) -> Option<Decision> {
+    /// Serves a request from its key's lease at `now`, if the lease has
+    /// not expired and can pay its cost.
+    fn spend(&mut self, policy: &Rc<Policy>, prepared: &Prepared, now: u64) -> Option<Decision> {
         let cost = prepared.cost;
         let lease = self
             .keys
             .get_mut(&policy_id(policy))?
             .get_mut(self.key.as_str())?;
-        if lease.units < cost || lease.prepared.plan != prepared.plan {
+        if lease.units < cost || lease.prepared.plan != prepared.plan || now >= lease.expires_at {
             return None;
         }
         lease.units = lease.units.saturating_sub(cost);
@@ -264,10 +285,12 @@ impl Leases {
                     prepared: prepared.clone(),
                     units: 0,
                     spent: 0,
+                    expired: 0,
                     global: policy
                         .plan(prepared.plan)
                         .is_some_and(|p| p.limits.iter().any(|l| l.global)),
                     taken_at: now,
+                    expires_at: 0,
                     standings: None,
                     refused_until: 0,
                     refusal: None,
@@ -278,9 +301,16 @@ impl Leases {
             lease.refused_until = now.saturating_add(d.wait_ns).min(next_tick);
             lease.refusal = Some(d.clone());
         } else {
-            // Units left from an earlier take stay (they are still charged).
+            // Units left from an earlier take stay (they are still charged)
+            // unless that take expired: then they wait for the tick.
+            if now >= lease.expires_at {
+                lease.expired = lease.expired.saturating_add(std::mem::take(&mut lease.units));
+            }
             lease.units = lease.units.saturating_add(d.leased);
-            lease.taken_at = now;
+            lease.expires_at = now.saturating_add(LEASE_TTL_NS);
+            if lease.expired == 0 {
+                lease.taken_at = now;
+            }
             lease.standings.clone_from(&d.standings);
             lease.refused_until = 0;
             self.taken = self.taken.saturating_add(1);
@@ -301,15 +331,19 @@ impl Leases {
         self.heat.fill(0);
         for (_, keys) in self.keys.drain() {
             for (_, lease) in keys {
-                if lease.units == 0 && !(lease.global && lease.spent > 0) {
+                let units = lease.units.saturating_add(lease.expired);
+                if units == 0 && !(lease.global && lease.spent > 0) {
                     continue;
                 }
                 let p = &lease.prepared;
-                let (units, spent) = (lease.units, lease.spent);
-                if engine::give_back(&lease.policy, p, host, units, spent, lease.taken_at, now, scratch) {
+                let spent = lease.spent;
+                let back =
+                    engine::give_back(&lease.policy, p, host, units, spent, lease.taken_at, now, scratch);
+                if back.written {
                     self.returned = self.returned.saturating_add(1);
+                    self.lost = self.lost.saturating_add(back.dropped);
                 } else {
-                    self.lost = self.lost.saturating_add(lease.units);
+                    self.lost = self.lost.saturating_add(units);
                 }
             }
         }

@@ -19,7 +19,7 @@ const MS: u64 = 1_000_000;
 const T0: u64 = 1_796_000_000 * S;
 
 /// One tenant, one class, the given limits (JSON list).
-fn policy(version: &str, limits: &str) -> String {
+pub(super) fn policy(version: &str, limits: &str) -> String {
     format!(
         r#"{{"version": "{version}", "identity": {{"header": "x-tenant-id"}},
             "plans": {{"p": {{"limits": {limits}}}}}, "default_plan": "p",
@@ -28,33 +28,33 @@ fn policy(version: &str, limits: &str) -> String {
     )
 }
 
-struct Rng(u64);
+pub(super) struct Rng(pub(super) u64);
 
 impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
+    pub(super) fn below(&mut self, n: u64) -> u64 {
         self.0 = self.0.wrapping_add(1);
         splitmix64(self.0) % n.max(1)
     }
 }
 
 /// A node of `n` workers on one policy.
-struct Node {
+pub(super) struct Node {
     store: Rc<RefCell<SharedStore>>,
     stats: MemoryStats,
-    workers: Vec<(Pipeline, Rc<Policy>)>,
+    pub(super) workers: Vec<(Pipeline, Rc<Policy>)>,
     next: StreamId,
 }
 
 /// What a request got, and when.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Got {
+pub(super) struct Got {
     at: u64,
     cost: u64,
-    admitted: bool,
+    pub(super) admitted: bool,
 }
 
 impl Node {
-    fn new(n: usize, json: &str) -> Node {
+    pub(super) fn new(n: usize, json: &str) -> Node {
         let store = SharedStore::new();
         let stats = MemoryStats::default();
         let workers = (0..n)
@@ -76,15 +76,21 @@ impl Node {
     }
 
     fn reload(&mut self, json: &str, now: u64) {
-        for (p, policy) in &mut self.workers {
-            let host = MemoryHost::new(self.store.clone());
-            *policy = p
-                .configure(&host, &now, &mut self.stats.clone(), json.as_bytes())
-                .unwrap();
+        for w in 0..self.workers.len() {
+            self.reload_one(w, json, now);
         }
     }
 
-    fn request(&mut self, w: usize, class: &str, now: u64) -> Got {
+    /// Worker `w` loads `json` at `now`.
+    pub(super) fn reload_one(&mut self, w: usize, json: &str, now: u64) {
+        let host = MemoryHost::new(self.store.clone());
+        let (p, policy) = &mut self.workers[w];
+        *policy = p
+            .configure(&host, &now, &mut self.stats.clone(), json.as_bytes())
+            .unwrap();
+    }
+
+    pub(super) fn request(&mut self, w: usize, class: &str, now: u64) -> Got {
         let host = MemoryHost::new(self.store.clone())
             .route_class(class)
             .header("x-tenant-id", "hot");
@@ -101,7 +107,7 @@ impl Node {
         }
     }
 
-    fn tick(&mut self, w: usize, now: u64) {
+    pub(super) fn tick(&mut self, w: usize, now: u64) {
         let host = MemoryHost::new(self.store.clone());
         let (p, policy) = &mut self.workers[w];
         p.on_tick(&host, &now, &mut self.stats.clone(), Some(&policy.clone()));
@@ -126,7 +132,7 @@ impl Node {
         d.deny_status().is_none()
     }
 
-    fn stat(&self, name: &str) -> u64 {
+    pub(super) fn stat(&self, name: &str) -> u64 {
         u64::try_from(self.stats.value(name)).unwrap_or(0)
     }
 }

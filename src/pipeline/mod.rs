@@ -71,6 +71,7 @@
 
 mod admit;
 pub mod events;
+pub mod failure;
 pub mod hold;
 pub mod lease;
 mod limits;
@@ -377,6 +378,8 @@ impl Pipeline {
     }
 }
 
+#[cfg(test)]
+mod lease_reload_tests;
 #[cfg(test)]
 mod lease_tests;
 #[cfg(test)]

@@ -347,6 +347,18 @@ impl Policy {
         self.routes.values().map(|r| r.as_ref())
     }
 
+    /// The failure mode of a request of `class` (`None`: unclassified):
+    /// the class's `failure_mode`, else `sync.failure_mode`, else
+    /// `fail_open_local`. The one place this rule is written: the engine
+    /// applies it when a global limit has no lease, a host when it fails
+    /// inside ([`crate::pipeline::failure`]).
+    pub fn failure_mode(&self, class: Option<&RouteClass>) -> FailureMode {
+        class
+            .and_then(|c| c.failure_mode)
+            .or_else(|| self.sync.as_ref().map(|s| s.failure_mode))
+            .unwrap_or(FailureMode::FailOpenLocal)
+    }
+
     /// The class of routes that name none (`default_route`).
     pub fn default_route(&self) -> Option<&str> {
         self.default_route.as_deref()

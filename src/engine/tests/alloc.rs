@@ -22,20 +22,27 @@ fn note() {
     });
 }
 
+// SAFETY: every method forwards to the system allocator with the caller's
+// own arguments, so `Counting` keeps `System`'s contract; counting touches
+// only thread-locals and never allocates.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         note();
+        // SAFETY: the caller's `layout`, under `GlobalAlloc::alloc`'s contract.
         unsafe { System.alloc(layout) }
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         note();
+        // SAFETY: as `alloc`.
         unsafe { System.alloc_zeroed(layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         note();
+        // SAFETY: `ptr` came from this allocator (i.e. `System`) with `layout`.
         unsafe { System.realloc(ptr, layout, new_size) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: as `realloc`.
         unsafe { System.dealloc(ptr, layout) }
     }
 }

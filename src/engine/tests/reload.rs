@@ -15,7 +15,7 @@ const HOUR: u64 = 60 * MIN;
 
 /// One limit named `l` (so its state carries across versions), on route
 /// `api` (and `jobs`, which queues for up to 10 s).
-fn limit_policy(version: &str, limit: &str, effective_from: u64) -> Policy {
+pub(super) fn limit_policy(version: &str, limit: &str, effective_from: u64) -> Policy {
     let json = format!(
         r#"{{"version":"{version}","identity":{{"header":"x-tenant-id"}},
         "plans":{{"free":{{"limits":[{{"name":"l",{limit}}}]}}}},
@@ -29,7 +29,7 @@ fn limit_policy(version: &str, limit: &str, effective_from: u64) -> Policy {
 
 /// What one version of a limit is, for the bound the test checks.
 #[derive(Debug, Clone, Copy)]
-enum Spec {
+pub(super) enum Spec {
     Bucket {
         rate: u64,
         per: u64,
@@ -43,7 +43,7 @@ enum Spec {
 }
 
 impl Spec {
-    fn json(&self) -> String {
+    pub(super) fn json(&self) -> String {
         match *self {
             Spec::Bucket { rate, per, burst } => {
                 format!(r#""rate":{rate},"per":"{}s","burst":{burst}"#, per / S)
@@ -56,7 +56,7 @@ impl Spec {
 
     /// The most this limit alone admits in `d` consecutive nanoseconds
     /// (each algorithm's stated bound, see its module header).
-    fn alone(&self, d: u64) -> u64 {
+    pub(super) fn alone(&self, d: u64) -> u64 {
         match *self {
             Spec::Bucket { rate, per, burst } => burst + d / per.div_ceil(rate),
             // Every window algorithm admits at most `rate` per aligned (fixed,
@@ -95,7 +95,7 @@ fn bound(a: Spec, b: Spec, d: u64) -> u64 {
 }
 
 /// The most admissions (timestamps, sorted) in any `d` consecutive ns.
-fn max_in(admitted: &[u64], d: u64) -> u64 {
+pub(super) fn max_in(admitted: &[u64], d: u64) -> u64 {
     let mut best = 0;
     let mut first = 0;
     for (i, &t) in admitted.iter().enumerate() {

@@ -1,17 +1,20 @@
-//! What a request gets when the module fails inside it (a panic caught at
-//! an entry point, see `lib.rs`, "Fail-safe"): the policy's failure mode
-//! for the request's class. The one decision the host makes itself: the
-//! core is what failed.
+//! What a request gets when its host fails inside the pipeline (the native
+//! module catches a panic at an entry point: `module/src/lib.rs`,
+//! "Fail-safe"): the policy's failure mode for the request's class. The
+//! rule lives here, beside the pipeline it stands in for, so no host holds
+//! a copy of it; the host only asks for the directive, with the class the
+//! core's own classifier gives ([`crate::engine::class_of`]).
 
-use tenantgate::decision::Decision;
-use tenantgate::pipeline::{Directive, Verdict};
-use tenantgate::policy::{FailureMode, Policy};
-use tenantgate::response;
+use super::{Directive, Verdict};
+use crate::decision::Decision;
+use crate::policy::{FailureMode, Policy};
+use crate::response;
 
-/// What a request gets when the module fails inside (a caught panic): the
-/// policy's failure mode for its class (`failure_mode`, else
-/// `sync.failure_mode`, else `fail_open_local`): `fail_closed` answers 503
-/// `state_unavailable`, the others let the request on.
+/// What a request gets when its host fails inside (a caught panic): the
+/// policy's failure mode for its class ([`Policy::failure_mode`]):
+/// `fail_closed` answers 503 `state_unavailable`, the others let the
+/// request on. Made once per policy (it holds no `Rc`: a host may share it
+/// across threads, as the module does).
 #[derive(Debug, Clone)]
 pub struct Failure {
     closed_by_default: bool,
@@ -22,14 +25,11 @@ pub struct Failure {
 
 impl Failure {
     pub fn of(policy: &Policy) -> Failure {
-        let default = policy
-            .sync
-            .as_ref()
-            .map_or(FailureMode::FailOpenLocal, |s| s.failure_mode);
         let closed = |m: FailureMode| m == FailureMode::FailClosed;
+        let default = policy.failure_mode(None);
         let differ = policy
             .route_classes()
-            .filter(|c| closed(c.failure_mode.unwrap_or(default)) != closed(default))
+            .filter(|c| closed(policy.failure_mode(Some(c))) != closed(default))
             .map(|c| c.name.clone())
             .collect();
         let reply = response::local_reply(&Decision::unavailable(), &policy.version, false, None);
@@ -96,6 +96,28 @@ mod tests {
             other => panic!("{other:?}"),
         };
         assert_eq!(reply.header("x-tenantgate-reason"), Some("state_unavailable"));
+    }
+
+    #[test]
+    fn the_class_is_the_cores_default_route_included() {
+        // A request of no route the policy names is of `default_route`'s
+        // class: a host that classified it by its route name alone would
+        // get no class and the default mode (the module's old `class_of`).
+        let json = r#"{"version": "f-2", "identity": {"header": "x-tenant-id"},
+            "plans": {"free": {"limits": [{"rate": 1, "per": "1s"}]}},
+            "default_plan": "free", "anonymous": {"plan": "free"},
+            "routes": {"strict": {"action": "strict", "failure_mode": "fail_closed"},
+                       "loose": {"action": "loose", "failure_mode": "fail_open"}},
+            "default_route": "strict"}"#;
+        let p = Policy::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+        let f = Failure::of(&p);
+        let host = crate::memory::MemoryHost::new(crate::memory::SharedStore::new());
+        let class = crate::engine::class_of(&p, &host).map(|c| c.name.clone());
+        assert_eq!(class.as_deref(), Some("strict"));
+        assert_eq!(replied(&f.directive(class.as_deref())), Some(503));
+        let named = host.route_class("loose");
+        let class = crate::engine::class_of(&p, &named).map(|c| c.name.clone());
+        assert_eq!(replied(&f.directive(class.as_deref())), None);
     }
 
     #[test]
