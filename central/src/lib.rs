@@ -28,6 +28,11 @@ pub mod quota;
 pub mod service;
 pub mod sim;
 pub mod store;
+/// Test and benchmark support (a throwaway `redis-server`, free ports, a
+/// bare HTTP client): compiled only for this crate's own tests and for
+/// crates that ask for the `testing` feature (tests, benchmarks), never
+/// part of the service's API or of `tenantgate`'s build.
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
 pub use alloc::{AllocConfig, Allocator, GlobalLimit};

@@ -907,6 +907,19 @@ pub(crate) fn read_request_head(reader: &mut BufReader<TcpStream>) -> Option<usi
 
 /// A request's head: its path and its `content-length` (0 without one).
 pub(crate) fn read_request_line_and_head(reader: &mut BufReader<TcpStream>) -> Option<(String, usize)> {
+    read_request_head_full(reader).map(|h| (h.path, h.content_length))
+}
+
+/// A request's head as the test upstreams read it.
+pub(crate) struct RequestHead {
+    pub path: String,
+    pub content_length: usize,
+    /// Its `accept-encoding`, if any.
+    pub accept_encoding: Option<String>,
+}
+
+pub(crate) fn read_request_head_full(reader: &mut BufReader<TcpStream>) -> Option<RequestHead> {
+    let mut accept_encoding = None;
     let mut content_length = 0usize;
     let mut path = String::new();
     let mut first = true;
@@ -921,7 +934,11 @@ pub(crate) fn read_request_line_and_head(reader: &mut BufReader<TcpStream>) -> O
             if first {
                 continue;
             }
-            return Some((path, content_length));
+            return Some(RequestHead {
+                path,
+                content_length,
+                accept_encoding,
+            });
         }
         if first {
             path = line.split(' ').nth(1).unwrap_or_default().to_owned();
@@ -930,6 +947,9 @@ pub(crate) fn read_request_line_and_head(reader: &mut BufReader<TcpStream>) -> O
         if let Some((k, v)) = line.split_once(':') {
             if k.trim().eq_ignore_ascii_case("content-length") {
                 content_length = v.trim().parse().unwrap_or(0);
+            }
+            if k.trim().eq_ignore_ascii_case("accept-encoding") {
+                accept_encoding = Some(v.trim().to_owned());
             }
         }
     }

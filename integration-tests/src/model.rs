@@ -21,11 +21,23 @@ use std::time::Duration;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ModelAnswer {
     Json(u64),
-    Sse { tokens: u64, gap_ms: u64 },
+    Sse {
+        tokens: u64,
+        gap_ms: u64,
+    },
     Header(u64),
     Missing,
     Malformed,
-    Reset { after_ms: u64 },
+    Reset {
+        after_ms: u64,
+    },
+    /// An Anthropic Messages stream: `message_start` (25 input tokens, 1
+    /// output), content deltas, then after `gap_ms` the cumulative
+    /// `message_delta` (`output` tokens) and `message_stop`.
+    Anthropic {
+        output: u64,
+        gap_ms: u64,
+    },
 }
 
 impl ModelAnswer {
@@ -48,6 +60,10 @@ impl ModelAnswer {
             "reset" => ModelAnswer::Reset {
                 after_ms: num().unwrap_or(0),
             },
+            "anthropic" => ModelAnswer::Anthropic {
+                output: num()?,
+                gap_ms: num().unwrap_or(0),
+            },
             _ => return None,
         })
     }
@@ -61,6 +77,7 @@ impl ModelAnswer {
             ModelAnswer::Missing => "/model/missing".into(),
             ModelAnswer::Malformed => "/model/malformed".into(),
             ModelAnswer::Reset { after_ms } => format!("/model/reset/{after_ms}"),
+            ModelAnswer::Anthropic { output, gap_ms } => format!("/model/anthropic/{output}/{gap_ms}"),
         }
     }
 }
@@ -97,9 +114,20 @@ fn event(delta: &str) -> String {
     )
 }
 
+/// A body gzip-compressed, as an upstream honouring `accept-encoding`
+/// sends it.
+fn gzipped(body: &str) -> Vec<u8> {
+    use flate2::write::GzEncoder;
+    let mut e = GzEncoder::new(Vec::new(), flate2::Compression::default());
+    e.write_all(body.as_bytes()).unwrap();
+    e.finish().unwrap()
+}
+
 /// Writes `answer` on `out` (`extra`: more header lines, each ending in
-/// CRLF). `Ok(false)`: the connection was closed on purpose (a reset).
-pub fn answer(out: &mut TcpStream, answer: ModelAnswer, extra: &str) -> std::io::Result<bool> {
+/// CRLF; `gzip`: the request accepts gzip, and a JSON answer is sent
+/// compressed, as common servers do). `Ok(false)`: the connection was
+/// closed on purpose (a reset).
+pub fn answer(out: &mut TcpStream, answer: ModelAnswer, extra: &str, gzip: bool) -> std::io::Result<bool> {
     let json = |body: String, headers: &str| {
         format!(
             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n{headers}{extra}content-length: {}\r\n\r\n{body}",
@@ -107,6 +135,17 @@ pub fn answer(out: &mut TcpStream, answer: ModelAnswer, extra: &str) -> std::io:
         )
     };
     match answer {
+        ModelAnswer::Json(n) if gzip => {
+            let body = gzipped(&completion(Some(&usage(n))));
+            out.write_all(
+                format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n{extra}content-length: {}\r\n\r\n",
+                    body.len()
+                )
+                .as_bytes(),
+            )?;
+            out.write_all(&body)?;
+        }
         ModelAnswer::Json(n) => out.write_all(json(completion(Some(&usage(n))), "").as_bytes())?,
         ModelAnswer::Header(n) => {
             out.write_all(json(completion(None), &format!("x-usage-tokens: {n}\r\n")).as_bytes())?
@@ -139,6 +178,34 @@ pub fn answer(out: &mut TcpStream, answer: ModelAnswer, extra: &str) -> std::io:
             let _ = out.shutdown(std::net::Shutdown::Both);
             return Ok(false);
         }
+        ModelAnswer::Anthropic { output, gap_ms } => {
+            out.write_all(sse_head(extra).as_bytes())?;
+            let event = |name: &str, data: &str| format!("event: {name}\ndata: {data}\n\n");
+            chunk(
+                out,
+                &event(
+                    "message_start",
+                    r#"{"type":"message_start","message":{"id":"msg_1","type":"message","role":"assistant","content":[],"usage":{"input_tokens":25,"output_tokens":1}}}"#,
+                ),
+            )?;
+            for text in ["Hel", "lo", "!"] {
+                let delta = format!(
+                    r#"{{"type":"content_block_delta","index":0,"delta":{{"type":"text_delta","text":"{text}"}}}}"#
+                );
+                chunk(out, &event("content_block_delta", &delta))?;
+            }
+            chunk(
+                out,
+                &event("content_block_stop", r#"{"type":"content_block_stop","index":0}"#),
+            )?;
+            std::thread::sleep(Duration::from_millis(gap_ms));
+            let delta = format!(
+                r#"{{"type":"message_delta","delta":{{"stop_reason":"end_turn"}},"usage":{{"output_tokens":{output}}}}}"#
+            );
+            chunk(out, &event("message_delta", &delta))?;
+            chunk(out, &event("message_stop", r#"{"type":"message_stop"}"#))?;
+            out.write_all(b"0\r\n\r\n")?;
+        }
     }
     out.flush()?;
     Ok(true)
@@ -157,6 +224,10 @@ mod tests {
             ModelAnswer::Missing,
             ModelAnswer::Malformed,
             ModelAnswer::Reset { after_ms: 20 },
+            ModelAnswer::Anthropic {
+                output: 300,
+                gap_ms: 500,
+            },
         ] {
             assert_eq!(ModelAnswer::of_path(&format!("/up/chat{}", a.path())), Some(a));
         }

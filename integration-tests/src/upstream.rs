@@ -52,6 +52,8 @@ struct State {
     hold: Mutex<bool>,
     /// One more header line for every answer (`name: value`), if set.
     extra_header: Mutex<Option<String>>,
+    /// The last request's `accept-encoding`.
+    accept_encoding: Mutex<Option<String>>,
     released: Condvar,
 }
 
@@ -182,6 +184,11 @@ impl Upstream {
         self.state.max_in_flight.store(self.in_flight(), Ordering::SeqCst);
     }
 
+    /// The `accept-encoding` of the last request it read (`None`: none).
+    pub fn last_accept_encoding(&self) -> Option<String> {
+        self.state.accept_encoding.lock().unwrap().clone()
+    }
+
     /// Requests answered so far.
     pub fn served(&self) -> u64 {
         self.state.served.load(Ordering::SeqCst)
@@ -200,9 +207,11 @@ fn serve(stream: TcpStream, s: &State) {
     let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
     let mut reader = BufReader::new(stream);
     loop {
-        let Some((path, content_length)) = crate::read_request_line_and_head(&mut reader) else {
+        let Some(head) = crate::read_request_head_full(&mut reader) else {
             return;
         };
+        let (path, content_length) = (head.path, head.content_length);
+        *s.accept_encoding.lock().unwrap() = head.accept_encoding.clone();
         let mut body = vec![0; content_length];
         if reader.read_exact(&mut body).is_err() {
             return;
@@ -211,7 +220,11 @@ fn serve(stream: TcpStream, s: &State) {
         if let Some(answer) = crate::model::ModelAnswer::of_path(&path) {
             // A model API's answer (crate::model): no latency, no hold.
             let extra = s.extra_header.lock().unwrap().clone().unwrap_or_default();
-            match crate::model::answer(reader.get_mut(), answer, &extra) {
+            let gzip = head
+                .accept_encoding
+                .as_deref()
+                .is_some_and(|a| a.split(',').any(|c| c.trim().starts_with("gzip")));
+            match crate::model::answer(reader.get_mut(), answer, &extra, gzip) {
                 Ok(true) => {
                     s.served.fetch_add(1, Ordering::SeqCst);
                     continue;

@@ -5,7 +5,10 @@
 //! with JSON and streamed (server-sent events) answers; refunds when the
 //! real cost is below the estimate; debt and its kept `Retry-After`;
 //! answers without a usable figure (missing, malformed, reset mid-stream)
-//! settled at the ceiling; nothing the client sends changes a cost; a soft
+//! settled at the ceiling, and a stream the client closes before its usage
+//! too (the abort rule); upstream errors and Envoy's own replies cost
+//! nothing, and requests outside the metered operation (a `GET`, an
+//! `OPTIONS`) are not metered; nothing the client sends changes a cost; a soft
 //! limit sends over-limit requests to a fallback upstream while under-limit
 //! ones go to the primary.
 
@@ -39,10 +42,18 @@ anonymous: { plan: tokens }
 routes:
   chat: { cost: 500, settle: { usage: openai_total, ceiling: 4000 } }
   metered: { action: chat, cost: 500, settle: { header: x-usage-tokens, ceiling: 4000 } }
+  messages: { action: chat, cost: 500, settle: { usage: anthropic, ceiling: 4000 } }
+  capped:
+    action: chat
+    cost: 500
+    dependency: model
+    settle: { usage: openai_total, ceiling: 4000, estimate_body_field: max_tokens }
   soft: { cost: 1000 }
+dependencies:
+  model: { max_in_flight: 1000, tenant_max_share: 5 }
 "#;
 
-const CLASSES: [&str; 3] = ["chat", "metered", "soft"];
+const CLASSES: [&str; 5] = ["chat", "metered", "soft", "messages", "capped"];
 
 /// The primary and fallback upstreams (each names itself in `x-upstream`),
 /// and Envoy with its access log (the cost record at each line's end).
@@ -64,8 +75,14 @@ fn start(log: &Path) -> (Upstream, Upstream, Envoy) {
     (primary, fallback, envoy)
 }
 
+/// `POST path` (the metered operation's method) on a fresh connection.
+fn post(port: u16, path: &str, headers: &[(&str, &str)]) -> Response {
+    tenantgate_integration_tests::request(port, "POST", path, headers)
+        .unwrap_or_else(|e| panic!("POST {path} on {port}: {e}"))
+}
+
 fn ask(envoy: &Envoy, class: &str, answer: ModelAnswer, tenant: &str) -> Response {
-    get(
+    post(
         envoy.port,
         &format!("/up/{class}{}", answer.path()),
         &[("x-tenant-id", tenant)],
@@ -189,7 +206,7 @@ fn a_key_in_debt_is_refused_with_a_retry_after_that_is_kept() {
     let streams: Vec<_> = (0..4)
         .map(|_| {
             std::thread::spawn(move || {
-                get(
+                post(
                     port,
                     &format!("/up/chat{}", answer.path()),
                     &[("x-tenant-id", "quick")],
@@ -236,7 +253,7 @@ fn answers_without_a_usable_figure_settle_at_the_ceiling() {
     // Reset mid-stream: the client sees the body cut short.
     let r = tenantgate_integration_tests::request(
         envoy.port,
-        "GET",
+        "POST",
         &format!("/up/chat{}", ModelAnswer::Reset { after_ms: 20 }.path()),
         &[("x-tenant-id", "reset")],
     );
@@ -339,4 +356,317 @@ fn a_soft_limit_routes_over_limit_requests_to_the_fallback_and_under_limit_ones_
     );
     assert!(lines().contains("/up/soft 200 outcome=soft_limited criticality=normal dependency=- in_flight=0 queue_wait_ms=0 policy=settle-it-1 key=soft|t|tiered limit=primary"));
     assert_eq!(envoy.tg_stat("decisions.soft_limited"), 5);
+}
+
+/// Sends `path` on a raw connection and reads the answer until `until`
+/// has come, then closes the connection (a client that stops reading).
+fn read_until_then_close(port: u16, path: &str, tenant: &str, until: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nhost: localhost\r\nx-tenant-id: {tenant}\r\ncontent-length: 2\r\n\r\n{{}}"
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains(until) {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => seen.extend_from_slice(&buf[..n]),
+        }
+    }
+    drop(s);
+    String::from_utf8_lossy(&seen).into_owned()
+}
+
+on_both_hosts!(an_anthropic_stream_closed_after_its_content_deltas_costs_the_ceiling);
+fn an_anthropic_stream_closed_after_its_content_deltas_costs_the_ceiling() {
+    let log = Envoy::temp_dir().join("access.log");
+    let (_primary, _fallback, envoy) = start(&log);
+    // The issue's attack: every content delta read (30,000 output tokens
+    // in the issue; `message_delta` comes 2 s later here), then closed
+    // before `message_delta`: `message_start` said 25 + 1.
+    let cut = ModelAnswer::Anthropic {
+        output: 3000,
+        gap_ms: 2000,
+    };
+    let seen = read_until_then_close(
+        envoy.port,
+        &format!("/up/messages{}", cut.path()),
+        "cutter",
+        "content_block_stop",
+    );
+    assert!(
+        seen.contains("message_start") && !seen.contains("message_delta"),
+        "{seen}"
+    );
+    // The same stream read to its end costs its usage: 25 + 3,000.
+    let whole = ModelAnswer::Anthropic {
+        output: 3000,
+        gap_ms: 0,
+    };
+    // (Read to the body's last chunk: a client that closes after
+    // `message_stop` but before the response's end races the abort rule.)
+    let seen = read_until_then_close(
+        envoy.port,
+        &format!("/up/messages{}", whole.path()),
+        "reader",
+        "\r\n0\r\n\r\n",
+    );
+    assert!(seen.contains("message_stop"), "{seen}");
+    assert!(wait_for(WAIT, || envoy.tg_stat("cost.settles.messages") == 2));
+    assert_eq!(envoy.tg_stat("cost.unusable_reset.messages"), 1);
+    assert_eq!(envoy.tg_stat("cost.settled_units.messages"), 4000 + 3025);
+    // (A stream settled at its end keeps its record in the log phase,
+    // which the access log may not see: the stats say it.)
+    assert!(wait_for(WAIT, || cost_records(&log, "chat|t|reader").len() == 1));
+    let record = &cost_records(&log, "chat|t|reader")[0];
+    eprintln!("cut: 4,000 (the ceiling); whole: {record}");
+    assert_eq!(field(record, "cost"), 3025, "{record}");
+}
+
+on_both_hosts!(errors_and_unmetered_requests_never_lock_out_an_honest_tenant);
+fn errors_and_unmetered_requests_never_lock_out_an_honest_tenant() {
+    let log = Envoy::temp_dir().join("access.log");
+    let (primary, _fallback, envoy) = start(&log);
+    let tenant = [("x-tenant-id", "unlucky")];
+    // 40 upstream errors in a row: estimates of 500 would fill the 6,000
+    // tokens 3 times over, but each costs nothing (the defaults).
+    for status in [500, 503, 429, 400] {
+        primary.set_status(status);
+        for _ in 0..10 {
+            assert_eq!(post(envoy.port, "/up/chat", &tenant).status, status);
+        }
+    }
+    primary.set_status(200);
+    // Requests outside the metered operation (`settle.methods`: POST by
+    // default) pass uncharged.
+    for method in ["GET", "OPTIONS"] {
+        for _ in 0..20 {
+            let r = tenantgate_integration_tests::request(envoy.port, method, "/up/chat/v1/models", &tenant)
+                .unwrap();
+            assert_eq!(r.status, 200, "{method}: {r:?}");
+        }
+    }
+    // The tenant still has its whole budget: 12 answers of 500 fit 6,000.
+    let mut admitted = 0;
+    for _ in 0..12 {
+        if ask(&envoy, "chat", ModelAnswer::Json(500), "unlucky").status == 200 {
+            admitted += 1;
+        }
+    }
+    eprintln!("after 40 upstream errors and 40 unmetered requests: {admitted} of 12 admitted");
+    assert_eq!(admitted, 12);
+    assert!(wait_for(WAIT, || envoy.tg_stat("cost.settles.chat") == 52));
+    assert_eq!(envoy.tg_stat("cost.unusable_upstream_5xx.chat"), 20);
+    assert_eq!(envoy.tg_stat("cost.unusable_upstream_4xx.chat"), 20);
+    assert_eq!(envoy.tg_stat("cost.settled_units.chat"), 12 * 500);
+    assert_eq!(envoy.tg_stat("decisions.unmetered"), 40);
+    drop(envoy);
+    // Envoy's own replies: an upstream that refuses connections (503).
+    let dead = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    let dead_port = dead.local_addr().unwrap().port();
+    drop(dead);
+    let envoy = Envoy::start_with_upstreams(
+        POLICY,
+        &Upstreams {
+            port: dead_port,
+            classes: &CLASSES,
+            access_log: None,
+            fallback: None,
+            cost_log: false,
+        },
+    );
+    for _ in 0..30 {
+        let r = ask(&envoy, "chat", ModelAnswer::Json(500), "stranded");
+        assert_eq!(r.status, 503, "never 429: {r:?}");
+    }
+    assert!(wait_for(WAIT, || envoy.tg_stat("cost.unusable_local_reply.chat") == 30));
+    assert_eq!(envoy.tg_stat("cost.settled_units.chat"), 0);
+}
+
+/// `curl --compressed` (it asks for `deflate, gzip, br, zstd`, and decodes
+/// what comes): the status and the decoded body.
+fn curl_compressed(port: u16, method: &str, path: &str, tenant: &str) -> (u16, String) {
+    let out = std::process::Command::new("curl")
+        .args(["-s", "--compressed", "--max-time", "10", "-X", method])
+        .args(["-H", &format!("x-tenant-id: {tenant}")])
+        .args(["-w", "\n%{http_code}"])
+        .arg(format!("http://127.0.0.1:{port}{path}"))
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, status) = text.rsplit_once('\n').unwrap_or_default();
+    (status.trim().parse().unwrap_or(0), body.to_owned())
+}
+
+on_both_hosts!(a_client_that_asks_for_compression_is_metered_by_its_usage);
+fn a_client_that_asks_for_compression_is_metered_by_its_usage() {
+    let log = Envoy::temp_dir().join("access.log");
+    let (primary, _fallback, envoy) = start(&log);
+    let path = format!("/up/chat{}", ModelAnswer::Json(1200).path());
+    // Unmetered (a GET), the client's accept-encoding goes on: the
+    // upstream compresses, curl decodes.
+    let (status, body) = curl_compressed(envoy.port, "GET", &path, "zipper");
+    assert_eq!(status, 200);
+    assert!(body.contains(r#""total_tokens":1200"#), "{body}");
+    let asked = primary.last_accept_encoding().unwrap_or_default();
+    assert!(asked.contains("gzip"), "{asked}");
+    // Metered: the filter asks the upstream for `identity`, so the usage
+    // is read: each answer costs its 1,200, as for a client that asks for
+    // nothing (5 of them fit the 6,000 tokens, then 429).
+    let mut admitted = 0;
+    for _ in 0..8 {
+        let (status, body) = curl_compressed(envoy.port, "POST", &path, "zipper");
+        match status {
+            200 => {
+                assert!(body.contains(r#""total_tokens":1200"#), "{body}");
+                admitted += 1;
+            }
+            429 => {}
+            other => panic!("{other}: {body}"),
+        }
+    }
+    assert_eq!(primary.last_accept_encoding().as_deref(), Some("identity"));
+    eprintln!("curl --compressed: {admitted} of 8 admitted, each settled at its usage");
+    assert_eq!(admitted, 5);
+    assert!(wait_for(WAIT, || envoy.tg_stat("cost.settles.chat") == 5));
+    assert_eq!(envoy.tg_stat("cost.settled_units.chat"), 5 * 1200);
+    assert_eq!(envoy.tg_stat("cost.unusable_encoded.chat"), 0);
+}
+
+on_both_hosts!(a_tenant_cannot_choose_its_exposure_by_lying_about_max_tokens);
+fn a_tenant_cannot_choose_its_exposure_by_lying_about_max_tokens() {
+    let log = Envoy::temp_dir().join("access.log");
+    let (_primary, _fallback, envoy) = start(&log);
+    // 60 streams at once, each `max_tokens: 1` (an estimate of 1), each
+    // really 3,000 tokens over about 0.9 s: the tenant's 5 streams in
+    // flight (`tenant_max_share: 5` of the `model` dependency) are its
+    // exposure, not the 60 it opened.
+    let port = envoy.port;
+    let answer = ModelAnswer::Sse {
+        tokens: 3000,
+        gap_ms: 300,
+    };
+    let path = format!("/up/capped{}", answer.path());
+    let started = Instant::now();
+    let liars: Vec<_> = (0..60)
+        .map(|_| {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let mut c = Conn::open(port).unwrap();
+                c.send_body("POST", &path, &[("x-tenant-id", "liar")], br#"{"max_tokens":1}"#)
+                    .map(|r| r.status)
+                    .unwrap_or(0)
+            })
+        })
+        .collect();
+    // An honest tenant beside it, one request at a time.
+    let mut honest = 0;
+    for _ in 0..5 {
+        let mut c = Conn::open(port).unwrap();
+        let r = c
+            .send_body(
+                "POST",
+                &path,
+                &[("x-tenant-id", "honest")],
+                br#"{"max_tokens":3000}"#,
+            )
+            .unwrap();
+        if r.status == 200 {
+            honest += 1;
+        }
+    }
+    let statuses: Vec<u16> = liars.into_iter().map(|t| t.join().unwrap()).collect();
+    let took = started.elapsed();
+    let served = statuses.iter().filter(|s| **s == 200).count() as u64;
+    let shared = statuses.iter().filter(|s| **s == 503).count() as u64;
+    let limited = statuses.iter().filter(|s| **s == 429).count() as u64;
+    // THE BOUND (crate::cost): B + D + r·t + in flight (≤ 5) × (C − E).
+    let refill = 100 * took.as_millis() as u64 / 1000;
+    let bound = 6000 + 6000 + refill + 5 * (4000 - 1);
+    eprintln!(
+        "liar: {served} of 60 served ({} tokens; bound {bound}), {shared} refused 503 tenant_share, {limited} 429, in {took:?}; honest: {honest} of 5 served",
+        3000 * served
+    );
+    assert!(shared >= 40, "{statuses:?}");
+    assert!(3000 * served <= bound, "{statuses:?}");
+    assert_eq!(
+        honest, 2,
+        "the honest tenant's 6,000 tokens: two answers of 3,000"
+    );
+    assert!(envoy.tg_stat("decisions.tenant_share") >= 40);
+}
+
+/// Runs `integration-tests/sdk/clients.py` (the `openai` and `anthropic`
+/// SDKs, `make setup-sdks`) for `case`; its JSON report.
+fn sdk(envoy: &Envoy, case: &str, tenant: &str) -> serde_json::Value {
+    let python = std::env::var("TENANTGATE_PYTHON")
+        .unwrap_or_else(|_| format!("{}/../.venv/bin/python", env!("CARGO_MANIFEST_DIR")));
+    let script = format!("{}/sdk/clients.py", env!("CARGO_MANIFEST_DIR"));
+    let out = std::process::Command::new(&python)
+        .args([script.as_str(), &envoy.port.to_string(), case, tenant])
+        .output()
+        .unwrap_or_else(|e| panic!("{python} (make setup-sdks): {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{case}: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{case}: {e}: {stdout}"))
+}
+
+on_both_hosts!(the_openai_and_anthropic_sdks_are_charged_the_usage_they_report);
+fn the_openai_and_anthropic_sdks_are_charged_the_usage_they_report() {
+    let log = Envoy::temp_dir().join("access.log");
+    let (_primary, _fallback, envoy) = start(&log);
+    // Non-streaming and streaming calls (each SDK asks for gzip, as httpx
+    // does by default): the charged cost is the usage the SDK reports.
+    for (case, tenant, class) in [
+        ("openai_json", "sdk-json", "chat"),
+        ("openai_stream", "sdk-stream", "chat"),
+        ("anthropic_stream", "sdk-claude", "messages"),
+    ] {
+        let report = sdk(&envoy, case, tenant);
+        let usage = report["usage"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{case}: {report}"));
+        let key = format!("chat|t|{tenant}");
+        assert!(wait_for(WAIT, || cost_records(&log, &key).len() == 1), "{case}");
+        let record = cost_records(&log, &key).remove(0);
+        eprintln!("{case}: the SDK reported {usage}; charged {record}");
+        assert!(record.starts_with(&format!("class={class} ")), "{record}");
+        assert_eq!(field(&record, "cost"), usage, "{case}: {record}");
+    }
+    // The SDK's own retry on 429 honours Retry-After: a tenant whose
+    // bucket is empty (answers of 4,000 and 2,000: 6,000 of 6,000) waits
+    // 5 s for the 500 of its next request; the SDK waits as told and its
+    // retry is admitted.
+    for tokens in [4000, 2000] {
+        let r = ask(&envoy, "chat", ModelAnswer::Json(tokens), "sdk-retry");
+        assert_eq!(r.status, 200, "{r:?}");
+    }
+    let refused = ask(&envoy, "chat", ModelAnswer::Json(500), "sdk-retry");
+    assert_eq!(refused.status, 429, "{refused:?}");
+    assert!(retry_after(&refused) >= 4, "{refused:?}");
+    // The SDK starts in about a second or two: it gets 429s with what is
+    // left of the wait, waits each, and its last attempt is admitted.
+    let report = sdk(&envoy, "openai_retry", "sdk-retry");
+    eprintln!("openai retry: {report}");
+    assert_eq!(report["status"].as_u64(), Some(200), "{report}");
+    let answers = report["answers"].as_array().cloned().unwrap_or_default();
+    assert!(answers.len() >= 2, "{report}");
+    for pair in answers.windows(2) {
+        assert_eq!(pair[0][1].as_u64(), Some(429), "{report}");
+        let told: f64 = pair[0][2].as_str().and_then(|v| v.parse().ok()).unwrap_or(0.0);
+        let waited = pair[1][0].as_f64().unwrap_or(0.0) - pair[0][0].as_f64().unwrap_or(0.0);
+        assert!(
+            waited >= told - 0.1,
+            "waited {waited} s for Retry-After {told}: {report}"
+        );
+    }
+    assert_eq!(answers.last().and_then(|a| a[1].as_u64()), Some(200), "{report}");
 }

@@ -21,6 +21,10 @@
 //! the stream (`finished`: most requests, which hold no slot and settle no
 //! cost), its body, trailers, end and destroy are no steps at all: no
 //! worker lock, no callback (`destroy` still forgets a stream once held).
+//!
+//! Over 800 lines (about 830): one `extern "C"` function per hook of the
+//! ABI, each a few lines of translation inside `catch_unwind`; they read
+//! best side by side in the order Envoy calls them.
 
 use std::cell::Cell;
 use std::ffi::c_char;
@@ -430,14 +434,35 @@ fn send(envoy: HttpFilterEnvoy, reply: &LocalReply) {
     }
 }
 
-/// Writes the decision record (filter state, for the access log) and
-/// carries out a soft limit's route mark.
+/// Writes the decision record (filter state, for the access log),
+/// carries out a soft limit's route mark and a metered request's
+/// `accept-encoding: identity`.
 fn record(envoy: HttpFilterEnvoy, directive: &Directive) {
     if let Some(record) = &directive.record {
         filter_state(envoy, crate::RECORD_KEY, record, "decision record");
     }
     if let Some(mark) = &directive.mark {
         route_mark(envoy, mark);
+    }
+    if directive.identity_encoding {
+        identity_encoding(envoy);
+    }
+}
+
+/// Asks the upstream for an uncompressed answer (a metered request).
+fn identity_encoding(envoy: HttpFilterEnvoy) {
+    let name = tenantgate::pipeline::ACCEPT_ENCODING;
+    // SAFETY: the current hook's stream; the buffers are ours.
+    let set = unsafe {
+        abi::envoy_dynamic_module_callback_http_set_header(
+            envoy,
+            abi::HEADER_REQUEST,
+            ModuleBuffer::of(name.as_bytes()),
+            ModuleBuffer::of(tenantgate::pipeline::IDENTITY.as_bytes()),
+        )
+    };
+    if !set {
+        log::warn!("tenantgate: cannot set the {name} request header");
     }
 }
 
@@ -541,6 +566,7 @@ fn go() -> Directive {
         verdict: Verdict::Continue,
         record: None,
         mark: None,
+        identity_encoding: false,
     }
 }
 

@@ -203,6 +203,7 @@ fn go() -> Directive {
         verdict: Verdict::Continue,
         record: None,
         mark: None,
+        identity_encoding: false,
     }
 }
 

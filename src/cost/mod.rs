@@ -16,9 +16,12 @@
 //! body or of a server-sent-events stream (the last value seen wins; the
 //! cost is their weighted sum, rounded up), never from anything the client
 //! sends. A figure above the ceiling `C` is cut to `C` (counted). A stream
-//! that ends without a usable figure ([`Unusable`]: reset before the
-//! figure, missing, malformed, or a body past `max_body_bytes`) costs `C`
-//! or `E` (`on_missing`; `C` by default: a client can cut a stream short).
+//! that ends before its response did (client abort, upstream reset,
+//! timeout, idle cut) costs `C`, whatever its events said so far: **the
+//! abort rule** ([`Meter::end`] states it per format). A response that
+//! ends without a usable figure ([`Unusable`]: missing, malformed, or a
+//! body past `max_body_bytes`) costs `C` or `E` (`on_missing`; `C` by
+//! default).
 //!
 //! At the response's end (its last body chunk, its trailers, or headers
 //! that end it), or at the stream's end if the response never completed,
@@ -29,6 +32,18 @@
 //! key is then **in debt**: its requests are refused, with the `Retry-After`
 //! of the debt's repayment; what does not fit `D` is **written off** and
 //! counted).
+//!
+//! # Compression
+//! A metered request goes to its upstream with `accept-encoding: identity`
+//! (set by the filter, replacing the client's: `Directive::identity_encoding`),
+//! so the answer the meter reads is uncompressed. Chosen over decoding
+//! gzip, deflate, br and zstd in the filter: nothing to inflate (no
+//! decompression bomb to cap, no decoder state per stream, no four decoders
+//! in a wasm binary), and the answer toward the client can still be
+//! compressed by Envoy's compressor filter placed before tenantgate. An
+//! upstream that compresses anyway (`content-encoding` other than
+//! `identity`) is not read: [`Unusable::Encoded`], charged by
+//! `on_missing`. A leading UTF-8 byte order mark is skipped.
 //!
 //! # THE BOUND
 //! For a token bucket of rate `r`, burst `B` and debt allowance `D`, count
@@ -78,7 +93,7 @@ use sse::Events;
 
 use crate::host::Host;
 use crate::policy::settle::{Field, Settle, Source, WEIGHT_SCALE};
-use crate::policy::spec::OnMissing;
+use crate::policy::spec::{Charge, OnMissing};
 
 /// Why a stream's response gave no usable figure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,14 +107,31 @@ pub enum Unusable {
     Malformed,
     /// The body was longer than `max_body_bytes` before it ended.
     TooLarge,
+    /// The upstream answered 500–599 (its body is not read).
+    Upstream5xx,
+    /// The upstream answered 400–499 (its body is not read).
+    Upstream4xx,
+    /// Envoy answered 400–599 itself (`response.code_details` is not
+    /// `via_upstream`): no healthy upstream, a timeout, ...
+    LocalReply,
+    /// The stream ended before any response header.
+    NoResponse,
+    /// The body is compressed (`content-encoding` other than `identity`)
+    /// although the request asked for `identity`: not read.
+    Encoded,
 }
 
 impl Unusable {
-    pub const ALL: [Unusable; 4] = [
+    pub const ALL: [Unusable; 9] = [
         Unusable::Reset,
         Unusable::Missing,
         Unusable::Malformed,
         Unusable::TooLarge,
+        Unusable::Upstream5xx,
+        Unusable::Upstream4xx,
+        Unusable::LocalReply,
+        Unusable::NoResponse,
+        Unusable::Encoded,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -108,8 +140,46 @@ impl Unusable {
             Unusable::Missing => "missing",
             Unusable::Malformed => "malformed",
             Unusable::TooLarge => "too_large",
+            Unusable::Upstream5xx => "upstream_5xx",
+            Unusable::Upstream4xx => "upstream_4xx",
+            Unusable::LocalReply => "local_reply",
+            Unusable::NoResponse => "no_response",
+            Unusable::Encoded => "encoded",
         }
     }
+}
+
+/// The response's body is compressed: a `content-encoding` other than
+/// `identity` (the request asked for `identity`: see "Compression").
+fn encoded<H: Host>(host: &H) -> bool {
+    host.response_header("content-encoding").is_some_and(|v| {
+        v.split(|b| *b == b',')
+            .map(<[u8]>::trim_ascii)
+            .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"identity"))
+    })
+}
+
+/// A UTF-8 byte order mark: read before a body's first byte, and skipped.
+const BOM: [u8; 3] = [0xEF, 0xBB, 0xBF];
+
+/// The outcome of a response whose status is 400 or more, by who answered
+/// (`None`: below 400, the operation's answer, read for its figure).
+fn outcome_of<H: Host>(host: &H) -> Option<Unusable> {
+    let status: u32 = std::str::from_utf8(&host.response_header(":status")?)
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    if status < 400 {
+        return None;
+    }
+    let details = host.property(&["response", "code_details"]);
+    let upstream = details.as_deref() == Some(b"via_upstream".as_slice());
+    Some(match (upstream, status >= 500) {
+        (false, _) => Unusable::LocalReply,
+        (true, true) => Unusable::Upstream5xx,
+        (true, false) => Unusable::Upstream4xx,
+    })
 }
 
 /// What a response said of its request's cost.
@@ -140,6 +210,8 @@ pub struct Meter {
     reading: Reading,
     /// Body bytes read so far.
     read: u64,
+    /// Bytes of a leading [`BOM`] matched so far (`BOM.len()`: decided).
+    bom: usize,
 }
 
 impl Default for Meter {
@@ -147,6 +219,7 @@ impl Default for Meter {
         Meter {
             reading: Reading::Headers,
             read: 0,
+            bom: 0,
         }
     }
 }
@@ -196,11 +269,16 @@ impl Meter {
         if !matches!(self.reading, Reading::Headers) {
             return;
         }
+        if let Some(outcome) = outcome_of(host) {
+            self.reading = Reading::Done(Figure::Unusable(outcome));
+            return;
+        }
         self.reading = match &settle.source {
             Source::Header(name) => Reading::Done(figure_of(host.response_header(name))),
             Source::Trailer(_) if end_of_stream => Reading::Done(Figure::Unusable(Unusable::Missing)),
             Source::Trailer(_) => Reading::Trailer,
             Source::Body(_) if end_of_stream => Reading::Done(Figure::Unusable(Unusable::Missing)),
+            Source::Body(_) if encoded(host) => Reading::Done(Figure::Unusable(Unusable::Encoded)),
             Source::Body(_) => {
                 let sse = host.response_header("content-type").is_some_and(|t| {
                     t.get(..17)
@@ -234,15 +312,39 @@ impl Meter {
         if size > 0 {
             let chunk = host.response_body(size).unwrap_or_default();
             let fields = settle.fields();
-            match &mut self.reading {
-                Reading::Json(s) => s.feed(&chunk, fields),
-                Reading::Events(e) => e.feed(&chunk, fields),
-                _ => {}
+            let (held, rest) = self.skip_bom(&chunk);
+            for part in [held, rest] {
+                match &mut self.reading {
+                    Reading::Json(s) => s.feed(part, fields),
+                    Reading::Events(e) => e.feed(part, fields),
+                    _ => {}
+                }
             }
         }
         if end_of_stream {
             self.end_body(settle);
         }
+    }
+
+    /// A body's first bytes without a leading UTF-8 byte order mark (it
+    /// may come a byte at a time): the bytes of a mark's prefix that turned
+    /// out not to be one (to read first), and the rest of `chunk`.
+    fn skip_bom<'a>(&mut self, chunk: &'a [u8]) -> (&'static [u8], &'a [u8]) {
+        let mut rest = chunk;
+        while self.bom < BOM.len() {
+            let Some((first, tail)) = rest.split_first() else {
+                return (&[], rest);
+            };
+            if BOM.get(self.bom) == Some(first) {
+                self.bom += 1;
+                rest = tail;
+            } else {
+                let held = BOM.get(..self.bom).unwrap_or_default();
+                self.bom = BOM.len();
+                return (held, rest);
+            }
+        }
+        (&[], rest)
     }
 
     /// The response's trailers: its body has ended.
@@ -275,16 +377,26 @@ impl Meter {
     }
 
     /// The stream ended: the figure, or [`Unusable::Reset`] if the
-    /// response never completed. (A server-sent-events stream cut short
-    /// keeps what its whole events said: its last usage event may have come.)
-    pub fn end(&mut self, settle: &Settle) -> Figure {
-        if let Reading::Events(e) = &mut self.reading {
-            let found = e.finish(settle.fields());
-            if let Figure::Cost(c) = figure_of_fields(Some(found), settle.fields()) {
-                self.reading = Reading::Done(Figure::Cost(c));
-            }
+    /// response never completed.
+    ///
+    /// **The abort rule**, for every format read here: a response cut
+    /// before its end (client abort, upstream reset, timeout, idle cut)
+    /// gives no figure, whatever its events said so far, because no format
+    /// makes a partial figure an upper bound of the whole answer's:
+    /// Anthropic's `message_start` usage is the first output token and its
+    /// `message_delta` usage is cumulative; Gemini's `usageMetadata` and
+    /// OpenAI-compatible servers' continuous usage stats are running
+    /// totals; OpenAI's `include_usage` chunk comes last, but the same
+    /// fields in a server's earlier chunk would be partial; the Responses
+    /// API's usage comes only with `response.completed`. So the events of
+    /// a stream cut short are never summed: it costs the ceiling
+    /// ([`real_cost`]).
+    pub fn end(&mut self) -> Figure {
+        match self.reading {
+            Reading::Done(f) => f,
+            Reading::Headers => Figure::Unusable(Unusable::NoResponse),
+            _ => Figure::Unusable(Unusable::Reset),
         }
-        self.figure().unwrap_or(Figure::Unusable(Unusable::Reset))
     }
 }
 
@@ -306,13 +418,32 @@ pub fn real_cost(settle: &Settle, figure: Figure, estimate: u64) -> Real {
             unusable: None,
         },
         Figure::Unusable(why) => Real {
-            cost: match settle.on_missing {
-                OnMissing::Ceiling => settle.ceiling,
-                OnMissing::Estimate => estimate,
+            cost: match why {
+                // The abort rule (`Meter::end`): whatever `on_missing` says.
+                Unusable::Reset => settle.ceiling,
+                Unusable::Missing | Unusable::Malformed | Unusable::TooLarge | Unusable::Encoded => {
+                    match settle.on_missing {
+                        OnMissing::Ceiling => settle.ceiling,
+                        OnMissing::Estimate => estimate,
+                    }
+                }
+                Unusable::Upstream5xx => charge(settle, settle.outcomes.upstream_5xx, estimate),
+                Unusable::Upstream4xx => charge(settle, settle.outcomes.upstream_4xx, estimate),
+                Unusable::LocalReply => charge(settle, settle.outcomes.local_reply, estimate),
+                Unusable::NoResponse => charge(settle, settle.outcomes.no_response, estimate),
             },
             cut: false,
             unusable: Some(why),
         },
+    }
+}
+
+/// An outcome's charge (`settle.on_outcome`).
+fn charge(settle: &Settle, charge: Charge, estimate: u64) -> u64 {
+    match charge {
+        Charge::Nothing => 0,
+        Charge::Estimate => estimate,
+        Charge::Ceiling => settle.ceiling,
     }
 }
 

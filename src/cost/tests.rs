@@ -46,7 +46,7 @@ fn meter(
             .collect();
         m.on_trailers(s, &h);
     }
-    m.end(s)
+    m.end()
 }
 
 #[test]
@@ -122,17 +122,18 @@ fn every_way_to_miss_the_figure_is_named() {
     h.response_body = br#"{"usage":{"total_tok"#.to_vec();
     m.on_body(&s, &h, h.response_body.len(), false);
     assert_eq!(m.figure(), None);
-    assert_eq!(m.end(&s), Figure::Unusable(Unusable::Reset));
-    // No response at all.
-    assert_eq!(Meter::default().end(&s), Figure::Unusable(Unusable::Reset));
-    // An event stream cut after its usage event keeps it.
+    assert_eq!(m.end(), Figure::Unusable(Unusable::Reset));
+    // No response at all: an outcome (`settle.on_outcome.no_response`).
+    assert_eq!(Meter::default().end(), Figure::Unusable(Unusable::NoResponse));
+    // The abort rule: an event stream cut after a usage event keeps
+    // nothing of it (it may be a running total).
     let mut m = Meter::default();
     let h = host().response_header("content-type", "text/event-stream");
     m.on_headers(&s, &h, false);
     let mut h = h;
     h.response_body = b"data: {\"usage\":{\"total_tokens\":5}}\n\ndata: {\"choi".to_vec();
     m.on_body(&s, &h, h.response_body.len(), false);
-    assert_eq!(m.end(&s), Figure::Cost(5));
+    assert_eq!(m.end(), Figure::Unusable(Unusable::Reset));
     // A header that is not a number.
     let header = settle(r#"{"header": "x-usage-tokens", "ceiling": 8000}"#);
     assert_eq!(
@@ -158,15 +159,19 @@ fn the_rule_cuts_at_the_ceiling_and_settles_an_unusable_stream() {
     assert_eq!(real_cost(&ceiling, Figure::Cost(40), 100).cost, 40);
     let reset = Figure::Unusable(Unusable::Reset);
     assert_eq!(real_cost(&ceiling, reset, 100).cost, 8000);
+    // `on_missing: estimate` covers an answer that ended without its
+    // figure, never one cut short (the abort rule).
     let estimate = settle(r#"{"usage": "openai_total", "ceiling": 8000, "on_missing": "estimate"}"#);
     assert_eq!(
         real_cost(&estimate, reset, 100),
         Real {
-            cost: 100,
+            cost: 8000,
             cut: false,
             unusable: Some(Unusable::Reset)
         }
     );
+    let missing = Figure::Unusable(Unusable::Missing);
+    assert_eq!(real_cost(&estimate, missing, 100).cost, 100);
 }
 
 #[test]
@@ -176,5 +181,170 @@ fn an_estimate_is_an_integer_cut_to_its_bounds() {
     assert_eq!(estimate_of(b"99999999999999999999999", 8000), Some(8000));
     for bad in [&b""[..], b"-5", b"1.5", b"12abc", b"\xff"] {
         assert_eq!(estimate_of(bad, 8000), None);
+    }
+}
+
+/// Recorded streams of each format a preset reads, and what each costs
+/// once whole.
+fn recorded() -> [(&'static str, Settle, &'static str, u64); 4] {
+    [
+        (
+            "openai chat (include_usage)",
+            settle(r#"{"usage": "openai_total", "ceiling": 8000}"#),
+            include_str!("recorded/openai_chat.sse"),
+            21,
+        ),
+        (
+            "anthropic messages",
+            settle(r#"{"usage": "anthropic", "ceiling": 8000}"#),
+            include_str!("recorded/anthropic.sse"),
+            40,
+        ),
+        (
+            "openai responses",
+            settle(r#"{"usage": "openai_total", "ceiling": 8000}"#),
+            include_str!("recorded/openai_responses.sse"),
+            123,
+        ),
+        (
+            "gemini",
+            settle(r#"{"usage": "gemini", "ceiling": 8000}"#),
+            include_str!("recorded/gemini.sse"),
+            11,
+        ),
+    ]
+}
+
+/// A stream's first `cut` bytes through the meter in chunks of `chunk`;
+/// `whole`: the last chunk ends the response.
+fn stream_prefix(s: &Settle, stream: &str, cut: usize, chunk: usize, whole: bool) -> Figure {
+    let mut h = host().response_header("content-type", "text/event-stream");
+    let mut m = Meter::default();
+    m.on_headers(s, &h, false);
+    let parts: Vec<&[u8]> = stream.as_bytes()[..cut].chunks(chunk.max(1)).collect();
+    for (i, part) in parts.iter().enumerate() {
+        h.response_body = part.to_vec();
+        m.on_body(s, &h, part.len(), whole && i + 1 == parts.len());
+    }
+    m.end()
+}
+
+#[test]
+fn the_abort_rule_a_stream_cut_at_any_byte_of_any_format_costs_the_ceiling() {
+    for (format, s, stream, cost) in recorded() {
+        assert_eq!(
+            stream_prefix(&s, stream, stream.len(), 7, true),
+            Figure::Cost(cost),
+            "{format}"
+        );
+        // Cut at every byte, event boundaries included, and right after the
+        // last event (the response had not ended): never a partial figure.
+        for cut in 0..=stream.len() {
+            assert_eq!(
+                stream_prefix(&s, stream, cut, cut.max(1), false),
+                Figure::Unusable(Unusable::Reset),
+                "{format} cut at {cut}"
+            );
+            let real = real_cost(&s, stream_prefix(&s, stream, cut, 5, false), 1);
+            assert_eq!(real.cost, s.ceiling, "{format} cut at {cut}");
+        }
+    }
+    // The issue's case: an Anthropic stream read to its last content delta
+    // and closed before `message_delta` once cost `message_start`'s 26.
+    let (_, s, stream, _) = &recorded()[1];
+    let before_delta = stream.find("event: message_delta").unwrap_or(0);
+    assert_eq!(
+        real_cost(s, stream_prefix(s, stream, before_delta, 64, false), 1000).cost,
+        8000
+    );
+}
+
+#[test]
+fn a_byte_order_mark_is_read_and_a_compressed_body_is_named() {
+    let s = settle(r#"{"usage": "openai_total", "ceiling": 8000}"#);
+    let json = "\u{feff}{\"usage\":{\"total_tokens\":12}}";
+    let sse = "\u{feff}data: {\"usage\":{\"total_tokens\":33}}\n\ndata: [DONE]\n\n";
+    for chunk in [1, 2, 3, 4, 100] {
+        assert_eq!(meter(&s, &[], json, chunk, &[]), Figure::Cost(12), "{chunk}");
+        let ct = [("content-type", "text/event-stream")];
+        assert_eq!(meter(&s, &ct, sse, chunk, &[]), Figure::Cost(33), "{chunk}");
+    }
+    // Half a mark is not one: the document is broken.
+    let mut bytes = vec![0xEF, 0xBB];
+    bytes.extend_from_slice(br#"{"usage":{"total_tokens":12}}"#);
+    let mut h = host();
+    let mut m = Meter::default();
+    m.on_headers(&s, &h, false);
+    h.response_body = bytes;
+    m.on_body(&s, &h, h.response_body.len(), true);
+    assert_eq!(m.end(), Figure::Unusable(Unusable::Malformed));
+    // A compressed answer (the upstream ignored `accept-encoding:
+    // identity`) is not read: `on_missing`.
+    for encoding in ["gzip", "br", "zstd", "deflate", "identity, gzip"] {
+        let headers = [("content-encoding", encoding)];
+        assert_eq!(
+            meter(&s, &headers, json, 7, &[]),
+            Figure::Unusable(Unusable::Encoded),
+            "{encoding}"
+        );
+    }
+    assert_eq!(
+        meter(&s, &[("content-encoding", "identity")], json, 7, &[]),
+        Figure::Cost(12)
+    );
+}
+
+#[test]
+fn each_preset_reads_its_providers_json_answer() {
+    let cases = [
+        (
+            "openai_total",
+            r#"{"object":"chat.completion","usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}}"#,
+            12,
+        ),
+        (
+            "openai_total",
+            r#"{"object":"response","usage":{"input_tokens":36,"output_tokens":87,"total_tokens":123}}"#,
+            123,
+        ),
+        (
+            "openai_prompt",
+            r#"{"object":"response","usage":{"input_tokens":36,"output_tokens":87,"total_tokens":123}}"#,
+            36,
+        ),
+        (
+            "openai_completion",
+            r#"{"usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}}"#,
+            3,
+        ),
+        (
+            "anthropic",
+            r#"{"type":"message","usage":{"input_tokens":20,"output_tokens":9}}"#,
+            29,
+        ),
+        (
+            "gemini",
+            r#"{"candidates":[],"usageMetadata":{"promptTokenCount":8,"candidatesTokenCount":3,"totalTokenCount":11}}"#,
+            11,
+        ),
+        (
+            "bedrock",
+            r#"{"output":{"message":{"role":"assistant"}},"stopReason":"end_turn","usage":{"inputTokens":30,"outputTokens":628,"totalTokens":658}}"#,
+            658,
+        ),
+        // vLLM and Ollama's OpenAI-compatible /v1 answer like OpenAI.
+        (
+            "openai_total",
+            r#"{"object":"chat.completion","model":"llama3","usage":{"prompt_tokens":26,"completion_tokens":298,"total_tokens":324}}"#,
+            324,
+        ),
+    ];
+    for (preset, body, cost) in cases {
+        let s = settle(&format!(r#"{{"usage": "{preset}", "ceiling": 8000}}"#));
+        assert_eq!(
+            meter(&s, &[], body, 5, &[]),
+            Figure::Cost(cost),
+            "{preset}: {body}"
+        );
     }
 }

@@ -275,6 +275,12 @@ fn apply(directive: Directive) -> Action {
     if let Some(mark) = &directive.mark {
         route_mark(mark);
     }
+    if directive.identity_encoding {
+        let (name, value) = (crate::pipeline::ACCEPT_ENCODING, crate::pipeline::IDENTITY);
+        if let Err(status) = abi::replace_header(MapType::HttpRequestHeaders, name, value) {
+            log::warn!("tenantgate: cannot set the {name} request header: {status:?}");
+        }
+    }
     match directive.verdict {
         Verdict::Continue => Action::Continue,
         Verdict::Pause => Action::Pause,

@@ -10,6 +10,21 @@ pub(crate) const S: u64 = 1_000_000_000;
 /// An arbitrary, realistic wall-clock start (2026-11-30).
 pub(crate) const T0: u64 = 1_796_000_000 * S;
 
+/// The most admissions (instants, sorted) in any `d` consecutive
+/// nanoseconds: what a bound over every interval of length `d` is checked
+/// against.
+pub(crate) fn max_in(admitted: &[u64], d: u64) -> u64 {
+    let mut best = 0;
+    let mut first = 0;
+    for (i, &t) in admitted.iter().enumerate() {
+        while admitted[first] + d <= t {
+            first += 1;
+        }
+        best = best.max(i + 1 - first);
+    }
+    best as u64
+}
+
 /// A deterministic xorshift so the tests need no dependency.
 pub(crate) struct XorShift(pub(crate) u64);
 

@@ -71,7 +71,10 @@ impl Pipeline {
         stream: StreamId,
     ) -> Directive {
         let client_copy = policy.has_soft_limits && host.request_header(&policy.soft_limit_header).is_some();
-        let mut directive = self.decide_headers(host, clock, policy, stream);
+        let mut metered = false;
+        let mut directive = self.decide_headers(host, clock, policy, stream, &mut metered);
+        // A metered request's answer is read for its usage: uncompressed.
+        directive.identity_encoding = metered && !matches!(directive.verdict, Verdict::Reply(_));
         let soft = self
             .streams
             .get(&stream)
@@ -81,13 +84,15 @@ impl Pipeline {
         directive
     }
 
-    /// [`Pipeline::on_request_headers`]'s decision.
+    /// [`Pipeline::on_request_headers`]'s decision (`metered`: the request
+    /// is in a settled class's metered operation).
     fn decide_headers<H: Host>(
         &mut self,
         host: &H,
         clock: &impl Clock,
         policy: &Rc<Policy>,
         stream: StreamId,
+        metered: &mut bool,
     ) -> Directive {
         let mut state = Stream::default();
         if policy.limits_endpoint.is_some()
@@ -100,6 +105,7 @@ impl Pipeline {
             Err(reason) => return self.finish(host, policy, stream, state, Decision::passed(reason), None),
         };
         Self::estimate(host, policy, &mut prepared);
+        *metered = prepared.class.settle.is_some() && prepared.cost > 0;
         let mut now = Now::new(clock);
         let mut record = None;
         if prepared.class.labels.checks_anything() {
@@ -113,6 +119,7 @@ impl Pipeline {
                     self.keep(stream, state);
                     return Directive {
                         mark: None,
+                        identity_encoding: false,
                         verdict: Verdict::Pause,
                         record,
                     };
@@ -124,6 +131,7 @@ impl Pipeline {
                     self.pending.decision(&decision);
                     return Directive {
                         mark: None,
+                        identity_encoding: false,
                         verdict: Verdict::Reply(reply),
                         record,
                     };
@@ -165,6 +173,7 @@ impl Pipeline {
                     self.keep(stream, state);
                     return Directive {
                         mark: None,
+                        identity_encoding: false,
                         verdict: Verdict::Pause,
                         record,
                     };
@@ -252,12 +261,14 @@ impl Pipeline {
             if let Some(reply) = reply {
                 return Directive {
                     mark: None,
+                    identity_encoding: false,
                     verdict: Verdict::Reply(reply),
                     record,
                 };
             }
             return Directive {
                 mark: None,
+                identity_encoding: false,
                 verdict: Verdict::Continue,
                 record,
             };
@@ -268,6 +279,7 @@ impl Pipeline {
         self.keep(stream, state);
         Directive {
             mark: None,
+            identity_encoding: false,
             verdict: Verdict::Continue,
             record,
         }
@@ -286,6 +298,9 @@ impl Pipeline {
         prepared: &Prepared,
         now: &mut Now<'_, impl Clock>,
     ) -> Result<Decision, NoClock> {
+        if let Some(d) = super::settle::unmetered(prepared) {
+            return Ok(d);
+        }
         if prepared.class.settle.is_some() {
             let at = now.get().ok_or(NoClock)?;
             let view = self.view(policy);
@@ -601,6 +616,7 @@ impl Pipeline {
                 self.pending.decision(&decision);
                 Directive {
                     mark: None,
+                    identity_encoding: false,
                     verdict: Verdict::Reply(reply),
                     record,
                 }
@@ -616,6 +632,7 @@ impl Pipeline {
                 ) {
                     Some(reply) => Directive {
                         mark: None,
+                        identity_encoding: false,
                         verdict: Verdict::Reply(reply),
                         record,
                     },
@@ -782,14 +799,16 @@ impl Pipeline {
             limit: None,
         };
         let record = Some(self.record(&p.policy, &p.prepared, None, &at, now, None));
-        let decision = engine::charge_synced(
-            &p.policy,
-            &p.prepared,
-            host,
-            now,
-            self.view(&p.policy).as_ref(),
-            &mut self.scratch,
-        );
+        let decision = super::settle::unmetered(&p.prepared).unwrap_or_else(|| {
+            engine::charge_synced(
+                &p.policy,
+                &p.prepared,
+                host,
+                now,
+                self.view(&p.policy).as_ref(),
+                &mut self.scratch,
+            )
+        });
         self.resume_charged(host, p, state, decision, record, now);
     }
 
@@ -816,6 +835,7 @@ impl Pipeline {
                     state.capture = None;
                     Directive {
                         mark: None,
+                        identity_encoding: false,
                         verdict: Verdict::Reply(reply),
                         record,
                     }
@@ -828,6 +848,7 @@ impl Pipeline {
                     }
                     Directive {
                         mark: None,
+                        identity_encoding: false,
                         verdict: Verdict::Continue,
                         record,
                     }

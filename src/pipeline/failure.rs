@@ -56,6 +56,7 @@ impl Failure {
             verdict,
             record: None,
             mark: None,
+            identity_encoding: false,
         }
     }
 }

@@ -18,6 +18,7 @@
 use super::lease::LEASE_TTL_NS;
 use super::lease_tests::{policy, Node, Rng};
 use super::*;
+use crate::limiter::testkit::max_in;
 use crate::limiter::NANOS_PER_SEC;
 
 const S: u64 = NANOS_PER_SEC;
@@ -74,20 +75,6 @@ fn reloads() -> Vec<Reload> {
             burst: 50,
         },
     ]
-}
-
-/// The most admissions in any `d` consecutive nanoseconds of `admitted`
-/// (sorted instants).
-fn max_in(admitted: &[u64], d: u64) -> u64 {
-    let mut best = 0;
-    let mut first = 0;
-    for (i, &t) in admitted.iter().enumerate() {
-        while admitted[first] + d <= t {
-            first += 1;
-        }
-        best = best.max(i + 1 - first);
-    }
-    best as u64
 }
 
 /// Ticks each worker every 10 ms, late by up to `late` ns (0: on time).

@@ -124,6 +124,7 @@ impl Pipeline {
         self.pending.rare(Metric::LimitsAnswered);
         Directive {
             mark: None,
+            identity_encoding: false,
             verdict: Verdict::Reply(LocalReply {
                 status: 200,
                 headers: vec![
@@ -148,6 +149,7 @@ fn unavailable(policy: &Policy) -> Directive {
     let decision = crate::decision::Decision::unavailable();
     Directive {
         mark: None,
+        identity_encoding: false,
         verdict: match crate::response::local_reply(&decision, &policy.version, false, None) {
             Some(reply) => Verdict::Reply(reply),
             None => Verdict::Continue,

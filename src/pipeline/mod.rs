@@ -131,7 +131,17 @@ pub struct Directive {
     /// A request header to set or remove before the request goes on, after
     /// which the host has the route picked again (a soft limit's marker).
     pub mark: Option<RouteMark>,
+    /// Set the request's `accept-encoding` to `identity` before it goes on:
+    /// a metered request of a class with `settle` asks its upstream for an
+    /// uncompressed answer, whose usage the meter reads (see
+    /// [`crate::cost`], "Compression"). No route is picked again.
+    pub identity_encoding: bool,
 }
+
+/// The request header a metered request's upstream is asked not to
+/// compress by, and its value.
+pub const ACCEPT_ENCODING: &str = "accept-encoding";
+pub const IDENTITY: &str = "identity";
 
 /// A change to the request's headers that route configuration matches:
 /// the host makes it, then clears the route cache so that the route is
@@ -149,6 +159,7 @@ impl Directive {
     fn go() -> Directive {
         Directive {
             mark: None,
+            identity_encoding: false,
             verdict: Verdict::Continue,
             record: None,
         }

@@ -1,7 +1,9 @@
 //! A class whose cost settles after the response, in the pipeline (the
 //! rule and THE BOUND: [`crate::cost`]), and soft limits' markers.
 //!
-//! * **On the request headers**: its estimate (`cost`, or a trusted
+//! * **On the request headers**: a request outside the class's metered
+//!   operation (`settle.methods`, default `POST`, and `settle.paths`)
+//!   passes charged nothing ([`unmetered`]); otherwise its estimate (`cost`, or a trusted
 //!   header's integer) becomes the request's charge ([`Prepared::cost`]),
 //!   charged on the exact path (never a worker lease); admitted, the stream
 //!   keeps a `Settling`: what it was charged, when, and its [`Meter`].
@@ -72,6 +74,14 @@ impl Settling {
     }
 }
 
+/// The decision of a request of a settled class outside its metered
+/// operation (`settle.methods`, `settle.paths`: its estimate is 0, which no
+/// metered request's is): passed, charged nothing, nothing to settle.
+pub(super) fn unmetered(prepared: &Prepared) -> Option<Decision> {
+    (prepared.class.settle.is_some() && prepared.cost == 0)
+        .then(|| Decision::pass(crate::decision::Reason::Unmetered, prepared.subject.clone()))
+}
+
 /// The largest estimate a request may be charged: the ceiling, and no more
 /// than any of its limits can ever admit (its plan's and guard's bursts).
 fn max_estimate(policy: &Policy, prepared: &Prepared, settle: &Settle) -> u64 {
@@ -99,6 +109,13 @@ impl Pipeline {
         let Some(settle) = prepared.class.settle.as_ref() else {
             return;
         };
+        let method = host.request_header(":method").unwrap_or_default();
+        let path = host.request_header(":path").unwrap_or_default();
+        if !settle.meters(&method, &path) {
+            // Outside the metered operation: no cost (see [`unmetered`]).
+            prepared.cost = 0;
+            return;
+        }
         if let Estimate::Header(name) = &settle.estimate {
             let max = max_estimate(policy, prepared, settle);
             if let Some(e) = host
@@ -272,6 +289,7 @@ impl Pipeline {
             verdict: Verdict::Reply(reply),
             record: None,
             mark: None,
+            identity_encoding: false,
         })
     }
 
@@ -303,8 +321,7 @@ impl Pipeline {
         now: u64,
     ) -> Option<String> {
         let mut s = state.settling.take()?;
-        let class = s.prepared.class.clone();
-        let figure = s.meter.end(class.settle.as_ref()?);
+        let figure = s.meter.end();
         Some(self.settle(host, *s, figure, now))
     }
 

@@ -39,6 +39,10 @@ const POLICY: &str = r#"{
         "metered": {"action": "chat", "cost": 10, "settle": {"header": "x-usage", "ceiling": 1000}},
         "bodyest": {"action": "chat", "cost": 100, "settle": {"usage": "openai_total", "ceiling": 1000,
                                                                "estimate_body_field": "max_tokens"}},
+        "messages": {"action": "chat", "cost": 100, "settle": {"usage": "anthropic", "ceiling": 1000}},
+        "models": {"action": "chat", "cost": 100, "settle": {"usage": "openai_total", "ceiling": 1000,
+                   "methods": ["post"], "paths": ["/v1/chat/", "/v1/responses"],
+                   "on_outcome": {"upstream_4xx": "estimate", "no_response": "ceiling"}}},
         "plain": {"cost": 100}
     }
 }"#;
@@ -70,9 +74,12 @@ impl Node {
         Worker { pipeline, policy }
     }
 
+    /// A `POST` (the metered operation's method by default).
     fn request(&self, class: &str, tenant: &str) -> MemoryHost {
         MemoryHost::new(self.store.clone())
             .route_class(class)
+            .header(":method", "POST")
+            .header(":path", "/v1/chat/completions")
             .header("x-tenant-id", tenant)
     }
 
@@ -205,10 +212,14 @@ fn an_answer_without_a_usable_figure_settles_by_the_rule() {
     assert!(costs[0].contains("figure=unusable:missing"));
     assert_eq!(field(&costs[1], "cost"), 1000);
     assert!(costs[1].contains("figure=unusable:reset"));
-    // `stream`: on_missing estimate, nothing more is charged.
+    // `stream`: on_missing estimate: an answer without usage costs its
+    // estimate, a stream cut short the ceiling all the same (the abort rule).
     let s = node.request("stream", "bob");
     assert!(admitted(&w.headers(&s, 9, T0)));
     let r = w.respond(&node, 9, Answer::Reset, T0 + S).unwrap();
+    assert_eq!(field(&r, "cost"), 1000);
+    assert!(admitted(&w.headers(&s, 10, T0)));
+    let r = w.respond(&node, 10, Answer::NoUsage, T0 + S).unwrap();
     assert_eq!(field(&r, "cost"), 100);
     w.pipeline.on_tick(
         &MemoryHost::new(node.store.clone()),
@@ -220,8 +231,56 @@ fn an_answer_without_a_usable_figure_settles_by_the_rule() {
     assert_eq!(node.stat("tenantgate.cost.unusable_reset.chat"), 1);
     assert_eq!(node.stat("tenantgate.cost.settled_units.chat"), 2000);
     assert_eq!(node.stat("tenantgate.cost.unusable_reset.stream"), 1);
-    assert_eq!(node.stat("tenantgate.cost.settled_units.stream"), 100);
-    assert_eq!(node.stat("tenantgate.cost.over_units.stream"), 0);
+    assert_eq!(node.stat("tenantgate.cost.settled_units.stream"), 1100);
+    assert_eq!(node.stat("tenantgate.cost.over_units.stream"), 900);
+}
+
+/// An Anthropic stream (`src/cost/recorded/anthropic.sse`) through the
+/// pipeline, its first `cut` bytes in 16-byte chunks; `whole`: the upstream
+/// ended it. Returns the cost record.
+fn anthropic(w: &mut Worker, node: &Node, stream: StreamId, cut: usize, whole: bool) -> String {
+    let body = include_str!("../cost/recorded/anthropic.sse").as_bytes();
+    // A tenant per stream: each cut costs 1,000 of its 10,000.
+    let h = node.request("messages", &format!("claude-{stream}"));
+    assert!(admitted(&w.headers(&h, stream, T0)));
+    let mut host = MemoryHost::new(node.store.clone()).response_header("content-type", "text/event-stream");
+    let mut record = w
+        .pipeline
+        .on_response_headers(&host, &T0, stream, false)
+        .cost_record;
+    let chunks: Vec<&[u8]> = body[..cut].chunks(16).collect();
+    for (i, c) in chunks.iter().enumerate() {
+        host.response_body = c.to_vec();
+        let eos = whole && i + 1 == chunks.len();
+        record = record.or(w.pipeline.on_response_body(&host, &T0, stream, c.len(), eos));
+    }
+    record
+        .or(w.pipeline.on_stream_end(&host, &T0, stream))
+        .unwrap_or_default()
+}
+
+#[test]
+fn an_anthropic_stream_closed_after_its_content_costs_the_ceiling_not_message_start() {
+    // The issue's attack: every content delta read, closed before the
+    // cumulative `message_delta`: `message_start` said 25 + 1.
+    let node = Node::new();
+    let mut w = node.worker(T0);
+    let body = include_str!("../cost/recorded/anthropic.sse");
+    let before_delta = body.find("event: message_delta").unwrap();
+    let r = anthropic(&mut w, &node, 1, before_delta, false);
+    assert!(r.contains("figure=unusable:reset"), "{r}");
+    assert_eq!(field(&r, "cost"), 1000);
+    // At every event boundary, and after the last event while the
+    // response has not ended: the ceiling.
+    let mut stream = 2;
+    for (at, _) in body.match_indices("event: ").chain([(body.len(), "")]) {
+        let r = anthropic(&mut w, &node, stream, at, false);
+        assert_eq!(field(&r, "cost"), 1000, "cut at {at}: {r}");
+        stream += 1;
+    }
+    // Whole: 25 input + 15 output.
+    let r = anthropic(&mut w, &node, stream, body.len(), true);
+    assert_eq!(field(&r, "cost"), 40, "{r}");
 }
 
 #[test]
@@ -588,5 +647,167 @@ fn the_adversary_at_the_ceiling_with_low_estimates_and_many_in_flight_stays_with
             worst
         );
         assert!(overrun > 0, "the schedule must overrun B + r·d to test anything");
+    }
+}
+
+/// A request's answer that is only headers: `status`, from the upstream
+/// or (`local`) Envoy; returns the cost record.
+fn status_only(w: &mut Worker, node: &Node, stream: StreamId, status: &str, local: bool) -> String {
+    let details = if local {
+        "no_healthy_upstream"
+    } else {
+        "via_upstream"
+    };
+    let host = MemoryHost::new(node.store.clone())
+        .response_header(":status", status)
+        .response_header("content-type", "application/json")
+        .property(&["response", "code_details"], details);
+    let r = w.pipeline.on_response_headers(&host, &T0, stream, false);
+    r.cost_record
+        .or_else(|| w.pipeline.on_response_body(&host, &T0, stream, 0, true))
+        .or_else(|| w.pipeline.on_stream_end(&host, &T0, stream))
+        .unwrap_or_default()
+}
+
+#[test]
+fn errors_cost_by_outcome_and_never_lock_an_honest_tenant_out() {
+    let node = Node::new();
+    let mut w = node.worker(T0);
+    // `chat`: the defaults. Upstream 500, 503, 429, 400 and Envoy's own
+    // 503: nothing (the estimate back); no response at all: the estimate.
+    let h = node.request("chat", "unlucky");
+    let mut stream = 1;
+    for (status, local) in [
+        ("500", false),
+        ("503", false),
+        ("429", false),
+        ("400", false),
+        ("503", true),
+    ] {
+        assert!(admitted(&w.headers(&h, stream, T0)));
+        let r = status_only(&mut w, &node, stream, status, local);
+        assert_eq!(
+            (field(&r, "estimate"), field(&r, "cost")),
+            (100, 0),
+            "{status}: {r}"
+        );
+        stream += 1;
+    }
+    assert!(admitted(&w.headers(&h, stream, T0)));
+    let r = w
+        .pipeline
+        .on_stream_end(&node.request("chat", "unlucky"), &T0, stream)
+        .unwrap();
+    assert!(r.contains("figure=unusable:no_response"), "{r}");
+    assert_eq!(field(&r, "cost"), 100);
+    // A hundred upstream 503s in a row leave the tenant its budget (10,000
+    // a minute, estimates of 100): the next is admitted at once.
+    for _ in 0..100 {
+        stream += 1;
+        assert!(admitted(&w.headers(&h, stream, T0)));
+        status_only(&mut w, &node, stream, "503", false);
+    }
+    assert!(admitted(&w.headers(&h, stream + 1, T0)));
+    // `models`: the policy's own charges.
+    let m = node.request("models", "strict");
+    assert!(admitted(&w.headers(&m, 900, T0)));
+    assert_eq!(field(&status_only(&mut w, &node, 900, "400", false), "cost"), 100);
+    assert!(admitted(&w.headers(&m, 901, T0)));
+    assert_eq!(field(&status_only(&mut w, &node, 901, "500", false), "cost"), 0);
+    assert!(admitted(&w.headers(&m, 902, T0)));
+    let r = w.pipeline.on_stream_end(&m, &T0, 902).unwrap();
+    assert_eq!(field(&r, "cost"), 1000, "{r}");
+    w.pipeline.on_tick(
+        &MemoryHost::new(node.store.clone()),
+        &T0,
+        &mut node.stats.clone(),
+        None,
+    );
+    assert_eq!(node.stat("tenantgate.cost.unusable_upstream_5xx.chat"), 102);
+    assert_eq!(node.stat("tenantgate.cost.unusable_upstream_4xx.chat"), 2);
+    assert_eq!(node.stat("tenantgate.cost.unusable_local_reply.chat"), 1);
+    assert_eq!(node.stat("tenantgate.cost.unusable_no_response.chat"), 1);
+}
+
+#[test]
+fn requests_outside_the_metered_operation_are_not_charged_at_all() {
+    let node = Node::new();
+    let mut w = node.worker(T0);
+    let on = |method: &str, path: &str| {
+        MemoryHost::new(node.store.clone())
+            .route_class("models")
+            .header(":method", method)
+            .header(":path", path)
+            .header("x-tenant-id", "lister")
+    };
+    // GET /v1/models, OPTIONS, a POST elsewhere: passed, nothing kept.
+    let mut stream = 1;
+    for (method, path) in [
+        ("GET", "/v1/models"),
+        ("OPTIONS", "/v1/chat/completions"),
+        ("POST", "/v1/embeddings"),
+    ] {
+        for _ in 0..200 {
+            let d = w.headers(&on(method, path), stream, T0);
+            assert!(admitted(&d), "{method} {path}");
+            let r = status_only(&mut w, &node, stream, "200", false);
+            assert_eq!(r, "", "{method} {path}: nothing to settle");
+            stream += 1;
+        }
+    }
+    // The metered operation (the query aside) is charged: 100 of 10,000.
+    let d = w.headers(&on("POST", "/v1/chat/completions?x=1"), stream, T0);
+    assert!(admitted(&d));
+    w.pipeline.on_tick(
+        &MemoryHost::new(node.store.clone()),
+        &T0,
+        &mut node.stats.clone(),
+        None,
+    );
+    assert_eq!(node.stat("tenantgate.decisions.unmetered"), 600);
+    assert_eq!(node.stat("tenantgate.cost.estimated_units.models"), 100);
+    // `chat` has no `methods`: POST only by default.
+    let get = MemoryHost::new(node.store.clone())
+        .route_class("chat")
+        .header(":method", "GET")
+        .header(":path", "/v1/chat/completions")
+        .header("x-tenant-id", "getter");
+    let d = w.headers(&get, stream + 1, T0);
+    assert!(admitted(&d));
+    w.pipeline.on_tick(
+        &MemoryHost::new(node.store.clone()),
+        &T0,
+        &mut node.stats.clone(),
+        None,
+    );
+    assert_eq!(node.stat("tenantgate.decisions.unmetered"), 601);
+}
+
+#[test]
+fn a_metered_request_asks_its_upstream_for_an_uncompressed_answer() {
+    let node = Node::new();
+    let mut w = node.worker(T0);
+    let d = w.headers(
+        &node
+            .request("chat", "gzip-client")
+            .header("accept-encoding", "gzip, br"),
+        1,
+        T0,
+    );
+    assert!(admitted(&d) && d.identity_encoding, "{d:?}");
+    // Not metered (a GET), not settled (`plain`), refused: untouched.
+    let get = MemoryHost::new(node.store.clone())
+        .route_class("models")
+        .header(":method", "GET")
+        .header(":path", "/v1/models")
+        .header("x-tenant-id", "gzip-client");
+    let d = w.headers(&get, 2, T0);
+    assert!(admitted(&d) && !d.identity_encoding, "{d:?}");
+    let d = w.headers(&node.request("plain", "gzip-client"), 3, T0);
+    assert!(admitted(&d) && !d.identity_encoding, "{d:?}");
+    let big = node.request("chat", "poor").header("x-estimate", "1000");
+    for stream in 10..30 {
+        let d = w.headers(&big, stream, T0);
+        assert_eq!(d.identity_encoding, admitted(&d), "{d:?}");
     }
 }

@@ -130,7 +130,9 @@ impl Pipeline {
             },
             |p| {
                 let view = p.policy.sync.as_ref().and(*sync_view);
-                crate::engine::charge_synced(&p.policy, &p.prepared, host, now, view.as_ref(), scratch)
+                super::settle::unmetered(&p.prepared).unwrap_or_else(|| {
+                    crate::engine::charge_synced(&p.policy, &p.prepared, host, now, view.as_ref(), scratch)
+                })
             },
         );
         for r in released {

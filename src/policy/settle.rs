@@ -6,7 +6,7 @@
 
 use super::admission::is_header_name;
 use super::error::{FieldPath, PolicyError};
-use super::spec::{FieldSpec, OnMissing, RouteSpec, SettleSpec, UsagePreset};
+use super::spec::{Charge, FieldSpec, OnMissing, OutcomeSpec, RouteSpec, SettleSpec, UsagePreset};
 
 /// Default and largest `settle.max_body_bytes`: the response body bytes
 /// read for the figure (a longer body settles by `on_missing`).
@@ -22,6 +22,10 @@ pub const MAX_SEGMENT_LEN: usize = 64;
 pub const WEIGHT_SCALE: u64 = 1000;
 pub const MAX_WEIGHT: f64 = 1000.0;
 
+/// Most `settle.methods` and `settle.paths`, and bytes of a path prefix.
+pub const MAX_MATCHES: usize = 16;
+pub const MAX_PATH_PREFIX: usize = 256;
+
 /// A compiled `routes.<class>.settle`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settle {
@@ -32,7 +36,51 @@ pub struct Settle {
     /// Response body bytes read for the figure (body sources only).
     pub max_body_bytes: u64,
     pub estimate: Estimate,
+    /// The metered operation: these methods (upper-case) ...
+    pub methods: Vec<String>,
+    /// ... on these path prefixes (empty: every path).
+    pub paths: Vec<String>,
+    pub outcomes: Outcomes,
 }
+
+/// What an answer that is not the operation's success costs, by outcome
+/// (`settle.on_outcome`; the defaults never lock an honest tenant out over
+/// errors it did not cause: see [`Outcomes::default`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcomes {
+    pub upstream_5xx: Charge,
+    pub upstream_4xx: Charge,
+    pub local_reply: Charge,
+    pub no_response: Charge,
+}
+
+impl Default for Outcomes {
+    /// Errors cost nothing (no tokens were served: a tenant is never
+    /// locked out by an upstream's or Envoy's failures); a stream that
+    /// ended before any response header keeps its estimate (the upstream
+    /// may have started on it, and the client chose to leave).
+    fn default() -> Outcomes {
+        Outcomes {
+            upstream_5xx: Charge::Nothing,
+            upstream_4xx: Charge::Nothing,
+            local_reply: Charge::Nothing,
+            no_response: Charge::Estimate,
+        }
+    }
+}
+
+impl Charge {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Charge::Nothing => "nothing",
+            Charge::Estimate => "estimate",
+            Charge::Ceiling => "ceiling",
+        }
+    }
+}
+
+/// The default metered methods.
+pub const DEFAULT_METHODS: [&str; 1] = ["POST"];
 
 /// Where the real cost comes from: always the upstream's response.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -86,6 +134,8 @@ impl UsagePreset {
             UsagePreset::OpenaiPrompt => "openai_prompt",
             UsagePreset::OpenaiCompletion => "openai_completion",
             UsagePreset::Anthropic => "anthropic",
+            UsagePreset::Gemini => "gemini",
+            UsagePreset::Bedrock => "bedrock",
         }
     }
 
@@ -100,11 +150,36 @@ impl UsagePreset {
             weight_milli: WEIGHT_SCALE,
         };
         match self {
-            UsagePreset::OpenaiTotal => vec![field("/usage/total_tokens", &[&["usage", "total_tokens"]])],
-            UsagePreset::OpenaiPrompt => vec![field("/usage/prompt_tokens", &[&["usage", "prompt_tokens"]])],
+            // Chat Completions (JSON, or a stream's `include_usage` chunk),
+            // the Responses API (JSON, or `response.completed`), and the
+            // OpenAI-compatible servers (vLLM, Ollama's /v1).
+            UsagePreset::OpenaiTotal => vec![field(
+                "/usage/total_tokens",
+                &[&["usage", "total_tokens"], &["response", "usage", "total_tokens"]],
+            )],
+            UsagePreset::OpenaiPrompt => vec![field(
+                "/usage/prompt_tokens",
+                &[
+                    &["usage", "prompt_tokens"],
+                    &["usage", "input_tokens"],
+                    &["response", "usage", "input_tokens"],
+                ],
+            )],
             UsagePreset::OpenaiCompletion => vec![field(
                 "/usage/completion_tokens",
-                &[&["usage", "completion_tokens"]],
+                &[
+                    &["usage", "completion_tokens"],
+                    &["usage", "output_tokens"],
+                    &["response", "usage", "output_tokens"],
+                ],
+            )],
+            UsagePreset::Gemini => vec![field(
+                "/usageMetadata/totalTokenCount",
+                &[&["usageMetadata", "totalTokenCount"]],
+            )],
+            UsagePreset::Bedrock => vec![field(
+                "/usage/totalTokens",
+                &[&["usage", "totalTokens"], &["metadata", "usage", "totalTokens"]],
             )],
             UsagePreset::Anthropic => vec![
                 field(
@@ -168,6 +243,17 @@ pub fn compile_settle(
         }
     };
     let estimate = compile_estimate(spec, &path, errors);
+    let methods = compile_methods(spec.methods.as_deref(), &path.key("methods"), errors);
+    let paths = compile_paths(spec.paths.as_deref(), &path.key("paths"), errors);
+    let o = spec.on_outcome.as_ref();
+    let pick = |f: fn(&OutcomeSpec) -> Option<Charge>, default: Charge| o.and_then(f).unwrap_or(default);
+    let d = Outcomes::default();
+    let outcomes = Outcomes {
+        upstream_5xx: pick(|o| o.upstream_5xx, d.upstream_5xx),
+        upstream_4xx: pick(|o| o.upstream_4xx, d.upstream_4xx),
+        local_reply: pick(|o| o.local_reply, d.local_reply),
+        no_response: pick(|o| o.no_response, d.no_response),
+    };
     if errors.len() > before {
         return None;
     }
@@ -177,7 +263,76 @@ pub fn compile_settle(
         on_missing: spec.on_missing.unwrap_or_default(),
         max_body_bytes,
         estimate,
+        methods,
+        paths,
+        outcomes,
     })
+}
+
+/// `settle.methods`: 1 to [`MAX_MATCHES`] HTTP method tokens, kept
+/// upper-case; absent: [`DEFAULT_METHODS`].
+fn compile_methods(spec: Option<&[String]>, path: &FieldPath, errors: &mut Vec<PolicyError>) -> Vec<String> {
+    let Some(methods) = spec else {
+        return DEFAULT_METHODS.iter().map(|m| (*m).to_owned()).collect();
+    };
+    if methods.is_empty() || methods.len() > MAX_MATCHES {
+        errors.push(PolicyError::new(
+            path.clone(),
+            format!("1 to {MAX_MATCHES} methods"),
+        ));
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for (i, m) in methods.iter().enumerate() {
+        if m.is_empty() || m.len() > 32 || !m.bytes().all(|b| b.is_ascii_alphabetic()) {
+            errors.push(PolicyError::new(
+                path.index(i),
+                "must be an HTTP method (letters only, such as POST)",
+            ));
+        } else {
+            out.push(m.to_ascii_uppercase());
+        }
+    }
+    out
+}
+
+/// `settle.paths`: 1 to [`MAX_MATCHES`] path prefixes starting with `/`;
+/// absent: every path.
+fn compile_paths(spec: Option<&[String]>, path: &FieldPath, errors: &mut Vec<PolicyError>) -> Vec<String> {
+    let Some(paths) = spec else {
+        return Vec::new();
+    };
+    if paths.is_empty() || paths.len() > MAX_MATCHES {
+        errors.push(PolicyError::new(
+            path.clone(),
+            format!("1 to {MAX_MATCHES} path prefixes"),
+        ));
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for (i, p) in paths.iter().enumerate() {
+        let ok = p.starts_with('/')
+            && p.len() <= MAX_PATH_PREFIX
+            && p.bytes().all(|b| b.is_ascii_graphic() && b != b'?' && b != b'#');
+        if ok {
+            out.push(p.clone());
+        } else {
+            errors.push(PolicyError::new(
+                path.index(i),
+                format!("must be a path prefix: `/` then at most {MAX_PATH_PREFIX} visible characters, no `?` or `#`"),
+            ));
+        }
+    }
+    out
+}
+
+impl Settle {
+    /// A request of `method` on `path` is in the metered operation.
+    pub fn meters(&self, method: &[u8], path: &[u8]) -> bool {
+        let path = path.split(|b| *b == b'?').next().unwrap_or_default();
+        self.methods.iter().any(|m| m.as_bytes() == method)
+            && (self.paths.is_empty() || self.paths.iter().any(|p| path.starts_with(p.as_bytes())))
+    }
 }
 
 /// Exactly one of `header`, `trailer`, `usage`, `fields`.

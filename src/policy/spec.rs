@@ -473,6 +473,47 @@ pub struct SettleSpec {
     /// (`max_tokens`; else `cost`).
     #[serde(default)]
     pub estimate_body_field: Option<String>,
+    /// The request methods metered (else `[POST]`); others pass uncharged.
+    #[serde(default)]
+    pub methods: Option<Vec<String>>,
+    /// The request path prefixes metered (else every path); others pass
+    /// uncharged.
+    #[serde(default)]
+    pub paths: Option<Vec<String>>,
+    /// What an answer without usable usage costs, by its outcome.
+    #[serde(default)]
+    pub on_outcome: Option<OutcomeSpec>,
+}
+
+/// `routes.<class>.settle.on_outcome:` the cost of an answer that is not
+/// the operation's success, by outcome (each absent: its default).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutcomeSpec {
+    /// The upstream answered 500–599.
+    #[serde(default)]
+    pub upstream_5xx: Option<Charge>,
+    /// The upstream answered 400–499.
+    #[serde(default)]
+    pub upstream_4xx: Option<Charge>,
+    /// Envoy answered 400–599 itself (no healthy upstream, a timeout, ...).
+    #[serde(default)]
+    pub local_reply: Option<Charge>,
+    /// The stream ended before any response header.
+    #[serde(default)]
+    pub no_response: Option<Charge>,
+}
+
+/// What an outcome costs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Charge {
+    /// Nothing: the estimate is given back.
+    Nothing,
+    /// The estimate charged on the request.
+    Estimate,
+    /// The ceiling.
+    Ceiling,
 }
 
 /// `routes.<class>.settle.usage:` the usage fields of well-known model APIs.
@@ -488,6 +529,12 @@ pub enum UsagePreset {
     /// Anthropic-style `usage.input_tokens + usage.output_tokens` (in a
     /// stream, `message.usage.input_tokens` of its first event too).
     Anthropic,
+    /// Google Gemini's `usageMetadata.totalTokenCount` (JSON, or the last
+    /// event of a `?alt=sse` stream).
+    Gemini,
+    /// AWS Bedrock Converse's `usage.totalTokens` (JSON; ConverseStream's
+    /// binary event stream is not read).
+    Bedrock,
 }
 
 /// `routes.<class>.settle.fields[]:` one field of the response body.
@@ -501,15 +548,16 @@ pub struct FieldSpec {
     pub weight: Option<f64>,
 }
 
-/// `routes.<class>.settle.on_missing:` the cost of a stream that ends
-/// without a usable figure (reset, missing field, malformed body).
+/// `routes.<class>.settle.on_missing:` the cost of an answer that ended
+/// without a usable figure (missing field, malformed or too large body, a
+/// compressed body). A stream cut short costs the ceiling whatever this
+/// says (the abort rule, `crate::cost::Meter::end`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OnMissing {
     /// The estimate charged on the request: nothing more is settled.
     Estimate,
-    /// The ceiling (the default: a client that cuts a stream short must
-    /// not pay less for it).
+    /// The ceiling (the default).
     #[default]
     Ceiling,
 }

@@ -58,6 +58,14 @@ impl Request<'_> {
         for (k, v) in self.headers {
             host = host.header(k, v.as_bytes());
         }
+        // A class that settles its cost: a request of its metered operation.
+        if let Some(s) = policy.route_class(Some(class)).and_then(|c| c.settle.as_ref()) {
+            if let Some(m) = s.methods.first() {
+                host = host.header(":method", m.as_bytes());
+            }
+            let path = s.paths.first().map_or("/", String::as_str);
+            host = host.header(":path", path.as_bytes());
+        }
         let Some(t) = tenant else { return host };
         match &policy.identity {
             Identity::Header(h) => host.header(h, t.as_bytes()),
@@ -160,7 +168,27 @@ fn settle_lines(class: &RouteClass, out: &mut String) {
     );
     let _ = writeln!(
         out,
-        "  no usable figure (reset, missing, malformed, too large): {missing}"
+        "  no usable figure (missing, malformed, too large): {missing}; a stream cut before its response ended: the ceiling ({})",
+        s.ceiling
+    );
+    let paths = if s.paths.is_empty() {
+        String::from("any path")
+    } else {
+        s.paths.join(", ")
+    };
+    let _ = writeln!(
+        out,
+        "  metered: {} on {paths}; other requests pass charged nothing",
+        s.methods.join(", ")
+    );
+    let o = &s.outcomes;
+    let _ = writeln!(
+        out,
+        "  by outcome: upstream 5xx {}, upstream 4xx {}, Envoy's local reply {}, no response {}",
+        o.upstream_5xx.as_str(),
+        o.upstream_4xx.as_str(),
+        o.local_reply.as_str(),
+        o.no_response.as_str()
     );
 }
 

@@ -94,18 +94,7 @@ fn bound(a: Spec, b: Spec, d: u64) -> u64 {
     }
 }
 
-/// The most admissions (timestamps, sorted) in any `d` consecutive ns.
-pub(super) fn max_in(admitted: &[u64], d: u64) -> u64 {
-    let mut best = 0;
-    let mut first = 0;
-    for (i, &t) in admitted.iter().enumerate() {
-        while admitted[first] + d <= t {
-            first += 1;
-        }
-        best = best.max(i + 1 - first);
-    }
-    best as u64
-}
+pub(super) use crate::limiter::testkit::max_in;
 
 fn host(store: &Rc<std::cell::RefCell<SharedStore>>, class: &str) -> MemoryHost {
     req(store, class, "acme")
