@@ -156,6 +156,21 @@ pub enum Subject {
     },
 }
 
+/// The `t` parameter of a `RateLimit` item in whole seconds, from its exact
+/// value (`Algo::quota_window_ns`), as draft-ietf-httpapi-ratelimit-headers-11
+/// defines it (no more than `r` units within `t`) and -10 reads it (the
+/// time until more quota): rounded down while units remain (so no more
+/// than `r` fit in it), up at `r = 0` (a client that waits `t` seconds
+/// finds a unit; never later than `Retry-After`, which rounds the same or
+/// a longer wait up).
+pub fn t_secs(remaining: u64, window_ns: u64) -> u64 {
+    if remaining == 0 {
+        window_ns.div_ceil(crate::limiter::NANOS_PER_SEC)
+    } else {
+        window_ns / crate::limiter::NANOS_PER_SEC
+    }
+}
+
 /// The `RateLimit` / `RateLimit-Policy` field values (draft-10 syntax).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RateLimitHeaders {
@@ -165,10 +180,11 @@ pub struct RateLimitHeaders {
 
 impl RateLimitHeaders {
     /// Appends one limit's item of the `RateLimit` header (draft 10:
-    /// `"name";r=remaining;t=reset`), after a `, ` if `out` has items.
+    /// `"name";r=remaining;t=secs`, `t` from [`t_secs`]), after a `, ` if
+    /// `out` has items.
     /// Written by hand: the request path writes one or two a request, and
     /// `format!` costs several times as much.
-    pub fn push_item(out: &mut String, name: &str, remaining: u64, reset_secs: u64) {
+    pub fn push_item(out: &mut String, name: &str, remaining: u64, t_secs: u64) {
         if !out.is_empty() {
             out.push_str(", ");
         }
@@ -177,7 +193,7 @@ impl RateLimitHeaders {
         out.push_str("\";r=");
         push_decimal(out, remaining);
         out.push_str(";t=");
-        push_decimal(out, reset_secs);
+        push_decimal(out, t_secs);
     }
 }
 
@@ -235,7 +251,8 @@ pub struct Decision {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Standings {
     pub remaining: [u64; MAX_RECORDS],
-    pub reset_ns: [u64; MAX_RECORDS],
+    /// Each limit's exact `t` (see [`t_secs`]).
+    pub t_ns: [u64; MAX_RECORDS],
     pub len: usize,
 }
 

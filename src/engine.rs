@@ -11,7 +11,9 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::rc::Rc;
 
 use crate::decision::write_logical_key;
-pub use crate::decision::{logical_key, Decision, LimitName, RateLimitHeaders, Reason, Standings, Subject};
+pub use crate::decision::{
+    logical_key, t_secs, Decision, LimitName, RateLimitHeaders, Reason, Standings, Subject,
+};
 use crate::host::Host;
 use crate::keys::kind;
 use crate::limiter::algo::{Algo, Live, Outcome, Stamp, State};
@@ -246,11 +248,14 @@ enum Loaded {
     Global(Allowance, Option<Allowance>),
 }
 
-/// One limit's standing after this request: what `RateLimit` reports.
+/// One limit's standing after this request: what `RateLimit` reports
+/// (`t_ns`: its exact `t`, [`Algo::quota_window_ns`], computed only when
+/// headers are on; a global limit's is the sync interval, within which
+/// its lease is what the node has).
 #[derive(Debug, Clone, Copy, Default)]
 struct Standing {
     remaining: u64,
-    reset_ns: u64,
+    t_ns: u64,
 }
 
 /// The denying limit whose wait is longest.
@@ -327,7 +332,7 @@ impl Applied {
         };
         for (i, r) in self.report.iter().enumerate().take(s.len) {
             s.remaining[i] = r.remaining;
-            s.reset_ns[i] = r.reset_ns;
+            s.t_ns[i] = r.t_ns;
         }
         s
     }
@@ -358,7 +363,7 @@ impl Applied {
                 let (Some(l), s) = (limits.get(i), self.report.get(i).copied().unwrap_or_default()) else {
                     continue;
                 };
-                RateLimitHeaders::push_item(&mut out, &l.name, s.remaining, ceil_secs(s.reset_ns));
+                RateLimitHeaders::push_item(&mut out, &l.name, s.remaining, t_secs(s.remaining, s.t_ns));
             }
             out
         };
@@ -472,14 +477,18 @@ fn check_limits(
     let mut changed = false;
     for (i, (l, slot)) in limits.iter().zip(states.iter_mut()).enumerate() {
         let record = records.and_then(|rs| rs.iter().find(|r| r.name_hash == l.name_hash));
-        let (outcome, loaded) = match (l.global, ctx.sync.as_ref()) {
+        let (outcome, loaded, t_ns) = match (l.global, ctx.sync.as_ref()) {
             (true, Some(view)) => {
                 // Demand is counted even when the request is denied, so
                 // a global limit always writes.
                 changed = true;
                 let checked = check_global(record, view, ctx);
                 applied.no_lease |= checked.no_lease;
-                (checked.outcome, Loaded::Global(checked.demanded, checked.charged))
+                (
+                    checked.outcome,
+                    Loaded::Global(checked.demanded, checked.charged),
+                    view.interval_ns,
+                )
             }
             _ => {
                 // Under the reload rule, the parameters may be a newer
@@ -491,19 +500,29 @@ fn check_limits(
                         state,
                         remaining,
                         reset_ns,
-                    } => (
-                        Outcome::Admit {
-                            state: State::TokenBucket { tat: 0 },
-                            remaining,
-                            reset_ns,
-                        },
-                        Loaded::Local(loaded, Some(state)),
-                    ),
-                    deny => (deny, Loaded::Local(loaded, None)),
+                    } => {
+                        let t_ns = window(ctx.headers, loaded.now, &loaded.algo, &state, remaining);
+                        (
+                            Outcome::Admit {
+                                state: State::TokenBucket { tat: 0 },
+                                remaining,
+                                reset_ns,
+                            },
+                            Loaded::Local(loaded, Some(state)),
+                            t_ns,
+                        )
+                    }
+                    deny => {
+                        let remaining = match deny {
+                            Outcome::Deny { remaining, .. } | Outcome::Admit { remaining, .. } => remaining,
+                        };
+                        let t_ns = window(ctx.headers, loaded.now, &loaded.algo, &loaded.state, remaining);
+                        (deny, Loaded::Local(loaded, None), t_ns)
+                    }
                 }
             }
         };
-        note_outcome(applied, limits, i, &outcome);
+        note_outcome(applied, limits, i, &outcome, t_ns);
         *slot = Some(loaded);
     }
     changed
@@ -548,11 +567,10 @@ fn lease_states(
     for (slot, loaded) in leased.iter_mut().zip(states.iter()).take(limits.len()) {
         *slot = match loaded {
             Some(Loaded::Local(live, _)) => match live.algo.check(&live.state, live.now, cost) {
-                Outcome::Admit {
-                    state,
-                    remaining,
-                    reset_ns,
-                } => Some((Leased::Local(state), Standing { remaining, reset_ns })),
+                Outcome::Admit { state, remaining, .. } => {
+                    let t_ns = window(ctx.headers, live.now, &live.algo, &state, remaining);
+                    Some((Leased::Local(state), Standing { remaining, t_ns }))
+                }
                 Outcome::Deny { .. } => return,
             },
             Some(Loaded::Global(_, Some(charged))) => {
@@ -564,7 +582,7 @@ fn lease_states(
                 }
                 let standing = Standing {
                     remaining: more.available(ctx.now),
-                    reset_ns: view.interval_ns,
+                    t_ns: view.interval_ns,
                 };
                 Some((Leased::Global(more), standing))
             }
@@ -596,19 +614,15 @@ enum Leased {
 /// Limit `i`'s outcome into `applied`: its standing, and whether it denies
 /// (enforced or shadow) and binds: enforced limits first, then the
 /// longest wait.
-fn note_outcome(applied: &mut Applied, limits: &[Limit], i: usize, outcome: &Outcome) {
+fn note_outcome(applied: &mut Applied, limits: &[Limit], i: usize, outcome: &Outcome, t_ns: u64) {
     match *outcome {
-        Outcome::Admit {
-            remaining, reset_ns, ..
-        } => {
-            applied.report[i] = Standing { remaining, reset_ns };
+        Outcome::Admit { remaining, .. } => {
+            applied.report[i] = Standing { remaining, t_ns };
         }
         Outcome::Deny {
-            wait_ns,
-            remaining,
-            reset_ns,
+            wait_ns, remaining, ..
         } => {
-            applied.report[i] = Standing { remaining, reset_ns };
+            applied.report[i] = Standing { remaining, t_ns };
             let soft = limits.get(i).is_some_and(|l| l.soft);
             let shadow = limits.get(i).is_some_and(|l| l.shadow) || soft;
             if soft {
@@ -1148,6 +1162,8 @@ pub struct Peeked {
     pub remaining: u64,
     /// Nanoseconds until the limit is whole again.
     pub reset_ns: u64,
+    /// The exact `t` of the `RateLimit` field ([`Algo::quota_window_ns`]).
+    pub t_ns: u64,
 }
 
 /// What each limit of `plan` has left for `subject` on `action`'s key, as
@@ -1217,6 +1233,7 @@ fn peek_limit(
         return Peeked {
             remaining: a.available(now),
             reset_ns: view.interval_ns,
+            t_ns: view.interval_ns,
         };
     }
     let live = l.algo.load(record, effective_from, now);
@@ -1226,7 +1243,11 @@ fn peek_limit(
         }
         | Outcome::Deny {
             remaining, reset_ns, ..
-        } => Peeked { remaining, reset_ns },
+        } => Peeked {
+            remaining,
+            reset_ns,
+            t_ns: live.algo.quota_window_ns(&live.state, live.now, remaining),
+        },
     }
 }
 
@@ -1331,6 +1352,16 @@ pub fn client_ip(address: &[u8]) -> Option<&str> {
             .bytes()
             .all(|b| b.is_ascii_hexdigit() || b == b'.' || b == b':');
     plausible.then_some(ip)
+}
+
+/// A local limit's exact `t` on `state` (see [`Standing`]); 0 when the
+/// policy sends no headers (nothing reads it).
+fn window(headers: bool, now: u64, algo: &Algo, state: &State, remaining: u64) -> u64 {
+    if headers {
+        algo.quota_window_ns(state, now, remaining)
+    } else {
+        0
+    }
 }
 
 fn ceil_secs(ns: u64) -> u64 {

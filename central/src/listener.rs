@@ -24,6 +24,13 @@
 //! Handshakes run in tasks of their own (at most [`MAX_HANDSHAKES`] at once,
 //! each within [`HANDSHAKE_TIMEOUT`]), so a slow or hostile client never
 //! holds up the accept loop.
+//!
+//! Every accepted connection (plain or TLS, on each of serve's listeners:
+//! sync and reservation API, gRPC, admin) gets TCP_NODELAY before its first
+//! byte: tokio, hyper and axum leave Nagle's algorithm on, and an answer
+//! written in two segments (a gRPC frame's header, then its body; an RLS
+//! answer over about 250 bytes) then waits for the client's delayed ACK, about
+//! 40 ms, twice Envoy's default ratelimit timeout.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -242,6 +249,7 @@ async fn accept_tls(
                 continue;
             }
         };
+        no_delay(&tcp, addr);
         let acceptor = acceptor.clone();
         let tx = tx.clone();
         tokio::spawn(async move {
@@ -268,6 +276,14 @@ async fn accept_tls(
     }
 }
 
+/// Turns Nagle's algorithm off on an accepted connection (see the module
+/// header); a socket that refuses is served anyway, and logged.
+fn no_delay(tcp: &tokio::net::TcpStream, addr: SocketAddr) {
+    if let Err(e) = tcp.set_nodelay(true) {
+        debug!(%addr, error = %e, "cannot set TCP_NODELAY");
+    }
+}
+
 impl axum::serve::Listener for SyncListener {
     type Io = Box<dyn Io>;
     type Addr = Peer;
@@ -277,6 +293,7 @@ impl axum::serve::Listener for SyncListener {
             match &mut self.kind {
                 Kind::Plain(l) => {
                     let (tcp, addr) = axum::serve::Listener::accept(l).await;
+                    no_delay(&tcp, addr);
                     return (
                         Box::new(tcp) as Box<dyn Io>,
                         Peer {

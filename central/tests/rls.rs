@@ -229,7 +229,7 @@ async fn adversarial_requests_are_answered_and_charge_nothing_they_should_not() 
             !ok(&ask(&rls[0], &[&[("tenant", "x")]], u32::MAX).await),
             "{name}"
         );
-        // Descriptor-level u64::MAX (and one at 0, which counts 1).
+        // Descriptor-level u64::MAX (and one at 0, a check).
         let mut req = request(&[&[("tenant", "x")], &[("tenant", "y")]], 1);
         req.descriptors[0].hits_addend =
             Some(envoy_types::pb::google::protobuf::UInt64Value { value: u64::MAX });
@@ -249,7 +249,7 @@ async fn adversarial_requests_are_answered_and_charge_nothing_they_should_not() 
             (0, 0)
         );
         // Envoy's per-descriptor limit override is not obeyed (the policy
-        // decides), and negative hits are not charged nor credited.
+        // decides); negative hits give back, never past the limit.
         let mut req = request(&[&[("tenant", "z")]], 1);
         req.descriptors[0].limit = Some(
             envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride {
@@ -264,10 +264,13 @@ async fn adversarial_requests_are_answered_and_charge_nothing_they_should_not() 
         );
         req.descriptors[0].is_negative_hits = true;
         req.descriptors[0].limit = None;
+        req.descriptors[0].hits_addend =
+            Some(envoy_types::pb::google::protobuf::UInt64Value { value: u64::MAX });
         assert!(ok(&rls[0].decide(&req).await.unwrap()));
-        assert!(
-            !ok(&ask(&rls[0], &[&[("tenant", "z")]], 1).await),
-            "{name}: not credited"
+        assert_eq!(
+            admitted(&rls, &[&[("tenant", "z")]], 8).await,
+            5,
+            "{name}: u64::MAX given back fills the window, no more"
         );
         // The most a request may carry: 64 descriptors of the deepest
         // entries, each key at most 256 bytes, answered.
@@ -280,6 +283,57 @@ async fn adversarial_requests_are_answered_and_charge_nothing_they_should_not() 
             ok(&ask(&rls[0], &most, u32::MAX).await),
             "{name}: matches nothing, limits nothing"
         );
+    }
+}
+
+/// Envoy's addends as its proto defines them (and envoyproxy/ratelimit
+/// answers): a descriptor's `hits_addend: 0` checks and charges nothing
+/// (after 25 such checks, all 5 of the limit are still there); the
+/// request's 0 is proto3's "not set" and counts 1; a descriptor's addend
+/// overrides the request's; `is_negative_hits` gives units back, on a
+/// window and a token bucket alike, never past the limit.
+#[tokio::test]
+async fn addends_check_charge_and_give_back_as_envoys_proto_says() {
+    use envoy_types::pb::google::protobuf::UInt64Value;
+    for (name, backend) in backends() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let rls = replicas(&backend, POLICY, &clock);
+        let mut check = request(&[&[("tenant", "c")]], 3);
+        check.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
+        for i in 0..25 {
+            let r = rls[i % 2].decide(&check).await.unwrap();
+            assert!(ok(&r), "{name}: check {i}");
+            assert_eq!(r.statuses[0].limit_remaining, 5, "{name}: check {i}");
+        }
+        assert_eq!(admitted(&rls, &[&[("tenant", "c")]], 7).await, 5, "{name}");
+        // At the limit a check still answers OK, and reports 0 left.
+        let r = rls[0].decide(&check).await.unwrap();
+        assert!(ok(&r) && r.statuses[0].limit_remaining == 0, "{name}: {r:?}");
+
+        // The request's 0 counts 1 (Envoy's proto: unset counts 1).
+        let zero = request(&[&[("tenant", "d")]], 0);
+        let r = rls[0].decide(&zero).await.unwrap();
+        assert_eq!(r.statuses[0].limit_remaining, 4, "{name}");
+        // A descriptor's 2 overrides the request's 3: 4 - 2 = 2 left.
+        let mut two = request(&[&[("tenant", "d")]], 3);
+        two.descriptors[0].hits_addend = Some(UInt64Value { value: 2 });
+        let r = rls[1].decide(&two).await.unwrap();
+        assert_eq!(r.statuses[0].limit_remaining, 2, "{name}");
+
+        // Given back: 2 of d's window, then d admits 4 more (2 + 2).
+        let mut back = request(&[&[("tenant", "d")]], 2);
+        back.descriptors[0].is_negative_hits = true;
+        let r = rls[0].decide(&back).await.unwrap();
+        assert!(ok(&r), "{name}");
+        assert_eq!(r.statuses[0].limit_remaining, 4, "{name}: {r:?}");
+        assert_eq!(admitted(&rls, &[&[("tenant", "d")]], 6).await, 4, "{name}");
+        // A token bucket (key_1/user bob: 2 per minute) the same way.
+        let bob: &[(&str, &str)] = &[("key_1", "value_1"), ("user", "bob")];
+        assert_eq!(admitted(&rls, &[bob], 3).await, 2, "{name}");
+        let mut back = request(&[bob], 1);
+        back.descriptors[0].is_negative_hits = true;
+        assert!(ok(&rls[1].decide(&back).await.unwrap()), "{name}");
+        assert_eq!(admitted(&rls, &[bob], 3).await, 1, "{name}: one given back");
     }
 }
 

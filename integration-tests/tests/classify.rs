@@ -213,7 +213,7 @@ fn each_way_of_classifying_takes_the_class_from_route_configuration_only() {
             ("x-envoy-filter", "tg-inst.search"),
         ],
     );
-    assert_eq!(r.header("ratelimit"), Some(r#""free";r=8;t=120"#));
+    assert_eq!(r.header("ratelimit"), Some(r#""free";r=8;t=59"#));
     // The four configurations (same vm_id, code and VM settings) share
     // their VMs: fewer than one per configuration and worker.
     let vms = envoy.stat("wasm.envoy.wasm.runtime.v8.active").unwrap_or(0);

@@ -44,7 +44,15 @@ fn a_free_tenant_gets_its_burst_then_429_with_retry_after_headers_and_problem_js
         assert_eq!(r.header("ratelimit-policy"), Some(r#""free";q=10;w=1"#));
         assert_eq!(
             r.header("ratelimit"),
-            Some(format!(r#""free";r={expected_remaining};t=1"#).as_str())
+            // draft-11: no more than r within t; the next token is 0.2 s
+            // away while any remain (t=0), at r=0 rounded up (t=1).
+            Some(
+                format!(
+                    r#""free";r={expected_remaining};t={}"#,
+                    u8::from(expected_remaining == 0)
+                )
+                .as_str()
+            )
         );
     }
     let denied = get(envoy.port, "/api/orders", &tenant("burst-a"));
@@ -64,8 +72,16 @@ fn a_free_tenant_gets_its_burst_then_429_with_retry_after_headers_and_problem_js
     let request_id = denied.header("x-request-id").expect("the request id is echoed");
     assert_eq!(body["request_id"], request_id);
 
-    // After waiting Retry-After, the tenant is admitted again.
-    std::thread::sleep(Duration::from_secs(1));
+    // A client that waits the header's `t` (draft-11, at r=0 never past
+    // Retry-After) is admitted again: the wait is the client's, not a
+    // condition to poll for.
+    let t: u64 = denied
+        .header("ratelimit")
+        .and_then(|v| v.rsplit("t=").next())
+        .and_then(|t| t.parse().ok())
+        .expect("t");
+    assert!(t <= 1, "t {t} past retry-after 1");
+    std::thread::sleep(Duration::from_secs(t));
     assert_eq!(get(envoy.port, "/api/orders", &tenant("burst-a")).status, 200);
     assert_eq!(envoy.tg_stat("decisions.rate_limited"), 1);
 }
@@ -315,7 +331,7 @@ fn client_headers_cannot_change_class_plan_or_priority_nor_forge_a_jwt_identity(
     let r = get(envoy.port, "/api/orders?class=search&plan=paid", &forged);
     assert_eq!(r.status, 200);
     assert_eq!(r.header("ratelimit-policy"), Some(r#""free";q=10;w=1"#)); // not paid
-    assert_eq!(r.header("ratelimit"), Some(r#""free";r=4;t=1"#)); // cost 1, not 5
+    assert_eq!(r.header("ratelimit"), Some(r#""free";r=4;t=0"#)); // cost 1, not 5
 
     // JWT listener: the verified claim wins over the client's header...
     let paid = demo_token("demo-paid");

@@ -40,14 +40,14 @@ default_route: api
     );
     assert_eq!(
         first.header("ratelimit"),
-        Some(r#""per_second";r=9;t=1, "daily";r=14;t=5760"#)
+        Some(r#""per_second";r=9;t=0, "daily";r=14;t=5760"#)
     );
     // Cost 5: a search (its own action) takes 5 from both of its limits.
     let search = conn.get("/api/search", &tenant("multi")).unwrap();
     assert_eq!(search.status, 200);
     assert_eq!(
         search.header("ratelimit"),
-        Some(r#""per_second";r=5;t=1, "daily";r=10;t=28800"#)
+        Some(r#""per_second";r=5;t=0, "daily";r=10;t=5760"#)
     );
 
     // Spread over > 1 s so the per-second limit is never what binds.
@@ -103,7 +103,7 @@ default_route: api
     // Routes without the guard, and the tenants' own buckets, are untouched.
     let other = conn.get("/api/items", &tenant("guard-0")).unwrap();
     assert_eq!(other.status, 200);
-    assert_eq!(other.header("ratelimit"), Some(r#""free";r=99;t=1"#));
+    assert_eq!(other.header("ratelimit"), Some(r#""free";r=99;t=0"#));
     assert_eq!(envoy.tg_stat("decisions.global_guard"), 7);
     assert_eq!(envoy.tg_stat("guard.refunds"), 7);
 }
@@ -189,8 +189,9 @@ default_route: api
         .map(|_| conn.get("/api/x", &tenant("shadowed")).unwrap())
         .collect();
     assert!(responses.iter().all(|r| r.status == 200));
-    // Headers as if enforcing: the would-be denials show r=0.
-    assert_eq!(responses[19].header("ratelimit"), Some(r#""free";r=0;t=300"#));
+    // Headers as if enforcing: the would-be denials show r=0, and `t` the
+    // time until the next token (draft-11), not until the bucket is full.
+    assert_eq!(responses[19].header("ratelimit"), Some(r#""free";r=0;t=60"#));
     assert_eq!(envoy.tg_stat("decisions.allowed"), 5);
     assert_eq!(envoy.tg_stat("decisions.shadow_limited"), 15);
     assert_eq!(envoy.tg_stat("decisions.rate_limited"), 0);

@@ -6,6 +6,11 @@
 //! reported back and counted; an unlimited rule and a bucket no rule
 //! matches answered `ALLOW_ALL`; another tenant's key untouched; and the
 //! service down: the filter's own `no_assignment_behavior`.
+//!
+//! The filter runs at Envoy's defaults (it has no per-request timeout: a
+//! request never waits on the stream), and the test fails if either Envoy's
+//! `rlqs` cluster counted a timeout, a reset or a lost stream while the
+//! service was up.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -277,6 +282,18 @@ fn two_envoys_share_one_global_limit_through_rlqs() {
     assert_eq!(reported(), in_buckets);
     assert!(metric(serve.admin_port, "tenantgate_rlqs_requests_denied_total") > 0);
     assert!(metric(serve.admin_port, "tenantgate_rlqs_streams") >= 2);
+    for (envoy, _, _) in &envoys {
+        for stat in [
+            "upstream_rq_timeout",
+            "upstream_rq_rx_reset",
+            "upstream_rq_tx_reset",
+            "upstream_cx_destroy_remote_with_active_rq",
+            "upstream_cx_connect_fail",
+        ] {
+            let name = format!("cluster.rlqs.{stat}");
+            assert_eq!(envoy.stat(&name).unwrap_or(0), 0, "{name}\n{}", envoy.log_tail());
+        }
+    }
 
     // The service down: a new bucket gets the filter's own
     // no_assignment_behavior, DENY_ALL on one listener, ALLOW_ALL on the

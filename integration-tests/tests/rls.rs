@@ -6,6 +6,11 @@
 //! the filter's `x-ratelimit-*` from `limit_remaining` and
 //! `duration_until_reset`), and the service down: the filter's own
 //! failure mode, open on one listener and closed on the other.
+//!
+//! Every listener runs the filter at Envoy's defaults: no `timeout` (20 ms),
+//! and each test fails if the filter counted an error or a timeout
+//! (`cluster.<route cluster>.ratelimit.error`, `...failure_mode_allowed`;
+//! a timeout is counted as an error) while the service was up.
 
 use std::process::Command;
 use std::time::Duration;
@@ -23,6 +28,7 @@ plans:
   vip:        { limits: [ { algorithm: fixed_window, rate: 100, per: 1d } ] }
   search:     { limits: [ { rate: 5, per: 1d } ] }
   watch:      { limits: [ { rate: 2, per: 1d, shadow: true } ] }
+  eight:      { limits: [ { rate: 30, per: 1d } ] }
 default_plan: per_tenant
 anonymous: { plan: per_tenant }
 routes: { api: {} }
@@ -41,11 +47,20 @@ descriptors:
       descriptors:
         - key: tenant
           plan: search
+    - { key: k1, plan: eight }
+    - { key: k2, plan: eight }
+    - { key: k3, plan: eight }
+    - { key: k4, plan: eight }
+    - { key: k5, plan: eight }
+    - { key: k6, plan: eight }
+    - { key: k7, plan: eight }
+    - { key: k8, plan: eight }
 "#;
 
 /// A listener with the native ratelimit filter in front of `upstream`,
 /// asking the RLS cluster `cluster`, failing open or closed (`deny`).
-/// `/search` sends (route, search), (tenant, T); `x-cost` sets the
+/// `/search` sends (route, search), (tenant, T); `/many` sends eight
+/// descriptors (k1, T) .. (k8, T), each limited; `x-cost` sets the
 /// request's `hits_addend`.
 struct Listener {
     name: &'static str,
@@ -84,6 +99,10 @@ fn listener(l: &Listener) -> String {
             - name: all
               domains: ["*"]
               routes:
+              - match: {{ prefix: /many }}
+                route:
+                  cluster: upstream
+                  rate_limits:{many}
               - match: {{ prefix: /search }}
                 route:
                   cluster: upstream
@@ -112,15 +131,38 @@ fn listener(l: &Listener) -> String {
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
               domain: shop
-              timeout: 2s
               failure_mode_deny: {deny}
               enable_x_ratelimit_headers: DRAFT_VERSION_03
               rate_limit_service:
                 transport_api_version: V3
                 grpc_service: {{ envoy_grpc: {{ cluster_name: {cluster} }} }}
           - name: envoy.filters.http.router
-            typed_config: {{ "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router }}"#
+            typed_config: {{ "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router }}"#,
+        many = (1..=8)
+            .map(|k| format!(
+                "\n                  - actions: [ {{ request_headers: {{ header_name: x-tenant-id, descriptor_key: k{k} }} }} ]"
+            ))
+            .collect::<String>(),
     )
+}
+
+/// Fails if the ratelimit filter counted an error (a timeout is one) or
+/// let a request through for one: at Envoy's default 20 ms timeout, an
+/// answer late by a delayed ACK (about 40 ms) shows here.
+fn assert_answered_in_time(envoy: &Envoy) {
+    assert_eq!(rls_errors(envoy), 0, "{}", envoy.log_tail());
+}
+
+/// The filter's errors (timeouts included) and the requests it let
+/// through for one.
+fn rls_errors(envoy: &Envoy) -> u64 {
+    [
+        "cluster.upstream.ratelimit.error",
+        "cluster.upstream.ratelimit.failure_mode_allowed",
+    ]
+    .iter()
+    .map(|s| envoy.stat(s).unwrap_or(0))
+    .sum()
 }
 
 fn rls_cluster(c: &RlsCluster) -> String {
@@ -267,7 +309,7 @@ fn envoys_native_ratelimit_filter_decides_with_tenantgate_serve() {
     assert_eq!(refused.header("x-envoy-ratelimited"), Some("true"), "{refused:?}");
     assert_eq!(
         refused.header("ratelimit"),
-        Some("\"per_tenant\";r=0;t=86400"),
+        Some("\"per_tenant\";r=0;t=17280"),
         "{refused:?}"
     );
     assert_eq!(statuses(port, "/api", &[("x-tenant-id", "b")], 5), [200; 5]);
@@ -295,6 +337,7 @@ fn envoys_native_ratelimit_filter_decides_with_tenantgate_serve() {
         )
     };
     assert_eq!((rls_metric("ok"), rls_metric("over_limit")), (25, 4));
+    assert_answered_in_time(&envoy);
 
     // The service down: the filter's own failure mode decides.
     let served = upstream.received();
@@ -322,6 +365,56 @@ fn envoys_native_ratelimit_filter_decides_with_tenantgate_serve() {
         "the filter counted its errors: {:?}",
         envoy.stat("cluster.upstream.ratelimit.error")
     );
+}
+
+/// Regression (issue 32): eight limited descriptors make an answer of
+/// about 400 bytes, which hyper writes in more than one segment; without
+/// TCP_NODELAY on the service's accepted connections the second segment
+/// waited for Envoy's delayed ACK (about 40 ms, measured 44 ms), past Envoy's
+/// default 20 ms timeout, and the filter, failing open, let every such
+/// request through (80 admitted against a limit of 70). At the default
+/// timeout: exactly the limit admitted, and no error counted.
+#[test]
+fn eight_limited_descriptors_are_answered_within_envoys_default_timeout() {
+    let dir = Envoy::temp_dir();
+    let (_serve, grpc) = Serve::grpc(&dir, POLICY);
+    let upstream = Upstream::start();
+    let (port, closed, admin) = (free_port(), free_port(), free_port());
+    let listeners = [
+        Listener {
+            name: "open",
+            port,
+            deny: false,
+            cluster: "rls",
+        },
+        Listener {
+            name: "closed",
+            port: closed,
+            deny: true,
+            cluster: "rls",
+        },
+    ];
+    let clusters = [RlsCluster {
+        name: "rls",
+        ports: vec![grpc],
+        tls: None,
+    }];
+    let envoy = Envoy::launch(
+        dir.clone(),
+        &bootstrap(&listeners, &clusters, admin, upstream.port),
+        port,
+        closed,
+        admin,
+        dir.join("unused-ecds.yaml"),
+    );
+    // 30 per day on each of the eight: 40 requests, 30 admitted.
+    let answers = statuses(port, "/many", &[("x-tenant-id", "m")], 40);
+    let admitted = answers.iter().filter(|&&s| s == 200).count();
+    assert_eq!(admitted, 30, "{answers:?}\n{}", envoy.log_tail());
+    assert_eq!(&answers[30..], [429; 10], "{answers:?}");
+    assert_answered_in_time(&envoy);
+    assert_eq!(envoy.stat("cluster.upstream.ratelimit.ok"), Some(30));
+    assert_eq!(envoy.stat("cluster.upstream.ratelimit.over_limit"), Some(10));
 }
 
 fn certs(args: &[&str]) {
@@ -404,6 +497,26 @@ fn two_replicas_sharing_redis_answer_over_mtls() {
         admin,
         dir.join("unused-ecds.yaml"),
     );
+    // A new mTLS connection to each replica first: its handshake (the
+    // debug build's, on a machine shared with builds) may take longer than
+    // the 20 ms timeout, once per connection. Warmed until both replicas
+    // answered, then no error at all.
+    let answered = |r: &Serve| {
+        metric(r.admin_port, "tenantgate_rls_requests_total{result=\"ok\"}")
+            + metric(
+                r.admin_port,
+                "tenantgate_rls_requests_total{result=\"over_limit\"}",
+            )
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), || {
+            get(port, "/api", &[("x-tenant-id", "warm")]);
+            replicas.iter().all(|r| answered(r) > 0)
+        }),
+        "{}",
+        envoy.log_tail()
+    );
+    let warm_errors = rls_errors(&envoy);
     let answers = statuses(port, "/api", &[("x-tenant-id", "r")], 8);
     assert_eq!(
         answers,
@@ -420,6 +533,7 @@ fn two_replicas_sharing_redis_answer_over_mtls() {
             );
         assert!(answered >= 2, "replica on {} answered {answered}", r.port);
     }
+    assert_eq!(rls_errors(&envoy), warm_errors, "{}", envoy.log_tail());
     // Without TLS the replicas never answer: every request fails closed.
     assert_eq!(statuses(plain, "/api", &[("x-tenant-id", "q")], 3), [500; 3]);
     // A tenant on the mTLS listener is untouched by those.

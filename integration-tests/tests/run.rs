@@ -159,7 +159,7 @@ fn make_run_starts_the_whole_system_and_ctrl_c_stops_it() {
     let first = get(a, "/api/orders", &tenant("demo-free"));
     assert_eq!(first.status, 200);
     assert_eq!(first.header("ratelimit-policy"), Some("\"free\";q=100;w=60"));
-    assert_eq!(first.header("ratelimit"), Some("\"free\";r=99;t=1"));
+    assert_eq!(first.header("ratelimit"), Some("\"free\";r=99;t=0"));
     let admitted = 1
         + (0..119)
             .filter(|_| get(a, "/api/orders", &tenant("demo-free")).status == 200)
@@ -175,7 +175,7 @@ fn make_run_starts_the_whole_system_and_ctrl_c_stops_it() {
     let paid = get(a, "/api/orders", &tenant("demo-paid"));
     assert_eq!(paid.header("ratelimit-policy"), Some("\"paid\";q=10000;w=60"));
     let search = get(a, "/api/search", &tenant("demo-free"));
-    assert_eq!(search.header("ratelimit"), Some("\"free\";r=95;t=3"));
+    assert_eq!(search.header("ratelimit"), Some("\"free\";r=95;t=0"));
 
     // demo-global: one budget of 100/min (burst 100) across both Envoys.
     // Bound over a stretch t shorter than the window, from a full bucket:

@@ -104,7 +104,34 @@ fn allowed_responses_carry_remaining_and_reset() {
     assert_eq!(d.reason, Reason::Allowed);
     let h = d.headers.unwrap();
     assert_eq!(h.policy, r#""free";q=10;w=1"#);
-    assert_eq!(h.ratelimit, r#""free";r=4;t=1"#);
+    // draft-11's `t`: no more than 4 within it. The next token is 0.1 s
+    // away, so only t=0 is true (t=1 would allow 4 + 9).
+    assert_eq!(h.ratelimit, r#""free";r=4;t=0"#);
+}
+
+/// draft-11 `t` at r=0 is the time until the next unit, never more than
+/// Retry-After, and a client that waits `t` seconds is admitted (issue 32:
+/// `r=0;t=60` beside `retry-after: 1`).
+#[test]
+fn a_client_that_waits_t_seconds_is_admitted() {
+    let p = policy("");
+    let store = SharedStore::new();
+    let h = req(&store, "api", "combo");
+    assert_eq!(admitted(&p, &h, T0, 15), 10);
+    assert_eq!(admitted(&p, &h, T0 + S, 10), 5);
+    let d = run(&p, &h, T0 + 2 * S);
+    assert_eq!(d.reason, Reason::RateLimited);
+    let ratelimit = d.headers.clone().unwrap().ratelimit;
+    // per_minute (15/min, a token every 4 s) is empty and binds: its next
+    // token is back at T0+4s, 2 s from now.
+    assert_eq!(ratelimit, r#""per_minute";r=0;t=2"#);
+    let t: u64 = ratelimit.rsplit("t=").next().unwrap().parse().unwrap();
+    assert!(
+        t <= d.retry_after_secs,
+        "t {t} > retry-after {}",
+        d.retry_after_secs
+    );
+    assert_eq!(run(&p, &h, T0 + 2 * S + t * S).reason, Reason::Allowed);
 }
 
 #[test]
@@ -319,7 +346,7 @@ fn several_limits_are_all_or_nothing() {
     assert_eq!(d.reason, Reason::Allowed);
     assert_eq!(
         d.headers.unwrap().ratelimit,
-        r#""per_second";r=9;t=1, "per_minute";r=0;t=60"#
+        r#""per_second";r=9;t=0, "per_minute";r=0;t=4"#
     );
 }
 
@@ -595,7 +622,7 @@ fn the_global_guard_limits_all_tenants_together_and_refunds_the_tenant() {
     let later = T0 + S;
     let d = run(&p, &req(&store, "api", "t9"), later);
     assert_eq!(d.reason, Reason::Allowed);
-    assert_eq!(d.headers.unwrap().ratelimit, r#""free";r=4;t=1"#);
+    assert_eq!(d.headers.unwrap().ratelimit, r#""free";r=4;t=0"#);
     // Classes without the guard are not affected by it.
     assert_eq!(admitted(&p, &req(&store, "free", "t9"), T0, 10), 5);
 }

@@ -520,6 +520,26 @@ impl Algo {
         }
     }
 
+    /// The `t` of the `RateLimit` field (draft-ietf-httpapi-ratelimit-headers-11),
+    /// exact in ns: the longest time from `now` within which no more than
+    /// `remaining` units can be used on `state` (as charged, or as found
+    /// when the request was refused), that is until one unit more would
+    /// fit. With nothing left, the time until the next unit; on a whole
+    /// limit (no unit to come back), until a unit used now comes back.
+    pub fn quota_window_ns(&self, state: &State, now: u64, remaining: u64) -> u64 {
+        match self.check(state, now, remaining.saturating_add(1)) {
+            Outcome::Deny { wait_ns, .. } if wait_ns != u64::MAX => wait_ns,
+            Outcome::Deny { .. } => match self.check(state, now, 1) {
+                Outcome::Admit { state: used, .. } => match self.check(&used, now, remaining) {
+                    Outcome::Deny { wait_ns, .. } if wait_ns != u64::MAX => wait_ns,
+                    _ => 0,
+                },
+                Outcome::Deny { .. } => 0,
+            },
+            Outcome::Admit { .. } => 0,
+        }
+    }
+
     pub fn check(&self, state: &State, now: u64, cost: u64) -> Outcome {
         match (self, state) {
             (Algo::TokenBucket(g), State::TokenBucket { tat }) => match g.check(*tat, now, cost) {

@@ -34,6 +34,8 @@ pub struct Standing {
     pub remaining: u64,
     /// Until the limit is whole again.
     pub reset_ns: u64,
+    /// The exact `t` of the `RateLimit` field ([`Algo::quota_window_ns`]).
+    pub t_ns: u64,
     /// `Some(wait)`: this limit refuses the request (shadow or not).
     pub refused_for_ns: Option<u64>,
 }
@@ -83,6 +85,7 @@ pub fn check_key(
                 let standing = Standing {
                     remaining,
                     reset_ns,
+                    t_ns: live.algo.quota_window_ns(&state, live.now, remaining),
                     refused_for_ns: None,
                 };
                 push_local(
@@ -112,6 +115,7 @@ pub fn check_key(
                     Standing {
                         remaining,
                         reset_ns,
+                        t_ns: live.algo.quota_window_ns(&live.state, live.now, remaining),
                         refused_for_ns: Some(wait_ns),
                     },
                 )
@@ -121,24 +125,72 @@ pub fn check_key(
         count += 1;
         standings.push(standing);
     }
-    // Records of limits this policy lacks that a newer one wrote stay.
-    for r in records.iter().flat_map(|rs| rs.iter()) {
-        if usize::from(count) < MAX_RECORDS
-            && limits.iter().all(|l| l.name_hash != r.name_hash)
-            && Algo::written_by_newer(r, effective_from, now)
-        {
-            push_record(&mut charged, r.name_hash, r.kind, r.p1, r.p2, r.state);
-            count += 1;
-        }
-    }
-    if let Some(first) = charged.first_mut() {
-        *first = count;
-    }
+    keep_newer(
+        records.as_deref(),
+        limits,
+        effective_from,
+        now,
+        &mut charged,
+        count,
+    );
     KeyCheck {
         standings,
         denied,
         shadow_denied,
         charged,
+    }
+}
+
+/// A key's records with `units` given back to every limit at `now` (Envoy's
+/// `is_negative_hits`: a charge returned), each by its algorithm's own
+/// refund ([`Algo::refund`]): a token bucket never holds more than its
+/// burst, a window gives back only what its current window counted. No
+/// limit is checked: giving back never refuses.
+pub fn refund_key(
+    stored: Option<&[u8]>,
+    limits: &[KeyLimit],
+    effective_from: u64,
+    now: u64,
+    units: u64,
+) -> Vec<u8> {
+    let records = stored.and_then(decode_records);
+    let limits = &limits[..limits.len().min(MAX_RECORDS)];
+    let mut out = vec![0u8];
+    let mut count = 0u8;
+    for l in limits {
+        let record = records
+            .as_ref()
+            .and_then(|rs| rs.iter().find(|r| r.name_hash == l.name_hash));
+        let live = l.algo.load(record, effective_from, now);
+        let state = live.algo.refund(&live.state, units, live.now);
+        push_local(&mut out, l.name_hash, &live.algo, live.epoch, &state, live.now);
+        count += 1;
+    }
+    keep_newer(records.as_deref(), limits, effective_from, now, &mut out, count);
+    out
+}
+
+/// Appends the records of limits `limits` lacks that a newer policy wrote
+/// (they stay as they are), and sets the record count.
+fn keep_newer(
+    records: Option<&[crate::table::layout::Record<'_>]>,
+    limits: &[KeyLimit],
+    effective_from: u64,
+    now: u64,
+    out: &mut Vec<u8>,
+    mut count: u8,
+) {
+    for r in records.into_iter().flatten() {
+        if usize::from(count) < MAX_RECORDS
+            && limits.iter().all(|l| l.name_hash != r.name_hash)
+            && Algo::written_by_newer(r, effective_from, now)
+        {
+            push_record(out, r.name_hash, r.kind, r.p1, r.p2, r.state);
+            count += 1;
+        }
+    }
+    if let Some(first) = out.first_mut() {
+        *first = count;
     }
 }
 
@@ -211,6 +263,55 @@ mod tests {
         let c = check_key(stored.as_deref(), &limits, 0, now + 60 * S, 1);
         assert!(!c.denied);
         assert_eq!(c.standings[1].remaining, 9, "the bucket refilled to 10, less 1");
+    }
+
+    #[test]
+    fn a_check_of_cost_zero_charges_nothing_and_a_refund_gives_back() {
+        let limits = [
+            KeyLimit {
+                name_hash: 1,
+                algo: Algo::FixedWindow(FixedWindow::new(3, 60 * S).unwrap()),
+                shadow: false,
+            },
+            KeyLimit {
+                name_hash: 2,
+                algo: Algo::TokenBucket(Gcra::new(3, 60 * S, 3).unwrap()),
+                shadow: false,
+            },
+        ];
+        let now = 600 * S;
+        // 25 checks of cost 0, each written back: still 3 to use.
+        let mut stored: Option<Vec<u8>> = None;
+        for i in 0..25 {
+            let c = check_key(stored.as_deref(), &limits, 0, now + i, 0);
+            assert!(!c.denied, "check {i}");
+            assert_eq!((c.standings[0].remaining, c.standings[1].remaining), (3, 3));
+            stored = Some(c.charged);
+        }
+        for i in 0..3 {
+            let c = check_key(stored.as_deref(), &limits, 0, now + 30 + i, 1);
+            assert!(!c.denied, "request {i}");
+            stored = Some(c.charged);
+        }
+        let full = check_key(stored.as_deref(), &limits, 0, now + 40, 1);
+        assert!(full.denied);
+        // At the limit, a check of cost 0 still answers (nothing to charge).
+        assert!(!check_key(stored.as_deref(), &limits, 0, now + 40, 0).denied);
+        // Two given back: two more admitted, then refused again.
+        stored = Some(refund_key(stored.as_deref(), &limits, 0, now + 41, 2));
+        for i in 0..2 {
+            let c = check_key(stored.as_deref(), &limits, 0, now + 42 + i, 1);
+            assert!(!c.denied, "after the refund {i}");
+            stored = Some(c.charged);
+        }
+        assert!(check_key(stored.as_deref(), &limits, 0, now + 45, 1).denied);
+        // More given back than was used: never above the limit or the burst.
+        let over = refund_key(stored.as_deref(), &limits, 0, now + 46, 1_000);
+        let c = check_key(Some(&over), &limits, 0, now + 46, 0);
+        assert_eq!((c.standings[0].remaining, c.standings[1].remaining), (3, 3));
+        // A refund to a fresh key changes nothing.
+        let c = check_key(Some(&refund_key(None, &limits, 0, now, 5)), &limits, 0, now, 0);
+        assert_eq!((c.standings[0].remaining, c.standings[1].remaining), (3, 3));
     }
 
     #[test]

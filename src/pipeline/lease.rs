@@ -436,8 +436,10 @@ fn lease_headers(
             ratelimit.push_str(", ");
         }
         let remaining = s.remaining[i].saturating_add(left);
-        let reset = s.reset_ns[i].div_ceil(NANOS_PER_SEC);
-        ratelimit.push_str(&format!("\"{}\";r={remaining};t={reset}", l.name));
+        // The node's standing after the lease's take, plus what this
+        // worker still holds: no more than that within the node's `t`.
+        let t = crate::decision::t_secs(remaining, s.t_ns[i]);
+        ratelimit.push_str(&format!("\"{}\";r={remaining};t={t}", l.name));
     }
     Some(RateLimitHeaders {
         policy: plan.ratelimit_policy.clone(),

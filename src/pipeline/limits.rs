@@ -47,6 +47,9 @@ struct Item<'a> {
     remaining: u64,
     reset_secs: u64,
     global: bool,
+    /// The `RateLimit` header's `t` (`crate::decision::t_secs`).
+    #[serde(skip)]
+    t_secs: u64,
 }
 
 /// Whether a request path (`:path`, its query ignored) is the endpoint's.
@@ -86,14 +89,16 @@ impl Pipeline {
             };
             let leased = self.leases.held(policy, action, &subject);
             for (l, p) in plan.limits.iter().zip(peeked) {
+                let remaining = p.remaining.saturating_add(if l.global { 0 } else { leased });
                 limits.push(Item {
                     action,
                     limit: &l.name,
                     quota: l.rate,
                     window_secs: l.per_secs,
-                    remaining: p.remaining.saturating_add(if l.global { 0 } else { leased }),
+                    remaining,
                     reset_secs: p.reset_ns.div_ceil(NANOS_PER_SEC),
                     global: l.global,
+                    t_secs: crate::decision::t_secs(remaining, p.t_ns),
                 });
             }
         }
@@ -106,10 +111,7 @@ impl Pipeline {
             format!("\"{}/{}\";q={};w={}", i.action, i.limit, i.quota, i.window_secs)
         });
         let ratelimit = join(&limits, |i| {
-            format!(
-                "\"{}/{}\";r={};t={}",
-                i.action, i.limit, i.remaining, i.reset_secs
-            )
+            format!("\"{}/{}\";r={};t={}", i.action, i.limit, i.remaining, i.t_secs)
         });
         let body = serde_json::to_vec(&Answer {
             tenant,

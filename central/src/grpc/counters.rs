@@ -248,7 +248,7 @@ fn pause(attempt: u32) -> Duration {
 impl RedisCounters {
     /// Records on `url` under `<prefix>:rls:`; connects on first use.
     pub fn new(url: &str, prefix: &str) -> Result<RedisCounters, StoreError> {
-        let client = Client::open(url).map_err(|e| StoreError::Refused(format!("{url}: {e}")))?;
+        let client = crate::store::redis_client(url)?;
         Ok(RedisCounters {
             client,
             conn: OnceCell::new(),

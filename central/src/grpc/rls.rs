@@ -10,8 +10,13 @@
 //! path × the descriptor's values); every limit of the plan applies to it
 //! with the plan's algorithm, through the same function the filter's
 //! engine charges a key with (`tenantgate::limiter::charge::check_key`).
-//! The request's cost is `hits_addend` (0 means 1), or a descriptor's own
-//! `hits_addend`. `replaces` drops a replaced rule's descriptor from the
+//! A descriptor's cost is its own `hits_addend` when set (0: a check that
+//! charges nothing, as envoyproxy/ratelimit), else the request's
+//! `hits_addend` (0 is "not set" in proto3, and Envoy's proto says an
+//! unset value counts 1). A descriptor with `is_negative_hits` gives its
+//! cost back to its key's limits instead (Envoy's way to return units: a
+//! token bucket never above its burst, a window never below 0), applied
+//! before the request's charges in the same update. `replaces` drops a replaced rule's descriptor from the
 //! request. Then, unlike envoyproxy/ratelimit (which counts every
 //! descriptor's hits even when the request is refused), the request is
 //! **all or nothing**: if an enforced limit of any descriptor refuses, the
@@ -29,8 +34,9 @@
 //! `requests_per_unit` and `unit` when its window is one of RLS's units,
 //! else `UNKNOWN`), `limit_remaining` and `duration_until_reset`. The
 //! response adds `RateLimit-Policy` and `RateLimit` headers (the draft-10
-//! syntax the filter sends) for the request's binding limit, which Envoy's
-//! filter adds to the client's response.
+//! syntax the filter sends, `t` as draft-11 defines it and the filter
+//! computes it: `tenantgate::decision::t_secs`) for the request's binding
+//! limit, which Envoy's filter adds to the client's response.
 //!
 //! # THE BOUND
 //! The service is the only decider of an RLS key and each request's update
@@ -52,9 +58,8 @@
 //! `INVALID_ARGUMENT`. A cost is at most `u64::MAX` and adds up
 //! saturating, so a huge `hits_addend` is refused, never wrapped. A store
 //! that fails answers `UNAVAILABLE`, and Envoy applies its failure mode.
-//! Envoy's per-descriptor `limit` override and `is_negative_hits` are not
-//! supported (the override is ignored; a negative descriptor is answered
-//! `OK` without charging).
+//! Envoy's per-descriptor `limit` override is not supported (ignored: the
+//! policy decides).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -68,7 +73,8 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use tenantgate::limiter::charge::{check_key, idle_after_ns, KeyCheck, KeyLimit};
+use tenantgate::decision::t_secs;
+use tenantgate::limiter::charge::{check_key, idle_after_ns, refund_key, KeyCheck, KeyLimit};
 use tenantgate::policy::descriptors::{Descriptors, MAX_DEPTH, MAX_TEXT_LEN};
 use tenantgate::policy::{Mode, Policy};
 
@@ -172,11 +178,20 @@ pub struct Rls {
     pub metrics: RlsMetrics,
 }
 
-/// One key of a request: its records' name, its limits, its cost.
+/// One key of a request: its records' name, its limits, its cost, and
+/// the units its negative descriptors give back.
 struct KeyWork<'a> {
     key: String,
     limits: &'a [RlsLimit],
     cost: u64,
+    refund: u64,
+}
+
+/// A matched descriptor's units: charged, or (`is_negative_hits`) given back.
+#[derive(Clone, Copy)]
+struct Hits {
+    units: u64,
+    negative: bool,
 }
 
 /// How a descriptor of the request was matched.
@@ -237,7 +252,11 @@ impl Rls {
                 .zip(stored)
                 .map(|(k, s)| {
                     let limits: Vec<KeyLimit> = k.limits.iter().map(|l| l.key).collect();
-                    check_key(s.as_deref(), &limits, effective_from, now, k.cost)
+                    if k.refund == 0 {
+                        return check_key(s.as_deref(), &limits, effective_from, now, k.cost);
+                    }
+                    let back = refund_key(s.as_deref(), &limits, effective_from, now, k.refund);
+                    check_key(Some(&back), &limits, effective_from, now, k.cost)
                 })
                 .collect();
             if checks.iter().any(|c| c.denied) {
@@ -299,16 +318,16 @@ fn match_request<'p>(policy: &'p RlsPolicy, req: &RateLimitRequest) -> (Vec<Matc
         .descriptors
         .iter()
         .map(|d| {
-            if d.is_negative_hits {
-                return None;
-            }
             let entries: Vec<(&str, &str)> = d
                 .entries
                 .iter()
                 .map(|e| (e.key.as_str(), e.value.as_str()))
                 .collect();
-            let cost = d.hits_addend.as_ref().map_or(request_cost, |h| h.value.max(1));
-            policy.descriptors.find(&req.domain, &entries).map(|f| (f, cost))
+            let hits = Hits {
+                units: d.hits_addend.as_ref().map_or(request_cost, |h| h.value),
+                negative: d.is_negative_hits,
+            };
+            policy.descriptors.find(&req.domain, &entries).map(|f| (f, hits))
         })
         .collect();
     let replaced: Vec<&str> = found
@@ -321,7 +340,7 @@ fn match_request<'p>(policy: &'p RlsPolicy, req: &RateLimitRequest) -> (Vec<Matc
     let matched = found
         .into_iter()
         .map(|f| {
-            let Some((f, cost)) = f else {
+            let Some((f, hits)) = f else {
                 return Matched::None;
             };
             if f.rule.name.as_deref().is_some_and(|n| replaced.contains(&n)) {
@@ -332,11 +351,20 @@ fn match_request<'p>(policy: &'p RlsPolicy, req: &RateLimitRequest) -> (Vec<Matc
             };
             let key = format!("{}|{}", f.rule.path, f.tenant);
             let i = *index.entry(key.clone()).or_insert_with(|| {
-                keys.push(KeyWork { key, limits, cost: 0 });
+                keys.push(KeyWork {
+                    key,
+                    limits,
+                    cost: 0,
+                    refund: 0,
+                });
                 keys.len() - 1
             });
             if let Some(k) = keys.get_mut(i) {
-                k.cost = k.cost.saturating_add(cost);
+                if hits.negative {
+                    k.refund = k.refund.saturating_add(hits.units);
+                } else {
+                    k.cost = k.cost.saturating_add(hits.units);
+                }
             }
             Matched::Key(i)
         })
@@ -441,7 +469,7 @@ fn respond(
                 };
                 let rank = (refuses, u64::MAX - remaining);
                 if headline.is_none_or(|(_, r, _, was)| rank > (was, u64::MAX - r)) {
-                    headline = Some((limit, remaining, s.reset_ns, refuses));
+                    headline = Some((limit, remaining, t_secs(remaining, s.t_ns), refuses));
                 }
                 let unit = unit_of(limit.per_secs);
                 DescriptorStatus {
@@ -459,7 +487,7 @@ fn respond(
         })
         .collect();
     let mut response_headers_to_add = Vec::new();
-    if let Some((limit, remaining, reset_ns, _)) = headline {
+    if let Some((limit, remaining, t, _)) = headline {
         let header = |key: &str, value: String| HeaderValue {
             key: key.to_owned(),
             value,
@@ -471,12 +499,7 @@ fn respond(
         ));
         response_headers_to_add.push(header(
             "ratelimit",
-            format!(
-                "\"{}\";r={};t={}",
-                limit.name,
-                remaining,
-                reset_ns.div_ceil(NANOS_PER_SEC)
-            ),
+            format!("\"{}\";r={};t={}", limit.name, remaining, t),
         ));
     }
     RateLimitResponse {

@@ -253,6 +253,8 @@ async fn exchange(addr: &str, method: &str, path: &str, body: &str) -> Result<(u
     let mut s = tokio::net::TcpStream::connect(addr)
         .await
         .map_err(|e| format!("connect {addr}: {e}"))?;
+    // One write per call, but the home's answer never waits on our ACK.
+    s.set_nodelay(true).map_err(|e| format!("nodelay {addr}: {e}"))?;
     let req = format!(
         "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()

@@ -274,11 +274,14 @@ pub async fn serve_on(
     };
     let mut stop_sync = stop_rx;
     let admin = tokio::spawn(
-        axum::serve(listeners.admin, admin_router(service.clone()))
-            .with_graceful_shutdown(async move {
-                let _ = stop_admin.wait_for(|s| *s).await;
-            })
-            .into_future(),
+        axum::serve(
+            SyncListener::plain(listeners.admin),
+            admin_router(service.clone()),
+        )
+        .with_graceful_shutdown(async move {
+            let _ = stop_admin.wait_for(|s| *s).await;
+        })
+        .into_future(),
     );
     let sync = axum::serve(
         sync_listener,

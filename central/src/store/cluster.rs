@@ -388,6 +388,8 @@ impl RedisClusterStore {
             .connection_timeout(RESPONSE_TIMEOUT)
             .response_timeout(RESPONSE_TIMEOUT.saturating_add(Duration::from_millis(spec.wait_ms)))
             .retries(4)
+            // As for the single-node client: replies never wait for a delayed ACK.
+            .tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true))
             .min_retry_wait(10)
             .max_retry_wait(100)
             .build()

@@ -40,7 +40,9 @@ pub mod codec;
 mod embedded;
 mod redis;
 
-pub(crate) use self::redis::{connection as redis_connection, map_err as redis_error};
+pub(crate) use self::redis::{
+    client as redis_client, connection as redis_connection, map_err as redis_error,
+};
 
 use async_trait::async_trait;
 use serde::{de::DeserializeOwned, Serialize};

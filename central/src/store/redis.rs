@@ -216,7 +216,7 @@ impl RedisStore {
     /// A store on `url` (`redis://host:port[/db]`). Connects on first use,
     /// so a service starts (not ready) while Redis is down.
     pub fn new(url: &str, prefix: &str) -> Result<RedisStore, StoreError> {
-        let client = Client::open(url).map_err(|e| StoreError::Refused(format!("{url}: {e}")))?;
+        let client = client(url)?;
         Ok(RedisStore {
             client,
             conn: OnceCell::new(),
@@ -270,6 +270,19 @@ impl RedisStore {
             cursor = next;
         }
     }
+}
+
+/// The client of `url` with TCP_NODELAY on its connections (redis-rs
+/// leaves it off): a script's reply that spans two segments would
+/// otherwise wait for Redis's delayed ACK, about 40 ms. The store's and the
+/// RLS counters' one way to open a client.
+pub(crate) fn client(url: &str) -> Result<Client, StoreError> {
+    use redis::IntoConnectionInfo;
+    let info = url
+        .into_connection_info()
+        .map_err(|e| StoreError::Refused(format!("{url}: {e}")))?
+        .set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true));
+    Client::open(info).map_err(|e| StoreError::Refused(format!("{url}: {e}")))
 }
 
 /// The shared connection to `client`, made on first use with the service's

@@ -1,0 +1,250 @@
+//! `make bench-service`, its RLS rows: Envoy's `ShouldRateLimit` answered
+//! by the service over gRPC on loopback, as Envoy's ratelimit filter asks
+//! it: h2c, a few connections (Envoy opens one per worker), many streams on
+//! each, TCP_NODELAY on the client's side (Envoy sets it on every upstream
+//! connection).
+//!
+//! For 1, 4 and 8 limited descriptors per request (each its own key, each
+//! answered with its limit: 8 make an answer of about 400 bytes), a bounded
+//! number of requests from `CLIENTS` concurrent callers over `CONNECTIONS`
+//! connections: p50 and p99 latency (client side, request sent to answer
+//! read) and throughput. Two listeners in the same run:
+//!
+//! - `serve`: the listener `tenantgate serve --grpc-listen` accepts on
+//!   (`SyncListener`, TCP_NODELAY on every accepted connection);
+//! - `no_nodelay`: the same router on a bare `TcpListener`, as serve did
+//!   before issue 32 (Nagle's algorithm on): the baseline.
+//!
+//! Stores: the embedded one, and a `redis-server` started here when one is
+//! installed. Target: p99 ≤ 2 ms at 8 descriptors on `serve` (PASS/MISS);
+//! Envoy's default timeout is 20 ms. A benchmark: it prints figures and
+//! asserts nothing about time.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a benchmark
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use prost::Message;
+use tenantgate_central::clock::{Clock, SystemClock};
+use tenantgate_central::grpc::counters::{Counters, MemoryCounters, RedisCounters};
+use tenantgate_central::grpc::rls::Rls;
+use tenantgate_central::listener::SyncListener;
+
+/// The allocator `tenantgate serve` runs with.
+#[global_allocator]
+static ALLOCATOR: tenantgate_central::ServiceAllocator = tenantgate_central::ServiceAllocator;
+
+const CONNECTIONS: usize = 4;
+const CLIENTS: usize = 32;
+/// Requests per row, and the most a row may take.
+const REQUESTS: usize = 8_000;
+const ROW_BUDGET: Duration = Duration::from_secs(20);
+const TARGET_P99: Duration = Duration::from_millis(2);
+
+const POLICY: &str = r#"
+version: "bench-rls"
+identity: { header: x-tenant-id }
+plans:
+  wide: { limits: [ { rate: 100000000, per: 1s } ] }
+default_plan: wide
+anonymous: { plan: wide }
+routes: { api: {} }
+default_route: api
+descriptors:
+  bench:
+    - { key: k1, plan: wide }
+    - { key: k2, plan: wide }
+    - { key: k3, plan: wide }
+    - { key: k4, plan: wide }
+    - { key: k5, plan: wide }
+    - { key: k6, plan: wide }
+    - { key: k7, plan: wide }
+    - { key: k8, plan: wide }
+"#;
+
+fn request(descriptors: usize, client: usize) -> Vec<u8> {
+    let req = RateLimitRequest {
+        domain: "bench".to_owned(),
+        descriptors: (1..=descriptors)
+            .map(|k| RateLimitDescriptor {
+                entries: vec![Entry {
+                    key: format!("k{k}"),
+                    value: format!("tenant-{client}"),
+                }],
+                ..Default::default()
+            })
+            .collect(),
+        hits_addend: 1,
+    };
+    let message = req.encode_to_vec();
+    let mut out = vec![0u8];
+    out.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+    out.extend_from_slice(&message);
+    out
+}
+
+async fn connect(addr: SocketAddr) -> h2::client::SendRequest<bytes::Bytes> {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tcp.set_nodelay(true).unwrap();
+    let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(conn);
+    client
+}
+
+/// One call: the answer's size in bytes (the message, unframed).
+async fn call(client: &mut h2::client::SendRequest<bytes::Bytes>, addr: SocketAddr, body: &[u8]) -> usize {
+    let req = http::Request::post(format!(
+        "http://{addr}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+    ))
+    .header("content-type", "application/grpc")
+    .header("te", "trailers")
+    .body(())
+    .unwrap();
+    let mut ready = client.clone().ready().await.unwrap();
+    let (resp, mut send) = ready.send_request(req, false).unwrap();
+    send.send_data(bytes::Bytes::copy_from_slice(body), true).unwrap();
+    let mut body = resp.await.unwrap().into_body();
+    let mut bytes = Vec::new();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.unwrap();
+        let _ = body.flow_control().release_capacity(chunk.len());
+        bytes.extend_from_slice(&chunk);
+    }
+    let _ = body.trailers().await;
+    let answer = RateLimitResponse::decode(&bytes[5..]).unwrap();
+    assert_eq!(answer.overall_code, 1, "the bench's limits never refuse");
+    bytes.len().saturating_sub(5)
+}
+
+struct Row {
+    p50: Duration,
+    p99: Duration,
+    per_s: f64,
+    answer_bytes: usize,
+    requests: usize,
+}
+
+async fn row(addr: SocketAddr, descriptors: usize) -> Row {
+    let mut conns = Vec::new();
+    for _ in 0..CONNECTIONS {
+        conns.push(connect(addr).await);
+    }
+    // One warm-up call per connection.
+    let mut answer_bytes = 0;
+    for (i, c) in conns.iter_mut().enumerate() {
+        answer_bytes = call(c, addr, &request(descriptors, i)).await;
+    }
+    let started = Instant::now();
+    let per_client = REQUESTS / CLIENTS;
+    let mut tasks = Vec::new();
+    for client in 0..CLIENTS {
+        let mut conn = conns[client % CONNECTIONS].clone();
+        let body = request(descriptors, client);
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::with_capacity(per_client);
+            for _ in 0..per_client {
+                if started.elapsed() > ROW_BUDGET {
+                    break;
+                }
+                let t = Instant::now();
+                call(&mut conn, addr, &body).await;
+                latencies.push(t.elapsed());
+            }
+            latencies
+        }));
+    }
+    let mut all = Vec::with_capacity(REQUESTS);
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    let took = started.elapsed();
+    all.sort();
+    let at = |q: f64| all[((all.len() as f64 * q) as usize).min(all.len() - 1)];
+    Row {
+        p50: at(0.50),
+        p99: at(0.99),
+        per_s: all.len() as f64 / took.as_secs_f64(),
+        answer_bytes,
+        requests: all.len(),
+    }
+}
+
+fn services(counters: Arc<dyn Counters>) -> tenantgate_central::grpc::Services {
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
+    let rls = Rls::new(counters.clone(), clock.clone());
+    rls.set_policy(tenantgate_central::service::policy::parse(POLICY).unwrap().rls);
+    tenantgate_central::grpc::Services {
+        rls: Arc::new(rls),
+        rlqs: Arc::new(tenantgate_central::grpc::rlqs::Rlqs::new(
+            counters,
+            clock,
+            Default::default(),
+        )),
+    }
+}
+
+/// Serves the gRPC router on a loopback port: through serve's listener, or
+/// (the baseline) a bare one.
+async fn listen(services: tenantgate_central::grpc::Services, nodelay: bool) -> SocketAddr {
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = tcp.local_addr().unwrap();
+    let router = tenantgate_central::grpc::router(services);
+    if nodelay {
+        tokio::spawn(async move { axum::serve(SyncListener::plain(tcp), router).await });
+    } else {
+        tokio::spawn(async move { axum::serve(tcp, router).await });
+    }
+    addr
+}
+
+async fn rows(store: &str, counters: impl Fn() -> Arc<dyn Counters>) {
+    for (listener, nodelay) in [("serve", true), ("no_nodelay", false)] {
+        let addr = listen(services(counters()), nodelay).await;
+        for descriptors in [1, 4, 8] {
+            let r = row(addr, descriptors).await;
+            let verdict = if !nodelay || descriptors != 8 {
+                ""
+            } else if r.p99 <= TARGET_P99 {
+                "  PASS (p99 ≤ 2 ms)"
+            } else {
+                "  MISS (p99 > 2 ms)"
+            };
+            println!(
+                "rls {store:<8} {listener:<10} {descriptors} descriptors ({:>3} B answer): p50 {:>7.3} ms  p99 {:>7.3} ms  {:>8.0} calls/s  ({} calls, {CLIENTS} callers on {CONNECTIONS} connections){verdict}",
+                r.answer_bytes,
+                r.p50.as_secs_f64() * 1e3,
+                r.p99.as_secs_f64() * 1e3,
+                r.per_s,
+                r.requests,
+            );
+        }
+    }
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        rows("embedded", || {
+            Arc::new(MemoryCounters::new(100_000)) as Arc<dyn Counters>
+        })
+        .await;
+        match tenantgate_central::testing::RedisServer::start() {
+            Ok(redis) => {
+                let url = redis.url();
+                rows("redis", || {
+                    Arc::new(RedisCounters::new(&url, "bench").unwrap()) as Arc<dyn Counters>
+                })
+                .await;
+            }
+            Err(e) => println!("rls redis: skipped ({e})"),
+        }
+    });
+}
