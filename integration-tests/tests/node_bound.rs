@@ -271,15 +271,18 @@ fn reloads_under_leases(workers: u64) {
             ("re-planned", hot("rl-3", BEFORE, "q")),
         ];
         let mut applied = Vec::new();
+        let mut raised = Vec::new();
         std::thread::sleep(Duration::from_millis(1_500));
         for (i, (name, policy)) in cases.iter().enumerate() {
             let (ok, err) = envoy.apply(policy);
             assert!(ok, "{name}: {err}");
             applied.push((*name, ns(Instant::now())));
             std::thread::sleep(Duration::from_millis(2_500));
-            // Back to the hot limit: leases form again before the next case.
+            // Raised back to the hot limit: leases form again before the
+            // next case.
             let (ok, err) = envoy.apply(&hot(&format!("rl-back-{i}"), BEFORE, "hot"));
             assert!(ok, "back: {err}");
+            raised.push(ns(Instant::now()));
             std::thread::sleep(Duration::from_millis(1_500));
         }
         stop.store(true, Ordering::Relaxed);
@@ -288,11 +291,34 @@ fn reloads_under_leases(workers: u64) {
             answers.iter().all(|a| a.status == 200 || a.status == 429),
             "only 200 and 429"
         );
+        for at in raised {
+            // Raised: from the apply on, the raised limit's answers stay within
+            // its own bound (the lowered bucket's level carries over, then
+            // refills at the new rate: no fresh burst beyond it either).
+            let admitted: Vec<&Answer> = answers
+                .iter()
+                .filter(|a| a.sent >= at && a.sent < at + 1_500 * MS && a.policy.contains("q=50000;"))
+                .filter(|a| a.status == 200)
+                .collect();
+            for d in [100 * MS, 500 * MS, S] {
+                let got = surely_within(&admitted, d);
+                let allowed = bound(8_000, 50_000, d, workers);
+                assert!(
+                    got <= allowed,
+                    "raised at {workers} workers: {got} admitted in {} ms, bound {allowed}",
+                    d / MS
+                );
+            }
+            assert!(!admitted.is_empty(), "the raised policy admitted nothing");
+        }
         for (name, at) in applied {
-            // The new policy's answers (q=10) from its apply on, for 2.5 s.
+            // The new policy's answers (q=10), for 2.5 s from its apply
+            // returning, and before it: the module loads it within a few
+            // milliseconds of the file's write, before `policy apply` exits
+            // (the previous case's answers ended 1.5 s before).
             let new: Vec<&Answer> = answers
                 .iter()
-                .filter(|a| a.sent >= at && a.sent < at + 2_500 * MS && a.policy.contains("q=10;"))
+                .filter(|a| a.sent + S >= at && a.sent < at + 2_500 * MS && a.policy.contains("q=10;"))
                 .collect();
             let first = new.iter().map(|a| a.answered).min().unwrap_or(at);
             let admitted: Vec<&Answer> = new.iter().copied().filter(|a| a.status == 200).collect();
@@ -304,10 +330,10 @@ fn reloads_under_leases(workers: u64) {
             let lengths = [100 * MS, 500 * MS, S, 2 * S];
             let (got, allowed, d) = worst(&admitted, &lengths, 50, 10, workers);
             println!(
-                "{name} at {workers} workers: new policy answering {} ms after apply; first 0.1 s {} admitted \
-                 (bound {}); worst window {} ms: {got} admitted, bound {allowed}; {old_after} admitted \
+                "{name} at {workers} workers: new policy answering {} ms after apply returned; first 0.1 s {} \
+                 admitted (bound {}); worst window {} ms: {got} admitted, bound {allowed}; {old_after} admitted \
                  under the old policy after its first new answer",
-                (first - at) / MS,
+                (first as i64 - at as i64) / MS as i64,
                 surely_within(&admitted, 100 * MS),
                 bound(50, 10, 100 * MS, workers),
                 d / MS
