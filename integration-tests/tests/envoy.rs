@@ -365,15 +365,12 @@ fn client_headers_cannot_change_class_plan_or_priority_nor_forge_a_jwt_identity(
             .unwrap();
     if envoy.host == Host::Module {
         // Envoy 1.40's dynamic-module ABI reads no claim inside jwt_authn's
-        // payload: the module refuses the policy, saying why, and the one
-        // in force stays (the JWT listener above is the module's way).
-        assert!(envoy.apply(&claims).0);
-        assert!(
-            wait_for(Duration::from_secs(10), || envoy
-                .log()
-                .contains("claim_to_headers")),
-            "no refusal in the log"
-        );
+        // payload: `policy apply --module` runs the module's own check and
+        // refuses the policy, saying why, and the one in force stays (the
+        // JWT listener above is the module's way).
+        let (applied, why) = envoy.apply(&claims);
+        assert!(!applied, "policy apply --module accepted a claim identity");
+        assert!(why.contains("claim_to_headers"), "{why}");
         let r = get(envoy.port, "/api/orders", &[("x-tenant-id", "demo-paid")]);
         assert_eq!(r.header("ratelimit-policy"), Some(r#""paid";q=1000;w=1"#));
         return;
