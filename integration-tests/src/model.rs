@@ -33,7 +33,8 @@ pub enum ModelAnswer {
     },
     /// An Anthropic Messages stream: `message_start` (25 input tokens, 1
     /// output), content deltas, then after `gap_ms` the cumulative
-    /// `message_delta` (`output` tokens) and `message_stop`.
+    /// `message_delta` (`output` tokens) and `message_stop`, and after
+    /// `gap_ms` more the response's end.
     Anthropic {
         output: u64,
         gap_ms: u64,
@@ -204,6 +205,8 @@ pub fn answer(out: &mut TcpStream, answer: ModelAnswer, extra: &str, gzip: bool)
             );
             chunk(out, &event("message_delta", &delta))?;
             chunk(out, &event("message_stop", r#"{"type":"message_stop"}"#))?;
+            // The response's end comes `gap_ms` after its terminal event.
+            std::thread::sleep(Duration::from_millis(gap_ms));
             out.write_all(b"0\r\n\r\n")?;
         }
     }

@@ -6,7 +6,8 @@
 //! real cost is below the estimate; debt and its kept `Retry-After`;
 //! answers without a usable figure (missing, malformed, reset mid-stream)
 //! settled at the ceiling, and a stream the client closes before its usage
-//! too (the abort rule); upstream errors and Envoy's own replies cost
+//! too (the abort rule), but not one it closes right after its terminal
+//! event; upstream errors and Envoy's own replies cost
 //! nothing, and requests outside the metered operation (a `GET`, an
 //! `OPTIONS`) are not metered; nothing the client sends changes a cost; a soft
 //! limit sends over-limit requests to a fallback upstream while under-limit
@@ -407,8 +408,6 @@ fn an_anthropic_stream_closed_after_its_content_deltas_costs_the_ceiling() {
         output: 3000,
         gap_ms: 0,
     };
-    // (Read to the body's last chunk: a client that closes after
-    // `message_stop` but before the response's end races the abort rule.)
     let seen = read_until_then_close(
         envoy.port,
         &format!("/up/messages{}", whole.path()),
@@ -416,15 +415,32 @@ fn an_anthropic_stream_closed_after_its_content_deltas_costs_the_ceiling() {
         "\r\n0\r\n\r\n",
     );
     assert!(seen.contains("message_stop"), "{seen}");
-    assert!(wait_for(WAIT, || envoy.tg_stat("cost.settles.messages") == 2));
+    // The terminal-event rule: an honest client that closes right after
+    // `message_stop`, 2 s before the response's end reaches Envoy, is
+    // charged its usage too, not the ceiling.
+    let stop = ModelAnswer::Anthropic {
+        output: 3000,
+        gap_ms: 2000,
+    };
+    let seen = read_until_then_close(
+        envoy.port,
+        &format!("/up/messages{}", stop.path()),
+        "stopper",
+        "message_stop",
+    );
+    assert!(!seen.contains("\r\n0\r\n\r\n"), "{seen}");
+    assert!(wait_for(WAIT, || envoy.tg_stat("cost.settles.messages") == 3));
     assert_eq!(envoy.tg_stat("cost.unusable_reset.messages"), 1);
-    assert_eq!(envoy.tg_stat("cost.settled_units.messages"), 4000 + 3025);
+    assert_eq!(envoy.tg_stat("cost.settled_units.messages"), 4000 + 2 * 3025);
     // (A stream settled at its end keeps its record in the log phase,
     // which the access log may not see: the stats say it.)
-    assert!(wait_for(WAIT, || cost_records(&log, "chat|t|reader").len() == 1));
-    let record = &cost_records(&log, "chat|t|reader")[0];
-    eprintln!("cut: 4,000 (the ceiling); whole: {record}");
-    assert_eq!(field(record, "cost"), 3025, "{record}");
+    for tenant in ["reader", "stopper"] {
+        let key = format!("chat|t|{tenant}");
+        assert!(wait_for(WAIT, || cost_records(&log, &key).len() == 1));
+        let record = &cost_records(&log, &key)[0];
+        eprintln!("cut: 4,000 (the ceiling); {tenant}: {record}");
+        assert_eq!(field(record, "cost"), 3025, "{record}");
+    }
 }
 
 on_both_hosts!(errors_and_unmetered_requests_never_lock_out_an_honest_tenant);

@@ -18,7 +18,9 @@
 //! sends. A figure above the ceiling `C` is cut to `C` (counted). A stream
 //! that ends before its response did (client abort, upstream reset,
 //! timeout, idle cut) costs `C`, whatever its events said so far: **the
-//! abort rule** ([`Meter::end`] states it per format). A response that
+//! abort rule** ([`Meter::end`] states it per format); an event stream's
+//! response ends at its terminal event where the format has one (**the
+//! terminal-event rule**, same place). A response that
 //! ends without a usable figure ([`Unusable`]: missing, malformed, or a
 //! body past `max_body_bytes`) costs `C` or `E` (`on_missing`; `C` by
 //! default).
@@ -321,7 +323,8 @@ impl Meter {
                 }
             }
         }
-        if end_of_stream {
+        // The terminal-event rule (`Meter::end`): the answer is over.
+        if end_of_stream || matches!(&self.reading, Reading::Events(e) if e.ended()) {
             self.end_body(settle);
         }
     }
@@ -387,10 +390,20 @@ impl Meter {
     /// `message_delta` usage is cumulative; Gemini's `usageMetadata` and
     /// OpenAI-compatible servers' continuous usage stats are running
     /// totals; OpenAI's `include_usage` chunk comes last, but the same
-    /// fields in a server's earlier chunk would be partial; the Responses
-    /// API's usage comes only with `response.completed`. So the events of
-    /// a stream cut short are never summed: it costs the ceiling
+    /// fields in a server's earlier chunk would be partial. So the events
+    /// of a stream cut short are never summed: it costs the ceiling
     /// ([`real_cost`]).
+    ///
+    /// **The terminal-event rule**: an event stream's end is its terminal
+    /// event when it has one ([`sse`]: OpenAI's `data: [DONE]`, Anthropic's
+    /// `message_stop`, the Responses API's `response.completed`), not only
+    /// the response's last byte: the upstream says there the answer is
+    /// over, so the fields' last values are final ([`Meter::on_body`]
+    /// decides the figure there). A client that closes right after it is
+    /// charged its usage, not the ceiling. Gemini has no terminal event
+    /// (its last chunk carries `finishReason`, but with several candidates
+    /// each finishes in its own chunk, and nothing says no chunk follows):
+    /// a Gemini stream ends with its response.
     pub fn end(&mut self) -> Figure {
         match self.reading {
             Reading::Done(f) => f,

@@ -5,21 +5,43 @@
 //! last value seen of each field wins. Other events (`data: [DONE]`, a
 //! malformed document, comments, `event:` and `id:` lines) say nothing.
 //!
+//! **Terminal events.** An event that says the answer is over (see
+//! [`Events::ended`]) ends the reading: what the stream said up to it is
+//! final, and nothing after it is read. They are the providers' own:
+//! OpenAI's `data: [DONE]`, Anthropic's `event: message_stop`, the
+//! Responses API's `event: response.completed` (or `.incomplete`,
+//! `.failed`). An event counts once a blank line has ended it.
+//!
 //! Bounded memory whatever the stream: one scanner and a few bytes of the
-//! current line's start (to recognise `data:`), never a whole line.
+//! current line's start (to recognise `data:` and `event:`) and of an
+//! event's name, never a whole line.
 
 use super::json::{Found, Scanner};
 use crate::policy::settle::{Field, MAX_FIELDS};
 
 const DATA: &[u8] = b"data:";
+const EVENT: &[u8] = b"event:";
+/// The data of OpenAI's terminal event.
+const DONE: &[u8] = b"[DONE]";
+/// The names (`event:`) of terminal events.
+const TERMINAL_NAMES: [&[u8]; 4] = [
+    b"message_stop",
+    b"response.completed",
+    b"response.incomplete",
+    b"response.failed",
+];
+/// Longest event name kept (longer ones are no terminal event's).
+const MAX_NAME: usize = 24;
 
 /// Where in a line the reader is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Line {
-    /// At its `n`-th byte, which may still begin `data:`.
+    /// At its `n`-th byte, which may still begin `data:` or `event:`.
     Start(usize),
     /// After `data:` (and its optional space): the rest goes to the event.
     Data { first: bool },
+    /// After `event:` (and its optional space): the event's name.
+    Name { first: bool },
     /// A line of another field, or a comment: ignored to its end.
     Other,
 }
@@ -32,6 +54,16 @@ pub struct Events {
     after_cr: bool,
     /// The current event's document, if it has a `data:` line yet.
     event: Option<Scanner>,
+    /// The current line's first bytes (to tell `data:` from `event:`).
+    head: [u8; 6],
+    /// The current event's name (`len > MAX_NAME`: too long to be one).
+    name: [u8; MAX_NAME],
+    name_len: usize,
+    /// Bytes of the current event's data that match [`DONE`] so far
+    /// (`None`: it is not `[DONE]`).
+    done: Option<usize>,
+    /// A terminal event has been read: nothing more is.
+    ended: bool,
     found: Found,
 }
 
@@ -41,6 +73,11 @@ impl Default for Events {
             line: Line::Start(0),
             after_cr: false,
             event: None,
+            head: [0; 6],
+            name: [0; MAX_NAME],
+            name_len: 0,
+            done: Some(0),
+            ended: false,
             found: Found::default(),
         }
     }
@@ -50,6 +87,9 @@ impl Events {
     /// Reads the next bytes of the stream.
     pub fn feed(&mut self, bytes: &[u8], fields: &[Field]) {
         for &b in bytes {
+            if self.ended {
+                return;
+            }
             if b == b'\n' && self.after_cr {
                 self.after_cr = false;
                 continue;
@@ -60,26 +100,60 @@ impl Events {
                 continue;
             }
             self.line = match self.line {
-                Line::Start(n) if DATA.get(n) == Some(&b) => {
-                    if n + 1 == DATA.len() {
-                        self.start_data(fields);
-                        Line::Data { first: true }
-                    } else {
-                        Line::Start(n + 1)
-                    }
-                }
-                Line::Start(_) | Line::Other => Line::Other,
+                Line::Start(n) => self.line_start(n, b, fields),
+                Line::Other => Line::Other,
                 Line::Data { first } => {
                     // One space after the colon is not part of the data.
                     if !(first && b == b' ') {
                         if let Some(s) = self.event.as_mut() {
                             s.feed(&[b], fields);
                         }
+                        self.done = self.done.and_then(|n| (DONE.get(n) == Some(&b)).then_some(n + 1));
                     }
                     Line::Data { first: false }
                 }
+                Line::Name { first } => {
+                    if !(first && b == b' ') {
+                        match self.name.get_mut(self.name_len) {
+                            Some(slot) => {
+                                *slot = b;
+                                self.name_len += 1;
+                            }
+                            None => self.name_len = MAX_NAME + 1,
+                        }
+                    }
+                    Line::Name { first: false }
+                }
             };
         }
+    }
+
+    /// The `n`-th byte `b` of a line that may still begin `data:` or
+    /// `event:`.
+    fn line_start(&mut self, n: usize, b: u8, fields: &[Field]) -> Line {
+        let Some(slot) = self.head.get_mut(n) else {
+            return Line::Other;
+        };
+        *slot = b;
+        let head = self.head.get(..=n).unwrap_or_default();
+        if head == DATA {
+            self.start_data(fields);
+            Line::Data { first: true }
+        } else if head == EVENT {
+            // A later `event:` line of the same event replaces the name.
+            self.name_len = 0;
+            Line::Name { first: true }
+        } else if DATA.starts_with(head) || EVENT.starts_with(head) {
+            Line::Start(n + 1)
+        } else {
+            Line::Other
+        }
+    }
+
+    /// A terminal event has been read (see the module header): the answer
+    /// is over, and what the stream said up to it is final.
+    pub fn ended(&self) -> bool {
+        self.ended
     }
 
     /// The stream ended: the fields' last values (an event not yet closed
@@ -93,7 +167,11 @@ impl Events {
     /// the earlier ones by a line feed.
     fn start_data(&mut self, fields: &[Field]) {
         match self.event.as_mut() {
-            Some(s) => s.feed(b"\n", fields),
+            Some(s) => {
+                s.feed(b"\n", fields);
+                // Data of several lines is not `[DONE]`.
+                self.done = None;
+            }
             None => self.event = Some(Scanner::default()),
         }
     }
@@ -106,9 +184,16 @@ impl Events {
         self.line = Line::Start(0);
     }
 
-    /// The event ends: its values, if its document is whole, win.
+    /// The event ends: its values, if its document is whole, win; a
+    /// terminal event ends the reading.
     fn dispatch(&mut self, fields: &[Field]) {
+        let name = self.name.get(..self.name_len).unwrap_or_default();
+        let terminal_name = TERMINAL_NAMES.contains(&name);
+        self.name_len = 0;
+        let done = std::mem::replace(&mut self.done, Some(0)) == Some(DONE.len());
+        // An event without data is no event (its name is dropped).
         let Some(mut s) = self.event.take() else { return };
+        self.ended = terminal_name || done;
         let Some(found) = s.finish(fields) else { return };
         for i in 0..MAX_FIELDS {
             if let Some(v) = found.values.get(i).copied().flatten() {

@@ -229,24 +229,46 @@ fn stream_prefix(s: &Settle, stream: &str, cut: usize, chunk: usize, whole: bool
     m.end()
 }
 
+/// Where a recorded stream's terminal event has been read: the byte after
+/// the line break that starts the blank line ending it (`None`: the format
+/// has none, Gemini).
+fn terminal_read_at(format: &str, stream: &str) -> Option<usize> {
+    if format == "gemini" {
+        return None;
+    }
+    // Each recorded stream ends with its terminal event.
+    let blank = stream.trim_end_matches(['\r', '\n']).len();
+    let eol = if stream[blank..].starts_with("\r\n") { 2 } else { 1 };
+    Some(blank + eol + 1)
+}
+
 #[test]
-fn the_abort_rule_a_stream_cut_at_any_byte_of_any_format_costs_the_ceiling() {
+fn the_abort_rule_a_stream_cut_before_its_terminal_event_costs_the_ceiling() {
     for (format, s, stream, cost) in recorded() {
         assert_eq!(
             stream_prefix(&s, stream, stream.len(), 7, true),
             Figure::Cost(cost),
             "{format}"
         );
-        // Cut at every byte, event boundaries included, and right after the
-        // last event (the response had not ended): never a partial figure.
+        let terminal = terminal_read_at(format, stream).unwrap_or(usize::MAX);
+        // Cut at every byte, event boundaries included: before the terminal
+        // event has been read, never a partial figure (the abort rule);
+        // from then on, the usage (the terminal-event rule), in one chunk
+        // or in chunks of 5.
         for cut in 0..=stream.len() {
+            let want = if cut >= terminal {
+                Figure::Cost(cost)
+            } else {
+                Figure::Unusable(Unusable::Reset)
+            };
             assert_eq!(
                 stream_prefix(&s, stream, cut, cut.max(1), false),
-                Figure::Unusable(Unusable::Reset),
+                want,
                 "{format} cut at {cut}"
             );
             let real = real_cost(&s, stream_prefix(&s, stream, cut, 5, false), 1);
-            assert_eq!(real.cost, s.ceiling, "{format} cut at {cut}");
+            let want = if cut >= terminal { cost } else { s.ceiling };
+            assert_eq!(real.cost, want, "{format} cut at {cut}");
         }
     }
     // The issue's case: an Anthropic stream read to its last content delta
@@ -256,6 +278,47 @@ fn the_abort_rule_a_stream_cut_at_any_byte_of_any_format_costs_the_ceiling() {
     assert_eq!(
         real_cost(s, stream_prefix(s, stream, before_delta, 64, false), 1000).cost,
         8000
+    );
+}
+
+#[test]
+fn only_a_terminal_event_ends_a_stream_early_and_nothing_after_it_is_read() {
+    let s = settle(r#"{"usage": "openai_total", "ceiling": 8000}"#);
+    let cut = |stream: &str| stream_prefix(&s, stream, stream.len(), 3, false);
+    let usage = "data: {\"usage\":{\"total_tokens\":21}}\n\n";
+    // `[DONE]` alone on its data line; after it, nothing counts.
+    let done = format!("{usage}data: [DONE]\n\ndata: {{\"usage\":{{\"total_tokens\":99}}}}\n\n");
+    assert_eq!(cut(&done), Figure::Cost(21));
+    for not_terminal in [
+        "data: [DONE] x\n\n",
+        "data: [DON\n\n",
+        "data: [DONE]\ndata: x\n\n",
+        "event: message_stop\n\n",
+        "event: message_stopped\ndata: {}\n\n",
+        "event: ping\ndata: {\"type\":\"message_stop\"}\n\n",
+        ": event: message_stop\ndata: {}\n\n",
+        "data: [DONE]\n",
+    ] {
+        let stream = format!("{usage}{not_terminal}");
+        assert_eq!(
+            cut(&stream),
+            Figure::Unusable(Unusable::Reset),
+            "{not_terminal:?}"
+        );
+    }
+    for terminal in [
+        "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+        "event:response.completed\r\ndata: {}\r\n\r\n",
+        "event: response.incomplete\rdata: {}\r\r",
+        "event: ping\nevent: response.failed\ndata: {}\n\n",
+    ] {
+        let stream = format!("{usage}{terminal}");
+        assert_eq!(cut(&stream), Figure::Cost(21), "{terminal:?}");
+    }
+    // Terminal without usage: the answer is over without its figure.
+    assert_eq!(
+        cut("data: {\"choices\":[]}\n\ndata: [DONE]\n\n"),
+        Figure::Unusable(Unusable::Missing)
     );
 }
 

@@ -260,7 +260,8 @@ fn anthropic(w: &mut Worker, node: &Node, stream: StreamId, cut: usize, whole: b
 }
 
 #[test]
-fn an_anthropic_stream_closed_after_its_content_costs_the_ceiling_not_message_start() {
+fn an_anthropic_stream_closed_after_its_content_costs_the_ceiling_not_message_start_and_after_message_stop_its_usage(
+) {
     // The attack: every content delta read, closed before the
     // cumulative `message_delta`: `message_start` said 25 + 1.
     let node = Node::new();
@@ -270,14 +271,19 @@ fn an_anthropic_stream_closed_after_its_content_costs_the_ceiling_not_message_st
     let r = anthropic(&mut w, &node, 1, before_delta, false);
     assert!(r.contains("figure=unusable:reset"), "{r}");
     assert_eq!(field(&r, "cost"), 1000);
-    // At every event boundary, and after the last event while the
-    // response has not ended: the ceiling.
+    // At every event boundary: the ceiling.
     let mut stream = 2;
-    for (at, _) in body.match_indices("event: ").chain([(body.len(), "")]) {
+    for (at, _) in body.match_indices("event: ") {
         let r = anthropic(&mut w, &node, stream, at, false);
         assert_eq!(field(&r, "cost"), 1000, "cut at {at}: {r}");
         stream += 1;
     }
+    // The terminal-event rule: closed right after `message_stop`, before
+    // the response's end reached the filter: the usage, settled on the
+    // chunk that carried it.
+    let r = anthropic(&mut w, &node, stream, body.len(), false);
+    assert_eq!(field(&r, "cost"), 40, "{r}");
+    stream += 1;
     // Whole: 25 input + 15 output.
     let r = anthropic(&mut w, &node, stream, body.len(), true);
     assert_eq!(field(&r, "cost"), 40, "{r}");
