@@ -278,10 +278,14 @@ pub enum CostStat {
     Unusable(crate::cost::Unusable),
     /// Histogram: the real cost in percent of the estimate (100: exact).
     RatioPct,
+    /// Chunks reserved as answers flowed past their reservations.
+    Chunks,
+    /// Answers the filter ended early (their limits refused a chunk).
+    Ended,
 }
 
 impl CostStat {
-    pub const ALL: [CostStat; 18] = [
+    pub const ALL: [CostStat; 20] = [
         CostStat::EstimatedUnits,
         CostStat::SettledUnits,
         CostStat::Settles,
@@ -300,6 +304,8 @@ impl CostStat {
         CostStat::Unusable(crate::cost::Unusable::NoResponse),
         CostStat::Unusable(crate::cost::Unusable::Encoded),
         CostStat::RatioPct,
+        CostStat::Chunks,
+        CostStat::Ended,
     ];
 
     fn write_name(self, out: &mut String) -> std::fmt::Result {
@@ -315,6 +321,8 @@ impl CostStat {
             CostStat::InDebt => out.write_str("in_debt"),
             CostStat::Unusable(u) => write!(out, "unusable_{}", u.as_str()),
             CostStat::RatioPct => out.write_str("ratio_pct"),
+            CostStat::Chunks => out.write_str("chunks"),
+            CostStat::Ended => out.write_str("ended"),
         }
     }
 

@@ -135,6 +135,8 @@ pub const HEADER_RESPONSE_TRAILER: HeaderType = 3;
 pub type BodyType = u32;
 pub const BODY_RECEIVED_REQUEST: BodyType = 0;
 pub const BODY_RECEIVED_RESPONSE: BodyType = 2;
+/// `envoy_dynamic_module_type_http_filter_stream_reset_reason_LocalReset`.
+pub const RESET_LOCAL: u32 = 0;
 
 /// `envoy_dynamic_module_type_metadata_source`.
 pub type MetadataSource = u32;
@@ -293,6 +295,27 @@ unsafe extern "C" {
         filter: HttpFilterEnvoy,
         body_type: BodyType,
     ) -> usize;
+    /// Removes the first `size` bytes of the body (the current chunk for
+    /// a `RECEIVED` type).
+    pub fn envoy_dynamic_module_callback_http_drain_body(
+        filter: HttpFilterEnvoy,
+        body_type: BodyType,
+        size: usize,
+    ) -> bool;
+    /// Adds `data` at the body's end (the current chunk for a `RECEIVED` type).
+    pub fn envoy_dynamic_module_callback_http_append_body(
+        filter: HttpFilterEnvoy,
+        body_type: BodyType,
+        data: ModuleBuffer,
+    ) -> bool;
+    /// Resets the stream (`reason`: [`RESET_LOCAL`]); checked against the
+    /// 1.40 binary's code: `(filter, reason, details)`, reason 1 is a
+    /// refused stream, anything else a local reset.
+    pub fn envoy_dynamic_module_callback_http_filter_reset_stream(
+        filter: HttpFilterEnvoy,
+        reason: u32,
+        details: ModuleBuffer,
+    );
     /// Fills `result` (room for `get_body_chunks_size` buffers).
     pub fn envoy_dynamic_module_callback_http_get_body_chunks(
         filter: HttpFilterEnvoy,

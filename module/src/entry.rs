@@ -22,7 +22,7 @@
 //! cost), its body, trailers, end and destroy are no steps at all: no
 //! worker lock, no callback (`destroy` still forgets a stream once held).
 //!
-//! Over 800 lines (about 830): one `extern "C"` function per hook of the
+//! Over 800 lines (about 875): one `extern "C"` function per hook of the
 //! ABI, each a few lines of translation inside `catch_unwind`; they read
 //! best side by side in the order Envoy calls them.
 
@@ -313,6 +313,8 @@ struct Filter {
     /// The stream was held once: its worker keeps its scheduler until
     /// `destroy`.
     held: Cell<bool>,
+    /// The pipeline ended its answer early (`flow.rs`).
+    ended: Cell<bool>,
 }
 
 impl Filter {
@@ -362,6 +364,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
             stream,
             finished: Cell::new(false),
             held: Cell::new(false),
+            ended: Cell::new(false),
         };
         Box::into_raw(Box::new(filter)).cast_const().cast()
     })
@@ -681,17 +684,33 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
     if f.finished.get() {
         return abi::BODY_CONTINUE;
     }
-    let mut record = None;
+    // SAFETY: the current hook's stream.
+    let size =
+        unsafe { abi::envoy_dynamic_module_callback_http_get_body_size(envoy, abi::BODY_RECEIVED_RESPONSE) };
+    if f.ended.get() {
+        // Its terminal event has gone with an earlier chunk (`flow.rs`).
+        guard(|| {
+            crate::flow::drop_chunk(envoy, size);
+            crate::flow::reset(envoy);
+        });
+        return abi::BODY_CONTINUE;
+    }
+    let mut body = None;
     response_step(f, envoy, "response_body", |w, host| {
-        // SAFETY: the current hook's stream.
-        let size = unsafe {
-            abi::envoy_dynamic_module_callback_http_get_body_size(envoy, abi::BODY_RECEIVED_RESPONSE)
-        };
-        record = w
+        let b = w
             .pipeline
             .on_response_body(host, &SystemClock, f.stream, size, end_of_stream);
+        if let Some(end) = b.end {
+            f.ended.set(true);
+            crate::flow::end(
+                envoy,
+                &tenantgate::host::Host::response_body(host, size).unwrap_or_default(),
+                end,
+            );
+        }
+        body = Some(b.cost_record);
     });
-    cost_record(envoy, record);
+    cost_record(envoy, body.flatten());
     abi::BODY_CONTINUE
 }
 

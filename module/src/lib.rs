@@ -10,6 +10,7 @@
 //! |---|---|
 //! | the ABI (hooks and callbacks, by hand) | [`abi`] |
 //! | the entry points Envoy calls | `entry.rs` |
+//! | an answer ended early (its chunk rewritten, the stream reset) | `flow.rs` |
 //! | the core's `Host` and `Clock` | `host.rs` |
 //! | shared data: process memory, a sharded map with compare-and-swap | [`store`] |
 //! | workers, configs, ticks, sync callouts | `node.rs` |
@@ -39,6 +40,8 @@ pub mod abi;
 mod entry;
 #[cfg(all(not(test), feature = "test-faults"))]
 mod fault;
+#[cfg(not(test))]
+mod flow;
 #[cfg(not(test))]
 mod host;
 #[cfg(not(test))]

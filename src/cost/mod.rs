@@ -47,6 +47,19 @@
 //! `identity`) is not read: [`Unusable::Encoded`], charged by
 //! `on_missing`. A leading UTF-8 byte order mark is skipped.
 //!
+//! # Metered as it flows
+//! A streamed answer keeps a running cost as it passes, an upper bound of
+//! what has passed that its format gives ([`sse::Events::running`]: usage
+//! reported along the way, else one token per delta event), drawing on
+//! what its request reserved. When an event takes it past that, the
+//! pipeline reserves `settle.chunk` more through the same charge as
+//! admission; if the limits refuse, the answer ends right after that event
+//! with its provider's terminal event ([`Flow::End`]) and is settled at its
+//! running cost ([`Figure::Ended`]). A non-streamed answer over its
+//! reservation is charged, or under `over_reservation: refuse` reserved
+//! and, if refused, its last chunk withheld. [`Meter::on_body_flow`] decides;
+//! the pipeline charges (`crate::pipeline::settle`), hosts rewrite chunks.
+//!
 //! # THE BOUND
 //! For a token bucket of rate `r`, burst `B` and debt allowance `D`, count
 //! each request's real cost as used when it was admitted. The real cost of
@@ -75,6 +88,14 @@
 //! (their refunds, added back), plus what its own requests have not
 //! settled yet (at most `C − E` each).
 //!
+//! With answers metered as they flow, what a key's clients are *served*
+//! in any interval is at most `B + D + r·d + Σ_in-flight (E + chunk + e) +
+//! W`, and from its first request `B + D + r·t + N·e + W` (`N` streams,
+//! `e` the tokens of one event): every chunk is admitted like a request,
+//! and a stream ends one event past its reservation when refused.
+//! Non-streamed answers keep the `C − E` term. Tested in
+//! `src/pipeline/flow_tests.rs` (1,200 streams lying about `max_tokens`).
+//!
 //! A fixed window or a sliding counter charges at most `rate + D` to an
 //! aligned window (a late settlement goes to the window current at the
 //! stream's end; a fixed window's debt ends with its window, a counter's
@@ -95,7 +116,7 @@ use sse::Events;
 
 use crate::host::Host;
 use crate::policy::settle::{Field, Settle, Source, WEIGHT_SCALE};
-use crate::policy::spec::{Charge, OnMissing};
+use crate::policy::spec::{Charge, OnMissing, OverReservation};
 
 /// Why a stream's response gave no usable figure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -190,6 +211,20 @@ pub enum Figure {
     /// The upstream's figure (weighted and summed, before the ceiling).
     Cost(u64),
     Unusable(Unusable),
+    /// The filter ended the answer early (its limits refused more, see
+    /// "Metered as it flows"): what had passed cost at most this.
+    Ended(u64),
+}
+
+/// What the host does with a response body chunk of a metered answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    /// Pass it.
+    Pass,
+    /// End the answer here: pass the chunk's first `keep` bytes, then
+    /// `terminal` (the provider's terminal event; empty: none), and nothing
+    /// of the answer after them.
+    End { keep: usize, terminal: &'static [u8] },
 }
 
 /// What the meter is reading.
@@ -296,36 +331,123 @@ impl Meter {
     }
 
     /// A chunk of the response's body (`size` bytes, read from the host as
-    /// it passes, while the body is within `max_body_bytes`).
+    /// it passes, while the body is within `max_body_bytes`), with no
+    /// reservation to keep to.
     pub fn on_body<H: Host>(&mut self, settle: &Settle, host: &H, size: usize, end_of_stream: bool) {
+        self.on_body_flow(settle, host, size, end_of_stream, u64::MAX, &mut |_| None);
+    }
+
+    /// A chunk of the response's body, metered as it flows (see "Metered
+    /// as it flows"): `reserved` is what the request holds; when an event
+    /// of a stream takes the running cost past it, `more(running)` is asked
+    /// to reserve more (`Some`: what the request holds now; `None`: refused,
+    /// and the answer ends right after that event). A non-streamed answer
+    /// over its reservation under `over_reservation: refuse` asks too, and
+    /// ends before its last chunk if refused.
+    pub fn on_body_flow<H: Host>(
+        &mut self,
+        settle: &Settle,
+        host: &H,
+        size: usize,
+        end_of_stream: bool,
+        reserved: u64,
+        more: &mut dyn FnMut(u64) -> Option<u64>,
+    ) -> Flow {
         if matches!(self.reading, Reading::Trailer) && end_of_stream {
             // The body ended the response: no trailers come.
             self.reading = Reading::Done(Figure::Unusable(Unusable::Missing));
         }
         if !matches!(self.reading, Reading::Json(_) | Reading::Events(_)) {
-            return;
+            return Flow::Pass;
         }
         let size64 = u64::try_from(size).unwrap_or(u64::MAX);
         self.read = self.read.saturating_add(size64);
         if self.read > settle.max_body_bytes {
             self.reading = Reading::Done(Figure::Unusable(Unusable::TooLarge));
-            return;
+            return Flow::Pass;
         }
         if size > 0 {
             let chunk = host.response_body(size).unwrap_or_default();
-            let fields = settle.fields();
             let (held, rest) = self.skip_bom(&chunk);
-            for part in [held, rest] {
-                match &mut self.reading {
-                    Reading::Json(s) => s.feed(part, fields),
-                    Reading::Events(e) => e.feed(part, fields),
-                    _ => {}
-                }
+            let offset = chunk.len().saturating_sub(rest.len());
+            // The held bytes are a mark's prefix: no line ends in them.
+            self.feed(settle, held, u64::MAX, &mut |_| None);
+            if let Some((keep, style)) = self.feed(settle, rest, reserved, more) {
+                let terminal = if settle.terminal_event {
+                    style.terminal_event()
+                } else {
+                    &[]
+                };
+                return Flow::End {
+                    keep: offset.saturating_add(keep),
+                    terminal,
+                };
             }
         }
         // The terminal-event rule (`Meter::end`): the answer is over.
         if end_of_stream || matches!(&self.reading, Reading::Events(e) if e.ended()) {
             self.end_body(settle);
+            return self.over_reservation(settle, reserved, more);
+        }
+        Flow::Pass
+    }
+
+    /// Feeds `bytes` to the reader; `Some((n, style))`: a stream (of
+    /// `style`) whose running cost passed `limit` at its `n`-th byte, and
+    /// `more` refused.
+    fn feed(
+        &mut self,
+        settle: &Settle,
+        bytes: &[u8],
+        mut limit: u64,
+        more: &mut dyn FnMut(u64) -> Option<u64>,
+    ) -> Option<(usize, sse::Style)> {
+        let fields = settle.fields();
+        match &mut self.reading {
+            Reading::Json(s) => s.feed(bytes, fields),
+            Reading::Events(e) => {
+                let mut at = 0;
+                while let Some(n) = e.feed_until(bytes.get(at..)?, fields, limit) {
+                    at = at.saturating_add(n);
+                    let running = e.running(fields);
+                    match more(running) {
+                        Some(now) => limit = now,
+                        None => {
+                            let style = e.style();
+                            self.reading = Reading::Done(Figure::Ended(running));
+                            return Some((at, style));
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+        None
+    }
+
+    /// A non-streamed answer's figure, decided, over its reservation:
+    /// charged (`over_reservation: charge`), or reserved and, if refused,
+    /// its last chunk withheld.
+    fn over_reservation(
+        &mut self,
+        settle: &Settle,
+        reserved: u64,
+        more: &mut dyn FnMut(u64) -> Option<u64>,
+    ) -> Flow {
+        let Reading::Done(Figure::Cost(c)) = self.reading else {
+            return Flow::Pass;
+        };
+        let cost = c.min(settle.ceiling);
+        if settle.over_reservation == OverReservation::Charge || cost <= reserved {
+            return Flow::Pass;
+        }
+        if more(cost).is_some() {
+            return Flow::Pass;
+        }
+        self.reading = Reading::Done(Figure::Ended(reserved));
+        Flow::End {
+            keep: 0,
+            terminal: &[],
         }
     }
 
@@ -425,6 +547,11 @@ pub struct Real {
 /// The real cost of a stream whose estimate was `estimate`.
 pub fn real_cost(settle: &Settle, figure: Figure, estimate: u64) -> Real {
     match figure {
+        Figure::Ended(c) => Real {
+            cost: c.min(settle.ceiling),
+            cut: c > settle.ceiling,
+            unusable: None,
+        },
         Figure::Cost(c) => Real {
             cost: c.min(settle.ceiling),
             cut: c > settle.ceiling,

@@ -12,12 +12,27 @@
 //! Responses API's `event: response.completed` (or `.incomplete`,
 //! `.failed`). An event counts once a blank line has ended it.
 //!
+//! **The running cost** ([`Events::running`]), for metering a stream as it
+//! flows: the weighted sum of the fields' last values (a field not seen yet
+//! counts 0), plus, for every event with data since the last event that
+//! carried a field's value, one token at the largest field weight. Why it
+//! bounds what has passed: a usage figure reported along the way (Gemini's
+//! `usageMetadata`, Anthropic's `message_start` and `message_delta`, an
+//! OpenAI-compatible server's continuous usage) is a running total of the
+//! answer so far, and the providers' streams send a delta event per token
+//! generated (OpenAI's chat chunks, Anthropic's `content_block_delta`, the
+//! Responses API's `output_text.delta`): a stream that packs k tokens in an
+//! event makes the bound k times loose, which the real cost at the end
+//! settles. The input tokens of a format that reports no usage before its
+//! end (OpenAI's, without continuous usage) are not in it: the estimate
+//! covers them.
+//!
 //! Bounded memory whatever the stream: one scanner and a few bytes of the
 //! current line's start (to recognise `data:` and `event:`) and of an
 //! event's name, never a whole line.
 
 use super::json::{Found, Scanner};
-use crate::policy::settle::{Field, MAX_FIELDS};
+use crate::policy::settle::{Field, MAX_FIELDS, WEIGHT_SCALE};
 
 const DATA: &[u8] = b"data:";
 const EVENT: &[u8] = b"event:";
@@ -32,6 +47,33 @@ const TERMINAL_NAMES: [&[u8]; 4] = [
 ];
 /// Longest event name kept (longer ones are no terminal event's).
 const MAX_NAME: usize = 24;
+
+/// The kind of event stream, told by its event names: what terminal event
+/// ends it when the filter ends it early ([`Style::terminal_event`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Style {
+    /// Data only (OpenAI's Chat Completions and compatible servers).
+    #[default]
+    Data,
+    /// Anthropic's Messages (`event: message_start`).
+    Anthropic,
+    /// OpenAI's Responses API (`event: response.…`).
+    Responses,
+}
+
+impl Style {
+    /// The terminal event the filter sends when it ends a stream of this
+    /// style early: the provider's own, so a client reads a finished answer.
+    pub fn terminal_event(self) -> &'static [u8] {
+        match self {
+            Style::Data => b"data: [DONE]\n\n",
+            Style::Anthropic => b"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+            Style::Responses => {
+                b"event: response.incomplete\ndata: {\"type\":\"response.incomplete\",\"response\":{\"status\":\"incomplete\",\"incomplete_details\":{\"reason\":\"max_output_tokens\"}}}\n\n"
+            }
+        }
+    }
+}
 
 /// Where in a line the reader is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +106,9 @@ pub struct Events {
     done: Option<usize>,
     /// A terminal event has been read: nothing more is.
     ended: bool,
+    /// Events with data since the last one that carried a field's value.
+    since_usage: u64,
+    style: Style,
     found: Found,
 }
 
@@ -78,6 +123,8 @@ impl Default for Events {
             name_len: 0,
             done: Some(0),
             ended: false,
+            since_usage: 0,
+            style: Style::Data,
             found: Found::default(),
         }
     }
@@ -86,9 +133,17 @@ impl Default for Events {
 impl Events {
     /// Reads the next bytes of the stream.
     pub fn feed(&mut self, bytes: &[u8], fields: &[Field]) {
-        for &b in bytes {
+        self.feed_until(bytes, fields, u64::MAX);
+    }
+
+    /// Reads the next bytes of the stream until an event takes the running
+    /// cost ([`Events::running`]) past `limit`: then stops right after that
+    /// event (and its line break) and returns how many bytes it read.
+    /// `None`: all were read (or a terminal event ended the reading).
+    pub fn feed_until(&mut self, bytes: &[u8], fields: &[Field], limit: u64) -> Option<usize> {
+        for (i, &b) in bytes.iter().enumerate() {
             if self.ended {
-                return;
+                return None;
             }
             if b == b'\n' && self.after_cr {
                 self.after_cr = false;
@@ -96,7 +151,13 @@ impl Events {
             }
             self.after_cr = b == b'\r';
             if b == b'\n' || b == b'\r' {
-                self.end_line(fields);
+                if self.end_line(fields) && !self.ended && self.running(fields) > limit {
+                    let crlf = self.after_cr && bytes.get(i + 1) == Some(&b'\n');
+                    if crlf {
+                        self.after_cr = false;
+                    }
+                    return Some(i + 1 + usize::from(crlf));
+                }
                 continue;
             }
             self.line = match self.line {
@@ -126,6 +187,26 @@ impl Events {
                 }
             };
         }
+        None
+    }
+
+    /// The running cost of what has been read (see the module header),
+    /// in units.
+    pub fn running(&self, fields: &[Field]) -> u64 {
+        let mut milli: u128 = 0;
+        let mut heaviest: u64 = 0;
+        for (i, f) in fields.iter().enumerate() {
+            let v = self.found.values.get(i).copied().flatten().unwrap_or(0);
+            milli = milli.saturating_add(u128::from(v) * u128::from(f.weight_milli));
+            heaviest = heaviest.max(f.weight_milli);
+        }
+        milli = milli.saturating_add(u128::from(self.since_usage) * u128::from(heaviest));
+        u64::try_from(milli.div_ceil(u128::from(WEIGHT_SCALE))).unwrap_or(u64::MAX)
+    }
+
+    /// The stream's kind, by the event names read so far.
+    pub fn style(&self) -> Style {
+        self.style
     }
 
     /// The `n`-th byte `b` of a line that may still begin `data:` or
@@ -176,33 +257,49 @@ impl Events {
         }
     }
 
-    fn end_line(&mut self, fields: &[Field]) {
-        if self.line == Line::Start(0) {
-            // A blank line ends the event.
-            self.dispatch(fields);
-        }
+    /// A line ended; `true` if it was blank and ended an event with data.
+    fn end_line(&mut self, fields: &[Field]) -> bool {
+        let blank = self.line == Line::Start(0);
         self.line = Line::Start(0);
+        // A blank line ends the event.
+        blank && self.dispatch(fields)
     }
 
     /// The event ends: its values, if its document is whole, win; a
     /// terminal event ends the reading.
-    fn dispatch(&mut self, fields: &[Field]) {
+    fn dispatch(&mut self, fields: &[Field]) -> bool {
         let name = self.name.get(..self.name_len).unwrap_or_default();
         let terminal_name = TERMINAL_NAMES.contains(&name);
+        if name == b"message_start" {
+            self.style = Style::Anthropic;
+        } else if name.starts_with(b"response.") {
+            self.style = Style::Responses;
+        }
         self.name_len = 0;
-        let done = std::mem::replace(&mut self.done, Some(0)) == Some(DONE.len());
+        let done = self.done.replace(0) == Some(DONE.len());
         // An event without data is no event (its name is dropped).
-        let Some(mut s) = self.event.take() else { return };
+        let Some(mut s) = self.event.take() else {
+            return false;
+        };
         self.ended = terminal_name || done;
-        let Some(found) = s.finish(fields) else { return };
-        for i in 0..MAX_FIELDS {
-            if let Some(v) = found.values.get(i).copied().flatten() {
-                if let Some(slot) = self.found.values.get_mut(i) {
-                    *slot = Some(v);
+        let mut usage = false;
+        if let Some(found) = s.finish(fields) {
+            for i in 0..MAX_FIELDS {
+                if let Some(v) = found.values.get(i).copied().flatten() {
+                    usage = true;
+                    if let Some(slot) = self.found.values.get_mut(i) {
+                        *slot = Some(v);
+                    }
                 }
             }
+            self.found.malformed |= found.malformed;
         }
-        self.found.malformed |= found.malformed;
+        self.since_usage = if usage {
+            0
+        } else {
+            self.since_usage.saturating_add(1)
+        };
+        true
     }
 }
 

@@ -93,7 +93,7 @@ fn every_way_to_miss_the_figure_is_named() {
     let s = settle(r#"{"usage": "openai_total", "ceiling": 8000, "max_body_bytes": 64}"#);
     let un = |f: Figure| match f {
         Figure::Unusable(why) => why,
-        Figure::Cost(c) => panic!("a cost of {c}"),
+        Figure::Cost(c) | Figure::Ended(c) => panic!("a cost of {c}"),
     };
     assert_eq!(un(meter(&s, &[], r#"{"usage":{}}"#, 3, &[])), Unusable::Missing);
     assert_eq!(

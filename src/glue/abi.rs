@@ -25,7 +25,8 @@
 //! `set_property` (the admission decision record) is declared raw too: the
 //! SDK's wrapper accepts only Ok and panics on any other status; so are
 //! `replace_header_map_value` and `remove_header_map_value` (a soft
-//! limit's marker) and `call_foreign_function` (Envoy's
+//! limit's marker), `set_buffer_bytes` and `close_stream` (an answer ended
+//! early: the SDK's wrappers accept only Ok) and `call_foreign_function` (Envoy's
 //! `clear_route_cache`, read in `source/extensions/common/wasm/foreign.cc`:
 //! it returns Ok; proxy-wasm-cpp-host's `call_foreign_function` returns
 //! NotFound for a name the host did not register).
@@ -62,8 +63,9 @@ impl HostStatus {
     pub const CAS_MISMATCH: HostStatus = HostStatus(8);
 }
 
-/// `StreamType::HttpRequest` in the ABI.
+/// `StreamType::HttpRequest` and `HttpResponse` in the ABI.
 const STREAM_HTTP_REQUEST: u32 = 0;
+const STREAM_HTTP_RESPONSE: u32 = 1;
 
 #[link(wasm_import_module = "env")]
 extern "C" {
@@ -142,6 +144,14 @@ extern "C" {
         results_size: *mut usize,
     ) -> u32;
     fn proxy_continue_stream(stream_type: u32) -> u32;
+    fn proxy_close_stream(stream_type: u32) -> u32;
+    fn proxy_set_buffer_bytes(
+        buffer_type: u32,
+        start: usize,
+        size: usize,
+        buffer_data: *const u8,
+        buffer_size: usize,
+    ) -> u32;
     fn proxy_set_effective_context(context_id: u32) -> u32;
     fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> u32;
     fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
@@ -342,6 +352,20 @@ pub fn send_local_response(status: u32, headers: &[(&str, &str)], body: &[u8]) -
             -1,
         )
     })
+}
+
+/// Replaces `size` bytes of a buffer from `start` with `value` (the
+/// current response body chunk: the whole of it from 0).
+pub fn set_buffer(kind: BufferType, start: usize, size: usize, value: &[u8]) -> Result<(), HostStatus> {
+    // SAFETY: the host reads `value` during the call only.
+    ok(unsafe { proxy_set_buffer_bytes(kind as u32, start, size, value.as_ptr(), value.len()) })
+}
+
+/// Resets the current stream's response (Envoy defers the reset until the
+/// callback returns, so the current chunk does not go).
+pub fn reset_http_response() -> Result<(), HostStatus> {
+    // SAFETY: no pointers.
+    ok(unsafe { proxy_close_stream(STREAM_HTTP_RESPONSE) })
 }
 
 /// Resumes the current (paused) request.

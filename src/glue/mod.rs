@@ -30,7 +30,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
 use crate::host::Clock;
 use crate::host::{CasResult, Host, HostError};
-use crate::pipeline::{Answer, Callout, Directive, Pipeline, RouteMark, StreamId, Verdict};
+use crate::pipeline::{Answer, Callout, Directive, EndAnswer, Pipeline, RouteMark, StreamId, Verdict};
 use crate::policy::Policy;
 use crate::response::LocalReply;
 use crate::stats::{Metric, Stats};
@@ -219,6 +219,7 @@ impl RootContext for Root {
         Some(Box::new(Request {
             stream: context_id,
             policy: self.policy.clone(),
+            ended: false,
         }))
     }
 
@@ -336,6 +337,41 @@ fn apply_answers(answers: Vec<Answer>) {
 struct Request {
     stream: StreamId,
     policy: Option<Rc<Policy>>,
+    /// The pipeline ended its answer early ([`EndAnswer`]).
+    ended: bool,
+}
+
+/// Ends an answer in the current response body chunk (see
+/// [`crate::pipeline::EndAnswer`]): the chunk becomes its first `keep`
+/// bytes and the terminal event; with no terminal event, nothing of it
+/// goes and the stream is reset now, else at the next chunk (a reset now
+/// would drop the terminal event with the chunk).
+fn end_answer(body_size: usize, end: EndAnswer) {
+    let mut kept = abi::buffer(BufferType::HttpResponseBody, 0, end.keep)
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    kept.truncate(end.keep);
+    kept.extend_from_slice(end.terminal);
+    if let Err(status) = abi::set_buffer(BufferType::HttpResponseBody, 0, body_size, &kept) {
+        log::warn!("tenantgate: cannot end an answer: {status:?}");
+    }
+    if end.terminal.is_empty() {
+        reset_response();
+    }
+}
+
+/// Drops the current response body chunk.
+fn drop_chunk(body_size: usize) {
+    if let Err(status) = abi::set_buffer(BufferType::HttpResponseBody, 0, body_size, &[]) {
+        log::warn!("tenantgate: cannot drop an ended answer's chunk: {status:?}");
+    }
+}
+
+fn reset_response() {
+    if let Err(status) = abi::reset_http_response() {
+        log::warn!("tenantgate: cannot reset an ended answer: {status:?}");
+    }
 }
 
 impl Request {
@@ -406,10 +442,25 @@ impl HttpContext for Request {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.ended {
+            // The answer was ended in an earlier chunk, which has gone with
+            // its terminal event: nothing more of it goes, and the stream
+            // is reset (Envoy resets after this callback).
+            drop_chunk(body_size);
+            reset_response();
+            return Action::Continue;
+        }
         let stream = self.stream;
-        let record =
-            with_worker(|p, _| p.on_response_body(&ProxyHost, &WallClock, stream, body_size, end_of_stream));
-        cost_record(record.flatten());
+        let Some(body) =
+            with_worker(|p, _| p.on_response_body(&ProxyHost, &WallClock, stream, body_size, end_of_stream))
+        else {
+            return Action::Continue;
+        };
+        cost_record(body.cost_record);
+        if let Some(end) = body.end {
+            self.ended = true;
+            end_answer(body_size, end);
+        }
         Action::Continue
     }
 

@@ -100,6 +100,7 @@ use crate::table;
 use crate::stats::{self, Metric, Pending, Stats};
 pub use events::{events, Events};
 pub use hold::Hold;
+pub use settle::{EndAnswer, ResponseBody};
 pub use stream::ResponseHeaders;
 use stream::Stream;
 
@@ -389,6 +390,8 @@ impl Pipeline {
     }
 }
 
+#[cfg(test)]
+mod flow_tests;
 #[cfg(test)]
 mod lease_reload_tests;
 #[cfg(test)]

@@ -27,7 +27,7 @@ use std::rc::Rc;
 
 use super::stream::Stream;
 use super::{Directive, Pipeline, RouteMark, Verdict};
-use crate::cost::{self, json::Scanner, Figure, Meter};
+use crate::cost::{self, json::Scanner, Figure, Flow, Meter};
 use crate::decision::{Decision, Reason};
 use crate::engine::{self, Charged, Difference, Prepared};
 use crate::host::Host;
@@ -51,8 +51,42 @@ pub(super) struct Settling {
     prepared: Prepared,
     charged: Charged,
     meter: Meter,
+    /// Units reserved at a time as its answer flows past its reservation
+    /// (`settle.chunk`, cut to what its limits can ever admit).
+    chunk: u64,
     /// Reading the request body for `estimate_body_field`.
     body_estimate: Option<Box<BodyEstimate>>,
+}
+
+/// What the host does with a response body chunk.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResponseBody {
+    /// A settled stream's cost record (see [`COST_PROPERTY`]).
+    pub cost_record: Option<String>,
+    /// End the answer in this chunk (see "Metered as it flows" in
+    /// [`crate::cost`]).
+    pub end: Option<EndAnswer>,
+}
+
+/// The answer ends in the current chunk: the host passes its first `keep`
+/// bytes, then `terminal`, drops every later byte of the answer and resets
+/// the stream once they have gone (`docs/policy.md` says how each host
+/// does it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EndAnswer {
+    pub keep: usize,
+    pub terminal: &'static [u8],
+}
+
+/// A further charge of a settling request.
+enum More {
+    /// Charged to the same limits as its estimate.
+    Charged,
+    /// Admitted, but by other limits (a soft limit passed in between):
+    /// given back.
+    Elsewhere,
+    /// Refused (given back).
+    Refused(Decision),
 }
 
 /// The request body's scan for its estimate field.
@@ -171,6 +205,7 @@ impl Pipeline {
                 at: now,
             },
             meter: Meter::default(),
+            chunk: settle.chunk.min(max_estimate(policy, prepared, settle)),
             body_estimate,
         }));
     }
@@ -217,19 +252,49 @@ impl Pipeline {
         if e == before {
             return None;
         }
+        match self.charge_more(host, s, e - before, now) {
+            More::Charged => {
+                s.prepared.cost = e;
+                None
+            }
+            // The estimate stays.
+            More::Elsewhere => None,
+            More::Refused(d) => {
+                // Refused: the headers' estimate goes back too; nothing to
+                // settle.
+                engine::settle(
+                    &s.policy,
+                    &s.prepared,
+                    host,
+                    &s.charged,
+                    Difference::Less(before),
+                    now,
+                    &mut self.scratch,
+                );
+                s.charged.limits = 0;
+                s.charged.guard = false;
+                Some(d)
+            }
+        }
+    }
+
+    /// Charges a settling request `units` more, with admission, through
+    /// the one charge path (a larger estimate from its body, or a chunk of
+    /// its answer as it flows): kept only if charged to the same limits as
+    /// its estimate.
+    fn charge_more<H: Host>(&mut self, host: &H, s: &Settling, units: u64, now: u64) -> More {
         let mut more = s.prepared.clone();
-        more.cost = e - before;
+        more.cost = units;
         let view = self.view(&s.policy);
         let d = engine::charge_synced(&s.policy, &more, host, now, view.as_ref(), &mut self.scratch);
         let same = d.charged == s.charged.limits && d.guard_charged == s.charged.guard;
         if d.deny_status().is_none() && same {
-            s.prepared.cost = e;
             self.pending
-                .cost(&s.prepared.class.name, CostStat::EstimatedUnits, e - before);
-            return None;
+                .cost(&s.prepared.class.name, CostStat::EstimatedUnits, units);
+            return More::Charged;
         }
-        // Charged other limits than the headers' (a soft limit passed in
-        // between): the extra is given back and the estimate stays.
+        // Charged other limits than the estimate's (a soft limit passed in
+        // between), or refused: the extra is given back.
         let extra = Charged {
             limits: d.charged,
             guard: d.guard_charged,
@@ -240,24 +305,15 @@ impl Pipeline {
             &more,
             host,
             &extra,
-            Difference::Less(more.cost),
+            Difference::Less(units),
             now,
             &mut self.scratch,
         );
-        d.deny_status()?;
-        // Refused: the headers' estimate goes back too; nothing to settle.
-        engine::settle(
-            &s.policy,
-            &s.prepared,
-            host,
-            &s.charged,
-            Difference::Less(before),
-            now,
-            &mut self.scratch,
-        );
-        s.charged.limits = 0;
-        s.charged.guard = false;
-        Some(d)
+        if d.deny_status().is_some() {
+            More::Refused(d)
+        } else {
+            More::Elsewhere
+        }
     }
 
     /// The request body of a stream that may re-estimate from it.
@@ -310,6 +366,72 @@ impl Pipeline {
         let figure = s.meter.figure()?;
         let s = state.settling.take()?;
         Some(self.settle(host, *s, figure, now()))
+    }
+
+    /// A response body chunk of a settling stream, metered as it flows
+    /// (see "Metered as it flows" in [`crate::cost`]): when its running
+    /// cost passes what it reserved, `settle.chunk` more is reserved at a
+    /// time, through the one charge path; if its limits refuse, the answer
+    /// ends there and is settled at what passed. Settled once the response
+    /// has ended.
+    pub(super) fn meter_body<H: Host>(
+        &mut self,
+        host: &H,
+        clock: &impl super::Clock,
+        stream: super::StreamId,
+        size: usize,
+        end_of_stream: bool,
+    ) -> ResponseBody {
+        let Some(mut s) = self.streams.get_mut(&stream).and_then(|st| st.settling.take()) else {
+            return ResponseBody::default();
+        };
+        let class = s.prepared.class.clone();
+        let Some(rule) = class.settle.as_ref() else {
+            return ResponseBody::default();
+        };
+        let mut meter = std::mem::take(&mut s.meter);
+        let mut now = None;
+        let reserved = s.prepared.cost;
+        let flow = meter.on_body_flow(rule, host, size, end_of_stream, reserved, &mut |running| {
+            // No answer costs more than the ceiling: one past it ends there.
+            let room = rule.ceiling.saturating_sub(s.prepared.cost);
+            if room == 0 {
+                return None;
+            }
+            let missing = running.saturating_sub(s.prepared.cost);
+            let units = missing.div_ceil(s.chunk.max(1)).saturating_mul(s.chunk).min(room);
+            let at = *now.get_or_insert_with(|| clock.now().unwrap_or(0));
+            match self.charge_more(host, &s, units, at) {
+                More::Charged => {
+                    s.prepared.cost = s.prepared.cost.saturating_add(units);
+                    self.pending.cost(&class.name, CostStat::Chunks, 1);
+                    Some(s.prepared.cost)
+                }
+                More::Elsewhere | More::Refused(_) => None,
+            }
+        });
+        s.meter = meter;
+        let end = match flow {
+            Flow::Pass => None,
+            Flow::End { keep, terminal } => {
+                self.pending.cost(&class.name, CostStat::Ended, 1);
+                Some(EndAnswer { keep, terminal })
+            }
+        };
+        let Some(figure) = s.meter.figure() else {
+            if let Some(state) = self.streams.get_mut(&stream) {
+                state.settling = Some(s);
+            }
+            return ResponseBody {
+                cost_record: None,
+                end,
+            };
+        };
+        let at = now.unwrap_or_else(|| clock.now().unwrap_or(0));
+        ResponseBody {
+            cost_record: Some(self.settle(host, *s, figure, at)),
+            end,
+        }
     }
 
     /// Settles a stream that ended before its response did; returns its
@@ -380,6 +502,7 @@ impl Pipeline {
         }
         let figure = match figure {
             Figure::Cost(c) => c.to_string(),
+            Figure::Ended(c) => format!("ended:{c}"),
             Figure::Unusable(why) => format!("unusable:{}", why.as_str()),
         };
         format!(

@@ -131,7 +131,10 @@ impl Worker {
         for (i, c) in chunks.iter().enumerate() {
             host.response_body = c.to_vec();
             let eos = i + 1 == chunks.len() && !matches!(answer, Answer::Reset);
-            record = record.or(self.pipeline.on_response_body(&host, &now, stream, c.len(), eos));
+            record = record.or(self
+                .pipeline
+                .on_response_body(&host, &now, stream, c.len(), eos)
+                .cost_record);
         }
         record.or(self.pipeline.on_stream_end(&host, &now, stream))
     }
@@ -252,7 +255,10 @@ fn anthropic(w: &mut Worker, node: &Node, stream: StreamId, cut: usize, whole: b
     for (i, c) in chunks.iter().enumerate() {
         host.response_body = c.to_vec();
         let eos = whole && i + 1 == chunks.len();
-        record = record.or(w.pipeline.on_response_body(&host, &T0, stream, c.len(), eos));
+        record = record.or(w
+            .pipeline
+            .on_response_body(&host, &T0, stream, c.len(), eos)
+            .cost_record);
     }
     record
         .or(w.pipeline.on_stream_end(&host, &T0, stream))
@@ -670,7 +676,11 @@ fn status_only(w: &mut Worker, node: &Node, stream: StreamId, status: &str, loca
         .property(&["response", "code_details"], details);
     let r = w.pipeline.on_response_headers(&host, &T0, stream, false);
     r.cost_record
-        .or_else(|| w.pipeline.on_response_body(&host, &T0, stream, 0, true))
+        .or_else(|| {
+            w.pipeline
+                .on_response_body(&host, &T0, stream, 0, true)
+                .cost_record
+        })
         .or_else(|| w.pipeline.on_stream_end(&host, &T0, stream))
         .unwrap_or_default()
 }

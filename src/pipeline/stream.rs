@@ -22,6 +22,7 @@
 
 use std::rc::Rc;
 
+use super::settle::ResponseBody;
 use super::{Clock, Pipeline, StreamId, MAX_REMEMBERED_STORES};
 use crate::admission::degraded::{self, Cached};
 use crate::admission::request::BodyBudget;
@@ -185,7 +186,8 @@ impl Pipeline {
 
     /// A chunk of the response's body (`size` bytes, read as it passes):
     /// at its end a captured answer is stored, and a settling class's cost
-    /// settled (its record returned).
+    /// settled (its record returned); a settling answer metered as it flows
+    /// may end in it ([`ResponseBody::end`]).
     pub fn on_response_body<H: Host>(
         &mut self,
         host: &H,
@@ -193,13 +195,8 @@ impl Pipeline {
         stream: StreamId,
         size: usize,
         end_of_stream: bool,
-    ) -> Option<String> {
-        let record = self.meter(
-            host,
-            stream,
-            || clock.now().unwrap_or(0),
-            |m, s| m.on_body(s, host, size, end_of_stream),
-        );
+    ) -> ResponseBody {
+        let record = self.meter_body(host, clock, stream, size, end_of_stream);
         let capture = self.streams.get_mut(&stream).and_then(|s| s.capture.take());
         if let Some(capture) = capture {
             let kept = self.capture_body(host, capture, size, end_of_stream);

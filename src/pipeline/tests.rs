@@ -591,7 +591,10 @@ fn response_headers_say_when_the_pipeline_keeps_nothing_of_a_stream() {
     assert!(r.ratelimit.is_some() && r.finished, "{r:?}");
     assert_eq!(w.pipeline.streams(), 0);
     // Its later events find nothing, as `finished` promised.
-    assert_eq!(w.pipeline.on_response_body(&plain, &T0, 1, 10, true), None);
+    assert_eq!(
+        w.pipeline.on_response_body(&plain, &T0, 1, 10, true).cost_record,
+        None
+    );
     assert_eq!(w.pipeline.on_stream_end(&plain, &T0, 1), None);
     // A request holding a slot of `db` still has its end to come.
     let orders = node.request("orders", "o");

@@ -6,7 +6,9 @@
 
 use super::admission::is_header_name;
 use super::error::{FieldPath, PolicyError};
-use super::spec::{Charge, FieldSpec, OnMissing, OutcomeSpec, RouteSpec, SettleSpec, UsagePreset};
+use super::spec::{
+    Charge, FieldSpec, OnMissing, OutcomeSpec, OverReservation, RouteSpec, SettleSpec, UsagePreset,
+};
 
 /// Default and largest `settle.max_body_bytes`: the response body bytes
 /// read for the figure (a longer body settles by `on_missing`).
@@ -41,6 +43,22 @@ pub struct Settle {
     /// ... on these path prefixes (empty: every path).
     pub paths: Vec<String>,
     pub outcomes: Outcomes,
+    /// Units reserved at a time when a stream's running cost passes its
+    /// reservation (`settle.chunk`; default [`default_chunk`]).
+    pub chunk: u64,
+    pub over_reservation: OverReservation,
+    /// A stream the filter ends early gets its provider's terminal event
+    /// (false for formats whose stream has none: Gemini, Bedrock).
+    pub terminal_event: bool,
+}
+
+/// Divides the ceiling into the default `settle.chunk`.
+pub const DEFAULT_CHUNKS_PER_CEILING: u64 = 16;
+
+/// The default `settle.chunk`: a sixteenth of the ceiling, rounded up
+/// (a stream far over its estimate reserves 16 times at most).
+pub fn default_chunk(ceiling: u64) -> u64 {
+    ceiling.div_ceil(DEFAULT_CHUNKS_PER_CEILING).max(1)
 }
 
 /// What an answer that is not the operation's success costs, by outcome
@@ -254,10 +272,25 @@ pub fn compile_settle(
         local_reply: pick(|o| o.local_reply, d.local_reply),
         no_response: pick(|o| o.no_response, d.no_response),
     };
+    let chunk = match spec.chunk {
+        None => default_chunk(ceiling),
+        Some(n) if n >= 1 && (n as u64) <= ceiling => n as u64,
+        Some(_) => {
+            errors.push(PolicyError::new(
+                path.key("chunk"),
+                format!("must be between 1 and the ceiling ({ceiling})"),
+            ));
+            0
+        }
+    };
+    let terminal_event = !matches!(spec.usage, Some(UsagePreset::Gemini | UsagePreset::Bedrock));
     if errors.len() > before {
         return None;
     }
     Some(Settle {
+        chunk,
+        over_reservation: spec.over_reservation.unwrap_or_default(),
+        terminal_event,
         source: source?,
         ceiling,
         on_missing: spec.on_missing.unwrap_or_default(),

@@ -483,6 +483,29 @@ pub struct SettleSpec {
     /// What an answer without usable usage costs, by its outcome.
     #[serde(default)]
     pub on_outcome: Option<OutcomeSpec>,
+    /// Units reserved at a time when a stream's running cost passes what
+    /// it reserved (`crate::cost`, "Metered as it flows").
+    #[serde(default)]
+    pub chunk: Option<i64>,
+    /// What happens to a non-streamed answer whose figure is over its
+    /// reservation.
+    #[serde(default)]
+    pub over_reservation: Option<OverReservation>,
+}
+
+/// `routes.<class>.settle.over_reservation:` a non-streamed (JSON) answer
+/// whose figure is over what its request reserved.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OverReservation {
+    /// Passed, and its real cost charged (into debt past the limits; the
+    /// default).
+    #[default]
+    Charge,
+    /// The difference is reserved from the tenant's limits like a stream's
+    /// chunk; if they refuse it, the answer's last chunk is withheld and
+    /// the stream reset.
+    Refuse,
 }
 
 /// `routes.<class>.settle.on_outcome:` the cost of an answer that is not
