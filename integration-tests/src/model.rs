@@ -39,6 +39,11 @@ pub enum ModelAnswer {
         output: u64,
         gap_ms: u64,
     },
+    /// An OpenAI chat stream of `tokens` one-token delta events, 10 an
+    /// event chunk every millisecond, then its usage (`tokens` + 20 input)
+    /// and `[DONE]`: what an upstream streams for a request whatever its
+    /// `max_tokens` claimed.
+    Tokens(u64),
 }
 
 impl ModelAnswer {
@@ -61,6 +66,7 @@ impl ModelAnswer {
             "reset" => ModelAnswer::Reset {
                 after_ms: num().unwrap_or(0),
             },
+            "tokens" => ModelAnswer::Tokens(num()?),
             "anthropic" => ModelAnswer::Anthropic {
                 output: num()?,
                 gap_ms: num().unwrap_or(0),
@@ -79,6 +85,7 @@ impl ModelAnswer {
             ModelAnswer::Malformed => "/model/malformed".into(),
             ModelAnswer::Reset { after_ms } => format!("/model/reset/{after_ms}"),
             ModelAnswer::Anthropic { output, gap_ms } => format!("/model/anthropic/{output}/{gap_ms}"),
+            ModelAnswer::Tokens(n) => format!("/model/tokens/{n}"),
         }
     }
 }
@@ -179,6 +186,26 @@ pub fn answer(out: &mut TcpStream, answer: ModelAnswer, extra: &str, gzip: bool)
             let _ = out.shutdown(std::net::Shutdown::Both);
             return Ok(false);
         }
+        ModelAnswer::Tokens(n) => {
+            out.write_all(sse_head(extra).as_bytes())?;
+            let mut sent = 0;
+            while sent < n {
+                let k = (n - sent).min(10);
+                if chunk(out, &event("tok").repeat(k as usize)).is_err() {
+                    // The client or the filter ended the stream.
+                    return Ok(false);
+                }
+                sent += k;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let last = format!(
+                "data: {{\"id\":\"chatcmpl-test\",\"choices\":[],\"usage\":{{\"prompt_tokens\":20,\"completion_tokens\":{n},\"total_tokens\":{}}}}}\n\n",
+                n + 20
+            );
+            chunk(out, &last)?;
+            chunk(out, "data: [DONE]\n\n")?;
+            out.write_all(b"0\r\n\r\n")?;
+        }
         ModelAnswer::Anthropic { output, gap_ms } => {
             out.write_all(sse_head(extra).as_bytes())?;
             let event = |name: &str, data: &str| format!("event: {name}\ndata: {data}\n\n");
@@ -231,6 +258,7 @@ mod tests {
                 output: 300,
                 gap_ms: 500,
             },
+            ModelAnswer::Tokens(3000),
         ] {
             assert_eq!(ModelAnswer::of_path(&format!("/up/chat{}", a.path())), Some(a));
         }

@@ -689,10 +689,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
         unsafe { abi::envoy_dynamic_module_callback_http_get_body_size(envoy, abi::BODY_RECEIVED_RESPONSE) };
     if f.ended.get() {
         // Its terminal event has gone with an earlier chunk (`flow.rs`).
-        guard(|| {
-            crate::flow::drop_chunk(envoy, size);
-            crate::flow::reset(envoy);
-        });
+        guard(|| crate::flow::drop_chunk(envoy, size));
         return abi::BODY_CONTINUE;
     }
     let mut body = None;

@@ -2,9 +2,8 @@
 //! its tenant's limits refused more as it flowed), in the module: the
 //! current response body chunk becomes its first `keep` bytes and the
 //! provider's terminal event (drained and appended through the ABI's body
-//! callbacks), every later chunk is drained, and the stream is reset once
-//! the terminal event has gone (at the next chunk; at once when there is
-//! none to send: a reset in the same hook would drop it with the chunk).
+//! callbacks) and every later chunk is drained, so the response ends when
+//! the upstream's does; a refused non-streamed answer is reset at once.
 
 use tenantgate::pipeline::EndAnswer;
 
@@ -26,7 +25,7 @@ pub fn end(envoy: HttpFilterEnvoy, chunk: &[u8], end: EndAnswer) {
     if !appended && !kept.is_empty() {
         log::warn!("tenantgate: cannot end an answer");
     }
-    if end.terminal.is_empty() {
+    if end.reset {
         reset(envoy);
     }
 }

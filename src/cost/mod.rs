@@ -223,8 +223,14 @@ pub enum Flow {
     Pass,
     /// End the answer here: pass the chunk's first `keep` bytes, then
     /// `terminal` (the provider's terminal event; empty: none), and nothing
-    /// of the answer after them.
-    End { keep: usize, terminal: &'static [u8] },
+    /// of the answer after them; `reset`: reset the stream at once (a
+    /// refused non-streamed answer), else let its response end when the
+    /// upstream's does (the client has a finished answer).
+    End {
+        keep: usize,
+        terminal: &'static [u8],
+        reset: bool,
+    },
 }
 
 /// What the meter is reading.
@@ -381,6 +387,7 @@ impl Meter {
                 return Flow::End {
                     keep: offset.saturating_add(keep),
                     terminal,
+                    reset: false,
                 };
             }
         }
@@ -448,6 +455,7 @@ impl Meter {
         Flow::End {
             keep: 0,
             terminal: &[],
+            reset: true,
         }
     }
 

@@ -343,9 +343,9 @@ struct Request {
 
 /// Ends an answer in the current response body chunk (see
 /// [`crate::pipeline::EndAnswer`]): the chunk becomes its first `keep`
-/// bytes and the terminal event; with no terminal event, nothing of it
-/// goes and the stream is reset now, else at the next chunk (a reset now
-/// would drop the terminal event with the chunk).
+/// bytes and the terminal event, and later chunks are dropped (the
+/// response ends with the upstream's); a refused one is reset at once
+/// (Envoy resets after this callback, so nothing of the chunk goes).
 fn end_answer(body_size: usize, end: EndAnswer) {
     let mut kept = abi::buffer(BufferType::HttpResponseBody, 0, end.keep)
         .ok()
@@ -356,7 +356,7 @@ fn end_answer(body_size: usize, end: EndAnswer) {
     if let Err(status) = abi::set_buffer(BufferType::HttpResponseBody, 0, body_size, &kept) {
         log::warn!("tenantgate: cannot end an answer: {status:?}");
     }
-    if end.terminal.is_empty() {
+    if end.reset {
         reset_response();
     }
 }
@@ -444,10 +444,8 @@ impl HttpContext for Request {
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if self.ended {
             // The answer was ended in an earlier chunk, which has gone with
-            // its terminal event: nothing more of it goes, and the stream
-            // is reset (Envoy resets after this callback).
+            // its terminal event: nothing more of it goes.
             drop_chunk(body_size);
-            reset_response();
             return Action::Continue;
         }
         let stream = self.stream;

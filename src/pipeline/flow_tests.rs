@@ -297,7 +297,8 @@ fn a_json_answer_over_its_reservation_is_charged_or_refused_by_the_policy() {
         r.end,
         Some(EndAnswer {
             keep: 0,
-            terminal: b""
+            terminal: b"",
+            reset: true
         })
     );
     assert_eq!(field(&r.cost_record.unwrap(), "figure"), "ended:100");

@@ -69,13 +69,14 @@ pub struct ResponseBody {
 }
 
 /// The answer ends in the current chunk: the host passes its first `keep`
-/// bytes, then `terminal`, drops every later byte of the answer and resets
-/// the stream once they have gone (`docs/policy.md` says how each host
-/// does it).
+/// bytes, then `terminal`, and drops every later byte of the answer (its
+/// response ends when the upstream's does); `reset`: it resets the stream
+/// at once instead (`docs/policy.md` says how each host does it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EndAnswer {
     pub keep: usize,
     pub terminal: &'static [u8],
+    pub reset: bool,
 }
 
 /// A further charge of a settling request.
@@ -413,9 +414,17 @@ impl Pipeline {
         s.meter = meter;
         let end = match flow {
             Flow::Pass => None,
-            Flow::End { keep, terminal } => {
+            Flow::End {
+                keep,
+                terminal,
+                reset,
+            } => {
                 self.pending.cost(&class.name, CostStat::Ended, 1);
-                Some(EndAnswer { keep, terminal })
+                Some(EndAnswer {
+                    keep,
+                    terminal,
+                    reset,
+                })
             }
         };
         let Some(figure) = s.meter.figure() else {
