@@ -12,6 +12,7 @@
 //! | `/model/missing` | 200 JSON without `usage` |
 //! | `/model/malformed` | 200 JSON whose `usage.total_tokens` is a string |
 //! | `/model/reset/<ms>` | 200 `text/event-stream`: two content events, then after `<ms>` ms the connection is closed mid-body (no usage, no end) |
+//! | `/model/openai/<n>/<ms>` | as OpenAI Chat Completions answers the request's JSON body: `"stream": true` gets `sse/<n>/<ms>`'s events with the usage chunk only if `stream_options.include_usage` is `true`; otherwise `json/<n>`; `stream_options` without `"stream": true` gets 400 (OpenAI's "only allowed when stream is enabled") |
 
 use std::io::Write;
 use std::net::TcpStream;
@@ -36,6 +37,11 @@ pub enum ModelAnswer {
     /// `message_delta` (`output` tokens) and `message_stop`.
     Anthropic {
         output: u64,
+        gap_ms: u64,
+    },
+    /// As OpenAI answers the request body (see the module header).
+    OpenAi {
+        tokens: u64,
         gap_ms: u64,
     },
 }
@@ -64,6 +70,10 @@ impl ModelAnswer {
                 output: num()?,
                 gap_ms: num().unwrap_or(0),
             },
+            "openai" => ModelAnswer::OpenAi {
+                tokens: num()?,
+                gap_ms: num().unwrap_or(0),
+            },
             _ => return None,
         })
     }
@@ -78,6 +88,7 @@ impl ModelAnswer {
             ModelAnswer::Malformed => "/model/malformed".into(),
             ModelAnswer::Reset { after_ms } => format!("/model/reset/{after_ms}"),
             ModelAnswer::Anthropic { output, gap_ms } => format!("/model/anthropic/{output}/{gap_ms}"),
+            ModelAnswer::OpenAi { tokens, gap_ms } => format!("/model/openai/{tokens}/{gap_ms}"),
         }
     }
 }
@@ -123,11 +134,41 @@ fn gzipped(body: &str) -> Vec<u8> {
     e.finish().unwrap()
 }
 
-/// Writes `answer` on `out` (`extra`: more header lines, each ending in
-/// CRLF; `gzip`: the request accepts gzip, and a JSON answer is sent
-/// compressed, as common servers do). `Ok(false)`: the connection was
-/// closed on purpose (a reset).
-pub fn answer(out: &mut TcpStream, answer: ModelAnswer, extra: &str, gzip: bool) -> std::io::Result<bool> {
+/// A streamed OpenAI answer of `tokens` (the usage chunk only if asked for).
+fn openai_stream(
+    out: &mut TcpStream,
+    extra: &str,
+    tokens: u64,
+    gap_ms: u64,
+    with_usage: bool,
+) -> std::io::Result<()> {
+    out.write_all(sse_head(extra).as_bytes())?;
+    for delta in ["Hel", "lo", "!"] {
+        chunk(out, &event(delta))?;
+        std::thread::sleep(Duration::from_millis(gap_ms));
+    }
+    if with_usage {
+        let last = format!(
+            "data: {{\"id\":\"chatcmpl-test\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{}}}\n\n",
+            usage(tokens)
+        );
+        chunk(out, &last)?;
+    }
+    chunk(out, "data: [DONE]\n\n")?;
+    out.write_all(b"0\r\n\r\n")
+}
+
+/// Writes `answer` on `out` for a request whose body was `request`
+/// (`extra`: more header lines, each ending in CRLF; `gzip`: the request
+/// accepts gzip, and a JSON answer is sent compressed, as common servers
+/// do). `Ok(false)`: the connection was closed on purpose (a reset).
+pub fn answer(
+    out: &mut TcpStream,
+    answer: ModelAnswer,
+    extra: &str,
+    gzip: bool,
+    request: &[u8],
+) -> std::io::Result<bool> {
     let json = |body: String, headers: &str| {
         format!(
             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n{headers}{extra}content-length: {}\r\n\r\n{body}",
@@ -153,6 +194,25 @@ pub fn answer(out: &mut TcpStream, answer: ModelAnswer, extra: &str, gzip: bool)
         ModelAnswer::Missing => out.write_all(json(completion(None), "").as_bytes())?,
         ModelAnswer::Malformed => {
             out.write_all(json(completion(Some(r#"{"total_tokens":"lots"}"#)), "").as_bytes())?
+        }
+        ModelAnswer::OpenAi { tokens, gap_ms } => {
+            let body: serde_json::Value = serde_json::from_slice(request).unwrap_or_default();
+            let stream = body["stream"] == serde_json::Value::Bool(true);
+            let include_usage = body["stream_options"]["include_usage"] == serde_json::Value::Bool(true);
+            if !stream && !body["stream_options"].is_null() {
+                let error = r#"{"error":{"message":"The 'stream_options' parameter is only allowed when 'stream' is enabled.","type":"invalid_request_error","param":"stream_options","code":null}}"#;
+                out.write_all(
+                    format!(
+                        "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n{extra}content-length: {}\r\n\r\n{error}",
+                        error.len()
+                    )
+                    .as_bytes(),
+                )?;
+            } else if stream {
+                openai_stream(out, extra, tokens, gap_ms, include_usage)?;
+            } else {
+                out.write_all(json(completion(Some(&usage(tokens))), "").as_bytes())?;
+            }
         }
         ModelAnswer::Sse { tokens, gap_ms } => {
             out.write_all(sse_head(extra).as_bytes())?;

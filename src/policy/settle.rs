@@ -41,6 +41,9 @@ pub struct Settle {
     /// ... on these path prefixes (empty: every path).
     pub paths: Vec<String>,
     pub outcomes: Outcomes,
+    /// Ask a streamed request's upstream for its usage
+    /// (`stream_options.include_usage`: [`crate::cost::rewrite`]).
+    pub include_usage: bool,
 }
 
 /// What an answer that is not the operation's success costs, by outcome
@@ -254,6 +257,13 @@ pub fn compile_settle(
         local_reply: pick(|o| o.local_reply, d.local_reply),
         no_response: pick(|o| o.no_response, d.no_response),
     };
+    let include_usage = spec.include_usage.unwrap_or(false);
+    if include_usage && !matches!(source, Some(Source::Body(_))) && source.is_some() {
+        errors.push(PolicyError::new(
+            path.key("include_usage"),
+            "reads the usage from the answer's body: needs `usage` or `fields`, not a header or trailer",
+        ));
+    }
     if errors.len() > before {
         return None;
     }
@@ -266,6 +276,7 @@ pub fn compile_settle(
         methods,
         paths,
         outcomes,
+        include_usage,
     })
 }
 

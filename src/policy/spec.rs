@@ -483,6 +483,10 @@ pub struct SettleSpec {
     /// What an answer without usable usage costs, by its outcome.
     #[serde(default)]
     pub on_outcome: Option<OutcomeSpec>,
+    /// Set `stream_options.include_usage: true` on a streamed request's
+    /// JSON body (OpenAI Chat Completions), so its stream ends with usage.
+    #[serde(default)]
+    pub include_usage: Option<bool>,
 }
 
 /// `routes.<class>.settle.on_outcome:` the cost of an answer that is not
