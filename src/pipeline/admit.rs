@@ -107,7 +107,7 @@ impl Pipeline {
             Ok(p) => p,
             Err(reason) => return self.finish(host, policy, stream, state, Decision::passed(reason), None),
         };
-        Self::estimate(host, policy, &mut prepared);
+        state.input_estimate = Self::estimate(host, policy, &mut prepared);
         *metered = prepared.class.settle.is_some() && prepared.cost > 0;
         let mut now = Now::new(clock);
         let mut record = None;

@@ -64,6 +64,8 @@ struct BodyEstimate {
     field: [Field; 1],
     scanner: Scanner,
     read: u64,
+    /// The input estimate added to the field's value.
+    input: u64,
 }
 
 impl Settling {
@@ -105,22 +107,35 @@ fn max_estimate(policy: &Policy, prepared: &Prepared, settle: &Settle) -> u64 {
         .max(1)
 }
 
+/// The input estimate of a request (`estimate_input_bytes_per_token`): its
+/// declared `content-length` (Envoy holds a body to it) in units, rounded
+/// up; 0 without either.
+fn input_estimate<H: Host>(host: &H, settle: &Settle) -> u64 {
+    let Some(per) = settle.input_bytes_per_token else {
+        return 0;
+    };
+    host.request_header("content-length")
+        .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<u64>().ok())
+        .map_or(0, |len| len.div_ceil(per.max(1)))
+}
+
 impl Pipeline {
     /// A settling class's request: its estimate from a trusted header, if
-    /// the policy names one (else `cost`, as prepared).
-    pub(super) fn estimate<H: Host>(host: &H, policy: &Policy, prepared: &mut Prepared) {
+    /// the policy names one (else `cost`, as prepared), and its input
+    /// estimate added (returned, for a body field's value).
+    pub(super) fn estimate<H: Host>(host: &H, policy: &Policy, prepared: &mut Prepared) -> u64 {
         let Some(settle) = prepared.class.settle.as_ref() else {
-            return;
+            return 0;
         };
         let method = host.request_header(":method").unwrap_or_default();
         let path = host.request_header(":path").unwrap_or_default();
         if !settle.meters(&method, &path) {
             // Outside the metered operation: no cost (see [`unmetered`]).
             prepared.cost = 0;
-            return;
+            return 0;
         }
+        let max = max_estimate(policy, prepared, settle);
         if let Estimate::Header(name) = &settle.estimate {
-            let max = max_estimate(policy, prepared, settle);
             if let Some(e) = host
                 .request_header(name)
                 .and_then(|raw| cost::estimate_of(&raw, max))
@@ -128,6 +143,11 @@ impl Pipeline {
                 prepared.cost = e;
             }
         }
+        let input = input_estimate(host, settle);
+        if input > 0 {
+            prepared.cost = prepared.cost.saturating_add(input).clamp(1, max);
+        }
+        input
     }
 
     /// An admitted request of a settling class: what it was charged, to be
@@ -154,14 +174,15 @@ impl Pipeline {
         self.pending
             .cost(&prepared.class.name, CostStat::EstimatedUnits, prepared.cost);
         let body_estimate = match &settle.estimate {
-            Estimate::BodyField(name) => Some(Box::new(BodyEstimate {
+            Estimate::BodyField { name, pointer } => Some(Box::new(BodyEstimate {
                 field: [Field {
                     name: name.clone(),
-                    pointers: vec![vec![name.clone()]],
+                    pointers: vec![pointer.clone()],
                     weight_milli: crate::policy::settle::WEIGHT_SCALE,
                 }],
                 scanner: Scanner::default(),
                 read: 0,
+                input: state.input_estimate,
             })),
             _ => None,
         };
@@ -262,7 +283,7 @@ impl Pipeline {
         }
         let chunk = host.request_body(chunk.offset, chunk.len).unwrap_or_default();
         b.scanner.feed(&chunk, &b.field);
-        let value = b.scanner.found().values[0]?;
+        let value = b.scanner.found().values[0]?.saturating_add(b.input);
         s.body_estimate = None;
         let settle = s.settle_rule()?;
         let e = value.clamp(1, max_estimate(&s.policy, &s.prepared, settle));

@@ -40,6 +40,9 @@ const POLICY: &str = r#"{
         "bodyest": {"action": "chat", "cost": 100, "settle": {"usage": "openai_total", "ceiling": 1000,
                                                                "estimate_body_field": "max_tokens"}},
         "messages": {"action": "chat", "cost": 100, "settle": {"usage": "anthropic", "ceiling": 1000}},
+        "nested": {"action": "chat", "cost": 100, "settle": {"usage": "gemini", "ceiling": 1000,
+                   "estimate_body_field": "/generationConfig/maxOutputTokens",
+                   "estimate_input_bytes_per_token": 4}},
         "askusage": {"action": "chat", "cost": 100, "settle": {"usage": "openai_total", "ceiling": 1000,
                      "include_usage": true, "estimate_body_field": "max_tokens"}},
         "models": {"action": "chat", "cost": 100, "settle": {"usage": "openai_total", "ceiling": 1000,
@@ -934,4 +937,52 @@ fn a_body_that_is_not_a_streamed_request_or_too_large_goes_unchanged() {
     // Another class's request is never kept.
     let other = node.request("bodyest", "acme");
     assert_eq!(w.headers(&other, 4, T0).body, BodyEdit::None);
+}
+
+#[test]
+fn the_estimate_is_the_requests_own_output_bound_plus_a_bounded_input_estimate() {
+    let node = Node::new();
+    let mut w = node.worker(T0);
+    let policy = w.policy.clone();
+    // Gemini's `generationConfig.maxOutputTokens` (a pointer), and one unit
+    // per 4 bytes of the declared body: 400 bytes, 100 units.
+    let mut body = br#"{"generationConfig":{"maxOutputTokens":300},"contents":[{"parts":[{"text":""#.to_vec();
+    body.resize(400 - 6, b'x');
+    body.extend_from_slice(br#""}]}]}"#);
+    assert_eq!(body.len(), 400);
+    let mut h = node
+        .request("nested", "acme")
+        .header("content-length", body.len().to_string());
+    assert!(admitted(&w.headers(&h, 1, T0)));
+    // On the headers: the class's cost and the input estimate.
+    w.pipeline.on_tick(&h, &T0, &mut node.stats.clone(), None);
+    assert_eq!(node.stat("tenantgate.cost.estimated_units.nested"), 200);
+    for c in body.chunks(9) {
+        h.request_body = c.to_vec();
+        let d = w.pipeline.on_request_body(&h, &T0, &policy, 1, c.len());
+        assert_eq!(d.verdict, Verdict::Continue);
+    }
+    let answer = r#"{"usageMetadata":{"promptTokenCount":90,"totalTokenCount":350}}"#;
+    let mut a = MemoryHost::new(node.store.clone()).response_header("content-type", "application/json");
+    let r = w.pipeline.on_response_headers(&a, &T0, 1, false);
+    assert!(r.cost_record.is_none());
+    a.response_body = answer.as_bytes().to_vec();
+    let record = w
+        .pipeline
+        .on_response_body(&a, &T0, 1, answer.len(), true)
+        .unwrap();
+    assert_eq!(
+        (field(&record, "estimate"), field(&record, "cost")),
+        (400, 350),
+        "{record}"
+    );
+    // A liar's `maxOutputTokens: 1` still reserves its input (1 + 1,000,
+    // cut to the ceiling).
+    let lie = br#"{"generationConfig":{"maxOutputTokens":1},"contents":[]}"#;
+    let mut h = node.request("nested", "acme").header("content-length", "4000");
+    assert!(admitted(&w.headers(&h, 2, T0)));
+    h.request_body = lie.to_vec();
+    w.pipeline.on_request_body(&h, &T0, &policy, 2, lie.len());
+    let record = w.respond(&node, 2, Answer::NoUsage, T0).unwrap();
+    assert_eq!(field(&record, "estimate"), 1000, "{record}");
 }
