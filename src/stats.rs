@@ -276,6 +276,9 @@ pub enum CostStat {
     InDebt,
     /// Streams that ended without a usable figure, by cause.
     Unusable(crate::cost::Unusable),
+    /// Streamed requests sent upstream asking for their usage
+    /// (`settle.include_usage`).
+    UsageRequested,
     /// Histogram: the real cost in percent of the estimate (100: exact).
     RatioPct,
     /// Chunks reserved as answers flowed past their reservations.
@@ -285,7 +288,7 @@ pub enum CostStat {
 }
 
 impl CostStat {
-    pub const ALL: [CostStat; 20] = [
+    pub const ALL: [CostStat; 21] = [
         CostStat::EstimatedUnits,
         CostStat::SettledUnits,
         CostStat::Settles,
@@ -303,6 +306,7 @@ impl CostStat {
         CostStat::Unusable(crate::cost::Unusable::LocalReply),
         CostStat::Unusable(crate::cost::Unusable::NoResponse),
         CostStat::Unusable(crate::cost::Unusable::Encoded),
+        CostStat::UsageRequested,
         CostStat::RatioPct,
         CostStat::Chunks,
         CostStat::Ended,
@@ -320,6 +324,7 @@ impl CostStat {
             CostStat::WrittenOffUnits => out.write_str("written_off_units"),
             CostStat::InDebt => out.write_str("in_debt"),
             CostStat::Unusable(u) => write!(out, "unusable_{}", u.as_str()),
+            CostStat::UsageRequested => out.write_str("usage_requested"),
             CostStat::RatioPct => out.write_str("ratio_pct"),
             CostStat::Chunks => out.write_str("chunks"),
             CostStat::Ended => out.write_str("ended"),

@@ -134,6 +134,7 @@ pub const HEADER_RESPONSE_TRAILER: HeaderType = 3;
 /// `envoy_dynamic_module_type_http_body_type`.
 pub type BodyType = u32;
 pub const BODY_RECEIVED_REQUEST: BodyType = 0;
+pub const BODY_BUFFERED_REQUEST: BodyType = 1;
 pub const BODY_RECEIVED_RESPONSE: BodyType = 2;
 /// `envoy_dynamic_module_type_http_filter_stream_reset_reason_LocalReset`.
 pub const RESET_LOCAL: u32 = 0;
@@ -165,6 +166,7 @@ pub const HEADERS_STOP_ALL_ITERATION_AND_WATERMARK: HeadersStatus = 4;
 /// `..._request_body_status` / `..._response_body_status`.
 pub type BodyStatus = u32;
 pub const BODY_CONTINUE: BodyStatus = 0;
+pub const BODY_STOP_ITERATION_AND_BUFFER: BodyStatus = 1;
 pub const BODY_STOP_ITERATION_NO_BUFFER: BodyStatus = 3;
 
 /// `..._request_trailers_status` / `..._response_trailers_status`.
@@ -295,14 +297,7 @@ unsafe extern "C" {
         filter: HttpFilterEnvoy,
         body_type: BodyType,
     ) -> usize;
-    /// Removes the first `size` bytes of the body (the current chunk for
-    /// a `RECEIVED` type).
-    pub fn envoy_dynamic_module_callback_http_drain_body(
-        filter: HttpFilterEnvoy,
-        body_type: BodyType,
-        size: usize,
-    ) -> bool;
-    /// Adds `data` at the body's end (the current chunk for a `RECEIVED` type).
+    /// Appends `data` to a body (`false`: no such body now).
     pub fn envoy_dynamic_module_callback_http_append_body(
         filter: HttpFilterEnvoy,
         body_type: BodyType,
@@ -316,6 +311,12 @@ unsafe extern "C" {
         reason: u32,
         details: ModuleBuffer,
     );
+    /// Drains a body's first `number_of_bytes` (more: all of it).
+    pub fn envoy_dynamic_module_callback_http_drain_body(
+        filter: HttpFilterEnvoy,
+        body_type: BodyType,
+        number_of_bytes: usize,
+    ) -> bool;
     /// Fills `result` (room for `get_body_chunks_size` buffers).
     pub fn envoy_dynamic_module_callback_http_get_body_chunks(
         filter: HttpFilterEnvoy,

@@ -90,6 +90,13 @@ extern "C" {
         return_buffer_data: *mut *mut u8,
         return_buffer_size: *mut usize,
     ) -> u32;
+    fn proxy_set_buffer_bytes(
+        buffer_type: u32,
+        start: usize,
+        size: usize,
+        buffer_data: *const u8,
+        buffer_size: usize,
+    ) -> u32;
     fn proxy_get_property(
         path_data: *const u8,
         path_size: usize,
@@ -145,13 +152,6 @@ extern "C" {
     ) -> u32;
     fn proxy_continue_stream(stream_type: u32) -> u32;
     fn proxy_close_stream(stream_type: u32) -> u32;
-    fn proxy_set_buffer_bytes(
-        buffer_type: u32,
-        start: usize,
-        size: usize,
-        buffer_data: *const u8,
-        buffer_size: usize,
-    ) -> u32;
     fn proxy_set_effective_context(context_id: u32) -> u32;
     fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> u32;
     fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
@@ -264,6 +264,13 @@ pub fn buffer(kind: BufferType, start: usize, max: usize) -> Result<Option<Vec<u
     Ok(r.data)
 }
 
+/// Replaces a buffer's first `size` bytes with `data` (`size`: the whole
+/// buffer replaces it all).
+pub fn set_buffer(kind: BufferType, size: usize, data: &[u8]) -> Result<(), HostStatus> {
+    // SAFETY: the host only reads the slice during the call.
+    ok(unsafe { proxy_set_buffer_bytes(kind as u32, 0, size, data.as_ptr(), data.len()) })
+}
+
 /// A property by path (`None`: absent).
 pub fn property(path: &[&str]) -> Result<Option<Vec<u8>>, HostStatus> {
     // The ABI's path: the parts joined by NUL bytes.
@@ -352,13 +359,6 @@ pub fn send_local_response(status: u32, headers: &[(&str, &str)], body: &[u8]) -
             -1,
         )
     })
-}
-
-/// Replaces `size` bytes of a buffer from `start` with `value` (the
-/// current response body chunk: the whole of it from 0).
-pub fn set_buffer(kind: BufferType, start: usize, size: usize, value: &[u8]) -> Result<(), HostStatus> {
-    // SAFETY: the host reads `value` during the call only.
-    ok(unsafe { proxy_set_buffer_bytes(kind as u32, start, size, value.as_ptr(), value.len()) })
 }
 
 /// Resets the current stream's response (Envoy defers the reset until the
