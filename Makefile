@@ -156,7 +156,7 @@ bench-service: setup-redis setup-postgresql ## Key reports/s per core of the cen
 bench-service-memory: setup-redis ## Service memory: 100,000 node ids x 10 keys (1M keys) per round, then expiry, flat across rounds; bytes per record (embedded) and Redis MEMORY USAGE
 	cargo run --release -p tenantgate-central --example memory
 
-release: wasm module cli setup-skopeo ## The release artefacts in dist/ (.ci/release): the filter's and tenantgate serve's OCI images, the module .so, the static binary, SBOMs, manifests by digest, SHA256SUMS; checked by skopeo and a run of the image's entrypoint
+release: wasm module cli setup-skopeo ## The release artefacts in dist/ (.ci/release): the filter's and tenantgate serve's OCI images, the module .so, the static binary, SBOMs, manifests by digest, the policy schema, completions and man pages, SHA256SUMS; checked by skopeo and a run of the image's entrypoint
 	.ci/release
 
 lint: check-glue ## fmt check, clippy (native and wasm32, warnings denied), host-layer check
