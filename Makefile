@@ -118,7 +118,7 @@ ecds: wasm module cli ## Compile $(POLICY) into the ECDS file Envoy watches ($(E
 oci: wasm cli ## The filter as an OCI image layout in target/oci/tenantgate (the Wasm image Istio and Envoy Gateway pull); prints its digest and sha256
 	$(CLI) package --wasm $(WASM) --out target/oci/tenantgate
 
-manifests: cli ## Regenerate deploy/wasm/ (Envoy Gateway EnvoyExtensionPolicy, Istio WasmPlugin and ExtensionFilter) from policies/gateway.yaml
+manifests: cli ## Regenerate deploy/wasm/ (Envoy Gateway EnvoyExtensionPolicy, Istio WasmPlugin and TrafficExtension) from policies/gateway.yaml
 	$(CLI) policy apply policies/gateway.yaml --manifests deploy/wasm --wasm-sha256 $(MANIFEST_WASM_SHA256)
 
 run: setup-run ## The whole system: two Envoys (10000 and 11000, two regions) and tenantgate serve (10002, mTLS); HOST=module for the native module; Ctrl-C stops it

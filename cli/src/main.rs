@@ -282,7 +282,7 @@ struct ApplyArgs {
     all_capabilities: bool,
     /// Also write Kubernetes manifests carrying this policy into DIR: Envoy
     /// Gateway `EnvoyExtensionPolicy` (image and HTTP) and Istio
-    /// `WasmPlugin` and `ExtensionFilter` (docs/kubernetes.md).
+    /// `WasmPlugin` and `TrafficExtension` (docs/kubernetes.md).
     #[arg(long)]
     manifests: Option<PathBuf>,
     /// With --manifests: the filter's OCI image (`make oci`), no scheme.

@@ -424,7 +424,7 @@ fn the_manifests_carry_exactly_the_policy_the_ecds_resource_carries() {
             ("envoy-gateway-http.yaml", &["spec", "wasm", "0", "config"][..]),
             ("istio-wasmplugin.yaml", &["spec", "pluginConfig"][..]),
             (
-                "istio-extensionfilter.yaml",
+                "istio-trafficextension.yaml",
                 &["spec", "wasm", "pluginConfig"][..],
             ),
         ] {
