@@ -45,7 +45,7 @@ export SCHEMATHESIS_BIN := $(abspath $(SCHEMATHESIS))
 export TENANTGATE_PYTHON := $(abspath $(VENV)/bin/python)
 
 
-.PHONY: module-faults help setup setup-run setup-test wasm-target release setup-schemathesis setup-sdks setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
+.PHONY: module-faults help setup setup-run setup-test wasm-target release reproducible setup-schemathesis setup-sdks setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -158,6 +158,9 @@ bench-service-memory: setup-redis ## Service memory: 100,000 node ids x 10 keys 
 
 release: wasm module cli setup-skopeo ## The release artefacts in dist/ (.ci/release): the filter's and tenantgate serve's OCI images, the module .so, the static binary, SBOMs, manifests by digest, the policy schema, completions and man pages, SHA256SUMS; checked by skopeo and a run of the image's entrypoint
 	.ci/release
+
+reproducible: wasm-target ## Build the filter and the module twice (two checkout paths, two target dirs; REPRO_CARGO_HOME=DIR: another CARGO_HOME too) and compare their sha256 (.ci/reproducible)
+	.ci/reproducible
 
 lint: check-glue ## fmt check, clippy (native and wasm32, warnings denied), host-layer check
 	cargo fmt --all -- --check

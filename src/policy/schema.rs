@@ -18,7 +18,35 @@ use serde_json::Value;
 pub fn json_schema() -> Value {
     let mut schema = schemars::schema_for!(super::spec::PolicySpec);
     schema.insert("title".to_owned(), Value::from("tenantgate policy"));
-    schema.to_value()
+    let mut value = schema.to_value();
+    for_editors(&mut value);
+    value
+}
+
+/// Descriptions as an editor shows them on hover: the doc comments' line
+/// breaks joined (paragraphs kept), rustdoc's link brackets dropped
+/// (`` [`Adaptive`] `` reads `` `Adaptive` ``).
+fn for_editors(value: &mut Value) {
+    match value {
+        Value::Object(map) => {
+            for (key, v) in map.iter_mut() {
+                match v {
+                    Value::String(text) if key == "description" => *text = plain(text),
+                    other => for_editors(other),
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(for_editors),
+        _ => {}
+    }
+}
+
+fn plain(text: &str) -> String {
+    let joined: Vec<String> = text
+        .split("\n\n")
+        .map(|p| p.split('\n').collect::<Vec<_>>().join(" "))
+        .collect();
+    joined.join("\n\n").replace("[`", "`").replace("`]", "`")
 }
 
 /// [`json_schema`] as the shipped file holds it: indented, one final newline.
