@@ -365,7 +365,11 @@ fn serve(args: &ServeArgs) -> ExitCode {
     // (exit 1), not a service that never becomes ready. Once running, a
     // bad reload keeps the policy in force and /readyz says why.
     if let Err(e) = service::policy::load(&args.policy) {
-        eprintln!("tenantgate serve: {e}");
+        // The CLI's reader locates a policy's own errors (FILE:LINE:COLUMN).
+        match policy_file::load(&args.policy) {
+            Err(located) => eprintln!("tenantgate serve: {located}"),
+            Ok(_) => eprintln!("tenantgate serve: {e}"),
+        }
         return code(exit::INVALID);
     }
     let tls = match (&args.tls_cert, &args.tls_key, &args.client_ca) {
