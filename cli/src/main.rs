@@ -183,7 +183,8 @@ struct SimArgs {
 
 #[derive(Subcommand)]
 enum PolicyCommand {
-    /// Validate policy files; exit 1 with path-qualified errors if any is invalid.
+    /// Validate policy files; exit 1 with one FILE:LINE:COLUMN: path: message
+    /// per error if any is invalid.
     Check {
         #[arg(required = true)]
         files: Vec<PathBuf>,
