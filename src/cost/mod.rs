@@ -89,6 +89,7 @@
 
 pub mod eventstream;
 pub mod json;
+pub mod rewrite;
 pub mod sse;
 
 use eventstream::Messages;
