@@ -122,3 +122,37 @@ fn man_pages_cover_every_subcommand() {
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot write into"));
 }
+
+/// The bash script completes as bash calls it: `tenantgate policy sch<TAB>`
+/// offers `schema`, `tenantgate policy apply --mani<TAB>` `--manifests`.
+#[test]
+fn bash_completes_a_subcommand_and_a_flag() {
+    let script = tenantgate(&["completions", "bash"]).stdout;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tenantgate.bash");
+    std::fs::write(&path, script).unwrap();
+    for (line, expected) in [
+        ("tenantgate policy sch", "schema"),
+        ("tenantgate policy apply --mani", "--manifests"),
+        ("tenantgate compl", "completions"),
+    ] {
+        let words: Vec<&str> = line.split(' ').collect();
+        let cword = words.len() - 1;
+        let call = format!(
+            "source {}; COMP_WORDS=({}); COMP_CWORD={cword}; COMP_LINE='{line}'; COMP_POINT=${{#COMP_LINE}}; \
+             _tenantgate tenantgate {} {}; echo \"${{COMPREPLY[@]}}\"",
+            path.display(),
+            words.join(" "),
+            words[cword],
+            words[cword - 1],
+        );
+        let out = Command::new("bash").args(["-c", &call]).output().unwrap();
+        let offered = String::from_utf8(out.stdout).unwrap();
+        assert_eq!(
+            offered.trim(),
+            expected,
+            "{line}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
