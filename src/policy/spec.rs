@@ -550,6 +550,7 @@ pub struct SettleSpec {
 /// `routes.<class>.settle.over_reservation:` a non-streamed (JSON) answer
 /// whose figure is over what its request reserved.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum OverReservation {
     /// Passed, and its real cost charged (into debt past the limits; the
