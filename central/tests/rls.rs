@@ -205,7 +205,7 @@ async fn shadow_mode_answers_ok_and_bounds_refuse_what_is_too_big() {
     let many: Vec<&[(&str, &str)]> = (0..65).map(|_| &[("tenant", "a")][..]).collect();
     let err = rls[0].decide(&request(&many, 1)).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
-    let long = "x".repeat(300);
+    let long = "x".repeat(tenantgate::policy::descriptors::MAX_TEXT_LEN + 1);
     let err = rls[0]
         .decide(&request(&[&[("tenant", &long)]], 1))
         .await

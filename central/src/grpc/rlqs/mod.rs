@@ -618,7 +618,7 @@ fn resolve(policy: &RlsPolicy, domain: &str, id: &BucketId) -> (Target, Option<u
     let Some((plan, limits)) = found.rule.plan.and_then(|p| policy.plans.get(p).map(|l| (p, l))) else {
         return (Target::Allow, None);
     };
-    let key = format!("{}|{}", found.rule.path, found.tenant);
+    let key = super::record_key(&found.rule.path, &found.tenant);
     match bucket_limit(limits) {
         Some(l) if policy.mode == Mode::Enforce => (
             Target::Limit {
