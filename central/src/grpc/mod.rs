@@ -112,11 +112,23 @@ pub struct Services {
     pub rlqs: Arc<rlqs::Rlqs>,
 }
 
-/// The gRPC services as one axum router (tonic's routes).
+/// The gRPC services as one axum router (tonic's routes), decoding
+/// messages of up to [`crate::bounded::DEFAULT_MAX_GRPC_MESSAGE_BYTES`].
 pub fn router(services: Services) -> axum::Router {
+    router_with(services, crate::bounded::DEFAULT_MAX_GRPC_MESSAGE_BYTES)
+}
+
+/// [`router`], decoding messages of up to `max_message_bytes` (a larger
+/// one is refused unread, `OUT_OF_RANGE`).
+pub fn router_with(services: Services, max_message_bytes: usize) -> axum::Router {
     use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
-    tonic::service::Routes::new(RateLimitServiceServer::from_arc(services.rls))
-        .add_service(RateLimitQuotaServiceServer::new(rlqs::RlqsService(services.rlqs)))
-        .into_axum_router()
+    tonic::service::Routes::new(
+        RateLimitServiceServer::from_arc(services.rls).max_decoding_message_size(max_message_bytes),
+    )
+    .add_service(
+        RateLimitQuotaServiceServer::new(rlqs::RlqsService(services.rlqs))
+            .max_decoding_message_size(max_message_bytes),
+    )
+    .into_axum_router()
 }

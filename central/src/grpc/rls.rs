@@ -51,8 +51,8 @@
 //! (`true`) on its own.
 //!
 //! # Limits
-//! Every value from the network is bounded: a message over 4 MiB (tonic's
-//! decoding limit) is refused unread (`OUT_OF_RANGE`), one that is not
+//! Every value from the network is bounded: a message over 4 MiB
+//! (`crate::bounded`'s gRPC message cap) is refused unread (`OUT_OF_RANGE`), one that is not
 //! protobuf `INTERNAL`; beyond [`MAX_DESCRIPTORS`], the policy's depth
 //! ([`MAX_DEPTH`] entries) or text lengths ([`MAX_TEXT_LEN`] bytes),
 //! `INVALID_ARGUMENT`. A cost is at most `u64::MAX` and adds up

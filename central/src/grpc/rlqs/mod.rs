@@ -81,8 +81,8 @@
 //! counts in `A`.
 //!
 //! # Limits
-//! Every value from the network is bounded: a message over 4 MiB (tonic's
-//! decoding limit) is refused unread; at most [`Settings::max_streams`]
+//! Every value from the network is bounded: a message over 4 MiB
+//! (`crate::bounded`'s gRPC message cap) is refused unread; at most [`Settings::max_streams`]
 //! streams (then `RESOURCE_EXHAUSTED`), at most
 //! [`Settings::max_buckets_per_stream`] buckets per stream (a bucket over
 //! it gets no answer, so Envoy keeps its `no_assignment_behavior`, and is
