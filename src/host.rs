@@ -29,9 +29,11 @@ pub trait Host {
     /// A response trailer's raw bytes (on the response trailers' callback).
     fn response_trailer(&self, name: &str) -> Option<Vec<u8>>;
 
-    /// The first `len` bytes of the request body chunk being delivered (on
-    /// the request body's callback).
-    fn request_body(&self, len: usize) -> Option<Vec<u8>>;
+    /// `len` bytes of the request body from `offset`, on the request body's
+    /// callback: the chunk being delivered is at the offset the host gave
+    /// the core with it (`crate::pipeline::Chunk`; 0 unless the host keeps
+    /// earlier chunks the filter asked it to buffer in front of it).
+    fn request_body(&self, offset: usize, len: usize) -> Option<Vec<u8>>;
 
     /// A property's raw bytes, e.g. `["xds", "route_name"]`.
     fn property(&self, path: &[&str]) -> Option<Vec<u8>>;

@@ -157,12 +157,9 @@ impl Host for MemoryHost {
             .map(|(_, v)| v.clone())
     }
 
-    fn request_body(&self, len: usize) -> Option<Vec<u8>> {
-        Some(
-            self.request_body
-                .get(..len.min(self.request_body.len()))?
-                .to_vec(),
-        )
+    fn request_body(&self, offset: usize, len: usize) -> Option<Vec<u8>> {
+        let end = offset.saturating_add(len).min(self.request_body.len());
+        Some(self.request_body.get(offset.min(end)..end)?.to_vec())
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {

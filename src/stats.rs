@@ -276,12 +276,15 @@ pub enum CostStat {
     InDebt,
     /// Streams that ended without a usable figure, by cause.
     Unusable(crate::cost::Unusable),
+    /// Streamed requests sent upstream asking for their usage
+    /// (`settle.include_usage`).
+    UsageRequested,
     /// Histogram: the real cost in percent of the estimate (100: exact).
     RatioPct,
 }
 
 impl CostStat {
-    pub const ALL: [CostStat; 18] = [
+    pub const ALL: [CostStat; 19] = [
         CostStat::EstimatedUnits,
         CostStat::SettledUnits,
         CostStat::Settles,
@@ -299,6 +302,7 @@ impl CostStat {
         CostStat::Unusable(crate::cost::Unusable::LocalReply),
         CostStat::Unusable(crate::cost::Unusable::NoResponse),
         CostStat::Unusable(crate::cost::Unusable::Encoded),
+        CostStat::UsageRequested,
         CostStat::RatioPct,
     ];
 
@@ -314,6 +318,7 @@ impl CostStat {
             CostStat::WrittenOffUnits => out.write_str("written_off_units"),
             CostStat::InDebt => out.write_str("in_debt"),
             CostStat::Unusable(u) => write!(out, "unusable_{}", u.as_str()),
+            CostStat::UsageRequested => out.write_str("usage_requested"),
             CostStat::RatioPct => out.write_str("ratio_pct"),
         }
     }

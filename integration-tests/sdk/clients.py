@@ -1,7 +1,7 @@
 """The model providers' own Python clients (the `openai` and `anthropic`
 SDKs, `make setup-sdks`) calling Envoy, for integration-tests/tests/settle.rs.
 
-    python clients.py PORT CASE TENANT
+    python clients.py PORT CASE TENANT [CLASS]
 
 prints one JSON object: what the SDK reported (usage, status, time).
 """
@@ -14,6 +14,7 @@ import anthropic
 import openai
 
 port, case, tenant = sys.argv[1], sys.argv[2], sys.argv[3]
+route_class = sys.argv[4] if len(sys.argv) > 4 else "chat"
 base = f"http://127.0.0.1:{port}"
 headers = {"x-tenant-id": tenant}
 messages = [{"role": "user", "content": "Say hello."}]
@@ -32,7 +33,7 @@ def seen(response):
 def openai_client(answer, retries=0):
     # The test upstream answers by path; the SDK appends /chat/completions.
     return openai.OpenAI(
-        base_url=f"{base}/up/chat/model/{answer}/v1",
+        base_url=f"{base}/up/{route_class}/model/{answer}/v1",
         api_key="test",
         default_headers=headers,
         max_retries=retries,
@@ -56,6 +57,23 @@ elif case == "openai_stream":
         if chunk.usage is not None:
             usage = chunk.usage.total_tokens
     out = {"usage": usage, "content": text}
+elif case == "openai_stream_plain":
+    # Streamed as most applications do: without stream_options (the
+    # upstream, like OpenAI, then sends no usage unless the filter asks).
+    stream = openai_client("openai/1200/0").chat.completions.create(
+        model="m", messages=messages, max_tokens=2000, stream=True
+    )
+    text, usage = "", None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+        if chunk.usage is not None:
+            usage = chunk.usage.total_tokens
+    out = {"usage": usage, "content": text}
+elif case == "openai_json_plain":
+    # Not streamed: the upstream, like OpenAI, refuses stream_options here.
+    r = openai_client("openai/1200/0").chat.completions.create(model="m", messages=messages, max_tokens=2000)
+    out = {"usage": r.usage.total_tokens, "content": r.choices[0].message.content}
 elif case == "anthropic_stream":
     c = anthropic.Anthropic(
         base_url=f"{base}/up/messages/model/anthropic/300/0",

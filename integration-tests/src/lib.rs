@@ -916,10 +916,35 @@ pub(crate) struct RequestHead {
     pub content_length: usize,
     /// Its `accept-encoding`, if any.
     pub accept_encoding: Option<String>,
+    /// Its body comes chunked (`transfer-encoding: chunked`).
+    pub chunked: bool,
+}
+
+/// A request body of `head` (content-length or chunked, as Envoy sends it).
+pub(crate) fn read_request_body(reader: &mut BufReader<TcpStream>, head: &RequestHead) -> Option<Vec<u8>> {
+    use std::io::Read;
+    if !head.chunked {
+        let mut body = vec![0; head.content_length];
+        reader.read_exact(&mut body).ok()?;
+        return Some(body);
+    }
+    let mut body = Vec::new();
+    loop {
+        let mut size = String::new();
+        reader.read_line(&mut size).ok()?;
+        let n = usize::from_str_radix(size.trim().split(';').next()?.trim(), 16).ok()?;
+        let mut data = vec![0; n + 2];
+        reader.read_exact(&mut data).ok()?;
+        if n == 0 {
+            return Some(body);
+        }
+        body.extend_from_slice(&data[..n]);
+    }
 }
 
 pub(crate) fn read_request_head_full(reader: &mut BufReader<TcpStream>) -> Option<RequestHead> {
     let mut accept_encoding = None;
+    let mut chunked = false;
     let mut content_length = 0usize;
     let mut path = String::new();
     let mut first = true;
@@ -938,6 +963,7 @@ pub(crate) fn read_request_head_full(reader: &mut BufReader<TcpStream>) -> Optio
                 path,
                 content_length,
                 accept_encoding,
+                chunked,
             });
         }
         if first {
@@ -950,6 +976,10 @@ pub(crate) fn read_request_head_full(reader: &mut BufReader<TcpStream>) -> Optio
             }
             if k.trim().eq_ignore_ascii_case("accept-encoding") {
                 accept_encoding = Some(v.trim().to_owned());
+            }
+            if k.trim().eq_ignore_ascii_case("transfer-encoding") && v.trim().eq_ignore_ascii_case("chunked")
+            {
+                chunked = true;
             }
         }
     }

@@ -12,6 +12,10 @@
 //! | `/model/missing` | 200 JSON without `usage` |
 //! | `/model/malformed` | 200 JSON whose `usage.total_tokens` is a string |
 //! | `/model/reset/<ms>` | 200 `text/event-stream`: two content events, then after `<ms>` ms the connection is closed mid-body (no usage, no end) |
+//! | `/model/gemini/<n>[/cut]` | 200 `application/json`, chunked: Gemini's `streamGenerateContent` JSON array, each element with the running `usageMetadata` (the last: total n); `cut`: closed after the second element |
+//! | `/model/bedrock/<n>[/cut]` | 200 `application/vnd.amazon.eventstream`: Bedrock `ConverseStream`'s binary messages, the `metadata` event last with `usage.totalTokens` = n; `cut`: closed before `metadata` |
+//! | `/model/huge/<mb>` | 200 `text/event-stream`: `<mb>` MiB of content events, then a usage chunk claiming 1 token |
+//! | `/model/openai/<n>/<ms>` | as OpenAI Chat Completions answers the request's JSON body: `"stream": true` gets `sse/<n>/<ms>`'s events with the usage chunk only if `stream_options.include_usage` is `true`; otherwise `json/<n>`; `stream_options` without `"stream": true` gets 400 (OpenAI's "only allowed when stream is enabled") |
 
 use std::io::Write;
 use std::net::TcpStream;
@@ -36,6 +40,22 @@ pub enum ModelAnswer {
     /// `message_delta` (`output` tokens) and `message_stop`.
     Anthropic {
         output: u64,
+        gap_ms: u64,
+    },
+    Gemini {
+        tokens: u64,
+        cut: bool,
+    },
+    Bedrock {
+        tokens: u64,
+        cut: bool,
+    },
+    Huge {
+        mb: u64,
+    },
+    /// As OpenAI answers the request body (see the module header).
+    OpenAi {
+        tokens: u64,
         gap_ms: u64,
     },
 }
@@ -64,6 +84,20 @@ impl ModelAnswer {
                 output: num()?,
                 gap_ms: num().unwrap_or(0),
             },
+            "gemini" | "bedrock" => {
+                let tokens = num()?;
+                let cut = parts.next() == Some("cut");
+                if kind == "gemini" {
+                    ModelAnswer::Gemini { tokens, cut }
+                } else {
+                    ModelAnswer::Bedrock { tokens, cut }
+                }
+            }
+            "huge" => ModelAnswer::Huge { mb: num()? },
+            "openai" => ModelAnswer::OpenAi {
+                tokens: num()?,
+                gap_ms: num().unwrap_or(0),
+            },
             _ => return None,
         })
     }
@@ -78,6 +112,14 @@ impl ModelAnswer {
             ModelAnswer::Malformed => "/model/malformed".into(),
             ModelAnswer::Reset { after_ms } => format!("/model/reset/{after_ms}"),
             ModelAnswer::Anthropic { output, gap_ms } => format!("/model/anthropic/{output}/{gap_ms}"),
+            ModelAnswer::OpenAi { tokens, gap_ms } => format!("/model/openai/{tokens}/{gap_ms}"),
+            ModelAnswer::Gemini { tokens, cut } => {
+                format!("/model/gemini/{tokens}{}", if *cut { "/cut" } else { "" })
+            }
+            ModelAnswer::Bedrock { tokens, cut } => {
+                format!("/model/bedrock/{tokens}{}", if *cut { "/cut" } else { "" })
+            }
+            ModelAnswer::Huge { mb } => format!("/model/huge/{mb}"),
         }
     }
 }
@@ -123,11 +165,85 @@ fn gzipped(body: &str) -> Vec<u8> {
     e.finish().unwrap()
 }
 
-/// Writes `answer` on `out` (`extra`: more header lines, each ending in
-/// CRLF; `gzip`: the request accepts gzip, and a JSON answer is sent
-/// compressed, as common servers do). `Ok(false)`: the connection was
-/// closed on purpose (a reset).
-pub fn answer(out: &mut TcpStream, answer: ModelAnswer, extra: &str, gzip: bool) -> std::io::Result<bool> {
+/// A streamed OpenAI answer of `tokens` (the usage chunk only if asked for).
+fn openai_stream(
+    out: &mut TcpStream,
+    extra: &str,
+    tokens: u64,
+    gap_ms: u64,
+    with_usage: bool,
+) -> std::io::Result<()> {
+    out.write_all(sse_head(extra).as_bytes())?;
+    for delta in ["Hel", "lo", "!"] {
+        chunk(out, &event(delta))?;
+        std::thread::sleep(Duration::from_millis(gap_ms));
+    }
+    if with_usage {
+        let last = format!(
+            "data: {{\"id\":\"chatcmpl-test\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{}}}\n\n",
+            usage(tokens)
+        );
+        chunk(out, &last)?;
+    }
+    chunk(out, "data: [DONE]\n\n")?;
+    out.write_all(b"0\r\n\r\n")
+}
+
+/// One AWS event stream message (`:event-type` `kind`, a JSON payload),
+/// its two CRC-32 checksums as AWS computes them.
+fn aws_message(kind: &str, payload: &str) -> Vec<u8> {
+    let mut headers = Vec::new();
+    for (name, value) in [
+        (":event-type", kind),
+        (":content-type", "application/json"),
+        (":message-type", "event"),
+    ] {
+        headers.push(name.len() as u8);
+        headers.extend_from_slice(name.as_bytes());
+        headers.push(7);
+        headers.extend_from_slice(&(value.len() as u16).to_be_bytes());
+        headers.extend_from_slice(value.as_bytes());
+    }
+    let total = (12 + headers.len() + payload.len() + 4) as u32;
+    let crc = |bytes: &[u8]| {
+        let mut c = flate2::Crc::new();
+        c.update(bytes);
+        c.sum()
+    };
+    let mut m = Vec::new();
+    m.extend_from_slice(&total.to_be_bytes());
+    m.extend_from_slice(&(headers.len() as u32).to_be_bytes());
+    let prelude = crc(&m);
+    m.extend_from_slice(&prelude.to_be_bytes());
+    m.extend_from_slice(&headers);
+    m.extend_from_slice(payload.as_bytes());
+    let whole = crc(&m);
+    m.extend_from_slice(&whole.to_be_bytes());
+    m
+}
+
+fn chunk_bytes(out: &mut TcpStream, data: &[u8]) -> std::io::Result<()> {
+    out.write_all(format!("{:x}\r\n", data.len()).as_bytes())?;
+    out.write_all(data)?;
+    out.write_all(b"\r\n")?;
+    out.flush()
+}
+
+fn chunked_head(content_type: &str, extra: &str) -> String {
+    format!("HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\n{extra}transfer-encoding: chunked\r\n\r\n")
+}
+
+/// Writes `answer` on `out` for a request whose body was `request`
+/// (`extra`: more header lines, each ending in CRLF; `gzip`: the request
+/// accepts gzip, and a JSON answer is sent compressed, as common servers
+/// do). `Ok(false)`: the connection was closed on purpose (a reset).
+pub fn answer(
+    out: &mut TcpStream,
+    answer: ModelAnswer,
+    extra: &str,
+    gzip: bool,
+    request: &[u8],
+) -> std::io::Result<bool> {
     let json = |body: String, headers: &str| {
         format!(
             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n{headers}{extra}content-length: {}\r\n\r\n{body}",
@@ -153,6 +269,90 @@ pub fn answer(out: &mut TcpStream, answer: ModelAnswer, extra: &str, gzip: bool)
         ModelAnswer::Missing => out.write_all(json(completion(None), "").as_bytes())?,
         ModelAnswer::Malformed => {
             out.write_all(json(completion(Some(r#"{"total_tokens":"lots"}"#)), "").as_bytes())?
+        }
+        ModelAnswer::OpenAi { tokens, gap_ms } => {
+            let body: serde_json::Value = serde_json::from_slice(request).unwrap_or_default();
+            let stream = body["stream"] == serde_json::Value::Bool(true);
+            let include_usage = body["stream_options"]["include_usage"] == serde_json::Value::Bool(true);
+            if !stream && !body["stream_options"].is_null() {
+                let error = r#"{"error":{"message":"The 'stream_options' parameter is only allowed when 'stream' is enabled.","type":"invalid_request_error","param":"stream_options","code":null}}"#;
+                out.write_all(
+                    format!(
+                        "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n{extra}content-length: {}\r\n\r\n{error}",
+                        error.len()
+                    )
+                    .as_bytes(),
+                )?;
+            } else if stream {
+                openai_stream(out, extra, tokens, gap_ms, include_usage)?;
+            } else {
+                out.write_all(json(completion(Some(&usage(tokens))), "").as_bytes())?;
+            }
+        }
+        ModelAnswer::Gemini { tokens, cut } => {
+            out.write_all(chunked_head("application/json; charset=UTF-8", extra).as_bytes())?;
+            let prompt = tokens / 10;
+            let element = |text: &str, total: u64, last: bool| {
+                let finish = if last { r#","finishReason":"STOP""# } else { "" };
+                format!(
+                    r#"{{"candidates":[{{"content":{{"parts":[{{"text":"{text}"}}],"role":"model"}}{finish},"index":0}}],"usageMetadata":{{"promptTokenCount":{prompt},"candidatesTokenCount":{},"totalTokenCount":{total}}},"modelVersion":"gemini-test"}}"#,
+                    total - prompt
+                )
+            };
+            chunk(out, &format!("[{}", element("Hel", prompt + 1, false)))?;
+            chunk(out, &format!(",\r\n{}", element("lo", prompt + 2, false)))?;
+            if cut {
+                let _ = out.shutdown(std::net::Shutdown::Both);
+                return Ok(false);
+            }
+            chunk(out, &format!(",\r\n{}]", element("!", tokens, true)))?;
+            out.write_all(b"0\r\n\r\n")?;
+        }
+        ModelAnswer::Bedrock { tokens, cut } => {
+            out.write_all(chunked_head("application/vnd.amazon.eventstream", extra).as_bytes())?;
+            chunk_bytes(
+                out,
+                &aws_message("messageStart", r#"{"p":"abcd","role":"assistant"}"#),
+            )?;
+            for text in ["Hel", "lo", "!"] {
+                let delta =
+                    format!(r#"{{"contentBlockIndex":0,"delta":{{"text":"{text}"}},"p":"abcdefgh"}}"#);
+                chunk_bytes(out, &aws_message("contentBlockDelta", &delta))?;
+            }
+            chunk_bytes(
+                out,
+                &aws_message("contentBlockStop", r#"{"contentBlockIndex":0,"p":"a"}"#),
+            )?;
+            chunk_bytes(
+                out,
+                &aws_message("messageStop", r#"{"p":"abc","stopReason":"end_turn"}"#),
+            )?;
+            if cut {
+                let _ = out.shutdown(std::net::Shutdown::Both);
+                return Ok(false);
+            }
+            let input = tokens / 10;
+            let metadata = format!(
+                r#"{{"metrics":{{"latencyMs":412}},"p":"ab","usage":{{"inputTokens":{input},"outputTokens":{},"totalTokens":{tokens}}}}}"#,
+                tokens - input
+            );
+            chunk_bytes(out, &aws_message("metadata", &metadata))?;
+            out.write_all(b"0\r\n\r\n")?;
+        }
+        ModelAnswer::Huge { mb } => {
+            out.write_all(sse_head(extra).as_bytes())?;
+            let one = event(&"x".repeat(900));
+            let block = one.repeat((64 * 1024) / one.len());
+            let mut sent = 0u64;
+            while sent < mb * 1024 * 1024 {
+                chunk(out, &block)?;
+                sent += block.len() as u64;
+            }
+            chunk(
+                out,
+                "data: {\"id\":\"chatcmpl-test\",\"choices\":[],\"usage\":{\"prompt_tokens\":0,\"completion_tokens\":1,\"total_tokens\":1}}\n\ndata: [DONE]\n\n",
+            )?;
+            out.write_all(b"0\r\n\r\n")?;
         }
         ModelAnswer::Sse { tokens, gap_ms } => {
             out.write_all(sse_head(extra).as_bytes())?;
@@ -227,6 +427,19 @@ mod tests {
             ModelAnswer::Anthropic {
                 output: 300,
                 gap_ms: 500,
+            },
+            ModelAnswer::Gemini {
+                tokens: 11,
+                cut: true,
+            },
+            ModelAnswer::Bedrock {
+                tokens: 658,
+                cut: false,
+            },
+            ModelAnswer::Huge { mb: 50 },
+            ModelAnswer::OpenAi {
+                tokens: 12,
+                gap_ms: 3,
             },
         ] {
             assert_eq!(ModelAnswer::of_path(&format!("/up/chat{}", a.path())), Some(a));

@@ -12,7 +12,7 @@
 //! [`Envoy::start_with_upstream`], routes
 //! `/up/<class>` (route metadata `class: <class>`) go to it.
 
-use std::io::{BufReader, Read, Write};
+use std::io::{BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -54,6 +54,8 @@ struct State {
     extra_header: Mutex<Option<String>>,
     /// The last request's `accept-encoding`.
     accept_encoding: Mutex<Option<String>>,
+    /// The last request's body.
+    last_body: Mutex<Option<Vec<u8>>>,
     released: Condvar,
 }
 
@@ -189,6 +191,11 @@ impl Upstream {
         self.state.accept_encoding.lock().unwrap().clone()
     }
 
+    /// The body of the last request it read.
+    pub fn last_body(&self) -> Option<Vec<u8>> {
+        self.state.last_body.lock().unwrap().clone()
+    }
+
     /// Requests answered so far.
     pub fn served(&self) -> u64 {
         self.state.served.load(Ordering::SeqCst)
@@ -210,12 +217,12 @@ fn serve(stream: TcpStream, s: &State) {
         let Some(head) = crate::read_request_head_full(&mut reader) else {
             return;
         };
-        let (path, content_length) = (head.path, head.content_length);
         *s.accept_encoding.lock().unwrap() = head.accept_encoding.clone();
-        let mut body = vec![0; content_length];
-        if reader.read_exact(&mut body).is_err() {
+        let Some(body) = crate::read_request_body(&mut reader, &head) else {
             return;
-        }
+        };
+        let path = head.path.clone();
+        *s.last_body.lock().unwrap() = Some(body.clone());
         s.received.fetch_add(1, Ordering::SeqCst);
         if let Some(answer) = crate::model::ModelAnswer::of_path(&path) {
             // A model API's answer (crate::model): no latency, no hold.
@@ -224,7 +231,7 @@ fn serve(stream: TcpStream, s: &State) {
                 .accept_encoding
                 .as_deref()
                 .is_some_and(|a| a.split(',').any(|c| c.trim().starts_with("gzip")));
-            match crate::model::answer(reader.get_mut(), answer, &extra, gzip) {
+            match crate::model::answer(reader.get_mut(), answer, &extra, gzip, &body) {
                 Ok(true) => {
                     s.served.fetch_add(1, Ordering::SeqCst);
                     continue;

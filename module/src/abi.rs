@@ -134,6 +134,7 @@ pub const HEADER_RESPONSE_TRAILER: HeaderType = 3;
 /// `envoy_dynamic_module_type_http_body_type`.
 pub type BodyType = u32;
 pub const BODY_RECEIVED_REQUEST: BodyType = 0;
+pub const BODY_BUFFERED_REQUEST: BodyType = 1;
 pub const BODY_RECEIVED_RESPONSE: BodyType = 2;
 
 /// `envoy_dynamic_module_type_metadata_source`.
@@ -163,6 +164,7 @@ pub const HEADERS_STOP_ALL_ITERATION_AND_WATERMARK: HeadersStatus = 4;
 /// `..._request_body_status` / `..._response_body_status`.
 pub type BodyStatus = u32;
 pub const BODY_CONTINUE: BodyStatus = 0;
+pub const BODY_STOP_ITERATION_AND_BUFFER: BodyStatus = 1;
 pub const BODY_STOP_ITERATION_NO_BUFFER: BodyStatus = 3;
 
 /// `..._request_trailers_status` / `..._response_trailers_status`.
@@ -293,6 +295,18 @@ unsafe extern "C" {
         filter: HttpFilterEnvoy,
         body_type: BodyType,
     ) -> usize;
+    /// Appends `data` to a body (`false`: no such body now).
+    pub fn envoy_dynamic_module_callback_http_append_body(
+        filter: HttpFilterEnvoy,
+        body_type: BodyType,
+        data: ModuleBuffer,
+    ) -> bool;
+    /// Drains a body's first `number_of_bytes` (more: all of it).
+    pub fn envoy_dynamic_module_callback_http_drain_body(
+        filter: HttpFilterEnvoy,
+        body_type: BodyType,
+        number_of_bytes: usize,
+    ) -> bool;
     /// Fills `result` (room for `get_body_chunks_size` buffers).
     pub fn envoy_dynamic_module_callback_http_get_body_chunks(
         filter: HttpFilterEnvoy,

@@ -31,7 +31,7 @@ use std::ffi::c_char;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use tenantgate::pipeline::{Directive, RouteMark, StreamId, Verdict};
+use tenantgate::pipeline::{BodyEdit, Chunk, Directive, RouteMark, StreamId, Verdict};
 use tenantgate::response::{LocalReply, REASON_HEADER};
 use tenantgate::sync::syncer::CalloutAnswer;
 
@@ -447,6 +447,44 @@ fn record(envoy: HttpFilterEnvoy, directive: &Directive) {
     if directive.identity_encoding {
         identity_encoding(envoy);
     }
+    match &directive.body {
+        BodyEdit::None => {}
+        BodyEdit::Unsized => {
+            // SAFETY: the current hook's stream; the buffer is ours (a null
+            // value removes the header).
+            let removed = unsafe {
+                abi::envoy_dynamic_module_callback_http_set_header(
+                    envoy,
+                    abi::HEADER_REQUEST,
+                    ModuleBuffer::of(b"content-length"),
+                    ModuleBuffer::NULL,
+                )
+            };
+            if !removed {
+                log::warn!("tenantgate: cannot remove the content-length request header");
+            }
+        }
+        BodyEdit::Replace(body) => replace_request_body(envoy, body),
+    }
+}
+
+/// The request body's last chunk: the chunks Envoy kept for us and this
+/// one are replaced by `body`.
+fn replace_request_body(envoy: HttpFilterEnvoy, body: &[u8]) {
+    // SAFETY: the current hook's stream (its request body callback); the
+    // buffer is ours, read during the call.
+    let replaced = unsafe {
+        abi::envoy_dynamic_module_callback_http_drain_body(envoy, abi::BODY_BUFFERED_REQUEST, usize::MAX);
+        abi::envoy_dynamic_module_callback_http_drain_body(envoy, abi::BODY_RECEIVED_REQUEST, usize::MAX)
+            && abi::envoy_dynamic_module_callback_http_append_body(
+                envoy,
+                abi::BODY_RECEIVED_REQUEST,
+                ModuleBuffer::of(body),
+            )
+    };
+    if !replaced {
+        log::warn!("tenantgate: cannot replace the request body");
+    }
 }
 
 /// Asks the upstream for an uncompressed answer (a metered request).
@@ -520,6 +558,8 @@ fn apply(envoy: HttpFilterEnvoy, directive: Directive, go: u32, stop: u32) -> u3
     match directive.verdict {
         Verdict::Continue => go,
         Verdict::Pause => stop,
+        // Only on a request body's chunk.
+        Verdict::Buffer => abi::BODY_STOP_ITERATION_AND_BUFFER,
         Verdict::Reply(reply) => {
             send(envoy, &reply);
             stop
@@ -567,6 +607,7 @@ fn go() -> Directive {
         record: None,
         mark: None,
         identity_encoding: false,
+        body: BodyEdit::None,
     }
 }
 
@@ -574,7 +615,7 @@ fn go() -> Directive {
 pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     envoy: HttpFilterEnvoy,
     ptr: HttpFilterModule,
-    _end_of_stream: bool,
+    end_of_stream: bool,
 ) -> abi::BodyStatus {
     // SAFETY: as in `request_headers`.
     let f = unsafe { filter(ptr) };
@@ -584,9 +625,19 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
             abi::envoy_dynamic_module_callback_http_get_body_size(envoy, abi::BODY_RECEIVED_REQUEST)
         };
         step(f, envoy, "request_body", |w, policy, host| {
-            let d = w
-                .pipeline
-                .on_request_body(host, &SystemClock, policy, f.stream, size);
+            let d = w.pipeline.on_request_body(
+                host,
+                &SystemClock,
+                policy,
+                f.stream,
+                // Envoy keeps what we buffered apart: the received body
+                // is this chunk only.
+                Chunk {
+                    offset: 0,
+                    len: size,
+                    end_of_stream,
+                },
+            );
             if d.verdict == Verdict::Pause {
                 f.hold(w, envoy);
             }
@@ -774,7 +825,8 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
                 abi::envoy_dynamic_module_callback_http_filter_continue_decoding(envoy)
             },
             Verdict::Reply(reply) => send(envoy, &reply),
-            Verdict::Pause => {}
+            // A held request's answer is never to buffer a body.
+            Verdict::Pause | Verdict::Buffer => {}
         }
     });
 }

@@ -122,7 +122,8 @@ impl<'a> EnvoyHost<'a> {
     }
 
     /// The first `len` bytes of the body chunk `kind` being delivered.
-    fn body(&self, kind: abi::BodyType, len: usize) -> Option<Vec<u8>> {
+    /// `len` bytes of a body from `offset` (across Envoy's slices).
+    fn body(&self, kind: abi::BodyType, offset: usize, len: usize) -> Option<Vec<u8>> {
         let filter = self.filter?;
         // SAFETY: as in `header`; `chunks` has room for every buffer.
         let count = unsafe { abi::envoy_dynamic_module_callback_http_get_body_chunks_size(filter, kind) };
@@ -135,9 +136,12 @@ impl<'a> EnvoyHost<'a> {
             return None;
         }
         let mut body = Vec::with_capacity(len.min(1 << 16));
+        let mut skip = offset;
         for chunk in &chunks {
             // SAFETY: as in `header`.
-            let bytes = unsafe { chunk.bytes() };
+            let whole = unsafe { chunk.bytes() };
+            let bytes = whole.get(skip.min(whole.len())..).unwrap_or_default();
+            skip = skip.saturating_sub(whole.len());
             let room = len.saturating_sub(body.len());
             body.extend_from_slice(bytes.get(..room.min(bytes.len())).unwrap_or_default());
         }
@@ -181,15 +185,15 @@ impl Host for EnvoyHost<'_> {
     }
 
     fn response_body(&self, len: usize) -> Option<Vec<u8>> {
-        self.body(abi::BODY_RECEIVED_RESPONSE, len)
+        self.body(abi::BODY_RECEIVED_RESPONSE, 0, len)
     }
 
     fn response_trailer(&self, name: &str) -> Option<Vec<u8>> {
         self.header(abi::HEADER_RESPONSE_TRAILER, name)
     }
 
-    fn request_body(&self, len: usize) -> Option<Vec<u8>> {
-        self.body(abi::BODY_RECEIVED_REQUEST, len)
+    fn request_body(&self, offset: usize, len: usize) -> Option<Vec<u8>> {
+        self.body(abi::BODY_RECEIVED_REQUEST, offset, len)
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {

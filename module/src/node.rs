@@ -45,7 +45,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
 use std::time::Duration;
 
 use hashbrown::HashMap;
-use tenantgate::pipeline::{Answer, Callout, Directive, Pipeline, StreamId, Verdict, TICK_NS};
+use tenantgate::pipeline::{Answer, BodyEdit, Callout, Directive, Pipeline, StreamId, Verdict, TICK_NS};
 use tenantgate::policy::Policy;
 use tenantgate::stats::{Metric, Stats};
 use tenantgate::sync::syncer::CalloutAnswer;
@@ -204,6 +204,7 @@ fn go() -> Directive {
         record: None,
         mark: None,
         identity_encoding: false,
+        body: BodyEdit::None,
     }
 }
 

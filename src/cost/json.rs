@@ -3,7 +3,7 @@
 //! size, never buffering it.
 //!
 //! It tracks the path of the value being read (each container's current
-//! key or index, kept for the first [`MAX_POINTER_SEGMENTS`] levels, keys
+//! key or index, kept for the first [`MAX_POINTER_SEGMENTS`] + 1 levels, keys
 //! of at most [`MAX_SEGMENT_LEN`] bytes) and a stack of container kinds (at
 //! most [`MAX_DEPTH`] deep). A scalar that ends at a path equal to one of
 //! a field's pointers is that field's value: the last one seen wins. A
@@ -11,6 +11,14 @@
 //! string, a fraction, a negative, an exponent) makes the field
 //! *malformed*. Syntax errors (and nesting past [`MAX_DEPTH`]) make the
 //! document *broken*: scanning stops.
+//!
+//! A document whose top-level value is an array is also read as a stream
+//! of documents, its elements: a pointer matches at its own path and within
+//! each element (`/usageMetadata/totalTokenCount` matches
+//! `[{"usageMetadata":{…}}, …]` at `/0/usageMetadata/totalTokenCount`, then
+//! `/1/…`; the last element's value wins). That is Google Gemini's
+//! `streamGenerateContent` without `alt=sse`: a JSON array streamed an
+//! element at a time, each with the running `usageMetadata`.
 //!
 //! It validates only what it needs to (structure and strings; a bare token
 //! is any run of number and literal characters), so it accepts some
@@ -25,6 +33,9 @@ pub const MAX_DEPTH: usize = 64;
 const MAX_TOKEN: usize = 24;
 /// The largest integer read: what a JSON number holds exactly.
 pub const MAX_VALUE: u64 = 1 << 53;
+/// Levels whose place is tracked: a pointer's, below a top-level array's
+/// element.
+const TRACKED: usize = MAX_POINTER_SEGMENTS + 1;
 
 /// A container on the stack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,7 +101,7 @@ pub struct Found {
 pub struct Scanner {
     stack: [Kind; MAX_DEPTH],
     depth: usize,
-    places: [Place; MAX_POINTER_SEGMENTS],
+    places: [Place; TRACKED],
     expect: Expect,
     /// Inside a string: where it goes, whether the last byte was `\`, and
     /// how many hex digits of a `\u` escape remain.
@@ -113,7 +124,7 @@ impl Default for Scanner {
         Scanner {
             stack: [Kind::Object; MAX_DEPTH],
             depth: 0,
-            places: [Place::default(); MAX_POINTER_SEGMENTS],
+            places: [Place::default(); TRACKED],
             expect: Expect::Value,
             string: None,
             escaped: false,
@@ -315,12 +326,19 @@ impl Scanner {
         }
     }
 
-    /// Whether the current path is `pointer`.
+    /// Whether the current path is `pointer`, or, in a top-level array,
+    /// `pointer` within one of its elements (see the module header).
     fn at(&self, pointer: &[String]) -> bool {
-        if pointer.len() != self.depth || self.depth > MAX_POINTER_SEGMENTS {
+        self.at_below(pointer, 0) || (self.stack.first() == Some(&Kind::Array) && self.at_below(pointer, 1))
+    }
+
+    /// Whether the path below its first `skip` levels is `pointer`.
+    fn at_below(&self, pointer: &[String], skip: usize) -> bool {
+        if pointer.len().saturating_add(skip) != self.depth || self.depth > TRACKED {
             return false;
         }
-        pointer.iter().enumerate().all(|(level, segment)| {
+        pointer.iter().enumerate().all(|(i, segment)| {
+            let level = i.saturating_add(skip);
             let (Some(kind), Some(place)) = (self.stack.get(level), self.places.get(level)) else {
                 return false;
             };
@@ -469,6 +487,44 @@ mod tests {
         assert_eq!(
             values(doc, &["/a/1/n", "/a/0/n", "/k~1ey", "/dup"]),
             Some(vec![Some(2), Some(1), Some(5), Some(7)])
+        );
+    }
+
+    #[test]
+    fn a_top_level_array_is_a_stream_of_documents_and_its_last_element_wins() {
+        // Gemini's `streamGenerateContent` without `alt=sse`: running totals.
+        let doc = r#"[{"candidates":[{"content":{"parts":[{"text":"Hel"}]}}],
+            "usageMetadata":{"promptTokenCount":9,"totalTokenCount":10}},
+            {"candidates":[{"content":{"parts":[{"text":"lo"}]},"finishReason":"STOP"}],
+            "usageMetadata":{"promptTokenCount":9,"candidatesTokenCount":2,"totalTokenCount":11}}]"#;
+        assert_eq!(
+            values(
+                doc,
+                &[
+                    "/usageMetadata/totalTokenCount",
+                    "/1/usageMetadata/promptTokenCount"
+                ]
+            ),
+            Some(vec![Some(11), Some(9)])
+        );
+        // Deeper in an element, or in an object's array, never counts.
+        let nested = r#"[{"x":{"usageMetadata":{"totalTokenCount":5}}}]"#;
+        assert_eq!(
+            values(nested, &["/usageMetadata/totalTokenCount"]),
+            Some(vec![None])
+        );
+        let inner = r#"{"a":[{"usageMetadata":{"totalTokenCount":5}}]}"#;
+        assert_eq!(
+            values(inner, &["/usageMetadata/totalTokenCount"]),
+            Some(vec![None])
+        );
+        // A cut array is not a whole document: nothing (the abort rule).
+        assert_eq!(
+            values(
+                r#"[{"usageMetadata":{"totalTokenCount":5}},"#,
+                &["/usageMetadata/totalTokenCount"]
+            ),
+            None
         );
     }
 

@@ -13,7 +13,9 @@
 //!
 //! The **real cost** `R` comes from the upstream's response only, read as
 //! it passes ([`Meter`]): a response header, a trailer, or fields of a JSON
-//! body or of a server-sent-events stream (the last value seen wins; the
+//! body (a top-level array read as a stream of documents: Gemini's), of a
+//! server-sent-events stream or of an AWS event stream (Bedrock's
+//! `ConverseStream`) (the last value seen wins; the
 //! cost is their weighted sum, rounded up), never from anything the client
 //! sends. A figure above the ceiling `C` is cut to `C` (counted). A stream
 //! that ends before its response did (client abort, upstream reset,
@@ -85,9 +87,12 @@
 //! and stream ends, the bound checked over every interval) and in a real
 //! Envoy (`integration-tests/tests/settle.rs`).
 
+pub mod eventstream;
 pub mod json;
+pub mod rewrite;
 pub mod sse;
 
+use eventstream::Messages;
 use json::{Found, Scanner};
 use sse::Events;
 
@@ -199,6 +204,8 @@ enum Reading {
     Trailer,
     Json(Box<Scanner>),
     Events(Box<Events>),
+    /// AWS's binary event stream (Bedrock `ConverseStream`).
+    Messages(Box<Messages>),
     /// Decided.
     Done(Figure),
 }
@@ -280,12 +287,16 @@ impl Meter {
             Source::Body(_) if end_of_stream => Reading::Done(Figure::Unusable(Unusable::Missing)),
             Source::Body(_) if encoded(host) => Reading::Done(Figure::Unusable(Unusable::Encoded)),
             Source::Body(_) => {
-                let sse = host.response_header("content-type").is_some_and(|t| {
-                    t.get(..17)
-                        .is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream"))
-                });
-                if sse {
+                let content_type = host.response_header("content-type").unwrap_or_default();
+                let is = |t: &[u8]| {
+                    content_type
+                        .get(..t.len())
+                        .is_some_and(|p| p.eq_ignore_ascii_case(t))
+                };
+                if is(b"text/event-stream") {
                     Reading::Events(Box::default())
+                } else if is(b"application/vnd.amazon.eventstream") {
+                    Reading::Messages(Box::default())
                 } else {
                     Reading::Json(Box::default())
                 }
@@ -300,7 +311,10 @@ impl Meter {
             // The body ended the response: no trailers come.
             self.reading = Reading::Done(Figure::Unusable(Unusable::Missing));
         }
-        if !matches!(self.reading, Reading::Json(_) | Reading::Events(_)) {
+        if !matches!(
+            self.reading,
+            Reading::Json(_) | Reading::Events(_) | Reading::Messages(_)
+        ) {
             return;
         }
         let size64 = u64::try_from(size).unwrap_or(u64::MAX);
@@ -317,6 +331,7 @@ impl Meter {
                 match &mut self.reading {
                     Reading::Json(s) => s.feed(part, fields),
                     Reading::Events(e) => e.feed(part, fields),
+                    Reading::Messages(m) => m.feed(part, fields),
                     _ => {}
                 }
             }
@@ -353,7 +368,7 @@ impl Meter {
             (Reading::Trailer, Source::Trailer(name)) => {
                 self.reading = Reading::Done(figure_of(host.response_trailer(name)));
             }
-            (Reading::Json(_) | Reading::Events(_), _) => self.end_body(settle),
+            (Reading::Json(_) | Reading::Events(_) | Reading::Messages(_), _) => self.end_body(settle),
             _ => {}
         }
     }
@@ -363,6 +378,7 @@ impl Meter {
         let figure = match &mut self.reading {
             Reading::Json(s) => figure_of_fields(s.finish(fields), fields),
             Reading::Events(e) => figure_of_fields(Some(e.finish(fields)), fields),
+            Reading::Messages(m) => figure_of_fields(m.finish(), fields),
             _ => return,
         };
         self.reading = Reading::Done(figure);

@@ -348,3 +348,108 @@ fn each_preset_reads_its_providers_json_answer() {
         );
     }
 }
+
+/// A body through the meter in chunks of `chunk`, its first `cut` bytes;
+/// `whole`: the last chunk ends the response.
+fn body_prefix(s: &Settle, content_type: &str, body: &[u8], cut: usize, chunk: usize, whole: bool) -> Figure {
+    let mut h = host().response_header("content-type", content_type);
+    let mut m = Meter::default();
+    m.on_headers(s, &h, false);
+    let parts: Vec<&[u8]> = body[..cut].chunks(chunk.max(1)).collect();
+    for (i, part) in parts.iter().enumerate() {
+        h.response_body = part.to_vec();
+        m.on_body(s, &h, part.len(), whole && i + 1 == parts.len());
+    }
+    if whole && parts.is_empty() {
+        m.on_body(s, &h, 0, true);
+    }
+    m.end()
+}
+
+#[test]
+fn geminis_json_array_stream_and_bedrocks_converse_stream_give_their_usage_and_obey_the_abort_rule() {
+    let gemini = settle(r#"{"usage": "gemini", "ceiling": 8000}"#);
+    let array = br#"[{"candidates":[{"content":{"parts":[{"text":"Hel"}],"role":"model"}}],"usageMetadata":{"promptTokenCount":9,"candidatesTokenCount":1,"totalTokenCount":10}}
+,
+{"candidates":[{"content":{"parts":[{"text":"lo"}],"role":"model"},"finishReason":"STOP"}],"usageMetadata":{"promptTokenCount":9,"candidatesTokenCount":2,"totalTokenCount":11}}
+]"#;
+    let bedrock = settle(r#"{"usage": "bedrock", "ceiling": 8000}"#);
+    let converse = super::eventstream::converse_stream(30, 628);
+    let cases: [(&str, &Settle, &str, &[u8], u64); 2] = [
+        (
+            "gemini array",
+            &gemini,
+            "application/json; charset=UTF-8",
+            array,
+            11,
+        ),
+        (
+            "bedrock converse",
+            &bedrock,
+            "application/vnd.amazon.eventstream",
+            &converse,
+            658,
+        ),
+    ];
+    for (format, s, ct, body, cost) in cases {
+        for chunk in [1, 3, 64, body.len()] {
+            assert_eq!(
+                body_prefix(s, ct, body, body.len(), chunk, true),
+                Figure::Cost(cost),
+                "{format} in chunks of {chunk}"
+            );
+        }
+        for cut in 0..=body.len() {
+            let figure = body_prefix(s, ct, body, cut, 5, false);
+            assert_eq!(figure, Figure::Unusable(Unusable::Reset), "{format} cut at {cut}");
+            assert_eq!(real_cost(s, figure, 1).cost, s.ceiling, "{format} cut at {cut}");
+        }
+    }
+}
+
+#[test]
+fn duplicated_usage_costs_its_last_figure_as_clients_read_it() {
+    // The same key twice in one object, and a second usage event: a JSON
+    // reader (Python's `json`, serde_json, the SDKs) keeps the last, and so
+    // does the meter: what the client is told is what it pays.
+    let s = settle(r#"{"usage": "openai_total", "ceiling": 8000}"#);
+    let twice = r#"{"usage":{"total_tokens":5,"total_tokens":700}}"#;
+    assert_eq!(meter(&s, &[], twice, 3, &[]), Figure::Cost(700));
+    let events = "data: {\"usage\":{\"total_tokens\":900}}\n\ndata: {\"usage\":{\"total_tokens\":12}}\n\ndata: [DONE]\n\n";
+    let ct = [("content-type", "text/event-stream")];
+    assert_eq!(meter(&s, &ct, events, 4, &[]), Figure::Cost(12));
+    // A duplicate past the ceiling is cut to it, counted as cut.
+    let over = r#"{"usage":{"total_tokens":1,"total_tokens":9007199254740992}}"#;
+    let real = real_cost(&s, meter(&s, &[], over, 7, &[]), 100);
+    assert_eq!((real.cost, real.cut), (8000, true));
+    // A malformed duplicate after a good one: the figure stands (a value
+    // that is not an integer never replaces one).
+    let bad = r#"{"usage":{"total_tokens":5,"total_tokens":"5"}}"#;
+    assert_eq!(meter(&s, &[], bad, 7, &[]), Figure::Cost(5));
+}
+
+#[test]
+fn a_50_mb_answer_passes_unread_past_max_body_bytes_and_costs_on_missing() {
+    // 50 MiB of content deltas and then a usage that claims 1 token: the
+    // meter stops at max_body_bytes (bounded work: it never reads the
+    // rest), and the answer costs `on_missing` (the ceiling by default).
+    let s = settle(r#"{"usage": "openai_total", "ceiling": 8000, "max_body_bytes": 1048576}"#);
+    let delta = "data: {\"choices\":[{\"delta\":{\"content\":\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"}}]}\n\n";
+    let chunk = delta.repeat(65_536 / delta.len());
+    let mut h = host().response_header("content-type", "text/event-stream");
+    let mut m = Meter::default();
+    m.on_headers(&s, &h, false);
+    h.response_body = chunk.as_bytes().to_vec();
+    let mut sent = 0usize;
+    while sent < 50 * 1024 * 1024 {
+        m.on_body(&s, &h, chunk.len(), false);
+        sent += chunk.len();
+    }
+    h.response_body = b"data: {\"usage\":{\"total_tokens\":1}}\n\ndata: [DONE]\n\n".to_vec();
+    m.on_body(&s, &h, h.response_body.len(), true);
+    let figure = m.end();
+    assert_eq!(figure, Figure::Unusable(Unusable::TooLarge));
+    assert_eq!(real_cost(&s, figure, 100).cost, 8000);
+    let estimate = settle(r#"{"usage": "openai_total", "ceiling": 8000, "on_missing": "estimate"}"#);
+    assert_eq!(real_cost(&estimate, figure, 100).cost, 100);
+}

@@ -88,6 +88,13 @@ extern "C" {
         return_buffer_data: *mut *mut u8,
         return_buffer_size: *mut usize,
     ) -> u32;
+    fn proxy_set_buffer_bytes(
+        buffer_type: u32,
+        start: usize,
+        size: usize,
+        buffer_data: *const u8,
+        buffer_size: usize,
+    ) -> u32;
     fn proxy_get_property(
         path_data: *const u8,
         path_size: usize,
@@ -252,6 +259,13 @@ pub fn buffer(kind: BufferType, start: usize, max: usize) -> Result<Option<Vec<u
         unsafe { proxy_get_buffer_bytes(kind as u32, start, max, data, size) }
     })?;
     Ok(r.data)
+}
+
+/// Replaces a buffer's first `size` bytes with `data` (`size`: the whole
+/// buffer replaces it all).
+pub fn set_buffer(kind: BufferType, size: usize, data: &[u8]) -> Result<(), HostStatus> {
+    // SAFETY: the host only reads the slice during the call.
+    ok(unsafe { proxy_set_buffer_bytes(kind as u32, 0, size, data.as_ptr(), data.len()) })
 }
 
 /// A property by path (`None`: absent).

@@ -30,7 +30,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
 use crate::host::Clock;
 use crate::host::{CasResult, Host, HostError};
-use crate::pipeline::{Answer, Callout, Directive, Pipeline, RouteMark, StreamId, Verdict};
+use crate::pipeline::{Answer, BodyEdit, Callout, Chunk, Directive, Pipeline, RouteMark, StreamId, Verdict};
 use crate::policy::Policy;
 use crate::response::LocalReply;
 use crate::stats::{Metric, Stats};
@@ -105,8 +105,10 @@ impl Host for ProxyHost {
         abi::header(MapType::HttpResponseTrailers, name).ok().flatten()
     }
 
-    fn request_body(&self, len: usize) -> Option<Vec<u8>> {
-        abi::buffer(BufferType::HttpRequestBody, 0, len).ok().flatten()
+    fn request_body(&self, offset: usize, len: usize) -> Option<Vec<u8>> {
+        abi::buffer(BufferType::HttpRequestBody, offset, len)
+            .ok()
+            .flatten()
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
@@ -219,6 +221,7 @@ impl RootContext for Root {
         Some(Box::new(Request {
             stream: context_id,
             policy: self.policy.clone(),
+            kept: 0,
         }))
     }
 
@@ -265,8 +268,9 @@ fn send(reply: &LocalReply) -> bool {
     }
 }
 
-/// Carries out a directive on the current stream.
-fn apply(directive: Directive) -> Action {
+/// Carries out a directive on the current stream (`body`: the request body
+/// bytes the host holds, on a request body's callback).
+fn apply(directive: Directive, body: usize) -> Action {
     if let Some(record) = &directive.record {
         if abi::set_property(crate::pipeline::RECORD_PROPERTY, record.as_bytes()).is_err() {
             log::debug!("tenantgate: cannot set the decision record");
@@ -281,9 +285,23 @@ fn apply(directive: Directive) -> Action {
             log::warn!("tenantgate: cannot set the {name} request header: {status:?}");
         }
     }
+    match &directive.body {
+        BodyEdit::None => {}
+        BodyEdit::Unsized => {
+            if let Err(status) = abi::remove_header(MapType::HttpRequestHeaders, "content-length") {
+                log::warn!("tenantgate: cannot remove the content-length request header: {status:?}");
+            }
+        }
+        BodyEdit::Replace(new) => {
+            if let Err(status) = abi::set_buffer(BufferType::HttpRequestBody, body, new) {
+                log::warn!("tenantgate: cannot replace the request body: {status:?}");
+            }
+        }
+    }
     match directive.verdict {
         Verdict::Continue => Action::Continue,
-        Verdict::Pause => Action::Pause,
+        // A request body's chunk kept by Envoy: `StopIterationAndBuffer`.
+        Verdict::Pause | Verdict::Buffer => Action::Pause,
         // If Envoy refused the reply, pausing would hang the request.
         Verdict::Reply(reply) if send(&reply) => Action::Pause,
         Verdict::Reply(_) => Action::Continue,
@@ -326,7 +344,7 @@ fn apply_answers(answers: Vec<Answer>) {
             let _ = with_worker(|p, _| p.on_stream_end(&ProxyHost, &WallClock, a.stream));
             continue;
         }
-        if apply(a.directive) == Action::Continue && abi::resume_http_request().is_err() {
+        if apply(a.directive, 0) == Action::Continue && abi::resume_http_request().is_err() {
             log::warn!("tenantgate: cannot resume a held request");
         }
     }
@@ -336,16 +354,26 @@ fn apply_answers(answers: Vec<Answer>) {
 struct Request {
     stream: StreamId,
     policy: Option<Rc<Policy>>,
+    /// Request body bytes Envoy keeps for this filter (`Verdict::Buffer`),
+    /// in front of the next chunk it delivers.
+    kept: usize,
 }
 
 impl Request {
     /// Runs a pipeline step for this stream, then the answers it made for
     /// other streams (a request displaced from a full queue).
-    fn step(&self, f: impl FnOnce(&mut Pipeline) -> Directive) -> Action {
+    fn step(&mut self, body: usize, f: impl FnOnce(&mut Pipeline) -> Directive) -> Action {
         let Some((directive, answers)) = with_worker(|p, _| (f(p), p.take_answers())) else {
             return Action::Continue;
         };
-        let action = apply(directive);
+        // Envoy gives the chunks it keeps for us, and the new one after
+        // them, on the next callback.
+        self.kept = if directive.verdict == Verdict::Buffer {
+            body
+        } else {
+            0
+        };
+        let action = apply(directive, body);
         if !answers.is_empty() {
             apply_answers(answers);
             // Back on this request's stream.
@@ -373,15 +401,24 @@ impl HttpContext for Request {
             return Action::Continue;
         };
         let stream = self.stream;
-        self.step(|p| p.on_request_headers(&ProxyHost, &WallClock, &policy, stream))
+        self.step(0, |p| {
+            p.on_request_headers(&ProxyHost, &WallClock, &policy, stream)
+        })
     }
 
-    fn on_http_request_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let Some(policy) = self.policy.clone() else {
             return Action::Continue;
         };
         let stream = self.stream;
-        self.step(|p| p.on_request_body(&ProxyHost, &WallClock, &policy, stream, body_size))
+        let chunk = Chunk {
+            offset: self.kept,
+            len: body_size.saturating_sub(self.kept),
+            end_of_stream,
+        };
+        self.step(body_size, |p| {
+            p.on_request_body(&ProxyHost, &WallClock, &policy, stream, chunk)
+        })
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {

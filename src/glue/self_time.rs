@@ -66,8 +66,8 @@ impl Host for Recording<'_> {
     fn response_trailer(&self, name: &str) -> Option<Vec<u8>> {
         self.host.response_trailer(name)
     }
-    fn request_body(&self, len: usize) -> Option<Vec<u8>> {
-        self.host.request_body(len)
+    fn request_body(&self, offset: usize, len: usize) -> Option<Vec<u8>> {
+        self.host.request_body(offset, len)
     }
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
         let owned = path.iter().map(|p| (*p).to_owned()).collect();

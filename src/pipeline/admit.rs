@@ -12,7 +12,7 @@ use std::rc::Rc;
 use super::hold::{NotQueued, Paused, Read};
 use super::lease::{NoClock, Now};
 use super::stream::{Signal, Stream};
-use super::{Answer, Clock, Directive, Pipeline, StreamId, Verdict};
+use super::{Answer, BodyEdit, Chunk, Clock, Directive, Pipeline, StreamId, Verdict};
 use crate::admission::degraded::{self, Lookup};
 use crate::admission::queue::{Held, NotHeld, Offered};
 use crate::admission::request::{self, BodyBudget, Declared};
@@ -75,6 +75,9 @@ impl Pipeline {
         let mut directive = self.decide_headers(host, clock, policy, stream, &mut metered);
         // A metered request's answer is read for its usage: uncompressed.
         directive.identity_encoding = metered && !matches!(directive.verdict, Verdict::Reply(_));
+        if directive.verdict == Verdict::Continue && self.start_rewrite(host, stream) {
+            directive.body = BodyEdit::Unsized;
+        }
         let soft = self
             .streams
             .get(&stream)
@@ -104,7 +107,7 @@ impl Pipeline {
             Ok(p) => p,
             Err(reason) => return self.finish(host, policy, stream, state, Decision::passed(reason), None),
         };
-        Self::estimate(host, policy, &mut prepared);
+        state.input_estimate = Self::estimate(host, policy, &mut prepared);
         *metered = prepared.class.settle.is_some() && prepared.cost > 0;
         let mut now = Now::new(clock);
         let mut record = None;
@@ -120,6 +123,7 @@ impl Pipeline {
                     return Directive {
                         mark: None,
                         identity_encoding: false,
+                        body: BodyEdit::None,
                         verdict: Verdict::Pause,
                         record,
                     };
@@ -132,6 +136,7 @@ impl Pipeline {
                     return Directive {
                         mark: None,
                         identity_encoding: false,
+                        body: BodyEdit::None,
                         verdict: Verdict::Reply(reply),
                         record,
                     };
@@ -174,6 +179,7 @@ impl Pipeline {
                     return Directive {
                         mark: None,
                         identity_encoding: false,
+                        body: BodyEdit::None,
                         verdict: Verdict::Pause,
                         record,
                     };
@@ -185,16 +191,19 @@ impl Pipeline {
         self.finish(host, policy, stream, state, decision, record)
     }
 
-    /// Counts a streamed request body's chunk against `max_body_bytes`, and
-    /// reads a settling class's estimate from it (see [`super::settle`]).
+    /// Counts a streamed request body's chunk against `max_body_bytes`,
+    /// reads a settling class's estimate from it, and keeps it for a body
+    /// asking for its usage (see [`super::settle`]).
     pub fn on_request_body<H: Host>(
         &mut self,
         host: &H,
         clock: &impl Clock,
         policy: &Policy,
         stream: StreamId,
-        bytes: usize,
+        chunk: impl Into<Chunk>,
     ) -> Directive {
+        let chunk = chunk.into();
+        let bytes = chunk.len;
         let estimating = self
             .streams
             .get(&stream)
@@ -202,7 +211,7 @@ impl Pipeline {
             .is_some_and(|s| s.estimates_from_body());
         if estimating {
             let now = clock.now().unwrap_or(0);
-            if let Some(refused) = self.settling_body(host, policy, stream, bytes, now) {
+            if let Some(refused) = self.settling_body(host, policy, stream, chunk, now) {
                 if let Some(mut state) = self.streams.remove(&stream) {
                     if let Some(ticket) = state.ticket.take() {
                         self.cancel(host, ticket, now);
@@ -220,10 +229,10 @@ impl Pipeline {
         };
         let level = state.level;
         let Some(budget) = state.body.as_mut() else {
-            return Directive::go();
+            return self.rewrite_body(host, stream, chunk);
         };
         let Err(reason) = budget.add(u64::try_from(bytes).unwrap_or(u64::MAX)) else {
-            return Directive::go();
+            return self.rewrite_body(host, stream, chunk);
         };
         state.body = None;
         self.pending.admission(Some(reason), level);
@@ -262,6 +271,7 @@ impl Pipeline {
                 return Directive {
                     mark: None,
                     identity_encoding: false,
+                    body: BodyEdit::None,
                     verdict: Verdict::Reply(reply),
                     record,
                 };
@@ -269,6 +279,7 @@ impl Pipeline {
             return Directive {
                 mark: None,
                 identity_encoding: false,
+                body: BodyEdit::None,
                 verdict: Verdict::Continue,
                 record,
             };
@@ -280,6 +291,7 @@ impl Pipeline {
         Directive {
             mark: None,
             identity_encoding: false,
+            body: BodyEdit::None,
             verdict: Verdict::Continue,
             record,
         }
@@ -617,6 +629,7 @@ impl Pipeline {
                 Directive {
                     mark: None,
                     identity_encoding: false,
+                    body: BodyEdit::None,
                     verdict: Verdict::Reply(reply),
                     record,
                 }
@@ -633,6 +646,7 @@ impl Pipeline {
                     Some(reply) => Directive {
                         mark: None,
                         identity_encoding: false,
+                        body: BodyEdit::None,
                         verdict: Verdict::Reply(reply),
                         record,
                     },
@@ -836,6 +850,7 @@ impl Pipeline {
                     Directive {
                         mark: None,
                         identity_encoding: false,
+                        body: BodyEdit::None,
                         verdict: Verdict::Reply(reply),
                         record,
                     }
@@ -849,6 +864,7 @@ impl Pipeline {
                     Directive {
                         mark: None,
                         identity_encoding: false,
+                        body: BodyEdit::None,
                         verdict: Verdict::Continue,
                         record,
                     }

@@ -102,7 +102,7 @@ impl ClassNeeds {
             estimate_body: class
                 .settle
                 .as_ref()
-                .is_some_and(|s| matches!(s.estimate, Estimate::BodyField(_))),
+                .is_some_and(|s| matches!(s.estimate, Estimate::BodyField { .. })),
         }
     }
 

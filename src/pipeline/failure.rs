@@ -5,7 +5,7 @@
 //! a copy of it; the host only asks for the directive, with the class the
 //! core's own classifier gives ([`crate::engine::class_of`]).
 
-use super::{Directive, Verdict};
+use super::{BodyEdit, Directive, Verdict};
 use crate::decision::Decision;
 use crate::policy::{FailureMode, Policy};
 use crate::response;
@@ -57,6 +57,7 @@ impl Failure {
             record: None,
             mark: None,
             identity_encoding: false,
+            body: BodyEdit::None,
         }
     }
 }

@@ -20,7 +20,7 @@ use std::rc::Rc;
 
 use serde::Serialize;
 
-use super::{Clock, Directive, Pipeline, Verdict};
+use super::{BodyEdit, Clock, Directive, Pipeline, Verdict};
 use crate::decision::Subject;
 use crate::engine;
 use crate::host::Host;
@@ -125,6 +125,7 @@ impl Pipeline {
         Directive {
             mark: None,
             identity_encoding: false,
+            body: BodyEdit::None,
             verdict: Verdict::Reply(LocalReply {
                 status: 200,
                 headers: vec![
@@ -150,6 +151,7 @@ fn unavailable(policy: &Policy) -> Directive {
     Directive {
         mark: None,
         identity_encoding: false,
+        body: BodyEdit::None,
         verdict: match crate::response::local_reply(&decision, &policy.version, false, None) {
             Some(reply) => Verdict::Reply(reply),
             None => Verdict::Continue,

@@ -118,6 +118,46 @@ pub enum Verdict {
     Pause,
     /// Answered here: the host sends this reply and the stream goes no further.
     Reply(LocalReply),
+    /// On a request body chunk: the host keeps it, after the chunks it
+    /// kept before, and delivers the next (see [`BodyEdit`]).
+    Buffer,
+}
+
+/// A request body chunk as the host delivers it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Chunk {
+    /// Where it starts in what [`Host::request_body`] reads on this
+    /// callback (after the chunks the host kept for a [`Verdict::Buffer`]).
+    pub offset: usize,
+    pub len: usize,
+    /// The body's last chunk.
+    pub end_of_stream: bool,
+}
+
+impl From<usize> for Chunk {
+    /// A chunk of `len` bytes, not the last, read from its start.
+    fn from(len: usize) -> Chunk {
+        Chunk {
+            offset: 0,
+            len,
+            end_of_stream: false,
+        }
+    }
+}
+
+/// What becomes of the request's body on its way upstream (a class with
+/// `settle.include_usage`: [`crate::cost::rewrite`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum BodyEdit {
+    #[default]
+    None,
+    /// On the request headers: remove `content-length`, as the body may
+    /// change length (the upstream gets it chunked, or framed by HTTP/2);
+    /// its chunks are then kept ([`Verdict::Buffer`]) until it ends.
+    Unsized,
+    /// On the body's last chunk: the whole body (the chunks kept and this
+    /// one) is replaced by this.
+    Replace(Vec<u8>),
 }
 
 /// The pipeline's answer for one stream.
@@ -136,6 +176,7 @@ pub struct Directive {
     /// uncompressed answer, whose usage the meter reads (see
     /// [`crate::cost`], "Compression"). No route is picked again.
     pub identity_encoding: bool,
+    pub body: BodyEdit,
 }
 
 /// The request header a metered request's upstream is asked not to
@@ -160,6 +201,7 @@ impl Directive {
         Directive {
             mark: None,
             identity_encoding: false,
+            body: BodyEdit::None,
             verdict: Verdict::Continue,
             record: None,
         }

@@ -148,7 +148,7 @@ fn run(seed: u64, heal_at: u64, end: u64, upstream_ms: (u64, u64)) -> Seen {
                         probe,
                     });
                 }
-                Verdict::Pause => {}
+                Verdict::Pause | Verdict::Buffer => {}
                 Verdict::Reply(_) => {
                     let _ = pipeline.on_stream_end(&host, &now, stream);
                 }

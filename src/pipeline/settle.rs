@@ -26,7 +26,7 @@
 use std::rc::Rc;
 
 use super::stream::Stream;
-use super::{Directive, Pipeline, RouteMark, Verdict};
+use super::{BodyEdit, Chunk, Directive, Pipeline, RouteMark, Verdict};
 use crate::cost::{self, json::Scanner, Figure, Meter};
 use crate::decision::{Decision, Reason};
 use crate::engine::{self, Charged, Difference, Prepared};
@@ -53,6 +53,9 @@ pub(super) struct Settling {
     meter: Meter,
     /// Reading the request body for `estimate_body_field`.
     body_estimate: Option<Box<BodyEstimate>>,
+    /// The request body kept so far, to ask for its usage
+    /// (`include_usage`: [`cost::rewrite`]).
+    rewrite: Option<Vec<u8>>,
 }
 
 /// The request body's scan for its estimate field.
@@ -61,6 +64,8 @@ struct BodyEstimate {
     field: [Field; 1],
     scanner: Scanner,
     read: u64,
+    /// The input estimate added to the field's value.
+    input: u64,
 }
 
 impl Settling {
@@ -102,22 +107,35 @@ fn max_estimate(policy: &Policy, prepared: &Prepared, settle: &Settle) -> u64 {
         .max(1)
 }
 
+/// The input estimate of a request (`estimate_input_bytes_per_token`): its
+/// declared `content-length` (Envoy holds a body to it) in units, rounded
+/// up; 0 without either.
+fn input_estimate<H: Host>(host: &H, settle: &Settle) -> u64 {
+    let Some(per) = settle.input_bytes_per_token else {
+        return 0;
+    };
+    host.request_header("content-length")
+        .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<u64>().ok())
+        .map_or(0, |len| len.div_ceil(per.max(1)))
+}
+
 impl Pipeline {
     /// A settling class's request: its estimate from a trusted header, if
-    /// the policy names one (else `cost`, as prepared).
-    pub(super) fn estimate<H: Host>(host: &H, policy: &Policy, prepared: &mut Prepared) {
+    /// the policy names one (else `cost`, as prepared), and its input
+    /// estimate added (returned, for a body field's value).
+    pub(super) fn estimate<H: Host>(host: &H, policy: &Policy, prepared: &mut Prepared) -> u64 {
         let Some(settle) = prepared.class.settle.as_ref() else {
-            return;
+            return 0;
         };
         let method = host.request_header(":method").unwrap_or_default();
         let path = host.request_header(":path").unwrap_or_default();
         if !settle.meters(&method, &path) {
             // Outside the metered operation: no cost (see [`unmetered`]).
             prepared.cost = 0;
-            return;
+            return 0;
         }
+        let max = max_estimate(policy, prepared, settle);
         if let Estimate::Header(name) = &settle.estimate {
-            let max = max_estimate(policy, prepared, settle);
             if let Some(e) = host
                 .request_header(name)
                 .and_then(|raw| cost::estimate_of(&raw, max))
@@ -125,6 +143,11 @@ impl Pipeline {
                 prepared.cost = e;
             }
         }
+        let input = input_estimate(host, settle);
+        if input > 0 {
+            prepared.cost = prepared.cost.saturating_add(input).clamp(1, max);
+        }
+        input
     }
 
     /// An admitted request of a settling class: what it was charged, to be
@@ -151,14 +174,15 @@ impl Pipeline {
         self.pending
             .cost(&prepared.class.name, CostStat::EstimatedUnits, prepared.cost);
         let body_estimate = match &settle.estimate {
-            Estimate::BodyField(name) => Some(Box::new(BodyEstimate {
+            Estimate::BodyField { name, pointer } => Some(Box::new(BodyEstimate {
                 field: [Field {
                     name: name.clone(),
-                    pointers: vec![vec![name.clone()]],
+                    pointers: vec![pointer.clone()],
                     weight_milli: crate::policy::settle::WEIGHT_SCALE,
                 }],
                 scanner: Scanner::default(),
                 read: 0,
+                input: state.input_estimate,
             })),
             _ => None,
         };
@@ -172,7 +196,70 @@ impl Pipeline {
             },
             meter: Meter::default(),
             body_estimate,
+            rewrite: None,
         }));
+    }
+
+    /// A request admitted at its headers, of a class with
+    /// `include_usage`, whose body can be kept whole
+    /// ([`cost::rewrite::MAX_REWRITE_BYTES`], by its `content-length`):
+    /// its body is kept to ask for its usage. `true`: the host is to remove
+    /// `content-length` ([`BodyEdit::Unsized`]).
+    pub(super) fn start_rewrite<H: Host>(&mut self, host: &H, stream: super::StreamId) -> bool {
+        let Some(s) = self.streams.get_mut(&stream).and_then(|s| s.settling.as_mut()) else {
+            return false;
+        };
+        if !s.settle_rule().is_some_and(|r| r.include_usage) {
+            return false;
+        }
+        let declared = host
+            .request_header("content-length")
+            .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<u64>().ok());
+        let max = u64::try_from(cost::rewrite::MAX_REWRITE_BYTES).unwrap_or(u64::MAX);
+        if declared.is_some_and(|n| n == 0 || n > max) {
+            return false;
+        }
+        s.rewrite = Some(Vec::new());
+        true
+    }
+
+    /// A request body chunk of a body kept to ask for its usage: kept
+    /// ([`Verdict::Buffer`]) until the body ends, then replaced if it is a
+    /// streamed request that did not ask ([`cost::rewrite`]). A body that
+    /// grows past [`cost::rewrite::MAX_REWRITE_BYTES`] goes on unchanged.
+    pub(super) fn rewrite_body<H: Host>(
+        &mut self,
+        host: &H,
+        stream: super::StreamId,
+        chunk: Chunk,
+    ) -> Directive {
+        let Some(s) = self.streams.get_mut(&stream).and_then(|s| s.settling.as_mut()) else {
+            return Directive::go();
+        };
+        let Some(kept) = s.rewrite.as_mut() else {
+            return Directive::go();
+        };
+        if kept.len().saturating_add(chunk.len) > cost::rewrite::MAX_REWRITE_BYTES {
+            s.rewrite = None;
+            return Directive::go();
+        }
+        kept.extend_from_slice(&host.request_body(chunk.offset, chunk.len).unwrap_or_default());
+        if !chunk.end_of_stream {
+            return Directive {
+                verdict: Verdict::Buffer,
+                ..Directive::go()
+            };
+        }
+        let kept = s.rewrite.take().unwrap_or_default();
+        let Some(body) = cost::rewrite::include_usage(&kept) else {
+            return Directive::go();
+        };
+        let class = s.prepared.class.name.clone();
+        self.pending.cost(&class, CostStat::UsageRequested, 1);
+        Directive {
+            body: BodyEdit::Replace(body),
+            ..Directive::go()
+        }
     }
 
     /// A chunk of the request body of a settling class with
@@ -183,18 +270,20 @@ impl Pipeline {
         &mut self,
         host: &H,
         s: &mut Settling,
-        bytes: usize,
+        chunk: Chunk,
         now: u64,
     ) -> Option<Decision> {
         let b = s.body_estimate.as_mut()?;
-        b.read = b.read.saturating_add(u64::try_from(bytes).unwrap_or(u64::MAX));
+        b.read = b
+            .read
+            .saturating_add(u64::try_from(chunk.len).unwrap_or(u64::MAX));
         if b.read > MAX_ESTIMATE_BODY_BYTES {
             s.body_estimate = None;
             return None;
         }
-        let chunk = host.request_body(bytes).unwrap_or_default();
+        let chunk = host.request_body(chunk.offset, chunk.len).unwrap_or_default();
         b.scanner.feed(&chunk, &b.field);
-        let value = b.scanner.found().values[0]?;
+        let value = b.scanner.found().values[0]?.saturating_add(b.input);
         s.body_estimate = None;
         let settle = s.settle_rule()?;
         let e = value.clamp(1, max_estimate(&s.policy, &s.prepared, settle));
@@ -266,11 +355,11 @@ impl Pipeline {
         host: &H,
         policy: &Policy,
         stream: super::StreamId,
-        bytes: usize,
+        chunk: Chunk,
         now: u64,
     ) -> Option<Directive> {
         let mut s = self.streams.get_mut(&stream)?.settling.take()?;
-        let refused = self.estimate_from_body(host, &mut s, bytes, now);
+        let refused = self.estimate_from_body(host, &mut s, chunk, now);
         let Some(decision) = refused else {
             if let Some(state) = self.streams.get_mut(&stream) {
                 state.settling = Some(s);
@@ -290,6 +379,7 @@ impl Pipeline {
             record: None,
             mark: None,
             identity_encoding: false,
+            body: BodyEdit::None,
         })
     }
 

@@ -40,6 +40,11 @@ const POLICY: &str = r#"{
         "bodyest": {"action": "chat", "cost": 100, "settle": {"usage": "openai_total", "ceiling": 1000,
                                                                "estimate_body_field": "max_tokens"}},
         "messages": {"action": "chat", "cost": 100, "settle": {"usage": "anthropic", "ceiling": 1000}},
+        "nested": {"action": "chat", "cost": 100, "settle": {"usage": "gemini", "ceiling": 1000,
+                   "estimate_body_field": "/generationConfig/maxOutputTokens",
+                   "estimate_input_bytes_per_token": 4}},
+        "askusage": {"action": "chat", "cost": 100, "settle": {"usage": "openai_total", "ceiling": 1000,
+                     "include_usage": true, "estimate_body_field": "max_tokens"}},
         "models": {"action": "chat", "cost": 100, "settle": {"usage": "openai_total", "ceiling": 1000,
                    "methods": ["post"], "paths": ["/v1/chat/", "/v1/responses"],
                    "on_outcome": {"upstream_4xx": "estimate", "no_response": "ceiling"}}},
@@ -810,4 +815,174 @@ fn a_metered_request_asks_its_upstream_for_an_uncompressed_answer() {
         let d = w.headers(&big, stream, T0);
         assert_eq!(d.identity_encoding, admitted(&d), "{d:?}");
     }
+}
+
+/// A body through `on_request_body` in chunks of `size`, as each host
+/// delivers it: the module gives each chunk alone (offset 0); the wasm
+/// filter's host gives, after a `Buffer`, what it kept and the new chunk
+/// (offset: what it kept). Returns each chunk's directive.
+fn send_body(
+    w: &mut Worker,
+    h: &mut MemoryHost,
+    stream: StreamId,
+    body: &[u8],
+    size: usize,
+    wasm: bool,
+) -> Vec<Directive> {
+    let policy = w.policy.clone();
+    let mut kept = 0;
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < body.len() {
+        let end = (start + size).min(body.len());
+        h.request_body = if wasm {
+            body[start - kept..end].to_vec()
+        } else {
+            body[start..end].to_vec()
+        };
+        let chunk = Chunk {
+            offset: if wasm { kept } else { 0 },
+            len: end - start,
+            end_of_stream: end == body.len(),
+        };
+        let d = w.pipeline.on_request_body(h, &T0, &policy, stream, chunk);
+        kept = if d.verdict == Verdict::Buffer {
+            kept + (end - start)
+        } else {
+            0
+        };
+        out.push(d);
+        start = end;
+    }
+    out
+}
+
+#[test]
+fn a_streamed_request_is_sent_asking_for_its_usage_on_both_hosts_body_models() {
+    let body =
+        br#"{"model":"gpt-4o","max_tokens":300,"stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    for wasm in [false, true] {
+        for size in [1, 7, body.len()] {
+            let node = Node::new();
+            let mut w = node.worker(T0);
+            let mut h = node
+                .request("askusage", "acme")
+                .header("content-length", body.len().to_string());
+            let d = w.headers(&h, 1, T0);
+            assert!(admitted(&d));
+            assert_eq!(
+                d.body,
+                BodyEdit::Unsized,
+                "content-length goes: the body changes length"
+            );
+            let ds = send_body(&mut w, &mut h, 1, body, size, wasm);
+            let (last, kept) = ds.split_last().unwrap();
+            assert!(kept
+                .iter()
+                .all(|d| d.verdict == Verdict::Buffer && d.body == BodyEdit::None));
+            assert_eq!(last.verdict, Verdict::Continue);
+            let BodyEdit::Replace(sent) = &last.body else {
+                panic!("wasm {wasm}, chunks of {size}: {last:?}")
+            };
+            let v: serde_json::Value = serde_json::from_slice(sent).unwrap();
+            assert_eq!(v["stream_options"]["include_usage"], true);
+            assert_eq!(v["max_tokens"], 300);
+            assert_eq!(v["messages"][0]["content"], "hi");
+            // The estimate was read from the same chunks; the usage settles.
+            let r = w.respond(&node, 1, Answer::Usage(280), T0).unwrap();
+            assert_eq!((field(&r, "estimate"), field(&r, "cost")), (300, 280));
+            w.pipeline.on_tick(&h, &T0, &mut node.stats.clone(), None);
+            assert_eq!(node.stat("tenantgate.cost.usage_requested.askusage"), 1);
+        }
+    }
+}
+
+#[test]
+fn a_body_that_is_not_a_streamed_request_or_too_large_goes_unchanged() {
+    let node = Node::new();
+    let mut w = node.worker(T0);
+    // Not streamed: kept, then sent as it was.
+    let plain = br#"{"model":"m","max_tokens":10,"messages":[]}"#;
+    let mut h = node.request("askusage", "acme");
+    assert_eq!(w.headers(&h, 1, T0).body, BodyEdit::Unsized);
+    let ds = send_body(&mut w, &mut h, 1, plain, 8, true);
+    assert_eq!(ds.last().unwrap().verdict, Verdict::Continue);
+    assert_eq!(ds.last().unwrap().body, BodyEdit::None);
+    w.pipeline.on_stream_end(&h, &T0, 1);
+    // Declared too large: its content-length stays, nothing is kept.
+    let max = crate::cost::rewrite::MAX_REWRITE_BYTES;
+    let mut big = node
+        .request("askusage", "acme")
+        .header("content-length", (max + 1).to_string());
+    let d = w.headers(&big, 2, T0);
+    assert!(admitted(&d));
+    assert_eq!(d.body, BodyEdit::None);
+    let huge = format!(r#"{{"stream":true,"pad":"{}"}}"#, "x".repeat(max));
+    let ds = send_body(&mut w, &mut big, 2, huge.as_bytes(), 64 * 1024, true);
+    assert!(ds
+        .iter()
+        .all(|d| d.verdict == Verdict::Continue && d.body == BodyEdit::None));
+    w.pipeline.on_stream_end(&big, &T0, 2);
+    // Undeclared (chunked) and growing past the bound: kept until then,
+    // then let go unchanged (the host sends what it kept and the rest).
+    let mut chunked = node.request("askusage", "acme");
+    assert_eq!(w.headers(&chunked, 3, T0).body, BodyEdit::Unsized);
+    let ds = send_body(&mut w, &mut chunked, 3, huge.as_bytes(), 64 * 1024, true);
+    let first_go = ds.iter().position(|d| d.verdict == Verdict::Continue).unwrap();
+    assert_eq!(first_go, max / (64 * 1024));
+    assert!(ds[first_go..]
+        .iter()
+        .all(|d| d.verdict == Verdict::Continue && d.body == BodyEdit::None));
+    w.pipeline.on_stream_end(&chunked, &T0, 3);
+    // Another class's request is never kept.
+    let other = node.request("bodyest", "acme");
+    assert_eq!(w.headers(&other, 4, T0).body, BodyEdit::None);
+}
+
+#[test]
+fn the_estimate_is_the_requests_own_output_bound_plus_a_bounded_input_estimate() {
+    let node = Node::new();
+    let mut w = node.worker(T0);
+    let policy = w.policy.clone();
+    // Gemini's `generationConfig.maxOutputTokens` (a pointer), and one unit
+    // per 4 bytes of the declared body: 400 bytes, 100 units.
+    let mut body = br#"{"generationConfig":{"maxOutputTokens":300},"contents":[{"parts":[{"text":""#.to_vec();
+    body.resize(400 - 6, b'x');
+    body.extend_from_slice(br#""}]}]}"#);
+    assert_eq!(body.len(), 400);
+    let mut h = node
+        .request("nested", "acme")
+        .header("content-length", body.len().to_string());
+    assert!(admitted(&w.headers(&h, 1, T0)));
+    // On the headers: the class's cost and the input estimate.
+    w.pipeline.on_tick(&h, &T0, &mut node.stats.clone(), None);
+    assert_eq!(node.stat("tenantgate.cost.estimated_units.nested"), 200);
+    for c in body.chunks(9) {
+        h.request_body = c.to_vec();
+        let d = w.pipeline.on_request_body(&h, &T0, &policy, 1, c.len());
+        assert_eq!(d.verdict, Verdict::Continue);
+    }
+    let answer = r#"{"usageMetadata":{"promptTokenCount":90,"totalTokenCount":350}}"#;
+    let mut a = MemoryHost::new(node.store.clone()).response_header("content-type", "application/json");
+    let r = w.pipeline.on_response_headers(&a, &T0, 1, false);
+    assert!(r.cost_record.is_none());
+    a.response_body = answer.as_bytes().to_vec();
+    let record = w
+        .pipeline
+        .on_response_body(&a, &T0, 1, answer.len(), true)
+        .unwrap();
+    assert_eq!(
+        (field(&record, "estimate"), field(&record, "cost")),
+        (400, 350),
+        "{record}"
+    );
+    // A liar's `maxOutputTokens: 1` still reserves its input (1 + 1,000,
+    // cut to the ceiling).
+    let lie = br#"{"generationConfig":{"maxOutputTokens":1},"contents":[]}"#;
+    let mut h = node.request("nested", "acme").header("content-length", "4000");
+    assert!(admitted(&w.headers(&h, 2, T0)));
+    h.request_body = lie.to_vec();
+    w.pipeline.on_request_body(&h, &T0, &policy, 2, lie.len());
+    let record = w.respond(&node, 2, Answer::NoUsage, T0).unwrap();
+    assert_eq!(field(&record, "estimate"), 1000, "{record}");
 }

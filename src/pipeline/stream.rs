@@ -54,6 +54,8 @@ pub(super) struct Stream {
     /// Over a soft limit: `(soft_limit_header, the limit's name)`, the
     /// response's marker.
     pub soft: Option<(String, String)>,
+    /// A settling class's input estimate, added to a body field's value.
+    pub input_estimate: u64,
 }
 
 impl Stream {

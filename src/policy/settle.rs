@@ -41,6 +41,12 @@ pub struct Settle {
     /// ... on these path prefixes (empty: every path).
     pub paths: Vec<String>,
     pub outcomes: Outcomes,
+    /// Ask a streamed request's upstream for its usage
+    /// (`stream_options.include_usage`: [`crate::cost::rewrite`]).
+    pub include_usage: bool,
+    /// The input estimate: one unit per this many bytes of the request's
+    /// declared `content-length`, added to the estimate (`None`: none).
+    pub input_bytes_per_token: Option<u64>,
 }
 
 /// What an answer that is not the operation's success costs, by outcome
@@ -112,9 +118,14 @@ pub enum Estimate {
     Cost,
     /// A trusted request header's integer (lower-cased name).
     Header(String),
-    /// A top-level field of the request's JSON body, read as it passes.
-    BodyField(String),
+    /// A field of the request's JSON body, read as it passes: `name` as
+    /// the policy wrote it (a top-level field's name, or a JSON pointer),
+    /// `pointer` its segments.
+    BodyField { name: String, pointer: Vec<String> },
 }
+
+/// Most `estimate_input_bytes_per_token`.
+pub const MAX_BYTES_PER_TOKEN: i64 = 64;
 
 impl Settle {
     /// The fields a body source reads (none for a header or trailer).
@@ -254,6 +265,24 @@ pub fn compile_settle(
         local_reply: pick(|o| o.local_reply, d.local_reply),
         no_response: pick(|o| o.no_response, d.no_response),
     };
+    let include_usage = spec.include_usage.unwrap_or(false);
+    let input_bytes_per_token = match spec.estimate_input_bytes_per_token {
+        None => None,
+        Some(n) if (1..=MAX_BYTES_PER_TOKEN).contains(&n) => Some(n as u64),
+        Some(_) => {
+            errors.push(PolicyError::new(
+                path.key("estimate_input_bytes_per_token"),
+                format!("must be between 1 and {MAX_BYTES_PER_TOKEN}"),
+            ));
+            None
+        }
+    };
+    if include_usage && !matches!(source, Some(Source::Body(_))) && source.is_some() {
+        errors.push(PolicyError::new(
+            path.key("include_usage"),
+            "reads the usage from the answer's body: needs `usage` or `fields`, not a header or trailer",
+        ));
+    }
     if errors.len() > before {
         return None;
     }
@@ -266,6 +295,8 @@ pub fn compile_settle(
         methods,
         paths,
         outcomes,
+        include_usage,
+        input_bytes_per_token,
     })
 }
 
@@ -457,14 +488,25 @@ fn compile_estimate(spec: &SettleSpec, path: &FieldPath, errors: &mut Vec<Policy
             ));
             Estimate::Cost
         }
-        (None, Some(f)) if super::is_name(f) => Estimate::BodyField(f.clone()),
-        (None, Some(_)) => {
-            errors.push(PolicyError::new(
-                path.key("estimate_body_field"),
-                "must be a top-level field name: 1 to 64 characters of A-Z a-z 0-9 _ - .",
-            ));
-            Estimate::Cost
-        }
+        (None, Some(f)) if super::is_name(f) => Estimate::BodyField {
+            name: f.clone(),
+            pointer: vec![f.clone()],
+        },
+        (None, Some(f)) => match f.starts_with('/').then(|| parse_pointer(f)).flatten() {
+            Some(pointer) => Estimate::BodyField {
+                name: f.clone(),
+                pointer,
+            },
+            None => {
+                errors.push(PolicyError::new(
+                    path.key("estimate_body_field"),
+                    format!(
+                        "must be a top-level field name (1 to 64 characters of A-Z a-z 0-9 _ - .) or a JSON pointer like /generationConfig/maxOutputTokens (1 to {MAX_POINTER_SEGMENTS} segments)"
+                    ),
+                ));
+                Estimate::Cost
+            }
+        },
     }
 }
 

@@ -469,10 +469,14 @@ pub struct SettleSpec {
     /// A trusted request header carrying the estimate (else `cost`).
     #[serde(default)]
     pub estimate_header: Option<String>,
-    /// A top-level field of the request's JSON body carrying the estimate
-    /// (`max_tokens`; else `cost`).
+    /// A field of the request's JSON body carrying the estimate (a
+    /// top-level name such as `max_tokens`, or a JSON pointer; else `cost`).
     #[serde(default)]
     pub estimate_body_field: Option<String>,
+    /// Adds an input estimate to the estimate: one unit per this many bytes
+    /// of the request's declared `content-length`.
+    #[serde(default)]
+    pub estimate_input_bytes_per_token: Option<i64>,
     /// The request methods metered (else `[POST]`); others pass uncharged.
     #[serde(default)]
     pub methods: Option<Vec<String>>,
@@ -483,6 +487,10 @@ pub struct SettleSpec {
     /// What an answer without usable usage costs, by its outcome.
     #[serde(default)]
     pub on_outcome: Option<OutcomeSpec>,
+    /// Set `stream_options.include_usage: true` on a streamed request's
+    /// JSON body (OpenAI Chat Completions), so its stream ends with usage.
+    #[serde(default)]
+    pub include_usage: Option<bool>,
 }
 
 /// `routes.<class>.settle.on_outcome:` the cost of an answer that is not

@@ -252,6 +252,7 @@ fn verdict(d: &Directive) -> String {
     match &d.verdict {
         Verdict::Continue => String::from("continue"),
         Verdict::Pause => String::from("pause (held)"),
+        Verdict::Buffer => String::from("buffer (the body is kept)"),
         Verdict::Reply(r) => {
             let mut line = format!(
                 "reply {} (reason {})",
@@ -297,7 +298,7 @@ fn first_request(node: &mut Node<'_>, out: &mut String) {
             .header("ratelimit-policy")
             .zip(r.header("ratelimit"))
             .map(|(p, l)| (p.to_owned(), l.to_owned())),
-        Verdict::Pause => None,
+        Verdict::Pause | Verdict::Buffer => None,
     };
     match headers {
         Some((policy, ratelimit)) => {

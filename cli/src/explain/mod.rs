@@ -126,7 +126,7 @@ fn settle_lines(class: &RouteClass, out: &mut String) {
     let estimate = match &s.estimate {
         Estimate::Cost => String::from("the cost"),
         Estimate::Header(h) => format!("the request header {h} (from a trusted hop), else the cost"),
-        Estimate::BodyField(f) => format!(
+        Estimate::BodyField { name: f, .. } => format!(
             "the cost on the request headers, then the request body's {f} when it passes (the difference charged, 429 if it does not fit, or given back)"
         ),
     };

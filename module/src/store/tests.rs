@@ -27,7 +27,7 @@ impl Host for StoreHost<'_> {
     fn response_trailer(&self, _: &str) -> Option<Vec<u8>> {
         None
     }
-    fn request_body(&self, _: usize) -> Option<Vec<u8>> {
+    fn request_body(&self, _: usize, _: usize) -> Option<Vec<u8>> {
         None
     }
     fn property(&self, _: &[&str]) -> Option<Vec<u8>> {
