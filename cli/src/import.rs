@@ -216,7 +216,7 @@ impl Writer<'_> {
         for (what, text) in [("key", &d.key), ("value", &d.value)] {
             if text.len() > MAX_TEXT_LEN || text.chars().any(char::is_control) {
                 return Err(self.fail(
-                    d.line,
+                    d.lines.of(what, d.line),
                     path,
                     &format!("{what}: tenantgate holds 1 to {MAX_TEXT_LEN} bytes without control characters"),
                 ));
@@ -231,7 +231,12 @@ impl Writer<'_> {
             None => {
                 for (set, what) in [(d.shadow_mode, "shadow_mode"), (d.quota_mode, "quota_mode")] {
                     if set {
-                        self.note(d.line, path, what, "no effect: the descriptor has no rate_limit");
+                        self.note(
+                            d.lines.of(what, d.line),
+                            path,
+                            what,
+                            "no effect: the descriptor has no rate_limit",
+                        );
                     }
                 }
             }
@@ -261,7 +266,7 @@ impl Writer<'_> {
             fields.push("shared: true".to_owned());
         } else if d.key.contains('*') {
             self.note(
-                d.line,
+                d.lines.of("share_threshold", d.line),
                 path,
                 "share_threshold",
                 "not mapped: the `*` is in the key, and tenantgate shares a count by a value's pattern only",
@@ -273,9 +278,9 @@ impl Writer<'_> {
                 format!("{}_{}", d.key, d.value)
             };
             return Err(self.fail(
-                d.line,
+                d.lines.of("share_threshold", d.line),
                 path,
-                &format!("share_threshold can only be used with wildcard values (containing '*'), but found key '{key}'"),
+                &format!("share_threshold: share_threshold can only be used with wildcard values (containing '*'), but found key '{key}'"),
             ));
         }
         Ok(())
@@ -287,9 +292,9 @@ impl Writer<'_> {
         if !limit.name.is_empty() {
             if limit.name.len() > MAX_TEXT_LEN || limit.name.chars().any(char::is_control) {
                 return Err(self.fail(
-                    limit.line,
+                    limit.lines.of("name", limit.line),
                     path,
-                    &format!("name: tenantgate holds 1 to {MAX_TEXT_LEN} bytes without control characters"),
+                    &format!("rate_limit.name: tenantgate holds 1 to {MAX_TEXT_LEN} bytes without control characters"),
                 ));
             }
             fields.push(format!("name: {}", quote(&limit.name)));
@@ -297,16 +302,16 @@ impl Writer<'_> {
         let per = per_of(&limit.unit);
         if limit.unlimited && per.is_some() {
             return Err(self.fail(
-                limit.line,
+                limit.lines.of("unit", limit.line),
                 path,
-                "should not specify rate limit unit when unlimited",
+                "rate_limit.unit: should not specify rate limit unit when unlimited",
             ));
         }
         if !limit.unlimited && per.is_none() {
             return Err(self.fail(
-                limit.line,
+                limit.lines.of("unit", limit.line),
                 path,
-                &format!("invalid rate limit unit '{}'", limit.unit),
+                &format!("rate_limit.unit: invalid rate limit unit '{}'", limit.unit),
             ));
         }
         let replaces = self.replaces(limit, path)?;
@@ -317,7 +322,12 @@ impl Writer<'_> {
             fields.push("unlimited: true".to_owned());
             for (set, what) in [(d.shadow_mode, "shadow_mode"), (d.quota_mode, "quota_mode")] {
                 if set {
-                    self.note(d.line, path, what, "no effect on an unlimited rule");
+                    self.note(
+                        d.lines.of(what, d.line),
+                        path,
+                        what,
+                        "no effect on an unlimited rule",
+                    );
                 }
             }
             return Ok(());
@@ -327,7 +337,7 @@ impl Writer<'_> {
             extra.push_str(", shadow: true");
             if d.quota_mode {
                 self.note(
-                    d.line,
+                    d.lines.of("quota_mode", d.line),
                     path,
                     "quota_mode",
                     "no effect beside shadow_mode (a shadow limit never refuses)",
@@ -336,7 +346,7 @@ impl Writer<'_> {
         } else if d.quota_mode {
             extra.push_str(", on_limit: soft");
             self.note(
-                d.line,
+                d.lines.of("quota_mode", d.line),
                 path,
                 "quota_mode",
                 "mapped to `on_limit: soft` (answered OK over the limit); envoyproxy/ratelimit refuses a request whose every quota descriptor is over its limit, tenantgate's RLS never does",
@@ -359,10 +369,18 @@ impl Writer<'_> {
         let mut out = Vec::new();
         for (name, line) in &limit.replaces {
             if name.is_empty() {
-                return Err(self.fail(*line, path, "should not have an empty replaces entry"));
+                return Err(self.fail(
+                    *line,
+                    path,
+                    "rate_limit.replaces: should not have an empty replaces entry",
+                ));
             }
             if *name == limit.name {
-                return Err(self.fail(*line, path, "replaces should not contain name of same descriptor"));
+                return Err(self.fail(
+                    *line,
+                    path,
+                    "rate_limit.replaces: replaces should not contain name of same descriptor",
+                ));
             }
             if self.names.contains(name) {
                 out.push(quote(name));
@@ -382,14 +400,24 @@ impl Writer<'_> {
         const METRICS: &str = "not mapped: tenantgate keeps no metric per descriptor value (bounded labels); `tenantgate top` lists the hottest keys";
         self.ignored(&d.ignored, path);
         if d.detailed_metric {
-            self.note(d.line, path, "detailed_metric", METRICS);
+            self.note(
+                d.lines.of("detailed_metric", d.line),
+                path,
+                "detailed_metric",
+                METRICS,
+            );
         }
         if d.value_to_metric {
-            self.note(d.line, path, "value_to_metric", METRICS);
+            self.note(
+                d.lines.of("value_to_metric", d.line),
+                path,
+                "value_to_metric",
+                METRICS,
+            );
         }
         if d.metadata {
             self.note(
-                d.line,
+                d.lines.of("metadata", d.line),
                 path,
                 "metadata",
                 "not mapped: envoyproxy/ratelimit adds it to the answer's dynamic_metadata (with RESPONSE_DYNAMIC_METADATA); tenantgate's RLS answers carry none",

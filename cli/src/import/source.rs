@@ -68,6 +68,8 @@ pub struct Desc {
     /// `metadata` is set (a non-empty mapping).
     pub metadata: bool,
     pub ignored: Vec<Ignored>,
+    /// The line of each key read.
+    pub lines: Lines,
 }
 
 /// A `rate_limit` as the loader reads it.
@@ -81,6 +83,22 @@ pub struct Limit {
     /// Each entry's `name` and line.
     pub replaces: Vec<(String, usize)>,
     pub ignored: Vec<Ignored>,
+    /// The line of each key read.
+    pub lines: Lines,
+}
+
+/// The line of each key of a mapping.
+#[derive(Debug, Default)]
+pub struct Lines(Vec<(String, usize)>);
+
+impl Lines {
+    /// The line of `key`, else `fallback`.
+    pub fn of(&self, key: &str, fallback: usize) -> usize {
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map_or(fallback, |(_, line)| *line)
+    }
 }
 
 /// A known key where the loader's struct has no field: ignored by it.
@@ -219,6 +237,7 @@ impl Reader<'_> {
             if i == 0 {
                 d.line = k.line;
             }
+            d.lines.0.push((k.name.clone(), k.line));
             match k.name.as_str() {
                 "key" => d.key = self.text_of(v, &k)?,
                 "value" => d.value = self.text_of(v, &k)?,
@@ -248,6 +267,7 @@ impl Reader<'_> {
         };
         for (name, v) in self.entries(map, &key.path)? {
             let k = self.key(name, &key.path)?;
+            l.lines.0.push((k.name.clone(), k.line));
             match k.name.as_str() {
                 "requests_per_unit" => l.requests_per_unit = self.uint32(v, &k)?,
                 "unit" => l.unit = self.text_of(v, &k)?,
