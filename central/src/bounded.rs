@@ -6,7 +6,10 @@
 //! # The caps
 //! * **Connections per listener** ([`ListenerLimits::max_connections`]):
 //!   past it, a new connection waits in the kernel's backlog until one
-//!   closes.
+//!   closes. An HTTP/1 connection that sends no request head within
+//!   [`HEADER_READ_TIMEOUT`] is closed; an idle HTTP/2 connection is kept
+//!   (Envoy keeps its pool's), so clients that may connect (loopback, or a
+//!   certificate of the client CA) can hold the cap.
 //! * **Streams per connection** ([`ListenerLimits::max_streams_per_connection`],
 //!   HTTP/2's `SETTINGS_MAX_CONCURRENT_STREAMS`): a client opens more only
 //!   as earlier ones end (Envoy opens another connection).
@@ -49,7 +52,7 @@ use std::task::{Context, Poll};
 use axum::extract::ConnectInfo;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::debug;
@@ -72,6 +75,11 @@ pub struct ListenerLimits {
     /// Request body bytes held at once, over every listener.
     pub max_bytes_in_flight: usize,
 }
+
+/// An HTTP/1 connection that sends no whole request head within this long
+/// is closed, so idle connections do not keep [`DEFAULT_MAX_CONNECTIONS`]
+/// taken (hyper's default, which needs a timer to apply).
+pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Open connections per listener (Envoy's RLS cluster opens about one per
 /// worker per Envoy).
@@ -275,11 +283,15 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     use axum::serve::Listener as _;
     let mut builder = Builder::new(TokioExecutor::new());
-    builder.http1().max_buf_size(
-        usize::try_from(limits.max_header_bytes)
-            .unwrap_or(usize::MAX)
-            .max(8192),
-    );
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_buf_size(
+            usize::try_from(limits.max_header_bytes)
+                .unwrap_or(usize::MAX)
+                .max(8192),
+        );
     builder
         .http2()
         .max_concurrent_streams(limits.max_streams_per_connection)
