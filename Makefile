@@ -45,7 +45,7 @@ export SCHEMATHESIS_BIN := $(abspath $(SCHEMATHESIS))
 export TENANTGATE_PYTHON := $(abspath $(VENV)/bin/python)
 
 
-.PHONY: module-faults help setup setup-run setup-test wasm-target release setup-schemathesis setup-sdks setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
+.PHONY: module-faults help setup setup-run setup-test wasm-target release reproducible schema setup-schemathesis setup-sdks setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -118,8 +118,11 @@ ecds: wasm module cli ## Compile $(POLICY) into the ECDS file Envoy watches ($(E
 oci: wasm cli ## The filter as an OCI image layout in target/oci/tenantgate (the Wasm image Istio and Envoy Gateway pull); prints its digest and sha256
 	$(CLI) package --wasm $(WASM) --out target/oci/tenantgate
 
-manifests: cli ## Regenerate deploy/wasm/ (Envoy Gateway EnvoyExtensionPolicy, Istio WasmPlugin and ExtensionFilter) from policies/gateway.yaml
+manifests: cli ## Regenerate deploy/wasm/ (Envoy Gateway EnvoyExtensionPolicy, Istio WasmPlugin and TrafficExtension) from policies/gateway.yaml
 	$(CLI) policy apply policies/gateway.yaml --manifests deploy/wasm --wasm-sha256 $(MANIFEST_WASM_SHA256)
+
+schema: cli ## Regenerate policies/tenantgate.schema.json (the policy's JSON Schema, `tenantgate policy schema`; a test keeps them equal)
+	$(CLI) policy schema > policies/tenantgate.schema.json
 
 run: setup-run ## The whole system: two Envoys (10000 and 11000, two regions) and tenantgate serve (10002, mTLS); HOST=module for the native module; Ctrl-C stops it
 	@echo "== make run 4/4: build the filter, the module and the CLI (cargo; minutes the first time), then start"
@@ -156,8 +159,11 @@ bench-service: setup-redis setup-postgresql ## Key reports/s per core of the cen
 bench-service-memory: setup-redis ## Service memory: 100,000 node ids x 10 keys (1M keys) per round, then expiry, flat across rounds; bytes per record (embedded) and Redis MEMORY USAGE
 	cargo run --release -p tenantgate-central --example memory
 
-release: wasm module cli setup-skopeo ## The release artefacts in dist/ (.ci/release): the filter's and tenantgate serve's OCI images, the module .so, the static binary, SBOMs, manifests by digest, SHA256SUMS; checked by skopeo and a run of the image's entrypoint
+release: wasm module cli setup-skopeo ## The release artefacts in dist/ (.ci/release): the filter's and tenantgate serve's OCI images, the module .so, the static binary, SBOMs, manifests by digest, the policy schema, completions and man pages, SHA256SUMS; checked by skopeo and a run of the image's entrypoint
 	.ci/release
+
+reproducible: wasm-target ## Build the filter and the module twice (two checkout paths, two target dirs; REPRO_CARGO_HOME=DIR: another CARGO_HOME too) and compare their sha256 (.ci/reproducible)
+	.ci/reproducible
 
 lint: check-glue ## fmt check, clippy (native and wasm32, warnings denied), host-layer check
 	cargo fmt --all -- --check

@@ -4,8 +4,10 @@
 pub mod ecds;
 pub mod exit;
 pub mod explain;
+pub mod generate;
 pub mod http;
 pub mod import;
+pub mod locate;
 pub mod manifests;
 pub mod oci;
 pub mod policy_file;

@@ -4,10 +4,12 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 use tenantgate_cli::exit::{self, code};
 use tenantgate_cli::{ecds, policy_file};
 
+mod certs;
+mod package;
 mod quota;
 mod sim;
 
@@ -43,7 +45,7 @@ enum Command {
     Serve(ServeArgs),
     /// Make a local CA and certificates for the sync service's mTLS.
     #[command(subcommand)]
-    Certs(CertsCommand),
+    Certs(certs::CertsCommand),
     /// Quota reservations: reserve, commit, release, get, query, reconcile.
     Quota(quota::QuotaArgs),
     /// Who is being limited now: the service's top keys by demand and by
@@ -52,7 +54,15 @@ enum Command {
     /// The filter's .wasm as an OCI image layout (the Wasm image Istio and
     /// Envoy Gateway pull); prints its digest and the .wasm's sha256. With
     /// --serve BINARY: the `tenantgate serve` image of that binary.
-    Package(PackageArgs),
+    Package(package::PackageArgs),
+    /// Print the shell completion script for SHELL (docs/cli.md says where
+    /// to put it).
+    Completions {
+        #[arg(value_enum)]
+        shell: tenantgate_cli::generate::Shell,
+    },
+    /// Write the man pages (one per command and subcommand) into DIR.
+    Man { dir: PathBuf },
 }
 
 #[derive(Args)]
@@ -72,38 +82,6 @@ struct TopArgs {
     /// With --once: the endpoint's JSON.
     #[arg(long, requires = "once")]
     json: bool,
-}
-
-#[derive(Subcommand)]
-enum CertsCommand {
-    /// A new local CA (ca.pem, ca.key) and the service's certificate
-    /// (service.pem, service.key) in DIR.
-    Init {
-        #[arg(long)]
-        dir: PathBuf,
-        /// DNS names and IP addresses the service is reached at (repeat).
-        #[arg(long = "host", default_values_t = [String::from("localhost"), String::from("127.0.0.1")])]
-        hosts: Vec<String>,
-        /// Replace an existing CA in DIR (every certificate it issued then
-        /// stops verifying: reissue them).
-        #[arg(long)]
-        force: bool,
-    },
-    /// A node's client certificate (NODE.pem, NODE.key), signed by DIR's
-    /// CA, naming the node (Envoy's node.id) and optionally its region.
-    Node {
-        #[arg(long)]
-        dir: PathBuf,
-        /// The node id (Envoy's `node.id`; what the filter reports).
-        #[arg(long)]
-        node_id: String,
-        /// The region the node may report (any, if omitted).
-        #[arg(long)]
-        region: Option<String>,
-        /// The SPIFFE trust domain of the identity URI.
-        #[arg(long, default_value = "tenantgate.local")]
-        trust_domain: String,
-    },
 }
 
 #[derive(Args)]
@@ -205,7 +183,8 @@ struct SimArgs {
 
 #[derive(Subcommand)]
 enum PolicyCommand {
-    /// Validate policy files; exit 1 with path-qualified errors if any is invalid.
+    /// Validate policy files; exit 1 with one FILE:LINE:COLUMN: path: message
+    /// per error if any is invalid.
     Check {
         #[arg(required = true)]
         files: Vec<PathBuf>,
@@ -231,6 +210,9 @@ enum PolicyCommand {
     /// configuration files (one domain each), on stdout or --out; what does
     /// not map is reported on stderr.
     Import(ImportArgs),
+    /// Print the policy file's JSON Schema (what editors validate and
+    /// complete with; policies/tenantgate.schema.json is a copy).
+    Schema,
 }
 
 #[derive(Args)]
@@ -301,7 +283,7 @@ struct ApplyArgs {
     all_capabilities: bool,
     /// Also write Kubernetes manifests carrying this policy into DIR: Envoy
     /// Gateway `EnvoyExtensionPolicy` (image and HTTP) and Istio
-    /// `WasmPlugin` and `ExtensionFilter` (docs/kubernetes.md).
+    /// `WasmPlugin` and `TrafficExtension` (docs/kubernetes.md).
     #[arg(long)]
     manifests: Option<PathBuf>,
     /// With --manifests: the filter's OCI image (`make oci`), no scheme.
@@ -327,23 +309,6 @@ struct ApplyArgs {
     app: String,
 }
 
-#[derive(Args)]
-struct PackageArgs {
-    /// The filter's .wasm.
-    #[arg(long, default_value = "target/wasm32-wasip1/wasm-release/tenantgate.wasm")]
-    wasm: PathBuf,
-    /// The OCI image layout directory to write.
-    #[arg(long, default_value = "target/oci/tenantgate")]
-    out: PathBuf,
-    /// The image's tag in the layout (`oci:DIR:TAG`).
-    #[arg(long, default_value = env!("CARGO_PKG_VERSION"))]
-    tag: String,
-    /// Package this `tenantgate` binary (static: `make release`) as the
-    /// `tenantgate serve` image (linux/amd64, non-root) instead of the .wasm.
-    #[arg(long, value_name = "BINARY", conflicts_with = "wasm")]
-    serve: Option<PathBuf>,
-}
-
 fn main() -> ExitCode {
     match Cli::parse().command {
         Command::Policy(PolicyCommand::Check { files }) => check(&files),
@@ -354,10 +319,34 @@ fn main() -> ExitCode {
         Command::Policy(PolicyCommand::Import(args)) => import(&args),
         Command::Sim(args) => sim::run(&args),
         Command::Serve(args) => serve(&args),
-        Command::Certs(c) => certs(&c),
+        Command::Certs(c) => certs::run(&c),
         Command::Top(args) => top(&args),
         Command::Quota(args) => quota::run(&args),
-        Command::Package(args) => package(&args),
+        Command::Package(args) => package::run(&args),
+        Command::Policy(PolicyCommand::Schema) => {
+            print!("{}", tenantgate_cli::generate::policy_schema());
+            code(exit::OK)
+        }
+        Command::Completions { shell } => {
+            tenantgate_cli::generate::completions(Cli::command(), shell, &mut std::io::stdout());
+            code(exit::OK)
+        }
+        Command::Man { dir } => man(&dir),
+    }
+}
+
+fn man(dir: &Path) -> ExitCode {
+    match tenantgate_cli::generate::man_pages(Cli::command(), dir) {
+        Ok(written) => {
+            for path in written {
+                println!("wrote {}", path.display());
+            }
+            code(exit::OK)
+        }
+        Err(e) => {
+            eprintln!("tenantgate man: cannot write into {}: {e}", dir.display());
+            code(exit::FAILED)
+        }
     }
 }
 
@@ -377,7 +366,11 @@ fn serve(args: &ServeArgs) -> ExitCode {
     // (exit 1), not a service that never becomes ready. Once running, a
     // bad reload keeps the policy in force and /readyz says why.
     if let Err(e) = service::policy::load(&args.policy) {
-        eprintln!("tenantgate serve: {e}");
+        // The CLI's reader locates a policy's own errors (FILE:LINE:COLUMN).
+        match policy_file::load(&args.policy) {
+            Err(located) => eprintln!("tenantgate serve: {located}"),
+            Ok(_) => eprintln!("tenantgate serve: {e}"),
+        }
         return code(exit::INVALID);
     }
     let tls = match (&args.tls_cert, &args.tls_key, &args.client_ca) {
@@ -423,47 +416,6 @@ fn serve(args: &ServeArgs) -> ExitCode {
         Err(e) => {
             eprintln!("tenantgate serve: {e}");
             code(exit::FAILED)
-        }
-    }
-}
-
-fn certs(c: &CertsCommand) -> ExitCode {
-    use tenantgate_central::listener as tls;
-    let result = match c {
-        CertsCommand::Init { dir, hosts, force } => {
-            let existing: Vec<_> = ["ca.pem", "ca.key", "service.pem", "service.key"]
-                .iter()
-                .map(|f| dir.join(f))
-                .filter(|p| p.exists())
-                .collect();
-            if !existing.is_empty() && !force {
-                eprintln!(
-                    "tenantgate certs init: {} already exists: a new CA would stop every certificate \
-                     the old one issued from verifying. Keep it, or pass --force to replace it \
-                     (then reissue every node's certificate with `tenantgate certs node`)",
-                    existing[0].display()
-                );
-                return ExitCode::from(exit::INVALID);
-            }
-            tls::init_ca(dir, hosts)
-        }
-        CertsCommand::Node {
-            dir,
-            node_id,
-            region,
-            trust_domain,
-        } => tls::issue_node(dir, trust_domain, node_id, region.as_deref()),
-    };
-    match result {
-        Ok(issued) => {
-            for f in issued.files {
-                println!("wrote {}", f.display());
-            }
-            code(exit::OK)
-        }
-        Err(e) => {
-            eprintln!("tenantgate certs: {e}");
-            code(exit::INVALID)
         }
     }
 }
@@ -672,72 +624,6 @@ fn write_manifests(args: &ApplyArgs, policy_json: &str, dir: &Path) -> Result<()
         println!("wrote {}", path.display());
     }
     Ok(())
-}
-
-fn package(args: &PackageArgs) -> ExitCode {
-    if let Some(binary) = &args.serve {
-        return package_service(binary, args);
-    }
-    let wasm = match std::fs::read(&args.wasm) {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("{}: {e} (build it with `make wasm`)", args.wasm.display());
-            return code(exit::INVALID);
-        }
-    };
-    match tenantgate_cli::oci::package(&wasm, &args.out, &args.tag) {
-        Ok(p) => {
-            println!("image: oci:{}:{}", args.out.display(), p.tag);
-            println!("digest: {}", p.manifest_digest);
-            println!("wasm sha256: {}", p.content_sha256);
-            println!(
-                "layer: {} ({})",
-                p.layer_digest,
-                tenantgate_cli::oci::LAYER_MEDIA_TYPE
-            );
-            code(exit::OK)
-        }
-        Err(e) => {
-            eprintln!("tenantgate package: {}: {e}", args.out.display());
-            code(exit::FAILED)
-        }
-    }
-}
-
-fn package_service(binary: &Path, args: &PackageArgs) -> ExitCode {
-    let bytes = match std::fs::read(binary) {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("{}: {e} (`make release` builds it)", binary.display());
-            return code(exit::INVALID);
-        }
-    };
-    let image = tenantgate_cli::oci::ServiceImage {
-        binary: &bytes,
-        version: env!("CARGO_PKG_VERSION"),
-        revision: env!("TENANTGATE_COMMIT"),
-    };
-    match tenantgate_cli::oci::package_service(&image, &args.out, &args.tag) {
-        Ok(p) => {
-            println!("image: oci:{}:{}", args.out.display(), p.tag);
-            println!("digest: {}", p.manifest_digest);
-            println!("binary sha256: {}", p.content_sha256);
-            println!(
-                "layer: {} ({})",
-                p.layer_digest,
-                tenantgate_cli::oci::LAYER_MEDIA_TYPE
-            );
-            code(exit::OK)
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::Other => {
-            eprintln!("tenantgate package: {}: {e}", binary.display());
-            code(exit::INVALID)
-        }
-        Err(e) => {
-            eprintln!("tenantgate package: {}: {e}", args.out.display());
-            code(exit::FAILED)
-        }
-    }
 }
 
 fn explain(args: &ExplainArgs) -> ExitCode {

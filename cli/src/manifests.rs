@@ -1,7 +1,7 @@
 //! Kubernetes manifests that load the filter with a policy, written by
 //! `tenantgate policy apply FILE --manifests DIR`: Envoy Gateway's
 //! `EnvoyExtensionPolicy` (the OCI image, and the `.wasm` over HTTP with
-//! its sha256) and Istio's `WasmPlugin` and `ExtensionFilter` (the OCI
+//! its sha256) and Istio's `WasmPlugin` and `TrafficExtension` (the OCI
 //! image). Each carries the policy as the same JSON document the ECDS
 //! resource carries (`policy apply --ecds`), which is what the real-Envoy
 //! tests load:
@@ -87,11 +87,11 @@ pub fn render(policy_json: &str, source: &str, code: &Code<'_>, target: &Target<
             ),
         },
         Manifest {
-            file: "istio-extensionfilter.yaml",
+            file: "istio-trafficextension.yaml",
             text: format!(
-                "{}apiVersion: extensions.istio.io/v1alpha1\nkind: ExtensionFilter\nmetadata:\n  name: tenantgate\n  namespace: {ns}\nspec:\n  selector:\n    matchLabels:\n      app: {app}\n  phase: AUTHZ\n  wasm:\n    url: oci://{image}\n    imagePullPolicy: IfNotPresent\n    type: HTTP\n    failStrategy: FAIL_CLOSE\n    pluginName: tenantgate\n    pluginConfig: {policy_json}\n",
+                "{}apiVersion: extensions.istio.io/v1alpha1\nkind: TrafficExtension\nmetadata:\n  name: tenantgate\n  namespace: {ns}\nspec:\n  selector:\n    matchLabels:\n      app: {app}\n  phase: AUTHZ\n  wasm:\n    url: oci://{image}\n    imagePullPolicy: IfNotPresent\n    type: HTTP\n    failStrategy: FAIL_CLOSE\n    pluginName: tenantgate\n    pluginConfig: {policy_json}\n",
                 header(
-                    "tenantgate on Istio: an ExtensionFilter (the newer API that supersedes WasmPlugin) from the OCI image.",
+                    "tenantgate on Istio: a TrafficExtension (the newer API that supersedes WasmPlugin) from the OCI image.",
                     source
                 )
             ),

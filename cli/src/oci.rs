@@ -1,5 +1,5 @@
 //! `tenantgate package`: the filter's `.wasm` as an OCI image layout, the
-//! image Istio (`WasmPlugin`, `ExtensionFilter`) and Envoy Gateway
+//! image Istio (`WasmPlugin`, `TrafficExtension`) and Envoy Gateway
 //! (`EnvoyExtensionPolicy`, `code.type: Image`) pull.
 //!
 //! # The format

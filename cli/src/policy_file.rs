@@ -5,20 +5,41 @@ use std::path::{Path, PathBuf};
 
 use tenantgate::policy::{Node, Policy, PolicyErrors};
 
+use crate::locate::{Position, Positions};
+
 /// A validated policy and the document it came from.
 pub struct Loaded {
     pub document: Node,
     pub policy: Policy,
 }
 
-/// Why a policy file was refused; prints one `FILE: path: message` per line.
+/// Why a policy file was refused; prints one `FILE:LINE:COLUMN: path:
+/// message` per line (`FILE: path: message` when the path has no place in
+/// the text, e.g. an empty file).
 #[derive(Debug)]
 pub enum LoadError {
     /// The file could not be read, or is over the size limit (the message
     /// names the file).
     Read(PathBuf, String),
     Yaml(PathBuf, String),
-    Invalid(PathBuf, PolicyErrors),
+    Invalid(PathBuf, Refusal),
+}
+
+/// A document's errors and where each is in its text.
+#[derive(Debug)]
+pub struct Refusal {
+    pub errors: PolicyErrors,
+    /// One per error, in the same order.
+    pub positions: Vec<Option<Position>>,
+}
+
+impl Refusal {
+    /// Locates `errors` in `text`, the YAML they were found in.
+    pub fn locate(errors: PolicyErrors, text: &str) -> Refusal {
+        let positions = Positions::of(text);
+        let positions = errors.0.iter().map(|e| positions.find(&e.path)).collect();
+        Refusal { errors, positions }
+    }
 }
 
 impl fmt::Display for LoadError {
@@ -26,12 +47,15 @@ impl fmt::Display for LoadError {
         match self {
             LoadError::Read(_, e) => write!(f, "{e}"),
             LoadError::Yaml(p, e) => write!(f, "{}: {e}", p.display()),
-            LoadError::Invalid(p, errors) => {
-                for (i, e) in errors.0.iter().enumerate() {
+            LoadError::Invalid(p, refusal) => {
+                for (i, e) in refusal.errors.0.iter().enumerate() {
                     if i > 0 {
                         writeln!(f)?;
                     }
-                    write!(f, "{}: {e}", p.display())?;
+                    match refusal.positions.get(i).copied().flatten() {
+                        Some(at) => write!(f, "{}:{}:{}: {e}", p.display(), at.line, at.column)?,
+                        None => write!(f, "{}: {e}", p.display())?,
+                    }
                 }
                 Ok(())
             }
@@ -49,6 +73,7 @@ pub fn load(path: &Path) -> Result<Loaded, LoadError> {
     let text = tenantgate_central::service::policy::read_text(path)
         .map_err(|e| LoadError::Read(path.to_owned(), e))?;
     let document = parse_yaml(&text).map_err(|e| LoadError::Yaml(path.to_owned(), e))?;
-    let policy = Policy::from_node(&document).map_err(|e| LoadError::Invalid(path.to_owned(), e))?;
+    let policy = Policy::from_node(&document)
+        .map_err(|e| LoadError::Invalid(path.to_owned(), Refusal::locate(e, &text)))?;
     Ok(Loaded { document, policy })
 }

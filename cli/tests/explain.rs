@@ -175,7 +175,7 @@ fn diff_exits_1_on_an_invalid_policy() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr)
-        .contains("zero-rate.yaml: plans.free.limits[0].rate: must be > 0"));
+        .contains("zero-rate.yaml:5:23: plans.free.limits[0].rate: must be > 0"));
 }
 
 #[test]

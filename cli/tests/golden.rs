@@ -75,16 +75,33 @@ fn every_invalid_fixture_fails_with_its_expected_message() {
             .and_then(|l| l.strip_prefix("# expect: "))
             .unwrap_or_else(|| panic!("{}: first line must be `# expect: <message>`", file.display()));
 
-        // The CLI binary: exit 1, the message on stderr, prefixed by the file.
+        // The CLI binary: exit 1, the message on stderr, prefixed by the
+        // file and the line and column of the key its path names.
         let (ok, _, stderr) = cli_check(&file);
         assert!(!ok, "{}: the CLI accepted it", file.display());
         let first = stderr.lines().next().unwrap_or_default();
-        assert_eq!(
-            first,
-            format!("{}: {expected}", file.display()),
-            "CLI message for {}",
-            file.display()
-        );
+        let located = first
+            .strip_prefix(&format!("{}:", file.display()))
+            .unwrap_or_else(|| panic!("{}: not prefixed by its file: {first}", file.display()));
+        let (at, message) = match located.strip_prefix(' ') {
+            // Only a document with no text has no place to point at.
+            Some(message) if text.lines().all(|l| l.trim().is_empty() || l.starts_with('#')) => {
+                (None, message)
+            }
+            _ => {
+                let (line, rest) = located.split_once(':').unwrap();
+                let (column, rest) = rest.split_once(": ").unwrap();
+                let at = (line.parse::<usize>(), column.parse::<usize>());
+                let (Ok(line), Ok(column)) = at else {
+                    panic!("{}: no line:column: {first}", file.display())
+                };
+                (Some((line, column)), rest)
+            }
+        };
+        assert_eq!(message, expected, "CLI message for {}", file.display());
+        if let Some((line, column)) = at {
+            assert_located(&text, line, column, expected, &file);
+        }
 
         // The filter: the same document as JSON gets the same first message.
         let document = policy_file::parse_yaml(&text).unwrap();
@@ -100,6 +117,38 @@ fn every_invalid_fixture_fails_with_its_expected_message() {
     }
 }
 
+/// The text at `line:column` (1-based) is the key the error's path ends
+/// with (`plans.free.limits[0].rate` → `rate`), or, for a field that is
+/// missing, the deepest key or list item of its path that is there.
+fn assert_located(text: &str, line: usize, column: usize, expected: &str, file: &Path) {
+    let at: String = text
+        .lines()
+        .nth(line - 1)
+        .unwrap_or_else(|| panic!("{}: no line {line}", file.display()))
+        .chars()
+        .skip(column - 1)
+        .collect();
+    let path = expected.split(": ").next().unwrap();
+    if path == "(policy)" {
+        return assert_eq!((line, column), (2, 1), "{}", file.display());
+    }
+    let steps: Vec<&str> = path.split('.').collect();
+    let last = steps.last().unwrap();
+    // An item of a list (the path's last step, or the deepest one there).
+    if path.contains('[') && (last.ends_with(']') || at.starts_with(['{', '[', '-'])) {
+        return;
+    }
+    let keys = steps
+        .iter()
+        .map(|s| s.split('[').next().unwrap().trim_matches(['"', '\'']));
+    assert!(
+        keys.rev()
+            .any(|k| at.trim_start_matches(['"', '\'']).starts_with(k)),
+        "{}:{line}:{column} points at {at:?}, at no key of `{path}`",
+        file.display()
+    );
+}
+
 #[test]
 fn the_cli_reports_every_error_and_checks_every_file() {
     let dir = repo().join("tests/fixtures/invalid");
@@ -113,11 +162,11 @@ fn the_cli_reports_every_error_and_checks_every_file() {
     assert_eq!(out.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains("zero-rate.yaml: plans.free.limits[0].rate: must be > 0"),
+        stderr.contains("zero-rate.yaml:5:23: plans.free.limits[0].rate: must be > 0"),
         "{stderr}"
     );
     assert!(
-        stderr.contains("bad-mode.yaml: mode: unknown variant"),
+        stderr.contains("bad-mode.yaml:10:1: mode: unknown variant"),
         "{stderr}"
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("ok: "));
@@ -375,7 +424,7 @@ fn the_manifests_carry_exactly_the_policy_the_ecds_resource_carries() {
             ("envoy-gateway-http.yaml", &["spec", "wasm", "0", "config"][..]),
             ("istio-wasmplugin.yaml", &["spec", "pluginConfig"][..]),
             (
-                "istio-extensionfilter.yaml",
+                "istio-trafficextension.yaml",
                 &["spec", "wasm", "pluginConfig"][..],
             ),
         ] {

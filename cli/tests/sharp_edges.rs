@@ -120,6 +120,14 @@ fn serve_exits_with_the_reason_when_it_cannot_read_its_policy() {
         let out = child.wait_with_output().unwrap();
         assert_eq!(status.code(), Some(1), "{policy}");
         assert!(stderr(&out).contains(policy), "{policy}: {}", stderr(&out));
+        if policy.ends_with("zero-rate.yaml") {
+            // Located as `policy check` locates it.
+            assert!(
+                stderr(&out).contains("zero-rate.yaml:5:23: plans.free.limits[0].rate"),
+                "{}",
+                stderr(&out)
+            );
+        }
     }
 }
 

@@ -42,6 +42,17 @@ def openai_client(answer, retries=0):
     )
 
 
+def read_openai_stream(stream):
+    """The text and the usage (None if no chunk carried it) of a stream."""
+    text, usage = "", None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+        if chunk.usage is not None:
+            usage = chunk.usage.total_tokens
+    return {"usage": usage, "content": text}
+
+
 out = {}
 if case == "openai_json":
     r = openai_client("json/1200").chat.completions.create(model="m", messages=messages, max_tokens=2000)
@@ -50,26 +61,14 @@ elif case == "openai_stream":
     stream = openai_client("sse/1200/0").chat.completions.create(
         model="m", messages=messages, max_tokens=2000, stream=True, stream_options={"include_usage": True}
     )
-    text, usage = "", None
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            text += chunk.choices[0].delta.content
-        if chunk.usage is not None:
-            usage = chunk.usage.total_tokens
-    out = {"usage": usage, "content": text}
+    out = read_openai_stream(stream)
 elif case == "openai_stream_plain":
     # Streamed as most applications do: without stream_options (the
     # upstream, like OpenAI, then sends no usage unless the filter asks).
     stream = openai_client("openai/1200/0").chat.completions.create(
         model="m", messages=messages, max_tokens=2000, stream=True
     )
-    text, usage = "", None
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            text += chunk.choices[0].delta.content
-        if chunk.usage is not None:
-            usage = chunk.usage.total_tokens
-    out = {"usage": usage, "content": text}
+    out = read_openai_stream(stream)
 elif case == "openai_json_plain":
     # Not streamed: the upstream, like OpenAI, refuses stream_options here.
     r = openai_client("openai/1200/0").chat.completions.create(model="m", messages=messages, max_tokens=2000)

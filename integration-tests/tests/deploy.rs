@@ -173,7 +173,7 @@ fn the_deploy_manifests_policy_runs_in_a_real_envoy() {
     for (file, field) in [
         ("envoy-gateway-http.yaml", "config: "),
         ("istio-wasmplugin.yaml", "pluginConfig: "),
-        ("istio-extensionfilter.yaml", "pluginConfig: "),
+        ("istio-trafficextension.yaml", "pluginConfig: "),
     ] {
         assert_eq!(manifest_policy(file, field), policy, "{file}");
     }

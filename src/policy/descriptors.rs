@@ -49,6 +49,7 @@ pub const MAX_TEXT_LEN: usize = 65_536;
 
 /// `descriptors.<domain>[i]:` one rule as written.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RuleSpec {
     pub key: String,

@@ -9,6 +9,11 @@ const UNITS: [(&str, u64); 5] = [
     ("d", 86_400_000_000_000),
 ];
 
+/// What [`parse_duration_ns`] accepts, as a regular expression (the
+/// policy's JSON Schema states it): digits, then one of [`UNITS`]' suffixes.
+/// Kept beside the table it spells; a test checks they agree.
+pub const PATTERN: &str = "^[0-9]+(ms|s|m|h|d)$";
+
 /// Parses a duration into nanoseconds. Zero is allowed here; callers say
 /// whether it makes sense for their field.
 pub fn parse_duration_ns(text: &str) -> Result<u64, String> {

@@ -3,7 +3,7 @@
 use core::fmt;
 
 /// One step of a [`FieldPath`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Segment {
     Key(String),
     Index(usize),
@@ -20,6 +20,11 @@ impl FieldPath {
 
     pub fn from_segments(segments: Vec<Segment>) -> Self {
         FieldPath(segments)
+    }
+
+    /// The steps from the document's root.
+    pub fn segments(&self) -> &[Segment] {
+        &self.0
     }
 
     /// This path extended by a mapping key.

@@ -13,6 +13,8 @@ pub mod doc;
 pub mod duration;
 pub mod error;
 pub mod quota;
+#[cfg(feature = "schema")]
+pub mod schema;
 pub mod settle;
 pub mod spec;
 

@@ -39,6 +39,7 @@ const NANOS_PER_SEC: u64 = 1_000_000_000;
 /// `quotas.<resource>.risk:` what the service does when its database is
 /// unreachable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Risk {
     /// Fail closed: `503 quota_unavailable`, nothing debited, no estimate.
@@ -58,6 +59,7 @@ impl Risk {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ResourceSpec {
     pub unit: String,
@@ -66,8 +68,10 @@ pub struct ResourceSpec {
     #[serde(default)]
     pub tenant_share_pct: Option<i64>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub default_ttl: Option<String>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub max_ttl: Option<String>,
     #[serde(default)]
     pub home_region: Option<String>,
@@ -80,6 +84,7 @@ pub struct ResourceSpec {
 /// home region may reserve on its own while the home region does not
 /// answer (its borrowing ceiling, outstanding debt included).
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct BorrowSpec {
     /// Region → ceiling in units.
@@ -87,6 +92,7 @@ pub struct BorrowSpec {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct LimitsSpec {
     pub global: i64,

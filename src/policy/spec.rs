@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 /// What a node does for a key whose lease expired with no new one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum FailureMode {
     /// Keep enforcing a local limit at the node's outage allowance (its
@@ -24,6 +25,7 @@ pub enum FailureMode {
 
 /// `mode:` what the filter does with a decision.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
     /// Deny requests over their limits (the default).
@@ -37,6 +39,7 @@ pub enum Mode {
 
 /// `classify:` where the filter reads a request's route class.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Classify {
     /// The route's `filter_metadata.tenantgate.class`, else the route's
@@ -49,6 +52,7 @@ pub enum Classify {
 
 /// `plans.<plan>.limits[i].algorithm:`
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Algorithm {
     #[default]
@@ -58,7 +62,9 @@ pub enum Algorithm {
     SlidingWindowCounter,
 }
 
+/// A tenantgate policy (docs/policy.md).
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PolicySpec {
     pub version: String,
@@ -114,6 +120,7 @@ pub struct PolicySpec {
 
 /// `actions.<action>:` an API action's admission limits.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ActionSpec {
     pub max_in_flight: i64,
@@ -122,6 +129,7 @@ pub struct ActionSpec {
 /// `routes.<class>.criticality:` how important a class's requests are
 /// (trusted: only the policy sets it, never a request header).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Criticality {
     /// Shed first.
@@ -138,6 +146,7 @@ pub enum Criticality {
 
 /// `dependencies.<name>:` an upstream dependency's admission limits.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct DependencySpec {
     pub max_in_flight: i64,
@@ -149,6 +158,7 @@ pub struct DependencySpec {
     #[serde(default)]
     pub tenant_max_share: Option<f64>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub retry_after_window: Option<String>,
     #[serde(default)]
     pub queues: Option<LevelQueuesSpec>,
@@ -166,6 +176,7 @@ pub struct DependencySpec {
 /// `dependencies.<name>.circuit_breaker:` open on errors, probe, ramp up
 /// (`crate::admission::breaker`). Every field has a default.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CircuitBreakerSpec {
     /// (errors + timeouts) ÷ completed that opens it, in (0, 1].
@@ -174,14 +185,18 @@ pub struct CircuitBreakerSpec {
     #[serde(default)]
     pub min_volume: Option<i64>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub window: Option<String>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub open_for: Option<String>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub max_open_for: Option<String>,
     #[serde(default)]
     pub probes: Option<i64>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub ramp: Option<String>,
     /// The ramp's first level, a fraction of the limit in (0, 1].
     #[serde(default)]
@@ -191,6 +206,7 @@ pub struct CircuitBreakerSpec {
 /// `dependencies.<name>.retry_budget:` how many retries the dependency
 /// takes, as a share of its recent primary requests (`crate::admission::retry`).
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RetryBudgetSpec {
     #[serde(default)]
@@ -198,6 +214,7 @@ pub struct RetryBudgetSpec {
     #[serde(default)]
     pub min_per_second: Option<i64>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub window: Option<String>,
     /// A request header a trusted earlier hop sets to the attempt number.
     #[serde(default)]
@@ -210,9 +227,11 @@ pub struct RetryBudgetSpec {
 /// `dependencies.<name>.adaptive:` the adaptive concurrency controller
 /// (defaults and bounds: [`super::admission::Adaptive`]).
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct AdaptiveSpec {
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub window: Option<String>,
     #[serde(default)]
     pub min: Option<i64>,
@@ -231,13 +250,16 @@ pub struct AdaptiveSpec {
     #[serde(default)]
     pub error_rate: Option<f64>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub queue_age: Option<String>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub baseline_refresh: Option<String>,
 }
 
 /// `dependencies.<name>.reserved:` in-flight slots only one level may use.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ReservedSpec {
     #[serde(default)]
@@ -248,6 +270,7 @@ pub struct ReservedSpec {
 
 /// `dependencies.<name>.queues:` per criticality level.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct LevelQueuesSpec {
     #[serde(default)]
@@ -261,23 +284,28 @@ pub struct LevelQueuesSpec {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct LevelQueueSpec {
     #[serde(default)]
     pub max_queue: Option<i64>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub max_wait: Option<String>,
 }
 
 /// `sync:` how the node syncs its global limits with the central cluster.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SyncSpec {
     #[serde(default)]
     pub cluster: Option<String>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub interval: Option<String>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub timeout: Option<String>,
     #[serde(default)]
     pub provisional: Option<i64>,
@@ -290,18 +318,21 @@ pub struct SyncSpec {
     #[serde(default)]
     pub breaker_failures: Option<i64>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub breaker_max_backoff: Option<String>,
 }
 
 /// An aggregate limit per node, shared by every tenant of the route classes
 /// that name it: protects a dependency regardless of who is calling.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct GuardSpec {
     pub limits: Vec<LimitSpec>,
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct KeyTableSpec {
     #[serde(default)]
@@ -310,6 +341,7 @@ pub struct KeyTableSpec {
 
 /// `routes.<class>.on_limit:` what happens to a request over its limit.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum OnLimit {
     /// Answer 429 at once (the default; right for interactive traffic).
@@ -322,6 +354,7 @@ pub enum OnLimit {
 
 /// Exactly one of `header` or `jwt`.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct IdentitySpec {
     #[serde(default)]
@@ -333,6 +366,7 @@ pub struct IdentitySpec {
 /// A claim of the JWT payload that Envoy's `jwt_authn` filter verified and
 /// wrote to dynamic metadata (`payload_in_metadata`).
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct JwtSpec {
     pub payload_in_metadata: String,
@@ -342,19 +376,23 @@ pub struct JwtSpec {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PlanSpec {
     pub limits: Vec<LimitSpec>,
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct LimitSpec {
     #[serde(default)]
     pub name: Option<String>,
     #[serde(default)]
     pub algorithm: Algorithm,
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = super::compile::MAX_COUNT)))]
     pub rate: i64,
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub per: String,
     #[serde(default)]
     pub burst: Option<i64>,
@@ -373,6 +411,7 @@ pub struct LimitSpec {
 
 /// `…limits[].on_limit:` what a limit does with a request over it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum LimitOnLimit {
     /// Refuse it (429, or the route class's queue).
@@ -384,6 +423,7 @@ pub enum LimitOnLimit {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct TenantSpec {
     pub id: String,
@@ -391,6 +431,7 @@ pub struct TenantSpec {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct AnonymousSpec {
     pub plan: String,
@@ -403,17 +444,20 @@ pub struct AnonymousSpec {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RouteSpec {
     #[serde(default)]
     pub action: Option<String>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = super::compile::MAX_COUNT)))]
     pub cost: Option<i64>,
     #[serde(default)]
     pub guard: Option<String>,
     #[serde(default)]
     pub on_limit: OnLimit,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub max_wait: Option<String>,
     #[serde(default)]
     pub max_queue: Option<i64>,
@@ -430,6 +474,7 @@ pub struct RouteSpec {
     #[serde(default)]
     pub max_body_bytes: Option<i64>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub min_timeout_budget: Option<String>,
     #[serde(default)]
     pub degradable: Option<DegradableSpec>,
@@ -444,6 +489,7 @@ pub struct RouteSpec {
 /// its ceiling, what a stream without a usable figure costs, and where the
 /// estimate charged on the request comes from (`crate::cost`).
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SettleSpec {
     /// A response header carrying the cost (an integer).
@@ -496,6 +542,7 @@ pub struct SettleSpec {
 /// `routes.<class>.settle.on_outcome:` the cost of an answer that is not
 /// the operation's success, by outcome (each absent: its default).
 #[derive(Debug, Default, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct OutcomeSpec {
     /// The upstream answered 500–599.
@@ -514,6 +561,7 @@ pub struct OutcomeSpec {
 
 /// What an outcome costs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Charge {
     /// Nothing: the estimate is given back.
@@ -526,6 +574,7 @@ pub enum Charge {
 
 /// `routes.<class>.settle.usage:` the usage fields of well-known model APIs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum UsagePreset {
     /// OpenAI-style `usage.total_tokens`.
@@ -547,6 +596,7 @@ pub enum UsagePreset {
 
 /// `routes.<class>.settle.fields[]:` one field of the response body.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct FieldSpec {
     /// A JSON pointer (RFC 6901), e.g. `/usage/completion_tokens`.
@@ -561,6 +611,7 @@ pub struct FieldSpec {
 /// compressed body). A stream cut short costs the ceiling whatever this
 /// says (the abort rule, `crate::cost::Meter::end`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum OnMissing {
     /// The estimate charged on the request: nothing more is settled.
@@ -574,8 +625,10 @@ pub enum OnMissing {
 /// control may be answered from the last good response
 /// (`crate::admission::degraded`).
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct DegradableSpec {
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub max_stale: String,
     #[serde(default)]
     pub version_header: Option<String>,
@@ -586,5 +639,6 @@ pub struct DegradableSpec {
     #[serde(default)]
     pub anonymous: Option<bool>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub refresh: Option<String>,
 }

@@ -1,0 +1,108 @@
+//! Reading a key's standing without charging it (`GET /limits`, the
+//! RLS's headers, `policy explain`).
+
+use super::*;
+
+/// A key of the key table: an action's, for a subject on its plan.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyOf<'a> {
+    pub action: &'a str,
+    pub subject: &'a Subject,
+    pub plan: usize,
+}
+
+/// One limit's standing on a key, read without charging it (see [`peek`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peeked {
+    /// What could be admitted now, in cost units.
+    pub remaining: u64,
+    /// Nanoseconds until the limit is whole again.
+    pub reset_ns: u64,
+    /// The exact `t` of the `RateLimit` field ([`Algo::quota_window_ns`]).
+    pub t_ns: u64,
+}
+
+/// What each limit of `plan` has left for `subject` on `action`'s key, as
+/// this node's entry says at `now`: read, never charged, never written (a
+/// key not in the table has every limit whole). A global limit reports its
+/// allowance on this node (`sync`, as for [`charge_synced`]). `None`:
+/// shared data could not be read.
+pub fn peek<H: Host>(
+    policy: &Policy,
+    key: &KeyOf<'_>,
+    host: &H,
+    now: u64,
+    sync: Option<&SyncState>,
+    scratch: &mut Scratch,
+) -> Option<Vec<Peeked>> {
+    let (action, subject) = (key.action, key.subject);
+    let plan = policy.plan(key.plan)?;
+    let Scratch { key, table } = scratch;
+    write_logical_key(key, action, subject);
+    let place = Place::Table {
+        logical: key.as_bytes(),
+        entries: policy.key_table_entries,
+        overflow: Overflow {
+            action,
+            plan: &plan.name,
+        },
+    };
+    let effective_from = policy.effective_from_ns.min(now);
+    let view = policy.sync.as_ref().map(|s| {
+        let state = sync
+            .copied()
+            .unwrap_or_else(|| SyncState::new(effective_from, s.interval_ns, s.timeout_ns));
+        state.view(s.failure_mode, s.provisional, s.local_max_ns, s.timeout_ns, now)
+    });
+    let peek_all = |records: Option<&Records<'_>>| -> Vec<Peeked> {
+        plan.limits
+            .iter()
+            .map(|l| {
+                let record = records.and_then(|rs| rs.iter().find(|r| r.name_hash == l.name_hash));
+                peek_limit(l, record, view.as_ref(), policy.effective_from_ns, now)
+            })
+            .collect()
+    };
+    match table::update(host, &place, &Reach::Existing, now, table, |records, _| {
+        (Commit::Skip, peek_all(records))
+    }) {
+        Ok(u) => Some(u.result),
+        // Not in the table: every limit whole.
+        Err(Failure::Absent) => Some(peek_all(None)),
+        Err(_) => None,
+    }
+}
+
+/// One limit's standing from its record (`None`: whole).
+fn peek_limit(
+    l: &Limit,
+    record: Option<&Record<'_>>,
+    view: Option<&NodeView>,
+    effective_from: u64,
+    now: u64,
+) -> Peeked {
+    if let (true, Some(view)) = (l.global, view) {
+        let a = record
+            .filter(|r| r.kind == kind::GLOBAL_ALLOWANCE)
+            .and_then(|r| stored::decode_allowance(r.state))
+            .unwrap_or_else(|| Allowance::fresh(view.provisional));
+        return Peeked {
+            remaining: a.available(now),
+            reset_ns: view.interval_ns,
+            t_ns: view.interval_ns,
+        };
+    }
+    let live = l.algo.load(record, effective_from, now);
+    match live.algo.check(&live.state, live.now, 0) {
+        Outcome::Admit {
+            remaining, reset_ns, ..
+        }
+        | Outcome::Deny {
+            remaining, reset_ns, ..
+        } => Peeked {
+            remaining,
+            reset_ns,
+            t_ns: live.algo.quota_window_ns(&live.state, live.now, remaining),
+        },
+    }
+}
