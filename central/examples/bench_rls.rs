@@ -195,7 +195,16 @@ async fn listen(services: tenantgate_central::grpc::Services, nodelay: bool) -> 
     let addr = tcp.local_addr().unwrap();
     let router = tenantgate_central::grpc::router(services);
     if nodelay {
-        tokio::spawn(async move { axum::serve(SyncListener::plain(tcp), router).await });
+        // serve's loop: its caps (streams, windows, bytes in flight) included.
+        let limits = tenantgate_central::bounded::ListenerLimits::default();
+        let budget = tenantgate_central::bounded::Budget::new(limits.max_bytes_in_flight);
+        tokio::spawn(tenantgate_central::bounded::serve(
+            SyncListener::plain(tcp),
+            router,
+            limits,
+            budget,
+            std::future::pending(),
+        ));
     } else {
         tokio::spawn(async move { axum::serve(tcp, router).await });
     }

@@ -276,6 +276,7 @@ fn main() {
             policy: std::path::PathBuf::from("/nonexistent/policy.yaml"),
             policy_poll: Duration::from_secs(3600),
             grpc: None,
+            limits: Default::default(),
             auth: Auth::default(),
         };
         let server = tokio::spawn(serve_on(svc.clone(), Listeners { sync, admin }, opts, async {

@@ -12,14 +12,17 @@
 //! * [`store`]: where the allocator's records live (embedded, Redis).
 //! * [`service`]: `tenantgate serve`, the allocator over HTTP/JSON.
 //! * [`quota`]: quota reservations, their stores and their HTTP API.
-//! * [`clock`] and [`listener`]: plumbing beneath both APIs (the service's
-//!   clock; the API listener, its mTLS identity and in-flight default).
+//! * [`clock`], [`listener`] and [`bounded`]: plumbing beneath both APIs
+//!   (the service's clock; the API listener, its mTLS identity and
+//!   in-flight default; the serve loop every listener runs, with its caps
+//!   on connections, streams, message sizes and bytes in flight).
 //!
 //! The allocator is pure like the filter's core: time is always an
 //! argument; the service supplies its own clock.
 
 pub mod alloc;
 pub mod bound;
+pub mod bounded;
 pub mod clock;
 pub mod error;
 pub mod grpc;

@@ -31,6 +31,9 @@
 //! written in two segments (a gRPC frame's header, then its body; an RLS
 //! answer over about 250 bytes) then waits for the client's delayed ACK, about
 //! 40 ms, twice Envoy's default ratelimit timeout.
+//!
+//! Each listener is served by `crate::bounded::serve`, under its caps on
+//! connections, streams, message sizes and bytes in flight.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

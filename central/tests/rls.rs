@@ -205,7 +205,7 @@ async fn shadow_mode_answers_ok_and_bounds_refuse_what_is_too_big() {
     let many: Vec<&[(&str, &str)]> = (0..65).map(|_| &[("tenant", "a")][..]).collect();
     let err = rls[0].decide(&request(&many, 1)).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
-    let long = "x".repeat(300);
+    let long = "x".repeat(tenantgate::policy::descriptors::MAX_TEXT_LEN + 1);
     let err = rls[0]
         .decide(&request(&[&[("tenant", &long)]], 1))
         .await
@@ -639,4 +639,65 @@ async fn a_store_that_does_not_answer_is_unavailable() {
         .metrics
         .render()
         .contains("tenantgate_rls_requests_total{result=\"unavailable\"} 1"));
+}
+
+/// envoyproxy/ratelimit's `requests_per_unit: 0` as `tenantgate policy
+/// import` writes it (a `fixed_window` of 0), on every store: over the limit
+/// from the first request, `OK` for a check of 0 units (a descriptor's
+/// `hits_addend: 0`), `OK` and counted in shadow mode, dropped when an
+/// unlimited rule replaces it; a window of 2³²−1 enforced at its value.
+#[tokio::test]
+async fn a_window_of_zero_refuses_every_request_as_requests_per_unit_zero_does() {
+    const ZERO: &str = r#"
+version: "rls-zero"
+identity: { header: x-tenant-id }
+plans:
+  blocked: { limits: [ { algorithm: fixed_window, rate: 0, per: 1s } ] }
+  trial: { limits: [ { algorithm: fixed_window, rate: 0, per: 1h, shadow: true } ] }
+  huge: { limits: [ { algorithm: fixed_window, rate: 4294967295, per: 1s } ] }
+  open: { limits: [ { rate: 100, per: 1s } ] }
+default_plan: open
+anonymous: { plan: open }
+routes: { api: {} }
+default_route: api
+descriptors:
+  shop:
+    - { key: client, value: scraper, name: blocked_client, plan: blocked }
+    - { key: client, value: "trial-*", plan: trial }
+    - { key: pardon, unlimited: true, replaces: [blocked_client] }
+    - { key: bytes, plan: huge }
+"#;
+    for (name, backend) in backends() {
+        let clock = Arc::new(ManualClock::new(T0));
+        let rls = replicas(&backend, ZERO, &clock);
+        let blocked: &[(&str, &str)] = &[("client", "scraper")];
+        let r = ask(&rls[0], &[blocked], 1).await;
+        assert!(!ok(&r), "{name}: over the limit from the first request");
+        assert_eq!(r.statuses[0].current_limit.as_ref().unwrap().requests_per_unit, 0);
+        let mut check = request(&[blocked], 1);
+        check.descriptors[0].hits_addend = Some(envoy_types::pb::google::protobuf::UInt64Value { value: 0 });
+        assert!(
+            ok(&rls[1].decide(&check).await.unwrap()),
+            "{name}: a check of 0 units"
+        );
+        let r = ask(&rls[1], &[blocked, &[("pardon", "x")]], 1).await;
+        assert!(ok(&r), "{name}: replaced by the unlimited rule");
+        assert_eq!(r.statuses[1].limit_remaining, u32::MAX);
+        let before = rls[0]
+            .metrics
+            .shadow_over_limit
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert!(
+            ok(&ask(&rls[0], &[&[("client", "trial-1")]], 1).await),
+            "{name}: shadow"
+        );
+        let after = rls[0]
+            .metrics
+            .shadow_over_limit
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(after - before, 1, "{name}: the shadow refusal counted");
+        let bytes: &[(&str, &str)] = &[("bytes", "up")];
+        assert!(ok(&ask(&rls[0], &[bytes], u32::MAX).await), "{name}: 2^32-1 fits");
+        assert!(!ok(&ask(&rls[1], &[bytes], 1).await), "{name}: and not one more");
+    }
 }

@@ -173,6 +173,7 @@ impl Instance {
             policy: policy.to_owned(),
             policy_poll: Duration::from_millis(20),
             grpc: None,
+            limits: Default::default(),
             auth,
         };
         let serving = serve_on(service.clone(), Listeners { sync, admin }, opts, async {

@@ -391,6 +391,7 @@ fn serve(args: &ServeArgs) -> ExitCode {
             insecure: args.insecure,
         },
         grpc: args.grpc_listen,
+        limits: Default::default(),
     };
     let intake = service::IntakeLimits {
         max_body_bytes: args.max_body_bytes,

@@ -117,11 +117,11 @@ fn the_imported_rules_match_descriptors_as_the_source_does() {
         (path.as_str(), plan.as_deref()),
         ("edge_proxy.remote_address", Some("edge_proxy.remote_address"))
     );
-    // The blocked address's rule is left out (reported): the per-address rule applies.
-    assert_eq!(
-        plan_of(&[("remote_address", "50.0.0.5")]).unwrap().0,
-        "edge_proxy.remote_address"
-    );
+    // The blocked address has its own rule: a window of 0, every request over.
+    let (path, plan) = plan_of(&[("remote_address", "50.0.0.5")]).unwrap();
+    assert_eq!(path, "edge_proxy.remote_address_50.0.0.5");
+    let plan = p.plans().iter().find(|x| Some(&x.name) == plan.as_ref()).unwrap();
+    assert_eq!((plan.limits[0].rate, plan.limits[0].per_secs), (0, 1));
     let shadow = plan_of(&[("service", "auth"), ("user", "user-a")])
         .unwrap()
         .1

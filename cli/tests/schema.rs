@@ -119,6 +119,30 @@ fn every_shipped_policy_names_the_schema_and_validates_against_it() {
     }
 }
 
+/// What `tenantgate policy import` writes (a window of 0, of 2³²−1, soft
+/// and shadow limits, deep rules) validates against the schema too.
+#[test]
+fn every_imported_policy_validates_against_the_schema() {
+    let v = validator();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/import");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if !path.to_string_lossy().ends_with(".expected.yaml") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let errors = schema_errors(&v, &yaml_to_json(&text));
+        assert!(
+            errors.is_empty(),
+            "{}: the schema refuses it: {errors:#?}",
+            path.display()
+        );
+        seen += 1;
+    }
+    assert!(seen >= 7, "found {seen}");
+}
+
 const BASE: &str = r#"
 version: "schema-1"
 identity: { header: x-tenant-id }

@@ -62,9 +62,11 @@ pub struct State {
 }
 
 impl FixedWindow {
-    /// `limit` units per `window_ns` nanoseconds; `None` if either is 0.
+    /// `limit` units per `window_ns` nanoseconds; `None` if `window_ns`
+    /// is 0. A `limit` of 0 admits only costs of 0 (envoyproxy/ratelimit's
+    /// `requests_per_unit: 0`: every request over the limit).
     pub fn new(limit: u64, window_ns: u64) -> Option<FixedWindow> {
-        if limit == 0 || window_ns == 0 {
+        if window_ns == 0 {
             return None;
         }
         Some(FixedWindow {
@@ -391,8 +393,17 @@ mod tests {
 
     #[test]
     fn invalid_parameters_are_refused() {
-        assert!(FixedWindow::new(0, S).is_none());
         assert!(FixedWindow::new(1, 0).is_none());
+        // A limit of 0 is a window that admits only costs of 0.
+        let zero = FixedWindow::new(0, S).unwrap();
+        assert!(matches!(
+            zero.check(&State::default(), S, 1),
+            Verdict::Deny { .. }
+        ));
+        assert!(matches!(
+            zero.check(&State::default(), S, 0),
+            Verdict::Admit { .. }
+        ));
         assert!(FixedWindow::new(u64::MAX, u64::MAX).is_some());
     }
 }

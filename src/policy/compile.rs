@@ -29,6 +29,11 @@ pub const DEFAULT_MAX_QUEUE: i64 = 100;
 
 /// Largest `rate`, `burst`, `cost`, `max_debt` and `settle.ceiling` accepted.
 pub const MAX_COUNT: i64 = 1_000_000_000;
+/// Largest `rate` of a `fixed_window` limit, which may also be 0 (every
+/// request of a cost over 0 refused): envoyproxy/ratelimit's
+/// `requests_per_unit` range (a `uint32`), so every imported rule keeps its
+/// meaning. A window's count is a `u64`; no arithmetic divides by its rate.
+pub const MAX_WINDOW_RATE: i64 = u32::MAX as i64;
 /// Default `soft_limit_header`.
 pub const DEFAULT_SOFT_LIMIT_HEADER: &str = "x-tenantgate-soft-limit";
 /// Longest `per` window, and longest time a bucket may take to refill.
@@ -427,7 +432,9 @@ fn check_cost(cost: i64, before: &Compiled<'_>, guard: Option<usize>, path: &Fie
         .map(|g| (format!("guards.{}", g.name), &g.limits));
     for (owner, limits) in plan_limits.chain(guard_limits) {
         for (i, l) in limits.iter().enumerate() {
-            if cost as u64 > l.burst {
+            // A window of 0 refuses every request by design (a rule that
+            // blocks), not by a cost set too high.
+            if l.burst > 0 && cost as u64 > l.burst {
                 errors.add(
                     path.clone(),
                     format!(
@@ -858,7 +865,11 @@ fn compile_limit(
     errors: &mut Errors,
 ) -> Option<Limit> {
     let (name, name_hash) = limit_name(spec, owner, before, path, errors)?;
-    let rate = count(spec.rate, &path.key("rate"), errors);
+    let rate = if spec.algorithm == spec::Algorithm::FixedWindow {
+        window_rate(spec.rate, &path.key("rate"), errors)
+    } else {
+        count(spec.rate, &path.key("rate"), errors)
+    };
     let burst = match spec.burst {
         Some(b) => count(b, &path.key("burst"), errors),
         None => rate,
@@ -1091,6 +1102,20 @@ fn check_state_fits(limits: &[Limit], path: &FieldPath, errors: &mut Errors) {
                 table::MAX_RECORDS_LEN
             ),
         );
+    }
+}
+
+/// A `fixed_window` rate: 0 to [`MAX_WINDOW_RATE`].
+fn window_rate(value: i64, path: &FieldPath, errors: &mut Errors) -> Option<u64> {
+    match value {
+        0..=MAX_WINDOW_RATE => Some(value as u64),
+        _ => {
+            errors.add(
+                path.clone(),
+                format!("a fixed_window rate is between 0 and {MAX_WINDOW_RATE}"),
+            );
+            None
+        }
     }
 }
 

@@ -37,10 +37,15 @@ use serde::Deserialize;
 
 use super::error::{FieldPath, PolicyError};
 
-/// Deepest rule tree (entries per descriptor).
-pub const MAX_DEPTH: usize = 8;
-/// Longest domain, key or value, in bytes.
-pub const MAX_TEXT_LEN: usize = 256;
+/// Deepest rule tree (entries per descriptor). envoyproxy/ratelimit sets
+/// no bound; Envoy's descriptors are as long as the route's actions.
+pub const MAX_DEPTH: usize = 32;
+/// Longest domain, key, value or name, in bytes: 64 KiB, above Envoy's
+/// default limit on a request's headers (60 KiB), where values come from.
+/// envoyproxy/ratelimit sets no bound. The service's records are named by
+/// a digest past a few hundred bytes, so a long value costs no memory per
+/// record.
+pub const MAX_TEXT_LEN: usize = 65_536;
 
 /// `descriptors.<domain>[i]:` one rule as written.
 #[derive(Debug, Deserialize)]
@@ -296,7 +301,7 @@ fn compile_level(
     errors: &mut Vec<PolicyError>,
 ) -> Level {
     let mut level = Level::default();
-    if depth > MAX_DEPTH {
+    if depth > MAX_DEPTH && !specs.is_empty() {
         errors.push(PolicyError::new(
             path.clone(),
             format!("rules nest at most {MAX_DEPTH} levels deep"),

@@ -19,8 +19,29 @@ pub fn json_schema() -> Value {
     let mut schema = schemars::schema_for!(super::spec::PolicySpec);
     schema.insert("title".to_owned(), Value::from("tenantgate policy"));
     let mut value = schema.to_value();
+    rate_by_algorithm(&mut value);
     for_editors(&mut value);
     value
+}
+
+/// A limit's `rate` range depends on its `algorithm`: a `fixed_window`'s is
+/// 0 to [`super::compile::MAX_WINDOW_RATE`], any other's 1 to
+/// [`super::compile::MAX_COUNT`] (an `if`/`then`/`else` the derive cannot
+/// write).
+fn rate_by_algorithm(value: &mut Value) {
+    let Some(Value::Object(limit)) = value.pointer_mut("/$defs/LimitSpec") else {
+        return;
+    };
+    let range = |min: i64, max: i64| serde_json::json!({ "properties": { "rate": { "minimum": min, "maximum": max } } });
+    limit.insert(
+        "if".to_owned(),
+        serde_json::json!({
+            "properties": { "algorithm": { "const": "fixed_window" } },
+            "required": ["algorithm"]
+        }),
+    );
+    limit.insert("then".to_owned(), range(0, super::compile::MAX_WINDOW_RATE));
+    limit.insert("else".to_owned(), range(1, super::compile::MAX_COUNT));
 }
 
 /// Descriptions as an editor shows them on hover: the doc comments' line

@@ -390,7 +390,10 @@ pub struct LimitSpec {
     pub name: Option<String>,
     #[serde(default)]
     pub algorithm: Algorithm,
-    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = super::compile::MAX_COUNT)))]
+    /// 1 to 10⁹; a `fixed_window`'s 0 to 4294967295 (envoyproxy/ratelimit's
+    /// `requests_per_unit` range; 0 refuses every request that costs
+    /// anything).
+    #[cfg_attr(feature = "schema", schemars(range(min = 0, max = super::compile::MAX_WINDOW_RATE)))]
     pub rate: i64,
     #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub per: String,

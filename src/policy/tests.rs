@@ -559,3 +559,41 @@ fn a_policy_over_one_mib_is_refused_before_parsing() {
     json.pop();
     assert!(Policy::from_json(json.as_bytes()).is_ok());
 }
+
+#[test]
+fn a_fixed_window_takes_envoyproxy_ratelimits_whole_range_zero_included() {
+    // `requests_per_unit` is a uint32 there, 0 meaning every request is over.
+    let fixed = |rate: &str| {
+        with(
+            r#""rate": 100, "per": "1m"}"#,
+            &format!(r#""algorithm": "fixed_window", "rate": {rate}, "per": "1m"}}"#),
+        )
+    };
+    for (rate, want) in [("0", 0u64), ("4294967295", u64::from(u32::MAX))] {
+        let p = Policy::from_json(fixed(rate).as_bytes()).unwrap();
+        let limit = &p.plans()[0].limits[0];
+        assert_eq!(limit.rate, want);
+        if want == 0 {
+            let crate::limiter::algo::Algo::FixedWindow(w) = limit.algo else {
+                panic!("expected a fixed window");
+            };
+            let state = crate::limiter::fixed_window::State::default();
+            assert!(matches!(
+                w.check(&state, 0, 1),
+                crate::limiter::Verdict::Deny { .. }
+            ));
+            assert!(matches!(
+                w.check(&state, 0, 0),
+                crate::limiter::Verdict::Admit { .. }
+            ));
+        }
+    }
+    assert_eq!(
+        errors(&fixed("4294967296")),
+        ["plans.free.limits[0].rate: a fixed_window rate is between 0 and 4294967295"]
+    );
+    assert_eq!(
+        errors(&fixed("-1")),
+        ["plans.free.limits[0].rate: a fixed_window rate is between 0 and 4294967295"]
+    );
+}

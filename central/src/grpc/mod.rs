@@ -62,6 +62,27 @@ impl PolicyInForce {
     }
 }
 
+/// The longest record name written as is (see [`record_key`]).
+pub const MAX_PLAIN_RECORD_KEY: usize = 512;
+
+/// The name of a matched descriptor's records: `<rule path>|<tenant>`, or,
+/// past [`MAX_PLAIN_RECORD_KEY`] bytes (rules and values may be up to 64
+/// KiB each), `sha256:` and that text's SHA-256 in hex, so a record's name
+/// costs at most a few hundred bytes whatever the descriptor.
+pub fn record_key(path: &str, tenant: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let plain = format!("{path}|{tenant}");
+    if plain.len() <= MAX_PLAIN_RECORD_KEY {
+        return plain;
+    }
+    let digest = Sha256::digest(plain.as_bytes());
+    let mut out = String::from("sha256:");
+    for b in digest.iter() {
+        out.push_str(&format!("{b:02x}"));
+    }
+    out
+}
+
 /// The RLS's records in the store `--store` names (`embedded` or a
 /// `redis://` URL), at most `max_keys` of them when embedded.
 pub fn open_counters(spec: &str, max_keys: u64) -> Result<Arc<dyn Counters>, String> {
@@ -91,11 +112,23 @@ pub struct Services {
     pub rlqs: Arc<rlqs::Rlqs>,
 }
 
-/// The gRPC services as one axum router (tonic's routes).
+/// The gRPC services as one axum router (tonic's routes), decoding
+/// messages of up to [`crate::bounded::DEFAULT_MAX_GRPC_MESSAGE_BYTES`].
 pub fn router(services: Services) -> axum::Router {
+    router_with(services, crate::bounded::DEFAULT_MAX_GRPC_MESSAGE_BYTES)
+}
+
+/// [`router`], decoding messages of up to `max_message_bytes` (a larger
+/// one is refused unread, `OUT_OF_RANGE`).
+pub fn router_with(services: Services, max_message_bytes: usize) -> axum::Router {
     use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
-    tonic::service::Routes::new(RateLimitServiceServer::from_arc(services.rls))
-        .add_service(RateLimitQuotaServiceServer::new(rlqs::RlqsService(services.rlqs)))
-        .into_axum_router()
+    tonic::service::Routes::new(
+        RateLimitServiceServer::from_arc(services.rls).max_decoding_message_size(max_message_bytes),
+    )
+    .add_service(
+        RateLimitQuotaServiceServer::new(rlqs::RlqsService(services.rlqs))
+            .max_decoding_message_size(max_message_bytes),
+    )
+    .into_axum_router()
 }

@@ -51,8 +51,8 @@
 //! (`true`) on its own.
 //!
 //! # Limits
-//! Every value from the network is bounded: a message over 4 MiB (tonic's
-//! decoding limit) is refused unread (`OUT_OF_RANGE`), one that is not
+//! Every value from the network is bounded: a message over 4 MiB
+//! (`crate::bounded`'s gRPC message cap) is refused unread (`OUT_OF_RANGE`), one that is not
 //! protobuf `INTERNAL`; beyond [`MAX_DESCRIPTORS`], the policy's depth
 //! ([`MAX_DEPTH`] entries) or text lengths ([`MAX_TEXT_LEN`] bytes),
 //! `INVALID_ARGUMENT`. A cost is at most `u64::MAX` and adds up
@@ -147,6 +147,9 @@ pub struct RlsMetrics {
     pub over_limit: AtomicU64,
     pub invalid: AtomicU64,
     pub unavailable: AtomicU64,
+    /// Keys a shadow (or soft) limit would have refused, the request
+    /// answered `OK` (envoyproxy/ratelimit's `shadow_mode` stat).
+    pub shadow_over_limit: AtomicU64,
 }
 
 impl RlsMetrics {
@@ -166,6 +169,10 @@ impl RlsMetrics {
                 n.load(Relaxed)
             ));
         }
+        out.push_str(&format!(
+            "# HELP tenantgate_rls_shadow_over_limit_total Keys a shadow or soft limit would have refused (answered OK).\n# TYPE tenantgate_rls_shadow_over_limit_total counter\ntenantgate_rls_shadow_over_limit_total {}\n",
+            self.shadow_over_limit.load(Relaxed)
+        ));
         out
     }
 }
@@ -269,6 +276,10 @@ impl Rls {
             self.metrics.unavailable.fetch_add(1, Relaxed);
             return Err(tonic::Status::unavailable(format!("rate limit state: {e}")));
         }
+        let shadowed = checks.iter().filter(|c| c.shadow_denied).count();
+        self.metrics
+            .shadow_over_limit
+            .fetch_add(u64::try_from(shadowed).unwrap_or(u64::MAX), Relaxed);
         let response = respond(&policy, &matched, &keys, &checks);
         if response.overall_code == Code::OverLimit as i32 {
             self.metrics.over_limit.fetch_add(1, Relaxed);
@@ -349,7 +360,7 @@ fn match_request<'p>(policy: &'p RlsPolicy, req: &RateLimitRequest) -> (Vec<Matc
             let Some(limits) = f.rule.plan.and_then(|p| policy.plans.get(p)) else {
                 return Matched::Unlimited;
             };
-            let key = format!("{}|{}", f.rule.path, f.tenant);
+            let key = super::record_key(&f.rule.path, &f.tenant);
             let i = *index.entry(key.clone()).or_insert_with(|| {
                 keys.push(KeyWork {
                     key,

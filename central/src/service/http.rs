@@ -19,7 +19,6 @@
 //! only as itself. A sync listener on a non-loopback address without it
 //! refuses to start ([`check_exposure`]) unless [`Auth::insecure`] is set.
 
-use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -35,6 +34,7 @@ use tracing::{info, warn};
 
 use super::metrics::Gauges;
 use super::{watch_policy, Service, SyncError};
+use crate::bounded::{Budget, ListenerLimits};
 use crate::listener::{Peer, SyncListener, TlsFiles};
 use crate::store::Store;
 
@@ -167,6 +167,8 @@ pub struct ServeOptions {
     /// Envoy's rate limit protocols over gRPC (`--grpc-listen`; `None`:
     /// not served). Needs [`Service::attach_rls`] and [`Service::attach_rlqs`].
     pub grpc: Option<SocketAddr>,
+    /// The caps every listener runs under (`crate::bounded`).
+    pub limits: ListenerLimits,
 }
 
 /// The default sync address (`--listen`).
@@ -273,23 +275,26 @@ pub async fn serve_on(
         _ => None,
     };
     let mut stop_sync = stop_rx;
-    let admin = tokio::spawn(
-        axum::serve(
-            SyncListener::plain(listeners.admin),
-            admin_router(service.clone()),
-        )
-        .with_graceful_shutdown(async move {
+    let limits = opts.limits;
+    let budget = Budget::new(limits.max_bytes_in_flight);
+    let admin = tokio::spawn(crate::bounded::serve(
+        SyncListener::plain(listeners.admin),
+        admin_router(service.clone()),
+        limits,
+        budget.clone(),
+        async move {
             let _ = stop_admin.wait_for(|s| *s).await;
-        })
-        .into_future(),
-    );
-    let sync = axum::serve(
+        },
+    ));
+    let sync = crate::bounded::serve(
         sync_listener,
-        sync_router(service).into_make_service_with_connect_info::<Peer>(),
-    )
-    .with_graceful_shutdown(async move {
-        let _ = stop_sync.wait_for(|s| *s).await;
-    });
+        sync_router(service),
+        limits,
+        budget.clone(),
+        async move {
+            let _ = stop_sync.wait_for(|s| *s).await;
+        },
+    );
     let signal = tokio::spawn(async move {
         shutdown.await;
         let _ = stop_tx.send(true);
@@ -299,6 +304,7 @@ pub async fn serve_on(
             addr,
             opts.auth.tls.clone(),
             services,
+            (limits, budget),
             grpc_stop,
         ))),
         _ => None,
@@ -331,6 +337,7 @@ async fn serve_grpc(
     addr: SocketAddr,
     tls: Option<TlsFiles>,
     services: crate::grpc::Services,
+    (limits, budget): (ListenerLimits, Budget),
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let tcp = tokio::net::TcpListener::bind(addr)
@@ -341,13 +348,15 @@ async fn serve_grpc(
         None => SyncListener::plain(tcp),
     };
     info!(%addr, tls = tls.is_some(), "gRPC (Envoy rate limit service and rate limit quota service) listening");
-    axum::serve(
+    crate::bounded::serve(
         listener,
-        crate::grpc::router(services).into_make_service_with_connect_info::<Peer>(),
+        crate::grpc::router_with(services, limits.max_grpc_message_bytes),
+        limits,
+        budget,
+        async move {
+            let _ = stop.wait_for(|s| *s).await;
+        },
     )
-    .with_graceful_shutdown(async move {
-        let _ = stop.wait_for(|s| *s).await;
-    })
     .await
 }
 

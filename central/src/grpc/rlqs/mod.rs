@@ -81,8 +81,8 @@
 //! counts in `A`.
 //!
 //! # Limits
-//! Every value from the network is bounded: a message over 4 MiB (tonic's
-//! decoding limit) is refused unread; at most [`Settings::max_streams`]
+//! Every value from the network is bounded: a message over 4 MiB
+//! (`crate::bounded`'s gRPC message cap) is refused unread; at most [`Settings::max_streams`]
 //! streams (then `RESOURCE_EXHAUSTED`), at most
 //! [`Settings::max_buckets_per_stream`] buckets per stream (a bucket over
 //! it gets no answer, so Envoy keeps its `no_assignment_behavior`, and is
@@ -618,7 +618,7 @@ fn resolve(policy: &RlsPolicy, domain: &str, id: &BucketId) -> (Target, Option<u
     let Some((plan, limits)) = found.rule.plan.and_then(|p| policy.plans.get(p).map(|l| (p, l))) else {
         return (Target::Allow, None);
     };
-    let key = format!("{}|{}", found.rule.path, found.tenant);
+    let key = super::record_key(&found.rule.path, &found.tenant);
     match bucket_limit(limits) {
         Some(l) if policy.mode == Mode::Enforce => (
             Target::Limit {
