@@ -19,7 +19,7 @@
 //! checksum and one scanner.
 
 use super::json::{Found, Scanner};
-use crate::policy::settle::{Field, MAX_FIELDS};
+use crate::policy::settle::Field;
 
 /// A prelude's bytes: total length, headers' length, their checksum.
 const PRELUDE: usize = 12;
@@ -96,6 +96,8 @@ pub struct Messages {
     payload: u32,
     scanner: Scanner,
     found: Found,
+    /// Messages read since one gave a field's value.
+    since_usage: u64,
 }
 
 impl Default for Messages {
@@ -107,6 +109,7 @@ impl Default for Messages {
             payload: 0,
             scanner: Scanner::default(),
             found: Found::default(),
+            since_usage: 0,
         }
     }
 }
@@ -122,12 +125,30 @@ fn be32(bytes: &[u8]) -> u32 {
 impl Messages {
     /// Reads the next bytes of the stream.
     pub fn feed(&mut self, bytes: &[u8], fields: &[Field]) {
-        for &b in bytes {
-            self.byte(b, fields);
+        self.feed_until(bytes, fields, u64::MAX);
+    }
+
+    /// Reads the next bytes of the stream until a message takes the
+    /// running cost ([`Messages::running`]) past `limit`: then stops right
+    /// after that message and returns how many bytes it read. `None`: all
+    /// were read (or the stream broke).
+    pub fn feed_until(&mut self, bytes: &[u8], fields: &[Field], limit: u64) -> Option<usize> {
+        for (i, &b) in bytes.iter().enumerate() {
+            let ended = self.byte(b, fields);
             if matches!(self.part, Part::Broken) {
-                return;
+                return None;
+            }
+            if ended && self.running(fields) > limit {
+                return Some(i.saturating_add(1));
             }
         }
+        None
+    }
+
+    /// The running cost of what has been read (see
+    /// [`Found::running`]): each message counts as an event.
+    pub fn running(&self, fields: &[Field]) -> u64 {
+        self.found.running(self.since_usage, fields)
     }
 
     /// The stream ended: the fields' last values, if it ended between
@@ -136,7 +157,8 @@ impl Messages {
         matches!(self.part, Part::Prelude(0)).then_some(self.found)
     }
 
-    fn byte(&mut self, b: u8, fields: &[Field]) {
+    /// Reads one byte; whether it ended a whole message.
+    fn byte(&mut self, b: u8, fields: &[Field]) -> bool {
         match self.part {
             Part::Prelude(n) => {
                 if let Some(slot) = self.prelude.get_mut(n) {
@@ -169,14 +191,15 @@ impl Messages {
                 if let Some(slot) = self.prelude.get_mut(n) {
                     *slot = b;
                 }
-                self.part = if n + 1 == 4 {
-                    self.end_message(fields)
-                } else {
-                    Part::Checksum(n + 1)
-                };
+                if n + 1 == 4 {
+                    self.part = self.end_message(fields);
+                    return matches!(self.part, Part::Prelude(0));
+                }
+                self.part = Part::Checksum(n + 1);
             }
             Part::Broken => {}
         }
+        false
     }
 
     /// A whole prelude: its lengths and checksum, then the message's
@@ -212,19 +235,16 @@ impl Messages {
         if self.crc.value() != be32(&self.prelude) {
             return Part::Broken;
         }
-        if self.payload > 0 {
-            if let Some(found) = self.scanner.finish(fields) {
-                for i in 0..MAX_FIELDS {
-                    if let (Some(v), Some(slot)) = (
-                        found.values.get(i).copied().flatten(),
-                        self.found.values.get_mut(i),
-                    ) {
-                        *slot = Some(v);
-                    }
-                }
-                self.found.malformed |= found.malformed;
-            }
-        }
+        let usage = self.payload > 0
+            && self
+                .scanner
+                .finish(fields)
+                .is_some_and(|found| self.found.merge(&found));
+        self.since_usage = if usage {
+            0
+        } else {
+            self.since_usage.saturating_add(1)
+        };
         self.crc = Crc::new();
         Part::Prelude(0)
     }

@@ -96,6 +96,39 @@ pub struct Found {
     pub malformed: bool,
 }
 
+impl Found {
+    /// Takes `other`'s values (the last value seen wins) and its
+    /// malformedness; whether it had any value.
+    pub fn merge(&mut self, other: &Found) -> bool {
+        let mut any = false;
+        for (slot, value) in self.values.iter_mut().zip(other.values.iter()) {
+            if let Some(v) = value {
+                *slot = Some(*v);
+                any = true;
+            }
+        }
+        self.malformed |= other.malformed;
+        any
+    }
+
+    /// The running cost of a stream that said this so far (see
+    /// `crate::cost`, "Metered as it flows"), in units: the fields'
+    /// weighted values (0 for one not seen yet), and one unit at the
+    /// heaviest weight for each of the `since` events since one reported
+    /// a value.
+    pub fn running(&self, since: u64, fields: &[Field]) -> u64 {
+        let mut milli: u128 = 0;
+        let mut heaviest: u64 = 0;
+        for (i, f) in fields.iter().enumerate() {
+            let v = self.values.get(i).copied().flatten().unwrap_or(0);
+            milli = milli.saturating_add(u128::from(v) * u128::from(f.weight_milli));
+            heaviest = heaviest.max(f.weight_milli);
+        }
+        milli = milli.saturating_add(u128::from(since) * u128::from(heaviest));
+        u64::try_from(milli.div_ceil(u128::from(crate::policy::settle::WEIGHT_SCALE))).unwrap_or(u64::MAX)
+    }
+}
+
 /// The scanner (see the module header).
 #[derive(Debug, Clone)]
 pub struct Scanner {
@@ -117,6 +150,11 @@ pub struct Scanner {
     token_len: usize,
     found: Found,
     broken: bool,
+    /// A top-level array's elements read since one gave a field's value,
+    /// whether the current one did, and whether one just ended.
+    since_usage: u64,
+    element_gave: bool,
+    element_ended: bool,
 }
 
 impl Default for Scanner {
@@ -136,6 +174,9 @@ impl Default for Scanner {
             token_len: 0,
             found: Found::default(),
             broken: false,
+            since_usage: 0,
+            element_gave: false,
+            element_ended: false,
         }
     }
 }
@@ -147,12 +188,38 @@ fn is_token_byte(b: u8) -> bool {
 impl Scanner {
     /// Reads the next bytes of the document.
     pub fn feed(&mut self, bytes: &[u8], fields: &[Field]) {
-        for &b in bytes {
+        self.feed_until(bytes, fields, u64::MAX);
+    }
+
+    /// Reads the next bytes of the document until an element of a
+    /// top-level array (a stream of documents, see the module header)
+    /// takes the running cost ([`Scanner::running`]) past `limit`: then
+    /// stops right after that element and returns how many bytes it read.
+    /// `None`: all were read (or the document broke).
+    pub fn feed_until(&mut self, bytes: &[u8], fields: &[Field], limit: u64) -> Option<usize> {
+        for (i, &b) in bytes.iter().enumerate() {
             if self.broken {
-                return;
+                return None;
             }
             self.byte(b, fields);
+            if std::mem::take(&mut self.element_ended) {
+                self.since_usage = if std::mem::take(&mut self.element_gave) {
+                    0
+                } else {
+                    self.since_usage.saturating_add(1)
+                };
+                if self.running(fields) > limit {
+                    return Some(i.saturating_add(1));
+                }
+            }
         }
+        None
+    }
+
+    /// The running cost of what has been read (see [`Found::running`]):
+    /// a top-level array's elements count as events.
+    pub fn running(&self, fields: &[Field]) -> u64 {
+        self.found.running(self.since_usage, fields)
     }
 
     /// The document ended: what it said, if it was whole and well formed
@@ -260,6 +327,9 @@ impl Scanner {
             return;
         }
         self.depth -= 1;
+        if self.depth == 1 && self.stack.first() == Some(&Kind::Array) {
+            self.element_ended = true;
+        }
         self.after_value();
     }
 
@@ -318,6 +388,7 @@ impl Scanner {
                     Some(v) => {
                         if let Some(slot) = self.found.values.get_mut(i) {
                             *slot = Some(v);
+                            self.element_gave = true;
                         }
                     }
                     None => self.found.malformed = true,

@@ -95,8 +95,11 @@
 //! W`, and from its first request `B + D + r·t + N·e + W` (`N` streams,
 //! `e` the tokens of one event): every chunk is admitted like a request,
 //! and a stream ends one event past its reservation when refused.
-//! Non-streamed answers keep the `C − E` term. Tested in
-//! `src/pipeline/flow_tests.rs` (1,200 streams lying about `max_tokens`).
+//! Every stream read is metered as it flows: server-sent events, a
+//! top-level JSON array's elements (Gemini) and AWS event stream messages
+//! (Bedrock) are its events. Non-streamed answers keep the `C − E` term.
+//! Tested in `src/pipeline/flow_tests.rs` (1,200 streams lying about
+//! `max_tokens`) and `cost::tests` (each stream format ended at an event).
 //!
 //! A fixed window or a sliding counter charges at most `rate + D` to an
 //! aligned window (a late settlement goes to the window current at the
@@ -392,12 +395,7 @@ impl Meter {
             let offset = chunk.len().saturating_sub(rest.len());
             // The held bytes are a mark's prefix: no line ends in them.
             self.feed(settle, held, u64::MAX, &mut |_| None);
-            if let Some((keep, style)) = self.feed(settle, rest, reserved, more) {
-                let terminal = if settle.terminal_event {
-                    style.terminal_event()
-                } else {
-                    &[]
-                };
+            if let Some((keep, terminal)) = self.feed(settle, rest, reserved, more) {
                 return Flow::End {
                     keep: offset.saturating_add(keep),
                     terminal,
@@ -413,38 +411,47 @@ impl Meter {
         Flow::Pass
     }
 
-    /// Feeds `bytes` to the reader; `Some((n, style))`: a stream (of
-    /// `style`) whose running cost passed `limit` at its `n`-th byte, and
-    /// `more` refused.
+    /// Feeds `bytes` to the reader; `Some((n, terminal))`: a stream whose
+    /// running cost passed `limit` at its `n`-th byte, at the end of an
+    /// event, and `more` refused; `terminal` ends its format (see
+    /// [`Flow::End`]).
     fn feed(
         &mut self,
         settle: &Settle,
         bytes: &[u8],
         mut limit: u64,
         more: &mut dyn FnMut(u64) -> Option<u64>,
-    ) -> Option<(usize, sse::Style)> {
+    ) -> Option<(usize, &'static [u8])> {
         let fields = settle.fields();
-        match &mut self.reading {
-            Reading::Json(s) => s.feed(bytes, fields),
-            Reading::Messages(m) => m.feed(bytes, fields),
-            Reading::Events(e) => {
-                let mut at = 0;
-                while let Some(n) = e.feed_until(bytes.get(at..)?, fields, limit) {
-                    at = at.saturating_add(n);
-                    let running = e.running(fields);
-                    match more(running) {
-                        Some(now) => limit = now,
-                        None => {
-                            let style = e.style();
-                            self.reading = Reading::Done(Figure::Ended(running));
-                            return Some((at, style));
-                        }
-                    }
+        let mut at = 0;
+        loop {
+            let rest = bytes.get(at..)?;
+            let (n, running, terminal) = match &mut self.reading {
+                Reading::Events(e) => {
+                    let n = e.feed_until(rest, fields, limit)?;
+                    // Gemini's and Bedrock's streams have no terminal event.
+                    let terminal = if settle.terminal_event {
+                        e.style().terminal_event()
+                    } else {
+                        &[]
+                    };
+                    (n, e.running(fields), terminal)
+                }
+                // A top-level array (Gemini's stream) ends with its `]`.
+                Reading::Json(s) => (s.feed_until(rest, fields, limit)?, s.running(fields), &b"]"[..]),
+                // An AWS event stream ends between messages.
+                Reading::Messages(m) => (m.feed_until(rest, fields, limit)?, m.running(fields), &b""[..]),
+                _ => return None,
+            };
+            at = at.saturating_add(n);
+            match more(running) {
+                Some(now) => limit = now,
+                None => {
+                    self.reading = Reading::Done(Figure::Ended(running));
+                    return Some((at, terminal));
                 }
             }
-            _ => {}
         }
-        None
     }
 
     /// A non-streamed answer's figure, decided, over its reservation:

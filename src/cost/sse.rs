@@ -32,7 +32,7 @@
 //! event's name, never a whole line.
 
 use super::json::{Found, Scanner};
-use crate::policy::settle::{Field, MAX_FIELDS, WEIGHT_SCALE};
+use crate::policy::settle::Field;
 
 const DATA: &[u8] = b"data:";
 const EVENT: &[u8] = b"event:";
@@ -193,15 +193,7 @@ impl Events {
     /// The running cost of what has been read (see the module header),
     /// in units.
     pub fn running(&self, fields: &[Field]) -> u64 {
-        let mut milli: u128 = 0;
-        let mut heaviest: u64 = 0;
-        for (i, f) in fields.iter().enumerate() {
-            let v = self.found.values.get(i).copied().flatten().unwrap_or(0);
-            milli = milli.saturating_add(u128::from(v) * u128::from(f.weight_milli));
-            heaviest = heaviest.max(f.weight_milli);
-        }
-        milli = milli.saturating_add(u128::from(self.since_usage) * u128::from(heaviest));
-        u64::try_from(milli.div_ceil(u128::from(WEIGHT_SCALE))).unwrap_or(u64::MAX)
+        self.found.running(self.since_usage, fields)
     }
 
     /// The stream's kind, by the event names read so far.
@@ -282,18 +274,7 @@ impl Events {
             return false;
         };
         self.ended = terminal_name || done;
-        let mut usage = false;
-        if let Some(found) = s.finish(fields) {
-            for i in 0..MAX_FIELDS {
-                if let Some(v) = found.values.get(i).copied().flatten() {
-                    usage = true;
-                    if let Some(slot) = self.found.values.get_mut(i) {
-                        *slot = Some(v);
-                    }
-                }
-            }
-            self.found.malformed |= found.malformed;
-        }
+        let usage = s.finish(fields).is_some_and(|found| self.found.merge(&found));
         self.since_usage = if usage {
             0
         } else {

@@ -516,3 +516,70 @@ fn a_50_mb_answer_passes_unread_past_max_body_bytes_and_costs_on_missing() {
     let estimate = settle(r#"{"usage": "openai_total", "ceiling": 8000, "on_missing": "estimate"}"#);
     assert_eq!(real_cost(&estimate, figure, 100).cost, 100);
 }
+
+/// A whole body through `on_body_flow` in one chunk, `reserved` held and
+/// `grant` more units each time the running cost passes it (0: refused).
+fn flow(s: &Settle, content_type: &str, body: &[u8], reserved: u64, grant: u64) -> (Flow, Figure) {
+    let mut h = host().response_header("content-type", content_type);
+    let mut m = Meter::default();
+    m.on_headers(s, &h, false);
+    h.response_body = body.to_vec();
+    let mut held = reserved;
+    let mut more = |running: u64| {
+        (grant > 0).then(|| {
+            held = running + grant;
+            held
+        })
+    };
+    let f = m.on_body_flow(s, &h, body.len(), true, reserved, &mut more);
+    (f, m.end())
+}
+
+#[test]
+fn geminis_array_and_bedrocks_messages_are_metered_as_they_flow_and_end_at_an_event() {
+    let gemini = settle(r#"{"usage": "gemini", "ceiling": 8000}"#);
+    let array = br#"[{"candidates":[{"content":{"parts":[{"text":"Hel"}]}}],"usageMetadata":{"totalTokenCount":10}},
+{"candidates":[{"content":{"parts":[{"text":"lo"}]}}],"usageMetadata":{"totalTokenCount":11}},
+{"candidates":[{"content":{"parts":[{"text":"!"}]},"finishReason":"STOP"}],"usageMetadata":{"totalTokenCount":12}}]"#;
+    let ct = "application/json";
+    // Granted as it flows: the whole answer, its usage.
+    assert_eq!(flow(&gemini, ct, array, 5, 1).1, Figure::Cost(12));
+    // Refused when the first element's running usage (10) passes the 5
+    // reserved: ended right after that element, closed with `]`.
+    let (f, figure) = flow(&gemini, ct, array, 5, 0);
+    let Flow::End {
+        keep,
+        terminal,
+        reset,
+    } = f
+    else {
+        panic!("{f:?}")
+    };
+    assert_eq!((terminal, reset, figure), (&b"]"[..], false, Figure::Ended(10)));
+    let mut served = array[..keep].to_vec();
+    served.extend_from_slice(terminal);
+    let v: serde_json::Value = serde_json::from_slice(&served).unwrap();
+    assert_eq!(v.as_array().map(Vec::len), Some(1), "{v}");
+    // A plain JSON answer is no stream: never ended on its way.
+    let plain = br#"{"usageMetadata":{"totalTokenCount":10}}"#;
+    assert_eq!(flow(&gemini, ct, plain, 5, 0).0, Flow::Pass);
+
+    // Bedrock: usage only in `metadata`; each message before it counts one
+    // unit. With 2 reserved, the third message (1 + 2 deltas) passes it.
+    let bedrock = settle(r#"{"usage": "bedrock", "ceiling": 8000}"#);
+    let stream = super::eventstream::converse_stream(30, 628);
+    let ct = "application/vnd.amazon.eventstream";
+    assert_eq!(flow(&bedrock, ct, &stream, 2, 1).1, Figure::Cost(658));
+    let (f, figure) = flow(&bedrock, ct, &stream, 2, 0);
+    let Flow::End { keep, terminal, .. } = f else {
+        panic!("{f:?}")
+    };
+    assert_eq!((terminal, figure), (&b""[..], Figure::Ended(3)));
+    // What passed is three whole messages.
+    let mut whole = Vec::new();
+    for _ in 0..3 {
+        let total = u32::from_be_bytes(stream[whole.len()..whole.len() + 4].try_into().unwrap()) as usize;
+        whole.extend_from_slice(&stream[whole.len()..whole.len() + total]);
+    }
+    assert_eq!(keep, whole.len());
+}

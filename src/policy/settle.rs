@@ -47,8 +47,9 @@ pub struct Settle {
     /// reservation (`settle.chunk`; default [`default_chunk`]).
     pub chunk: u64,
     pub over_reservation: OverReservation,
-    /// A stream the filter ends early gets its provider's terminal event
-    /// (false for formats whose stream has none: Gemini, Bedrock).
+    /// An event stream the filter ends early gets its provider's terminal
+    /// event (false for formats whose stream has none: Gemini, Bedrock; a
+    /// Gemini JSON-array stream gets its closing `]` whatever this says).
     pub terminal_event: bool,
     /// Ask a streamed request's upstream for its usage
     /// (`stream_options.include_usage`: [`crate::cost::rewrite`]).
