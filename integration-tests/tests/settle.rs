@@ -775,10 +775,17 @@ fn streams_lying_about_max_tokens_are_ended_as_they_flow_and_honest_ones_are_not
     let log = Envoy::temp_dir().join("access.log");
     let (_primary, _fallback, envoy) = start(&log);
     let started = Instant::now();
-    // 100 streams of one tenant at once (6,000 tokens a minute, burst
-    // 6,000, debt 6,000), each claiming 1 token and streamed 3,000.
+    // 1,000 streams of one tenant at once (6,000 tokens a minute, burst
+    // 6,000, debt 6,000), each claiming 1 token and streamed 3,000: two
+    // sockets each in this process (client and upstream) and two in Envoy,
+    // so 100 where the open-file limit is below 8,192
+    // (`TENANTGATE_FLOW_STREAMS` sets the count).
     let port = envoy.port;
-    let liars: Vec<_> = (0..100)
+    let count: u64 = std::env::var("TENANTGATE_FLOW_STREAMS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if open_files_limit() >= 8192 { 1000 } else { 100 });
+    let liars: Vec<_> = (0..count)
         .map(|_| std::thread::spawn(move || stream_all(port, "/up/flowing/model/tokens/3000", "liar", 1)))
         .collect();
     let answers: Vec<(u16, String)> = liars.into_iter().map(|h| h.join().unwrap()).collect();
@@ -799,8 +806,9 @@ fn streams_lying_about_max_tokens_are_ended_as_they_flow_and_honest_ones_are_not
     // The restated bound from the key's first request: B + D + r·t + N·e.
     let bound = 6000 + 6000 + 100 * t + admitted;
     eprintln!(
-        "100 streams claiming 1 token, streamed 3,000 each: {admitted} admitted, {served} tokens \
-         served in {t} s (bound {bound}; asked for 300,000), {ended} ended with [DONE]"
+        "{count} streams claiming 1 token, streamed 3,000 each: {admitted} admitted, {served} tokens \
+         served in {t} s (bound {bound}; asked for {}), {ended} ended with [DONE]",
+        3000 * count
     );
     assert!(served <= bound, "{served} > {bound}");
     // The filter ended every one; most clients read its terminal event
@@ -827,6 +835,17 @@ fn streams_lying_about_max_tokens_are_ended_as_they_flow_and_honest_ones_are_not
     let record = &cost_records(&log, "chat|t|honest")[0];
     eprintln!("honest beside it: 400 of 400 tokens; {record}");
     assert_eq!(field(record, "cost"), 420, "{record}");
+}
+
+/// This process's soft limit of open files (`/proc/self/limits`; 0 if
+/// unreadable).
+fn open_files_limit() -> u64 {
+    std::fs::read_to_string("/proc/self/limits")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(3)?.parse().ok())
+        .unwrap_or(0)
 }
 
 on_both_hosts!(a_streamed_request_is_sent_asking_for_its_usage_so_an_honest_sdk_pays_it);
