@@ -149,8 +149,7 @@ fn completion(usage: Option<&str>) -> String {
 }
 
 fn chunk(out: &mut TcpStream, data: &str) -> std::io::Result<()> {
-    out.write_all(format!("{:x}\r\n{data}\r\n", data.len()).as_bytes())?;
-    out.flush()
+    chunk_bytes(out, data.as_bytes())
 }
 
 fn sse_head(extra: &str) -> String {
@@ -363,20 +362,7 @@ pub fn answer(
             )?;
             out.write_all(b"0\r\n\r\n")?;
         }
-        ModelAnswer::Sse { tokens, gap_ms } => {
-            out.write_all(sse_head(extra).as_bytes())?;
-            for delta in ["Hel", "lo", "!"] {
-                chunk(out, &event(delta))?;
-                std::thread::sleep(Duration::from_millis(gap_ms));
-            }
-            let last = format!(
-                "data: {{\"id\":\"chatcmpl-test\",\"choices\":[],\"usage\":{}}}\n\n",
-                usage(tokens)
-            );
-            chunk(out, &last)?;
-            chunk(out, "data: [DONE]\n\n")?;
-            out.write_all(b"0\r\n\r\n")?;
-        }
+        ModelAnswer::Sse { tokens, gap_ms } => openai_stream(out, extra, tokens, gap_ms, true)?,
         ModelAnswer::Reset { after_ms } => {
             out.write_all(sse_head(extra).as_bytes())?;
             for delta in ["Hel", "lo"] {

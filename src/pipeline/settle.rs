@@ -149,9 +149,13 @@ fn input_estimate<H: Host>(host: &H, settle: &Settle) -> u64 {
     let Some(per) = settle.input_bytes_per_token else {
         return 0;
     };
-    host.request_header("content-length")
-        .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<u64>().ok())
-        .map_or(0, |len| len.div_ceil(per.max(1)))
+    declared_length(host).map_or(0, |len| len.div_ceil(per.max(1)))
+}
+
+/// The request's declared `content-length`, if it has a valid one.
+fn declared_length<H: Host>(host: &H) -> Option<u64> {
+    let raw = host.request_header("content-length")?;
+    std::str::from_utf8(&raw).ok()?.trim().parse::<u64>().ok()
 }
 
 impl Pipeline {
@@ -248,9 +252,7 @@ impl Pipeline {
         if !s.settle_rule().is_some_and(|r| r.include_usage) {
             return false;
         }
-        let declared = host
-            .request_header("content-length")
-            .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<u64>().ok());
+        let declared = declared_length(host);
         let max = u64::try_from(cost::rewrite::MAX_REWRITE_BYTES).unwrap_or(u64::MAX);
         if declared.is_some_and(|n| n == 0 || n > max) {
             return false;
