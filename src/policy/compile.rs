@@ -12,6 +12,7 @@ use super::admission::{ActionLimit, Dependency};
 use super::duration::parse_duration_ns;
 use super::error::{FieldPath, PolicyError, PolicyErrors};
 use super::spec::{self, Classify, IdentitySpec, LimitSpec, PolicySpec};
+use super::values::{is_header_name, MAX_COUNT, MAX_WINDOW_RATE};
 use super::{
     fnv1a32, is_name, tenant_id, Anonymous, Classification, FailureMode, Guard, Identity, Limit, OnLimit,
     Plan, Policy, RouteClass, SyncSettings, DEFAULT_MAX_KEYS, JWT_AUTHN_FILTER, MAX_LIMITS_PER_PLAN,
@@ -27,13 +28,6 @@ pub use super::admission::MAX_QUEUE_WAIT_NS;
 /// Default `max_queue`: requests held per worker per class.
 pub const DEFAULT_MAX_QUEUE: i64 = 100;
 
-/// Largest `rate`, `burst`, `cost`, `max_debt` and `settle.ceiling` accepted.
-pub const MAX_COUNT: i64 = 1_000_000_000;
-/// Largest `rate` of a `fixed_window` limit, which may also be 0 (every
-/// request of a cost over 0 refused): envoyproxy/ratelimit's
-/// `requests_per_unit` range (a `uint32`), so every imported rule keeps its
-/// meaning. A window's count is a `u64`; no arithmetic divides by its rate.
-pub const MAX_WINDOW_RATE: i64 = u32::MAX as i64;
 /// Default `soft_limit_header`.
 pub const DEFAULT_SOFT_LIMIT_HEADER: &str = "x-tenantgate-soft-limit";
 /// Longest `per` window, and longest time a bucket may take to refill.
@@ -163,7 +157,7 @@ fn compile_soft_limit_header(name: Option<&str>, at: &FieldPath, errors: &mut Er
     let Some(name) = name else {
         return DEFAULT_SOFT_LIMIT_HEADER.to_owned();
     };
-    if !super::admission::is_header_name(name) || name.starts_with(':') {
+    if !is_header_name(name) || name.starts_with(':') {
         errors.add(at.clone(), "must be an HTTP header name (letters, digits, - _ .)");
     }
     name.to_ascii_lowercase()

@@ -17,6 +17,7 @@ pub mod quota;
 pub mod schema;
 pub mod settle;
 pub mod spec;
+pub mod values;
 
 use std::rc::Rc;
 
