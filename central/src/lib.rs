@@ -12,6 +12,8 @@
 //! * [`store`]: where the allocator's records live (embedded, Redis).
 //! * [`service`]: `tenantgate serve`, the allocator over HTTP/JSON.
 //! * [`quota`]: quota reservations, their stores and their HTTP API.
+//! * [`codec`]: format 3, the compact encoding of the stores' records and
+//!   of the allocator's hand-written (key, limit) record (beneath both).
 //! * [`clock`], [`listener`] and [`bounded`]: plumbing beneath both APIs
 //!   (the service's clock; the API listener, its mTLS identity and
 //!   in-flight default; the serve loop every listener runs, with its caps
@@ -24,6 +26,7 @@ pub mod alloc;
 pub mod bound;
 pub mod bounded;
 pub mod clock;
+pub mod codec;
 pub mod error;
 pub mod grpc;
 pub mod listener;

@@ -954,6 +954,29 @@ pub async fn reclaim_every(api: Arc<QuotaApi>) {
     }
 }
 
+/// The repayer's view of this replica (see [`borrow::Repaying`]).
+impl borrow::Repaying for QuotaApi {
+    fn borrowing(&self) -> Option<&Arc<Borrowing>> {
+        QuotaApi::borrowing(self)
+    }
+
+    fn region(&self) -> Option<&str> {
+        QuotaApi::region(self)
+    }
+
+    fn now_ns(&self) -> u64 {
+        QuotaApi::now_ns(self)
+    }
+
+    fn quotas_now(&self) -> Arc<Quotas> {
+        QuotaApi::quotas_now(self)
+    }
+
+    fn metrics(&self) -> &QuotaMetrics {
+        &self.metrics
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
