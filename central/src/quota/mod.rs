@@ -304,6 +304,26 @@ pub struct Write {
     pub d_committed: i64,
 }
 
+impl Write {
+    /// The ledger row this write appends at `now_ns` (the store numbers
+    /// it: `seq` 0 here).
+    pub fn ledger_entry(&self, now_ns: u64) -> LedgerEntry {
+        let r = &self.reservation;
+        LedgerEntry {
+            seq: 0,
+            at_ns: now_ns,
+            kind: self.kind,
+            reservation_id: Some(r.id.clone()),
+            resource: r.resource.clone(),
+            tenant: r.tenant.clone(),
+            project: r.project.clone(),
+            d_reserved: self.d_reserved,
+            d_committed: self.d_committed,
+            note: None,
+        }
+    }
+}
+
 /// An answer: the HTTP status and JSON body, and what to count.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Answer {
@@ -771,14 +791,37 @@ pub enum QuotaStoreError {
 pub trait QuotaStore: Send + Sync {
     fn kind(&self) -> &'static str;
     async fn ping(&self) -> Result<(), QuotaStoreError>;
+    /// Decides and writes one reserve, commit or release (every store
+    /// batches them: [`batch`]).
+    async fn apply(&self, op: batch::Op) -> Result<Answer, QuotaStoreError>;
     async fn reserve(
         &self,
         req: &ReserveRequest,
         limits: LevelLimits,
         now_ns: u64,
-    ) -> Result<Answer, QuotaStoreError>;
-    async fn commit(&self, id: &str, amount: Option<u64>, now_ns: u64) -> Result<Answer, QuotaStoreError>;
-    async fn release(&self, id: &str, now_ns: u64) -> Result<Answer, QuotaStoreError>;
+    ) -> Result<Answer, QuotaStoreError> {
+        self.apply(batch::Op::Reserve {
+            req: req.clone(),
+            limits,
+            now_ns,
+        })
+        .await
+    }
+    async fn commit(&self, id: &str, amount: Option<u64>, now_ns: u64) -> Result<Answer, QuotaStoreError> {
+        self.apply(batch::Op::Commit {
+            id: id.to_owned(),
+            amount,
+            now_ns,
+        })
+        .await
+    }
+    async fn release(&self, id: &str, now_ns: u64) -> Result<Answer, QuotaStoreError> {
+        self.apply(batch::Op::Release {
+            id: id.to_owned(),
+            now_ns,
+        })
+        .await
+    }
     async fn get(&self, id: &str) -> Result<Option<Reservation>, QuotaStoreError>;
     /// The three levels' counters of (resource, tenant, project).
     async fn usage(&self, resource: &str, tenant: &str, project: &str)

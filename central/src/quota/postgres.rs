@@ -41,7 +41,6 @@ use std::time::Duration;
 use async_trait::async_trait;
 use deadpool_postgres::Transaction;
 use deadpool_postgres::{Config, Hook, HookError, Pool, PoolConfig, Runtime, Timeouts};
-use tenantgate::policy::quota::LevelLimits;
 use tokio::sync::OnceCell;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
@@ -50,7 +49,7 @@ use tokio_postgres::{NoTls, Row};
 use super::batch::{self, Batcher, Op};
 use super::{
     decide_expire, drifts, not_found, replay, Answer, CounterKey, LedgerEntry, LedgerKind, QuotaStore,
-    QuotaStoreError, Reclaimed, Reconciliation, Reservation, ReserveRequest, State, Step, Usage, Write,
+    QuotaStoreError, Reclaimed, Reconciliation, Reservation, State, Step, Usage, Write,
 };
 
 /// Batches in flight at once per replica (see [`Batcher::start`]).
@@ -214,6 +213,21 @@ async fn lock_levels(
 
 /// The three levels' counters from rows of (tenant, project, reserved,
 /// committed) of `resource`; a missing row counts zero.
+/// A counter row read as `resource, tenant, project, reserved, committed`.
+fn counter_row(row: &Row) -> Result<(CounterKey, Usage), Failure> {
+    Ok((
+        CounterKey {
+            resource: row.try_get(0)?,
+            tenant: row.try_get(1)?,
+            project: row.try_get(2)?,
+        },
+        Usage {
+            reserved: u(row.try_get(3)?),
+            committed: u(row.try_get(4)?),
+        },
+    ))
+}
+
 fn levels_of(resource: &str, rows: &[Row]) -> Result<[Usage; 3], Failure> {
     let mut out = [Usage::default(); 3];
     for row in rows {
@@ -327,22 +341,7 @@ async fn apply(tx: &Transaction<'_>, w: &Write, now_ns: u64) -> Result<(), Failu
         &[&r.resource, &r.tenant, &r.project, &w.d_reserved, &w.d_committed],
     )
     .await?;
-    append(
-        tx,
-        &LedgerEntry {
-            seq: 0,
-            at_ns: now_ns,
-            kind: w.kind,
-            reservation_id: Some(r.id.clone()),
-            resource: r.resource.clone(),
-            tenant: r.tenant.clone(),
-            project: r.project.clone(),
-            d_reserved: w.d_reserved,
-            d_committed: w.d_committed,
-            note: None,
-        },
-    )
-    .await
+    append(tx, &w.ledger_entry(now_ns)).await
 }
 
 /// The stored reservations of `ids`.
@@ -408,17 +407,8 @@ async fn write_batch(tx: &Transaction<'_>, ops: &[Op]) -> Result<Vec<Answer>, Fa
     let found = by_id(&loaded?)?;
     let mut counters = BTreeMap::new();
     for row in &rows {
-        counters.insert(
-            CounterKey {
-                resource: row.try_get(0)?,
-                tenant: row.try_get(1)?,
-                project: row.try_get(2)?,
-            },
-            Usage {
-                reserved: u(row.try_get(3)?),
-                committed: u(row.try_get(4)?),
-            },
-        );
+        let (k, c) = counter_row(row)?;
+        counters.insert(k, c);
     }
     // A refusal's retry hint needs a query per level that binds: decide
     // once to learn which, fetch them, decide again (the same decisions).
@@ -646,18 +636,9 @@ async fn read_counters(tx: &Transaction<'_>) -> Result<BTreeMap<CounterKey, Usag
     )
     .await?;
     let mut out = BTreeMap::new();
-    for r in rows {
-        out.insert(
-            CounterKey {
-                resource: r.try_get(0)?,
-                tenant: r.try_get(1)?,
-                project: r.try_get(2)?,
-            },
-            Usage {
-                reserved: u(r.try_get(3)?),
-                committed: u(r.try_get(4)?),
-            },
-        );
+    for r in &rows {
+        let (k, c) = counter_row(r)?;
+        out.insert(k, c);
     }
     Ok(out)
 }
@@ -872,35 +853,8 @@ impl QuotaStore for PostgresStore {
         self.run(body).await
     }
 
-    async fn reserve(
-        &self,
-        req: &ReserveRequest,
-        limits: LevelLimits,
-        now_ns: u64,
-    ) -> Result<Answer, QuotaStoreError> {
-        self.batched(Op::Reserve {
-            req: req.clone(),
-            limits,
-            now_ns,
-        })
-        .await
-    }
-
-    async fn commit(&self, id: &str, amount: Option<u64>, now_ns: u64) -> Result<Answer, QuotaStoreError> {
-        self.batched(Op::Commit {
-            id: id.to_owned(),
-            amount,
-            now_ns,
-        })
-        .await
-    }
-
-    async fn release(&self, id: &str, now_ns: u64) -> Result<Answer, QuotaStoreError> {
-        self.batched(Op::Release {
-            id: id.to_owned(),
-            now_ns,
-        })
-        .await
+    async fn apply(&self, op: Op) -> Result<Answer, QuotaStoreError> {
+        self.batched(op).await
     }
 
     async fn get(&self, id: &str) -> Result<Option<Reservation>, QuotaStoreError> {

@@ -96,11 +96,11 @@ use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
 use tokio::sync::OnceCell;
 
 use super::redis::{
-    cas_cmd, cas_del_cmd, map_err, next_value, push_op, split_value, Names, Op, Version, MAX_ATTEMPTS,
-    RESPONSE_TIMEOUT,
+    key_slots, map_err, next_value, push_op, session_op, split_value, swept, Names, Op, Version,
+    MAX_ATTEMPTS, RESPONSE_TIMEOUT,
 };
-use super::{decode, KeySlot, KeyUpdate, SessionUpdate, Store, StoreError, Txn};
-use crate::alloc::{KeyId, KeyState, Session};
+use super::{decode, KeyUpdate, SessionUpdate, Store, StoreError, Txn};
+use crate::alloc::{KeyId, Session};
 
 /// How long a script's `WAIT` waits for its replicas before the request
 /// fails (`503`), by default (`?wait_ms=N` in the URL, at most
@@ -714,17 +714,7 @@ impl Store for RedisClusterStore {
             let groups = by_slot(&records);
             let map = self.slot_map(&mut conn).await?;
             let rows = self.read(&conn, &map, &records, &groups).await?;
-            let mut versions: Vec<Version> = Vec::with_capacity(rows.len());
-            let mut slots: Vec<KeySlot> = Vec::with_capacity(rows.len());
-            for ((id, r), value) in ids.into_iter().zip(&records).zip(rows) {
-                let (v, b) = split_value(r, value)?;
-                versions.push(v);
-                slots.push(KeySlot {
-                    record: b.map(|b| decode(r, &b)).transpose()?,
-                    id,
-                    write: false,
-                });
-            }
+            let (versions, mut slots) = key_slots(ids, &records, rows)?;
             let write_session = txn.apply(&mut session, &mut slots);
 
             // The records, one script per slot (a slot with nothing to
@@ -757,15 +747,7 @@ impl Store for RedisClusterStore {
             }
 
             // The session last.
-            let (op, after) = match (write_session, &session, version) {
-                (false, _, _) | (true, None, None) => (Op::Check, count),
-                (true, Some(s), None) => (
-                    Op::Create(next_value(&record, version, s)?),
-                    count.saturating_add(1),
-                ),
-                (true, Some(s), Some(_)) => (Op::Write(next_value(&record, version, s)?), count),
-                (true, None, Some(_)) => (Op::Delete, count.saturating_sub(1)),
-            };
+            let (op, after) = session_op(write_session, &session, &record, version, count)?;
             if matches!(op, Op::Check) {
                 return Ok(after);
             }
@@ -807,23 +789,8 @@ impl Store for RedisClusterStore {
                 for g in batch.iter().filter_map(|&g| groups.get(g)) {
                     for &j in &g.members {
                         let i = pending[j];
-                        let (version, bytes) = split_value(&records[i], rows[j].clone())?;
-                        let mut slot: Option<KeyState> =
-                            bytes.map(|b| decode(&records[i], &b)).transpose()?;
-                        if !f(i, &mut slot) {
+                        if !swept(&mut pipe, &records[i], rows[j].clone(), i, f)? {
                             continue;
-                        }
-                        match (slot, version) {
-                            (Some(ks), _) => {
-                                cas_cmd(
-                                    &mut pipe,
-                                    &records[i],
-                                    version,
-                                    next_value(&records[i], version, &ks)?,
-                                );
-                            }
-                            (None, Some(v)) => cas_del_cmd(&mut pipe, &records[i], v),
-                            (None, None) => continue,
                         }
                         written.push(i);
                         first.get_or_insert(g.slot);
