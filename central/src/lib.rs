@@ -9,9 +9,12 @@
 //!   the real node code (`tenantgate::sync::node`) against the real
 //!   allocator over a lossy, slow network, and measures the bound.
 //!
-//! * [`store`]: where the allocator's records live (embedded, Redis).
+//! * [`store`]: where the allocator's records live (embedded, Redis,
+//!   Redis Cluster).
 //! * [`service`]: `tenantgate serve`, the allocator over HTTP/JSON.
-//! * [`quota`]: quota reservations, their stores and their HTTP API.
+//! * [`grpc`]: Envoy's rate limit protocols (RLS, RLQS) over gRPC.
+//! * [`quota`]: quota reservations (the decisions, the SQLite and
+//!   PostgreSQL stores, regional borrowing) and their HTTP API.
 //! * [`codec`]: format 3, the compact encoding of the stores' records and
 //!   of the allocator's hand-written (key, limit) record (beneath both).
 //! * [`clock`], [`listener`] and [`bounded`]: plumbing beneath both APIs

@@ -42,19 +42,19 @@
 //! region and the home region does not answer: then they reserve from
 //! their borrowing account and repay the debt later ([`super::borrow`]).
 //! Without `home_region` every replica serves it (one database).
+//!
+//! Files: this one holds the API's operations ([`QuotaApi`]); `routes.rs`
+//! its HTTP edge (routes, the in-flight cap, an answer as a response);
+//! `clients.rs` who may call it.
+
+mod clients;
+mod routes;
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
-use axum::body::Bytes;
-use axum::extract::{ConnectInfo, Path as UrlPath, Query, State};
-use axum::http::{header, HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::Router;
-use serde::Deserialize;
+use axum::http::{header, HeaderMap};
 use serde_json::{json, Value};
 use tenantgate::policy::quota::{
     project_id, Quotas, Resource, Risk, MAX_MAX_TTL_NS, MAX_QUOTA_AMOUNT, MIN_TTL_NS,
@@ -75,56 +75,9 @@ const NANOS_PER_MS: u64 = 1_000_000;
 const MIN_TTL_MS: u64 = MIN_TTL_NS / NANOS_PER_MS;
 const MAX_TTL_MS: u64 = MAX_MAX_TTL_NS / NANOS_PER_MS;
 
-/// Who may act for which tenants (`--quota-clients`).
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct QuotaClients {
-    pub clients: Vec<QuotaClient>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct QuotaClient {
-    #[serde(default)]
-    pub token: Option<String>,
-    /// The node id an mTLS certificate names.
-    #[serde(default)]
-    pub identity: Option<String>,
-    pub tenants: Vec<String>,
-}
-
-impl QuotaClients {
-    pub fn load(path: &Path) -> Result<QuotaClients, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let c: QuotaClients =
-            serde_norway::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-        for (i, cl) in c.clients.iter().enumerate() {
-            if cl.token.is_none() == cl.identity.is_none() {
-                return Err(format!(
-                    "{}: clients[{i}]: exactly one of `token` or `identity`",
-                    path.display()
-                ));
-            }
-        }
-        Ok(c)
-    }
-}
-
-/// The tenants a caller may act for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Grant {
-    All,
-    Tenants(Vec<String>),
-}
-
-impl Grant {
-    fn allows(&self, tenant: &str) -> bool {
-        match self {
-            Grant::All => true,
-            Grant::Tenants(t) => t.iter().any(|x| x == tenant || x == "*"),
-        }
-    }
-}
+use self::clients::Grant;
+pub use self::clients::{QuotaClient, QuotaClients};
+pub use self::routes::router;
 
 /// The last figures a query saw, for `estimate: true` answers.
 type LastKnown = HashMap<(String, String, String), (Value, u64)>;
@@ -150,16 +103,6 @@ pub struct QuotaApi {
 
 /// At most this many last-known query answers are kept.
 const MAX_LAST_KNOWN: usize = 10_000;
-
-fn respond(a: &Answer) -> Response {
-    let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    (
-        status,
-        [(header::CONTENT_TYPE, "application/json")],
-        a.body.clone(),
-    )
-        .into_response()
-}
 
 fn invalid(field: &str, message: &str) -> Answer {
     error_answer(
@@ -800,146 +743,6 @@ fn query_body(
         "estimate": estimate,
     })
     .to_string()
-}
-
-/// The reservation routes (merged into the API listener's router).
-pub fn router(api: Arc<QuotaApi>) -> Router {
-    Router::new()
-        .route("/v1/reservations", post(reserve_h))
-        .route("/v1/reservations/{id}", get(get_h))
-        .route("/v1/reservations/{id}/commit", post(commit_h))
-        .route("/v1/reservations/{id}/release", post(release_h))
-        .route("/v1/quotas/reconcile", post(reconcile_h))
-        .route("/v1/quotas/debts", post(debts_h))
-        .route("/v1/quotas/{resource}", get(query_h))
-        .route_layer(axum::middleware::from_fn_with_state(api.clone(), limit_in_flight))
-        .with_state(api)
-}
-
-/// Runs a request only with a permit (see [`QuotaApi::with_max_in_flight`]).
-/// A permit is held until the handler returns: a request is never cut
-/// short by the cap, only refused before it starts.
-async fn limit_in_flight(
-    State(api): State<Arc<QuotaApi>>,
-    req: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
-    let Ok(_permit) = api.in_flight.clone().try_acquire_owned() else {
-        let a = error_answer(
-            503,
-            Outcome::Busy,
-            &format!(
-                "{} reservation requests in progress: try again",
-                api.max_in_flight
-            ),
-            json!({ "transient": true }),
-        );
-        let mut r = counted(&api, a);
-        r.headers_mut()
-            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-        return r;
-    };
-    next.run(req).await
-}
-
-fn counted(api: &QuotaApi, a: Answer) -> Response {
-    api.metrics.outcome(a.outcome);
-    respond(&a)
-}
-
-async fn reserve_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let a = api.reserve(&headers, &peer, &body).await;
-    counted(&api, a)
-}
-
-async fn commit_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    UrlPath(id): UrlPath<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let a = api.commit(&headers, &peer, &id, &body).await;
-    counted(&api, a)
-}
-
-async fn release_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    UrlPath(id): UrlPath<String>,
-    headers: HeaderMap,
-) -> Response {
-    let a = api.release(&headers, &peer, &id).await;
-    counted(&api, a)
-}
-
-async fn get_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    UrlPath(id): UrlPath<String>,
-    headers: HeaderMap,
-) -> Response {
-    respond(&api.get(&headers, &peer, &id).await)
-}
-
-async fn query_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    UrlPath(resource): UrlPath<String>,
-    Query(q): Query<BTreeMap<String, String>>,
-    headers: HeaderMap,
-) -> Response {
-    respond(&api.query(&headers, &peer, &resource, &q).await)
-}
-
-/// `403` unless the caller may act for every tenant.
-fn every_tenant(api: &QuotaApi, headers: &HeaderMap, peer: &Peer, what: &str) -> Result<(), Answer> {
-    let grant = api.caller(headers, peer)?;
-    if grant != Grant::All && !matches!(&grant, Grant::Tenants(t) if t.iter().any(|x| x == "*")) {
-        return Err(error_answer(
-            403,
-            Outcome::Invalid,
-            &format!("{what} needs a caller allowed every tenant (\"*\")"),
-            json!({}),
-        ));
-    }
-    Ok(())
-}
-
-async fn debts_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    if let Err(a) = every_tenant(&api, &headers, &peer, "repaying a debt") {
-        return respond(&a);
-    }
-    respond(&api.accept_debt(&body).await)
-}
-
-async fn reconcile_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    headers: HeaderMap,
-) -> Response {
-    if let Err(a) = every_tenant(&api, &headers, &peer, "reconcile") {
-        return respond(&a);
-    }
-    match api.reconcile_once().await {
-        Ok(r) => (
-            StatusCode::OK,
-            [(header::CONTENT_TYPE, "application/json")],
-            json!({ "counters": r.counters, "ledger_entries": r.ledger_entries, "drift_units": r.drift_units(), "repaired": r.repaired }).to_string(),
-        )
-            .into_response(),
-        Err(e) => respond(&unavailable(&e)),
-    }
 }
 
 /// Runs the reclaimer every [`QuotaApi::reclaim_every`] until dropped.
