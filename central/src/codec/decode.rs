@@ -3,7 +3,30 @@
 
 use serde::de::{self, DeserializeSeed, IntoDeserializer, Visitor};
 
-use super::{unzigzag, Error, Result, BASE_MIN};
+use super::format::{unzigzag, Error, Result, BASE_MIN};
+
+/// Decodes a whole record: every byte must be used.
+pub fn from_slice<'de, T: de::Deserialize<'de>>(bytes: &'de [u8]) -> Result<T> {
+    decode_with(bytes, |d| T::deserialize(d))
+}
+
+pub(super) fn decode_with<'de, T>(
+    bytes: &'de [u8],
+    f: impl FnOnce(&mut Decoder<'de>) -> Result<T>,
+) -> Result<T> {
+    let mut d = Decoder {
+        input: bytes,
+        base: None,
+        // A (key, limit) record held by a few nodes in a few regions
+        // names up to about eight strings: one allocation, no regrowth.
+        strings: Vec::with_capacity(8),
+    };
+    let v = f(&mut d)?;
+    if !d.input.is_empty() {
+        return Err(Error(format!("{} bytes after the record", d.input.len())));
+    }
+    Ok(v)
+}
 
 /// Reads format 3; [`Compact`](super::Compact) types call its methods field by field.
 pub struct Decoder<'de> {

@@ -3,7 +3,36 @@
 
 use serde::ser::{self, Serialize};
 
-use super::{put_varint, put_varint64, varint_len, zigzag, Error, Result, BASE_MIN};
+use super::format::{put_varint, put_varint64, varint_len, zigzag, Error, Result, BASE_MIN};
+
+/// Appends `value`'s encoding to `out`.
+pub fn to_writer<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) -> Result<()> {
+    encode_with(out, |e| value.serialize(e))
+}
+
+pub(super) fn encode_with(out: &mut Vec<u8>, f: impl FnOnce(&mut Encoder<'_>) -> Result<()>) -> Result<()> {
+    // The string tables of the last record this thread wrote, cleared:
+    // most records need them, and allocating them each time cost as much
+    // as the rest of an encode.
+    thread_local! {
+        static TABLES: std::cell::Cell<Option<Tables>> = const { std::cell::Cell::new(None) };
+    }
+    let (strings, seen) = TABLES.with(|t| t.take()).unwrap_or_default();
+    let mut e = Encoder {
+        out,
+        base: None,
+        strings,
+        seen,
+    };
+    let r = f(&mut e);
+    let (mut strings, mut seen) = (e.strings, e.seen);
+    strings.clear();
+    seen.clear();
+    TABLES.with(|t| t.set(Some((strings, seen))));
+    r
+}
+
+type Tables = (Vec<(usize, usize)>, hashbrown::HashMap<u64, u32>);
 
 /// Writes format 3 (see the module header); [`Compact`](super::Compact) types call its
 /// methods field by field.

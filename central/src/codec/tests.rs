@@ -1,3 +1,4 @@
+use super::format::put_varint;
 use super::*;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

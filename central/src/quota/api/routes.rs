@@ -13,7 +13,7 @@ use axum::Router;
 use serde_json::json;
 
 use super::clients::Grant;
-use super::{unavailable, QuotaApi};
+use super::replica::{unavailable, QuotaApi};
 use crate::listener::Peer;
 use crate::quota::{error_answer, Answer, Outcome};
 
