@@ -26,8 +26,9 @@
 //! its captures on every run.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use redis::aio::ConnectionManager;
@@ -206,6 +207,69 @@ pub const TURN_LEASE: Duration = Duration::from_millis(100);
 
 const VERSION_LEN: usize = 8;
 
+/// Where the Redis path's time goes, summed over calls (`take` reads and
+/// resets): what `make bench-service` prints beside each Redis row.
+#[derive(Debug, Default)]
+pub struct Profile {
+    calls: AtomicU64,
+    round_trips: AtomicU64,
+    script_bytes: AtomicU64,
+    lock_wait_ns: AtomicU64,
+    redis_wait_ns: AtomicU64,
+}
+
+/// A [`Profile`]'s sums at one moment.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ProfileSums {
+    pub calls: u64,
+    pub round_trips: u64,
+    /// Bytes of script text sent (`EVAL`'s body; 0 for `EVALSHA`).
+    pub script_bytes: u64,
+    /// Time spent waiting for this replica's stripe locks.
+    pub lock_wait_ns: u64,
+    /// Time spent waiting for Redis's answers.
+    pub redis_wait_ns: u64,
+}
+
+impl Profile {
+    /// The sums since the last `take`, reset.
+    pub fn take(&self) -> ProfileSums {
+        ProfileSums {
+            calls: self.calls.swap(0, Relaxed),
+            round_trips: self.round_trips.swap(0, Relaxed),
+            script_bytes: self.script_bytes.swap(0, Relaxed),
+            lock_wait_ns: self.lock_wait_ns.swap(0, Relaxed),
+            redis_wait_ns: self.redis_wait_ns.swap(0, Relaxed),
+        }
+    }
+
+    fn trip(&self, script_bytes: usize, started: Instant) {
+        self.round_trips.fetch_add(1, Relaxed);
+        self.script_bytes
+            .fetch_add(u64::try_from(script_bytes).unwrap_or(u64::MAX), Relaxed);
+        self.redis_wait_ns.fetch_add(nanos_since(started), Relaxed);
+    }
+}
+
+fn nanos_since(started: Instant) -> u64 {
+    u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+impl std::fmt::Display for ProfileSums {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let per = |n: u64| n as f64 / self.calls.max(1) as f64;
+        write!(
+            f,
+            "{} calls: {:.2} round trips/call, {:.0} B of script text/call, stripe lock wait {:.1} µs/call, Redis wait {:.1} µs/call",
+            self.calls,
+            per(self.round_trips),
+            per(self.script_bytes),
+            per(self.lock_wait_ns) / 1e3,
+            per(self.redis_wait_ns) / 1e3,
+        )
+    }
+}
+
 /// The Redis store's records.
 pub struct RedisCounters {
     client: Client,
@@ -219,6 +283,8 @@ pub struct RedisCounters {
     pub conflicts: std::sync::atomic::AtomicU64,
     /// The most attempts one request took to be written.
     pub max_attempts: std::sync::atomic::AtomicU64,
+    /// Where the time goes.
+    pub profile: Profile,
 }
 
 /// A key's stripe (a fixed hash: the same in every run).
@@ -257,6 +323,7 @@ impl RedisCounters {
             stripes: (0..STRIPES).map(|_| tokio::sync::Mutex::new(())).collect(),
             conflicts: std::sync::atomic::AtomicU64::new(0),
             max_attempts: std::sync::atomic::AtomicU64::new(0),
+            profile: Profile::default(),
         })
     }
 
@@ -290,12 +357,15 @@ impl Counters for RedisCounters {
         let mut stripes: Vec<usize> = keys.iter().map(|k| stripe_of(k)).collect();
         stripes.sort_unstable();
         stripes.dedup();
+        self.profile.calls.fetch_add(1, Relaxed);
+        let waited = Instant::now();
         let mut held = Vec::with_capacity(stripes.len());
         for i in stripes {
             if let Some(m) = self.stripes.get(i) {
                 held.push(m.lock().await);
             }
         }
+        self.profile.lock_wait_ns.fetch_add(nanos_since(waited), Relaxed);
         let token = format!("{:016x}", random(0));
         let mut turn = false;
         let result = self
@@ -303,7 +373,7 @@ impl Counters for RedisCounters {
             .await;
         if turn && !matches!(result, Ok(true)) {
             // Given back unless the write did (best effort: it lapses).
-            let _ = eval_script(&mut conn, GIVE_TURN, &turns, &[token.as_bytes()]).await;
+            let _ = eval_script(&self.profile, &mut conn, GIVE_TURN, &turns, &[token.as_bytes()]).await;
         }
         match result {
             Ok(_) => Ok(()),
@@ -314,6 +384,7 @@ impl Counters for RedisCounters {
 
 /// Runs `script` on `keys` with `args`; its integer answer.
 async fn eval_script(
+    profile: &Profile,
     conn: &mut ConnectionManager,
     script: &str,
     keys: &[String],
@@ -324,20 +395,23 @@ async fn eval_script(
     for a in args {
         eval.arg(*a);
     }
-    eval.query_async(conn).await.map_err(map_err)
+    let started = Instant::now();
+    let answer = eval.query_async(conn).await.map_err(map_err);
+    profile.trip(script.len(), started);
+    answer
 }
 
 /// A request's records as read: their versions ("" when absent), their
 /// bytes.
 async fn read_records(
+    profile: &Profile,
     conn: &mut ConnectionManager,
     names: &[String],
 ) -> Result<(Vec<Vec<u8>>, Vec<Option<Vec<u8>>>), StoreError> {
-    let values: Vec<Option<Vec<u8>>> = redis::cmd("MGET")
-        .arg(names)
-        .query_async(conn)
-        .await
-        .map_err(map_err)?;
+    let started = Instant::now();
+    let values: Result<Vec<Option<Vec<u8>>>, _> = redis::cmd("MGET").arg(names).query_async(conn).await;
+    profile.trip(0, started);
+    let values = values.map_err(map_err)?;
     let mut versions = Vec::with_capacity(values.len());
     let mut read = Vec::with_capacity(values.len());
     for v in values {
@@ -378,10 +452,17 @@ impl RedisCounters {
                 tokio::time::sleep(pause(attempt)).await;
             }
             if attempt >= TURN_AFTER && !*turn {
-                *turn =
-                    eval_script(conn, TAKE_TURN, turns, &[token.as_bytes(), lease_ms.as_bytes()]).await? == 1;
+                *turn = eval_script(
+                    &self.profile,
+                    conn,
+                    TAKE_TURN,
+                    turns,
+                    &[token.as_bytes(), lease_ms.as_bytes()],
+                )
+                .await?
+                    == 1;
             }
-            let (versions, read) = read_records(conn, names).await?;
+            let (versions, read) = read_records(&self.profile, conn, names).await?;
             let Some(write) = decide(&read) else {
                 return Ok(false);
             };
@@ -398,7 +479,7 @@ impl RedisCounters {
             }
             let keys: Vec<String> = names.iter().chain(turns).cloned().collect();
             let refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
-            if eval_script(conn, CAS_ALL, &keys, &refs).await? == 1 {
+            if eval_script(&self.profile, conn, CAS_ALL, &keys, &refs).await? == 1 {
                 self.max_attempts
                     .fetch_max(u64::from(attempt) + 1, std::sync::atomic::Ordering::Relaxed);
                 return Ok(true);
