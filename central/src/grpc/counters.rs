@@ -21,8 +21,8 @@
 //!   refusal decided on records not read by this call is checked the same
 //!   way (the script only compares). Within one replica, requests on the
 //!   same keys take turns (one lock per stripe of [`STRIPES`], taken in
-//!   order; each stripe remembers the record of one of its keys, so at
-//!   most [`STRIPES`] records are remembered), so versions only move under
+//!   order; each stripe remembers the records of [`WAYS`] of its keys, so
+//!   at most `STRIPES × WAYS` records are remembered), so versions only move under
 //!   a request because of another replica; on such a conflict (a record
 //!   read by this call moved) the request is re-decided after a random
 //!   pause of up to [`MAX_PAUSE`] × the conflicts (at most 8), after
@@ -33,7 +33,8 @@
 //!   Redis server, not a Redis Cluster (a request's keys span slots), as
 //!   the allocator's store.
 //!
-//! The decision function may run more than once (on a conflict), so it is
+//! The decision function may run more than once (on a conflict, or on
+//! Redis when the records as last seen had moved), so it is
 //! a pure function of the records it is given and leaves its results in
 //! its captures on every run.
 
@@ -339,10 +340,31 @@ impl Seen {
 }
 
 /// One stripe of a replica's keys: its lock (requests on its keys take
-/// turns), and the record of one of its keys as last seen.
+/// turns), and the records of up to [`WAYS`] of its keys as last seen
+/// (the latest used last).
 #[derive(Default)]
 struct Stripe {
-    seen: Option<Box<Seen>>,
+    seen: Vec<Seen>,
+}
+
+/// Records a stripe remembers (Redis).
+pub const WAYS: usize = 2;
+
+impl Stripe {
+    fn get(&self, name: &str) -> Option<&Seen> {
+        self.seen.iter().find(|s| s.name == name)
+    }
+
+    /// Remembers `seen` (`None`: forgets its name's record).
+    fn put(&mut self, name: &str, seen: Option<Seen>) {
+        self.seen.retain(|s| s.name != name);
+        if let Some(s) = seen {
+            if self.seen.len() >= WAYS {
+                self.seen.remove(0);
+            }
+            self.seen.push(s);
+        }
+    }
 }
 
 /// The Redis store's records.
@@ -521,8 +543,7 @@ impl Counters for RedisCounters {
             .zip(&slots)
             .map(|(name, slot)| {
                 held.get(slot)
-                    .and_then(|s| s.seen.as_deref())
-                    .filter(|s| s.name == *name)
+                    .and_then(|s| s.get(name))
                     .map_or_else(|| Seen::of(name, None), Seen::clone)
             })
             .collect();
@@ -540,7 +561,8 @@ impl Counters for RedisCounters {
         // Remembered as seen, or (an error: written or not?) forgotten.
         for (s, slot) in seen.into_iter().zip(&slots) {
             if let Some(stripe) = held.get_mut(slot) {
-                stripe.seen = result.is_ok().then(|| Box::new(s));
+                let name = s.name.clone();
+                stripe.put(&name, result.is_ok().then_some(s));
             }
         }
         result.map(|_| ())
