@@ -85,7 +85,6 @@
 pub mod breaker;
 pub mod controller;
 pub mod degraded;
-pub mod holders;
 pub mod queue;
 pub mod request;
 pub mod retry;
@@ -95,12 +94,13 @@ use hashbrown::HashMap;
 
 use crate::engine::{Reason, Subject};
 use crate::host::Host;
+use crate::inflight as holders;
+pub use crate::inflight::{Counts, Holder};
 use crate::keys::{self, kind};
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::admission::{ActionLimit, Criticality, Dependency, Labels, DEFAULT_RETRY_AFTER_WINDOW_NS};
 use crate::policy::{Policy, RouteClass};
 use crate::table::{self, push_record_with, Commit, Failure, Overflow, Place, Reach, Record};
-pub use holders::{Counts, Holder};
 
 /// How long a published count stays counted without a renewal.
 pub const LEASE_NS: u64 = 2 * NANOS_PER_SEC;

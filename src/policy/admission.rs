@@ -20,6 +20,7 @@ use super::spec::{
     ActionSpec, AdaptiveSpec, CircuitBreakerSpec, DegradableSpec, DependencySpec, LevelQueueSpec,
     RetryBudgetSpec, RouteSpec,
 };
+use super::values::is_header_name;
 use crate::limiter::NANOS_PER_SEC;
 
 /// Longest `max_wait` of a queue: a route class's (`on_limit: queue`) or a
@@ -926,15 +927,6 @@ pub struct RetryBudget {
     /// (lower-cased), and/or [`ENVOY_ATTEMPT_COUNT_HEADER`].
     pub retry_header: Option<String>,
     pub envoy_attempt_count: bool,
-}
-
-/// Whether `name` is an HTTP header name (token characters, ≤ 128).
-pub fn is_header_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 128
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
 fn compile_retry_budget(
