@@ -451,16 +451,16 @@ impl RedisCounters {
         args: &[&[u8]],
     ) -> Result<T, StoreError> {
         let started = Instant::now();
-        let mut sent = 0;
-        let mut trips = 0;
+        let mut sent: usize = 0;
+        let mut trips: u32 = 0;
         let answer = run_script(conn, lua, keys, args, &mut |bytes| {
-            trips += 1;
-            sent += bytes;
+            trips = trips.saturating_add(1);
+            sent = sent.saturating_add(bytes);
         })
         .await;
         for i in 0..trips {
             // The time is counted once, with the first trip.
-            self.profile.trip(sent * usize::from(i == 0), started, i == 0);
+            self.profile.trip(if i == 0 { sent } else { 0 }, started, i == 0);
         }
         answer
     }
@@ -630,7 +630,8 @@ impl RedisCounters {
                     for (s, v) in seen.iter_mut().zip(values) {
                         *s = Seen::of(&s.name, Some(v));
                     }
-                    self.max_attempts.fetch_max(u64::from(conflicts) + 1, Relaxed);
+                    self.max_attempts
+                        .fetch_max(u64::from(conflicts).saturating_add(1), Relaxed);
                     return Ok(true);
                 }
                 Answer::Moved(now) => {
@@ -638,7 +639,7 @@ impl RedisCounters {
                     // What was read before a pause is only as last seen.
                     read = !read;
                     if !read {
-                        conflicts += 1;
+                        conflicts = conflicts.saturating_add(1);
                         self.conflicts.fetch_add(1, Relaxed);
                         tokio::time::sleep(pause(conflicts)).await;
                     }
