@@ -5,9 +5,12 @@
 //! YAML and JSON share every step after the first, so the CLI and the filter
 //! accept and reject exactly the same policies with the same messages.
 
+pub mod adaptive;
 pub mod admission;
+mod check;
 mod compile;
 pub mod de;
+pub mod degraded;
 pub mod descriptors;
 pub mod doc;
 pub mod duration;

@@ -12,6 +12,10 @@ pub const MAX_COUNT: i64 = 1_000_000_000;
 /// meaning. A window's count is a `u64`; no arithmetic divides by its rate.
 pub const MAX_WINDOW_RATE: i64 = u32::MAX as i64;
 
+/// Parts per million: how the compiled policy keeps a fraction (exact,
+/// comparable).
+pub const PPM: u32 = 1_000_000;
+
 /// Longest `per` window, and longest time a bucket may take to refill.
 pub const MAX_WINDOW_SECS: u64 = 366 * 86_400;
 
