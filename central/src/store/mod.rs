@@ -39,9 +39,7 @@ mod cluster;
 mod embedded;
 mod redis;
 
-pub(crate) use self::redis::{
-    client as redis_client, connection as redis_connection, map_err as redis_error,
-};
+pub(crate) use self::redis::{client as redis_client, connection as redis_connection, run_script, Lua};
 
 use async_trait::async_trait;
 use serde::{de::DeserializeOwned, Serialize};

@@ -374,6 +374,73 @@ pub(crate) async fn connection(
     Ok(conn.clone())
 }
 
+/// A Lua script run by its SHA1 (`EVALSHA`): its text crosses the network
+/// only to load it (`SCRIPT LOAD`, whose answer is the SHA1): on its first
+/// use in the process, and when Redis answers `NOSCRIPT` (a server that
+/// restarted, a `SCRIPT FLUSH`, another server behind the URL), after
+/// which [`run_script`] runs it again, once.
+pub(crate) struct Lua {
+    text: &'static str,
+    sha: std::sync::OnceLock<String>,
+}
+
+impl Lua {
+    pub(crate) const fn new(text: &'static str) -> Lua {
+        Lua {
+            text,
+            sha: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Loads the script into Redis: its SHA1.
+    async fn load(
+        &self,
+        conn: &mut ConnectionManager,
+        trip: &mut (dyn FnMut(usize) + Send),
+    ) -> Result<String, StoreError> {
+        let loaded: Result<String, RedisError> = redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(self.text)
+            .query_async(conn)
+            .await;
+        trip(self.text.len());
+        let sha = loaded.map_err(map_err)?;
+        Ok(self.sha.get_or_init(|| sha).clone())
+    }
+}
+
+/// Runs `lua` on `keys` with `args`; `trip` is told of each round trip
+/// and the bytes of script text it sent (one `EVALSHA`, 0 bytes, once the
+/// script is loaded).
+pub(crate) async fn run_script<T: redis::FromRedisValue>(
+    conn: &mut ConnectionManager,
+    lua: &Lua,
+    keys: &[String],
+    args: &[&[u8]],
+    trip: &mut (dyn FnMut(usize) + Send),
+) -> Result<T, StoreError> {
+    let sha = match lua.sha.get() {
+        Some(sha) => sha.clone(),
+        None => lua.load(conn, trip).await?,
+    };
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(sha).arg(keys.len()).arg(keys);
+    for a in args {
+        cmd.arg(*a);
+    }
+    let first = cmd.query_async(conn).await;
+    trip(0);
+    match first {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            lua.load(conn, trip).await?;
+            let again = cmd.query_async(conn).await;
+            trip(0);
+            again.map_err(map_err)
+        }
+        other => other.map_err(map_err),
+    }
+}
+
 /// A Redis error as a store error: timeouts, lost or refused connections
 /// and unrecoverable ones are transient, the rest a refusal.
 pub(crate) fn map_err(e: RedisError) -> StoreError {
