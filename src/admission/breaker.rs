@@ -92,7 +92,7 @@
 //! Pure: time is `now`, the host is [`Host`].
 
 use super::window::{WindowSummary, Windows};
-use super::{controller, ProbeEvents, Worker};
+use super::{ProbeEvents, Worker};
 use crate::host::Host;
 use crate::keys::kind;
 use crate::policy::admission::BreakerSettings;
@@ -745,7 +745,7 @@ impl From<&WindowSummary> for Observed {
 }
 
 /// A worker's tick for every dependency of `policy` with a breaker (the
-/// glue and the tests both run this), after [`controller::tick`]: the
+/// glue and the tests both run this), after [`super::adaptive::tick`]: the
 /// window this worker closed (for an adaptive dependency, the one the
 /// controller's tick closed, in `controlled`; otherwise its own
 /// [`Windows::tick`] closes it) is folded into the node's breaker
@@ -757,7 +757,7 @@ pub fn tick<H: Host>(
     policy: &Policy,
     worker: &mut Worker,
     windows: &mut Windows,
-    controlled: &[controller::Ticked],
+    controlled: &[super::adaptive::Ticked],
     now: u64,
     buffers: &mut table::Buffers,
 ) -> Vec<Ticked> {

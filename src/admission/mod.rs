@@ -89,6 +89,7 @@
 //! (`limits.rs`), tickets and refusals (`ticket.rs`), the decision record
 //! (`record.rs`), the records' bytes ([`crate::inflight`]).
 
+pub mod adaptive;
 pub mod breaker;
 pub mod controller;
 pub mod degraded;

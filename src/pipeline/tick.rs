@@ -11,7 +11,7 @@
 //!    `max_wait` would pass answered 503 `queue_timeout`, one whose breaker
 //!    opened or whose dependency was paused answered at once; then the
 //!    rate lane, each request charged again and resumed or answered 429;
-//! 5. the policy's adaptive controllers ([`controller::tick`]) and then its
+//! 5. the policy's adaptive controllers ([`adaptive::tick`]) and then its
 //!    breakers ([`breaker::tick`]), which each fold and close signal
 //!    windows and read the node-wide state into the worker's copy;
 //! 6. the gauges: per dependency its queue depth (each worker adds the
@@ -27,9 +27,9 @@ use std::rc::Rc;
 
 use super::{Clock, Pipeline, TICK_NS};
 use crate::admission::breaker::{self, Phase};
-use crate::admission::controller;
 use crate::admission::queue::Attempt;
 use crate::admission::{self, retry, Refusal};
+use crate::admission::{adaptive, controller};
 use crate::decision::Reason;
 use crate::host::Host;
 use crate::policy::Policy;
@@ -162,9 +162,9 @@ impl Pipeline {
         }
     }
 
-    /// The adaptive controllers' tick (see [`controller::tick`]), with each
+    /// The adaptive controllers' tick (see [`adaptive::tick`]), with each
     /// dependency's oldest held request's age.
-    fn control<H: Host>(&mut self, host: &H, policy: &Policy, now: u64) -> Vec<controller::Ticked> {
+    fn control<H: Host>(&mut self, host: &H, policy: &Policy, now: u64) -> Vec<adaptive::Ticked> {
         let Pipeline {
             worker,
             windows,
@@ -178,7 +178,7 @@ impl Pipeline {
         let age = |d: &crate::policy::admission::Dependency| {
             hold.slot_lane(&d.key).1.map_or(0, |at| now.saturating_sub(at))
         };
-        controller::tick(host, policy, w, windows, &age, now, control_buffers)
+        adaptive::tick(host, policy, w, windows, &age, now, control_buffers)
     }
 
     /// The breakers' tick (see [`breaker::tick`]), after the controllers',
@@ -189,7 +189,7 @@ impl Pipeline {
         host: &H,
         stats: &mut dyn Stats,
         policy: &Policy,
-        controlled: &[controller::Ticked],
+        controlled: &[adaptive::Ticked],
         now: u64,
     ) {
         let Pipeline {

@@ -5,7 +5,12 @@
 use std::rc::Rc;
 
 use super::*;
+use crate::admission::adaptive::{apply, read, tick, FIXED};
+use crate::admission::window::Windows;
+use crate::admission::Worker;
 use crate::memory::{MemoryHost, SharedStore};
+use crate::policy::Policy;
+use crate::table::{push_record_with, Commit, Place};
 
 mod bounds;
 mod sim;
