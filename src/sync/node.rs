@@ -109,7 +109,8 @@
 //! report that did not end in an applied answer: the callout could not be
 //! made (unknown cluster), failed (refused, reset, no healthy host), timed
 //! out, answered late, with a status other than 200, or with a body that is
-//! not an answer to it. After [`BreakerConfig::failures`] failures in a
+//! not an answer to it (a report and its immediate retry, [`Retry`], count
+//! as one). After [`BreakerConfig::failures`] failures in a
 //! row the breaker **opens**: no report is started until a backoff has
 //! passed since the next one was due. The backoff is one interval, doubled
 //! with each further failure, at most [`BreakerConfig::max_backoff_ns`].

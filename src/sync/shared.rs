@@ -14,6 +14,16 @@
 //! the report sent ([`sent`]). Its answer comes back to the same worker,
 //! which applies it ([`apply`]).
 //!
+//! # Retry
+//! A report unanswered within the callout timeout is given up on then
+//! (its answer would be refused as late), and a report whose callout
+//! failed at once ([`abandon`]) likewise; the next [`claim`] sends it
+//! again **at once**, once, under a new `seq`, before the interval is due
+//! ([`super::node::Retry`]): one lost message costs a node the timeout, not
+//! an interval of its leases (issue 35: the simulator's `lossy` scenario
+//! went from 81 % to 90.5 % of the limit on 3×3). The report and its retry
+//! count as one failure for the breaker; the interval's cadence stays.
+//!
 //! # Circuit breaker
 //! The breaker (see [`super::node`]) lives in the same state and is
 //! updated by the same compare-and-swap, so every worker agrees: a failed
