@@ -271,7 +271,7 @@ pub fn record_is_idle(record: &Record<'_>, now: u64) -> bool {
         return stored::decode_allowance(record.state).is_none_or(|a| a.is_idle(now));
     }
     if record.kind == kind::IN_FLIGHT {
-        return crate::admission::holders::record_is_idle(record, now);
+        return crate::inflight::record_is_idle(record, now);
     }
     Algo::record_is_idle(record, now)
 }

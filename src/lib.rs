@@ -19,6 +19,7 @@ pub mod cost;
 pub mod decision;
 pub mod engine;
 pub mod host;
+pub mod inflight;
 pub mod keys;
 pub mod limiter;
 pub mod memory;

@@ -211,7 +211,9 @@ async fn listen(services: tenantgate_central::grpc::Services, nodelay: bool) -> 
     addr
 }
 
-async fn rows(store: &str, counters: impl Fn() -> Arc<dyn Counters>) {
+/// `counters` makes a listener's store; `profile` tells where a row's time
+/// went in it (Redis), since the last call.
+async fn rows(store: &str, counters: impl Fn() -> Arc<dyn Counters>, profile: impl Fn() -> Option<String>) {
     for (listener, nodelay) in [("serve", true), ("no_nodelay", false)] {
         let addr = listen(services(counters()), nodelay).await;
         for descriptors in [1, 4, 8] {
@@ -231,6 +233,9 @@ async fn rows(store: &str, counters: impl Fn() -> Arc<dyn Counters>) {
                 r.per_s,
                 r.requests,
             );
+            if let Some(p) = profile() {
+                println!("    {store} profile: {p}");
+            }
         }
     }
 }
@@ -241,16 +246,26 @@ fn main() {
         .build()
         .unwrap();
     rt.block_on(async {
-        rows("embedded", || {
-            Arc::new(MemoryCounters::new(100_000)) as Arc<dyn Counters>
-        })
+        rows(
+            "embedded",
+            || Arc::new(MemoryCounters::new(100_000)) as Arc<dyn Counters>,
+            || None,
+        )
         .await;
         match tenantgate_central::testing::RedisServer::start() {
             Ok(redis) => {
                 let url = redis.url();
-                rows("redis", || {
-                    Arc::new(RedisCounters::new(&url, "bench").unwrap()) as Arc<dyn Counters>
-                })
+                let made: std::sync::Mutex<Vec<Arc<RedisCounters>>> = Default::default();
+                rows(
+                    "redis",
+                    || {
+                        let c = Arc::new(RedisCounters::new(&url, "bench").unwrap());
+                        made.lock().unwrap().push(c.clone());
+                        c as Arc<dyn Counters>
+                    },
+                    // The latest listener's store (the warm-up calls included).
+                    || made.lock().unwrap().last().map(|c| c.profile.take().to_string()),
+                )
                 .await;
             }
             Err(e) => println!("rls redis: skipped ({e})"),

@@ -9,9 +9,14 @@
 //!   the real node code (`tenantgate::sync::node`) against the real
 //!   allocator over a lossy, slow network, and measures the bound.
 //!
-//! * [`store`]: where the allocator's records live (embedded, Redis).
+//! * [`store`]: where the allocator's records live (embedded, Redis,
+//!   Redis Cluster).
 //! * [`service`]: `tenantgate serve`, the allocator over HTTP/JSON.
-//! * [`quota`]: quota reservations, their stores and their HTTP API.
+//! * [`grpc`]: Envoy's rate limit protocols (RLS, RLQS) over gRPC.
+//! * [`quota`]: quota reservations (the decisions, the SQLite and
+//!   PostgreSQL stores, regional borrowing) and their HTTP API.
+//! * [`codec`]: format 3, the compact encoding of the stores' records and
+//!   of the allocator's hand-written (key, limit) record (beneath both).
 //! * [`clock`], [`listener`] and [`bounded`]: plumbing beneath both APIs
 //!   (the service's clock; the API listener, its mTLS identity and
 //!   in-flight default; the serve loop every listener runs, with its caps
@@ -24,6 +29,7 @@ pub mod alloc;
 pub mod bound;
 pub mod bounded;
 pub mod clock;
+pub mod codec;
 pub mod error;
 pub mod grpc;
 pub mod listener;

@@ -701,3 +701,78 @@ descriptors:
         assert!(!ok(&ask(&rls[1], &[bytes], 1).await), "{name}: and not one more");
     }
 }
+
+/// Redis: each replica decides on its records as it last saw them and
+/// Redis checks them in the same script that writes, so a call is one
+/// round trip (`EVALSHA`, no script text) once its records are known; a
+/// record another replica wrote, one that expired and was written anew
+/// (the same count of writes: a version counter would not see it), and a
+/// script Redis forgot (`SCRIPT FLUSH`) are each noticed and re-decided,
+/// never over-admitted.
+#[tokio::test]
+async fn redis_replicas_decide_in_one_round_trip_and_notice_every_change() {
+    let redis = RedisServer::start().unwrap_or_else(|e| panic!("{e}"));
+    let clock = Arc::new(ManualClock::new(T0));
+    let p = parse(POLICY).unwrap().rls;
+    let counters: Vec<Arc<RedisCounters>> = (0..2)
+        .map(|_| Arc::new(RedisCounters::new(&redis.url(), "t").unwrap()))
+        .collect();
+    let [a, b] = [0, 1].map(|i| {
+        let r = Rls::new(counters[i].clone(), clock.clone() as Arc<dyn Clock>);
+        r.set_policy(p.clone());
+        r
+    });
+    let mut admin = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let tenant: &[(&str, &str)] = &[("tenant", "rt")];
+
+    // One replica: one round trip per call, decided or refused.
+    assert!(ok(&ask(&a, &[tenant], 1).await));
+    counters[0].profile.take();
+    for _ in 0..4 {
+        assert!(ok(&ask(&a, &[tenant], 1).await));
+    }
+    assert!(!ok(&ask(&a, &[tenant], 1).await), "the limit of 5");
+    let p = counters[0].profile.take();
+    assert_eq!((p.calls, p.round_trips, p.script_bytes), (5, 5, 0), "{p}");
+
+    // The other replica's writes are seen: a limit of 5 across both.
+    let other: &[(&str, &str)] = &[("tenant", "both")];
+    let mut admitted = 0;
+    for i in 0..8 {
+        if ok(&ask(if i % 2 == 0 { &a } else { &b }, &[other], 1).await) {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 5);
+
+    // Written anew after it vanished, as many times as before: A still
+    // sees that its record is not the one it wrote.
+    let anew: &[(&str, &str)] = &[("tenant", "anew")];
+    assert!(ok(&ask(&a, &[anew], 4).await));
+    redis::cmd("FLUSHALL")
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    assert!(ok(&ask(&b, &[anew], 1).await));
+    assert!(ok(&ask(&a, &[anew], 1).await), "2 of 5");
+    assert!(ok(&ask(&b, &[anew], 3).await), "5 of 5");
+    assert!(!ok(&ask(&a, &[anew], 1).await), "over 5");
+
+    // Redis forgot the script: loaded again, the call answered.
+    redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    counters[0].profile.take();
+    let fresh: &[(&str, &str)] = &[("tenant", "flushed")];
+    assert!(ok(&ask(&a, &[fresh], 5).await));
+    assert!(!ok(&ask(&a, &[fresh], 1).await));
+    let p = counters[0].profile.take();
+    assert_eq!(p.round_trips, 4, "EVALSHA, SCRIPT LOAD, EVALSHA, then one: {p}");
+    assert!(p.script_bytes > 0, "{p}");
+}

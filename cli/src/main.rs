@@ -287,7 +287,10 @@ struct ApplyArgs {
     #[arg(long)]
     manifests: Option<PathBuf>,
     /// With --manifests: the filter's OCI image (`make oci`), no scheme.
-    #[arg(long, default_value = "registry.example.internal/tenantgate/filter:0.1.0")]
+    #[arg(
+        long,
+        default_value = concat!("registry.example.internal/tenantgate/filter:", env!("CARGO_PKG_VERSION"))
+    )]
     image: String,
     /// With --manifests: where Envoy Gateway's HTTP variant fetches the .wasm.
     #[arg(

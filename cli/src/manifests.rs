@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 /// Where the filter's code comes from.
 pub struct Code<'a> {
     /// An OCI image reference without scheme, e.g.
-    /// `registry.example.internal/tenantgate/filter:0.1.0`.
+    /// `registry.example.internal/tenantgate/filter:VERSION` (this build's).
     pub image: &'a str,
     /// An `http(s)://` URL of the `.wasm` (Envoy Gateway's HTTP variant).
     pub wasm_url: &'a str,

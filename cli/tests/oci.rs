@@ -50,7 +50,7 @@ fn skopeo_reads_the_image_and_its_layer_holds_the_module() {
         .arg(&wasm_path)
         .arg("--out")
         .arg(&layout)
-        .args(["--tag", "0.1.0"])
+        .args(["--tag", "0.2.0"])
         .output()
         .unwrap();
     let printed = String::from_utf8(out.stdout).unwrap();
@@ -58,7 +58,7 @@ fn skopeo_reads_the_image_and_its_layer_holds_the_module() {
     let digest = field(&printed, "digest: ");
     let sha = field(&printed, "wasm sha256: ");
     assert_eq!(sha, tenantgate_cli::oci::wasm_sha256(&wasm));
-    let reference = format!("oci:{}:0.1.0", layout.display());
+    let reference = format!("oci:{}:0.2.0", layout.display());
 
     let inspected: serde_json::Value = serde_json::from_str(&skopeo(&["inspect", &reference])).unwrap();
     assert_eq!(inspected["Digest"], digest, "{inspected}");

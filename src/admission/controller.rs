@@ -171,7 +171,8 @@ use super::window::{self, WindowSummary, Windows};
 use super::{splitmix64, Worker};
 use crate::host::Host;
 use crate::keys::kind;
-use crate::policy::admission::{Adaptive, Dependency, PPM};
+use crate::policy::admission::{Adaptive, Dependency};
+use crate::policy::values::PPM;
 use crate::policy::Policy;
 use crate::table::{self, push_record_with, Commit, Failure, Place, Reach, Record, Records};
 

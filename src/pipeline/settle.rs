@@ -25,7 +25,6 @@
 
 use std::rc::Rc;
 
-use super::stream::Stream;
 use super::{BodyEdit, Chunk, Directive, Pipeline, RouteMark, Verdict};
 use crate::cost::{self, json::Scanner, Figure, Flow, Meter};
 use crate::decision::{Decision, Reason};
@@ -114,6 +113,16 @@ impl Settling {
     }
 }
 
+/// A soft-limited request's marker for its response: `(the policy's
+/// soft_limit_header, the limit's name)`.
+pub(super) fn soft_marker(policy: &Policy, decision: &Decision) -> Option<(String, String)> {
+    if decision.reason != Reason::SoftLimited {
+        return None;
+    }
+    let limit = decision.limit.as_ref()?;
+    Some((policy.soft_limit_header.clone(), limit.name().to_owned()))
+}
+
 /// The decision of a request of a settled class outside its metered
 /// operation (`settle.methods`, `settle.paths`: its estimate is 0, which no
 /// metered request's is): passed, charged nothing, nothing to settle.
@@ -190,25 +199,19 @@ impl Pipeline {
     }
 
     /// An admitted request of a settling class: what it was charged, to be
-    /// settled at its end; a soft-limited one: its marker for the response.
-    pub(super) fn start_settling(
+    /// settled at its end (`input_estimate`: the stream's, see
+    /// [`Self::estimate`]). `None`: nothing to settle.
+    pub(super) fn settling_for(
         &mut self,
         policy: &Rc<Policy>,
         prepared: &Prepared,
         decision: &Decision,
         now: u64,
-        state: &mut Stream,
-    ) {
-        if decision.reason == Reason::SoftLimited {
-            if let Some(limit) = &decision.limit {
-                state.soft = Some((policy.soft_limit_header.clone(), limit.name().to_owned()));
-            }
-        }
-        let Some(settle) = prepared.class.settle.as_ref() else {
-            return;
-        };
+        input_estimate: u64,
+    ) -> Option<Box<Settling>> {
+        let settle = prepared.class.settle.as_ref()?;
         if decision.deny_status().is_some() || (decision.charged == 0 && !decision.guard_charged) {
-            return;
+            return None;
         }
         self.pending
             .cost(&prepared.class.name, CostStat::EstimatedUnits, prepared.cost);
@@ -221,11 +224,11 @@ impl Pipeline {
                 }],
                 scanner: Scanner::default(),
                 read: 0,
-                input: state.input_estimate,
+                input: input_estimate,
             })),
             _ => None,
         };
-        state.settling = Some(Box::new(Settling {
+        Some(Box::new(Settling {
             policy: policy.clone(),
             prepared: prepared.clone(),
             charged: Charged {
@@ -237,7 +240,7 @@ impl Pipeline {
             chunk: settle.chunk.min(max_estimate(policy, prepared, settle)),
             body_estimate,
             rewrite: None,
-        }));
+        }))
     }
 
     /// A request admitted at its headers, of a class with
@@ -537,15 +540,10 @@ impl Pipeline {
 
     /// Settles a stream that ended before its response did; returns its
     /// cost record.
-    pub(super) fn settle_at_end<H: Host>(
-        &mut self,
-        host: &H,
-        state: &mut Stream,
-        now: u64,
-    ) -> Option<String> {
-        let mut s = state.settling.take()?;
+    pub(super) fn settle_at_end<H: Host>(&mut self, host: &H, settling: Box<Settling>, now: u64) -> String {
+        let mut s = settling;
         let figure = s.meter.end();
-        Some(self.settle(host, *s, figure, now))
+        self.settle(host, *s, figure, now)
     }
 
     /// Settles a stream's real cost against its estimate (see the module

@@ -22,13 +22,13 @@
 
 use std::rc::Rc;
 
-use super::settle::ResponseBody;
+use super::settle::{self, ResponseBody};
 use super::{Clock, Pipeline, StreamId, MAX_REMEMBERED_STORES};
 use crate::admission::degraded::{self, Cached};
 use crate::admission::request::BodyBudget;
 use crate::admission::window::{self, Outcome};
 use crate::admission::Ticket;
-use crate::decision::{RateLimitHeaders, Reason};
+use crate::decision::{Decision, RateLimitHeaders, Reason};
 use crate::engine::Prepared;
 use crate::host::Host;
 use crate::policy::admission::Criticality;
@@ -249,7 +249,7 @@ impl Pipeline {
         }
         let needs_time = state.signal.is_some() || state.ticket.is_some() || state.settling.is_some();
         let now = if needs_time { clock.now().unwrap_or(0) } else { 0 };
-        let record = self.settle_at_end(host, &mut state, now);
+        let record = state.settling.take().map(|s| self.settle_at_end(host, s, now));
         if let Some(sig) = state.signal.take() {
             self.end_signal(host, sig, now);
         }
@@ -280,6 +280,24 @@ impl Pipeline {
     }
 
     /// Gives a stream's slots back.
+    /// An admitted request: what its response is to carry or settle (a
+    /// soft-limited one's marker, a settling class's charge).
+    pub(super) fn start_settling(
+        &mut self,
+        policy: &Rc<Policy>,
+        prepared: &Prepared,
+        decision: &Decision,
+        now: u64,
+        state: &mut Stream,
+    ) {
+        if let Some(marker) = settle::soft_marker(policy, decision) {
+            state.soft = Some(marker);
+        }
+        if let Some(settling) = self.settling_for(policy, prepared, decision, now, state.input_estimate) {
+            state.settling = Some(settling);
+        }
+    }
+
     pub(super) fn release<H: Host>(&mut self, host: &H, ticket: Ticket, now: u64) {
         match self.worker.as_mut() {
             Some(w) => w.release(host, ticket, now),

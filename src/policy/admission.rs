@@ -2,7 +2,9 @@
 //! and the labels
 //! a route class carries (`criticality`, `dependency`, `retryable`,
 //! `streaming`, `max_body_bytes`, `min_timeout_budget`), validated and
-//! compiled. Every default of these fields is defined here, once.
+//! compiled. Every default of these fields is defined here, once, but for a
+//! dependency's `adaptive:` ([`super::adaptive`]) and a class's
+//! `degradable:` ([`super::degraded`]).
 //!
 //! Everything is optional: a policy that names none of these fields
 //! compiles to [`Labels::default`] on every class and no dependency, and
@@ -12,14 +14,17 @@
 
 use std::collections::BTreeMap;
 
-use super::duration::parse_duration_ns;
+pub use super::adaptive::Adaptive;
+use super::adaptive::{compile_adaptive, DEFAULT_ADAPTIVE_WINDOW_NS};
+use super::check::{add, duration_in, in_range};
+pub use super::degraded::{compile_degradable, Degradable};
 use super::error::{FieldPath, PolicyError};
 use super::is_name;
 pub use super::spec::Criticality;
 use super::spec::{
-    ActionSpec, AdaptiveSpec, CircuitBreakerSpec, DegradableSpec, DependencySpec, LevelQueueSpec,
-    RetryBudgetSpec, RouteSpec,
+    ActionSpec, CircuitBreakerSpec, DependencySpec, LevelQueueSpec, RetryBudgetSpec, RouteSpec,
 };
+use super::values::is_header_name;
 use crate::limiter::NANOS_PER_SEC;
 
 /// Longest `max_wait` of a queue: a route class's (`on_limit: queue`) or a
@@ -185,255 +190,6 @@ pub struct Dependency {
     pub adaptive: Option<Adaptive>,
 }
 
-/// Parts per million: how the compiled policy keeps a fraction (exact,
-/// comparable).
-pub const PPM: u32 = 1_000_000;
-
-/// `adaptive.window`: default and bounds.
-pub const DEFAULT_ADAPTIVE_WINDOW_NS: u64 = 500 * NANOS_PER_MS;
-pub const MIN_ADAPTIVE_WINDOW_NS: u64 = 250 * NANOS_PER_MS;
-pub const MAX_ADAPTIVE_WINDOW_NS: u64 = 5 * NANOS_PER_SEC;
-/// `adaptive.buffer`: how far above its baseline p95 may be and still be
-/// healthy.
-pub const DEFAULT_BUFFER_PPM: u32 = 20_000;
-/// `adaptive.dead_zone`: the band above the buffer where the limit holds.
-pub const DEFAULT_DEAD_ZONE_PPM: u32 = 40_000;
-/// `adaptive.smoothing`: the share of a window's move that is taken.
-pub const DEFAULT_SMOOTHING_PPM: u32 = 250_000;
-/// `adaptive.max_increase`: the largest rise per window, of the limit.
-pub const DEFAULT_MAX_INCREASE_PPM: u32 = 250_000;
-/// `adaptive.backoff`: the multiplicative decrease.
-pub const DEFAULT_BACKOFF_PPM: u32 = 800_000;
-/// `adaptive.error_rate`: errors and timeouts per completed request at
-/// which the limit backs off.
-pub const DEFAULT_ERROR_RATE_PPM: u32 = 100_000;
-/// `adaptive.queue_age`: the oldest queued request's age at which the
-/// limit backs off (unless latency is healthy); default and bounds.
-pub const DEFAULT_QUEUE_AGE_NS: u64 = 250 * NANOS_PER_MS;
-pub const MAX_QUEUE_AGE_NS: u64 = 30 * NANOS_PER_SEC;
-/// `adaptive.baseline_refresh`: how often the baseline is measured again;
-/// default and bounds (at least 10 windows).
-pub const DEFAULT_BASELINE_REFRESH_NS: u64 = 30 * NANOS_PER_SEC;
-pub const MIN_BASELINE_REFRESH_NS: u64 = 5 * NANOS_PER_SEC;
-pub const MAX_BASELINE_REFRESH_NS: u64 = 600 * NANOS_PER_SEC;
-const NANOS_PER_MS: u64 = 1_000_000;
-
-/// A compiled `dependencies.<name>.adaptive` (the controller is
-/// [`crate::admission::controller`]). Fractions are in [`PPM`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Adaptive {
-    pub window_ns: u64,
-    /// Default: `reserved.critical + reserved.system + 1` (the pool keeps a
-    /// slot).
-    pub min: u32,
-    /// Default and most: `max_in_flight`.
-    pub max: u32,
-    pub buffer_ppm: u32,
-    pub dead_zone_ppm: u32,
-    pub smoothing_ppm: u32,
-    pub max_increase_ppm: u32,
-    pub backoff_ppm: u32,
-    pub error_rate_ppm: u32,
-    pub queue_age_ns: u64,
-    pub baseline_refresh_ns: u64,
-}
-
-impl Adaptive {
-    /// The defaults for a dependency of `max_in_flight` with `reserved`
-    /// slots.
-    pub fn defaults(max_in_flight: u32, reserved: u32) -> Adaptive {
-        Adaptive {
-            window_ns: DEFAULT_ADAPTIVE_WINDOW_NS,
-            min: reserved.saturating_add(1).min(max_in_flight),
-            max: max_in_flight,
-            buffer_ppm: DEFAULT_BUFFER_PPM,
-            dead_zone_ppm: DEFAULT_DEAD_ZONE_PPM,
-            smoothing_ppm: DEFAULT_SMOOTHING_PPM,
-            max_increase_ppm: DEFAULT_MAX_INCREASE_PPM,
-            backoff_ppm: DEFAULT_BACKOFF_PPM,
-            error_rate_ppm: DEFAULT_ERROR_RATE_PPM,
-            queue_age_ns: DEFAULT_QUEUE_AGE_NS,
-            baseline_refresh_ns: DEFAULT_BASELINE_REFRESH_NS,
-        }
-    }
-}
-
-/// A fraction in `[low, high]` (or `(0, high]` when `open_low`) as ppm.
-fn fraction(
-    value: Option<f64>,
-    default: u32,
-    (low, high, open_low): (f64, f64, bool),
-    path: &FieldPath,
-    errors: &mut Vec<PolicyError>,
-) -> u32 {
-    let Some(v) = value else { return default };
-    let ok = v.is_finite() && v <= high && (if open_low { v > low } else { v >= low });
-    if ok {
-        (v * f64::from(PPM)).round() as u32
-    } else {
-        let from = if open_low { "more than" } else { "from" };
-        add(
-            errors,
-            path.clone(),
-            format!("must be a number {from} {low} to {high}"),
-        );
-        default
-    }
-}
-
-/// A duration field: `default` when absent; an error (and `default`) when
-/// it does not parse or is outside `low..=high` (`message` says the range).
-fn duration_in(
-    value: Option<&str>,
-    default: u64,
-    (low, high): (u64, u64),
-    message: &str,
-    path: &FieldPath,
-    errors: &mut Vec<PolicyError>,
-) -> u64 {
-    match value.map(parse_duration_ns) {
-        None => default,
-        Some(Ok(ns)) if (low..=high).contains(&ns) => ns,
-        Some(Ok(_)) => {
-            add(errors, path.clone(), message);
-            default
-        }
-        Some(Err(m)) => {
-            add(errors, path.clone(), m);
-            default
-        }
-    }
-}
-
-/// `adaptive:` of a dependency of `max_in_flight` with `reserved` slots:
-/// its window, bounds and baseline refresh, then its gains
-/// ([`adaptive_gains`]); errors in that order.
-fn compile_adaptive(
-    spec: &AdaptiveSpec,
-    max_in_flight: u32,
-    reserved: u32,
-    path: &FieldPath,
-    errors: &mut Vec<PolicyError>,
-) -> Adaptive {
-    let d = Adaptive::defaults(max_in_flight, reserved);
-    let window_ns = duration_in(
-        spec.window.as_deref(),
-        d.window_ns,
-        (MIN_ADAPTIVE_WINDOW_NS, MAX_ADAPTIVE_WINDOW_NS),
-        "must be between 250ms and 5s",
-        &path.key("window"),
-        errors,
-    );
-    let max = spec.max.map_or(d.max, |n| {
-        in_range(n, 1, i64::from(max_in_flight), &path.key("max"), errors).unwrap_or(d.max)
-    });
-    let min = match spec.min {
-        None => d.min.min(max),
-        Some(n) => {
-            let low = i64::from(reserved) + 1;
-            if (low..=i64::from(max)).contains(&n) {
-                u32::try_from(n).unwrap_or(d.min)
-            } else {
-                add(
-                    errors,
-                    path.key("min"),
-                    format!(
-                        "must be between {low} (reserved.critical + reserved.system + 1) and max ({max})"
-                    ),
-                );
-                d.min.min(max)
-            }
-        }
-    };
-    let baseline_refresh_ns = duration_in(
-        spec.baseline_refresh.as_deref(),
-        d.baseline_refresh_ns,
-        (MIN_BASELINE_REFRESH_NS, MAX_BASELINE_REFRESH_NS),
-        "must be between 5s and 10m",
-        &path.key("baseline_refresh"),
-        errors,
-    );
-    if baseline_refresh_ns < window_ns.saturating_mul(10) {
-        add(
-            errors,
-            path.key("baseline_refresh"),
-            "must be at least 10 windows",
-        );
-    }
-    let gains = adaptive_gains(spec, d, path, errors);
-    Adaptive {
-        window_ns,
-        min,
-        max,
-        baseline_refresh_ns,
-        ..gains
-    }
-}
-
-/// The controller's gains and thresholds (`buffer`, `dead_zone`,
-/// `smoothing`, `max_increase`, `backoff`, `error_rate`, `queue_age`) over
-/// the defaults `d`, which give every other field.
-fn adaptive_gains(
-    spec: &AdaptiveSpec,
-    d: Adaptive,
-    path: &FieldPath,
-    errors: &mut Vec<PolicyError>,
-) -> Adaptive {
-    Adaptive {
-        buffer_ppm: fraction(
-            spec.buffer,
-            d.buffer_ppm,
-            (0.0, 1.0, false),
-            &path.key("buffer"),
-            errors,
-        ),
-        dead_zone_ppm: fraction(
-            spec.dead_zone,
-            d.dead_zone_ppm,
-            (0.0, 0.5, false),
-            &path.key("dead_zone"),
-            errors,
-        ),
-        smoothing_ppm: fraction(
-            spec.smoothing,
-            d.smoothing_ppm,
-            (0.0, 1.0, true),
-            &path.key("smoothing"),
-            errors,
-        ),
-        max_increase_ppm: fraction(
-            spec.max_increase,
-            d.max_increase_ppm,
-            (0.0, 1.0, true),
-            &path.key("max_increase"),
-            errors,
-        ),
-        backoff_ppm: fraction(
-            spec.backoff,
-            d.backoff_ppm,
-            (0.5, 0.99, false),
-            &path.key("backoff"),
-            errors,
-        ),
-        error_rate_ppm: fraction(
-            spec.error_rate,
-            d.error_rate_ppm,
-            (0.0, 1.0, true),
-            &path.key("error_rate"),
-            errors,
-        ),
-        queue_age_ns: duration_in(
-            spec.queue_age.as_deref(),
-            d.queue_age_ns,
-            (NANOS_PER_MS, MAX_QUEUE_AGE_NS),
-            "must be between 1ms and 30s",
-            &path.key("queue_age"),
-            errors,
-        ),
-        ..d
-    }
-}
-
 impl Dependency {
     /// The shared pool: what neither reservation holds.
     pub fn general(&self) -> u32 {
@@ -508,10 +264,6 @@ pub fn compile_actions<'a>(
         .collect()
 }
 
-fn add(errors: &mut Vec<PolicyError>, path: FieldPath, message: impl Into<String>) {
-    errors.push(PolicyError::new(path, message));
-}
-
 /// `dependencies:` in name order (a route's `dependency` is an index).
 pub fn compile_dependencies(
     specs: &BTreeMap<String, DependencySpec>,
@@ -522,15 +274,6 @@ pub fn compile_dependencies(
         .iter()
         .map(|(name, spec)| compile_dependency(name, spec, &path.key(name), errors))
         .collect()
-}
-
-fn in_range(value: i64, min: i64, max: i64, path: &FieldPath, errors: &mut Vec<PolicyError>) -> Option<u32> {
-    if (min..=max).contains(&value) {
-        u32::try_from(value).ok()
-    } else {
-        add(errors, path.clone(), format!("must be between {min} and {max}"));
-        None
-    }
 }
 
 /// One `dependencies.<name>`: its slots (`max_in_flight`, `max_streams`,
@@ -928,15 +671,6 @@ pub struct RetryBudget {
     pub envoy_attempt_count: bool,
 }
 
-/// Whether `name` is an HTTP header name (token characters, ≤ 128).
-pub fn is_header_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 128
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
-}
-
 fn compile_retry_budget(
     dependency: &str,
     spec: &RetryBudgetSpec,
@@ -995,103 +729,4 @@ fn compile_retry_budget(
         retry_header,
         envoy_attempt_count,
     }
-}
-
-/// Default `degradable.version_header`.
-pub const DEFAULT_VERSION_HEADER: &str = "etag";
-/// Default and largest `degradable.max_body_bytes` (every cached answer
-/// fits one shared-data record: see [`crate::admission::degraded`]).
-pub const DEFAULT_DEGRADED_BODY_BYTES: u32 = 16 * 1024;
-pub const MAX_DEGRADED_BODY_BYTES: i64 = 48 * 1024;
-/// Default and largest `degradable.slots`.
-pub const DEFAULT_DEGRADED_SLOTS: u32 = 64;
-pub const MAX_DEGRADED_SLOTS: i64 = 4096;
-/// Longest `degradable.max_stale`.
-pub const MAX_STALE_NS: u64 = 24 * 3600 * NANOS_PER_SEC;
-/// Default `degradable.refresh`, and its bounds.
-pub const DEFAULT_DEGRADED_REFRESH_NS: u64 = NANOS_PER_SEC;
-pub const MAX_DEGRADED_REFRESH_NS: u64 = 3600 * NANOS_PER_SEC;
-
-/// A compiled `routes.<class>.degradable`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Degradable {
-    /// The class's name: its cache's shared-data keys start with it.
-    pub class: String,
-    pub max_stale_ns: u64,
-    /// Lower-cased.
-    pub version_header: String,
-    pub max_body_bytes: u32,
-    pub slots: u32,
-    /// Anonymous requests get (and store) answers, shared by every
-    /// anonymous client.
-    pub anonymous: bool,
-    /// A worker stores a cache key's answer at most once per `refresh`.
-    pub refresh_ns: u64,
-}
-
-/// `routes.<class>.degradable` (the class must have a dependency: only an
-/// admission refusal is answered from the cache).
-pub fn compile_degradable(
-    class: &str,
-    spec: &RouteSpec,
-    path: &FieldPath,
-    errors: &mut Vec<PolicyError>,
-) -> Option<Degradable> {
-    let d: &DegradableSpec = spec.degradable.as_ref()?;
-    let path = path.key("degradable");
-    if spec.dependency.is_none() {
-        add(
-            errors,
-            path.clone(),
-            "a degradable class answers from its cache when its dependency refuses it: name a dependency",
-        );
-    }
-    if spec.streaming == Some(true) {
-        add(errors, path.clone(), "a streaming class cannot be degradable");
-    }
-    let max_stale_ns = duration_in(
-        Some(&d.max_stale),
-        NANOS_PER_SEC,
-        (1, MAX_STALE_NS),
-        "must be more than 0 and at most 24h",
-        &path.key("max_stale"),
-        errors,
-    );
-    let version_header = match &d.version_header {
-        None => DEFAULT_VERSION_HEADER.to_owned(),
-        Some(h) => {
-            if !is_header_name(h) {
-                add(
-                    errors,
-                    path.key("version_header"),
-                    "must be an HTTP header name (letters, digits, - _ .)",
-                );
-            }
-            h.to_ascii_lowercase()
-        }
-    };
-    let max_body_bytes = d.max_body_bytes.map_or(DEFAULT_DEGRADED_BODY_BYTES, |n| {
-        in_range(n, 0, MAX_DEGRADED_BODY_BYTES, &path.key("max_body_bytes"), errors)
-            .unwrap_or(DEFAULT_DEGRADED_BODY_BYTES)
-    });
-    let slots = d.slots.map_or(DEFAULT_DEGRADED_SLOTS, |n| {
-        in_range(n, 1, MAX_DEGRADED_SLOTS, &path.key("slots"), errors).unwrap_or(DEFAULT_DEGRADED_SLOTS)
-    });
-    let refresh_ns = duration_in(
-        d.refresh.as_deref(),
-        DEFAULT_DEGRADED_REFRESH_NS,
-        (1, MAX_DEGRADED_REFRESH_NS),
-        "must be more than 0 and at most 1h",
-        &path.key("refresh"),
-        errors,
-    );
-    Some(Degradable {
-        class: class.to_owned(),
-        max_stale_ns,
-        version_header,
-        max_body_bytes,
-        slots,
-        anonymous: d.anonymous.unwrap_or(false),
-        refresh_ns,
-    })
 }

@@ -118,6 +118,15 @@ impl fmt::Display for PolicyErrors {
 
 impl std::error::Error for PolicyErrors {}
 
+/// The errors validation has found so far, in the order found.
+pub(super) struct Errors(pub(super) Vec<PolicyError>);
+
+impl Errors {
+    pub(super) fn add(&mut self, path: FieldPath, message: impl Into<String>) {
+        self.0.push(PolicyError::new(path, message));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,29 +5,35 @@
 //! YAML and JSON share every step after the first, so the CLI and the filter
 //! accept and reject exactly the same policies with the same messages.
 
+pub mod adaptive;
 pub mod admission;
+mod check;
 mod compile;
 pub mod de;
+pub mod degraded;
 pub mod descriptors;
 pub mod doc;
 pub mod duration;
 pub mod error;
+mod limits;
 pub mod quota;
 #[cfg(feature = "schema")]
 pub mod schema;
 pub mod settle;
 pub mod spec;
+mod sync;
+pub mod values;
 
 use std::rc::Rc;
 
 use hashbrown::HashMap;
 
 use crate::limiter::algo::Algo;
-pub use compile::{LOCAL_MAX_NS, MAX_SYNC_INTERVAL_NS, MIN_SYNC_INTERVAL_NS};
 pub use doc::Node;
 pub use error::{FieldPath, PolicyError, PolicyErrors};
 pub use spec::FailureMode;
 pub use spec::{Classify, Mode};
+pub use sync::{LOCAL_MAX_NS, MAX_SYNC_INTERVAL_NS, MIN_SYNC_INTERVAL_NS};
 
 /// The largest policy document accepted, in bytes (its YAML or JSON text,
 /// as read): 1 MiB. A policy of a few hundred tenants and routes is tens of

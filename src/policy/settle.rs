@@ -4,11 +4,11 @@
 //! validated and compiled; every default of these fields is here, once.
 //! How the filter reads and settles them is in [`crate::cost`].
 
-use super::admission::is_header_name;
 use super::error::{FieldPath, PolicyError};
 use super::spec::{
     Charge, FieldSpec, OnMissing, OutcomeSpec, OverReservation, RouteSpec, SettleSpec, UsagePreset,
 };
+use super::values::{is_header_name, MAX_COUNT};
 
 /// Default and largest `settle.max_body_bytes`: the response body bytes
 /// read for the figure (a longer body settles by `on_missing`).
@@ -245,10 +245,10 @@ pub fn compile_settle(
             errors.push(PolicyError::new(path.key("ceiling"), "must be > 0"));
             0
         }
-        n if n > super::compile::MAX_COUNT => {
+        n if n > MAX_COUNT => {
             errors.push(PolicyError::new(
                 path.key("ceiling"),
-                format!("must be at most {}", super::compile::MAX_COUNT),
+                format!("must be at most {}", MAX_COUNT),
             ));
             0
         }

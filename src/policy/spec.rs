@@ -393,7 +393,7 @@ pub struct LimitSpec {
     /// 1 to 10⁹; a `fixed_window`'s 0 to 4294967295 (envoyproxy/ratelimit's
     /// `requests_per_unit` range; 0 refuses every request that costs
     /// anything).
-    #[cfg_attr(feature = "schema", schemars(range(min = 0, max = super::compile::MAX_WINDOW_RATE)))]
+    #[cfg_attr(feature = "schema", schemars(range(min = 0, max = super::values::MAX_WINDOW_RATE)))]
     pub rate: i64,
     #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
     pub per: String,
@@ -453,7 +453,7 @@ pub struct RouteSpec {
     #[serde(default)]
     pub action: Option<String>,
     #[serde(default)]
-    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = super::compile::MAX_COUNT)))]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = super::values::MAX_COUNT)))]
     pub cost: Option<i64>,
     #[serde(default)]
     pub guard: Option<String>,

@@ -3,7 +3,7 @@
 //! Every key report reads its (key, limit) record and writes it back once,
 //! in every store; through serde's visitors that was about two thirds of
 //! a key report's CPU (`docs/central-service.md`, "Throughput"). This is
-//! the same encoding ([`crate::store::codec`]) without them: the same
+//! the same encoding ([`crate::codec`]) without them: the same
 //! bytes, field for field in declaration order, checked against the
 //! `Serialize`/`Deserialize` derives, which stay for formats 1 and 2 and
 //! as the reference (the tests below). A field added to one of these
@@ -18,7 +18,7 @@ use super::key::{KeyState, KeyStats, RegionView};
 use super::node_key::NodeKey;
 use super::session::Tally;
 use super::{GlobalLimit, NodeTerms};
-use crate::store::codec::{Compact, Decoder, Encoder, Result};
+use crate::codec::{Compact, Decoder, Encoder, Result};
 
 /// A `u64` field (tagged: see the codec).
 impl Compact for u64 {
@@ -288,7 +288,7 @@ impl Compact for NodeKey {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::codec::{from_slice, from_slice_compact, to_writer, to_writer_compact};
+    use crate::codec::{from_slice, from_slice_compact, to_writer, to_writer_compact};
 
     fn serde_bytes<T: serde::Serialize>(v: &T) -> Vec<u8> {
         let mut out = Vec::new();

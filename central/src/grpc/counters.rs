@@ -7,40 +7,53 @@
 //!   for its time to live (a sweep every [`SWEEP_EVERY`] writes).
 //! * [`RedisCounters`] (`--store redis://…`): shared by every replica.
 //!   Each record is one string, `<prefix>:rls:<key>`: its version (8
-//!   bytes), then its bytes, with Redis's own expiry. A request's records
-//!   are read (one `MGET`), decided in Rust, and written by one Lua script
-//!   that first checks every version read, then writes all of them (Redis
-//!   runs a script alone): all or nothing. Within one replica, requests on
-//!   the same keys take turns (one lock per stripe of [`STRIPES`], taken in
-//!   order), so versions only move under a request because of another
-//!   replica; on such a conflict the request is re-read and re-decided
-//!   after a random pause of up to [`MAX_PAUSE`] × the attempt (at most
-//!   8), at most
-//!   [`MAX_ATTEMPTS`] times, then it fails with a transient
-//!   [`StoreError::Contention`] (Envoy then applies its failure mode). One
+//!   random bytes, new at each write: a record that expired and was
+//!   written anew never looks unchanged), then its bytes, with Redis's own
+//!   expiry. A request is decided in Rust on its records **as this replica
+//!   last saw them** (read or written; never seen: absent), then checked
+//!   and written by one Lua script ([`DECIDED`], one `EVALSHA`: the text
+//!   is sent only to load it) that first checks every version decided on,
+//!   then writes all of them (Redis runs a script alone): all or nothing.
+//!   If one moved (another replica wrote it, it expired, or this replica
+//!   had not seen it), nothing is written and the script answers the
+//!   records as they are: the request is re-decided on them, so a call is
+//!   one round trip once its records are known here, two otherwise. A
+//!   refusal decided on records not read by this call is checked the same
+//!   way (the script only compares). Within one replica, requests on the
+//!   same keys take turns (one lock per stripe of [`STRIPES`], taken in
+//!   order; each stripe remembers the records of [`WAYS`] of its keys, so
+//!   at most `STRIPES × WAYS` records are remembered), so versions only move under
+//!   a request because of another replica; on such a conflict (a record
+//!   read by this call moved) the request is re-decided after a random
+//!   pause of up to [`MAX_PAUSE`] × the conflicts (at most 8), after
+//!   [`TURN_AFTER`] conflicts it takes its turn on its records, and after
+//!   [`MAX_ATTEMPTS`] it fails with a transient
+//!   [`StoreError::Contention`] (Envoy then applies its failure mode). An
+//!   error forgets the request's records (the script may have run). One
 //!   Redis server, not a Redis Cluster (a request's keys span slots), as
 //!   the allocator's store.
 //!
-//! The decision function may run more than once (on a conflict), so it is
+//! The decision function may run more than once (on a conflict, or on
+//! Redis when the records as last seen had moved), so it is
 //! a pure function of the records it is given and leaves its results in
 //! its captures on every run.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use redis::aio::ConnectionManager;
 use redis::Client;
 use tokio::sync::OnceCell;
 
-use crate::store::redis_error as map_err;
-use crate::store::StoreError;
+use crate::store::{run_script, Lua, StoreError};
 
-/// Attempts of one request's compare-and-set before giving up.
+/// Conflicts (records read by the request that moved) before giving up.
 pub const MAX_ATTEMPTS: u32 = 64;
 /// Stripes of the per-replica locks on keys (Redis).
-pub const STRIPES: usize = 1024;
+pub const STRIPES: usize = 16_384;
 /// The longest pause after a first conflict (Redis; the n-th waits up to
 /// `min(n, 8)` times this).
 pub const MAX_PAUSE: Duration = Duration::from_micros(200);
@@ -154,26 +167,40 @@ impl Counters for MemoryCounters {
     }
 }
 
-/// `KEYS` the records, then as many turns; `ARGV[1]` the time to live in
-/// ms, `ARGV[2]` the caller's turn token ("" if it holds none), then two
-/// per record: expected version ("" when absent), new value (its version
-/// first). Every turn and version is checked before anything is written:
-/// another caller's turn on a record, or a version that moved, and nothing
-/// is written. Returns 1 if written (the caller's turns given back), 0 if
-/// not.
-const CAS_ALL: &str = r"
+/// One call's decision, checked and written. `KEYS` the records, then as
+/// many turns. `ARGV[1]` `w` (write) or `c` (only check), `ARGV[2]` the
+/// time to live in ms, `ARGV[3]` the caller's turn token ("" if it holds
+/// none), then two per record: the version the caller decided on (""
+/// when absent) and the new value (its version first; "" with `c`).
+/// Every version (and, to write, every turn) is checked before anything
+/// is written: another caller's turn on a record, or a version that
+/// moved, and nothing is written. Returns `{'1'}` if nothing moved (and,
+/// with `w`, all was written and the caller's turns given back), else
+/// `{'0', <each record's value, nil when absent>}`: what to decide on next.
+const DECIDED: &str = r"
 local n = #KEYS / 2
+local write = ARGV[1] == 'w'
+local moved = false
 for i = 1, n do
-  local t = redis.call('GET', KEYS[n + i])
-  if t and t ~= ARGV[2] then return 0 end
+  if write then
+    local t = redis.call('GET', KEYS[n + i])
+    if t and t ~= ARGV[3] then moved = true end
+  end
   local r = redis.call('GET', KEYS[i])
-  if (r and string.sub(r, 1, 8) or '') ~= ARGV[i * 2 + 1] then return 0 end
+  if (r and string.sub(r, 1, 8) or '') ~= ARGV[i * 2 + 2] then moved = true end
 end
-for i = 1, n do
-  redis.call('SET', KEYS[i], ARGV[i * 2 + 2], 'PX', ARGV[1])
-  if ARGV[2] ~= '' then redis.call('DEL', KEYS[n + i]) end
+if moved then
+  local now = {'0'}
+  for i = 1, n do now[i + 1] = redis.call('GET', KEYS[i]) end
+  return now
 end
-return 1
+if write then
+  for i = 1, n do
+    redis.call('SET', KEYS[i], ARGV[i * 2 + 3], 'PX', ARGV[2])
+    if ARGV[3] ~= '' then redis.call('DEL', KEYS[n + i]) end
+  end
+end
+return {'1'}
 ";
 
 /// `KEYS` the turns of a request's records, `ARGV[1]` the caller's token,
@@ -198,6 +225,19 @@ end
 return 1
 ";
 
+/// The scripts (each loaded once).
+struct Scripts {
+    decided: Lua,
+    take_turn: Lua,
+    give_turn: Lua,
+}
+
+static SCRIPTS: Scripts = Scripts {
+    decided: Lua::new(DECIDED),
+    take_turn: Lua::new(TAKE_TURN),
+    give_turn: Lua::new(GIVE_TURN),
+};
+
 /// Conflicts after which a request takes its turn on its records (then
 /// no other replica writes them until it has, or the turn lapses).
 pub const TURN_AFTER: u32 = 4;
@@ -206,6 +246,127 @@ pub const TURN_LEASE: Duration = Duration::from_millis(100);
 
 const VERSION_LEN: usize = 8;
 
+/// Where the Redis path's time goes, summed over calls (`take` reads and
+/// resets): what `make bench-service` prints beside each Redis row.
+#[derive(Debug, Default)]
+pub struct Profile {
+    calls: AtomicU64,
+    round_trips: AtomicU64,
+    script_bytes: AtomicU64,
+    lock_wait_ns: AtomicU64,
+    redis_wait_ns: AtomicU64,
+}
+
+/// A [`Profile`]'s sums at one moment.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ProfileSums {
+    pub calls: u64,
+    pub round_trips: u64,
+    /// Bytes of script text sent (`EVAL`'s body; 0 for `EVALSHA`).
+    pub script_bytes: u64,
+    /// Time spent waiting for this replica's stripe locks.
+    pub lock_wait_ns: u64,
+    /// Time spent waiting for Redis's answers.
+    pub redis_wait_ns: u64,
+}
+
+impl Profile {
+    /// The sums since the last `take`, reset.
+    pub fn take(&self) -> ProfileSums {
+        ProfileSums {
+            calls: self.calls.swap(0, Relaxed),
+            round_trips: self.round_trips.swap(0, Relaxed),
+            script_bytes: self.script_bytes.swap(0, Relaxed),
+            lock_wait_ns: self.lock_wait_ns.swap(0, Relaxed),
+            redis_wait_ns: self.redis_wait_ns.swap(0, Relaxed),
+        }
+    }
+
+    /// One round trip that sent `script_bytes` of script text; the time
+    /// since `started` counted if `timed`.
+    fn trip(&self, script_bytes: usize, started: Instant, timed: bool) {
+        self.round_trips.fetch_add(1, Relaxed);
+        self.script_bytes
+            .fetch_add(u64::try_from(script_bytes).unwrap_or(u64::MAX), Relaxed);
+        if timed {
+            self.redis_wait_ns.fetch_add(nanos_since(started), Relaxed);
+        }
+    }
+}
+
+fn nanos_since(started: Instant) -> u64 {
+    u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+impl std::fmt::Display for ProfileSums {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let per = |n: u64| n as f64 / self.calls.max(1) as f64;
+        write!(
+            f,
+            "{} calls: {:.2} round trips/call, {:.0} B of script text/call, stripe lock wait {:.1} µs/call, Redis wait {:.1} µs/call",
+            self.calls,
+            per(self.round_trips),
+            per(self.script_bytes),
+            per(self.lock_wait_ns) / 1e3,
+            per(self.redis_wait_ns) / 1e3,
+        )
+    }
+}
+
+/// A record as this replica last saw it (read or written).
+#[derive(Clone)]
+struct Seen {
+    name: String,
+    /// Its version as [`DECIDED`] compares it ("" when absent).
+    version: Vec<u8>,
+    /// Its bytes (`None`: no record).
+    bytes: Option<Vec<u8>>,
+}
+
+impl Seen {
+    /// `name`'s record from its stored value.
+    fn of(name: &str, value: Option<Vec<u8>>) -> Seen {
+        let (version, bytes) = match value {
+            Some(v) if v.len() >= VERSION_LEN => (v[..VERSION_LEN].to_vec(), Some(v[VERSION_LEN..].to_vec())),
+            // Absent, or too short to be ours: written over.
+            other => (other.unwrap_or_default(), None),
+        };
+        Seen {
+            name: name.to_owned(),
+            version,
+            bytes,
+        }
+    }
+}
+
+/// One stripe of a replica's keys: its lock (requests on its keys take
+/// turns), and the records of up to [`WAYS`] of its keys as last seen
+/// (the latest used last).
+#[derive(Default)]
+struct Stripe {
+    seen: Vec<Seen>,
+}
+
+/// Records a stripe remembers (Redis).
+pub const WAYS: usize = 2;
+
+impl Stripe {
+    fn get(&self, name: &str) -> Option<&Seen> {
+        self.seen.iter().find(|s| s.name == name)
+    }
+
+    /// Remembers `seen` (`None`: forgets its name's record).
+    fn put(&mut self, name: &str, seen: Option<Seen>) {
+        self.seen.retain(|s| s.name != name);
+        if let Some(s) = seen {
+            if self.seen.len() >= WAYS {
+                self.seen.remove(0);
+            }
+            self.seen.push(s);
+        }
+    }
+}
+
 /// The Redis store's records.
 pub struct RedisCounters {
     client: Client,
@@ -213,12 +374,13 @@ pub struct RedisCounters {
     prefix: String,
     /// Where a request's turns are (`<prefix>:rlt:`).
     turn_prefix: String,
-    /// This replica's turns on keys, by stripe.
-    stripes: Vec<tokio::sync::Mutex<()>>,
+    stripes: Vec<tokio::sync::Mutex<Stripe>>,
     /// Compare-and-sets lost to another replica (each one re-decided).
-    pub conflicts: std::sync::atomic::AtomicU64,
+    pub conflicts: AtomicU64,
     /// The most attempts one request took to be written.
-    pub max_attempts: std::sync::atomic::AtomicU64,
+    pub max_attempts: AtomicU64,
+    /// Where the time goes.
+    pub profile: Profile,
 }
 
 /// A key's stripe (a fixed hash: the same in every run).
@@ -229,7 +391,7 @@ fn stripe_of(key: &str) -> usize {
     usize::try_from(h.finish() % STRIPES as u64).unwrap_or(0)
 }
 
-/// A random number (for pauses and turn tokens).
+/// A random number (for pauses, turn tokens and versions).
 fn random(seed: u64) -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -245,6 +407,21 @@ fn pause(attempt: u32) -> Duration {
     Duration::from_nanos(random(u64::from(attempt)) % max.max(1))
 }
 
+/// What [`DECIDED`] answered.
+enum Answer {
+    /// Nothing had moved: written (or, only checked, the decision stands).
+    Done,
+    /// Something moved: each record's value now.
+    Moved(Vec<Option<Vec<u8>>>),
+}
+
+/// One request's names in Redis.
+struct Names {
+    records: Vec<String>,
+    turns: Vec<String>,
+    ttl_ms: Vec<u8>,
+}
+
 impl RedisCounters {
     /// Records on `url` under `<prefix>:rls:`; connects on first use.
     pub fn new(url: &str, prefix: &str) -> Result<RedisCounters, StoreError> {
@@ -254,14 +431,66 @@ impl RedisCounters {
             conn: OnceCell::new(),
             prefix: format!("{prefix}:rls:"),
             turn_prefix: format!("{prefix}:rlt:"),
-            stripes: (0..STRIPES).map(|_| tokio::sync::Mutex::new(())).collect(),
-            conflicts: std::sync::atomic::AtomicU64::new(0),
-            max_attempts: std::sync::atomic::AtomicU64::new(0),
+            stripes: (0..STRIPES).map(|_| Default::default()).collect(),
+            conflicts: AtomicU64::new(0),
+            max_attempts: AtomicU64::new(0),
+            profile: Profile::default(),
         })
     }
 
     async fn conn(&self) -> Result<ConnectionManager, StoreError> {
         crate::store::redis_connection(&self.client, &self.conn).await
+    }
+
+    /// Runs one of the scripts, counted in the profile.
+    async fn run<T: redis::FromRedisValue>(
+        &self,
+        conn: &mut ConnectionManager,
+        lua: &Lua,
+        keys: &[String],
+        args: &[&[u8]],
+    ) -> Result<T, StoreError> {
+        let started = Instant::now();
+        let mut sent: usize = 0;
+        let mut trips: u32 = 0;
+        let answer = run_script(conn, lua, keys, args, &mut |bytes| {
+            trips = trips.saturating_add(1);
+            sent = sent.saturating_add(bytes);
+        })
+        .await;
+        for i in 0..trips {
+            // The time is counted once, with the first trip.
+            self.profile.trip(if i == 0 { sent } else { 0 }, started, i == 0);
+        }
+        answer
+    }
+
+    /// Runs [`DECIDED`] on what `seen` says: checks it is current and, with
+    /// `write` (a value per record), writes.
+    async fn decided(
+        &self,
+        conn: &mut ConnectionManager,
+        names: &Names,
+        token: &[u8],
+        seen: &[Seen],
+        write: Option<&[Vec<u8>]>,
+    ) -> Result<Answer, StoreError> {
+        let mode: &[u8] = if write.is_some() { b"w" } else { b"c" };
+        let mut args: Vec<&[u8]> = vec![mode, &names.ttl_ms, token];
+        for (i, s) in seen.iter().enumerate() {
+            args.push(&s.version);
+            args.push(write.and_then(|w| w.get(i)).map_or(b"", Vec::as_slice));
+        }
+        let keys: Vec<String> = names.records.iter().chain(&names.turns).cloned().collect();
+        let mut answer: Vec<Option<Vec<u8>>> = self.run(conn, &SCRIPTS.decided, &keys, &args).await?;
+        let status = if answer.is_empty() { None } else { answer.remove(0) };
+        match status.as_deref() {
+            Some(b"1") => Ok(Answer::Done),
+            Some(b"0") if answer.len() == seen.len() => Ok(Answer::Moved(answer)),
+            _ => Err(StoreError::Refused(
+                "an unexpected answer from the RLS script".to_owned(),
+            )),
+        }
     }
 }
 
@@ -283,130 +512,142 @@ impl Counters for RedisCounters {
             return Ok(());
         }
         let mut conn = self.conn().await?;
-        let names: Vec<String> = keys.iter().map(|k| format!("{}{k}", self.prefix)).collect();
-        let turns: Vec<String> = keys.iter().map(|k| format!("{}{k}", self.turn_prefix)).collect();
-        let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let names = Names {
+            records: keys.iter().map(|k| format!("{}{k}", self.prefix)).collect(),
+            turns: keys.iter().map(|k| format!("{}{k}", self.turn_prefix)).collect(),
+            ttl_ms: u64::try_from(ttl.as_millis())
+                .unwrap_or(u64::MAX)
+                .max(1)
+                .to_string()
+                .into_bytes(),
+        };
+        let slots: Vec<usize> = keys.iter().map(|k| stripe_of(k)).collect();
         // This replica's turn on every key, stripes in order (no deadlock).
-        let mut stripes: Vec<usize> = keys.iter().map(|k| stripe_of(k)).collect();
-        stripes.sort_unstable();
-        stripes.dedup();
-        let mut held = Vec::with_capacity(stripes.len());
-        for i in stripes {
+        let mut order = slots.clone();
+        order.sort_unstable();
+        order.dedup();
+        self.profile.calls.fetch_add(1, Relaxed);
+        let waited = Instant::now();
+        let mut held = BTreeMap::new();
+        for i in order {
             if let Some(m) = self.stripes.get(i) {
-                held.push(m.lock().await);
+                held.insert(i, m.lock().await);
             }
         }
+        self.profile.lock_wait_ns.fetch_add(nanos_since(waited), Relaxed);
+        // Each record as last seen here (never seen: guessed absent); the
+        // script tells if that is no longer so.
+        let mut seen: Vec<Seen> = names
+            .records
+            .iter()
+            .zip(&slots)
+            .map(|(name, slot)| {
+                held.get(slot)
+                    .and_then(|s| s.get(name))
+                    .map_or_else(|| Seen::of(name, None), Seen::clone)
+            })
+            .collect();
         let token = format!("{:016x}", random(0));
         let mut turn = false;
         let result = self
-            .attempts(&mut conn, &names, &turns, ttl_ms, &token, &mut turn, decide)
+            .attempts(&mut conn, &names, &token, &mut turn, &mut seen, decide)
             .await;
         if turn && !matches!(result, Ok(true)) {
             // Given back unless the write did (best effort: it lapses).
-            let _ = eval_script(&mut conn, GIVE_TURN, &turns, &[token.as_bytes()]).await;
+            let _: Result<i64, _> = self
+                .run(&mut conn, &SCRIPTS.give_turn, &names.turns, &[token.as_bytes()])
+                .await;
         }
-        match result {
-            Ok(_) => Ok(()),
-            Err(e) => Err(e),
-        }
-    }
-}
-
-/// Runs `script` on `keys` with `args`; its integer answer.
-async fn eval_script(
-    conn: &mut ConnectionManager,
-    script: &str,
-    keys: &[String],
-    args: &[&[u8]],
-) -> Result<i64, StoreError> {
-    let mut eval = redis::cmd("EVAL");
-    eval.arg(script).arg(keys.len()).arg(keys);
-    for a in args {
-        eval.arg(*a);
-    }
-    eval.query_async(conn).await.map_err(map_err)
-}
-
-/// A request's records as read: their versions ("" when absent), their
-/// bytes.
-async fn read_records(
-    conn: &mut ConnectionManager,
-    names: &[String],
-) -> Result<(Vec<Vec<u8>>, Vec<Option<Vec<u8>>>), StoreError> {
-    let values: Vec<Option<Vec<u8>>> = redis::cmd("MGET")
-        .arg(names)
-        .query_async(conn)
-        .await
-        .map_err(map_err)?;
-    let mut versions = Vec::with_capacity(values.len());
-    let mut read = Vec::with_capacity(values.len());
-    for v in values {
-        match v {
-            Some(v) if v.len() >= VERSION_LEN => {
-                versions.push(v[..VERSION_LEN].to_vec());
-                read.push(Some(v[VERSION_LEN..].to_vec()));
-            }
-            // Absent, or too short to be ours: written over.
-            other => {
-                versions.push(other.unwrap_or_default());
-                read.push(None);
+        // Remembered as seen, or (an error: written or not?) forgotten.
+        for (s, slot) in seen.into_iter().zip(&slots) {
+            if let Some(stripe) = held.get_mut(slot) {
+                let name = s.name.clone();
+                stripe.put(&name, result.is_ok().then_some(s));
             }
         }
+        result.map(|_| ())
     }
-    Ok((versions, read))
 }
 
 impl RedisCounters {
-    /// Read, decide, compare-and-set until written or refused (`Ok(true)`:
-    /// written, which gave back any turn; `Ok(false)`: nothing to write).
-    #[allow(clippy::too_many_arguments)] // one request's state, passed down once
+    /// Decide on `seen`, then check and write in one script, until written
+    /// or refused (`Ok(true)`: written, which gave back any turn;
+    /// `Ok(false)`: nothing to write). A decision on records as last seen
+    /// here (not read by this call, or read before a pause) that moved is
+    /// not a conflict: the script's answer is the read, and the request is
+    /// re-decided on it at once; one on records just read that moved is,
+    /// and a pause follows (then, as before, the records are as last seen).
+    /// `seen` is left as last read or written.
     async fn attempts(
         &self,
         conn: &mut ConnectionManager,
-        names: &[String],
-        turns: &[String],
-        ttl_ms: u64,
+        names: &Names,
         token: &str,
         turn: &mut bool,
+        seen: &mut Vec<Seen>,
         decide: &mut Decide<'_>,
     ) -> Result<bool, StoreError> {
         let lease_ms = u64::try_from(TURN_LEASE.as_millis())
             .unwrap_or(u64::MAX)
             .to_string();
-        for attempt in 0..MAX_ATTEMPTS {
-            if attempt > 0 {
-                tokio::time::sleep(pause(attempt)).await;
+        let mut conflicts: u32 = 0;
+        let mut read = false;
+        while conflicts < MAX_ATTEMPTS {
+            if conflicts >= TURN_AFTER && !*turn {
+                let taken: i64 = self
+                    .run(
+                        conn,
+                        &SCRIPTS.take_turn,
+                        &names.turns,
+                        &[token.as_bytes(), lease_ms.as_bytes()],
+                    )
+                    .await?;
+                *turn = taken == 1;
             }
-            if attempt >= TURN_AFTER && !*turn {
-                *turn =
-                    eval_script(conn, TAKE_TURN, turns, &[token.as_bytes(), lease_ms.as_bytes()]).await? == 1;
-            }
-            let (versions, read) = read_records(conn, names).await?;
-            let Some(write) = decide(&read) else {
+            let records: Vec<Option<Vec<u8>>> = seen.iter().map(|s| s.bytes.clone()).collect();
+            let write = decide(&records);
+            if write.is_none() && read {
+                // Decided on what this call read: nothing to check.
                 return Ok(false);
-            };
+            }
+            let values: Option<Vec<Vec<u8>>> = write.map(|w| {
+                w.iter()
+                    .enumerate()
+                    .map(|(i, bytes)| {
+                        let mut value = Vec::with_capacity(VERSION_LEN + bytes.len());
+                        value.extend_from_slice(&random(u64::try_from(i).unwrap_or(0)).to_be_bytes());
+                        value.extend_from_slice(bytes);
+                        value
+                    })
+                    .collect()
+            });
             let held = if *turn { token.as_bytes() } else { b"" };
-            let mut args: Vec<Vec<u8>> = vec![ttl_ms.to_string().into_bytes(), held.to_vec()];
-            for (version, bytes) in versions.iter().zip(&write) {
-                let next = <[u8; VERSION_LEN]>::try_from(version.as_slice())
-                    .map_or(1, |v| u64::from_be_bytes(v).wrapping_add(1));
-                let mut value = Vec::with_capacity(VERSION_LEN + bytes.len());
-                value.extend_from_slice(&next.to_be_bytes());
-                value.extend_from_slice(bytes);
-                args.push(version.clone());
-                args.push(value);
+            match self.decided(conn, names, held, seen, values.as_deref()).await? {
+                Answer::Done => {
+                    let Some(values) = values else {
+                        return Ok(false);
+                    };
+                    for (s, v) in seen.iter_mut().zip(values) {
+                        *s = Seen::of(&s.name, Some(v));
+                    }
+                    self.max_attempts
+                        .fetch_max(u64::from(conflicts).saturating_add(1), Relaxed);
+                    return Ok(true);
+                }
+                Answer::Moved(now) => {
+                    *seen = seen.iter().zip(now).map(|(s, v)| Seen::of(&s.name, v)).collect();
+                    // What was read before a pause is only as last seen.
+                    read = !read;
+                    if !read {
+                        conflicts = conflicts.saturating_add(1);
+                        self.conflicts.fetch_add(1, Relaxed);
+                        tokio::time::sleep(pause(conflicts)).await;
+                    }
+                }
             }
-            let keys: Vec<String> = names.iter().chain(turns).cloned().collect();
-            let refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
-            if eval_script(conn, CAS_ALL, &keys, &refs).await? == 1 {
-                self.max_attempts
-                    .fetch_max(u64::from(attempt) + 1, std::sync::atomic::Ordering::Relaxed);
-                return Ok(true);
-            }
-            self.conflicts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         Err(StoreError::Contention {
-            record: names.first().cloned().unwrap_or_default(),
+            record: names.records.first().cloned().unwrap_or_default(),
             attempts: MAX_ATTEMPTS,
         })
     }

@@ -220,18 +220,7 @@ fn apply(
         c.committed = add(c.committed, w.d_committed);
         touched.insert(k);
     }
-    ledger.push(LedgerEntry {
-        seq: 0,
-        at_ns: now_ns,
-        kind: w.kind,
-        reservation_id: Some(r.id.clone()),
-        resource: r.resource.clone(),
-        tenant: r.tenant.clone(),
-        project: r.project.clone(),
-        d_reserved: w.d_reserved,
-        d_committed: w.d_committed,
-        note: None,
-    });
+    ledger.push(w.ledger_entry(now_ns));
 }
 
 struct Pending {

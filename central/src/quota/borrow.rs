@@ -65,15 +65,17 @@
 //! mTLS to the home region is not supported yet.
 
 use std::collections::BTreeMap;
+use std::ops::Deref;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tenantgate::policy::quota::{LevelLimits, Resource, MAX_MAX_TTL_NS};
+use tenantgate::policy::quota::{LevelLimits, Quotas, Resource, MAX_MAX_TTL_NS};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tracing::warn;
 
+use super::metrics::QuotaMetrics;
 use super::{
     Answer, Outcome, QuotaStore, QuotaStoreError, Reservation, ReserveRequest, SqliteStore, State,
     RECLAIM_BATCH,
@@ -381,8 +383,24 @@ pub struct RepayPass {
     pub kept: u64,
 }
 
+/// What the repayer reads of the API replica it runs in (the quota API,
+/// `super::api::QuotaApi`, implements it): the repayer sits beneath the
+/// API and never names it.
+pub trait Repaying: Send + Sync + 'static {
+    /// The borrowing account, when this replica has one.
+    fn borrowing(&self) -> Option<&Arc<Borrowing>>;
+    /// This replica's region, when it has one.
+    fn region(&self) -> Option<&str>;
+    fn now_ns(&self) -> u64;
+    /// The `quotas:` in force.
+    fn quotas_now(&self) -> Arc<Quotas>;
+    fn metrics(&self) -> &QuotaMetrics;
+}
+
 /// One repayer pass of `api`'s borrowing account (see the module header).
-pub async fn repay_once(api: &super::api::QuotaApi) -> Result<RepayPass, String> {
+/// `api` is the replica or what holds it (the service's `Arc`).
+pub async fn repay_once<A: Repaying>(api: &impl Deref<Target = A>) -> Result<RepayPass, String> {
+    let api: &A = api;
     let (Some(b), Some(region)) = (api.borrowing(), api.region()) else {
         return Ok(RepayPass::default());
     };
@@ -413,7 +431,7 @@ pub async fn repay_once(api: &super::api::QuotaApi) -> Result<RepayPass, String>
         match b.repay(region, &home, r, api.now_ns()).await {
             Ok(()) => {
                 pass.repaid = pass.repaid.saturating_add(1);
-                api.metrics.borrow_repaid.fetch_add(1, Relaxed);
+                api.metrics().borrow_repaid.fetch_add(1, Relaxed);
             }
             Err(RepayError::Refused(e)) => {
                 first_error.get_or_insert(e);
@@ -426,7 +444,7 @@ pub async fn repay_once(api: &super::api::QuotaApi) -> Result<RepayPass, String>
         .await?
         .values()
         .fold(0u64, |a, v| a.saturating_add(*v));
-    api.metrics.borrow_debt_units.store(debt, Relaxed);
+    api.metrics().borrow_debt_units.store(debt, Relaxed);
     match first_error {
         Some(e) => Err(e),
         None => Ok(pass),
@@ -435,7 +453,7 @@ pub async fn repay_once(api: &super::api::QuotaApi) -> Result<RepayPass, String>
 
 /// Runs [`repay_once`] every second, doubling the wait up to
 /// [`MAX_BACKOFF`] while a pass fails, until dropped.
-pub async fn repay_every(api: Arc<super::api::QuotaApi>) {
+pub async fn repay_every<A: Repaying>(api: Arc<A>) {
     let base = Duration::from_secs(1);
     let mut wait = base;
     loop {
@@ -443,7 +461,7 @@ pub async fn repay_every(api: Arc<super::api::QuotaApi>) {
         match repay_once(&api).await {
             Ok(_) => wait = base,
             Err(e) => {
-                api.metrics.borrow_repay_failures.fetch_add(1, Relaxed);
+                api.metrics().borrow_repay_failures.fetch_add(1, Relaxed);
                 warn!(error = %e, retry_in = ?wait.saturating_mul(2).min(MAX_BACKOFF), "repaying borrowed quota to the home region failed");
                 wait = wait.saturating_mul(2).min(MAX_BACKOFF);
             }

@@ -17,12 +17,11 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
-use tenantgate::policy::quota::LevelLimits;
 
 use super::batch::{self, Batcher, Op};
 use super::{
     decide_expire, drifts, replay, Answer, CounterKey, LedgerEntry, LedgerKind, QuotaStore, QuotaStoreError,
-    Reclaimed, Reconciliation, Reservation, ReserveRequest, State, Usage, Write,
+    Reclaimed, Reconciliation, Reservation, State, Usage, Write,
 };
 
 /// The file inside the data directory.
@@ -141,20 +140,23 @@ fn load(tx: &rusqlite::Transaction<'_>, id: &str) -> rusqlite::Result<Option<Res
         .optional()
 }
 
+/// One counter row, if it exists.
+fn counter(tx: &rusqlite::Transaction<'_>, k: &CounterKey) -> rusqlite::Result<Option<Usage>> {
+    tx.prepare_cached(SELECT_COUNTER)?
+        .query_row(params![k.resource, k.tenant, k.project], |r| {
+            Ok(Usage {
+                reserved: u(r.get::<_, i64>(0)?),
+                committed: u(r.get::<_, i64>(1)?),
+            })
+        })
+        .optional()
+}
+
 fn usage_of(tx: &rusqlite::Transaction<'_>, keys: &[CounterKey; 3]) -> rusqlite::Result<[Usage; 3]> {
     let mut out = [Usage::default(); 3];
     for (slot, k) in out.iter_mut().zip(keys) {
-        let row = tx
-            .prepare_cached(SELECT_COUNTER)?
-            .query_row(params![k.resource, k.tenant, k.project], |r| {
-                Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?))
-            })
-            .optional()?;
-        if let Some((r, c)) = row {
-            *slot = Usage {
-                reserved: u(r),
-                committed: u(c),
-            };
+        if let Some(c) = counter(tx, k)? {
+            *slot = c;
         }
     }
     Ok(out)
@@ -218,20 +220,8 @@ fn write_batch(tx: &rusqlite::Transaction<'_>, ops: &[Op]) -> rusqlite::Result<V
     }
     let mut counters = BTreeMap::new();
     for k in batch::keys_of(ops, &found) {
-        let row = tx
-            .prepare_cached(SELECT_COUNTER)?
-            .query_row(params![k.resource, k.tenant, k.project], |r| {
-                Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?))
-            })
-            .optional()?;
-        if let Some((r, c)) = row {
-            counters.insert(
-                k,
-                Usage {
-                    reserved: u(r),
-                    committed: u(c),
-                },
-            );
+        if let Some(c) = counter(tx, &k)? {
+            counters.insert(k, c);
         }
     }
     let decided = batch::decide(ops, found, counters, &mut |k| earliest_expiry(tx, k));
@@ -261,21 +251,7 @@ fn apply(tx: &rusqlite::Transaction<'_>, w: &Write, now_ns: u64) -> rusqlite::Re
             params![k.resource, k.tenant, k.project, w.d_reserved, w.d_committed],
         )?;
     }
-    append(
-        tx,
-        &LedgerEntry {
-            seq: 0,
-            at_ns: now_ns,
-            kind: w.kind,
-            reservation_id: Some(r.id.clone()),
-            resource: r.resource.clone(),
-            tenant: r.tenant.clone(),
-            project: r.project.clone(),
-            d_reserved: w.d_reserved,
-            d_committed: w.d_committed,
-            note: None,
-        },
-    )
+    append(tx, &w.ledger_entry(now_ns))
 }
 
 fn earliest_expiry(tx: &rusqlite::Transaction<'_>, key: &CounterKey) -> Option<u64> {
@@ -475,35 +451,8 @@ impl QuotaStore for SqliteStore {
         self.tx(|tx| tx.query_row("SELECT 1", [], |_| Ok(()))).await
     }
 
-    async fn reserve(
-        &self,
-        req: &ReserveRequest,
-        limits: LevelLimits,
-        now_ns: u64,
-    ) -> Result<Answer, QuotaStoreError> {
-        self.batched(Op::Reserve {
-            req: req.clone(),
-            limits,
-            now_ns,
-        })
-        .await
-    }
-
-    async fn commit(&self, id: &str, amount: Option<u64>, now_ns: u64) -> Result<Answer, QuotaStoreError> {
-        self.batched(Op::Commit {
-            id: id.to_owned(),
-            amount,
-            now_ns,
-        })
-        .await
-    }
-
-    async fn release(&self, id: &str, now_ns: u64) -> Result<Answer, QuotaStoreError> {
-        self.batched(Op::Release {
-            id: id.to_owned(),
-            now_ns,
-        })
-        .await
+    async fn apply(&self, op: Op) -> Result<Answer, QuotaStoreError> {
+        self.batched(op).await
     }
 
     async fn get(&self, id: &str) -> Result<Option<Reservation>, QuotaStoreError> {

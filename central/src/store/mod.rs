@@ -36,13 +36,10 @@
 //! expiry and applies its failure mode) rather than "broken".
 
 mod cluster;
-pub mod codec;
 mod embedded;
 mod redis;
 
-pub(crate) use self::redis::{
-    client as redis_client, connection as redis_connection, map_err as redis_error,
-};
+pub(crate) use self::redis::{client as redis_client, connection as redis_connection, run_script, Lua};
 
 use async_trait::async_trait;
 use serde::{de::DeserializeOwned, Serialize};
@@ -191,7 +188,7 @@ pub trait Store: Send + Sync {
 
 /// A record a store keeps as bytes: a format byte, then the record.
 ///
-/// * [`FORMAT`] (3): the compact encoding of [`codec`] (varints, no field
+/// * [`FORMAT`] (3): the compact encoding of [`crate::codec`] (varints, no field
 ///   names, a struct's field count so that fields appended with a serde
 ///   default still read old records; repeated strings and nearby
 ///   timestamps written once). About 150 bytes for a (key, limit) one node
@@ -206,14 +203,14 @@ pub trait Record: Serialize + DeserializeOwned {
     fn from_v1(bytes: &[u8]) -> Result<Self, String>;
 
     /// Writes format 3: through serde, unless the type writes its own
-    /// ([`codec::Compact`]: the same bytes, faster).
-    fn to_format3(&self, out: &mut Vec<u8>) -> Result<(), codec::Error> {
-        codec::to_writer(out, self)
+    /// ([`crate::codec::Compact`]: the same bytes, faster).
+    fn to_format3(&self, out: &mut Vec<u8>) -> Result<(), crate::codec::Error> {
+        crate::codec::to_writer(out, self)
     }
 
     /// Reads format 3 (as [`Record::to_format3`] writes it).
-    fn from_format3(bytes: &[u8]) -> Result<Self, codec::Error> {
-        codec::from_slice(bytes)
+    fn from_format3(bytes: &[u8]) -> Result<Self, crate::codec::Error> {
+        crate::codec::from_slice(bytes)
     }
 }
 
@@ -224,12 +221,12 @@ impl Record for KeyState {
         bincode::deserialize(bytes).map_err(|e| e.to_string())
     }
 
-    fn to_format3(&self, out: &mut Vec<u8>) -> Result<(), codec::Error> {
-        codec::to_writer_compact(out, self)
+    fn to_format3(&self, out: &mut Vec<u8>) -> Result<(), crate::codec::Error> {
+        crate::codec::to_writer_compact(out, self)
     }
 
-    fn from_format3(bytes: &[u8]) -> Result<KeyState, codec::Error> {
-        codec::from_slice_compact(bytes)
+    fn from_format3(bytes: &[u8]) -> Result<KeyState, crate::codec::Error> {
+        crate::codec::from_slice_compact(bytes)
     }
 }
 

@@ -152,6 +152,72 @@ pub(super) struct Names {
     prefix: String,
 }
 
+/// One record of a sweep ([`Store::update_keys`]), read as `value`:
+/// `f` sees it as slot `i`; if `f` changed it, its compare-and-set (a
+/// write or a delete) joins `pipe`. Returns whether it did.
+pub(super) fn swept(
+    pipe: &mut redis::Pipeline,
+    record: &str,
+    value: Option<Vec<u8>>,
+    i: usize,
+    f: &mut KeyUpdate<'_>,
+) -> Result<bool, StoreError> {
+    let (version, bytes) = split_value(record, value)?;
+    let mut slot: Option<KeyState> = bytes.map(|b| decode(record, &b)).transpose()?;
+    if !f(i, &mut slot) {
+        return Ok(false);
+    }
+    match (slot, version) {
+        (Some(ks), _) => cas_cmd(pipe, record, version, next_value(record, version, &ks)?),
+        (None, Some(v)) => cas_del_cmd(pipe, record, v),
+        (None, None) => return Ok(false),
+    }
+    Ok(true)
+}
+
+/// A request's records as read (`rows`, in `records`' order): the
+/// version each was read at, and the allocator's slots over them (none
+/// written yet). The Redis and the Redis Cluster stores read them alike.
+pub(super) fn key_slots(
+    ids: Vec<KeyId>,
+    records: &[String],
+    rows: Vec<Option<Vec<u8>>>,
+) -> Result<(Vec<Version>, Vec<KeySlot>), StoreError> {
+    let mut versions: Vec<Version> = Vec::with_capacity(rows.len());
+    let mut slots: Vec<KeySlot> = Vec::with_capacity(rows.len());
+    for ((id, r), value) in ids.into_iter().zip(records).zip(rows) {
+        let (v, b) = split_value(r, value)?;
+        versions.push(v);
+        slots.push(KeySlot {
+            record: b.map(|b| decode(r, &b)).transpose()?,
+            id,
+            write: false,
+        });
+    }
+    Ok((versions, slots))
+}
+
+/// The session's write after a request (`write`: the allocator changed
+/// it) and the count of sessions after it (`count` before): a new session
+/// adds one, a deleted one takes one away.
+pub(super) fn session_op(
+    write: bool,
+    session: &Option<Session>,
+    record: &str,
+    version: Version,
+    count: u64,
+) -> Result<(Op, u64), StoreError> {
+    Ok(match (write, session, version) {
+        (false, _, _) | (true, None, None) => (Op::Check, count),
+        (true, Some(s), None) => (
+            Op::Create(next_value(record, version, s)?),
+            count.saturating_add(1),
+        ),
+        (true, Some(s), Some(_)) => (Op::Write(next_value(record, version, s)?), count),
+        (true, None, Some(_)) => (Op::Delete, count.saturating_sub(1)),
+    })
+}
+
 impl Names {
     pub(super) fn new(prefix: &str) -> Names {
         Names {
@@ -308,6 +374,73 @@ pub(crate) async fn connection(
     Ok(conn.clone())
 }
 
+/// A Lua script run by its SHA1 (`EVALSHA`): its text crosses the network
+/// only to load it (`SCRIPT LOAD`, whose answer is the SHA1): on its first
+/// use in the process, and when Redis answers `NOSCRIPT` (a server that
+/// restarted, a `SCRIPT FLUSH`, another server behind the URL), after
+/// which [`run_script`] runs it again, once.
+pub(crate) struct Lua {
+    text: &'static str,
+    sha: std::sync::OnceLock<String>,
+}
+
+impl Lua {
+    pub(crate) const fn new(text: &'static str) -> Lua {
+        Lua {
+            text,
+            sha: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Loads the script into Redis: its SHA1.
+    async fn load(
+        &self,
+        conn: &mut ConnectionManager,
+        trip: &mut (dyn FnMut(usize) + Send),
+    ) -> Result<String, StoreError> {
+        let loaded: Result<String, RedisError> = redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(self.text)
+            .query_async(conn)
+            .await;
+        trip(self.text.len());
+        let sha = loaded.map_err(map_err)?;
+        Ok(self.sha.get_or_init(|| sha).clone())
+    }
+}
+
+/// Runs `lua` on `keys` with `args`; `trip` is told of each round trip
+/// and the bytes of script text it sent (one `EVALSHA`, 0 bytes, once the
+/// script is loaded).
+pub(crate) async fn run_script<T: redis::FromRedisValue>(
+    conn: &mut ConnectionManager,
+    lua: &Lua,
+    keys: &[String],
+    args: &[&[u8]],
+    trip: &mut (dyn FnMut(usize) + Send),
+) -> Result<T, StoreError> {
+    let sha = match lua.sha.get() {
+        Some(sha) => sha.clone(),
+        None => lua.load(conn, trip).await?,
+    };
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(sha).arg(keys.len()).arg(keys);
+    for a in args {
+        cmd.arg(*a);
+    }
+    let first = cmd.query_async(conn).await;
+    trip(0);
+    match first {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            lua.load(conn, trip).await?;
+            let again = cmd.query_async(conn).await;
+            trip(0);
+            again.map_err(map_err)
+        }
+        other => other.map_err(map_err),
+    }
+}
+
 /// A Redis error as a store error: timeouts, lost or refused connections
 /// and unrecoverable ones are transient, the rest a refusal.
 pub(crate) fn map_err(e: RedisError) -> StoreError {
@@ -438,17 +571,7 @@ impl Store for RedisStore {
                 }
                 read.query_async(&mut conn).await.map_err(map_err)?
             };
-            let mut versions: Vec<Version> = Vec::with_capacity(rows.len());
-            let mut slots: Vec<KeySlot> = Vec::with_capacity(rows.len());
-            for ((id, r), value) in ids.into_iter().zip(&records).zip(rows) {
-                let (v, b) = split_value(r, value)?;
-                versions.push(v);
-                slots.push(KeySlot {
-                    record: b.map(|b| decode(r, &b)).transpose()?,
-                    id,
-                    write: false,
-                });
-            }
+            let (versions, mut slots) = key_slots(ids, &records, rows)?;
             let write_session = txn.apply(&mut session, &mut slots);
 
             let mut script = redis::cmd("EVAL");
@@ -458,19 +581,7 @@ impl Store for RedisStore {
                 script.arg(r);
             }
             script.arg(node);
-            let mut after = count;
-            let session_op = match (write_session, &session, version) {
-                (false, _, _) | (true, None, None) => Op::Check,
-                (true, Some(s), None) => {
-                    after = after.saturating_add(1);
-                    Op::Create(next_value(&record, version, s)?)
-                }
-                (true, Some(s), Some(_)) => Op::Write(next_value(&record, version, s)?),
-                (true, None, Some(_)) => {
-                    after = after.saturating_sub(1);
-                    Op::Delete
-                }
-            };
+            let (session_op, after) = session_op(write_session, &session, &record, version, count)?;
             push_op(&mut script, version, session_op);
             for ((slot, r), v) in slots.iter().zip(&records).zip(&versions) {
                 let op = match (slot.write, &slot.record, v) {
@@ -508,26 +619,8 @@ impl Store for RedisStore {
             let mut write = redis::pipe();
             let mut written: Vec<usize> = Vec::with_capacity(pending.len());
             for (&i, value) in pending.iter().zip(rows) {
-                let (version, bytes) = split_value(&records[i], value)?;
-                let mut slot: Option<KeyState> = bytes.map(|b| decode(&records[i], &b)).transpose()?;
-                if !f(i, &mut slot) {
-                    continue;
-                }
-                match (slot, version) {
-                    (Some(ks), _) => {
-                        cas_cmd(
-                            &mut write,
-                            &records[i],
-                            version,
-                            next_value(&records[i], version, &ks)?,
-                        );
-                        written.push(i);
-                    }
-                    (None, Some(v)) => {
-                        cas_del_cmd(&mut write, &records[i], v);
-                        written.push(i);
-                    }
-                    (None, None) => {}
+                if swept(&mut write, &records[i], value, i, f)? {
+                    written.push(i);
                 }
             }
             if written.is_empty() {

@@ -8,6 +8,9 @@
 //! ```
 //! (little-endian; levels indexed by `Criticality::index`). At most
 //! [`MAX_HOLDERS`] holders: 2,306 bytes. Decoding allocates nothing.
+//!
+//! Below the engine and admission control: admission writes these records,
+//! the engine's key table reach reads their idleness ([`record_is_idle`]).
 
 use crate::keys::kind;
 use crate::table::{push_record_with, Record, Records};

@@ -1,73 +1,25 @@
-//! The reservation API (JSON over HTTP, on the service's API listener,
-//! beside `/v1/sync`), described by `docs/openapi/reservations.yaml`.
-//!
-//! | endpoint | answer |
-//! |---|---|
-//! | `POST /v1/reservations` | `201` reserved (or the original answer of the same id and parameters); `409 quota_exceeded` (`level`, `limit`, `remaining`, `retry_after_ms`), `409 conflict` (`field`), `409 wrong_region`; `400 invalid` (`field`) |
-//! | `POST /v1/reservations/{id}/commit` | `200` committed (`returned`: the rest); `409 expired` / `released` / `conflict`; `404` |
-//! | `POST /v1/reservations/{id}/release` | `200` (repeatable); `409 already_committed`; `404` |
-//! | `GET /v1/reservations/{id}` | `200` the reservation; `404` |
-//! | `GET /v1/quotas/{resource}?tenant=&project=` | `200` limit, committed, reserved, remaining per level, `as_of`, `estimate` |
-//! | `POST /v1/quotas/reconcile` | `200` what the reconciliation repaired (callers allowed every tenant) |
-//!
-//! Errors are `{"error": code, "message": …}` plus the fields above.
-//! `400 invalid` means exactly "the OpenAPI document's schema refuses this
-//! request" (a malformed body, a missing parameter, a value out of the
-//! document's range); a well-formed request the policy or the stored state
-//! refuses is `404` (an unknown resource or reservation) or `409` (over a
-//! limit, a `ttl` over the resource's `max_ttl`, a commit of more than was
-//! reserved, another region's resource). A third-party OpenAPI fuzzer
-//! (schemathesis, `cli/tests/quota_serve.rs`) checks both directions
-//! against the real service. When the
-//! database is unreachable every reservation, commit and release fails
-//! closed (`503 quota_unavailable`, nothing debited; a borrowing region
-//! reserves from its own account meanwhile, see Regions); a query of a `low`
-//! risk resource answers the last figures this replica saw, with their
-//! `as_of` and `estimate: true`; a `high` risk one answers `503`.
-//!
-//! # Authentication
-//! The caller is who its bearer token (`Authorization: Bearer …`) or its
-//! mTLS identity (the node id its certificate names) says, mapped by
-//! `--quota-clients FILE` to the tenants it may act for (`"*"`: all). With
-//! no such file, every caller the listener admits may act for every
-//! tenant: a loopback listener, or mTLS (the exposure check refuses
-//! anything else). A caller the file does not know: `401`, before anything
-//! else is looked at (it learns nothing, not even whether an id exists); a
-//! tenant it may not act for: `403`.
-//!
-//! # Regions
-//! A resource with `home_region` is served only by replicas of that region
-//! (`--region`); others answer `409 wrong_region` naming it, and reserve
-//! nothing, unless the resource declares a borrowing ceiling for their
-//! region and the home region does not answer: then they reserve from
-//! their borrowing account and repay the debt later ([`super::borrow`]).
-//! Without `home_region` every replica serves it (one database).
+//! One replica's reservation API: [`QuotaApi`], its operations (reserve,
+//! commit, release, query, debts, reconcile) answered in the quota's own
+//! [`Answer`]s, and its reclaimer (see the API's header in [`super`]).
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
-use axum::body::Bytes;
-use axum::extract::{ConnectInfo, Path as UrlPath, Query, State};
-use axum::http::{header, HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::Router;
-use serde::Deserialize;
+use axum::http::{header, HeaderMap};
 use serde_json::{json, Value};
 use tenantgate::policy::quota::{
     project_id, Quotas, Resource, Risk, MAX_MAX_TTL_NS, MAX_QUOTA_AMOUNT, MIN_TTL_NS,
 };
 use tracing::warn;
 
-use super::borrow::{self, Borrowing};
-use super::metrics::QuotaMetrics;
-use super::{
-    error_answer, not_found, Answer, Outcome, QuotaStore, QuotaStoreError, ReserveRequest, RECLAIM_BATCH,
-};
 use crate::clock::Clock;
 use crate::listener::{Peer, DEFAULT_MAX_IN_FLIGHT};
+use crate::quota::borrow::{self, Borrowing};
+use crate::quota::metrics::QuotaMetrics;
+use crate::quota::{
+    error_answer, not_found, Answer, Outcome, QuotaStore, QuotaStoreError, ReserveRequest, RECLAIM_BATCH,
+};
 
 const NANOS_PER_MS: u64 = 1_000_000;
 /// A `ttl` (ms) outside this range is malformed (`400`); inside it but over
@@ -75,56 +27,7 @@ const NANOS_PER_MS: u64 = 1_000_000;
 const MIN_TTL_MS: u64 = MIN_TTL_NS / NANOS_PER_MS;
 const MAX_TTL_MS: u64 = MAX_MAX_TTL_NS / NANOS_PER_MS;
 
-/// Who may act for which tenants (`--quota-clients`).
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct QuotaClients {
-    pub clients: Vec<QuotaClient>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct QuotaClient {
-    #[serde(default)]
-    pub token: Option<String>,
-    /// The node id an mTLS certificate names.
-    #[serde(default)]
-    pub identity: Option<String>,
-    pub tenants: Vec<String>,
-}
-
-impl QuotaClients {
-    pub fn load(path: &Path) -> Result<QuotaClients, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let c: QuotaClients =
-            serde_norway::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-        for (i, cl) in c.clients.iter().enumerate() {
-            if cl.token.is_none() == cl.identity.is_none() {
-                return Err(format!(
-                    "{}: clients[{i}]: exactly one of `token` or `identity`",
-                    path.display()
-                ));
-            }
-        }
-        Ok(c)
-    }
-}
-
-/// The tenants a caller may act for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Grant {
-    All,
-    Tenants(Vec<String>),
-}
-
-impl Grant {
-    fn allows(&self, tenant: &str) -> bool {
-        match self {
-            Grant::All => true,
-            Grant::Tenants(t) => t.iter().any(|x| x == tenant || x == "*"),
-        }
-    }
-}
+use super::clients::{Grant, QuotaClients};
 
 /// The last figures a query saw, for `estimate: true` answers.
 type LastKnown = HashMap<(String, String, String), (Value, u64)>;
@@ -142,24 +45,14 @@ pub struct QuotaApi {
     /// How often the reclaimer runs.
     pub reclaim_every: std::time::Duration,
     /// Requests in progress at most (see [`QuotaApi::with_max_in_flight`]).
-    in_flight: Arc<tokio::sync::Semaphore>,
-    max_in_flight: usize,
+    pub(super) in_flight: Arc<tokio::sync::Semaphore>,
+    pub(super) max_in_flight: usize,
     /// This replica's borrowing account and home regions, if it borrows.
     borrowing: Option<Arc<Borrowing>>,
 }
 
 /// At most this many last-known query answers are kept.
 const MAX_LAST_KNOWN: usize = 10_000;
-
-fn respond(a: &Answer) -> Response {
-    let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    (
-        status,
-        [(header::CONTENT_TYPE, "application/json")],
-        a.body.clone(),
-    )
-        .into_response()
-}
 
 fn invalid(field: &str, message: &str) -> Answer {
     error_answer(
@@ -179,7 +72,7 @@ fn unknown_resource(name: &str) -> Answer {
     )
 }
 
-fn unavailable(e: &QuotaStoreError) -> Answer {
+pub(super) fn unavailable(e: &QuotaStoreError) -> Answer {
     error_answer(
         503,
         Outcome::Unavailable,
@@ -201,7 +94,8 @@ fn whole(v: &Value, max: u64) -> Option<u64> {
 }
 
 fn is_visible_id(s: &str) -> bool {
-    (1..=super::MAX_ID_LEN).contains(&s.len()) && s.bytes().all(|b| (0x21..0x7f).contains(&b) && b != b'/')
+    (1..=crate::quota::MAX_ID_LEN).contains(&s.len())
+        && s.bytes().all(|b| (0x21..0x7f).contains(&b) && b != b'/')
 }
 
 impl QuotaApi {
@@ -227,7 +121,7 @@ impl QuotaApi {
     }
 
     /// Borrows for resources homed elsewhere while their home does not
-    /// answer ([`super::borrow`]).
+    /// answer ([`crate::quota::borrow`]).
     pub fn with_borrowing(mut self, b: Borrowing) -> QuotaApi {
         self.borrowing = Some(Arc::new(b));
         self
@@ -284,7 +178,7 @@ impl QuotaApi {
 
     /// Who the caller is and the tenants it may act for; `401` for a
     /// caller `--quota-clients` does not know.
-    fn caller(&self, headers: &HeaderMap, peer: &Peer) -> Result<Grant, Answer> {
+    pub(super) fn caller(&self, headers: &HeaderMap, peer: &Peer) -> Result<Grant, Answer> {
         self.grant(headers, peer).ok_or_else(|| {
             error_answer(
                 401,
@@ -454,7 +348,7 @@ impl QuotaApi {
         ))
     }
 
-    async fn reserve(&self, headers: &HeaderMap, peer: &Peer, body: &[u8]) -> Answer {
+    pub(super) async fn reserve(&self, headers: &HeaderMap, peer: &Peer, body: &[u8]) -> Answer {
         let grant = match self.caller(headers, peer) {
             Ok(g) => g,
             Err(a) => return a,
@@ -509,8 +403,8 @@ impl QuotaApi {
     }
 
     /// `POST /v1/quotas/debts` at a home replica: records a borrowing
-    /// region's finished reservation ([`super::borrow`]).
-    async fn accept_debt(&self, body: &[u8]) -> Answer {
+    /// region's finished reservation ([`crate::quota::borrow`]).
+    pub(super) async fn accept_debt(&self, body: &[u8]) -> Answer {
         let d: borrow::Debt = match serde_json::from_slice(body) {
             Ok(d) => d,
             Err(e) => return invalid("(body)", &e.to_string()),
@@ -595,7 +489,7 @@ impl QuotaApi {
         }))
     }
 
-    async fn commit(&self, headers: &HeaderMap, peer: &Peer, id: &str, body: &[u8]) -> Answer {
+    pub(super) async fn commit(&self, headers: &HeaderMap, peer: &Peer, id: &str, body: &[u8]) -> Answer {
         if let Err(a) = self.caller(headers, peer) {
             return a;
         }
@@ -634,7 +528,7 @@ impl QuotaApi {
         }
     }
 
-    async fn release(&self, headers: &HeaderMap, peer: &Peer, id: &str) -> Answer {
+    pub(super) async fn release(&self, headers: &HeaderMap, peer: &Peer, id: &str) -> Answer {
         let o = match self.owned(headers, peer, id).await {
             Ok(o) => o,
             Err(a) => return a,
@@ -645,7 +539,7 @@ impl QuotaApi {
         }
     }
 
-    async fn get(&self, headers: &HeaderMap, peer: &Peer, id: &str) -> Answer {
+    pub(super) async fn get(&self, headers: &HeaderMap, peer: &Peer, id: &str) -> Answer {
         match self.owned(headers, peer, id).await {
             Ok(o) => Answer {
                 status: 200,
@@ -656,7 +550,7 @@ impl QuotaApi {
         }
     }
 
-    async fn query(
+    pub(super) async fn query(
         &self,
         headers: &HeaderMap,
         peer: &Peer,
@@ -698,7 +592,7 @@ impl QuotaApi {
         let key = (r.name.clone(), tenant.clone(), project.clone());
         match self.timed(self.store.usage(&r.name, &tenant, &project)).await {
             Ok(usage) => {
-                let levels = super::levels_json(&usage, &limits);
+                let levels = crate::quota::levels_json(&usage, &limits);
                 if r.risk == Risk::Low {
                     let mut m = self.last_known.lock().unwrap_or_else(|e| e.into_inner());
                     if m.len() < MAX_LAST_KNOWN || m.contains_key(&key) {
@@ -746,7 +640,7 @@ impl QuotaApi {
         }
     }
 
-    pub async fn reconcile_once(&self) -> Result<super::Reconciliation, QuotaStoreError> {
+    pub async fn reconcile_once(&self) -> Result<crate::quota::Reconciliation, QuotaStoreError> {
         let r = self.timed(self.store.reconcile(self.clock.now_ns())).await?;
         let drift = r.drift_units();
         use std::sync::atomic::Ordering::Relaxed;
@@ -766,7 +660,7 @@ impl QuotaApi {
 
 /// A reservation found for a commit, release or get, and where it lives.
 struct Owned {
-    reservation: super::Reservation,
+    reservation: crate::quota::Reservation,
     store: Arc<dyn QuotaStore>,
     /// Borrowed: (home region, this region's ceiling).
     borrowed: Option<(String, u64)>,
@@ -796,150 +690,10 @@ fn query_body(
         "tenant": tenant,
         "project": project,
         "levels": levels,
-        "as_of": super::rfc3339_ms(as_of),
+        "as_of": crate::quota::rfc3339_ms(as_of),
         "estimate": estimate,
     })
     .to_string()
-}
-
-/// The reservation routes (merged into the API listener's router).
-pub fn router(api: Arc<QuotaApi>) -> Router {
-    Router::new()
-        .route("/v1/reservations", post(reserve_h))
-        .route("/v1/reservations/{id}", get(get_h))
-        .route("/v1/reservations/{id}/commit", post(commit_h))
-        .route("/v1/reservations/{id}/release", post(release_h))
-        .route("/v1/quotas/reconcile", post(reconcile_h))
-        .route("/v1/quotas/debts", post(debts_h))
-        .route("/v1/quotas/{resource}", get(query_h))
-        .route_layer(axum::middleware::from_fn_with_state(api.clone(), limit_in_flight))
-        .with_state(api)
-}
-
-/// Runs a request only with a permit (see [`QuotaApi::with_max_in_flight`]).
-/// A permit is held until the handler returns: a request is never cut
-/// short by the cap, only refused before it starts.
-async fn limit_in_flight(
-    State(api): State<Arc<QuotaApi>>,
-    req: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
-    let Ok(_permit) = api.in_flight.clone().try_acquire_owned() else {
-        let a = error_answer(
-            503,
-            Outcome::Busy,
-            &format!(
-                "{} reservation requests in progress: try again",
-                api.max_in_flight
-            ),
-            json!({ "transient": true }),
-        );
-        let mut r = counted(&api, a);
-        r.headers_mut()
-            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-        return r;
-    };
-    next.run(req).await
-}
-
-fn counted(api: &QuotaApi, a: Answer) -> Response {
-    api.metrics.outcome(a.outcome);
-    respond(&a)
-}
-
-async fn reserve_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let a = api.reserve(&headers, &peer, &body).await;
-    counted(&api, a)
-}
-
-async fn commit_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    UrlPath(id): UrlPath<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let a = api.commit(&headers, &peer, &id, &body).await;
-    counted(&api, a)
-}
-
-async fn release_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    UrlPath(id): UrlPath<String>,
-    headers: HeaderMap,
-) -> Response {
-    let a = api.release(&headers, &peer, &id).await;
-    counted(&api, a)
-}
-
-async fn get_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    UrlPath(id): UrlPath<String>,
-    headers: HeaderMap,
-) -> Response {
-    respond(&api.get(&headers, &peer, &id).await)
-}
-
-async fn query_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    UrlPath(resource): UrlPath<String>,
-    Query(q): Query<BTreeMap<String, String>>,
-    headers: HeaderMap,
-) -> Response {
-    respond(&api.query(&headers, &peer, &resource, &q).await)
-}
-
-/// `403` unless the caller may act for every tenant.
-fn every_tenant(api: &QuotaApi, headers: &HeaderMap, peer: &Peer, what: &str) -> Result<(), Answer> {
-    let grant = api.caller(headers, peer)?;
-    if grant != Grant::All && !matches!(&grant, Grant::Tenants(t) if t.iter().any(|x| x == "*")) {
-        return Err(error_answer(
-            403,
-            Outcome::Invalid,
-            &format!("{what} needs a caller allowed every tenant (\"*\")"),
-            json!({}),
-        ));
-    }
-    Ok(())
-}
-
-async fn debts_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    if let Err(a) = every_tenant(&api, &headers, &peer, "repaying a debt") {
-        return respond(&a);
-    }
-    respond(&api.accept_debt(&body).await)
-}
-
-async fn reconcile_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    headers: HeaderMap,
-) -> Response {
-    if let Err(a) = every_tenant(&api, &headers, &peer, "reconcile") {
-        return respond(&a);
-    }
-    match api.reconcile_once().await {
-        Ok(r) => (
-            StatusCode::OK,
-            [(header::CONTENT_TYPE, "application/json")],
-            json!({ "counters": r.counters, "ledger_entries": r.ledger_entries, "drift_units": r.drift_units(), "repaired": r.repaired }).to_string(),
-        )
-            .into_response(),
-        Err(e) => respond(&unavailable(&e)),
-    }
 }
 
 /// Runs the reclaimer every [`QuotaApi::reclaim_every`] until dropped.
@@ -954,11 +708,35 @@ pub async fn reclaim_every(api: Arc<QuotaApi>) {
     }
 }
 
+/// The repayer's view of this replica (see [`borrow::Repaying`]).
+impl borrow::Repaying for QuotaApi {
+    fn borrowing(&self) -> Option<&Arc<Borrowing>> {
+        QuotaApi::borrowing(self)
+    }
+
+    fn region(&self) -> Option<&str> {
+        QuotaApi::region(self)
+    }
+
+    fn now_ns(&self) -> u64 {
+        QuotaApi::now_ns(self)
+    }
+
+    fn quotas_now(&self) -> Arc<Quotas> {
+        QuotaApi::quotas_now(self)
+    }
+
+    fn metrics(&self) -> &QuotaMetrics {
+        &self.metrics
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::clock::ManualClock;
     use crate::listener::{Peer, SyncListener};
+    use crate::quota::api::router;
     use crate::quota::sqlite::SqliteStore;
     use std::future::IntoFuture;
 

@@ -81,8 +81,14 @@
 //! sessions this replica created since; the sweep `SCAN`s every interval.
 //! So `--max-sessions` may be passed by what the replicas create within one
 //! interval.
+//!
+//! Files: this one holds the store and its update loops; `slots.rs` where
+//! a record lives (hash slots, the slot map, the cluster's errors);
+//! `spec.rs` the URL.
 
-use std::collections::{BTreeMap, HashMap};
+mod slots;
+mod spec;
+
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -92,24 +98,18 @@ use futures_util::future::try_join_all;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
-use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
+use redis::Value;
 use tokio::sync::OnceCell;
 
 use super::redis::{
-    cas_cmd, cas_del_cmd, map_err, next_value, push_op, split_value, Names, Op, Version, MAX_ATTEMPTS,
+    key_slots, next_value, push_op, session_op, split_value, swept, Names, Op, Version, MAX_ATTEMPTS,
     RESPONSE_TIMEOUT,
 };
-use super::{decode, KeySlot, KeyUpdate, SessionUpdate, Store, StoreError, Txn};
-use crate::alloc::{KeyId, KeyState, Session};
+use super::{decode, KeyUpdate, SessionUpdate, Store, StoreError, Txn};
+use crate::alloc::{KeyId, Session};
 
-/// How long a script's `WAIT` waits for its replicas before the request
-/// fails (`503`), by default (`?wait_ms=N` in the URL, at most
-/// [`MAX_WAIT_MS`]): well within the request's deadline.
-pub const WAIT_MS: u64 = 100;
-
-/// The longest `?wait_ms` accepted: a node's sync request times out after
-/// a second or so, and an answer it no longer waits for is wasted.
-pub const MAX_WAIT_MS: u64 = 1_000;
+use self::slots::*;
+pub use self::spec::{ClusterSpec, MAX_WAIT_MS, WAIT_MS};
 
 /// `SCAN`'s batch.
 const SCAN_COUNT: u64 = 1_000;
@@ -135,77 +135,6 @@ end
 return 1
 ";
 
-/// What `--store redis+cluster://…` names.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ClusterSpec {
-    /// Seed nodes, each `redis://[user:pass@]host:port`.
-    pub nodes: Vec<String>,
-    /// Replicas every write waits for (`WAIT`).
-    pub replicas: u64,
-    /// How long each `WAIT` waits for them, in ms.
-    pub wait_ms: u64,
-}
-
-impl ClusterSpec {
-    /// Parses `redis+cluster://[user:pass@]host:port[,host:port…][/][?replicas=N][&wait_ms=N]`.
-    pub fn parse(url: &str) -> Result<ClusterSpec, String> {
-        let bad = |why: &str| {
-            format!("{url}: {why} (expected redis+cluster://host:port,host:port[?replicas=N&wait_ms=N])")
-        };
-        let rest = url
-            .strip_prefix("redis+cluster://")
-            .ok_or_else(|| bad("not a redis+cluster:// URL"))?;
-        let (hosts, query) = match rest.split_once('?') {
-            Some((h, q)) => (h, Some(q)),
-            None => (rest, None),
-        };
-        let hosts = hosts.strip_suffix('/').unwrap_or(hosts);
-        let (auth, hosts) = match hosts.rsplit_once('@') {
-            Some((a, h)) => (Some(a), h),
-            None => (None, hosts),
-        };
-        let mut nodes = Vec::new();
-        for h in hosts.split(',') {
-            let valid = h
-                .rsplit_once(':')
-                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
-            if !valid {
-                return Err(bad(&format!("`{h}` is not host:port")));
-            }
-            nodes.push(match auth {
-                Some(a) => format!("redis://{a}@{h}"),
-                None => format!("redis://{h}"),
-            });
-        }
-        let mut replicas = 1;
-        let mut wait_ms = WAIT_MS;
-        for kv in query.into_iter().flat_map(|q| q.split('&')) {
-            match kv.split_once('=') {
-                Some(("replicas", n)) => {
-                    replicas = n
-                        .parse::<u64>()
-                        .ok()
-                        .filter(|n| *n <= 16)
-                        .ok_or_else(|| bad("replicas must be 0 to 16"))?;
-                }
-                Some(("wait_ms", n)) => {
-                    wait_ms = n
-                        .parse::<u64>()
-                        .ok()
-                        .filter(|n| (1..=MAX_WAIT_MS).contains(n))
-                        .ok_or_else(|| bad(&format!("wait_ms must be 1 to {MAX_WAIT_MS}")))?;
-                }
-                _ => return Err(bad(&format!("unknown parameter `{kv}`"))),
-            }
-        }
-        Ok(ClusterSpec {
-            nodes,
-            replicas,
-            wait_ms,
-        })
-    }
-}
-
 pub struct RedisClusterStore {
     client: ClusterClient,
     conn: OnceCell<ClusterConnection>,
@@ -216,162 +145,6 @@ pub struct RedisClusterStore {
     sessions: AtomicU64,
     /// Which master serves each slot (`None`: read it again).
     map: Mutex<Option<Arc<SlotMap>>>,
-}
-
-/// One slot's records of a request: the slot, and the records' indexes in
-/// the request's order.
-struct Group {
-    slot: u16,
-    members: Vec<usize>,
-}
-
-/// Slots in a Redis Cluster.
-const SLOTS: u16 = 16_384;
-
-/// A record's hash slot, as Redis Cluster computes it: CRC16 (XMODEM) of
-/// the hash tag (what is between the first `{` and the first `}` after
-/// it, if not empty), else of the whole name, modulo 16,384.
-fn slot_of(record: &str) -> u16 {
-    let b = record.as_bytes();
-    let tag = b
-        .iter()
-        .position(|c| *c == b'{')
-        .and_then(|open| {
-            let rest = b.get(open + 1..)?;
-            let close = rest.iter().position(|c| *c == b'}')?;
-            rest.get(..close).filter(|t| !t.is_empty())
-        })
-        .unwrap_or(b);
-    crc16::State::<crc16::XMODEM>::calculate(tag) % SLOTS
-}
-
-/// `records` grouped by slot (in the order each slot first appears).
-fn by_slot(records: &[String]) -> Vec<Group> {
-    let mut index: HashMap<u16, usize> = HashMap::with_capacity(records.len());
-    let mut groups: Vec<Group> = Vec::new();
-    for (i, r) in records.iter().enumerate() {
-        let slot = slot_of(r);
-        let g = *index.entry(slot).or_insert_with(|| {
-            groups.push(Group {
-                slot,
-                members: Vec::new(),
-            });
-            groups.len() - 1
-        });
-        if let Some(g) = groups.get_mut(g) {
-            g.members.push(i);
-        }
-    }
-    groups
-}
-
-/// Which master serves each slot (`CLUSTER SLOTS`), read once and again
-/// after any error: it only *groups* a request's slots by master, one
-/// pipeline each. Every pipeline is still routed by its first slot through
-/// the client's own map (which follows `MOVED` and failovers), so a stale
-/// map costs a `MOVED` answer for a slot that moved (the request fails,
-/// `503`, and the map is read again), never a write to the wrong master. A
-/// failover moves a master's slots together, so it leaves the groups
-/// right.
-#[derive(Default)]
-struct SlotMap {
-    /// (first slot, last slot, master's index), sorted by first slot.
-    ranges: Vec<(u16, u16, usize)>,
-    /// One slot of each master (its lowest), to route a `SCAN` to it.
-    masters: Vec<u16>,
-}
-
-impl SlotMap {
-    /// The map `CLUSTER SLOTS` answered (ranges it cannot read are left
-    /// out: their slots get a pipeline of their own).
-    fn parse(v: Value) -> Result<SlotMap, StoreError> {
-        let Value::Array(ranges) = v else {
-            return Err(StoreError::Refused(format!("CLUSTER SLOTS answered {v:?}")));
-        };
-        let mut by_master: BTreeMap<String, usize> = BTreeMap::new();
-        let mut map = SlotMap::default();
-        for range in ranges {
-            let Value::Array(fields) = range else { continue };
-            let (Some(Value::Int(start)), Some(Value::Int(end)), Some(Value::Array(master))) =
-                (fields.first(), fields.get(1), fields.get(2))
-            else {
-                continue;
-            };
-            let (Ok(start), Ok(end)) = (u16::try_from(*start), u16::try_from(*end)) else {
-                continue;
-            };
-            if end < start || end >= SLOTS {
-                continue;
-            }
-            let id = format!("{:?}", master.get(..2));
-            let next = by_master.len();
-            let m = *by_master.entry(id).or_insert(next);
-            if m == map.masters.len() {
-                map.masters.push(start);
-            }
-            if let Some(lowest) = map.masters.get_mut(m) {
-                *lowest = (*lowest).min(start);
-            }
-            map.ranges.push((start, end, m));
-        }
-        map.ranges.sort_unstable();
-        Ok(map)
-    }
-
-    fn master(&self, slot: u16) -> Option<usize> {
-        let i = self.ranges.partition_point(|r| r.0 <= slot);
-        let r = self.ranges.get(i.checked_sub(1)?)?;
-        (slot <= r.1).then_some(r.2)
-    }
-
-    /// `groups` batched by master: each batch the indexes of its groups
-    /// (a slot no master is known for: a batch of its own).
-    fn batches(&self, groups: &[Group]) -> Vec<Vec<usize>> {
-        let mut index: HashMap<usize, usize> = HashMap::new();
-        let mut out: Vec<Vec<usize>> = Vec::new();
-        for (g, group) in groups.iter().enumerate() {
-            let b = match self.master(group.slot) {
-                Some(m) => *index.entry(m).or_insert_with(|| {
-                    out.push(Vec::new());
-                    out.len() - 1
-                }),
-                None => {
-                    out.push(Vec::new());
-                    out.len() - 1
-                }
-            };
-            if let Some(b) = out.get_mut(b) {
-                b.push(g);
-            }
-        }
-        out
-    }
-}
-
-/// The route to the master that serves `slot`.
-fn to_master(slot: u16) -> SingleNodeRoutingInfo {
-    SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master))
-}
-
-/// A reply in a pipeline, typed; a redirection or a cluster that is down
-/// is transient (`503`: the node retries).
-fn reply<T: redis::FromRedisValue>(v: Value) -> Result<T, StoreError> {
-    let v = v.extract_error().map_err(cluster_err)?;
-    redis::from_redis_value(v).map_err(|e| cluster_err(e.into()))
-}
-
-/// [`map_err`], with the cluster's own transient errors (`MOVED`, `ASK`,
-/// `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `READONLY`) as unavailable.
-fn cluster_err(e: RedisError) -> StoreError {
-    let failing_over = matches!(
-        e.kind(),
-        ErrorKind::Server(ServerErrorKind::MasterDown | ServerErrorKind::ReadOnly)
-    );
-    if e.is_cluster_error() || failing_over {
-        StoreError::Unavailable(e.to_string())
-    } else {
-        map_err(e)
-    }
 }
 
 impl RedisClusterStore {
@@ -714,17 +487,7 @@ impl Store for RedisClusterStore {
             let groups = by_slot(&records);
             let map = self.slot_map(&mut conn).await?;
             let rows = self.read(&conn, &map, &records, &groups).await?;
-            let mut versions: Vec<Version> = Vec::with_capacity(rows.len());
-            let mut slots: Vec<KeySlot> = Vec::with_capacity(rows.len());
-            for ((id, r), value) in ids.into_iter().zip(&records).zip(rows) {
-                let (v, b) = split_value(r, value)?;
-                versions.push(v);
-                slots.push(KeySlot {
-                    record: b.map(|b| decode(r, &b)).transpose()?,
-                    id,
-                    write: false,
-                });
-            }
+            let (versions, mut slots) = key_slots(ids, &records, rows)?;
             let write_session = txn.apply(&mut session, &mut slots);
 
             // The records, one script per slot (a slot with nothing to
@@ -757,15 +520,7 @@ impl Store for RedisClusterStore {
             }
 
             // The session last.
-            let (op, after) = match (write_session, &session, version) {
-                (false, _, _) | (true, None, None) => (Op::Check, count),
-                (true, Some(s), None) => (
-                    Op::Create(next_value(&record, version, s)?),
-                    count.saturating_add(1),
-                ),
-                (true, Some(s), Some(_)) => (Op::Write(next_value(&record, version, s)?), count),
-                (true, None, Some(_)) => (Op::Delete, count.saturating_sub(1)),
-            };
+            let (op, after) = session_op(write_session, &session, &record, version, count)?;
             if matches!(op, Op::Check) {
                 return Ok(after);
             }
@@ -807,23 +562,8 @@ impl Store for RedisClusterStore {
                 for g in batch.iter().filter_map(|&g| groups.get(g)) {
                     for &j in &g.members {
                         let i = pending[j];
-                        let (version, bytes) = split_value(&records[i], rows[j].clone())?;
-                        let mut slot: Option<KeyState> =
-                            bytes.map(|b| decode(&records[i], &b)).transpose()?;
-                        if !f(i, &mut slot) {
+                        if !swept(&mut pipe, &records[i], rows[j].clone(), i, f)? {
                             continue;
-                        }
-                        match (slot, version) {
-                            (Some(ks), _) => {
-                                cas_cmd(
-                                    &mut pipe,
-                                    &records[i],
-                                    version,
-                                    next_value(&records[i], version, &ks)?,
-                                );
-                            }
-                            (None, Some(v)) => cas_del_cmd(&mut pipe, &records[i], v),
-                            (None, None) => continue,
                         }
                         written.push(i);
                         first.get_or_insert(g.slot);

@@ -1,0 +1,168 @@
+//! The reservation API's HTTP edge: its routes, the in-flight cap, and an
+//! [`Answer`] written as an HTTP response (counted in the metrics).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{ConnectInfo, Path as UrlPath, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde_json::json;
+
+use super::clients::Grant;
+use super::replica::{unavailable, QuotaApi};
+use crate::listener::Peer;
+use crate::quota::{error_answer, Answer, Outcome};
+
+fn respond(a: &Answer) -> Response {
+    let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        a.body.clone(),
+    )
+        .into_response()
+}
+
+/// The reservation routes (merged into the API listener's router).
+pub fn router(api: Arc<QuotaApi>) -> Router {
+    Router::new()
+        .route("/v1/reservations", post(reserve_h))
+        .route("/v1/reservations/{id}", get(get_h))
+        .route("/v1/reservations/{id}/commit", post(commit_h))
+        .route("/v1/reservations/{id}/release", post(release_h))
+        .route("/v1/quotas/reconcile", post(reconcile_h))
+        .route("/v1/quotas/debts", post(debts_h))
+        .route("/v1/quotas/{resource}", get(query_h))
+        .route_layer(axum::middleware::from_fn_with_state(api.clone(), limit_in_flight))
+        .with_state(api)
+}
+
+/// Runs a request only with a permit (see [`QuotaApi::with_max_in_flight`]).
+/// A permit is held until the handler returns: a request is never cut
+/// short by the cap, only refused before it starts.
+async fn limit_in_flight(
+    State(api): State<Arc<QuotaApi>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Ok(_permit) = api.in_flight.clone().try_acquire_owned() else {
+        let a = error_answer(
+            503,
+            Outcome::Busy,
+            &format!(
+                "{} reservation requests in progress: try again",
+                api.max_in_flight
+            ),
+            json!({ "transient": true }),
+        );
+        let mut r = counted(&api, a);
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        return r;
+    };
+    next.run(req).await
+}
+
+fn counted(api: &QuotaApi, a: Answer) -> Response {
+    api.metrics.outcome(a.outcome);
+    respond(&a)
+}
+
+async fn reserve_h(
+    State(api): State<Arc<QuotaApi>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let a = api.reserve(&headers, &peer, &body).await;
+    counted(&api, a)
+}
+
+async fn commit_h(
+    State(api): State<Arc<QuotaApi>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    UrlPath(id): UrlPath<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let a = api.commit(&headers, &peer, &id, &body).await;
+    counted(&api, a)
+}
+
+async fn release_h(
+    State(api): State<Arc<QuotaApi>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    UrlPath(id): UrlPath<String>,
+    headers: HeaderMap,
+) -> Response {
+    let a = api.release(&headers, &peer, &id).await;
+    counted(&api, a)
+}
+
+async fn get_h(
+    State(api): State<Arc<QuotaApi>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    UrlPath(id): UrlPath<String>,
+    headers: HeaderMap,
+) -> Response {
+    respond(&api.get(&headers, &peer, &id).await)
+}
+
+async fn query_h(
+    State(api): State<Arc<QuotaApi>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    UrlPath(resource): UrlPath<String>,
+    Query(q): Query<BTreeMap<String, String>>,
+    headers: HeaderMap,
+) -> Response {
+    respond(&api.query(&headers, &peer, &resource, &q).await)
+}
+
+/// `403` unless the caller may act for every tenant.
+fn every_tenant(api: &QuotaApi, headers: &HeaderMap, peer: &Peer, what: &str) -> Result<(), Answer> {
+    let grant = api.caller(headers, peer)?;
+    if grant != Grant::All && !matches!(&grant, Grant::Tenants(t) if t.iter().any(|x| x == "*")) {
+        return Err(error_answer(
+            403,
+            Outcome::Invalid,
+            &format!("{what} needs a caller allowed every tenant (\"*\")"),
+            json!({}),
+        ));
+    }
+    Ok(())
+}
+
+async fn debts_h(
+    State(api): State<Arc<QuotaApi>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(a) = every_tenant(&api, &headers, &peer, "repaying a debt") {
+        return respond(&a);
+    }
+    respond(&api.accept_debt(&body).await)
+}
+
+async fn reconcile_h(
+    State(api): State<Arc<QuotaApi>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(a) = every_tenant(&api, &headers, &peer, "reconcile") {
+        return respond(&a);
+    }
+    match api.reconcile_once().await {
+        Ok(r) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/json")],
+            json!({ "counters": r.counters, "ledger_entries": r.ledger_entries, "drift_units": r.drift_units(), "repaired": r.repaired }).to_string(),
+        )
+            .into_response(),
+        Err(e) => respond(&unavailable(&e)),
+    }
+}
