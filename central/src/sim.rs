@@ -32,6 +32,7 @@
 //! [`Allocator`]: crate::alloc::Allocator
 
 mod metrics;
+pub mod overshoot;
 mod rng;
 pub mod scenario;
 pub mod shipped;
@@ -45,7 +46,7 @@ use crate::alloc::KeyView;
 use crate::bound::{bound, Bound, BoundInputs, FORMULA};
 use crate::error::ConfigError;
 pub use scenario::Scenario;
-pub use world::ByKind;
+pub use world::{ByKind, Losses};
 
 /// The limit every scenario drives (on the key [`shipped::KEY`]).
 pub const LIMIT: &str = "per-10s";
@@ -254,6 +255,8 @@ pub struct Outcome {
     pub burst_pct: Option<f64>,
     /// Issue 24, costs settled after the response ([`SimConfig::late`]).
     pub late: Option<LateReport>,
+    /// Issue 35: where use is lost to lost messages.
+    pub losses: Losses,
 }
 
 /// A finished run: its outcome and per-second series.
@@ -408,6 +411,7 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
         outage_node_min_pct,
         burst_pct,
         late,
+        losses: trace.losses,
     };
     Ok(Run {
         outcome,

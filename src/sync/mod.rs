@@ -28,7 +28,7 @@ pub mod syncer;
 
 pub use node::{
     Admitted, Allowance, ApplyError, BreakerConfig, BreakerState, Counts, Denied, FailureMode, InFlight,
-    LeaseState, NodeView, SyncState,
+    LeaseState, NodeView, Retry, SyncState,
 };
 pub use protocol::{
     Lease, NodeSettings, ProtocolError, Report, SyncRequest, SyncResponse, MAX_SETTING_MS, PROTOCOL_VERSION,

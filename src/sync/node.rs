@@ -109,7 +109,8 @@
 //! report that did not end in an applied answer: the callout could not be
 //! made (unknown cluster), failed (refused, reset, no healthy host), timed
 //! out, answered late, with a status other than 200, or with a body that is
-//! not an answer to it. After [`BreakerConfig::failures`] failures in a
+//! not an answer to it (a report and its immediate retry, [`Retry`], count
+//! as one). After [`BreakerConfig::failures`] failures in a
 //! row the breaker **opens**: no report is started until a backoff has
 //! passed since the next one was due. The backoff is one interval, doubled
 //! with each further failure, at most [`BreakerConfig::max_backoff_ns`].
@@ -631,6 +632,24 @@ pub struct InFlight {
     pub sent_at: u64,
 }
 
+/// Where the interval's report stands on its **retry** (see
+/// [`SyncState::given_up`]): a report given up on (no answer within the
+/// callout timeout, or its callout failed) is sent again at once, once,
+/// instead of an interval later, so that one lost message costs a node
+/// the callout timeout, not an interval of its leases.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Retry {
+    /// Nothing to retry.
+    #[default]
+    None,
+    /// The interval's report was given up on: the next claim sends its
+    /// retry at once, without waiting for the interval.
+    Due,
+    /// The report in flight is that retry: giving it up counts no second
+    /// failure and sends no third try before the interval is due.
+    InFlight,
+}
+
 /// An accepted answer still being applied to key slots, a chunk per
 /// worker callback (see [`super::shared`], "Applying an answer"): no
 /// report starts meanwhile, so no count is carried by two reports.
@@ -665,6 +684,8 @@ pub struct SyncState {
     pub open_until: Option<u64>,
     /// The answer a worker is applying, if any.
     pub applying: Option<Applying>,
+    /// The interval's report's retry.
+    pub retry: Retry,
 }
 
 impl SyncState {
@@ -685,6 +706,7 @@ impl SyncState {
             failures: 0,
             open_until: None,
             applying: None,
+            retry: Retry::None,
         }
     }
 
@@ -735,7 +757,40 @@ impl SyncState {
         self.next_seq = self.next_seq.saturating_add(1);
         self.in_flight = Some(InFlight { seq, sent_at: now });
         self.last_report_at = Some(now);
+        self.retry = Retry::None;
         Some((seq, timed_out))
+    }
+
+    /// Starts the retry of the report given up on ([`Retry::Due`]): a new
+    /// `seq` (a report is never answered twice), sent now, whether or not
+    /// an interval has passed; the interval's cadence (`last_report_at`)
+    /// stays. `None` when no retry is due or a report is in flight.
+    pub fn begin_retry(&mut self, now: u64) -> Option<u64> {
+        if self.retry != Retry::Due || self.in_flight.is_some() {
+            return None;
+        }
+        let seq = self.next_seq;
+        self.next_seq = self.next_seq.saturating_add(1);
+        self.in_flight = Some(InFlight { seq, sent_at: now });
+        self.retry = Retry::InFlight;
+        Some(seq)
+    }
+
+    /// Gives up on the report in flight (no answer within the callout
+    /// timeout, or its callout failed). A report and its retry count as
+    /// **one** failure for the breaker: the interval's report counts it
+    /// and makes its retry due (unless that opened the breaker); the
+    /// retry counts nothing more and the next report waits for the
+    /// interval. Returns whether the breaker opened.
+    pub fn given_up(&mut self, now: u64, cfg: &BreakerConfig) -> bool {
+        self.in_flight = None;
+        if self.retry == Retry::InFlight {
+            self.retry = Retry::None;
+            return false;
+        }
+        let opened = self.failed(now, cfg);
+        self.retry = if opened { Retry::None } else { Retry::Due };
+        opened
     }
 
     /// Takes the report in flight that a response with `ack_seq` answers.
@@ -762,6 +817,7 @@ impl SyncState {
             .max(longest_ttl_ns.min(max_ttl_ns));
         self.contact_until = Some(now.saturating_add(contact_ns));
         self.last_applied_at = Some(now);
+        self.retry = Retry::None;
         // A success closes the breaker.
         self.failures = 0;
         self.open_until = None;

@@ -18,7 +18,7 @@
 
 use core::num::NonZeroU64;
 
-use super::node::{Allowance, Applying, Counts, InFlight, LeaseState, SyncState};
+use super::node::{Allowance, Applying, Counts, InFlight, LeaseState, Retry, SyncState};
 use crate::table::layout::Reader;
 
 /// The node-global sync state.
@@ -155,11 +155,14 @@ const REPORTED: u8 = 8;
 const FAILURES: u8 = 16;
 const OPEN: u8 = 32;
 const APPLYING: u8 = 64;
+/// A retry is due or in flight: one more byte, 1 or 2 ([`Retry`]).
+const RETRY: u8 = 128;
 
 /// `[version][flags] next_seq acked_seq interval_ns [seq sent_at]?
 /// [contact_until]? [last_applied_at]? [last_report_at]? [failures]?
-/// [open_until]? [applying_seq applying_since]?` (the breaker's fields
-/// only when set).
+/// [open_until]? [applying_seq applying_since]? [retry: u8]?` (the
+/// breaker's fields only when set; `retry` since issue 35: a filter older
+/// than it reads a state with a retry as unreadable and starts afresh).
 pub fn encode_sync_state(s: &SyncState, out: &mut Vec<u8>) {
     out.clear();
     out.push(SYNC_VERSION);
@@ -171,7 +174,8 @@ pub fn encode_sync_state(s: &SyncState, out: &mut Vec<u8>) {
             | flag(s.last_report_at.is_some(), REPORTED)
             | flag(s.failures > 0, FAILURES)
             | flag(s.open_until.is_some(), OPEN)
-            | flag(s.applying.is_some(), APPLYING),
+            | flag(s.applying.is_some(), APPLYING)
+            | flag(s.retry != Retry::None, RETRY),
     );
     put(out, s.next_seq);
     put(out, s.acked_seq);
@@ -196,6 +200,11 @@ pub fn encode_sync_state(s: &SyncState, out: &mut Vec<u8>) {
     if let Some(a) = s.applying {
         put(out, a.seq);
         put(out, a.since);
+    }
+    match s.retry {
+        Retry::None => {}
+        Retry::Due => out.push(1),
+        Retry::InFlight => out.push(2),
     }
 }
 
@@ -233,6 +242,15 @@ pub fn decode_sync_state(bytes: &[u8]) -> Option<SyncState> {
             })
         } else {
             None
+        },
+        retry: if flags & RETRY != 0 {
+            match r.u8()? {
+                1 => Retry::Due,
+                2 => Retry::InFlight,
+                _ => return None,
+            }
+        } else {
+            Retry::None
         },
     };
     r.is_empty().then_some(s)

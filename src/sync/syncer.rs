@@ -196,6 +196,10 @@ impl Syncer {
         }
         let (callout, view) = match shared::claim(host, settings, now) {
             Ok(Claim::NotDue(state)) => (None, Some(state)),
+            Ok(Claim::GaveUp(given_up, state)) => {
+                note_given_up(stats, given_up);
+                (None, Some(state))
+            }
             Ok(Claim::Won { seq, given_up }) => {
                 note_given_up(stats, given_up);
                 let view = read_view(host);

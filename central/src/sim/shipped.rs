@@ -43,6 +43,9 @@ pub struct Charged {
     /// What an admitted request was charged, for a cost settled after its
     /// response ([`ShippedNode::settle`]).
     pub charged: Option<engine::Charged>,
+    /// A denied request found a live lease too small for it (`false`: no
+    /// live lease: none yet, expired, or a failure mode's local limit).
+    pub lease_too_small: bool,
 }
 
 struct Stored {
@@ -169,6 +172,8 @@ impl ShippedNode {
             }
         });
         let retry_after_secs = if admitted.is_some() { 0 } else { d.retry_after_secs };
+        let lease_too_small =
+            admitted.is_none() && was.and_then(|a| a.lease).is_some_and(|l| now < l.expires_at);
         let charged = admitted.is_some().then_some(engine::Charged {
             limits: d.charged,
             guard: d.guard_charged,
@@ -179,7 +184,18 @@ impl ShippedNode {
             start,
             retry_after_secs,
             charged,
+            lease_too_small,
         }
+    }
+
+    /// Whether the key [`KEY`] holds a live lease at `now`.
+    pub fn has_live_lease(&self, now: u64) -> bool {
+        let host = MemoryHost::new(self.store.clone());
+        let overflow = tenantgate::keys::overflow("api", "free");
+        self.allowance(&host, KEY.as_bytes(), &overflow)
+            .table
+            .and_then(|a| a.lease)
+            .is_some_and(|l| now < l.expires_at)
     }
 
     /// A request of `tenant` admitted with `charged` ended, its real cost
@@ -263,12 +279,13 @@ impl ShippedNode {
         ))
     }
 
-    /// The answer, applied by the worker that sent the report.
-    pub fn apply(&mut self, resp: &SyncResponse, now: u64) {
+    /// The answer, applied by the worker that sent the report: whether it
+    /// was (`false`: refused, late or stale).
+    pub fn apply(&mut self, resp: &SyncResponse, now: u64) -> bool {
         let Some(settings) = self.policy.sync.clone() else {
-            return;
+            return false;
         };
         let host = MemoryHost::new(self.store.clone());
-        let _ = shared::apply(&host, &self.policy, &settings, resp, now);
+        shared::apply(&host, &self.policy, &settings, resp, now).is_ok()
     }
 }

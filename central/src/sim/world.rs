@@ -29,6 +29,26 @@ pub struct ByKind {
     pub fail_open: u64,
 }
 
+/// Where a lossy run loses use: messages lost by direction, answers the
+/// nodes refused, and what denied requests lacked.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct Losses {
+    /// Reports lost on their way to the service, and answers on their way
+    /// back (dropped or cut off).
+    pub requests_lost: u64,
+    pub answers_lost: u64,
+    /// Answers that arrived but were not applied (later than the node's
+    /// callout timeout, or not the report in flight).
+    pub answers_refused: u64,
+    /// Units denied with a live lease too small for them, and with no
+    /// live lease (none yet, expired, or a failure mode's local limit).
+    pub denied_lease_too_small: u64,
+    pub denied_no_lease: u64,
+    /// Per node, the share of its time with demand but no live lease, %:
+    /// the least, the mean and the most over the nodes.
+    pub no_lease_pct: [f64; 3],
+}
+
 /// What a run recorded.
 #[derive(Debug, Clone)]
 pub struct Trace {
@@ -61,6 +81,7 @@ pub struct Trace {
     /// off per tick.
     pub max_in_flight: u64,
     pub written_off: Vec<u64>,
+    pub losses: Losses,
 }
 
 struct SimNode {
@@ -182,7 +203,11 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
         retries_admitted: 0,
         max_in_flight: 0,
         written_off: vec![0; ticks],
+        losses: Losses::default(),
     };
+    // Per node: ticks with demand, and of those without a live lease.
+    let mut demand_ticks = vec![0u64; nodes.len()];
+    let mut no_lease_ticks = vec![0u64; nodes.len()];
     let cost = cfg.max_cost.max(1);
     // What an admitted request really costs (settled at its stream's end).
     let real = cfg.late.map_or(cost, |l| l.ceiling.max(cost));
@@ -201,6 +226,11 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
             let n = &mut nodes[i];
             if !spec.link_up(n.region, t_s) {
                 trace.messages_lost += 1;
+                if to_service {
+                    trace.losses.requests_lost += 1;
+                } else {
+                    trace.losses.answers_lost += 1;
+                }
                 continue;
             }
             if to_service {
@@ -211,13 +241,16 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                 trace.messages_sent += 1;
                 if net.chance(spec.loss) {
                     trace.messages_lost += 1;
+                    trace.losses.answers_lost += 1;
                     continue;
                 }
                 order += 1;
                 queue.push(Reverse((now + latency(&mut net), order, false, i, answer)));
             } else if let Ok(resp) = SyncResponse::from_json(body.as_bytes()) {
                 let clock = n.clock(now);
-                n.node.apply(&resp, clock);
+                if !n.node.apply(&resp, clock) {
+                    trace.losses.answers_refused += 1;
+                }
             }
         }
 
@@ -239,6 +272,7 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
             trace.messages_sent += 1;
             if !spec.link_up(n.region, t_s) || net.chance(spec.loss) {
                 trace.messages_lost += 1;
+                trace.losses.requests_lost += 1;
                 continue;
             }
             order += 1;
@@ -286,6 +320,10 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                 at > now
             });
             let fresh = count as u64 + spec.burst(t_s, tick_s);
+            if fresh > 0 {
+                demand_ticks[i] += 1;
+                no_lease_ticks[i] += u64::from(!n.node.has_live_lease(clock));
+            }
             for retry in due.into_iter().map(Some).chain((0..fresh).map(|_| None)) {
                 let charged = n.node.request(TENANT, clock);
                 let left = match retry {
@@ -313,6 +351,11 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                     n.starts.push(tick);
                 }
                 let Some(kind) = charged.admitted else {
+                    if charged.lease_too_small {
+                        trace.losses.denied_lease_too_small += real;
+                    } else {
+                        trace.losses.denied_no_lease += real;
+                    }
                     continue;
                 };
                 if let (Some(late), Some(c)) = (cfg.late, charged.charged) {
@@ -339,6 +382,20 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
         .max()
         .unwrap_or(0);
     trace.service = service.view(shipped::KEY, LIMIT);
+    let pct: Vec<f64> = demand_ticks
+        .iter()
+        .zip(&no_lease_ticks)
+        .filter(|(d, _)| **d > 0)
+        .map(|(d, n)| (100.0 * *n as f64 / *d as f64 * 10.0).round() / 10.0)
+        .collect();
+    if !pct.is_empty() {
+        let mean = (pct.iter().sum::<f64>() / pct.len() as f64 * 10.0).round() / 10.0;
+        trace.losses.no_lease_pct = [
+            pct.iter().copied().fold(f64::INFINITY, f64::min),
+            mean,
+            pct.iter().copied().fold(0.0, f64::max),
+        ];
+    }
     Ok(trace)
 }
 

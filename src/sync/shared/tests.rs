@@ -494,13 +494,14 @@ fn a_scan_longer_than_the_interval_is_not_abandoned_and_its_timer_starts_at_disp
     let mut scan = Scan::new(seq, T0);
     while !scan_step(&host, &w.policy, &mut scan, 64) {}
     assert!(sent(&host, &scan, T0 + 1_600 * MS).unwrap());
-    // Sent at 1.6 s: it is in flight until 1.6 + 1 s, then given up on.
+    // Sent at 1.6 s: it is in flight until 1.6 s + the timeout (0.5 s),
+    // then given up on.
     assert!(matches!(
-        claim(&w.host(), w.settings(), T0 + 2_500 * MS).unwrap(),
+        claim(&w.host(), w.settings(), T0 + 2_050 * MS).unwrap(),
         Claim::NotDue(_)
     ));
     assert!(matches!(
-        claim(&w.host(), w.settings(), T0 + 2_700 * MS).unwrap(),
+        claim(&w.host(), w.settings(), T0 + 2_150 * MS).unwrap(),
         Claim::Won {
             given_up: GivenUp { timed_out: true, .. },
             ..
@@ -573,4 +574,60 @@ fn the_request_carries_the_settings_the_node_enforces() {
     assert_eq!(mode("api"), Some(None));
     assert_eq!(mode("pay"), Some(Some(FailureMode::FailClosed)));
     assert_eq!(mode("feed"), Some(Some(FailureMode::FailOpen)));
+}
+
+/// Issue 35: a report unanswered within the callout timeout is sent again
+/// at once, once, before the interval is due; the report and its retry
+/// count as one failure for the breaker, and the next report waits for
+/// the interval.
+#[test]
+fn a_lost_report_is_retried_at_once_and_counts_one_failure_with_its_retry() {
+    let w = World::new("fail_open_local");
+    assert_eq!(w.admitted("acme", 1, T0), 1);
+    let host = w.host();
+    let send = |now: u64| {
+        let Claim::Won { seq, given_up } = claim(&host, w.settings(), now).unwrap() else {
+            panic!("a report is due at {now}");
+        };
+        let mut scan = Scan::new(seq, now);
+        while !scan_step(&host, &w.policy, &mut scan, 64) {}
+        assert!(sent(&host, &scan, now).unwrap());
+        (seq, given_up)
+    };
+    let (first, _) = send(T0);
+    // Within the timeout (0.5 s): in flight.
+    assert!(matches!(
+        claim(&host, w.settings(), T0 + 500 * MS).unwrap(),
+        Claim::NotDue(_)
+    ));
+    // Past it: given up on (one failure) and retried at once, long before
+    // the interval (1 s) is due, under a new seq.
+    let (retry, given_up) = send(T0 + 510 * MS);
+    assert!(given_up.timed_out && !given_up.opened);
+    assert!(retry > first);
+    let (s, _) = read_state(&host).unwrap();
+    let s = s.unwrap();
+    assert_eq!((s.failures, s.retry), (1, crate::sync::Retry::InFlight));
+    assert_eq!(s.last_report_at, Some(T0), "the interval's cadence stays");
+    // The retry is lost too: given up on with no second failure; the next
+    // report is the interval's (due at 1 s), not a third try.
+    let (next, given_up) = send(T0 + 1_020 * MS);
+    assert!(given_up.timed_out && !given_up.opened);
+    assert!(next > retry);
+    let (s, _) = read_state(&host).unwrap();
+    let s = s.unwrap();
+    assert_eq!((s.failures, s.retry), (1, crate::sync::Retry::None));
+    assert_eq!(s.last_report_at, Some(T0 + 1_020 * MS));
+    // An answer to the given-up first report is refused: it is not the
+    // report in flight.
+    let late = SyncResponse {
+        version: PROTOCOL_VERSION,
+        ack_seq: first,
+        interval_ms: 1_000,
+        leases: vec![],
+    };
+    assert!(matches!(
+        accept(&host, &w.policy, w.settings(), &late, T0 + 1_030 * MS),
+        Err(NotApplied::Refused(ApplyError::Stale))
+    ));
 }
