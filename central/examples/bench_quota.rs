@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tenantgate::policy::quota::LevelLimits;
-use tenantgate_central::quota::{PostgresStore, QuotaStore, ReserveRequest, SqliteStore};
+use tenantgate_central::quota::{Kind, PostgresStore, QuotaStore, ReserveRequest, SqliteStore};
 use tenantgate_central::testing::PostgresServer;
 
 const CALLERS: u64 = 64;
@@ -77,8 +77,8 @@ async fn run(store: Arc<dyn QuotaStore>, run_id: &'static str) -> (u64, Duration
                     ttl_ms: 60_000,
                 };
                 let now = 1_764_547_200_000_000_000 + i;
-                assert_eq!(store.reserve(&r, limits, now).await.unwrap().status, 201);
-                assert_eq!(store.commit(&id, None, now).await.unwrap().status, 200);
+                assert_eq!(store.reserve(&r, limits, now).await.unwrap().kind, Kind::Created);
+                assert_eq!(store.commit(&id, None, now).await.unwrap().kind, Kind::Done);
                 done.fetch_add(1, Relaxed);
                 i += 1;
             }

@@ -11,11 +11,24 @@ use std::sync::Arc;
 
 use serde_json::Value;
 use tenantgate::policy::quota::LevelLimits;
+use tenantgate_central::quota::api::http_status;
 use tenantgate_central::quota::{
-    replay, CounterKey, LedgerKind, Level, PostgresStore, QuotaStore, ReserveRequest, SqliteStore, State,
-    Usage,
+    replay, Answer, CounterKey, LedgerKind, Level, PostgresStore, QuotaStore, ReserveRequest, SqliteStore,
+    State, Usage,
 };
 use tenantgate_central::testing::PostgresServer;
+
+/// An answer's HTTP status, as the API writes it: the tests speak in
+/// statuses, as its clients do.
+trait Status {
+    fn status(&self) -> u16;
+}
+
+impl Status for Answer {
+    fn status(&self) -> u16 {
+        http_status(self.kind).as_u16()
+    }
+}
 
 const SEC: u64 = 1_000_000_000;
 const T0: u64 = 1_764_547_200 * SEC;
@@ -175,7 +188,7 @@ async fn state_machine_and_idempotency(b: Backend) {
         .reserve(&req("r1", "acme", "build", 20), LIMITS, T0)
         .await
         .unwrap();
-    assert_eq!(a.status, 201, "{}", a.body);
+    assert_eq!(a.status(), 201, "{}", a.body);
     let v = body(&a.body);
     assert_eq!(v["expires_at"], "2025-12-01T00:01:00.000Z");
     assert_eq!(v["levels"]["project"]["remaining"], 10);
@@ -184,7 +197,7 @@ async fn state_machine_and_idempotency(b: Backend) {
         .reserve(&req("r1", "acme", "build", 20), LIMITS, T0 + 5 * SEC)
         .await
         .unwrap();
-    assert_eq!((again.status, &again.body), (201, &a.body));
+    assert_eq!((again.status(), &again.body), (201, &a.body));
     // Other parameters: 409 conflict naming the first differing field.
     for (r, field) in [
         (req("r1", "acme", "build", 21), "amount"),
@@ -199,7 +212,7 @@ async fn state_machine_and_idempotency(b: Backend) {
         ),
     ] {
         let c = s.reserve(&r, LIMITS, T0).await.unwrap();
-        assert_eq!(c.status, 409);
+        assert_eq!(c.status(), 409);
         assert_eq!(body(&c.body)["error"], "conflict");
         assert_eq!(body(&c.body)["field"], field);
     }
@@ -208,7 +221,7 @@ async fn state_machine_and_idempotency(b: Backend) {
         .reserve(&req("r2", "acme", "build", 11), LIMITS, T0)
         .await
         .unwrap();
-    assert_eq!(refused.status, 409);
+    assert_eq!(refused.status(), 409);
     let v = body(&refused.body);
     assert_eq!(
         (v["error"].as_str(), v["level"].as_str(), v["remaining"].as_u64()),
@@ -220,7 +233,7 @@ async fn state_machine_and_idempotency(b: Backend) {
         s.reserve(&req("r3", "acme", "deploy", 30), LIMITS, T0)
             .await
             .unwrap()
-            .status,
+            .status(),
         201
     );
     let t = s.reserve(&req("r4", "acme", "x", 1), LIMITS, T0).await.unwrap();
@@ -229,14 +242,14 @@ async fn state_machine_and_idempotency(b: Backend) {
         s.reserve(&req("r5", "b", "p", 30), LIMITS, T0)
             .await
             .unwrap()
-            .status,
+            .status(),
         201
     );
     assert_eq!(
         s.reserve(&req("r6", "c", "p", 20), LIMITS, T0)
             .await
             .unwrap()
-            .status,
+            .status(),
         201
     );
     let g = s.reserve(&req("r7", "d", "p", 1), LIMITS, T0).await.unwrap();
@@ -247,10 +260,10 @@ async fn state_machine_and_idempotency(b: Backend) {
     // Partial commit returns the rest at once; committing again: the
     // original answer; another amount: conflict on amount.
     let c = s.commit("r1", Some(15), T0 + SEC).await.unwrap();
-    assert_eq!(c.status, 200);
+    assert_eq!(c.status(), 200);
     assert_eq!(body(&c.body)["returned"], 5);
     let c2 = s.commit("r1", Some(15), T0 + 2 * SEC).await.unwrap();
-    assert_eq!((c2.status, &c2.body), (200, &c.body));
+    assert_eq!((c2.status(), &c2.body), (200, &c.body));
     assert_eq!(
         body(&s.commit("r1", Some(3), T0).await.unwrap().body)["field"],
         "amount"
@@ -266,12 +279,15 @@ async fn state_machine_and_idempotency(b: Backend) {
     // Release after commit: 409 already_committed.
     let rel = s.release("r1", T0).await.unwrap();
     assert_eq!(
-        (rel.status, body(&rel.body)["error"].as_str()),
+        (rel.status(), body(&rel.body)["error"].as_str()),
         (409, Some("already_committed"))
     );
     // Release is repeatable; commit after release: 409 released.
     let r3 = s.release("r3", T0).await.unwrap();
-    assert_eq!((r3.status, body(&r3.body)["released"].as_u64()), (200, Some(30)));
+    assert_eq!(
+        (r3.status(), body(&r3.body)["released"].as_u64()),
+        (200, Some(30))
+    );
     assert_eq!(s.release("r3", T0).await.unwrap().body, r3.body);
     assert_eq!(
         body(&s.commit("r3", None, T0).await.unwrap().body)["error"],
@@ -280,7 +296,7 @@ async fn state_machine_and_idempotency(b: Backend) {
     // A commit at expiry: 409 expired, and the amount returns.
     let late = s.commit("r5", None, T0 + 60 * SEC).await.unwrap();
     assert_eq!(
-        (late.status, body(&late.body)["error"].as_str()),
+        (late.status(), body(&late.body)["error"].as_str()),
         (409, Some("expired"))
     );
     assert_eq!(s.get("r5").await.unwrap().unwrap().state, State::Expired);
@@ -293,13 +309,13 @@ async fn state_machine_and_idempotency(b: Backend) {
     let over = s.commit("r6", Some(21), T0).await.unwrap();
     assert_eq!(
         (
-            over.status,
+            over.status(),
             body(&over.body)["error"].as_str(),
             body(&over.body)["field"].as_str()
         ),
         (409, Some("conflict"), Some("amount"))
     );
-    assert_eq!(s.commit("nope", None, T0).await.unwrap().status, 404);
+    assert_eq!(s.commit("nope", None, T0).await.unwrap().status(), 404);
     // A reload lowers the project limit below what is in use (r6: 20 of
     // c/p): new reservations are refused there, the existing one stays and
     // still commits.
@@ -310,7 +326,7 @@ async fn state_machine_and_idempotency(b: Backend) {
     let r = s.reserve(&req("r8", "c", "p", 1), lowered, T0).await.unwrap();
     assert_eq!(body(&r.body)["level"], "project");
     assert_eq!(s.get("r6").await.unwrap().unwrap().state, State::Reserved);
-    assert_eq!(s.commit("r6", None, T0).await.unwrap().status, 200);
+    assert_eq!(s.commit("r6", None, T0).await.unwrap().status(), 200);
     check_invariants(s.as_ref(), &|k| match k.level() {
         Level::Global => 100,
         Level::Tenant => 50,
@@ -362,13 +378,13 @@ async fn concurrent_identical_reserves_make_one_entry(b: Backend) {
     let mut bodies = std::collections::BTreeSet::new();
     for t in tasks {
         let a = t.await.unwrap();
-        assert_eq!(a.status, 201, "{}", a.body);
+        assert_eq!(a.status(), 201, "{}", a.body);
         bodies.insert(a.body);
     }
     assert_eq!(bodies.len(), 1, "1,000 identical answers");
     for t in others {
         let a = t.await.unwrap();
-        assert_eq!(a.status, 409);
+        assert_eq!(a.status(), 409);
         assert_eq!(body(&a.body)["field"], "amount");
     }
     let ledger = replicas[0].ledger().await.unwrap();
@@ -454,7 +470,7 @@ async fn randomized_invariants_hold(b: Backend) {
                     let a = s.reserve(&r, limits, now).await.unwrap();
                     n += 1;
                     let v = body(&a.body);
-                    match a.status {
+                    match a.status() {
                         201 => {
                             // After the step: used ≤ limit at every level.
                             for level in ["global", "tenant", "project"] {
@@ -495,14 +511,14 @@ async fn randomized_invariants_hold(b: Backend) {
                             let part = rng.below(amount + 1);
                             let c = s.commit(&id, Some(part), now).await.unwrap();
                             assert!(
-                                c.status == 200 || body(&c.body)["error"] == "expired",
+                                c.status() == 200 || body(&c.body)["error"] == "expired",
                                 "{}",
                                 c.body
                             );
                         }
                         9..=16 => {
                             let c = s.release(&id, now).await.unwrap();
-                            assert_eq!(c.status, 200, "{}", c.body);
+                            assert_eq!(c.status(), 200, "{}", c.body);
                         }
                         _ => {} // crash: never heard of again
                     }
@@ -565,7 +581,7 @@ async fn leaked_reservations_are_reclaimed_after_their_ttl_only(b: Backend) {
             ttl_ms: 1000 + i * 10,
             ..req(&format!("l{i}"), "acme", "build", 1)
         };
-        assert_eq!(s.reserve(&r, limits, T0).await.unwrap().status, 201);
+        assert_eq!(s.reserve(&r, limits, T0).await.unwrap().status(), 201);
     }
     // One nanosecond before the first expiry: nothing.
     assert!(s.reclaim(T0 + SEC - 1, 1000).await.unwrap().is_empty());
@@ -625,7 +641,7 @@ async fn commit_and_reclaim_have_one_winner(b: Backend) {
             .commit(&format!("w{i}"), None, at - (i % 2))
             .await
             .unwrap();
-        match (a.status, body(&a.body)["error"].as_str()) {
+        match (a.status(), body(&a.body)["error"].as_str()) {
             (200, _) => committed += 1,
             (409, Some("expired")) => expired += 1,
             other => panic!("{other:?}"),

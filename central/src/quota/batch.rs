@@ -393,10 +393,21 @@ mod tests {
             },
         ];
         let d = decide(&ops, HashMap::new(), BTreeMap::new(), &mut |_| None);
-        let status: Vec<u16> = d.answers.iter().map(|a| a.status).collect();
+        use crate::quota::Kind;
+        let kinds: Vec<Kind> = d.answers.iter().map(|a| a.kind).collect();
         // b (5) does not fit beside a (6) under 10; after a commits 4 of 6,
         // 4 are used and b fits.
-        assert_eq!(status, vec![201, 201, 409, 200, 201, 404]);
+        assert_eq!(
+            kinds,
+            vec![
+                Kind::Created,
+                Kind::Created,
+                Kind::Conflict,
+                Kind::Done,
+                Kind::Created,
+                Kind::NotFound
+            ]
+        );
         assert_eq!(d.ledger.len(), 3, "reserve a, commit a, reserve b");
         let a = d.reservations.iter().find(|(r, _)| r.id == "a").unwrap();
         assert_eq!((a.0.state, a.0.committed, a.1), (State::Committed, 4, true));

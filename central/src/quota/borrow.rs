@@ -77,7 +77,7 @@ use tracing::warn;
 
 use super::metrics::QuotaMetrics;
 use super::{
-    Answer, Outcome, QuotaStore, QuotaStoreError, Reservation, ReserveRequest, SqliteStore, State,
+    Answer, Kind, Outcome, QuotaStore, QuotaStoreError, Reservation, ReserveRequest, SqliteStore, State,
     RECLAIM_BATCH,
 };
 
@@ -128,7 +128,7 @@ pub async fn record_debt(
     let id = format!("{}:{}", d.region, d.reservation_id);
     if d.amount == 0 || d.committed > d.amount || d.state == State::Reserved {
         return Ok(super::error_answer(
-            400,
+            Kind::Invalid,
             Outcome::Invalid,
             "a debt is a finished reservation: amount ≥ 1, committed ≤ amount",
             json!({ "field": "amount" }),
@@ -148,14 +148,14 @@ pub async fn record_debt(
         project: u64::MAX,
     };
     let a = store.reserve(&req, open, now_ns).await?;
-    if a.status != 201 {
+    if a.kind != Kind::Created {
         return Ok(a);
     }
     let a = match d.state {
         State::Committed => store.commit(&id, Some(d.committed), now_ns).await?,
         _ => store.release(&id, now_ns).await?,
     };
-    if a.status != 200 {
+    if a.kind != Kind::Done {
         return Ok(a);
     }
     let usage = store.usage(&r.name, &d.tenant, &d.project).await?;
@@ -172,7 +172,7 @@ pub async fn record_debt(
         0
     };
     Ok(Answer {
-        status: 200,
+        kind: Kind::Done,
         body: json!({ "reservation_id": id, "state": d.state.as_str(), "over_limit": over_limit })
             .to_string(),
         outcome: a.outcome,

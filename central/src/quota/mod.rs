@@ -91,12 +91,38 @@ pub use self::record::{
     rfc3339_ms, CounterKey, LedgerEntry, LedgerKind, Level, Reservation, ReserveRequest, State, Usage, Write,
 };
 
-/// An answer: the HTTP status and JSON body, and what to count.
+/// An answer: what kind it is, its JSON body, and what to count. The
+/// reservation API's HTTP edge writes it as a response
+/// ([`api::http_status`]: each [`Kind`] has one status).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Answer {
-    pub status: u16,
+    pub kind: Kind,
     pub body: String,
     pub outcome: Outcome,
+}
+
+/// What kind of answer a quota operation gives, in the API's own words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    /// A reservation was made (or its making is replayed).
+    Created,
+    /// Done (committed, released, swept), or read.
+    Done,
+    /// Nothing to do: already settled (the expiry sweep's answer).
+    Unchanged,
+    /// Refused: the request is malformed or names something unknown.
+    Invalid,
+    /// Refused: no credentials, or unknown ones.
+    Unauthenticated,
+    /// Refused: the caller may not act for this tenant or resource.
+    Forbidden,
+    /// No such reservation.
+    NotFound,
+    /// Refused: the reservation's state, another request with its id, its
+    /// home region or a quota level is in the way.
+    Conflict,
+    /// Not decided: the store or the service cannot answer now.
+    Unavailable,
 }
 
 /// What a request came to (the metrics' `outcome` label).
@@ -139,24 +165,20 @@ impl Outcome {
 }
 
 /// An error answer: `{"error": code, "message": …, more fields}`.
-pub fn error_answer(status: u16, outcome: Outcome, message: &str, extra: serde_json::Value) -> Answer {
+pub fn error_answer(kind: Kind, outcome: Outcome, message: &str, extra: serde_json::Value) -> Answer {
     let mut body = json!({ "error": outcome.as_str(), "message": message });
     if let (Some(b), serde_json::Value::Object(extra)) = (body.as_object_mut(), extra) {
         b.extend(extra);
     }
     Answer {
-        status,
+        kind,
         body: body.to_string(),
         outcome,
     }
 }
 
-fn ok_answer(status: u16, outcome: Outcome, body: String) -> Answer {
-    Answer {
-        status,
-        body,
-        outcome,
-    }
+fn ok_answer(kind: Kind, outcome: Outcome, body: String) -> Answer {
+    Answer { kind, body, outcome }
 }
 
 /// What a transaction decided: its answer and what to write (nothing for
@@ -229,12 +251,12 @@ pub fn decide_reserve(
         .map(|(f, _)| f);
         return Step::answer(match differing {
             Some(field) => error_answer(
-                409,
+                Kind::Conflict,
                 Outcome::Conflict,
                 &format!("reservation {} exists with another {field}", r.id),
                 json!({ "field": field }),
             ),
-            None => ok_answer(201, Outcome::Replayed, r.reserve_body.clone()),
+            None => ok_answer(Kind::Created, Outcome::Replayed, r.reserve_body.clone()),
         });
     }
     if let Some(level) = binding_level(usage, limits, req.amount) {
@@ -247,7 +269,7 @@ pub fn decide_reserve(
             .and_then(|_| earliest_expiry(level))
             .map(|at| at.saturating_sub(now_ns).div_ceil(NANOS_PER_MS).max(1));
         return Step::answer(error_answer(
-            409,
+            Kind::Conflict,
             Outcome::Exceeded(level),
             &format!(
                 "{} {} more would exceed the {} limit of {}",
@@ -296,7 +318,7 @@ pub fn decide_reserve(
         commit_body: None,
     };
     Step {
-        answer: ok_answer(201, Outcome::Reserved, body),
+        answer: ok_answer(Kind::Created, Outcome::Reserved, body),
         write: Some(Write {
             reservation,
             insert: true,
@@ -320,9 +342,9 @@ fn expire(r: &Reservation, now_ns: u64) -> Write {
     }
 }
 
-fn state_answer(r: &Reservation, status: u16, outcome: Outcome, message: &str) -> Answer {
+fn state_answer(r: &Reservation, kind: Kind, outcome: Outcome, message: &str) -> Answer {
     error_answer(
-        status,
+        kind,
         outcome,
         message,
         json!({ "reservation_id": r.id, "state": r.state.as_str() }),
@@ -334,9 +356,9 @@ pub fn decide_commit(r: &Reservation, amount: Option<u64>, now_ns: u64) -> Step 
     let amount_ok = |a: u64| a == amount.unwrap_or(r.amount);
     match r.state {
         State::Committed => Step::answer(match &r.commit_body {
-            Some(body) if amount_ok(r.committed) => ok_answer(200, Outcome::Replayed, body.clone()),
+            Some(body) if amount_ok(r.committed) => ok_answer(Kind::Done, Outcome::Replayed, body.clone()),
             _ => error_answer(
-                409,
+                Kind::Conflict,
                 Outcome::Conflict,
                 &format!(
                     "reservation {} was committed with another amount ({})",
@@ -347,16 +369,26 @@ pub fn decide_commit(r: &Reservation, amount: Option<u64>, now_ns: u64) -> Step 
         }),
         State::Released => Step::answer(state_answer(
             r,
-            409,
+            Kind::Conflict,
             Outcome::Released,
             "the reservation was released",
         )),
-        State::Expired => Step::answer(state_answer(r, 409, Outcome::Expired, "the reservation expired")),
+        State::Expired => Step::answer(state_answer(
+            r,
+            Kind::Conflict,
+            Outcome::Expired,
+            "the reservation expired",
+        )),
         State::Reserved if now_ns >= r.expires_ns => {
             let mut w = expire(r, now_ns);
             w.reservation.state = State::Expired;
             Step {
-                answer: state_answer(&w.reservation, 409, Outcome::Expired, "the reservation expired"),
+                answer: state_answer(
+                    &w.reservation,
+                    Kind::Conflict,
+                    Outcome::Expired,
+                    "the reservation expired",
+                ),
                 write: Some(w),
             }
         }
@@ -367,7 +399,7 @@ pub fn decide_commit(r: &Reservation, amount: Option<u64>, now_ns: u64) -> Step 
                 // conflict with its state, not a malformed request (400 is
                 // kept for what the OpenAPI document's schema refuses).
                 return Step::answer(error_answer(
-                    409,
+                    Kind::Conflict,
                     Outcome::Conflict,
                     &format!("amount {a} is more than the {} reserved", r.amount),
                     json!({ "field": "amount", "reserved": r.amount }),
@@ -386,7 +418,7 @@ pub fn decide_commit(r: &Reservation, amount: Option<u64>, now_ns: u64) -> Step 
             .to_string();
             reservation.commit_body = Some(body.clone());
             Step {
-                answer: ok_answer(200, Outcome::Committed, body),
+                answer: ok_answer(Kind::Done, Outcome::Committed, body),
                 write: Some(Write {
                     reservation,
                     insert: false,
@@ -408,20 +440,22 @@ pub fn decide_release(r: &Reservation, now_ns: u64) -> Step {
     match r.state {
         State::Committed => Step::answer(state_answer(
             r,
-            409,
+            Kind::Conflict,
             Outcome::AlreadyCommitted,
             "the reservation was committed",
         )),
-        State::Released | State::Expired => {
-            Step::answer(ok_answer(200, Outcome::Released, released_body(r, r.amount)))
-        }
+        State::Released | State::Expired => Step::answer(ok_answer(
+            Kind::Done,
+            Outcome::Released,
+            released_body(r, r.amount),
+        )),
         State::Reserved => {
             let mut reservation = r.clone();
             reservation.state = State::Released;
             reservation.finished_ns = Some(now_ns);
             let body = released_body(&reservation, r.amount);
             Step {
-                answer: ok_answer(200, Outcome::Released, body),
+                answer: ok_answer(Kind::Done, Outcome::Released, body),
                 write: Some(Write {
                     reservation,
                     insert: false,
@@ -442,7 +476,7 @@ pub fn decide_expire(r: &Reservation, now_ns: u64) -> Option<Write> {
 
 pub fn not_found(id: &str) -> Answer {
     error_answer(
-        404,
+        Kind::NotFound,
         Outcome::NotFound,
         &format!("no reservation {id}"),
         json!({ "reservation_id": id }),

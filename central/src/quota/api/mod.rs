@@ -54,4 +54,4 @@ mod routes;
 
 pub use clients::{QuotaClient, QuotaClients};
 pub use replica::{reclaim_every, QuotaApi};
-pub use routes::router;
+pub use routes::{http_status, router};

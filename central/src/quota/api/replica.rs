@@ -18,7 +18,8 @@ use crate::listener::{Peer, DEFAULT_MAX_IN_FLIGHT};
 use crate::quota::borrow::{self, Borrowing};
 use crate::quota::metrics::QuotaMetrics;
 use crate::quota::{
-    error_answer, not_found, Answer, Outcome, QuotaStore, QuotaStoreError, ReserveRequest, RECLAIM_BATCH,
+    error_answer, not_found, Answer, Kind, Outcome, QuotaStore, QuotaStoreError, ReserveRequest,
+    RECLAIM_BATCH,
 };
 
 const NANOS_PER_MS: u64 = 1_000_000;
@@ -56,7 +57,7 @@ const MAX_LAST_KNOWN: usize = 10_000;
 
 fn invalid(field: &str, message: &str) -> Answer {
     error_answer(
-        400,
+        Kind::Invalid,
         Outcome::Invalid,
         &format!("{field}: {message}"),
         json!({ "field": field }),
@@ -65,7 +66,7 @@ fn invalid(field: &str, message: &str) -> Answer {
 
 fn unknown_resource(name: &str) -> Answer {
     error_answer(
-        404,
+        Kind::NotFound,
         Outcome::NotFound,
         &format!("no resource `{name}` in the policy's quotas"),
         json!({ "field": "resource", "resource": name }),
@@ -74,7 +75,7 @@ fn unknown_resource(name: &str) -> Answer {
 
 pub(super) fn unavailable(e: &QuotaStoreError) -> Answer {
     error_answer(
-        503,
+        Kind::Unavailable,
         Outcome::Unavailable,
         &format!("the quota database is unavailable; nothing was changed ({e})"),
         json!({ "transient": true }),
@@ -181,7 +182,7 @@ impl QuotaApi {
     pub(super) fn caller(&self, headers: &HeaderMap, peer: &Peer) -> Result<Grant, Answer> {
         self.grant(headers, peer).ok_or_else(|| {
             error_answer(
-                401,
+                Kind::Unauthenticated,
                 Outcome::Invalid,
                 "no known bearer token or identity",
                 json!({}),
@@ -215,7 +216,7 @@ impl QuotaApi {
             return Ok(());
         }
         Err(error_answer(
-            403,
+            Kind::Forbidden,
             Outcome::Invalid,
             &format!("this caller may not act for tenant {tenant}"),
             json!({ "field": "tenant" }),
@@ -233,7 +234,7 @@ impl QuotaApi {
     fn home_check(&self, r: &Resource) -> Result<(), Answer> {
         match (&r.home_region, &self.region) {
             (Some(home), mine) if mine.as_ref() != Some(home) => Err(error_answer(
-                409,
+                Kind::Conflict,
                 Outcome::WrongRegion,
                 &format!(
                     "{} is served only in its home region {home} (this replica: {})",
@@ -325,7 +326,7 @@ impl QuotaApi {
             Some(t) if t <= max_ms => t,
             Some(t) => {
                 return Err(error_answer(
-                    409,
+                    Kind::Conflict,
                     Outcome::Conflict,
                     &format!(
                         "ttl {t} ms is longer than {}'s max_ttl ({max_ms} ms)",
@@ -415,7 +416,7 @@ impl QuotaApi {
         };
         if r.home_region.is_none() || r.home_region != self.region || !r.borrow.contains_key(&d.region) {
             return error_answer(
-                409,
+                Kind::Conflict,
                 Outcome::WrongRegion,
                 &format!("{} is not homed here with a ceiling for {}", r.name, d.region),
                 json!({ "field": "region" }),
@@ -542,7 +543,7 @@ impl QuotaApi {
     pub(super) async fn get(&self, headers: &HeaderMap, peer: &Peer, id: &str) -> Answer {
         match self.owned(headers, peer, id).await {
             Ok(o) => Answer {
-                status: 200,
+                kind: Kind::Done,
                 body: o.reservation.view().to_string(),
                 outcome: Outcome::Replayed,
             },
@@ -600,7 +601,7 @@ impl QuotaApi {
                     }
                 }
                 Answer {
-                    status: 200,
+                    kind: Kind::Done,
                     body: query_body(&r, &tenant, &project, levels, now, false),
                     outcome: Outcome::Replayed,
                 }
@@ -614,7 +615,7 @@ impl QuotaApi {
                     .cloned();
                 match (r.risk, last) {
                     (Risk::Low, Some((levels, at))) => Answer {
-                        status: 200,
+                        kind: Kind::Done,
                         body: query_body(&r, &tenant, &project, levels, at, true),
                         outcome: Outcome::Unavailable,
                     },

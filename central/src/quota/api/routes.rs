@@ -15,12 +15,27 @@ use serde_json::json;
 use super::clients::Grant;
 use super::replica::{unavailable, QuotaApi};
 use crate::listener::Peer;
-use crate::quota::{error_answer, Answer, Outcome};
+use crate::quota::{error_answer, Answer, Kind, Outcome};
+
+/// The HTTP status of each kind of answer: the one place the quota API's
+/// answers meet HTTP.
+pub fn http_status(kind: Kind) -> StatusCode {
+    match kind {
+        Kind::Created => StatusCode::CREATED,
+        Kind::Done => StatusCode::OK,
+        Kind::Unchanged => StatusCode::NOT_MODIFIED,
+        Kind::Invalid => StatusCode::BAD_REQUEST,
+        Kind::Unauthenticated => StatusCode::UNAUTHORIZED,
+        Kind::Forbidden => StatusCode::FORBIDDEN,
+        Kind::NotFound => StatusCode::NOT_FOUND,
+        Kind::Conflict => StatusCode::CONFLICT,
+        Kind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
 
 fn respond(a: &Answer) -> Response {
-    let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     (
-        status,
+        http_status(a.kind),
         [(header::CONTENT_TYPE, "application/json")],
         a.body.clone(),
     )
@@ -51,7 +66,7 @@ async fn limit_in_flight(
 ) -> Response {
     let Ok(_permit) = api.in_flight.clone().try_acquire_owned() else {
         let a = error_answer(
-            503,
+            Kind::Unavailable,
             Outcome::Busy,
             &format!(
                 "{} reservation requests in progress: try again",
@@ -127,7 +142,7 @@ fn every_tenant(api: &QuotaApi, headers: &HeaderMap, peer: &Peer, what: &str) ->
     let grant = api.caller(headers, peer)?;
     if grant != Grant::All && !matches!(&grant, Grant::Tenants(t) if t.iter().any(|x| x == "*")) {
         return Err(error_answer(
-            403,
+            Kind::Forbidden,
             Outcome::Invalid,
             &format!("{what} needs a caller allowed every tenant (\"*\")"),
             json!({}),

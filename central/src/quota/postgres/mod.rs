@@ -392,7 +392,7 @@ impl QuotaStore for PostgresStore {
                 .transition(&id, now_ns, move |r| match decide_expire(r, now_ns) {
                     Some(w) => Step {
                         answer: Answer {
-                            status: 200,
+                            kind: super::Kind::Done,
                             body: String::new(),
                             outcome: super::Outcome::Expired,
                         },
@@ -400,7 +400,7 @@ impl QuotaStore for PostgresStore {
                     },
                     None => Step {
                         answer: Answer {
-                            status: 304,
+                            kind: super::Kind::Unchanged,
                             body: String::new(),
                             outcome: super::Outcome::Replayed,
                         },
@@ -408,7 +408,7 @@ impl QuotaStore for PostgresStore {
                     },
                 })
                 .await?;
-            if answer.status == 200 {
+            if answer.kind == super::Kind::Done {
                 out.push(Reclaimed {
                     id,
                     resource,
