@@ -7,6 +7,8 @@
 //!   leases, the provisional allowance, counts since the last acknowledged
 //!   report, and the failure modes (its in-memory `Node` is a test model
 //!   only: the filter and the simulator sync through [`shared`]).
+//! * [`cycle`]: the node's report cycle (due, in flight, retried, applied)
+//!   and its circuit breaker on the callout.
 //! * [`stored`]: that state's binary form in Envoy shared data.
 //! * [`boot`]: the node's session id, one per Envoy process.
 //! * [`shared`]: one node's sync over shared data (which worker reports,
@@ -20,16 +22,15 @@
 
 pub mod boot;
 pub mod clamp;
+pub mod cycle;
 pub mod node;
 pub mod protocol;
 pub mod shared;
 pub mod stored;
 pub mod syncer;
 
-pub use node::{
-    Admitted, Allowance, ApplyError, BreakerConfig, BreakerState, Counts, Denied, FailureMode, InFlight,
-    LeaseState, NodeView, Retry, SyncState,
-};
+pub use cycle::{ApplyError, BreakerState, InFlight, Retry, SyncState};
+pub use node::{Admitted, Allowance, BreakerConfig, Counts, Denied, FailureMode, LeaseState, NodeView};
 pub use protocol::{
     Lease, NodeSettings, ProtocolError, Report, SyncRequest, SyncResponse, MAX_SETTING_MS, PROTOCOL_VERSION,
 };

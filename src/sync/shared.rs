@@ -19,7 +19,7 @@
 //! (its answer would be refused as late), and a report whose callout
 //! failed at once ([`abandon`]) likewise; the next [`claim`] sends it
 //! again **at once**, once, under a new `seq`, before the interval is due
-//! ([`super::node::Retry`]): one lost message costs a node the timeout, not
+//! ([`super::cycle::Retry`]): one lost message costs a node the timeout, not
 //! an interval of its leases (issue 35: the simulator's `lossy` scenario
 //! went from 81 % to 90.5 % of the limit on 3×3). The report and its retry
 //! count as one failure for the breaker; the interval's cadence stays.
@@ -84,7 +84,8 @@
 
 use std::collections::BTreeMap;
 
-use super::node::{ApplyError, Applying, BreakerState, Counts, FailureMode, Granted, Retry, SyncState};
+use super::cycle::{ApplyError, Applying, BreakerState, Retry, SyncState};
+use super::node::{Counts, FailureMode, Granted};
 use super::protocol::{NodeSettings, Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
 use super::stored::{self, Carried, SYNC_CARRIED_KEY, SYNC_STATE_KEY};
 use crate::host::{CasResult, Host, HostError};

@@ -18,7 +18,8 @@
 
 use core::num::NonZeroU64;
 
-use super::node::{Allowance, Applying, Counts, InFlight, LeaseState, Retry, SyncState};
+use super::cycle::{Applying, InFlight, Retry, SyncState};
+use super::node::{Allowance, Counts, LeaseState};
 use crate::table::layout::Reader;
 
 /// The node-global sync state.

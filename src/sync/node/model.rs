@@ -6,7 +6,8 @@
 
 use std::collections::BTreeMap;
 
-use super::{Admitted, Allowance, ApplyError, Counts, Denied, FailureMode, SyncState};
+use super::{Admitted, Allowance, Counts, Denied, FailureMode};
+use crate::sync::cycle::{ApplyError, SyncState};
 use crate::sync::protocol::{Report, SyncRequest, SyncResponse, PROTOCOL_VERSION};
 
 const NANOS_PER_MS: u64 = 1_000_000;

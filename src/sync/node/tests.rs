@@ -1,4 +1,5 @@
 use super::*;
+use crate::sync::cycle::{ApplyError, BreakerState, SyncState};
 use crate::sync::protocol::Lease as WireLease;
 use crate::sync::protocol::{SyncRequest, SyncResponse, PROTOCOL_VERSION};
 
