@@ -20,6 +20,7 @@
 //! simulator that measures it live in the `tenantgate-central` crate, which
 //! depends on this one (never the other way round).
 
+pub mod apply;
 pub mod boot;
 pub mod clamp;
 pub mod cycle;

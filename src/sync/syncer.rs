@@ -16,7 +16,7 @@
 //!
 //! # Applying an answer in steps
 //! The answer is accepted at once, then applied to key slots by
-//! [`shared::apply_step`]: one step when it arrives, then one on each of
+//! [`apply::apply_step`]: one step when it arrives, then one on each of
 //! this worker's ticks until done, each at most [`shared::APPLY_PER_STEP`]
 //! keys and about [`APPLY_STEP_BUDGET_NS`] of the host's clock (read
 //! between chunks of [`shared::APPLY_CHECK_EVERY`] keys). The application
@@ -27,7 +27,8 @@
 
 use hashbrown::HashMap;
 
-use super::shared::{self, Abandoned, Application, Claim, GivenUp, NotApplied, Scan, Step};
+use super::apply::{self, Application, NotApplied, Step};
+use super::shared::{self, Abandoned, Claim, GivenUp, Scan};
 use super::{clamp, ApplyError, BreakerState, SyncResponse, SyncState};
 use crate::host::Clock;
 use crate::host::{Host, HostError};
@@ -372,7 +373,7 @@ impl Syncer {
             log::warn!("tenantgate: sync answer clamped ({clamped} values beyond the policy)");
             stats.add(&Metric::Sync(SyncStat::Clamped), i64::from(clamped));
         }
-        match shared::accept(host, policy, settings, &resp, now) {
+        match apply::accept(host, policy, settings, &resp, now) {
             Ok(app) => {
                 if app.applied.ignored > 0 {
                     log::warn!(
@@ -403,7 +404,7 @@ impl Syncer {
         let start = clock.now().unwrap_or(now);
         let deadline = start.saturating_add(APPLY_STEP_BUDGET_NS);
         let time_up = || clock.now().is_none_or(|t| t >= deadline);
-        let step = shared::apply_step(host, policy, &mut app, start, time_up);
+        let step = apply::apply_step(host, policy, &mut app, start, time_up);
         let end = clock.now().unwrap_or(start);
         stats.set(
             &Metric::Sync(SyncStat::ApplyStepUs),

@@ -11,6 +11,7 @@ use tenantgate::host::Host;
 use tenantgate::keys::kind;
 use tenantgate::memory::{MemoryHost, SharedStore};
 use tenantgate::policy::Policy;
+use tenantgate::sync::apply;
 use tenantgate::sync::shared::{self, Claim, Scan};
 use tenantgate::sync::{stored, Admitted, Allowance, FailureMode, SyncRequest, SyncResponse};
 use tenantgate::table::layout as state;
@@ -286,6 +287,6 @@ impl ShippedNode {
             return false;
         };
         let host = MemoryHost::new(self.store.clone());
-        shared::apply(&host, &self.policy, &settings, resp, now).is_ok()
+        apply::apply(&host, &self.policy, &settings, resp, now).is_ok()
     }
 }

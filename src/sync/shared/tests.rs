@@ -5,7 +5,11 @@ use super::*;
 use crate::engine::{self, Reason};
 use crate::keys::kind;
 use crate::memory::{MemoryHost, SharedStore};
+use crate::sync::apply::*;
+use crate::sync::cycle::ApplyError;
+use crate::sync::node::Counts;
 use crate::sync::protocol::Lease;
+use crate::sync::protocol::SyncResponse;
 use std::cell::RefCell;
 use std::rc::Rc;
 
