@@ -130,6 +130,14 @@ fn failing_callouts_never_trap(mode: SyncMode, interval_ms: u64, timeout_ms: u64
         server.requests().len()
     );
     assert_eq!(envoy.tg_stat("sync.ok"), 0);
+    // The failure mode is in force once the key has had no lease for
+    // 2·I + D from its start (docs/global-limits.md); a failed report is
+    // retried at once, so three failed callouts can come sooner than that
+    // (until then the key awaits: 429 past its provisional allowance).
+    let failing_open = wait_for(interval * 20, || {
+        get(envoy.port, "/api/x", &[("x-tenant-id", "cf-a")]).status == 200
+    });
+    assert!(failing_open, "fail_open in force within 2·I + D");
 
     let before = decisions(&envoy);
     let api = statuses(&envoy, "/api/x", "cf-a", 20, Duration::from_millis(10));
