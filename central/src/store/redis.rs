@@ -154,25 +154,115 @@ pub(super) struct Names {
 
 /// One record of a sweep ([`Store::update_keys`]), read as `value`:
 /// `f` sees it as slot `i`; if `f` changed it, its compare-and-set (a
-/// write or a delete) joins `pipe`. Returns whether it did.
-pub(super) fn swept(
-    pipe: &mut redis::Pipeline,
+/// write or a delete). `None`: nothing to write.
+fn swept(
     record: &str,
     value: Option<Vec<u8>>,
     i: usize,
     f: &mut KeyUpdate<'_>,
-) -> Result<bool, StoreError> {
+) -> Result<Option<redis::Cmd>, StoreError> {
     let (version, bytes) = split_value(record, value)?;
     let mut slot: Option<KeyState> = bytes.map(|b| decode(record, &b)).transpose()?;
     if !f(i, &mut slot) {
-        return Ok(false);
+        return Ok(None);
     }
-    match (slot, version) {
-        (Some(ks), _) => cas_cmd(pipe, record, version, next_value(record, version, &ks)?),
-        (None, Some(v)) => cas_del_cmd(pipe, record, v),
-        (None, None) => return Ok(false),
+    Ok(match (slot, version) {
+        (Some(ks), _) => Some(cas_cmd(record, version, next_value(record, version, &ks)?)),
+        (None, Some(v)) => Some(cas_del_cmd(record, v)),
+        (None, None) => None,
+    })
+}
+
+/// One record's compare-and-set in a sweep: `at`, its index in the
+/// sweep's records; `script`, the [`CAS`] or [`CAS_DEL`] that writes it.
+pub(super) struct SweptWrite {
+    pub(super) at: usize,
+    pub(super) script: redis::Cmd,
+}
+
+/// How a store reaches a sweep's records: the one Redis in one pipeline,
+/// or a Redis Cluster in one pipeline per master. The loop over them is
+/// [`sweep`], the same for both.
+#[async_trait]
+pub(super) trait SweepIo: Send {
+    /// The values of `records[i]` for each `i` of `pending`, in that order.
+    async fn read(
+        &mut self,
+        records: &[String],
+        pending: &[usize],
+    ) -> Result<Vec<Option<Vec<u8>>>, StoreError>;
+
+    /// Runs `writes` (each its own compare-and-set): whether each landed,
+    /// in their order.
+    async fn write(&mut self, records: &[String], writes: Vec<SweptWrite>) -> Result<Vec<bool>, StoreError>;
+}
+
+/// The sweep's loop ([`Store::update_keys`] on `records`), one record's
+/// compare-and-set at a time: read what is pending, let `f` step each,
+/// write what it changed; a record whose version moved is read and
+/// stepped again (each of the sweep's steps may run again), at most
+/// [`MAX_ATTEMPTS`] times, then a transient [`StoreError::Contention`].
+pub(super) async fn sweep(
+    io: &mut (dyn SweepIo + '_),
+    records: &[String],
+    f: &mut KeyUpdate<'_>,
+) -> Result<(), StoreError> {
+    let mut pending: Vec<usize> = (0..records.len()).collect();
+    for _ in 0..MAX_ATTEMPTS {
+        let rows = io.read(records, &pending).await?;
+        let mut writes: Vec<SweptWrite> = Vec::with_capacity(pending.len());
+        for (&i, value) in pending.iter().zip(rows) {
+            if let Some(script) = swept(&records[i], value, i, f)? {
+                writes.push(SweptWrite { at: i, script });
+            }
+        }
+        if writes.is_empty() {
+            return Ok(());
+        }
+        let written: Vec<usize> = writes.iter().map(|w| w.at).collect();
+        let landed = io.write(records, writes).await?;
+        pending = written
+            .into_iter()
+            .zip(landed)
+            .filter_map(|(i, ok)| (!ok).then_some(i))
+            .collect();
+        if pending.is_empty() {
+            return Ok(());
+        }
     }
-    Ok(true)
+    Err(StoreError::Contention {
+        record: pending.first().map(|&i| records[i].clone()).unwrap_or_default(),
+        attempts: MAX_ATTEMPTS,
+    })
+}
+
+/// The one Redis's side of a [`sweep`]: each pass one pipeline.
+struct OneRedis {
+    conn: ConnectionManager,
+}
+
+#[async_trait]
+impl SweepIo for OneRedis {
+    async fn read(
+        &mut self,
+        records: &[String],
+        pending: &[usize],
+    ) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
+        let mut read = redis::pipe();
+        for &i in pending {
+            read.cmd("GET").arg(&records[i]);
+        }
+        read.query_async(&mut self.conn).await.map_err(map_err)
+    }
+
+    async fn write(&mut self, _records: &[String], writes: Vec<SweptWrite>) -> Result<Vec<bool>, StoreError> {
+        let mut pipe = redis::pipe();
+        for w in writes {
+            pipe.add_command(w.script);
+        }
+        let results: Vec<i64> = pipe.query_async(&mut self.conn).await.map_err(map_err)?;
+        Ok(results.into_iter().map(|ok| ok == 1).collect())
+    }
 }
 
 /// A request's records as read (`rows`, in `records`' order): the
@@ -457,21 +547,25 @@ pub(crate) fn map_err(e: RedisError) -> StoreError {
     }
 }
 
-pub(super) fn cas_del_cmd(pipe: &mut redis::Pipeline, record: &str, version: u64) {
-    pipe.cmd("EVAL")
-        .arg(CAS_DEL)
+/// The [`CAS_DEL`] of `record` at `version`.
+fn cas_del_cmd(record: &str, version: u64) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(CAS_DEL)
         .arg(1)
         .arg(record)
         .arg(version_arg(Some(version)));
+    cmd
 }
 
-pub(super) fn cas_cmd(pipe: &mut redis::Pipeline, record: &str, version: Version, value: Vec<u8>) {
-    pipe.cmd("EVAL")
-        .arg(CAS)
+/// The [`CAS`] that writes `value` to `record` if still at `version`.
+fn cas_cmd(record: &str, version: Version, value: Vec<u8>) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(CAS)
         .arg(1)
         .arg(record)
         .arg(version_arg(version))
         .arg(value);
+    cmd
 }
 
 /// What [`CAS_ALL`] does to one record.
@@ -519,7 +613,7 @@ impl Store for RedisStore {
                 };
                 // Deleted (expired).
                 let mut pipe = redis::pipe();
-                cas_del_cmd(&mut pipe, &record, v);
+                pipe.add_command(cas_del_cmd(&record, v));
                 pipe.cmd("SREM").arg(self.names.nodes_set()).arg(node).ignore();
                 let (deleted,): (i64,) = pipe.query_async(&mut conn).await.map_err(map_err)?;
                 if deleted == 1 {
@@ -528,12 +622,7 @@ impl Store for RedisStore {
                 continue;
             };
             let mut pipe = redis::pipe();
-            cas_cmd(
-                &mut pipe,
-                &record,
-                version,
-                next_value(&record, version, &session)?,
-            );
+            pipe.add_command(cas_cmd(&record, version, next_value(&record, version, &session)?));
             if created {
                 pipe.cmd("SADD").arg(self.names.nodes_set()).arg(node);
                 let (written, added): (i64, i64) = pipe.query_async(&mut conn).await.map_err(map_err)?;
@@ -607,40 +696,11 @@ impl Store for RedisStore {
         if ids.is_empty() {
             return Ok(());
         }
-        let mut conn = self.conn().await?;
         let records: Vec<String> = ids.iter().map(|id| self.names.key_record(id)).collect();
-        let mut pending: Vec<usize> = (0..ids.len()).collect();
-        for _ in 0..MAX_ATTEMPTS {
-            let mut read = redis::pipe();
-            for &i in &pending {
-                read.cmd("GET").arg(&records[i]);
-            }
-            let rows: Vec<Option<Vec<u8>>> = read.query_async(&mut conn).await.map_err(map_err)?;
-            let mut write = redis::pipe();
-            let mut written: Vec<usize> = Vec::with_capacity(pending.len());
-            for (&i, value) in pending.iter().zip(rows) {
-                if swept(&mut write, &records[i], value, i, f)? {
-                    written.push(i);
-                }
-            }
-            if written.is_empty() {
-                return Ok(());
-            }
-            let results: Vec<i64> = write.query_async(&mut conn).await.map_err(map_err)?;
-            pending.clear();
-            for (i, ok) in written.into_iter().zip(results) {
-                if ok != 1 {
-                    pending.push(i);
-                }
-            }
-            if pending.is_empty() {
-                return Ok(());
-            }
-        }
-        Err(StoreError::Contention {
-            record: pending.first().map(|&i| records[i].clone()).unwrap_or_default(),
-            attempts: MAX_ATTEMPTS,
-        })
+        let mut io = OneRedis {
+            conn: self.conn().await?,
+        };
+        sweep(&mut io, &records, f).await
     }
 
     async fn key_ids(&self) -> Result<Vec<KeyId>, StoreError> {

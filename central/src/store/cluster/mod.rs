@@ -102,8 +102,8 @@ use redis::Value;
 use tokio::sync::OnceCell;
 
 use super::redis::{
-    key_slots, next_value, push_op, session_op, split_value, swept, Names, Op, Version, MAX_ATTEMPTS,
-    RESPONSE_TIMEOUT,
+    key_slots, next_value, push_op, session_op, split_value, sweep, Names, Op, SweepIo, SweptWrite, Version,
+    MAX_ATTEMPTS, RESPONSE_TIMEOUT,
 };
 use super::{decode, KeyUpdate, SessionUpdate, Store, StoreError, Txn};
 use crate::alloc::{KeyId, Session};
@@ -544,58 +544,12 @@ impl Store for RedisClusterStore {
         if ids.is_empty() {
             return Ok(());
         }
-        let mut conn = self.conn().await?;
+        let mut io = ClusterSweep {
+            conn: self.conn().await?,
+            store: self,
+        };
         let records: Vec<String> = ids.iter().map(|id| self.names.key_record(id)).collect();
-        let mut pending: Vec<usize> = (0..ids.len()).collect();
-        for _ in 0..MAX_ATTEMPTS {
-            let names: Vec<String> = pending.iter().map(|&i| records[i].clone()).collect();
-            let groups = by_slot(&names);
-            let map = self.slot_map(&mut conn).await?;
-            let rows = self.read(&conn, &map, &names, &groups).await?;
-            // Each record's own compare-and-set, one pipeline per master
-            // (the sweep's steps may run again: no `WAIT`).
-            let mut pipes: Vec<(u16, Vec<usize>, redis::Pipeline)> = Vec::new();
-            for batch in map.batches(&groups) {
-                let mut pipe = redis::pipe();
-                let mut written = Vec::new();
-                let mut first = None;
-                for g in batch.iter().filter_map(|&g| groups.get(g)) {
-                    for &j in &g.members {
-                        let i = pending[j];
-                        if !swept(&mut pipe, &records[i], rows[j].clone(), i, f)? {
-                            continue;
-                        }
-                        written.push(i);
-                        first.get_or_insert(g.slot);
-                    }
-                }
-                if let Some(first) = first {
-                    pipes.push((first, written, pipe));
-                }
-            }
-            let (runs, written): (Vec<_>, Vec<_>) = pipes
-                .into_iter()
-                .map(|(first, written, pipe)| {
-                    (self.pipeline(conn.clone(), first, pipe, written.len()), written)
-                })
-                .unzip();
-            let results = try_join_all(runs).await?;
-            pending.clear();
-            for (written, replies) in written.iter().zip(results) {
-                for (&i, v) in written.iter().zip(replies) {
-                    if reply::<i64>(v).inspect_err(|_| self.forget_map())? != 1 {
-                        pending.push(i);
-                    }
-                }
-            }
-            if pending.is_empty() {
-                return Ok(());
-            }
-        }
-        Err(StoreError::Contention {
-            record: pending.first().map(|&i| records[i].clone()).unwrap_or_default(),
-            attempts: MAX_ATTEMPTS,
-        })
+        sweep(&mut io, &records, f).await
     }
 
     async fn key_ids(&self) -> Result<Vec<KeyId>, StoreError> {
@@ -621,6 +575,66 @@ impl Store for RedisClusterStore {
         let n = self.scan(&self.names.session_pattern()).await?.len() as u64;
         self.sessions.store(n, Relaxed);
         Ok(n)
+    }
+}
+
+/// The cluster's side of a sweep ([`sweep`]): each pass reads with one
+/// `MGET` per slot and writes each record's own compare-and-set, one
+/// pipeline per master, all masters at once (the sweep's steps may run
+/// again: no `WAIT`).
+struct ClusterSweep<'a> {
+    store: &'a RedisClusterStore,
+    conn: ClusterConnection,
+}
+
+#[async_trait]
+impl SweepIo for ClusterSweep<'_> {
+    async fn read(
+        &mut self,
+        records: &[String],
+        pending: &[usize],
+    ) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
+        let names: Vec<String> = pending.iter().map(|&i| records[i].clone()).collect();
+        let groups = by_slot(&names);
+        let map = self.store.slot_map(&mut self.conn).await?;
+        self.store.read(&self.conn, &map, &names, &groups).await
+    }
+
+    async fn write(&mut self, records: &[String], writes: Vec<SweptWrite>) -> Result<Vec<bool>, StoreError> {
+        let names: Vec<String> = writes.iter().map(|w| records[w.at].clone()).collect();
+        let groups = by_slot(&names);
+        let map = self.store.slot_map(&mut self.conn).await?;
+        let mut scripts: Vec<Option<redis::Cmd>> = writes.into_iter().map(|w| Some(w.script)).collect();
+        let mut runs = Vec::new();
+        for batch in map.batches(&groups) {
+            let mut pipe = redis::pipe();
+            let mut members: Vec<usize> = Vec::new();
+            let mut first = None;
+            for g in batch.iter().filter_map(|&g| groups.get(g)) {
+                for &k in &g.members {
+                    if let Some(script) = scripts.get_mut(k).and_then(Option::take) {
+                        pipe.add_command(script);
+                        members.push(k);
+                        first.get_or_insert(g.slot);
+                    }
+                }
+            }
+            if let Some(first) = first {
+                let count = members.len();
+                let run = self.store.pipeline(self.conn.clone(), first, pipe, count);
+                runs.push(async move { Ok::<_, StoreError>((members, run.await?)) });
+            }
+        }
+        let mut landed = vec![false; names.len()];
+        for (members, replies) in try_join_all(runs).await? {
+            for (k, v) in members.into_iter().zip(replies) {
+                let ok = reply::<i64>(v).inspect_err(|_| self.store.forget_map())? == 1;
+                if let Some(l) = landed.get_mut(k) {
+                    *l = ok;
+                }
+            }
+        }
+        Ok(landed)
     }
 }
 
