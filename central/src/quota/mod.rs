@@ -85,6 +85,7 @@ pub const RECLAIM_BATCH: usize = 256;
 pub const MAX_ID_LEN: usize = 128;
 
 mod record;
+mod rows;
 
 use self::record::NANOS_PER_MS;
 pub use self::record::{

@@ -9,7 +9,9 @@
 //! and release are applied in batches ([`super::batch`]): the operations
 //! that arrived while the previous batch was written are one transaction
 //! (one `fsync`). One process owns the file: several replicas need
-//! [`super::PostgresStore`].
+//! [`super::PostgresStore`]. The schema's tables and how a row becomes a
+//! reservation, a ledger entry or a counter are shared with it
+//! (`super::rows`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -19,6 +21,9 @@ use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
 use super::batch::{self, Batcher, Op};
+use super::rows::{
+    self, i, reservation_columns, tables, u, RESERVATION_COLUMNS, SELECT_COUNTERS, SELECT_LEDGER,
+};
 use super::{
     decide_expire, drifts, replay, Answer, CounterKey, LedgerEntry, LedgerKind, QuotaStore, QuotaStoreError,
     Reclaimed, Reconciliation, Reservation, State, Usage, Write,
@@ -30,30 +35,14 @@ pub const FILE_NAME: &str = "quota.sqlite3";
 /// Versioned migrations, applied in order at open; `PRAGMA user_version`
 /// records the last applied.
 const MIGRATIONS: [&str; 2] = [
-    r#"
-CREATE TABLE reservations (
-    id TEXT PRIMARY KEY, resource TEXT NOT NULL, tenant TEXT NOT NULL, project TEXT NOT NULL,
-    amount INTEGER NOT NULL, ttl_ms INTEGER NOT NULL, state TEXT NOT NULL,
-    created_ns INTEGER NOT NULL, expires_ns INTEGER NOT NULL, committed INTEGER NOT NULL,
-    finished_ns INTEGER, reserve_body TEXT NOT NULL, commit_body TEXT
-);
-CREATE INDEX reservations_due ON reservations (expires_ns) WHERE state = 'reserved';
-CREATE INDEX reservations_live ON reservations (resource, tenant, project, expires_ns) WHERE state = 'reserved';
-CREATE TABLE counters (
-    resource TEXT NOT NULL, tenant TEXT NOT NULL, project TEXT NOT NULL,
-    reserved INTEGER NOT NULL DEFAULT 0, committed INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (resource, tenant, project)
-);
-CREATE TABLE ledger (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, at_ns INTEGER NOT NULL, kind TEXT NOT NULL,
-    reservation_id TEXT, resource TEXT NOT NULL, tenant TEXT NOT NULL, project TEXT NOT NULL,
-    d_reserved INTEGER NOT NULL, d_committed INTEGER NOT NULL, note TEXT
-);
-CREATE TRIGGER ledger_no_update BEFORE UPDATE ON ledger
+    concat!(
+        tables!("INTEGER", "INTEGER PRIMARY KEY AUTOINCREMENT"),
+        r#"CREATE TRIGGER ledger_no_update BEFORE UPDATE ON ledger
     BEGIN SELECT RAISE(ABORT, 'the ledger is append-only'); END;
 CREATE TRIGGER ledger_no_delete BEFORE DELETE ON ledger
     BEGIN SELECT RAISE(ABORT, 'the ledger is append-only'); END;
-"#,
+"#
+    ),
     r#"
 CREATE TABLE repaid (reservation_id TEXT PRIMARY KEY, at_ns INTEGER NOT NULL);
 "#,
@@ -84,24 +73,8 @@ fn refused(e: rusqlite::Error) -> QuotaStoreError {
     }
 }
 
-fn u(v: i64) -> u64 {
-    u64::try_from(v).unwrap_or(0)
-}
-
-fn i(v: u64) -> i64 {
-    i64::try_from(v).unwrap_or(i64::MAX)
-}
-
-/// The reservations' columns, in [`reservation`]'s order: a macro, so the
-/// statements a batch runs per operation are constants, prepared once per
+/// Statements a batch runs per operation are constants, prepared once per
 /// connection (`prepare_cached`) instead of parsed each time.
-macro_rules! reservation_columns {
-    () => {
-        "id, resource, tenant, project, amount, ttl_ms, state, created_ns, \
-         expires_ns, committed, finished_ns, reserve_body, commit_body"
-    };
-}
-const RESERVATION_COLUMNS: &str = reservation_columns!();
 const SELECT_RESERVATION: &str = concat!(
     "SELECT ",
     reservation_columns!(),
@@ -116,22 +89,7 @@ const SELECT_COUNTER: &str =
     "SELECT reserved, committed FROM counters WHERE resource = ?1 AND tenant = ?2 AND project = ?3";
 
 fn reservation(row: &rusqlite::Row<'_>) -> rusqlite::Result<Reservation> {
-    let state: String = row.get(6)?;
-    Ok(Reservation {
-        id: row.get(0)?,
-        resource: row.get(1)?,
-        tenant: row.get(2)?,
-        project: row.get(3)?,
-        amount: u(row.get(4)?),
-        ttl_ms: u(row.get(5)?),
-        state: State::parse(&state).unwrap_or(State::Expired),
-        created_ns: u(row.get(7)?),
-        expires_ns: u(row.get(8)?),
-        committed: u(row.get(9)?),
-        finished_ns: row.get::<_, Option<i64>>(10)?.map(u),
-        reserve_body: row.get(11)?,
-        commit_body: row.get(12)?,
-    })
+    rows::reservation(row)
 }
 
 fn load(tx: &rusqlite::Transaction<'_>, id: &str) -> rusqlite::Result<Option<Reservation>> {
@@ -529,42 +487,13 @@ impl QuotaStore for SqliteStore {
 }
 
 fn read_ledger(tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<Vec<LedgerEntry>> {
-    let mut st = tx.prepare(
-        "SELECT seq, at_ns, kind, reservation_id, resource, tenant, project, d_reserved, d_committed, note \
-         FROM ledger ORDER BY seq",
-    )?;
-    let rows = st.query_map([], |r| {
-        let kind: String = r.get(2)?;
-        Ok(LedgerEntry {
-            seq: r.get(0)?,
-            at_ns: u(r.get(1)?),
-            kind: LedgerKind::parse(&kind).unwrap_or(LedgerKind::Compensation),
-            reservation_id: r.get(3)?,
-            resource: r.get(4)?,
-            tenant: r.get(5)?,
-            project: r.get(6)?,
-            d_reserved: r.get(7)?,
-            d_committed: r.get(8)?,
-            note: r.get(9)?,
-        })
-    })?;
+    let mut st = tx.prepare(SELECT_LEDGER)?;
+    let rows = st.query_map([], |r| rows::ledger_entry(r))?;
     rows.collect()
 }
 
 fn read_counters(tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<BTreeMap<CounterKey, Usage>> {
-    let mut st = tx.prepare("SELECT resource, tenant, project, reserved, committed FROM counters")?;
-    let rows = st.query_map([], |r| {
-        Ok((
-            CounterKey {
-                resource: r.get(0)?,
-                tenant: r.get(1)?,
-                project: r.get(2)?,
-            },
-            Usage {
-                reserved: u(r.get(3)?),
-                committed: u(r.get(4)?),
-            },
-        ))
-    })?;
+    let mut st = tx.prepare(SELECT_COUNTERS)?;
+    let rows = st.query_map([], |r| rows::counter(r).map(|c| (c.key, c.usage)))?;
     rows.collect()
 }

@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{ConnectInfo, Path as UrlPath, Query, State};
+use axum::extract::{ConnectInfo, FromRequestParts, Path as UrlPath, Query, State};
+use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -87,54 +88,52 @@ fn counted(api: &QuotaApi, a: Answer) -> Response {
     respond(&a)
 }
 
-async fn reserve_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
+/// Who calls and through which API: what every reservation route reads
+/// before its own path and body (one extractor for all of them).
+struct Caller {
+    api: Arc<QuotaApi>,
+    peer: Peer,
     headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let a = api.reserve(&headers, &peer, &body).await;
-    counted(&api, a)
 }
 
-async fn commit_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    UrlPath(id): UrlPath<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let a = api.commit(&headers, &peer, &id, &body).await;
-    counted(&api, a)
+impl FromRequestParts<Arc<QuotaApi>> for Caller {
+    type Rejection = <ConnectInfo<Peer> as FromRequestParts<Arc<QuotaApi>>>::Rejection;
+
+    async fn from_request_parts(parts: &mut Parts, api: &Arc<QuotaApi>) -> Result<Caller, Self::Rejection> {
+        let ConnectInfo(peer) = ConnectInfo::<Peer>::from_request_parts(parts, api).await?;
+        Ok(Caller {
+            api: api.clone(),
+            peer,
+            headers: parts.headers.clone(),
+        })
+    }
 }
 
-async fn release_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    UrlPath(id): UrlPath<String>,
-    headers: HeaderMap,
-) -> Response {
-    let a = api.release(&headers, &peer, &id).await;
-    counted(&api, a)
+async fn reserve_h(c: Caller, body: Bytes) -> Response {
+    let a = c.api.reserve(&c.headers, &c.peer, &body).await;
+    counted(&c.api, a)
 }
 
-async fn get_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    UrlPath(id): UrlPath<String>,
-    headers: HeaderMap,
-) -> Response {
-    respond(&api.get(&headers, &peer, &id).await)
+async fn commit_h(c: Caller, UrlPath(id): UrlPath<String>, body: Bytes) -> Response {
+    let a = c.api.commit(&c.headers, &c.peer, &id, &body).await;
+    counted(&c.api, a)
+}
+
+async fn release_h(c: Caller, UrlPath(id): UrlPath<String>) -> Response {
+    let a = c.api.release(&c.headers, &c.peer, &id).await;
+    counted(&c.api, a)
+}
+
+async fn get_h(c: Caller, UrlPath(id): UrlPath<String>) -> Response {
+    respond(&c.api.get(&c.headers, &c.peer, &id).await)
 }
 
 async fn query_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
+    c: Caller,
     UrlPath(resource): UrlPath<String>,
     Query(q): Query<BTreeMap<String, String>>,
-    headers: HeaderMap,
 ) -> Response {
-    respond(&api.query(&headers, &peer, &resource, &q).await)
+    respond(&c.api.query(&c.headers, &c.peer, &resource, &q).await)
 }
 
 /// `403` unless the caller may act for every tenant.
@@ -151,27 +150,18 @@ fn every_tenant(api: &QuotaApi, headers: &HeaderMap, peer: &Peer, what: &str) ->
     Ok(())
 }
 
-async fn debts_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    if let Err(a) = every_tenant(&api, &headers, &peer, "repaying a debt") {
+async fn debts_h(c: Caller, body: Bytes) -> Response {
+    if let Err(a) = every_tenant(&c.api, &c.headers, &c.peer, "repaying a debt") {
         return respond(&a);
     }
-    respond(&api.accept_debt(&body).await)
+    respond(&c.api.accept_debt(&body).await)
 }
 
-async fn reconcile_h(
-    State(api): State<Arc<QuotaApi>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    headers: HeaderMap,
-) -> Response {
-    if let Err(a) = every_tenant(&api, &headers, &peer, "reconcile") {
+async fn reconcile_h(c: Caller) -> Response {
+    if let Err(a) = every_tenant(&c.api, &c.headers, &c.peer, "reconcile") {
         return respond(&a);
     }
-    match api.reconcile_once().await {
+    match c.api.reconcile_once().await {
         Ok(r) => (
             StatusCode::OK,
             [(header::CONTENT_TYPE, "application/json")],

@@ -36,7 +36,9 @@
 //! Files: this one holds the store (its pool, migrations, the retried
 //! transaction and the [`QuotaStore`] operations); `sql.rs` the rows read
 //! and written inside a transaction and the error classification;
-//! `batch_write.rs` one batch's transaction.
+//! `batch_write.rs` one batch's transaction. The schema's tables and how a
+//! row becomes a reservation, a ledger entry or a counter are shared with
+//! the SQLite store (`super::rows`).
 
 mod batch_write;
 mod sql;
@@ -54,6 +56,7 @@ use tokio_postgres::NoTls;
 use self::batch_write::write_batch;
 use self::sql::*;
 use super::batch::{self, Batcher, Op};
+use super::rows::tables;
 use super::{
     decide_expire, drifts, not_found, replay, Answer, CounterKey, LedgerEntry, QuotaStore, QuotaStoreError,
     Reclaimed, Reconciliation, Reservation, Step, Usage,
@@ -77,32 +80,16 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a request waits for a pooled connection (queueing under load).
 pub const POOL_WAIT: Duration = Duration::from_secs(30);
 
-const MIGRATIONS: [&str; 1] = [r#"
-CREATE TABLE reservations (
-    id TEXT PRIMARY KEY, resource TEXT NOT NULL, tenant TEXT NOT NULL, project TEXT NOT NULL,
-    amount BIGINT NOT NULL, ttl_ms BIGINT NOT NULL, state TEXT NOT NULL,
-    created_ns BIGINT NOT NULL, expires_ns BIGINT NOT NULL, committed BIGINT NOT NULL,
-    finished_ns BIGINT, reserve_body TEXT NOT NULL, commit_body TEXT
-);
-CREATE INDEX reservations_due ON reservations (expires_ns) WHERE state = 'reserved';
-CREATE INDEX reservations_live ON reservations (resource, tenant, project, expires_ns) WHERE state = 'reserved';
-CREATE TABLE counters (
-    resource TEXT NOT NULL, tenant TEXT NOT NULL, project TEXT NOT NULL,
-    reserved BIGINT NOT NULL DEFAULT 0, committed BIGINT NOT NULL DEFAULT 0,
-    PRIMARY KEY (resource, tenant, project)
-);
-CREATE TABLE ledger (
-    seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, at_ns BIGINT NOT NULL, kind TEXT NOT NULL,
-    reservation_id TEXT, resource TEXT NOT NULL, tenant TEXT NOT NULL, project TEXT NOT NULL,
-    d_reserved BIGINT NOT NULL, d_committed BIGINT NOT NULL, note TEXT
-);
-CREATE FUNCTION tenantgate_ledger_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
+const MIGRATIONS: [&str; 1] = [concat!(
+    tables!("BIGINT", "BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY"),
+    r#"CREATE FUNCTION tenantgate_ledger_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN RAISE EXCEPTION 'the ledger is append-only'; END $$;
 CREATE TRIGGER ledger_no_update_delete BEFORE UPDATE OR DELETE ON ledger
     FOR EACH ROW EXECUTE FUNCTION tenantgate_ledger_append_only();
 CREATE TRIGGER ledger_no_truncate BEFORE TRUNCATE ON ledger
     FOR EACH STATEMENT EXECUTE FUNCTION tenantgate_ledger_append_only();
-"#];
+"#
+)];
 
 /// The advisory lock key the migrations run under.
 const MIGRATION_LOCK: i64 = 0x7465_6e61_6e74_6761;

@@ -10,7 +10,8 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
-use crate::quota::{CounterKey, LedgerEntry, LedgerKind, QuotaStoreError, Reservation, State, Usage, Write};
+use crate::quota::rows::{self, SELECT_COUNTERS, SELECT_LEDGER};
+use crate::quota::{CounterKey, LedgerEntry, QuotaStoreError, Reservation, Usage, Write};
 
 pub(super) fn classify(e: tokio_postgres::Error) -> Failure {
     let text = match e.as_db_error() {
@@ -49,35 +50,10 @@ impl From<tokio_postgres::Error> for Failure {
     }
 }
 
-pub(super) fn u(v: i64) -> u64 {
-    u64::try_from(v).unwrap_or(0)
-}
-
-pub(super) fn i(v: u64) -> i64 {
-    i64::try_from(v).unwrap_or(i64::MAX)
-}
-
-pub(super) const RESERVATION_COLUMNS: &str =
-    "id, resource, tenant, project, amount, ttl_ms, state, created_ns, \
-     expires_ns, committed, finished_ns, reserve_body, commit_body";
+pub(super) use crate::quota::rows::{i, u, RESERVATION_COLUMNS};
 
 pub(super) fn reservation(row: &Row) -> Result<Reservation, tokio_postgres::Error> {
-    let state: String = row.try_get(6)?;
-    Ok(Reservation {
-        id: row.try_get(0)?,
-        resource: row.try_get(1)?,
-        tenant: row.try_get(2)?,
-        project: row.try_get(3)?,
-        amount: u(row.try_get(4)?),
-        ttl_ms: u(row.try_get(5)?),
-        state: State::parse(&state).unwrap_or(State::Expired),
-        created_ns: u(row.try_get(7)?),
-        expires_ns: u(row.try_get(8)?),
-        committed: u(row.try_get(9)?),
-        finished_ns: row.try_get::<_, Option<i64>>(10)?.map(u),
-        reserve_body: row.try_get(11)?,
-        commit_body: row.try_get(12)?,
-    })
+    rows::reservation(row)
 }
 
 pub(super) async fn load(tx: &Transaction<'_>, id: &str) -> Result<Option<Reservation>, Failure> {
@@ -119,17 +95,8 @@ pub(super) async fn lock_levels(
 
 /// A counter row read as `resource, tenant, project, reserved, committed`.
 pub(super) fn counter_row(row: &Row) -> Result<(CounterKey, Usage), Failure> {
-    Ok((
-        CounterKey {
-            resource: row.try_get(0)?,
-            tenant: row.try_get(1)?,
-            project: row.try_get(2)?,
-        },
-        Usage {
-            reserved: u(row.try_get(3)?),
-            committed: u(row.try_get(4)?),
-        },
-    ))
+    let c = rows::counter(row)?;
+    Ok((c.key, c.usage))
 }
 
 /// The three levels' counters from rows of (tenant, project, reserved,
@@ -302,39 +269,16 @@ pub(super) async fn earliest_expiry(tx: &Transaction<'_>, key: &CounterKey) -> R
 }
 
 pub(super) async fn read_ledger(tx: &Transaction<'_>) -> Result<Vec<LedgerEntry>, Failure> {
-    let rows = cached_query(
-        tx,
-        "SELECT seq, at_ns, kind, reservation_id, resource, tenant, project, d_reserved, d_committed, note \
-             FROM ledger ORDER BY seq",
-        &[],
-    )
-    .await?;
+    let rows = cached_query(tx, SELECT_LEDGER, &[]).await?;
     let mut out = Vec::with_capacity(rows.len());
-    for r in rows {
-        let kind: String = r.try_get(2)?;
-        out.push(LedgerEntry {
-            seq: r.try_get(0)?,
-            at_ns: u(r.try_get(1)?),
-            kind: LedgerKind::parse(&kind).unwrap_or(LedgerKind::Compensation),
-            reservation_id: r.try_get(3)?,
-            resource: r.try_get(4)?,
-            tenant: r.try_get(5)?,
-            project: r.try_get(6)?,
-            d_reserved: r.try_get(7)?,
-            d_committed: r.try_get(8)?,
-            note: r.try_get(9)?,
-        });
+    for r in &rows {
+        out.push(rows::ledger_entry(r)?);
     }
     Ok(out)
 }
 
 pub(super) async fn read_counters(tx: &Transaction<'_>) -> Result<BTreeMap<CounterKey, Usage>, Failure> {
-    let rows = cached_query(
-        tx,
-        "SELECT resource, tenant, project, reserved, committed FROM counters",
-        &[],
-    )
-    .await?;
+    let rows = cached_query(tx, SELECT_COUNTERS, &[]).await?;
     let mut out = BTreeMap::new();
     for r in &rows {
         let (k, c) = counter_row(r)?;
