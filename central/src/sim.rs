@@ -305,55 +305,14 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
     let max = metrics::max_window(&trace.admitted, (cfg.window_ns / cfg.tick_ns) as usize);
     let admitted_per_s = metrics::group(&trace.admitted, ticks_per_s);
     let demand_per_s = metrics::group(&trace.demand, ticks_per_s);
-    let outage_ns = (spec.outage_len_s() * NANOS_PER_SEC as f64) as u64;
-    let terms = bound(&BoundInputs {
-        limit: cfg.limit,
-        window_ns: cfg.window_ns,
-        burst: cfg.burst,
-        interval_ns: cfg.interval_ns,
-        response_timeout_ns: cfg.response_timeout_ns,
-        provisional: cfg.provisional,
-        starts_per_node: trace.max_starts.max(1),
-        nodes: topo.nodes(),
-        max_cost: cfg.max_cost,
-        outage_ns,
-        failure_mode: spec.failure_mode,
-        demand_per_window: (spec.peak_level() * cfg.limit as f64).ceil() as u64,
-    });
+    let terms = bound_terms(spec, topo, cfg, &trace);
     let allowed = cfg.limit + cfg.burst;
     let measured_extra = max as i64 - allowed as i64;
-    let late = cfg.late.map(|l| {
-        let written_off_max_window =
-            metrics::max_window(&trace.written_off, (cfg.window_ns / cfg.tick_ns) as usize);
-        let term = trace
-            .max_in_flight
-            .saturating_mul(l.ceiling.saturating_sub(cfg.max_cost))
-            .saturating_add(topo.nodes().saturating_mul(l.max_debt))
-            .saturating_add(written_off_max_window);
-        LateReport {
-            estimate: cfg.max_cost,
-            ceiling: l.ceiling,
-            max_debt: l.max_debt,
-            max_in_flight: trace.max_in_flight,
-            written_off: trace.written_off.iter().sum(),
-            written_off_max_window,
-            term,
-            max_window: terms.max_window().saturating_add(term),
-        }
-    });
+    let late = cfg.late.map(|l| late_report(l, cfg, topo, &trace, &terms));
     let max_window = late.as_ref().map_or(terms.max_window(), |l| l.max_window);
     let window_ticks = (cfg.window_ns / cfg.tick_ns) as usize;
     let min_window = metrics::min_window(&trace.admitted, window_ticks, window_ticks);
-    // r·w/N ≥ 10 units: w ≥ 10·N·W/L, rounded up to whole windows.
-    let windows = (10 * topo.nodes()).div_ceil(cfg.limit.max(1)).max(1);
-    let fairness_ticks = window_ticks * windows as usize;
-    let fairness_min = metrics::min_fairness(
-        &trace.admitted_by_node,
-        &trace.regions,
-        fairness_ticks,
-        window_ticks,
-        10.0,
-    );
+    let fairness = fairness(&trace, topo, cfg);
     let (outage_window_pct, outage_node_min_pct) = match spec.outage_s {
         Some((from, to)) => outage_window(&trace, cfg, from, to),
         None => (None, None),
@@ -405,8 +364,8 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
         messages_lost: trace.messages_lost,
         service: trace.service,
         min_admitted_in_window: min_window,
-        fairness_window_s: secs(cfg.window_ns) * windows as f64,
-        fairness_min: fairness_min.map(|j| (j * 1000.0).floor() / 1000.0),
+        fairness_window_s: secs(cfg.window_ns) * fairness.windows as f64,
+        fairness_min: fairness.min.map(|j| (j * 1000.0).floor() / 1000.0),
         outage_window_pct,
         outage_node_min_pct,
         burst_pct,
@@ -419,6 +378,75 @@ pub fn run(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Resul
         demand_per_s,
         rate_per_s,
     })
+}
+
+/// THE BOUND's terms for a run of `spec` on `topo` (its key starts per
+/// node as the run measured them, at least one).
+fn bound_terms(spec: &Scenario, topo: Topology, cfg: &SimConfig, trace: &world::Trace) -> Bound {
+    bound(&BoundInputs {
+        limit: cfg.limit,
+        window_ns: cfg.window_ns,
+        burst: cfg.burst,
+        interval_ns: cfg.interval_ns,
+        response_timeout_ns: cfg.response_timeout_ns,
+        provisional: cfg.provisional,
+        starts_per_node: trace.max_starts.max(1),
+        nodes: topo.nodes(),
+        max_cost: cfg.max_cost,
+        outage_ns: (spec.outage_len_s() * NANOS_PER_SEC as f64) as u64,
+        failure_mode: spec.failure_mode,
+        demand_per_window: (spec.peak_level() * cfg.limit as f64).ceil() as u64,
+    })
+}
+
+/// What costs settled after the response added to a run (`late`), and the
+/// bound with their term.
+fn late_report(
+    late: LateSettlement,
+    cfg: &SimConfig,
+    topo: Topology,
+    trace: &world::Trace,
+    terms: &Bound,
+) -> LateReport {
+    let written_off_max_window =
+        metrics::max_window(&trace.written_off, (cfg.window_ns / cfg.tick_ns) as usize);
+    let term = trace
+        .max_in_flight
+        .saturating_mul(late.ceiling.saturating_sub(cfg.max_cost))
+        .saturating_add(topo.nodes().saturating_mul(late.max_debt))
+        .saturating_add(written_off_max_window);
+    LateReport {
+        estimate: cfg.max_cost,
+        ceiling: late.ceiling,
+        max_debt: late.max_debt,
+        max_in_flight: trace.max_in_flight,
+        written_off: trace.written_off.iter().sum(),
+        written_off_max_window,
+        term,
+        max_window: terms.max_window().saturating_add(term),
+    }
+}
+
+/// Fairness over a span of whole windows: how many, and the least
+/// fairness measured over any such span.
+struct Fairness {
+    windows: u64,
+    min: Option<f64>,
+}
+
+fn fairness(trace: &world::Trace, topo: Topology, cfg: &SimConfig) -> Fairness {
+    let window_ticks = (cfg.window_ns / cfg.tick_ns) as usize;
+    // r·w/N ≥ 10 units: w ≥ 10·N·W/L, rounded up to whole windows.
+    let windows = (10 * topo.nodes()).div_ceil(cfg.limit.max(1)).max(1);
+    let fairness_ticks = window_ticks * windows as usize;
+    let min = metrics::min_fairness(
+        &trace.admitted_by_node,
+        &trace.regions,
+        fairness_ticks,
+        window_ticks,
+        10.0,
+    );
+    Fairness { windows, min }
 }
 
 /// Over the outage `[from_s, to_s)`'s first window (at most its length):

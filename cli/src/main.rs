@@ -478,38 +478,14 @@ fn apply(args: &ApplyArgs) -> ExitCode {
         Some(e) => eprintln!("not applied: {} is unchanged", e.display()),
         None => eprintln!("not applied"),
     };
-    let loaded = match policy_file::load(&args.file) {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("{e}");
+    let (loaded, policy_json) = match checked_policy(args) {
+        Ok(checked) => (checked.loaded, checked.json),
+        Err(why) => {
+            eprintln!("{why}");
             unchanged();
             return code(exit::INVALID);
         }
     };
-    let policy_json = loaded.document.to_json();
-    // What Envoy will be handed is checked as the filter and the module
-    // check it (aliases can make the JSON larger than the YAML).
-    if let Err(errors) = tenantgate::policy::check_size(policy_json.len()) {
-        eprintln!("{} (as JSON): {errors}", args.file.display());
-        unchanged();
-        return code(exit::INVALID);
-    }
-    if let Some(module) = &args.module {
-        if let Err(why) = tenantgate_module::supported(&loaded.policy) {
-            eprintln!(
-                "{}: the native module ({}) would refuse this policy at load: {why}",
-                args.file.display(),
-                module.display()
-            );
-            unchanged();
-            return code(exit::INVALID);
-        }
-    }
-    if args.module.is_some() && args.instances {
-        eprintln!("--instances is for the wasm filter: the module's routes carry their class in their per-route config");
-        unchanged();
-        return code(exit::INVALID);
-    }
     if let Some(dir) = &args.manifests {
         if let Err(e) = write_manifests(args, &policy_json, dir) {
             eprintln!("{e}");
@@ -525,35 +501,8 @@ fn apply(args: &ApplyArgs) -> ExitCode {
     let capabilities = ecds::Capabilities::for_events(&tenantgate::pipeline::events(&loaded.policy));
     let capabilities = (!args.all_capabilities).then_some(&capabilities);
     if args.instances {
-        let instances = match ecds::instances(&policy_json, &args.name, ecds_path) {
-            Ok(list) => list,
-            Err(e) => {
-                eprintln!("{}: {e}", args.file.display());
-                unchanged();
-                return code(exit::INVALID);
-            }
-        };
-        for i in &instances {
-            if let Err(errors) = tenantgate::policy::Policy::from_json(i.policy_json.as_bytes()) {
-                for e in &errors.0 {
-                    eprintln!("{} (instance {}): {e}", args.file.display(), i.class);
-                }
-                return code(exit::INVALID);
-            }
-        }
-        for i in &instances {
-            let resource = ecds::Resource {
-                name: &i.resource_name,
-                vm_id: &args.vm_id,
-                wasm: &args.wasm,
-                module: None,
-                capabilities,
-            };
-            if let Err(e) = resource.write(&i.policy_json, &i.path) {
-                eprintln!("cannot write {}: {e}", i.path.display());
-                return code(exit::FAILED);
-            }
-            println!("applied: instance {} -> {}", i.resource_name, i.path.display());
+        if let Err(exit) = apply_instances(args, &policy_json, ecds_path, capabilities, &unchanged) {
+            return exit;
         }
     }
     let resource = ecds::Resource {
@@ -578,6 +527,82 @@ fn apply(args: &ApplyArgs) -> ExitCode {
             code(exit::FAILED)
         }
     }
+}
+
+/// A policy `policy apply` may hand to Envoy, and its JSON.
+struct Checked {
+    loaded: policy_file::Loaded,
+    json: String,
+}
+
+/// The policy file loaded and checked as the host it goes to will check
+/// it; `Err`: why it would be refused.
+fn checked_policy(args: &ApplyArgs) -> Result<Checked, String> {
+    let loaded = policy_file::load(&args.file).map_err(|e| e.to_string())?;
+    let json = loaded.document.to_json();
+    // What Envoy will be handed is checked as the filter and the module
+    // check it (aliases can make the JSON larger than the YAML).
+    if let Err(errors) = tenantgate::policy::check_size(json.len()) {
+        return Err(format!("{} (as JSON): {errors}", args.file.display()));
+    }
+    if let Some(module) = &args.module {
+        if let Err(why) = tenantgate_module::supported(&loaded.policy) {
+            return Err(format!(
+                "{}: the native module ({}) would refuse this policy at load: {why}",
+                args.file.display(),
+                module.display()
+            ));
+        }
+    }
+    if args.module.is_some() && args.instances {
+        return Err(
+            "--instances is for the wasm filter: the module's routes carry their class in their per-route config"
+                .to_owned(),
+        );
+    }
+    Ok(Checked { loaded, json })
+}
+
+/// `policy apply --instances`: one ECDS resource per instance of the
+/// policy, each checked before any is written. `Err`: the exit code.
+fn apply_instances(
+    args: &ApplyArgs,
+    policy_json: &str,
+    ecds_path: &Path,
+    capabilities: Option<&ecds::Capabilities>,
+    unchanged: &dyn Fn(),
+) -> Result<(), ExitCode> {
+    let instances = match ecds::instances(policy_json, &args.name, ecds_path) {
+        Ok(list) => list,
+        Err(e) => {
+            eprintln!("{}: {e}", args.file.display());
+            unchanged();
+            return Err(code(exit::INVALID));
+        }
+    };
+    for i in &instances {
+        if let Err(errors) = tenantgate::policy::Policy::from_json(i.policy_json.as_bytes()) {
+            for e in &errors.0 {
+                eprintln!("{} (instance {}): {e}", args.file.display(), i.class);
+            }
+            return Err(code(exit::INVALID));
+        }
+    }
+    for i in &instances {
+        let resource = ecds::Resource {
+            name: &i.resource_name,
+            vm_id: &args.vm_id,
+            wasm: &args.wasm,
+            module: None,
+            capabilities,
+        };
+        if let Err(e) = resource.write(&i.policy_json, &i.path) {
+            eprintln!("cannot write {}: {e}", i.path.display());
+            return Err(code(exit::FAILED));
+        }
+        println!("applied: instance {} -> {}", i.resource_name, i.path.display());
+    }
+    Ok(())
 }
 
 /// `policy apply --manifests DIR`: the Kubernetes manifests of the policy.

@@ -20,6 +20,18 @@ const DEMAND_WEIGHT: f64 = 0.8;
 /// Shares are split in thousandths of a unit.
 const MILLI: u64 = 1_000;
 
+/// Demand (units per interval) in thousandths of a unit, rounded up.
+fn milli(demand: f64) -> u64 {
+    (demand * MILLI as f64).ceil() as u64
+}
+
+/// The nodes an interval's split is among ([`KeyState::roll`]): by
+/// region, and what the nodes on their local limit keep out of it.
+struct Active {
+    reserved_milli: u64,
+    by_region: BTreeMap<String, Vec<String>>,
+}
+
 /// Cumulative counters of one (key, limit), in units.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KeyStats {
@@ -268,10 +280,45 @@ impl KeyState {
         self.interval = Some(k);
         self.flow = self.flow_of(k, 1, cfg);
         let flow_milli = self.flow_of(k, MILLI, cfg);
-        let max_cost = self.limit.max_cost.max(1);
+        let active = self.active_by_region(now, cfg);
+        let budget = flow_milli.saturating_sub(active.reserved_milli);
+        let regions = active.by_region.len() as u64;
+        if regions == 0 {
+            return;
+        }
+        let fair = budget / regions;
+        let cap = fair.saturating_add(budget.saturating_mul(cfg.borrow_ceiling_pct) / 100);
+        // Floors let an idle region or node start; they never take more
+        // than half of what is split, or at small flows (100/min is 1.67
+        // units per interval) they would split it evenly whatever the
+        // demand.
+        let region_floor = cfg.region_floor.saturating_mul(MILLI).min(budget / (2 * regions));
+        let claims: Vec<Claim> = active
+            .by_region
+            .values()
+            .map(|ids| Claim {
+                floor: region_floor,
+                demand: self.demand_milli(ids),
+                cap,
+            })
+            .collect();
+        let allocated = max_min_fair(budget, &claims);
+        for ((region, ids), part) in active.by_region.into_iter().zip(allocated) {
+            let part = self.book_region(region, part, fair, cfg);
+            self.share_among(&ids, part, cfg);
+        }
+    }
+
+    /// The nodes that take part in this interval's split, by region, and
+    /// what the nodes on their local limit keep (they are not split: their
+    /// local limit may be spending it). A node silent for two intervals
+    /// has its demand halved; one silent for three has no share.
+    fn active_by_region(&mut self, now: u64, cfg: &AllocConfig) -> Active {
         let recent = cfg.interval_ns.saturating_mul(3);
-        let mut reserved_milli = 0u64;
-        let mut by_region: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        let mut active = Active {
+            reserved_milli: 0,
+            by_region: BTreeMap::new(),
+        };
         for (id, nk) in &mut self.nodes {
             let stale = now.saturating_sub(nk.last_report_at) > cfg.interval_ns.saturating_mul(2);
             if stale {
@@ -279,7 +326,9 @@ impl KeyState {
             }
             if nk.on_local(now, cfg) {
                 // It keeps its allowance: its local limit may be spending it.
-                reserved_milli = reserved_milli.saturating_add(nk.local_bound_milli(now, cfg));
+                active.reserved_milli = active
+                    .reserved_milli
+                    .saturating_add(nk.local_bound_milli(now, cfg));
                 nk.share = Some(0);
                 nk.share_milli = 0;
                 nk.kept_local = true;
@@ -287,88 +336,85 @@ impl KeyState {
             }
             nk.kept_local = false;
             if now.saturating_sub(nk.last_report_at) <= recent {
-                by_region.entry(nk.region.clone()).or_default().push(id.clone());
+                active
+                    .by_region
+                    .entry(nk.region.clone())
+                    .or_default()
+                    .push(id.clone());
             } else {
                 nk.share = None;
                 nk.share_milli = 0;
                 nk.credit = 0;
             }
         }
-        let budget = flow_milli.saturating_sub(reserved_milli);
-        let regions = by_region.len() as u64;
-        if regions == 0 {
-            return;
+        active
+    }
+
+    /// The nodes' `ids` demand together, in thousandths.
+    fn demand_milli(&self, ids: &[String]) -> u64 {
+        ids.iter()
+            .filter_map(|id| self.nodes.get(id))
+            .map(|nk| milli(nk.demand))
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// Books `region`'s `part` of the interval (what it borrowed beyond
+    /// its `fair` part) and repays its debt out of it: returns what is
+    /// left for its nodes.
+    fn book_region(&mut self, region: String, mut part: u64, fair: u64, cfg: &AllocConfig) -> u64 {
+        let rv = self.regions.entry(region).or_default();
+        rv.allocated = part / MILLI;
+        rv.fair = fair / MILLI;
+        rv.borrowed_total = rv
+            .borrowed_total
+            .saturating_add(part.saturating_sub(fair) / MILLI);
+        if rv.debt > 0 {
+            // Repaid out of this region's own part: that much of the
+            // refill is destroyed, not lent to other regions.
+            let repay = rv.debt.min(
+                u64::try_from(u128::from(part) * u128::from(cfg.repay_pct) / 100 / u128::from(MILLI))
+                    .unwrap_or(u64::MAX),
+            );
+            self.owed = self.owed.saturating_add(repay);
+            rv.debt -= repay;
+            rv.repaid_total = rv.repaid_total.saturating_add(repay);
+            self.stats.repaid = self.stats.repaid.saturating_add(repay);
+            part = part.saturating_sub(repay.saturating_mul(MILLI));
         }
-        let fair = budget / regions;
-        let cap = fair.saturating_add(budget.saturating_mul(cfg.borrow_ceiling_pct) / 100);
-        let milli = |demand: f64| (demand * MILLI as f64).ceil() as u64;
-        let demand_of = |ids: &[String]| -> u64 {
-            ids.iter()
-                .filter_map(|id| self.nodes.get(id))
-                .map(|nk| milli(nk.demand))
-                .fold(0u64, u64::saturating_add)
-        };
-        // Floors let an idle region or node start; they never take more
-        // than half of what is split, or at small flows (100/min is 1.67
-        // units per interval) they would split it evenly whatever the
-        // demand.
-        let region_floor = cfg.region_floor.saturating_mul(MILLI).min(budget / (2 * regions));
-        let claims: Vec<Claim> = by_region
-            .values()
-            .map(|ids| Claim {
-                floor: region_floor,
-                demand: demand_of(ids),
-                cap,
+        part
+    }
+
+    /// Splits a region's `part` among its nodes `ids` (max-min fair over
+    /// their demand, above the node floor): each node's share, lease level
+    /// and credit.
+    fn share_among(&mut self, ids: &[String], part: u64, cfg: &AllocConfig) {
+        let max_cost = self.limit.max_cost.max(1);
+        let node_floor = cfg
+            .node_floor
+            .saturating_mul(MILLI)
+            .min(part / (2 * ids.len().max(1) as u64));
+        let claims: Vec<Claim> = ids
+            .iter()
+            .filter_map(|id| self.nodes.get(id))
+            .map(|nk| Claim {
+                floor: node_floor,
+                demand: milli(nk.demand),
+                cap: u64::MAX,
             })
             .collect();
-        let allocated = max_min_fair(budget, &claims);
-        for ((region, ids), mut part) in by_region.into_iter().zip(allocated) {
-            let rv = self.regions.entry(region).or_default();
-            rv.allocated = part / MILLI;
-            rv.fair = fair / MILLI;
-            rv.borrowed_total = rv
-                .borrowed_total
-                .saturating_add(part.saturating_sub(fair) / MILLI);
-            if rv.debt > 0 {
-                // Repaid out of this region's own part: that much of the
-                // refill is destroyed, not lent to other regions.
-                let repay = rv.debt.min(
-                    u64::try_from(u128::from(part) * u128::from(cfg.repay_pct) / 100 / u128::from(MILLI))
-                        .unwrap_or(u64::MAX),
-                );
-                self.owed = self.owed.saturating_add(repay);
-                rv.debt -= repay;
-                rv.repaid_total = rv.repaid_total.saturating_add(repay);
-                self.stats.repaid = self.stats.repaid.saturating_add(repay);
-                part = part.saturating_sub(repay.saturating_mul(MILLI));
-            }
-            let node_floor = cfg
-                .node_floor
-                .saturating_mul(MILLI)
-                .min(part / (2 * ids.len().max(1) as u64));
-            let claims: Vec<Claim> = ids
-                .iter()
-                .filter_map(|id| self.nodes.get(id))
-                .map(|nk| Claim {
-                    floor: node_floor,
-                    demand: milli(nk.demand),
-                    cap: u64::MAX,
-                })
-                .collect();
-            for (id, share) in ids.iter().zip(max_min_fair(part, &claims)) {
-                if let Some(nk) = self.nodes.get_mut(id) {
-                    let whole = nk.share_carry.saturating_add(share);
-                    nk.share = Some(whole / MILLI);
-                    nk.share_carry = whole % MILLI;
-                    nk.share_milli = share;
-                    nk.level = share
-                        .saturating_mul(cfg.lease_factor_pct)
-                        .div_ceil(100 * MILLI)
-                        .max(max_cost);
-                    let cap = nk.level.saturating_mul(MILLI).saturating_add(share);
-                    let cap = i64::try_from(cap).unwrap_or(i64::MAX);
-                    nk.credit = nk.credit.saturating_add_unsigned(share).min(cap);
-                }
+        for (id, share) in ids.iter().zip(max_min_fair(part, &claims)) {
+            if let Some(nk) = self.nodes.get_mut(id) {
+                let whole = nk.share_carry.saturating_add(share);
+                nk.share = Some(whole / MILLI);
+                nk.share_carry = whole % MILLI;
+                nk.share_milli = share;
+                nk.level = share
+                    .saturating_mul(cfg.lease_factor_pct)
+                    .div_ceil(100 * MILLI)
+                    .max(max_cost);
+                let cap = nk.level.saturating_mul(MILLI).saturating_add(share);
+                let cap = i64::try_from(cap).unwrap_or(i64::MAX);
+                nk.credit = nk.credit.saturating_add_unsigned(share).min(cap);
             }
         }
     }
@@ -523,8 +569,11 @@ impl KeyState {
             .filter(|(n, _)| n.as_str() != node)
             .map(|(_, nk)| nk.local_bound_milli(now, cfg))
             .fold(0u64, u64::saturating_add);
-        let equal_milli = self.outage_split(now, cfg);
-        let room_milli = self.rate_milli(cfg).saturating_sub(others_milli);
+        let room = Room {
+            equal_milli: self.outage_split(now, cfg),
+            room_milli: self.rate_milli(cfg).saturating_sub(others_milli),
+        };
+        let burst = self.limit.burst;
         let Some(nk) = self.nodes.get_mut(node) else {
             return Lease {
                 key: id.0.clone(),
@@ -536,43 +585,13 @@ impl KeyState {
                 outage_milli: None,
             };
         };
-        let (share, share_milli, level, credit) = match nk.share {
-            // A node may draw one interval's share ahead of its credit
-            // (its lease must last until the next one arrives).
-            Some(share) => (
-                share,
-                nk.share_milli,
-                nk.level,
-                u64::try_from(nk.credit.saturating_add_unsigned(nk.share_milli).max(0)).unwrap_or(0) / MILLI,
-            ),
-            None => {
-                // Not allocated yet this interval: its reported demand,
-                // within an equal split, until the next allocation; it
-                // draws only from the surplus until then.
-                let demand = nk.demand.ceil() as u64;
-                let share = demand.min(flow / nodes_hint.max(1)).max(cfg.node_floor);
-                let level = share.saturating_mul(cfg.lease_factor_pct).div_ceil(100);
-                (share, share.saturating_mul(MILLI), level.max(max_cost), 0)
-            }
-        };
-        // Beyond its share's level, one interval of the node's demand, out
-        // of the surplus only: a full bucket (a cold key's burst) goes to
-        // the nodes that ask for it. One interval, not the lease factor's
-        // 1.5: a node's next lease tops it up again an interval later,
-        // while half an interval more would be taken from nodes whose
-        // first report comes later in the interval.
-        let by_demand = nk.demand.ceil();
-        let by_demand = if by_demand.is_finite() && by_demand > 0.0 {
-            (by_demand as u64).min(self.limit.burst)
-        } else {
-            0
-        };
-        let target = level.max(by_demand);
+        let due = entitlement(nk, flow, nodes_hint, max_cost, cfg);
+        let target = due.level.max(demand_beyond_share(nk, burst));
         let before = nk.reserve;
         let tokens = if target > before {
             // The surplus first, then the node's credit, which fills the
             // lease up to its share's level only.
-            let credit = credit.min(level.saturating_sub(before));
+            let credit = due.credit.min(due.level.saturating_sub(before));
             let draw = (target - before)
                 .min(self.bucket)
                 .min(surplus.saturating_add(credit));
@@ -586,36 +605,15 @@ impl KeyState {
         } else {
             target
         };
-        nk.reserve = before.max(tokens);
-        let (share, share_milli, outage_milli) = if enforced.terms.outage_allowance {
-            // Its local limit runs at the allowance: the share only paces
-            // its lease (and its `Retry-After`).
-            let outage = equal_milli.min(room_milli);
-            nk.outage_sent = outage;
-            nk.outage_unacked = nk.outage_unacked.max(outage);
-            (share, share_milli, Some(outage))
-        } else {
-            // An older node runs its local limit at its whole share.
-            (share.min(room_milli / MILLI), share_milli.min(room_milli), None)
-        };
-        nk.share_sent = share;
-        nk.share_unacked = nk.share_unacked.max(share);
-        nk.lease_tokens = tokens;
-        nk.lease_seq = enforced.seq;
-        nk.collapsed = false;
-        nk.granted_at = now;
-        nk.charged_until = now;
-        nk.charge_carry = 0;
-        nk.terms = Some(enforced.terms);
-        nk.mode = Some(enforced.mode);
+        let sent = record_lease(nk, &due, tokens, &enforced, &room, now);
         Lease {
             key: id.0.clone(),
             limit: id.1.clone(),
             tokens,
-            share,
-            share_milli,
+            share: sent.share,
+            share_milli: sent.share_milli,
             ttl_ms: cfg.lease_ttl_ns / NANOS_PER_MS,
-            outage_milli,
+            outage_milli: sent.outage_milli,
         }
     }
 
@@ -667,4 +665,117 @@ impl KeyState {
                 .collect(),
         }
     }
+}
+
+/// What a node is due this interval: its share (whole and in
+/// thousandths), its lease's level and the credit it may draw (units).
+struct Entitlement {
+    share: u64,
+    share_milli: u64,
+    level: u64,
+    credit: u64,
+}
+
+/// What the rate leaves a node's local limit: the outage allowance (an
+/// equal split) and the room beside every other node's local limit, both
+/// in thousandths per interval.
+struct Room {
+    equal_milli: u64,
+    room_milli: u64,
+}
+
+/// The share a lease carries: whole, in thousandths, and the outage
+/// allowance (a node whose local limit runs at it).
+struct SentShare {
+    share: u64,
+    share_milli: u64,
+    outage_milli: Option<u64>,
+}
+
+/// What node `nk` is due: its allocated share, or before its first
+/// allocation its demand within an equal split of `flow`.
+fn entitlement(nk: &NodeKey, flow: u64, nodes_hint: u64, max_cost: u64, cfg: &AllocConfig) -> Entitlement {
+    match nk.share {
+        // A node may draw one interval's share ahead of its credit
+        // (its lease must last until the next one arrives).
+        Some(share) => Entitlement {
+            share,
+            share_milli: nk.share_milli,
+            level: nk.level,
+            credit: u64::try_from(nk.credit.saturating_add_unsigned(nk.share_milli).max(0)).unwrap_or(0)
+                / MILLI,
+        },
+        None => {
+            // Not allocated yet this interval: its reported demand,
+            // within an equal split, until the next allocation; it
+            // draws only from the surplus until then.
+            let demand = nk.demand.ceil() as u64;
+            let share = demand.min(flow / nodes_hint.max(1)).max(cfg.node_floor);
+            let level = share.saturating_mul(cfg.lease_factor_pct).div_ceil(100);
+            Entitlement {
+                share,
+                share_milli: share.saturating_mul(MILLI),
+                level: level.max(max_cost),
+                credit: 0,
+            }
+        }
+    }
+}
+
+/// Beyond its share's level, one interval of the node's demand, out
+/// of the surplus only: a full bucket (a cold key's burst) goes to
+/// the nodes that ask for it. One interval, not the lease factor's
+/// 1.5: a node's next lease tops it up again an interval later,
+/// while half an interval more would be taken from nodes whose
+/// first report comes later in the interval.
+fn demand_beyond_share(nk: &NodeKey, burst: u64) -> u64 {
+    let by_demand = nk.demand.ceil();
+    if by_demand.is_finite() && by_demand > 0.0 {
+        (by_demand as u64).min(burst)
+    } else {
+        0
+    }
+}
+
+/// Records on `nk` the lease of `tokens` granted now under `enforced`
+/// terms, and the share it carries.
+fn record_lease(
+    nk: &mut NodeKey,
+    due: &Entitlement,
+    tokens: u64,
+    enforced: &Enforced,
+    room: &Room,
+    now: u64,
+) -> SentShare {
+    nk.reserve = nk.reserve.max(tokens);
+    let sent = if enforced.terms.outage_allowance {
+        // Its local limit runs at the allowance: the share only paces
+        // its lease (and its `Retry-After`).
+        let outage = room.equal_milli.min(room.room_milli);
+        nk.outage_sent = outage;
+        nk.outage_unacked = nk.outage_unacked.max(outage);
+        SentShare {
+            share: due.share,
+            share_milli: due.share_milli,
+            outage_milli: Some(outage),
+        }
+    } else {
+        // An older node runs its local limit at its whole share.
+        SentShare {
+            share: due.share.min(room.room_milli / MILLI),
+            share_milli: due.share_milli.min(room.room_milli),
+            outage_milli: None,
+        }
+    };
+    nk.share_sent = sent.share;
+    nk.share_unacked = nk.share_unacked.max(sent.share);
+    nk.lease_tokens = tokens;
+    nk.lease_seq = enforced.seq;
+    nk.collapsed = false;
+    nk.granted_at = now;
+    nk.charged_until = now;
+    nk.charge_carry = 0;
+    nk.terms = Some(enforced.terms);
+    nk.mode = Some(enforced.mode);
+    sent
 }

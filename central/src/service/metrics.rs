@@ -137,6 +137,14 @@ impl Metrics {
     /// The Prometheus text exposition.
     pub fn render(&self, g: &Gauges<'_>) -> String {
         let mut out = String::with_capacity(4096);
+        self.render_counters(&mut out);
+        self.render_latency(&mut out);
+        render_gauges(&mut out, g);
+        out
+    }
+
+    /// The counters, each family with its help and type lines.
+    fn render_counters(&self, out: &mut String) {
         let mut counter = |name: &str, help: &str, rows: &[(&str, u64)]| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
             for (labels, v) in rows {
@@ -224,7 +232,10 @@ impl Metrics {
                 ("{record=\"key\"}", self.expired_keys.load(Relaxed)),
             ],
         );
+    }
 
+    /// The sync requests' latency histogram.
+    fn render_latency(&self, out: &mut String) {
         let name = "tenantgate_sync_duration_seconds";
         let _ = writeln!(
             out,
@@ -237,35 +248,37 @@ impl Metrics {
         let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {n}");
         let sum = self.latency_sum_ns.load(Relaxed) as f64 / 1e9;
         let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {n}");
+    }
+}
 
-        let mut gauge = |name: &str, help: &str, labels: &str, v: u64| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{labels} {v}"
-            );
-        };
-        if let Some(keys) = g.keys {
-            gauge("tenantgate_keys", "(key, limit) records in the store.", "", keys);
-        }
-        if let Some(sessions) = g.sessions {
-            gauge("tenantgate_sessions", "Node sessions in the store.", "", sessions);
-        }
-        gauge(
-            "tenantgate_store_up",
-            "Whether the store answered this scrape.",
-            &format!("{{store=\"{}\"}}", g.store),
-            u64::from(g.store_up),
+/// The gauges read at this scrape.
+fn render_gauges(out: &mut String, g: &Gauges<'_>) {
+    let mut gauge = |name: &str, help: &str, labels: &str, v: u64| {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{labels} {v}"
         );
-        match g.policy_version {
-            Some(v) => gauge(
-                "tenantgate_policy_info",
-                "The loaded policy's version.",
-                &format!("{{version=\"{}\"}}", escape(v)),
-                1,
-            ),
-            None => gauge("tenantgate_policy_info", "No policy loaded.", "{version=\"\"}", 0),
-        }
-        out
+    };
+    if let Some(keys) = g.keys {
+        gauge("tenantgate_keys", "(key, limit) records in the store.", "", keys);
+    }
+    if let Some(sessions) = g.sessions {
+        gauge("tenantgate_sessions", "Node sessions in the store.", "", sessions);
+    }
+    gauge(
+        "tenantgate_store_up",
+        "Whether the store answered this scrape.",
+        &format!("{{store=\"{}\"}}", g.store),
+        u64::from(g.store_up),
+    );
+    match g.policy_version {
+        Some(v) => gauge(
+            "tenantgate_policy_info",
+            "The loaded policy's version.",
+            &format!("{{version=\"{}\"}}", escape(v)),
+            1,
+        ),
+        None => gauge("tenantgate_policy_info", "No policy loaded.", "{version=\"\"}", 0),
     }
 }
 

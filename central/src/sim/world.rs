@@ -144,16 +144,331 @@ pub fn alloc_config(cfg: &SimConfig, mode: FailureMode) -> AllocConfig {
 }
 
 pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> Result<Trace, ConfigError> {
-    let mut service = Allocator::new(alloc_config(cfg, spec.failure_mode))?;
-    if cfg.tick_ns == 0 || cfg.duration_ns < cfg.tick_ns {
-        return Err(ConfigError::new("tick_ns", "must be > 0 and at most duration_ns"));
+    let mut world = World::new(spec, topo, cfg, seed)?;
+    let ticks = world.trace.admitted.len();
+    for tick in 0..ticks {
+        let now = T0 + tick as u64 * cfg.tick_ns;
+        let t_s = tick as f64 * world.tick_s;
+        world.deliver(now, t_s);
+        if spec.service_up(t_s) && world.last_interval != Some(now / cfg.interval_ns) {
+            world.last_interval = Some(now / cfg.interval_ns);
+            world.service.tick(now);
+        }
+        world.send_reports(now, t_s);
+        world.settle_streams(now, tick);
+        for i in 0..world.nodes.len() {
+            let due = world.demand(i, now, t_s);
+            for retry in due
+                .retries
+                .into_iter()
+                .map(Some)
+                .chain((0..due.fresh).map(|_| None))
+            {
+                world.request(i, tick, now, retry);
+            }
+        }
     }
-    let mut net = Rng::new(seed, 1);
-    let mut traffic = Rng::new(seed, 2);
+    Ok(world.finish())
+}
+
+/// A run in progress: the service, the nodes, the messages in flight, the
+/// random streams (each drawn in the same order as ever, so a seed gives
+/// the same run) and what the run recorded so far.
+struct World<'a> {
+    spec: &'a Scenario,
+    topo: Topology,
+    cfg: &'a SimConfig,
+    service: Allocator,
+    nodes: Vec<SimNode>,
+    /// Latency and loss; demand; the streams' lengths.
+    net: Rng,
+    traffic: Rng,
+    streams_rng: Rng,
+    queue: BinaryHeap<Msg>,
+    /// Messages sent so far: ties in arrival go in sending order.
+    order: u64,
+    /// The interval the service last ticked in.
+    last_interval: Option<u64>,
+    trace: Trace,
+    /// Per node: ticks with demand, and of those without a live lease.
+    demand_ticks: Vec<u64>,
+    no_lease_ticks: Vec<u64>,
+    /// Demand per second at level 1, and a tick in seconds.
+    rate_per_s: f64,
+    tick_s: f64,
+    /// Units a request asks for, and what an admitted one really costs
+    /// (settled at its stream's end).
+    cost: u64,
+    real: u64,
+}
+
+/// A node's requests due in one tick: retries (the retries left after
+/// each) and new ones.
+struct Due {
+    retries: Vec<u32>,
+    fresh: u64,
+}
+
+impl<'a> World<'a> {
+    fn new(
+        spec: &'a Scenario,
+        topo: Topology,
+        cfg: &'a SimConfig,
+        seed: u64,
+    ) -> Result<World<'a>, ConfigError> {
+        let service = Allocator::new(alloc_config(cfg, spec.failure_mode))?;
+        if cfg.tick_ns == 0 || cfg.duration_ns < cfg.tick_ns {
+            return Err(ConfigError::new("tick_ns", "must be > 0 and at most duration_ns"));
+        }
+        let nodes = sim_nodes(spec, topo, cfg, seed)?;
+        let ticks = (cfg.duration_ns / cfg.tick_ns) as usize;
+        let cost = cfg.max_cost.max(1);
+        Ok(World {
+            spec,
+            topo,
+            cfg,
+            service,
+            net: Rng::new(seed, 1),
+            traffic: Rng::new(seed, 2),
+            streams_rng: Rng::new(seed, 5),
+            queue: BinaryHeap::new(),
+            order: 0,
+            last_interval: None,
+            trace: empty_trace(ticks, &nodes),
+            demand_ticks: vec![0u64; nodes.len()],
+            no_lease_ticks: vec![0u64; nodes.len()],
+            rate_per_s: cfg.limit as f64 * NANOS_PER_SEC / cfg.window_ns as f64,
+            tick_s: cfg.tick_ns as f64 / NANOS_PER_SEC,
+            cost,
+            real: cfg.late.map_or(cost, |l| l.ceiling.max(cost)),
+            nodes,
+        })
+    }
+
+    /// Sends `body` from node `i` (`to_service`) or to it, arriving after
+    /// the scenario's latency.
+    fn send(&mut self, now: u64, to_service: bool, i: usize, body: String) {
+        let latency = self.net.between(self.spec.latency_ms.0, self.spec.latency_ms.1) * NANOS_PER_MS;
+        self.order += 1;
+        self.queue
+            .push(Reverse((now + latency, self.order, to_service, i, body)));
+    }
+
+    /// Every message that arrives by `now`: a report answered by the
+    /// service, an answer applied by its node (unless its region's link
+    /// is down, or the answer is lost on its way back).
+    fn deliver(&mut self, now: u64, t_s: f64) {
+        while self.queue.peek().is_some_and(|Reverse(m)| m.0 <= now) {
+            let Some(Reverse((_, _, to_service, i, body))) = self.queue.pop() else {
+                break;
+            };
+            let n = &mut self.nodes[i];
+            if !self.spec.link_up(n.region, t_s) {
+                self.trace.messages_lost += 1;
+                if to_service {
+                    self.trace.losses.requests_lost += 1;
+                } else {
+                    self.trace.losses.answers_lost += 1;
+                }
+                continue;
+            }
+            if to_service {
+                // Garbage and stale requests get no answer (the node times out).
+                let Ok(answer) = self.service.handle_json(body.as_bytes(), now) else {
+                    continue;
+                };
+                self.trace.messages_sent += 1;
+                if self.net.chance(self.spec.loss) {
+                    self.trace.messages_lost += 1;
+                    self.trace.losses.answers_lost += 1;
+                    continue;
+                }
+                self.send(now, false, i, answer);
+            } else if let Ok(resp) = SyncResponse::from_json(body.as_bytes()) {
+                let clock = n.clock(now);
+                if !n.node.apply(&resp, clock) {
+                    self.trace.losses.answers_refused += 1;
+                }
+            }
+        }
+    }
+
+    /// Every node's report due now, sent (or lost).
+    fn send_reports(&mut self, now: u64, t_s: f64) {
+        for i in 0..self.nodes.len() {
+            let n = &mut self.nodes[i];
+            if now < n.ticks_from {
+                continue;
+            }
+            let clock = n.clock(now);
+            // Every tick a worker ticks; the shared state says whether a
+            // report is due (and gives up on one timed out).
+            let Some(req) = n.node.tick(clock) else {
+                continue;
+            };
+            self.trace.messages_sent += 1;
+            if !self.spec.link_up(n.region, t_s) || self.net.chance(self.spec.loss) {
+                self.trace.messages_lost += 1;
+                self.trace.losses.requests_lost += 1;
+                continue;
+            }
+            self.send(now, true, i, req.to_json());
+        }
+    }
+
+    /// Streams that end now settle their real cost (the filter's
+    /// `engine::settle`), before this tick's requests.
+    fn settle_streams(&mut self, now: u64, tick: usize) {
+        let mut in_flight = 0u64;
+        for n in &mut self.nodes {
+            let clock = n.clock(now);
+            let (due, open): (Vec<_>, Vec<_>) = n.streams.drain(..).partition(|(end, _)| *end <= now);
+            n.streams = open;
+            for (_, charged) in due {
+                let adjusted = n.node.settle(TENANT, &charged, self.real, clock);
+                self.trace.written_off[tick] += adjusted.written_off;
+            }
+            in_flight += n.streams.len() as u64;
+        }
+        self.trace.max_in_flight = self.trace.max_in_flight.max(in_flight);
+    }
+
+    /// Node `i`'s demand this tick: the adversary's sprayed keys sent at
+    /// once, then the requests due (retries first, then new ones).
+    fn demand(&mut self, i: usize, now: u64, t_s: f64) -> Due {
+        let (spec, topo) = (self.spec, self.topo);
+        let n = &mut self.nodes[i];
+        let level = spec.node_level(i, topo.regions, topo.nodes_per_region, t_s);
+        // Units of demand; requests of `cost` units each.
+        n.carry += level * self.rate_per_s * self.tick_s * (0.5 + self.traffic.unit());
+        let count = (n.carry / self.cost as f64).floor();
+        n.carry -= count * self.cost as f64;
+        let clock = n.clock(now);
+        // The key-spraying adversary: new keys (other tenants), which
+        // fill the key table and reclaim idle slots.
+        n.spray_carry += spec.spray_per_s * self.tick_s;
+        while n.spray_carry >= 1.0 {
+            n.spray_carry -= 1.0;
+            n.sprayed += 1;
+            self.trace.sprayed += 1;
+            let _ = n.node.request(&format!("spray-{i}-{}", n.sprayed), clock);
+        }
+        // Retries due now (clients that waited their `Retry-After`),
+        // then the new requests; a retry is not new demand.
+        let mut retries = Vec::new();
+        n.retries.retain(|&(at, left)| {
+            if at <= now {
+                retries.push(left);
+            }
+            at > now
+        });
+        let fresh = count as u64 + spec.burst(t_s, self.tick_s);
+        if fresh > 0 {
+            self.demand_ticks[i] += 1;
+            self.no_lease_ticks[i] += u64::from(!n.node.has_live_lease(clock));
+        }
+        Due { retries, fresh }
+    }
+
+    /// One request of node `i` (`retry`: a retry, with the retries left
+    /// after it; `None`: new demand), recorded.
+    fn request(&mut self, i: usize, tick: usize, now: u64, retry: Option<u32>) {
+        let real = self.real;
+        let trace = &mut self.trace;
+        let n = &mut self.nodes[i];
+        let clock = n.clock(now);
+        let charged = n.node.request(TENANT, clock);
+        let left = match retry {
+            Some(left) => {
+                trace.retries += 1;
+                trace.retries_admitted += u64::from(charged.admitted.is_some());
+                left
+            }
+            None => {
+                trace.demand[tick] += real;
+                trace.demand_by_node[i][tick] += real;
+                self.spec.retries
+            }
+        };
+        if charged.admitted.is_none() && left > 0 {
+            let wait = charged.retry_after_secs.max(1).saturating_mul(1_000_000_000);
+            n.retries.push((now.saturating_add(wait), left - 1));
+        }
+        if !n.seen {
+            n.seen = true;
+            trace.first_requests += 1;
+            trace.first_denied += u64::from(charged.admitted.is_none());
+        }
+        if charged.start {
+            n.starts.push(tick);
+        }
+        let Some(kind) = charged.admitted else {
+            if charged.lease_too_small {
+                trace.losses.denied_lease_too_small += real;
+            } else {
+                trace.losses.denied_no_lease += real;
+            }
+            return;
+        };
+        if let (Some(late), Some(c)) = (self.cfg.late, charged.charged) {
+            let (shortest, longest) = late.stream_ns;
+            let end = now.saturating_add(self.streams_rng.between(shortest, longest.max(shortest)));
+            n.streams.push((end, c));
+        }
+        // Counted at its real cost, when it was admitted.
+        trace.admitted[tick] += real;
+        trace.admitted_by_node[i][tick] += real;
+        match kind {
+            Admitted::Lease => trace.by_kind.lease += real,
+            Admitted::Provisional => trace.by_kind.provisional += real,
+            Admitted::FailOpenLocal => trace.by_kind.fail_open_local += real,
+            Admitted::FailOpen => trace.by_kind.fail_open += real,
+        }
+    }
+
+    /// The trace, with what is measured over the whole run: the most key
+    /// starts in a window, the service's view, the nodes' time without a
+    /// lease.
+    fn finish(mut self) -> Trace {
+        let window_ticks = (self.cfg.window_ns / self.cfg.tick_ns).max(1) as usize;
+        self.trace.max_starts = self
+            .nodes
+            .iter()
+            .map(|n| max_in_span(&n.starts, window_ticks))
+            .max()
+            .unwrap_or(0);
+        self.trace.service = self.service.view(shipped::KEY, LIMIT);
+        let pct: Vec<f64> = self
+            .demand_ticks
+            .iter()
+            .zip(&self.no_lease_ticks)
+            .filter(|(d, _)| **d > 0)
+            .map(|(d, n)| (100.0 * *n as f64 / *d as f64 * 10.0).round() / 10.0)
+            .collect();
+        if !pct.is_empty() {
+            let mean = (pct.iter().sum::<f64>() / pct.len() as f64 * 10.0).round() / 10.0;
+            self.trace.losses.no_lease_pct = [
+                pct.iter().copied().fold(f64::INFINITY, f64::min),
+                mean,
+                pct.iter().copied().fold(0.0, f64::max),
+            ];
+        }
+        self.trace
+    }
+}
+
+/// The nodes of `topo`, each with its own clock offset (within the
+/// configured skew) and a random phase.
+fn sim_nodes(
+    spec: &Scenario,
+    topo: Topology,
+    cfg: &SimConfig,
+    seed: u64,
+) -> Result<Vec<SimNode>, ConfigError> {
     let mut clocks = Rng::new(seed, 3);
     let mut phases = Rng::new(seed, 4);
     let skew = i64::try_from(cfg.clock_skew_ns).unwrap_or(i64::MAX);
-    let mut nodes: Vec<SimNode> = (0..topo.regions * topo.nodes_per_region)
+    (0..topo.regions * topo.nodes_per_region)
         .map(|i| {
             let region = i / topo.nodes_per_region;
             let offset_ns = clocks.between(0, 2 * cfg.clock_skew_ns) as i64 - skew;
@@ -178,14 +493,12 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
                 streams: Vec::new(),
             })
         })
-        .collect::<Result<_, ConfigError>>()?;
+        .collect()
+}
 
-    let ticks = (cfg.duration_ns / cfg.tick_ns) as usize;
-    let rate_per_s = cfg.limit as f64 * NANOS_PER_SEC / cfg.window_ns as f64;
-    let tick_s = cfg.tick_ns as f64 / NANOS_PER_SEC;
-    let mut queue: BinaryHeap<Msg> = BinaryHeap::new();
-    let mut order = 0u64;
-    let mut trace = Trace {
+/// A trace of `ticks` ticks over `nodes` with nothing recorded yet.
+fn empty_trace(ticks: usize, nodes: &[SimNode]) -> Trace {
+    Trace {
         admitted: vec![0; ticks],
         demand: vec![0; ticks],
         by_kind: ByKind::default(),
@@ -204,199 +517,7 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
         max_in_flight: 0,
         written_off: vec![0; ticks],
         losses: Losses::default(),
-    };
-    // Per node: ticks with demand, and of those without a live lease.
-    let mut demand_ticks = vec![0u64; nodes.len()];
-    let mut no_lease_ticks = vec![0u64; nodes.len()];
-    let cost = cfg.max_cost.max(1);
-    // What an admitted request really costs (settled at its stream's end).
-    let real = cfg.late.map_or(cost, |l| l.ceiling.max(cost));
-    let mut streams_rng = Rng::new(seed, 5);
-    let mut last_interval = None;
-    let latency = |net: &mut Rng| net.between(spec.latency_ms.0, spec.latency_ms.1) * NANOS_PER_MS;
-
-    for tick in 0..ticks {
-        let now = T0 + tick as u64 * cfg.tick_ns;
-        let t_s = tick as f64 * tick_s;
-
-        while queue.peek().is_some_and(|Reverse(m)| m.0 <= now) {
-            let Some(Reverse((_, _, to_service, i, body))) = queue.pop() else {
-                break;
-            };
-            let n = &mut nodes[i];
-            if !spec.link_up(n.region, t_s) {
-                trace.messages_lost += 1;
-                if to_service {
-                    trace.losses.requests_lost += 1;
-                } else {
-                    trace.losses.answers_lost += 1;
-                }
-                continue;
-            }
-            if to_service {
-                // Garbage and stale requests get no answer (the node times out).
-                let Ok(answer) = service.handle_json(body.as_bytes(), now) else {
-                    continue;
-                };
-                trace.messages_sent += 1;
-                if net.chance(spec.loss) {
-                    trace.messages_lost += 1;
-                    trace.losses.answers_lost += 1;
-                    continue;
-                }
-                order += 1;
-                queue.push(Reverse((now + latency(&mut net), order, false, i, answer)));
-            } else if let Ok(resp) = SyncResponse::from_json(body.as_bytes()) {
-                let clock = n.clock(now);
-                if !n.node.apply(&resp, clock) {
-                    trace.losses.answers_refused += 1;
-                }
-            }
-        }
-
-        if spec.service_up(t_s) && last_interval != Some(now / cfg.interval_ns) {
-            last_interval = Some(now / cfg.interval_ns);
-            service.tick(now);
-        }
-
-        for (i, n) in nodes.iter_mut().enumerate() {
-            if now < n.ticks_from {
-                continue;
-            }
-            let clock = n.clock(now);
-            // Every tick a worker ticks; the shared state says whether a
-            // report is due (and gives up on one timed out).
-            let Some(req) = n.node.tick(clock) else {
-                continue;
-            };
-            trace.messages_sent += 1;
-            if !spec.link_up(n.region, t_s) || net.chance(spec.loss) {
-                trace.messages_lost += 1;
-                trace.losses.requests_lost += 1;
-                continue;
-            }
-            order += 1;
-            queue.push(Reverse((now + latency(&mut net), order, true, i, req.to_json())));
-        }
-
-        // Streams that end now settle their real cost (the filter's
-        // `engine::settle`), before this tick's requests.
-        let mut in_flight = 0u64;
-        for n in &mut nodes {
-            let clock = n.clock(now);
-            let (due, open): (Vec<_>, Vec<_>) = n.streams.drain(..).partition(|(end, _)| *end <= now);
-            n.streams = open;
-            for (_, charged) in due {
-                let adjusted = n.node.settle(TENANT, &charged, real, clock);
-                trace.written_off[tick] += adjusted.written_off;
-            }
-            in_flight += n.streams.len() as u64;
-        }
-        trace.max_in_flight = trace.max_in_flight.max(in_flight);
-
-        for (i, n) in nodes.iter_mut().enumerate() {
-            let level = spec.node_level(i, topo.regions, topo.nodes_per_region, t_s);
-            // Units of demand; requests of `cost` units each.
-            n.carry += level * rate_per_s * tick_s * (0.5 + traffic.unit());
-            let count = (n.carry / cost as f64).floor();
-            n.carry -= count * cost as f64;
-            let clock = n.clock(now);
-            // The key-spraying adversary: new keys (other tenants), which
-            // fill the key table and reclaim idle slots.
-            n.spray_carry += spec.spray_per_s * tick_s;
-            while n.spray_carry >= 1.0 {
-                n.spray_carry -= 1.0;
-                n.sprayed += 1;
-                trace.sprayed += 1;
-                let _ = n.node.request(&format!("spray-{i}-{}", n.sprayed), clock);
-            }
-            // Retries due now (clients that waited their `Retry-After`),
-            // then the new requests; a retry is not new demand.
-            let mut due = Vec::new();
-            n.retries.retain(|&(at, left)| {
-                if at <= now {
-                    due.push(left);
-                }
-                at > now
-            });
-            let fresh = count as u64 + spec.burst(t_s, tick_s);
-            if fresh > 0 {
-                demand_ticks[i] += 1;
-                no_lease_ticks[i] += u64::from(!n.node.has_live_lease(clock));
-            }
-            for retry in due.into_iter().map(Some).chain((0..fresh).map(|_| None)) {
-                let charged = n.node.request(TENANT, clock);
-                let left = match retry {
-                    Some(left) => {
-                        trace.retries += 1;
-                        trace.retries_admitted += u64::from(charged.admitted.is_some());
-                        left
-                    }
-                    None => {
-                        trace.demand[tick] += real;
-                        trace.demand_by_node[i][tick] += real;
-                        spec.retries
-                    }
-                };
-                if charged.admitted.is_none() && left > 0 {
-                    let wait = charged.retry_after_secs.max(1).saturating_mul(1_000_000_000);
-                    n.retries.push((now.saturating_add(wait), left - 1));
-                }
-                if !n.seen {
-                    n.seen = true;
-                    trace.first_requests += 1;
-                    trace.first_denied += u64::from(charged.admitted.is_none());
-                }
-                if charged.start {
-                    n.starts.push(tick);
-                }
-                let Some(kind) = charged.admitted else {
-                    if charged.lease_too_small {
-                        trace.losses.denied_lease_too_small += real;
-                    } else {
-                        trace.losses.denied_no_lease += real;
-                    }
-                    continue;
-                };
-                if let (Some(late), Some(c)) = (cfg.late, charged.charged) {
-                    let (shortest, longest) = late.stream_ns;
-                    let end = now.saturating_add(streams_rng.between(shortest, longest.max(shortest)));
-                    n.streams.push((end, c));
-                }
-                // Counted at its real cost, when it was admitted.
-                trace.admitted[tick] += real;
-                trace.admitted_by_node[i][tick] += real;
-                match kind {
-                    Admitted::Lease => trace.by_kind.lease += real,
-                    Admitted::Provisional => trace.by_kind.provisional += real,
-                    Admitted::FailOpenLocal => trace.by_kind.fail_open_local += real,
-                    Admitted::FailOpen => trace.by_kind.fail_open += real,
-                }
-            }
-        }
     }
-    let window_ticks = (cfg.window_ns / cfg.tick_ns).max(1) as usize;
-    trace.max_starts = nodes
-        .iter()
-        .map(|n| max_in_span(&n.starts, window_ticks))
-        .max()
-        .unwrap_or(0);
-    trace.service = service.view(shipped::KEY, LIMIT);
-    let pct: Vec<f64> = demand_ticks
-        .iter()
-        .zip(&no_lease_ticks)
-        .filter(|(d, _)| **d > 0)
-        .map(|(d, n)| (100.0 * *n as f64 / *d as f64 * 10.0).round() / 10.0)
-        .collect();
-    if !pct.is_empty() {
-        let mean = (pct.iter().sum::<f64>() / pct.len() as f64 * 10.0).round() / 10.0;
-        trace.losses.no_lease_pct = [
-            pct.iter().copied().fold(f64::INFINITY, f64::min),
-            mean,
-            pct.iter().copied().fold(0.0, f64::max),
-        ];
-    }
-    Ok(trace)
 }
 
 /// The most of the sorted `ticks` within any `span` consecutive ticks.
