@@ -31,7 +31,10 @@
 //! touches in `KEYS`, as a script must; all of a request's records are in
 //! one Redis (this store speaks to one server, not a Redis Cluster, where
 //! a request's keys span slots). The sweep's batches ([`Store::update_keys`])
-//! use the per-record [`CAS`]: each of its steps may run again. The
+//! use the per-record [`CAS`]: each of its steps may run again. Both loops
+//! ([`request`], [`sweep`]) are written once, here, over how a store reads
+//! and writes ([`RequestIo`], [`SweepIo`]): the Redis Cluster store runs
+//! the same loops over its slots. The
 //! allocation math stays in Rust (`crate::alloc`); the scripts know nothing
 //! of it.
 
@@ -547,6 +550,146 @@ pub(crate) fn map_err(e: RedisError) -> StoreError {
     }
 }
 
+/// A node's session as a request reads it: its version, its value, and
+/// the number of sessions.
+pub(super) struct SessionRead {
+    pub(super) version: Version,
+    pub(super) session: Option<Session>,
+    pub(super) count: u64,
+}
+
+/// A sync request read and stepped by the allocator ([`request`]): what
+/// its write needs. `session` at `version` and `count` as read,
+/// `write_session` whether the allocator changed it; `records` at
+/// `versions`, stepped into `slots` (in the same order).
+pub(super) struct Stepped<'a> {
+    pub(super) node: &'a str,
+    pub(super) record: &'a str,
+    pub(super) read: SessionRead,
+    pub(super) write_session: bool,
+    pub(super) records: Vec<String>,
+    pub(super) versions: Vec<Version>,
+    pub(super) slots: Vec<KeySlot>,
+}
+
+/// How a store reaches a sync request's records: the one Redis (one
+/// script for the whole request) or a Redis Cluster (a script per slot,
+/// then the session). The loop over them is [`request`], the same for
+/// both.
+#[async_trait]
+pub(super) trait RequestIo: Send {
+    async fn read_session(&mut self, record: &str) -> Result<SessionRead, StoreError>;
+
+    /// The values of `records`, in their order.
+    async fn read(&mut self, records: &[String]) -> Result<Vec<Option<Vec<u8>>>, StoreError>;
+
+    /// Writes a stepped request if no version moved since it was read:
+    /// the number of sessions after it, or `None` (a version moved: read
+    /// and step it again).
+    async fn write(&mut self, stepped: Stepped<'_>) -> Result<Option<u64>, StoreError>;
+}
+
+/// The sync request's loop ([`Store::update_request`] for `node`): read
+/// the session, let `txn` begin, read the records it names, let it step
+/// them, write; on a conflict all again, at most [`MAX_ATTEMPTS`] times,
+/// then a transient [`StoreError::Contention`].
+pub(super) async fn request(
+    io: &mut (dyn RequestIo + '_),
+    names: &Names,
+    node: &str,
+    txn: &mut (dyn Txn + '_),
+) -> Result<u64, StoreError> {
+    let record = names.session_record(node);
+    for _ in 0..MAX_ATTEMPTS {
+        let mut read = io.read_session(&record).await?;
+        let Some(ids) = txn.begin(&mut read.session, read.count) else {
+            return Ok(read.count);
+        };
+        let records: Vec<String> = ids.iter().map(|id| names.key_record(id)).collect();
+        let rows = io.read(&records).await?;
+        let (versions, mut slots) = key_slots(ids, &records, rows)?;
+        let write_session = txn.apply(&mut read.session, &mut slots);
+        let stepped = Stepped {
+            node,
+            record: &record,
+            read,
+            write_session,
+            records,
+            versions,
+            slots,
+        };
+        if let Some(after) = io.write(stepped).await? {
+            return Ok(after);
+        }
+    }
+    Err(StoreError::Contention {
+        record,
+        attempts: MAX_ATTEMPTS,
+    })
+}
+
+/// The one Redis's side of a [`request`]: the records read in one
+/// pipeline, written with one [`CAS_ALL`].
+struct OneRedisRequest<'a> {
+    store: &'a RedisStore,
+    conn: ConnectionManager,
+}
+
+#[async_trait]
+impl RequestIo for OneRedisRequest<'_> {
+    async fn read_session(&mut self, record: &str) -> Result<SessionRead, StoreError> {
+        let (version, session, count) = self.store.read_session(&mut self.conn, record).await?;
+        Ok(SessionRead {
+            version,
+            session,
+            count,
+        })
+    }
+
+    async fn read(&mut self, records: &[String]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
+        if records.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut read = redis::pipe();
+        for r in records {
+            read.cmd("GET").arg(r);
+        }
+        read.query_async(&mut self.conn).await.map_err(map_err)
+    }
+
+    async fn write(&mut self, stepped: Stepped<'_>) -> Result<Option<u64>, StoreError> {
+        let Stepped {
+            node,
+            record,
+            read,
+            write_session,
+            records,
+            versions,
+            slots,
+        } = stepped;
+        let mut script = redis::cmd("EVAL");
+        script.arg(CAS_ALL).arg(records.len() + 2);
+        script.arg(self.store.names.nodes_set()).arg(record);
+        for r in &records {
+            script.arg(r);
+        }
+        script.arg(node);
+        let (session_op, after) = session_op(write_session, &read.session, record, read.version, read.count)?;
+        push_op(&mut script, read.version, session_op);
+        for ((slot, r), v) in slots.iter().zip(&records).zip(&versions) {
+            let op = match (slot.write, &slot.record, v) {
+                (false, _, _) | (true, None, None) => Op::Check,
+                (true, Some(ks), None) => Op::Create(next_value(r, *v, ks)?),
+                (true, Some(ks), Some(_)) => Op::Write(next_value(r, *v, ks)?),
+                (true, None, Some(_)) => Op::Delete,
+            };
+            push_op(&mut script, *v, op);
+        }
+        let written: i64 = script.query_async(&mut self.conn).await.map_err(map_err)?;
+        Ok((written == 1).then_some(after))
+    }
+}
+
 /// The [`CAS_DEL`] of `record` at `version`.
 fn cas_del_cmd(record: &str, version: u64) -> redis::Cmd {
     let mut cmd = redis::cmd("EVAL");
@@ -643,53 +786,11 @@ impl Store for RedisStore {
     }
 
     async fn update_request(&self, node: &str, txn: &mut (dyn Txn + '_)) -> Result<u64, StoreError> {
-        let mut conn = self.conn().await?;
-        let record = self.names.session_record(node);
-        for _ in 0..MAX_ATTEMPTS {
-            let (version, mut session, count) = self.read_session(&mut conn, &record).await?;
-            let Some(ids) = txn.begin(&mut session, count) else {
-                return Ok(count);
-            };
-            let records: Vec<String> = ids.iter().map(|id| self.names.key_record(id)).collect();
-            let rows: Vec<Option<Vec<u8>>> = if records.is_empty() {
-                Vec::new()
-            } else {
-                let mut read = redis::pipe();
-                for r in &records {
-                    read.cmd("GET").arg(r);
-                }
-                read.query_async(&mut conn).await.map_err(map_err)?
-            };
-            let (versions, mut slots) = key_slots(ids, &records, rows)?;
-            let write_session = txn.apply(&mut session, &mut slots);
-
-            let mut script = redis::cmd("EVAL");
-            script.arg(CAS_ALL).arg(records.len() + 2);
-            script.arg(self.names.nodes_set()).arg(&record);
-            for r in &records {
-                script.arg(r);
-            }
-            script.arg(node);
-            let (session_op, after) = session_op(write_session, &session, &record, version, count)?;
-            push_op(&mut script, version, session_op);
-            for ((slot, r), v) in slots.iter().zip(&records).zip(&versions) {
-                let op = match (slot.write, &slot.record, v) {
-                    (false, _, _) | (true, None, None) => Op::Check,
-                    (true, Some(ks), None) => Op::Create(next_value(r, *v, ks)?),
-                    (true, Some(ks), Some(_)) => Op::Write(next_value(r, *v, ks)?),
-                    (true, None, Some(_)) => Op::Delete,
-                };
-                push_op(&mut script, *v, op);
-            }
-            let written: i64 = script.query_async(&mut conn).await.map_err(map_err)?;
-            if written == 1 {
-                return Ok(after);
-            }
-        }
-        Err(StoreError::Contention {
-            record,
-            attempts: MAX_ATTEMPTS,
-        })
+        let mut io = OneRedisRequest {
+            store: self,
+            conn: self.conn().await?,
+        };
+        request(&mut io, &self.names, node, txn).await
     }
 
     async fn update_keys(&self, ids: &[KeyId], f: &mut KeyUpdate<'_>) -> Result<(), StoreError> {

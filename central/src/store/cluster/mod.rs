@@ -82,7 +82,9 @@
 //! So `--max-sessions` may be passed by what the replicas create within one
 //! interval.
 //!
-//! Files: this one holds the store and its update loops; `slots.rs` where
+//! Files: this one holds the store and its side of the update loops (the
+//! loops of a request and of a sweep are the Redis store's, run over this
+//! store's reads and writes: `super::redis::{request, sweep}`); `slots.rs` where
 //! a record lives (hash slots, the slot map, the cluster's errors);
 //! `spec.rs` the URL.
 
@@ -102,8 +104,8 @@ use redis::Value;
 use tokio::sync::OnceCell;
 
 use super::redis::{
-    key_slots, next_value, push_op, session_op, split_value, sweep, Names, Op, SweepIo, SweptWrite, Version,
-    MAX_ATTEMPTS, RESPONSE_TIMEOUT,
+    next_value, push_op, request, session_op, split_value, sweep, Names, Op, RequestIo, SessionRead, Stepped,
+    SweepIo, SweptWrite, Version, MAX_ATTEMPTS, RESPONSE_TIMEOUT,
 };
 use super::{decode, KeyUpdate, SessionUpdate, Store, StoreError, Txn};
 use crate::alloc::{KeyId, Session};
@@ -475,69 +477,12 @@ impl Store for RedisClusterStore {
     }
 
     async fn update_request(&self, node: &str, txn: &mut (dyn Txn + '_)) -> Result<u64, StoreError> {
-        let mut conn = self.conn().await?;
-        let record = self.names.session_record(node);
-        for _ in 0..MAX_ATTEMPTS {
-            let (version, mut session) = self.read_session(&mut conn, &record).await?;
-            let count = self.sessions.load(Relaxed);
-            let Some(ids) = txn.begin(&mut session, count) else {
-                return Ok(count);
-            };
-            let records: Vec<String> = ids.iter().map(|id| self.names.key_record(id)).collect();
-            let groups = by_slot(&records);
-            let map = self.slot_map(&mut conn).await?;
-            let rows = self.read(&conn, &map, &records, &groups).await?;
-            let (versions, mut slots) = key_slots(ids, &records, rows)?;
-            let write_session = txn.apply(&mut session, &mut slots);
-
-            // The records, one script per slot (a slot with nothing to
-            // write needs no script: its records are not answered from
-            // anything but what it holds), one pipeline per master.
-            let mut scripts = Vec::with_capacity(groups.len());
-            for g in &groups {
-                let mut script = redis::cmd("EVAL");
-                script.arg(CAS_SLOT).arg(g.members.len());
-                for &i in &g.members {
-                    script.arg(&records[i]);
-                }
-                let mut writes = false;
-                for &i in &g.members {
-                    let (slot, r, v) = (&slots[i], &records[i], versions[i]);
-                    let op = match (slot.write, &slot.record, v) {
-                        (false, _, _) | (true, None, None) => Op::Check,
-                        (true, Some(ks), _) => Op::Write(next_value(r, v, ks)?),
-                        (true, None, Some(_)) => Op::Delete,
-                    };
-                    writes |= !matches!(op, Op::Check);
-                    push_op(&mut script, v, op);
-                }
-                scripts.push(writes.then_some(script));
-            }
-            if !self.write_slots(&conn, &map, &groups, scripts).await? {
-                // Another replica moved a record: run it all again (the
-                // slots that landed count nothing twice).
-                continue;
-            }
-
-            // The session last.
-            let (op, after) = session_op(write_session, &session, &record, version, count)?;
-            if matches!(op, Op::Check) {
-                return Ok(after);
-            }
-            if self
-                .write_slot(conn.clone(), Self::single(&record, version, op))
-                .await?
-            {
-                if after > count {
-                    self.sessions.fetch_add(1, Relaxed);
-                }
-                return Ok(after);
-            }
-        }
-        Err(StoreError::Contention {
-            record,
-            attempts: MAX_ATTEMPTS,
-        })
+        let mut io = ClusterRequest {
+            conn: self.conn().await?,
+            store: self,
+            layout: None,
+        };
+        request(&mut io, &self.names, node, txn).await
     }
 
     async fn update_keys(&self, ids: &[KeyId], f: &mut KeyUpdate<'_>) -> Result<(), StoreError> {
@@ -635,6 +580,101 @@ impl SweepIo for ClusterSweep<'_> {
             }
         }
         Ok(landed)
+    }
+}
+
+/// Where a request's records were read: the slot map then, and the
+/// records by slot. Its write goes the same way.
+struct Layout {
+    map: Arc<SlotMap>,
+    groups: Vec<Group>,
+}
+
+/// The cluster's side of a sync request ([`request`]): the records read
+/// with one `MGET` per slot, written with one script per slot (one
+/// pipeline per master), then the session.
+struct ClusterRequest<'a> {
+    store: &'a RedisClusterStore,
+    conn: ClusterConnection,
+    layout: Option<Layout>,
+}
+
+#[async_trait]
+impl RequestIo for ClusterRequest<'_> {
+    async fn read_session(&mut self, record: &str) -> Result<SessionRead, StoreError> {
+        let (version, session) = self.store.read_session(&mut self.conn, record).await?;
+        Ok(SessionRead {
+            version,
+            session,
+            count: self.store.sessions.load(Relaxed),
+        })
+    }
+
+    async fn read(&mut self, records: &[String]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
+        let groups = by_slot(records);
+        let map = self.store.slot_map(&mut self.conn).await?;
+        let rows = self.store.read(&self.conn, &map, records, &groups).await?;
+        self.layout = Some(Layout { map, groups });
+        Ok(rows)
+    }
+
+    async fn write(&mut self, stepped: Stepped<'_>) -> Result<Option<u64>, StoreError> {
+        let Some(Layout { map, groups }) = self.layout.take() else {
+            return Err(StoreError::Refused(
+                "a request written before it was read".to_owned(),
+            ));
+        };
+        let Stepped {
+            record,
+            read,
+            write_session,
+            records,
+            versions,
+            slots,
+            ..
+        } = stepped;
+        // The records, one script per slot (a slot with nothing to
+        // write needs no script: its records are not answered from
+        // anything but what it holds), one pipeline per master.
+        let mut scripts = Vec::with_capacity(groups.len());
+        for g in &groups {
+            let mut script = redis::cmd("EVAL");
+            script.arg(CAS_SLOT).arg(g.members.len());
+            for &i in &g.members {
+                script.arg(&records[i]);
+            }
+            let mut writes = false;
+            for &i in &g.members {
+                let (slot, r, v) = (&slots[i], &records[i], versions[i]);
+                let op = match (slot.write, &slot.record, v) {
+                    (false, _, _) | (true, None, None) => Op::Check,
+                    (true, Some(ks), _) => Op::Write(next_value(r, v, ks)?),
+                    (true, None, Some(_)) => Op::Delete,
+                };
+                writes |= !matches!(op, Op::Check);
+                push_op(&mut script, v, op);
+            }
+            scripts.push(writes.then_some(script));
+        }
+        if !self.store.write_slots(&self.conn, &map, &groups, scripts).await? {
+            // Another replica moved a record: run it all again (the
+            // slots that landed count nothing twice).
+            return Ok(None);
+        }
+
+        // The session last.
+        let (op, after) = session_op(write_session, &read.session, record, read.version, read.count)?;
+        if matches!(op, Op::Check) {
+            return Ok(Some(after));
+        }
+        let single = RedisClusterStore::single(record, read.version, op);
+        if !self.store.write_slot(self.conn.clone(), single).await? {
+            return Ok(None);
+        }
+        if after > read.count {
+            self.store.sessions.fetch_add(1, Relaxed);
+        }
+        Ok(Some(after))
     }
 }
 
