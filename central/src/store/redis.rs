@@ -558,6 +558,16 @@ pub(super) struct SessionRead {
     pub(super) count: u64,
 }
 
+/// A session as [`session`]'s step left it: the version and the number
+/// of sessions it was read at, whether it was absent then (`created`),
+/// and what it is now (`None`: deleted, or still absent).
+pub(super) struct SessionWrite {
+    pub(super) version: Version,
+    pub(super) count: u64,
+    pub(super) created: bool,
+    pub(super) slot: Option<Session>,
+}
+
 /// A sync request read and stepped by the allocator ([`request`]): what
 /// its write needs. `session` at `version` and `count` as read,
 /// `write_session` whether the allocator changed it; `records` at
@@ -582,6 +592,16 @@ pub(super) trait RequestIo: Send {
 
     /// The values of `records`, in their order.
     async fn read(&mut self, records: &[String]) -> Result<Vec<Option<Vec<u8>>>, StoreError>;
+
+    /// Writes the node's session as `f` left it if its version did not
+    /// move since it was read: the number of sessions after it, or `None`
+    /// (read it and let `f` step it again).
+    async fn write_session(
+        &mut self,
+        node: &str,
+        record: &str,
+        write: SessionWrite,
+    ) -> Result<Option<u64>, StoreError>;
 
     /// Writes a stepped request if no version moved since it was read:
     /// the number of sessions after it, or `None` (a version moved: read
@@ -628,6 +648,39 @@ pub(super) async fn request(
     })
 }
 
+/// The session's loop ([`Store::update_session`] for `node`): read it,
+/// let `f` step it, write it if `f` changed it; on a conflict again, at
+/// most [`MAX_ATTEMPTS`] times.
+pub(super) async fn session(
+    io: &mut (dyn RequestIo + '_),
+    names: &Names,
+    node: &str,
+    f: &mut SessionUpdate<'_>,
+) -> Result<u64, StoreError> {
+    let record = names.session_record(node);
+    for _ in 0..MAX_ATTEMPTS {
+        let read = io.read_session(&record).await?;
+        let created = read.session.is_none();
+        let mut slot = read.session;
+        if !f(&mut slot) {
+            return Ok(read.count);
+        }
+        let write = SessionWrite {
+            version: read.version,
+            count: read.count,
+            created,
+            slot,
+        };
+        if let Some(after) = io.write_session(node, &record, write).await? {
+            return Ok(after);
+        }
+    }
+    Err(StoreError::Contention {
+        record,
+        attempts: MAX_ATTEMPTS,
+    })
+}
+
 /// The one Redis's side of a [`request`]: the records read in one
 /// pipeline, written with one [`CAS_ALL`].
 struct OneRedisRequest<'a> {
@@ -655,6 +708,39 @@ impl RequestIo for OneRedisRequest<'_> {
             read.cmd("GET").arg(r);
         }
         read.query_async(&mut self.conn).await.map_err(map_err)
+    }
+
+    async fn write_session(
+        &mut self,
+        node: &str,
+        record: &str,
+        write: SessionWrite,
+    ) -> Result<Option<u64>, StoreError> {
+        let (version, count) = (write.version, write.count);
+        let Some(session) = write.slot else {
+            let Some(v) = version else {
+                return Ok(Some(count));
+            };
+            // Deleted (expired).
+            let mut pipe = redis::pipe();
+            pipe.add_command(cas_del_cmd(record, v));
+            pipe.cmd("SREM")
+                .arg(self.store.names.nodes_set())
+                .arg(node)
+                .ignore();
+            let (deleted,): (i64,) = pipe.query_async(&mut self.conn).await.map_err(map_err)?;
+            return Ok((deleted == 1).then(|| count.saturating_sub(1)));
+        };
+        let mut pipe = redis::pipe();
+        pipe.add_command(cas_cmd(record, version, next_value(record, version, &session)?));
+        if write.created {
+            pipe.cmd("SADD").arg(self.store.names.nodes_set()).arg(node);
+            let (written, added): (i64, i64) = pipe.query_async(&mut self.conn).await.map_err(map_err)?;
+            Ok((written == 1).then(|| count.saturating_add(u64::try_from(added).unwrap_or(0))))
+        } else {
+            let (written,): (i64,) = pipe.query_async(&mut self.conn).await.map_err(map_err)?;
+            Ok((written == 1).then_some(count))
+        }
     }
 
     async fn write(&mut self, stepped: Stepped<'_>) -> Result<Option<u64>, StoreError> {
@@ -742,47 +828,11 @@ impl Store for RedisStore {
     }
 
     async fn update_session(&self, node: &str, f: &mut SessionUpdate<'_>) -> Result<u64, StoreError> {
-        let mut conn = self.conn().await?;
-        let record = self.names.session_record(node);
-        for _ in 0..MAX_ATTEMPTS {
-            let (version, mut slot, count) = self.read_session(&mut conn, &record).await?;
-            let created = slot.is_none();
-            if !f(&mut slot) {
-                return Ok(count);
-            }
-            let Some(session) = slot else {
-                let Some(v) = version else {
-                    return Ok(count);
-                };
-                // Deleted (expired).
-                let mut pipe = redis::pipe();
-                pipe.add_command(cas_del_cmd(&record, v));
-                pipe.cmd("SREM").arg(self.names.nodes_set()).arg(node).ignore();
-                let (deleted,): (i64,) = pipe.query_async(&mut conn).await.map_err(map_err)?;
-                if deleted == 1 {
-                    return Ok(count.saturating_sub(1));
-                }
-                continue;
-            };
-            let mut pipe = redis::pipe();
-            pipe.add_command(cas_cmd(&record, version, next_value(&record, version, &session)?));
-            if created {
-                pipe.cmd("SADD").arg(self.names.nodes_set()).arg(node);
-                let (written, added): (i64, i64) = pipe.query_async(&mut conn).await.map_err(map_err)?;
-                if written == 1 {
-                    return Ok(count.saturating_add(u64::try_from(added).unwrap_or(0)));
-                }
-            } else {
-                let (written,): (i64,) = pipe.query_async(&mut conn).await.map_err(map_err)?;
-                if written == 1 {
-                    return Ok(count);
-                }
-            }
-        }
-        Err(StoreError::Contention {
-            record,
-            attempts: MAX_ATTEMPTS,
-        })
+        let mut io = OneRedisRequest {
+            store: self,
+            conn: self.conn().await?,
+        };
+        session(&mut io, &self.names, node, f).await
     }
 
     async fn update_request(&self, node: &str, txn: &mut (dyn Txn + '_)) -> Result<u64, StoreError> {

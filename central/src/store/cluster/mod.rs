@@ -29,7 +29,7 @@
 //! same counts, whole. So whichever scripts of a request land:
 //! * all of them: the request is answered;
 //! * some (another replica moved a record: a version conflict): the whole
-//!   request runs again on fresh reads, at most [`MAX_ATTEMPTS`] times; the
+//!   request runs again on fresh reads, at most [`MAX_ATTEMPTS`](super::redis::MAX_ATTEMPTS) times; the
 //!   records that landed see their own `seq` again and count nothing (they
 //!   grant the node's lease again, from what they hold, which is what the
 //!   answer then carries);
@@ -104,8 +104,8 @@ use redis::Value;
 use tokio::sync::OnceCell;
 
 use super::redis::{
-    next_value, push_op, request, session_op, split_value, sweep, Names, Op, RequestIo, SessionRead, Stepped,
-    SweepIo, SweptWrite, Version, MAX_ATTEMPTS, RESPONSE_TIMEOUT,
+    next_value, push_op, request, session, session_op, split_value, sweep, Names, Op, RequestIo, SessionRead,
+    SessionWrite, Stepped, SweepIo, SweptWrite, Version, RESPONSE_TIMEOUT,
 };
 use super::{decode, KeyUpdate, SessionUpdate, Store, StoreError, Txn};
 use crate::alloc::{KeyId, Session};
@@ -445,35 +445,12 @@ impl Store for RedisClusterStore {
     }
 
     async fn update_session(&self, node: &str, f: &mut SessionUpdate<'_>) -> Result<u64, StoreError> {
-        let mut conn = self.conn().await?;
-        let record = self.names.session_record(node);
-        for _ in 0..MAX_ATTEMPTS {
-            let (version, mut slot) = self.read_session(&mut conn, &record).await?;
-            let count = self.sessions.load(Relaxed);
-            let created = slot.is_none();
-            if !f(&mut slot) {
-                return Ok(count);
-            }
-            let (op, after) = match (&slot, version) {
-                (None, None) => return Ok(count),
-                (None, Some(_)) => (Op::Delete, count.saturating_sub(1)),
-                (Some(s), _) => (
-                    Op::Write(next_value(&record, version, s)?),
-                    count.saturating_add(u64::from(created)),
-                ),
-            };
-            if self
-                .write_slot(conn.clone(), Self::single(&record, version, op))
-                .await?
-            {
-                self.sessions.store(after, Relaxed);
-                return Ok(after);
-            }
-        }
-        Err(StoreError::Contention {
-            record,
-            attempts: MAX_ATTEMPTS,
-        })
+        let mut io = ClusterRequest {
+            conn: self.conn().await?,
+            store: self,
+            layout: None,
+        };
+        session(&mut io, &self.names, node, f).await
     }
 
     async fn update_request(&self, node: &str, txn: &mut (dyn Txn + '_)) -> Result<u64, StoreError> {
@@ -616,6 +593,29 @@ impl RequestIo for ClusterRequest<'_> {
         let rows = self.store.read(&self.conn, &map, records, &groups).await?;
         self.layout = Some(Layout { map, groups });
         Ok(rows)
+    }
+
+    async fn write_session(
+        &mut self,
+        _node: &str,
+        record: &str,
+        write: SessionWrite,
+    ) -> Result<Option<u64>, StoreError> {
+        let (version, count, created) = (write.version, write.count, write.created);
+        let (op, after) = match (&write.slot, version) {
+            (None, None) => return Ok(Some(count)),
+            (None, Some(_)) => (Op::Delete, count.saturating_sub(1)),
+            (Some(s), _) => (
+                Op::Write(next_value(record, version, s)?),
+                count.saturating_add(u64::from(created)),
+            ),
+        };
+        let single = RedisClusterStore::single(record, version, op);
+        if !self.store.write_slot(self.conn.clone(), single).await? {
+            return Ok(None);
+        }
+        self.store.sessions.store(after, Relaxed);
+        Ok(Some(after))
     }
 
     async fn write(&mut self, stepped: Stepped<'_>) -> Result<Option<u64>, StoreError> {
