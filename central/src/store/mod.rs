@@ -35,6 +35,7 @@
 //! the caller can answer "try again" (the node then runs its leases to their
 //! expiry and applies its failure mode) rather than "broken".
 
+mod cas;
 mod cluster;
 mod embedded;
 mod redis;

@@ -29,7 +29,7 @@
 //! same counts, whole. So whichever scripts of a request land:
 //! * all of them: the request is answered;
 //! * some (another replica moved a record: a version conflict): the whole
-//!   request runs again on fresh reads, at most [`MAX_ATTEMPTS`](super::redis::MAX_ATTEMPTS) times; the
+//!   request runs again on fresh reads, at most [`MAX_ATTEMPTS`](super::cas::MAX_ATTEMPTS) times; the
 //!   records that landed see their own `seq` again and count nothing (they
 //!   grant the node's lease again, from what they hold, which is what the
 //!   answer then carries);
@@ -84,7 +84,7 @@
 //!
 //! Files: this one holds the store and its side of the update loops (the
 //! loops of a request and of a sweep are the Redis store's, run over this
-//! store's reads and writes: `super::redis::{request, sweep}`); `slots.rs` where
+//! store's reads and writes: `super::cas::{request, session, sweep}`); `slots.rs` where
 //! a record lives (hash slots, the slot map, the cluster's errors);
 //! `spec.rs` the URL.
 
@@ -103,10 +103,11 @@ use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr
 use redis::Value;
 use tokio::sync::OnceCell;
 
-use super::redis::{
+use super::cas::{
     next_value, push_op, request, session, session_op, split_value, sweep, Names, Op, RequestIo, SessionRead,
-    SessionWrite, Stepped, SweepIo, SweptWrite, Version, RESPONSE_TIMEOUT,
+    SessionWrite, Stepped, SweepIo, SweptWrite, Version,
 };
+use super::redis::RESPONSE_TIMEOUT;
 use super::{decode, KeyUpdate, SessionUpdate, Store, StoreError, Txn};
 use crate::alloc::{KeyId, Session};
 
