@@ -32,7 +32,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use tenantgate::pipeline::{BodyEdit, Chunk, Directive, RouteMark, StreamId, Verdict};
-use tenantgate::response::{LocalReply, REASON_HEADER};
+use tenantgate::response::LocalReply;
 use tenantgate::sync::syncer::CalloutAnswer;
 
 use crate::abi::{
@@ -421,9 +421,7 @@ fn send(envoy: HttpFilterEnvoy, reply: &LocalReply) {
         .iter()
         .map(|(k, v)| abi::ModuleHttpHeader::of(k, v.as_bytes()))
         .collect();
-    let details = reply
-        .header(REASON_HEADER)
-        .map_or_else(|| String::from("tenantgate"), |r| format!("tenantgate_{r}"));
+    let details = reply.details();
     // SAFETY: the current hook's stream; every buffer outlives the call.
     unsafe {
         abi::envoy_dynamic_module_callback_http_send_response(
@@ -459,7 +457,7 @@ fn record(envoy: HttpFilterEnvoy, directive: &Directive) {
                 abi::envoy_dynamic_module_callback_http_set_header(
                     envoy,
                     abi::HEADER_REQUEST,
-                    ModuleBuffer::of(b"content-length"),
+                    ModuleBuffer::of(tenantgate::pipeline::CONTENT_LENGTH.as_bytes()),
                     ModuleBuffer::NULL,
                 )
             };
@@ -590,8 +588,8 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
         })
     });
     let directive = match directive {
-        Some(d) => d.unwrap_or_else(go),
-        None => guard(|| failed(f, envoy)).unwrap_or_else(go),
+        Some(d) => d.unwrap_or_else(Directive::go),
+        None => guard(|| failed(f, envoy)).unwrap_or_else(Directive::go),
     };
     guard(|| {
         apply(
@@ -602,16 +600,6 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
         )
     })
     .unwrap_or(abi::HEADERS_CONTINUE)
-}
-
-fn go() -> Directive {
-    Directive {
-        verdict: Verdict::Continue,
-        record: None,
-        mark: None,
-        identity_encoding: false,
-        body: BodyEdit::None,
-    }
 }
 
 #[no_mangle]
@@ -648,8 +636,8 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
         })
     });
     let directive = match directive {
-        Some(d) => d.unwrap_or_else(go),
-        None => guard(|| failed(f, envoy)).unwrap_or_else(go),
+        Some(d) => d.unwrap_or_else(Directive::go),
+        None => guard(|| failed(f, envoy)).unwrap_or_else(Directive::go),
     };
     guard(|| {
         apply(
@@ -700,12 +688,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
     });
     if let Some(r) = response {
         f.finished.set(r.finished);
-        let ratelimit = r
-            .ratelimit
-            .iter()
-            .flat_map(|h| [("ratelimit-policy", &h.policy), ("ratelimit", &h.ratelimit)]);
-        let soft = r.soft.iter().map(|(n, v)| (n.as_str(), v));
-        for (name, value) in ratelimit.chain(soft) {
+        for (name, value) in r.added() {
             // SAFETY: the current hook's stream; the buffers are ours.
             let added = unsafe {
                 abi::envoy_dynamic_module_callback_http_add_header(

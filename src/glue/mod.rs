@@ -291,7 +291,9 @@ fn apply(directive: Directive, body: usize) -> Action {
     match &directive.body {
         BodyEdit::None => {}
         BodyEdit::Unsized => {
-            if let Err(status) = abi::remove_header(MapType::HttpRequestHeaders, "content-length") {
+            if let Err(status) =
+                abi::remove_header(MapType::HttpRequestHeaders, crate::pipeline::CONTENT_LENGTH)
+            {
                 log::warn!("tenantgate: cannot remove the content-length request header: {status:?}");
             }
         }
@@ -466,12 +468,7 @@ impl HttpContext for Request {
         else {
             return Action::Continue;
         };
-        let ratelimit = response
-            .ratelimit
-            .iter()
-            .flat_map(|h| [("ratelimit-policy", &h.policy), ("ratelimit", &h.ratelimit)]);
-        let soft = response.soft.iter().map(|(n, v)| (n.as_str(), v));
-        for (name, value) in ratelimit.chain(soft) {
+        for (name, value) in response.added() {
             if abi::add_header(MapType::HttpResponseHeaders, name, value).is_err() {
                 log::warn!("tenantgate: cannot add the {name} response header");
             }
