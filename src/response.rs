@@ -11,6 +11,12 @@ use crate::decision::{Decision, LimitName, Reason};
 /// The header naming the stable reason of a denial.
 pub const REASON_HEADER: &str = "x-tenantgate-reason";
 
+/// The response headers of draft-ietf-httpapi-ratelimit-headers (see
+/// [`crate::decision::RateLimitHeaders`]): the limit's policy, and what is
+/// left of it.
+pub const RATELIMIT_POLICY_HEADER: &str = "ratelimit-policy";
+pub const RATELIMIT_HEADER: &str = "ratelimit";
+
 /// A local reply, ready for the host: a refusal, or a degraded answer
 /// from the cache ([`crate::admission::degraded::reply`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,8 +97,8 @@ pub fn local_reply(
         (REASON_HEADER.into(), reason.as_str().to_owned()),
     ];
     if let (true, Some(h)) = (headers_enabled, &decision.headers) {
-        headers.push(("ratelimit-policy".into(), h.policy.clone()));
-        headers.push(("ratelimit".into(), h.ratelimit.clone()));
+        headers.push((RATELIMIT_POLICY_HEADER.into(), h.policy.clone()));
+        headers.push((RATELIMIT_HEADER.into(), h.ratelimit.clone()));
     }
     if let Some(id) = request_id {
         headers.push(("x-request-id".into(), id.to_owned()));

@@ -343,8 +343,8 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
         })
     });
     let directive = match directive {
-        Some(d) => d.unwrap_or_else(go),
-        None => guard(|| failed(f, envoy)).unwrap_or_else(go),
+        Some(d) => d.unwrap_or_else(Directive::go),
+        None => guard(|| failed(f, envoy)).unwrap_or_else(Directive::go),
     };
     guard(|| {
         apply(
@@ -355,16 +355,6 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
         )
     })
     .unwrap_or(abi::HEADERS_CONTINUE)
-}
-
-fn go() -> Directive {
-    Directive {
-        verdict: Verdict::Continue,
-        record: None,
-        mark: None,
-        identity_encoding: false,
-        body: BodyEdit::None,
-    }
 }
 
 #[no_mangle]
@@ -401,8 +391,8 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
         })
     });
     let directive = match directive {
-        Some(d) => d.unwrap_or_else(go),
-        None => guard(|| failed(f, envoy)).unwrap_or_else(go),
+        Some(d) => d.unwrap_or_else(Directive::go),
+        None => guard(|| failed(f, envoy)).unwrap_or_else(Directive::go),
     };
     guard(|| {
         apply(
@@ -453,12 +443,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
     });
     if let Some(r) = response {
         f.finished.set(r.finished);
-        let ratelimit = r
-            .ratelimit
-            .iter()
-            .flat_map(|h| [("ratelimit-policy", &h.policy), ("ratelimit", &h.ratelimit)]);
-        let soft = r.soft.iter().map(|(n, v)| (n.as_str(), v));
-        for (name, value) in ratelimit.chain(soft) {
+        for (name, value) in r.added() {
             // SAFETY: the current hook's stream; the buffers are ours.
             let added = unsafe {
                 abi::envoy_dynamic_module_callback_http_add_header(

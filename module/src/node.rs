@@ -45,7 +45,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
 use std::time::Duration;
 
 use hashbrown::HashMap;
-use tenantgate::pipeline::{Answer, BodyEdit, Callout, Directive, Pipeline, StreamId, Verdict, TICK_NS};
+use tenantgate::pipeline::{Answer, Callout, Directive, Pipeline, StreamId, TICK_NS};
 use tenantgate::policy::Policy;
 use tenantgate::stats::{Metric, Stats};
 use tenantgate::sync::syncer::CalloutAnswer;
@@ -195,16 +195,6 @@ impl Config {
     /// Counts a caught panic.
     pub fn count_panic(&self) {
         self.metrics.add(PANICS_METRIC, 1);
-    }
-}
-
-fn go() -> Directive {
-    Directive {
-        verdict: Verdict::Continue,
-        record: None,
-        mark: None,
-        identity_encoding: false,
-        body: BodyEdit::None,
     }
 }
 
@@ -387,7 +377,7 @@ impl Node {
                 directive: configs
                     .iter()
                     .find(|c| c.id == h.config)
-                    .map_or_else(go, |c| c.failure.directive(None)),
+                    .map_or_else(Directive::go, |c| c.failure.directive(None)),
             })
             .collect();
         w.deliver(answers);

@@ -466,12 +466,7 @@ impl HttpContext for Request {
         else {
             return Action::Continue;
         };
-        let ratelimit = response
-            .ratelimit
-            .iter()
-            .flat_map(|h| [("ratelimit-policy", &h.policy), ("ratelimit", &h.ratelimit)]);
-        let soft = response.soft.iter().map(|(n, v)| (n.as_str(), v));
-        for (name, value) in ratelimit.chain(soft) {
+        for (name, value) in response.added() {
             if abi::add_header(MapType::HttpResponseHeaders, name, value).is_err() {
                 log::warn!("tenantgate: cannot add the {name} response header");
             }

@@ -120,26 +120,14 @@ impl Pipeline {
                 Admitted::Held => {
                     state.held = true;
                     self.keep(stream, state);
-                    return Directive {
-                        mark: None,
-                        identity_encoding: false,
-                        body: BodyEdit::None,
-                        verdict: Verdict::Pause,
-                        record,
-                    };
+                    return Directive::pause(record);
                 }
                 Admitted::Refused(decision) => {
                     return self.finish(host, policy, stream, state, decision, record)
                 }
                 Admitted::Degraded(reply, decision) => {
                     self.pending.decision(&decision);
-                    return Directive {
-                        mark: None,
-                        identity_encoding: false,
-                        body: BodyEdit::None,
-                        verdict: Verdict::Reply(reply),
-                        record,
-                    };
+                    return Directive::reply(reply, record);
                 }
             }
         }
@@ -176,13 +164,7 @@ impl Pipeline {
                     self.pending.rare(Metric::QueueHeld);
                     state.held = true;
                     self.keep(stream, state);
-                    return Directive {
-                        mark: None,
-                        identity_encoding: false,
-                        body: BodyEdit::None,
-                        verdict: Verdict::Pause,
-                        record,
-                    };
+                    return Directive::pause(record);
                 }
                 Err(NotQueued::Full) => self.pending.rare(Metric::QueueFull),
                 Err(_) => {}
@@ -268,33 +250,15 @@ impl Pipeline {
                 response::local_reply(&decision, &policy.version, policy.ratelimit_headers, request_id);
             self.keep(stream, state);
             if let Some(reply) = reply {
-                return Directive {
-                    mark: None,
-                    identity_encoding: false,
-                    body: BodyEdit::None,
-                    verdict: Verdict::Reply(reply),
-                    record,
-                };
+                return Directive::reply(reply, record);
             }
-            return Directive {
-                mark: None,
-                identity_encoding: false,
-                body: BodyEdit::None,
-                verdict: Verdict::Continue,
-                record,
-            };
+            return Directive::of(Verdict::Continue, record);
         }
         if policy.ratelimit_headers {
             state.headers = decision.headers;
         }
         self.keep(stream, state);
-        Directive {
-            mark: None,
-            identity_encoding: false,
-            body: BodyEdit::None,
-            verdict: Verdict::Continue,
-            record,
-        }
+        Directive::of(Verdict::Continue, record)
     }
 
     /// Checks and charges a prepared request's rate limits: from the
@@ -626,13 +590,7 @@ impl Pipeline {
         ) {
             Admitted::Degraded(reply, decision) => {
                 self.pending.decision(&decision);
-                Directive {
-                    mark: None,
-                    identity_encoding: false,
-                    body: BodyEdit::None,
-                    verdict: Verdict::Reply(reply),
-                    record,
-                }
+                Directive::reply(reply, record)
             }
             Admitted::Refused(decision) => {
                 self.pending.decision(&decision);
@@ -643,13 +601,7 @@ impl Pipeline {
                     p.policy.ratelimit_headers,
                     request_id,
                 ) {
-                    Some(reply) => Directive {
-                        mark: None,
-                        identity_encoding: false,
-                        body: BodyEdit::None,
-                        verdict: Verdict::Reply(reply),
-                        record,
-                    },
+                    Some(reply) => Directive::reply(reply, record),
                     None => return,
                 }
             }
@@ -847,13 +799,7 @@ impl Pipeline {
                     }
                     state.signal = None;
                     state.capture = None;
-                    Directive {
-                        mark: None,
-                        identity_encoding: false,
-                        body: BodyEdit::None,
-                        verdict: Verdict::Reply(reply),
-                        record,
-                    }
+                    Directive::reply(reply, record)
                 }
                 None => {
                     self.count_probe(&p.policy, &p.prepared, state.ticket.as_ref());
@@ -861,13 +807,7 @@ impl Pipeline {
                     if p.policy.ratelimit_headers {
                         state.headers = decision.headers.clone();
                     }
-                    Directive {
-                        mark: None,
-                        identity_encoding: false,
-                        body: BodyEdit::None,
-                        verdict: Verdict::Continue,
-                        record,
-                    }
+                    Directive::of(Verdict::Continue, record)
                 }
             };
         // A client's own marker was removed when it was held.

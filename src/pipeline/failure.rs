@@ -5,7 +5,7 @@
 //! a copy of it; the host only asks for the directive, with the class the
 //! core's own classifier gives ([`crate::engine::class_of`]).
 
-use super::{BodyEdit, Directive, Verdict};
+use super::{Directive, Verdict};
 use crate::decision::Decision;
 use crate::policy::{FailureMode, Policy};
 use crate::response;
@@ -52,13 +52,7 @@ impl Failure {
         } else {
             Verdict::Continue
         };
-        Directive {
-            verdict,
-            record: None,
-            mark: None,
-            identity_encoding: false,
-            body: BodyEdit::None,
-        }
+        Directive::of(verdict, None)
     }
 }
 

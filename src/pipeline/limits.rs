@@ -20,13 +20,13 @@ use std::rc::Rc;
 
 use serde::Serialize;
 
-use super::{BodyEdit, Clock, Directive, Pipeline, Verdict};
+use super::{Clock, Directive, Pipeline};
 use crate::decision::Subject;
 use crate::engine;
 use crate::host::Host;
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::Policy;
-use crate::response::LocalReply;
+use crate::response::{LocalReply, RATELIMIT_HEADER, RATELIMIT_POLICY_HEADER};
 use crate::stats::Metric;
 
 #[derive(Serialize)]
@@ -122,22 +122,19 @@ impl Pipeline {
         })
         .unwrap_or_default();
         self.pending.rare(Metric::LimitsAnswered);
-        Directive {
-            mark: None,
-            identity_encoding: false,
-            body: BodyEdit::None,
-            verdict: Verdict::Reply(LocalReply {
+        Directive::reply(
+            LocalReply {
                 status: 200,
                 headers: vec![
                     ("content-type".into(), String::from("application/json")),
                     ("cache-control".into(), String::from("no-store")),
-                    ("ratelimit-policy".into(), ratelimit_policy),
-                    ("ratelimit".into(), ratelimit),
+                    (RATELIMIT_POLICY_HEADER.into(), ratelimit_policy),
+                    (RATELIMIT_HEADER.into(), ratelimit),
                 ],
                 body,
-            }),
-            record: None,
-        }
+            },
+            None,
+        )
     }
 }
 
@@ -148,14 +145,8 @@ fn join(items: &[Item<'_>], f: impl Fn(&Item<'_>) -> String) -> String {
 /// The endpoint could not read what it reports.
 fn unavailable(policy: &Policy) -> Directive {
     let decision = crate::decision::Decision::unavailable();
-    Directive {
-        mark: None,
-        identity_encoding: false,
-        body: BodyEdit::None,
-        verdict: match crate::response::local_reply(&decision, &policy.version, false, None) {
-            Some(reply) => Verdict::Reply(reply),
-            None => Verdict::Continue,
-        },
-        record: None,
+    match crate::response::local_reply(&decision, &policy.version, false, None) {
+        Some(reply) => Directive::reply(reply, None),
+        None => Directive::go(),
     }
 }

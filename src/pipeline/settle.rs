@@ -436,13 +436,7 @@ impl Pipeline {
             policy.ratelimit_headers,
             response::request_id(raw.as_deref()),
         )?;
-        Some(Directive {
-            verdict: Verdict::Reply(reply),
-            record: None,
-            mark: None,
-            identity_encoding: false,
-            body: BodyEdit::None,
-        })
+        Some(Directive::reply(reply, None))
     }
 
     /// The response's headers, a body chunk or its trailers went by the

@@ -8,6 +8,7 @@ use std::rc::Rc;
 use super::*;
 use crate::limiter::NANOS_PER_SEC;
 use crate::memory::{MemoryHost, MemoryStats, SharedStore};
+use crate::response::LocalReply;
 
 const S: u64 = NANOS_PER_SEC;
 const MS: u64 = 1_000_000;
