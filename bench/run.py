@@ -73,7 +73,11 @@ else the machine runs slows both alike, and, both saturated, they share CPU
 per request; each round's difference of CPU per request is measured under
 the same conditions for both, busy or not. A comparison for a busy
 machine, where separate runs are not comparable; printed, not written to
-filter.json.
+filter.json. BENCH_BEFORE=<dir> adds every tenantgate row again as
+`<key>@before`, loading the `tenantgate.wasm` and `libtenantgate_module.so`
+of another build from that directory: `BENCH_PAIR=d,d@before` measures a
+change against the code before it under the same conditions (build the
+earlier commit's `make wasm module` in a worktree and copy the two files).
 
 Every tenantgate row is applied as in production, by `tenantgate policy
 apply`, with the capability allow-list it writes (Envoy enters the VM only
@@ -93,6 +97,7 @@ its own process group, and is stopped on exit, error, Ctrl-C or SIGTERM.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import http.client
 import json
@@ -145,6 +150,7 @@ PROBE = env_int("BENCH_PROBE", 1, minimum=0)
 PROBE_CALLS = env_int("BENCH_PROBE_CALLS", 4)
 ONLY = [k.strip() for k in os.environ.get("BENCH_ONLY", "").split(",") if k.strip()]
 PAIR = [k.strip() for k in os.environ.get("BENCH_PAIR", "").split(",") if k.strip()]
+BEFORE = Path(os.environ["BENCH_BEFORE"]) if os.environ.get("BENCH_BEFORE") else None
 # 1: tenantgate rows get the allow-list `policy apply` writes; 0: none.
 CAPABILITIES = env_int("BENCH_CAPABILITIES", 1, minimum=0)
 CAS_CONNECTIONS = env_int("BENCH_CAS_CONNECTIONS", 64)
@@ -316,14 +322,14 @@ def tenant_descriptors_filter() -> str:
     return "\n".join(lines) + "\n"
 
 
-def per_route_config(indent: str, cls: str) -> list[str]:
+def per_route_config(indent: str, cls: str, module: Path) -> list[str]:
     """The native module's per-route config: the route names its class, and
     the module reads it with no lookup (module/src/route.rs)."""
     return [
         f"{indent}typed_per_filter_config:",
         f"{indent}  tenantgate:",
         f'{indent}    "@type": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilterPerRoute',
-        f"{indent}    dynamic_module_config: {{ module: {{ local: {{ filename: {MODULE.resolve()} }} }}, do_not_close: true }}",
+        f"{indent}    dynamic_module_config: {{ module: {{ local: {{ filename: {module.resolve()} }} }}, do_not_close: true }}",
         f"{indent}    per_route_config_name: tenantgate",
         f'{indent}    filter_config: {{ "@type": type.googleapis.com/google.protobuf.StringValue, value: {cls} }}',
     ]
@@ -337,7 +343,9 @@ SETTLE_BODY = (
 )
 
 
-def render_bootstrap(filters: str, port: int, admin: int, sync_port: int, module: bool = False, body: str | None = None) -> str:
+def render_bootstrap(
+    filters: str, port: int, admin: int, sync_port: int, module: Path | None = None, body: str | None = None
+) -> str:
     template = (BENCH / "envoy/bootstrap.yaml").read_text()
     if body is not None:
         plain = 'body: { inline_string: "ok\\n" }'
@@ -354,7 +362,7 @@ def render_bootstrap(filters: str, port: int, admin: int, sync_port: int, module
             lines.append(line)
             if module and marker in line:
                 cls = line.split(marker, 1)[1].split(" ", 1)[0].rstrip("}")
-                lines += per_route_config(line[: len(line) - len(line.lstrip())], cls)
+                lines += per_route_config(line[: len(line) - len(line.lstrip())], cls, module)
     return Template("\n".join(lines) + "\n").substitute(LISTEN_PORT=port, ADMIN_PORT=admin, SYNC_PORT=sync_port)
 
 
@@ -389,12 +397,12 @@ def write_empty_ecds(path: Path, configuration: str = "") -> None:
 
 
 def apply_policy(
-    policy: Path, ecds: Path, wasm: Path = WASM, module: bool = False, all_capabilities: bool = False
+    policy: Path, ecds: Path, wasm: Path = WASM, module: Path | None = None, all_capabilities: bool = False
 ) -> None:
     """Exactly as in production: the CLI validates and writes the ECDS file
     (the native module's with `module`; the wasm filter's with its
     capability allow-list unless `all_capabilities`)."""
-    code = ["--module", str(MODULE)] if module else ["--wasm", str(wasm)]
+    code = ["--module", str(module)] if module else ["--wasm", str(wasm)]
     argv = [str(CLI), "policy", "apply", str(policy), "--ecds", str(ecds)] + code
     if not module and (all_capabilities or not CAPABILITIES):
         argv.append("--all-capabilities")
@@ -439,6 +447,8 @@ class Config:
         self.calls = 1
         # The tenantgate build to load (the self-time build for that step).
         self.wasm = WASM
+        # The native module to load (another build's for BENCH_BEFORE).
+        self.module = MODULE
         # Applied with `--all-capabilities` (no allow-list).
         self.all_capabilities = False
         # The direct_response body (None: "ok\n"); (m) answers JSON.
@@ -472,13 +482,15 @@ class Envoy:
         module = config.filter_name == "module"
         if config.filter_name == "tenantgate" or module:
             assert config.policy is not None
-            apply_policy(config.policy, ecds, config.wasm, module, config.all_capabilities)
+            apply_policy(config.policy, ecds, config.wasm, config.module if module else None, config.all_capabilities)
         elif config.filter_name == "empty":
             write_empty_ecds(ecds, config.probe)
         bootstrap = self.dir / "bootstrap.yaml"
         # The ECDS filter is named `tenantgate` on both hosts.
         filters = render_filters("tenantgate" if module else config.filter_name, ecds)
-        bootstrap.write_text(render_bootstrap(filters, self.port, self.admin, self.sync_port, module, config.body))
+        bootstrap.write_text(
+            render_bootstrap(filters, self.port, self.admin, self.sync_port, config.module if module else None, config.body)
+        )
         argv = [str(ENVOY), "-c", str(bootstrap), "--concurrency", str(concurrency)]
         argv += ["--disable-hot-restart", "-l", "warning"]
         if cpu is not None:
@@ -887,6 +899,28 @@ def wrk_both(envoys: dict, configs: dict, seconds: int) -> dict:
     return results
 
 
+def before_twins(rows: dict) -> dict:
+    """BENCH_BEFORE: every row again as `<key>@before`, loading the filter
+    and the module of another build (the directory's `tenantgate.wasm` and
+    `libtenantgate_module.so`), so `BENCH_PAIR=d,d@before` measures a
+    change against the code before it under the same conditions."""
+    if not BEFORE:
+        return {}
+    wasm, module = BEFORE / "tenantgate.wasm", BEFORE / "libtenantgate_module.so"
+    for path in (wasm, module):
+        if not path.exists():
+            sys.exit(f"bench: BENCH_BEFORE has no {path.name} ({path})")
+    twins = {}
+    for key, c in rows.items():
+        if c.filter_name not in ("tenantgate", "module") or c.wasm != WASM:
+            continue
+        twin = copy.copy(c)
+        twin.key, twin.label = f"{key}@before", f"{c.label} (before: {BEFORE})"
+        twin.wasm, twin.module = wasm, module
+        twins[twin.key] = twin
+    return twins
+
+
 def paired(by_key: dict) -> int:
     """BENCH_PAIR: two rows at once (see the docstring)."""
     if len(PAIR) != 2 or any(k not in by_key for k in PAIR):
@@ -1075,7 +1109,8 @@ def main() -> int:
     extra = ablation + probes + unrestricted + module_ablation
 
     if PAIR:
-        return paired({**by_key, **{c.key: c for c in extra}})
+        rows = {**by_key, **{c.key: c for c in extra}}
+        return paired({**rows, **before_twins(rows)})
     if ONLY:
         return only({**by_key, **{c.key: c for c in extra}})
 

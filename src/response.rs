@@ -35,6 +35,14 @@ impl LocalReply {
             .find(|(n, _)| n == name)
             .map(|(_, v)| v.as_str())
     }
+
+    /// The response code details a host gives Envoy for this reply (its
+    /// access log's `%RESPONSE_CODE_DETAILS%`): `tenantgate_<reason>`, or
+    /// `tenantgate` for a reply without a reason (the limits endpoint).
+    pub fn details(&self) -> String {
+        self.header(REASON_HEADER)
+            .map_or_else(|| String::from("tenantgate"), |r| format!("tenantgate_{r}"))
+    }
 }
 
 #[derive(Serialize)]

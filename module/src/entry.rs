@@ -35,7 +35,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use tenantgate::pipeline::{BodyEdit, Chunk, Directive, RouteMark, StreamId, Verdict};
-use tenantgate::response::{LocalReply, REASON_HEADER};
+use tenantgate::response::LocalReply;
 
 use crate::abi::{
     self, EnvoyBuffer, EnvoyHttpHeader, HttpFilterConfigModule, HttpFilterEnvoy, HttpFilterModule,
@@ -174,9 +174,7 @@ fn send(envoy: HttpFilterEnvoy, reply: &LocalReply) {
         .iter()
         .map(|(k, v)| abi::ModuleHttpHeader::of(k, v.as_bytes()))
         .collect();
-    let details = reply
-        .header(REASON_HEADER)
-        .map_or_else(|| String::from("tenantgate"), |r| format!("tenantgate_{r}"));
+    let details = reply.details();
     // SAFETY: the current hook's stream; every buffer outlives the call.
     unsafe {
         abi::envoy_dynamic_module_callback_http_send_response(
@@ -212,7 +210,7 @@ fn record(envoy: HttpFilterEnvoy, directive: &Directive) {
                 abi::envoy_dynamic_module_callback_http_set_header(
                     envoy,
                     abi::HEADER_REQUEST,
-                    ModuleBuffer::of(b"content-length"),
+                    ModuleBuffer::of(tenantgate::pipeline::CONTENT_LENGTH.as_bytes()),
                     ModuleBuffer::NULL,
                 )
             };

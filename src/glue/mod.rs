@@ -291,7 +291,9 @@ fn apply(directive: Directive, body: usize) -> Action {
     match &directive.body {
         BodyEdit::None => {}
         BodyEdit::Unsized => {
-            if let Err(status) = abi::remove_header(MapType::HttpRequestHeaders, "content-length") {
+            if let Err(status) =
+                abi::remove_header(MapType::HttpRequestHeaders, crate::pipeline::CONTENT_LENGTH)
+            {
                 log::warn!("tenantgate: cannot remove the content-length request header: {status:?}");
             }
         }

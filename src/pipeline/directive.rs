@@ -86,6 +86,8 @@ pub struct Directive {
 /// The request header a metered request's upstream is asked not to
 /// compress by, and its value.
 pub const ACCEPT_ENCODING: &str = "accept-encoding";
+/// The request header a host removes for [`BodyEdit::Unsized`].
+pub const CONTENT_LENGTH: &str = "content-length";
 pub const IDENTITY: &str = "identity";
 
 /// A change to the request's headers that route configuration matches:

@@ -1,6 +1,7 @@
 //! The one holder of paused requests: every request a worker holds instead
 //! of answering, whatever it waits for, with one record per request
-//! ([`Paused`]), one index of held streams, one serve per tick and one
+//! ([`Request`]: what answering or resuming it needs, read when it was
+//! held), one index of held streams, one serve per tick and one
 //! removal when a stream ends.
 //!
 //! A request waits for one of two things, each with its own order:
@@ -28,44 +29,20 @@
 //! closure.
 
 use std::collections::VecDeque;
-use std::rc::Rc;
 
 use hashbrown::HashMap;
 
+use super::request::Request;
 use super::StreamId;
 use crate::admission::queue::{Attempt, Held, NotHeld, Offered, PriorityQueue, Served};
 use crate::decision::Decision;
-use crate::engine::Prepared;
 use crate::policy::admission::Criticality;
-use crate::policy::{OnLimit, Policy};
-
-/// What answering or resuming a held request needs, read when it was held
-/// (its answer is sent from the tick, on its own stream).
-#[derive(Debug, Clone)]
-pub struct Paused {
-    pub stream: StreamId,
-    pub policy: Rc<Policy>,
-    pub prepared: Prepared,
-    /// A primary request of a retry-budgeted dependency: counted when admitted.
-    pub primary: bool,
-    /// Its `x-request-id`, echoed in a refusal (validated when answered).
-    pub request_id: Option<Vec<u8>>,
-    /// A degradable class's GET or HEAD: its method and path, to answer
-    /// it from the cache if it is refused.
-    pub read: Option<Read>,
-}
-
-/// A degradable request's method and path.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Read {
-    pub method: Vec<u8>,
-    pub path: Vec<u8>,
-}
+use crate::policy::OnLimit;
 
 /// A request in the rate lane.
 #[derive(Debug, Clone)]
 struct RateWait {
-    paused: Paused,
+    paused: Request,
     /// Answer by then (ns since the epoch).
     deadline: u64,
     /// When its limit could admit it, as last computed.
@@ -95,22 +72,22 @@ enum Lane {
 #[derive(Debug)]
 pub enum Released<A, R> {
     /// A slot lane's request got its slot (`A`: what the closure returned).
-    Admitted(Held<Paused>, A),
+    Admitted(Held<Request>, A),
     /// A slot lane's request is refused for good (its breaker opened, or
     /// its dependency was paused): answer it now.
-    Refused(Held<Paused>, R),
+    Refused(Held<Request>, R),
     /// A slot lane's request would pass its deadline before the next tick.
-    TimedOut(Held<Paused>),
+    TimedOut(Held<Request>),
     /// A rate lane's request was charged: admitted if `Decision` does not
     /// deny, rejected otherwise.
-    Charged(Paused, Decision),
+    Charged(Request, Decision),
 }
 
 /// A worker's held requests.
 #[derive(Debug, Default)]
 pub struct Hold {
     rate: VecDeque<RateWait>,
-    slots: HashMap<String, PriorityQueue<Paused>>,
+    slots: HashMap<String, PriorityQueue<Request>>,
     /// Where each held stream is.
     lanes: HashMap<StreamId, Lane>,
 }
@@ -127,7 +104,7 @@ impl Hold {
 
     /// Holds a request denied by a rate limit if its class queues and it can
     /// be admitted within `max_wait`.
-    pub fn offer_rate(&mut self, paused: Paused, denial: &Decision, now: u64) -> Result<(), NotQueued> {
+    pub fn offer_rate(&mut self, paused: Request, denial: &Decision, now: u64) -> Result<(), NotQueued> {
         let OnLimit::Queue {
             max_wait_ns,
             max_queue,
@@ -162,9 +139,9 @@ impl Hold {
     pub fn offer_slot(
         &mut self,
         key: &str,
-        held: Held<Paused>,
+        held: Held<Request>,
         max_queue: u32,
-    ) -> Result<Offered<Paused>, NotHeld> {
+    ) -> Result<Offered<Request>, NotHeld> {
         let stream = held.item.stream;
         let queue = match self.slots.get_mut(key) {
             Some(q) => q,
@@ -215,8 +192,8 @@ impl Hold {
         &mut self,
         now: u64,
         tick_ns: u64,
-        mut admit: impl FnMut(&Held<Paused>) -> Attempt<A, R>,
-        mut charge: impl FnMut(&Paused) -> Decision,
+        mut admit: impl FnMut(&Held<Request>) -> Attempt<A, R>,
+        mut charge: impl FnMut(&Request) -> Decision,
     ) -> Vec<Released<A, R>> {
         let mut out = Vec::new();
         for queue in self.slots.values_mut().filter(|q| !q.is_empty()) {
@@ -264,10 +241,14 @@ impl Hold {
 
 #[cfg(test)]
 mod tests {
+    use std::rc::Rc;
+
     use super::*;
     use crate::decision::Reason;
     use crate::engine;
+    use crate::engine::Prepared;
     use crate::memory::{MemoryHost, SharedStore};
+    use crate::policy::Policy;
 
     const MS: u64 = 1_000_000;
     const T0: u64 = 1_796_000_000_000_000_000;
@@ -285,8 +266,8 @@ mod tests {
         )
     }
 
-    fn paused(stream: StreamId, policy: &Rc<Policy>, prepared: &Prepared) -> Paused {
-        Paused {
+    fn paused(stream: StreamId, policy: &Rc<Policy>, prepared: &Prepared) -> Request {
+        Request {
             stream,
             policy: policy.clone(),
             prepared: prepared.clone(),
@@ -296,7 +277,7 @@ mod tests {
         }
     }
 
-    fn no_slots(_: &Held<Paused>) -> Attempt<(), ()> {
+    fn no_slots(_: &Held<Request>) -> Attempt<(), ()> {
         Attempt::LevelFull
     }
 

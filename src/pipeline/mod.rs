@@ -8,8 +8,23 @@
 //! record for the access log), and [`Answer`]s for streams it paused
 //! earlier ([`Pipeline::take_answers`]). It decides nothing itself.
 //!
+//! # The map
+//! | file | what it is |
+//! |---|---|
+//! | `admit.rs` | the driver: a request's headers through the stages to the conclusion; its body; a held request answered or resumed |
+//! | `request.rs` | one request's context ([`Request`]: what it asked, read once; what it took; its record), the [`Step`](request::Step) a stage returns |
+//! | `stages.rs` | the stages in order, each `fn(&mut Pipeline, &H, &mut Req, now) -> Step`, and what each may touch |
+//! | `conclude.rs` | the one conclusion: a decision counted, what a refused request took given back, the record written, the reply built; the degraded-answer cache's answer for a refusal |
+//! | `directive.rs` | what the host is asked to do: [`Directive`] and its constructors, [`Answer`], the names a host writes |
+//! | `hold.rs` | the one holder of paused requests (the rate lane, the slot lanes) |
+//! | `lease.rs` | a hot key's units in the worker's memory |
+//! | `stream.rs`, `settle.rs` | a stream after its decision: its response, its meter and settlement, its end |
+//! | `tick.rs` | the worker's tick |
+//! | `limits.rs`, `failure.rs`, `events.rs` | the limits endpoint, the failure rule both hosts apply, the events a policy needs |
+//!
 //! # A request's path, top to bottom
-//! On its **request headers** ([`Pipeline::on_request_headers`], `admit.rs`):
+//! On its **request headers** ([`Pipeline::on_request_headers`], `admit.rs`,
+//! the stages of `stages.rs`, each returning a step: on, held, or done):
 //! 1. **Classify and identify** ([`crate::engine::prepare`]): the route
 //!    class from trusted route configuration, the tenant from the trusted
 //!    identity, its plan. `mode: off` or no class: the request goes on.
@@ -28,10 +43,15 @@
 //!    `on_limit: queue` **pauses** the request in the hold's rate lane. A
 //!    class whose cost settles after the response is charged its estimate,
 //!    on the exact path ([`settle`]).
-//! 6. **Reply**: a denial's local reply (status, `Retry-After`, the draft-10
-//!    headers, the problem body), or on its way with the `RateLimit`
-//!    headers kept for its response; over a soft limit, marked for a
-//!    fallback route (a [`RouteMark`]).
+//! 6. **Conclusion** (`conclude.rs`, the one place, for a request answered
+//!    now, a held one answered from the tick and a resumed one): what a
+//!    refused request took given back, the decision record written, a
+//!    denial's local reply (status, `Retry-After`, the `RateLimit` headers,
+//!    the problem body), or on its way with the `RateLimit` headers kept
+//!    for its response; over a soft limit, marked for a fallback route (a
+//!    [`RouteMark`]). Shadow mode is applied once for admission (a refusal
+//!    counted and recorded, then on to the rate limits) and by the engine
+//!    for the rate limits.
 //!
 //! On its **request body** ([`Pipeline::on_request_body`]): a body without
 //! `content-length` counted against `max_body_bytes` (413).
@@ -70,13 +90,16 @@
 //! it; everything else comes through [`Host`].
 
 mod admit;
+mod conclude;
 pub mod directive;
 pub mod events;
 pub mod failure;
 pub mod hold;
 pub mod lease;
 mod limits;
+mod request;
 pub mod settle;
+mod stages;
 mod stream;
 mod tick;
 
@@ -99,10 +122,12 @@ use crate::table;
 
 use crate::stats::{self, Metric, Pending, Stats};
 pub use directive::{
-    Answer, BodyEdit, Chunk, Directive, RouteMark, Verdict, ACCEPT_ENCODING, IDENTITY, RECORD_PROPERTY,
+    Answer, BodyEdit, Chunk, Directive, RouteMark, Verdict, ACCEPT_ENCODING, CONTENT_LENGTH, IDENTITY,
+    RECORD_PROPERTY,
 };
 pub use events::{events, Events};
 pub use hold::Hold;
+pub use request::{Read, Request};
 pub use settle::{EndAnswer, ResponseBody};
 pub use stream::ResponseHeaders;
 use stream::Stream;

@@ -32,7 +32,6 @@ use crate::engine::{self, Charged, Difference, Prepared};
 use crate::host::Host;
 use crate::policy::settle::{Estimate, Field, Settle};
 use crate::policy::Policy;
-use crate::response;
 use crate::stats::CostStat;
 
 /// The filter state a settled stream's cost record is kept under
@@ -415,11 +414,10 @@ impl Pipeline {
     pub(super) fn settling_body<H: Host>(
         &mut self,
         host: &H,
-        policy: &Policy,
         stream: super::StreamId,
         chunk: Chunk,
         now: u64,
-    ) -> Option<Directive> {
+    ) -> Option<Decision> {
         let mut s = self.streams.get_mut(&stream)?.settling.take()?;
         let refused = self.estimate_from_body(host, &mut s, chunk, now);
         let Some(decision) = refused else {
@@ -428,15 +426,7 @@ impl Pipeline {
             }
             return None;
         };
-        self.pending.decision(&decision);
-        let raw = host.request_header("x-request-id");
-        let reply = response::local_reply(
-            &decision,
-            &policy.version,
-            policy.ratelimit_headers,
-            response::request_id(raw.as_deref()),
-        )?;
-        Some(Directive::reply(reply, None))
+        Some(decision)
     }
 
     /// The response's headers, a body chunk or its trailers went by the

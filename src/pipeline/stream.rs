@@ -356,12 +356,7 @@ impl Pipeline {
 
     /// An admitted GET of a degradable class: its response is captured
     /// unless this worker stored its key within `refresh`.
-    pub(super) fn plan_capture(
-        &self,
-        prepared: &Prepared,
-        read: &super::hold::Read,
-        now: u64,
-    ) -> Option<Capture> {
+    pub(super) fn plan_capture(&self, prepared: &Prepared, read: &super::Read, now: u64) -> Option<Capture> {
         let deg = prepared.class.degradable.as_ref()?;
         if read.method != b"GET" {
             return None;

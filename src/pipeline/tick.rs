@@ -155,8 +155,7 @@ impl Pipeline {
                     } else {
                         Metric::QueueRejected
                     });
-                    let state = self.streams.remove(&p.stream).unwrap_or_default();
-                    self.resume_charged(host, p, state, decision, None, now);
+                    self.resume_charged(host, p, decision, now);
                 }
             }
         }

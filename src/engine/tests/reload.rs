@@ -8,7 +8,8 @@ use std::rc::Rc;
 
 use super::*;
 use crate::admission::queue::Attempt;
-use crate::pipeline::hold::{Hold, Paused, Released};
+use crate::pipeline::hold::{Hold, Released};
+use crate::pipeline::Request;
 
 const MIN: u64 = 60 * S;
 const HOUR: u64 = 60 * MIN;
@@ -241,7 +242,7 @@ fn queued_across_a_reload(old: Spec, new: Spec) -> Vec<u64> {
     for id in 0..50 {
         let denial = charge(&old_policy, &prepared, &jobs, T0, &mut Scratch::default());
         assert_eq!(denial.reason, Reason::RateLimited);
-        let paused = Paused {
+        let paused = Request {
             stream: id,
             policy: old_policy.clone(),
             prepared: prepared.clone(),
