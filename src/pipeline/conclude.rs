@@ -45,45 +45,44 @@ impl Pipeline {
         outcome: Outcome,
         now: u64,
     ) -> Directive {
-        match outcome {
+        let decision = match outcome {
             Outcome::Degraded(reply, decision) => {
                 self.pending.decision(&decision);
                 self.give_back(host, &mut req.took, now);
-                Directive::reply(reply, req.record)
+                return Directive::reply(reply, req.record);
             }
-            Outcome::Decided(decision) if decision.deny_status().is_some() => {
-                self.give_back(host, &mut req.took, now);
-                let request_id = req.request_id(host);
-                self.answer(
-                    &req.ask.policy,
-                    req.ask.stream,
-                    req.took,
-                    decision,
-                    req.record,
-                    request_id,
-                )
-            }
-            Outcome::Decided(decision) => {
-                let (policy, prepared) = (&req.ask.policy, &req.ask.prepared);
-                self.count_probe(policy, prepared, req.took.ticket.as_ref());
-                self.start_settling(policy, prepared, &decision, now, &mut req.took);
-                if decision.reason == Reason::SoftLimited {
-                    let at = Decided {
-                        in_flight: req.took.ticket.as_ref().map_or(0, Ticket::in_flight),
-                        queue_wait_ns: req.waited_ns,
-                        limit: decision.limit.clone(),
-                    };
-                    req.record = Some(self.record(&req, Some(Reason::SoftLimited), &at, now, None));
-                }
-                self.answer(
-                    &req.ask.policy,
-                    req.ask.stream,
-                    req.took,
-                    decision,
-                    req.record,
-                    None,
-                )
-            }
+            Outcome::Decided(decision) => decision,
+        };
+        let request_id = if decision.deny_status().is_some() {
+            self.give_back(host, &mut req.took, now);
+            req.request_id(host)
+        } else {
+            self.admit(&mut req, &decision, now);
+            None
+        };
+        self.answer(
+            &req.ask.policy,
+            req.ask.stream,
+            req.took,
+            decision,
+            req.record,
+            request_id,
+        )
+    }
+
+    /// What an admitted request carries on: its probe counted, its
+    /// settling and soft marker started, a soft-limited one's record.
+    fn admit(&mut self, req: &mut Req, decision: &Decision, now: u64) {
+        let (policy, prepared) = (&req.ask.policy, &req.ask.prepared);
+        self.count_probe(policy, prepared, req.took.ticket.as_ref());
+        self.start_settling(policy, prepared, decision, now, &mut req.took);
+        if decision.reason == Reason::SoftLimited {
+            let at = Decided {
+                in_flight: req.took.ticket.as_ref().map_or(0, Ticket::in_flight),
+                queue_wait_ns: req.waited_ns,
+                limit: decision.limit.clone(),
+            };
+            req.record = Some(self.record(req, Some(Reason::SoftLimited), &at, now, None));
         }
     }
 
