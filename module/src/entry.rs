@@ -22,279 +22,32 @@
 //! cost), its body, trailers, end and destroy are no steps at all: no
 //! worker lock, no callback (`destroy` still forgets a stream once held).
 //!
-//! Over 800 lines (about 875): one `extern "C"` function per hook of the
-//! ABI, each a few lines of translation inside `catch_unwind`; they read
-//! best side by side in the order Envoy calls them.
+//! By event: the program's hook in `entry/program.rs`; the config hooks
+//! (a config made, destroyed and ticked, a sync callout's answer, a
+//! route's config) in `entry/configs.rs`; the stream hooks here, in the
+//! order Envoy calls them, with what a directive becomes in callbacks.
+
+mod configs;
+mod program;
 
 use std::cell::Cell;
-use std::ffi::c_char;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use tenantgate::pipeline::{BodyEdit, Chunk, Directive, RouteMark, StreamId, Verdict};
 use tenantgate::response::LocalReply;
-use tenantgate::sync::syncer::CalloutAnswer;
 
 use crate::abi::{
-    self, EnvoyBuffer, EnvoyHttpHeader, HttpFilterConfigEnvoy, HttpFilterConfigModule, HttpFilterEnvoy,
-    HttpFilterModule, HttpFilterPerRouteConfigModule, ModuleBuffer,
+    self, EnvoyBuffer, EnvoyHttpHeader, HttpFilterConfigModule, HttpFilterEnvoy, HttpFilterModule,
+    ModuleBuffer,
 };
 use crate::host::{EnvoyHost, SystemClock};
 use crate::node::{node, Config, Node};
-use crate::route::RouteConfig;
+use configs::config;
 
 /// Runs `f`; a panic becomes `None` (logged by the panic hook).
 fn guard<R>(f: impl FnOnce() -> R) -> Option<R> {
     catch_unwind(AssertUnwindSafe(f)).ok()
-}
-
-/// Envoy's log, for the core's `log` calls.
-struct EnvoyLog;
-
-fn level(l: log::Level) -> abi::LogLevel {
-    match l {
-        log::Level::Error => abi::LOG_ERROR,
-        log::Level::Warn => abi::LOG_WARN,
-        log::Level::Info => abi::LOG_INFO,
-        log::Level::Debug | log::Level::Trace => abi::LOG_DEBUG,
-    }
-}
-
-impl log::Log for EnvoyLog {
-    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
-        // SAFETY: callable from any thread.
-        unsafe { abi::envoy_dynamic_module_callback_log_enabled(level(metadata.level())) }
-    }
-
-    fn log(&self, record: &log::Record<'_>) {
-        if self.enabled(record.metadata()) {
-            let text = record.args().to_string();
-            // SAFETY: as above; the message is ours for the call.
-            unsafe {
-                abi::envoy_dynamic_module_callback_log(
-                    level(record.level()),
-                    ModuleBuffer::of(text.as_bytes()),
-                )
-            }
-        }
-    }
-
-    fn flush(&self) {}
-}
-
-static LOG: EnvoyLog = EnvoyLog;
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
-    guard(|| {
-        if log::set_logger(&LOG).is_ok() {
-            log::set_max_level(log::LevelFilter::Info);
-        }
-        std::panic::set_hook(Box::new(|info| {
-            log::error!("tenantgate: panic caught at the module's boundary: {info}");
-        }));
-        #[cfg(feature = "test-faults")]
-        crate::fault::init();
-        pin();
-        abi::ABI_VERSION_C.as_ptr()
-    })
-    .unwrap_or(std::ptr::null())
-}
-
-/// `Dl_info` (glibc `<dlfcn.h>`).
-#[repr(C)]
-struct DlInfo {
-    fname: *const c_char,
-    fbase: *mut std::ffi::c_void,
-    sname: *const c_char,
-    saddr: *mut std::ffi::c_void,
-}
-
-unsafe extern "C" {
-    fn dladdr(addr: *const std::ffi::c_void, info: *mut DlInfo) -> i32;
-    fn dlopen(filename: *const c_char, flags: i32) -> *mut std::ffi::c_void;
-}
-
-/// glibc's `RTLD_LAZY | RTLD_NOLOAD | RTLD_NODELETE`.
-const PIN_FLAGS: i32 = 0x0001 | 0x0004 | 0x1000;
-
-/// Keeps the library mapped for the life of the process, whatever Envoy's
-/// config says (`do_not_close`): its tick thread and its process-memory
-/// state must never outlive its code. A second `dlopen` of ourselves with
-/// `RTLD_NODELETE` makes a later `dlclose` leave it loaded.
-fn pin() {
-    let mut info = DlInfo {
-        fname: std::ptr::null(),
-        fbase: std::ptr::null_mut(),
-        sname: std::ptr::null(),
-        saddr: std::ptr::null_mut(),
-    };
-    let here = envoy_dynamic_module_on_program_init as *const std::ffi::c_void;
-    // SAFETY: plain libc calls with our own pointers.
-    let pinned = unsafe {
-        dladdr(here, &mut info) != 0 && !info.fname.is_null() && !dlopen(info.fname, PIN_FLAGS).is_null()
-    };
-    if !pinned {
-        log::warn!("tenantgate: cannot pin the module in memory: set do_not_close in its config");
-    }
-}
-
-// ------------------------------------------------------------- configs
-
-/// Our config behind Envoy's pointer.
-///
-/// # Safety
-/// `ptr` came from `on_http_filter_config_new` and is not destroyed.
-unsafe fn config<'a>(ptr: HttpFilterConfigModule) -> &'a Arc<Config> {
-    // SAFETY: the caller's promise.
-    unsafe { &*ptr.cast::<Arc<Config>>() }
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
-    envoy: HttpFilterConfigEnvoy,
-    _name: EnvoyBuffer,
-    json: EnvoyBuffer,
-) -> HttpFilterConfigModule {
-    guard(|| {
-        // SAFETY: Envoy's config bytes, valid for this hook.
-        let json = unsafe { json.bytes() };
-        match node().configure(envoy, json) {
-            Ok(config) => Box::into_raw(Box::new(config)).cast_const().cast(),
-            Err(()) => std::ptr::null(),
-        }
-    })
-    .unwrap_or(std::ptr::null())
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(ptr: HttpFilterConfigModule) {
-    guard(|| {
-        if ptr.is_null() {
-            return;
-        }
-        // SAFETY: made by `config_new`, destroyed once, here.
-        let config = unsafe { Box::from_raw(ptr.cast::<Arc<Config>>().cast_mut()) };
-        node().remove(&config);
-    });
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
-    _envoy: HttpFilterConfigEnvoy,
-    _ptr: HttpFilterConfigModule,
-    _event: u64,
-) {
-    guard(|| node().tick());
-}
-
-/// A callout's answer as Envoy hands it to the hook.
-struct Answered<'a> {
-    ok: bool,
-    headers: &'a [EnvoyHttpHeader],
-    body: &'a [EnvoyBuffer],
-}
-
-impl CalloutAnswer for Answered<'_> {
-    fn has_response(&self) -> bool {
-        self.ok && !self.headers.is_empty()
-    }
-
-    fn status(&self) -> Result<Option<Vec<u8>>, tenantgate::host::HostError> {
-        Ok(self.headers.iter().find_map(|h| {
-            // SAFETY: Envoy's headers, valid for the hook.
-            let key = unsafe { bytes(h.key_ptr, h.key_length) };
-            // SAFETY: as for `key`: Envoy's headers, valid for the hook.
-            (key == b":status").then(|| unsafe { bytes(h.value_ptr, h.value_length) }.to_vec())
-        }))
-    }
-
-    fn body_size(&self) -> usize {
-        self.body
-            .iter()
-            .map(|b| b.length)
-            .fold(0usize, usize::saturating_add)
-    }
-
-    fn body(&self) -> Result<Option<Vec<u8>>, tenantgate::host::HostError> {
-        let mut body = Vec::with_capacity(self.body_size());
-        for chunk in self.body {
-            // SAFETY: Envoy's body, valid for the hook.
-            body.extend_from_slice(unsafe { chunk.bytes() });
-        }
-        Ok(Some(body))
-    }
-}
-
-/// # Safety
-/// `(ptr, len)` is null or valid for the current hook.
-unsafe fn bytes<'a>(ptr: *const u8, len: usize) -> &'a [u8] {
-    if ptr.is_null() || len == 0 {
-        return &[];
-    }
-    // SAFETY: the caller's promise.
-    unsafe { std::slice::from_raw_parts(ptr, len) }
-}
-
-/// # Safety
-/// `(ptr, len)` is null or an array Envoy keeps valid for the current hook.
-unsafe fn slice<'a, T>(ptr: *const T, len: usize) -> &'a [T] {
-    if ptr.is_null() || len == 0 {
-        return &[];
-    }
-    // SAFETY: the caller's promise.
-    unsafe { std::slice::from_raw_parts(ptr, len) }
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
-    _envoy: HttpFilterConfigEnvoy,
-    ptr: HttpFilterConfigModule,
-    callout_id: u64,
-    result: abi::CalloutResult,
-    headers: *const EnvoyHttpHeader,
-    headers_size: usize,
-    body: *const EnvoyBuffer,
-    body_size: usize,
-) {
-    guard(|| {
-        // SAFETY: Envoy's config pointer, and its arrays for this hook.
-        let config = unsafe { config(ptr) };
-        let answer = Answered {
-            ok: result == abi::CALLOUT_SUCCESS,
-            // SAFETY: Envoy's header array for this hook.
-            headers: unsafe { slice(headers, headers_size) },
-            // SAFETY: Envoy's body array for this hook.
-            body: unsafe { slice(body, body_size) },
-        };
-        node().callout_done(config, callout_id, &answer);
-    });
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_new(
-    _name: EnvoyBuffer,
-    config: EnvoyBuffer,
-) -> HttpFilterPerRouteConfigModule {
-    guard(|| {
-        // SAFETY: Envoy's bytes for this hook.
-        match RouteConfig::parse(unsafe { config.bytes() }) {
-            Ok(route) => route.into_ptr(),
-            Err(why) => {
-                log::error!("tenantgate: route config rejected: {why}");
-                std::ptr::null()
-            }
-        }
-    })
-    .unwrap_or(std::ptr::null())
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_destroy(
-    ptr: HttpFilterPerRouteConfigModule,
-) {
-    // SAFETY: made by `per_route_config_new`, destroyed once.
-    guard(|| unsafe { RouteConfig::free(ptr) });
 }
 
 // ------------------------------------------------------------- streams

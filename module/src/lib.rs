@@ -9,7 +9,9 @@
 //! | piece | here |
 //! |---|---|
 //! | the ABI (hooks and callbacks, by hand) | [`abi`] |
-//! | the entry points Envoy calls | `entry.rs` |
+//! | the entry points Envoy calls: the stream hooks | `entry.rs` |
+//! | the program's hook (logger, panic hook, the library pinned) | `entry/program.rs` |
+//! | the config hooks (config, tick, sync callout's answer, route config) | `entry/configs.rs` |
 //! | an answer ended early (its chunk rewritten, the stream reset) | `flow.rs` |
 //! | the core's `Host` and `Clock` | `host.rs` |
 //! | shared data: process memory, a sharded map with compare-and-swap | [`store`] |

@@ -8,9 +8,11 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
+use super::limits::pool_use;
 use super::*;
 use crate::engine;
 use crate::memory::{MemoryHost, SharedStore};
+use crate::policy::admission::Criticality;
 
 const S: u64 = NANOS_PER_SEC;
 const MS: u64 = 1_000_000;

@@ -8,7 +8,9 @@ use super::request::{self, BodyBudget, Declared};
 use super::*;
 use crate::engine::{self, Prepared};
 use crate::memory::{MemoryHost, SharedStore};
+use crate::policy::admission::Criticality;
 use crate::policy::Policy;
+use crate::table::Overflow;
 
 const S: u64 = NANOS_PER_SEC;
 const T0: u64 = 1_796_000_000 * S;

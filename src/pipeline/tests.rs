@@ -351,6 +351,43 @@ fn the_rate_lane_resumes_in_order_and_answers_429_by_max_wait() {
 }
 
 #[test]
+fn a_held_request_answered_from_the_tick_echoes_its_own_request_id() {
+    // The one conclusion answers a request on its headers and a held one
+    // alike: a 429 from the rate lane carries the id its client sent (read
+    // when it was held, never another stream's).
+    let node = Node::new();
+    let mut w = node.worker(POLICY, T0);
+    let host = node.request("jobs", "acme");
+    for id in 1..=5 {
+        assert_eq!(w.headers(&host, id, T0).verdict, Verdict::Continue);
+    }
+    let held = node.request("jobs", "acme").header("x-request-id", "req-7");
+    assert_eq!(w.headers(&held, 7, T0).verdict, Verdict::Pause);
+    let with_id = host.clone().header("x-request-id", "req-8");
+    assert_eq!(w.headers(&with_id, 8, T0).verdict, Verdict::Pause);
+    assert_eq!(w.headers(&host, 9, T0).verdict, Verdict::Pause);
+    let mut answers = Vec::new();
+    let mut now = T0;
+    while w.pipeline.held() > 0 && now < T0 + S {
+        now += TICK_NS;
+        answers.extend(w.tick(&node, now));
+    }
+    let id_of = |stream: StreamId| {
+        let a = answers.iter().find(|a| a.stream == stream);
+        a.and_then(|a| match &a.directive.verdict {
+            Verdict::Reply(r) => r.header("x-request-id").map(str::to_owned),
+            _ => None,
+        })
+    };
+    // 7 resumed at 200 ms; 8 and 9 answered 429 with their own ids (9 sent none).
+    assert!(answers
+        .iter()
+        .any(|a| a.stream == 7 && a.directive.verdict == Verdict::Continue));
+    assert_eq!(id_of(8).as_deref(), Some("req-8"));
+    assert_eq!(id_of(9), None);
+}
+
+#[test]
 fn refusals_carry_their_reason_limit_and_an_honest_retry_after() {
     let node = Node::new();
     let mut w = node.worker(POLICY, T0);

@@ -151,49 +151,21 @@ fn adaptive_gains(
     path: &FieldPath,
     errors: &mut Vec<PolicyError>,
 ) -> Adaptive {
+    let mut frac = |value: Option<f64>, default: u32, bounds: (f64, f64, bool), key: &str| {
+        fraction(value, default, bounds, &path.key(key), errors)
+    };
     Adaptive {
-        buffer_ppm: fraction(
-            spec.buffer,
-            d.buffer_ppm,
-            (0.0, 1.0, false),
-            &path.key("buffer"),
-            errors,
-        ),
-        dead_zone_ppm: fraction(
-            spec.dead_zone,
-            d.dead_zone_ppm,
-            (0.0, 0.5, false),
-            &path.key("dead_zone"),
-            errors,
-        ),
-        smoothing_ppm: fraction(
-            spec.smoothing,
-            d.smoothing_ppm,
-            (0.0, 1.0, true),
-            &path.key("smoothing"),
-            errors,
-        ),
-        max_increase_ppm: fraction(
+        buffer_ppm: frac(spec.buffer, d.buffer_ppm, (0.0, 1.0, false), "buffer"),
+        dead_zone_ppm: frac(spec.dead_zone, d.dead_zone_ppm, (0.0, 0.5, false), "dead_zone"),
+        smoothing_ppm: frac(spec.smoothing, d.smoothing_ppm, (0.0, 1.0, true), "smoothing"),
+        max_increase_ppm: frac(
             spec.max_increase,
             d.max_increase_ppm,
             (0.0, 1.0, true),
-            &path.key("max_increase"),
-            errors,
+            "max_increase",
         ),
-        backoff_ppm: fraction(
-            spec.backoff,
-            d.backoff_ppm,
-            (0.5, 0.99, false),
-            &path.key("backoff"),
-            errors,
-        ),
-        error_rate_ppm: fraction(
-            spec.error_rate,
-            d.error_rate_ppm,
-            (0.0, 1.0, true),
-            &path.key("error_rate"),
-            errors,
-        ),
+        backoff_ppm: frac(spec.backoff, d.backoff_ppm, (0.5, 0.99, false), "backoff"),
+        error_rate_ppm: frac(spec.error_rate, d.error_rate_ppm, (0.0, 1.0, true), "error_rate"),
         queue_age_ns: duration_in(
             spec.queue_age.as_deref(),
             d.queue_age_ns,

@@ -247,14 +247,7 @@ pub fn compile_actions<'a>(
                     ),
                 );
             }
-            let max_in_flight = in_range(
-                spec.max_in_flight,
-                1,
-                MAX_IN_FLIGHT,
-                &at.key("max_in_flight"),
-                errors,
-            )
-            .unwrap_or(1);
+            let max_in_flight = compile_max_in_flight(spec.max_in_flight, &at, errors);
             ActionLimit {
                 name: name.clone(),
                 key: crate::keys::action(name),
@@ -262,6 +255,12 @@ pub fn compile_actions<'a>(
             }
         })
         .collect()
+}
+
+/// `<path>.max_in_flight` (a dependency's or an action's): 1 to
+/// [`MAX_IN_FLIGHT`]; 1 after an error.
+fn compile_max_in_flight(value: i64, path: &FieldPath, errors: &mut Vec<PolicyError>) -> u32 {
+    in_range(value, 1, MAX_IN_FLIGHT, &path.key("max_in_flight"), errors).unwrap_or(1)
 }
 
 /// `dependencies:` in name order (a route's `dependency` is an index).
@@ -293,14 +292,7 @@ fn compile_dependency(
             "dependency names are 1 to 64 characters of A-Z a-z 0-9 _ - .",
         );
     }
-    let max_in_flight = in_range(
-        spec.max_in_flight,
-        1,
-        MAX_IN_FLIGHT,
-        &path.key("max_in_flight"),
-        errors,
-    )
-    .unwrap_or(1);
+    let max_in_flight = compile_max_in_flight(spec.max_in_flight, path, errors);
     let max_streams = spec
         .max_streams
         .and_then(|n| in_range(n, 1, MAX_IN_FLIGHT, &path.key("max_streams"), errors));

@@ -240,27 +240,7 @@ pub fn compile_settle(
     let path = path.key("settle");
     let before = errors.len();
     let source = compile_source(spec, &path, errors);
-    let ceiling = match spec.ceiling {
-        n if n <= 0 => {
-            errors.push(PolicyError::new(path.key("ceiling"), "must be > 0"));
-            0
-        }
-        n if n > MAX_COUNT => {
-            errors.push(PolicyError::new(
-                path.key("ceiling"),
-                format!("must be at most {}", MAX_COUNT),
-            ));
-            0
-        }
-        n if (n as u64) < cost => {
-            errors.push(PolicyError::new(
-                path.key("ceiling"),
-                format!("{n} is below the class's cost ({cost}), the estimate charged on the request"),
-            ));
-            0
-        }
-        n => n as u64,
-    };
+    let ceiling = compile_ceiling(spec.ceiling, cost, &path.key("ceiling"), errors);
     let max_body_bytes = match spec.max_body_bytes {
         None => DEFAULT_SETTLE_MAX_BODY_BYTES,
         Some(n) if (1..=MAX_SETTLE_MAX_BODY_BYTES).contains(&n) => n as u64,
@@ -275,15 +255,7 @@ pub fn compile_settle(
     let estimate = compile_estimate(spec, &path, errors);
     let methods = compile_methods(spec.methods.as_deref(), &path.key("methods"), errors);
     let paths = compile_paths(spec.paths.as_deref(), &path.key("paths"), errors);
-    let o = spec.on_outcome.as_ref();
-    let pick = |f: fn(&OutcomeSpec) -> Option<Charge>, default: Charge| o.and_then(f).unwrap_or(default);
-    let d = Outcomes::default();
-    let outcomes = Outcomes {
-        upstream_5xx: pick(|o| o.upstream_5xx, d.upstream_5xx),
-        upstream_4xx: pick(|o| o.upstream_4xx, d.upstream_4xx),
-        local_reply: pick(|o| o.local_reply, d.local_reply),
-        no_response: pick(|o| o.no_response, d.no_response),
-    };
+    let outcomes = compile_outcomes(spec.on_outcome.as_ref());
     let chunk = match spec.chunk {
         None => default_chunk(ceiling),
         Some(n) if n >= 1 && (n as u64) <= ceiling => n as u64,
@@ -332,6 +304,44 @@ pub fn compile_settle(
         include_usage,
         input_bytes_per_token,
     })
+}
+
+/// `settle.ceiling`: above 0, at most [`MAX_COUNT`], at least the class's
+/// `cost` (0 after an error).
+fn compile_ceiling(ceiling: i64, cost: u64, path: &FieldPath, errors: &mut Vec<PolicyError>) -> u64 {
+    match ceiling {
+        n if n <= 0 => {
+            errors.push(PolicyError::new(path.clone(), "must be > 0"));
+            0
+        }
+        n if n > MAX_COUNT => {
+            errors.push(PolicyError::new(
+                path.clone(),
+                format!("must be at most {}", MAX_COUNT),
+            ));
+            0
+        }
+        n if (n as u64) < cost => {
+            errors.push(PolicyError::new(
+                path.clone(),
+                format!("{n} is below the class's cost ({cost}), the estimate charged on the request"),
+            ));
+            0
+        }
+        n => n as u64,
+    }
+}
+
+/// `settle.on_outcome`: each outcome's charge, its default where absent.
+fn compile_outcomes(o: Option<&OutcomeSpec>) -> Outcomes {
+    let pick = |f: fn(&OutcomeSpec) -> Option<Charge>, default: Charge| o.and_then(f).unwrap_or(default);
+    let d = Outcomes::default();
+    Outcomes {
+        upstream_5xx: pick(|o| o.upstream_5xx, d.upstream_5xx),
+        upstream_4xx: pick(|o| o.upstream_4xx, d.upstream_4xx),
+        local_reply: pick(|o| o.local_reply, d.local_reply),
+        no_response: pick(|o| o.no_response, d.no_response),
+    }
 }
 
 /// `settle.methods`: 1 to [`MAX_MATCHES`] HTTP method tokens, kept

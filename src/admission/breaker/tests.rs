@@ -9,9 +9,11 @@ use std::rc::Rc;
 use super::*;
 use crate::admission::Worker;
 use crate::engine::{self, Reason};
+use crate::host::Host;
 use crate::limiter::NANOS_PER_SEC;
 use crate::memory::{MemoryHost, SharedStore};
 use crate::policy::Policy;
+use crate::table;
 
 const S: u64 = NANOS_PER_SEC;
 const MS: u64 = 1_000_000;

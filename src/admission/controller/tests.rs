@@ -8,9 +8,10 @@ use super::*;
 use crate::admission::adaptive::{apply, read, tick, FIXED};
 use crate::admission::window::Windows;
 use crate::admission::Worker;
+use crate::keys::kind;
 use crate::memory::{MemoryHost, SharedStore};
 use crate::policy::Policy;
-use crate::table::{push_record_with, Commit, Place};
+use crate::table::{self, push_record_with, Commit, Place, Record};
 
 mod bounds;
 mod sim;
