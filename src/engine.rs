@@ -167,15 +167,7 @@ pub fn charge_leased<H: Host>(
         sync: view,
     };
     let Scratch { key, table } = scratch;
-    write_logical_key(key, &req.class.action, &req.subject);
-    let tenant_place = Place::Table {
-        logical: key.as_bytes(),
-        entries: policy.key_table_entries,
-        overflow: Overflow {
-            action: &req.class.action,
-            plan: &plan.name,
-        },
-    };
+    let tenant_place = key_place(policy, &plan.name, &req.class.action, &req.subject, key);
     let tenant = apply(host, &tenant_place, &plan.limits, &ctx, table);
     let mut decision = tenant.decision(&plan.limits, &plan.ratelimit_policy, Reason::RateLimited, &ctx);
     decision.subject = req.subject.clone();
@@ -261,6 +253,25 @@ struct Standing {
 struct Binding {
     limit: usize,
     wait_ns: u64,
+}
+
+/// Where a tenant key lives: `(action, subject)`'s logical key, written
+/// into `key`, in the policy's key table, falling back to `plan`'s
+/// overflow entry for `action`. The one place a charge, a settlement, a
+/// lease given back and a peek find the key.
+pub(crate) fn key_place<'a>(
+    policy: &Policy,
+    plan: &'a str,
+    action: &'a str,
+    subject: &Subject,
+    key: &'a mut String,
+) -> Place<'a> {
+    write_logical_key(key, action, subject);
+    Place::Table {
+        logical: key.as_bytes(),
+        entries: policy.key_table_entries,
+        overflow: Overflow { action, plan },
+    }
 }
 
 /// Whether a stored record is back to its fresh state at `now`: the key

@@ -265,15 +265,7 @@ pub fn settle<H: Host>(
         sync: None,
     };
     let Scratch { key, table } = scratch;
-    write_logical_key(key, &req.class.action, &req.subject);
-    let place = Place::Table {
-        logical: key.as_bytes(),
-        entries: policy.key_table_entries,
-        overflow: Overflow {
-            action: &req.class.action,
-            plan: &plan.name,
-        },
-    };
+    let place = key_place(policy, &plan.name, &req.class.action, &req.subject, key);
     let adjusted = adjust(
         host,
         &place,
@@ -333,15 +325,7 @@ pub fn give_back<H: Host>(
         sync: None,
     };
     let Scratch { key, table } = scratch;
-    write_logical_key(key, &req.class.action, &req.subject);
-    let place = Place::Table {
-        logical: key.as_bytes(),
-        entries: policy.key_table_entries,
-        overflow: Overflow {
-            action: &req.class.action,
-            plan: &plan.name,
-        },
-    };
+    let place = key_place(policy, &plan.name, &req.class.action, &req.subject, key);
     let limits = &plan.limits[..plan.limits.len().min(MAX_LIMITS_PER_PLAN).min(MAX_RECORDS)];
     let back = Back {
         charged: 1u32

@@ -38,15 +38,7 @@ pub fn peek<H: Host>(
     let (action, subject) = (key.action, key.subject);
     let plan = policy.plan(key.plan)?;
     let Scratch { key, table } = scratch;
-    write_logical_key(key, action, subject);
-    let place = Place::Table {
-        logical: key.as_bytes(),
-        entries: policy.key_table_entries,
-        overflow: Overflow {
-            action,
-            plan: &plan.name,
-        },
-    };
+    let place = super::key_place(policy, &plan.name, action, subject, key);
     let effective_from = policy.effective_from_ns.min(now);
     let view = policy.sync.as_ref().map(|s| {
         let state = sync
