@@ -65,7 +65,6 @@ impl Pipeline {
         {
             return self.answer_limits(host, clock, policy);
         }
-        let mut took = Stream::default();
         let mut prepared = match engine::prepare(policy, host) {
             Ok(p) => p,
             Err(reason) => {
@@ -73,21 +72,22 @@ impl Pipeline {
                 let request_id = decision
                     .deny_status()
                     .and_then(|_| host.request_header("x-request-id"));
-                return self.answer(policy, stream, took, decision, None, request_id);
+                return self.answer(policy, stream, &mut Stream::default(), decision, None, request_id);
             }
         };
-        took.input_estimate = Self::estimate(host, policy, &mut prepared);
+        let input_estimate = Self::estimate(host, policy, &mut prepared);
         *metered = prepared.class.settle.is_some() && prepared.cost > 0;
-        let mut req = Req::on_headers(Request::read(host, policy, prepared, stream), took);
+        let mut req = Req::on_headers(Request::read(host, policy, prepared, stream));
+        req.took.input_estimate = input_estimate;
         let mut now = Now::new(clock);
         if req.ask.prepared.class.labels.checks_anything() {
             let Some(at) = now.get() else {
-                return self.conclude(host, req, Outcome::Decided(Decision::unavailable()), 0);
+                return self.conclude(host, &mut req, Outcome::Decided(Decision::unavailable()), 0);
             };
             match self.admission(host, &mut req, at) {
                 Step::Next | Step::Limits => {}
-                Step::Hold => return self.paused(req),
-                Step::Done(outcome) => return self.conclude(host, req, *outcome, at),
+                Step::Hold => return self.paused(&mut req),
+                Step::Done(outcome) => return self.conclude(host, &mut req, *outcome, at),
             }
         }
         let decision = match self.rate_limits(host, &req, &mut now) {
@@ -101,17 +101,17 @@ impl Pipeline {
             // at once, held or not: the request never reaches the dependency.
             self.give_back(host, &mut req.took, now);
             if let Step::Hold = self.hold_rate(host, &req, &decision, now) {
-                return self.paused(req);
+                return self.paused(&mut req);
             }
         }
-        self.conclude(host, req, Outcome::Decided(decision), now)
+        self.conclude(host, &mut req, Outcome::Decided(decision), now)
     }
 
     /// A request a stage put in the hold: its state kept, the stream paused.
-    fn paused(&mut self, mut req: Req) -> Directive {
+    fn paused(&mut self, req: &mut Req) -> Directive {
         req.took.held = true;
-        self.keep(req.ask.stream, req.took);
-        Directive::pause(req.record)
+        self.keep(req.ask.stream, &mut req.took);
+        Directive::pause(req.record.take())
     }
 
     /// The routing marker of the stream's directive (see
@@ -152,7 +152,7 @@ impl Pipeline {
                 self.give_back(host, &mut took, now);
                 took.headers = None;
                 let request_id = host.request_header("x-request-id");
-                return self.answer(policy, stream, took, decision, None, request_id);
+                return self.answer(policy, stream, &mut took, decision, None, request_id);
             }
         }
         let Some(state) = self.streams.get_mut(&stream) else {
@@ -171,9 +171,9 @@ impl Pipeline {
             retry_after_secs: 1,
             ..Decision::passed(reason)
         };
-        let took = self.streams.remove(&stream).unwrap_or_default();
+        let mut took = self.streams.remove(&stream).unwrap_or_default();
         let request_id = host.request_header("x-request-id");
-        self.answer(policy, stream, took, decision, None, request_id)
+        self.answer(policy, stream, &mut took, decision, None, request_id)
     }
 
     /// Answers a held request with a refusal on its own stream (as an
@@ -209,7 +209,7 @@ impl Pipeline {
         let decision = refusal_decision(reason, limited, min_secs, window_ns, &req.ask, now);
         let outcome = self.refuse(host, &mut req, decision, &at, now);
         let stream = req.ask.stream;
-        let directive = self.conclude(host, req, outcome, now);
+        let directive = self.conclude(host, &mut req, outcome, now);
         self.answers.push(Answer { stream, directive });
     }
 
@@ -256,10 +256,10 @@ impl Pipeline {
 
     /// A held request's rate-limit decision, concluded and sent on its own
     /// stream.
-    fn resume<H: Host>(&mut self, host: &H, req: Req, decision: Decision, now: u64) {
+    fn resume<H: Host>(&mut self, host: &H, mut req: Req, decision: Decision, now: u64) {
         let stream = req.ask.stream;
         let policy = Rc::clone(&req.ask.policy);
-        let mut directive = self.conclude(host, req, Outcome::Decided(decision), now);
+        let mut directive = self.conclude(host, &mut req, Outcome::Decided(decision), now);
         // A client's own marker was removed when it was held.
         self.mark(&policy, stream, &mut directive, false);
         self.answers.push(Answer { stream, directive });

@@ -41,7 +41,7 @@ impl Pipeline {
     pub(super) fn conclude<H: Host>(
         &mut self,
         host: &H,
-        mut req: Req,
+        req: &mut Req,
         outcome: Outcome,
         now: u64,
     ) -> Directive {
@@ -49,7 +49,7 @@ impl Pipeline {
             Outcome::Degraded(reply, decision) => {
                 self.pending.decision(&decision);
                 self.give_back(host, &mut req.took, now);
-                return Directive::reply(reply, req.record);
+                return Directive::reply(reply, req.record.take());
             }
             Outcome::Decided(decision) => decision,
         };
@@ -57,15 +57,16 @@ impl Pipeline {
             self.give_back(host, &mut req.took, now);
             req.request_id(host)
         } else {
-            self.admit(&mut req, &decision, now);
+            self.admit(req, &decision, now);
             None
         };
+        let record = req.record.take();
         self.answer(
             &req.ask.policy,
             req.ask.stream,
-            req.took,
+            &mut req.took,
             decision,
-            req.record,
+            record,
             request_id,
         )
     }
@@ -93,7 +94,7 @@ impl Pipeline {
         &mut self,
         policy: &Policy,
         stream: StreamId,
-        mut took: Stream,
+        took: &mut Stream,
         decision: Decision,
         record: Option<String>,
         request_id: Option<Vec<u8>>,

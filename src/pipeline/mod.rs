@@ -341,10 +341,11 @@ impl Pipeline {
         policy.sync.as_ref().and(self.sync_view)
     }
 
-    /// Keeps a stream's state for its later callbacks (nothing, if it has none).
-    fn keep(&mut self, stream: StreamId, state: Stream) {
+    /// Keeps a stream's state for its later callbacks (nothing, if it has
+    /// none): taken out of `state`, moved only if it is kept.
+    fn keep(&mut self, stream: StreamId, state: &mut Stream) {
         if !state.is_empty() {
-            self.streams.insert(stream, state);
+            self.streams.insert(stream, std::mem::take(state));
         }
     }
 }

@@ -99,11 +99,11 @@ pub(super) struct Req {
 }
 
 impl Req {
-    /// A request on its headers, with the state its headers started.
-    pub fn on_headers(ask: Request, took: Stream) -> Req {
+    /// A request on its headers, nothing taken yet.
+    pub fn on_headers(ask: Request) -> Req {
         Req {
             ask,
-            took,
+            took: Stream::default(),
             record: None,
             on_headers: true,
             waited_ns: 0,

@@ -177,7 +177,7 @@ impl Pipeline {
         }
         let ratelimit = state.headers.take();
         let soft = state.soft.take();
-        self.keep(stream, state);
+        self.keep(stream, &mut state);
         ResponseHeaders {
             ratelimit,
             soft,
