@@ -1,18 +1,28 @@
-//! tenantgate: multi-tenant rate limiting for Envoy, as a proxy-wasm filter.
+//! tenantgate: multi-tenant rate limiting and admission control for Envoy,
+//! the core of the proxy-wasm filter and of the native module.
 //!
 //! The crate is split in two:
-//! * the **core** ([`policy`], [`limiter`], [`engine`], [`table`],
-//!   [`response`]): pure Rust that never reads a clock or calls the proxy;
+//! * the **core**: pure Rust that never reads a clock or calls the proxy;
 //!   everything it needs from Envoy comes through the [`host::Host`] trait
 //!   and time comes in as an argument. It builds and is tested natively.
-//! * the **glue** (`glue`, wasm32 only): the only code that uses
-//!   the proxy-wasm SDK. It implements [`host::Host`] with hostcalls, compiles the
-//!   policy in `on_configure`, and turns decisions into Envoy actions.
-//!
-//! [`sync`] holds the node side of allowance reconciliation with the central
-//! cluster (protocol, state machine, its shared-data form, and the sync
-//! steps over [`host::Host`]). It is pure like the core; the glue runs it
-//! on the root tick for policies with global limits.
+//!   Floor by floor, each module importing only modules below it
+//!   (docs/design.md, "Layout"):
+//!   [`host`], [`keys`] (the shared-data namespace), [`table`] (the key
+//!   table and its one compare-and-swap update), [`inflight`], [`limiter`]
+//!   (the four algorithms), [`decision`] (the vocabulary), [`policy`]
+//!   (schema, validation, the compiled policy), [`sync`] (the node side of
+//!   allowance reconciliation with the central service), [`engine`]
+//!   (classify, identify, limit, guard; give back and settle), [`cost`]
+//!   (costs known after the response), [`admission`] (slots, queues,
+//!   breakers, the adaptive controller, retry budgets, degraded answers),
+//!   [`response`] (what a denied request receives), [`stats`], and on top
+//!   [`pipeline`]: one worker's whole request path, which a host drives.
+//!   [`memory`] is the in-memory host (explain, the simulator, the tests).
+//! * the **glue** (`glue`, wasm32 only): the only code that uses the
+//!   proxy-wasm SDK. It implements [`host::Host`] with hostcalls and
+//!   translates Envoy's callbacks into [`pipeline::Pipeline`] calls and its
+//!   directives into hostcalls. The native module (`module/`) is the other
+//!   host, over Envoy's dynamic-module ABI.
 
 pub mod admission;
 pub mod cost;

@@ -64,8 +64,8 @@
 //! (half-open still admits at most `probes`).
 //!
 //! # Where it lives
-//! Node-wide in the fixed entry `tg2|b|<dependency>` ([`key`]), one record
-//! of kind [`kind::BREAKER`] ([`encode`]: 51 bytes), changed only through
+//! Node-wide in the fixed entry `tg2|b|<dependency>` ([`crate::keys::breaker`]), one record
+//! of kind [`crate::keys::kind::BREAKER`] ([`shared::encode`]: 51 bytes), changed only through
 //! [`crate::table::update`]. Its input is the dependency's stream-end
 //! signal windows ([`super::window`]): the one worker that closes a window
 //! folds its summary (completed; errors + timeouts) into the breaker

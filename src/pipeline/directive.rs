@@ -18,7 +18,7 @@ use crate::response::{self, LocalReply};
 pub enum Verdict {
     /// On its way (for a paused stream: resume it).
     Continue,
-    /// Paused: the pipeline answers it later, through [`Pipeline::take_answers`].
+    /// Paused: the pipeline answers it later, through [`super::Pipeline::take_answers`].
     Pause,
     /// Answered here: the host sends this reply and the stream goes no further.
     Reply(LocalReply),
@@ -30,7 +30,7 @@ pub enum Verdict {
 /// A request body chunk as the host delivers it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Chunk {
-    /// Where it starts in what [`Host::request_body`] reads on this
+    /// Where it starts in what [`crate::host::Host::request_body`] reads on this
     /// callback (after the chunks the host kept for a [`Verdict::Buffer`]).
     pub offset: usize,
     pub len: usize,

@@ -265,12 +265,12 @@ impl From<&WindowSummary> for Observed {
 }
 
 /// A worker's tick for every dependency of `policy` with a breaker (the
-/// glue and the tests both run this), after [`super::adaptive::tick`]: the
+/// glue and the tests both run this), after [`crate::admission::adaptive::tick`]: the
 /// window this worker closed (for an adaptive dependency, the one the
 /// controller's tick closed, in `controlled`; otherwise its own
 /// [`Windows::tick`] closes it) is folded into the node's breaker
 /// ([`fold`]); the breaker then goes into the worker's
-/// [`super::Control`]. A dependency without a breaker has its copy cleared
+/// [`crate::admission::Control`]. A dependency without a breaker has its copy cleared
 /// (a reload that removed it).
 pub fn tick<H: Host>(
     host: &H,
