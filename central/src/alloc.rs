@@ -173,7 +173,10 @@
 //! among its nodes the same way (floor per node), all in thousandths of a
 //! unit (see "Fair shares"). A node's lease is topped up to its level,
 //! `max(share × lease_factor, max_cost)` (to last until the next lease
-//! arrives), out of the surplus and then its credit, and beyond it to one
+//! arrives), plus half a share when the node's report did not acknowledge
+//! its last lease (that answer was lost or came too late: the next may
+//! miss it too, and the lease must last through a retry's delay; issue
+//! 35), out of the surplus and then its credit, and beyond it to one
 //! interval of its demand out of the surplus only (see "A cold key's
 //! burst"), never beyond what `b` holds. Demand is an average of reported demand
 //! (denials included) per unit of the service's time.

@@ -462,16 +462,38 @@ fn late_settlement_the_adversary_at_the_ceiling_stays_within_the_restated_bound(
 
 /// Issue 35: with 20 % of messages lost (20–300 ms latency), a report
 /// unanswered within the callout timeout is retried at once, so a lost
-/// message costs a node the timeout, not an interval of its leases.
-/// Measured, seed 1: 90.5 % (3×3) and 92.9 % (10×10), from 81.1 % and
+/// message costs a node the timeout, not an interval of its leases; and a
+/// node that did not acknowledge its last lease is leased half a share
+/// more, to last through a retry's delay. Measured, seed 1: 91.2 % (3×3)
+/// and 95.5 % (10×10); 90.5 % and 92.9 % with the retry alone; 81.1 % and
 /// 82.2 % when a report was retried only an interval later.
 #[test]
 fn under_message_loss_a_lost_report_costs_the_timeout_not_an_interval() {
     for o in outcomes(&["lossy"]) {
         eprintln!("{} losses {:?}", line(o), o.losses);
         assert!(o.within_bound, "{}", line(o));
-        assert!(o.utilisation_pct >= 90.0, "{}", line(o));
+        let floor = if o.nodes > 9 { 95.0 } else { 91.0 };
+        assert!(o.utilisation_pct >= floor, "{}", line(o));
         assert!(o.losses.requests_lost > 0 && o.losses.answers_lost > 0);
+        assert!(o.losses.drawn_answer_lost > 0 && o.losses.reserved_mean > 0);
+    }
+}
+
+/// Issue 35: `lossy`'s two causes apart, seed 1 (the accounting in
+/// docs/global-limits.md): its latency alone (99.7 % on 3×3) and its loss
+/// alone at the base latency (97.6 %) each cost little; together, 91.2 %.
+/// What is missing was never drawn from the bucket: nodes whose answer
+/// came late or not at all drew it later or not at all, while `b + Σ R ≤
+/// B` left the refill no room.
+#[test]
+fn lossy_s_latency_and_loss_each_cost_little_alone() {
+    let cfg = SimConfig::default();
+    for name in ["lossy_latency", "lossy_loss"] {
+        let spec = sim::scenario::named(name).unwrap();
+        let o = sim::run(&spec, Topology::SMALL, &cfg, SEED).unwrap().outcome;
+        eprintln!("{} losses {:?}", line(&o), o.losses);
+        assert!(o.within_bound, "{}", line(&o));
+        assert!(o.utilisation_pct >= 97.0, "{}", line(&o));
     }
 }
 

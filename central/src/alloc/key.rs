@@ -585,7 +585,15 @@ impl KeyState {
                 outage_milli: None,
             };
         };
-        let due = entitlement(nk, flow, nodes_hint, max_cost, cfg);
+        let mut due = entitlement(nk, flow, nodes_hint, max_cost, cfg);
+        if !nk.collapsed && nk.lease_seq != 0 {
+            // This report did not acknowledge the node's last lease (our
+            // answer was lost, came after its callout timeout, or crossed
+            // its retry): the next answer may miss it too, so its lease
+            // holds half a share more, to last through a retry's delay
+            // (two shares at the default lease factor of 1.5).
+            due.level = due.level.saturating_add(due.share_milli.div_ceil(2 * MILLI));
+        }
         let target = due.level.max(demand_beyond_share(nk, burst));
         let before = nk.reserve;
         let tokens = if target > before {

@@ -826,3 +826,48 @@ fn a_cold_keys_burst_is_leased_by_demand_out_of_the_full_bucket_only() {
     assert_eq!(huge.tokens, 100);
     assert_eq!(huge.outage_milli, Some(1_666));
 }
+
+/// Issue 35: a node whose report does not acknowledge its last lease (our
+/// answer was lost, or came after its callout timeout) may miss the next
+/// answer too: its lease holds half a share more (two shares at the
+/// lease factor of 1.5), out of its credit and the bucket as ever.
+#[test]
+fn a_node_that_missed_its_last_lease_gets_half_a_share_more() {
+    // Two nodes of one region, each asking for the whole rate and using
+    // every lease it gets: shares of 50 units per interval, levels of 75.
+    let run = |lose: bool| {
+        let mut a = alloc();
+        let (mut last_a, mut last_b, mut carried) = (0, 0, 0);
+        for k in 1..=8u64 {
+            let now = T0 + k * S;
+            last_b = send(
+                &mut a,
+                Req::new("b", "eu", k, k - 1).counts(last_b, 0, 100),
+                now + 300 * MS,
+            )
+            .0;
+            // Our answer to a's report 7 is lost: its report 8 carries
+            // again what report 7 carried, acknowledging report 6.
+            let (acked, consumed) = if lose && k == 8 {
+                (k - 2, carried)
+            } else {
+                (k - 1, last_a)
+            };
+            carried = consumed;
+            last_a = send(
+                &mut a,
+                Req::new("a", "eu", k, acked).counts(consumed, 0, 100),
+                now,
+            )
+            .0;
+            assert_invariant(&a);
+        }
+        (last_a, a.view("k", "l").unwrap().shares["a"])
+    };
+    let ((acked, share), (missed, _)) = (run(false), run(true));
+    assert_eq!(share, 50);
+    assert!(acked <= 75, "acked {acked}");
+    // The level, 75, and half a share more (75 before issue 35: the lost
+    // lease again and nothing more).
+    assert_eq!(missed, 100, "acked {acked}");
+}

@@ -47,6 +47,16 @@ pub struct Losses {
     /// Per node, the share of its time with demand but no live lease, %:
     /// the least, the mean and the most over the nodes.
     pub no_lease_pct: [f64; 3],
+    /// Units the service drew from its bucket into answers that were lost
+    /// on their way back, and into answers the node refused: held in
+    /// the node's reservation until a later answer brings them.
+    pub drawn_answer_lost: u64,
+    pub drawn_answer_refused: u64,
+    /// Over the run's ticks, the mean of Σ reservations and of the bucket
+    /// (units): `b + Σ R ≤ B`, so what reservations hold the refill has no
+    /// room for.
+    pub reserved_mean: u64,
+    pub bucket_mean: u64,
 }
 
 /// What a run recorded.
@@ -112,8 +122,9 @@ impl SimNode {
     }
 }
 
-/// A message in flight: (arrival, order, to the service?, node, JSON body).
-type Msg = Reverse<(u64, u64, bool, usize, String)>;
+/// A message in flight: (arrival, order, to the service?, node, units the
+/// service drew into it (an answer), JSON body).
+type Msg = Reverse<(u64, u64, bool, usize, u64, String)>;
 
 pub fn alloc_config(cfg: &SimConfig, mode: FailureMode) -> AllocConfig {
     AllocConfig {
@@ -154,6 +165,7 @@ pub fn simulate(spec: &Scenario, topo: Topology, cfg: &SimConfig, seed: u64) -> 
             world.last_interval = Some(now / cfg.interval_ns);
             world.service.tick(now);
         }
+        world.sample_bucket();
         world.send_reports(now, t_s);
         world.settle_streams(now, tick);
         for i in 0..world.nodes.len() {
@@ -200,6 +212,9 @@ struct World<'a> {
     /// (settled at its stream's end).
     cost: u64,
     real: u64,
+    /// Σ over ticks of Σ reservations and of the bucket.
+    reserved_sum: u64,
+    bucket_sum: u64,
 }
 
 /// A node's requests due in one tick: retries (the retries left after
@@ -241,17 +256,35 @@ impl<'a> World<'a> {
             tick_s: cfg.tick_ns as f64 / NANOS_PER_SEC,
             cost,
             real: cfg.late.map_or(cost, |l| l.ceiling.max(cost)),
+            reserved_sum: 0,
+            bucket_sum: 0,
             nodes,
         })
     }
 
-    /// Sends `body` from node `i` (`to_service`) or to it, arriving after
-    /// the scenario's latency.
-    fn send(&mut self, now: u64, to_service: bool, i: usize, body: String) {
+    /// Sends `body` from node `i` (`to_service`) or to it (with the
+    /// units the service `drew` into it), arriving after the scenario's
+    /// latency.
+    fn send(&mut self, now: u64, to_service: bool, i: usize, drew: u64, body: String) {
         let latency = self.net.between(self.spec.latency_ms.0, self.spec.latency_ms.1) * NANOS_PER_MS;
         self.order += 1;
         self.queue
-            .push(Reverse((now + latency, self.order, to_service, i, body)));
+            .push(Reverse((now + latency, self.order, to_service, i, drew, body)));
+    }
+
+    /// Units the service has drawn from the key's bucket so far.
+    fn granted(&self) -> u64 {
+        self.service
+            .view(shipped::KEY, LIMIT)
+            .map_or(0, |v| v.stats.granted)
+    }
+
+    /// Adds this tick's reservations and bucket to the run's sums.
+    fn sample_bucket(&mut self) {
+        if let Some(v) = self.service.view(shipped::KEY, LIMIT) {
+            self.reserved_sum = self.reserved_sum.saturating_add(v.reserved);
+            self.bucket_sum = self.bucket_sum.saturating_add(v.bucket);
+        }
     }
 
     /// Every message that arrives by `now`: a report answered by the
@@ -259,7 +292,7 @@ impl<'a> World<'a> {
     /// is down, or the answer is lost on its way back).
     fn deliver(&mut self, now: u64, t_s: f64) {
         while self.queue.peek().is_some_and(|Reverse(m)| m.0 <= now) {
-            let Some(Reverse((_, _, to_service, i, body))) = self.queue.pop() else {
+            let Some(Reverse((_, _, to_service, i, drew, body))) = self.queue.pop() else {
                 break;
             };
             let n = &mut self.nodes[i];
@@ -274,20 +307,24 @@ impl<'a> World<'a> {
             }
             if to_service {
                 // Garbage and stale requests get no answer (the node times out).
+                let before = self.granted();
                 let Ok(answer) = self.service.handle_json(body.as_bytes(), now) else {
                     continue;
                 };
+                let drew = self.granted().saturating_sub(before);
                 self.trace.messages_sent += 1;
                 if self.net.chance(self.spec.loss) {
                     self.trace.messages_lost += 1;
                     self.trace.losses.answers_lost += 1;
+                    self.trace.losses.drawn_answer_lost += drew;
                     continue;
                 }
-                self.send(now, false, i, answer);
+                self.send(now, false, i, drew, answer);
             } else if let Ok(resp) = SyncResponse::from_json(body.as_bytes()) {
                 let clock = n.clock(now);
                 if !n.node.apply(&resp, clock) {
                     self.trace.losses.answers_refused += 1;
+                    self.trace.losses.drawn_answer_refused += drew;
                 }
             }
         }
@@ -312,7 +349,7 @@ impl<'a> World<'a> {
                 self.trace.losses.requests_lost += 1;
                 continue;
             }
-            self.send(now, true, i, req.to_json());
+            self.send(now, true, i, 0, req.to_json());
         }
     }
 
@@ -438,6 +475,9 @@ impl<'a> World<'a> {
             .max()
             .unwrap_or(0);
         self.trace.service = self.service.view(shipped::KEY, LIMIT);
+        let ticks = self.trace.admitted.len().max(1) as u64;
+        self.trace.losses.reserved_mean = self.reserved_sum / ticks;
+        self.trace.losses.bucket_mean = self.bucket_sum / ticks;
         let pct: Vec<f64> = self
             .demand_ticks
             .iter()
