@@ -214,6 +214,7 @@ mod record;
 mod session;
 #[cfg(test)]
 mod tests;
+pub mod tuning;
 
 use std::collections::{BTreeMap, BTreeSet};
 
