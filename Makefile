@@ -45,7 +45,7 @@ export SCHEMATHESIS_BIN := $(abspath $(SCHEMATHESIS))
 export TENANTGATE_PYTHON := $(abspath $(VENV)/bin/python)
 
 
-.PHONY: module-faults help setup setup-run setup-test wasm-target release reproducible schema setup-schemathesis setup-sdks setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint fmt check-glue clean
+.PHONY: module-faults help setup setup-run setup-test wasm-target release reproducible schema setup-schemathesis setup-sdks setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint doc fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -171,6 +171,10 @@ lint: check-glue ## fmt check, clippy (native and wasm32, warnings denied), host
 	cargo clippy -p tenantgate-module --features test-faults -- -D warnings
 	cargo clippy --target $(WASM_TARGET) -p tenantgate-filter -p tenantgate-bench-empty-filter -- -D warnings
 	cargo clippy --target $(WASM_TARGET) -p tenantgate-filter --features self-time -- -D warnings
+	$(MAKE) doc
+
+doc: ## The API docs, private items included, every intra-doc link resolved (warnings denied): target/doc/tenantgate/index.html
+	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --lib --document-private-items -p tenantgate-filter -p tenantgate-central -p tenantgate-cli -p tenantgate-module
 
 fmt: ## Format the code
 	cargo fmt --all

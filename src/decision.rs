@@ -277,7 +277,7 @@ impl Decision {
         }
     }
 
-    /// A final decision that needs no state (see [`prepare`]).
+    /// A final decision that needs no state (see [`crate::engine::prepare`]).
     pub fn passed(reason: Reason) -> Decision {
         Decision::pass(reason, Subject::None)
     }

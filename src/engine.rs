@@ -5,7 +5,7 @@
 //!
 //! Split by what it does: this file decides (limits, leases, the key
 //! table's records); [`back`] gives back and settles; [`classify`]
-//! classifies and identifies; [`peek`] reads a key without charging it;
+//! classifies and identifies; [`peek()`] reads a key without charging it;
 //! [`global`] checks a global limit's allowance.
 
 mod back;

@@ -401,7 +401,7 @@ pub enum Metric<'a> {
     RetryAmplification(&'a str),
     /// An adaptive controller's gauges.
     Controller(&'a str, ControllerStat),
-    /// `tenantgate.admission.breaker_state.<dependency>` ([`Phase`] as a number).
+    /// `tenantgate.admission.breaker_state.<dependency>` ([`Phase`](crate::admission::breaker::Phase) as a number).
     BreakerState(&'a str),
     /// `tenantgate.admission.breaker_ramp_permille.<dependency>`.
     BreakerRamp(&'a str),

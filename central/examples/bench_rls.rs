@@ -19,6 +19,20 @@
 //! below saturation (32 callers saturate this 2-core machine, where the
 //! client, the service and Redis share the cores).
 //!
+//! The rows above are a closed loop: each caller sends its next call as
+//! soon as the last one is answered, so the 32-caller rows measure the
+//! machine's capacity and their latency is its queue. Envoy does not call
+//! that way: it asks once per request it receives, at the rate requests
+//! arrive. So serve's 8-descriptor row is also run **open loop** at offered
+//! rates (`PACED`): 32 callers, each sending on its own schedule (call `k`
+//! of caller `c` is due at `(k × 32 + c) / rate` s). A call sent late
+//! because the caller's previous call was slow is charged the wait: its
+//! latency counts from when it was due (no coordinated omission); any
+//! other from when it was sent (tokio's timer wakes up to 1 ms late). Beside each of these rows: the CPU time per call
+//! of this process (client and service together) and of `redis-server`,
+//! and the machine's use of its cores (`/proc/stat`), which shows where
+//! the capacity is spent.
+//!
 //! Stores: the embedded one, and a `redis-server` started here when one is
 //! installed. Target: p99 ≤ 2 ms at 8 descriptors on `serve` (PASS/MISS);
 //! Envoy's default timeout is 20 ms. A benchmark: it prints figures and
@@ -38,6 +52,7 @@ use tenantgate_central::clock::{Clock, SystemClock};
 use tenantgate_central::grpc::counters::{Counters, MemoryCounters, RedisCounters};
 use tenantgate_central::grpc::rls::Rls;
 use tenantgate_central::listener::SyncListener;
+use tenantgate_central::testing::redis_cpu_ns;
 
 /// The allocator `tenantgate serve` runs with.
 #[global_allocator]
@@ -49,6 +64,8 @@ const CLIENTS: usize = 32;
 const REQUESTS: usize = 8_000;
 const ROW_BUDGET: Duration = Duration::from_secs(20);
 const TARGET_P99: Duration = Duration::from_millis(2);
+/// The open-loop rows' offered rates, calls per second (32 callers).
+const PACED: [u32; 3] = [4_000, 8_000, 10_000];
 
 const POLICY: &str = r#"
 version: "bench-rls"
@@ -133,16 +150,37 @@ struct Row {
     requests: usize,
 }
 
-async fn row(addr: SocketAddr, descriptors: usize, clients: usize) -> Row {
+/// `CONNECTIONS` connections, each warmed up by one call, and the size of
+/// an answer.
+async fn warm(addr: SocketAddr, descriptors: usize) -> (Vec<h2::client::SendRequest<bytes::Bytes>>, usize) {
     let mut conns = Vec::new();
     for _ in 0..CONNECTIONS {
         conns.push(connect(addr).await);
     }
-    // One warm-up call per connection.
     let mut answer_bytes = 0;
     for (i, c) in conns.iter_mut().enumerate() {
         answer_bytes = call(c, addr, &request(descriptors, i)).await;
     }
+    (conns, answer_bytes)
+}
+
+/// The row of the latencies measured over `took`.
+fn summary(mut all: Vec<Duration>, took: Duration, answer_bytes: usize) -> Row {
+    all.sort();
+    let at = |q: f64| all[((all.len() as f64 * q) as usize).min(all.len() - 1)];
+    Row {
+        p50: at(0.50),
+        p99: at(0.99),
+        per_s: all.len() as f64 / took.as_secs_f64(),
+        answer_bytes,
+        requests: all.len(),
+    }
+}
+
+/// A closed-loop row: `clients` callers, each sending its next call when
+/// the last is answered.
+async fn row(addr: SocketAddr, descriptors: usize, clients: usize) -> Row {
+    let (conns, answer_bytes) = warm(addr, descriptors).await;
     let started = Instant::now();
     let per_client = REQUESTS / clients;
     let mut tasks = Vec::new();
@@ -166,16 +204,84 @@ async fn row(addr: SocketAddr, descriptors: usize, clients: usize) -> Row {
     for t in tasks {
         all.extend(t.await.unwrap());
     }
-    let took = started.elapsed();
-    all.sort();
-    let at = |q: f64| all[((all.len() as f64 * q) as usize).min(all.len() - 1)];
-    Row {
-        p50: at(0.50),
-        p99: at(0.99),
-        per_s: all.len() as f64 / took.as_secs_f64(),
-        answer_bytes,
-        requests: all.len(),
+    summary(all, started.elapsed(), answer_bytes)
+}
+
+/// An open-loop row: `clients` callers together offering `rate` calls/s,
+/// each call's latency counted from when it was due.
+async fn paced(addr: SocketAddr, descriptors: usize, clients: usize, rate: u32) -> Row {
+    let (conns, answer_bytes) = warm(addr, descriptors).await;
+    let started = tokio::time::Instant::now();
+    let per_client = REQUESTS / clients;
+    let gap = Duration::from_secs_f64(clients as f64 / f64::from(rate));
+    let offset = Duration::from_secs_f64(1.0 / f64::from(rate));
+    let mut tasks = Vec::new();
+    for client in 0..clients {
+        let mut conn = conns[client % CONNECTIONS].clone();
+        let body = request(descriptors, client);
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::with_capacity(per_client);
+            let mut last_done = started;
+            for k in 0..per_client {
+                if started.elapsed() > ROW_BUDGET {
+                    break;
+                }
+                let due = started + offset * client as u32 + gap * k as u32;
+                tokio::time::sleep_until(due).await;
+                // Late because the previous call was slow: counted from
+                // when it was due. Otherwise from when it was sent (the
+                // timer wakes up to a millisecond late: not the service's).
+                let from = if last_done > due {
+                    due
+                } else {
+                    tokio::time::Instant::now()
+                };
+                call(&mut conn, addr, &body).await;
+                last_done = tokio::time::Instant::now();
+                latencies.push(last_done - from);
+            }
+            latencies
+        }));
     }
+    let mut all = Vec::with_capacity(REQUESTS);
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    summary(all, started.elapsed(), answer_bytes)
+}
+
+/// This process's CPU time so far (every thread: the client's and the
+/// service's), in ns.
+fn process_cpu_ns() -> u64 {
+    // Fields 14 and 15 of /proc/self/stat: user and system time in ticks
+    // of 10 ms (the field after the command's closing parenthesis is 3).
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let ticks: u64 = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|f| f.parse::<u64>().ok())
+        .sum();
+    ticks * 10_000_000
+}
+
+/// The machine's busy and total time on all cores so far (`/proc/stat`,
+/// ticks).
+fn machine_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let fields: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|f| f.parse().ok())
+        .collect();
+    let total: u64 = fields.iter().sum();
+    // idle and iowait
+    let idle = fields.get(3).copied().unwrap_or(0) + fields.get(4).copied().unwrap_or(0);
+    (total - idle, total)
 }
 
 fn services(counters: Arc<dyn Counters>) -> tenantgate_central::grpc::Services {
@@ -217,7 +323,12 @@ async fn listen(services: tenantgate_central::grpc::Services, nodelay: bool) -> 
 
 /// `counters` makes a listener's store; `profile` tells where a row's time
 /// went in it (Redis), since the last call.
-async fn rows(store: &str, counters: impl Fn() -> Arc<dyn Counters>, profile: impl Fn() -> Option<String>) {
+async fn rows(
+    store: &str,
+    counters: impl Fn() -> Arc<dyn Counters>,
+    profile: impl Fn() -> Option<String>,
+    redis_url: Option<&str>,
+) {
     for (listener, nodelay) in [("serve", true), ("no_nodelay", false)] {
         let addr = listen(services(counters()), nodelay).await;
         // Each descriptor count at CLIENTS callers, then (serve only) 8
@@ -248,6 +359,47 @@ async fn rows(store: &str, counters: impl Fn() -> Arc<dyn Counters>, profile: im
                 println!("    {store} profile: {p}");
             }
         }
+        if !nodelay {
+            continue;
+        }
+        for rate in PACED {
+            let redis_before = match redis_url {
+                Some(u) => redis_cpu_ns(u).unwrap(),
+                None => 0,
+            };
+            let cpu_before = process_cpu_ns();
+            let (busy_before, total_before) = machine_ticks();
+            let r = paced(addr, 8, CLIENTS, rate).await;
+            let cpu = process_cpu_ns().saturating_sub(cpu_before);
+            let (busy, total) = machine_ticks();
+            let busy_share = (busy - busy_before) as f64 / (total - total_before).max(1) as f64;
+            let redis_cpu = match redis_url {
+                Some(u) => redis_cpu_ns(u).unwrap().saturating_sub(redis_before),
+                None => 0,
+            };
+            let calls = (r.requests + CONNECTIONS) as f64;
+            let verdict = if r.p99 <= TARGET_P99 {
+                "  PASS (p99 ≤ 2 ms)"
+            } else {
+                "  MISS (p99 > 2 ms)"
+            };
+            println!(
+                "rls {store:<8} {listener:<10} 8 descriptors, open loop, offered {rate:>6} calls/s: p50 {:>7.3} ms  p99 {:>7.3} ms  {:>8.0} calls/s  ({} calls, {CLIENTS} callers){verdict}",
+                r.p50.as_secs_f64() * 1e3,
+                r.p99.as_secs_f64() * 1e3,
+                r.per_s,
+                r.requests,
+            );
+            println!(
+                "    CPU per call: client + service {:.1} µs, redis-server {:.1} µs; the machine's cores {:.0} % busy",
+                cpu as f64 / 1e3 / calls,
+                redis_cpu as f64 / 1e3 / calls,
+                busy_share * 100.0,
+            );
+            if let Some(p) = profile() {
+                println!("    {store} profile: {p}");
+            }
+        }
     }
 }
 
@@ -261,6 +413,7 @@ fn main() {
             "embedded",
             || Arc::new(MemoryCounters::new(100_000)) as Arc<dyn Counters>,
             || None,
+            None,
         )
         .await;
         match tenantgate_central::testing::RedisServer::start() {
@@ -276,6 +429,7 @@ fn main() {
                     },
                     // The latest listener's store (the warm-up calls included).
                     || made.lock().unwrap().last().map(|c| c.profile.take().to_string()),
+                    Some(&url),
                 )
                 .await;
             }

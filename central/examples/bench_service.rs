@@ -37,7 +37,7 @@ use tenantgate_central::service::{
     policy, serve_on, Auth, Listeners, ManualClock, ServeOptions, Service, Settings,
 };
 use tenantgate_central::store::{EmbeddedStore, RedisClusterStore, RedisStore, Store};
-use tenantgate_central::testing::{RedisCluster, RedisServer};
+use tenantgate_central::testing::{redis_cpu_ns, RedisCluster, RedisServer};
 
 const POLICY: &str = r#"
 version: "bench"
@@ -65,27 +65,6 @@ fn thread_cpu_ns() -> u64 {
         .ok()
         .and_then(|s| s.split_whitespace().next()?.parse().ok())
         .unwrap_or(0)
-}
-
-/// Redis's CPU time so far (user + system, all its threads), in ns.
-async fn redis_cpu_ns(url: &str) -> u64 {
-    let client = redis::Client::open(url).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let info: String = redis::cmd("INFO")
-        .arg("cpu")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    let secs: f64 = info
-        .lines()
-        .filter_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            ["used_cpu_user", "used_cpu_sys"]
-                .contains(&k)
-                .then(|| v.trim().parse::<f64>().ok())?
-        })
-        .sum();
-    (secs * 1e9) as u64
 }
 
 /// A run: key reports, wall time, and this thread's CPU time.
@@ -208,11 +187,9 @@ fn main() {
     let redis = RedisServer::start().unwrap_or_else(|e| panic!("{e}"));
     let store: Arc<dyn Store> = Arc::new(RedisStore::new(&redis.url(), "bench").unwrap());
     let rt = one_thread();
-    let redis_before = rt.block_on(redis_cpu_ns(&redis.url()));
+    let redis_before = redis_cpu_ns(&redis.url()).unwrap();
     let run = rt.block_on(run_in_process(store, Duration::from_secs(3), 5));
-    let redis_cpu = rt
-        .block_on(redis_cpu_ns(&redis.url()))
-        .saturating_sub(redis_before);
+    let redis_cpu = redis_cpu_ns(&redis.url()).unwrap().saturating_sub(redis_before);
     let per_core = run.per_core();
     println!(
         "redis,    in process, 1 core: {per_core:>10.0} key reports/s per core of the service ({} in {:.2} s of CPU, {:.2} s wall: {:.0}/s) [{}: target {TARGET_REDIS:.0}]; \
@@ -232,17 +209,11 @@ fn main() {
         let url = format!("{}?replicas={replicas}", cluster.url());
         let store: Arc<dyn Store> =
             Arc::new(RedisClusterStore::new(&url, &format!("bench{replicas}")).unwrap());
-        let cpu = |rt: &tokio::runtime::Runtime| -> u64 {
-            cluster
-                .node_urls()
-                .iter()
-                .map(|u| rt.block_on(redis_cpu_ns(u)))
-                .sum()
-        };
+        let cpu = || -> u64 { cluster.node_urls().iter().map(|u| redis_cpu_ns(u).unwrap()).sum() };
         let rt = one_thread();
-        let before = cpu(&rt);
+        let before = cpu();
         let run = rt.block_on(run_in_process(store, Duration::from_secs(3), 5));
-        let cluster_cpu = cpu(&rt).saturating_sub(before);
+        let cluster_cpu = cpu().saturating_sub(before);
         println!(
             "cluster (3 masters + 3 replicas, WAIT for {replicas}), in process, 1 core: {:>10.0} key reports/s per core of the service ({} in {:.2} s of CPU, {:.2} s wall: {:.0}/s); \
              CPU per report: service {:.2} us, the cluster's 6 redis-servers {:.2} us",

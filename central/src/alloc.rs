@@ -217,6 +217,7 @@ mod record;
 mod session;
 #[cfg(test)]
 mod tests;
+pub mod tuning;
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -42,7 +42,7 @@ mod world;
 use serde::Serialize;
 use tenantgate::sync::FailureMode;
 
-use crate::alloc::KeyView;
+use crate::alloc::{tuning, KeyView};
 use crate::bound::{bound, Bound, BoundInputs, FORMULA};
 use crate::error::ConfigError;
 pub use scenario::Scenario;
@@ -130,17 +130,17 @@ impl Default for SimConfig {
             limit: 10_000,
             window_ns: 10 * NANOS_PER_SEC,
             burst: 2_000,
-            interval_ns: NANOS_PER_SEC,
-            lease_ttl_ns: 3 * NANOS_PER_SEC,
-            response_timeout_ns: NANOS_PER_SEC / 2,
+            interval_ns: tuning::INTERVAL_NS,
+            lease_ttl_ns: tuning::LEASE_TTL_NS,
+            response_timeout_ns: tuning::RESPONSE_TIMEOUT_NS,
             provisional: 2,
             max_cost: 1,
-            lease_factor_pct: 150,
-            node_floor: 1,
-            region_floor: 5,
-            borrow_ceiling_pct: 80,
-            repay_pct: 50,
-            settle_ns: 5 * NANOS_PER_SEC,
+            lease_factor_pct: tuning::LEASE_FACTOR_PCT,
+            node_floor: tuning::NODE_FLOOR,
+            region_floor: tuning::REGION_FLOOR,
+            borrow_ceiling_pct: tuning::BORROW_CEILING_PCT,
+            repay_pct: tuning::REPAY_PCT,
+            settle_ns: tuning::SETTLE_NS,
             local_max_ns: 300 * NANOS_PER_SEC,
             duration_ns: 120 * NANOS_PER_SEC,
             tick_ns: 50_000_000,

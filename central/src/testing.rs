@@ -151,6 +151,29 @@ impl Drop for RedisServer {
     }
 }
 
+/// The CPU time (user and system, all its threads) the Redis server at
+/// `url` has used so far, in ns (`INFO cpu`): what the benchmarks print
+/// per call beside the service's own.
+pub fn redis_cpu_ns(url: &str) -> Result<u64, String> {
+    let mut c = redis::Client::open(url)
+        .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(2)))
+        .map_err(|e| format!("{url}: {e}"))?;
+    let info: String = redis::cmd("INFO")
+        .arg("cpu")
+        .query(&mut c)
+        .map_err(|e| format!("{url}: {e}"))?;
+    let secs: f64 = info
+        .lines()
+        .filter_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            ["used_cpu_user", "used_cpu_sys"]
+                .contains(&k)
+                .then(|| v.trim().parse::<f64>().ok())?
+        })
+        .sum();
+    Ok((secs * 1e9) as u64)
+}
+
 /// A Redis Cluster on loopback: three masters, each with one replica
 /// (`redis-server --cluster-enabled yes`, formed by `redis-cli --cluster
 /// create … --cluster-replicas 1`), persistence off, a node timeout of one

@@ -11,7 +11,7 @@
 //! imports ([`PROXY_WASM_IMPORTS`], [`WASI_IMPORTS`]: a real-Envoy test
 //! holds them equal to the built module's import section), and of the
 //! callbacks it exports only those the policy's requests need
-//! ([`tenantgate::pipeline::events`]). Envoy (proxy-wasm-cpp-host) leaves
+//! ([`tenantgate::pipeline::events()`]). Envoy (proxy-wasm-cpp-host) leaves
 //! every other callback unbound and never enters the VM for it: a policy
 //! without admission, degraded answers, a body limit or `RateLimit` headers
 //! costs Envoy three VM entries per request (the stream's context created,

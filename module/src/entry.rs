@@ -8,7 +8,7 @@
 //! |---|---|---|
 //! | `on_program_init` | the logger, the panic hook, the fault switch (test builds only) | returns [`abi::ABI_VERSION`] |
 //! | `on_http_filter_config_new` / `_destroy` | [`Node::configure`] / [`Node::remove`] | `Pipeline::configure` on every worker |
-//! | `on_http_filter_per_route_config_new` | the route's class ([`RouteConfig`]) | |
+//! | `on_http_filter_per_route_config_new` | the route's class ([`RouteConfig`](crate::route::RouteConfig)) | |
 //! | `on_http_filter_new` | the stream's worker and id | |
 //! | `on_http_filter_request_headers` / `_body` | [`apply`] the directive | `on_request_headers` / `on_request_body` |
 //! | `on_http_filter_response_headers` / `_body` / `_trailers` | the `RateLimit` headers added | `on_response_*` |

@@ -11,7 +11,7 @@ pub struct KeyOf<'a> {
     pub plan: usize,
 }
 
-/// One limit's standing on a key, read without charging it (see [`peek`]).
+/// One limit's standing on a key, read without charging it (see [`peek()`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Peeked {
     /// What could be admitted now, in cost units.

@@ -80,7 +80,7 @@
 //! keeps the policy it was held under.
 //!
 //! # The events a policy needs
-//! [`events`] says which of these events a policy's requests can use (a
+//! [`events()`] says which of these events a policy's requests can use (a
 //! policy without admission, degraded answers, streamed bodies or
 //! `RateLimit` headers needs no response and no stream end): a host that
 //! can leave events out delivers only those (`policy apply` writes them

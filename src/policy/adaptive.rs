@@ -38,7 +38,7 @@ pub const MAX_BASELINE_REFRESH_NS: u64 = 600 * NANOS_PER_SEC;
 const NANOS_PER_MS: u64 = 1_000_000;
 
 /// A compiled `dependencies.<name>.adaptive` (the controller is
-/// [`crate::admission::controller`]). Fractions are in [`PPM`].
+/// [`crate::admission::controller`]). Fractions are in [`PPM`](super::values::PPM).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Adaptive {
     pub window_ns: u64,

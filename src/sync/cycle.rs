@@ -84,7 +84,7 @@ pub struct Applying {
 
 /// The node-global half of the state machine: sequence numbers, the
 /// report in flight and contact with the service. Plain data, like
-/// [`Allowance`].
+/// [`Allowance`](super::Allowance).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SyncState {
     pub next_seq: u64,

@@ -16,11 +16,12 @@
 //!   `fail_open_local`.
 //!
 //! # Reports and acknowledgement
-//! [`Node::report`] builds one batched [`SyncRequest`] with every (key,
-//! limit) whose counts are not zero, and remembers the counts it sent. At
+//! `Node::report` (the model, in tests) builds one batched
+//! [`SyncRequest`](super::SyncRequest) with every (key, limit) whose
+//! counts are not zero, and remembers the counts it sent. At
 //! most one report is in flight: `report` returns `None` until the previous
 //! one is answered or its callout timeout has passed. Counts are reset only
-//! by [`Node::apply`] of the response with `ack_seq` equal to that report's
+//! by `Node::apply` of the response with `ack_seq` equal to that report's
 //! `seq`, and only by what that report carried, so admissions made while it
 //! was in flight stay counted. A report lost in either direction, a response
 //! to an older report, or a response later than the timeout changes nothing:
@@ -204,7 +205,8 @@ pub struct LeaseState {
 }
 
 /// What one decision needs to know about the node as a whole (derived
-/// from [`SyncState`] and the settings; see [`SyncState::view`]).
+/// from [`SyncState`](super::SyncState) and the settings; see
+/// [`SyncState::view`](super::SyncState::view)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NodeView {
     /// The node applied a response recently enough to expect leases.
@@ -222,7 +224,7 @@ pub struct NodeView {
 }
 
 /// The allowance state of one (key, limit): plain data, so it can live in
-/// memory ([`Node`]) or in a shared-data record (the filter), with the
+/// memory (the model `Node`, in tests) or in a shared-data record (the filter), with the
 /// same decisions. See the module header for its parts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Allowance {

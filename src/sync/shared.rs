@@ -56,7 +56,7 @@ pub const SCAN_GRACE_NS: u64 = 2_000 * NANOS_PER_MS;
 /// (their counts stay until acknowledged).
 pub const MAX_REPORTS: usize = 4096;
 /// Most key slots one worker callback updates while applying an answer
-/// ([`apply_step`]): an answer to a full report (4,096 keys) takes 16
+/// ([`apply_step`](super::apply::apply_step)): an answer to a full report (4,096 keys) takes 16
 /// callbacks, 0.16 s at the glue's 10 ms tick. One step of 256 took
 /// 0.53–0.6 ms (median) in Envoy 1.40 on this 2-core machine, where the
 /// whole answer in one callback held the worker 7–25 ms (see the module

@@ -12,7 +12,7 @@ use super::format::Result;
 /// key report's CPU). It must give exactly the bytes its `Serialize`
 /// gives, and read them as its `Deserialize` does, fields in declaration
 /// order: a struct is [`Encoder::fields`] then each field, read back
-/// through [`Fields`] (a field past an older record's count takes its
+/// through [`Fields`](super::decode::Fields) (a field past an older record's count takes its
 /// default). `crate::alloc::record`'s tests compare both ways.
 pub trait Compact: Sized {
     fn write(&self, e: &mut Encoder<'_>);
@@ -20,7 +20,7 @@ pub trait Compact: Sized {
 }
 
 /// Appends `value`'s encoding to `out`, written by its own [`Compact`]
-/// code: the same bytes as [`to_writer`].
+/// code: the same bytes as [`to_writer`](super::to_writer).
 pub fn to_writer_compact<T: Compact>(out: &mut Vec<u8>, value: &T) -> Result<()> {
     encode_with(out, |e| {
         value.write(e);
@@ -29,7 +29,7 @@ pub fn to_writer_compact<T: Compact>(out: &mut Vec<u8>, value: &T) -> Result<()>
 }
 
 /// Decodes a whole record by its own [`Compact`] code: what
-/// [`from_slice`] gives.
+/// [`from_slice`](super::from_slice) gives.
 pub fn from_slice_compact<T: Compact>(bytes: &[u8]) -> Result<T> {
     decode_with(bytes, T::read)
 }

@@ -1,5 +1,5 @@
 //! Format 3: the compact encoding of a store's records (see
-//! [`super::Record`]), a serde data format.
+//! [`crate::store::Record`]), a serde data format.
 //!
 //! Unsigned integers are LEB128 varints (a count below 128 is one byte),
 //! signed ones zigzag varints, an `f64` is its bits byte-reversed as a

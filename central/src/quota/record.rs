@@ -165,7 +165,7 @@ pub enum LedgerKind {
     Expire,
     Compensation,
     /// A borrowing region's debt moved to the home region
-    /// ([`borrow`]): the borrowed reservation's committed amount leaves
+    /// ([`borrow`](crate::quota::borrow)): the borrowed reservation's committed amount leaves
     /// the borrowing account (usage: `d_committed` = −committed).
     Repaid,
 }

@@ -14,7 +14,7 @@
 //!
 //! # Authentication
 //! With [`Auth::tls`] the sync listener speaks TLS only, and requires a
-//! client certificate signed by the configured CA ([`super::tls`]); the
+//! client certificate signed by the configured CA ([`crate::listener::SyncListener::tls`]); the
 //! certificate names the node (and maybe its region), and a node may report
 //! only as itself. A sync listener on a non-loopback address without it
 //! refuses to start ([`check_exposure`]) unless [`Auth::insecure`] is set.

@@ -23,7 +23,7 @@ use std::path::Path;
 
 use tenantgate::policy::{Node, Policy, SyncSettings, LOCAL_MAX_NS};
 
-use crate::alloc::{AllocConfig, GlobalLimit};
+use crate::alloc::{tuning, AllocConfig, GlobalLimit};
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
 
@@ -159,9 +159,9 @@ impl Default for Settings {
     /// The simulator's settings (docs/global-limits.md).
     fn default() -> Settings {
         Settings {
-            interval_ns: NANOS_PER_SEC,
-            lease_ttl_ns: 3 * NANOS_PER_SEC,
-            response_timeout_ns: NANOS_PER_SEC / 2,
+            interval_ns: tuning::INTERVAL_NS,
+            lease_ttl_ns: tuning::LEASE_TTL_NS,
+            response_timeout_ns: tuning::RESPONSE_TIMEOUT_NS,
         }
     }
 }
@@ -188,12 +188,12 @@ impl Settings {
             interval_ns: self.interval_ns,
             lease_ttl_ns: self.lease_ttl_ns,
             response_timeout_ns,
-            lease_factor_pct: 150,
-            node_floor: 1,
-            region_floor: 5,
-            borrow_ceiling_pct: 80,
-            repay_pct: 50,
-            settle_ns: 5 * NANOS_PER_SEC,
+            lease_factor_pct: tuning::LEASE_FACTOR_PCT,
+            node_floor: tuning::NODE_FLOOR,
+            region_floor: tuning::REGION_FLOOR,
+            borrow_ceiling_pct: tuning::BORROW_CEILING_PCT,
+            repay_pct: tuning::REPAY_PCT,
+            settle_ns: tuning::SETTLE_NS,
             local_max_ns,
             failure_mode,
         }

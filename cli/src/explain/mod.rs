@@ -5,7 +5,7 @@
 //! filter's engine for a class without admission checks, with the filter's
 //! whole request pipeline (`tenantgate::pipeline`) for a class with them,
 //! then runs that pipeline through admission scenarios ([`admission`]).
-//! `diff` ([`diff`]) classifies each limit with the rule the engine's state
+//! `diff` ([`diff()`]) classifies each limit with the rule the engine's state
 //! loader applies. Nothing here re-implements a decision; the output is
 //! plain text, one fact per line, stable for golden tests (every listing is
 //! sorted, time and ids are fixed).
