@@ -151,7 +151,7 @@ bench-memory: wasm module cli setup-wrk ## Envoy RSS with 1, 100k and 1M distinc
 	$(PYTHON) bench/memory.py --host $(HOST) --max-keys 1000000 --points 1,100000,1000000 --out target/bench/memory$(if $(filter module,$(HOST)),-module,).json
 	$(PYTHON) bench/memory.py --host $(HOST) --max-keys 100000 --points 1,150000,300000,450000 --out target/bench/memory$(if $(filter module,$(HOST)),-module,)-full.json
 
-bench-service: setup-redis setup-postgresql ## Key reports/s per core of the central service (embedded, Redis and Redis Cluster with their CPU per report, HTTP); quota reserve+commit pairs/s, 64 callers on one resource, batched beside per operation (SQLite, PostgreSQL); RLS ShouldRateLimit p50/p99 and calls/s at 1, 4, 8 descriptors (embedded, Redis), TCP_NODELAY beside without
+bench-service: setup-redis setup-postgresql ## Key reports/s per core of the central service (embedded, Redis and Redis Cluster with their CPU per report, HTTP); quota reserve+commit pairs/s, 64 callers on one resource, batched beside per operation (SQLite, PostgreSQL); RLS ShouldRateLimit p50/p99 and calls/s at 1, 4, 8 descriptors (embedded, Redis), TCP_NODELAY beside without, closed loop and open loop at offered rates with the CPU per call
 	cargo run --release -p tenantgate-central --example bench_service
 	cargo run --release -p tenantgate-central --example bench_quota
 	cargo run --release -p tenantgate-central --example bench_rls

@@ -29,7 +29,11 @@ pub(super) fn run(args: &SimArgs) -> ExitCode {
         Some(name) => match sim::scenario::named(name) {
             Some(s) => vec![s],
             None => {
-                let names: Vec<_> = sim::scenarios().iter().map(|s| s.name).collect();
+                let names: Vec<_> = sim::scenarios()
+                    .iter()
+                    .chain(&sim::scenario::lossy_parts())
+                    .map(|s| s.name)
+                    .collect();
                 eprintln!("unknown scenario {name:?}; one of: {}", names.join(", "));
                 return ExitCode::FAILURE;
             }
