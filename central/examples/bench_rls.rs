@@ -42,7 +42,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -53,6 +53,7 @@ use tenantgate_central::grpc::counters::{Counters, MemoryCounters, RedisCounters
 use tenantgate_central::grpc::rls::Rls;
 use tenantgate_central::listener::SyncListener;
 use tenantgate_central::testing::redis_cpu_ns;
+use tokio::time::Instant;
 
 /// The allocator `tenantgate serve` runs with.
 #[global_allocator]
@@ -177,44 +178,24 @@ fn summary(mut all: Vec<Duration>, took: Duration, answer_bytes: usize) -> Row {
     }
 }
 
-/// A closed-loop row: `clients` callers, each sending its next call when
-/// the last is answered.
-async fn row(addr: SocketAddr, descriptors: usize, clients: usize) -> Row {
+/// A row of `clients` callers. Closed loop (`rate` `None`): each sends
+/// its next call when the last is answered, its latency counted from when
+/// it was sent. Open loop: together they offer `rate` calls/s, call `k` of
+/// caller `c` due at `(k × clients + c) / rate` s; a call late because the
+/// caller's previous one was slow counts from when it was due, any other
+/// from when it was sent (tokio's timer wakes up to 1 ms late: not the
+/// service's).
+async fn row(addr: SocketAddr, descriptors: usize, clients: usize, rate: Option<u32>) -> Row {
     let (conns, answer_bytes) = warm(addr, descriptors).await;
     let started = Instant::now();
     let per_client = REQUESTS / clients;
-    let mut tasks = Vec::new();
-    for client in 0..clients {
-        let mut conn = conns[client % CONNECTIONS].clone();
-        let body = request(descriptors, client);
-        tasks.push(tokio::spawn(async move {
-            let mut latencies = Vec::with_capacity(per_client);
-            for _ in 0..per_client {
-                if started.elapsed() > ROW_BUDGET {
-                    break;
-                }
-                let t = Instant::now();
-                call(&mut conn, addr, &body).await;
-                latencies.push(t.elapsed());
-            }
-            latencies
-        }));
-    }
-    let mut all = Vec::with_capacity(REQUESTS);
-    for t in tasks {
-        all.extend(t.await.unwrap());
-    }
-    summary(all, started.elapsed(), answer_bytes)
-}
-
-/// An open-loop row: `clients` callers together offering `rate` calls/s,
-/// each call's latency counted from when it was due.
-async fn paced(addr: SocketAddr, descriptors: usize, clients: usize, rate: u32) -> Row {
-    let (conns, answer_bytes) = warm(addr, descriptors).await;
-    let started = tokio::time::Instant::now();
-    let per_client = REQUESTS / clients;
-    let gap = Duration::from_secs_f64(clients as f64 / f64::from(rate));
-    let offset = Duration::from_secs_f64(1.0 / f64::from(rate));
+    // (the gap between one caller's calls, between two callers' first)
+    let schedule = rate.map(|r| {
+        (
+            Duration::from_secs_f64(clients as f64 / f64::from(r)),
+            Duration::from_secs_f64(1.0 / f64::from(r)),
+        )
+    });
     let mut tasks = Vec::new();
     for client in 0..clients {
         let mut conn = conns[client % CONNECTIONS].clone();
@@ -226,18 +207,14 @@ async fn paced(addr: SocketAddr, descriptors: usize, clients: usize, rate: u32) 
                 if started.elapsed() > ROW_BUDGET {
                     break;
                 }
-                let due = started + offset * client as u32 + gap * k as u32;
-                tokio::time::sleep_until(due).await;
-                // Late because the previous call was slow: counted from
-                // when it was due. Otherwise from when it was sent (the
-                // timer wakes up to a millisecond late: not the service's).
-                let from = if last_done > due {
-                    due
-                } else {
-                    tokio::time::Instant::now()
-                };
+                let mut from = Instant::now();
+                if let Some((gap, offset)) = schedule {
+                    let due = started + offset * client as u32 + gap * k as u32;
+                    tokio::time::sleep_until(due).await;
+                    from = if last_done > due { due } else { Instant::now() };
+                }
                 call(&mut conn, addr, &body).await;
-                last_done = tokio::time::Instant::now();
+                last_done = Instant::now();
                 latencies.push(last_done - from);
             }
             latencies
@@ -339,7 +316,7 @@ async fn rows(
             &[(1, CLIENTS), (4, CLIENTS), (8, CLIENTS)]
         };
         for &(descriptors, clients) in sweep {
-            let r = row(addr, descriptors, clients).await;
+            let r = row(addr, descriptors, clients, None).await;
             let verdict = if !nodelay || descriptors != 8 {
                 ""
             } else if r.p99 <= TARGET_P99 {
@@ -369,7 +346,7 @@ async fn rows(
             };
             let cpu_before = process_cpu_ns();
             let (busy_before, total_before) = machine_ticks();
-            let r = paced(addr, 8, CLIENTS, rate).await;
+            let r = row(addr, 8, CLIENTS, Some(rate)).await;
             let cpu = process_cpu_ns().saturating_sub(cpu_before);
             let (busy, total) = machine_ticks();
             let busy_share = (busy - busy_before) as f64 / (total - total_before).max(1) as f64;

@@ -586,10 +586,8 @@ impl KeyState {
             };
         };
         let mut due = entitlement(nk, flow, nodes_hint, max_cost, cfg);
-        if !nk.collapsed && nk.lease_seq != 0 {
-            // This report did not acknowledge the node's last lease (our
-            // answer was lost, came after its callout timeout, or crossed
-            // its retry): the next answer may miss it too, so its lease
+        if nk.lease_unacknowledged() {
+            // The next answer may miss the node too, so its lease
             // holds half a share more, to last through a retry's delay
             // (two shares at the default lease factor of 1.5).
             due.level = due.level.saturating_add(due.share_milli.div_ceil(2 * MILLI));

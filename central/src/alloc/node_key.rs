@@ -259,6 +259,12 @@ impl NodeKey {
         self.falls_back(cfg) && self.silent(now, cfg) && now < self.local_until(cfg)
     }
 
+    /// Its last lease not yet acknowledged by a report (the answer was
+    /// lost, came after the node's callout timeout, or crossed its retry).
+    pub(super) fn lease_unacknowledged(&self) -> bool {
+        self.lease_seq != 0 && !self.collapsed
+    }
+
     /// Not heard from since its last grant, and past the earliest instant
     /// that lease can have expired: it may be on its local limit.
     pub(super) fn silent(&self, now: u64, cfg: &AllocConfig) -> bool {

@@ -122,9 +122,20 @@ impl SimNode {
     }
 }
 
-/// A message in flight: (arrival, order, to the service?, node, units the
-/// service drew into it (an answer), JSON body).
-type Msg = Reverse<(u64, u64, bool, usize, u64, String)>;
+/// A message in flight, ordered by arrival, then by when it was sent
+/// (`order` is unique, so no two messages compare equal).
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Msg {
+    arrival: u64,
+    order: u64,
+    to_service: bool,
+    /// The node that sent it, or that it goes to.
+    node: usize,
+    /// Units the service drew from its bucket into it (an answer).
+    drew: u64,
+    /// Its JSON body.
+    body: String,
+}
 
 pub fn alloc_config(cfg: &SimConfig, mode: FailureMode) -> AllocConfig {
     AllocConfig {
@@ -196,7 +207,7 @@ struct World<'a> {
     net: Rng,
     traffic: Rng,
     streams_rng: Rng,
-    queue: BinaryHeap<Msg>,
+    queue: BinaryHeap<Reverse<Msg>>,
     /// Messages sent so far: ties in arrival go in sending order.
     order: u64,
     /// The interval the service last ticked in.
@@ -268,8 +279,14 @@ impl<'a> World<'a> {
     fn send(&mut self, now: u64, to_service: bool, i: usize, drew: u64, body: String) {
         let latency = self.net.between(self.spec.latency_ms.0, self.spec.latency_ms.1) * NANOS_PER_MS;
         self.order += 1;
-        self.queue
-            .push(Reverse((now + latency, self.order, to_service, i, drew, body)));
+        self.queue.push(Reverse(Msg {
+            arrival: now + latency,
+            order: self.order,
+            to_service,
+            node: i,
+            drew,
+            body,
+        }));
     }
 
     /// Units the service has drawn from the key's bucket so far.
@@ -291,8 +308,15 @@ impl<'a> World<'a> {
     /// service, an answer applied by its node (unless its region's link
     /// is down, or the answer is lost on its way back).
     fn deliver(&mut self, now: u64, t_s: f64) {
-        while self.queue.peek().is_some_and(|Reverse(m)| m.0 <= now) {
-            let Some(Reverse((_, _, to_service, i, drew, body))) = self.queue.pop() else {
+        while self.queue.peek().is_some_and(|Reverse(m)| m.arrival <= now) {
+            let Some(Reverse(Msg {
+                to_service,
+                node: i,
+                drew,
+                body,
+                ..
+            })) = self.queue.pop()
+            else {
                 break;
             };
             let n = &mut self.nodes[i];
