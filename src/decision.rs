@@ -245,6 +245,30 @@ pub struct Decision {
     pub charged: u32,
     /// The class's guard was charged too.
     pub guard_charged: bool,
+    /// What each nested level (`levels:`) was charged.
+    pub levels_charged: LevelsCharged,
+}
+
+/// The most nested levels a policy may have (`levels:`).
+pub const MAX_LEVELS: usize = 4;
+
+/// What a request was charged at each nested level (in the policy's
+/// order, root first): what a refusal later in the chain gives back and a
+/// late-settled cost is settled against.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LevelsCharged {
+    /// Bit i of entry l: limit i of what level l charged.
+    pub limits: [u32; MAX_LEVELS],
+    /// Entry l: level l charged the guaranteed share of the request's
+    /// member below it, not the level's pool.
+    pub guaranteed: [bool; MAX_LEVELS],
+}
+
+impl LevelsCharged {
+    /// Whether any level was charged.
+    pub fn any(&self) -> bool {
+        self.limits.iter().any(|&bits| bits != 0)
+    }
 }
 
 /// Each limit's standing on the node after a charge, in the plan's order.
@@ -274,6 +298,10 @@ impl Decision {
             standings: None,
             charged: 0,
             guard_charged: false,
+            levels_charged: LevelsCharged {
+                limits: [0; MAX_LEVELS],
+                guaranteed: [false; MAX_LEVELS],
+            },
         }
     }
 
@@ -336,6 +364,9 @@ pub enum LimitName {
     Dependency(String),
     /// A dependency's cap per tenant (`dependencies.<name>.tenant_max_share`).
     Tenant(String),
+    /// A nested level's rate limit (`levels[].limits[]`): `name` is the
+    /// limit as its `RateLimit` item names it, `<level>:<limit>`.
+    Level { level: Rc<str>, name: String },
 }
 
 /// How the reply and the record name an action's limit: `action:<name>`
@@ -347,8 +378,19 @@ impl LimitName {
     /// limit's or a dependency's name, `action:<name>` for an action's.
     pub fn problem_name(&self) -> Cow<'_, str> {
         match self {
-            LimitName::Rate(n) | LimitName::Dependency(n) | LimitName::Tenant(n) => Cow::Borrowed(n),
+            LimitName::Rate(n)
+            | LimitName::Dependency(n)
+            | LimitName::Tenant(n)
+            | LimitName::Level { name: n, .. } => Cow::Borrowed(n),
             LimitName::Action(n) => Cow::Owned(format!("{ACTION_PREFIX}{n}")),
+        }
+    }
+
+    /// The nested level whose limit this is (the problem's `level`).
+    pub fn level(&self) -> Option<&str> {
+        match self {
+            LimitName::Level { level, .. } => Some(level),
+            _ => None,
         }
     }
 
@@ -356,7 +398,7 @@ impl LimitName {
     /// `tenant:<dependency>`, or the rate limit's name.
     pub fn record_name(&self) -> String {
         match self {
-            LimitName::Rate(n) => n.clone(),
+            LimitName::Rate(n) | LimitName::Level { name: n, .. } => n.clone(),
             LimitName::Action(n) => format!("{ACTION_PREFIX}{n}"),
             LimitName::Dependency(n) => format!("dependency:{n}"),
             LimitName::Tenant(n) => format!("tenant:{n}"),
@@ -366,7 +408,11 @@ impl LimitName {
     /// The bare name, whatever kind of limit it is.
     pub fn name(&self) -> &str {
         match self {
-            LimitName::Rate(n) | LimitName::Action(n) | LimitName::Dependency(n) | LimitName::Tenant(n) => n,
+            LimitName::Rate(n)
+            | LimitName::Action(n)
+            | LimitName::Dependency(n)
+            | LimitName::Tenant(n)
+            | LimitName::Level { name: n, .. } => n,
         }
     }
 }

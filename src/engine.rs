@@ -11,13 +11,14 @@
 mod back;
 mod classify;
 mod global;
+mod levels;
 mod peek;
 
 pub use back::{give_back, settle, Adjusted, Charged, Difference};
 use back::{refund, Back};
 pub use classify::{
-    class_of, client_address, client_ip, identify, ROUTE_CLASS_PROPERTY, ROUTE_NAME_PROPERTY,
-    SOURCE_ADDRESS_PROPERTY,
+    class_of, client_address, client_ip, identify, identify_levels, ROUTE_CLASS_PROPERTY,
+    ROUTE_NAME_PROPERTY, SOURCE_ADDRESS_PROPERTY,
 };
 use global::check_global;
 pub use peek::{peek, KeyOf, Peeked};
@@ -51,6 +52,8 @@ pub use crate::table::MAX_CAS_ATTEMPTS;
 pub struct Scratch {
     /// The logical key being charged.
     key: String,
+    /// A nested level's key (`levels:`), charged while `key` is held.
+    level_key: String,
     table: table::Buffers,
 }
 
@@ -66,6 +69,10 @@ pub struct Prepared {
     /// for a class that settles after the response its estimate (see
     /// `crate::cost`).
     pub cost: u64,
+    /// The request's value at each nested level (`levels:`, root first;
+    /// `None`: missing or unusable). Empty for an anonymous request or a
+    /// policy without levels.
+    pub levels: Vec<Option<Rc<str>>>,
 }
 
 /// Decides one request.
@@ -86,11 +93,13 @@ pub fn prepare<H: Host>(policy: &Policy, host: &H) -> Result<Prepared, Reason> {
         return Err(Reason::Unclassified);
     };
     let (subject, plan) = identify(policy, host);
+    let levels = identify_levels(policy, host, &subject);
     Ok(Prepared {
         class: class.clone(),
         subject,
         plan,
         cost: class.cost,
+        levels,
     })
 }
 
@@ -154,6 +163,7 @@ pub fn charge_leased<H: Host>(
         state.view(mode, s.provisional, s.local_max_ns, s.timeout_ns, now)
     });
     let leasable = req.class.guard.is_none()
+        && policy.levels.chain.is_empty()
         && req.class.settle.is_none()
         && policy.mode == Mode::Enforce
         && leasable(&plan.limits);
@@ -166,7 +176,11 @@ pub fn charge_leased<H: Host>(
         headers: policy.ratelimit_headers,
         sync: view,
     };
-    let Scratch { key, table } = scratch;
+    let Scratch {
+        key,
+        level_key,
+        table,
+    } = scratch;
     let tenant_place = key_place(policy, &plan.name, &req.class.action, &req.subject, key);
     let tenant = apply(host, &tenant_place, &plan.limits, &ctx, table);
     let mut decision = tenant.decision(&plan.limits, &plan.ratelimit_policy, Reason::RateLimited, &ctx);
@@ -178,6 +192,19 @@ pub fn charge_leased<H: Host>(
     }
     if decision.deny_status().is_some() {
         return decision;
+    }
+    if !req.levels.is_empty() {
+        let tenant_back = Back {
+            charged: tenant.charged,
+            units: ctx.cost,
+            charged_at: now,
+            lease: None,
+        };
+        if let Err(denied) = levels::charge(policy, req, host, &ctx, level_key, table, &mut decision) {
+            // A level refused: give the tenant its tokens back.
+            let refunded = refund(host, &tenant_place, &plan.limits, &tenant_back, &ctx, table).written;
+            return levels::denial(*denied, &decision, refunded);
+        }
     }
     let Some(guard) = req.class.guard.and_then(|g| policy.guard(g)) else {
         return decision;
@@ -201,6 +228,15 @@ pub fn charge_leased<H: Host>(
             lease: None,
         };
         decision.refunded = refund(host, &tenant_place, &plan.limits, &back, &ctx, table).written;
+        levels::refund_all(
+            policy,
+            req,
+            host,
+            &decision.levels_charged,
+            &ctx,
+            level_key,
+            table,
+        );
         guard_decision.subject = decision.subject;
         guard_decision.table = decision.table;
         guard_decision.refunded = decision.refunded;

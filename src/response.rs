@@ -55,6 +55,9 @@ struct Problem<'a> {
     reason: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     limit: Option<&'a str>,
+    /// The nested level (`levels:`) whose limit refused.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    level: Option<&'a str>,
     retry_after: u64,
     policy_version: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -92,6 +95,7 @@ pub fn local_reply(
         detail,
         reason: reason.as_str(),
         limit: limit.as_deref(),
+        level: decision.limit.as_ref().and_then(LimitName::level),
         retry_after,
         policy_version,
         request_id,
@@ -124,6 +128,13 @@ fn explain(reason: Reason, limit: Option<&LimitName>, retry_after: u64) -> (&'st
     const UNAVAILABLE: &str = "Service Unavailable";
     let name = limit.map_or("", LimitName::name);
     match reason {
+        Reason::RateLimited if limit.and_then(LimitName::level).is_some() => (
+            "Too Many Requests",
+            format!(
+                "The budget \"{name}\" of this request's level \"{}\" is exhausted; retry in {retry_after} s.",
+                limit.and_then(LimitName::level).unwrap_or_default()
+            ),
+        ),
         Reason::RateLimited => (
             "Too Many Requests",
             format!("The rate limit \"{name}\" is exhausted; retry in {retry_after} s."),

@@ -242,6 +242,10 @@ struct ExplainArgs {
     /// The connection's address, for anonymous requests.
     #[arg(long, default_value = tenantgate_cli::explain::DEFAULT_SOURCE)]
     source: String,
+    /// The request's value at a nested level, `level=value` (repeat):
+    /// put where the level reads it (its header or its claim).
+    #[arg(long = "level", value_parser = parse_header)]
+    levels: Vec<(String, String)>,
 }
 
 fn parse_header(s: &str) -> Result<(String, String), String> {
@@ -667,6 +671,7 @@ fn explain(args: &ExplainArgs) -> ExitCode {
         class: &args.class,
         headers: &args.headers,
         source: &args.source,
+        levels: &args.levels,
     };
     let json = loaded.document.to_json();
     print!(

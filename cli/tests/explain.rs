@@ -58,6 +58,46 @@ fn explain_a_free_tenant_on_orders() {
 }
 
 #[test]
+fn explain_shows_the_levels_and_which_refuses_first() {
+    // A user of a guaranteed team: its plan refuses first.
+    golden(
+        "explain-nested-search-user.txt",
+        &[
+            "policy",
+            "explain",
+            "policies/nested.yaml",
+            "--tenant",
+            "alice",
+            "--class",
+            "chat",
+            "--level",
+            "org=acme",
+            "--level",
+            "team=search",
+        ],
+        0,
+    );
+    // The service account of the capped team: the team's ceiling does.
+    golden(
+        "explain-nested-batch-service.txt",
+        &[
+            "policy",
+            "explain",
+            "policies/nested.yaml",
+            "--tenant",
+            "batch-runner",
+            "--class",
+            "chat",
+            "--level",
+            "org=acme",
+            "--level",
+            "team=batch",
+        ],
+        0,
+    );
+}
+
+#[test]
 fn explain_a_class_whose_cost_settles_after_the_response() {
     for (name, tenant, class) in [
         ("explain-llm-acme-chat.txt", "acme", "chat"),

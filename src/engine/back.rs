@@ -4,6 +4,7 @@
 //! parameters they were charged under.
 
 use super::*;
+use crate::decision::LevelsCharged;
 
 /// What [`refund`] gives back: `units` of the limits in `charged`, charged
 /// at `charged_at`. `lease`: a worker's lease going back, whose `spent`
@@ -228,6 +229,8 @@ pub struct Charged {
     pub limits: u32,
     /// The class's guard too ([`Decision::guard_charged`]).
     pub guard: bool,
+    /// Its nested levels ([`Decision::levels_charged`]).
+    pub levels: LevelsCharged,
     /// When.
     pub at: u64,
 }
@@ -264,7 +267,11 @@ pub fn settle<H: Host>(
         headers: false,
         sync: None,
     };
-    let Scratch { key, table } = scratch;
+    let Scratch {
+        key,
+        level_key,
+        table,
+    } = scratch;
     let place = key_place(policy, &plan.name, &req.class.action, &req.subject, key);
     let adjusted = adjust(
         host,
@@ -292,6 +299,9 @@ pub fn settle<H: Host>(
             table,
         );
     }
+    super::levels::each_charged(policy, req, &charged.levels, level_key, |place, limits, bits| {
+        adjust(host, place, limits, bits, change, charged.at, &ctx, table);
+    });
     adjusted
 }
 
@@ -324,7 +334,7 @@ pub fn give_back<H: Host>(
         headers: false,
         sync: None,
     };
-    let Scratch { key, table } = scratch;
+    let Scratch { key, table, .. } = scratch;
     let place = key_place(policy, &plan.name, &req.class.action, &req.subject, key);
     let limits = &plan.limits[..plan.limits.len().min(MAX_LIMITS_PER_PLAN).min(MAX_RECORDS)];
     let back = Back {

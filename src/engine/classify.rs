@@ -62,6 +62,28 @@ pub fn identify<H: Host>(policy: &Policy, host: &H) -> (Subject, usize) {
     )
 }
 
+/// A tenant's value at each nested level (`levels:`, root first), each
+/// from its level's trusted source; `None` where it is missing or not a
+/// usable value (1–128 bytes of UTF-8, no whitespace or control
+/// characters, as a tenant id). Anonymous requests belong to no level.
+pub fn identify_levels<H: Host>(policy: &Policy, host: &H, subject: &Subject) -> Vec<Option<Rc<str>>> {
+    if policy.levels.chain.is_empty() || !matches!(subject, Subject::Tenant(_)) {
+        return Vec::new();
+    }
+    policy
+        .levels
+        .chain
+        .iter()
+        .map(|level| {
+            let raw = match &level.source {
+                policy::levels::LevelSource::Header(name) => host.request_header(name),
+                claim => claim.property_path().and_then(|p| host.property(&p)),
+            };
+            raw.as_deref().and_then(policy::tenant_id).map(Rc::from)
+        })
+        .collect()
+}
+
 /// The anonymous client's address, grouped by the configured prefix: the
 /// N-th address from the right of `X-Forwarded-For` with N trusted hops,
 /// else (and when XFF is shorter than N) the connection's address.

@@ -37,7 +37,7 @@ pub fn peek<H: Host>(
 ) -> Option<Vec<Peeked>> {
     let (action, subject) = (key.action, key.subject);
     let plan = policy.plan(key.plan)?;
-    let Scratch { key, table } = scratch;
+    let Scratch { key, table, .. } = scratch;
     let place = super::key_place(policy, &plan.name, action, subject, key);
     let effective_from = policy.effective_from_ns.min(now);
     let view = policy.sync.as_ref().map(|s| {

@@ -858,6 +858,7 @@ fn racing_creators_of_a_new_entry_lose_at_most_one_request_each() {
 }
 
 mod alloc;
+mod levels;
 mod reload;
 mod settle;
 mod stale;

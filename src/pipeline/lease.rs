@@ -73,7 +73,9 @@
 //! tick, whichever comes first: a flood of over-limit requests of one
 //! tenant reads the clock and no shared data. Its `Retry-After` is the
 //! remembered wait less the time since, rounded up: never earlier than the
-//! entry itself would admit the request.
+//! entry itself would admit the request. A nested level's refusal is not
+//! remembered: its budget is kept under the request's level values, which
+//! the tenant's key does not name.
 //!
 //! # Headers
 //! A request a lease serves reports, per limit, what the entry had left
@@ -268,7 +270,11 @@ impl Leases {
     /// What a charge of the key gave: a lease to keep, or a refusal to
     /// remember until `min(its wait, the next tick)`.
     fn took(&mut self, policy: &Rc<Policy>, prepared: &Prepared, d: &Decision, now: u64) {
-        let refused = d.reason == Reason::RateLimited;
+        // A nested level's refusal is of a budget the tenant shares, kept
+        // under the request's path of level values, which the tenant's key
+        // does not name: it is not remembered under that key.
+        let by_level = d.limit.as_ref().is_some_and(|l| l.level().is_some());
+        let refused = d.reason == Reason::RateLimited && !by_level;
         if d.leased == 0 && !refused {
             return;
         }

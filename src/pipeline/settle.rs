@@ -209,7 +209,9 @@ impl Pipeline {
         input_estimate: u64,
     ) -> Option<Box<Settling>> {
         let settle = prepared.class.settle.as_ref()?;
-        if decision.deny_status().is_some() || (decision.charged == 0 && !decision.guard_charged) {
+        if decision.deny_status().is_some()
+            || (decision.charged == 0 && !decision.guard_charged && !decision.levels_charged.any())
+        {
             return None;
         }
         self.pending
@@ -233,6 +235,7 @@ impl Pipeline {
             charged: Charged {
                 limits: decision.charged,
                 guard: decision.guard_charged,
+                levels: decision.levels_charged,
                 at: now,
             },
             meter: Meter::default(),
@@ -392,6 +395,7 @@ impl Pipeline {
         let extra = Charged {
             limits: d.charged,
             guard: d.guard_charged,
+            levels: d.levels_charged,
             at: now,
         };
         engine::settle(

@@ -645,3 +645,30 @@ fn response_headers_say_when_the_pipeline_keeps_nothing_of_a_stream() {
     // A stream the pipeline never saw (or already ended).
     assert!(w.pipeline.on_response_headers(&orders, &T0, 3, true).finished);
 }
+
+/// A refusal by a nested level is not remembered under the tenant's key:
+/// the same tenant in another organisation is decided on its own budget
+/// at once (the worker remembers a tenant's own refusals only).
+#[test]
+fn a_levels_refusal_is_not_remembered_for_the_tenant() {
+    let json = r#"{"version": "levels-1", "identity": {"header": "x-tenant-id"},
+        "plans": {"user": {"limits": [{"rate": 100, "per": "1m"}]}},
+        "default_plan": "user", "anonymous": {"plan": "user"},
+        "levels": [{"name": "org", "header": "x-org", "limits": [{"rate": 3, "per": "1m"}]}],
+        "routes": {"plain": {}}}"#;
+    let node = Node::new();
+    let mut w = node.worker(json, T0);
+    let acme = node.request("plain", "bot").header("x-org", "acme");
+    for id in 1..=3 {
+        assert_eq!(w.headers(&acme, id, T0).verdict, Verdict::Continue);
+    }
+    let d = w.headers(&acme, 4, T0);
+    assert_eq!(reply(&d).status, 429);
+    let body: serde_json::Value = serde_json::from_slice(&reply(&d).body).unwrap();
+    assert_eq!(body["level"], "org");
+    // Refused by its own plan, a tenant is remembered; by acme, not.
+    let globex = node.request("plain", "bot").header("x-org", "globex");
+    for id in 5..=7 {
+        assert_eq!(w.headers(&globex, id, T0).verdict, Verdict::Continue, "{id}");
+    }
+}

@@ -33,7 +33,7 @@ pub const DEFAULT_SOFT_LIMIT_HEADER: &str = "x-tenantgate-soft-limit";
 
 /// Validates a policy and compiles it, step by step in this order (the
 /// errors come in the same order): version, identity, plans, tenants, the
-/// default plan, anonymous, guards, the key table, dependencies, action
+/// default plan, anonymous, guards, levels, the key table, dependencies, action
 /// limits, route classes, the default route, classification, sync, quotas,
 /// descriptors, the limits endpoint.
 pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
@@ -49,6 +49,8 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
     let default_plan = plans.resolve(&spec.default_plan, root.key("default_plan"), &mut errors);
     let anonymous = compile_anonymous(&spec.anonymous, &root.key("anonymous"), &mut errors, &plans);
     let guards = compile_guards(&spec.guards, settles, &root.key("guards"), &mut errors);
+    let levels =
+        super::levels::compile_levels(&spec.levels, &identity, settles, &root.key("levels"), &mut errors);
     let key_table_entries = compile_key_table(spec.key_table.as_ref(), &root.key("key_table"), &mut errors);
     let dependencies =
         super::admission::compile_dependencies(&spec.dependencies, &root.key("dependencies"), &mut errors.0);
@@ -106,6 +108,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         default_route: spec.default_route,
         classification,
         guards,
+        levels,
         key_table_entries,
         ratelimit_headers: spec.ratelimit_headers.unwrap_or(true),
         limits_endpoint,
@@ -210,7 +213,7 @@ fn compile_plans<'a>(
         let owner = Owner {
             plan: name,
             limits: plan.limits.len(),
-            global_allowed: true,
+            local_only: None,
             settles,
         };
         let limits = compile_limits(&owner, &plan.limits, &path.key("limits"), errors);
@@ -274,7 +277,7 @@ fn compile_guards(
         let owner = Owner {
             plan: name,
             limits: g.limits.len(),
-            global_allowed: false,
+            local_only: Some("a guard is an aggregate per node"),
             settles,
         };
         let limits = compile_limits(&owner, &g.limits, &path.key("limits"), errors);
@@ -500,7 +503,7 @@ fn known<'a>(names: impl Iterator<Item = &'a String>) -> String {
     }
 }
 
-fn ratelimit_policy(limits: &[Limit]) -> String {
+pub(super) fn ratelimit_policy(limits: &[Limit]) -> String {
     limits
         .iter()
         .map(|l| format!("\"{}\";q={};w={}", l.name, l.rate, l.per_secs))

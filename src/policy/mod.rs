@@ -15,6 +15,7 @@ pub mod descriptors;
 pub mod doc;
 pub mod duration;
 pub mod error;
+pub mod levels;
 mod limits;
 pub mod quota;
 #[cfg(feature = "schema")]
@@ -90,6 +91,8 @@ pub struct Policy {
     /// How a request's route class is found.
     pub classification: Classification,
     guards: Vec<Guard>,
+    /// `levels:` budgets that nest above the tenant, root first.
+    pub levels: levels::Levels,
     pub anonymous: Anonymous,
     /// Shared-data entries of the key table (`key_table.max_keys` / slots
     /// per entry, rounded up).

@@ -97,6 +97,10 @@ pub struct PolicySpec {
     pub soft_limit_header: Option<String>,
     #[serde(default)]
     pub guards: BTreeMap<String, GuardSpec>,
+    /// Budgets that nest above the tenant (an organisation, its teams),
+    /// root first (`super::levels`).
+    #[serde(default)]
+    pub levels: Vec<LevelSpec>,
     #[serde(default)]
     pub key_table: Option<KeyTableSpec>,
     #[serde(default)]
@@ -329,6 +333,48 @@ pub struct SyncSpec {
 #[serde(deny_unknown_fields)]
 pub struct GuardSpec {
     pub limits: Vec<LimitSpec>,
+}
+
+/// `levels[]`: one level of nested budgets above the tenant. Its value
+/// comes from a trusted source (exactly one of `claim` or `header`); every
+/// value has its own budget of `limits`.
+#[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct LevelSpec {
+    pub name: String,
+    /// The level this one nests in (absent: the root).
+    #[serde(default)]
+    pub parent: Option<String>,
+    /// A claim of the JWT payload the tenant's identity is read from.
+    #[serde(default)]
+    pub claim: Option<String>,
+    /// A request header a trusted earlier filter sets (only beside a
+    /// header identity).
+    #[serde(default)]
+    pub header: Option<String>,
+    /// Every value's budget (optional below the root).
+    #[serde(default)]
+    pub limits: Vec<LimitSpec>,
+    /// Values with a guaranteed share or a ceiling within their parent.
+    #[serde(default)]
+    pub members: BTreeMap<String, LevelMemberSpec>,
+}
+
+/// `levels[].members.<value>`: a value's share of its parent's budget.
+#[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct LevelMemberSpec {
+    /// Percent of the parent's limits kept for this value alone.
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = 99)))]
+    pub guarantee: Option<i64>,
+    /// Percent of the parent's limits this value may use at most
+    /// (replaces the level's `limits` for it).
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = 100)))]
+    pub ceiling: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]

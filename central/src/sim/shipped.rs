@@ -178,6 +178,7 @@ impl ShippedNode {
         let charged = admitted.is_some().then_some(engine::Charged {
             limits: d.charged,
             guard: d.guard_charged,
+            levels: d.levels_charged,
             at: now,
         });
         Charged {

@@ -12,6 +12,7 @@
 
 mod admission;
 mod diff;
+mod levels;
 
 use std::cell::RefCell;
 use std::fmt::Write;
@@ -20,6 +21,7 @@ use std::rc::Rc;
 use tenantgate::engine::{self, Prepared, Subject};
 use tenantgate::limiter::algo::Algo;
 use tenantgate::memory::{MemoryHost, SharedStore};
+use tenantgate::policy::levels::LevelSource;
 use tenantgate::policy::settle::{Estimate, Source, WEIGHT_SCALE};
 use tenantgate::policy::spec::OnMissing;
 use tenantgate::policy::{FailureMode, Identity, Limit, OnLimit, Policy, RouteClass};
@@ -40,6 +42,9 @@ pub struct Request<'a> {
     pub headers: &'a [(String, String)],
     /// The connection's address (`ip:port`), for anonymous requests.
     pub source: &'a str,
+    /// The request's value at nested levels, `level=value` (`--level`):
+    /// set where each level reads it (its header or its claim).
+    pub levels: &'a [(String, String)],
 }
 
 impl Request<'_> {
@@ -65,6 +70,18 @@ impl Request<'_> {
             }
             let path = s.paths.first().map_or("/", String::as_str);
             host = host.header(":path", path.as_bytes());
+        }
+        for (name, value) in self.levels {
+            let Some(level) = policy.levels.chain.iter().find(|l| &*l.name == name) else {
+                continue;
+            };
+            host = match &level.source {
+                LevelSource::Header(h) => host.header(h, value.as_bytes()),
+                claim => match claim.property_path() {
+                    Some(path) => host.property(&path, value.as_bytes()),
+                    None => host,
+                },
+            };
         }
         let Some(t) = tenant else { return host };
         match &policy.identity {
@@ -238,10 +255,12 @@ pub fn explain(policy: &Policy, json: &str, req: &Request<'_>) -> String {
     };
     explain_identity(policy, &prepared, &mut out);
     explain_limits(policy, class, &prepared, &mut out);
+    levels::explain(policy, &prepared, &mut out);
     if class.labels.checks_anything() {
         admission::explain(json, req, &mut out);
     } else {
         first_request(policy, &prepared, &host, &mut out);
+        levels::first_refusal(policy, &prepared, &host, &mut out);
     }
     out
 }

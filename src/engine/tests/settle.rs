@@ -31,6 +31,7 @@ fn charged_of(d: &Decision, at: u64) -> Charged {
     Charged {
         limits: d.charged,
         guard: d.guard_charged,
+        levels: d.levels_charged,
         at,
     }
 }
@@ -148,6 +149,7 @@ fn settling_reaches_every_charged_limit_and_the_guard_and_skips_the_rest() {
     let none = Charged {
         limits: 0,
         guard: false,
+        levels: Default::default(),
         at: T0,
     };
     let before = store.borrow().writes;

@@ -1,0 +1,233 @@
+//! Nested levels (`levels:`) through the engine: a request is charged at
+//! its tenant and every level at once, all or nothing; the first level that
+//! would be exceeded refuses and is named; a member's guarantee holds while
+//! the rest of its parent is flooded; a ceiling caps a member; values come
+//! from the trusted source only; a settled cost reaches every level.
+
+use super::*;
+use crate::engine::{settle, Charged, Difference};
+
+const CLAIM: &str = "jwt_payload";
+
+fn claim(name: &str) -> [&str; 5] {
+    [
+        "metadata",
+        "filter_metadata",
+        "envoy.filters.http.jwt_authn",
+        CLAIM,
+        name,
+    ]
+}
+
+/// Users of 1,000 a minute, in teams of 200 a minute, in organisations of
+/// 100 a minute: `search` is guaranteed 30 % of its organisation, `batch`
+/// may use at most 50 %.
+fn nested(user_rate: u64, extra_route: &str) -> Policy {
+    let json = format!(
+        r#"{{"version":"nested-1",
+        "identity":{{"jwt":{{"payload_in_metadata":"{CLAIM}","claim":"sub"}}}},
+        "plans":{{"user":{{"limits":[{{"rate":{user_rate},"per":"1m"}}]}}}},
+        "default_plan":"user","anonymous":{{"plan":"user"}},
+        "levels":[
+            {{"name":"org","claim":"org","limits":[{{"name":"monthly","rate":100,"per":"1m"}}]}},
+            {{"name":"team","parent":"org","claim":"team","limits":[{{"rate":200,"per":"1m"}}],
+              "members":{{"search":{{"guarantee":30}},"batch":{{"ceiling":50}}}}}}
+        ],
+        "routes":{{"chat":{{}}{extra_route}}}}}"#
+    );
+    Policy::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn user(
+    store: &std::rc::Rc<std::cell::RefCell<SharedStore>>,
+    sub: &str,
+    team: &str,
+    org: &str,
+) -> MemoryHost {
+    MemoryHost::new(store.clone())
+        .route_class("chat")
+        .property(&claim("sub"), sub)
+        .property(&claim("team"), team)
+        .property(&claim("org"), org)
+}
+
+#[test]
+fn every_level_is_charged_and_the_first_exceeded_refuses_by_name() {
+    let p = nested(1000, "");
+    let store = SharedStore::new();
+    let h = user(&store, "alice", "web", "acme");
+    let d = run(&p, &h, T0);
+    assert_eq!(d.reason, Reason::Allowed);
+    let headers = d.headers.clone().unwrap();
+    assert_eq!(
+        headers.policy, r#""user";q=1000;w=60, "team:team";q=200;w=60, "org:monthly";q=70;w=60"#,
+        "the organisation's pool is what the 30 % guarantee leaves"
+    );
+    assert!(
+        headers.ratelimit.contains(r#""org:monthly";r=69"#),
+        "{}",
+        headers.ratelimit
+    );
+    assert_eq!(admitted(&p, &h, T0, 200), 69, "the pool of 70, less the first");
+    let d = run(&p, &h, T0);
+    assert_eq!(d.reason, Reason::RateLimited);
+    assert_eq!(
+        d.limit,
+        Some(LimitName::Level {
+            level: "org".into(),
+            name: "org:monthly".into()
+        })
+    );
+    assert!(d.retry_after_secs >= 1);
+    let reply = response::local_reply(&d, &p.version, true, None).unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
+    assert_eq!(body["level"], "org");
+    assert_eq!(body["limit"], "org:monthly");
+    assert!(reply
+        .header("ratelimit")
+        .unwrap()
+        .starts_with(r#""org:monthly";r=0"#));
+}
+
+#[test]
+fn a_level_that_refuses_gives_back_the_tenant_and_the_levels_below() {
+    let p = nested(10, "");
+    let store = SharedStore::new();
+    // acme's pool of 70 spent by 7 users of 10 each.
+    for i in 0..7 {
+        let h = user(&store, &format!("u{i}"), "web", "acme");
+        assert_eq!(admitted(&p, &h, T0, 20), 10);
+    }
+    // dave of team `ops` in acme: refused by acme, charged nothing.
+    let dave = user(&store, "dave", "ops", "acme");
+    for _ in 0..50 {
+        assert_eq!(
+            run(&p, &dave, T0)
+                .limit
+                .and_then(|l| l.level().map(str::to_owned))
+                .as_deref(),
+            Some("org")
+        );
+    }
+    // In another organisation, dave and `ops` still have everything.
+    let dave = user(&store, "dave", "ops", "globex");
+    assert_eq!(admitted(&p, &dave, T0, 20), 10, "dave's own 10 were never taken");
+}
+
+#[test]
+fn a_guaranteed_member_keeps_its_share_while_another_floods() {
+    let p = nested(1000, "");
+    let store = SharedStore::new();
+    // A team without a guarantee floods: it gets the pool, 70.
+    let flood = user(&store, "bot", "ads", "acme");
+    assert_eq!(admitted(&p, &flood, T0, 500), 70);
+    // `search` still has its 30, and not one more.
+    let quiet = user(&store, "carol", "search", "acme");
+    assert_eq!(admitted(&p, &quiet, T0, 100), 30);
+    // The organisation admitted its 100, never more.
+    assert_eq!(admitted(&p, &flood, T0, 100) + admitted(&p, &quiet, T0, 100), 0);
+    // Refilled: `search` takes its guarantee first, then the pool.
+    let later = T0 + 61 * S;
+    assert_eq!(admitted(&p, &quiet, later, 500), 100);
+    assert_eq!(admitted(&p, &flood, later, 100), 0);
+}
+
+#[test]
+fn a_ceiling_caps_a_member_within_its_parent() {
+    let p = nested(1000, "");
+    let store = SharedStore::new();
+    let batch = user(&store, "job", "batch", "acme");
+    assert_eq!(admitted(&p, &batch, T0, 500), 50, "50 % of acme's 100");
+    let other = user(&store, "eve", "web", "acme");
+    assert_eq!(
+        admitted(&p, &other, T0, 500),
+        20,
+        "what batch left of the pool of 70"
+    );
+}
+
+#[test]
+fn level_values_come_from_the_verified_payload_only() {
+    let p = nested(1000, "");
+    let store = SharedStore::new();
+    // A client's headers are not the claim: still acme.
+    let forged = user(&store, "mallory", "web", "acme")
+        .header("org", "fresh-org")
+        .header("x-org", "fresh-org");
+    assert_eq!(admitted(&p, &forged, T0, 500), 70);
+    // Without the claim (or with an unusable value), every such request
+    // shares one budget: dropping a claim never escapes a level.
+    for (sub, org) in [("m1", None), ("m2", Some("bad value")), ("m3", None)] {
+        let mut h = MemoryHost::new(store.clone())
+            .route_class("chat")
+            .property(&claim("sub"), sub)
+            .property(&claim("team"), "web");
+        if let Some(org) = org {
+            h = h.property(&claim("org"), org);
+        }
+        let n = admitted(&p, &h, T0, 500);
+        assert_eq!(n, if sub == "m1" { 70 } else { 0 }, "{sub}");
+    }
+}
+
+#[test]
+fn values_never_share_a_key_whatever_bytes_they_hold() {
+    let p = nested(1000, "");
+    let store = SharedStore::new();
+    // `a|b` in `c` and `a` in `b|c` are two paths, two keys.
+    let one = user(&store, "u1", "a|5:b", "c");
+    let two = user(&store, "u2", "a", "1:c|5:b");
+    run(&p, &one, T0);
+    run(&p, &two, T0);
+    let keys: Vec<String> = table_keys(&store)
+        .into_iter()
+        .filter(|k| k.contains("|l|team|"))
+        .collect();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+}
+
+#[test]
+fn a_settled_cost_reaches_every_level_it_was_charged_at() {
+    let route = r#","llm":{"action":"chat","cost":10,"settle":{"usage":"openai_total","ceiling":50}}"#;
+    let p = nested(1000, route);
+    let store = SharedStore::new();
+    let h = MemoryHost::new(store.clone())
+        .route_class("llm")
+        .property(&claim("sub"), "alice")
+        .property(&claim("team"), "web")
+        .property(&claim("org"), "acme");
+    let req = prepare(&p, &h).unwrap();
+    let d = charge(&p, &req, &h, T0, &mut Scratch::default());
+    assert_eq!(d.reason, Reason::Allowed);
+    assert!(d.levels_charged.any());
+    let charged = Charged {
+        limits: d.charged,
+        guard: d.guard_charged,
+        levels: d.levels_charged,
+        at: T0,
+    };
+    // Its answer cost 40, not 10: acme's pool of 70 has 30 left.
+    settle(
+        &p,
+        &req,
+        &h,
+        &charged,
+        Difference::More(30),
+        T0,
+        &mut Scratch::default(),
+    );
+    let other = user(&store, "bob", "web", "acme");
+    assert_eq!(admitted(&p, &other, T0, 100), 30);
+}
+
+#[test]
+fn anonymous_requests_belong_to_no_level() {
+    let p = nested(5, "");
+    let store = SharedStore::new();
+    let h = MemoryHost::new(store.clone())
+        .route_class("chat")
+        .source("10.0.0.1:1");
+    let req = prepare(&p, &h).unwrap();
+    assert!(req.levels.is_empty());
+    assert_eq!(admitted(&p, &h, T0, 50), 5, "the anonymous plan alone");
+}
