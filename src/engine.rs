@@ -21,7 +21,7 @@ pub use classify::{
     ROUTE_NAME_PROPERTY, SOURCE_ADDRESS_PROPERTY,
 };
 use global::check_global;
-pub use peek::{peek, KeyOf, Peeked};
+pub use peek::{peek, peek_levels, KeyOf, LevelPeeked, Peeked};
 
 use std::rc::Rc;
 

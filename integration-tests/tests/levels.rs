@@ -3,11 +3,13 @@
 //! verified JWT's claims (jwt_authn's `claim_to_headers` after the
 //! client's copies were removed, envoy/demo.yaml's port 10001), a flooding
 //! team held to the pool while a guaranteed team keeps its share, the
-//! refusing level named in the answer, and a client's forged level
-//! header ignored. On the wasm filter, the same with the levels read from
+//! refusing level named in the answer and in the access log's decision
+//! record, and a client's forged level header ignored. On the wasm filter, the same with the levels read from
 //! the claims themselves (`identity.jwt`, `claim:`).
 
-use tenantgate_integration_tests::{demo_token, on_both_hosts, Conn, Envoy, Host, Response};
+use std::time::Duration;
+
+use tenantgate_integration_tests::{demo_token, get, on_both_hosts, wait_for, Conn, Envoy, Host, Response};
 
 /// Organisations of 20 requests a minute; `search` is guaranteed 25 % (5),
 /// the pool is 15.
@@ -102,6 +104,21 @@ on_both_hosts!(nested_levels_from_verified_claims);
 fn nested_levels_from_verified_claims() {
     let envoy = Envoy::start(POLICY);
     a_flooding_team_leaves_the_guaranteed_one_its_share(&envoy);
+    // The demo listener (headers as sent: a trusted hop's) logs each
+    // request's decision record: a level's refusal names the level.
+    let acme = [("x-tenant-id", "bot"), ("x-org", "acme"), ("x-team", "ads")];
+    assert_eq!(get(envoy.port, "/api/orders", &acme).status, 429);
+    let logged = wait_for(Duration::from_secs(5), || {
+        envoy.log().lines().any(|l| {
+            l.starts_with("/api/orders 429 outcome=rate_limited ")
+                && l.ends_with(" limit=org:requests level=org")
+        })
+    });
+    assert!(
+        logged,
+        "no decision record naming the level: {}",
+        envoy.log_tail()
+    );
     if envoy.host == Host::Module {
         // The module reads no claim inside jwt_authn's payload: a policy
         // with claim levels (and a JWT identity) is refused, saying why.

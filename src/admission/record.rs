@@ -28,6 +28,8 @@ pub struct DecisionRecord<'a> {
     /// `tenant:<dependency>`; `-` when admitted or refused by a request
     /// check.
     pub limit: &'a str,
+    /// The nested level whose limit refused (`level=`; absent otherwise).
+    pub level: Option<&'a str>,
     /// The dependency's breaker phase at the decision (`breaker=`; absent
     /// without a `circuit_breaker`).
     pub breaker: Option<&'a str>,
@@ -46,11 +48,12 @@ impl DecisionRecord<'_> {
             .controller_limit
             .map_or(String::new(), |l| format!(" controller_limit={l}"));
         let breaker = self.breaker.map(|b| format!(" breaker={b}")).unwrap_or_default();
+        let level = self.level.map(|l| format!(" level={l}")).unwrap_or_default();
         let degraded = self
             .degraded_age_ms
             .map_or(String::new(), |age| format!(" degraded_age_ms={age}"));
         format!(
-            "outcome={} criticality={} dependency={} in_flight={} queue_wait_ms={} policy={} key={} limit={}{controller}{breaker}{degraded}",
+            "outcome={} criticality={} dependency={} in_flight={} queue_wait_ms={} policy={} key={} limit={}{level}{controller}{breaker}{degraded}",
             self.outcome,
             self.criticality.as_str(),
             self.dependency,

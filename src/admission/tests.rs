@@ -703,10 +703,22 @@ fn the_decision_record_is_one_line_of_plain_fields() {
         policy_version: "v 1",
         limit_key: "orders|t|acme",
         limit: "action:orders",
+        level: None,
         breaker: None,
         degraded_age_ms: None,
         controller_limit: None,
     };
+    // A nested level's refusal names the level after the limit.
+    assert_eq!(
+        DecisionRecord {
+            outcome: "rate_limited",
+            limit: "org:tokens",
+            level: Some("org"),
+            ..r
+        }
+        .render(),
+        "outcome=rate_limited criticality=sheddable dependency=db in_flight=7 queue_wait_ms=390 policy=v_1 key=orders|t|acme limit=org:tokens level=org"
+    );
     assert_eq!(
         r.render(),
         "outcome=queue_timeout criticality=sheddable dependency=db in_flight=7 queue_wait_ms=390 policy=v_1 key=orders|t|acme limit=action:orders"

@@ -10,6 +10,8 @@
 //! refused. That errs toward admitting less, never more: no key is ever
 //! charged past its limits.
 
+use std::rc::Rc;
+
 use super::back::{refund, Back};
 use super::{apply, Ctx, Decision, LimitName, Reason};
 use crate::decision::LevelsCharged;
@@ -35,8 +37,8 @@ pub(super) fn charge<H: Host>(
 ) -> Result<(), Box<Decision>> {
     for (l, level) in policy.levels.chain.iter().enumerate().rev() {
         let mut refused: Option<Decision> = None;
-        for (budget, share) in budgets(level, l, req) {
-            let place = place(policy, req, level, l, budget, key);
+        for (budget, share) in budgets(level, l, &req.levels) {
+            let place = place(policy, &req.class.action, &req.levels, level, l, budget, key);
             let applied = apply(host, &place, &share.limits, ctx, table);
             let mut d = applied.decision(&share.limits, &share.ratelimit_policy, Reason::RateLimited, ctx);
             decision.cas_retries = decision.cas_retries.saturating_add(d.cas_retries);
@@ -138,30 +140,34 @@ pub(super) fn each_charged(
             continue;
         }
         let guaranteed = charged.guaranteed.get(l).copied().unwrap_or(false);
-        let Some((budget, share)) = budgets(level, l, req)
+        let Some((budget, share)) = budgets(level, l, &req.levels)
             .into_iter()
             .find(|(b, _)| matches!(b, Budget::Guaranteed { .. }) == guaranteed)
         else {
             continue;
         };
-        let place = place(policy, req, level, l, budget, key);
+        let place = place(policy, &req.class.action, &req.levels, level, l, budget, key);
         f(&place, &share.limits, bits);
     }
 }
 
-/// The budgets a request tries at level `l`, in order: its value's
-/// ceiling alone if it has one; else the guaranteed share of its member
-/// one level down (if it has one), then the pool. None if the level has
-/// no budget of its own.
-fn budgets<'p>(level: &'p Level, l: usize, req: &'p Prepared) -> Vec<(Budget<'p>, &'p Share)> {
-    let value = req.levels.get(l).and_then(|v| v.as_deref());
+/// The budgets a request whose level values are `values` tries at level
+/// `l`, in order: its value's ceiling alone if it has one; else the
+/// guaranteed share of its member one level down (if it has one), then
+/// the pool. None if the level has no budget of its own.
+pub(super) fn budgets<'p>(
+    level: &'p Level,
+    l: usize,
+    values: &'p [Option<Rc<str>>],
+) -> Vec<(Budget<'p>, &'p Share)> {
+    let value = values.get(l).and_then(|v| v.as_deref());
     if let Some(ceiling) = value.and_then(|v| level.ceilings.get(v)) {
         return vec![(Budget::Pool, ceiling)];
     }
     if level.pool.limits.is_empty() {
         return Vec::new();
     }
-    let member = req.levels.get(l.saturating_add(1)).and_then(|v| v.as_deref());
+    let member = values.get(l.saturating_add(1)).and_then(|v| v.as_deref());
     let mut out = Vec::with_capacity(2);
     if let Some((member, share)) = member.and_then(|m| level.guaranteed.get_key_value(m)) {
         out.push((Budget::Guaranteed { member }, share));
@@ -170,23 +176,24 @@ fn budgets<'p>(level: &'p Level, l: usize, req: &'p Prepared) -> Vec<(Budget<'p>
     out
 }
 
-/// Where level `l`'s `budget` for `req` lives: its key (written into
-/// `key`) in the policy's key table, falling back to the level's overflow
-/// entry for the request's action.
-fn place<'a>(
+/// Where level `l`'s `budget` for the level values `values` lives on
+/// `action`: its key (written into `key`) in the policy's key table,
+/// falling back to the level's overflow entry for the action.
+pub(super) fn place<'a>(
     policy: &Policy,
-    req: &'a Prepared,
+    action: &'a str,
+    values: &[Option<Rc<str>>],
     level: &'a Level,
     l: usize,
     budget: Budget<'_>,
     key: &'a mut String,
 ) -> Place<'a> {
-    write_key(key, &req.class.action, l, &policy.levels, &req.levels, budget);
+    write_key(key, action, l, &policy.levels, values, budget);
     Place::Table {
         logical: key.as_bytes(),
         entries: policy.key_table_entries,
         overflow: Overflow {
-            action: &req.class.action,
+            action,
             plan: &level.overflow,
         },
     }

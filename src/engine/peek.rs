@@ -39,6 +39,77 @@ pub fn peek<H: Host>(
     let plan = policy.plan(key.plan)?;
     let Scratch { key, table, .. } = scratch;
     let place = super::key_place(policy, &plan.name, action, subject, key);
+    peek_at(policy, &place, &plan.limits, host, now, sync, table)
+}
+
+/// One nested level's standing for a caller (see [`peek_levels`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LevelPeeked {
+    pub level: Rc<str>,
+    /// The limit, as `RateLimit` items name it (`<level>:<limit>`).
+    pub limit: String,
+    /// What the caller may use of it in all: its ceiling, or its member's
+    /// guaranteed share plus the pool.
+    pub quota: u64,
+    pub window_secs: u64,
+    pub peeked: Peeked,
+}
+
+/// What each limit of each nested level has left for a caller whose level
+/// values are `values`, on `action`, summed over the budgets it may take
+/// (its ceiling; or its member's guaranteed share, then the pool): read,
+/// never charged. `None`: shared data could not be read.
+pub fn peek_levels<H: Host>(
+    policy: &Policy,
+    action: &str,
+    values: &[Option<Rc<str>>],
+    host: &H,
+    now: u64,
+    scratch: &mut Scratch,
+) -> Option<Vec<LevelPeeked>> {
+    let mut out: Vec<LevelPeeked> = Vec::new();
+    if values.is_empty() {
+        return Some(out);
+    }
+    let Scratch { level_key, table, .. } = scratch;
+    for (l, level) in policy.levels.chain.iter().enumerate() {
+        let first = out.len();
+        for (budget, share) in super::levels::budgets(level, l, values) {
+            let place = super::levels::place(policy, action, values, level, l, budget, level_key);
+            let peeked = peek_at(policy, &place, &share.limits, host, now, None, table)?;
+            for (limit, p) in share.limits.iter().zip(peeked) {
+                match out.iter_mut().skip(first).find(|o| o.limit == limit.name) {
+                    Some(o) => {
+                        o.quota = o.quota.saturating_add(limit.rate);
+                        o.peeked.remaining = o.peeked.remaining.saturating_add(p.remaining);
+                        o.peeked.reset_ns = o.peeked.reset_ns.max(p.reset_ns);
+                        o.peeked.t_ns = o.peeked.t_ns.max(p.t_ns);
+                    }
+                    None => out.push(LevelPeeked {
+                        level: level.name.clone(),
+                        limit: limit.name.clone(),
+                        quota: limit.rate,
+                        window_secs: limit.per_secs,
+                        peeked: p,
+                    }),
+                }
+            }
+        }
+    }
+    Some(out)
+}
+
+/// Each of `limits`' standing on the key at `place`, read without
+/// charging it (a key not in the table has every limit whole).
+fn peek_at<H: Host>(
+    policy: &Policy,
+    place: &Place<'_>,
+    limits: &[Limit],
+    host: &H,
+    now: u64,
+    sync: Option<&SyncState>,
+    table: &mut table::Buffers,
+) -> Option<Vec<Peeked>> {
     let effective_from = policy.effective_from_ns.min(now);
     let view = policy.sync.as_ref().map(|s| {
         let state = sync
@@ -47,7 +118,7 @@ pub fn peek<H: Host>(
         state.view(s.failure_mode, s.provisional, s.local_max_ns, s.timeout_ns, now)
     });
     let peek_all = |records: Option<&Records<'_>>| -> Vec<Peeked> {
-        plan.limits
+        limits
             .iter()
             .map(|l| {
                 let record = records.and_then(|rs| rs.iter().find(|r| r.name_hash == l.name_hash));
@@ -55,7 +126,7 @@ pub fn peek<H: Host>(
             })
             .collect()
     };
-    match table::update(host, &place, &Reach::Existing, now, table, |records, _| {
+    match table::update(host, place, &Reach::Existing, now, table, |records, _| {
         (Commit::Skip, peek_all(records))
     }) {
         Ok(u) => Some(u.result),

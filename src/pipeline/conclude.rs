@@ -54,6 +54,16 @@ impl Pipeline {
             Outcome::Decided(decision) => decision,
         };
         let request_id = if decision.deny_status().is_some() {
+            if decision.reason == Reason::RateLimited {
+                // A rate limit's refusal is recorded as one, naming the
+                // limit (and its level), whatever admission said before.
+                let at = Decided {
+                    in_flight: req.took.ticket.as_ref().map_or(0, Ticket::in_flight),
+                    queue_wait_ns: req.waited_ns,
+                    limit: decision.limit.clone(),
+                };
+                req.record = Some(self.record(req, Some(Reason::RateLimited), &at, now, None));
+            }
             self.give_back(host, &mut req.took, now);
             req.request_id(host)
         } else {
@@ -234,6 +244,7 @@ impl Pipeline {
             policy_version: &policy.version,
             limit_key: &key,
             limit: &limit,
+            level: at.limit.as_ref().and_then(LimitName::level),
             breaker,
             controller_limit,
             degraded_age_ms,

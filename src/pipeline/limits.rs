@@ -10,7 +10,11 @@
 //! **A tenant sees only its own keys**: the caller is identified exactly as
 //! for charging ([`crate::engine::identify`]: the trusted identity, else
 //! its anonymous address group), so nothing it sends can name another
-//! tenant. What is reported is this node's: a local limit's entry plus the
+//! tenant. With nested levels (`levels:`), its own levels too, each read
+//! from its trusted source as for charging (one item per level limit, with
+//! its `level`): what the caller may use of it in all, its ceiling or its
+//! member's guaranteed share plus the pool, so a user sees its own
+//! organisation and team, never another's. What is reported is this node's: a local limit's entry plus the
 //! units this worker holds in a lease of it, a global limit's allowance on
 //! this node (`"global": true`: what the node knows, not the whole
 //! cluster's). It reads shared data once per action and writes nothing.
@@ -41,7 +45,10 @@ struct Answer<'a> {
 #[derive(Serialize)]
 struct Item<'a> {
     action: &'a str,
-    limit: &'a str,
+    /// The nested level (`levels:`) this limit is of; absent for the plan's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    level: Option<String>,
+    limit: String,
     quota: u64,
     window_secs: u64,
     remaining: u64,
@@ -72,6 +79,7 @@ impl Pipeline {
         policy: &Rc<Policy>,
     ) -> Directive {
         let (subject, plan_index) = engine::identify(policy, host);
+        let values = engine::identify_levels(policy, host, &subject);
         let (Some(now), Some(plan)) = (clock.now(), policy.plan(plan_index)) else {
             return unavailable(policy);
         };
@@ -92,13 +100,31 @@ impl Pipeline {
                 let remaining = p.remaining.saturating_add(if l.global { 0 } else { leased });
                 limits.push(Item {
                     action,
-                    limit: &l.name,
+                    level: None,
+                    limit: l.name.clone(),
                     quota: l.rate,
                     window_secs: l.per_secs,
                     remaining,
                     reset_secs: p.reset_ns.div_ceil(NANOS_PER_SEC),
                     global: l.global,
                     t_secs: crate::decision::t_secs(remaining, p.t_ns),
+                });
+            }
+            let Some(levels) = engine::peek_levels(policy, action, &values, host, now, &mut self.scratch)
+            else {
+                return unavailable(policy);
+            };
+            for l in levels {
+                limits.push(Item {
+                    action,
+                    level: Some(l.level.to_string()),
+                    limit: l.limit,
+                    quota: l.quota,
+                    window_secs: l.window_secs,
+                    remaining: l.peeked.remaining,
+                    reset_secs: l.peeked.reset_ns.div_ceil(NANOS_PER_SEC),
+                    global: false,
+                    t_secs: crate::decision::t_secs(l.peeked.remaining, l.peeked.t_ns),
                 });
             }
         }

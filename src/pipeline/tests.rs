@@ -142,11 +142,11 @@ fn admission_comes_before_the_rate_limit_and_a_rate_limit_denial_gives_the_slot_
     assert_eq!(reason(&d), "rate_limited");
     assert_eq!(reply(&d).status, 429);
     assert_eq!(node.in_flight("db", T0), 0);
-    // Its record says admission admitted it (the rate limit refused after).
+    // Its record says the rate limit refused it, and which.
     assert!(
         d.record
             .as_deref()
-            .is_some_and(|r| r.starts_with("outcome=admitted ")),
+            .is_some_and(|r| r.starts_with("outcome=rate_limited ") && r.ends_with(" limit=free")),
         "{d:?}"
     );
     // A request check comes before both: a short timeout budget is refused
@@ -671,4 +671,58 @@ fn a_levels_refusal_is_not_remembered_for_the_tenant() {
     for id in 5..=7 {
         assert_eq!(w.headers(&globex, id, T0).verdict, Verdict::Continue, "{id}");
     }
+}
+
+/// The limits endpoint shows a user its own levels: read from the same
+/// trusted source as for charging, what it may use of each in all (its
+/// member's guaranteed share plus the pool), never another's.
+#[test]
+fn the_limits_endpoint_shows_a_users_own_levels() {
+    let json = r#"{"version": "levels-2", "identity": {"header": "x-tenant-id"},
+        "plans": {"user": {"limits": [{"rate": 100, "per": "1m"}]}},
+        "default_plan": "user", "anonymous": {"plan": "user"},
+        "limits_endpoint": "/.well-known/ratelimit",
+        "levels": [{"name": "org", "header": "x-org", "limits": [{"name": "req", "rate": 10, "per": "1m"}]},
+                   {"name": "team", "parent": "org", "header": "x-team",
+                    "members": {"search": {"guarantee": 30}}}],
+        "routes": {"plain": {}}}"#;
+    let node = Node::new();
+    let mut w = node.worker(json, T0);
+    let ads = node
+        .request("plain", "bot")
+        .header("x-org", "acme")
+        .header("x-team", "ads");
+    for id in 1..=3 {
+        assert_eq!(w.headers(&ads, id, T0).verdict, Verdict::Continue);
+    }
+    let ask = |team: &str, org: &str| {
+        node.request("plain", "carol")
+            .header("x-org", org)
+            .header("x-team", team)
+            .header(":path", "/.well-known/ratelimit?org=globex")
+    };
+    let body = |d: &Directive| -> serde_json::Value { serde_json::from_slice(&reply(d).body).unwrap() };
+    // `search` in acme: its 3 guaranteed + what the pool of 7 has left (4).
+    let d = w.headers(&ask("search", "acme"), 10, T0);
+    let item = &body(&d)["limits"][1];
+    assert_eq!(
+        (item["level"].as_str(), item["limit"].as_str()),
+        (Some("org"), Some("org:req"))
+    );
+    assert_eq!(
+        (item["quota"].as_u64(), item["remaining"].as_u64()),
+        (Some(10), Some(7)),
+        "{item}"
+    );
+    // `ads` in acme: the pool only. Its query names no one else.
+    let d = w.headers(&ask("ads", "acme"), 11, T0);
+    assert_eq!(body(&d)["limits"][1]["remaining"], 4);
+    assert_eq!(body(&d)["limits"][1]["quota"], 7);
+    // globex is whole.
+    let d = w.headers(&ask("ads", "globex"), 12, T0);
+    assert_eq!(body(&d)["limits"][1]["remaining"], 7);
+    assert!(reply(&d)
+        .header("ratelimit")
+        .unwrap()
+        .contains(r#""plain/org:req";r=7"#));
 }
