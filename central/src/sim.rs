@@ -32,6 +32,7 @@
 //! [`Allocator`]: crate::alloc::Allocator
 
 mod metrics;
+pub mod nested;
 pub mod overshoot;
 mod rng;
 pub mod scenario;

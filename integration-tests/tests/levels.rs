@@ -7,9 +7,12 @@
 //! record, and a client's forged level header ignored. On the wasm filter, the same with the levels read from
 //! the claims themselves (`identity.jwt`, `claim:`).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use tenantgate_integration_tests::{demo_token, get, on_both_hosts, wait_for, Conn, Envoy, Host, Response};
+use tenantgate_integration_tests::cluster::Serve;
+use tenantgate_integration_tests::{
+    demo_token, free_port, get, on_both_hosts, wait_for, Conn, Envoy, Host, NodeSpec, Response,
+};
 
 /// Organisations of 20 requests a minute; `search` is guaranteed 25 % (5),
 /// the pool is 15.
@@ -130,4 +133,123 @@ fn nested_levels_from_verified_claims() {
     drop(envoy);
     let envoy = Envoy::start(CLAIMS_POLICY);
     a_flooding_team_leaves_the_guaranteed_one_its_share(&envoy);
+}
+
+/// Global levels: organisations of 120 a minute whose `search` team is
+/// guaranteed 25 % (30 a minute, the pool 90), users of 30 a minute, all
+/// allocated over the nodes by `tenantgate serve`; `fail_closed`, so the
+/// bound has no outage term.
+const GLOBAL_POLICY: &str = r#"
+version: "nested-global-it"
+identity: { header: x-tenant-id }
+plans: { user: { limits: [ { name: user, rate: 30, per: 1m, global: true } ] } }
+default_plan: user
+anonymous: { plan: user }
+levels:
+  - { name: org, header: x-org, limits: [ { name: requests, rate: 120, per: 1m, global: true } ] }
+  - name: team
+    parent: org
+    header: x-team
+    members: { search: { guarantee: 25 } }
+routes: { api: {} }
+default_route: api
+sync: { cluster: tenantgate, interval: 1s, timeout: 500ms, provisional: 2, failure_mode: fail_closed }
+"#;
+
+/// The stated bound of one budget of `limit` a minute (burst `limit`) over
+/// `secs` seconds on `nodes` nodes with `P` = 2 and `S` = 1, `fail_closed`:
+/// what the whole run may admit (`L + B + N·S·P` per window, the refill
+/// over the rest of the run; docs/global-limits.md, "Nested levels").
+fn run_bound(limit: u64, secs: u64, nodes: u64) -> u64 {
+    limit + limit * secs / 60 + nodes * 2
+}
+
+on_both_hosts!(global_levels_hold_their_bound_across_nodes_and_keep_the_guarantee);
+/// Three Envoys in two regions and `tenantgate serve`, for 12 s: team `ads`
+/// of acme floods from eight users, each spreading its requests over the
+/// three Envoys; carol of `search` asks once a second on one Envoy; a
+/// globex user sprays 150 requests over the nodes against its own 30 a
+/// minute. Acme's pool, carol's guarantee and the sprayer's limit hold
+/// their bound, and carol is never refused.
+fn global_levels_hold_their_bound_across_nodes_and_keep_the_guarantee() {
+    let dir = std::env::temp_dir().join(format!("tenantgate-nested-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let policy = dir.join("policy.yaml");
+    std::fs::write(&policy, GLOBAL_POLICY).unwrap();
+    let port = free_port();
+    let serve = Serve::start(&policy, "embedded", 1000, port, &dir.join("serve.log"));
+    assert!(wait_for(Duration::from_secs(10), || serve.ready()), "serve ready");
+    let envoys: Vec<Envoy> = ["r1", "r1", "r2"]
+        .iter()
+        .enumerate()
+        .map(|(i, region)| {
+            Envoy::start_node(
+                GLOBAL_POLICY,
+                &NodeSpec {
+                    id: format!("envoy-{region}-{i}"),
+                    region: Some((*region).into()),
+                    sync_ports: vec![port],
+                    sync_tls: None,
+                },
+            )
+        })
+        .collect();
+    let ports: Vec<u16> = envoys.iter().map(|e| e.port).collect();
+    let run = Duration::from_secs(12);
+    let start = Instant::now();
+    let ask = |port: u16, user: &str, org: &str, team: &str| {
+        get(
+            port,
+            "/api/x",
+            &[("x-tenant-id", user), ("x-org", org), ("x-team", team)],
+        )
+        .status
+            == 200
+    };
+    let flood = std::thread::scope(|s| {
+        let flood = s.spawn(|| {
+            let (mut admitted, mut sent) = (0u64, 0u64);
+            while start.elapsed() < run && sent < 3_000 {
+                let user = format!("ads-{}", sent % 8);
+                admitted += u64::from(ask(ports[(sent as usize) % 3], &user, "acme", "ads"));
+                sent += 1;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            (admitted, sent)
+        });
+        let spray = s.spawn(|| {
+            let (mut admitted, mut sent) = (0u64, 0u64);
+            while start.elapsed() < run && sent < 150 {
+                admitted += u64::from(ask(ports[(sent as usize) % 3], "sprayer", "globex", "ads"));
+                sent += 1;
+                std::thread::sleep(Duration::from_millis(70));
+            }
+            (admitted, sent)
+        });
+        let mut carol = (0u64, 0u64);
+        while start.elapsed() < run {
+            carol.0 += u64::from(ask(ports[0], "carol", "acme", "search"));
+            carol.1 += 1;
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        (flood.join().unwrap(), spray.join().unwrap(), carol)
+    });
+    let ((ads, ads_sent), (sprayed, spray_sent), (carol, carol_sent)) = flood;
+    let secs = start.elapsed().as_secs() + 1;
+    eprintln!(
+        "nested global: ads {ads}/{ads_sent} (pool bound {}), sprayer {sprayed}/{spray_sent} (bound {}), carol {carol}/{carol_sent}",
+        run_bound(90, secs, 3),
+        run_bound(30, secs, 3)
+    );
+    assert!(ads_sent > 300, "the flood sent only {ads_sent}");
+    assert!(ads <= run_bound(90, secs, 3), "acme's pool admitted {ads}");
+    assert!(ads >= 60, "acme's pool admitted only {ads} of its 90");
+    assert!(sprayed <= run_bound(30, secs, 3), "the sprayer got {sprayed}");
+    assert!(sprayed >= 20, "the sprayer got only {sprayed} of its 30");
+    assert_eq!(
+        carol, carol_sent,
+        "carol stayed within her guarantee and was refused"
+    );
+    drop(envoys);
+    let _ = std::fs::remove_dir_all(&dir);
 }

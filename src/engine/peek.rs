@@ -77,9 +77,13 @@ pub fn peek_levels<H: Host>(
         for (budget, share) in super::levels::budgets(level, l, values) {
             let place = super::levels::place(policy, action, values, level, l, budget, level_key);
             let peeked = peek_at(policy, &place, &share.limits, host, now, None, table)?;
-            for (limit, p) in share.limits.iter().zip(peeked) {
-                match out.iter_mut().skip(first).find(|o| o.limit == limit.name) {
+            // A member's guaranteed share and the pool are the same limits
+            // of the level (in the same order), scaled: summed, named as
+            // the pool's (the last).
+            for (i, (limit, p)) in share.limits.iter().zip(peeked).enumerate() {
+                match out.get_mut(first.saturating_add(i)) {
                     Some(o) => {
+                        o.limit.clone_from(&limit.name);
                         o.quota = o.quota.saturating_add(limit.rate);
                         o.peeked.remaining = o.peeked.remaining.saturating_add(p.remaining);
                         o.peeked.reset_ns = o.peeked.reset_ns.max(p.reset_ns);

@@ -70,7 +70,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
     let routes = compile_routes(&spec.routes, &before, &root.key("routes"), &mut errors);
     check_default_route(spec.default_route.as_deref(), &spec.routes, &root, &mut errors);
     let classification = compile_classification(&spec, &routes, &root, &mut errors);
-    let global_limits = global_limits(&plans.plans);
+    let global_limits = global_limits(&plans.plans, &levels);
     let sync = match (&spec.sync, global_limits.is_empty()) {
         (None, true) => None,
         (sync, _) => Some(compile_sync(sync.as_ref(), &root.key("sync"), &mut errors)),
@@ -213,7 +213,8 @@ fn compile_plans<'a>(
         let owner = Owner {
             plan: name,
             limits: plan.limits.len(),
-            local_only: None,
+            global_refused: None,
+            soft_refused: None,
             settles,
         };
         let limits = compile_limits(&owner, &plan.limits, &path.key("limits"), errors);
@@ -277,7 +278,8 @@ fn compile_guards(
         let owner = Owner {
             plan: name,
             limits: g.limits.len(),
-            local_only: Some("a guard is an aggregate per node"),
+            global_refused: Some("a guard is an aggregate per node"),
+            soft_refused: Some("a guard is an aggregate per node"),
             settles,
         };
         let limits = compile_limits(&owner, &g.limits, &path.key("limits"), errors);
@@ -485,10 +487,11 @@ fn compile_classification(
 }
 
 /// The plans' global limits, by name hash (what the sync reports).
-fn global_limits(plans: &[Plan]) -> HashMap<u32, String> {
+fn global_limits(plans: &[Plan], levels: &super::levels::Levels) -> HashMap<u32, String> {
     plans
         .iter()
         .flat_map(|p| p.limits.iter())
+        .chain(levels.limits())
         .filter(|l| l.global)
         .map(|l| (l.name_hash, l.name.clone()))
         .collect()

@@ -30,8 +30,9 @@ use super::error::{Errors, FieldPath};
 use super::limits::{compile_limits, Owner};
 use super::spec::{LevelMemberSpec, LevelSpec, LimitSpec};
 use super::values::is_header_name;
-use super::{fnv1a32, is_name, tenant_id, Identity, Limit};
+use super::{fnv1a32, is_name, Identity, Limit};
 pub use crate::decision::MAX_LEVELS;
+use crate::table::MAX_KEY_LEN;
 
 /// The compiled `levels:` chain, root first (empty: no levels).
 #[derive(Debug, Default)]
@@ -51,6 +52,19 @@ pub enum LevelSource {
     },
     /// A request header (lower-cased) a trusted earlier filter sets.
     Header(String),
+}
+
+impl Levels {
+    /// Every limit of every level's budgets (pools, guaranteed shares,
+    /// ceilings).
+    pub fn limits(&self) -> impl Iterator<Item = &Limit> {
+        self.chain.iter().flat_map(|l| {
+            core::iter::once(&l.pool)
+                .chain(l.guaranteed.values())
+                .chain(l.ceilings.values())
+                .flat_map(|s| s.limits.iter())
+        })
+    }
 }
 
 impl LevelSource {
@@ -108,7 +122,12 @@ pub enum Budget<'a> {
 /// values (root first, `None`: missing) are `values`, for `action`:
 /// `<action>|l|<level>|<value>|…` with each value length-prefixed
 /// (`4:acme`) or `-` when missing, so no two paths share a key whatever
-/// bytes the values hold; a guaranteed share adds `g|<len>:<member>`.
+/// bytes the values hold; a guaranteed share adds `g|<len>:<member>`. A key
+/// longer than the key table holds ([`MAX_KEY_LEN`]: long values at
+/// several levels) is written `<action>|l|<level>|#<128-bit FNV-1a of the
+/// whole key, hex>` instead (no value starts with `#`). FNV is no
+/// cryptographic hash: two such paths could be made to share a budget only
+/// by values the trusted source issued.
 pub fn write_key(
     out: &mut String,
     action: &str,
@@ -124,6 +143,7 @@ pub fn write_key(
     if let Some(l) = levels.chain.get(level) {
         out.push_str(&l.name);
     }
+    let named = out.len();
     for value in values.iter().take(level.saturating_add(1)) {
         out.push('|');
         match value {
@@ -136,6 +156,20 @@ pub fn write_key(
     if let Budget::Guaranteed { member } = budget {
         let _ = write!(out, "|g|{}:{member}", member.len());
     }
+    if out.len() > MAX_KEY_LEN {
+        let digest = fnv1a128(out.as_bytes());
+        out.truncate(named);
+        let _ = write!(out, "|#{digest:032x}");
+    }
+}
+
+/// FNV-1a, 128 bits.
+fn fnv1a128(bytes: &[u8]) -> u128 {
+    bytes
+        .iter()
+        .fold(0x6c62_272e_07bb_0142_62b8_2175_6295_c58d_u128, |h, b| {
+            (h ^ u128::from(*b)).wrapping_mul(0x0000_0000_0100_0000_0000_0000_0000_013b)
+        })
 }
 
 /// Compiles `levels:` (see the module's documentation for the rules it
@@ -295,7 +329,12 @@ fn compile_level(
     if parent.is_none() && spec.limits.is_empty() {
         errors.add(at.key("limits"), "the root level needs at least one limit");
     }
-    let own = share(&spec.name, &spec.limits, 100, settles, &at.key("limits"), errors);
+    let own_name = Naming {
+        owner: &spec.name,
+        level: &spec.name,
+        member: None,
+    };
+    let own = share(&own_name, &spec.limits, 100, settles, &at.key("limits"), errors);
     check_members(spec, parent.map(|(_, p)| p), at, errors);
     let guarantees: Vec<(&String, i64)> = child
         .iter()
@@ -311,7 +350,11 @@ fn compile_level(
             guaranteed.insert(
                 (*member).clone(),
                 share(
-                    &spec.name,
+                    &Naming {
+                        owner: &spec.name,
+                        level: &spec.name,
+                        member: Some(member),
+                    },
                     &spec.limits,
                     *pct,
                     settles,
@@ -330,7 +373,7 @@ fn compile_level(
     let pool = if taken > 0 && taken < 100 {
         check_scaled(&spec.limits, 100 - taken, &at.key("limits"), errors);
         share(
-            &spec.name,
+            &own_name,
             &spec.limits,
             100 - taken,
             settles,
@@ -356,7 +399,11 @@ fn compile_level(
         ceilings.insert(
             member.clone(),
             share(
-                &spec.name,
+                &Naming {
+                    owner: &p.name,
+                    level: &spec.name,
+                    member: Some(member),
+                },
                 &p.limits,
                 pct,
                 settles,
@@ -434,10 +481,10 @@ fn compile_source(spec: &LevelSpec, identity: &Identity, at: &FieldPath, errors:
 fn check_members(spec: &LevelSpec, parent: Option<&LevelSpec>, at: &FieldPath, errors: &mut Errors) {
     for (member, m) in &spec.members {
         let member_at = at.key("members").key(member);
-        if tenant_id(member.as_bytes()) != Some(member.as_str()) {
+        if !is_name(member) {
             errors.add(
                 member_at.clone(),
-                "a value is 1 to 128 bytes of UTF-8 without whitespace or control characters",
+                "a member with a share is named like a limit (1 to 64 characters of A-Z a-z 0-9 _ - .): its budget's limits are named after it",
             );
         }
         let LevelMemberSpec { guarantee, ceiling } = m;
@@ -500,10 +547,22 @@ fn scale(n: i64, pct: i64) -> i64 {
     n.saturating_mul(pct) / 100
 }
 
+/// The name of a budget's limits: `<level>:<limit>`, and for a member's
+/// share (a guaranteed share of the parent's limit, or a ceiling) also
+/// `:<member>`, so that every budget with other parameters has other names
+/// (the central service knows a global limit by its name).
+struct Naming<'a> {
+    /// The level whose `limits` these are (the default name of a lone one).
+    owner: &'a str,
+    /// The level named first.
+    level: &'a str,
+    member: Option<&'a str>,
+}
+
 /// `limits` scaled to `pct` percent (rate, burst and debt rounded down),
-/// compiled for `level` and named `<level>:<limit>`.
+/// compiled and named (see [`Naming`]).
 fn share(
-    level: &str,
+    naming: &Naming<'_>,
     limits: &[LimitSpec],
     pct: i64,
     settles: bool,
@@ -515,14 +574,18 @@ fn share(
     }
     let scaled: Vec<LimitSpec> = limits.iter().map(|l| scaled_spec(l, pct)).collect();
     let owner = Owner {
-        plan: level,
+        plan: naming.owner,
         limits: scaled.len(),
-        local_only: Some("a level's budgets are decided on each node (global levels are not built yet)"),
+        global_refused: None,
+        soft_refused: Some("a level's budget is shared by every request below it"),
         settles,
     };
     let mut compiled = compile_limits(&owner, &scaled, at, errors);
     for limit in &mut compiled {
-        limit.name = format!("{level}:{}", limit.name);
+        limit.name = match naming.member {
+            Some(m) => format!("{}:{}:{m}", naming.level, limit.name),
+            None => format!("{}:{}", naming.level, limit.name),
+        };
         limit.name_hash = fnv1a32(limit.name.as_bytes());
     }
     let ratelimit_policy = super::compile::ratelimit_policy(&compiled);

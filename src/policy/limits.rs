@@ -13,7 +13,7 @@ use crate::limiter::{
 };
 use crate::table;
 
-/// The limits of a plan (or a guard's or a level's, `local_only`): at least one,
+/// The limits of a plan (or a guard's or a level's, see [`Owner`]): at least one,
 /// at most [`MAX_LIMITS_PER_PLAN`], and together small enough for one
 /// key-table slot.
 pub(super) fn compile_limits(
@@ -46,9 +46,11 @@ pub(super) struct Owner<'a> {
     pub plan: &'a str,
     /// How many limits it has.
     pub limits: usize,
-    /// `None`: its limits may be global and soft (a plan's). Otherwise why
-    /// they may not, the start of the error that says so.
-    pub local_only: Option<&'static str>,
+    /// `None`: its limits may be global (a plan's, a level's). Otherwise
+    /// why they may not, the start of the error that says so.
+    pub global_refused: Option<&'static str>,
+    /// The same for `on_limit: soft` (only a plan's limits may be soft).
+    pub soft_refused: Option<&'static str>,
     /// Some route class of the policy settles its cost (`max_debt`'s default).
     pub settles: bool,
 }
@@ -79,16 +81,16 @@ fn compile_limit(
     let algo = limit_algo(spec, rate, burst, per_secs, path, errors)?;
     let shadow = spec.shadow.unwrap_or(false);
     let global = spec.global.unwrap_or(false);
-    if let (true, Some(why)) = (global, owner.local_only) {
+    if let (true, Some(why)) = (global, owner.global_refused) {
         errors.add(
             path.key("global"),
-            format!("{why}: only plans' limits can be global"),
+            format!("{why}: only plans' and levels' limits can be global"),
         );
     } else if global && spec.algorithm != spec::Algorithm::TokenBucket {
         errors.add(path.key("global"), "only token_bucket limits can be global");
     }
     let soft = spec.on_limit == Some(spec::LimitOnLimit::Soft);
-    if let (true, Some(why)) = (soft, owner.local_only) {
+    if let (true, Some(why)) = (soft, owner.soft_refused) {
         errors.add(
             path.key("on_limit"),
             format!("{why}: only plans' limits can be soft"),

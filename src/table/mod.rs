@@ -56,7 +56,8 @@ pub mod layout;
 use crate::host::{CasResult, Host, HostError};
 pub use layout::{
     decode_entry, decode_records, encode_entry, fnv1a64, push_record, push_record_with, EntryKey, Record,
-    Records, Slot, Slots, MAX_RECORDS, MAX_RECORDS_LEN, PROBES, RECORD_HEADER_LEN, SLOTS_PER_ENTRY,
+    Records, Slot, Slots, MAX_KEY_LEN, MAX_RECORDS, MAX_RECORDS_LEN, PROBES, RECORD_HEADER_LEN,
+    SLOTS_PER_ENTRY,
 };
 
 /// Attempts of one update (reads and compare-and-swap writes) before it

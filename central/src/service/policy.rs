@@ -105,34 +105,36 @@ pub fn parse(text: &str) -> Result<PolicyLimits, String> {
     })?;
     let mut limits: BTreeMap<String, GlobalLimit> = BTreeMap::new();
     let mut ambiguous = Vec::new();
-    for plan in policy.plans() {
-        for l in plan.limits.iter().filter(|l| l.global) {
-            let g = GlobalLimit {
-                limit: l.rate,
-                window_ns: l.per_secs.saturating_mul(NANOS_PER_SEC),
-                burst: l.burst,
-                // Validation refuses a cost above any plan's burst.
-                max_cost: policy.max_cost().min(l.burst),
-            };
-            match limits.get_mut(&l.name) {
-                None => {
-                    limits.insert(l.name.clone(), g);
+    // Plans' global limits and nested levels' (each budget's limits have
+    // names of their own: a level's pool, a member's guaranteed share, a
+    // member's ceiling).
+    let plan_limits = policy.plans().iter().flat_map(|p| p.limits.iter());
+    for l in plan_limits.chain(policy.levels.limits()).filter(|l| l.global) {
+        let g = GlobalLimit {
+            limit: l.rate,
+            window_ns: l.per_secs.saturating_mul(NANOS_PER_SEC),
+            burst: l.burst,
+            // Validation refuses a cost above any plan's burst.
+            max_cost: policy.max_cost().min(l.burst),
+        };
+        match limits.get_mut(&l.name) {
+            None => {
+                limits.insert(l.name.clone(), g);
+            }
+            Some(prev) if *prev == g => {}
+            Some(prev) => {
+                if !ambiguous.contains(&l.name) {
+                    ambiguous.push(l.name.clone());
                 }
-                Some(prev) if *prev == g => {}
-                Some(prev) => {
-                    if !ambiguous.contains(&l.name) {
-                        ambiguous.push(l.name.clone());
-                    }
-                    // Strictest: the lower rate (cross-multiplied), the lower burst.
-                    let lower = u128::from(g.limit) * u128::from(prev.window_ns)
-                        < u128::from(prev.limit) * u128::from(g.window_ns);
-                    if lower {
-                        prev.limit = g.limit;
-                        prev.window_ns = g.window_ns;
-                    }
-                    prev.burst = prev.burst.min(g.burst);
-                    prev.max_cost = prev.max_cost.min(prev.burst);
+                // Strictest: the lower rate (cross-multiplied), the lower burst.
+                let lower = u128::from(g.limit) * u128::from(prev.window_ns)
+                    < u128::from(prev.limit) * u128::from(g.window_ns);
+                if lower {
+                    prev.limit = g.limit;
+                    prev.window_ns = g.window_ns;
                 }
+                prev.burst = prev.burst.min(g.burst);
+                prev.max_cost = prev.max_cost.min(prev.burst);
             }
         }
     }

@@ -190,6 +190,25 @@ impl ShippedNode {
         }
     }
 
+    /// One request with `headers` (its identity and level values) on the
+    /// route `api`, decided by the engine's charge path with the node's
+    /// sync state, on the next worker: the filter's decision.
+    pub fn charge(&mut self, headers: &[(&str, &str)], now: u64) -> engine::Decision {
+        self.next = (self.next + 1) % WORKERS;
+        let host = headers.iter().fold(
+            MemoryHost::new(self.store.clone()).route_class("api"),
+            |h, (k, v)| h.header(k, *v),
+        );
+        let state = shared::read_state(&host).ok().and_then(|(s, _)| s);
+        let Ok(prepared) = engine::prepare(&self.policy, &host) else {
+            return engine::Decision::unavailable();
+        };
+        let Some(scratch) = self.scratch.get_mut(self.next) else {
+            return engine::Decision::unavailable();
+        };
+        engine::charge_synced(&self.policy, &prepared, &host, now, state.as_ref(), scratch)
+    }
+
     /// Whether the key [`KEY`] holds a live lease at `now`.
     pub fn has_live_lease(&self, now: u64) -> bool {
         let host = MemoryHost::new(self.store.clone());

@@ -231,3 +231,25 @@ fn anonymous_requests_belong_to_no_level() {
     assert!(req.levels.is_empty());
     assert_eq!(admitted(&p, &h, T0, 50), 5, "the anonymous plan alone");
 }
+
+#[test]
+fn long_values_at_every_level_still_have_keys_of_their_own() {
+    let p = nested(1000, "");
+    let store = SharedStore::new();
+    let long = |c: char| c.to_string().repeat(128);
+    // Two 128-byte values: over the key table's 255 bytes, hashed.
+    let one = user(&store, "u1", &long('t'), &long('o'));
+    let two = user(&store, "u2", &long('u'), &long('o'));
+    assert_eq!(admitted(&p, &one, T0, 50), 50);
+    assert_eq!(
+        admitted(&p, &two, T0, 50),
+        20,
+        "the same organisation's pool of 70"
+    );
+    let keys: Vec<String> = table_keys(&store)
+        .into_iter()
+        .filter(|k| k.contains("|l|team|#"))
+        .collect();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    assert!(keys.iter().all(|k| k.len() <= crate::table::MAX_KEY_LEN));
+}
