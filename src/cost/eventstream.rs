@@ -331,6 +331,8 @@ mod tests {
             name: "/usage/totalTokens".into(),
             pointers: vec![parse_pointer("/usage/totalTokens").unwrap()],
             weight_milli: WEIGHT_SCALE,
+            negative: false,
+            optional: false,
         }]
     }
 

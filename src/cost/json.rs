@@ -117,15 +117,18 @@ impl Found {
     /// heaviest weight for each of the `since` events since one reported
     /// a value.
     pub fn running(&self, since: u64, fields: &[Field]) -> u64 {
-        let mut milli: u128 = 0;
-        let mut heaviest: u64 = 0;
+        let mut sum = super::Sum::default();
+        let mut heaviest = None;
         for (i, f) in fields.iter().enumerate() {
-            let v = self.values.get(i).copied().flatten().unwrap_or(0);
-            milli = milli.saturating_add(u128::from(v) * u128::from(f.weight_milli));
-            heaviest = heaviest.max(f.weight_milli);
+            sum.add(f, self.values.get(i).copied().flatten().unwrap_or(0));
+            if !f.negative && heaviest.is_none_or(|h: &Field| f.weight_milli > h.weight_milli) {
+                heaviest = Some(f);
+            }
         }
-        milli = milli.saturating_add(u128::from(since) * u128::from(heaviest));
-        u64::try_from(milli.div_ceil(u128::from(crate::policy::settle::WEIGHT_SCALE))).unwrap_or(u64::MAX)
+        if let Some(h) = heaviest {
+            sum.add(h, since);
+        }
+        sum.units()
     }
 }
 
@@ -507,6 +510,8 @@ mod tests {
                 name: (*p).to_owned(),
                 pointers: vec![parse_pointer(p).unwrap()],
                 weight_milli: WEIGHT_SCALE,
+                negative: false,
+                optional: false,
             })
             .collect()
     }

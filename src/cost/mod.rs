@@ -294,14 +294,44 @@ fn figure_of(raw: Option<Vec<u8>>) -> Figure {
 }
 
 /// The weighted sum of the fields' values, rounded up (`None` unless every
-/// field has one).
+/// field that is not optional has one; an optional one absent counts 0; a
+/// negative one is subtracted, the sum never below 0).
 fn weighted(found: &Found, fields: &[Field]) -> Option<u64> {
-    let mut milli: u128 = 0;
+    let mut sum = Sum::default();
     for (i, f) in fields.iter().enumerate() {
-        let v = found.values.get(i).copied().flatten()?;
-        milli = milli.saturating_add(u128::from(v) * u128::from(f.weight_milli));
+        match found.values.get(i).copied().flatten() {
+            Some(v) => sum.add(f, v),
+            None if f.optional => {}
+            None => return None,
+        }
     }
-    Some(u64::try_from(milli.div_ceil(u128::from(WEIGHT_SCALE))).unwrap_or(u64::MAX))
+    Some(sum.units())
+}
+
+/// A weighted sum in thousandths of a unit: what is added and what is
+/// subtracted, apart (see [`Field::negative`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Sum {
+    plus: u128,
+    minus: u128,
+}
+
+impl Sum {
+    /// Adds (or, for a negative field, subtracts) `value` at `field`'s weight.
+    pub(crate) fn add(&mut self, field: &Field, value: u64) {
+        let milli = u128::from(value) * u128::from(field.weight_milli);
+        if field.negative {
+            self.minus = self.minus.saturating_add(milli);
+        } else {
+            self.plus = self.plus.saturating_add(milli);
+        }
+    }
+
+    /// The sum in whole units, rounded up, at least 0.
+    pub(crate) fn units(self) -> u64 {
+        let milli = self.plus.saturating_sub(self.minus);
+        u64::try_from(milli.div_ceil(u128::from(WEIGHT_SCALE))).unwrap_or(u64::MAX)
+    }
 }
 
 /// A document's figure.

@@ -296,6 +296,8 @@ mod tests {
                 name: ps[0].to_owned(),
                 pointers: ps.iter().map(|p| parse_pointer(p).unwrap()).collect(),
                 weight_milli: WEIGHT_SCALE,
+                negative: false,
+                optional: false,
             })
             .collect()
     }

@@ -583,3 +583,103 @@ fn geminis_array_and_bedrocks_messages_are_metered_as_they_flow_and_end_at_an_ev
     }
     assert_eq!(keep, whole.len());
 }
+
+/// A class priced from the catalogue: `usage: <provider>`, `price: m`.
+fn priced(usage: &str) -> Settle {
+    let json = format!(
+        r#"{{"version": "m-2", "identity": {{"header": "x-tenant-id"}},
+            "plans": {{"p": {{"limits": [{{"rate": 1000000, "per": "1m"}}]}}}},
+            "default_plan": "p", "anonymous": {{"plan": "p"}},
+            "prices": {{"version": "2026-12", "currency": "USD", "models": {{
+                "m": {{"input": 2.5, "output": 10, "cached_input": 1.25, "cache_write": 3.125}} }} }},
+            "routes": {{"chat": {{"cost": 100, "settle": {{"usage": "{usage}", "price": "m", "ceiling": 1000000}}}}}}}}"#
+    );
+    let policy = Policy::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+    policy.route_class(Some("chat")).unwrap().settle.clone().unwrap()
+}
+
+#[test]
+fn a_price_turns_each_providers_usage_into_micro_units() {
+    let ct = [("content-type", "application/json")];
+    // 2.50 / 10 / 1.25 (cached) / 3.125 (cache writes) per million tokens:
+    // micro-USD per token.
+    let cases = [
+        // OpenAI counts cached tokens in prompt_tokens: 1000·2.5 + 500·10 − 400·(2.5 − 1.25).
+        (
+            "openai_total",
+            r#"{"usage":{"prompt_tokens":1000,"completion_tokens":500,"total_tokens":1500,"prompt_tokens_details":{"cached_tokens":400}}}"#,
+            7_000,
+        ),
+        // Without cached tokens (the field absent): 1000·2.5 + 500·10.
+        (
+            "openai_total",
+            r#"{"usage":{"prompt_tokens":1000,"completion_tokens":500}}"#,
+            7_500,
+        ),
+        // The Responses API's names.
+        (
+            "openai_total",
+            r#"{"usage":{"input_tokens":10,"output_tokens":3,"input_tokens_details":{"cached_tokens":0}}}"#,
+            55,
+        ),
+        // Anthropic counts cache reads and writes apart: 100·2.5 + 20·10 + 1000·1.25 + 64·3.125.
+        (
+            "anthropic",
+            r#"{"usage":{"input_tokens":100,"output_tokens":20,"cache_read_input_tokens":1000,"cache_creation_input_tokens":64}}"#,
+            1_900,
+        ),
+        // Gemini counts cached tokens in promptTokenCount, thinking as output:
+        // 1000·2.5 + 100·10 + 50·10 − 800·1.25.
+        (
+            "gemini",
+            r#"{"usageMetadata":{"promptTokenCount":1000,"candidatesTokenCount":100,"thoughtsTokenCount":50,"cachedContentTokenCount":800}}"#,
+            3_000,
+        ),
+        // Bedrock Converse: 7·2.5 + 3·10 + 1·1.25, rounded up.
+        (
+            "bedrock",
+            r#"{"usage":{"inputTokens":7,"outputTokens":3,"cacheReadInputTokens":1}}"#,
+            49,
+        ),
+    ];
+    for (usage, body, micro) in cases {
+        assert_eq!(
+            meter(&priced(usage), &ct, body, 7, &[]),
+            Figure::Cost(micro),
+            "{usage}: {body}"
+        );
+    }
+    // A missing input or output figure is a missing figure (on_missing).
+    assert_eq!(
+        meter(
+            &priced("openai_total"),
+            &ct,
+            r#"{"usage":{"prompt_tokens":1000}}"#,
+            7,
+            &[]
+        ),
+        Figure::Unusable(Unusable::Missing)
+    );
+}
+
+#[test]
+fn a_price_reads_the_recorded_streams_of_each_provider() {
+    // The same recorded streams as the token counts: input and output at
+    // 2.5 and 10 micro-USD.
+    let anthropic = include_str!("recorded/anthropic.sse");
+    let ct = [("content-type", "text/event-stream")];
+    let tokens = meter(
+        &settle(r#"{"usage": "anthropic", "ceiling": 8000}"#),
+        &ct,
+        anthropic,
+        9,
+        &[],
+    );
+    let money = meter(&priced("anthropic"), &ct, anthropic, 9, &[]);
+    // 25 input tokens (message_start) and 15 output (the last
+    // message_delta): 25·2.5 + 15·10 = 212.5, rounded up.
+    assert_eq!(tokens, Figure::Cost(40));
+    assert_eq!(money, Figure::Cost(213));
+    let chat = include_str!("recorded/openai_chat.sse");
+    assert!(matches!(meter(&priced("openai_total"), &ct, chat, 5, &[]), Figure::Cost(c) if c > 0));
+}

@@ -222,6 +222,8 @@ impl Pipeline {
                     name: name.clone(),
                     pointers: vec![pointer.clone()],
                     weight_milli: crate::policy::settle::WEIGHT_SCALE,
+                    negative: false,
+                    optional: false,
                 }],
                 scanner: Scanner::default(),
                 read: 0,

@@ -33,7 +33,7 @@ pub const DEFAULT_SOFT_LIMIT_HEADER: &str = "x-tenantgate-soft-limit";
 
 /// Validates a policy and compiles it, step by step in this order (the
 /// errors come in the same order): version, identity, plans, tenants, the
-/// default plan, anonymous, guards, levels, the key table, dependencies, action
+/// default plan, anonymous, guards, prices, levels, the key table, dependencies, action
 /// limits, route classes, the default route, classification, sync, quotas,
 /// descriptors, the limits endpoint.
 pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
@@ -49,6 +49,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
     let default_plan = plans.resolve(&spec.default_plan, root.key("default_plan"), &mut errors);
     let anonymous = compile_anonymous(&spec.anonymous, &root.key("anonymous"), &mut errors, &plans);
     let guards = compile_guards(&spec.guards, settles, &root.key("guards"), &mut errors);
+    let prices = super::prices::compile(spec.prices.as_ref(), &root.key("prices"), &mut errors.0);
     let levels =
         super::levels::compile_levels(&spec.levels, &identity, settles, &root.key("levels"), &mut errors);
     let key_table_entries = compile_key_table(spec.key_table.as_ref(), &root.key("key_table"), &mut errors);
@@ -66,6 +67,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         guard_specs: &spec.guards,
         dependencies: &dependencies,
         actions: &actions,
+        prices: &prices,
     };
     let routes = compile_routes(&spec.routes, &before, &root.key("routes"), &mut errors);
     check_default_route(spec.default_route.as_deref(), &spec.routes, &root, &mut errors);
@@ -109,6 +111,7 @@ pub fn compile(spec: PolicySpec) -> Result<Policy, PolicyErrors> {
         classification,
         guards,
         levels,
+        prices,
         key_table_entries,
         ratelimit_headers: spec.ratelimit_headers.unwrap_or(true),
         limits_endpoint,
@@ -317,6 +320,7 @@ struct Compiled<'a> {
     guard_specs: &'a BTreeMap<String, spec::GuardSpec>,
     dependencies: &'a [Dependency],
     actions: &'a [ActionLimit],
+    prices: &'a super::prices::Prices,
 }
 
 /// `routes`: at least one route class.
@@ -387,7 +391,7 @@ fn compile_route(
         path,
         &mut errors.0,
     );
-    let settle = super::settle::compile_settle(r, cost.max(1) as u64, path, &mut errors.0);
+    let settle = super::settle::compile_settle(r, cost.max(1) as u64, before.prices, path, &mut errors.0);
     RouteClass {
         name: name.to_owned(),
         action,

@@ -17,6 +17,7 @@ pub mod duration;
 pub mod error;
 pub mod levels;
 mod limits;
+pub mod prices;
 pub mod quota;
 #[cfg(feature = "schema")]
 pub mod schema;
@@ -93,6 +94,8 @@ pub struct Policy {
     guards: Vec<Guard>,
     /// `levels:` budgets that nest above the tenant, root first.
     pub levels: levels::Levels,
+    /// `prices:` the price catalogue (empty without one).
+    pub prices: prices::Prices,
     pub anonymous: Anonymous,
     /// Shared-data entries of the key table (`key_table.max_keys` / slots
     /// per entry, rounded up).

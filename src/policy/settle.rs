@@ -32,6 +32,9 @@ pub const MAX_PATH_PREFIX: usize = 256;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settle {
     pub source: Source,
+    /// `price:` the catalogue's model the source's usage is priced at
+    /// (the figure is then in micro-units of the catalogue's currency).
+    pub price: Option<String>,
     /// No response costs more (a larger figure is cut to it and counted).
     pub ceiling: u64,
     pub on_missing: OnMissing,
@@ -128,6 +131,11 @@ pub struct Field {
     pub pointers: Vec<Vec<String>>,
     /// Its weight in thousandths.
     pub weight_milli: u64,
+    /// Subtracted, not added (a price's cached input tokens where the
+    /// provider counts them in the input too); the sum is never below 0.
+    pub negative: bool,
+    /// Absent counts 0 (a price's cached tokens), not a missing figure.
+    pub optional: bool,
 }
 
 /// Where the estimate charged on the request comes from (else `cost`).
@@ -178,6 +186,8 @@ impl UsagePreset {
                 .map(|p| p.iter().map(|s| (*s).to_owned()).collect())
                 .collect(),
             weight_milli: WEIGHT_SCALE,
+            negative: false,
+            optional: false,
         };
         match self {
             // Chat Completions (JSON, or a stream's `include_usage` chunk),
@@ -233,13 +243,17 @@ impl UsagePreset {
 pub fn compile_settle(
     r: &RouteSpec,
     cost: u64,
+    prices: &super::prices::Prices,
     path: &FieldPath,
     errors: &mut Vec<PolicyError>,
 ) -> Option<Settle> {
     let spec = r.settle.as_ref()?;
     let path = path.key("settle");
     let before = errors.len();
-    let source = compile_source(spec, &path, errors);
+    let source = match &spec.price {
+        None => compile_source(spec, &path, errors),
+        Some(model) => compile_price(spec, model, prices, &path, errors),
+    };
     let ceiling = compile_ceiling(spec.ceiling, cost, &path.key("ceiling"), errors);
     let max_body_bytes = match spec.max_body_bytes {
         None => DEFAULT_SETTLE_MAX_BODY_BYTES,
@@ -303,6 +317,7 @@ pub fn compile_settle(
         outcomes,
         include_usage,
         input_bytes_per_token,
+        price: spec.price.clone(),
     })
 }
 
@@ -467,6 +482,58 @@ fn compile_source(spec: &SettleSpec, path: &FieldPath, errors: &mut Vec<PolicyEr
         .map(Source::Body)
 }
 
+/// `settle.price`: a model of the catalogue, with `usage` naming the
+/// provider whose usage fields are priced (see [`super::prices`]). The
+/// estimate is then in micro-units too: not read from the request's
+/// body, which counts tokens.
+fn compile_price(
+    spec: &SettleSpec,
+    model: &str,
+    prices: &super::prices::Prices,
+    path: &FieldPath,
+    errors: &mut Vec<PolicyError>,
+) -> Option<Source> {
+    let at = path.key("price");
+    if spec.header.is_some() || spec.trailer.is_some() || spec.fields.is_some() {
+        errors.push(PolicyError::new(
+            at.clone(),
+            "prices a provider's usage: set `usage` (the provider), not `header`, `trailer` or `fields`",
+        ));
+        return None;
+    }
+    let Some(provider) = spec.usage else {
+        errors.push(PolicyError::new(
+            at.clone(),
+            "needs `usage`: the provider whose usage fields are priced (openai_total, anthropic, gemini, bedrock)",
+        ));
+        return None;
+    };
+    if spec.estimate_body_field.is_some() || spec.estimate_input_bytes_per_token.is_some() {
+        errors.push(PolicyError::new(
+            at.clone(),
+            "the estimate is in micro-units of the currency, and the request's body counts tokens: use `cost` or `estimate_header`",
+        ));
+    }
+    match prices.models.get(model) {
+        Some(price) => Some(Source::Body(price.fields(provider))),
+        None => {
+            let known: Vec<&str> = prices.models.keys().map(String::as_str).collect();
+            errors.push(PolicyError::new(
+                at,
+                format!(
+                    "unknown model `{model}` (prices.models: {})",
+                    if known.is_empty() {
+                        "none: add a `prices:` catalogue".to_owned()
+                    } else {
+                        known.join(", ")
+                    }
+                ),
+            ));
+            None
+        }
+    }
+}
+
 /// One `fields[]` entry: its pointer and weight.
 fn compile_field(f: &FieldSpec, path: &FieldPath, errors: &mut Vec<PolicyError>) -> Option<Field> {
     let pointer = match parse_pointer(&f.pointer) {
@@ -494,6 +561,8 @@ fn compile_field(f: &FieldSpec, path: &FieldPath, errors: &mut Vec<PolicyError>)
         name: f.pointer.clone(),
         pointers: vec![pointer],
         weight_milli: milli.round() as u64,
+        negative: false,
+        optional: false,
     })
 }
 

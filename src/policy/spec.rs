@@ -97,6 +97,9 @@ pub struct PolicySpec {
     pub soft_limit_header: Option<String>,
     #[serde(default)]
     pub guards: BTreeMap<String, GuardSpec>,
+    /// A price catalogue: what a model's tokens cost (`super::prices`).
+    #[serde(default)]
+    pub prices: Option<PricesSpec>,
     /// Budgets that nest above the tenant (an organisation, its teams),
     /// root first (`super::levels`).
     #[serde(default)]
@@ -335,6 +338,34 @@ pub struct GuardSpec {
     pub limits: Vec<LimitSpec>,
 }
 
+/// `prices:` a price catalogue, per million tokens in `currency`.
+#[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PricesSpec {
+    /// The catalogue's version (shown by explain; keep it with the prices).
+    pub version: String,
+    /// An ISO 4217 code (`USD`).
+    pub currency: String,
+    pub models: BTreeMap<String, ModelPriceSpec>,
+}
+
+/// `prices.models.<model>`: prices per million tokens (at most three
+/// decimals).
+#[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ModelPriceSpec {
+    pub input: f64,
+    pub output: f64,
+    /// Cached input tokens (default: the input price).
+    #[serde(default)]
+    pub cached_input: Option<f64>,
+    /// Tokens written to a prompt cache (default: the input price).
+    #[serde(default)]
+    pub cache_write: Option<f64>,
+}
+
 /// `levels[]`: one level of nested budgets above the tenant. Its value
 /// comes from a trusted source (exactly one of `claim` or `header`); every
 /// value has its own budget of `limits`.
@@ -553,6 +584,10 @@ pub struct SettleSpec {
     /// Fields of a JSON (or server-sent events) body, weighted and summed.
     #[serde(default)]
     pub fields: Option<Vec<FieldSpec>>,
+    /// With `usage`: a model of the price catalogue (`prices.models`): the
+    /// cost is the answer's tokens at its prices, in micro-units.
+    #[serde(default)]
+    pub price: Option<String>,
     /// No response costs more than this.
     pub ceiling: i64,
     /// What a stream that ends without a usable figure costs.

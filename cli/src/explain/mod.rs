@@ -138,7 +138,7 @@ fn limit_line(l: &Limit) -> String {
 }
 
 /// A settling class's reserve and settle rule (see `tenantgate::cost`).
-fn settle_lines(class: &RouteClass, out: &mut String) {
+fn settle_lines(policy: &Policy, class: &RouteClass, out: &mut String) {
     let Some(s) = &class.settle else { return };
     let estimate = match &s.estimate {
         Estimate::Cost => String::from("the cost"),
@@ -156,24 +156,36 @@ fn settle_lines(class: &RouteClass, out: &mut String) {
         Source::Header(h) => format!("the response header {h}"),
         Source::Trailer(t) => format!("the response trailer {t}"),
         Source::Body(fields) => {
-            let sum: Vec<String> = fields
-                .iter()
-                .map(|f| {
-                    let w = f.weight_milli as f64 / WEIGHT_SCALE as f64;
-                    if f.weight_milli == WEIGHT_SCALE {
-                        f.name.clone()
-                    } else {
-                        format!("{w} × {}", f.name)
-                    }
-                })
-                .collect();
+            let mut sum = String::new();
+            for (i, f) in fields.iter().enumerate() {
+                let w = f.weight_milli as f64 / WEIGHT_SCALE as f64;
+                let term = if f.weight_milli == WEIGHT_SCALE {
+                    f.name.clone()
+                } else {
+                    format!("{w} × {}", f.name)
+                };
+                let sign = match (i, f.negative) {
+                    (0, false) => "",
+                    (0, true) => "− ",
+                    (_, false) => " + ",
+                    (_, true) => " − ",
+                };
+                let optional = if f.optional { " (0 if absent)" } else { "" };
+                let _ = write!(sum, "{sign}{term}{optional}");
+            }
             format!(
-                "the response body's {} (JSON, or the last value in a text/event-stream; at most {} bytes read, rounded up)",
-                sum.join(" + "),
+                "the response body's {sum} (JSON, or the last value in a text/event-stream; at most {} bytes read, rounded up)",
                 s.max_body_bytes
             )
         }
     };
+    if let Some(model) = &s.price {
+        let _ = writeln!(
+            out,
+            "  price: {model} (prices {}): the figure, the estimate, the ceiling and every limit the class is charged against count micro-{}",
+            policy.prices.version, policy.prices.currency
+        );
+    }
     let missing = match s.on_missing {
         OnMissing::Ceiling => format!("the ceiling ({})", s.ceiling),
         OnMissing::Estimate => String::from("the estimate (nothing more)"),
@@ -299,7 +311,7 @@ fn explain_class<'p>(policy: &'p Policy, req: &Request<'_>, out: &mut String) ->
     } else {
         let _ = writeln!(out, "  cost: {}", class.cost);
     }
-    settle_lines(class, out);
+    settle_lines(policy, class, out);
     let _ = writeln!(out, "  on limit: {}", on_limit(class.on_limit));
     admission::labels(policy, class, out);
     Some(class)
