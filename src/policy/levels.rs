@@ -607,5 +607,6 @@ fn scaled_spec(l: &LimitSpec, pct: i64) -> LimitSpec {
         global: l.global,
         on_limit: l.on_limit,
         max_debt: l.max_debt.map(s),
+        time_zone: l.time_zone.clone(),
     }
 }

@@ -74,7 +74,17 @@ fn compile_limit(
         Some(b) => count(b, &path.key("burst"), errors),
         None => rate,
     };
-    let per_secs = limit_per_secs(&spec.per, &path.key("per"), errors);
+    let per_secs = if spec.per == MONTH {
+        Some(AVERAGE_MONTH_SECS)
+    } else {
+        if spec.time_zone.is_some() {
+            errors.add(
+                path.key("time_zone"),
+                "a time zone places calendar months: only with `per: month`",
+            );
+        }
+        limit_per_secs(&spec.per, &path.key("per"), errors)
+    };
     let (Some(rate), Some(burst), Some(per_secs)) = (rate, burst, per_secs) else {
         return None;
     };
@@ -205,6 +215,42 @@ fn limit_name(
     Some((name, name_hash))
 }
 
+/// `per: month`: windows that are calendar months (a `fixed_window`'s),
+/// in the limit's `time_zone`.
+const MONTH: &str = "month";
+/// A calendar month's `per_secs` where one number is needed (the `w=` of
+/// `RateLimit-Policy`, the limits endpoint): the Gregorian average,
+/// 30.436875 days. Windows, `Retry-After` and `t=` use each month's exact end.
+pub const AVERAGE_MONTH_SECS: u64 = 2_629_746;
+
+/// A limit's `time_zone` as seconds east of UTC: absent or `UTC`/`Z` is 0,
+/// else `+HH:MM` / `-HH:MM` up to ±14:00. Zones with daylight saving time
+/// (IANA names) are refused: they need a time-zone database.
+fn time_zone_offset(zone: Option<&str>, path: &FieldPath, errors: &mut Errors) -> Option<i32> {
+    let zone = match zone {
+        None | Some("UTC" | "Z") => return Some(0),
+        Some(z) => z,
+    };
+    let parsed = (|| {
+        let (sign, rest) = match zone.as_bytes().first()? {
+            b'+' => (1, zone.get(1..)?),
+            b'-' => (-1, zone.get(1..)?),
+            _ => return None,
+        };
+        let (h, m) = rest.split_once(':')?;
+        let ok = h.len() == 2 && m.len() == 2;
+        let (h, m): (i32, i32) = (h.parse().ok()?, m.parse().ok()?);
+        (ok && m < 60 && h * 3600 + m * 60 <= 14 * 3600).then_some(sign * (h * 3600 + m * 60))
+    })();
+    if parsed.is_none() {
+        errors.add(
+            path.clone(),
+            format!("`{zone}`: UTC or a fixed offset from -14:00 to +14:00 (+05:30); zones with daylight saving time are not supported"),
+        );
+    }
+    parsed
+}
+
 /// A limit's `per`: a whole number of seconds, from 1 s to 366 days.
 fn limit_per_secs(per: &str, path: &FieldPath, errors: &mut Errors) -> Option<u64> {
     match parse_duration_ns(per) {
@@ -245,6 +291,13 @@ fn limit_algo(
         );
         return None;
     }
+    if spec.per == MONTH && spec.algorithm != spec::Algorithm::FixedWindow {
+        errors.add(
+            path.key("per"),
+            "a calendar month is a fixed_window's: set `algorithm: fixed_window` (or a duration such as 30d)",
+        );
+        return None;
+    }
     let algo = match spec.algorithm {
         spec::Algorithm::TokenBucket => match Gcra::new(rate, window_ns, burst) {
             Some(g) if g.tolerance_ns() / NANOS_PER_SEC <= MAX_WINDOW_SECS => Some(Algo::TokenBucket(g)),
@@ -256,6 +309,10 @@ fn limit_algo(
                 return None;
             }
         },
+        spec::Algorithm::FixedWindow if spec.per == MONTH => {
+            let offset = time_zone_offset(spec.time_zone.as_deref(), &path.key("time_zone"), errors)?;
+            FixedWindow::calendar_month(rate, offset).map(Algo::FixedWindow)
+        }
         spec::Algorithm::FixedWindow => FixedWindow::new(rate, window_ns).map(Algo::FixedWindow),
         spec::Algorithm::SlidingWindowCounter => {
             SlidingWindowCounter::new(rate, window_ns).map(Algo::SlidingWindowCounter)

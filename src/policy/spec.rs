@@ -487,6 +487,10 @@ pub struct LimitSpec {
     /// How far late-settled costs may take this limit past its capacity.
     #[serde(default)]
     pub max_debt: Option<i64>,
+    /// With `per: month`: the time zone whose calendar months are the
+    /// windows, `UTC` or a fixed offset (`+05:30`, `-08:00`).
+    #[serde(default)]
+    pub time_zone: Option<String>,
 }
 
 /// `…limits[].on_limit:` what a limit does with a request over it.

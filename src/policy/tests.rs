@@ -59,7 +59,7 @@ fn errors_name_their_field_path() {
     );
     assert_eq!(
         errors(&with(r#""per": "1m"}]},"#, r#""per": "1m", "brust": 3}]},"#)),
-        ["plans.free.limits[0].brust: unknown field `brust`, expected one of `name`, `algorithm`, `rate`, `per`, `burst`, `shadow`, `global`, `on_limit`, `max_debt`; did you mean `burst`?"]
+        ["plans.free.limits[0].brust: unknown field `brust`, expected one of `name`, `algorithm`, `rate`, `per`, `burst`, `shadow`, `global`, `on_limit`, `max_debt`, `time_zone`; did you mean `burst`?"]
     );
     assert_eq!(
         errors(&with(r#""rate": 100,"#, r#""rate": "100","#)),

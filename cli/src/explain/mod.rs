@@ -112,12 +112,23 @@ fn failure_mode(mode: FailureMode) -> &'static str {
 }
 
 fn limit_line(l: &Limit) -> String {
+    let per = match &l.algo {
+        Algo::FixedWindow(w) => w.calendar_offset_secs().map(|off| {
+            let (sign, off) = if off < 0 { ('-', -off) } else { ('+', off) };
+            format!(
+                "calendar month (UTC{sign}{:02}:{:02})",
+                off / 3600,
+                off % 3600 / 60
+            )
+        }),
+        _ => None,
+    }
+    .unwrap_or_else(|| format!("{} s", l.per_secs));
     let mut line = format!(
-        "{} {} {} per {} s, burst {}",
+        "{} {} {} per {per}, burst {}",
         l.name,
         algorithm(&l.algo),
         l.rate,
-        l.per_secs,
         l.burst
     );
     line.push_str(if l.global {

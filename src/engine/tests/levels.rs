@@ -253,3 +253,28 @@ fn long_values_at_every_level_still_have_keys_of_their_own() {
     assert_eq!(keys.len(), 2, "{keys:?}");
     assert!(keys.iter().all(|k| k.len() <= crate::table::MAX_KEY_LEN));
 }
+
+#[test]
+fn a_calendar_month_budget_refuses_until_the_month_ends_in_its_time_zone() {
+    let json = format!(
+        r#"{{"version":"month-1",
+        "identity":{{"jwt":{{"payload_in_metadata":"{CLAIM}","claim":"sub"}}}},
+        "plans":{{"user":{{"limits":[{{"rate":1000,"per":"1m"}}]}}}},
+        "default_plan":"user","anonymous":{{"plan":"user"}},
+        "levels":[{{"name":"org","claim":"org","limits":[
+            {{"name":"month","algorithm":"fixed_window","rate":5,"per":"month","time_zone":"+01:00"}}]}}],
+        "routes":{{"chat":{{}}}}}}"#
+    );
+    let p = Policy::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+    let store = SharedStore::new();
+    let h = MemoryHost::new(store.clone())
+        .route_class("chat")
+        .property(&claim("sub"), "alice")
+        .property(&claim("org"), "acme");
+    // T0 is 2026-11-30T00:53:20Z; November ends at 23:00Z in UTC+01:00.
+    assert_eq!(admitted(&p, &h, T0, 10), 5);
+    let d = run(&p, &h, T0);
+    assert_eq!(d.retry_after_secs, 79_600, "{d:?}");
+    assert_eq!(admitted(&p, &h, T0 + 79_600 * S - 1, 1), 0);
+    assert_eq!(admitted(&p, &h, T0 + 79_600 * S, 10), 5, "December");
+}
