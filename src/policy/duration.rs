@@ -13,6 +13,9 @@ const UNITS: [(&str, u64); 5] = [
 /// policy's JSON Schema states it): digits, then one of [`UNITS`]' suffixes.
 /// Kept beside the table it spells; a test checks they agree.
 pub const PATTERN: &str = "^[0-9]+(ms|s|m|h|d)$";
+/// A limit's `per`: a duration, or `month` (calendar months, a
+/// `fixed_window`'s; see `super::limits`).
+pub const PER_PATTERN: &str = "^([0-9]+(ms|s|m|h|d)|month)$";
 
 /// Parses a duration into nanoseconds. Zero is allowed here; callers say
 /// whether it makes sense for their field.

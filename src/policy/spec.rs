@@ -472,7 +472,7 @@ pub struct LimitSpec {
     /// anything).
     #[cfg_attr(feature = "schema", schemars(range(min = 0, max = super::values::MAX_WINDOW_RATE)))]
     pub rate: i64,
-    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PATTERN)))]
+    #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PER_PATTERN)))]
     pub per: String,
     #[serde(default)]
     pub burst: Option<i64>,
