@@ -136,6 +136,8 @@ pub enum SyncStat {
     Clamped,
     AppliedInSteps,
     ApplyDropped,
+    /// Second copies of a report sent (`sync::shared::hedge`).
+    Hedged,
     /// Gauge: the node's sync breaker (0 closed, 1 open, 2 half-open).
     Breaker,
     /// Histogram: one step of an answer's application, in microseconds.
@@ -145,7 +147,7 @@ pub enum SyncStat {
 }
 
 impl SyncStat {
-    pub const ALL: [SyncStat; 13] = [
+    pub const ALL: [SyncStat; 14] = [
         SyncStat::Sent,
         SyncStat::Ok,
         SyncStat::Failed,
@@ -156,6 +158,7 @@ impl SyncStat {
         SyncStat::Clamped,
         SyncStat::AppliedInSteps,
         SyncStat::ApplyDropped,
+        SyncStat::Hedged,
         SyncStat::Breaker,
         SyncStat::ApplyStepUs,
         SyncStat::LatencyMs,
@@ -173,6 +176,7 @@ impl SyncStat {
             SyncStat::Clamped => "clamped",
             SyncStat::AppliedInSteps => "applied_in_steps",
             SyncStat::ApplyDropped => "apply_dropped",
+            SyncStat::Hedged => "hedged",
             SyncStat::Breaker => "breaker",
             SyncStat::ApplyStepUs => "apply_step_us",
             SyncStat::LatencyMs => "latency_ms",

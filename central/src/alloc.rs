@@ -610,8 +610,9 @@ impl Begun {
 
 /// Step 1, on the node's session (created if absent): orders the request
 /// after the node's last one and sums its counts per (key, limit). `None`
-/// if the request is stale (a duplicate or overtaken): then the session is
-/// unchanged and nothing may be counted. (Which counts are new, each
+/// if the request is stale (overtaken, or the last one with another base;
+/// the last one again is a repeat, answered again: `SeqCheck::Repeat`):
+/// then the session is unchanged and nothing may be counted. (Which counts are new, each
 /// (key, limit) record decides in [`visit`].)
 pub fn begin(session: &mut Option<Session>, req: &SyncRequest, now: u64) -> Option<Begun> {
     let s = session.get_or_insert_with(|| Session::new(&req.region));

@@ -464,16 +464,18 @@ fn late_settlement_the_adversary_at_the_ceiling_stays_within_the_restated_bound(
 /// unanswered within the callout timeout is retried at once, so a lost
 /// message costs a node the timeout, not an interval of its leases; and a
 /// node that did not acknowledge its last lease is leased half a share
-/// more, to last through a retry's delay. Measured, seed 1: 91.2 % (3×3)
-/// and 95.5 % (10×10); 90.5 % and 92.9 % with the retry alone; 81.1 % and
+/// more, to last through a retry's delay; and a report unanswered half
+/// its callout timeout after it was sent is sent again, the same `seq`,
+/// which the service answers again with the same lease (the node's hedge).
+/// Measured, seed 1: 95.9 % (3×3) and 97.8 % (10×10); 91.2 % and 95.5 %
+/// without the hedge; 90.5 % and 92.9 % with the retry alone; 81.1 % and
 /// 82.2 % when a report was retried only an interval later.
 #[test]
 fn under_message_loss_a_lost_report_costs_the_timeout_not_an_interval() {
     for o in outcomes(&["lossy"]) {
         eprintln!("{} losses {:?}", line(o), o.losses);
         assert!(o.within_bound, "{}", line(o));
-        let floor = if o.nodes > 9 { 95.0 } else { 91.0 };
-        assert!(o.utilisation_pct >= floor, "{}", line(o));
+        assert!(o.utilisation_pct >= 95.0, "{}", line(o));
         assert!(o.losses.requests_lost > 0 && o.losses.answers_lost > 0);
         assert!(o.losses.drawn_answer_lost > 0 && o.losses.reserved_mean > 0);
     }

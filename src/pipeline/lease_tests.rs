@@ -483,3 +483,115 @@ fn a_global_limits_worker_leases_draw_only_from_the_services_lease_and_report_wh
         "{reported:?} vs {admitted}"
     );
 }
+
+/// The syncer's hedge (issue 35): a report unanswered half its callout
+/// timeout after it was sent goes out again, the same body; the first
+/// answer of either copy is applied, the other is neither applied twice
+/// nor a failure, and a copy that fails while the other is in flight
+/// gives nothing up.
+#[test]
+fn a_worker_sends_an_unanswered_report_again_and_takes_either_answer_once() {
+    let json = r#"{"version": "h-1", "identity": {"header": "x-tenant-id"},
+        "plans": {"p": {"limits": [{"name": "g", "rate": 6000, "per": "1m", "global": true}]}},
+        "default_plan": "p", "anonymous": {"plan": "p"}, "routes": {"api": {}}, "default_route": "api",
+        "sync": {"cluster": "tenantgate", "interval": "1s", "timeout": "200ms", "provisional": 2,
+                 "failure_mode": "fail_closed", "node_id": "n1", "region": "r1"}}"#;
+    let mut node = Node::new(1, json);
+    assert!(node.request(0, "api", T0).admitted);
+    let host = MemoryHost::new(node.store.clone());
+    // Ticks until the worker has a callout (a scan takes a few ticks).
+    let send = |node: &mut Node, now: u64, token: u32| {
+        let mut callouts = Vec::new();
+        for _ in 0..64 {
+            node.tick(0, now);
+            callouts = node.workers[0].0.take_callouts();
+            if !callouts.is_empty() {
+                break;
+            }
+        }
+        let (p, policy) = &mut node.workers[0];
+        for c in &callouts {
+            p.dispatched(&host, &now, &mut node.stats.clone(), policy, c, Ok(token));
+        }
+        callouts
+    };
+    let first = send(&mut node, T0 + 10 * MS, 1);
+    assert_eq!(first.len(), 1);
+    assert!(
+        send(&mut node, T0 + 109 * MS, 2).is_empty(),
+        "before half the timeout"
+    );
+    let copy = send(&mut node, T0 + 110 * MS, 2);
+    assert_eq!(copy.len(), 1);
+    assert_eq!(copy[0].body, first[0].body, "the same report, the same body");
+    assert!(send(&mut node, T0 + 140 * MS, 3).is_empty(), "one copy");
+    assert_eq!(node.stat("tenantgate.sync.hedged"), 1);
+    let req = crate::sync::SyncRequest::from_json(&first[0].body).unwrap();
+    let resp = crate::sync::SyncResponse {
+        version: 1,
+        ack_seq: req.seq,
+        interval_ms: 1000,
+        leases: req
+            .reports
+            .iter()
+            .map(|r| crate::sync::Lease {
+                key: r.key.clone(),
+                limit: r.limit.clone(),
+                tokens: 5,
+                share: 5,
+                share_milli: 0,
+                ttl_ms: 3_000,
+                outage_milli: None,
+            })
+            .collect(),
+    };
+    let answer = Answered(resp.to_json().into_bytes());
+    let mut stats = node.stats.clone();
+    let (p, policy) = &mut node.workers[0];
+    // The copy answers first (the first copy's answer was slow or lost)...
+    p.on_sync_answer(&host, &(T0 + 150 * MS), &mut stats, policy, 2, &answer);
+    // ...then the first copy's, within its own timeout: no second
+    // application, no failure.
+    p.on_sync_answer(&host, &(T0 + 200 * MS), &mut stats, policy, 1, &answer);
+    assert_eq!(node.stat("tenantgate.sync.ok"), 2);
+    assert_eq!(node.stat("tenantgate.sync.failed"), 0);
+    let admitted = (0..20)
+        .filter(|_| node.request(0, "api", T0 + 210 * MS).admitted)
+        .count();
+    assert_eq!(admitted, 5, "the lease applied once");
+    let s = crate::sync::shared::read_state(&host).unwrap().0.unwrap();
+    assert_eq!((s.failures, s.acked_seq), (0, req.seq));
+
+    // A copy that fails while the other is still in flight gives nothing
+    // up; the other's answer is applied.
+    let next = send(&mut node, T0 + 1_020 * MS, 4);
+    assert_eq!(send(&mut node, T0 + 1_120 * MS, 5).len(), 1);
+    let mut stats = node.stats.clone();
+    let (p, policy) = &mut node.workers[0];
+    p.on_sync_answer(&host, &(T0 + 1_130 * MS), &mut stats, policy, 4, &NoResponse);
+    let s = crate::sync::shared::read_state(&host).unwrap().0.unwrap();
+    let seq = crate::sync::SyncRequest::from_json(&next[0].body).unwrap().seq;
+    assert_eq!(s.in_flight.map(|f| f.seq), Some(seq), "still in flight");
+    assert_eq!(s.failures, 0);
+    // A copy's answer later than its own timeout is refused.
+    p.on_sync_answer(&host, &(T0 + 1_321 * MS), &mut stats, policy, 5, &answer);
+    assert_eq!(node.stat("tenantgate.sync.timeouts"), 1);
+}
+
+/// A callout that failed (Envoy: no response at all).
+struct NoResponse;
+
+impl crate::sync::syncer::CalloutAnswer for NoResponse {
+    fn has_response(&self) -> bool {
+        false
+    }
+    fn status(&self) -> Result<Option<Vec<u8>>, crate::host::HostError> {
+        Ok(None)
+    }
+    fn body_size(&self) -> usize {
+        0
+    }
+    fn body(&self) -> Result<Option<Vec<u8>>, crate::host::HostError> {
+        Ok(None)
+    }
+}

@@ -49,8 +49,12 @@ pub enum ApplyError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InFlight {
     pub seq: u64,
-    /// When it was sent (or, before it is sent, claimed).
+    /// When it was sent (or, before it is sent, claimed); once hedged,
+    /// when its second copy was sent.
     pub sent_at: u64,
+    /// A second copy of it (the same `seq` and body) was sent
+    /// ([`SyncState::hedge`]).
+    pub hedged: bool,
 }
 
 /// Where the interval's report stands on its **retry** (see
@@ -176,7 +180,11 @@ impl SyncState {
         }
         let seq = self.next_seq;
         self.next_seq = self.next_seq.saturating_add(1);
-        self.in_flight = Some(InFlight { seq, sent_at: now });
+        self.in_flight = Some(InFlight {
+            seq,
+            sent_at: now,
+            hedged: false,
+        });
         self.last_report_at = Some(now);
         self.retry = Retry::None;
         Some((seq, timed_out))
@@ -192,9 +200,33 @@ impl SyncState {
         }
         let seq = self.next_seq;
         self.next_seq = self.next_seq.saturating_add(1);
-        self.in_flight = Some(InFlight { seq, sent_at: now });
+        self.in_flight = Some(InFlight {
+            seq,
+            sent_at: now,
+            hedged: false,
+        });
         self.retry = Retry::InFlight;
         Some(seq)
+    }
+
+    /// Sends report `seq` a second time, unchanged (see "Hedging" in
+    /// [`super::shared`]): only the report in flight, once, when
+    /// `hedge_after_ns` has passed since it was sent and no answer is being
+    /// applied. Its deadline then counts from the second copy (each copy's
+    /// answer is still refused after the callout timeout from its own
+    /// sending, by the host). Returns whether it is hedged now.
+    pub fn hedge(&mut self, seq: u64, hedge_after_ns: u64, now: u64) -> bool {
+        if self.applying.is_some() {
+            return false;
+        }
+        match &mut self.in_flight {
+            Some(f) if f.seq == seq && !f.hedged && now.saturating_sub(f.sent_at) >= hedge_after_ns => {
+                f.sent_at = now;
+                f.hedged = true;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Gives up on the report in flight (no answer within the callout

@@ -66,6 +66,8 @@ pub struct Callout {
     pub body: Vec<u8>,
     pub timeout_ns: u64,
     seq: u64,
+    /// The second copy of a report ([`shared::hedge`]).
+    copy: bool,
 }
 
 impl Callout {
@@ -118,6 +120,12 @@ pub struct Syncer {
     calls: HashMap<u32, Call>,
     /// The answer this worker is applying, a step per tick.
     applying: Option<Application>,
+    /// The report this worker sent last, while it may still be sent a
+    /// second time ([`shared::hedge`]).
+    hedge: Option<Callout>,
+    /// The report whose answer this worker accepted last: the answer to
+    /// its other copy is then no failure.
+    answered_seq: Option<u64>,
     /// What this worker last set the `sync.breaker` gauge to.
     breaker_set: Option<u64>,
 }
@@ -187,6 +195,9 @@ impl Syncer {
         let Some(settings) = policy.sync.as_ref().filter(|_| policy.has_global_limits()) else {
             return (None, None);
         };
+        if let Some(copy) = self.hedge_due(host, stats, settings, now) {
+            return (Some(copy), read_view(host));
+        }
         let budget = shared::scan_budget(policy.key_table_entries);
         if let Some(mut scan) = self.scan.take() {
             if shared::scan_step(host, policy, &mut scan, budget) {
@@ -229,6 +240,30 @@ impl Syncer {
         (callout, view)
     }
 
+    /// The second copy of this worker's report in flight, when it is due
+    /// ([`shared::hedge`]); the report is forgotten once it is no longer
+    /// in flight unhedged.
+    fn hedge_due<H: Host>(
+        &mut self,
+        host: &H,
+        stats: &mut dyn Stats,
+        settings: &SyncSettings,
+        now: u64,
+    ) -> Option<Callout> {
+        let report = self.hedge.take()?;
+        if let Ok(true) = shared::hedge(host, settings, report.seq, now) {
+            stats.add(&Metric::Sync(SyncStat::Hedged), 1);
+            return Some(Callout { copy: true, ..report });
+        }
+        let waiting = read_view(host)
+            .and_then(|s| s.in_flight)
+            .is_some_and(|f| f.seq == report.seq && !f.hedged);
+        if waiting {
+            self.hedge = Some(report);
+        }
+        None
+    }
+
     /// The callout of a finished scan, marked sent in shared data (`None`:
     /// another worker gave up on this report meanwhile).
     fn report<H: Host>(
@@ -257,6 +292,7 @@ impl Syncer {
             body,
             timeout_ns: settings.timeout_ns,
             seq: scan.seq,
+            copy: false,
         })
     }
 
@@ -282,10 +318,15 @@ impl Syncer {
                         sent_at: now,
                     },
                 );
+                if !callout.copy {
+                    self.hedge = Some(callout.clone());
+                }
             }
             Err(()) => {
                 stats.add(&Metric::Sync(SyncStat::Failed), 1);
-                if let Some(settings) = policy.sync.as_ref() {
+                // The first copy still answers for the report.
+                let other_copy = self.calls.values().any(|c| c.seq == callout.seq);
+                if let (Some(settings), false) = (policy.sync.as_ref(), other_copy) {
                     note_abandoned(stats, shared::abandon(host, settings, callout.seq, now));
                 }
             }
@@ -308,7 +349,13 @@ impl Syncer {
         let now = clock.now().unwrap_or(call.sent_at);
         let elapsed = now.saturating_sub(call.sent_at);
         stats.set(&Metric::Sync(SyncStat::LatencyMs), elapsed / 1_000_000);
-        let outcome = self.answer(host, clock, stats, policy, settings, answer, now);
+        let outcome = if elapsed > settings.timeout_ns {
+            // Later than this copy's timeout (a host whose callout outlived
+            // it): its lease would outlive what the service counts on.
+            Err(Failure::Timeout)
+        } else {
+            self.answer(host, clock, stats, policy, settings, answer, now)
+        };
         let failed = match outcome {
             Ok(()) => None,
             Err(Failure::Timeout) => Some(SyncStat::Timeouts),
@@ -318,7 +365,9 @@ impl Syncer {
             Err(Failure::Other) => Some(SyncStat::Failed),
         };
         stats.add(&Metric::Sync(failed.unwrap_or(SyncStat::Ok)), 1);
-        if failed.is_some() {
+        // While the report's other copy is in flight, it may still answer.
+        let other_copy = self.calls.values().any(|c| c.seq == call.seq);
+        if failed.is_some() && !other_copy {
             note_abandoned(stats, shared::abandon(host, settings, call.seq, now));
         }
         read_view(host)
@@ -368,6 +417,11 @@ impl Syncer {
             log::warn!("tenantgate: sync answer refused: {e}");
             Failure::Other
         })?;
+        if self.answered_seq == Some(resp.ack_seq) {
+            // The answer to the report's other copy came first and was
+            // applied; this one brings the same leases.
+            return Ok(());
+        }
         let clamped = clamp::answer(policy, settings, &mut resp);
         if clamped > 0 {
             log::warn!("tenantgate: sync answer clamped ({clamped} values beyond the policy)");
@@ -375,6 +429,8 @@ impl Syncer {
         }
         match apply::accept(host, policy, settings, &resp, now) {
             Ok(app) => {
+                self.answered_seq = Some(resp.ack_seq);
+                self.hedge = None;
                 if app.applied.ignored > 0 {
                     log::warn!(
                         "tenantgate: sync answer had {} leases beyond the report's bound, ignored",

@@ -586,7 +586,11 @@ impl KeyState {
             };
         };
         let mut due = entitlement(nk, flow, nodes_hint, max_cost, cfg);
-        if nk.lease_unacknowledged() {
+        // The request this lease answered, again (the node sent it twice,
+        // or a store ran the update twice): the same lease, nothing drawn;
+        // only its time is renewed (the node may take this answer).
+        let repeat = nk.lease_seq != 0 && nk.lease_seq == enforced.seq;
+        if !repeat && nk.lease_unacknowledged() {
             // The next answer may miss the node too, so its lease
             // holds half a share more, to last through a retry's delay
             // (two shares at the default lease factor of 1.5).
@@ -594,7 +598,9 @@ impl KeyState {
         }
         let target = due.level.max(demand_beyond_share(nk, burst));
         let before = nk.reserve;
-        let tokens = if target > before {
+        let tokens = if repeat {
+            nk.lease_tokens
+        } else if target > before {
             // The surplus first, then the node's credit, which fills the
             // lease up to its share's level only.
             let credit = due.credit.min(due.level.saturating_sub(before));

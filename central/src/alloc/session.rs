@@ -18,13 +18,17 @@
 //! * anything else (we lost our state, or the node restarted): take the
 //!   counts whole. That can count some units twice, never zero times: the
 //!   error is toward admitting less;
-//! * the same `seq` again (a store ran the record's update twice, or a
-//!   retried request whose first try landed here): nothing is counted;
+//! * the same `seq` again (a store ran the record's update twice, a
+//!   retried request whose first try landed here, or the node's second
+//!   copy of a report, [`SeqCheck::Repeat`]): nothing is counted, and the
+//!   lease it answered is sent again, nothing more drawn;
 //! * an older `seq` than the record applied: nothing is counted.
 //!
 //! The session keeps what is about the node as a whole: its `seq` order (a
-//! request whose `seq` is not above the last applied one is a duplicate or
-//! arrived out of order; it is refused and counts nothing), its `boot`,
+//! request whose `seq` is below the last applied one arrived out of order;
+//! it is refused and counts nothing; the last applied one again, with the
+//! same `acked_seq`, is the node's second copy of that report, answered
+//! again: see [`SeqCheck::Repeat`]), its `boot`,
 //! when it was last heard, the (key, limit)s it holds and its settings.
 //!
 //! # Sessions (`boot`)
@@ -70,7 +74,14 @@ pub enum SeqCheck {
     Next,
     /// Another `boot`: a new session starts with this request.
     NewSession,
-    /// Not above the last applied `seq`: a duplicate or out of order.
+    /// The last applied request again (its `seq` and `acked_seq`): the
+    /// node sent a second copy of a report still unanswered (the node's
+    /// hedge, `tenantgate::sync::shared::hedge`), or a store ran it twice.
+    /// Answered again: every record sees its `seq` as a duplicate, counts
+    /// nothing and sends the lease it granted to it, nothing more drawn.
+    Repeat,
+    /// Below the last applied `seq`, or the last one with another
+    /// `acked_seq`: out of order.
     Stale,
     /// Implausibly far ahead (see the module header).
     Jump,
@@ -105,6 +116,10 @@ pub struct Session {
     counted: BTreeMap<KeyId, Tally>,
     /// When the last request was applied (and answered).
     pub heard_at: Option<u64>,
+    /// When the request before it was (what a repeat of the last request
+    /// reports as `Intake::prev_heard_at`, as its first copy did).
+    #[serde(default)]
+    prev_heard_at: Option<u64>,
     /// The (key, limit)s this node was ever granted a lease for and that
     /// still hold state.
     pub held: BTreeSet<KeyId>,
@@ -160,6 +175,7 @@ impl Session {
             base: 0,
             counted: BTreeMap::new(),
             heard_at: None,
+            prev_heard_at: None,
             held: BTreeSet::new(),
             terms: None,
         }
@@ -176,6 +192,7 @@ impl Session {
             base: v1.base,
             counted: v1.counted,
             heard_at: v1.heard_at,
+            prev_heard_at: None,
             held: v1.held,
             terms: None,
         })
@@ -212,6 +229,9 @@ impl Session {
         if req.boot != self.boot {
             return SeqCheck::NewSession;
         }
+        if req.seq == self.last_seq && req.seq != 0 && req.acked_seq == self.base {
+            return SeqCheck::Repeat;
+        }
         if req.seq <= self.last_seq {
             return SeqCheck::Stale;
         }
@@ -232,14 +252,16 @@ impl Session {
     /// [`Session::seq_check`]). Which counts are new is each record's to
     /// decide (the module header).
     pub fn intake(&mut self, req: &SyncRequest, now: u64) -> Option<Intake> {
-        match self.seq_check(req, now) {
+        let repeat = match self.seq_check(req, now) {
             SeqCheck::Stale | SeqCheck::Jump => return None,
             SeqCheck::NewSession => {
                 self.boot = req.boot;
                 self.last_seq = 0;
+                false
             }
-            SeqCheck::Next => {}
-        }
+            SeqCheck::Next => false,
+            SeqCheck::Repeat => true,
+        };
         self.base = req.acked_seq;
         // Sessions written before issue 22 counted here: forgotten.
         self.counted.clear();
@@ -271,9 +293,12 @@ impl Session {
                 }
             }
         }
+        if !repeat {
+            self.prev_heard_at = self.heard_at;
+        }
         let intake = Intake {
             totals,
-            prev_heard_at: self.heard_at,
+            prev_heard_at: self.prev_heard_at,
         };
         self.last_seq = req.seq;
         self.heard_at = Some(now);
@@ -314,11 +339,21 @@ mod tests {
     }
 
     #[test]
-    fn duplicates_and_reordered_requests_count_nothing() {
+    fn reordered_requests_count_nothing_and_a_repeat_is_the_same_request() {
         let mut s = Session::new("r");
         s.intake(&req(10, 0, 5), 1).unwrap();
-        assert!(s.intake(&req(10, 0, 5), 2).is_none());
-        assert!(s.intake(&req(9, 0, 5), 2).is_none());
+        assert_eq!(s.intake(&req(11, 10, 5), 2).unwrap().prev_heard_at, Some(1));
+        assert!(s.intake(&req(10, 0, 5), 3).is_none());
+        assert!(
+            s.intake(&req(11, 0, 5), 3).is_none(),
+            "another base: not a repeat"
+        );
+        // The same request again (the node's second copy): taken, with
+        // the previous request's time, as its first copy was; the
+        // records decide that it counts nothing.
+        assert_eq!(s.seq_check(&req(11, 10, 5), 3), SeqCheck::Repeat);
+        assert_eq!(s.intake(&req(11, 10, 5), 3).unwrap().prev_heard_at, Some(1));
+        assert_eq!(s.intake(&req(12, 11, 1), 4).unwrap().prev_heard_at, Some(3));
     }
 
     #[test]
@@ -367,7 +402,8 @@ mod tests {
         // Restarted, with seq below its old ones: a new session.
         let i = s.intake(&with_boot(5, 0, 4, 8), 4).unwrap();
         assert_eq!(consumed(&i), 4);
-        assert_eq!(s.seq_check(&with_boot(5, 0, 4, 8), 5), SeqCheck::Stale);
+        assert_eq!(s.seq_check(&with_boot(5, 0, 4, 8), 5), SeqCheck::Repeat);
+        assert_eq!(s.seq_check(&with_boot(4, 0, 4, 8), 5), SeqCheck::Stale);
         assert_eq!(s.seq_check(&with_boot(6, 5, 4, 8), 5), SeqCheck::Next);
     }
 

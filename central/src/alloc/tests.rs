@@ -341,10 +341,42 @@ fn a_silent_node_keeps_its_share_and_is_charged_for_it_as_time_passes() {
 fn stale_and_duplicate_requests_count_nothing() {
     let mut a = alloc();
     send(&mut a, Req::new("a", "eu", 5, 0).counts(3, 0, 3), T0);
-    let again = a.handle(&Req::new("a", "eu", 5, 0).counts(3, 0, 3).build(), T0 + MS);
-    assert_eq!(again, Err(AllocError::Stale { seq: 5 }));
-    assert_eq!(view(&a).stats.consumed, 3);
-    assert_eq!(a.stats().stale, 1);
+    send(&mut a, Req::new("a", "eu", 6, 5).counts(1, 0, 1), T0 + S);
+    // An older `seq`, or the last one with another base: out of order.
+    let old = a.handle(&Req::new("a", "eu", 5, 0).counts(3, 0, 3).build(), T0 + S + MS);
+    assert_eq!(old, Err(AllocError::Stale { seq: 5 }));
+    let other = a.handle(&Req::new("a", "eu", 6, 0).counts(4, 0, 4).build(), T0 + S + MS);
+    assert_eq!(other, Err(AllocError::Stale { seq: 6 }));
+    assert_eq!(view(&a).stats.consumed, 4);
+    assert_eq!(a.stats().stale, 2);
+}
+
+/// The node's second copy of a report still unanswered (its hedge), or
+/// a request a store ran twice: answered again with the lease the first
+/// copy got, nothing counted and nothing drawn, however many copies
+/// come (issue 35).
+#[test]
+fn a_repeated_request_gets_the_same_lease_and_draws_nothing() {
+    let mut a = alloc();
+    send(&mut a, Req::new("a", "eu", 5, 0).counts(3, 0, 30), T0);
+    // Its answer to 6 is lost (6 does not acknowledge 5's): the lease
+    // holds half a share more; the copies get that lease, no more.
+    let first = send(&mut a, Req::new("a", "eu", 6, 0).counts(9, 0, 90), T0 + S);
+    let before = view(&a);
+    for k in 1..=3 {
+        let again = send(
+            &mut a,
+            Req::new("a", "eu", 6, 0).counts(9, 0, 90),
+            T0 + S + k * 100 * MS,
+        );
+        assert_eq!(again, first);
+    }
+    let after = view(&a);
+    assert_eq!(after.stats.granted, before.stats.granted, "a copy draws nothing");
+    assert_eq!(after.stats.consumed, 9);
+    assert_eq!(after.reserved, before.reserved);
+    assert_eq!(a.stats().stale, 0);
+    assert_invariant(&a);
 }
 
 #[test]

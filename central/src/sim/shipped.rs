@@ -64,6 +64,8 @@ pub struct ShippedNode {
     next: usize,
     /// The worker whose callout is in flight (answers go back to it).
     sender: usize,
+    /// The report it sent last, kept to send again ([`ShippedNode::hedge`]).
+    last_report: Option<SyncRequest>,
     /// What each worker reuses from one charge to the next, as in the glue.
     scratch: [engine::Scratch; WORKERS],
 }
@@ -121,6 +123,7 @@ impl ShippedNode {
             region,
             next: 0,
             sender: 0,
+            last_report: None,
             scratch: Default::default(),
         }
     }
@@ -291,13 +294,21 @@ impl ShippedNode {
             return None;
         }
         self.sender = self.next;
-        Some(shared::request(
-            &self.policy,
-            &self.node_id,
-            &self.region,
-            acked,
-            &scan,
-        ))
+        let req = shared::request(&self.policy, &self.node_id, &self.region, acked, &scan);
+        self.last_report = Some(req.clone());
+        Some(req)
+    }
+
+    /// The report in flight again, unchanged, if it is still unanswered
+    /// half its callout timeout after it was sent (`shared::hedge`, as the
+    /// glue's syncer does).
+    pub fn hedge(&mut self, now: u64) -> Option<SyncRequest> {
+        let settings = self.policy.sync.clone()?;
+        let req = self.last_report.as_ref()?;
+        let host = MemoryHost::new(self.store.clone());
+        shared::hedge(&host, &settings, req.seq, now)
+            .ok()?
+            .then(|| req.clone())
     }
 
     /// The answer, applied by the worker that sent the report: whether it

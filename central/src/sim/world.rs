@@ -133,6 +133,10 @@ struct Msg {
     node: usize,
     /// Units the service drew from its bucket into it (an answer).
     drew: u64,
+    /// When the node sent the report (an answer: the report it answers):
+    /// the host refuses an answer later than the callout timeout from
+    /// then, as Envoy's timeout on that callout does.
+    sent_at: u64,
     /// Its JSON body.
     body: String,
 }
@@ -276,7 +280,7 @@ impl<'a> World<'a> {
     /// Sends `body` from node `i` (`to_service`) or to it (with the
     /// units the service `drew` into it), arriving after the scenario's
     /// latency.
-    fn send(&mut self, now: u64, to_service: bool, i: usize, drew: u64, body: String) {
+    fn send(&mut self, now: u64, to_service: bool, i: usize, drew: u64, body: String, sent_at: u64) {
         let latency = self.net.between(self.spec.latency_ms.0, self.spec.latency_ms.1) * NANOS_PER_MS;
         self.order += 1;
         self.queue.push(Reverse(Msg {
@@ -285,6 +289,7 @@ impl<'a> World<'a> {
             to_service,
             node: i,
             drew,
+            sent_at,
             body,
         }));
     }
@@ -314,6 +319,7 @@ impl<'a> World<'a> {
                 node: i,
                 drew,
                 body,
+                sent_at,
                 ..
             })) = self.queue.pop()
             else {
@@ -343,10 +349,13 @@ impl<'a> World<'a> {
                     self.trace.losses.drawn_answer_lost += drew;
                     continue;
                 }
-                self.send(now, false, i, drew, answer);
+                self.send(now, false, i, drew, answer, sent_at);
             } else if let Ok(resp) = SyncResponse::from_json(body.as_bytes()) {
                 let clock = n.clock(now);
-                if !n.node.apply(&resp, clock) {
+                // Envoy ends a callout at its timeout: a later answer to
+                // that copy never reaches the filter.
+                let late = now.saturating_sub(sent_at) > self.cfg.response_timeout_ns;
+                if late || !n.node.apply(&resp, clock) {
                     self.trace.losses.answers_refused += 1;
                     self.trace.losses.drawn_answer_refused += drew;
                 }
@@ -364,7 +373,8 @@ impl<'a> World<'a> {
             let clock = n.clock(now);
             // Every tick a worker ticks; the shared state says whether a
             // report is due (and gives up on one timed out).
-            let Some(req) = n.node.tick(clock) else {
+            // A report, or the second copy of the one in flight.
+            let Some(req) = n.node.tick(clock).or_else(|| n.node.hedge(clock)) else {
                 continue;
             };
             self.trace.messages_sent += 1;
@@ -373,7 +383,7 @@ impl<'a> World<'a> {
                 self.trace.losses.requests_lost += 1;
                 continue;
             }
-            self.send(now, true, i, 0, req.to_json());
+            self.send(now, true, i, 0, req.to_json(), now);
         }
     }
 

@@ -635,3 +635,37 @@ fn a_lost_report_is_retried_at_once_and_counts_one_failure_with_its_retry() {
         Err(NotApplied::Refused(ApplyError::Stale))
     ));
 }
+
+/// A report unanswered half its callout timeout after it was sent is sent
+/// again, the same `seq` (its hedge, issue 35): once, and the report's
+/// deadline then counts from the copy.
+#[test]
+fn an_unanswered_report_is_hedged_once_and_its_deadline_moves_to_the_copy() {
+    let w = World::new("fail_open_local");
+    assert_eq!(w.admitted("acme", 1, T0), 1);
+    let host = w.host();
+    let req = w.report(T0).unwrap();
+    assert_eq!(hedge_after_ns(w.settings()), 250 * MS);
+    assert!(!hedge(&host, w.settings(), req.seq, T0 + 249 * MS).unwrap());
+    assert!(
+        !hedge(&host, w.settings(), req.seq + 1, T0 + 250 * MS).unwrap(),
+        "not in flight"
+    );
+    assert!(hedge(&host, w.settings(), req.seq, T0 + 250 * MS).unwrap());
+    assert!(
+        !hedge(&host, w.settings(), req.seq, T0 + 700 * MS).unwrap(),
+        "once"
+    );
+    // Not given up on at the first copy's deadline: the copy's runs to 0.75 s.
+    assert!(matches!(
+        claim(&host, w.settings(), T0 + 740 * MS).unwrap(),
+        Claim::NotDue(_)
+    ));
+    // Either copy's answer is the report's: applied once.
+    assert!(w.answer(&req, 10, T0 + 700 * MS).is_ok());
+    assert!(matches!(
+        w.answer(&req, 10, T0 + 720 * MS),
+        Err(NotApplied::Refused(ApplyError::Stale))
+    ));
+    assert_eq!(w.admitted("acme", 20, T0 + 730 * MS), 10);
+}
