@@ -129,15 +129,22 @@ run: setup-run ## The whole system: two Envoys (10000 and 11000, two regions) an
 	@$(MAKE) --no-print-directory wasm module cli
 	TG_RUN_POLICY=$(POLICY) TG_RUN_HOST=$(HOST) $(PYTHON) envoy/run.py
 
-test: setup wasm module module-faults cli ## Every test tier: core, policy golden, CLI, and real-Envoy integration (on both hosts)
+# The tests build once: `cargo test --workspace --no-run` compiles every
+# tier's tests and the CLI the real-Envoy tests run (target/debug/tenantgate)
+# with one feature resolution. `make cli` (cargo build -p tenantgate-cli)
+# and `cargo test -p tenantgate-integration-tests` resolve features
+# differently and would compile tenantgate-central and a dozen dependencies
+# again (see .ci/integration-tests).
+test: setup wasm module module-faults ## Every test tier: core, policy golden, CLI, and real-Envoy integration (on both hosts)
+	cargo test --workspace --no-run
 	cargo test --workspace --exclude tenantgate-integration-tests
-	cargo test -p tenantgate-integration-tests -- --test-threads=1
+	.ci/integration-tests --test-threads=1
 
 test-unit: setup-redis setup-postgresql setup-schemathesis ## Only the native tests (core, policy golden, CLI); no Envoy needed
 	cargo test --workspace --exclude tenantgate-integration-tests
 
-test-integration: setup wasm module module-faults cli ## Only the real-Envoy tests
-	cargo test -p tenantgate-integration-tests -- --test-threads=1 --nocapture
+test-integration: setup wasm module module-faults ## Only the real-Envoy tests
+	.ci/integration-tests --test-threads=1 --nocapture
 
 setup-wrk: ## Install wrk (Debian package) if missing: make bench and make bench-memory load Envoy with it
 	@command -v wrk >/dev/null || $(call apt_install,wrk)

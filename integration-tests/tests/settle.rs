@@ -172,8 +172,8 @@ fn a_tenant_on_tokens_a_minute_is_limited_by_tokens_not_requests_within_the_boun
             "{tenant}: sequential requests never overrun"
         );
     }
-    // Every answer was settled at its real cost, in the access log (Envoy
-    // flushes it every 10 s).
+    // Every answer was settled at its real cost, in the access log (which
+    // the tests' Envoys flush every 50 ms).
     // (`estimate=` is what the request reserved: a stream metered as it
     // flows reserves 3 chunks of 250 more when its usage event takes its
     // running cost to 1,200, and gives 50 back; if its limits refuse them
