@@ -820,6 +820,11 @@ pub enum SyncMode {
     LongBody(usize),
     /// Reads the request, then closes the connection without answering.
     CloseBeforeHeaders,
+    /// The first copy of each report (`seq`) waits this long before its
+    /// answer (longer than the node's callout timeout: as if it were
+    /// lost); a later copy of the same `seq` is answered at once, like
+    /// `Leases` (`tokens`, 3 s) would (the node's hedge).
+    StallFirstCopy(Duration, u64),
 }
 
 /// Envoy's buffer limit for an async-client (callout) response body: 32 MiB
@@ -1040,6 +1045,13 @@ fn serve_sync(
             SyncMode::Leases { tokens, ttl_ms, once } => (200, answer(leases(tokens, ttl_ms, once))),
             SyncMode::Slow(wait, tokens) => {
                 std::thread::sleep(wait);
+                (200, answer(leases(tokens, 3_000, false)))
+            }
+            SyncMode::StallFirstCopy(wait, tokens) => {
+                let first = granted.lock().unwrap().insert(format!("seq/{}", req["seq"]));
+                if first {
+                    std::thread::sleep(wait);
+                }
                 (200, answer(leases(tokens, 3_000, false)))
             }
             SyncMode::Garbage => (200, String::from("<html>not json</html>")),

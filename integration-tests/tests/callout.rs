@@ -1,8 +1,9 @@
 //! The sync callout's failure paths in a real Envoy, against stubs of the
 //! central service that reset the connection after the response headers,
 //! send a body over Envoy's callout buffer limit (or over the filter's own
-//! bound), close before answering, or answer absurd leases (`u64::MAX`
-//! tokens, share and TTL).
+//! bound), close before answering, answer absurd leases (`u64::MAX`
+//! tokens, share and TTL), or stall each report's first copy (the node's
+//! hedge brings the lease).
 //!
 //! Each runs on both hosts. On the native module, "never traps" is no
 //! panic caught at the module's boundary (`module.panics` stays 0) and
@@ -255,5 +256,50 @@ fn absurd_leases_are_clamped_to_the_limits_burst() {
     assert!(admitted(&burst) >= 40, "the lease admits: {}", admitted(&burst));
     // tokens, share and ttl of each lease.
     assert!(envoy.tg_stat("sync.clamped") >= 3);
+    assert_no_trap(&envoy);
+}
+
+on_both_hosts!(a_report_whose_first_copy_stalls_gets_its_lease_from_the_second);
+/// Issue 35's hedge in a real Envoy: the stub holds each report's first
+/// copy past the callout timeout (as if it were lost) and answers a second
+/// copy of the same `seq` at once. The node sends that copy half its
+/// timeout after the first, unchanged, and applies its answer: every
+/// report is answered, none fails, and the key runs on leases.
+fn a_report_whose_first_copy_stalls_gets_its_lease_from_the_second() {
+    let server = SyncServer::start(SyncMode::StallFirstCopy(Duration::from_millis(1_500), 5), 1_000);
+    let envoy = Envoy::start_with_sync(&policy(1_000, 400), server.port);
+    let _ = statuses(&envoy, "/api/x", "hedge-a", 1, Duration::ZERO);
+    let answered = wait_for(Duration::from_secs(15), || {
+        envoy.tg_stat("sync.ok") >= 3 && envoy.tg_stat("sync.hedged") >= 3
+    });
+    let requests = server.requests();
+    println!(
+        "hedge: sync.sent {}, sync.hedged {}, sync.ok {}, sync.failed {}, sync.timeouts {}, breaker {}; the stub saw {} requests",
+        envoy.tg_stat("sync.sent"),
+        envoy.tg_stat("sync.hedged"),
+        envoy.tg_stat("sync.ok"),
+        envoy.tg_stat("sync.failed"),
+        envoy.tg_stat("sync.timeouts"),
+        envoy.tg_stat("sync.breaker"),
+        requests.len()
+    );
+    assert!(answered, "three reports answered through their second copy");
+    // Each copy is the same request: the same seq, the same body.
+    let mut by_seq: std::collections::BTreeMap<String, Vec<&serde_json::Value>> = Default::default();
+    for r in &requests {
+        by_seq.entry(r["seq"].to_string()).or_default().push(r);
+    }
+    let copied: Vec<_> = by_seq.values().filter(|v| v.len() == 2).collect();
+    assert!(copied.len() >= 3, "{by_seq:?}");
+    for v in &copied {
+        assert_eq!(v[0], v[1], "a copy is the same request");
+    }
+    assert!(by_seq.values().all(|v| v.len() <= 2), "one copy per report");
+    // A stalled first copy whose report its copy answered is no failure.
+    assert_eq!(envoy.tg_stat("sync.failed") + envoy.tg_stat("sync.timeouts"), 0);
+    // The key runs on its leases (5 tokens each), not on its failure mode
+    // (fail_open would admit all 20).
+    let burst = statuses(&envoy, "/api/x", "hedge-a", 20, Duration::ZERO);
+    assert!((1..20).contains(&admitted(&burst)), "on leases: {burst:?}");
     assert_no_trap(&envoy);
 }

@@ -358,6 +358,11 @@ impl Syncer {
         };
         let failed = match outcome {
             Ok(()) => None,
+            // The report's other copy was answered: this one's failure
+            // (Envoy's timeout, typically) costs nothing.
+            Err(_) if self.answered_seq == Some(call.seq) => {
+                return read_view(host);
+            }
             Err(Failure::Timeout) => Some(SyncStat::Timeouts),
             Err(Failure::Other) if elapsed.saturating_add(TIMEOUT_SLACK_NS) >= settings.timeout_ns => {
                 Some(SyncStat::Timeouts)
