@@ -250,6 +250,22 @@ fn global_levels_hold_their_bound_across_nodes_and_keep_the_guarantee() {
         carol, carol_sent,
         "carol stayed within her guarantee and was refused"
     );
+    // `tenantgate top --once`: the service's view, the level budgets
+    // grouped by level (acme's pool, refusing the flood).
+    let url = format!("http://127.0.0.1:{}", serve.admin_port);
+    let top = std::process::Command::new(tenantgate_integration_tests::cli_bin())
+        .args(["top", "--service", url.as_str(), "--once"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&top.stdout);
+    eprintln!("{text}");
+    assert!(top.status.success(), "{}", String::from_utf8_lossy(&top.stderr));
+    let by_level: Vec<&str> = text.lines().skip_while(|l| !l.contains("by level")).collect();
+    assert!(
+        by_level.iter().any(|l| l.trim() == "org (api)")
+            && by_level.iter().any(|l| l.trim_start().starts_with("acme ")),
+        "top groups acme's budgets by level:\n{text}"
+    );
     drop(envoys);
     let _ = std::fs::remove_dir_all(&dir);
 }
