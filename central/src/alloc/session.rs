@@ -116,16 +116,18 @@ pub struct Session {
     counted: BTreeMap<KeyId, Tally>,
     /// When the last request was applied (and answered).
     pub heard_at: Option<u64>,
-    /// When the request before it was (what a repeat of the last request
-    /// reports as `Intake::prev_heard_at`, as its first copy did).
-    #[serde(default)]
-    prev_heard_at: Option<u64>,
     /// The (key, limit)s this node was ever granted a lease for and that
     /// still hold state.
     pub held: BTreeSet<KeyId>,
     /// The settings the node last reported (`None`: none, the policy's).
     #[serde(default)]
     terms: Option<NodeTerms>,
+    /// When the request before the last one was applied (what a repeat of
+    /// the last request reports as `Intake::prev_heard_at`, as its first
+    /// copy did). Appended last: a record's fields are never reordered
+    /// (`crate::codec`, "Evolution").
+    #[serde(default)]
+    prev_heard_at: Option<u64>,
 }
 
 /// A session as format 1 (bincode) stored it, before `boot`.
@@ -354,6 +356,29 @@ mod tests {
         assert_eq!(s.seq_check(&req(11, 10, 5), 3), SeqCheck::Repeat);
         assert_eq!(s.intake(&req(11, 10, 5), 3).unwrap().prev_heard_at, Some(1));
         assert_eq!(s.intake(&req(12, 11, 1), 4).unwrap().prev_heard_at, Some(3));
+    }
+
+    /// A session a service before issue 35 stored (no `prev_heard_at`)
+    /// still reads: the field is appended, so the record's field count
+    /// says it is absent (`crate::codec`, "Evolution").
+    #[test]
+    fn a_session_stored_before_prev_heard_at_still_reads() {
+        let mut s = Session::new("r");
+        s.intake(&req(10, 0, 5), 1).unwrap();
+        let mut bytes = Vec::new();
+        crate::codec::to_writer(&mut bytes, &s).unwrap();
+        // The field count, then the fields; the last, `None`, one byte.
+        assert_eq!((bytes.first(), bytes.last()), (Some(&9), Some(&0)));
+        let mut older = bytes.clone();
+        older[0] = 8;
+        older.pop();
+        let back: Session = crate::codec::from_slice(&older).unwrap();
+        assert_eq!(
+            (back.last_seq, back.heard_at, back.prev_heard_at),
+            (10, Some(1), None)
+        );
+        let back: Session = crate::codec::from_slice(&bytes).unwrap();
+        assert_eq!(format!("{back:?}"), format!("{s:?}"));
     }
 
     #[test]
