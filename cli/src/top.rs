@@ -161,6 +161,19 @@ struct LevelRow {
     denials: Option<u64>,
 }
 
+/// The value under `key` in an insertion-ordered list, added (default)
+/// if absent.
+fn entry<T: Default>(list: &mut Vec<(String, T)>, key: String) -> &mut T {
+    let i = match list.iter().position(|(k, _)| *k == key) {
+        Some(i) => i,
+        None => {
+            list.push((key, T::default()));
+            list.len() - 1
+        }
+    };
+    &mut list[i].1
+}
+
 /// The region's level keys grouped by level (in the order their heaviest
 /// budget comes by demand), each budget with its demand and denials (`-`:
 /// not among the top keys of that list).
@@ -176,22 +189,7 @@ fn render_levels(out: &mut String, by_demand: &[Value], by_denials: &[Value]) {
             Some(member) => format!("{}/{member} (guaranteed)", k.path),
             None => k.path,
         };
-        let rows = match levels.iter().position(|(n, _)| *n == name) {
-            Some(i) => &mut levels[i].1,
-            None => {
-                levels.push((name, Vec::new()));
-                let last = levels.len() - 1;
-                &mut levels[last].1
-            }
-        };
-        let row = match rows.iter().position(|(b, _)| *b == budget) {
-            Some(i) => &mut rows[i].1,
-            None => {
-                rows.push((budget, LevelRow::default()));
-                let last = rows.len() - 1;
-                &mut rows[last].1
-            }
-        };
+        let row = entry(entry(&mut levels, name), budget);
         let slot = if denials {
             &mut row.denials
         } else {
