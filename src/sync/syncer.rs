@@ -240,6 +240,12 @@ impl Syncer {
         (callout, view)
     }
 
+    /// Whether a copy of report `seq` is still in flight from this worker
+    /// (then a failure of the other gives nothing up).
+    fn copy_in_flight(&self, seq: u64) -> bool {
+        self.calls.values().any(|c| c.seq == seq)
+    }
+
     /// The second copy of this worker's report in flight, when it is due
     /// ([`shared::hedge`]); the report is forgotten once it is no longer
     /// in flight unhedged.
@@ -325,8 +331,7 @@ impl Syncer {
             Err(()) => {
                 stats.add(&Metric::Sync(SyncStat::Failed), 1);
                 // The first copy still answers for the report.
-                let other_copy = self.calls.values().any(|c| c.seq == callout.seq);
-                if let (Some(settings), false) = (policy.sync.as_ref(), other_copy) {
+                if let (Some(settings), false) = (policy.sync.as_ref(), self.copy_in_flight(callout.seq)) {
                     note_abandoned(stats, shared::abandon(host, settings, callout.seq, now));
                 }
             }
@@ -371,8 +376,7 @@ impl Syncer {
         };
         stats.add(&Metric::Sync(failed.unwrap_or(SyncStat::Ok)), 1);
         // While the report's other copy is in flight, it may still answer.
-        let other_copy = self.calls.values().any(|c| c.seq == call.seq);
-        if failed.is_some() && !other_copy {
+        if failed.is_some() && !self.copy_in_flight(call.seq) {
             note_abandoned(stats, shared::abandon(host, settings, call.seq, now));
         }
         read_view(host)
