@@ -527,24 +527,7 @@ fn a_worker_sends_an_unanswered_report_again_and_takes_either_answer_once() {
     assert!(send(&mut node, T0 + 140 * MS, 3).is_empty(), "one copy");
     assert_eq!(node.stat("tenantgate.sync.hedged"), 1);
     let req = crate::sync::SyncRequest::from_json(&first[0].body).unwrap();
-    let resp = crate::sync::SyncResponse {
-        version: 1,
-        ack_seq: req.seq,
-        interval_ms: 1000,
-        leases: req
-            .reports
-            .iter()
-            .map(|r| crate::sync::Lease {
-                key: r.key.clone(),
-                limit: r.limit.clone(),
-                tokens: 5,
-                share: 5,
-                share_milli: 0,
-                ttl_ms: 3_000,
-                outage_milli: None,
-            })
-            .collect(),
-    };
+    let resp = crate::sync::shared::tests::response(&req, 5);
     let answer = Answered(resp.to_json().into_bytes());
     let mut stats = node.stats.clone();
     let (p, policy) = &mut node.workers[0];

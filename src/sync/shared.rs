@@ -459,4 +459,4 @@ pub(super) fn update_state<H: Host>(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -107,7 +107,7 @@ impl World {
 
 /// The service's answer to `req`: a lease of `tokens` (3 s) for every
 /// reported key.
-fn response(req: &SyncRequest, tokens: u64) -> SyncResponse {
+pub(crate) fn response(req: &SyncRequest, tokens: u64) -> SyncResponse {
     SyncResponse {
         version: 1,
         ack_seq: req.seq,
