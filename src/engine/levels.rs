@@ -180,7 +180,6 @@ pub(super) fn each_charged(
         }
         let guaranteed = charged.guaranteed.get(l).copied().unwrap_or(false);
         let Some((budget, share)) = budgets(level, l, &req.levels)
-            .into_iter()
             .find(|(b, _)| matches!(b, Budget::Guaranteed { .. }) == guaranteed)
         else {
             continue;
@@ -193,26 +192,26 @@ pub(super) fn each_charged(
 /// The budgets a request whose level values are `values` tries at level
 /// `l`, in order: its value's ceiling alone if it has one; else the
 /// guaranteed share of its member one level down (if it has one), then
-/// the pool. None if the level has no budget of its own.
+/// the pool. None if the level has no budget of its own. At most two, in
+/// place (nothing allocated per request).
 pub(super) fn budgets<'p>(
     level: &'p Level,
     l: usize,
     values: &'p [Option<Rc<str>>],
-) -> Vec<(Budget<'p>, &'p Share)> {
+) -> impl Iterator<Item = (Budget<'p>, &'p Share)> {
     let value = values.get(l).and_then(|v| v.as_deref());
-    if let Some(ceiling) = value.and_then(|v| level.ceilings.get(v)) {
-        return vec![(Budget::Pool, ceiling)];
-    }
-    if level.pool.limits.is_empty() {
-        return Vec::new();
-    }
     let member = values.get(l.saturating_add(1)).and_then(|v| v.as_deref());
-    let mut out = Vec::with_capacity(2);
-    if let Some((member, share)) = member.and_then(|m| level.guaranteed.get_key_value(m)) {
-        out.push((Budget::Guaranteed { member }, share));
-    }
-    out.push((Budget::Pool, &level.pool));
-    out
+    let tried: [Option<(Budget<'p>, &'p Share)>; 2] = match value.and_then(|v| level.ceilings.get(v)) {
+        Some(ceiling) => [Some((Budget::Pool, ceiling)), None],
+        None if level.pool.limits.is_empty() => [None, None],
+        None => [
+            member
+                .and_then(|m| level.guaranteed.get_key_value(m))
+                .map(|(member, share)| (Budget::Guaranteed { member }, share)),
+            Some((Budget::Pool, &level.pool)),
+        ],
+    };
+    tried.into_iter().flatten()
 }
 
 /// Where level `l`'s `budget` for the level values `values` lives on
