@@ -353,6 +353,12 @@ struct Applied {
     no_lease: bool,
     /// Units charged beyond the request's cost, for the worker's lease.
     extra: u64,
+    /// Per global limit, the node's last share of it (thousandths of a
+    /// unit per sync interval; 0: a local limit, or no share yet): what a
+    /// pool's fairness shares on this node.
+    node_share_milli: [u64; MAX_RECORDS],
+    /// The sync interval the shares are per.
+    interval_ns: u64,
 }
 
 impl Applied {
@@ -370,6 +376,8 @@ impl Applied {
             table: TableEvent::None,
             no_lease: false,
             extra: 0,
+            node_share_milli: [0; MAX_RECORDS],
+            interval_ns: 0,
         }
     }
 
@@ -533,6 +541,11 @@ fn check_limits(
                 changed = true;
                 let checked = check_global(record, view, ctx);
                 applied.no_lease |= checked.no_lease;
+                if let Some(share) = applied.node_share_milli.get_mut(i) {
+                    let a = &checked.demanded;
+                    *share = a.share_milli.max(a.share.saturating_mul(1000));
+                }
+                applied.interval_ns = view.interval_ns;
                 (
                     checked.outcome,
                     Loaded::Global(checked.demanded, checked.charged),

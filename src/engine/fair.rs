@@ -10,9 +10,16 @@
 //! toward admitting less, never more. A table that overflowed into the
 //! level's shared overflow entry mixes pools, so its verdict is not used
 //! (the pool is shared first come for that request). A table that cannot
-//! be read or written refuses nothing. A global pool limit (`global:
-//! true`) is shared first come: its standing on a node is the node's lease,
-//! and fairness across nodes is not built.
+//! be read or written refuses nothing.
+//!
+//! A global pool limit (`global: true`) is shared on each node: the
+//! capacity is the node's share of it (what the service last allocated
+//! the node, per interval), contended while the members asking on the
+//! node ask more than that (a node's lease is often a request or two per
+//! interval, too coarse a standing to say). The service allocates the pool over the nodes by
+//! their demand; each node shares what it gets max-min fairly among the
+//! members asking on it. A member whose requests are spread over the nodes
+//! is held on each.
 
 use std::rc::Rc;
 
@@ -20,7 +27,7 @@ use super::{Applied, Ctx, Decision, LimitName, Prepared, Reason};
 use crate::decision::{RateLimitHeaders, Subject};
 use crate::host::Host;
 use crate::keys::kind;
-use crate::limiter::fair::{FairTable, Fairness, PoolLimit};
+use crate::limiter::fair::{Contended, FairTable, Fairness, PoolLimit};
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::levels::{write_key, Budget, Level};
 use crate::policy::{Limit, Policy};
@@ -71,16 +78,24 @@ pub(super) fn ask<H: Host>(
     let mut pool_limits = [PoolLimit {
         rate: 0,
         per_ns: 0,
-        contended: false,
+        contended: Contended::No,
     }; table::MAX_RECORDS];
     let n = limits.len().min(table::MAX_RECORDS);
-    for ((p, limit), standing) in pool_limits.iter_mut().zip(limits).zip(&pool.report) {
-        *p = PoolLimit {
-            rate: limit.rate,
-            per_ns: limit.per_secs.saturating_mul(NANOS_PER_SEC),
-            // A global limit's standing is the node's lease, not the pool:
-            // fairness across nodes is not built, so it shares first come.
-            contended: admitted && !limit.shadow && !limit.global && standing.remaining < limit.burst / 2,
+    for (i, (p, limit)) in pool_limits.iter_mut().zip(limits).enumerate() {
+        let remaining = pool.report.get(i).map_or(0, |s| s.remaining);
+        let per_ns = limit.per_secs.saturating_mul(NANOS_PER_SEC);
+        *p = if limit.global {
+            node_share(limit, per_ns, pool, i, admitted)
+        } else {
+            PoolLimit {
+                rate: limit.rate,
+                per_ns,
+                contended: if admitted && !limit.shadow && remaining < limit.burst / 2 {
+                    Contended::Yes
+                } else {
+                    Contended::No
+                },
+            }
         };
     }
     let pool_limits = pool_limits.get(..n).unwrap_or(&[]);
@@ -126,6 +141,25 @@ pub(super) fn ask<H: Host>(
             );
             Fairness::Within
         }
+    }
+}
+
+/// A global pool limit as this node shares it: the node's share of it
+/// (what the service last allocated it, per interval, as a rate per the
+/// limit's period), contended while the members on this node ask more
+/// than that. No share yet (no lease): not contended.
+fn node_share(limit: &Limit, per_ns: u64, pool: &Applied, i: usize, admitted: bool) -> PoolLimit {
+    let share_milli = pool.node_share_milli.get(i).copied().unwrap_or(0);
+    let per_period =
+        u128::from(share_milli) * u128::from(per_ns) / u128::from(pool.interval_ns.max(1)) / 1000;
+    PoolLimit {
+        rate: u64::try_from(per_period).unwrap_or(u64::MAX).max(1),
+        per_ns,
+        contended: if admitted && !limit.shadow && share_milli > 0 {
+            Contended::WhenAskedOver
+        } else {
+            Contended::No
+        },
     }
 }
 

@@ -68,9 +68,19 @@ pub struct PoolLimit {
     pub rate: u64,
     /// The period, in nanoseconds (the sums' time constant).
     pub per_ns: u64,
-    /// The pool holds less than half this limit's burst (after the
-    /// request, if the pool admitted it).
-    pub contended: bool,
+    /// Whether the limit is contended.
+    pub contended: Contended,
+}
+
+/// When a pool limit is contended (the rule applies only then).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Contended {
+    Yes,
+    No,
+    /// While the members ask more than its rate (their demands add up to
+    /// more): a global limit, whose standing on a node is a lease of a
+    /// request or two per interval, too coarse to say.
+    WhenAskedOver,
 }
 
 /// What the rule says about one request the pool admitted.
@@ -152,7 +162,18 @@ impl FairTable {
             return Fairness::Within;
         }
         let mut verdict = Fairness::Within;
-        for (l, limit) in pool.iter().enumerate().take(n).filter(|(_, p)| p.contended) {
+        for (l, limit) in pool.iter().enumerate().take(n) {
+            let contended = match limit.contended {
+                Contended::Yes => true,
+                Contended::No => false,
+                Contended::WhenAskedOver => {
+                    let total = self.total.get(l).copied().unwrap_or(0);
+                    rate_of(total) > limit.rate.saturating_mul(MILLI)
+                }
+            };
+            if !contended {
+                continue;
+            }
             let Some(level) = self.fair_share(l, limit.rate) else {
                 continue;
             };

@@ -50,6 +50,13 @@ pub struct NestedConfig {
     pub guarantee_pct: u64,
     /// Tokens the quiet team asks for over the run (below its guarantee).
     pub quiet_demand: u64,
+    /// Tokens the modest team (the last) asks for over the run, spread
+    /// over it on random nodes; 0: it floods like the others.
+    pub modest_demand: u64,
+    /// How the levels' pools are shared (`max_min` or `first_come`).
+    pub sharing: &'static str,
+    /// The limits' period, seconds (a month: the users' sizes).
+    pub per_secs: u64,
     /// Every request's cost, in tokens.
     pub cost: u64,
     /// Requests each flooding team sends per tick, and the spreader.
@@ -75,6 +82,9 @@ impl Default for NestedConfig {
             users_per_team: 100,
             guarantee_pct: 20,
             quiet_demand: 150_000,
+            modest_demand: 0,
+            sharing: "max_min",
+            per_secs: MONTH_SECS,
             cost: 1_000,
             flood_per_tick: 2,
             spread_per_tick: 2,
@@ -118,6 +128,9 @@ pub struct NestedOutcome {
     pub quiet_admitted: u64,
     pub quiet_refused: u64,
     pub quiet_refused_by_org: u64,
+    /// What the modest team asked for and was admitted (tokens).
+    pub modest_demand: u64,
+    pub modest_admitted: u64,
     /// Requests decided in the run.
     pub requests: u64,
 }
@@ -141,10 +154,11 @@ plans: {{ user: {{ limits: [ {{ name: user, rate: {user}, per: {month}s, global:
 default_plan: user
 anonymous: {{ plan: user }}
 levels:
-  - {{ name: org, header: x-org, limits: [ {{ name: tokens, rate: {org}, per: {month}s, global: true }} ] }}
+  - {{ name: org, header: x-org, limits: [ {{ name: tokens, rate: {org}, per: {month}s, global: true }} ], sharing: {sharing} }}
   - name: team
     parent: org
     header: x-team
+    sharing: {sharing}
     limits: [ {{ name: tokens, rate: {team}, per: {month}s, global: true }} ]
     members: {{ team-0: {{ guarantee: {g} }} }}
 routes: {{ api: {{ cost: {cost} }} }}
@@ -154,7 +168,8 @@ sync: {{ cluster: tenantgate, interval: {interval}ms, timeout: {timeout}ms, prov
         user = cfg.user_tokens,
         org = cfg.org_tokens,
         team = cfg.team_tokens,
-        month = MONTH_SECS,
+        month = cfg.per_secs,
+        sharing = cfg.sharing,
         g = cfg.guarantee_pct,
         cost = cfg.cost,
         interval = cfg.interval_ns / NANOS_PER_MS,
@@ -193,6 +208,10 @@ pub fn run(cfg: &NestedConfig) -> Result<NestedOutcome, ConfigError> {
     let ticks = cfg.duration_ns / cfg.tick_ns.max(1);
     let quiet_per_tick = cfg.quiet_demand as f64 / cfg.cost.max(1) as f64 / ticks.max(1) as f64;
     let mut quiet_carry = 0.0f64;
+    let modest_per_tick = cfg.modest_demand as f64 / cfg.cost.max(1) as f64 / ticks.max(1) as f64;
+    let mut modest_carry = 0.0f64;
+    let modest = (cfg.modest_demand > 0).then(|| cfg.teams.saturating_sub(1));
+    let flooding = cfg.teams - usize::from(modest.is_some());
     let mut last_interval = None;
     for tick in 0..ticks {
         let now = T0 + tick * cfg.tick_ns;
@@ -236,7 +255,7 @@ pub fn run(cfg: &NestedConfig) -> Result<NestedOutcome, ConfigError> {
             }
         }
         // The flooding teams: each request from a random user, on a random node.
-        for team in 1..cfg.teams {
+        for team in 1..flooding {
             for _ in 0..cfg.flood_per_tick {
                 let user = traffic.between(0, cfg.users_per_team as u64 - 1) as usize;
                 let node = traffic.between(0, n as u64 - 1) as usize;
@@ -247,6 +266,16 @@ pub fn run(cfg: &NestedConfig) -> Result<NestedOutcome, ConfigError> {
         for _ in 0..cfg.spread_per_tick {
             let node = (tally.requests % n as u64) as usize;
             tally.ask(&mut nodes, node, 1, 0, now);
+        }
+        // The modest team, without a guarantee, asking little of the pool.
+        if let Some(team) = modest {
+            modest_carry += modest_per_tick;
+            while modest_carry >= 1.0 {
+                modest_carry -= 1.0;
+                let user = quiet.between(0, cfg.users_per_team as u64 - 1) as usize;
+                let node = quiet.between(0, n as u64 - 1) as usize;
+                tally.ask(&mut nodes, node, team, user, now);
+            }
         }
         // The quiet team, below its guarantee.
         quiet_carry += quiet_per_tick;
@@ -270,6 +299,10 @@ struct Tally {
     quiet_demand: u64,
     quiet_refused: u64,
     quiet_refused_by_org: u64,
+    /// The modest team's index, what it asked and was admitted.
+    modest: Option<usize>,
+    modest_demand: u64,
+    modest_admitted: u64,
     requests: u64,
     users_per_team: usize,
 }
@@ -285,6 +318,9 @@ impl Tally {
             quiet_demand: 0,
             quiet_refused: 0,
             quiet_refused_by_org: 0,
+            modest: (cfg.modest_demand > 0).then(|| cfg.teams.saturating_sub(1)),
+            modest_demand: 0,
+            modest_admitted: 0,
             requests: 0,
             users_per_team: cfg.users_per_team,
         }
@@ -303,6 +339,13 @@ impl Tally {
         self.requests += 1;
         if team == 0 {
             self.quiet_demand += self.cost;
+        }
+        let is_modest = self.modest == Some(team);
+        if is_modest {
+            self.modest_demand += self.cost;
+            if d.reason == Reason::Allowed {
+                self.modest_admitted += self.cost;
+            }
         }
         if d.reason != Reason::Allowed {
             if team == 0 {
@@ -332,7 +375,7 @@ impl Tally {
         // stays in its node's table), in tokens.
         let bound = |tokens: u64| {
             let refill = (u128::from(tokens) * u128::from(cfg.duration_ns)
-                / u128::from(MONTH_SECS * NANOS_PER_SEC)) as u64;
+                / u128::from(cfg.per_secs * NANOS_PER_SEC)) as u64;
             tokens + refill + 1 + nodes * cfg.provisional
         };
         let guaranteed = cfg.org_tokens * cfg.guarantee_pct / 100;
@@ -372,6 +415,8 @@ impl Tally {
             quiet_admitted: self.quiet_demand - self.quiet_refused,
             quiet_refused: self.quiet_refused,
             quiet_refused_by_org: self.quiet_refused_by_org,
+            modest_demand: self.modest_demand,
+            modest_admitted: self.modest_admitted,
             requests: self.requests,
         }
     }
@@ -411,5 +456,55 @@ mod tests {
         // nodes, refuses the same few without the flood).
         assert_eq!(out.quiet_refused_by_org, 0, "{out:?}");
         assert_eq!(out.quiet_refused, alone.quiet_refused, "{out:?}");
+    }
+
+    /// Budgets a minute long, over 60 s, requests of 100 tokens: eight
+    /// teams flood the organisation's pool (480,000 tokens a minute) from
+    /// random nodes, 8 times over, and the modest team, without a
+    /// guarantee, asks 30,000 from random nodes. Max-min fair (each node
+    /// shares its lease among the members asking on it), it gets nearly
+    /// all it asks; first come, the floods take each node's lease first.
+    #[test]
+    fn a_modest_team_gets_its_demand_from_a_flooded_pool_across_nodes() {
+        let cfg = |sharing| NestedConfig {
+            per_secs: 60,
+            org_tokens: 600_000,
+            team_tokens: 300_000,
+            user_tokens: 50_000,
+            quiet_demand: 40_000,
+            modest_demand: 30_000,
+            cost: 100,
+            flood_per_tick: 3,
+            duration_ns: 60 * NANOS_PER_SEC,
+            sharing,
+            ..NestedConfig::default()
+        };
+        let fair = run(&cfg("max_min")).unwrap();
+        let first = run(&cfg("first_come")).unwrap();
+        for out in [&fair, &first] {
+            eprintln!("{}", serde_json::to_string(out).unwrap());
+            for b in [
+                out.org_pool,
+                out.quiet_guaranteed,
+                out.org,
+                out.busiest_team,
+                out.busiest_user,
+            ] {
+                assert!(b.admitted <= b.bound, "{b:?}");
+            }
+        }
+        assert!(fair.modest_demand >= 29_000, "{fair:?}");
+        assert!(
+            fair.modest_admitted * 100 >= fair.modest_demand * 90,
+            "max-min: {} of {}",
+            fair.modest_admitted,
+            fair.modest_demand
+        );
+        assert!(
+            first.modest_admitted * 100 < fair.modest_admitted * 75,
+            "first come: {} (max-min {})",
+            first.modest_admitted,
+            fair.modest_admitted
+        );
     }
 }

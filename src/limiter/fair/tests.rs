@@ -6,7 +6,7 @@ fn pool(contended: bool) -> [PoolLimit; 1] {
     [PoolLimit {
         rate: 100,
         per_ns: MIN,
-        contended,
+        contended: if contended { Contended::Yes } else { Contended::No },
     }]
 }
 
@@ -153,7 +153,7 @@ fn extreme_costs_and_times_never_trap() {
     let limits = [PoolLimit {
         rate: u64::MAX,
         per_ns: 1,
-        contended: true,
+        contended: Contended::Yes,
     }];
     for now in [0, u64::MAX, 1, u64::MAX] {
         for m in [b"a", b"b"] {
