@@ -366,7 +366,14 @@ pub enum LimitName {
     Tenant(String),
     /// A nested level's rate limit (`levels[].limits[]`): `name` is the
     /// limit as its `RateLimit` item names it, `<level>:<limit>`.
-    Level { level: Rc<str>, name: String },
+    /// `fair_share`: the budget had units left, but the request's member
+    /// was over its fair share of it while it was contended
+    /// (`sharing: max_min`).
+    Level {
+        level: Rc<str>,
+        name: String,
+        fair_share: bool,
+    },
 }
 
 /// How the reply and the record name an action's limit: `action:<name>`
@@ -384,6 +391,11 @@ impl LimitName {
             | LimitName::Level { name: n, .. } => Cow::Borrowed(n),
             LimitName::Action(n) => Cow::Owned(format!("{ACTION_PREFIX}{n}")),
         }
+    }
+
+    /// A level's refusal of a member over its fair share of the pool.
+    pub fn fair_share(&self) -> bool {
+        matches!(self, LimitName::Level { fair_share: true, .. })
     }
 
     /// The nested level whose limit this is (the problem's `level`).

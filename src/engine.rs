@@ -10,6 +10,7 @@
 
 mod back;
 mod classify;
+mod fair;
 mod global;
 mod levels;
 mod peek;
@@ -319,6 +320,9 @@ pub fn record_is_idle(record: &Record<'_>, now: u64) -> bool {
     }
     if record.kind == kind::IN_FLIGHT {
         return crate::inflight::record_is_idle(record, now);
+    }
+    if record.kind == kind::FAIR_TABLE {
+        return fair::record_is_idle(record, now);
     }
     Algo::record_is_idle(record, now)
 }

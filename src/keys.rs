@@ -190,8 +190,11 @@ pub mod kind {
     /// A cached (degraded) answer.
     pub const DEGRADED: u8 = 22;
 
+    /// A nested level's pool: its members' demand and use.
+    pub const FAIR_TABLE: u8 = 23;
+
     /// Every kind, for the uniqueness test.
-    pub const ALL: [u8; 12] = [
+    pub const ALL: [u8; 13] = [
         TOKEN_BUCKET,
         FIXED_WINDOW,
         SLIDING_WINDOW_LOG,
@@ -204,6 +207,7 @@ pub mod kind {
         BREAKER,
         RETRY_BUDGET,
         DEGRADED,
+        FAIR_TABLE,
     ];
 }
 

@@ -128,6 +128,13 @@ fn explain(reason: Reason, limit: Option<&LimitName>, retry_after: u64) -> (&'st
     const UNAVAILABLE: &str = "Service Unavailable";
     let name = limit.map_or("", LimitName::name);
     match reason {
+        Reason::RateLimited if limit.is_some_and(LimitName::fair_share) => (
+            "Too Many Requests",
+            format!(
+                "The budget \"{name}\" of this request's level \"{}\" is shared fairly while it runs short, and this request's member has had its share; retry in {retry_after} s.",
+                limit.and_then(LimitName::level).unwrap_or_default()
+            ),
+        ),
         Reason::RateLimited if limit.and_then(LimitName::level).is_some() => (
             "Too Many Requests",
             format!(

@@ -103,6 +103,34 @@ fn a_flooding_team_leaves_the_guaranteed_one_its_share(envoy: &Envoy) {
     );
 }
 
+/// Max-min fairness of initech's pool of 15 (`sharing: max_min`, the
+/// default): `ads` takes 10 alone; once `web` asks too and the pool holds
+/// less than half its burst, `ads` is over its fair share (7.5 of 15) and
+/// refused with tokens still in the pool, which go to `web`. Its
+/// `Retry-After` is when its use (10) decays to its share: 60 s × ln(10 /
+/// 7.5) ≈ 17.3 s.
+fn the_pool_goes_to_the_team_within_its_fair_share(envoy: &Envoy) {
+    let from = |team| [("x-tenant-id", "u"), ("x-org", "initech"), ("x-team", team)];
+    let ads = from("ads");
+    let web = from("web");
+    for _ in 0..10 {
+        assert_eq!(get(envoy.port, "/api/orders", &ads).status, 200);
+    }
+    assert_eq!(get(envoy.port, "/api/orders", &web).status, 200);
+    let over = get(envoy.port, "/api/orders", &ads);
+    assert_eq!(over.status, 429, "{}", String::from_utf8_lossy(&over.body));
+    assert_eq!(over.json()["level"], "org");
+    let wait: u64 = over
+        .header("retry-after")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    assert!((17..=18).contains(&wait), "Retry-After {wait}");
+    let web_in = (0..5)
+        .filter(|_| get(envoy.port, "/api/orders", &web).status == 200)
+        .count();
+    assert_eq!(web_in, 4, "the pool's last 4 go to `web`");
+}
+
 on_both_hosts!(nested_levels_from_verified_claims);
 fn nested_levels_from_verified_claims() {
     let envoy = Envoy::start(POLICY);
@@ -122,6 +150,7 @@ fn nested_levels_from_verified_claims() {
         "no decision record naming the level: {}",
         envoy.log_tail()
     );
+    the_pool_goes_to_the_team_within_its_fair_share(&envoy);
     if envoy.host == Host::Module {
         // The module reads no claim inside jwt_authn's payload: a policy
         // with claim levels (and a JWT identity) is refused, saying why.

@@ -13,10 +13,12 @@
 use std::rc::Rc;
 
 use super::back::{refund, Back};
+use super::fair;
 use super::{apply, Ctx, Decision, LimitName, Reason};
 use crate::decision::LevelsCharged;
 use crate::engine::Prepared;
 use crate::host::Host;
+use crate::limiter::fair::Fairness;
 use crate::policy::levels::{write_key, Budget, Level, Share};
 use crate::policy::{Limit, Policy};
 use crate::table::{self, Overflow, Place};
@@ -38,22 +40,49 @@ pub(super) fn charge<H: Host>(
     for (l, level) in policy.levels.chain.iter().enumerate().rev() {
         let mut refused: Option<Decision> = None;
         for (budget, share) in budgets(level, l, &req.levels) {
-            let place = place(policy, &req.class.action, &req.levels, level, l, budget, key);
-            let applied = apply(host, &place, &share.limits, ctx, table);
+            let at = place(policy, &req.class.action, &req.levels, level, l, budget, key);
+            let applied = apply(host, &at, &share.limits, ctx, table);
             let mut d = applied.decision(&share.limits, &share.ratelimit_policy, Reason::RateLimited, ctx);
             decision.cas_retries = decision.cas_retries.saturating_add(d.cas_retries);
             d.limit = d.limit.map(|n| LimitName::Level {
                 level: level.name.clone(),
                 name: n.name().to_owned(),
+                fair_share: false,
             });
+            let fair = if level.fair && budget == Budget::Pool {
+                fair::ask(
+                    policy,
+                    req,
+                    host,
+                    ctx,
+                    level,
+                    l,
+                    &share.limits,
+                    &applied,
+                    key,
+                    table,
+                )
+            } else {
+                Fairness::Within
+            };
             if d.deny_status().is_some() {
-                // The exact wait is the nearer of the member's guaranteed
-                // share and the pool: either admits then.
-                let nearer = match refused.take() {
-                    Some(g) if applied.failure.is_none() && g.wait_ns <= d.wait_ns => g,
-                    _ => d,
+                refused = Some(nearer(refused.take(), d, applied.failure.is_none()));
+                continue;
+            }
+            if let Fairness::Over { limit, wait_ns } = fair {
+                // Over its member's fair share: the pool's charge goes back.
+                let at = place(policy, &req.class.action, &req.levels, level, l, budget, key);
+                let back = Back {
+                    charged: applied.charged,
+                    units: ctx.cost,
+                    charged_at: ctx.now,
+                    lease: None,
                 };
-                refused = Some(nearer);
+                refund(host, &at, &share.limits, &back, ctx, table);
+                if let Some(limit) = share.limits.get(limit) {
+                    let denied = fair::refusal(&d, level, limit, wait_ns, ctx);
+                    refused = Some(nearer(refused.take(), denied, true));
+                }
                 continue;
             }
             refused = None;
@@ -72,6 +101,16 @@ pub(super) fn charge<H: Host>(
         }
     }
     Ok(())
+}
+
+/// The refusal of a level with two budgets (a member's guaranteed share,
+/// then the pool): the nearer wait, since either admits then. `decided`:
+/// the later refusal was decided (not a failure to decide).
+fn nearer(earlier: Option<Decision>, later: Decision, decided: bool) -> Decision {
+    match earlier {
+        Some(e) if decided && e.wait_ns <= later.wait_ns => e,
+        _ => later,
+    }
 }
 
 /// A level's denial as the request's decision: who was charged, the
@@ -141,7 +180,6 @@ pub(super) fn each_charged(
         }
         let guaranteed = charged.guaranteed.get(l).copied().unwrap_or(false);
         let Some((budget, share)) = budgets(level, l, &req.levels)
-            .into_iter()
             .find(|(b, _)| matches!(b, Budget::Guaranteed { .. }) == guaranteed)
         else {
             continue;
@@ -154,26 +192,26 @@ pub(super) fn each_charged(
 /// The budgets a request whose level values are `values` tries at level
 /// `l`, in order: its value's ceiling alone if it has one; else the
 /// guaranteed share of its member one level down (if it has one), then
-/// the pool. None if the level has no budget of its own.
+/// the pool. None if the level has no budget of its own. At most two, in
+/// place (nothing allocated per request).
 pub(super) fn budgets<'p>(
     level: &'p Level,
     l: usize,
     values: &'p [Option<Rc<str>>],
-) -> Vec<(Budget<'p>, &'p Share)> {
+) -> impl Iterator<Item = (Budget<'p>, &'p Share)> {
     let value = values.get(l).and_then(|v| v.as_deref());
-    if let Some(ceiling) = value.and_then(|v| level.ceilings.get(v)) {
-        return vec![(Budget::Pool, ceiling)];
-    }
-    if level.pool.limits.is_empty() {
-        return Vec::new();
-    }
     let member = values.get(l.saturating_add(1)).and_then(|v| v.as_deref());
-    let mut out = Vec::with_capacity(2);
-    if let Some((member, share)) = member.and_then(|m| level.guaranteed.get_key_value(m)) {
-        out.push((Budget::Guaranteed { member }, share));
-    }
-    out.push((Budget::Pool, &level.pool));
-    out
+    let tried: [Option<(Budget<'p>, &'p Share)>; 2] = match value.and_then(|v| level.ceilings.get(v)) {
+        Some(ceiling) => [Some((Budget::Pool, ceiling)), None],
+        None if level.pool.limits.is_empty() => [None, None],
+        None => [
+            member
+                .and_then(|m| level.guaranteed.get_key_value(m))
+                .map(|(member, share)| (Budget::Guaranteed { member }, share)),
+            Some((Budget::Pool, &level.pool)),
+        ],
+    };
+    tried.into_iter().flatten()
 }
 
 /// Where level `l`'s `budget` for the level values `values` lives on

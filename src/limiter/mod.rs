@@ -20,6 +20,7 @@
 pub mod algo;
 pub mod charge;
 mod codec;
+pub mod fair;
 pub mod fixed_window;
 pub mod sliding_window_counter;
 pub mod sliding_window_log;

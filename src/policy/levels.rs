@@ -28,7 +28,7 @@ use hashbrown::HashMap;
 
 use super::error::{Errors, FieldPath};
 use super::limits::{compile_limits, Owner};
-use super::spec::{LevelMemberSpec, LevelSpec, LimitSpec};
+use super::spec::{LevelMemberSpec, LevelSpec, LimitSpec, Sharing};
 use super::values::is_header_name;
 use super::{fnv1a32, is_name, Identity, Limit};
 pub use crate::decision::MAX_LEVELS;
@@ -100,6 +100,11 @@ pub struct Level {
     /// The key table's overflow entry of this level's keys (`:<level>`: no
     /// plan name has a colon).
     pub overflow: String,
+    /// Each value's pool is shared max-min fairly while it is short
+    /// (`sharing: max_min`, see [`crate::limiter::fair`]); else first come.
+    pub fair: bool,
+    /// The overflow entry of the pools' fairness tables (`:<level>:fair`).
+    pub fair_overflow: String,
 }
 
 /// A set of limits charged on one key, with its `RateLimit-Policy` value.
@@ -116,13 +121,15 @@ pub enum Budget<'a> {
     Pool,
     /// The guaranteed share of `member`, the request's value one level down.
     Guaranteed { member: &'a str },
+    /// The fairness table of the pool (see [`crate::limiter::fair`]).
+    Fair,
 }
 
 /// Writes the logical key of `level`'s budget for the request whose level
 /// values (root first, `None`: missing) are `values`, for `action`:
 /// `<action>|l|<level>|<value>|…` with each value length-prefixed
 /// (`4:acme`) or `-` when missing, so no two paths share a key whatever
-/// bytes the values hold; a guaranteed share adds `g|<len>:<member>`. A key
+/// bytes the values hold; a guaranteed share adds `g|<len>:<member>`, the pool's fairness table `|f`. A key
 /// longer than the key table holds ([`MAX_KEY_LEN`]: long values at
 /// several levels) is written `<action>|l|<level>|#<128-bit FNV-1a of the
 /// whole key, hex>` instead (no value starts with `#`). FNV is no
@@ -153,8 +160,12 @@ pub fn write_key(
             None => out.push('-'),
         }
     }
-    if let Budget::Guaranteed { member } = budget {
-        let _ = write!(out, "|g|{}:{member}", member.len());
+    match budget {
+        Budget::Guaranteed { member } => {
+            let _ = write!(out, "|g|{}:{member}", member.len());
+        }
+        Budget::Fair => out.push_str("|f"),
+        Budget::Pool => {}
     }
     if out.len() > MAX_KEY_LEN {
         let digest = fnv1a128(out.as_bytes());
@@ -414,6 +425,8 @@ fn compile_level(
     }
     Level {
         overflow: format!(":{name}"),
+        fair: spec.sharing == Sharing::MaxMin,
+        fair_overflow: format!(":{name}:fair"),
         name,
         source,
         pool,

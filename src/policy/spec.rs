@@ -390,6 +390,22 @@ pub struct LevelSpec {
     /// Values with a guaranteed share or a ceiling within their parent.
     #[serde(default)]
     pub members: BTreeMap<String, LevelMemberSpec>,
+    /// How each value's budget is shared by its members (the values one
+    /// level down, or the tenants below the last level) while it is short.
+    #[serde(default)]
+    pub sharing: Sharing,
+}
+
+/// `levels[].sharing:`
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum Sharing {
+    /// Max-min fair while the budget holds less than half its burst.
+    #[default]
+    MaxMin,
+    /// First come, first served.
+    FirstCome,
 }
 
 /// `levels[].members.<value>`: a value's share of its parent's budget.

@@ -67,7 +67,12 @@ pub(super) fn explain(policy: &Policy, prepared: &Prepared, out: &mut String) {
                 } else {
                     "the pool (what the guarantees leave)"
                 };
-                budgets.push((pool.to_owned(), Budget::Pool, &level.pool));
+                let sharing = if level.fair {
+                    "shared max-min fairly by its members while short"
+                } else {
+                    "shared first come"
+                };
+                budgets.push((format!("{pool}, {sharing}"), Budget::Pool, &level.pool));
             }
         }
         for (what, budget, share) in budgets {

@@ -23,19 +23,29 @@ fn claim(name: &str) -> [&str; 5] {
 /// 100 a minute: `search` is guaranteed 30 % of its organisation, `batch`
 /// may use at most 50 %.
 fn nested(user_rate: u64, extra_route: &str) -> Policy {
-    let json = format!(
+    Policy::from_json(
+        nested_json(user_rate, "max_min")
+            .replace("EXTRA", extra_route)
+            .as_bytes(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`nested`]'s policy, its organisation's pool shared by `sharing`
+/// (`EXTRA` stands for more routes).
+fn nested_json(user_rate: u64, sharing: &str) -> String {
+    format!(
         r#"{{"version":"nested-1",
         "identity":{{"jwt":{{"payload_in_metadata":"{CLAIM}","claim":"sub"}}}},
         "plans":{{"user":{{"limits":[{{"rate":{user_rate},"per":"1m"}}]}}}},
         "default_plan":"user","anonymous":{{"plan":"user"}},
         "levels":[
-            {{"name":"org","claim":"org","limits":[{{"name":"monthly","rate":100,"per":"1m"}}]}},
+            {{"name":"org","claim":"org","limits":[{{"name":"monthly","rate":100,"per":"1m"}}],"sharing":"{sharing}"}},
             {{"name":"team","parent":"org","claim":"team","limits":[{{"rate":200,"per":"1m"}}],
               "members":{{"search":{{"guarantee":30}},"batch":{{"ceiling":50}}}}}}
         ],
-        "routes":{{"chat":{{}}{extra_route}}}}}"#
-    );
-    Policy::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"))
+        "routes":{{"chat":{{}}EXTRA}}}}"#
+    )
 }
 
 fn user(
@@ -75,7 +85,8 @@ fn every_level_is_charged_and_the_first_exceeded_refuses_by_name() {
         d.limit,
         Some(LimitName::Level {
             level: "org".into(),
-            name: "org:monthly".into()
+            name: "org:monthly".into(),
+            fair_share: false,
         })
     );
     assert!(d.retry_after_secs >= 1);
@@ -126,10 +137,65 @@ fn a_guaranteed_member_keeps_its_share_while_another_floods() {
     assert_eq!(admitted(&p, &quiet, T0, 100), 30);
     // The organisation admitted its 100, never more.
     assert_eq!(admitted(&p, &flood, T0, 100) + admitted(&p, &quiet, T0, 100), 0);
-    // Refilled: `search` takes its guarantee first, then the pool.
-    let later = T0 + 61 * S;
+    // Refilled, and the flood's demand long faded (it is measured over an
+    // eighth of the minute): `search` takes its guarantee first, then the
+    // whole pool.
+    let later = T0 + 120 * S;
     assert_eq!(admitted(&p, &quiet, later, 500), 100);
     assert_eq!(admitted(&p, &flood, later, 100), 0);
+}
+
+/// `ads` asks 300 a minute of acme's pool of 70 and `web` 30: max-min
+/// fair, `web` gets all it asks and `ads` the 40 it leaves. First come,
+/// `ads` takes most of each refill and `web` is refused.
+#[test]
+fn the_pool_is_shared_max_min_fairly_while_contended() {
+    let run_for = |p: &Policy| -> (usize, usize, u64) {
+        let store = SharedStore::new();
+        let ads = user(&store, "bot", "ads", "acme");
+        let web = user(&store, "alice", "web", "acme");
+        let (mut ads_in, mut web_in, mut wait) = (0, 0, 0);
+        // 5 minutes, measured over the last 3.
+        for tick in 0..600u64 {
+            let now = T0 + tick * S / 2;
+            let counted = tick >= 240;
+            for _ in 0..2 {
+                let d = run(p, &ads, now);
+                if d.reason == Reason::Allowed && counted {
+                    ads_in += 1;
+                }
+                if d.reason == Reason::RateLimited {
+                    wait = wait.max(d.retry_after_secs);
+                    if d.limit.as_ref().is_some_and(LimitName::fair_share) {
+                        let reply = response::local_reply(&d, &p.version, true, None).unwrap();
+                        let body: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
+                        assert_eq!(body["level"], "org");
+                        assert!(
+                            body["detail"].as_str().unwrap().contains("shared fairly"),
+                            "{body}"
+                        );
+                    }
+                }
+            }
+            if tick % 2 == 0 && run(p, &web, now).reason == Reason::Allowed && counted {
+                web_in += 1;
+            }
+        }
+        (ads_in, web_in, wait)
+    };
+    let fair = nested(1000, "");
+    let (ads, web, wait) = run_for(&fair);
+    assert!(web >= 86, "web asked 90 in 3 minutes and got {web}");
+    assert!(
+        (100..=140).contains(&ads),
+        "ads got {ads} (its share: 40 a minute)"
+    );
+    assert!(ads + web <= 70 * 3 + 35, "the pool's bound: {}", ads + web);
+    assert!((1..=60).contains(&wait), "{wait}");
+    let first_come = Policy::from_json(nested_json(1000, "first_come").replace("EXTRA", "").as_bytes())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (ads, web, _) = run_for(&first_come);
+    assert!(web < 60, "first come, web got {web} of 90 (ads {ads})");
 }
 
 #[test]
@@ -181,7 +247,7 @@ fn values_never_share_a_key_whatever_bytes_they_hold() {
     run(&p, &two, T0);
     let keys: Vec<String> = table_keys(&store)
         .into_iter()
-        .filter(|k| k.contains("|l|team|"))
+        .filter(|k| k.contains("|l|team|") && !k.ends_with("|f"))
         .collect();
     assert_eq!(keys.len(), 2, "{keys:?}");
 }
@@ -250,7 +316,8 @@ fn long_values_at_every_level_still_have_keys_of_their_own() {
         .into_iter()
         .filter(|k| k.contains("|l|team|#"))
         .collect();
-    assert_eq!(keys.len(), 2, "{keys:?}");
+    // Two budgets and their pools' fairness tables (`…|f`, hashed too).
+    assert_eq!(keys.len(), 4, "{keys:?}");
     assert!(keys.iter().all(|k| k.len() <= crate::table::MAX_KEY_LEN));
 }
 

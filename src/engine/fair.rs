@@ -1,0 +1,160 @@
+//! A nested level's pool shared max-min fairly (`sharing: max_min`): the
+//! rule is [`crate::limiter::fair`]; this keeps each pool's table in the
+//! key table, beside the pool's budget (`…|f`), through the one update
+//! primitive.
+//!
+//! The pool is charged first, as every budget; then its table records
+//! what the request's member asked and says whether it may take it. A
+//! request over its member's fair share is refused and the pool's charge
+//! given back (as a level refusal gives back the levels below it): it errs
+//! toward admitting less, never more. A table that overflowed into the
+//! level's shared overflow entry mixes pools, so its verdict is not used
+//! (the pool is shared first come for that request). A table that cannot
+//! be read or written refuses nothing. A global pool limit (`global:
+//! true`) is shared first come: its standing on a node is the node's lease,
+//! and fairness across nodes is not built.
+
+use std::rc::Rc;
+
+use super::{Applied, Ctx, Decision, LimitName, Prepared, Reason};
+use crate::decision::{RateLimitHeaders, Subject};
+use crate::host::Host;
+use crate::keys::kind;
+use crate::limiter::fair::{FairTable, Fairness, PoolLimit};
+use crate::limiter::NANOS_PER_SEC;
+use crate::policy::levels::{write_key, Budget, Level};
+use crate::policy::{Limit, Policy};
+use crate::table::{self, push_record_with, Commit, Overflow, Place, Reach, Record, TableEvent};
+
+/// The name hash of a fairness table's record (FNV-1a of `fair`).
+const FAIR_NAME_HASH: u32 = 0x0053_5833;
+
+/// Whether a fairness table's record is idle: every demand decayed below
+/// one unit by `now`, with `p1` the longest period of its pool's limits.
+pub(super) fn record_is_idle(record: &Record<'_>, now: u64) -> bool {
+    FairTable::decode(record.state).is_none_or(|t| t.is_idle(record.p1, now))
+}
+
+/// The member a request of level values `values` is at level `l`'s pool:
+/// its value one level down, or below the last level its tenant.
+fn member_id(levels: usize, l: usize, values: &[Option<Rc<str>>], subject: &Subject) -> u64 {
+    let below = l.saturating_add(1);
+    let value: &str = if below < levels {
+        values.get(below).and_then(|v| v.as_deref()).unwrap_or("")
+    } else {
+        match subject {
+            Subject::Tenant(t) => t,
+            Subject::Anonymous { address, .. } => address,
+            Subject::None => "",
+        }
+    };
+    FairTable::member_id(value.as_bytes())
+}
+
+/// Records that `req` asked level `l`'s pool (limits `limits`, as
+/// `pool` charged them or not) and says whether its member may take what
+/// the pool admitted. `Fairness::Within` whenever the table cannot be used.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn ask<H: Host>(
+    policy: &Policy,
+    req: &Prepared,
+    host: &H,
+    ctx: &Ctx,
+    level: &Level,
+    l: usize,
+    limits: &[Limit],
+    pool: &Applied,
+    key: &mut String,
+    buffers: &mut table::Buffers,
+) -> Fairness {
+    let admitted = !pool.denied && pool.failure.is_none();
+    let mut pool_limits = [PoolLimit {
+        rate: 0,
+        per_ns: 0,
+        contended: false,
+    }; table::MAX_RECORDS];
+    let n = limits.len().min(table::MAX_RECORDS);
+    for ((p, limit), standing) in pool_limits.iter_mut().zip(limits).zip(&pool.report) {
+        *p = PoolLimit {
+            rate: limit.rate,
+            per_ns: limit.per_secs.saturating_mul(NANOS_PER_SEC),
+            // A global limit's standing is the node's lease, not the pool:
+            // fairness across nodes is not built, so it shares first come.
+            contended: admitted && !limit.shadow && !limit.global && standing.remaining < limit.burst / 2,
+        };
+    }
+    let pool_limits = pool_limits.get(..n).unwrap_or(&[]);
+    let slowest = pool_limits.iter().map(|p| p.per_ns).max().unwrap_or(0);
+    let member = member_id(policy.levels.chain.len(), l, &req.levels, &req.subject);
+    write_key(
+        key,
+        &req.class.action,
+        l,
+        &policy.levels,
+        &req.levels,
+        Budget::Fair,
+    );
+    let place = Place::Table {
+        logical: key.as_bytes(),
+        entries: policy.key_table_entries,
+        overflow: Overflow {
+            action: &req.class.action,
+            plan: &level.fair_overflow,
+        },
+    };
+    let reach = Reach::Insert {
+        is_idle: &super::record_is_idle,
+    };
+    let updated = table::update(host, &place, &reach, ctx.now, buffers, |records, out| {
+        let mut t = records
+            .and_then(|rs| rs.iter().find(|r| r.kind == kind::FAIR_TABLE))
+            .and_then(|r| FairTable::decode(r.state))
+            .filter(|t| t.limits() == n)
+            .unwrap_or_else(|| FairTable::fresh(n));
+        let share = t.ask(member, ctx.cost, pool_limits, admitted, ctx.now);
+        out.push(1);
+        push_record_with(out, FAIR_NAME_HASH, kind::FAIR_TABLE, slowest, 0, |o| t.encode(o));
+        (Commit::Write, share)
+    });
+    match updated {
+        Ok(u) if u.event != TableEvent::Overflow => u.result,
+        Ok(_) => Fairness::Within,
+        Err(f) => {
+            log::debug!(
+                "tenantgate: fairness table of level {} not updated: {f:?}",
+                level.name
+            );
+            Fairness::Within
+        }
+    }
+}
+
+/// The refusal of a request over its member's fair share of the pool's
+/// limit `limit`, for `wait_ns`: as the pool's own refusal reads, with a
+/// `RateLimit` item that has nothing left for it.
+pub(super) fn refusal(
+    admitted: &Decision,
+    level: &Level,
+    limit: &Limit,
+    wait_ns: u64,
+    ctx: &Ctx,
+) -> Decision {
+    let mut d = admitted.clone();
+    d.reason = Reason::RateLimited;
+    d.limit = Some(LimitName::Level {
+        level: level.name.clone(),
+        name: limit.name.clone(),
+        fair_share: true,
+    });
+    d.wait_ns = wait_ns;
+    d.retry_after_secs = wait_ns.div_ceil(NANOS_PER_SEC).max(1);
+    if ctx.headers {
+        let mut ratelimit = String::new();
+        RateLimitHeaders::push_item(&mut ratelimit, &limit.name, 0, d.retry_after_secs);
+        d.headers = Some(RateLimitHeaders {
+            policy: format!("\"{}\";q={};w={}", limit.name, limit.rate, limit.per_secs),
+            ratelimit,
+        });
+    }
+    d
+}
