@@ -134,11 +134,12 @@ run: setup-run ## The whole system: two Envoys (10000 and 11000, two regions) an
 # with one feature resolution. `make cli` (cargo build -p tenantgate-cli)
 # and `cargo test -p tenantgate-integration-tests` resolve features
 # differently and would compile tenantgate-central and a dozen dependencies
-# again (see .ci/integration-tests).
+# again (see .ci/integration-tests). .ci/test-tiers then runs the native
+# tiers with the quiet real-Envoy tests beside them, and the other
+# real-Envoy tests after, one at a time.
 test: setup wasm module module-faults ## Every test tier: core, policy golden, CLI, and real-Envoy integration (on both hosts)
 	cargo test --workspace --no-run
-	cargo test --workspace --exclude tenantgate-integration-tests
-	.ci/integration-tests --test-threads=1
+	.ci/test-tiers
 
 test-unit: setup-redis setup-postgresql setup-schemathesis ## Only the native tests (core, policy golden, CLI); no Envoy needed
 	cargo test --workspace --exclude tenantgate-integration-tests
