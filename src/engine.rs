@@ -444,7 +444,7 @@ impl Applied {
                 if ctx.headers {
                     let l = &limits[b.limit];
                     d.headers = Some(RateLimitHeaders {
-                        policy: format!("\"{}\";q={};w={}", l.name, l.rate, l.per_secs),
+                        policy: l.policy_item(),
                         ratelimit: ratelimit(b.limit..b.limit.saturating_add(1)),
                     });
                 }

@@ -181,12 +181,12 @@ pub(super) fn refusal(
         fair_share: true,
     });
     d.wait_ns = wait_ns;
-    d.retry_after_secs = wait_ns.div_ceil(NANOS_PER_SEC).max(1);
+    d.retry_after_secs = super::ceil_secs(wait_ns).max(1);
     if ctx.headers {
         let mut ratelimit = String::new();
         RateLimitHeaders::push_item(&mut ratelimit, &limit.name, 0, d.retry_after_secs);
         d.headers = Some(RateLimitHeaders {
-            policy: format!("\"{}\";q={};w={}", limit.name, limit.rate, limit.per_secs),
+            policy: limit.policy_item(),
             ratelimit,
         });
     }

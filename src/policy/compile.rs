@@ -513,7 +513,7 @@ fn known<'a>(names: impl Iterator<Item = &'a String>) -> String {
 pub(super) fn ratelimit_policy(limits: &[Limit]) -> String {
     limits
         .iter()
-        .map(|l| format!("\"{}\";q={};w={}", l.name, l.rate, l.per_secs))
+        .map(Limit::policy_item)
         .collect::<Vec<_>>()
         .join(", ")
 }

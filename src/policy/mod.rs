@@ -201,6 +201,13 @@ pub struct Limit {
     pub max_debt: u64,
 }
 
+impl Limit {
+    /// This limit's item of a `RateLimit-Policy` header: `"<name>";q=<rate>;w=<per>`.
+    pub fn policy_item(&self) -> String {
+        format!("\"{}\";q={};w={}", self.name, self.rate, self.per_secs)
+    }
+}
+
 /// The compiled `sync:` block (defaults applied).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SyncSettings {
