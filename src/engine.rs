@@ -357,8 +357,6 @@ struct Applied {
     /// unit per sync interval; 0: a local limit, or no share yet): what a
     /// pool's fairness shares on this node.
     node_share_milli: [u64; MAX_RECORDS],
-    /// The sync interval the shares are per.
-    interval_ns: u64,
 }
 
 impl Applied {
@@ -377,7 +375,6 @@ impl Applied {
             no_lease: false,
             extra: 0,
             node_share_milli: [0; MAX_RECORDS],
-            interval_ns: 0,
         }
     }
 
@@ -545,7 +542,6 @@ fn check_limits(
                     let a = &checked.demanded;
                     *share = a.share_milli.max(a.share.saturating_mul(1000));
                 }
-                applied.interval_ns = view.interval_ns;
                 (
                     checked.outcome,
                     Loaded::Global(checked.demanded, checked.charged),

@@ -85,7 +85,8 @@ pub(super) fn ask<H: Host>(
         let remaining = pool.report.get(i).map_or(0, |s| s.remaining);
         let per_ns = limit.per_secs.saturating_mul(NANOS_PER_SEC);
         *p = if limit.global {
-            node_share(limit, per_ns, pool, i, admitted)
+            let interval_ns = ctx.sync.as_ref().map_or(0, |v| v.interval_ns);
+            node_share(limit, per_ns, pool, i, interval_ns, admitted)
         } else {
             PoolLimit {
                 rate: limit.rate,
@@ -148,10 +149,16 @@ pub(super) fn ask<H: Host>(
 /// (what the service last allocated it, per interval, as a rate per the
 /// limit's period), contended while the members on this node ask more
 /// than that. No share yet (no lease): not contended.
-fn node_share(limit: &Limit, per_ns: u64, pool: &Applied, i: usize, admitted: bool) -> PoolLimit {
+fn node_share(
+    limit: &Limit,
+    per_ns: u64,
+    pool: &Applied,
+    i: usize,
+    interval_ns: u64,
+    admitted: bool,
+) -> PoolLimit {
     let share_milli = pool.node_share_milli.get(i).copied().unwrap_or(0);
-    let per_period =
-        u128::from(share_milli) * u128::from(per_ns) / u128::from(pool.interval_ns.max(1)) / 1000;
+    let per_period = u128::from(share_milli) * u128::from(per_ns) / u128::from(interval_ns.max(1)) / 1000;
     PoolLimit {
         rate: u64::try_from(per_period).unwrap_or(u64::MAX).max(1),
         per_ns,
