@@ -811,20 +811,34 @@ fn streams_lying_about_max_tokens_are_ended_as_they_flow_and_honest_ones_are_not
         3000 * count
     );
     assert!(served <= bound, "{served} > {bound}");
-    // The filter ended every one; most clients read its terminal event
-    // before the reset (a reset may beat the flush of the chunk before it:
-    // docs/policy.md).
+    // Every stream is settled; most clients of those the filter ended read
+    // its terminal event before the reset (a reset may beat the flush of
+    // the chunk before it: docs/policy.md).
     let settled = wait_for(WAIT, || envoy.tg_stat("cost.settles.flowing") == admitted);
     let by_filter = envoy.tg_stat("cost.ended.flowing");
     eprintln!(
-        "settled: {}, ended by the filter: {by_filter}; unusable_reset: {}, settled units {}",
+        "settled: {}, ended by the filter: {by_filter}; unusable_reset: {}, settled units {}, served in full: {}",
         envoy.tg_stat("cost.settles.flowing"),
         envoy.tg_stat("cost.unusable_reset.flowing"),
         envoy.tg_stat("cost.settled_units.flowing"),
+        bodies.iter().filter(|b| b.contains("total_tokens")).count(),
     );
     assert!(settled);
-    assert!(admitted >= 50 && by_filter == admitted, "{admitted} {by_filter}");
-    assert!(ended as u64 * 2 >= admitted, "{ended}");
+    // A stream that ran while the tenant still had tokens is charged as it
+    // flows and served in full (its usage event, 3,020 tokens, is its
+    // cost): on a loaded machine one may get all its chunks charged before
+    // the others drain the bucket (CI once saw 1 of 322, settled units 20
+    // above the tokens served: its prompt's). Every other one the filter
+    // ended.
+    let full = bodies.iter().filter(|b| b.contains("total_tokens")).count() as u64;
+    let settled_units = envoy.tg_stat("cost.settled_units.flowing");
+    assert!(
+        admitted >= 50 && by_filter + full == admitted,
+        "{admitted} {by_filter} {full}"
+    );
+    // Nobody is served a token they were not charged.
+    assert!(settled_units >= served, "{settled_units} < {served}");
+    assert!(ended as u64 * 2 >= by_filter, "{ended}");
     // An honest client of another tenant, claiming 500 and streamed 400:
     // never cut, charged its usage.
     let (status, honest) = stream_all(port, "/up/flowing/model/tokens/400", "honest", 500);
