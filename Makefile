@@ -45,7 +45,7 @@ export SCHEMATHESIS_BIN := $(abspath $(SCHEMATHESIS))
 export TENANTGATE_PYTHON := $(abspath $(VENV)/bin/python)
 
 
-.PHONY: module-faults help setup setup-run setup-test wasm-target release reproducible schema setup-schemathesis setup-sdks setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint doc fmt check-glue clean
+.PHONY: zones module-faults help setup setup-run setup-test wasm-target release reproducible schema setup-schemathesis setup-sdks setup-redis setup-postgresql setup-prometheus setup-skopeo setup-wrk wasm module cli ecds oci manifests run test test-unit test-integration bench bench-memory bench-service bench-service-memory lint doc fmt check-glue clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -120,6 +120,9 @@ oci: wasm cli ## The filter as an OCI image layout in target/oci/tenantgate (the
 
 manifests: cli ## Regenerate deploy/wasm/ (Envoy Gateway EnvoyExtensionPolicy, Istio WasmPlugin and TrafficExtension) from policies/gateway.yaml
 	$(CLI) policy apply policies/gateway.yaml --manifests deploy/wasm --wasm-sha256 $(MANIFEST_WASM_SHA256)
+
+zones: ## Regenerate the filter's time-zone table (src/limiter/calendar/zones.rs) and its test's month starts from this machine's tzdata (Python's zoneinfo)
+	python3 tests/fixtures/zones/generate.py
 
 schema: cli ## Regenerate policies/tenantgate.schema.json (the policy's JSON Schema, `tenantgate policy schema`; a test keeps them equal)
 	$(CLI) policy schema > policies/tenantgate.schema.json

@@ -39,6 +39,7 @@
 //! of length `W`), once per step. Instants past `u64::MAX` (year 2554)
 //! saturate.
 
+use super::calendar::Zone;
 use super::codec::{get_varint, put_varint};
 use super::{ns_until, Verdict};
 
@@ -47,8 +48,9 @@ use super::{ns_until, Verdict};
 pub struct FixedWindow {
     limit: u64,
     window_ns: u64,
-    /// Windows of `window_ns` aligned to the epoch, or calendar months.
-    calendar: Option<Calendar>,
+    /// Windows of `window_ns` aligned to the epoch, or calendar months in
+    /// this zone.
+    calendar: Option<Zone>,
     /// How far late-settled costs may take a window's count past `limit`
     /// (see [`FixedWindow::settle_more`]); 0 without a debt allowance.
     max_debt: u64,
@@ -79,29 +81,26 @@ impl FixedWindow {
         })
     }
 
-    /// `limit` units per calendar month in the time zone `offset_secs`
-    /// east of UTC (a fixed offset: `+05:30` is 19,800): each window runs
-    /// from a month's first midnight there to the next's, whatever the
-    /// month's length (28 to 31 days); `None` for an offset beyond ±14 h.
-    /// A window's index is the months since January 1970 there.
-    pub fn calendar_month(limit: u64, offset_secs: i32) -> Option<FixedWindow> {
-        if offset_secs.unsigned_abs() > MAX_OFFSET_SECS {
-            return None;
-        }
-        Some(FixedWindow {
+    /// `limit` units per calendar month in `zone`: each window runs from
+    /// a month's first midnight there to the next's, whatever the month's
+    /// length (28 to 31 days) or the zone's changes of clock
+    /// ([`calendar`](super::calendar) says when a month starts). A
+    /// window's index is the months since January 1970 there.
+    pub fn calendar_month(limit: u64, zone: Zone) -> FixedWindow {
+        FixedWindow {
             limit,
             // Its parameter beside the state (`Algo::params`): never a
             // length a window of the epoch can have (at most 366 days).
-            window_ns: CALENDAR_TAG | u64::from(offset_secs.wrapping_add(MAX_OFFSET_SECS as i32) as u32),
-            calendar: Some(Calendar { offset_secs }),
+            window_ns: CALENDAR_TAG | u64::from(zone.tag()),
+            calendar: Some(zone),
             max_debt: 0,
-        })
+        }
     }
 
-    /// A calendar month's time zone, seconds east of UTC (`None`: windows
-    /// of `window_ns` aligned to the epoch).
-    pub fn calendar_offset_secs(&self) -> Option<i32> {
-        self.calendar.map(|c| c.offset_secs)
+    /// A calendar month's time zone (`None`: windows of `window_ns`
+    /// aligned to the epoch).
+    pub fn calendar_zone(&self) -> Option<Zone> {
+        self.calendar
     }
 
     /// The window of `now`: its index.
@@ -232,67 +231,13 @@ impl FixedWindow {
     }
 }
 
-/// The largest time-zone offset, ±14 hours (UTC+14 is the farthest there is).
-pub const MAX_OFFSET_SECS: u32 = 14 * 3600;
 /// Marks a calendar window's parameter (see [`FixedWindow::calendar_month`]).
 const CALENDAR_TAG: u64 = 1 << 63;
-const NS_PER_DAY: i128 = 86_400 * 1_000_000_000;
-
-/// Calendar months in a time zone at a fixed offset from UTC.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Calendar {
-    offset_secs: i32,
-}
-
-impl Calendar {
-    /// The months since January 1970 in this zone at `now` (0 before).
-    fn month_of(self, now: u64) -> u64 {
-        let local = i128::from(now) + i128::from(self.offset_secs) * 1_000_000_000;
-        let days = local.div_euclid(NS_PER_DAY);
-        let (year, month) = civil_from_days(days);
-        let months = (year - 1970) * 12 + (month - 1);
-        u64::try_from(months).unwrap_or(0)
-    }
-
-    /// The instant (ns since the epoch, UTC) month `index` starts in this
-    /// zone: its first day's midnight there.
-    fn month_start(self, index: u64) -> u128 {
-        let index = i128::from(index);
-        let (year, month) = (1970 + index / 12, index % 12 + 1);
-        let local = days_from_civil(year, month) * NS_PER_DAY;
-        u128::try_from(local - i128::from(self.offset_secs) * 1_000_000_000).unwrap_or(0)
-    }
-}
-
-/// The proleptic Gregorian (year, month) of `days` since 1970-01-01
-/// (Howard Hinnant's `civil_from_days`, exact for every day).
-fn civil_from_days(days: i128) -> (i128, i128) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i128::from(month <= 2);
-    (year, month)
-}
-
-/// Days since 1970-01-01 of the first of `month` in `year` (Hinnant's
-/// `days_from_civil`).
-fn days_from_civil(year: i128, month: i128) -> i128 {
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let yoe = y.rem_euclid(400);
-    let mp = if month > 2 { month - 3 } else { month + 9 };
-    let doy = (153 * mp + 2) / 5;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
-}
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limiter::calendar::days_from_civil;
     use crate::limiter::testkit::{self, max_rolling, take, Algo, XorShift, S, T0};
 
     impl Algo for FixedWindow {
@@ -322,7 +267,7 @@ mod tests {
     const DEC_6_2026: u64 = 1_796_515_200 * S;
 
     fn utc(y: i128, m: i128) -> u64 {
-        (days_from_civil(y, m) as u64) * 86_400 * S
+        (days_from_civil(y, m, 1) as u64) * 86_400 * S
     }
 
     #[test]
@@ -330,7 +275,7 @@ mod tests {
         assert_eq!(utc(2026, 12), 1_796_083_200 * S);
         assert_eq!(utc(1970, 1), 0);
         // Every month of four years: 28, 29, 30 or 31 days, as the calendar.
-        let c = Calendar { offset_secs: 0 };
+        let c = Zone::fixed(0).unwrap();
         for k in 0..48u64 {
             let index = (2024 - 1970) * 12 + k;
             let days = (c.month_start(index + 1) - c.month_start(index)) / (86_400 * u128::from(S));
@@ -346,7 +291,7 @@ mod tests {
             assert_eq!(c.month_of(c.month_start(index) as u64 - 1), index - 1);
         }
         // 2026-12-06 is December; in UTC+14 December ends 14 h earlier.
-        let f = FixedWindow::calendar_month(100, 0).unwrap();
+        let f = FixedWindow::calendar_month(100, Zone::fixed(0).unwrap());
         let mut st = State::default();
         assert_eq!((0..150).filter(|_| take(&f, &mut st, DEC_6_2026, 1)).count(), 100);
         let Verdict::Deny { wait_ns, .. } = f.check(&st, DEC_6_2026, 1) else {
@@ -356,7 +301,7 @@ mod tests {
             u128::from(DEC_6_2026) + u128::from(wait_ns),
             u128::from(utc(2027, 1))
         );
-        let east = FixedWindow::calendar_month(100, 14 * 3600).unwrap();
+        let east = FixedWindow::calendar_month(100, Zone::fixed(14 * 3600).unwrap());
         let mut st = State::default();
         assert!(take(&east, &mut st, DEC_6_2026, 100));
         let Verdict::Deny { wait_ns, .. } = east.check(&st, DEC_6_2026, 1) else {
@@ -367,7 +312,6 @@ mod tests {
         let new_year = utc(2027, 1) - 14 * 3600 * S;
         assert!(!take(&east, &mut st, new_year - 1, 1));
         assert!(take(&east, &mut st, new_year, 100));
-        assert!(FixedWindow::calendar_month(1, 15 * 3600).is_none());
         assert_ne!(f, east);
         assert_ne!(f.window_ns(), east.window_ns());
     }

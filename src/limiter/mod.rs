@@ -18,6 +18,7 @@
 //! key, `check`, `is_idle`, `encode` and `decode`.
 
 pub mod algo;
+pub mod calendar;
 pub mod charge;
 mod codec;
 pub mod fair;

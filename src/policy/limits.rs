@@ -8,6 +8,7 @@ use super::spec::{self, LimitSpec};
 use super::values::{MAX_COUNT, MAX_WINDOW_RATE, MAX_WINDOW_SECS};
 use super::{fnv1a32, is_name, Limit, MAX_LIMITS_PER_PLAN};
 use crate::limiter::algo::Algo;
+use crate::limiter::calendar::{self, Zone};
 use crate::limiter::{
     FixedWindow, Gcra, SlidingWindowCounter, SlidingWindowLog, MAX_LOG_ENTRIES, NANOS_PER_SEC,
 };
@@ -223,15 +224,16 @@ const MONTH: &str = "month";
 /// 30.436875 days. Windows, `Retry-After` and `t=` use each month's exact end.
 pub const AVERAGE_MONTH_SECS: u64 = 2_629_746;
 
-/// A limit's `time_zone` as seconds east of UTC: absent or `UTC`/`Z` is 0,
-/// else `+HH:MM` / `-HH:MM` up to ±14:00. Zones with daylight saving time
-/// (IANA names) are refused: they need a time-zone database.
-fn time_zone_offset(zone: Option<&str>, path: &FieldPath, errors: &mut Errors) -> Option<i32> {
+/// A limit's `time_zone`: absent or `UTC`/`Z` is UTC; `+HH:MM` /
+/// `-HH:MM` a fixed offset up to ±14:00; else an IANA zone name
+/// (`Europe/Berlin`), with its changes of clock, from the table the filter
+/// carries ([`calendar::zones`], the database's version in its error).
+fn time_zone(zone: Option<&str>, path: &FieldPath, errors: &mut Errors) -> Option<Zone> {
     let zone = match zone {
-        None | Some("UTC" | "Z") => return Some(0),
+        None | Some("UTC" | "Z") => return Zone::fixed(0),
         Some(z) => z,
     };
-    let parsed = (|| {
+    let fixed = (|| {
         let (sign, rest) = match zone.as_bytes().first()? {
             b'+' => (1, zone.get(1..)?),
             b'-' => (-1, zone.get(1..)?),
@@ -240,12 +242,19 @@ fn time_zone_offset(zone: Option<&str>, path: &FieldPath, errors: &mut Errors) -
         let (h, m) = rest.split_once(':')?;
         let ok = h.len() == 2 && m.len() == 2;
         let (h, m): (i32, i32) = (h.parse().ok()?, m.parse().ok()?);
-        (ok && m < 60 && h * 3600 + m * 60 <= 14 * 3600).then_some(sign * (h * 3600 + m * 60))
+        if !ok || m >= 60 {
+            return None;
+        }
+        Zone::fixed(sign * (h * 3600 + m * 60))
     })();
+    let parsed = fixed.or_else(|| Zone::named(zone));
     if parsed.is_none() {
         errors.add(
             path.clone(),
-            format!("`{zone}`: UTC or a fixed offset from -14:00 to +14:00 (+05:30); zones with daylight saving time are not supported"),
+            format!(
+                "`{zone}`: UTC, a fixed offset from -14:00 to +14:00 (+05:30), or an IANA time zone name as the database spells it (Europe/Berlin; tzdata {})",
+                calendar::zones::VERSION
+            ),
         );
     }
     parsed
@@ -310,8 +319,8 @@ fn limit_algo(
             }
         },
         spec::Algorithm::FixedWindow if spec.per == MONTH => {
-            let offset = time_zone_offset(spec.time_zone.as_deref(), &path.key("time_zone"), errors)?;
-            FixedWindow::calendar_month(rate, offset).map(Algo::FixedWindow)
+            let zone = time_zone(spec.time_zone.as_deref(), &path.key("time_zone"), errors)?;
+            Some(Algo::FixedWindow(FixedWindow::calendar_month(rate, zone)))
         }
         spec::Algorithm::FixedWindow => FixedWindow::new(rate, window_ns).map(Algo::FixedWindow),
         spec::Algorithm::SlidingWindowCounter => {

@@ -504,7 +504,9 @@ pub struct LimitSpec {
     #[serde(default)]
     pub max_debt: Option<i64>,
     /// With `per: month`: the time zone whose calendar months are the
-    /// windows, `UTC` or a fixed offset (`+05:30`, `-08:00`).
+    /// windows: `UTC`, a fixed offset (`+05:30`, `-08:00`) or an IANA
+    /// time zone name (`Europe/Berlin`, `America/New_York`), its changes of
+    /// clock included.
     #[serde(default)]
     pub time_zone: Option<String>,
 }

@@ -113,14 +113,20 @@ fn failure_mode(mode: FailureMode) -> &'static str {
 
 fn limit_line(l: &Limit) -> String {
     let per = match &l.algo {
-        Algo::FixedWindow(w) => w.calendar_offset_secs().map(|off| {
-            let (sign, off) = if off < 0 { ('-', -off) } else { ('+', off) };
-            format!(
-                "calendar month (UTC{sign}{:02}:{:02})",
-                off / 3600,
-                off % 3600 / 60
-            )
-        }),
+        Algo::FixedWindow(w) => w
+            .calendar_zone()
+            .map(|zone| match (zone.name(), zone.fixed_offset()) {
+                (Some(name), _) => format!("calendar month ({name})"),
+                (None, off) => {
+                    let off = off.unwrap_or(0);
+                    let (sign, off) = if off < 0 { ('-', -off) } else { ('+', off) };
+                    format!(
+                        "calendar month (UTC{sign}{:02}:{:02})",
+                        off / 3600,
+                        off % 3600 / 60
+                    )
+                }
+            }),
         _ => None,
     }
     .unwrap_or_else(|| format!("{} s", l.per_secs));

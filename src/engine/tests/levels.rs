@@ -345,3 +345,29 @@ fn a_calendar_month_budget_refuses_until_the_month_ends_in_its_time_zone() {
     assert_eq!(admitted(&p, &h, T0 + 79_600 * S - 1, 1), 0);
     assert_eq!(admitted(&p, &h, T0 + 79_600 * S, 10), 5, "December");
 }
+
+#[test]
+fn a_calendar_month_in_a_zone_with_summer_time_ends_at_its_local_midnight() {
+    let json = format!(
+        r#"{{"version":"month-2",
+        "identity":{{"jwt":{{"payload_in_metadata":"{CLAIM}","claim":"sub"}}}},
+        "plans":{{"user":{{"limits":[{{"rate":1000,"per":"1m"}}]}}}},
+        "default_plan":"user","anonymous":{{"plan":"user"}},
+        "levels":[{{"name":"org","claim":"org","limits":[
+            {{"name":"month","algorithm":"fixed_window","rate":5,"per":"month","time_zone":"Europe/Berlin"}}]}}],
+        "routes":{{"chat":{{}}}}}}"#
+    );
+    let p = Policy::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+    let h = MemoryHost::new(SharedStore::new())
+        .route_class("chat")
+        .property(&claim("sub"), "alice")
+        .property(&claim("org"), "acme");
+    // 2027-03-31T12:00:00Z: Berlin has been on summer time (+02:00) since
+    // the 28th, so March ends at 22:00Z, 10 hours on (+01:00 would say 11).
+    let noon = 1_806_494_400 * S;
+    assert_eq!(admitted(&p, &h, noon, 10), 5);
+    let d = run(&p, &h, noon);
+    assert_eq!(d.retry_after_secs, 36_000, "{d:?}");
+    assert_eq!(admitted(&p, &h, noon + 36_000 * S - 1, 1), 0);
+    assert_eq!(admitted(&p, &h, noon + 36_000 * S, 10), 5, "April");
+}
