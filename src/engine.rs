@@ -23,6 +23,7 @@ pub use classify::{
     ROUTE_NAME_PROPERTY, SOURCE_ADDRESS_PROPERTY,
 };
 use global::check_global;
+pub use levels::budgets as level_budgets;
 pub use peek::{peek, peek_levels, KeyOf, LevelPeeked, Peeked};
 use worker_lease::{leasable, lease_states};
 

@@ -194,7 +194,7 @@ pub(super) fn each_charged(
 /// guaranteed share of its member one level down (if it has one), then
 /// the pool. None if the level has no budget of its own. At most two, in
 /// place (nothing allocated per request).
-pub(super) fn budgets<'p>(
+pub fn budgets<'p>(
     level: &'p Level,
     l: usize,
     values: &'p [Option<Rc<str>>],

@@ -6,7 +6,7 @@ use std::fmt::Write;
 
 use tenantgate::engine::{self, Prepared, Subject};
 use tenantgate::memory::MemoryHost;
-use tenantgate::policy::levels::{write_key, Budget, LevelSource, Share};
+use tenantgate::policy::levels::{write_key, Budget, Level, LevelSource};
 use tenantgate::policy::Policy;
 
 use super::{limit_line, EXPLAIN_NOW_NS};
@@ -45,37 +45,15 @@ pub(super) fn explain(policy: &Policy, prepared: &Prepared, out: &mut String) {
             .and_then(|p| chain.get(p))
             .map_or_else(|| String::from("the root"), |p| format!("in {}", p.name));
         let _ = writeln!(out, "  {} = {shown} (from {source}; {parent})", level.name);
-        let ceiling = value.and_then(|v| level.ceilings.get(v));
-        let member = prepared.levels.get(l + 1).and_then(|v| v.as_deref());
-        let guaranteed = member.and_then(|m| level.guaranteed.get_key_value(m));
-        let mut budgets: Vec<(String, Budget<'_>, &Share)> = Vec::new();
-        match (ceiling, guaranteed) {
-            (Some(c), _) => budgets.push((String::from("its ceiling"), Budget::Pool, c)),
-            _ if level.pool.limits.is_empty() => {
-                let _ = writeln!(out, "    no budget of its own (its parent's shares apply)");
-            }
-            (None, g) => {
-                if let Some((m, share)) = g {
-                    budgets.push((
-                        format!("{m}'s guaranteed share, first"),
-                        Budget::Guaranteed { member: m },
-                        share,
-                    ));
-                }
-                let pool = if level.guaranteed.is_empty() {
-                    "its budget"
-                } else {
-                    "the pool (what the guarantees leave)"
-                };
-                let sharing = if level.fair {
-                    "shared max-min fairly by its members while short"
-                } else {
-                    "shared first come"
-                };
-                budgets.push((format!("{pool}, {sharing}"), Budget::Pool, &level.pool));
-            }
-        }
-        for (what, budget, share) in budgets {
+        // The budgets the engine charges, in its order (`level_budgets`).
+        let mut none = true;
+        for (budget, share) in engine::level_budgets(level, l, &prepared.levels) {
+            none = false;
+            let what = match budget {
+                Budget::Guaranteed { member } => format!("{member}'s guaranteed share, first"),
+                _ if !std::ptr::eq(share, &level.pool) => String::from("its ceiling"),
+                _ => pool_line(level),
+            };
             write_key(
                 &mut key,
                 &prepared.class.action,
@@ -89,7 +67,25 @@ pub(super) fn explain(policy: &Policy, prepared: &Prepared, out: &mut String) {
                 let _ = writeln!(out, "      {}, cost {}", limit_line(limit), prepared.cost);
             }
         }
+        if none {
+            let _ = writeln!(out, "    no budget of its own (its parent's shares apply)");
+        }
     }
+}
+
+/// How a level's pool is shared, as `explain` says it.
+fn pool_line(level: &Level) -> String {
+    let pool = if level.guaranteed.is_empty() {
+        "its budget"
+    } else {
+        "the pool (what the guarantees leave)"
+    };
+    let sharing = if level.fair {
+        "shared max-min fairly by its members while short"
+    } else {
+        "shared first come"
+    };
+    format!("{pool}, {sharing}")
 }
 
 /// Repeats the request (after the first) until something refuses it, and
