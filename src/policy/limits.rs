@@ -5,7 +5,7 @@
 use super::duration::parse_duration_ns;
 use super::error::{Errors, FieldPath};
 use super::spec::{self, LimitSpec};
-use super::values::{MAX_COUNT, MAX_WINDOW_RATE, MAX_WINDOW_SECS};
+use super::values::{MAX_LIMIT, MAX_RATE_ERROR_PER_MILLE, MAX_WINDOW_SECS};
 use super::{fnv1a32, is_name, Limit, MAX_LIMITS_PER_PLAN};
 use crate::limiter::algo::Algo;
 use crate::limiter::calendar::{self, Zone};
@@ -144,8 +144,8 @@ fn limit_debt(
 ) -> Option<(Algo, u64)> {
     let log = spec.algorithm == spec::Algorithm::SlidingWindowLog;
     let max_debt = match spec.max_debt {
-        Some(n) if !(0..=MAX_COUNT).contains(&n) => {
-            errors.add(path.key("max_debt"), format!("must be between 0 and {MAX_COUNT}"));
+        Some(n) if !(0..=MAX_LIMIT).contains(&n) => {
+            errors.add(path.key("max_debt"), format!("must be between 0 and {MAX_LIMIT}"));
             return None;
         }
         Some(n) if n > 0 && log => {
@@ -309,6 +309,16 @@ fn limit_algo(
     }
     let algo = match spec.algorithm {
         spec::Algorithm::TokenBucket => match Gcra::new(rate, window_ns, burst) {
+            Some(g) if !steps_hold(&g, rate, window_ns) => {
+                errors.add(
+                    path.key("rate"),
+                    format!(
+                        "{rate} per {per_secs}s needs a step finer than a token bucket's whole nanosecond (it would refill {} per {per_secs}s): use a longer `per`, or a rate that divides it into whole nanoseconds",
+                        window_ns / g.interval_ns().max(1)
+                    ),
+                );
+                return None;
+            }
             Some(g) if g.tolerance_ns() / NANOS_PER_SEC <= MAX_WINDOW_SECS => Some(Algo::TokenBucket(g)),
             _ => {
                 errors.add(
@@ -346,6 +356,14 @@ fn limit_algo(
     algo
 }
 
+/// Whether a token bucket's whole-nanosecond step between units refills
+/// `rate` per `window_ns` to within [`MAX_RATE_ERROR_PER_MILLE`].
+fn steps_hold(g: &Gcra, rate: u64, window_ns: u64) -> bool {
+    let refill_ns = u128::from(g.interval_ns()) * u128::from(rate);
+    let slack = u128::from(window_ns) * u128::from(MAX_RATE_ERROR_PER_MILLE) / 1000;
+    refill_ns <= u128::from(window_ns) + slack
+}
+
 /// One key's records for all these limits share one key-table slot: their
 /// largest state must fit in it.
 fn check_state_fits(limits: &[Limit], path: &FieldPath, errors: &mut Errors) {
@@ -371,27 +389,27 @@ fn check_state_fits(limits: &[Limit], path: &FieldPath, errors: &mut Errors) {
     }
 }
 
-/// A `fixed_window` rate: 0 to [`MAX_WINDOW_RATE`].
+/// A `fixed_window` rate: 0 to [`MAX_LIMIT`].
 fn window_rate(value: i64, path: &FieldPath, errors: &mut Errors) -> Option<u64> {
     match value {
-        0..=MAX_WINDOW_RATE => Some(value as u64),
+        0..=MAX_LIMIT => Some(value as u64),
         _ => {
             errors.add(
                 path.clone(),
-                format!("a fixed_window rate is between 0 and {MAX_WINDOW_RATE}"),
+                format!("a fixed_window rate is between 0 and {MAX_LIMIT}"),
             );
             None
         }
     }
 }
 
-/// A positive count no larger than [`MAX_COUNT`].
+/// A positive count no larger than [`MAX_LIMIT`].
 fn count(value: i64, path: &FieldPath, errors: &mut Errors) -> Option<u64> {
     if value <= 0 {
         errors.add(path.clone(), "must be > 0");
         None
-    } else if value > MAX_COUNT {
-        errors.add(path.clone(), format!("must be at most {MAX_COUNT}"));
+    } else if value > MAX_LIMIT {
+        errors.add(path.clone(), format!("must be at most {MAX_LIMIT}"));
         None
     } else {
         Some(value as u64)

@@ -6,7 +6,7 @@
 //! each kind (input, output, cached input, cache writes) at the model's
 //! price for that kind, in micro-units, rounded up, and every limit it is
 //! charged against counts micro-units (a budget of 500 USD is
-//! 500,000,000; a limit counts at most 10⁹, so 1,000 currency units).
+//! 500,000,000; a limit counts up to 10¹³, ten million currency units).
 //!
 //! The figure is a weighted sum of the provider's usage fields (see
 //! [`super::settle::Field`]): cached input tokens that a provider counts in

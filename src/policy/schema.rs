@@ -25,9 +25,8 @@ pub fn json_schema() -> Value {
 }
 
 /// A limit's `rate` range depends on its `algorithm`: a `fixed_window`'s is
-/// 0 to [`super::values::MAX_WINDOW_RATE`], any other's 1 to
-/// [`super::values::MAX_COUNT`] (an `if`/`then`/`else` the derive cannot
-/// write).
+/// 0 to [`super::values::MAX_LIMIT`], any other's 1 to it (an
+/// `if`/`then`/`else` the derive cannot write).
 fn rate_by_algorithm(value: &mut Value) {
     let Some(Value::Object(limit)) = value.pointer_mut("/$defs/LimitSpec") else {
         return;
@@ -40,8 +39,8 @@ fn rate_by_algorithm(value: &mut Value) {
             "required": ["algorithm"]
         }),
     );
-    limit.insert("then".to_owned(), range(0, super::values::MAX_WINDOW_RATE));
-    limit.insert("else".to_owned(), range(1, super::values::MAX_COUNT));
+    limit.insert("then".to_owned(), range(0, super::values::MAX_LIMIT));
+    limit.insert("else".to_owned(), range(1, super::values::MAX_LIMIT));
 }
 
 /// Descriptions as an editor shows them on hover: the doc comments' line

@@ -483,10 +483,10 @@ pub struct LimitSpec {
     pub name: Option<String>,
     #[serde(default)]
     pub algorithm: Algorithm,
-    /// 1 to 10⁹; a `fixed_window`'s 0 to 4294967295 (envoyproxy/ratelimit's
-    /// `requests_per_unit` range; 0 refuses every request that costs
-    /// anything).
-    #[cfg_attr(feature = "schema", schemars(range(min = 0, max = super::values::MAX_WINDOW_RATE)))]
+    /// 1 to 10¹³ (a budget of ten million currency units in micro-units);
+    /// a `fixed_window`'s may also be 0 (it refuses every request that
+    /// costs anything).
+    #[cfg_attr(feature = "schema", schemars(range(min = 0, max = super::values::MAX_LIMIT)))]
     pub rate: i64,
     #[cfg_attr(feature = "schema", schemars(pattern(super::duration::PER_PATTERN)))]
     pub per: String,

@@ -121,9 +121,27 @@ fn huge_numbers_are_out_of_range_not_wrapped() {
         ["plans.free.limits[0].rate: expected an integer in -9223372036854775808..=9223372036854775807, got 18446744073709551615"]
     );
     assert_eq!(
-        errors(&with(r#""rate": 100,"#, r#""rate": 2000000000,"#)),
-        ["plans.free.limits[0].rate: must be at most 1000000000"]
+        errors(&with(r#""rate": 100,"#, r#""rate": 20000000000000,"#)),
+        ["plans.free.limits[0].rate: must be at most 10000000000000"]
     );
+    // 10⁹ a second is one unit a nanosecond; 7·10⁸ would refill at 5·10⁸
+    // (a step of 2 ns); 7·10⁸ an hour is a step of 5,142.9 ns, held within
+    // 0.1 % (5,143); ten million dollars in micro-units a year, 3.2 µs.
+    let compiles = |rate: &str, per: &str| {
+        let text = with(
+            r#""rate": 100, "per": "1m"}"#,
+            &format!(r#""rate": {rate}, "per": "{per}", "burst": 10}}"#),
+        );
+        Policy::from_json(text.as_bytes()).is_ok()
+    };
+    assert!(compiles("1000000000", "1s"));
+    assert!(!compiles("700000000", "1s"));
+    assert_eq!(
+        errors(&with(r#""rate": 100, "per": "1m"}"#, r#""rate": 700000000, "per": "1s", "burst": 10}"#)),
+        ["plans.free.limits[0].rate: 700000000 per 1s needs a step finer than a token bucket's whole nanosecond (it would refill 500000000 per 1s): use a longer `per`, or a rate that divides it into whole nanoseconds"]
+    );
+    assert!(compiles("700000000", "1h"));
+    assert!(compiles("10000000000000", "365d"));
 }
 
 fn sync_policy(sync: &str) -> String {
@@ -569,7 +587,11 @@ fn a_fixed_window_takes_envoyproxy_ratelimits_whole_range_zero_included() {
             &format!(r#""algorithm": "fixed_window", "rate": {rate}, "per": "1m"}}"#),
         )
     };
-    for (rate, want) in [("0", 0u64), ("4294967295", u64::from(u32::MAX))] {
+    for (rate, want) in [
+        ("0", 0u64),
+        ("4294967295", u64::from(u32::MAX)),
+        ("10000000000000", 10_000_000_000_000),
+    ] {
         let p = Policy::from_json(fixed(rate).as_bytes()).unwrap();
         let limit = &p.plans()[0].limits[0];
         assert_eq!(limit.rate, want);
@@ -589,11 +611,11 @@ fn a_fixed_window_takes_envoyproxy_ratelimits_whole_range_zero_included() {
         }
     }
     assert_eq!(
-        errors(&fixed("4294967296")),
-        ["plans.free.limits[0].rate: a fixed_window rate is between 0 and 4294967295"]
+        errors(&fixed("10000000000001")),
+        ["plans.free.limits[0].rate: a fixed_window rate is between 0 and 10000000000000"]
     );
     assert_eq!(
         errors(&fixed("-1")),
-        ["plans.free.limits[0].rate: a fixed_window rate is between 0 and 4294967295"]
+        ["plans.free.limits[0].rate: a fixed_window rate is between 0 and 10000000000000"]
     );
 }

@@ -3,14 +3,28 @@
 //! them and the JSON Schema ([`super::schema`], [`super::spec`]) states
 //! them, from these definitions. It imports nothing of the policy.
 
-/// Largest `rate`, `burst`, `cost`, `max_debt` and `settle.ceiling` accepted.
+/// Largest `cost`, `settle.ceiling` and `sync` count accepted: what one
+/// request may cost.
 pub const MAX_COUNT: i64 = 1_000_000_000;
 
-/// Largest `rate` of a `fixed_window` limit, which may also be 0 (every
-/// request of a cost over 0 refused): envoyproxy/ratelimit's
-/// `requests_per_unit` range (a `uint32`), so every imported rule keeps its
-/// meaning. A window's count is a `u64`; no arithmetic divides by its rate.
-pub const MAX_WINDOW_RATE: i64 = u32::MAX as i64;
+/// Largest `rate`, `burst` and `max_debt` of a limit: 10¹³, so a budget in
+/// micro-units of a currency (a price catalogue's) reaches ten million
+/// currency units (an organisation's month at 50,000 USD is 5·10¹⁰). The
+/// central service still counts every unit exactly (below 2⁵³), and a
+/// limit's thousandths of a unit (the allocator's, a fair share's) fit a
+/// `u64` a thousand times over. A `fixed_window`'s rate may also be 0
+/// (every request of a cost over 0 refused; envoyproxy/ratelimit's
+/// `requests_per_unit` range, a `uint32`, fits within). A token bucket's
+/// rate must also be one its whole-nanosecond step can hold
+/// ([`MAX_RATE_ERROR_PER_MILLE`]).
+pub const MAX_LIMIT: i64 = 10_000_000_000_000;
+
+/// How much slower than its `rate` a token bucket may refill, in
+/// thousandths: its step between units is a whole number of nanoseconds
+/// (`per / rate` rounded up), so `rate` per `per` must come within 0.1 %
+/// of a rate that step gives (10⁹ a second does, exactly; 7·10⁸ a second
+/// would refill at 5·10⁸).
+pub const MAX_RATE_ERROR_PER_MILLE: u64 = 1;
 
 /// Parts per million: how the compiled policy keeps a fraction (exact,
 /// comparable).

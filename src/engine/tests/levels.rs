@@ -371,3 +371,37 @@ fn a_calendar_month_in_a_zone_with_summer_time_ends_at_its_local_midnight() {
     assert_eq!(admitted(&p, &h, noon + 36_000 * S - 1, 1), 0);
     assert_eq!(admitted(&p, &h, noon + 36_000 * S, 10), 5, "April");
 }
+
+#[test]
+fn an_organisations_month_of_50000_dollars_in_micro_units_is_a_budget() {
+    // 5·10¹⁰ micro-USD a month; each request's estimate the most one may
+    // cost, 1,000 USD (10⁹).
+    let json = format!(
+        r#"{{"version":"month-3",
+        "identity":{{"jwt":{{"payload_in_metadata":"{CLAIM}","claim":"sub"}}}},
+        "plans":{{"user":{{"limits":[{{"rate":10000000000000,"per":"365d"}}]}}}},
+        "default_plan":"user","anonymous":{{"plan":"user"}},
+        "levels":[{{"name":"org","claim":"org","limits":[
+            {{"name":"usd","algorithm":"fixed_window","rate":50000000000,"per":"month","time_zone":"America/New_York"}}]}}],
+        "routes":{{"chat":{{"cost":1000000000}}}}}}"#
+    );
+    let p = Policy::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+    let h = MemoryHost::new(SharedStore::new())
+        .route_class("chat")
+        .property(&claim("sub"), "alice")
+        .property(&claim("org"), "acme");
+    assert_eq!(admitted(&p, &h, T0, 60), 50);
+    let d = run(&p, &h, T0);
+    assert_ne!(d.reason, Reason::Allowed);
+    let headers = d.headers.clone().unwrap();
+    assert!(
+        headers.policy.contains(r#""org:usd";q=50000000000;w=2629746"#),
+        "{}",
+        headers.policy
+    );
+    assert!(
+        headers.ratelimit.contains(r#""org:usd";r=0"#),
+        "{}",
+        headers.ratelimit
+    );
+}
