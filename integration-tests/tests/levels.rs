@@ -5,7 +5,9 @@
 //! team held to the pool while a guaranteed team keeps its share, the
 //! refusing level named in the answer and in the access log's decision
 //! record, and a client's forged level header ignored. On the wasm filter, the same with the levels read from
-//! the claims themselves (`identity.jwt`, `claim:`).
+//! the claims themselves (`identity.jwt`, `claim:`). An organisation's
+//! money budget per calendar month in New York, refused until the month
+//! ends there (Python's `zoneinfo` says when).
 
 use std::time::{Duration, Instant};
 
@@ -162,6 +164,79 @@ fn nested_levels_from_verified_claims() {
     drop(envoy);
     let envoy = Envoy::start(CLAIMS_POLICY);
     a_flooding_team_leaves_the_guaranteed_one_its_share(&envoy);
+}
+
+/// An organisation's money budget per calendar month in New York: 5,500
+/// USD in micro-units (over the 2³² a window counted before), requests
+/// estimated at 1,000 USD each (the most one request may cost).
+const MONTH_POLICY: &str = r#"
+version: "month-it"
+identity: { header: x-tenant-id }
+plans: { user: { limits: [ { rate: 10000000000000, per: 365d } ] } }
+default_plan: user
+anonymous: { plan: user }
+levels:
+  - name: org
+    header: x-org
+    limits:
+      - { name: usd, algorithm: fixed_window, rate: 5500000000, per: month, time_zone: America/New_York }
+routes: { api: { cost: 1000000000 } }
+default_route: api
+"#;
+
+/// When the month after `now` (UTC seconds) starts in `zone`, as Python's
+/// `zoneinfo` reads the machine's time-zone database (not the filter's
+/// table).
+fn next_month_in(zone: &str, now: u64) -> u64 {
+    let python = std::env::var("TENANTGATE_PYTHON")
+        .unwrap_or_else(|_| format!("{}/../.venv/bin/python", env!("CARGO_MANIFEST_DIR")));
+    let script = "import datetime as d, sys, zoneinfo\n\
+        z = zoneinfo.ZoneInfo(sys.argv[1])\n\
+        t = d.datetime.fromtimestamp(int(sys.argv[2]), z)\n\
+        y, m = (t.year + 1, 1) if t.month == 12 else (t.year, t.month + 1)\n\
+        print(int(d.datetime(y, m, 1, tzinfo=z).timestamp()))";
+    let out = std::process::Command::new(&python)
+        .args(["-c", script, zone, &now.to_string()])
+        .output()
+        .unwrap_or_else(|e| panic!("{python}: {e}"));
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)))
+}
+
+on_both_hosts!(a_monthly_money_budget_ends_at_midnight_in_its_time_zone);
+fn a_monthly_money_budget_ends_at_midnight_in_its_time_zone() {
+    let envoy = Envoy::start(MONTH_POLICY);
+    let acme = [("x-tenant-id", "alice"), ("x-org", "acme")];
+    let first = get(envoy.port, "/api/orders", &acme);
+    assert_eq!(first.status, 200);
+    assert_eq!(
+        first.header("ratelimit-policy"),
+        Some(r#""user";q=10000000000000;w=31536000, "org:usd";q=5500000000;w=2629746"#)
+    );
+    for _ in 0..4 {
+        assert_eq!(get(envoy.port, "/api/orders", &acme).status, 200);
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let refused = get(envoy.port, "/api/orders", &acme);
+    assert_eq!(refused.status, 429, "{}", String::from_utf8_lossy(&refused.body));
+    assert_eq!(refused.json()["limit"], "org:usd");
+    let wait: u64 = refused
+        .header("retry-after")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let expect = next_month_in("America/New_York", now) - now;
+    eprintln!("the month's last 500 USD refused; Retry-After {wait} s, zoneinfo says {expect} s");
+    assert!(
+        expect.abs_diff(wait) <= 2,
+        "Retry-After {wait}, the month ends in {expect} s"
+    );
+    let ratelimit = refused.header("ratelimit").unwrap_or_default();
+    assert!(ratelimit.contains(r#""org:usd";r=500000000;t="#), "{ratelimit}");
 }
 
 /// Global levels: organisations of 120 a minute whose `search` team is
