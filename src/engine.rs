@@ -539,7 +539,7 @@ fn check_limits(
                 // Demand is counted even when the request is denied, so
                 // a global limit always writes.
                 changed = true;
-                let checked = check_global(record, view, ctx);
+                let checked = check_global(record, l, view, ctx);
                 applied.no_lease |= checked.no_lease;
                 if let Some(share) = applied.node_share_milli.get_mut(i) {
                     let a = &checked.demanded;

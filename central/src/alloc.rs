@@ -226,6 +226,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use hashbrown::{HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
+use tenantgate::limiter::calendar::Zone;
 use tenantgate::sync::{Counts, FailureMode, Lease, SyncRequest, SyncResponse, PROTOCOL_VERSION};
 
 use crate::error::{AllocError, ConfigError};
@@ -248,10 +249,25 @@ pub struct GlobalLimit {
     /// carry at least this much, so every cost up to it is admissible.
     #[serde(default = "one")]
     pub max_cost: u64,
+    /// A calendar month's budget (`per: month`): its time zone's
+    /// [`Zone::tag`] plus one; 0 for a token bucket. The bucket then
+    /// refills only when a month starts there, to `burst` (see
+    /// [`KeyState::advance`]).
+    #[serde(default)]
+    pub month: u64,
 }
 
 fn one() -> u64 {
     1
+}
+
+impl GlobalLimit {
+    /// The zone of a calendar month's budget (`None`: a token bucket, or
+    /// a zone this build's table does not have).
+    pub fn calendar(&self) -> Option<Zone> {
+        let tag = u32::try_from(self.month.checked_sub(1)?).ok()?;
+        Zone::from_tag(tag)
+    }
 }
 
 /// The service's reconciliation settings (all times in nanoseconds).

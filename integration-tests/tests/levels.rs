@@ -373,3 +373,85 @@ fn global_levels_hold_their_bound_across_nodes_and_keep_the_guarantee() {
     drop(envoys);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// An organisation's budget of 40 requests a calendar month (UTC),
+/// allocated over two Envoys by `tenantgate serve`.
+const GLOBAL_MONTH_POLICY: &str = r#"
+version: "global-month-it"
+identity: { header: x-tenant-id }
+plans: { user: { limits: [ { rate: 1000, per: 1m } ] } }
+default_plan: user
+anonymous: { plan: user }
+levels:
+  - name: org
+    header: x-org
+    limits: [ { name: month, algorithm: fixed_window, rate: 40, per: month, time_zone: UTC, global: true } ]
+routes: { api: {} }
+default_route: api
+sync: { cluster: tenantgate, interval: 1s, timeout: 500ms, provisional: 2, failure_mode: fail_closed }
+"#;
+
+on_both_hosts!(a_global_monthly_budget_is_spent_once_across_nodes);
+/// Two Envoys in two regions: acme asks on both, 20 ms apart, for 8 s (at
+/// most 400 requests). The month's 40 are admitted once over the nodes
+/// (the bound: the budget, plus each node's provisional 2 before its first
+/// lease; no refill until the month ends), and no refusal's `Retry-After`
+/// passes the month's end (Python's `zoneinfo` says when).
+fn a_global_monthly_budget_is_spent_once_across_nodes() {
+    let dir = std::env::temp_dir().join(format!("tenantgate-month-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let policy = dir.join("policy.yaml");
+    std::fs::write(&policy, GLOBAL_MONTH_POLICY).unwrap();
+    let port = free_port();
+    let serve = Serve::start(&policy, "embedded", 1000, port, &dir.join("serve.log"));
+    assert!(wait_for(Duration::from_secs(10), || serve.ready()), "serve ready");
+    let envoys: Vec<Envoy> = ["r1", "r2"]
+        .iter()
+        .map(|region| {
+            Envoy::start_node(
+                GLOBAL_MONTH_POLICY,
+                &NodeSpec {
+                    id: format!("envoy-{region}"),
+                    region: Some((*region).into()),
+                    sync_ports: vec![port],
+                    sync_tls: None,
+                },
+            )
+        })
+        .collect();
+    let acme = [("x-tenant-id", "alice"), ("x-org", "acme")];
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+    };
+    let month_end = next_month_in("UTC", now());
+    let start = Instant::now();
+    let (mut admitted, mut sent, mut refused, mut longest) = (0u64, 0u64, 0u64, 0u64);
+    while start.elapsed() < Duration::from_secs(8) && sent < 400 {
+        let r = get(envoys[(sent % 2) as usize].port, "/api/x", &acme);
+        sent += 1;
+        match r.status {
+            200 => admitted += 1,
+            429 => {
+                refused += 1;
+                let wait: u64 = r.header("retry-after").and_then(|v| v.parse().ok()).unwrap_or(0);
+                assert!(
+                    now() + wait <= month_end + 2,
+                    "Retry-After {wait} passes the month's end"
+                );
+                longest = longest.max(wait);
+            }
+            other => panic!("{other}: {}", String::from_utf8_lossy(&r.body)),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!(
+        "global month: {admitted} of 40 admitted over 2 nodes ({sent} sent, {refused} refused, bound 44); longest Retry-After {longest} s"
+    );
+    assert!((36..=44).contains(&admitted), "{admitted} admitted");
+    assert!(refused > 100, "{refused} refused");
+    drop(envoys);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -23,7 +23,18 @@ pub(super) struct GlobalChecked {
 /// nodes a share is 0.19 units per 1 s interval, and a cost of 5 waits
 /// 28 intervals, not 5 ([`Allowance::intervals_for`]; one at least: the
 /// next lease comes with the next answer).
-pub(super) fn check_global(record: Option<&Record<'_>>, view: &NodeView, ctx: &Ctx) -> GlobalChecked {
+///
+/// A calendar month's budget (`per: month`) never makes a request wait
+/// past the month's end (the service's bucket fills then). The node cannot
+/// tell an organisation's month that is spent from a lease that is late:
+/// the wait is the lease's, so a client of a spent month is refused again
+/// when it comes back (docs/global-limits.md, "Calendar months").
+pub(super) fn check_global(
+    record: Option<&Record<'_>>,
+    limit: &Limit,
+    view: &NodeView,
+    ctx: &Ctx,
+) -> GlobalChecked {
     let mut demanded = record
         .filter(|r| r.kind == kind::GLOBAL_ALLOWANCE)
         .and_then(|r| stored::decode_allowance(r.state))
@@ -46,9 +57,17 @@ pub(super) fn check_global(record: Option<&Record<'_>>, view: &NodeView, ctx: &C
         Err(_) => {
             let missing = ctx.cost.saturating_sub(demanded.available(ctx.now));
             let intervals = demanded.intervals_for(missing);
+            let mut wait_ns = view.interval_ns.saturating_mul(intervals);
+            let month_end = match &limit.algo {
+                Algo::FixedWindow(w) => w.until_month_end(ctx.now),
+                _ => None,
+            };
+            if let Some(until_end) = month_end {
+                wait_ns = wait_ns.min(until_end);
+            }
             GlobalChecked {
                 outcome: Outcome::Deny {
-                    wait_ns: view.interval_ns.saturating_mul(intervals),
+                    wait_ns,
                     remaining: demanded.available(ctx.now),
                     reset_ns: view.interval_ns,
                 },

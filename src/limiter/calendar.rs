@@ -145,6 +145,15 @@ impl Zone {
         }
     }
 
+    /// The zone a [`Zone::tag`] names (of this build's table), if any.
+    pub fn from_tag(tag: u32) -> Option<Zone> {
+        if tag & (1 << 31) == 0 {
+            return Zone::fixed(i32::try_from(tag).ok()?.checked_sub(MAX_OFFSET_SECS as i32)?);
+        }
+        let index = usize::try_from(tag & !(1 << 31)).ok()?;
+        Zone::named(zones::ZONES.get(index)?.name)
+    }
+
     /// Seconds east of UTC at `t` (UTC seconds).
     pub fn offset_at(&self, t: i64) -> i32 {
         if let (Some(&(first, _)), Some(&(last, _))) = (self.listed.first(), self.listed.last()) {

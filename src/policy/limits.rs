@@ -97,8 +97,11 @@ fn compile_limit(
             path.key("global"),
             format!("{why}: only plans' and levels' limits can be global"),
         );
-    } else if global && spec.algorithm != spec::Algorithm::TokenBucket {
-        errors.add(path.key("global"), "only token_bucket limits can be global");
+    } else if global && spec.algorithm != spec::Algorithm::TokenBucket && spec.per != MONTH {
+        errors.add(
+            path.key("global"),
+            "only token_bucket limits and calendar months (`per: month`) can be global",
+        );
     }
     let soft = spec.on_limit == Some(spec::LimitOnLimit::Soft);
     if let (true, Some(why)) = (soft, owner.soft_refused) {

@@ -90,6 +90,8 @@ pub struct KeyState {
     pub(super) limit: GlobalLimit,
     pub(super) bucket: u64,
     pub(super) origin: u64,
+    /// Units refilled since `origin` (a token bucket), or the calendar
+    /// month the bucket was last filled in (a calendar month's budget).
     pub(super) credited: u128,
     pub(super) nodes: BTreeMap<String, NodeKey>,
     pub(super) regions: BTreeMap<String, RegionView>,
@@ -109,7 +111,7 @@ impl KeyState {
             limit,
             bucket: limit.burst,
             origin: now,
-            credited: 0,
+            credited: first_credited(&limit, now),
             nodes: BTreeMap::new(),
             regions: BTreeMap::new(),
             interval: None,
@@ -158,7 +160,7 @@ impl KeyState {
         }
         self.limit = limit;
         self.origin = now;
-        self.credited = 0;
+        self.credited = first_credited(&limit, now);
         self.bucket = self.bucket.min(limit.burst.saturating_sub(self.reserved()));
         self.interval = None;
         self.advanced_at = None;
@@ -209,10 +211,27 @@ impl KeyState {
             return;
         }
         self.advanced_at = Some(now);
-        let elapsed = u128::from(now.saturating_sub(self.origin));
-        let total = u128::from(self.limit.limit) * elapsed / u128::from(self.limit.window_ns);
-        let credit = u64::try_from(total.saturating_sub(self.credited)).unwrap_or(u64::MAX);
-        self.credited = self.credited.max(total);
+        let credit = match self.limit.calendar() {
+            // A calendar month's budget: filled to its burst when a month
+            // starts in its zone (`credited` is the month last filled),
+            // nothing in between.
+            Some(zone) => {
+                let month = u128::from(zone.month_of(now));
+                if month > self.credited {
+                    self.credited = month;
+                    self.limit.burst
+                } else {
+                    0
+                }
+            }
+            None => {
+                let elapsed = u128::from(now.saturating_sub(self.origin));
+                let total = u128::from(self.limit.limit) * elapsed / u128::from(self.limit.window_ns.max(1));
+                let credit = u64::try_from(total.saturating_sub(self.credited)).unwrap_or(u64::MAX);
+                self.credited = self.credited.max(total);
+                credit
+            }
+        };
 
         // Charge silent nodes' local limits as time passes, before any grant.
         let mut charges: Vec<(String, u64)> = Vec::new();
@@ -677,6 +696,13 @@ impl KeyState {
                 .collect(),
         }
     }
+}
+
+/// What `credited` starts at: nothing refilled yet (a token bucket), or
+/// the calendar month current at `now` (its bucket starts full, and fills
+/// again when the next one starts).
+fn first_credited(limit: &GlobalLimit, now: u64) -> u128 {
+    limit.calendar().map_or(0, |zone| u128::from(zone.month_of(now)))
 }
 
 /// What a node is due this interval: its share (whole and in

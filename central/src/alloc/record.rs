@@ -149,21 +149,24 @@ impl Compact for KeyState {
 
 impl Compact for GlobalLimit {
     fn write(&self, e: &mut Encoder<'_>) {
-        e.fields(4);
+        e.fields(5);
         e.u64(self.limit);
         e.u64(self.window_ns);
         e.u64(self.burst);
         e.u64(self.max_cost);
+        e.u64(self.month);
     }
 
     fn read(d: &mut Decoder<'_>) -> Result<GlobalLimit> {
-        let mut f = d.fields(4)?;
+        let mut f = d.fields(5)?;
         Ok(GlobalLimit {
             limit: f.required(d, "limit", |d| d.u64())?,
             window_ns: f.required(d, "window_ns", |d| d.u64())?,
             burst: f.required(d, "burst", |d| d.u64())?,
             // `#[serde(default = "one")]`
             max_cost: f.next(d, |d| d.u64())?.unwrap_or(1),
+            // A record written before calendar months: a token bucket.
+            month: f.next(d, |d| d.u64())?.unwrap_or(0),
         })
     }
 }
@@ -360,6 +363,7 @@ mod tests {
             window_ns: 60_000_000_000,
             burst: 1_000,
             max_cost: 7,
+            month: 0,
         };
         let mut ks = KeyState::new(limit, 1_796_083_200_000_000_000);
         ks.credited = u128::from(u64::MAX) * 3;
@@ -402,17 +406,24 @@ mod tests {
             let by_serde_back: KeyState = from_slice(&by_serde).unwrap();
             assert_eq!(format!("{back:?}"), format!("{by_serde_back:?}"));
         }
-        // A record the allocator itself wrote.
-        let fresh = KeyState::new(
-            GlobalLimit {
-                limit: 100,
-                window_ns: 60_000_000_000,
-                burst: 100,
-                max_cost: 1,
-            },
-            5,
-        );
-        assert_eq!(compact_bytes(&fresh), serde_bytes(&fresh));
+        // Records the allocator itself wrote, a token bucket's and a
+        // calendar month's (in UTC: its zone's tag, plus one).
+        for month in [0, 50_401] {
+            let fresh = KeyState::new(
+                GlobalLimit {
+                    limit: 100,
+                    window_ns: 60_000_000_000,
+                    burst: 100,
+                    max_cost: 1,
+                    month,
+                },
+                5,
+            );
+            assert_eq!(compact_bytes(&fresh), serde_bytes(&fresh));
+            let back: KeyState = from_slice_compact(&serde_bytes(&fresh)).unwrap();
+            assert_eq!(back.limit.month, month);
+            assert_eq!(back.limit.calendar().is_some(), month != 0);
+        }
     }
 
     #[test]

@@ -19,6 +19,7 @@ fn cfg(mode: FailureMode) -> AllocConfig {
                 window_ns: 10 * S,
                 burst: 200,
                 max_cost: 1,
+                month: 0,
             },
         )]),
         interval_ns: S,
@@ -425,6 +426,7 @@ fn minute_three(limit: u64, cost: u64, nodes: &[(&'static str, &'static str)], d
             window_ns: 60 * S,
             burst: limit,
             max_cost: cost,
+            month: 0,
         },
     )]);
     let mut a = Allocator::new(c).unwrap();
@@ -495,6 +497,7 @@ fn leases_carry_the_exact_share_in_thousandths() {
             window_ns: 60 * S,
             burst: 100,
             max_cost: 1,
+            month: 0,
         },
     )]);
     let mut a = Allocator::new(c).unwrap();
@@ -680,6 +683,7 @@ fn per_minute_alloc() -> Allocator {
             window_ns: 60 * S,
             burst: 100,
             max_cost: 1,
+            month: 0,
         },
     )]);
     Allocator::new(c).unwrap()
@@ -902,4 +906,58 @@ fn a_node_that_missed_its_last_lease_gets_half_a_share_more() {
     // The level, 75, and half a share more (75 before issue 35: the lost
     // lease again and nothing more).
     assert_eq!(missed, 100, "acked {acked}");
+}
+
+/// A calendar month's budget of 300 (UTC): the bucket is drawn down and
+/// stays down for the rest of the month (no refill as time passes, where a
+/// token bucket of 300 per month would have refilled 107 over those 11
+/// days), and fills to 300 again, once, when the next month starts.
+#[test]
+fn a_calendar_months_bucket_fills_only_when_the_month_starts() {
+    let utc = tenantgate::limiter::calendar::Zone::fixed(0).unwrap();
+    let mut config = cfg(FailureMode::FailClosed);
+    config.limits.insert(
+        "l".to_owned(),
+        GlobalLimit {
+            limit: 300,
+            window_ns: 2_629_746 * S,
+            burst: 300,
+            max_cost: 1,
+            month: u64::from(utc.tag()) + 1,
+        },
+    );
+    let mut a = Allocator::new(config).unwrap();
+    let dec_20 = 1_797_724_800 * S;
+    let jan_1 = 1_798_761_600 * S;
+    // Two nodes asking 100 an interval, using every lease.
+    let mut last = [0u64; 2];
+    let mut seq = 0;
+    let mut run = |a: &mut Allocator, from: u64, intervals: u64| {
+        for k in 0..intervals {
+            seq += 1;
+            for (i, node) in ["a", "b"].into_iter().enumerate() {
+                let r = Req::new(node, "eu", seq, seq - 1).counts(last[i], 0, 100);
+                last[i] = send(a, r, from + k * S + i as u64 * MS).0;
+            }
+        }
+    };
+    run(&mut a, dec_20, 10);
+    let december = view(&a).stats.granted;
+    assert!((200..=300).contains(&december), "{december}");
+    assert_eq!(view(&a).bucket, 300 - december);
+    // Eleven days on, the last seconds of December: nothing came back.
+    run(&mut a, jan_1 - 5 * S, 5);
+    assert!(view(&a).stats.granted - december <= 300 - december);
+    let by_new_year = view(&a).stats.granted;
+    assert!(by_new_year <= 300, "{by_new_year} granted in December");
+    // January: the bucket is full again, once.
+    run(&mut a, jan_1, 10);
+    let january = view(&a).stats.granted - by_new_year;
+    assert!((200..=300).contains(&january), "{january} granted in January");
+    run(&mut a, jan_1 + 20 * S, 10);
+    assert_eq!(
+        view(&a).stats.granted - by_new_year,
+        january,
+        "nothing more in January"
+    );
 }

@@ -21,6 +21,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use tenantgate::limiter::algo::Algo;
 use tenantgate::policy::{Node, Policy, SyncSettings, LOCAL_MAX_NS};
 
 use crate::alloc::{tuning, AllocConfig, GlobalLimit};
@@ -116,6 +117,10 @@ pub fn parse(text: &str) -> Result<PolicyLimits, String> {
             burst: l.burst,
             // Validation refuses a cost above any plan's burst.
             max_cost: policy.max_cost().min(l.burst),
+            month: match &l.algo {
+                Algo::FixedWindow(w) => w.calendar_zone().map_or(0, |z| u64::from(z.tag()) + 1),
+                _ => 0,
+            },
         };
         match limits.get_mut(&l.name) {
             None => {
@@ -222,6 +227,7 @@ mod tests {
                 window_ns: 60 * NANOS_PER_SEC,
                 burst: 100,
                 max_cost: 5,
+                month: 0,
             }
         );
         // `paid-node` and the anonymous plan's limit are node-local.

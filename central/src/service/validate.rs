@@ -247,6 +247,7 @@ mod tests {
             window_ns: 60_000_000_000,
             burst: 100,
             max_cost: 1,
+            month: 0,
         };
         Settings::default().alloc_config(&PolicyLimits {
             version: "v".into(),

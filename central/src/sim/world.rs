@@ -151,6 +151,7 @@ pub fn alloc_config(cfg: &SimConfig, mode: FailureMode) -> AllocConfig {
                 window_ns: cfg.window_ns,
                 burst: cfg.burst,
                 max_cost: cfg.max_cost,
+                month: 0,
             },
         )]
         .into_iter()

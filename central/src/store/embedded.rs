@@ -481,6 +481,7 @@ mod tests {
                 window_ns: 60_000_000_000,
                 burst: 40,
                 max_cost: 1,
+                month: 0,
             }
         }
         let store = EmbeddedStore::new();
@@ -515,6 +516,7 @@ mod tests {
             window_ns: 60_000_000_000,
             burst: 40,
             max_cost: 1,
+            month: 0,
         };
         store
             .update_keys(std::slice::from_ref(&id), &mut |_, slot| {
@@ -533,6 +535,7 @@ mod tests {
                             window_ns: 1,
                             burst: 1,
                             max_cost: 1,
+                            month: 0,
                         },
                         9,
                     );

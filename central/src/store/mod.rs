@@ -320,6 +320,7 @@ mod tests {
                 window_ns: 1_000,
                 burst: 5,
                 max_cost: 1,
+                month: 0,
             },
             7,
         );

@@ -118,6 +118,16 @@ fn fixed_offsets_place_months_in_closed_form() {
     assert!(Zone::fixed(14 * 3600).unwrap().tag() < 1 << 31);
     assert!(Zone::named("Africa/Abidjan").unwrap().tag() >= 1 << 31);
     assert_ne!(Zone::named("Europe/Berlin"), Zone::named("Europe/Paris"));
+    // A tag names its zone again (the central service keeps the tag).
+    for zone in [
+        ist,
+        Zone::fixed(-14 * 3600).unwrap(),
+        Zone::named("America/Santiago").unwrap(),
+    ] {
+        assert_eq!(Zone::from_tag(zone.tag()), Some(zone));
+    }
+    assert_eq!(Zone::from_tag(u32::MAX), None);
+    assert_eq!(Zone::from_tag(14 * 3600 * 2 + 1), None);
 }
 
 #[test]

@@ -479,6 +479,40 @@ fn retry_after_with_a_fractional_share_counts_the_intervals_it_really_needs() {
     }
 }
 
+/// A global calendar month's budget (100 a month in UTC), 1,000 s before
+/// December: a refused request waits as its lease needs, never past the
+/// month's end (when the service's bucket fills again): at a share of
+/// 0.185 a second, a cost of 5 waits 28 s; at 0.001 a second its 5,000 s
+/// would pass December, so it waits until December (999 s).
+#[test]
+fn a_global_month_never_makes_a_request_wait_past_its_end() {
+    let json = r#"{"version": "g-month", "identity": {"header": "x-tenant-id"},
+        "plans": {"free": {"limits": [
+            {"name": "global", "algorithm": "fixed_window", "rate": 100, "per": "month", "global": true}]}},
+        "default_plan": "free", "anonymous": {"plan": "free"},
+        "routes": {"api": {}, "search": {"action": "api", "cost": 5}},
+        "sync": {"interval": "1s", "timeout": "500ms", "provisional": 2, "failure_mode": "fail_closed"}}"#;
+    let start = 1_796_083_200 * S - 1_000 * S;
+    for (share_milli, expected) in [(185, 28), (2_000, 3), (1, 999)] {
+        let mut policy = Policy::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+        policy.effective_from_ns = start;
+        let w = World {
+            store: SharedStore::new(),
+            policy,
+        };
+        assert_eq!(w.admitted("acme", 1, start), 1);
+        let req = w.report(start + S).unwrap();
+        let mut resp = response(&req, 0);
+        for l in &mut resp.leases {
+            (l.share, l.share_milli) = (share_milli / 1000, share_milli);
+        }
+        apply(&w.host(), &w.policy, w.settings(), &resp, start + S + MS).unwrap();
+        let d = w.decide("search", "acme", start + S + 2 * MS);
+        assert_eq!(d.reason, Reason::RateLimited);
+        assert_eq!(d.retry_after_secs, expected, "{share_milli} thousandths");
+    }
+}
+
 /// Regression: the scan's report was stamped at claim time, so a scan
 /// longer than the interval was given up on by another worker, again and
 /// again (a livelock with short intervals). Its timer starts at dispatch.
