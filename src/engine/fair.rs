@@ -27,7 +27,8 @@ use super::{Applied, Ctx, Decision, LimitName, Prepared, Reason};
 use crate::decision::{RateLimitHeaders, Subject};
 use crate::host::Host;
 use crate::keys::kind;
-use crate::limiter::fair::{Contended, FairTable, Fairness, PoolLimit};
+use crate::limiter::algo::Algo;
+use crate::limiter::fair::{Contended, FairTable, Fairness, PoolLimit, Window};
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::levels::{write_key, Budget, Level};
 use crate::policy::{Limit, Policy};
@@ -79,6 +80,7 @@ pub(super) fn ask<H: Host>(
         rate: 0,
         per_ns: 0,
         contended: Contended::No,
+        window: None,
     }; table::MAX_RECORDS];
     let n = limits.len().min(table::MAX_RECORDS);
     for (i, (p, limit)) in pool_limits.iter_mut().zip(limits).enumerate() {
@@ -96,8 +98,10 @@ pub(super) fn ask<H: Host>(
                 } else {
                     Contended::No
                 },
+                window: None,
             }
         };
+        p.window = calendar_window(limit, ctx.now);
     }
     let pool_limits = pool_limits.get(..n).unwrap_or(&[]);
     let slowest = pool_limits.iter().map(|p| p.per_ns).max().unwrap_or(0);
@@ -167,7 +171,23 @@ fn node_share(
         } else {
             Contended::No
         },
+        window: None,
     }
+}
+
+/// A calendar month's pool limit: the month of `now` (its use starts
+/// afresh with it).
+fn calendar_window(limit: &Limit, now: u64) -> Option<Window> {
+    let Algo::FixedWindow(w) = &limit.algo else {
+        return None;
+    };
+    let zone = w.calendar_zone()?;
+    let month = zone.month_of(now);
+    let at = |m: u64| u64::try_from(zone.month_start(m)).unwrap_or(u64::MAX);
+    Some(Window {
+        start: at(month),
+        end: at(month.saturating_add(1)),
+    })
 }
 
 /// The refusal of a request over its member's fair share of the pool's

@@ -70,6 +70,18 @@ pub struct PoolLimit {
     pub per_ns: u64,
     /// Whether the limit is contended.
     pub contended: Contended,
+    /// A calendar month's limit: the current month. Use counted before it
+    /// began is forgotten (the pool is whole again), and no refusal waits
+    /// past its end.
+    pub window: Option<Window>,
+}
+
+/// A window of a pool limit that starts afresh (a calendar month), in ns
+/// since the epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    pub start: u64,
+    pub end: u64,
 }
 
 /// When a pool limit is contended (the rule applies only then).
@@ -181,7 +193,10 @@ impl FairTable {
                 continue;
             };
             if rate_of(demand) > level && used >= level {
-                let wait_ns = decay_time(used, level.max(1), limit.per_ns);
+                let mut wait_ns = decay_time(used, level.max(1), limit.per_ns);
+                if let Some(w) = limit.window {
+                    wait_ns = wait_ns.min(w.end.saturating_sub(now).max(1));
+                }
                 if !matches!(verdict, Fairness::Over { wait_ns: w, .. } if w >= wait_ns) {
                     verdict = Fairness::Over { limit: l, wait_ns };
                 }
@@ -259,12 +274,21 @@ impl FairTable {
 
     /// Decays every sum from `self.at` to `now`.
     fn decay(&mut self, pool: &[PoolLimit], now: u64) {
-        let dt = now.saturating_sub(self.at);
+        let (before, dt) = (self.at, now.saturating_sub(self.at));
         self.at = self.at.max(now);
         if dt == 0 {
             return;
         }
         for (l, p) in pool.iter().enumerate().take(self.limits) {
+            // A window began since the sums were last touched: nothing of
+            // it has been used yet.
+            if p.window.is_some_and(|w| before < w.start) {
+                for m in self.members.iter_mut() {
+                    if let Some(u) = m.used.get_mut(l) {
+                        *u = 0;
+                    }
+                }
+            }
             let (fd, fu) = (factor(dt, demand_per(p.per_ns)), factor(dt, p.per_ns));
             if let Some(t) = self.total.get_mut(l) {
                 *t = scaled(*t, fd);

@@ -57,6 +57,12 @@ pub struct NestedConfig {
     pub sharing: &'static str,
     /// The limits' period, seconds (a month: the users' sizes).
     pub per_secs: u64,
+    /// The organisation's budget per calendar month (UTC: a
+    /// `fixed_window`, `per: month`, filled when a month starts) instead
+    /// of a token bucket of `per_secs`.
+    pub calendar_month: bool,
+    /// When the run starts (ns since the epoch).
+    pub start_ns: u64,
     /// Every request's cost, in tokens.
     pub cost: u64,
     /// Requests each flooding team sends per tick, and the spreader.
@@ -85,6 +91,8 @@ impl Default for NestedConfig {
             modest_demand: 0,
             sharing: "max_min",
             per_secs: MONTH_SECS,
+            calendar_month: false,
+            start_ns: T0,
             cost: 1_000,
             flood_per_tick: 2,
             spread_per_tick: 2,
@@ -131,6 +139,9 @@ pub struct NestedOutcome {
     /// What the modest team asked for and was admitted (tokens).
     pub modest_demand: u64,
     pub modest_admitted: u64,
+    /// Of the organisation's admissions, those after a calendar month
+    /// started within the run (`calendar_month`; else 0).
+    pub org_after_month_start: u64,
     /// Requests decided in the run.
     pub requests: u64,
 }
@@ -154,7 +165,7 @@ plans: {{ user: {{ limits: [ {{ name: user, rate: {user}, per: {month}s, global:
 default_plan: user
 anonymous: {{ plan: user }}
 levels:
-  - {{ name: org, header: x-org, limits: [ {{ name: tokens, rate: {org}, per: {month}s, global: true }} ], sharing: {sharing} }}
+  - {{ name: org, header: x-org, limits: [ {{ name: tokens, {org_per}, global: true }} ], sharing: {sharing} }}
   - name: team
     parent: org
     header: x-team
@@ -166,7 +177,14 @@ default_route: api
 sync: {{ cluster: tenantgate, interval: {interval}ms, timeout: {timeout}ms, provisional: {p}, failure_mode: fail_closed }}
 "#,
         user = cfg.user_tokens,
-        org = cfg.org_tokens,
+        org_per = if cfg.calendar_month {
+            format!(
+                "algorithm: fixed_window, rate: {}, per: month, time_zone: UTC",
+                cfg.org_tokens
+            )
+        } else {
+            format!("rate: {}, per: {}s", cfg.org_tokens, cfg.per_secs)
+        },
         team = cfg.team_tokens,
         month = cfg.per_secs,
         sharing = cfg.sharing,
@@ -190,7 +208,7 @@ pub fn run(cfg: &NestedConfig) -> Result<NestedOutcome, ConfigError> {
     for i in 0..n {
         let mut policy = tenantgate::policy::Policy::from_node(&doc)
             .map_err(|_| ConfigError::new("policy", "the nested simulation's policy is invalid"))?;
-        policy.effective_from_ns = T0;
+        policy.effective_from_ns = cfg.start_ns;
         let region = i / cfg.topology.nodes_per_region;
         nodes.push(ShippedNode::new(
             policy,
@@ -214,7 +232,7 @@ pub fn run(cfg: &NestedConfig) -> Result<NestedOutcome, ConfigError> {
     let flooding = cfg.teams - usize::from(modest.is_some());
     let mut last_interval = None;
     for tick in 0..ticks {
-        let now = T0 + tick * cfg.tick_ns;
+        let now = cfg.start_ns + tick * cfg.tick_ns;
         while queue.peek().is_some_and(|Reverse(m)| m.arrival <= now) {
             let Some(Reverse(m)) = queue.pop() else { break };
             if m.to_service {
@@ -303,6 +321,10 @@ struct Tally {
     modest: Option<usize>,
     modest_demand: u64,
     modest_admitted: u64,
+    /// When a calendar month starts within the run, and the
+    /// organisation's admissions from then on.
+    month_start: Option<u64>,
+    org_after_month_start: u64,
     requests: u64,
     users_per_team: usize,
 }
@@ -321,6 +343,13 @@ impl Tally {
             modest: (cfg.modest_demand > 0).then(|| cfg.teams.saturating_sub(1)),
             modest_demand: 0,
             modest_admitted: 0,
+            month_start: cfg.calendar_month.then(|| {
+                let utc = tenantgate::limiter::calendar::Zone::fixed(0);
+                utc.map_or(u64::MAX, |z| {
+                    u64::try_from(z.month_start(z.month_of(cfg.start_ns) + 1)).unwrap_or(u64::MAX)
+                })
+            }),
+            org_after_month_start: 0,
             requests: 0,
             users_per_team: cfg.users_per_team,
         }
@@ -356,6 +385,9 @@ impl Tally {
             }
             return;
         }
+        if self.month_start.is_some_and(|m| now >= m) {
+            self.org_after_month_start += self.cost;
+        }
         if d.levels_charged.guaranteed.first().copied().unwrap_or(false) {
             self.quiet_guaranteed += self.cost;
         } else {
@@ -378,15 +410,29 @@ impl Tally {
                 / u128::from(cfg.per_secs * NANOS_PER_SEC)) as u64;
             tokens + refill + 1 + nodes * cfg.provisional
         };
+        // A calendar month's budget: `L` a month begun in the run, plus
+        // `N·S·P` (no refill in between: docs/global-limits.md, "Calendar
+        // months across nodes").
+        let months = 1 + u64::from(
+            self.month_start
+                .is_some_and(|m| m < cfg.start_ns + cfg.duration_ns),
+        );
+        let org_bound = |tokens: u64| {
+            if cfg.calendar_month {
+                tokens * months + nodes * cfg.provisional
+            } else {
+                bound(tokens)
+            }
+        };
         let guaranteed = cfg.org_tokens * cfg.guarantee_pct / 100;
         let pool = cfg.org_tokens - guaranteed;
         let org_pool = Budget {
             admitted: self.org_pool,
-            bound: bound(pool),
+            bound: org_bound(pool),
         };
         let quiet_guaranteed = Budget {
             admitted: self.quiet_guaranteed,
-            bound: bound(guaranteed),
+            bound: org_bound(guaranteed),
         };
         let busiest = self.teams.iter().skip(1).copied().max().unwrap_or(0);
         let busiest_user = self.users.iter().copied().max().unwrap_or(0);
@@ -417,6 +463,7 @@ impl Tally {
             quiet_refused_by_org: self.quiet_refused_by_org,
             modest_demand: self.modest_demand,
             modest_admitted: self.modest_admitted,
+            org_after_month_start: self.org_after_month_start,
             requests: self.requests,
         }
     }
@@ -506,5 +553,48 @@ mod tests {
             first.modest_admitted,
             fair.modest_admitted
         );
+    }
+
+    /// The organisation's 300,000 tokens a calendar month (UTC) on 3×3
+    /// nodes, flooded as above (four times as hard) while the quiet team
+    /// asks 40,000 within its guarantee (20 %), for 30 s from 15 s before
+    /// January 2027: December's pool is spent before the month ends and
+    /// nothing comes back; January's is there, once, from its first
+    /// second. Bound: `L` a month begun plus `N·S·P`. First come: max-min
+    /// fairness across nodes takes a node's average share of the month
+    /// (0.1 token a second) as its capacity, which holds a flooded
+    /// monthly pool well below what its bucket grants (docs/policy.md,
+    /// "Fair shares of the pool").
+    #[test]
+    fn a_global_calendar_month_fills_once_when_it_starts_across_nodes() {
+        let jan = 1_798_761_600 * NANOS_PER_SEC;
+        let cfg = NestedConfig {
+            calendar_month: true,
+            start_ns: jan - 15 * NANOS_PER_SEC,
+            org_tokens: 300_000,
+            quiet_demand: 40_000,
+            flood_per_tick: 8,
+            sharing: "first_come",
+            ..NestedConfig::default()
+        };
+        let out = run(&cfg).unwrap();
+        eprintln!("{}", serde_json::to_string_pretty(&out).unwrap());
+        let december = out.org.admitted - out.org_after_month_start;
+        assert!(out.org.admitted <= out.org.bound, "{out:?}");
+        assert!(out.org_pool.admitted <= out.org_pool.bound, "{out:?}");
+        assert!(
+            out.quiet_guaranteed.admitted <= out.quiet_guaranteed.bound,
+            "{out:?}"
+        );
+        // The pool (240,000 a month) spent in each month; the quiet team's
+        // guaranteed 60,000 a month asked a third of.
+        assert!(out.org_pool.admitted >= 456_000, "{out:?}");
+        assert!((240_000..=318_000).contains(&december), "December: {december}");
+        assert!(
+            (240_000..=318_000).contains(&out.org_after_month_start),
+            "January: {}",
+            out.org_after_month_start
+        );
+        assert_eq!(out.quiet_refused_by_org, 0, "{out:?}");
     }
 }

@@ -7,6 +7,7 @@ fn pool(contended: bool) -> [PoolLimit; 1] {
         rate: 100,
         per_ns: MIN,
         contended: if contended { Contended::Yes } else { Contended::No },
+        window: None,
     }]
 }
 
@@ -154,6 +155,10 @@ fn extreme_costs_and_times_never_trap() {
         rate: u64::MAX,
         per_ns: 1,
         contended: Contended::Yes,
+        window: Some(Window {
+            start: u64::MAX,
+            end: 0,
+        }),
     }];
     for now in [0, u64::MAX, 1, u64::MAX] {
         for m in [b"a", b"b"] {
@@ -171,4 +176,49 @@ fn the_table_is_idle_once_every_demand_has_decayed() {
     t.ask(FairTable::member_id(b"a"), 100, &pool(false), true, 0);
     assert!(!t.is_idle(MIN, MIN));
     assert!(t.is_idle(MIN, 10 * MIN));
+}
+
+/// A calendar month's pool: a flooder held to its share at the month's
+/// end asks afresh when the next month starts (its use of the last month
+/// is forgotten), and a refusal never waits past the month's end.
+#[test]
+fn a_new_month_forgets_the_use_of_the_last_one() {
+    let december = Window {
+        start: 0,
+        end: 60 * MIN,
+    };
+    let january = Window {
+        start: 60 * MIN,
+        end: 120 * MIN,
+    };
+    let at = |window| {
+        [PoolLimit {
+            window: Some(window),
+            ..pool(true)[0]
+        }]
+    };
+    let mut t = FairTable::fresh(1);
+    let (flooder, quiet) = (FairTable::member_id(b"ads"), FairTable::member_id(b"web"));
+    let end = 60 * MIN - 1_000_000_000;
+    // December's last minute: the flooder is over its share; its wait
+    // (its use decaying to the share) is cut at the month's end.
+    let mut over = None;
+    for i in 0..300 {
+        let now = end - MIN + i * 200_000_000;
+        if i % 10 == 0 {
+            assert_eq!(t.ask(quiet, 1, &at(december), true, now), Fairness::Within);
+        }
+        if let Fairness::Over { wait_ns, .. } = t.ask(flooder, 1, &at(december), true, now) {
+            over = Some((now, wait_ns));
+        }
+    }
+    let (now, wait_ns) = over.expect("the flooder was held to its share");
+    assert!(
+        now + wait_ns <= 60 * MIN,
+        "{wait_ns} ns waits past the month's end"
+    );
+    // January's first second: within (its December use is gone).
+    let jan = 60 * MIN + 1_000_000_000;
+    assert_eq!(t.ask(quiet, 1, &at(january), true, jan), Fairness::Within);
+    assert_eq!(t.ask(flooder, 1, &at(january), true, jan), Fairness::Within);
 }
