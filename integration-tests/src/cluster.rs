@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use crate::{cli_bin, request, wait_for};
+use crate::{cli_bin, free_port, request, wait_for, Envoy, NodeSpec};
 
 /// One `tenantgate serve` process on a fixed loopback port; killed on drop.
 pub struct Serve {
@@ -132,4 +132,46 @@ impl Drop for Serve {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// `tenantgate serve` (embedded store, 1 s interval) and its Envoys; the
+/// temporary directory is removed on drop.
+pub struct Cluster {
+    pub serve: Serve,
+    pub envoys: Vec<Envoy>,
+    pub dir: PathBuf,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `tenantgate serve` with `service_policy` and one Envoy per region in
+/// `regions`, every Envoy with `node_policy`.
+pub fn cluster(name: &str, regions: &[&str], node_policy: &str, service_policy: &str) -> Cluster {
+    let dir = std::env::temp_dir().join(format!("tenantgate-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let policy = dir.join("policy.yaml");
+    std::fs::write(&policy, service_policy).unwrap();
+    let port = free_port();
+    let serve = Serve::start(&policy, "embedded", 1000, port, &dir.join("serve.log"));
+    assert!(wait_for(Duration::from_secs(10), || serve.ready()), "serve ready");
+    let envoys = regions
+        .iter()
+        .enumerate()
+        .map(|(i, region)| {
+            Envoy::start_node(
+                node_policy,
+                &NodeSpec {
+                    id: format!("envoy-{region}-{i}"),
+                    region: Some((*region).into()),
+                    sync_ports: vec![port],
+                    sync_tls: None,
+                },
+            )
+        })
+        .collect();
+    Cluster { serve, envoys, dir }
 }

@@ -12,8 +12,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tenantgate_integration_tests::cluster::Serve;
-use tenantgate_integration_tests::{free_port, get, on_both_hosts, request, wait_for, Envoy, NodeSpec};
+use tenantgate_integration_tests::cluster::cluster;
+use tenantgate_integration_tests::{get, on_both_hosts, request, wait_for};
 
 /// `I` = 1 s, `D` = 500 ms, `P` = 2, as `policies/global.yaml`.
 const POLICY: &str = r#"
@@ -43,46 +43,6 @@ fn service_policy() -> String {
             "  ghost: { limits: [ { name: ghost-v0, rate: 100, per: 1m } ] }\n",
         )
         .replace("users-1", "users-0")
-}
-
-struct Cluster {
-    serve: Serve,
-    envoys: Vec<Envoy>,
-    dir: std::path::PathBuf,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// `tenantgate serve` with `service_policy` and one Envoy per region in
-/// `regions`, every Envoy with `node_policy`.
-fn cluster(name: &str, regions: &[&str], node_policy: &str, service_policy: &str) -> Cluster {
-    let dir = std::env::temp_dir().join(format!("tenantgate-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let policy = dir.join("policy.yaml");
-    std::fs::write(&policy, service_policy).unwrap();
-    let port = free_port();
-    let serve = Serve::start(&policy, "embedded", 1000, port, &dir.join("serve.log"));
-    assert!(wait_for(Duration::from_secs(10), || serve.ready()), "serve ready");
-    let envoys = regions
-        .iter()
-        .enumerate()
-        .map(|(i, region)| {
-            Envoy::start_node(
-                node_policy,
-                &NodeSpec {
-                    id: format!("envoy-{region}-{i}"),
-                    region: Some((*region).into()),
-                    sync_ports: vec![port],
-                    sync_tls: None,
-                },
-            )
-        })
-        .collect();
-    Cluster { serve, envoys, dir }
 }
 
 /// Requests of `tenant` on `path` at Envoy `port`: `burst` at once every

@@ -11,10 +11,8 @@
 
 use std::time::{Duration, Instant};
 
-use tenantgate_integration_tests::cluster::Serve;
-use tenantgate_integration_tests::{
-    demo_token, free_port, get, on_both_hosts, wait_for, Conn, Envoy, Host, NodeSpec, Response,
-};
+use tenantgate_integration_tests::cluster::cluster;
+use tenantgate_integration_tests::{demo_token, get, on_both_hosts, wait_for, Conn, Envoy, Host, Response};
 
 /// Organisations of 20 requests a minute; `search` is guaranteed 25 % (5),
 /// the pool is 15.
@@ -276,29 +274,8 @@ on_both_hosts!(global_levels_hold_their_bound_across_nodes_and_keep_the_guarante
 /// minute. Acme's pool, carol's guarantee and the sprayer's limit hold
 /// their bound, and carol is never refused.
 fn global_levels_hold_their_bound_across_nodes_and_keep_the_guarantee() {
-    let dir = std::env::temp_dir().join(format!("tenantgate-nested-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let policy = dir.join("policy.yaml");
-    std::fs::write(&policy, GLOBAL_POLICY).unwrap();
-    let port = free_port();
-    let serve = Serve::start(&policy, "embedded", 1000, port, &dir.join("serve.log"));
-    assert!(wait_for(Duration::from_secs(10), || serve.ready()), "serve ready");
-    let envoys: Vec<Envoy> = ["r1", "r1", "r2"]
-        .iter()
-        .enumerate()
-        .map(|(i, region)| {
-            Envoy::start_node(
-                GLOBAL_POLICY,
-                &NodeSpec {
-                    id: format!("envoy-{region}-{i}"),
-                    region: Some((*region).into()),
-                    sync_ports: vec![port],
-                    sync_tls: None,
-                },
-            )
-        })
-        .collect();
-    let ports: Vec<u16> = envoys.iter().map(|e| e.port).collect();
+    let c = cluster("nested", &["r1", "r1", "r2"], GLOBAL_POLICY, GLOBAL_POLICY);
+    let ports: Vec<u16> = c.envoys.iter().map(|e| e.port).collect();
     let run = Duration::from_secs(12);
     let start = Instant::now();
     let ask = |port: u16, user: &str, org: &str, team: &str| {
@@ -356,7 +333,7 @@ fn global_levels_hold_their_bound_across_nodes_and_keep_the_guarantee() {
     );
     // `tenantgate top --once`: the service's view, the level budgets
     // grouped by level (acme's pool, refusing the flood).
-    let url = format!("http://127.0.0.1:{}", serve.admin_port);
+    let url = format!("http://127.0.0.1:{}", c.serve.admin_port);
     let top = std::process::Command::new(tenantgate_integration_tests::cli_bin())
         .args(["top", "--service", url.as_str(), "--once"])
         .output()
@@ -370,8 +347,6 @@ fn global_levels_hold_their_bound_across_nodes_and_keep_the_guarantee() {
             && by_level.iter().any(|l| l.trim_start().starts_with("acme ")),
         "top groups acme's budgets by level:\n{text}"
     );
-    drop(envoys);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// An organisation's budget of 40 requests a calendar month (UTC),
@@ -398,27 +373,8 @@ on_both_hosts!(a_global_monthly_budget_is_spent_once_across_nodes);
 /// lease; no refill until the month ends), and no refusal's `Retry-After`
 /// passes the month's end (Python's `zoneinfo` says when).
 fn a_global_monthly_budget_is_spent_once_across_nodes() {
-    let dir = std::env::temp_dir().join(format!("tenantgate-month-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let policy = dir.join("policy.yaml");
-    std::fs::write(&policy, GLOBAL_MONTH_POLICY).unwrap();
-    let port = free_port();
-    let serve = Serve::start(&policy, "embedded", 1000, port, &dir.join("serve.log"));
-    assert!(wait_for(Duration::from_secs(10), || serve.ready()), "serve ready");
-    let envoys: Vec<Envoy> = ["r1", "r2"]
-        .iter()
-        .map(|region| {
-            Envoy::start_node(
-                GLOBAL_MONTH_POLICY,
-                &NodeSpec {
-                    id: format!("envoy-{region}"),
-                    region: Some((*region).into()),
-                    sync_ports: vec![port],
-                    sync_tls: None,
-                },
-            )
-        })
-        .collect();
+    let c = cluster("month", &["r1", "r2"], GLOBAL_MONTH_POLICY, GLOBAL_MONTH_POLICY);
+    let envoys = &c.envoys;
     let acme = [("x-tenant-id", "alice"), ("x-org", "acme")];
     let now = || {
         std::time::SystemTime::now()
@@ -452,6 +408,4 @@ fn a_global_monthly_budget_is_spent_once_across_nodes() {
     );
     assert!((36..=44).contains(&admitted), "{admitted} admitted");
     assert!(refused > 100, "{refused} refused");
-    drop(envoys);
-    let _ = std::fs::remove_dir_all(&dir);
 }
