@@ -629,6 +629,13 @@ impl Response {
             .map(|(_, v)| v.as_str())
     }
 
+    /// `Retry-After` in seconds (0 if absent or not a number).
+    pub fn retry_after(&self) -> u64 {
+        self.header("retry-after")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    }
+
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
     }

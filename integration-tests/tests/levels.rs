@@ -120,10 +120,7 @@ fn the_pool_goes_to_the_team_within_its_fair_share(envoy: &Envoy) {
     let over = get(envoy.port, "/api/orders", &ads);
     assert_eq!(over.status, 429, "{}", String::from_utf8_lossy(&over.body));
     assert_eq!(over.json()["level"], "org");
-    let wait: u64 = over
-        .header("retry-after")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
+    let wait = over.retry_after();
     assert!((17..=18).contains(&wait), "Retry-After {wait}");
     let web_in = (0..5)
         .filter(|_| get(envoy.port, "/api/orders", &web).status == 200)
@@ -203,6 +200,14 @@ fn next_month_in(zone: &str, now: u64) -> u64 {
         .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)))
 }
 
+/// Seconds since the epoch, now.
+fn unix_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
 on_both_hosts!(a_monthly_money_budget_ends_at_midnight_in_its_time_zone);
 fn a_monthly_money_budget_ends_at_midnight_in_its_time_zone() {
     let envoy = Envoy::start(MONTH_POLICY);
@@ -216,17 +221,11 @@ fn a_monthly_money_budget_ends_at_midnight_in_its_time_zone() {
     for _ in 0..4 {
         assert_eq!(get(envoy.port, "/api/orders", &acme).status, 200);
     }
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
+    let now = unix_secs();
     let refused = get(envoy.port, "/api/orders", &acme);
     assert_eq!(refused.status, 429, "{}", String::from_utf8_lossy(&refused.body));
     assert_eq!(refused.json()["limit"], "org:usd");
-    let wait: u64 = refused
-        .header("retry-after")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
+    let wait = refused.retry_after();
     let expect = next_month_in("America/New_York", now) - now;
     eprintln!("the month's last 500 USD refused; Retry-After {wait} s, zoneinfo says {expect} s");
     assert!(
@@ -376,13 +375,7 @@ fn a_global_monthly_budget_is_spent_once_across_nodes() {
     let c = cluster("month", &["r1", "r2"], GLOBAL_MONTH_POLICY, GLOBAL_MONTH_POLICY);
     let envoys = &c.envoys;
     let acme = [("x-tenant-id", "alice"), ("x-org", "acme")];
-    let now = || {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs()
-    };
-    let month_end = next_month_in("UTC", now());
+    let month_end = next_month_in("UTC", unix_secs());
     let start = Instant::now();
     let (mut admitted, mut sent, mut refused, mut longest) = (0u64, 0u64, 0u64, 0u64);
     while start.elapsed() < Duration::from_secs(8) && sent < 400 {
@@ -392,9 +385,9 @@ fn a_global_monthly_budget_is_spent_once_across_nodes() {
             200 => admitted += 1,
             429 => {
                 refused += 1;
-                let wait: u64 = r.header("retry-after").and_then(|v| v.parse().ok()).unwrap_or(0);
+                let wait = r.retry_after();
                 assert!(
-                    now() + wait <= month_end + 2,
+                    unix_secs() + wait <= month_end + 2,
                     "Retry-After {wait} passes the month's end"
                 );
                 longest = longest.max(wait);
