@@ -181,12 +181,11 @@ fn calendar_window(limit: &Limit, now: u64) -> Option<Window> {
     let Algo::FixedWindow(w) = &limit.algo else {
         return None;
     };
-    let zone = w.calendar_zone()?;
-    let month = zone.month_of(now);
-    let at = |m: u64| u64::try_from(zone.month_start(m)).unwrap_or(u64::MAX);
+    let month = w.calendar_zone()?.month_at(now);
+    let at = |ns: u128| u64::try_from(ns).unwrap_or(u64::MAX);
     Some(Window {
-        start: at(month),
-        end: at(month.saturating_add(1)),
+        start: at(month.start),
+        end: at(month.end),
     })
 }
 

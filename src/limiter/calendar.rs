@@ -185,6 +185,16 @@ impl Zone {
         u64::try_from(m).unwrap_or(0)
     }
 
+    /// The month of `now` in this zone: when it started and when it ends
+    /// (ns since the epoch, UTC).
+    pub fn month_at(&self, now: u64) -> Month {
+        let index = self.month_of(now);
+        Month {
+            start: self.month_start(index),
+            end: self.month_start(index.saturating_add(1)),
+        }
+    }
+
     /// The instant (ns since the epoch, UTC) month `index` starts.
     pub fn month_start(&self, index: u64) -> u128 {
         let secs = self.start_secs(i128::from(index));
@@ -245,6 +255,14 @@ impl Zone {
             }
         }
     }
+}
+
+/// A calendar month's first instant and the next month's (ns since the
+/// epoch, UTC; unbounded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Month {
+    pub start: u128,
+    pub end: u128,
 }
 
 /// A few instants, without allocating.

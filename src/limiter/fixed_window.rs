@@ -106,11 +106,7 @@ impl FixedWindow {
     /// Calendar months: nanoseconds from `now` until its month ends
     /// (`None`: windows aligned to the epoch).
     pub fn until_month_end(&self, now: u64) -> Option<u64> {
-        let zone = self.calendar?;
-        Some(ns_until(
-            zone.month_start(zone.month_of(now).saturating_add(1)),
-            now,
-        ))
+        Some(ns_until(self.calendar?.month_at(now).end, now))
     }
 
     /// The window of `now`: its index.

@@ -346,7 +346,7 @@ impl Tally {
             month_start: cfg.calendar_month.then(|| {
                 let utc = tenantgate::limiter::calendar::Zone::fixed(0);
                 utc.map_or(u64::MAX, |z| {
-                    u64::try_from(z.month_start(z.month_of(cfg.start_ns) + 1)).unwrap_or(u64::MAX)
+                    u64::try_from(z.month_at(cfg.start_ns).end).unwrap_or(u64::MAX)
                 })
             }),
             org_after_month_start: 0,
