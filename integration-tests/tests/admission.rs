@@ -361,6 +361,14 @@ fn oversized_bodies_short_timeout_budgets_and_tenant_shares_are_refused() {
     assert_eq!(enough.status, 200);
 
     // One tenant holds at most 2 of `files`; another is not affected.
+    // Each tenant's key-table entry is created first, by a request that
+    // ends: Envoy's shared data has no create-if-absent, so two workers
+    // creating one entry at once can lose a count until its worker
+    // republishes it (docs/admission.md, "What happens to slots when a
+    // worker goes away"). That window is its own claim, not this one.
+    for tenant in ["flood", "quiet"] {
+        assert_eq!(get(port, "/up/shared", &[("x-tenant-id", tenant)]).status, 200);
+    }
     upstream.hold();
     let (tx, rx) = mpsc::channel();
     let held: Vec<JoinHandle<()>> = (0..2)
