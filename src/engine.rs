@@ -164,7 +164,14 @@ pub fn charge_leased<H: Host>(
             .copied()
             .unwrap_or_else(|| SyncState::new(effective_from, s.interval_ns, s.timeout_ns));
         let mode = policy.failure_mode(Some(&req.class));
-        state.view(mode, s.provisional, s.local_max_ns, s.timeout_ns, now)
+        state.view(
+            mode,
+            s.provisional,
+            s.local_max_ns,
+            s.timeout_ns,
+            s.max_ttl_ns,
+            now,
+        )
     });
     let leasable = req.class.guard.is_none()
         && policy.levels.chain.is_empty()
@@ -356,10 +363,10 @@ struct Applied {
     no_lease: bool,
     /// Units charged beyond the request's cost, for the worker's lease.
     extra: u64,
-    /// Per global limit, the node's last share of it (thousandths of a
-    /// unit per sync interval; 0: a local limit, or no share yet): what a
-    /// pool's fairness shares on this node.
-    node_share_milli: [u64; MAX_RECORDS],
+    /// Per global limit, the node's last share of it and how full the
+    /// service's bucket was (a local limit, or no lease yet: nothing):
+    /// what a pool's fairness shares on this node, and whether it is short.
+    node_shares: [fair::NodeShare; MAX_RECORDS],
 }
 
 impl Applied {
@@ -377,7 +384,7 @@ impl Applied {
             table: TableEvent::None,
             no_lease: false,
             extra: 0,
-            node_share_milli: [0; MAX_RECORDS],
+            node_shares: [fair::NodeShare::default(); MAX_RECORDS],
         }
     }
 
@@ -541,9 +548,8 @@ fn check_limits(
                 changed = true;
                 let checked = check_global(record, l, view, ctx);
                 applied.no_lease |= checked.no_lease;
-                if let Some(share) = applied.node_share_milli.get_mut(i) {
-                    let a = &checked.demanded;
-                    *share = a.share_milli.max(a.share.saturating_mul(1000));
+                if let Some(share) = applied.node_shares.get_mut(i) {
+                    *share = fair::NodeShare::of(&checked.demanded);
                 }
                 (
                     checked.outcome,

@@ -369,8 +369,9 @@ on_both_hosts!(a_global_monthly_budget_is_spent_once_across_nodes);
 /// Two Envoys in two regions: acme asks on both, 20 ms apart, for 8 s (at
 /// most 400 requests). The month's 40 are admitted once over the nodes
 /// (the bound: the budget, plus each node's provisional 2 before its first
-/// lease; no refill until the month ends), and no refusal's `Retry-After`
-/// passes the month's end (Python's `zoneinfo` says when).
+/// lease; no refill until the month ends), no refusal's `Retry-After`
+/// passes the month's end (Python's `zoneinfo` says when), and once the
+/// month is spent it is the month's end.
 fn a_global_monthly_budget_is_spent_once_across_nodes() {
     let c = cluster("month", &["r1", "r2"], GLOBAL_MONTH_POLICY, GLOBAL_MONTH_POLICY);
     let envoys = &c.envoys;
@@ -401,4 +402,11 @@ fn a_global_monthly_budget_is_spent_once_across_nodes() {
     );
     assert!((36..=44).contains(&admitted), "{admitted} admitted");
     assert!(refused > 100, "{refused} refused");
+    // Once the service said the month is spent (nothing left in its
+    // bucket or any lease), a refusal waits until the month's end.
+    let to_end = month_end.saturating_sub(unix_secs());
+    assert!(
+        longest + 5 >= to_end,
+        "longest Retry-After {longest} s, the month ends in {to_end} s"
+    );
 }

@@ -14,12 +14,14 @@
 //!
 //! A global pool limit (`global: true`) is shared on each node: the
 //! capacity is the node's share of it (what the service last allocated
-//! the node, per interval), contended while the members asking on the
-//! node ask more than that (a node's lease is often a request or two per
-//! interval, too coarse a standing to say). The service allocates the pool over the nodes by
-//! their demand; each node shares what it gets max-min fairly among the
-//! members asking on it. A member whose requests are spread over the nodes
-//! is held on each.
+//! the node, per interval), contended while the service's bucket holds
+//! less than half its burst (each lease says how full it was; a node's
+//! own lease is often a request or two per interval, too coarse a
+//! standing to say) and the members asking on the node ask more than the
+//! node's share. The service allocates the pool over the nodes by their
+//! demand; each node shares what it gets max-min fairly among the members
+//! asking on it. A member whose requests are spread over the nodes is held
+//! on each.
 
 use std::rc::Rc;
 
@@ -32,6 +34,7 @@ use crate::limiter::fair::{Contended, FairTable, Fairness, PoolLimit, Window};
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::levels::{write_key, Budget, Level};
 use crate::policy::{Limit, Policy};
+use crate::sync::{Allowance, FULL_BUCKET_MILLI};
 use crate::table::{self, push_record_with, Commit, Overflow, Place, Reach, Record, TableEvent};
 
 /// The name hash of a fairness table's record (FNV-1a of `fair`).
@@ -149,10 +152,40 @@ pub(super) fn ask<H: Host>(
     }
 }
 
+/// What this node last heard of a global limit from the service.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct NodeShare {
+    /// Its share, thousandths of a unit per sync interval (0: none yet).
+    share_milli: u64,
+    /// How full the service's bucket was, thousandths of the burst
+    /// (`None`: an older service did not say).
+    bucket_milli: Option<u16>,
+}
+
+impl NodeShare {
+    /// From the node's allowance of the limit.
+    pub(super) fn of(a: &Allowance) -> NodeShare {
+        NodeShare {
+            share_milli: a.share_milli.max(a.share.saturating_mul(1000)),
+            bucket_milli: a.bucket_milli,
+        }
+    }
+
+    /// The service's bucket holds half the burst or more: the pool is not
+    /// short, whoever asks on this node.
+    fn plenty(&self) -> bool {
+        self.bucket_milli
+            .is_some_and(|b| u64::from(b).saturating_mul(2) >= FULL_BUCKET_MILLI)
+    }
+}
+
 /// A global pool limit as this node shares it: the node's share of it
 /// (what the service last allocated it, per interval, as a rate per the
-/// limit's period), contended while the members on this node ask more
-/// than that. No share yet (no lease): not contended.
+/// limit's period), contended while the service's bucket holds less than
+/// half its burst (as a local pool) and the members on this node ask more
+/// than the node's share. No share yet (no lease): not contended; a
+/// service that does not say how full its bucket is: contended whenever
+/// they ask more.
 fn node_share(
     limit: &Limit,
     per_ns: u64,
@@ -161,12 +194,13 @@ fn node_share(
     interval_ns: u64,
     admitted: bool,
 ) -> PoolLimit {
-    let share_milli = pool.node_share_milli.get(i).copied().unwrap_or(0);
-    let per_period = u128::from(share_milli) * u128::from(per_ns) / u128::from(interval_ns.max(1)) / 1000;
+    let node = pool.node_shares.get(i).copied().unwrap_or_default();
+    let per_period =
+        u128::from(node.share_milli) * u128::from(per_ns) / u128::from(interval_ns.max(1)) / 1000;
     PoolLimit {
         rate: u64::try_from(per_period).unwrap_or(u64::MAX).max(1),
         per_ns,
-        contended: if admitted && !limit.shadow && share_milli > 0 {
+        contended: if admitted && !limit.shadow && node.share_milli > 0 && !node.plenty() {
             Contended::WhenAskedOver
         } else {
             Contended::No
@@ -217,4 +251,49 @@ pub(super) fn refusal(
         });
     }
     d
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pool limit of 60,000 a minute, global, and a node's share of it.
+    fn shared(share_milli: u64, bucket_milli: Option<u16>, admitted: bool) -> Contended {
+        let p = Policy::from_json(
+            br#"{"version":"fair","identity":{"header":"x-tenant-id"},
+            "plans":{"free":{"limits":[{"name":"g","rate":60000,"per":"1m","global":true}]}},
+            "default_plan":"free","anonymous":{"plan":"free"},"routes":{"api":{}},
+            "sync":{"interval":"1s"}}"#,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let limit = &p.plans()[0].limits[0];
+        let mut pool = Applied::new();
+        pool.node_shares[0] = NodeShare {
+            share_milli,
+            bucket_milli,
+        };
+        let per_ns = 60 * NANOS_PER_SEC;
+        let l = node_share(limit, per_ns, &pool, 0, NANOS_PER_SEC, admitted);
+        // The capacity is the node's share, per the limit's period.
+        assert_eq!(l.rate, (share_milli * 60 / 1000).max(1));
+        l.contended
+    }
+
+    /// A global pool is short on a node only while the service's bucket
+    /// holds less than half its burst (what no node has admitted yet, as
+    /// its last lease said): a bucket at half or more refuses nobody
+    /// whatever the members on the node ask, as a local pool does. A
+    /// service that did not say leaves the node's own rule (its members
+    /// asking more than its share).
+    #[test]
+    fn a_global_pool_is_short_only_while_the_services_bucket_holds_less_than_half() {
+        assert_eq!(shared(250_000, Some(1000), true), Contended::No);
+        assert_eq!(shared(250_000, Some(500), true), Contended::No);
+        assert_eq!(shared(250_000, Some(499), true), Contended::WhenAskedOver);
+        assert_eq!(shared(250_000, Some(0), true), Contended::WhenAskedOver);
+        assert_eq!(shared(250_000, None, true), Contended::WhenAskedOver);
+        // No share yet, or the pool refused the request anyway.
+        assert_eq!(shared(0, Some(0), true), Contended::No);
+        assert_eq!(shared(250_000, Some(0), false), Contended::No);
+    }
 }

@@ -25,10 +25,11 @@ pub(super) struct GlobalChecked {
 /// next lease comes with the next answer).
 ///
 /// A calendar month's budget (`per: month`) never makes a request wait
-/// past the month's end (the service's bucket fills then). The node cannot
-/// tell an organisation's month that is spent from a lease that is late:
-/// the wait is the lease's, so a client of a spent month is refused again
-/// when it comes back (docs/global-limits.md, "Calendar months").
+/// past the month's end (the service's bucket fills then). A month the
+/// service said is spent (a live lease granted this month with
+/// `bucket_milli` 0: every unit admitted) waits until its end; otherwise
+/// the wait is the lease's (docs/global-limits.md, "Calendar months across
+/// nodes").
 pub(super) fn check_global(
     record: Option<&Record<'_>>,
     limit: &Limit,
@@ -58,12 +59,17 @@ pub(super) fn check_global(
             let missing = ctx.cost.saturating_sub(demanded.available(ctx.now));
             let intervals = demanded.intervals_for(missing);
             let mut wait_ns = view.interval_ns.saturating_mul(intervals);
-            let month_end = match &limit.algo {
-                Algo::FixedWindow(w) => w.until_month_end(ctx.now),
+            let month = match &limit.algo {
+                Algo::FixedWindow(w) => w.calendar_zone().map(|z| z.month_at(ctx.now)),
                 _ => None,
             };
-            if let Some(until_end) = month_end {
-                wait_ns = wait_ns.min(until_end);
+            if let Some(m) = month {
+                let until_end = m.until_end(ctx.now);
+                wait_ns = if demanded.told_spent_since(m.start, view.max_ttl_ns, ctx.now) {
+                    until_end
+                } else {
+                    wait_ns.min(until_end)
+                };
             }
             GlobalChecked {
                 outcome: Outcome::Deny {

@@ -119,7 +119,14 @@ fn peek_at<H: Host>(
         let state = sync
             .copied()
             .unwrap_or_else(|| SyncState::new(effective_from, s.interval_ns, s.timeout_ns));
-        state.view(s.failure_mode, s.provisional, s.local_max_ns, s.timeout_ns, now)
+        state.view(
+            s.failure_mode,
+            s.provisional,
+            s.local_max_ns,
+            s.timeout_ns,
+            s.max_ttl_ns,
+            now,
+        )
     });
     let peek_all = |records: Option<&Records<'_>>| -> Vec<Peeked> {
         limits

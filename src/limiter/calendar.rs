@@ -265,6 +265,13 @@ pub struct Month {
     pub end: u128,
 }
 
+impl Month {
+    /// Nanoseconds from `now` until the month ends.
+    pub fn until_end(&self, now: u64) -> u64 {
+        super::ns_until(self.end, now)
+    }
+}
+
 /// A few instants, without allocating.
 #[derive(Default)]
 struct Near {

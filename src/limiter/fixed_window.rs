@@ -103,12 +103,6 @@ impl FixedWindow {
         self.calendar
     }
 
-    /// Calendar months: nanoseconds from `now` until its month ends
-    /// (`None`: windows aligned to the epoch).
-    pub fn until_month_end(&self, now: u64) -> Option<u64> {
-        Some(ns_until(self.calendar?.month_at(now).end, now))
-    }
-
     /// The window of `now`: its index.
     fn index(&self, now: u64) -> u64 {
         match self.calendar {

@@ -438,6 +438,7 @@ fn a_global_limits_worker_leases_draw_only_from_the_services_lease_and_report_wh
                         share_milli: 0,
                         ttl_ms: 10_000,
                         outage_milli: None,
+                        bucket_milli: None,
                     })
                     .collect();
                 granted += 500 * leases.len() as u64;

@@ -61,10 +61,10 @@ pub fn check_size(len: usize) -> Result<(), PolicyErrors> {
 /// missing (the request is grouped as anonymous) and counted.
 pub const MAX_TENANT_ID_LEN: usize = 128;
 /// The most bytes a global limit's allowance takes in its key's slot: its
-/// encoding in `crate::sync::stored` (version, flags, fifteen u64 with
-/// every optional field set), which is tested to fit. The policy checks
-/// that a plan's limits fit one slot with it.
-pub const MAX_ALLOWANCE_LEN: usize = 2 + 15 * 8;
+/// encoding in `crate::sync::stored` (version, flags, fifteen u64 and a
+/// u16 with every optional field set), which is tested to fit. The policy
+/// checks that a plan's limits fit one slot with it.
+pub const MAX_ALLOWANCE_LEN: usize = 2 + 15 * 8 + 2;
 /// Most limits one plan may combine (they share one state entry).
 pub const MAX_LIMITS_PER_PLAN: usize = crate::table::MAX_RECORDS;
 /// Default and bounds of `key_table.max_keys`.

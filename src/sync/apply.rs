@@ -103,22 +103,13 @@ struct Ack {
     lease_used: u64,
 }
 
-/// A lease of the answer, its TTL already clamped.
-#[derive(Debug, Clone, Copy)]
-struct NewLease {
-    tokens: u64,
-    share: u64,
-    share_milli: u64,
-    ttl_ns: u64,
-    outage_milli: Option<u64>,
-}
-
 /// One limit's update in a key's slot.
 #[derive(Debug, Clone, Copy)]
 struct LimitUpdate {
     name_hash: u32,
     ack: Option<Ack>,
-    lease: Option<NewLease>,
+    /// A lease of the answer, its TTL clamped to the answer's bounds.
+    lease: Option<Granted>,
 }
 
 /// One key slot's updates.
@@ -235,13 +226,8 @@ pub fn accept<H: Host>(
         if policy.global_limit_name(hash) != Some(l.limit.as_str()) {
             continue;
         }
-        limit(&mut updates, l.key.as_bytes().to_vec(), hash).lease = Some(NewLease {
-            tokens: l.tokens,
-            share: l.share,
-            share_milli: l.share_milli,
-            ttl_ns: ttl(l.ttl_ms),
-            outage_milli: l.outage_milli,
-        });
+        limit(&mut updates, l.key.as_bytes().to_vec(), hash).lease =
+            Some(Granted::from_wire(l, ttl(l.ttl_ms)));
     }
     let keys = updates
         .into_iter()
@@ -386,14 +372,10 @@ fn update_slot<H: Host>(
                             .lease
                             .filter(|_| policy.global_limit_name(r.name_hash).is_some());
                         if let Some(l) = lease {
-                            let ttl_ns = l.ttl_ns.min(settings.max_ttl_ns);
                             let used = a.lease_used.wrapping_sub(mark);
                             let granted = Granted {
-                                tokens: l.tokens,
-                                share: l.share,
-                                share_milli: l.share_milli,
-                                ttl_ns,
-                                outage_milli: l.outage_milli,
+                                ttl_ns: l.ttl_ns.min(settings.max_ttl_ns),
+                                ..l
                             };
                             a.install(granted, used, received_at);
                             leases += 1;

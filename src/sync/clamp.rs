@@ -14,7 +14,9 @@
 //!   most the limit's flow per interval, `ceil(rate × interval / per)` for
 //!   the (clamped) interval of the answer: the service never hands out
 //!   allowances summing above that flow;
-//! * a lease's `ttl_ms` is at most `sync`'s maximum TTL (ten intervals).
+//! * a lease's `ttl_ms` is at most `sync`'s maximum TTL (ten intervals);
+//! * a lease's `bucket_milli` (how full the service's bucket is) is at
+//!   most 1,000 (a full bucket).
 //!
 //! So one answer can make a node admit at most `burst` on its lease plus
 //! one flow per interval locally (`fail_open_local`) per (key, limit), and
@@ -29,7 +31,7 @@
 
 use hashbrown::HashMap;
 
-use super::protocol::{Lease, SyncResponse};
+use super::protocol::{Lease, SyncResponse, FULL_BUCKET_MILLI};
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::{Policy, SyncSettings, MAX_SYNC_INTERVAL_NS, MIN_SYNC_INTERVAL_NS};
 
@@ -99,7 +101,9 @@ pub fn lease(lease: &mut Lease, bound: &LeaseBound, interval_ns: u64, max_ttl_ms
             .outage_milli
             .as_mut()
             .map(|v| (v, bound.flow_per(interval_ns).saturating_mul(1000))),
-    ) {
+    )
+    .chain(lease.bucket_milli.as_mut().map(|v| (v, FULL_BUCKET_MILLI)))
+    {
         if *value > max {
             *value = max;
             clamped += 1;
@@ -180,6 +184,7 @@ mod tests {
             share_milli: 0,
             ttl_ms,
             outage_milli: None,
+            bucket_milli: None,
         }
     }
 
@@ -225,6 +230,16 @@ mod tests {
         );
         assert_eq!(answer(&p, &settings, &mut outage), 1);
         assert_eq!(outage.leases[0].outage_milli, Some(167_000));
+        // How full the service's bucket is: at most full.
+        let mut bucket = answer_of(
+            1_000,
+            vec![Lease {
+                bucket_milli: Some(u64::MAX),
+                ..lease_of(5, 1, 1_000)
+            }],
+        );
+        assert_eq!(answer(&p, &settings, &mut bucket), 1);
+        assert_eq!(bucket.leases[0].bucket_milli, Some(FULL_BUCKET_MILLI));
     }
 
     #[test]

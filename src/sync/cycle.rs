@@ -140,13 +140,15 @@ impl SyncState {
     }
 
     /// What decisions need, with the settings that apply to them
-    /// (`timeout_ns`: the callout timeout).
+    /// (`timeout_ns`: the callout timeout; `max_ttl_ns`: the longest a
+    /// lease lasts).
     pub fn view(
         &self,
         mode: FailureMode,
         provisional: u64,
         local_max_ns: u64,
         timeout_ns: u64,
+        max_ttl_ns: u64,
         now: u64,
     ) -> NodeView {
         NodeView {
@@ -157,6 +159,7 @@ impl SyncState {
             provisional,
             local_max_ns,
             await_max_ns: self.interval_ns.saturating_mul(2).saturating_add(timeout_ns),
+            max_ttl_ns,
         }
     }
 

@@ -33,5 +33,6 @@ pub mod syncer;
 pub use cycle::{ApplyError, BreakerState, InFlight, Retry, SyncState};
 pub use node::{Admitted, Allowance, BreakerConfig, Counts, Denied, FailureMode, LeaseState, NodeView};
 pub use protocol::{
-    Lease, NodeSettings, ProtocolError, Report, SyncRequest, SyncResponse, MAX_SETTING_MS, PROTOCOL_VERSION,
+    Lease, NodeSettings, ProtocolError, Report, SyncRequest, SyncResponse, FULL_BUCKET_MILLI, MAX_SETTING_MS,
+    PROTOCOL_VERSION,
 };

@@ -135,9 +135,42 @@ pub struct Granted {
     /// The outage allowance, thousandths of a unit per interval (`None`:
     /// the service sent none; `fail_open_local` runs at `share`).
     pub outage_milli: Option<u64>,
+    /// How full the service's bucket was, thousandths of the burst
+    /// (`None`: the service did not say; see `Lease::bucket_milli`).
+    pub bucket_milli: Option<u16>,
+}
+
+impl Granted {
+    /// The lease an answer carried, to last `ttl_ns` (its `ttl_ms`, clamped
+    /// by the caller).
+    pub fn from_wire(lease: &super::protocol::Lease, ttl_ns: u64) -> Granted {
+        Granted {
+            tokens: lease.tokens,
+            share: lease.share,
+            share_milli: lease.share_milli,
+            ttl_ns,
+            outage_milli: lease.outage_milli,
+            bucket_milli: lease
+                .bucket_milli
+                .and_then(|v| u16::try_from(v.min(super::protocol::FULL_BUCKET_MILLI)).ok()),
+        }
+    }
 }
 
 impl Allowance {
+    /// The service said nothing of the limit was left (`bucket_milli` 0:
+    /// every unit admitted, none in its bucket or any node's lease) in a
+    /// lease that is still live and was granted at or after `since_ns`
+    /// (it expires at least `max_ttl_ns` after `since_ns`). For a bucket
+    /// that does not refill until a calendar month ends, that month is
+    /// spent.
+    pub fn told_spent_since(&self, since_ns: u128, max_ttl_ns: u64, now: u64) -> bool {
+        self.bucket_milli == Some(0)
+            && self.lease.is_some_and(|l| {
+                now < l.expires_at && u128::from(l.expires_at.saturating_sub(max_ttl_ns)) >= since_ns
+            })
+    }
+
     /// How many intervals until the lease can carry `missing` more units,
     /// at the share's pace (one at least: the next lease comes with the
     /// next answer). The exact share when the service sent it, else the
@@ -221,6 +254,9 @@ pub struct NodeView {
     /// How long a key waits for a lease while connected before its
     /// failure mode applies: two intervals plus the callout timeout.
     pub await_max_ns: u64,
+    /// The longest a lease lasts (`sync`'s maximum TTL): a live lease was
+    /// granted at most this long before it expires.
+    pub max_ttl_ns: u64,
 }
 
 /// The allowance state of one (key, limit): plain data, so it can live in
@@ -243,6 +279,10 @@ pub struct Allowance {
     /// The last lease's outage allowance, thousandths of a unit per
     /// interval (`None`: the service sent none; see `Lease::outage_milli`).
     pub outage_milli: Option<u64>,
+    /// How full the service's bucket was at the last lease, thousandths
+    /// of the burst (`None`: the service did not say; see
+    /// `Lease::bucket_milli`): whether a pool limit is short.
+    pub bucket_milli: Option<u16>,
     /// `fail_open_local`'s bucket (rate `share` per interval, capacity
     /// `share`): its theoretical arrival time, once started.
     pub local_tat: Option<u64>,
@@ -275,6 +315,7 @@ impl Allowance {
             share: 0,
             share_milli: 0,
             outage_milli: None,
+            bucket_milli: None,
             local_tat: None,
             awaiting_since: None,
             last_demand_at: None,
@@ -567,6 +608,7 @@ impl Allowance {
         self.share = lease.share;
         self.share_milli = lease.share_milli;
         self.outage_milli = lease.outage_milli;
+        self.bucket_milli = lease.bucket_milli;
         self.local_tat = None;
         self.awaiting_since = None;
         self.started_at = None;

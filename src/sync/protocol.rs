@@ -64,6 +64,9 @@ use crate::policy::FailureMode;
 /// The version this code speaks.
 pub const PROTOCOL_VERSION: u32 = 1;
 
+/// A full bucket in a lease's `bucket_milli` (thousandths of the burst).
+pub const FULL_BUCKET_MILLI: u64 = 1_000;
+
 /// Longest sync interval a response may ask for (one hour).
 pub const MAX_INTERVAL_MS: u64 = 3_600_000;
 
@@ -210,6 +213,16 @@ pub struct Lease {
     /// it runs it): the node runs `fail_open_local` at its whole `share`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outage_milli: Option<u64>,
+    /// How full the service's bucket of this limit was once this lease
+    /// was drawn: the units no node holds in a lease, in thousandths of
+    /// the limit's burst (0 to 1,000). A node shares a global pool
+    /// max-min fairly only while it is below half, as a local pool is
+    /// shared while it holds less than half its burst
+    /// ([`crate::limiter::fair`]). `None` (an older service): unknown, the
+    /// pool counts as short whenever its members on the node ask more
+    /// than the node's share.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bucket_milli: Option<u64>,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -408,18 +421,21 @@ mod tests {
                 share_milli: 25_000,
                 ttl_ms: 3000,
                 outage_milli: Some(0),
+                bucket_milli: Some(0),
             }],
         };
         let json = resp.to_json();
         // An allowance of 0 travels (it is not "unknown").
         assert!(json.contains(r#""outage_milli":0"#), "{json}");
+        // An empty bucket travels too.
+        assert!(json.contains(r#""bucket_milli":0"#), "{json}");
         assert_eq!(SyncResponse::from_json(json.as_bytes()).unwrap(), resp);
-        // An older service sends none.
-        let old = json.replace(r#","outage_milli":0"#, "");
-        assert_eq!(
-            SyncResponse::from_json(old.as_bytes()).unwrap().leases[0].outage_milli,
-            None
-        );
+        // An older service sends neither.
+        let old = json
+            .replace(r#","outage_milli":0"#, "")
+            .replace(r#","bucket_milli":0"#, "");
+        let lease = &SyncResponse::from_json(old.as_bytes()).unwrap().leases[0];
+        assert_eq!((lease.outage_milli, lease.bucket_milli), (None, None));
         let newer = r#"{"version":1,"ack_seq":1,"interval_ms":500,"leases":[],"hint":"x"}"#;
         assert_eq!(
             SyncResponse::from_json(newer.as_bytes()).unwrap().interval_ms,

@@ -28,6 +28,10 @@ pub const SYNC_STATE_KEY: &str = crate::keys::SYNC_STATE;
 pub const SYNC_CARRIED_KEY: &str = crate::keys::SYNC_CARRIED;
 
 const ALLOWANCE_VERSION: u8 = 1;
+/// An allowance with how full the service's bucket was (a `u16` last):
+/// written only when the service said, so a record without it reads the
+/// same in a release that does not know it.
+const ALLOWANCE_VERSION_BUCKET: u8 = 2;
 const SYNC_VERSION: u8 = 1;
 const CARRIED_VERSION: u8 = 1;
 
@@ -69,9 +73,14 @@ pub use crate::policy::MAX_ALLOWANCE_LEN;
 
 /// `[version][flags] [tokens_left expires_at]? provisional_left consumed
 /// unleased demand lease_used share [local_tat]? [awaiting_since]?
-/// [last_demand_at]? [share_milli]? [outage_milli]? [started_at]? [owed]?`
+/// [last_demand_at]? [share_milli]? [outage_milli]? [started_at]? [owed]?
+/// [bucket_milli: u16, version 2 only]`
 pub fn encode_allowance(a: &Allowance, out: &mut Vec<u8>) {
-    out.push(ALLOWANCE_VERSION);
+    out.push(if a.bucket_milli.is_some() {
+        ALLOWANCE_VERSION_BUCKET
+    } else {
+        ALLOWANCE_VERSION
+    });
     let flags = if a.lease.is_some() { HAS_LEASE } else { 0 }
         | if a.local_tat.is_some() { HAS_LOCAL } else { 0 }
         | if a.awaiting_since.is_some() { HAS_AWAIT } else { 0 }
@@ -114,14 +123,19 @@ pub fn encode_allowance(a: &Allowance, out: &mut Vec<u8>) {
     if a.owed > 0 {
         put(out, a.owed);
     }
+    if let Some(v) = a.bucket_milli {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
 }
 
 /// `None` for anything that is not a whole, well-formed allowance.
 pub fn decode_allowance(bytes: &[u8]) -> Option<Allowance> {
     let mut r = Reader(bytes);
-    if r.u8()? != ALLOWANCE_VERSION {
-        return None;
-    }
+    let with_bucket = match r.u8()? {
+        ALLOWANCE_VERSION => false,
+        ALLOWANCE_VERSION_BUCKET => true,
+        _ => return None,
+    };
     let flags = r.u8()?;
     // Every bit of `flags` names a field (HAS_OWED is the eighth).
     let lease = if flags & HAS_LEASE != 0 {
@@ -145,6 +159,7 @@ pub fn decode_allowance(bytes: &[u8]) -> Option<Allowance> {
         outage_milli: r.opt_u64(flags & HAS_OUTAGE != 0)?,
         started_at: r.opt_u64(flags & HAS_STARTED != 0)?.and_then(NonZeroU64::new),
         owed: r.opt_u64(flags & HAS_OWED != 0)?.unwrap_or(0),
+        bucket_milli: if with_bucket { Some(r.u16()?) } else { None },
     };
     r.is_empty().then_some(a)
 }
@@ -349,21 +364,32 @@ mod tests {
         a.outage_milli = Some(0);
         a.started_at = NonZeroU64::new(6);
         a.owed = 8;
+        a.bucket_milli = Some(420);
         let mut full = Vec::new();
         encode_allowance(&a, &mut full);
         assert_eq!(full.len(), MAX_ALLOWANCE_LEN, "every optional field set");
-        // Written before the exact share and the outage allowance existed
-        // (no flags): read as 0 and none.
+        assert_eq!(full[0], ALLOWANCE_VERSION_BUCKET);
+        // Written before the exact share, the outage allowance and the
+        // bucket's level existed (no flags, version 1): read as 0 and none.
         let mut older = a;
         older.share_milli = 0;
         older.outage_milli = None;
         older.started_at = None;
         older.owed = 0;
+        older.bucket_milli = None;
         let mut out = Vec::new();
         encode_allowance(&older, &mut out);
-        assert_eq!(out.len(), MAX_ALLOWANCE_LEN - 32);
+        assert_eq!(out.len(), MAX_ALLOWANCE_LEN - 34);
+        assert_eq!(out[0], ALLOWANCE_VERSION);
         let decoded = decode_allowance(&out);
-        assert_eq!(decoded.map(|d| (d.share_milli, d.outage_milli)), Some((0, None)));
+        assert_eq!(
+            decoded.map(|d| (d.share_milli, d.outage_milli, d.bucket_milli)),
+            Some((0, None, None))
+        );
+        // A version this release does not know reads as nothing.
+        let mut newer = full.clone();
+        newer[0] = 3;
+        assert_eq!(decode_allowance(&newer), None);
         for a in [Allowance::fresh(2), a] {
             let mut out = Vec::new();
             encode_allowance(&a, &mut out);

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
-use tenantgate::sync::{Counts, FailureMode, Lease};
+use tenantgate::sync::{Counts, FailureMode, Lease, FULL_BUCKET_MILLI};
 
 use super::fair::{max_min_fair, Claim};
 use super::node_key::{NodeKey, RequestSeq, Seen};
@@ -605,6 +605,7 @@ impl KeyState {
                 share_milli: 0,
                 ttl_ms: 0,
                 outage_milli: None,
+                bucket_milli: None,
             };
         };
         let mut due = entitlement(nk, flow, nodes_hint, max_cost, cfg);
@@ -648,7 +649,19 @@ impl KeyState {
             share_milli: sent.share_milli,
             ttl_ms: cfg.lease_ttl_ns / NANOS_PER_MS,
             outage_milli: sent.outage_milli,
+            bucket_milli: Some(self.bucket_milli()),
         }
+    }
+
+    /// How full the bucket is, thousandths of the burst rounded up: what no
+    /// node has admitted yet, in the bucket or in a lease (a lease says it,
+    /// see `Lease::bucket_milli`). 0 only when nothing is left.
+    fn bucket_milli(&self) -> u64 {
+        let left = self.bucket.saturating_add(self.reserved());
+        let v = u128::from(left)
+            .saturating_mul(u128::from(FULL_BUCKET_MILLI))
+            .div_ceil(u128::from(self.limit.burst.max(1)));
+        u64::try_from(v).unwrap_or(u64::MAX).min(FULL_BUCKET_MILLI)
     }
 
     /// The limit's rate per interval in thousandths of a unit, rounded

@@ -1,7 +1,7 @@
 //! Allocation, leases, debt and expiry on explicit time.
 
 use super::*;
-use tenantgate::sync::Report;
+use tenantgate::sync::{Report, FULL_BUCKET_MILLI};
 
 const MS: u64 = 1_000_000;
 const S: u64 = 1_000 * MS;
@@ -960,4 +960,30 @@ fn a_calendar_months_bucket_fills_only_when_the_month_starts() {
         january,
         "nothing more in January"
     );
+}
+
+/// A lease says how full the bucket is: what no node has admitted yet, in
+/// the bucket or in a lease, in thousandths of the burst. A lease drawn
+/// changes nothing (its units are not admitted yet); units admitted on it
+/// and reported do.
+#[test]
+fn a_lease_says_how_much_of_the_burst_no_node_has_admitted() {
+    let mut a = alloc();
+    let level = |a: &Allocator| {
+        let v = view(a);
+        (v.bucket + v.reserved) * FULL_BUCKET_MILLI / 200
+    };
+    let first = lease(&mut a, Req::new("a", "eu", 1, 0).counts(2, 2, 5), T0);
+    assert_eq!(first.bucket_milli, Some(level(&a)));
+    assert_eq!(first.bucket_milli, Some(990), "2 of 200 admitted");
+    // `b` asks for 150 an interval: a large lease, and the level does not
+    // fall (the bucket refilled a little meanwhile).
+    let big = lease(&mut a, Req::new("b", "eu", 1, 0).counts(0, 0, 150), T0 + 10 * MS);
+    assert!(big.tokens >= 100, "{big:?}");
+    assert_eq!(big.bucket_milli, Some(level(&a)));
+    assert!(big.bucket_milli >= first.bucket_milli, "{big:?}");
+    // It admits 120 on it: the next lease says so.
+    let after = lease(&mut a, Req::new("b", "eu", 2, 1).counts(120, 0, 150), T0 + S);
+    assert_eq!(after.bucket_milli, Some(level(&a)));
+    assert!(after.bucket_milli < Some(FULL_BUCKET_MILLI / 2), "{after:?}");
 }

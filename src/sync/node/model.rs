@@ -114,6 +114,7 @@ impl Node {
             self.cfg.provisional,
             self.cfg.local_max_ns,
             self.cfg.response_timeout_ns,
+            self.cfg.max_ttl_ns,
             now,
         );
         if !self.entries.get(key).is_some_and(|m| m.contains_key(limit)) {
@@ -206,13 +207,7 @@ impl Node {
                 continue;
             };
             let used = e.allowance.lease_used.wrapping_sub(e.used_at_send);
-            let granted = super::Granted {
-                tokens: lease.tokens,
-                share: lease.share,
-                share_milli: lease.share_milli,
-                outage_milli: lease.outage_milli,
-                ttl_ns,
-            };
+            let granted = super::Granted::from_wire(lease, ttl_ns);
             e.allowance.install(granted, used, now);
             longest = longest.max(ttl_ns);
             taken += 1;

@@ -35,6 +35,7 @@ fn lease(tokens: u64, share: u64, ttl_ms: u64) -> WireLease {
         share_milli: 0,
         ttl_ms,
         outage_milli: None,
+        bucket_milli: None,
     }
 }
 
@@ -354,7 +355,7 @@ fn a_key_never_leased_reaches_its_failure_mode_within_two_intervals_and_the_time
 fn no_lease_says_when_the_failure_mode_runs_for_want_of_a_lease() {
     let mut a = Allowance::fresh(2);
     let s = SyncState::new(T0, S, 500 * MS);
-    let view = s.view(FailureMode::FailClosed, 2, 60 * S, 500 * MS, T0);
+    let view = s.view(FailureMode::FailClosed, 2, 60 * S, 500 * MS, 10 * S, T0);
     assert_eq!(view.await_max_ns, 2_500 * MS);
     assert!(a.decide(&view, 2, T0).is_ok());
     assert_eq!(a.decide(&view, 1, T0), Err(Denied::AwaitingLease));
@@ -519,7 +520,7 @@ fn the_backoff_counts_from_when_the_next_report_was_due_not_from_the_failure() {
 
 /// A connected view (see [`SyncState::view`]).
 fn connected_view() -> NodeView {
-    SyncState::new(T0, S, 500 * MS).view(FailureMode::FailOpenLocal, 2, 60 * S, 500 * MS, T0)
+    SyncState::new(T0, S, 500 * MS).view(FailureMode::FailOpenLocal, 2, 60 * S, 500 * MS, 10 * S, T0)
 }
 
 fn leased(tokens: u64) -> Allowance {
@@ -531,6 +532,7 @@ fn leased(tokens: u64) -> Allowance {
             share_milli: 10_000,
             ttl_ns: 3 * S,
             outage_milli: None,
+            bucket_milli: None,
         },
         0,
         T0,
@@ -566,6 +568,7 @@ fn a_settled_cost_is_taken_from_the_lease_then_owed_up_to_max_debt_and_paid_firs
             share_milli: 10_000,
             ttl_ns: 3 * S,
             outage_milli: None,
+            bucket_milli: None,
         },
         0,
         T0 + S,

@@ -123,6 +123,7 @@ pub(crate) fn response(req: &SyncRequest, tokens: u64) -> SyncResponse {
                 share_milli: 0,
                 ttl_ms: 3000,
                 outage_milli: None,
+                bucket_milli: None,
             })
             .collect(),
     }
@@ -479,37 +480,73 @@ fn retry_after_with_a_fractional_share_counts_the_intervals_it_really_needs() {
     }
 }
 
-/// A global calendar month's budget (100 a month in UTC), 1,000 s before
-/// December: a refused request waits as its lease needs, never past the
-/// month's end (when the service's bucket fills again): at a share of
-/// 0.185 a second, a cost of 5 waits 28 s; at 0.001 a second its 5,000 s
-/// would pass December, so it waits until December (999 s).
-#[test]
-fn a_global_month_never_makes_a_request_wait_past_its_end() {
+/// A global calendar month's budget of 100 (UTC) whose key started at
+/// `start` and whose first answer, a second later, leased nothing at a
+/// share of `share_milli` thousandths a second, saying the service's
+/// bucket is `bucket_milli` full.
+fn month_answered(start: u64, share_milli: u64, bucket_milli: Option<u64>) -> World {
     let json = r#"{"version": "g-month", "identity": {"header": "x-tenant-id"},
         "plans": {"free": {"limits": [
             {"name": "global", "algorithm": "fixed_window", "rate": 100, "per": "month", "global": true}]}},
         "default_plan": "free", "anonymous": {"plan": "free"},
         "routes": {"api": {}, "search": {"action": "api", "cost": 5}},
         "sync": {"interval": "1s", "timeout": "500ms", "provisional": 2, "failure_mode": "fail_closed"}}"#;
-    let start = 1_796_083_200 * S - 1_000 * S;
+    let mut policy = Policy::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+    policy.effective_from_ns = start;
+    let w = World {
+        store: SharedStore::new(),
+        policy,
+    };
+    assert_eq!(w.admitted("acme", 1, start), 1);
+    let req = w.report(start + S).unwrap();
+    let mut resp = response(&req, 0);
+    for l in &mut resp.leases {
+        (l.share, l.share_milli, l.bucket_milli) = (share_milli / 1000, share_milli, bucket_milli);
+    }
+    apply(&w.host(), &w.policy, w.settings(), &resp, start + S + MS).unwrap();
+    w
+}
+
+/// December 2026 begins (UTC).
+const DECEMBER: u64 = 1_796_083_200 * S;
+
+/// 1,000 s before December: a refused request waits as its lease needs,
+/// never past the month's end (when the service's bucket fills again): at
+/// a share of 0.185 a second, a cost of 5 waits 28 s; at 0.001 a second
+/// its 5,000 s would pass December, so it waits until December (999 s).
+#[test]
+fn a_global_month_never_makes_a_request_wait_past_its_end() {
+    let start = DECEMBER - 1_000 * S;
     for (share_milli, expected) in [(185, 28), (2_000, 3), (1, 999)] {
-        let mut policy = Policy::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
-        policy.effective_from_ns = start;
-        let w = World {
-            store: SharedStore::new(),
-            policy,
-        };
-        assert_eq!(w.admitted("acme", 1, start), 1);
-        let req = w.report(start + S).unwrap();
-        let mut resp = response(&req, 0);
-        for l in &mut resp.leases {
-            (l.share, l.share_milli) = (share_milli / 1000, share_milli);
-        }
-        apply(&w.host(), &w.policy, w.settings(), &resp, start + S + MS).unwrap();
+        let w = month_answered(start, share_milli, None);
         let d = w.decide("search", "acme", start + S + 2 * MS);
         assert_eq!(d.reason, Reason::RateLimited);
         assert_eq!(d.retry_after_secs, expected, "{share_milli} thousandths");
+    }
+}
+
+/// A month the service says is spent (a lease with `bucket_milli` 0: every
+/// unit admitted, none in its bucket or any node's lease) waits until its
+/// end, not the lease's estimate; a bucket with anything left, or a spent
+/// answer granted before the month began (still live in its first
+/// seconds), waits as the lease needs.
+#[test]
+fn a_global_month_the_service_says_is_spent_waits_until_its_end() {
+    // (when the key starts, how full the service says its bucket is, when
+    // the request comes, the wait in seconds)
+    let cases = [
+        (DECEMBER - 1_000 * S, Some(0), DECEMBER - 998 * S, 998),
+        (DECEMBER - 1_000 * S, Some(1), DECEMBER - 998 * S, 28),
+        (DECEMBER - 1_000 * S, None, DECEMBER - 998 * S, 28),
+        // Spent in the month before, the lease still live in this one:
+        // not this month's word (the new month's bucket is full).
+        (DECEMBER - 2 * S, Some(0), DECEMBER + 500 * MS, 28),
+    ];
+    for (start, bucket_milli, at, expected) in cases {
+        let w = month_answered(start, 185, bucket_milli);
+        let d = w.decide("search", "acme", at);
+        assert_eq!(d.reason, Reason::RateLimited);
+        assert_eq!(d.retry_after_secs, expected, "{bucket_milli:?} at {at}");
     }
 }
 

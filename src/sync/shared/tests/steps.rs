@@ -340,6 +340,7 @@ fn leases_beyond_the_report_bound_are_ignored() {
         share_milli: 0,
         ttl_ms: 3000,
         outage_milli: None,
+        bucket_milli: None,
     });
     resp.leases.extend(extra);
     let host = w.host();
