@@ -29,8 +29,7 @@ use super::{Applied, Ctx, Decision, LimitName, Prepared, Reason};
 use crate::decision::{RateLimitHeaders, Subject};
 use crate::host::Host;
 use crate::keys::kind;
-use crate::limiter::algo::Algo;
-use crate::limiter::fair::{Contended, FairTable, Fairness, PoolLimit, Window};
+use crate::limiter::fair::{Contended, FairTable, Fairness, PoolLimit};
 use crate::limiter::NANOS_PER_SEC;
 use crate::policy::levels::{write_key, Budget, Level};
 use crate::policy::{Limit, Policy};
@@ -104,7 +103,7 @@ pub(super) fn ask<H: Host>(
                 window: None,
             }
         };
-        p.window = calendar_window(limit, ctx.now);
+        p.window = limit.algo.calendar_month(ctx.now);
     }
     let pool_limits = pool_limits.get(..n).unwrap_or(&[]);
     let slowest = pool_limits.iter().map(|p| p.per_ns).max().unwrap_or(0);
@@ -207,20 +206,6 @@ fn node_share(
         },
         window: None,
     }
-}
-
-/// A calendar month's pool limit: the month of `now` (its use starts
-/// afresh with it).
-fn calendar_window(limit: &Limit, now: u64) -> Option<Window> {
-    let Algo::FixedWindow(w) = &limit.algo else {
-        return None;
-    };
-    let month = w.calendar_zone()?.month_at(now);
-    let at = |ns: u128| u64::try_from(ns).unwrap_or(u64::MAX);
-    Some(Window {
-        start: at(month.start),
-        end: at(month.end),
-    })
 }
 
 /// The refusal of a request over its member's fair share of the pool's

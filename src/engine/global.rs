@@ -59,11 +59,7 @@ pub(super) fn check_global(
             let missing = ctx.cost.saturating_sub(demanded.available(ctx.now));
             let intervals = demanded.intervals_for(missing);
             let mut wait_ns = view.interval_ns.saturating_mul(intervals);
-            let month = match &limit.algo {
-                Algo::FixedWindow(w) => w.calendar_zone().map(|z| z.month_at(ctx.now)),
-                _ => None,
-            };
-            if let Some(m) = month {
+            if let Some(m) = limit.algo.calendar_month(ctx.now) {
                 let until_end = m.until_end(ctx.now);
                 wait_ns = if demanded.told_spent_since(m.start, view.max_ttl_ns, ctx.now) {
                     until_end

@@ -108,6 +108,7 @@
 //! (`src/engine/tests/reload.rs`), at 100/min and 10,000/min, raised and
 //! lowered, for every algorithm.
 
+use super::calendar::Month;
 use super::fixed_window::{self, FixedWindow};
 use super::sliding_window_counter::{self, SlidingWindowCounter};
 use super::sliding_window_log::{self, SlidingWindowLog};
@@ -286,6 +287,15 @@ fn map<S>(verdict: Verdict<S>, wrap: impl FnOnce(S) -> State) -> Outcome {
 }
 
 impl Algo {
+    /// A calendar month's limit (`fixed_window`, `per: month`): the month
+    /// of `now` in its zone. `None` for every other limit.
+    pub fn calendar_month(&self, now: u64) -> Option<Month> {
+        match self {
+            Algo::FixedWindow(w) => w.calendar_zone().map(|z| z.month_at(now)),
+            _ => None,
+        }
+    }
+
     pub fn kind(&self) -> u8 {
         match self {
             Algo::TokenBucket(_) => kind::TOKEN_BUCKET,

@@ -43,6 +43,7 @@
 //! keeps the table in the pool's key-table entry (`crate::engine`'s
 //! `fair`).
 
+use super::calendar::Month;
 use crate::table::layout::Reader;
 use crate::table::MAX_RECORDS;
 
@@ -73,15 +74,7 @@ pub struct PoolLimit {
     /// A calendar month's limit: the current month. Use counted before it
     /// began is forgotten (the pool is whole again), and no refusal waits
     /// past its end.
-    pub window: Option<Window>,
-}
-
-/// A window of a pool limit that starts afresh (a calendar month), in ns
-/// since the epoch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Window {
-    pub start: u64,
-    pub end: u64,
+    pub window: Option<Month>,
 }
 
 /// When a pool limit is contended (the rule applies only then).
@@ -195,7 +188,7 @@ impl FairTable {
             if rate_of(demand) > level && used >= level {
                 let mut wait_ns = decay_time(used, level.max(1), limit.per_ns);
                 if let Some(w) = limit.window {
-                    wait_ns = wait_ns.min(w.end.saturating_sub(now).max(1));
+                    wait_ns = wait_ns.min(w.until_end(now).max(1));
                 }
                 if !matches!(verdict, Fairness::Over { wait_ns: w, .. } if w >= wait_ns) {
                     verdict = Fairness::Over { limit: l, wait_ns };
@@ -282,7 +275,7 @@ impl FairTable {
         for (l, p) in pool.iter().enumerate().take(self.limits) {
             // A window began since the sums were last touched: nothing of
             // it has been used yet.
-            if p.window.is_some_and(|w| before < w.start) {
+            if p.window.is_some_and(|w| u128::from(before) < w.start) {
                 for m in self.members.iter_mut() {
                     if let Some(u) = m.used.get_mut(l) {
                         *u = 0;

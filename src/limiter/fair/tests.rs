@@ -155,8 +155,8 @@ fn extreme_costs_and_times_never_trap() {
         rate: u64::MAX,
         per_ns: 1,
         contended: Contended::Yes,
-        window: Some(Window {
-            start: u64::MAX,
+        window: Some(Month {
+            start: u128::from(u64::MAX),
             end: 0,
         }),
     }];
@@ -183,13 +183,13 @@ fn the_table_is_idle_once_every_demand_has_decayed() {
 /// is forgotten), and a refusal never waits past the month's end.
 #[test]
 fn a_new_month_forgets_the_use_of_the_last_one() {
-    let december = Window {
+    let december = Month {
         start: 0,
-        end: 60 * MIN,
+        end: u128::from(60 * MIN),
     };
-    let january = Window {
-        start: 60 * MIN,
-        end: 120 * MIN,
+    let january = Month {
+        start: u128::from(60 * MIN),
+        end: u128::from(120 * MIN),
     };
     let at = |window| {
         [PoolLimit {
